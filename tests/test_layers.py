@@ -1,0 +1,123 @@
+"""The layer rules of the design notes, checked against what really gets imported.
+
+Each module is imported in a fresh interpreter and the resulting
+``sys.modules`` is inspected, so a rule broken through an indirect import is
+caught too. A static pass checks the rules an import list cannot show
+(analyzers read no clock and do no I/O; the TUI reaches agents only through
+rankscope.client).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"analyzers": "rankscope.analyzers", "probes": "rankscope.probes",
+            "ccl_plugin": "rankscope.ccl_plugin", "tui": "rankscope.tui"}
+
+
+def _modules(folder: str) -> list[str]:
+    base = PACKAGES[folder]
+    out = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        rel = path.relative_to(ROOT / folder).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        out.append(".".join([base, *parts]))
+    return out
+
+
+def _imported_by(module: str) -> set[str]:
+    code = (
+        "import importlib, json, sys\n"
+        f"importlib.import_module({module!r})\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"importing {module} failed:\n{proc.stderr}"
+    return set(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _third_party(mods: set[str]) -> set[str]:
+    tops = {m.split(".")[0] for m in mods}
+    return {t for t in tops if t not in sys.stdlib_module_names and not t.startswith("_")}
+
+
+@pytest.mark.parametrize("module", _modules("analyzers"))
+def test_analyzers_import_only_stdlib_numpy_and_the_contract(module: str) -> None:
+    mods = _imported_by(module)
+    assert _third_party(mods) <= {"numpy", "rankscope"}, _third_party(mods)
+    ours = {m for m in mods if m.startswith("rankscope")}
+    allowed = ("rankscope.analyzers",)
+    extra = {m for m in ours if m not in {"rankscope", "rankscope.snapshot", "rankscope.errors"}
+             and not m.startswith(allowed)}
+    assert not extra, f"{module} pulls in {sorted(extra)}"
+
+
+@pytest.mark.parametrize("module", _modules("probes"))
+def test_probes_never_import_textual(module: str) -> None:
+    mods = _imported_by(module)
+    assert not {m for m in mods if m.split(".")[0] == "textual" or m.startswith("rankscope.tui")}
+
+
+@pytest.mark.parametrize("module", _modules("ccl_plugin"))
+def test_ccl_plugin_imports_only_stdlib(module: str) -> None:
+    mods = _imported_by(module)
+    # torch is allowed (it is already in a training process) but must be imported lazily,
+    # so importing the plugin alone never pulls it in.
+    assert _third_party(mods) <= {"rankscope"}, _third_party(mods)
+    ours = {m for m in mods if m.startswith("rankscope")}
+    assert all(m in {"rankscope"} or m.startswith("rankscope.ccl_plugin") for m in ours), sorted(ours)
+
+
+@pytest.mark.parametrize("module", _modules("tui"))
+def test_tui_never_imports_node_side_libraries(module: str) -> None:
+    mods = _imported_by(module)
+    banned = {"psutil", "pynvml", "torch"}
+    assert not (_third_party(mods) & banned)
+    assert not any(m.startswith("rankscope.probes") for m in mods)
+
+
+# ---- static rules --------------------------------------------------------
+
+_CLOCK_OR_IO_MODULES = {"time", "os", "subprocess", "socket", "pathlib", "io", "shutil", "datetime",
+                        "random", "threading", "asyncio", "urllib", "http"}
+
+
+def _py_files(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _py_files("analyzers"), ids=lambda p: p.name)
+def test_analyzers_do_no_io_and_read_no_clock(path: Path) -> None:
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names = {(node.module or "").split(".")[0]}
+        else:
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in {"open", "print", "input"}, f"{path}:{node.lineno} does I/O"
+            continue
+        bad = names & _CLOCK_OR_IO_MODULES
+        assert not bad, f"{path}:{node.lineno} imports {bad}: analyzers are pure"
+
+
+@pytest.mark.parametrize("path", _py_files("tui"), ids=lambda p: p.name)
+def test_tui_reaches_agents_only_through_the_client(path: Path) -> None:
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            assert not name.startswith(("grpc", "rankscope.proto")), f"{path}:{node.lineno} imports {name}"
