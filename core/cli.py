@@ -25,6 +25,8 @@ VERBS: tuple[tuple[str, str], ...] = (
     ("attach", "attach"),
     ("drill", "drill"),
     ("run", "run"),
+    ("watch", "watch"),
+    ("backup-plan", "backup_plan"),
 )
 
 

@@ -1,0 +1,57 @@
+"""What analyzers return: suspects with evidence, gathered into a verdict.
+
+Every detector (stack aggregation, CCL counters, fail-slow rounds, metric
+outliers) speaks these types, so their findings merge into one ranking and
+the CLI, the TUI and the drill's scorer read one shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class SuspectKind(StrEnum):
+    """The parallel group (or single rank / machine) a suspect stands for."""
+
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+    CP = "cp"
+    EP = "ep"
+    RANK = "rank"
+    MACHINE = "machine"
+    COMM = "comm"  # a communicator recorded by the CCL plugin, not a layout group
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    """One candidate for eviction: the ranks, their machines and why.
+
+    ``score`` orders suspects (higher is more likely); ``sources`` names the
+    detectors that agree (e.g. ``("stacks", "ccl")``); ``evidence`` is one
+    human-readable line per fact, the first being the headline.
+    """
+
+    kind: SuspectKind
+    ranks: tuple[int, ...]
+    machines: tuple[str, ...]
+    score: float
+    evidence: tuple[str, ...]
+    sources: tuple[str, ...] = ()
+    group_index: int | None = None  # which group of that kind (e.g. the 3rd PP group)
+    diverging_frame: str | None = None  # where the outliers leave the dominant stack path
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Suspects ordered most likely first, plus what could not be judged."""
+
+    suspects: tuple[Suspect, ...]
+    summary: str  # one line for a header: "PP group 3 on machines 12-15", "no verdict: all ranks identical"
+    missing_ranks: tuple[int, ...] = ()  # ranks the snapshot could not see
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def top(self) -> Suspect | None:
+        return self.suspects[0] if self.suspects else None
