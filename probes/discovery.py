@@ -1,0 +1,242 @@
+"""Finding torchrun's ranks on this machine without being told their PIDs.
+
+torchrun's elastic agent starts each rank with its coordinates in the
+environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK``,
+``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ``MASTER_ADDR``/``PORT``), so
+the ranks are found by reading every process's environment
+(``/proc/PID/environ``). How the pieces are told apart:
+
+- A rank is the *top-most* process carrying a given ``RANK`` (within one run
+  id): a rank's children inherit its environment, so a DataLoader worker or a
+  checkpoint writer has the same ``RANK`` but its parent has it too.
+- If that top-most process is a wrapper (a shell running ``python train.py``,
+  ``numactl``, ``taskset``, ``env``...) with exactly one child carrying the
+  same ``RANK``, the child is the rank: stacks of ``bash`` tell nobody anything.
+- The launcher is the parent of the top-most process: torchrun's agent
+  (``torchrun`` / ``python -m torch.distributed.run``), which has no ``RANK``.
+- A rank's subprocesses are all its descendants (not crossing into another
+  rank). Their role, first match wins:
+  1. ``RANKSCOPE_ROLE`` in the child's environment (``main``, ``dataloader``,
+     ``checkpoint``, ``compile``, ``other``). /proc shows the environment a
+     process was *exec'd* with, so this works for spawned and ``subprocess``
+     children, not for plain ``fork`` children;
+  2. process name ``pt_data_worker``: torch's DataLoader worker loop renames
+     itself so (``torch.multiprocessing._set_thread_name``), fork or spawn;
+  3. ``checkpoint`` or ``ckpt`` in the process name or command line (a forked
+     writer can rename itself with ``prctl(PR_SET_NAME)``, 15 characters);
+  4. ``compile_worker`` in the command line or a ``pt_compile`` name: torch
+     inductor's compile pool;
+  5. otherwise ``other``.
+
+Processes whose environment cannot be read (another user's, without root) are
+skipped and listed in ``DiscoveryResult.skipped`` with the reason, never raised.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import psutil
+from rankscope.probes.host import process_info
+from rankscope.snapshot import ProcessInfo, ProcessRole, RankInfo
+
+# Processes that only wrap the real training interpreter.
+WRAPPER_NAMES = frozenset(
+    {"sh", "bash", "dash", "zsh", "env", "numactl", "taskset", "nice", "ionice", "stdbuf", "timeout", "time", "chrt"}
+)
+ROLE_ENV = "RANKSCOPE_ROLE"
+_ENV_KEYS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+    "MASTER_ADDR", "MASTER_PORT", ROLE_ENV,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedProcess:
+    """A process whose environment could not be read, and why."""
+
+    pid: int
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryResult:
+    ranks: tuple[RankInfo, ...]
+    skipped: tuple[SkippedProcess, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Proc:
+    pid: int
+    ppid: int
+    name: str
+    cmdline: tuple[str, ...]
+    env: Mapping[str, str]  # only the keys rankscope reads
+
+    @property
+    def rank(self) -> int | None:
+        return _int(self.env.get("RANK"))
+
+    @property
+    def run_id(self) -> str | None:
+        return self.env.get("TORCHELASTIC_RUN_ID")
+
+    @property
+    def is_rank_candidate(self) -> bool:
+        return all(_int(self.env.get(k)) is not None for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def _int(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def role_of(name: str, cmdline: tuple[str, ...], env: Mapping[str, str]) -> ProcessRole:
+    """The role of a rank's subprocess, by the rules in the module docstring."""
+    declared = env.get(ROLE_ENV, "").strip().lower()
+    if declared in {r.value for r in ProcessRole}:
+        return ProcessRole(declared)
+    lowered_name = name.lower()
+    joined = " ".join(cmdline).lower()
+    if lowered_name == "pt_data_worker":
+        return ProcessRole.DATALOADER
+    if any(word in lowered_name or word in joined for word in ("checkpoint", "ckpt")):
+        return ProcessRole.CHECKPOINT
+    if "compile_worker" in joined or lowered_name.startswith("pt_compile"):
+        return ProcessRole.COMPILE
+    return ProcessRole.OTHER
+
+
+def _scan() -> tuple[dict[int, _Proc], list[SkippedProcess]]:
+    """Every process with the environment keys rankscope reads."""
+    procs: dict[int, _Proc] = {}
+    skipped: list[SkippedProcess] = []
+    me = os.getpid()
+    for proc in psutil.process_iter(["pid", "ppid", "name"]):
+        info = proc.info
+        pid = int(info["pid"])
+        name = str(info.get("name") or "")
+        try:
+            environ = proc.environ()
+            cmdline = tuple(proc.cmdline())
+        except psutil.AccessDenied:
+            skipped.append(SkippedProcess(pid, name, "environment not readable (permission denied): run rankscope as root or as the job's user"))
+            environ, cmdline = {}, ()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        env = {k: environ[k] for k in _ENV_KEYS if k in environ}
+        if pid == me:
+            env = {}  # rankscope itself may run inside a job's environment; it is never a rank
+        procs[pid] = _Proc(pid, int(info.get("ppid") or 0), name, cmdline, env)
+    return procs, skipped
+
+
+def _ancestors(pid: int, procs: Mapping[int, _Proc]) -> list[int]:
+    out: list[int] = []
+    seen = {pid}
+    current = procs.get(pid)
+    while current is not None and current.ppid and current.ppid not in seen:
+        out.append(current.ppid)
+        seen.add(current.ppid)
+        current = procs.get(current.ppid)
+    return out
+
+
+def _same_rank(a: _Proc, b: _Proc) -> bool:
+    return a.rank == b.rank and a.run_id == b.run_id
+
+
+def discover(*, launcher_pid: int | None = None, run_id: str | None = None) -> DiscoveryResult:
+    """Ranks on this machine (optionally of one launcher or one run id), with skipped processes."""
+    procs, skipped = _scan()
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+
+    tops: list[_Proc] = []
+    for p in procs.values():
+        if not p.is_rank_candidate:
+            continue
+        parent = procs.get(p.ppid)
+        if parent is not None and parent.is_rank_candidate and _same_rank(parent, p):
+            continue  # an inherited environment: a child of the rank, not a rank
+        if run_id is not None and p.run_id != run_id:
+            continue
+        if launcher_pid is not None and launcher_pid not in _ancestors(p.pid, procs):
+            continue
+        tops.append(p)
+
+    rank_pids: dict[int, _Proc] = {}
+    launcher_of: dict[int, int] = {}
+    for top in tops:
+        rank_proc = top
+        # Step through wrappers (bash -c "python train.py", numactl ...) to the interpreter.
+        while rank_proc.name in WRAPPER_NAMES:
+            same = [procs[c] for c in children.get(rank_proc.pid, ()) if c in procs and _same_rank(procs[c], top)]
+            if len(same) != 1:
+                break
+            rank_proc = same[0]
+        rank_pids[rank_proc.pid] = rank_proc
+        launcher_of[rank_proc.pid] = top.ppid
+
+    ranks: list[RankInfo] = []
+    for pid, p in rank_pids.items():
+        main = process_info(pid, ProcessRole.MAIN)
+        if main is None:
+            continue  # exited while we looked
+        subs = tuple(_subprocesses(pid, procs, children, set(rank_pids)))
+        env = p.env
+        ranks.append(
+            RankInfo(
+                rank=int(env["RANK"]),
+                local_rank=int(env["LOCAL_RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                pid=pid,
+                group_rank=_int(env.get("GROUP_RANK")),
+                local_world_size=_int(env.get("LOCAL_WORLD_SIZE")),
+                run_id=env.get("TORCHELASTIC_RUN_ID"),
+                launcher_pid=launcher_of[pid] or None,
+                master_addr=env.get("MASTER_ADDR"),
+                master_port=_int(env.get("MASTER_PORT")),
+                process=main,
+                subprocesses=subs,
+            )
+        )
+    ranks.sort(key=lambda r: (r.rank, r.run_id or "", r.pid))
+    return DiscoveryResult(tuple(ranks), tuple(skipped))
+
+
+def _subprocesses(
+    root: int, procs: Mapping[int, _Proc], children: Mapping[int, list[int]], rank_pids: set[int]
+) -> list[ProcessInfo]:
+    """All descendants of a rank, labelled by role, not crossing into another rank."""
+    out: list[ProcessInfo] = []
+    stack = list(children.get(root, ()))
+    while stack:
+        pid = stack.pop(0)
+        if pid in rank_pids or pid not in procs:
+            continue
+        p = procs[pid]
+        info = process_info(pid, role_of(p.name, p.cmdline, p.env))
+        if info is not None:
+            out.append(info)
+        stack.extend(children.get(pid, ()))
+    out.sort(key=lambda i: i.pid)
+    return out
+
+
+def discover_ranks(*, launcher_pid: int | None = None, run_id: str | None = None) -> tuple[RankInfo, ...]:
+    """The ranks on this machine, sorted by global rank, each with its labelled subprocesses.
+
+    ``launcher_pid`` keeps the ranks started under that process (torchrun's
+    agent or any ancestor of it); ``run_id`` keeps those whose
+    ``TORCHELASTIC_RUN_ID`` matches. Both together keep the intersection.
+    """
+    return discover(launcher_pid=launcher_pid, run_id=run_id).ranks

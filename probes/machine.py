@@ -1,0 +1,109 @@
+"""One capture of this machine: ranks, their stacks, host and GPU metrics, CCL counters.
+
+This is what an agent answers a snapshot request with. It never raises for a
+per-process failure (those are recorded in place, see ``rankscope.probes.pyspy``),
+and the blocking psutil/NVML/file work runs in threads so an agent's event
+loop keeps serving other requests meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rankscope.probes import host
+from rankscope.probes.ccl_counters import read_counters
+from rankscope.probes.discovery import discover_ranks
+from rankscope.probes.gpu import gpu_status
+from rankscope.probes.pyspy import capture_stacks
+from rankscope.snapshot import (
+    CaptureError,
+    CaptureErrorKind,
+    Instant,
+    MachineSnapshot,
+    ProcessRole,
+    RankCounters,
+    RankInfo,
+    RankStacks,
+)
+
+# Shortest window over which CPU percentages are measured when the capture
+# itself is quicker (stacks off): a rate over a few milliseconds is noise.
+MIN_CPU_WINDOW_S = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureOptions:
+    stacks: bool = True
+    native: bool = False
+    subprocesses: bool = True
+    timeout_s: float = 5.0  # per py-spy call
+    concurrency: int = 8  # py-spy calls at once
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Which job on this machine: by launcher PID, torchrun run id, and where its counter files are."""
+
+    launcher_pid: int | None = None
+    run_id: str | None = None
+    counter_dir: Path | None = None
+
+
+def _all_pids(ranks: tuple[RankInfo, ...]) -> list[int]:
+    return [p for r in ranks for p in (r.pid, *(s.pid for s in r.subprocesses))]
+
+
+def _refresh(rank: RankInfo) -> RankInfo:
+    """Re-read per-process readings at the end of the capture, so CPU% covers the capture window."""
+    main = host.process_info(rank.pid, ProcessRole.MAIN) or rank.process
+    subs = tuple(host.process_info(s.pid, s.role) or s for s in rank.subprocesses)
+    return replace(rank, process=main, subprocesses=subs)
+
+
+async def capture_machine(machine: str, address: str, scope: Scope, options: CaptureOptions) -> MachineSnapshot:
+    """Everything this machine can tell about its ranks right now."""
+    captured = Instant(wall=time.time(), mono=time.monotonic())
+    started = time.monotonic()
+    await asyncio.to_thread(host.prime_cpu)
+    ranks = await asyncio.to_thread(discover_ranks, launcher_pid=scope.launcher_pid, run_id=scope.run_id)
+    await asyncio.to_thread(host.prime_cpu, _all_pids(ranks))
+
+    stacks: tuple[RankStacks, ...] = ()
+    if options.stacks and ranks:
+        stacks = await capture_stacks(
+            ranks, native=options.native, subprocesses=options.subprocesses,
+            timeout_s=options.timeout_s, concurrency=options.concurrency,
+        )
+
+    error: CaptureError | None = None
+    counters: tuple[RankCounters, ...] = ()
+    try:
+        counters = await asyncio.to_thread(read_counters, ranks, scope.counter_dir)
+    except Exception as exc:  # the reader promises not to raise; if it does, the snapshot still stands
+        error = CaptureError(CaptureErrorKind.FAILED, f"CCL counter files could not be read: {exc}",
+                             "check the counter directory (--counter-dir) and the rankscope versions on both sides")
+
+    remaining = MIN_CPU_WINDOW_S - (time.monotonic() - started)
+    if remaining > 0:
+        await asyncio.sleep(remaining)  # a measurement window for CPU%, not a synchronisation
+    ranks = tuple(await asyncio.to_thread(lambda: [_refresh(r) for r in ranks]))
+    host_metrics = await asyncio.to_thread(host.host_metrics)
+    gpus = await asyncio.to_thread(gpu_status)
+
+    return MachineSnapshot(
+        machine=machine,
+        address=address,
+        reachable=True,
+        captured=captured,
+        hostname=socket.gethostname(),
+        ranks=ranks,
+        stacks=stacks,
+        host=host_metrics,
+        gpus=gpus,
+        counters=counters,
+        error=error,
+    )

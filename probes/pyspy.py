@@ -1,0 +1,259 @@
+"""Python stacks of a rank's processes through ``py-spy dump --json``.
+
+One py-spy per process: ``--subprocesses --json`` is broken in py-spy 0.4.3,
+and a separate call gives each process its own time limit, so one stuck
+process (a frozen cgroup, uninterruptible I/O) costs that process only.
+Calls run concurrently up to a bound, since each py-spy briefly pauses its
+target and a machine with many ranks must not be paused all at once.
+
+A failure never fails the capture: it becomes a ``ProcessStack`` with
+``threads=None`` and a ``CaptureError`` that says what went wrong and what to
+run about it (the classification follows py-spy 0.4.3's messages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+from rankscope.snapshot import (
+    CaptureError,
+    CaptureErrorKind,
+    Frame,
+    ProcessRole,
+    ProcessStack,
+    RankInfo,
+    RankStacks,
+    ThreadStack,
+)
+
+FIX_PERMISSION = (
+    "py-spy needs ptrace rights over the process: run the agent as root (or as the job's user), "
+    "or allow tracing with `sudo sysctl kernel.yama.ptrace_scope=0`; in a container add the capability "
+    "(`docker run --cap-add SYS_PTRACE`, Kubernetes securityContext.capabilities.add: [SYS_PTRACE])"
+)
+FIX_GONE = "the process exited; take a new snapshot, and check the launcher's log if a rank died"
+FIX_TIMEOUT = (
+    "py-spy got no answer in time: the process may be in uninterruptible sleep (state D: stuck I/O, "
+    "a frozen cgroup) or the machine is overloaded; look at `cat /proc/{pid}/stack` and retry with a longer timeout"
+)
+FIX_NOT_PYTHON = "py-spy reads Python stacks only; for a native process use `gdb -p {pid} -batch -ex 'thread apply all bt'`"
+FIX_TOOL_MISSING = "install py-spy next to rankscope: `pip install py-spy==0.4.3` (or `pip install 'rankscope[agent]'`)"
+FIX_STOPPED = "the process is stopped or already traced by a debugger: detach gdb/strace, or resume it with `kill -CONT {pid}`"
+FIX_FAILED = "run `py-spy dump --pid {pid}` by hand to see the full error"
+
+_ADDRESS = re.compile(r"^0x[0-9a-fA-F]+$")
+
+
+def pyspy_binary() -> str | None:
+    """The py-spy executable: the one installed next to this interpreter first, then PATH."""
+    local = Path(sys.executable).parent / "py-spy"
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    return shutil.which("py-spy")
+
+
+# --------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------
+
+
+def _frame(raw: object) -> Frame:
+    if not isinstance(raw, dict):
+        raise ValueError(f"frame is not an object: {raw!r:.80}")
+    module = raw.get("module")
+    name = str(raw.get("name", "?"))
+    if _ADDRESS.match(name):
+        name = "??"  # an unsymbolised native frame: addresses differ per process and are not kept
+    line = raw.get("line")
+    return Frame(
+        name=name,
+        filename=str(raw.get("filename", "")),
+        line=int(line) if isinstance(line, int) and line > 0 else None,
+        module=str(module) if module is not None else None,
+        # py-spy sets ``module`` (the shared library) only on native frames.
+        native=module is not None,
+        is_shim=bool(raw.get("is_shim_entry", False)),
+    )
+
+
+def parse_pyspy_dump(data: object, pid: int, role: ProcessRole, name: str = "") -> ProcessStack:
+    """Turn the JSON of ``py-spy dump --json`` (a list of threads) into a ``ProcessStack``.
+
+    Malformed input comes back as a ``ProcessStack`` with a FAILED error, so a
+    bad file in ``rankscope analyze --pyspy-dir`` shows up as a gap, not a crash.
+    """
+    try:
+        if not isinstance(data, list):
+            raise ValueError(f"expected a list of threads, got {type(data).__name__}")
+        threads: list[ThreadStack] = []
+        for raw in data:
+            if not isinstance(raw, dict):
+                raise ValueError(f"thread is not an object: {raw!r:.80}")
+            frames = raw.get("frames") or []
+            if not isinstance(frames, list):
+                raise ValueError("thread frames are not a list")
+            os_tid = raw.get("os_thread_id")
+            tname = raw.get("thread_name")
+            threads.append(
+                ThreadStack(
+                    thread_id=int(raw.get("thread_id", 0)),
+                    frames=tuple(_frame(f) for f in frames),
+                    thread_name=str(tname) if tname is not None else None,
+                    os_thread_id=int(os_tid) if isinstance(os_tid, int) else None,
+                    active=bool(raw.get("active", False)),
+                    owns_gil=bool(raw.get("owns_gil", False)),
+                )
+            )
+    except (ValueError, TypeError) as exc:
+        return ProcessStack(
+            pid=pid, role=role, threads=None, name=name,
+            error=CaptureError(CaptureErrorKind.FAILED, f"unreadable py-spy output for pid {pid}: {exc}",
+                               FIX_FAILED.format(pid=pid)),
+        )
+    return ProcessStack(pid=pid, role=role, threads=tuple(threads), name=name)
+
+
+# --------------------------------------------------------------------------
+# Failures
+# --------------------------------------------------------------------------
+
+
+def _summary(stderr: str) -> str:
+    """py-spy's error without the Rust backtrace: the 'Error:' line and its causes."""
+    lines = []
+    for line in stderr.splitlines():
+        if line.strip().startswith("Stack backtrace:"):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    return " ".join(lines)[:400] or "no message"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def classify_pyspy_failure(returncode: int | None, stderr: str, pid: int) -> CaptureError:
+    """What a failed py-spy run means, with the fix. ``returncode`` None: py-spy was killed at its time limit."""
+    if returncode is None:
+        return CaptureError(CaptureErrorKind.TIMEOUT, f"py-spy did not answer for pid {pid} in time",
+                            FIX_TIMEOUT.format(pid=pid))
+    text = _summary(stderr)
+    low = stderr.lower()
+    if "permission denied" in low or "operation not permitted" in low or "sys_ptrace" in low:
+        return CaptureError(CaptureErrorKind.PERMISSION, f"ptrace not permitted on pid {pid}: {text}",
+                            FIX_PERMISSION)
+    if not _pid_alive(pid) or "no such process" in low:
+        return CaptureError(CaptureErrorKind.GONE, f"pid {pid} is gone: {text}", FIX_GONE)
+    if ("failed to find python version" in low or "failed to find a python interpreter" in low
+            or "no python processes found" in low or "unsupported version of python" in low):
+        return CaptureError(CaptureErrorKind.NOT_PYTHON, f"pid {pid} runs no Python py-spy can read: {text}",
+                            FIX_NOT_PYTHON.format(pid=pid))
+    if "failed to suspend process" in low:
+        return CaptureError(CaptureErrorKind.FAILED, f"py-spy could not pause pid {pid}: {text}",
+                            FIX_STOPPED.format(pid=pid))
+    return CaptureError(CaptureErrorKind.FAILED, f"py-spy failed on pid {pid} (exit {returncode}): {text}",
+                        FIX_FAILED.format(pid=pid))
+
+
+# --------------------------------------------------------------------------
+# Capture
+# --------------------------------------------------------------------------
+
+
+async def dump_process(
+    pid: int, role: ProcessRole, *, native: bool = False, timeout_s: float = 5.0, name: str = ""
+) -> ProcessStack:
+    """Stacks of one process; any failure is returned in ``ProcessStack.error``, never raised."""
+    started = time.monotonic()
+
+    def failed(error: CaptureError) -> ProcessStack:
+        return ProcessStack(pid=pid, role=role, threads=None, error=error, name=name,
+                            capture_seconds=time.monotonic() - started)
+
+    binary = pyspy_binary()
+    if binary is None:
+        return failed(CaptureError(CaptureErrorKind.TOOL_MISSING, "py-spy is not installed", FIX_TOOL_MISSING))
+    args = [binary, "dump", "--pid", str(pid), "--json"]
+    if native:
+        args.append("--native")
+    # Without a Rust backtrace py-spy's stderr is just its message.
+    env = dict(os.environ, RUST_BACKTRACE="0")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
+        )
+    except OSError as exc:
+        return failed(CaptureError(CaptureErrorKind.TOOL_MISSING, f"py-spy could not be started: {exc}",
+                                   FIX_TOOL_MISSING))
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
+    except TimeoutError:
+        await _kill(proc)
+        return failed(classify_pyspy_failure(None, "", pid))
+    except asyncio.CancelledError:
+        await _kill(proc)
+        raise
+    stderr = err.decode(errors="replace")
+    if proc.returncode != 0:
+        return failed(classify_pyspy_failure(proc.returncode, stderr, pid))
+    try:
+        data = json.loads(out.decode(errors="replace"))
+    except ValueError as exc:
+        return failed(CaptureError(CaptureErrorKind.FAILED, f"py-spy printed no JSON for pid {pid}: {exc}",
+                                   FIX_FAILED.format(pid=pid)))
+    stack = parse_pyspy_dump(data, pid, role, name)
+    return ProcessStack(pid=stack.pid, role=stack.role, threads=stack.threads, error=stack.error,
+                        name=stack.name, capture_seconds=time.monotonic() - started)
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    """Kill a py-spy past its limit and reap it; the kernel detaches ptrace when it dies."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proc.wait(), timeout=5.0)
+
+
+async def capture_stacks(
+    ranks: Sequence[RankInfo],
+    *,
+    native: bool = False,
+    subprocesses: bool = True,
+    timeout_s: float = 5.0,
+    concurrency: int = 8,
+) -> tuple[RankStacks, ...]:
+    """Stacks of every rank's main process (and, by default, each subprocess), in the order of ``ranks``."""
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(pid: int, role: ProcessRole, name: str) -> ProcessStack:
+        async with gate:
+            return await dump_process(pid, role, native=native, timeout_s=timeout_s, name=name)
+
+    jobs: list[tuple[int, list[asyncio.Task[ProcessStack]]]] = []
+    async with asyncio.TaskGroup() as group:
+        for rank in ranks:
+            main_name = rank.process.name if rank.process is not None else ""
+            tasks = [group.create_task(one(rank.pid, ProcessRole.MAIN, main_name))]
+            if subprocesses:
+                tasks += [group.create_task(one(s.pid, s.role, s.name)) for s in rank.subprocesses]
+            jobs.append((rank.rank, tasks))
+    return tuple(
+        RankStacks(rank=r, main=tasks[0].result(), subprocesses=tuple(t.result() for t in tasks[1:]))
+        for r, tasks in jobs
+    )
