@@ -6,7 +6,6 @@ import math
 from fractions import Fraction
 
 import pytest
-
 from rankscope.analyzers.standby import (
     binomial_pmf,
     size_standby_pool,
