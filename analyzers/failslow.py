@@ -1,0 +1,373 @@
+"""The combined fail-slow detector: one verdict from every slow-machine signal.
+
+Each detector answers "which machine is slow?" in its own way, and each needs
+its evidence to last before it counts, so bursts and spikes never alarm:
+
+- ``step_time`` (step_time.py): a machine's step time above its peers' for ``step_window_s``.
+- ``metrics`` (metric_outliers.py, Aegis §5.1): a host or GPU metric beyond λ±2δ of the peers for ``window_s``.
+- ``minder`` (minder.py): the most dissimilar machine on the first metric (by Minder's priority) for ``continuity_s``.
+- ``stacks`` (ByteRobust §5): stack-aggregation rounds, each flagging one parallel
+  group; over the last ``rounds_needed`` rounds the most flagged group is the degrader.
+- ``ccl`` (Aegis §5.2): per-iteration CCL degradation findings (TD < α·mean: the
+  late arriver computes slowly; N > β·mean: slow communication), narrowed to the
+  common end of the slow links, lasting ``ccl_rounds_needed`` updates.
+
+Confidence. A detector that has alarmed on a machine contributes
+``w·(1 − ½^(held/required))``: half its weight when it first alarms, more the
+longer it lasts. Contributions of different detectors on the same machine
+combine as independent evidence, ``1 − Π(1 − c)``, so agreement raises the
+confidence faster than any one detector can. Detectors that alarm on *other*
+machines lower it (``× (1 − ½·c_other)``). One detector alone tops out at its
+weight (below ``confident_at`` for the weaker ones); two agreeing pass it.
+
+Everything is pure: times come from the snapshots, and the stack and CCL
+findings are handed in by the caller (the live watcher, the TUI, a replay),
+who runs those analyzers on the captures it has.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
+from rankscope.analyzers.minder import MinderDetector
+from rankscope.analyzers.series import RunTracker, SeriesStore
+from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
+from rankscope.snapshot import JobSnapshot
+
+DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl")
+
+# How much one detector alone is trusted. Step time, stacks and the CCL
+# counters watch the training itself; host/GPU metrics only correlate with it.
+DEFAULT_WEIGHTS: dict[str, float] = {"step_time": 0.75, "metrics": 0.6, "minder": 0.6, "stacks": 0.8, "ccl": 0.8}
+
+
+@dataclass(frozen=True, slots=True)
+class FailSlowConfig:
+    """Thresholds, in drill-sized defaults (the papers' production values in comments)."""
+
+    window_s: float = 30.0  # Aegis T (10 min in production)
+    continuity_s: float = 20.0  # Minder continuity (4 min in production)
+    step_window_s: float = 20.0  # how long a machine's step time must stay above its peers'
+    k_sigma: float = 2.0  # Aegis λ + kδ
+    rel_floor: float = 0.05  # smallest δ as a fraction of λ
+    minder_window_points: int = 8  # Minder w
+    similarity_threshold: float = 0.10  # Minder: smallest relative distance that makes a candidate
+    separation: float = 1.5  # Minder: candidate's distance over the runner-up's
+    step_ratio: float = 1.2  # step time this many times the peers' is "slow"
+    alpha: float = 0.8  # Aegis §5.2 TD < α·mean (for the CCL analyzer the caller runs)
+    beta: float = 1.5  # Aegis §5.2 N > β·mean
+    last_requests: int = 5  # Aegis §5.2 L
+    rounds_needed: int = 5  # ByteRobust: rounds of stack aggregation before naming the degrader
+    ccl_rounds_needed: int = 3  # consecutive updates a CCL finding must last
+    confident_at: float = 0.7
+    history_len: int = 600
+    max_age_s: float = 900.0  # how much series history to keep
+    weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorFlag:
+    """One detector's view of one machine in one update.
+
+    ``score`` is that detector's confidence, 0..1; it counts toward the verdict
+    only once ``alarmed`` (the evidence has lasted long enough). A flag that is
+    not alarmed is a candidate the TUI can show as "watching".
+    """
+
+    detector: str
+    machine: str | None
+    ranks: tuple[int, ...]
+    metric: str | None
+    score: float
+    evidence: str
+    alarmed: bool = False
+    held: float = 0.0  # seconds (rounds for "stacks", updates for "ccl") the evidence has lasted
+    required: float = 0.0  # how much it must last to alarm, same unit
+    since_mono: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FailSlowVerdict:
+    """The combined answer after one update, with every detector's flags."""
+
+    verdict: Verdict
+    confidence: float  # 0..1, for the top suspect
+    confident: bool
+    flags: tuple[DetectorFlag, ...]
+    slow_since_mono: float | None  # when the top suspect's earliest alarmed evidence began
+    rounds: int  # updates (snapshots) taken in so far
+    at_mono: float | None = None  # the snapshot time this verdict is for
+    trend: StepTrend | None = None
+
+    @property
+    def machine(self) -> str | None:
+        top = self.verdict.top
+        return top.machines[0] if top is not None and top.machines else None
+
+    def key(self) -> tuple[object, ...]:
+        """What a watcher compares to tell a *change* of verdict from the same one repeated."""
+        top = self.verdict.top
+        return (top.machines if top else None, top.sources if top else None, self.confident,
+                round(self.confidence, 1), self.verdict.missing_ranks)
+
+
+def _contribution(weight: float, held: float, required: float) -> float:
+    if required <= 0:
+        return weight
+    return float(weight * (1.0 - math.pow(0.5, held / required)))
+
+
+def narrow_to_common_end(groups: Sequence[Iterable[int]]) -> tuple[int, ...]:
+    """The ranks present in more of the slow groups (links, communicators) than any other.
+
+    Aegis §5.2 narrows the GPUs that suffer slow communication to the source or
+    destination they share, like RootDiag in its Algorithm 1: if G is the
+    culprit, every slow link touches G. Returns () when no rank stands out (all
+    tie), which points at the network rather than a host.
+    """
+    sets = [set(g) for g in groups if g]
+    if len(sets) < 2:
+        return tuple(sorted(sets[0])) if sets else ()
+    counts = Counter(r for s in sets for r in s)
+    best = max(counts.values())
+    if all(c == best for c in counts.values()):
+        return ()
+    return tuple(sorted(r for r, c in counts.items() if c == best))
+
+
+def _as_verdict(obj: object | None) -> Verdict | None:
+    if obj is None:
+        return None
+    if isinstance(obj, Verdict):
+        return obj
+    inner = getattr(obj, "verdict", None)
+    return inner if isinstance(inner, Verdict) else None
+
+
+class FailSlowDetector:
+    """Feed snapshots in time order; each ``update`` returns the combined verdict.
+
+    ``stack_analysis``: the findings of one stack-aggregation round (a
+    ``Verdict``, or any object with a ``verdict`` attribute that is one, such as
+    the fail-slow rounds analyzer's result), passed only on updates where stacks
+    were captured. ``degradation``: the CCL degradation analyzer's ``Verdict``
+    for this snapshot (TD/N per iteration), when the caller runs it.
+    """
+
+    def __init__(self, config: FailSlowConfig | None = None) -> None:
+        self.config = config or FailSlowConfig()
+        c = self.config
+        self.store = SeriesStore(max_age_s=c.max_age_s)
+        self.outliers = MetricOutlierDetector(window_s=c.window_s, k_sigma=c.k_sigma, rel_floor=c.rel_floor)
+        self.minder = MinderDetector(window_points=c.minder_window_points, continuity_s=c.continuity_s,
+                                     similarity_threshold=c.similarity_threshold, separation=c.separation)
+        self.step_time = StepTimeDetector(window_s=c.step_window_s, ratio_threshold=c.step_ratio)
+        self._stack_rounds: deque[tuple[tuple[object, ...], Suspect] | None] = deque(maxlen=max(1, c.rounds_needed))
+        self._ccl_runs = RunTracker()
+        self._ccl_seen = 0
+        self._history: deque[FailSlowVerdict] = deque(maxlen=c.history_len)
+        self._updates = 0
+        self._last: FailSlowVerdict | None = None
+        self._trend: StepTrend | None = None
+
+    @property
+    def history(self) -> tuple[FailSlowVerdict, ...]:
+        """Every update's verdict, oldest first (bounded by ``history_len``): the round-by-round record."""
+        return tuple(self._history)
+
+    @property
+    def latest(self) -> FailSlowVerdict | None:
+        return self._last
+
+    # ---- the update ------------------------------------------------------
+
+    def update(self, snapshot: JobSnapshot, stack_analysis: object | None = None,
+               degradation: Verdict | None = None) -> FailSlowVerdict:
+        if not self.store.add(snapshot) and self._last is not None:
+            return self._last  # an old or repeated snapshot changes nothing
+        self._updates += 1
+        now = snapshot.captured.mono
+        flags: list[DetectorFlag] = []
+        notes: list[str] = []
+        flags += self._step_flags()
+        flags += self._metric_flags()
+        flags += self._minder_flags(notes)
+        flags += self._stack_flags(_as_verdict(stack_analysis))
+        flags += self._ccl_flags(degradation, now)
+        verdict = self._combine(flags, notes, now)
+        self._history.append(verdict)
+        self._last = verdict
+        return verdict
+
+    # ---- per detector ----------------------------------------------------
+
+    def _w(self, detector: str) -> float:
+        return self.config.weights.get(detector, 0.5)
+
+    def _step_flags(self) -> list[DetectorFlag]:
+        res = self.step_time.update(self.store)
+        self._trend = res.trend
+        req = self.step_time.window_s
+        return [DetectorFlag("step_time", f.machine, f.ranks, "step_time_s",
+                             _contribution(self._w("step_time"), f.held_s, req), f.evidence(), f.alarmed,
+                             f.held_s, req, f.since_mono) for f in res.findings]
+
+    def _metric_flags(self) -> list[DetectorFlag]:
+        found: tuple[OutlierFinding, ...] = self.outliers.update(self.store)
+        req = self.outliers.window_s
+        return [DetectorFlag("metrics", f.machine, self.store.ranks_of(f.machine), f.metric,
+                             _contribution(self._w("metrics"), f.held_s, req), f.evidence(), f.alarmed,
+                             f.held_s, req, f.since_mono) for f in found]
+
+    def _minder_flags(self, notes: list[str]) -> list[DetectorFlag]:
+        res = self.minder.update(self.store)
+        notes += res.notes
+        req = self.minder.continuity_s
+        out = []
+        for f in res.findings:
+            # Only the alarm Minder raises (the first metric by priority) counts;
+            # other metrics' candidates are shown but not counted, as in §4.4.
+            counted = res.alarm is f
+            out.append(DetectorFlag("minder", f.machine, self.store.ranks_of(f.machine), f.metric,
+                                    _contribution(self._w("minder"), f.held_s, req), f.evidence(), counted,
+                                    f.held_s, req, f.since_mono))
+        return out
+
+    def _stack_flags(self, round_verdict: Verdict | None) -> list[DetectorFlag]:
+        needed = max(1, self.config.rounds_needed)
+        if round_verdict is not None:
+            top = round_verdict.top
+            key: tuple[object, ...] | None = (top.kind, top.group_index, top.ranks) if top is not None else None
+            self._stack_rounds.append((key, top) if key is not None and top is not None else None)
+        rounds = list(self._stack_rounds)
+        if not rounds:
+            return []
+        counts = Counter(r[0] for r in rounds if r is not None)
+        if not counts:
+            return []
+        (best, n), *rest = counts.most_common()
+        suspect = next(r[1] for r in reversed(rounds) if r is not None and r[0] == best)
+        unique = not rest or rest[0][1] < n
+        alarmed = len(rounds) >= needed and n >= 2 and unique
+        name = f"{suspect.kind.value.upper()} group {suspect.group_index}" if suspect.group_index is not None else (
+            f"{suspect.kind.value} ranks {_ranges(suspect.ranks)}")
+        evidence = f"{name} flagged in {n} of the last {len(rounds)} stack rounds"
+        score = self._w("stacks") * n / needed
+        machines = suspect.machines or (None,)
+        return [DetectorFlag("stacks", m, suspect.ranks if m is None else tuple(r for r in suspect.ranks if r in self.store.ranks_of(m)) or suspect.ranks,
+                             None, min(score, self._w("stacks")), evidence, alarmed, float(n), float(needed), None)
+                for m in machines]
+
+    def _ccl_flags(self, degradation: Verdict | None, now: float) -> list[DetectorFlag]:
+        if degradation is None:
+            return []
+        self._ccl_seen += 1
+        suspects = [s for s in degradation.suspects if s.ranks or s.machines]
+        narrowed = narrow_to_common_end([s.ranks for s in suspects]) if len(suspects) > 1 else ()
+        rank_machine = self.store.rank_machine()
+        per_machine: dict[str, tuple[tuple[int, ...], str]] = {}
+        if narrowed:
+            for r in narrowed:
+                m = rank_machine.get(r)
+                if m is not None:
+                    ranks, _ = per_machine.get(m, ((), ""))
+                    per_machine[m] = ((*ranks, r), f"slow links share rank {_ranges(narrowed)} (of {len(suspects)} slow groups)")
+        else:
+            for s in suspects:
+                for m in s.machines or tuple({rank_machine[r] for r in s.ranks if r in rank_machine}):
+                    if m not in per_machine:
+                        per_machine[m] = (s.ranks, s.evidence[0] if s.evidence else "CCL degradation")
+        runs = self._ccl_runs.update(float(self._ccl_seen), per_machine)
+        req = float(max(1, self.config.ccl_rounds_needed))
+        out = []
+        for m, (ranks, ev) in per_machine.items():
+            held = runs[m].held_s + 1.0  # updates in a row, counting this one
+            out.append(DetectorFlag("ccl", m, ranks, None, _contribution(self._w("ccl"), held, req),
+                                    f"{ev} ({held:.0f} updates in a row)", held >= req, held, req, None))
+        return out
+
+    # ---- combining -------------------------------------------------------
+
+    def _combine(self, flags: list[DetectorFlag], notes: list[str], now: float) -> FailSlowVerdict:
+        cfg = self.config
+        alarmed = [f for f in flags if f.alarmed and f.machine is not None]
+        per_machine: dict[str, dict[str, DetectorFlag]] = {}
+        for f in alarmed:
+            assert f.machine is not None
+            best = per_machine.setdefault(f.machine, {})
+            if f.detector not in best or f.score > best[f.detector].score:
+                best[f.detector] = f  # one vote per detector: its strongest metric
+        confidence: dict[str, float] = {}
+        for m, by_det in per_machine.items():
+            miss = 1.0
+            for f in by_det.values():
+                miss *= 1.0 - f.score
+            conf = 1.0 - miss
+            for det in DETECTORS:
+                if det in by_det:
+                    continue
+                against = max((o[det].score for om, o in per_machine.items() if om != m and det in o), default=0.0)
+                conf *= 1.0 - 0.5 * against
+            confidence[m] = conf
+        order = sorted(confidence, key=lambda m: -confidence[m])
+        suspects = []
+        for m in order:
+            by_det = per_machine[m]
+            ranked = sorted(by_det.values(), key=lambda f: -f.score)
+            ranks = tuple(sorted({r for f in ranked for r in f.ranks})) or self.store.ranks_of(m)
+            evidence = tuple(f"[{f.detector}] {f.evidence}" for f in ranked)
+            suspects.append(Suspect(SuspectKind.MACHINE, ranks, (m,), round(confidence[m], 4), evidence,
+                                    tuple(f.detector for f in ranked)))
+        trend = self._trend
+        if self.store.missing_machines:
+            notes.append(f"unreachable: {', '.join(self.store.missing_machines)}")
+        if trend is not None and trend.step_s is not None:
+            notes.append(trend.evidence())
+        top_conf = confidence[order[0]] if order else 0.0
+        slow_since = None
+        if order:
+            starts = [f.since_mono for f in per_machine[order[0]].values() if f.since_mono is not None]
+            slow_since = min(starts) if starts else None
+        summary = self._summary(suspects, flags, top_conf, trend)
+        verdict = Verdict(tuple(suspects), summary, self.store.missing_ranks, tuple(notes))
+        return FailSlowVerdict(verdict, round(top_conf, 4), top_conf >= cfg.confident_at, tuple(flags), slow_since,
+                               self._updates, now, trend)
+
+    def _summary(self, suspects: list[Suspect], flags: list[DetectorFlag], conf: float, trend: StepTrend | None) -> str:
+        if suspects:
+            top = suspects[0]
+            lead = top.evidence[0] if top.evidence else ""
+            return (f"fail-slow: machine {top.machines[0]} (ranks {_ranges(top.ranks)}) — {lead}; "
+                    f"confidence {conf:.2f} from {'+'.join(top.sources)}")
+        if flags:
+            f = max(flags, key=lambda x: x.held / x.required if x.required else 0.0)
+            unit = {"stacks": " rounds", "ccl": " updates"}.get(f.detector, "s")
+            return f"watching: {f.machine} [{f.detector}] {f.evidence} (alarms at {f.required:g}{unit})"
+        n = len(self.store.machines)
+        if len(self.store) == 0 or n == 0:
+            return "no fail-slow verdict: no machine reported yet"
+        if trend is not None and trend.ratio is not None and trend.ratio >= self.config.step_ratio:
+            return f"job slower ({trend.evidence()}) but no machine stands out among {n}"
+        return f"no fail-slow: {n} machine{'s' if n != 1 else ''} alike"
+
+
+def _ranges(ranks: Iterable[int]) -> str:
+    """1,2,3,5 -> '1-3,5'."""
+    rs = sorted(set(ranks))
+    if not rs:
+        return "-"
+    parts: list[str] = []
+    start = prev = rs[0]
+    for r in [*rs[1:], math.inf]:
+        if r == prev + 1:
+            prev = int(r)
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if r != math.inf:
+            start = prev = int(r)
+    return ",".join(parts)

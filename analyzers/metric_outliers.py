@@ -1,0 +1,148 @@
+"""Cross-host metric outliers (Aegis §5.1): above λ+2δ of the peers for the whole window T.
+
+In synchronous training every machine runs the same program at the same pace,
+so one metric should move alike on all of them. For each metric, each machine
+is compared with its *peers*: λ and δ are the mean and standard deviation of
+all the other machines' samples over the last ``window_s`` seconds. A machine
+whose value sits beyond λ ± k·δ (k = 2 in the paper) in every update for
+``window_s`` seconds is an outlier. Aegis uses ten minutes in production; a
+drill needs seconds, hence the parameter.
+
+Why peers only: with a handful of machines a single outlier inflates the
+spread of a pool that includes itself so much that it can never exceed
+λ + 2δ (with four machines its z-score is at most 1.5). Leaving it out is what
+"above its peers" means anyway.
+
+Why a floor on δ: peers that report identical values (a stand-in NVML, a
+pinned clock) have δ = 0, and then any difference would be an outlier; the
+spread used is at least ``rel_floor`` of λ and the metric's own noise floor.
+
+Why both sides for some metrics: Aegis looks at "higher than"; a throttled SM
+clock or an idle GPU is *lower* than its peers, so each metric says which side
+is suspect (``MetricSpec.direction``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from rankscope.analyzers.series import METRICS, Direction, RunTracker, SeriesStore
+
+# Metrics Aegis-style thresholds run on by default. Step time has its own
+# detector (step_time.py) and is left out here so it is not counted twice.
+DEFAULT_METRICS: tuple[str, ...] = (
+    "proc_cpu_percent",
+    "host_cpu_percent",
+    "host_mem_percent",
+    "host_load_1m",
+    "gpu_util_percent",
+    "gpu_power_w",
+    "gpu_temperature_c",
+    "gpu_sm_clock_mhz",
+    "gpu_pcie_kbps",
+    "gpu_nvlink_kbps",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierFinding:
+    """One machine beyond its peers on one metric, and for how long.
+
+    ``alarmed`` is True once the condition has held for the whole window; a
+    finding that is not yet alarmed is a candidate (a burst may still end).
+    """
+
+    machine: str
+    metric: str
+    side: Direction  # HIGH or LOW: the side the machine is on
+    value: float
+    peer_mean: float  # λ
+    peer_std: float  # δ as used (after the floor)
+    z: float
+    since_mono: float
+    held_s: float
+    alarmed: bool
+
+    def evidence(self) -> str:
+        spec = METRICS[self.metric]
+        sign = "+" if self.side is Direction.HIGH else "-"
+        return (
+            f"{spec.label} {self.value:.4g}{spec.unit} vs peers {self.peer_mean:.4g}±{self.peer_std:.2g}{spec.unit} "
+            f"(λ{sign}{abs(self.z):.1f}δ) for {self.held_s:.0f}s"
+        )
+
+
+def peer_outliers(
+    current: dict[str, float], pools: dict[str, np.ndarray], *, rel_floor: float, abs_floor: float,
+) -> dict[str, tuple[float, float, float]]:
+    """Per machine: (λ, δ, z) of its current value against its peers' pooled samples.
+
+    ``pools[m]`` holds machine m's samples in the window; the peers of m are
+    all the other pools. A machine without finite peers is left out.
+    """
+    out: dict[str, tuple[float, float, float]] = {}
+    for m, v in current.items():
+        if not math.isfinite(v):
+            continue
+        peers = [p for other, p in pools.items() if other != m]
+        if not peers:
+            continue
+        pool = np.concatenate(peers)
+        pool = pool[np.isfinite(pool)]
+        if pool.size == 0:
+            continue
+        lam = float(pool.mean())
+        delta = max(float(pool.std()), rel_floor * abs(lam), abs_floor)
+        out[m] = (lam, delta, (v - lam) / delta)
+    return out
+
+
+class MetricOutlierDetector:
+    """Streaming Aegis §5.1 detector over a ``SeriesStore``; call ``update`` after each ``store.add``."""
+
+    def __init__(
+        self,
+        window_s: float = 30.0,
+        k_sigma: float = 2.0,
+        rel_floor: float = 0.05,
+        metrics: Sequence[str] = DEFAULT_METRICS,
+    ) -> None:
+        self.window_s = window_s
+        self.k_sigma = k_sigma
+        self.rel_floor = rel_floor
+        self.metrics = tuple(metrics)
+        self._runs = RunTracker()
+
+    def update(self, store: SeriesStore) -> tuple[OutlierFinding, ...]:
+        """Current candidates and alarms, alarmed first, strongest first."""
+        now = store.now
+        if now is None:
+            return ()
+        scored: dict[tuple[str, str, Direction], tuple[float, float, float, float]] = {}
+        for metric in self.metrics:
+            spec = METRICS[metric]
+            _, machines, values = store.matrix(metric, since=now - self.window_s)
+            if values.shape[0] == 0 or len(machines) < 2:
+                continue
+            current = dict(zip(machines, values[-1].tolist(), strict=True))
+            pools = {m: values[:, j] for j, m in enumerate(machines)}
+            stats = peer_outliers(current, pools, rel_floor=self.rel_floor, abs_floor=spec.floor)
+            for m, (lam, delta, z) in stats.items():
+                if z > self.k_sigma and spec.direction in (Direction.HIGH, Direction.BOTH):
+                    scored[(metric, m, Direction.HIGH)] = (current[m], lam, delta, z)
+                elif z < -self.k_sigma and spec.direction in (Direction.LOW, Direction.BOTH):
+                    scored[(metric, m, Direction.LOW)] = (current[m], lam, delta, z)
+        runs = self._runs.update(now, scored)
+        findings = []
+        for key, (v, lam, delta, z) in scored.items():
+            metric, m, side = key
+            run = runs[key]
+            # The window is "the lasting T": a run counts once it spans T (with a
+            # little slack for poll jitter, so a 1 s poll does not need T + 1 s).
+            alarmed = run.held_s >= self.window_s * 0.98
+            findings.append(OutlierFinding(m, metric, side, v, lam, delta, z, run.since, run.held_s, alarmed))
+        findings.sort(key=lambda f: (not f.alarmed, -f.held_s, -abs(f.z)))
+        return tuple(findings)

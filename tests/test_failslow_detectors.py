@@ -1,0 +1,384 @@
+"""The fail-slow detectors on constructed series: noise must not alarm, a slow machine must.
+
+Every series is built from seeded random noise around a healthy level, one
+snapshot per second, four machines of two ranks each. Faults are added on top:
+a one-sample spike, a burst shorter than the continuity window, and a
+persistently slow machine (1.5× step time, +30% CPU, a hotter GPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from rankscope.analyzers.failslow import FailSlowConfig, FailSlowDetector, FailSlowVerdict, narrow_to_common_end
+from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+from rankscope.analyzers.metric_outliers import MetricOutlierDetector
+from rankscope.analyzers.minder import MinderDetector, denoise
+from rankscope.analyzers.series import SeriesStore
+from rankscope.analyzers.step_time import StepTimeDetector
+from rankscope.snapshot import (
+    CaptureError,
+    CaptureErrorKind,
+    GpuMetrics,
+    GpuStatus,
+    HostMetrics,
+    Instant,
+    JobSnapshot,
+    MachineSnapshot,
+    ProcessInfo,
+    ProcessRole,
+    RankCounters,
+    RankInfo,
+)
+
+MACHINES = ("m0", "m1", "m2", "m3")
+RPM = 2  # ranks per machine
+HEALTHY = {"step": 0.5, "proc_cpu": 60.0, "host_cpu": 40.0, "temp": 60.0, "util": 80.0, "power": 250.0, "clock": 1400.0}
+NOISE = 0.03  # relative noise on every sample
+
+# A fault: (t, machine) -> {metric: factor}
+Fault = Callable[[int, str], dict[str, float]]
+
+
+def no_fault(_t: int, _m: str) -> dict[str, float]:
+    return {}
+
+
+def make_series(n: int, fault: Fault = no_fault, seed: int = 7, machines: tuple[str, ...] = MACHINES,
+                unreachable: Callable[[int, str], bool] = lambda _t, _m: False) -> list[JobSnapshot]:
+    """``n`` snapshots one second apart; each metric noisy around HEALTHY times the fault's factor."""
+    rng = np.random.default_rng(seed)
+    steps = {r: 0 for r in range(len(machines) * RPM)}
+    out = []
+    for t in range(n):
+        ms = []
+        for i, m in enumerate(machines):
+            f = fault(t, m)
+
+            def v(key: str, f: dict[str, float] = f) -> float:
+                return float(HEALTHY[key] * f.get(key, 1.0) * (1 + NOISE * rng.standard_normal()))
+
+            ranks = tuple(range(i * RPM, (i + 1) * RPM))
+            if unreachable(t, m):
+                ms.append(MachineSnapshot(m, f"127.0.0.1:{5000 + i}", False, None,
+                                          error=CaptureError(CaptureErrorKind.UNREACHABLE, "connection refused")))
+                continue
+            infos, counters = [], []
+            for r in ranks:
+                step = v("step")
+                steps[r] += 1
+                infos.append(RankInfo(r, r % RPM, len(machines) * RPM, 1000 + r,
+                                      process=ProcessInfo(1000 + r, 1, ProcessRole.MAIN, "python", cpu_percent=v("proc_cpu"))))
+                counters.append(RankCounters(r, 1000 + r, len(machines) * RPM, "job", float(t), steps=steps[r],
+                                             last_step_duration_s=step))
+            gpus = GpuStatus(True, tuple(GpuMetrics(g, util_percent=v("util"), temperature_c=v("temp"), power_w=v("power"),
+                                                    sm_clock_mhz=v("clock")) for g in range(2)))
+            ms.append(MachineSnapshot(m, f"127.0.0.1:{5000 + i}", True, Instant(1000.0 + t, 50.0 + t * 1.3),
+                                      ranks=tuple(infos), host=HostMetrics(v("host_cpu"), 8, 16 << 30, 8 << 30, 1.0),
+                                      gpus=gpus, counters=tuple(counters)))
+        out.append(JobSnapshot(Instant(1_700_000_000.0 + t, 100.0 + t), tuple(ms)))
+    return out
+
+
+def slow_machine(machine: str, start: int, factors: dict[str, float], end: int = 10**9) -> Fault:
+    def fault(t: int, m: str) -> dict[str, float]:
+        return factors if m == machine and start <= t < end else {}
+    return fault
+
+
+def combine(*faults: Fault) -> Fault:
+    def fault(t: int, m: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for f in faults:
+            out.update(f(t, m))
+        return out
+    return fault
+
+
+def run_detector(snaps: list[JobSnapshot], config: FailSlowConfig | None = None) -> list[FailSlowVerdict]:
+    det = FailSlowDetector(config)
+    return [det.update(s) for s in snaps]
+
+
+SPIKE = slow_machine("m1", 20, {"step": 3.0, "proc_cpu": 1.6, "temp": 1.4, "util": 0.3}, end=21)
+BURST = slow_machine("m2", 30, {"step": 1.6, "proc_cpu": 1.4, "temp": 1.3, "clock": 0.7}, end=36)
+SLOW_STEP = slow_machine("m2", 10, {"step": 1.5})
+SLOW_ALL = slow_machine("m2", 10, {"step": 1.5, "proc_cpu": 1.3, "temp": 1.25})
+
+
+# ---- series --------------------------------------------------------------
+
+
+def test_series_builds_machine_matrices_and_step_times() -> None:
+    snaps = make_series(5)
+    store = SeriesStore()
+    for s in snaps:
+        assert store.add(s)
+    assert not store.add(snaps[2]), "an older snapshot must be ignored"
+    t, machines, cpu = store.matrix("proc_cpu_percent")
+    assert machines == MACHINES and cpu.shape == (5, 4)
+    assert np.allclose(t, [100, 101, 102, 103, 104])
+    assert np.all(np.abs(cpu / 60.0 - 1) < 0.2)
+    _, _, temp = store.matrix("gpu_temperature_c")
+    assert np.all(temp > 50)
+    _, ranks, steps = store.rank_matrix()
+    assert ranks == tuple(range(8)) and np.all(np.abs(steps - 0.5) < 0.1)
+    assert store.ranks_of("m3") == (6, 7)
+    with pytest.raises(KeyError):
+        store.matrix("nope")
+
+
+def test_series_marks_unreachable_machines_missing_not_zero() -> None:
+    snaps = make_series(4, unreachable=lambda t, m: m == "m3" and t >= 2)
+    store = SeriesStore()
+    for s in snaps:
+        store.add(s)
+    _, machines, cpu = store.matrix("host_cpu_percent")
+    col = machines.index("m3")
+    assert np.isfinite(cpu[:2, col]).all() and np.isnan(cpu[2:, col]).all()
+    assert store.missing_machines == ("m3",)
+
+
+def test_step_time_derived_from_step_counter_and_grows_while_stuck() -> None:
+    def snap(t: float, steps: int, dur: float | None) -> JobSnapshot:
+        c = RankCounters(0, 1, 1, "j", t, steps=steps, last_step_duration_s=dur)
+        return JobSnapshot(Instant(t, t), (MachineSnapshot("m0", "a", True, Instant(t, t), counters=(c,)),))
+
+    store = SeriesStore()
+    store.add(snap(0.0, 0, None))
+    store.add(snap(2.0, 4, None))  # 4 steps in 2 s
+    store.add(snap(3.0, 6, None))  # 2 steps in 1 s
+    _, _, v = store.rank_matrix()
+    assert math.isnan(v[0, 0]) and v[1, 0] == pytest.approx(0.5) and v[2, 0] == pytest.approx(0.5)
+    store2 = SeriesStore()
+    store2.add(snap(0.0, 10, 0.4))
+    store2.add(snap(1.0, 11, 0.4))
+    store2.add(snap(5.0, 11, 0.4))  # no step for 4 s: reported as 4 s, not the stale 0.4
+    _, _, v2 = store2.rank_matrix()
+    assert v2[:, 0].tolist() == pytest.approx([0.4, 0.4, 4.0])
+
+
+# ---- Aegis §5.1 ------------------------------------------------------------
+
+
+def _outliers(snaps: list[JobSnapshot], window_s: float = 15.0) -> list[tuple[str, str, bool]]:
+    store, det, seen = SeriesStore(), MetricOutlierDetector(window_s=window_s), []
+    for s in snaps:
+        store.add(s)
+        seen += [(f.machine, f.metric, f.alarmed) for f in det.update(store)]
+    return seen
+
+
+def test_outliers_ignore_noise_spikes_and_short_bursts() -> None:
+    seen = _outliers(make_series(60, combine(SPIKE, BURST)))
+    assert not [s for s in seen if s[2]], "nothing may alarm"
+    # the burst was seen as a candidate: the detector looked and waited
+    assert ("m2", "proc_cpu_percent", False) in seen
+
+
+def test_outliers_alarm_on_a_persistently_hotter_busier_machine_only_after_the_window() -> None:
+    store, det = SeriesStore(), MetricOutlierDetector(window_s=15.0)
+    first_alarm: dict[str, float] = {}
+    for s in make_series(40, slow_machine("m2", 10, {"proc_cpu": 1.3, "temp": 1.25})):
+        store.add(s)
+        for f in det.update(store):
+            assert f.machine == "m2", f
+            if f.alarmed:
+                first_alarm.setdefault(f.metric, s.captured.mono)
+                assert f.side.value == "high" and f.z > 2 and f.held_s >= 14.7
+    assert set(first_alarm) == {"proc_cpu_percent", "gpu_temperature_c"}
+    assert all(t >= 100 + 10 + 15 for t in first_alarm.values())
+
+
+def test_outliers_see_a_throttled_clock_on_the_low_side() -> None:
+    store, det = SeriesStore(), MetricOutlierDetector(window_s=10.0)
+    alarms = set()
+    for s in make_series(30, slow_machine("m0", 5, {"clock": 0.75})):
+        store.add(s)
+        alarms |= {(f.machine, f.metric, f.side.value) for f in det.update(store) if f.alarmed}
+    assert alarms == {("m0", "gpu_sm_clock_mhz", "low")}
+
+
+# ---- Minder ----------------------------------------------------------------
+
+
+def _minder(snaps: list[JobSnapshot], continuity_s: float = 15.0) -> list[tuple[str, str, bool]]:
+    store, det, seen = SeriesStore(), MinderDetector(continuity_s=continuity_s), []
+    for s in snaps:
+        store.add(s)
+        res = det.update(store)
+        seen += [(f.machine, f.metric, f.alarmed) for f in res.findings]
+        if res.alarm is not None:
+            assert res.alarm.alarmed
+    return seen
+
+
+def test_denoise_removes_a_single_sample_spike() -> None:
+    x = np.ones((9, 2))
+    x[4, 0] = 5.0
+    x[6, 1] = np.nan
+    y = denoise(x)
+    assert np.allclose(y, 1.0)
+
+
+def test_minder_ignores_spikes_and_bursts_shorter_than_continuity() -> None:
+    seen = _minder(make_series(70, combine(SPIKE, BURST)))
+    assert not [s for s in seen if s[2]]
+    assert not [s for s in seen if s[0] == "m1"], "a one-sample spike is denoised away"
+    assert any(s[0] == "m2" for s in seen), "the burst is a candidate for a while"
+
+
+def test_minder_alarms_on_the_dissimilar_machine_by_metric_priority() -> None:
+    store, det = SeriesStore(), MinderDetector(continuity_s=15.0)
+    alarm = None
+    for s in make_series(45, slow_machine("m3", 5, {"proc_cpu": 1.3, "temp": 1.25})):
+        store.add(s)
+        res = det.update(store)
+        if res.alarm is not None and alarm is None:
+            alarm = res.alarm
+            assert s.captured.mono >= 100 + 5 + 15
+    assert alarm is not None and alarm.machine == "m3"
+    assert alarm.metric == "proc_cpu_percent", "CPU comes before GPU temperature in Minder's priority"
+    assert alarm.side == "high" and alarm.separation > 1.5
+
+
+def test_minder_needs_three_machines() -> None:
+    store, det = SeriesStore(), MinderDetector()
+    for s in make_series(12, slow_machine("m1", 0, {"proc_cpu": 2.0}), machines=("m0", "m1")):
+        store.add(s)
+        res = det.update(store)
+    assert res.alarm is None and not res.findings and "3 or more" in res.notes[0]
+
+
+# ---- step time -------------------------------------------------------------
+
+
+def test_step_time_flags_the_slow_machine_and_its_ranks_and_the_trend_shows_it() -> None:
+    store, det = SeriesStore(), StepTimeDetector(window_s=15.0)
+    for s in make_series(40, SLOW_STEP):
+        store.add(s)
+        res = det.update(store)
+    assert [(f.machine, f.ranks, f.alarmed) for f in res.findings] == [("m2", (4, 5), True)]
+    assert res.findings[0].ratio == pytest.approx(1.5, rel=0.15)
+    # the job median is the healthy machines' step; m2 alone moves the mean, not the median
+    assert res.trend.baseline_s == pytest.approx(0.5, rel=0.1)
+    assert dict(res.per_machine)["m2"] == pytest.approx(0.75, rel=0.15)
+
+
+def test_step_time_ignores_noise() -> None:
+    store, det = SeriesStore(), StepTimeDetector(window_s=15.0)
+    for s in make_series(60, combine(SPIKE, BURST)):
+        store.add(s)
+        assert not [f for f in det.update(store).findings if f.alarmed]
+
+
+def test_step_trend_rises_when_the_whole_job_slows() -> None:
+    def everyone_slower(t: int, _m: str) -> dict[str, float]:
+        return {"step": 1.0 + 0.02 * t}
+
+    store, det = SeriesStore(), StepTimeDetector(window_s=15.0)
+    for s in make_series(40, everyone_slower):
+        store.add(s)
+        res = det.update(store)
+    assert res.trend.ratio is not None and res.trend.ratio > 1.5
+    assert res.trend.slope is not None and res.trend.slope == pytest.approx(0.01, rel=0.3)
+    assert not res.findings, "nobody is slower than the others"
+
+
+# ---- the combined detector -----------------------------------------------
+
+
+def test_healthy_job_with_noise_bursts_never_alarms() -> None:
+    for seed in (1, 2, 3):
+        verdicts = run_detector(make_series(80, combine(SPIKE, BURST), seed=seed))
+        assert all(not v.verdict.suspects for v in verdicts), [v.verdict.summary for v in verdicts if v.verdict.suspects]
+        assert max(v.confidence for v in verdicts) == 0.0
+        assert not any(v.confident for v in verdicts)
+        assert verdicts[-1].verdict.summary.startswith("no fail-slow: 4 machines")
+
+
+def test_slow_step_machine_alarms_with_rising_confidence() -> None:
+    verdicts = run_detector(make_series(90, SLOW_STEP))
+    named = [v for v in verdicts if v.verdict.suspects]
+    assert named, "a 1.5× slower machine must alarm"
+    assert {v.machine for v in named} == {"m2"}
+    assert named[0].verdict.top is not None and named[0].verdict.top.ranks == (4, 5)
+    assert named[0].rounds >= 10 + 20, "not before the step window has passed"
+    conf = [v.confidence for v in named]
+    assert conf[-1] > conf[0] and all(b >= a - 1e-9 for a, b in itertools.pairwise(conf))
+    assert named[-1].slow_since_mono is not None and 110 <= named[-1].slow_since_mono <= 112
+    assert "m2" in named[-1].verdict.summary and "step_time" in named[-1].verdict.summary
+
+
+def test_agreeing_detectors_give_more_confidence_than_one() -> None:
+    one = run_detector(make_series(90, SLOW_STEP))
+    many = run_detector(make_series(90, SLOW_ALL))
+    assert many[-1].machine == one[-1].machine == "m2"
+    assert set(many[-1].verdict.suspects[0].sources) >= {"step_time", "metrics", "minder"}
+    assert many[-1].confidence > one[-1].confidence
+    assert many[-1].confident and not one[45].confident
+    # agreement also gets there sooner
+    first = next(i for i, v in enumerate(many) if v.confident)
+    assert one[first].confidence < many[first].confidence
+
+
+def test_unreachable_machine_is_noted_not_a_crash() -> None:
+    snaps = make_series(30, SLOW_STEP, unreachable=lambda t, m: m == "m0" and t >= 25)
+    verdicts = run_detector(snaps)
+    last = verdicts[-1]
+    assert last.verdict.missing_ranks == (0, 1)
+    assert any("unreachable: m0" in n for n in last.verdict.notes)
+
+
+def _round(kind: SuspectKind, group: int, ranks: tuple[int, ...], machines: tuple[str, ...]) -> Verdict:
+    return Verdict((Suspect(kind, ranks, machines, 1.0, ("outliers",)),), "x") if group >= 0 else Verdict((), "ok")
+
+
+def test_stack_rounds_name_the_most_flagged_group_after_enough_rounds() -> None:
+    det = FailSlowDetector(FailSlowConfig(rounds_needed=5))
+    snaps = make_series(12)
+    pp = _round(SuspectKind.PP, 1, (4, 5, 6, 7), ("m2", "m3"))
+    dp = _round(SuspectKind.DP, 0, (0, 2), ("m0", "m1"))
+    healthy = _round(SuspectKind.PP, -1, (), ())
+    rounds = [pp, None, dp, None, pp, None, healthy, None, pp, None, pp, None]
+    verdicts = [det.update(s, r) for s, r in zip(snaps, rounds, strict=True)]
+    flags = [f for f in verdicts[7].flags if f.detector == "stacks"]
+    assert flags and not any(f.alarmed for f in flags), "only 4 rounds so far"
+    last = verdicts[-1]
+    stacks = [f for f in last.flags if f.detector == "stacks"]
+    assert {f.machine for f in stacks} == {"m2", "m3"} and all(f.alarmed for f in stacks)
+    assert {f.ranks for f in stacks} == {(4, 5), (6, 7)}
+    assert "flagged in 3 of the last 5" in stacks[0].evidence
+    assert {s.machines[0] for s in last.verdict.suspects} == {"m2", "m3"}
+
+
+def test_ccl_findings_are_narrowed_to_the_common_end_and_must_persist() -> None:
+    det = FailSlowDetector(FailSlowConfig(ccl_rounds_needed=3))
+    snaps = make_series(6)
+    # three slow links (p2p pairs) all touching rank 5
+    slow = Verdict(tuple(Suspect(SuspectKind.COMM, pair, (), 1.0, (f"N > 1.5·mean on {pair}",))
+                         for pair in ((5, 1), (5, 3), (7, 5))), "slow comm")
+    verdicts = [det.update(s, None, slow) for s in snaps]
+    assert not verdicts[1].verdict.suspects
+    last = verdicts[-1]
+    assert last.machine == "m2" and last.verdict.top is not None and last.verdict.top.ranks == (5,)
+    assert "share rank 5" in last.verdict.top.evidence[0]
+
+
+def test_narrow_to_common_end() -> None:
+    assert narrow_to_common_end([(1, 2), (2, 3), (2, 4)]) == (2,)
+    assert narrow_to_common_end([(1, 2), (3, 4)]) == (), "no shared end: the network, not a host"
+    assert narrow_to_common_end([(1, 2)]) == (1, 2)
+
+
+def test_history_keeps_every_round() -> None:
+    det = FailSlowDetector(FailSlowConfig(history_len=10))
+    snaps = make_series(15)
+    for s in snaps:
+        det.update(s)
+    assert len(det.history) == 10 and det.history[-1].rounds == 15
+    assert det.update(snaps[3]) is det.latest, "an old snapshot changes nothing"
