@@ -1,17 +1,65 @@
-"""`rankscope agent`: not built yet."""
+"""`rankscope agent`: serve this machine's ranks to rankscope clients over gRPC."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
-from rankscope.errors import RankscopeError
+DESCRIPTION = """\
+Run the node agent: one per machine. It finds the torchrun ranks on this
+machine, captures their stacks (py-spy), host/GPU metrics and CCL counters, and
+answers `rankscope snapshot`, `rankscope attach` and the drill.
+
+Safe by default: it listens on 127.0.0.1 unless --bind names another address,
+and every call needs the token from --token-file (or $RANKSCOPE_TOKEN).
+"""
 
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser("agent", help="(not built yet)")
+    p: argparse.ArgumentParser = sub.add_parser(
+        "agent", help="run the node agent (one per machine)", description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--bind", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; use 0.0.0.0 or this machine's address for remote clients)")
+    p.add_argument("--port", type=int, default=50051, help="port to listen on (default 50051; 0 picks a free one)")
+    p.add_argument("--port-file", type=Path, help="write the port actually bound to this file (for scripts with --port 0)")
+    p.add_argument("--token-file", type=Path,
+                   help="file with the accepted token(s), one per line; default: $RANKSCOPE_TOKEN")
+    p.add_argument("--insecure-no-token", action="store_true",
+                   help="serve without a token (only on a loopback address; for local experiments)")
+    p.add_argument("--machine-name", help="name reported for this machine (default: the hostname)")
+    p.add_argument("--launcher-pid", type=int, help="only ranks started by this launcher (torchrun) process")
+    p.add_argument("--run-id", help="only ranks of this torchrun run id (TORCHELASTIC_RUN_ID)")
+    p.add_argument("--counter-dir", type=Path, help="where the CCL plugin writes its counter files")
+    p.add_argument("--concurrency", type=int, default=8, help="py-spy calls at once during a capture (default 8)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise RankscopeError("'rankscope agent' is not built yet", "see README.md for what works today")
+    import asyncio
+    import socket
+
+    from rankscope.agent import AgentConfig, serve
+    from rankscope.errors import RankscopeError
+    from rankscope.tokens import load_tokens
+
+    if args.concurrency < 1:
+        raise RankscopeError("--concurrency must be at least 1", "use the default, 8")
+    tokens = load_tokens(args.token_file)
+    if tokens is not None and args.insecure_no_token:
+        raise RankscopeError("--insecure-no-token given together with a token", "drop one of them")
+    config = AgentConfig(
+        tokens=tokens,
+        bind=args.bind,
+        port=args.port,
+        machine_name=args.machine_name or socket.gethostname(),
+        launcher_pid=args.launcher_pid,
+        run_id=args.run_id,
+        counter_dir=args.counter_dir,
+        insecure_no_token=args.insecure_no_token,
+        capture_concurrency=args.concurrency,
+    )
+    asyncio.run(serve(config, port_file=args.port_file))
+    return 0

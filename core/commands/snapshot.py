@@ -1,17 +1,129 @@
-"""`rankscope snapshot`: not built yet."""
+"""`rankscope snapshot`: one capture of every agent, saved as a bundle."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
-from rankscope.errors import RankscopeError
+if TYPE_CHECKING:
+    from rankscope.snapshot import JobSnapshot
+
+DESCRIPTION = """\
+Ask every agent for a capture at once (each with its own deadline) and save
+the result as a bundle for `rankscope analyze`, `rankscope attach --bundle` or
+a ticket. An agent that cannot be reached is reported and marked in the bundle;
+the others are still captured.
+
+Agents: --agents host:port,host2:port, Slurm ranges such as
+'node[01-04,07]:50051' or '127.0.0.1:[50051-50054]', @FILE, or --hostfile FILE.
+Exit status: 0 when every agent answered, 1 when some did not (the bundle is
+written anyway), 2 on bad input.
+"""
 
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser("snapshot", help="(not built yet)")
+    p: argparse.ArgumentParser = sub.add_parser(
+        "snapshot", help="capture stacks, metrics and counters from all agents into a bundle",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--agents", help="comma-separated host:port list, Slurm range or @hostfile")
+    p.add_argument("--hostfile", type=Path, help="file with one agent (host:port or range) per line")
+    p.add_argument("--port", type=int, default=None,
+                   help="port for entries written without one (default: a port is required in each entry)")
+    p.add_argument("--token-file", type=Path, help="file with the token to send; default: $RANKSCOPE_TOKEN")
+    p.add_argument("--deadline", type=float, default=10.0, help="seconds each agent has to answer (default 10)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds each py-spy call may take on the agent (default 5)")
+    p.add_argument("--native", action="store_true", help="include native (C/C++) frames in the stacks")
+    p.add_argument("--no-subprocesses", action="store_true", help="skip the ranks' worker subprocesses")
+    p.add_argument("-o", "--output", type=Path, help="write the bundle to this file")
+    p.add_argument("--json", action="store_true", help="print the bundle as JSON on stdout (the summary goes to stderr)")
     p.set_defaults(func=run)
 
 
+def summary_lines(snap: JobSnapshot) -> list[str]:
+    """What a person reads after a capture: who answered, who did not and why, what was captured."""
+    lines: list[str] = []
+    reachable = [m for m in snap.machines if m.reachable]
+    lines.append(f"machines: {len(reachable)} of {len(snap.machines)} answered")
+    for m in snap.machines:
+        if m.reachable:
+            stacks_ok = sum(1 for s in m.stacks if s.main.threads is not None)
+            ranks = ",".join(str(r.rank) for r in sorted(m.ranks, key=lambda r: r.rank)) or "none"
+            lines.append(f"  {m.machine} ({m.address}): ranks {ranks}; stacks {stacks_ok}/{len(m.stacks)}")
+            for s in m.stacks:
+                for proc in (s.main, *s.subprocesses):
+                    if proc.error is not None:
+                        lines.append(f"    rank {s.rank} pid {proc.pid} ({proc.role.value}): {proc.error.message}")
+        else:
+            err = m.error
+            lines.append(f"  {m.address}: UNREACHABLE: {err.message if err else 'no reason recorded'}")
+            if err and err.fix:
+                lines.append(f"    fix: {err.fix}")
+    world = snap.world_size
+    seen = sorted(snap.rank_to_machine())
+    if world is not None:
+        missing = sorted(set(range(world)) - set(seen))
+        lines.append(f"ranks: {len(seen)} of {world} seen" + (f"; missing {_ranges(missing)}" if missing else ""))
+    else:
+        lines.append(f"ranks: {len(seen)} seen")
+    stacks = snap.all_stacks()
+    failed = sorted(r for r, s in stacks.items() if s.main.threads is None)
+    lines.append(f"stacks: {len(stacks) - len(failed)} captured, {len(failed)} failed"
+                 + (f" (ranks {_ranges(failed)})" if failed else ""))
+    return lines
+
+
+def _ranges(values: list[int]) -> str:
+    """[0,1,2,5] -> '0-2,5': thousands of ranks stay readable."""
+    out: list[str] = []
+    start = prev = None
+    for v in values:
+        if prev is not None and v == prev + 1:
+            prev = v
+            continue
+        if start is not None:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = v
+    if start is not None:
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(out)
+
+
 def run(args: argparse.Namespace) -> int:
-    raise RankscopeError("'rankscope snapshot' is not built yet", "see README.md for what works today")
+    from rankscope import __version__
+    from rankscope.agents_spec import resolve_agents
+    from rankscope.bundle import Bundle, dumps, write_bundle
+    from rankscope.client import capture_once
+    from rankscope.errors import RankscopeError
+    from rankscope.tokens import load_client_token
+
+    if args.deadline <= 0 or args.timeout <= 0:
+        raise RankscopeError("--deadline and --timeout must be positive", "e.g. --deadline 10 --timeout 5")
+    agents = resolve_agents(args.agents, args.hostfile, default_port=args.port)
+    token = load_client_token(args.token_file)
+    snap = capture_once(
+        agents, token, deadline_s=args.deadline,
+        native=args.native, subprocesses=not args.no_subprocesses, timeout_s=args.timeout,
+    )
+    bundle = Bundle(
+        snapshots=(snap,), created_wall=time.time(),
+        meta={"command": "snapshot", "rankscope_version": __version__, "agents": list(agents),
+              "deadline_s": args.deadline, "native": args.native},
+    )
+    out: TextIO = sys.stderr if args.json else sys.stdout
+    written: Path | None = None
+    if args.output is not None:
+        written = write_bundle(bundle, args.output)
+    elif not args.json:
+        # Never throw a capture away: with neither -o nor --json, keep it in a file.
+        written = write_bundle(bundle, Path(time.strftime("rankscope-snapshot-%Y%m%d-%H%M%S.json")))
+    if args.json:
+        sys.stdout.write(dumps(bundle, indent=2) + "\n")
+    for line in summary_lines(snap):
+        print(line, file=out)
+    if written is not None:
+        print(f"bundle written to {written}", file=out)
+    return 0 if all(m.reachable for m in snap.machines) else 1

@@ -1,0 +1,308 @@
+"""The node agent: one gRPC server per machine, answering for its ranks.
+
+The agent is the only part of rankscope that touches a machine's processes.
+It finds the ranks, captures their stacks and reads metrics and counters
+through ``rankscope.probes`` and ships them as snapshots (converted in
+``rankscope.proto_convert``). It never runs anything a client sends: every
+call names a fixed procedure.
+
+Safe by default:
+- it listens on 127.0.0.1 unless ``--bind`` names another address;
+- every call except the standard health check needs a bearer token, checked
+  in one interceptor before any handler runs. Each method names the role it
+  needs (``METHOD_ROLES``); a method not listed there needs the ``act`` role,
+  so a state-changing RPC added later is protected even if nobody remembers
+  to list it.
+
+Stack captures are serialised: two engineers pressing "capture" at once must
+not make two py-spy processes ptrace the same rank (the second attach fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from rankscope.errors import RankscopeError
+from rankscope.proto import rankscope_pb2 as pb
+from rankscope.proto import rankscope_pb2_grpc as pb_grpc
+from rankscope.proto_convert import machine_to_proto
+from rankscope.snapshot import MachineSnapshot
+from rankscope.tokens import MAKE_TOKEN, Role, TokenSet
+
+DEFAULT_PORT = 50051
+SERVICE = "rankscope.v1.RankscopeAgent"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# What each call needs. Anything of the agent service not listed needs ACT.
+METHOD_ROLES: dict[str, Role] = {
+    f"/{SERVICE}/Describe": Role.READ,
+    f"/{SERVICE}/Capture": Role.READ,
+    f"/{SERVICE}/StreamMetrics": Role.READ,
+}
+MIN_STREAM_INTERVAL_S = 0.2  # a client cannot make the agent spin
+MAX_PYSPY_TIMEOUT_S = 60.0
+DEFAULT_PYSPY_TIMEOUT_S = 5.0
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """How one agent runs; ``rankscope agent``'s options map onto these fields."""
+
+    tokens: TokenSet | None
+    bind: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    machine_name: str = field(default_factory=socket.gethostname)
+    launcher_pid: int | None = None
+    run_id: str | None = None
+    counter_dir: Path | None = None
+    insecure_no_token: bool = False
+    capture_concurrency: int = 8
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_config(config: AgentConfig) -> None:
+    """Refuse unsafe or impossible setups before anything listens."""
+    if config.tokens is None and not config.insecure_no_token:
+        raise RankscopeError(
+            "no token configured: the agent refuses to serve without one",
+            f"make a token file and pass it with --token-file (or set RANKSCOPE_TOKEN): {MAKE_TOKEN}",
+        )
+    if config.tokens is None and not is_loopback(config.bind):
+        raise RankscopeError(
+            f"--insecure-no-token is only allowed on a loopback address, not {config.bind}",
+            "use --token-file, or drop --bind so the agent listens on 127.0.0.1",
+        )
+    if not 0 <= config.port < 65536:
+        raise RankscopeError(f"--port {config.port} is not a port number", "use 1-65535, or 0 to pick a free port")
+
+
+# --------------------------------------------------------------------------
+# the token check
+# --------------------------------------------------------------------------
+
+
+def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip() or None
+    return None
+
+
+def _denying_handler(handler: Any, code: grpc.StatusCode, message: str) -> Any:
+    """A handler of the same shape as ``handler`` that only rejects the call."""
+
+    async def reject(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    async def reject_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(code, message)
+        yield  # pragma: no cover - abort raises; this only makes it a generator
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(reject_stream)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(reject)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(reject_stream)
+    return grpc.unary_unary_rpc_method_handler(reject)
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Lets a call through only with a token whose role covers the method."""
+
+    def __init__(self, tokens: TokenSet | None) -> None:
+        self.tokens = tokens
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
+    ) -> Any:
+        method: str = handler_call_details.method
+        if self.tokens is None or method.startswith(HEALTH_PREFIX):
+            return await continuation(handler_call_details)
+        needed = METHOD_ROLES.get(method, Role.ACT)
+        presented = bearer_token(handler_call_details.invocation_metadata)
+        role = self.tokens.role_of(presented)
+        if role is not None and (role is Role.ACT or needed is Role.READ):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None  # unknown method: gRPC answers UNIMPLEMENTED
+        if presented is None:
+            return _denying_handler(
+                handler, grpc.StatusCode.UNAUTHENTICATED,
+                "no token sent: this agent needs 'authorization: Bearer <token>'",
+            )
+        if role is None:
+            return _denying_handler(handler, grpc.StatusCode.UNAUTHENTICATED, "the token was not accepted")
+        return _denying_handler(
+            handler, grpc.StatusCode.PERMISSION_DENIED, f"{method} needs a token with the '{needed.value}' role"
+        )
+
+
+# --------------------------------------------------------------------------
+# the service
+# --------------------------------------------------------------------------
+
+
+class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
+    """The RPCs; each one is a capture of this machine with fixed options."""
+
+    def __init__(self, config: AgentConfig, address: str) -> None:
+        self.config = config
+        self.address = address
+        self._stack_lock = asyncio.Lock()
+
+    async def capture(
+        self, *, stacks: bool, native: bool = False, subprocesses: bool = True, timeout_s: float = DEFAULT_PYSPY_TIMEOUT_S
+    ) -> MachineSnapshot:
+        """One reading of this machine through the probes (imported here: only the agent needs them)."""
+        from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
+
+        scope = Scope(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id, counter_dir=self.config.counter_dir)
+        options = CaptureOptions(
+            stacks=stacks, native=native, subprocesses=subprocesses, timeout_s=timeout_s,
+            concurrency=self.config.capture_concurrency,
+        )
+        return await capture_machine(self.config.machine_name, self.address, scope, options)
+
+    async def _reply(self, context: grpc.aio.ServicerContext, reading: Awaitable[MachineSnapshot]) -> pb.MachineSnapshot:
+        try:
+            return machine_to_proto(await reading)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the probes should mark failures in place; anything else is our bug
+            log(f"capture failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"the agent's capture failed: {type(exc).__name__}: {exc}")
+            raise  # unreachable: abort raises
+
+    async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
+        return await self._reply(context, self.capture(stacks=False))
+
+    async def Capture(self, request: pb.CaptureRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
+        timeout_s = request.timeout_s if request.timeout_s > 0 else DEFAULT_PYSPY_TIMEOUT_S
+        timeout_s = min(timeout_s, MAX_PYSPY_TIMEOUT_S)
+        async with self._stack_lock:
+            return await self._reply(
+                context,
+                self.capture(stacks=True, native=request.native, subprocesses=request.subprocesses, timeout_s=timeout_s),
+            )
+
+    async def StreamMetrics(
+        self, request: pb.StreamMetricsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.MachineSnapshot]:
+        # The next reading starts one interval after the previous one started, or right
+        # after it ended if it took longer: readings never overlap and never pile up.
+        interval = max(request.interval_s, MIN_STREAM_INTERVAL_S)
+        sent = 0
+        while True:
+            started = time.monotonic()
+            yield await self._reply(context, self.capture(stacks=False))
+            sent += 1
+            if request.max_count and sent >= request.max_count:
+                return
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+
+# --------------------------------------------------------------------------
+# running it
+# --------------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    print(f"rankscope agent: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(slots=True)
+class RunningAgent:
+    """A started agent: its server, the port it got and its health servicer."""
+
+    server: Any
+    port: int
+    address: str
+    health: Any
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def start_agent(config: AgentConfig) -> RunningAgent:
+    """Check the config, bind and start serving; returns once the port is open."""
+    check_config(config)
+    server = grpc.aio.server(
+        interceptors=[TokenInterceptor(config.tokens)],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),  # a second agent on the same port must fail, not share it
+        ],
+    )
+    host = f"[{config.bind}]" if ":" in config.bind and not config.bind.startswith("[") else config.bind
+    try:
+        port = server.add_insecure_port(f"{host}:{config.port}")
+    except RuntimeError as exc:
+        raise RankscopeError(
+            f"cannot listen on {host}:{config.port} ({exc})",
+            "another agent may hold the port: pick another --port, or --port 0 for a free one",
+        ) from None
+    if port == 0:
+        raise RankscopeError(f"cannot listen on {host}:{config.port}", "pick another --port, or --port 0 for a free one")
+    address = f"{host}:{port}"
+    pb_grpc.add_RankscopeAgentServicer_to_server(AgentService(config, address), server)  # type: ignore[no-untyped-call]
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningAgent(server=server, port=port, address=address, health=health_servicer)
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Atomically, so a script polling for the file never reads half a number."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+async def serve(config: AgentConfig, *, port_file: Path | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then stop cleanly."""
+    agent = await start_agent(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if port_file is not None:
+            write_port_file(port_file, agent.port)
+        auth = "token required" if config.tokens is not None else "NO TOKEN (--insecure-no-token)"
+        log(f"listening on {agent.address} as machine {config.machine_name!r}, {auth}")
+        await stop.wait()
+        log("stopping")
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await agent.stop()
