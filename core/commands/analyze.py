@@ -1,17 +1,204 @@
-"""`rankscope analyze`: not built yet."""
+"""`rankscope analyze`: the stack-aggregation verdict for a bundle or a folder of py-spy dumps.
+
+    rankscope analyze incident.json --tp 2 --pp 4 --dp 4 --order tp-pp-dp --ranks-per-machine 2
+    rankscope analyze --pyspy-dir dumps/ --tp 2 --pp 4 --dp 4 --order tp-pp-dp --ranks-per-machine 2 --json
+    rankscope analyze --flight-recorder traces/ --tp 2 --pp 2 --dp 2
+
+Sizes typed here override the layout recorded in the bundle; communicator
+membership recorded by the CCL plugin overrides both. A bundle holding a
+series of snapshots is also read as fail-slow rounds (one round each).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 from typing import Any
 
 from rankscope.errors import RankscopeError
 
+_LAYOUT_FIX = "pass sizes whose product is the job's world size, e.g. --tp 2 --pp 4 --dp 4, and --order tp-pp-dp"
+
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser("analyze", help="(not built yet)")
+    p: argparse.ArgumentParser = sub.add_parser(
+        "analyze",
+        help="group ranks' stacks and name the suspect parallel group and machines",
+        description="Group every rank's stacks (ByteRobust-style aggregation) and rank the parallel groups "
+                    "that explain the outliers, with their machines and the evidence.",
+    )
+    p.add_argument("bundle", nargs="?", type=Path, help="a bundle written by `rankscope snapshot -o` or the TUI")
+    src = p.add_argument_group("other sources (instead of a bundle)")
+    src.add_argument("--pyspy-dir", type=Path, metavar="DIR",
+                     help="folder of rank<R>.json files, each `py-spy dump --json` of rank R's main process "
+                          "(rank<R>.<name>.json for its subprocesses)")
+    src.add_argument("--flight-recorder", type=Path, metavar="DIR",
+                     help="folder of PyTorch NCCL flight-recorder dumps")
+    lay = p.add_argument_group("parallel layout (overrides the bundle's)")
+    for dim, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"), ("cp", "context"), ("ep", "expert")):
+        lay.add_argument(f"--{dim}", type=int, metavar="N", help=f"{what}-parallel size")
+    lay.add_argument("--order", help="rank order, fastest-varying first: tp-cp-ep-dp-pp (Megatron's default), "
+                                     "tp-cp-ep-pp-dp, tp-pp-dp, ...")
+    lay.add_argument("--ranks-per-machine", type=int, metavar="N", help="consecutive ranks per machine")
+    sig = p.add_argument_group("signatures")
+    sig.add_argument("--keep-lines", action="store_true", help="keep line numbers in signatures")
+    sig.add_argument("--no-fold", action="store_true", help="keep wrapper frames (torch, functools, threading)")
+    sig.add_argument("--no-subprocesses", action="store_true", help="main processes only")
+    sig.add_argument("--idle-threads", action="store_true", help="include parked threads (queue/lock waits)")
+    p.add_argument("--snapshot", type=int, default=-1, metavar="I",
+                   help="which snapshot of a bundle series to judge (default: the last)")
+    p.add_argument("--json", action="store_true", help="print the verdict as JSON")
     p.set_defaults(func=run)
 
 
+def _layout(args: argparse.Namespace, base: Any) -> Any:
+    from rankscope.snapshot import Layout
+
+    given = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "ep", "order", "ranks_per_machine")
+             if getattr(args, k) is not None}
+    if not given:
+        return base
+    start = base if base is not None else Layout()
+    fields = {k: getattr(start, k) for k in ("tp", "pp", "dp", "cp", "ep", "order", "ranks_per_machine")}
+    fields.update(given)
+    for k in ("tp", "pp", "dp", "cp", "ep", "ranks_per_machine"):
+        if fields[k] is not None and fields[k] < 1:
+            raise RankscopeError(f"--{k.replace('_', '-')} must be at least 1, got {fields[k]}", _LAYOUT_FIX)
+    return Layout(**fields)
+
+
 def run(args: argparse.Namespace) -> int:
-    raise RankscopeError("'rankscope analyze' is not built yet", "see README.md for what works today")
+    from rankscope.analyzers.stacks import SignatureOptions
+    from rankscope.analyzers.suspects import analyze_stacks, verdict_to_json
+
+    sources = [x for x in (args.bundle, args.pyspy_dir, args.flight_recorder) if x is not None]
+    if len(sources) != 1:
+        raise RankscopeError(
+            "give exactly one of BUNDLE, --pyspy-dir DIR or --flight-recorder DIR",
+            "e.g. `rankscope analyze incident.json` or `rankscope analyze --pyspy-dir dumps/ --tp 2 --pp 4 --dp 4`",
+        )
+    options = SignatureOptions(keep_lines=args.keep_lines, fold_wrappers=not args.no_fold,
+                               include_subprocesses=not args.no_subprocesses,
+                               include_idle_threads=args.idle_threads)
+    snapshots, other_verdicts = _load(args)
+    index = args.snapshot
+    if not -len(snapshots) <= index < len(snapshots):
+        raise RankscopeError(f"--snapshot {index} is out of range: the bundle holds {len(snapshots)} snapshot(s)",
+                             f"pass a number from 0 to {len(snapshots) - 1}, or -1 for the last")
+    snapshot = snapshots[index]
+    layout = _layout(args, snapshot.layout)
+    try:
+        analysis = analyze_stacks(snapshot, layout, options)
+        rounds = _rounds(snapshots, layout, options) if len(snapshots) > 1 else None
+    except ValueError as exc:
+        raise RankscopeError(str(exc), _LAYOUT_FIX) from None
+
+    out = verdict_to_json(analysis)
+    if other_verdicts:
+        from rankscope.analyzers.suspects import suspect_to_json
+        from rankscope.analyzers.verdict import merge_verdicts
+
+        merged = merge_verdicts(analysis.verdict, *other_verdicts)
+        out["stacks_summary"] = out["summary"]
+        out["summary"] = merged.summary
+        out["suspects"] = [suspect_to_json(s) for s in merged.suspects]
+        out["missing_ranks"] = list(merged.missing_ranks)
+        out["notes"] = list(merged.notes)
+    if rounds is not None:
+        out["fail_slow"] = rounds
+    if snapshot.notes:
+        out["notes"] = [*snapshot.notes, *out["notes"]]  # type: ignore[misc]
+    if args.json:
+        json.dump(out, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_text(out))
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
+    """The snapshots to judge and verdicts from other detectors (the flight recorder's)."""
+    if args.bundle is not None:
+        from rankscope.bundle import read_bundle
+
+        bundle = read_bundle(args.bundle)
+        if not bundle.snapshots:
+            raise RankscopeError(f"{args.bundle} holds no snapshots", "capture one with `rankscope snapshot -o FILE`")
+        return list(bundle.snapshots), []
+    if args.pyspy_dir is not None:
+        from rankscope.pyspy_dir import load_pyspy_dir
+
+        return [load_pyspy_dir(args.pyspy_dir, _layout(args, None))], []
+    try:
+        from rankscope.flight_recorder import analyze_flight_recorder_dir  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        raise RankscopeError(
+            "this rankscope has no flight-recorder reader (rankscope.flight_recorder is missing)",
+            "analyze a bundle or a --pyspy-dir instead, or install a rankscope release that has it",
+        ) from None
+    snapshot, verdict = analyze_flight_recorder_dir(args.flight_recorder, _layout(args, None))
+    return [snapshot], [verdict]
+
+
+def _rounds(snapshots: list[Any], layout: Any, options: Any) -> dict[str, object]:
+    from rankscope.analyzers.rounds import FailSlowRounds
+    from rankscope.analyzers.suspects import analyze_stacks, suspect_to_json
+
+    rounds = FailSlowRounds(rounds=len(snapshots))
+    for snap in snapshots:
+        rounds.add_round(analyze_stacks(snap, layout if layout is not None else snap.layout, options))
+    degrader = rounds.flagged()
+    return {
+        "rounds": [{"index": r.index, "outliers": r.outliers, "summary": r.summary,
+                    "flagged": suspect_to_json(r.flagged) if r.flagged else None} for r in rounds.history],
+        "degrader": suspect_to_json(degrader) if degrader else None,
+    }
+
+
+def render_text(out: dict[str, Any]) -> str:
+    """The verdict for a person: headline, layout, groups, suspects with evidence, gaps."""
+    lines = [f"verdict: {out['summary']}"]
+    lay = out["layout"]
+    dims = " ".join(f"{d}={lay[d]}" for d in ("tp", "pp", "dp", "cp", "ep") if lay[d] > 1) or "no parallel sizes"
+    rpm = f", {lay['ranks_per_machine']} ranks/machine" if lay.get("ranks_per_machine") else ""
+    lines.append(f"layout: {dims} (order {lay['order']}), world {out['world_size']}{rpm}"
+                 + (" [assumed]" if lay.get("assumed") else ""))
+    lines.append("")
+    lines.append(f"stack groups ({len(out['groups'])}):")
+    for g in out["groups"][:20]:
+        tag = "healthy" if g["healthy"] else "outlier"
+        div = f"\n      leaves the healthy path at {g['diverging_frame']}" if g.get("diverging_frame") else ""
+        lines.append(f"  [{tag}] {g['size']} rank(s) {_ranks(g['ranks'])}: {g['summary']}{div}")
+    if len(out["groups"]) > 20:
+        lines.append(f"  ... {len(out['groups']) - 20} more groups (use --json)")
+    lines.append("")
+    if out["suspects"]:
+        lines.append("suspects (most likely first):")
+        for i, s in enumerate(out["suspects"][:5], 1):
+            lines.append(f"  {i}. [{s['kind']}] score {s['score']:.2f}  machines: {', '.join(s['machines']) or '?'}")
+            lines.extend(f"       {e}" for e in s["evidence"])
+    else:
+        lines.append("suspects: none")
+    fs = out.get("fail_slow")
+    if fs:
+        lines.append("")
+        lines.append(f"fail-slow rounds ({len(fs['rounds'])}):")
+        for r in fs["rounds"]:
+            lines.append(f"  round {r['index']}: {r['summary']}")
+        deg = fs["degrader"]
+        lines.append(f"  degrader: {deg['evidence'][0] if deg else 'none'}")
+    if out["missing_ranks"]:
+        lines.append("")
+        lines.append(f"could not see ranks: {_ranks(out['missing_ranks'])}")
+    if out["notes"]:
+        lines.append("")
+        lines.extend(f"note: {n}" for n in out["notes"])
+    return "\n".join(lines) + "\n"
+
+
+def _ranks(ranks: list[int]) -> str:
+    from rankscope.analyzers.topology import compact_ranks
+
+    return compact_ranks(ranks)

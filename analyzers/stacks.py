@@ -1,0 +1,514 @@
+"""Stack aggregation (ByteRobust §5.1): one signature per rank, ranks grouped by it.
+
+A hung job has thousands of ranks, nearly all waiting in the same place. The
+few that are somewhere else point at the fault. To see them, every rank's
+stacks are reduced to a *signature* that leaves out what differs between
+healthy ranks for no reason (addresses, by default line numbers, wrapper
+frames of torch and of the interpreter), and ranks are grouped by equal
+signatures. The largest group is taken as healthy, the rest as outliers.
+
+A rank's signature covers its main thread, its other busy threads and its
+subprocesses (dataloader workers, checkpoint writers): a worker stuck while
+the main thread waits for it must make that rank stand out.
+
+Speed: 16k ranks x 40 frames is 650k frames per capture. Each distinct frame
+is normalised once and interned to an int; a thread is then a tuple of ints,
+interned again, and ranks are grouped by an int per rank with numpy. Strings
+are built only for the few distinct groups.
+
+A prefix tree of all stacks (as LLNL's STAT draws it) shows where groups part
+ways; it is built from the groups, not from the ranks, so its cost does not
+grow with the job.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from rankscope.snapshot import Frame, ProcessStack, RankStacks, ThreadStack
+
+# --------------------------------------------------------------------------
+# options and results
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SignatureOptions:
+    """What a signature keeps. The defaults suit a hang: coarse, stable, complete."""
+
+    keep_lines: bool = False
+    fold_wrappers: bool = True
+    include_subprocesses: bool = True
+    include_idle_threads: bool = False
+    extra_wrappers: tuple[str, ...] = ()  # more function names to fold, e.g. a team's own decorators
+
+
+DEFAULT_OPTIONS = SignatureOptions()
+
+
+@dataclass(frozen=True, slots=True)
+class StackGroup:
+    """Ranks whose signatures are equal.
+
+    ``frames`` are the main thread's normalised frames, outermost first;
+    ``lanes`` are all the parts of the signature (main thread, other busy
+    threads, subprocesses), each as a label and its frames, outermost first.
+    """
+
+    signature: str
+    ranks: tuple[int, ...]
+    summary: str
+    frames: tuple[str, ...]
+    lanes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Grouping:
+    """Groups largest first; indices into ``groups`` of the healthy and the outlier ones."""
+
+    groups: tuple[StackGroup, ...]
+    dominant: tuple[int, ...]
+    outliers: tuple[int, ...]
+    unseen: tuple[int, ...] = ()  # ranks whose main process could not be read
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def outlier_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(r for i in self.outliers for r in self.groups[i].ranks))
+
+    @property
+    def dominant_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(r for i in self.dominant for r in self.groups[i].ranks))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixNode:
+    """One frame of the merged stack tree and the ranks whose stacks pass through it."""
+
+    frame: str
+    ranks: tuple[int, ...]
+    children: tuple[PrefixNode, ...] = ()
+
+
+MAIN_LANE = "main"
+
+# --------------------------------------------------------------------------
+# frame normalisation
+# --------------------------------------------------------------------------
+
+# Frames that only forward a call; folding them keeps signatures equal across
+# torch versions, compiled/uncompiled modules and decorator stacks.
+_WRAPPERS_BY_FILE: dict[str, frozenset[str]] = {
+    "module.py": frozenset({"_call_impl", "_wrapped_call_impl"}),
+    "c10d_logger.py": frozenset({"wrapper"}),
+    "_contextlib.py": frozenset({"decorate_context"}),
+    "eval_frame.py": frozenset({"_fn"}),
+    "threading.py": frozenset({"_bootstrap", "_bootstrap_inner", "run"}),
+    "contextlib.py": frozenset({"inner"}),
+    "functools.py": frozenset({"wrapper", "_wrapper"}),
+}
+_WRAPPER_NAMES = frozenset({"wrapper", "_wrapper", "wrapped", "inner", "decorated"})
+
+# Native frames of the interpreter itself (py-spy --native): the same on every rank.
+_INTERPRETER_NATIVE = re.compile(
+    r"^(_?Py|cfunction_|method_vectorcall|slot_tp_|vectorcall|_start$|__libc_start|start_thread$|clone3?$)"
+)
+
+# A non-main thread whose innermost frame is one of these is parked, not working.
+_IDLE = {
+    "threading.py": frozenset({"wait", "_wait_for_tstate_lock", "join", "acquire"}),
+    "queue.py": frozenset({"get", "put", "wait"}),
+    "selectors.py": frozenset({"select", "poll"}),
+    "socket.py": frozenset({"accept", "recv", "recv_into"}),
+    "connection.py": frozenset({"wait", "poll", "_poll", "_recv", "_recv_bytes", "recv", "accept"}),
+    "synchronize.py": frozenset({"wait", "__enter__"}),
+    "pin_memory.py": frozenset({"do_one_step"}),
+}
+
+_ADDRESS = re.compile(r"\s*(\+\s*)?0x[0-9a-fA-F]+")
+
+
+def _short(name: str) -> str:
+    """The function's own name: py-spy 0.4 qualifies methods (``Thread.run``)."""
+    return name.rsplit(".", 1)[-1]
+
+
+def _basename(filename: str) -> str:
+    return filename.replace("\\", "/").rsplit("/", 1)[-1]
+
+
+def frame_text(frame: Frame, keep_lines: bool = False) -> str:
+    """``name (file.py)`` or ``name (file.py:123)``; no addresses, no directories.
+
+    Directories are dropped because the same code lives under different paths
+    on different machines (virtual environments, user homes).
+    """
+    name = _ADDRESS.sub("", frame.name).strip() or "?"
+    base = _ADDRESS.sub("", _basename(frame.filename)).strip()
+    if keep_lines and frame.line is not None:
+        return f"{name} ({base}:{frame.line})" if base else name
+    return f"{name} ({base})" if base else name
+
+
+def is_wrapper(frame: Frame, options: SignatureOptions) -> bool:
+    if not options.fold_wrappers:
+        return False
+    if frame.native and _INTERPRETER_NATIVE.match(frame.name):
+        return True
+    short = _short(frame.name)
+    base = _basename(frame.filename)
+    by_file = _WRAPPERS_BY_FILE.get(base)
+    if by_file is not None and short in by_file:
+        return True
+    return short in _WRAPPER_NAMES or short in options.extra_wrappers
+
+
+class _Interner:
+    """Frames and lanes to small ints, so signatures compare and hash as int tuples."""
+
+    __slots__ = ("_frame_ids", "_idle_ids", "_lane_ids", "frame_texts", "lanes", "options")
+
+    def __init__(self, options: SignatureOptions) -> None:
+        self.options = options
+        self._frame_ids: dict[tuple[str, str] | tuple[str, str, int | None], int] = {}
+        self.frame_texts: list[str] = []
+        self._idle_ids: set[int] = set()
+        self._lane_ids: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.lanes: list[tuple[str, tuple[int, ...]]] = []
+
+    def _add_frame(self, frame: Frame, key: tuple[str, str] | tuple[str, str, int | None]) -> int:
+        if is_wrapper(frame, self.options):
+            fid = -1
+        else:
+            fid = len(self.frame_texts)
+            self.frame_texts.append(frame_text(frame, self.options.keep_lines))
+            base = _basename(frame.filename)
+            if _short(frame.name) in _IDLE.get(base, ()):
+                self._idle_ids.add(fid)
+        self._frame_ids[key] = fid
+        return fid
+
+    def frame_ids(self, frames: tuple[Frame, ...]) -> tuple[int, ...]:
+        """Interned ids of the kept frames, innermost first (py-spy's order)."""
+        ids = self._frame_ids
+        out: list[int] = []
+        append = out.append
+        if self.options.keep_lines:
+            for f in frames:
+                key3 = (f.name, f.filename, f.line)
+                fid = ids.get(key3)
+                if fid is None:
+                    fid = self._add_frame(f, key3)
+                if fid >= 0:
+                    append(fid)
+        else:
+            for f in frames:
+                key2 = (f.name, f.filename)
+                fid = ids.get(key2)
+                if fid is None:
+                    fid = self._add_frame(f, key2)
+                if fid >= 0:
+                    append(fid)
+        return tuple(out)
+
+    def is_idle(self, ids: tuple[int, ...]) -> bool:
+        return not ids or ids[0] in self._idle_ids
+
+    def lane(self, label: str, ids: tuple[int, ...]) -> int:
+        key = (label, ids)
+        lid = self._lane_ids.get(key)
+        if lid is None:
+            lid = len(self.lanes)
+            self._lane_ids[key] = lid
+            self.lanes.append(key)
+        return lid
+
+    def lane_frames(self, lane_id: int) -> tuple[str, tuple[str, ...]]:
+        """A lane as text, outermost frame first (the order people read a tree in)."""
+        label, ids = self.lanes[lane_id]
+        texts = self.frame_texts
+        return label, tuple(texts[i] for i in reversed(ids))
+
+
+def main_thread(process: ProcessStack) -> ThreadStack | None:
+    """The thread py-spy names MainThread, else the one whose OS id is the pid, else the first."""
+    threads = process.threads or ()
+    for t in threads:
+        if t.thread_name == "MainThread":
+            return t
+    for t in threads:
+        if t.os_thread_id == process.pid:
+            return t
+    return threads[0] if threads else None
+
+
+def _process_lanes(
+    interner: _Interner, process: ProcessStack, label: str, lanes: list[int], always_main: bool
+) -> None:
+    main = main_thread(process)
+    if main is None:
+        return
+    main_ids = interner.frame_ids(main.frames)
+    if always_main or interner.options.include_idle_threads or not interner.is_idle(main_ids):
+        lanes.append(interner.lane(label, main_ids))
+    for t in process.threads or ():
+        if t is main:
+            continue
+        ids = interner.frame_ids(t.frames)
+        if interner.options.include_idle_threads or not interner.is_idle(ids):
+            lanes.append(interner.lane(f"{label}/thread", ids))
+
+
+def _rank_lanes(interner: _Interner, rs: RankStacks) -> tuple[int, ...]:
+    """The rank's signature as lane ids: its main thread first, then the rest as a sorted set.
+
+    A set, because ranks differ in how many identical idle workers they run,
+    and thread or process order means nothing.
+    """
+    first: list[int] = []
+    _process_lanes(interner, rs.main, MAIN_LANE, first, always_main=True)
+    main_lane, others = first[0], first[1:]
+    if interner.options.include_subprocesses:
+        for sub in rs.subprocesses:
+            if sub.threads is None:
+                continue  # a worker that exited mid-capture is not evidence; see Grouping.notes
+            _process_lanes(interner, sub, str(sub.role), others, always_main=False)
+    return (main_lane, *sorted(set(others)))
+
+
+# --------------------------------------------------------------------------
+# grouping
+# --------------------------------------------------------------------------
+
+_COMM_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast", "barrier",
+               "all_to_all", "alltoall", "send", "recv", "wait", "gather", "scatter", "reduce", "batch_isend_irecv")
+
+
+def is_communication(frame_text_: str) -> bool:
+    """Whether a normalised frame is a collective or point-to-point call (a rank waiting for others)."""
+    name = frame_text_.split(" (", 1)[0].lower()
+    short = name.rsplit(".", 1)[-1]
+    return any(w in short for w in _COMM_WORDS)
+
+
+def _summary(lanes: tuple[tuple[str, tuple[str, ...]], ...]) -> str:
+    parts: list[str] = []
+    for label, frames in lanes:
+        if not frames:
+            parts.append(f"[{label}] (no Python frames)")
+            continue
+        inner = frames[-1]
+        text = inner if len(frames) < 2 else f"{inner} <- {frames[-2].split(' (', 1)[0]}"
+        parts.append(text if label == MAIN_LANE else f"[{label}] {text}")
+    return " | ".join(parts)
+
+
+def group_stacks(stacks: Mapping[int, RankStacks], options: SignatureOptions = DEFAULT_OPTIONS) -> Grouping:
+    """Group ranks by signature; the largest group is dominant, the others are outliers.
+
+    When several groups tie for largest, the one holding the lowest rank is
+    taken and a note says so (the suspect ranking may pick another, see
+    ``rankscope.analyzers.suspects``). When no two ranks agree, nobody is
+    dominant and there are no outliers: there is no majority to compare with.
+    """
+    interner = _Interner(options)
+    rank_ids: list[int] = []
+    sig_ids: list[int] = []
+    sig_index: dict[tuple[int, ...], int] = {}
+    sig_keys: list[tuple[int, ...]] = []
+    unseen: list[int] = []
+    lost_workers = 0
+    for rank in sorted(stacks):
+        rs = stacks[rank]
+        if rs.main.threads is None or not rs.main.threads:
+            unseen.append(rank)
+            continue
+        lost_workers += sum(1 for s in rs.subprocesses if s.threads is None)
+        key = _rank_lanes(interner, rs)
+        sid = sig_index.get(key)
+        if sid is None:
+            sid = len(sig_keys)
+            sig_index[key] = sid
+            sig_keys.append(key)
+        rank_ids.append(rank)
+        sig_ids.append(sid)
+
+    notes: list[str] = []
+    if lost_workers:
+        notes.append(f"{lost_workers} subprocess(es) could not be read and were left out of the signatures")
+    groups = _build_groups(interner, np.asarray(rank_ids, dtype=np.int64), np.asarray(sig_ids, dtype=np.int64),
+                           sig_keys)
+    dominant, outliers, more = _choose_dominant(groups)
+    notes.extend(more)
+    return Grouping(groups=groups, dominant=dominant, outliers=outliers, unseen=tuple(unseen), notes=tuple(notes))
+
+
+def _build_groups(
+    interner: _Interner, ranks: np.ndarray, sig_ids: np.ndarray, sig_keys: list[tuple[int, ...]]
+) -> tuple[StackGroup, ...]:
+    if ranks.size == 0:
+        return ()
+    order = np.argsort(sig_ids, kind="stable")
+    sorted_ids = sig_ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    ends = np.r_[starts[1:], sorted_ids.size]
+    members = [(int(sorted_ids[s]), ranks[order[s:e]]) for s, e in zip(starts, ends, strict=True)]
+    # Largest first; among equals the group holding the lowest rank first, so output is stable.
+    members.sort(key=lambda m: (-m[1].size, int(m[1][0])))
+    out: list[StackGroup] = []
+    for sid, member_ranks in members:
+        lanes = tuple(interner.lane_frames(lid) for lid in sig_keys[sid])
+        signature = "\n".join(f"[{label}]\n" + "\n".join(f"  {f}" for f in frames) for label, frames in lanes)
+        out.append(StackGroup(
+            signature=signature,
+            ranks=tuple(member_ranks.tolist()),
+            summary=_summary(lanes),
+            frames=lanes[0][1],
+            lanes=lanes,
+        ))
+    return tuple(out)
+
+
+def _choose_dominant(groups: tuple[StackGroup, ...]) -> tuple[tuple[int, ...], tuple[int, ...], list[str]]:
+    if not groups:
+        return (), (), []
+    sizes = [len(g.ranks) for g in groups]
+    if len(groups) > 1 and sizes[0] == 1:
+        return (), (), [f"no two of the {len(groups)} ranks show the same stacks: there is no majority to compare with"]
+    notes: list[str] = []
+    tied = [i for i, s in enumerate(sizes) if s == sizes[0]]
+    if len(tied) > 1:
+        notes.append(f"{len(tied)} groups of {sizes[0]} ranks tie for largest; group 0 (lowest rank) taken as healthy")
+    return (0,), tuple(range(1, len(groups))), notes
+
+
+def with_dominant(grouping: Grouping, dominant: Iterable[int]) -> Grouping:
+    """The same groups with another choice of healthy groups (the rest become outliers)."""
+    dom = tuple(sorted(set(dominant)))
+    outliers = tuple(i for i in range(len(grouping.groups)) if i not in dom)
+    return Grouping(groups=grouping.groups, dominant=dom, outliers=outliers, unseen=grouping.unseen,
+                    notes=grouping.notes)
+
+
+# --------------------------------------------------------------------------
+# prefix tree and divergence
+# --------------------------------------------------------------------------
+
+
+def tree_from_grouping(grouping: Grouping) -> PrefixNode:
+    """The STAT-style tree: root -> lane label -> frames outermost first, with rank sets.
+
+    Built from the distinct groups: a node's ranks are the union of the
+    groups that pass through it.
+    """
+    # node path -> list of group indices passing through it (ordered dict keeps insertion order)
+    children: dict[tuple[str, ...], dict[str, None]] = {(): {}}
+    through: dict[tuple[str, ...], set[int]] = {(): set()}
+    for gi, group in enumerate(grouping.groups):
+        through[()].add(gi)
+        for label, frames in group.lanes:
+            path: tuple[str, ...] = ()
+            for step in (f"[{label}]", *frames):
+                children[path].setdefault(step, None)
+                path = (*path, step)
+                children.setdefault(path, {})
+                through.setdefault(path, set()).add(gi)
+    cache: dict[frozenset[int], tuple[int, ...]] = {}
+    arrays = [np.asarray(g.ranks, dtype=np.int64) for g in grouping.groups]
+
+    def ranks_for(gids: set[int]) -> tuple[int, ...]:
+        key = frozenset(gids)
+        got = cache.get(key)
+        if got is None:
+            parts = [arrays[i] for i in sorted(key)]
+            got = tuple(np.sort(np.concatenate(parts)).tolist()) if parts else ()
+            cache[key] = got
+        return got
+
+    def build(path: tuple[str, ...], label: str) -> PrefixNode:
+        kids = [build((*path, step), step) for step in children[path]]
+        kids.sort(key=lambda n: (-len(n.ranks), n.ranks[:1]))
+        return PrefixNode(frame=label, ranks=ranks_for(through[path]), children=tuple(kids))
+
+    return build((), "all ranks")
+
+
+def prefix_tree(stacks: Mapping[int, RankStacks], options: SignatureOptions = DEFAULT_OPTIONS) -> PrefixNode:
+    """The merged stack tree of all readable ranks (see :func:`tree_from_grouping`)."""
+    return tree_from_grouping(group_stacks(stacks, options))
+
+
+def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def diverging_frame(grouping: Grouping, group: StackGroup) -> str | None:
+    """Where ``group`` leaves the healthy path: its first frame that no dominant stack has there.
+
+    Main-thread differences come first; a subprocess or thread lane is
+    prefixed with its label. None for a dominant group, or when nothing
+    differs (which cannot happen for two distinct groups).
+    """
+    if not grouping.dominant:
+        return None
+    healthy = grouping.groups[grouping.dominant[0]]
+    if group is healthy or group.signature == healthy.signature:
+        return None
+    healthy_lanes: dict[str, list[tuple[str, ...]]] = {}
+    for label, frames in healthy.lanes:
+        healthy_lanes.setdefault(label, []).append(frames)
+    for label, frames in group.lanes:
+        candidates = healthy_lanes.get(label, [])
+        if frames in candidates:
+            continue
+        prefix = f"[{label}] " if label != MAIN_LANE else ""
+        if not candidates:
+            return f"{prefix}{frames[0] if frames else '(no frames)'} (a {label} lane the healthy ranks lack)"
+        best = max(candidates, key=lambda c: _common_prefix(c, frames))
+        n = _common_prefix(best, frames)
+        if n < len(frames):
+            return f"{prefix}{frames[n]}"
+        return f"{prefix}{frames[-1] if frames else '(no frames)'} (stops here; healthy ranks go deeper)"
+    # Everything of the group is also in the healthy group: the healthy one has an extra lane.
+    missing = [label for label, frames in healthy.lanes if (label, frames) not in group.lanes]
+    if missing:
+        return f"[{missing[0]}] lane missing (healthy ranks have it)"
+    return None
+
+
+def rank_frames(rs: RankStacks, options: SignatureOptions = DEFAULT_OPTIONS) -> dict[str, tuple[str, ...]]:
+    """Every thread and subprocess of one rank, normalised, outermost first (the TUI's one-rank view).
+
+    Unlike a signature this keeps idle threads, and names each lane by its
+    thread or process so a person can tell them apart.
+    """
+    out: dict[str, tuple[str, ...]] = {}
+
+    def add(process: ProcessStack, label: str) -> None:
+        if process.threads is None:
+            reason = process.error.message if process.error else "not captured"
+            out[f"{label} pid {process.pid}"] = (f"(unreadable: {reason})",)
+            return
+        main = main_thread(process)
+        for t in process.threads:
+            frames = tuple(
+                frame_text(f, options.keep_lines) for f in reversed(t.frames) if not is_wrapper(f, options)
+            )
+            name = t.thread_name or str(t.os_thread_id or t.thread_id)
+            key = label if t is main else f"{label} thread {name}"
+            while key in out:
+                key += "'"
+            out[key] = frames
+
+    add(rs.main, MAIN_LANE)
+    for sub in rs.subprocesses:
+        add(sub, f"{sub.role} {sub.name or ''} pid {sub.pid}".replace("  ", " "))
+    return out

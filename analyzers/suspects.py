@@ -1,0 +1,486 @@
+"""From outlier stacks to the parallel group and machines to evict (ByteRobust §5.1, step 3).
+
+The outlier ranks of a hang rarely form one layout group by chance: when a
+pipeline stage stalls, its whole pipeline waits in send/recv; when a rank
+never joins a gradient all-reduce, its data-parallel peers wait in it. So
+every group of every kind is scored by how well it *explains* the outliers:
+
+    score = coverage * purity
+    coverage = outlier ranks inside the candidate / all outlier ranks
+    purity   = outlier ranks inside the candidate / ranks of the candidate
+
+A candidate is the union of the groups of one kind that hold outliers and
+share machines: with TP=2 on two-GPU machines, Fig. 7's stalled pipeline is
+two PP groups (tp=0 and tp=1) on the same four machines, and machines are what
+gets evicted. Single outlier ranks and machines are candidates too, so a lone
+stuck rank is named as such rather than blamed on its whole pipeline.
+
+The numbers per rank are numpy arrays, so a 16k-rank job costs the same few
+vector operations per kind as a small one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+from rankscope.analyzers.stacks import (
+    DEFAULT_OPTIONS,
+    Grouping,
+    PrefixNode,
+    SignatureOptions,
+    StackGroup,
+    diverging_frame,
+    group_stacks,
+    is_communication,
+    tree_from_grouping,
+    with_dominant,
+)
+from rankscope.analyzers.topology import (
+    DIMS,
+    Topology,
+    compact_machines,
+    compact_ranks,
+    layout_sizes,
+    natural_key,
+    placement_of,
+    topology_for,
+)
+from rankscope.snapshot import JobSnapshot, Layout
+
+# Among equally good candidates, the kind ByteRobust evicts first.
+_KIND_PREFERENCE: tuple[str, ...] = ("pp", "dp", "tp", "cp", "ep", "machine", "rank")
+_MAX_SUSPECTS = 12
+_MAX_RANK_CANDIDATES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class StackAnalysis:
+    """Everything the stack detector found: the groups, the tree, the verdict, the layout used."""
+
+    grouping: Grouping
+    tree: PrefixNode
+    verdict: Verdict
+    topology: Topology
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    kind: str
+    ranks: np.ndarray  # sorted int64
+    hits: int
+    group_index: int | None
+    groups: tuple[int, ...]  # group indices of that kind merged into this candidate
+
+
+class _Placement:
+    """Rank -> machine, as an index array for vector work and names for people."""
+
+    def __init__(self, snapshot: JobSnapshot, world: int, ranks_per_machine: int | None) -> None:
+        known = placement_of(snapshot)
+        names: list[str] = []
+        index: dict[str, int] = {}
+        ids = np.full(world, -1, dtype=np.int64)
+        for rank in range(world):
+            name = known.get(rank)
+            if name is None and ranks_per_machine:
+                name = f"machine-{rank // ranks_per_machine}"
+            if name is None:
+                continue
+            mid = index.get(name)
+            if mid is None:
+                mid = len(names)
+                index[name] = mid
+                names.append(name)
+            ids[rank] = mid
+        self.ids = ids
+        self.names = names
+
+    def machines(self, ranks: np.ndarray | Sequence[int]) -> tuple[str, ...]:
+        arr = np.asarray(ranks, dtype=np.int64)
+        arr = arr[(arr >= 0) & (arr < self.ids.size)]
+        mids = np.unique(self.ids[arr])
+        return tuple(sorted((self.names[m] for m in mids.tolist() if m >= 0), key=natural_key))
+
+
+def _group_ids(topology: Topology, kind: str) -> np.ndarray:
+    """For every rank, the index of its group of ``kind`` (the order of ``Topology.groups``)."""
+    world = topology.world_size
+    for k, groups in topology.explicit:
+        if k == kind:
+            out = np.full(world, -1, dtype=np.int64)
+            for i, group in enumerate(groups):
+                out[np.asarray(group, dtype=np.int64)] = i
+            return out
+    sizes = layout_sizes(topology.layout)
+    rest = np.arange(world, dtype=np.int64)
+    index = np.zeros(world, dtype=np.int64)
+    scale = 1
+    for dim in topology.order:
+        coord = rest % sizes[dim]
+        rest = rest // sizes[dim]
+        if dim != kind:
+            index += coord * scale
+            scale *= sizes[dim]
+    return index
+
+
+def _merge_by_machine(touched: list[np.ndarray], machine_ids: np.ndarray) -> list[list[int]]:
+    """Connected components of groups that share a machine (indices into ``touched``)."""
+    parent = list(range(len(touched)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, members in enumerate(touched):
+        for mid in np.unique(machine_ids[members]).tolist():
+            if mid < 0:
+                continue
+            j = owner.setdefault(mid, i)
+            a, b = find(i), find(j)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    comps: dict[int, list[int]] = {}
+    for i in range(len(touched)):
+        comps.setdefault(find(i), []).append(i)
+    return list(comps.values())
+
+
+def _candidates(
+    outliers: np.ndarray, seen: np.ndarray, topology: Topology, placement: _Placement,
+    single_rank_groups: Sequence[int],
+) -> list[_Candidate]:
+    """Every group (merged by shared machines), machine and lone rank that holds outliers."""
+    world = topology.world_size
+    is_out = np.zeros(world, dtype=bool)
+    is_out[outliers] = True
+    n_seen = int(seen.sum())
+    out: list[_Candidate] = []
+    for kind in topology.kinds():
+        gid = _group_ids(topology, kind)
+        valid = gid >= 0
+        n_groups = int(gid.max()) + 1 if valid.any() else 0
+        hits = np.bincount(gid[valid & is_out], minlength=n_groups)
+        touched_idx = np.flatnonzero(hits)
+        if touched_idx.size == 0:
+            continue
+        order = np.argsort(gid, kind="stable")
+        counts = np.bincount(gid[valid], minlength=n_groups)
+        starts = np.r_[0, np.cumsum(counts)] + int((~valid).sum())
+        touched = [np.sort(order[starts[g]:starts[g] + counts[g]]) for g in touched_idx.tolist()]
+        for comp in _merge_by_machine(touched, placement.ids):
+            ranks = np.unique(np.concatenate([touched[i] for i in comp]))
+            if int(seen[ranks].sum()) >= n_seen:
+                continue  # the whole job: says nothing
+            groups = tuple(int(touched_idx[i]) for i in comp)
+            out.append(_Candidate(kind, ranks, int(is_out[ranks].sum()), min(groups), groups))
+    # machines holding outliers
+    mids = placement.ids[outliers]
+    for mid in np.unique(mids[mids >= 0]).tolist():
+        ranks = np.flatnonzero(placement.ids == mid)
+        if int(seen[ranks].sum()) >= n_seen:
+            continue
+        out.append(_Candidate("machine", ranks, int(is_out[ranks].sum()), None, ()))
+    for rank in single_rank_groups:
+        out.append(_Candidate("rank", np.asarray([rank], dtype=np.int64), 1, None, ()))
+    return out
+
+
+def _score(c: _Candidate, n_outliers: int) -> float:
+    return (c.hits / n_outliers) * (c.hits / c.ranks.size)
+
+
+def _rank_candidates(cands: list[_Candidate], n_outliers: int, placement: _Placement) -> list[_Candidate]:
+    def key(c: _Candidate) -> tuple[float, int, int, int]:
+        return (-round(_score(c, n_outliers), 9), len(placement.machines(c.ranks)),
+                _KIND_PREFERENCE.index(c.kind), int(c.ranks[0]))
+
+    ordered = sorted(cands, key=key)
+    unique: list[_Candidate] = []
+    seen_sets: set[bytes] = set()
+    for c in ordered:
+        k = c.ranks.tobytes()
+        if k in seen_sets:
+            continue  # same ranks under another name: keep the preferred kind
+        seen_sets.add(k)
+        unique.append(c)
+    return unique
+
+
+def _kind_label(c: _Candidate) -> str:
+    if c.kind == "rank":
+        return f"rank {int(c.ranks[0])}"
+    if c.kind == "machine":
+        return "machine"
+    name = c.kind.upper()
+    if len(c.groups) == 1:
+        return f"{name} group {c.groups[0]}"
+    return f"{name} groups {compact_ranks(c.groups)}"
+
+
+def describe(c: _Candidate, machines: tuple[str, ...]) -> str:
+    where = compact_machines(machines) or "unknown machines"
+    if c.kind == "machine":
+        return f"machine {where}"
+    return f"{_kind_label(c)} on {where}"
+
+
+def _origin_ranks(grouping: Grouping, members: set[int]) -> list[tuple[StackGroup, str]]:
+    """Outlier groups inside a candidate whose main thread is NOT waiting in communication.
+
+    In a hang the peers of a stuck rank wait in send/recv or a collective; the
+    one doing something else is where the fault most likely started.
+    """
+    out: list[tuple[StackGroup, str]] = []
+    for i in grouping.outliers:
+        g = grouping.groups[i]
+        if not members.intersection(g.ranks):
+            continue
+        inner = g.frames[-1] if g.frames else ""
+        if inner and not is_communication(inner):
+            out.append((g, inner))
+    return out
+
+
+def _evidence(
+    c: _Candidate, grouping: Grouping, n_outliers: int, machines: tuple[str, ...], placement: _Placement,
+    missing: dict[int, str],
+) -> tuple[tuple[str, ...], str | None]:
+    members = set(c.ranks.tolist())
+    lines = [
+        f"{describe(c, machines)}: holds {c.hits} of the {n_outliers} outlier ranks; "
+        f"{c.hits} of its {c.ranks.size} ranks are outliers (ranks {compact_ranks(members)})"
+    ]
+    first_div: str | None = None
+    for i in grouping.outliers:
+        g = grouping.groups[i]
+        inside = members.intersection(g.ranks)
+        if not inside:
+            continue
+        div = diverging_frame(grouping, g)
+        if first_div is None:
+            first_div = div
+        where = compact_machines(placement.machines(sorted(inside)))
+        line = f"ranks {compact_ranks(inside)} ({where}): {g.summary}"
+        if div:
+            line += f"; leaves the healthy path at {div}"
+        lines.append(line)
+    if grouping.dominant:
+        healthy = grouping.groups[grouping.dominant[0]]
+        lines.append(f"healthy majority: {len(healthy.ranks)} ranks at {healthy.summary}")
+    origins = _origin_ranks(grouping, members)
+    if origins and len(origins) < len([i for i in grouping.outliers if members.intersection(grouping.groups[i].ranks)]):
+        for g, inner in origins:
+            lines.append(f"likely origin: ranks {compact_ranks(members.intersection(g.ranks))} are not waiting in "
+                         f"communication ({inner}) while the other outliers are")
+    gone = sorted(r for r in members if r in missing)
+    if gone:
+        lines.append(f"ranks {compact_ranks(gone)} of this group could not be seen: "
+                     + "; ".join(sorted({missing[r] for r in gone})))
+    return tuple(lines), first_div
+
+
+def _missing_ranks(snapshot: JobSnapshot, topology: Topology, grouping: Grouping) -> dict[int, str]:
+    """Rank -> why it could not be seen, for every expected rank without readable stacks."""
+    reasons: dict[int, str] = {}
+    stacks = snapshot.all_stacks()
+    for m in snapshot.machines:
+        if not m.reachable:
+            why = f"machine {m.machine} unreachable" + (f" ({m.error.message})" if m.error else "")
+            for r in m.ranks:
+                reasons.setdefault(r.rank, why)
+    for rank in grouping.unseen:
+        err = stacks[rank].main.error
+        reasons[rank] = f"{err.kind}: {err.message}" if err else "no threads captured"
+    for rank in range(topology.world_size):
+        if rank not in stacks:
+            reasons.setdefault(rank, "no stacks in the snapshot")
+    return reasons
+
+
+def _suspects_for(
+    grouping: Grouping, topology: Topology, placement: _Placement, missing: dict[int, str]
+) -> tuple[list[Suspect], float]:
+    outlier_ranks = np.asarray(grouping.outlier_ranks, dtype=np.int64)
+    outlier_ranks = outlier_ranks[outlier_ranks < topology.world_size]
+    if outlier_ranks.size == 0:
+        return [], 0.0
+    seen = np.zeros(topology.world_size, dtype=bool)
+    for g in grouping.groups:
+        idx = np.asarray(g.ranks, dtype=np.int64)
+        seen[idx[idx < topology.world_size]] = True
+    # Lone ranks are candidates too: every outlier of a small set, else those alone in their group.
+    if outlier_ranks.size <= _MAX_RANK_CANDIDATES:
+        singles = outlier_ranks.tolist()
+    else:
+        singles = [grouping.groups[i].ranks[0] for i in grouping.outliers if len(grouping.groups[i].ranks) == 1]
+    n = int(outlier_ranks.size)
+    ranked = _rank_candidates(_candidates(outlier_ranks, seen, topology, placement, singles), n, placement)
+    suspects: list[Suspect] = []
+    for c in ranked[:_MAX_SUSPECTS]:
+        machines = placement.machines(c.ranks)
+        evidence, div = _evidence(c, grouping, n, machines, placement, missing)
+        suspects.append(Suspect(
+            kind=SuspectKind(c.kind),
+            ranks=tuple(c.ranks.tolist()),
+            machines=machines,
+            score=round(_score(c, n), 6),
+            evidence=evidence,
+            sources=("stacks",),
+            group_index=c.group_index,
+            diverging_frame=div,
+        ))
+    return suspects, (suspects[0].score if suspects else 0.0)
+
+
+def _independent_cover(suspects: list[Suspect], outliers: set[int]) -> list[Suspect]:
+    """Suspects that together explain all outliers without overlapping, best first (greedy)."""
+    cover: list[Suspect] = []
+    left = set(outliers)
+    taken: set[int] = set()
+    for s in suspects:
+        if not left:
+            break
+        ranks = set(s.ranks)
+        if ranks & taken or not ranks & left:
+            continue
+        cover.append(s)
+        taken |= ranks
+        left -= ranks
+    return cover
+
+
+def analyze_stacks(
+    snapshot: JobSnapshot, layout: Layout | None = None, options: SignatureOptions = DEFAULT_OPTIONS
+) -> StackAnalysis:
+    """Group the snapshot's stacks and rank the parallel groups that explain the outliers.
+
+    Raises ValueError (with the fix in its message) when the layout does not
+    fit the job.
+    """
+    topology = topology_for(snapshot, layout)
+    rpm = (layout.ranks_per_machine if layout is not None else None) or topology.layout.ranks_per_machine
+    if rpm is None and snapshot.layout is not None:
+        rpm = snapshot.layout.ranks_per_machine
+    grouping = group_stacks(snapshot.all_stacks(), options)
+    placement = _Placement(snapshot, topology.world_size, rpm)
+    missing = _missing_ranks(snapshot, topology, grouping)
+    notes = list(grouping.notes)
+
+    # When several groups tie for largest, the healthy one is the choice whose
+    # outliers are best explained by one parallel group.
+    if grouping.groups and grouping.dominant:
+        top = len(grouping.groups[0].ranks)
+        tied = [i for i, g in enumerate(grouping.groups) if len(g.ranks) == top]
+        if len(tied) > 1:
+            best, best_score = grouping, -1.0
+            for t in tied:
+                trial = with_dominant(grouping, (t,))
+                _, score = _suspects_for(trial, topology, placement, missing)
+                if score > best_score + 1e-9:
+                    best, best_score = trial, score
+            if best.dominant != grouping.dominant:
+                notes.append(f"group {best.dominant[0]} taken as healthy instead: its complement is explained "
+                             "better by one parallel group")
+            grouping = best
+
+    suspects, _ = _suspects_for(grouping, topology, placement, missing)
+    tree = tree_from_grouping(grouping)
+    missing_ranks = tuple(sorted(missing))
+    if missing_ranks:
+        notes.append(f"{len(missing_ranks)} rank(s) could not be seen: {compact_ranks(missing_ranks)}"
+                     + _reason_digest(missing))
+    if topology.assumed and suspects:
+        notes.append("no parallel sizes known: only ranks and machines can be suspected; "
+                     "pass --tp/--pp/--dp (and --order) to name parallel groups")
+    seen_count = sum(len(g.ranks) for g in grouping.groups)
+    summary = _summary(grouping, suspects, seen_count, notes)
+    verdict = Verdict(suspects=tuple(suspects), summary=summary, missing_ranks=missing_ranks, notes=tuple(notes))
+    return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology)
+
+
+def _reason_digest(missing: dict[int, str]) -> str:
+    reasons: dict[str, list[int]] = {}
+    for rank, why in missing.items():
+        reasons.setdefault(why, []).append(rank)
+    parts = [f"{why} (ranks {compact_ranks(r)})" for why, r in sorted(reasons.items(), key=lambda kv: min(kv[1]))]
+    return " — " + "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else "")
+
+
+def _summary(grouping: Grouping, suspects: list[Suspect], seen: int, notes: list[str]) -> str:
+    if seen == 0:
+        return "no verdict: no rank's stacks could be read"
+    if len(grouping.groups) == 1:
+        return f"no verdict: all {seen} ranks show the same stacks"
+    if not grouping.dominant:
+        return f"no verdict: no two of the {seen} ranks show the same stacks"
+    if not suspects:
+        return "no verdict: the outliers fit no group smaller than the whole job"
+    cover = _independent_cover(suspects, set(grouping.outlier_ranks))
+    if len(cover) > 1:
+        notes.append(f"{len(cover)} separate outlier sets, each explained by its own suspect")
+        return f"{len(cover)} separate suspects: " + "; ".join(_headline(s) for s in cover)
+    return _headline(suspects[0])
+
+
+def _headline(s: Suspect) -> str:
+    where = compact_machines(s.machines) or "unknown machines"
+    if s.kind is SuspectKind.RANK:
+        return f"rank {s.ranks[0]} on {where}"
+    if s.kind is SuspectKind.MACHINE:
+        return f"machine {where}"
+    return s.evidence[0].split(": holds", 1)[0] if s.evidence else f"{s.kind} group on {where}"
+
+
+def suspect_to_json(s: Suspect) -> dict[str, object]:
+    return {
+        "kind": str(s.kind),
+        "ranks": list(s.ranks),
+        "machines": list(s.machines),
+        "score": s.score,
+        "evidence": list(s.evidence),
+        "sources": list(s.sources),
+        "group_index": s.group_index,
+        "diverging_frame": s.diverging_frame,
+    }
+
+
+def verdict_to_json(analysis: StackAnalysis) -> dict[str, object]:
+    """The ``rankscope analyze --json`` shape: groups, dominant, outliers, suspects (most likely first)."""
+    g = analysis.grouping
+    topo = analysis.topology
+    groups = []
+    for i, group in enumerate(g.groups):
+        groups.append({
+            "index": i,
+            "size": len(group.ranks),
+            "ranks": list(group.ranks),
+            "summary": group.summary,
+            "healthy": i in g.dominant,
+            "diverging_frame": None if i in g.dominant else diverging_frame(g, group),
+            "frames": list(group.frames),
+            "lanes": [{"label": label, "frames": list(frames)} for label, frames in group.lanes],
+        })
+    v = analysis.verdict
+    return {
+        "summary": v.summary,
+        "world_size": topo.world_size,
+        "layout": {**{d: topo.size(d) for d in DIMS}, "order": "-".join(topo.order),
+                   "ranks_per_machine": topo.layout.ranks_per_machine,
+                   "from_communicators": [k for k, _ in topo.explicit], "assumed": topo.assumed},
+        "groups": groups,
+        "dominant": list(g.dominant),
+        "outliers": list(g.outliers),
+        "suspects": [suspect_to_json(s) for s in v.suspects],
+        "missing_ranks": list(v.missing_ranks),
+        "notes": list(v.notes),
+    }
+
+
+__all__ = ["StackAnalysis", "analyze_stacks", "suspect_to_json", "verdict_to_json"]

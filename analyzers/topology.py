@@ -1,0 +1,347 @@
+"""Where each rank sits in the parallel layout, and which ranks share a group.
+
+A rank's coordinates (tp, cp, ep, dp, pp) come from the parallel sizes and an
+order string that says which dimension varies fastest: Megatron's default
+``tp-cp-ep-dp-pp`` gives ``rank = tp + TP*(cp + CP*(ep + EP*(dp + DP*pp)))``.
+A group of kind K is every rank that agrees on all coordinates except K.
+
+Sizes typed by a person can be wrong; the communicators the CCL plugin
+recorded cannot. So when a snapshot carries real membership for a kind, that
+membership is used for the kind and the typed sizes only fill the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from rankscope.snapshot import JobSnapshot, Layout
+
+DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
+"""Every parallel dimension, in Megatron's default order (fastest first)."""
+
+_DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+
+
+@functools.lru_cache(maxsize=64)
+def parse_order(order: str) -> tuple[str, ...]:
+    """Split an order string into all five dimensions, fastest varying first.
+
+    Short forms such as ``tp-pp-dp`` are completed with the missing
+    dimensions at the end: they have size 1 wherever a short form is used, so
+    their place does not change any rank's coordinates.
+    """
+    text = order.strip().lower()
+    if not text:
+        raise ValueError(f"empty rank order; use e.g. {_DEFAULT_ORDER!r} (Megatron's default) or 'tp-pp-dp'")
+    parts = tuple(p for p in re.split(r"[-_,\s]+", text) if p)
+    unknown = [p for p in parts if p not in DIMS]
+    if unknown:
+        raise ValueError(
+            f"unknown dimension(s) {', '.join(unknown)} in rank order {order!r}; "
+            f"use names from {', '.join(DIMS)} joined by '-', e.g. {_DEFAULT_ORDER!r}"
+        )
+    dupes = sorted({p for p in parts if parts.count(p) > 1})
+    if dupes:
+        raise ValueError(
+            f"dimension(s) {', '.join(dupes)} appear twice in rank order {order!r}; name each once, e.g. 'tp-pp-dp'"
+        )
+    return parts + tuple(d for d in DIMS if d not in parts)
+
+
+def layout_sizes(layout: Layout) -> dict[str, int]:
+    return {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "pp": layout.pp}
+
+
+def validate_layout(layout: Layout) -> tuple[str, ...]:
+    """Check sizes and order; returns the parsed order. Errors carry the fix."""
+    sizes = layout_sizes(layout)
+    bad = {k: v for k, v in sizes.items() if v < 1}
+    if bad:
+        raise ValueError(
+            "parallel sizes must be at least 1, got " + ", ".join(f"{k}={v}" for k, v in bad.items())
+            + "; leave a dimension out (or pass 1) when the job does not use it"
+        )
+    if layout.ranks_per_machine is not None and layout.ranks_per_machine < 1:
+        raise ValueError(f"ranks per machine must be at least 1, got {layout.ranks_per_machine}")
+    return parse_order(layout.order)
+
+
+# Communicator descriptions (Megatron's names and short ones a launcher may use)
+# mapped to the layout dimension they stand for.
+_MEGATRON_GROUPS: dict[str, str] = {
+    "TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "PIPELINE_MODEL_PARALLEL_GROUP": "pp",
+    "DATA_PARALLEL_GROUP": "dp",
+    "CONTEXT_PARALLEL_GROUP": "cp",
+    "EXPERT_MODEL_PARALLEL_GROUP": "ep",
+}
+_WORDS: tuple[tuple[str, str], ...] = (
+    ("tensor", "tp"), ("pipeline", "pp"), ("data", "dp"), ("context", "cp"), ("expert", "ep"),
+)
+
+
+def kind_of_description(description: str) -> str | None:
+    """The layout dimension a communicator stands for, or None if it is another group.
+
+    Megatron's exact names win; otherwise the first word decides (``pp``,
+    ``tp_group``, ``pipeline-3``...). Composite groups such as Megatron's
+    ``DATA_PARALLEL_GROUP_WITH_CP`` or ``TENSOR_AND_DATA_PARALLEL_GROUP`` are
+    not one dimension and are skipped.
+    """
+    upper = description.strip().upper()
+    if upper in _MEGATRON_GROUPS:
+        return _MEGATRON_GROUPS[upper]
+    words = [w for w in re.split(r"[^a-z0-9]+", description.lower()) if w]
+    if not words or "with" in words or "and" in words:
+        return None
+    first = re.sub(r"\d+$", "", words[0])
+    if first in DIMS:
+        return first
+    for word, kind in _WORDS:
+        if first == word:
+            return kind
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Coordinates and group membership of every rank of one job.
+
+    ``explicit`` holds, per kind, groups recorded by the CCL plugin; for
+    those kinds they replace what the sizes would say.
+    """
+
+    layout: Layout
+    world_size: int
+    explicit: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+    assumed: bool = False  # True when no sizes were known and every rank is put in one DP group
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """All five dimensions, fastest varying first, from the layout's order string."""
+        return parse_order(self.layout.order)
+
+    def _explicit(self, kind: str) -> tuple[tuple[int, ...], ...] | None:
+        for k, groups in self.explicit:
+            if k == kind:
+                return groups
+        return None
+
+    def size(self, kind: str) -> int:
+        groups = self._explicit(kind)
+        if groups is not None:
+            return max((len(g) for g in groups), default=1)
+        return layout_sizes(self.layout)[_check_kind(kind)]
+
+    def _stride(self, kind: str) -> int:
+        sizes = layout_sizes(self.layout)
+        stride = 1
+        for dim in self.order:
+            if dim == kind:
+                return stride
+            stride *= sizes[dim]
+        raise ValueError(kind)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        sizes = layout_sizes(self.layout)
+        out: dict[str, int] = {}
+        rest = rank
+        for dim in self.order:
+            out[dim] = rest % sizes[dim]
+            rest //= sizes[dim]
+        for kind, groups in self.explicit:
+            for group in groups:
+                if rank in group:
+                    out[kind] = group.index(rank)
+                    break
+        return {d: out[d] for d in DIMS}
+
+    def group_of(self, rank: int, kind: str) -> tuple[int, ...]:
+        """The ranks that share every coordinate with ``rank`` except ``kind``."""
+        groups = self._explicit(_check_kind(kind))
+        if groups is not None:
+            for group in groups:
+                if rank in group:
+                    return group
+            return (rank,)
+        size = layout_sizes(self.layout)[kind]
+        stride = self._stride(kind)
+        coord = (rank // stride) % size
+        base = rank - coord * stride
+        return tuple(base + i * stride for i in range(size))
+
+    def groups(self, kind: str) -> tuple[tuple[int, ...], ...]:
+        """All groups of one kind, ordered by their lowest rank (that order is the group index)."""
+        groups = self._explicit(_check_kind(kind))
+        if groups is not None:
+            return groups
+        seen: set[int] = set()
+        out: list[tuple[int, ...]] = []
+        for rank in range(self.world_size):
+            if rank in seen:
+                continue
+            group = self.group_of(rank, kind)
+            seen.update(group)
+            out.append(group)
+        return tuple(out)
+
+    def group_index(self, rank: int, kind: str) -> int:
+        """Which group of that kind holds ``rank`` (the position in :meth:`groups`)."""
+        groups = self._explicit(_check_kind(kind))
+        if groups is not None:
+            for i, group in enumerate(groups):
+                if rank in group:
+                    return i
+            return -1
+        # Lowest-rank order equals the order of the other coordinates, fastest first.
+        sizes = layout_sizes(self.layout)
+        index, scale, rest = 0, 1, rank
+        for dim in self.order:
+            c = rest % sizes[dim]
+            rest //= sizes[dim]
+            if dim != kind:
+                index += c * scale
+                scale *= sizes[dim]
+        return index
+
+    def kinds(self) -> tuple[str, ...]:
+        """Kinds whose groups say something: more than one rank and not the whole job."""
+        return tuple(k for k in DIMS if 1 < self.size(k) < self.world_size)
+
+
+def _check_kind(kind: str) -> str:
+    if kind not in DIMS:
+        raise ValueError(f"unknown group kind {kind!r}; use one of {', '.join(DIMS)}")
+    return kind
+
+
+def communicator_groups(snapshot: JobSnapshot) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Per kind, the distinct groups recorded by the CCL plugin on any rank."""
+    found: dict[str, set[tuple[int, ...]]] = {}
+    for counters in snapshot.all_counters().values():
+        for comm in counters.communicators:
+            kind = kind_of_description(comm.description)
+            if kind is None or not comm.ranks:
+                continue
+            found.setdefault(kind, set()).add(tuple(comm.ranks))
+    return {k: tuple(sorted(v, key=lambda g: (min(g), g))) for k, v in found.items()}
+
+
+def topology_for(snapshot: JobSnapshot, layout: Layout | None) -> Topology:
+    """The job's topology from the given layout (else the snapshot's), refined by real membership.
+
+    With no sizes known at all, every rank is put into one DP group and
+    ``assumed`` is set, so callers can say that only single ranks and
+    machines can be suspected.
+    """
+    chosen = layout if layout is not None else snapshot.layout
+    explicit = communicator_groups(snapshot)
+    world = snapshot.world_size
+    ranks_seen = [r for m in snapshot.machines for r in (*(ri.rank for ri in m.ranks), *(s.rank for s in m.stacks))]
+    if world is None:
+        world = max(ranks_seen) + 1 if ranks_seen else 0
+    assumed = False
+    if chosen is None:
+        if explicit:
+            sizes = {k: max(len(g) for g in groups) for k, groups in explicit.items()}
+            chosen = Layout(tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), dp=sizes.get("dp", 1),
+                            cp=sizes.get("cp", 1), ep=sizes.get("ep", 1))
+        else:
+            chosen = Layout(dp=max(world, 1))
+            assumed = True
+    validate_layout(chosen)
+    product = chosen.tp * chosen.cp * chosen.ep * chosen.dp * chosen.pp
+    if not assumed and product != world and world and not explicit:
+        raise ValueError(
+            f"the layout's sizes multiply to {product} ranks "
+            f"(tp={chosen.tp} cp={chosen.cp} ep={chosen.ep} dp={chosen.dp} pp={chosen.pp}) "
+            f"but the job has {world} ranks; pass sizes whose product is {world}"
+        )
+    world = max(world, product)
+    # Real membership wins only where it covers the job; a partial record would hide ranks.
+    usable = tuple(
+        (k, groups) for k, groups in sorted(explicit.items())
+        if len({r for g in groups for r in g}) >= world
+    )
+    return Topology(layout=chosen, world_size=world, explicit=usable, assumed=assumed)
+
+
+_TRAILING_NUMBER = re.compile(r"^(.*?)(\d+)$")
+
+
+def natural_key(name: str) -> tuple[str, int, str]:
+    """Sort ``machine-2`` before ``machine-10``."""
+    m = _TRAILING_NUMBER.match(name)
+    return (m.group(1), int(m.group(2)), name) if m else (name, -1, name)
+
+
+def machines_of(
+    snapshot: JobSnapshot, ranks: Iterable[int], ranks_per_machine: int | None = None
+) -> tuple[str, ...]:
+    """The machines hosting ``ranks``, in natural order.
+
+    Which agent saw a rank is the truth; ``ranks_per_machine`` (or the
+    layout's) places ranks no agent reported, as consecutive blocks named
+    ``machine-<index>``. A rank placed by neither is left out.
+    """
+    placement = placement_of(snapshot)
+    rpm = ranks_per_machine
+    if rpm is None and snapshot.layout is not None:
+        rpm = snapshot.layout.ranks_per_machine
+    names: set[str] = set()
+    for rank in ranks:
+        name = placement.get(rank)
+        if name is None and rpm:
+            name = f"machine-{rank // rpm}"
+        if name is not None:
+            names.add(name)
+    return tuple(sorted(names, key=natural_key))
+
+
+def placement_of(snapshot: JobSnapshot) -> Mapping[int, str]:
+    """Rank -> machine for every rank an agent reported (as a rank or by its stacks)."""
+    placement = dict(snapshot.rank_to_machine())
+    for m in snapshot.machines:
+        for s in m.stacks:
+            placement.setdefault(s.rank, m.machine)
+    return placement
+
+
+def compact_machines(names: Iterable[str]) -> str:
+    """``machine-12, machine-13, machine-14`` -> ``machine-12..14``; other names listed."""
+    ordered = sorted(set(names), key=natural_key)
+    parts: list[str] = []
+    i = 0
+    while i < len(ordered):
+        m = _TRAILING_NUMBER.match(ordered[i])
+        if not m:
+            parts.append(ordered[i])
+            i += 1
+            continue
+        prefix, start = m.group(1), int(m.group(2))
+        end, j = start, i + 1
+        while j < len(ordered):
+            n = _TRAILING_NUMBER.match(ordered[j])
+            if not n or n.group(1) != prefix or int(n.group(2)) != end + 1:
+                break
+            end, j = end + 1, j + 1
+        parts.append(ordered[i] if end == start else f"{prefix}{start}..{end}")
+        i = j
+    return ", ".join(parts)
+
+
+def compact_ranks(ranks: Iterable[int]) -> str:
+    """``0,1,2,3,8`` -> ``0-3,8``."""
+    ordered = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts)

@@ -1,0 +1,109 @@
+"""One ranking from several detectors, where agreement counts for more.
+
+Stack aggregation, CCL counters and fail-slow rounds each return a Verdict
+with their own score scale. To merge, each detector's scores are first
+scaled so its best suspect is 1.0; then a suspect's merged score is its own
+scaled score times (1 + the support it gets from every *other* detector),
+where support is the best scaled score among that detector's suspects that
+share a rank with it. Two detectors naming the same ranks thus outrank one
+detector alone, however sure it is.
+
+Suspects with the same kind and ranks are folded into one entry, their
+evidence and sources joined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rankscope.analyzers.findings import Suspect, Verdict
+from rankscope.analyzers.topology import compact_machines, compact_ranks
+
+# Among equal merged scores: the smaller eviction first, then this kind order.
+_KIND_ORDER = ("rank", "machine", "tp", "pp", "dp", "cp", "ep", "comm")
+
+
+@dataclass(slots=True)
+class _Entry:
+    suspect: Suspect
+    detector: int
+    scaled: float
+    sources: list[str]
+    evidence: list[str]
+
+
+def _scaled(verdict: Verdict) -> list[float]:
+    top = max((s.score for s in verdict.suspects), default=0.0)
+    if top <= 0:
+        return [0.0 for _ in verdict.suspects]
+    return [max(s.score, 0.0) / top for s in verdict.suspects]
+
+
+def merge_verdicts(*verdicts: Verdict) -> Verdict:
+    """Merge detectors' verdicts into one ranking (see the module docstring)."""
+    if not verdicts:
+        return Verdict(suspects=(), summary="no verdict: no detector ran")
+    if len(verdicts) == 1:
+        return verdicts[0]
+    entries: dict[tuple[str, tuple[int, ...]], _Entry] = {}
+    per_detector: list[list[tuple[frozenset[int], float]]] = []
+    for d, verdict in enumerate(verdicts):
+        scaled = _scaled(verdict)
+        per_detector.append([(frozenset(s.ranks), sc) for s, sc in zip(verdict.suspects, scaled, strict=True)])
+        for s, sc in zip(verdict.suspects, scaled, strict=True):
+            key = (str(s.kind), tuple(sorted(s.ranks)))
+            sources = list(s.sources) or [f"detector{d}"]
+            got = entries.get(key)
+            if got is None:
+                entries[key] = _Entry(s, d, sc, sources, list(s.evidence))
+            else:
+                got.sources += [x for x in sources if x not in got.sources]
+                got.evidence += [e for e in s.evidence if e not in got.evidence]
+                if sc > got.scaled:
+                    got.scaled, got.detector, got.suspect = sc, d, s
+
+    merged: list[Suspect] = []
+    for entry in entries.values():
+        ranks = frozenset(entry.suspect.ranks)
+        support = 0.0
+        agreeing: list[str] = []
+        for d, suspects in enumerate(per_detector):
+            if d == entry.detector:
+                continue
+            best = max((sc for r, sc in suspects if r & ranks), default=0.0)
+            if best > 0:
+                support += best
+                agreeing += [src for src in verdicts[d].suspects[0].sources or (f"detector{d}",)]
+        sources = entry.sources + [s for s in agreeing if s not in entry.sources]
+        evidence = list(entry.evidence)
+        if support > 0:
+            evidence.append(f"agreement: {', '.join(sorted(set(agreeing)))} also point at these ranks")
+        s = entry.suspect
+        merged.append(Suspect(
+            kind=s.kind, ranks=s.ranks, machines=s.machines, score=round(entry.scaled * (1.0 + support), 6),
+            evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index,
+            diverging_frame=s.diverging_frame,
+        ))
+    merged.sort(key=lambda s: (-s.score, len(s.machines),
+                               _KIND_ORDER.index(str(s.kind)) if str(s.kind) in _KIND_ORDER else 99,
+                               min(s.ranks, default=0)))
+    missing = tuple(sorted({r for v in verdicts for r in v.missing_ranks}))
+    notes = tuple(dict.fromkeys(n for v in verdicts for n in v.notes))
+    if merged:
+        top = merged[0]
+        summary = f"{headline(top)} ({' + '.join(top.sources)})"
+    else:
+        summary = next((v.summary for v in verdicts if v.summary), "no verdict")
+    return Verdict(suspects=tuple(merged), summary=summary, missing_ranks=missing, notes=notes)
+
+
+def headline(s: Suspect) -> str:
+    """One line naming a suspect: ``rank 5 on machine-2``, ``PP group 3 (ranks 6,14) on machine-3, machine-7``."""
+    where = compact_machines(s.machines) or "unknown machines"
+    kind = str(s.kind)
+    if kind == "rank" and len(s.ranks) == 1:
+        return f"rank {s.ranks[0]} on {where}"
+    if kind == "machine":
+        return f"machine {where}"
+    index = f" {s.group_index}" if s.group_index is not None else ""
+    return f"{kind.upper()} group{index} (ranks {compact_ranks(s.ranks)}) on {where}"

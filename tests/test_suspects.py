@@ -1,0 +1,179 @@
+"""Which parallel group and machines explain the outliers (rankscope.analyzers.suspects)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rankscope.analyzers.findings import SuspectKind
+from rankscope.analyzers.stacks import SignatureOptions
+from rankscope.analyzers.suspects import analyze_stacks, verdict_to_json
+from rankscope.pyspy_dir import load_pyspy_dir
+from rankscope.snapshot import CaptureErrorKind, JobSnapshot, Layout, MachineSnapshot
+
+from tests.stack_fixtures import (
+    COMPUTE,
+    OPTIMIZER,
+    RECV,
+    SEND,
+    WORKER_IDLE,
+    WORKER_STUCK,
+    rank_stacks,
+    snapshot,
+    unreadable,
+)
+
+FIG7 = Path(__file__).parent / "data" / "fig7"
+FIG7_LAYOUT = Layout(tp=2, pp=4, dp=4, order="tp-pp-dp", ranks_per_machine=2)
+# TP=2, PP=2, DP=4 in Megatron's default order: rank = tp + 2*(dp + 4*pp); two ranks per machine.
+L16 = Layout(tp=2, pp=2, dp=4, ranks_per_machine=2)
+
+
+def test_fig7_top_suspect_is_the_pipeline_on_machines_12_to_15() -> None:
+    snap = load_pyspy_dir(FIG7, FIG7_LAYOUT)
+    analysis = analyze_stacks(snap, FIG7_LAYOUT)
+    top = analysis.verdict.top
+    assert top is not None
+    assert top.kind is SuspectKind.PP
+    assert top.machines == ("machine-12", "machine-13", "machine-14", "machine-15")
+    assert top.ranks == tuple(range(24, 32))  # the two PP groups (tp=0, tp=1) of dp=3
+    assert top.score == 1.0
+    assert analysis.verdict.summary == "PP groups 6-7 on machine-12..15"
+    # evidence names each outlier stack and where it leaves the healthy path
+    text = "\n".join(top.evidence)
+    for frame in ("irecv", "isend", "all_gather_into_tensor"):
+        assert frame in text
+    assert top.diverging_frame is not None and "forward_backward_pipelining" in top.diverging_frame
+    # every other suspect scores lower
+    assert all(s.score < top.score for s in analysis.verdict.suspects[1:])
+    # the 24 healthy ranks are one group despite different line numbers and pin-memory thread names
+    assert analysis.grouping.groups[0].ranks == tuple(range(24))
+    assert [len(g.ranks) for g in analysis.grouping.groups] == [24, 4, 2, 2]
+
+
+def test_single_outlier_rank_is_named_alone() -> None:
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(16)}
+    stacks[5] = rank_stacks(5, COMPUTE)
+    analysis = analyze_stacks(snapshot(stacks, 16, 2, L16))
+    top = analysis.verdict.top
+    assert top is not None and top.kind is SuspectKind.RANK
+    assert top.ranks == (5,) and top.machines == ("node2",)
+    assert analysis.verdict.summary == "rank 5 on node2"
+    assert top.diverging_frame == "forward_backward (schedules.py)"
+
+
+def test_whole_dp_group() -> None:
+    dp_group = (1, 3, 5, 7)  # tp=1, pp=0, every dp
+    stacks = {r: rank_stacks(r, RECV if r in dp_group else OPTIMIZER) for r in range(16)}
+    analysis = analyze_stacks(snapshot(stacks, 16, 2, L16))
+    top = analysis.verdict.top
+    assert top is not None and top.kind is SuspectKind.DP
+    assert top.ranks == dp_group
+    assert top.machines == ("node0", "node1", "node2", "node3")
+    assert top.group_index == 1
+
+
+def test_outliers_filling_one_pipeline_in_megatron_order() -> None:
+    # PP groups of tp=0/1 with dp=2: ranks 4,5 (pp=0) and 12,13 (pp=1) on node2 and node6
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(16)}
+    stacks[4] = rank_stacks(4, COMPUTE)
+    stacks[5] = rank_stacks(5, SEND)
+    stacks[12] = rank_stacks(12, RECV)
+    stacks[13] = rank_stacks(13, RECV)
+    analysis = analyze_stacks(snapshot(stacks, 16, 2, L16))
+    top = analysis.verdict.top
+    assert top is not None and top.kind is SuspectKind.PP
+    assert top.ranks == (4, 5, 12, 13) and top.machines == ("node2", "node6")
+    # rank 4 is the one outlier not waiting in communication
+    assert any(e.startswith("likely origin: ranks 4 ") for e in top.evidence)
+
+
+def test_anomaly_only_in_a_subprocess() -> None:
+    stacks = {r: rank_stacks(r, OPTIMIZER, workers=[WORKER_IDLE, WORKER_IDLE]) for r in range(8)}
+    stacks[6] = rank_stacks(6, OPTIMIZER, workers=[WORKER_IDLE, WORKER_STUCK])
+    snap = snapshot(stacks, 8, 2, Layout(tp=2, pp=2, dp=2, ranks_per_machine=2))
+    analysis = analyze_stacks(snap)
+    top = analysis.verdict.top
+    assert top is not None and top.kind is SuspectKind.RANK and top.ranks == (6,)
+    assert top.machines == ("node3",)
+    assert top.diverging_frame is not None and top.diverging_frame.startswith("[dataloader]")
+    assert "read_shard" in analysis.grouping.groups[1].summary
+    # main processes alone are identical: no verdict, and it says so
+    blind = analyze_stacks(snap, options=SignatureOptions(include_subprocesses=False))
+    assert blind.verdict.suspects == ()
+    assert blind.verdict.summary == "no verdict: all 8 ranks show the same stacks"
+
+
+def test_several_independent_outlier_groups() -> None:
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(16)}
+    stacks[2] = rank_stacks(2, COMPUTE)
+    stacks[13] = rank_stacks(13, RECV)
+    analysis = analyze_stacks(snapshot(stacks, 16, 2, L16))
+    tops = analysis.verdict.suspects[:2]
+    assert {(s.kind, s.ranks) for s in tops} == {(SuspectKind.RANK, (2,)), (SuspectKind.RANK, (13,))}
+    assert analysis.verdict.summary.startswith("2 separate suspects: rank 2 on node1; rank 13 on node6")
+
+
+def test_independent_ranks_with_the_same_stack_are_still_told_apart() -> None:
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(16)}
+    stacks[2] = rank_stacks(2, COMPUTE)
+    stacks[13] = rank_stacks(13, COMPUTE)
+    analysis = analyze_stacks(snapshot(stacks, 16, 2, L16))
+    assert {s.ranks for s in analysis.verdict.suspects[:2]} == {(2,), (13,)}
+    assert "2 separate suspects" in analysis.verdict.summary
+
+
+def test_all_ranks_identical_gives_no_verdict_and_says_so() -> None:
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(16)}
+    analysis = analyze_stacks(snapshot(stacks, 16, 2, L16))
+    assert analysis.verdict.suspects == ()
+    assert analysis.verdict.top is None
+    assert analysis.verdict.summary == "no verdict: all 16 ranks show the same stacks"
+    assert analysis.grouping.outliers == ()
+
+
+def test_missing_ranks_are_reported_with_reasons() -> None:
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(16)}
+    stacks[4] = unreadable(4, CaptureErrorKind.TIMEOUT)
+    stacks[9] = rank_stacks(9, COMPUTE)
+    snap = snapshot(stacks, 16, 2, L16, absent=(3,))
+    analysis = analyze_stacks(snap)
+    v = analysis.verdict
+    assert v.missing_ranks == (3, 4)
+    assert v.top is not None and v.top.ranks == (9,)
+    assert any("2 rank(s) could not be seen: 3-4" in n and "timeout" in n and "no stacks" in n for n in v.notes)
+
+
+def test_unreachable_machine_is_named_as_the_reason() -> None:
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(8)}
+    stacks[0] = rank_stacks(0, COMPUTE)
+    snap = snapshot(stacks, 8, 2, Layout(tp=2, pp=2, dp=2, ranks_per_machine=2))
+    dead = MachineSnapshot(machine="node3", address="127.0.0.1:7003", reachable=False, captured=None,
+                           ranks=snap.machines[3].ranks)
+    snap = JobSnapshot(captured=snap.captured, machines=(*snap.machines[:3], dead), layout=snap.layout)
+    v = analyze_stacks(snap).verdict
+    assert v.missing_ranks == (6, 7)
+    assert any("machine node3 unreachable" in n for n in v.notes)
+
+
+def test_no_layout_still_names_ranks_and_machines() -> None:
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(8)}
+    stacks[3] = rank_stacks(3, COMPUTE)
+    analysis = analyze_stacks(snapshot(stacks, 8, 2))
+    top = analysis.verdict.top
+    assert top is not None and top.ranks == (3,) and top.machines == ("node1",)
+    assert any("no parallel sizes known" in n for n in analysis.verdict.notes)
+
+
+def test_json_shape() -> None:
+    snap = load_pyspy_dir(FIG7, FIG7_LAYOUT)
+    out = verdict_to_json(analyze_stacks(snap, FIG7_LAYOUT))
+    json.dumps(out)  # plain JSON values only
+    assert out["dominant"] == [0] and out["outliers"] == [1, 2, 3]
+    groups = out["groups"]
+    assert isinstance(groups, list) and groups[1]["ranks"] == [24, 25, 26, 27]
+    suspects = out["suspects"]
+    assert isinstance(suspects, list)
+    first = suspects[0]
+    assert set(first) >= {"kind", "ranks", "machines", "score", "evidence"}
+    assert first["kind"] == "pp" and first["machines"] == ["machine-12", "machine-13", "machine-14", "machine-15"]
