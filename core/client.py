@@ -34,9 +34,9 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # gRPC's default back-off grows to two minutes; an agent restarted during an
-    # incident must show up again within a couple of polls.
+    # incident must show up again within a couple of polls. (Not min_reconnect_backoff_ms:
+    # gRPC also uses it as the connect timeout, and a slow handshake must still connect.)
     ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 3000),
 )
 # A capture may take each py-spy call's full limit; the gRPC deadline leaves room for it.

@@ -1,0 +1,180 @@
+"""JobClient and `rankscope snapshot` against real agents: lost machines never fail the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from agent_helpers import RANK_FUNCTION, Processes, clean_env, make_token_file
+from rankscope.bundle import loads, read_bundle
+from rankscope.client import JobClient, capture_once
+from rankscope.snapshot import CaptureErrorKind, JobSnapshot, MachineSnapshot
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Processes]:
+    p = Processes(tmp_path)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def by_address(snap: JobSnapshot) -> dict[str, MachineSnapshot]:
+    return {m.address: m for m in snap.machines}
+
+
+def parked_threads(machine: MachineSnapshot, rank: int) -> int:
+    (stacks,) = [s for s in machine.stacks if s.rank == rank]
+    assert stacks.main.threads is not None, stacks.main.error
+    return sum(1 for t in stacks.main.threads if any(f.name == RANK_FUNCTION for f in t.frames))
+
+
+async def test_an_agent_killed_during_a_capture_is_marked_and_the_rest_is_kept(procs: Processes, tmp_path: Path) -> None:
+    token, token_file = make_token_file(tmp_path)
+    rank_a = procs.rank(0, 2, threads=2, depth=5)
+    # Machine B's rank has deep stacks in many threads, and its agent dumps one process at a
+    # time: py-spy takes tenths of a second there, a real window in which B is mid-capture.
+    rank_b = procs.rank(1, 2, threads=24, depth=300)
+    a = procs.agent("machine-a", "--run-id", rank_a.run_id, token_file=token_file)
+    b = procs.agent("machine-b", "--run-id", rank_b.run_id, "--concurrency", "1", token_file=token_file)
+    agent_b = psutil.Process(b.proc.pid)
+
+    async with JobClient([a.address, b.address], token, deadline_s=60) as client:
+        capture = asyncio.create_task(client.capture(timeout_s=30))
+        deadline = time.monotonic() + 60
+        # Wait for the event "B is running py-spy on its rank", then kill B like a crashed machine.
+        while not any(c.name() == "py-spy" for c in agent_b.children(recursive=True)):
+            assert not capture.done(), "the capture ended before machine B started py-spy"
+            assert time.monotonic() < deadline, "machine B never started py-spy"
+            await asyncio.sleep(0.005)
+        b.proc.send_signal(signal.SIGKILL)
+        snap = await asyncio.wait_for(capture, 90)
+
+    machines = by_address(snap)
+    assert list(machines) == [a.address, b.address]
+    lost = machines[b.address]
+    assert not lost.reachable and lost.captured is None and lost.ranks == ()
+    assert lost.error is not None and lost.error.kind is CaptureErrorKind.UNREACHABLE
+    assert b.address in lost.error.message and "rankscope agent" in lost.error.fix
+    kept = machines[a.address]
+    assert kept.reachable and kept.machine == "machine-a" and kept.error is None
+    assert [r.rank for r in kept.ranks] == [0] and parked_threads(kept, 0) == 2
+    assert snap.rank_to_machine() == {0: "machine-a"}
+    assert b.proc.wait(timeout=10) == -signal.SIGKILL
+
+
+async def test_a_dead_agent_is_marked_and_comes_back_when_restarted(procs: Processes, tmp_path: Path) -> None:
+    token, token_file = make_token_file(tmp_path)
+    rank_a = procs.rank(0, 2)
+    rank_b = procs.rank(1, 2)
+    a = procs.agent("machine-a", "--run-id", rank_a.run_id, token_file=token_file)
+    b = procs.agent("machine-b", "--run-id", rank_b.run_id, token_file=token_file)
+    async with JobClient([a.address, b.address], token, deadline_s=30) as client:
+        first = await client.describe()
+        assert [m.reachable for m in first.machines] == [True, True]
+        assert first.rank_to_machine() == {0: "machine-a", 1: "machine-b"}
+        assert first.machines[0].stacks == () and first.world_size == 2
+
+        b.proc.send_signal(signal.SIGKILL)
+        b.proc.wait(timeout=10)
+        second = await client.capture(timeout_s=20)
+        lost = by_address(second)[b.address]
+        assert not lost.reachable and lost.error is not None and lost.error.kind is CaptureErrorKind.UNREACHABLE
+        assert parked_threads(by_address(second)[a.address], 0) == 2
+
+        # The same client (same channels) sees machine B again once an agent listens there.
+        procs.agent("machine-b", "--run-id", rank_b.run_id, "--port", str(b.port), token_file=token_file)
+        deadline = time.monotonic() + 60
+        while not (polled := await client.poll()).machines[1].reachable:
+            assert time.monotonic() < deadline, polled.machines[1].error
+            await asyncio.sleep(0.2)
+        assert polled.rank_to_machine() == {0: "machine-a", 1: "machine-b"}
+        assert polled.job_id is None  # two run ids: no common job id
+
+
+async def test_a_refused_token_is_reported_as_such(procs: Processes, tmp_path: Path) -> None:
+    token, token_file = make_token_file(tmp_path, "token-a")
+    _other, other_file = make_token_file(tmp_path, "token-b")
+    rank = procs.rank(0, 1)
+    a = procs.agent("machine-a", "--run-id", rank.run_id, token_file=token_file)
+    b = procs.agent("machine-b", "--run-id", rank.run_id, token_file=other_file)
+    async with JobClient([a.address, b.address], token) as client:
+        snap = await client.describe()
+    ok, refused = snap.machines
+    assert ok.reachable and [r.rank for r in ok.ranks] == [0]
+    assert snap.job_id == rank.run_id
+    assert not refused.reachable and refused.error is not None
+    assert refused.error.kind is CaptureErrorKind.PERMISSION
+    assert "refused the token" in refused.error.message and "--token-file" in refused.error.fix
+
+
+async def test_an_agent_that_never_answers_is_marked_at_the_deadline() -> None:
+    # A socket that accepts TCP but never speaks gRPC: the call can only end by its deadline.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        async with JobClient([address, "127.0.0.1:1"], "0123456789abcdef0123", deadline_s=1.0) as client:
+            snap = await client.describe()
+    silent_m, refused_m = snap.machines
+    assert silent_m.error is not None and silent_m.error.kind is CaptureErrorKind.UNREACHABLE
+    assert "did not answer within 1.0 s" in silent_m.error.message
+    assert refused_m.error is not None and "no agent answered at 127.0.0.1:1" in refused_m.error.message
+
+
+def test_capture_once_and_a_bad_address_in_the_list(procs: Processes, tmp_path: Path) -> None:
+    token, token_file = make_token_file(tmp_path)
+    rank = procs.rank(0, 1)
+    a = procs.agent("machine-a", "--run-id", rank.run_id, token_file=token_file)
+    snap = capture_once([a.address, "no-such-host.invalid:50051"], token, deadline_s=20, timeout_s=10)
+    good, bad = snap.machines
+    assert good.reachable and parked_threads(good, 0) == 2
+    assert not bad.reachable and bad.machine == "no-such-host.invalid:50051" and bad.error is not None
+
+
+def test_snapshot_command_writes_a_bundle_and_marks_the_lost_machine(procs: Processes, tmp_path: Path) -> None:
+    _token, token_file = make_token_file(tmp_path)
+    rank = procs.rank(0, 2)
+    a = procs.agent("machine-a", "--run-id", rank.run_id, token_file=token_file)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    out = tmp_path / "bundle.json"
+    cmd = [sys.executable, "-m", "rankscope", "snapshot", "--agents", f"{a.address},{dead}",
+           "--token-file", str(token_file), "--deadline", "30", "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env(), check=False)
+    assert proc.returncode == 1, proc.stderr  # 1: some agent did not answer; the bundle is still written
+    assert "machines: 1 of 2 answered" in proc.stdout
+    assert f"{dead}: UNREACHABLE" in proc.stdout and "ranks: 1 of 2 seen; missing 1" in proc.stdout
+    bundle = read_bundle(out)
+    snap = bundle.latest
+    assert [m.reachable for m in snap.machines] == [True, False]
+    assert parked_threads(snap.machines[0], 0) == 2
+    assert bundle.meta["agents"] == [a.address, dead]
+
+    # --json: the bundle on stdout, the summary on stderr
+    proc = subprocess.run([*cmd[:-2], "--json"], capture_output=True, text=True, timeout=120, env=clean_env(), check=False)
+    assert proc.returncode == 1
+    again = loads(proc.stdout)
+    assert again.latest.rank_to_machine() == {0: "machine-a"}
+    assert json.loads(proc.stdout)["format"] == "rankscope.bundle"
+    assert "machines: 1 of 2 answered" in proc.stderr
+
+
+def test_snapshot_command_rejects_bad_agent_lists_with_a_fix(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "rankscope", "snapshot", "--agents", "node[4-1]:5"],
+                          capture_output=True, text=True, timeout=60, env=clean_env(), check=False)
+    assert proc.returncode == 2 and "runs backwards" in proc.stderr and "fix:" in proc.stderr
+    assert "Traceback" not in proc.stderr
