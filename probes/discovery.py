@@ -13,7 +13,10 @@ the ranks are found by reading every process's environment
   ``numactl``, ``taskset``, ``env``...) with exactly one child carrying the
   same ``RANK``, the child is the rank: stacks of ``bash`` tell nobody anything.
 - The launcher is the parent of the top-most process: torchrun's agent
-  (``torchrun`` / ``python -m torch.distributed.run``), which has no ``RANK``.
+  (``torchrun`` / ``python -m torch.distributed.run``). If the launcher itself
+  carries ``RANK`` (started from a shell that exported one, as SLURM scripts
+  do), it is still not a rank: a process whose children carry *other* ranks
+  is a launcher.
 - A rank's subprocesses are all its descendants (not crossing into another
   rank). Their role, first match wins:
   1. ``RANKSCOPE_ROLE`` in the child's environment (``main``, ``dataloader``,
@@ -39,7 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import psutil
-from rankscope.probes.host import process_info
+from rankscope.probes.host import forget_dead, process_info
 from rankscope.snapshot import ProcessInfo, ProcessRole, RankInfo
 
 # Processes that only wrap the real training interpreter.
@@ -156,6 +159,7 @@ def _same_rank(a: _Proc, b: _Proc) -> bool:
 def discover(*, launcher_pid: int | None = None, run_id: str | None = None) -> DiscoveryResult:
     """Ranks on this machine (optionally of one launcher or one run id), with skipped processes."""
     procs, skipped = _scan()
+    forget_dead()
     children: dict[int, list[int]] = {}
     for p in procs.values():
         children.setdefault(p.ppid, []).append(p.pid)
@@ -167,6 +171,8 @@ def discover(*, launcher_pid: int | None = None, run_id: str | None = None) -> D
         parent = procs.get(p.ppid)
         if parent is not None and parent.is_rank_candidate and _same_rank(parent, p):
             continue  # an inherited environment: a child of the rank, not a rank
+        if any(procs[c].is_rank_candidate and not _same_rank(procs[c], p) for c in children.get(p.pid, ()) if c in procs):
+            continue  # a launcher started from a shell that already had RANK set (SLURM, a user's export)
         if run_id is not None and p.run_id != run_id:
             continue
         if launcher_pid is not None and launcher_pid not in _ancestors(p.pid, procs):

@@ -43,7 +43,8 @@ def _tracked_process(pid: int) -> tuple[psutil.Process, bool]:
         return proc, False
 
 
-def _forget_dead() -> None:
+def forget_dead() -> None:
+    """Drop cached processes that have exited (called once per discovery, not per process)."""
     with _lock:
         for pid in [p for p, proc in _tracked.items() if not proc.is_running()]:
             del _tracked[pid]
@@ -88,7 +89,6 @@ def process_info(pid: int, role: ProcessRole) -> ProcessInfo | None:
         return ProcessInfo(pid=pid, ppid=0, role=role, name="")
     with _lock:
         _sampled.add(pid)
-    _forget_dead()
     return ProcessInfo(
         pid=pid,
         ppid=ppid,

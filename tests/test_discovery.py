@@ -34,7 +34,11 @@ def two_trees(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Tree, 
     """Two torch-free launchers (run ids fakeA and fakeB) with two ranks each."""
     base = tmp_path_factory.mktemp("trees")
     a_dir, b_dir = base / "a", base / "b"
-    procs = [start(process_tree_cmd(a_dir, 2, "fakeA"), a_dir), start(process_tree_cmd(b_dir, 2, "fakeB"), b_dir)]
+    # B's launcher is started from a shell that already exported RANK=0 (as SLURM scripts do):
+    # it must not be taken for a rank, and its own rank 0 must still be found.
+    leaked = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "16"}
+    procs = [start(process_tree_cmd(a_dir, 2, "fakeA"), a_dir),
+             start(process_tree_cmd(b_dir, 2, "fakeB"), b_dir, env=leaked)]
     try:
         yield wait_ready(procs[0], a_dir, 2, 60), wait_ready(procs[1], b_dir, 2, 60)
     finally:
@@ -82,7 +86,9 @@ def test_scoping_by_launcher_and_by_run_id(two_trees: tuple[Tree, Tree]) -> None
     assert _pids(discover_ranks(run_id="fakeA")) == _expected(a)
     assert discover_ranks(launcher_pid=a.launcher_pid, run_id="fakeB") == ()
     assert discover_ranks(run_id="no-such-run") == ()
-    everything = {(r.run_id, r.rank): r.pid for r in discover_ranks()}
+    unscoped = discover_ranks()
+    assert b.launcher_pid not in {r.pid for r in unscoped}
+    everything = {(r.run_id, r.rank): r.pid for r in unscoped}
     for run_id, tree in (("fakeA", a), ("fakeB", b)):
         for rank, pid in _expected(tree).items():
             assert everything[(run_id, rank)] == pid

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +39,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(cmd: Sequence[str], directory: Path) -> subprocess.Popen[bytes]:
+def start(cmd: Sequence[str], directory: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start a tree in its own session; ``env`` adds variables to the launcher's environment."""
     directory.mkdir(parents=True, exist_ok=True)
     log = (directory / "log").open("wb")
-    return subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=full_env)
 
 
 def wait_ready(proc: subprocess.Popen[bytes], directory: Path, world_size: int, timeout_s: float) -> Tree:
