@@ -242,7 +242,9 @@ class FailSlowDetector:
         needed = max(1, self.config.rounds_needed)
         if round_verdict is not None:
             top = round_verdict.top
-            key: tuple[object, ...] | None = (top.kind, top.group_index, top.ranks) if top is not None else None
+            # Same rule as rounds.FailSlowRounds (a group is its kind and ranks), counted
+            # here so that a bare Verdict per round works too (replays, tests).
+            key: tuple[object, ...] | None = (str(top.kind), top.ranks) if top is not None else None
             self._stack_rounds.append((key, top) if key is not None and top is not None else None)
         rounds = list(self._stack_rounds)
         if not rounds:
@@ -348,12 +350,14 @@ class FailSlowDetector:
             f = max(flags, key=lambda x: x.held / x.required if x.required else 0.0)
             unit = {"stacks": " rounds", "ccl": " updates"}.get(f.detector, "s")
             return f"watching: {f.machine} [{f.detector}] {f.evidence} (alarms at {f.required:g}{unit})"
-        n = len(self.store.machines)
+        n = len(self.store.reachable_machines)
         if len(self.store) == 0 or n == 0:
-            return "no fail-slow verdict: no machine reported yet"
+            return "no fail-slow verdict: no machine answered"
         if trend is not None and trend.ratio is not None and trend.ratio >= self.config.step_ratio:
             return f"job slower ({trend.evidence()}) but no machine stands out among {n}"
-        return f"no fail-slow: {n} machine{'s' if n != 1 else ''} alike"
+        if n == 1:
+            return "no fail-slow: 1 machine answered, no peers to compare it with"
+        return f"no fail-slow: {n} machines alike"
 
 
 def _ranges(ranks: Iterable[int]) -> str:

@@ -161,7 +161,11 @@ class SeriesStore:
         self._steps: dict[int, _StepState] = {}
         self._machines: dict[str, None] = {}  # ordered set: first seen first
         self._rank_machine: dict[int, str] = {}
+        # An unreachable agent is reported under its address; the name it gave
+        # while it answered is kept so its column does not change identity.
+        self._names: dict[str, str] = {}
         self.missing_machines: tuple[str, ...] = ()
+        self.reachable_machines: tuple[str, ...] = ()
         self.missing_ranks: tuple[int, ...] = ()
 
     # ---- feeding ---------------------------------------------------------
@@ -174,11 +178,14 @@ class SeriesStore:
         machines: dict[str, dict[str, float]] = {}
         rank_step: dict[int, float] = {}
         for m in snapshot.machines:
-            self._machines.setdefault(m.machine, None)
+            if m.reachable:
+                self._names[m.address] = m.machine
+            name = self.name_of(m)
+            self._machines.setdefault(name, None)
             for r in m.ranks:
-                self._rank_machine[r.rank] = m.machine
+                self._rank_machine[r.rank] = name
             for c in m.counters:
-                self._rank_machine.setdefault(c.rank, m.machine)
+                self._rank_machine.setdefault(c.rank, name)
             values = machine_metrics(m)
             steps: list[float] = []
             if m.reachable:
@@ -188,15 +195,20 @@ class SeriesStore:
                         rank_step[c.rank] = step
                         steps.append(step)
             values["step_time_s"] = float(np.median(steps)) if steps else math.nan
-            machines[m.machine] = values
+            machines[name] = values
         self._rows.append(_Row(t, machines, rank_step))
         while self._rows and t - self._rows[0].t > self.max_age_s:
             self._rows.popleft()
-        self.missing_machines = tuple(m.machine for m in snapshot.machines if not m.reachable)
+        self.missing_machines = tuple(self.name_of(m) for m in snapshot.machines if not m.reachable)
+        self.reachable_machines = tuple(m.machine for m in snapshot.machines if m.reachable)
         seen = {c.rank for m in snapshot.machines for c in m.counters} | {r.rank for m in snapshot.machines for r in m.ranks}
         world = snapshot.world_size
         self.missing_ranks = tuple(sorted(set(range(world)) - seen)) if world else ()
         return True
+
+    def name_of(self, m: MachineSnapshot) -> str:
+        """The machine's name, also while its agent is unreachable (then reported by address)."""
+        return m.machine if m.reachable else self._names.get(m.address, m.machine)
 
     def _step_time(self, rank: int, steps: int | None, last_duration: float | None, t: float) -> float | None:
         """The rank's current step duration, or None when it cannot be told yet.

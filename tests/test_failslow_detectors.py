@@ -64,7 +64,8 @@ def make_series(n: int, fault: Fault = no_fault, seed: int = 7, machines: tuple[
 
             ranks = tuple(range(i * RPM, (i + 1) * RPM))
             if unreachable(t, m):
-                ms.append(MachineSnapshot(m, f"127.0.0.1:{5000 + i}", False, None,
+                # as the real client does, an unreachable agent is named by its address
+                ms.append(MachineSnapshot(f"127.0.0.1:{5000 + i}", f"127.0.0.1:{5000 + i}", False, None,
                                           error=CaptureError(CaptureErrorKind.UNREACHABLE, "connection refused")))
                 continue
             infos, counters = [], []
@@ -138,9 +139,10 @@ def test_series_marks_unreachable_machines_missing_not_zero() -> None:
     for s in snaps:
         store.add(s)
     _, machines, cpu = store.matrix("host_cpu_percent")
+    assert machines == MACHINES, "the address of an unreachable agent maps back to its machine"
     col = machines.index("m3")
     assert np.isfinite(cpu[:2, col]).all() and np.isnan(cpu[2:, col]).all()
-    assert store.missing_machines == ("m3",)
+    assert store.missing_machines == ("m3",) and store.reachable_machines == ("m0", "m1", "m2")
 
 
 def test_step_time_derived_from_step_counter_and_grows_while_stuck() -> None:
