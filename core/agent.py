@@ -250,8 +250,16 @@ class RunningAgent:
         await self.server.stop(grace_s)
 
 
-async def start_agent(config: AgentConfig) -> RunningAgent:
-    """Check the config, bind and start serving; returns once the port is open."""
+ServiceRegistrar = Callable[[Any], None]
+
+
+async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRegistrar] = ()) -> RunningAgent:
+    """Check the config, bind and start serving; returns once the port is open.
+
+    ``extra_services`` are called with the server before it starts, to add more
+    handlers (``add_XServicer_to_server(servicer, server)``). They sit behind the
+    same token check; a method not named in ``METHOD_ROLES`` needs the ``act`` role.
+    """
     check_config(config)
     server = grpc.aio.server(
         interceptors=[TokenInterceptor(config.tokens)],
@@ -273,6 +281,8 @@ async def start_agent(config: AgentConfig) -> RunningAgent:
         raise RankscopeError(f"cannot listen on {host}:{config.port}", "pick another --port, or --port 0 for a free one")
     address = f"{host}:{port}"
     pb_grpc.add_RankscopeAgentServicer_to_server(AgentService(config, address), server)  # type: ignore[no-untyped-call]
+    for register in extra_services:
+        register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await server.start()
@@ -300,6 +310,9 @@ async def serve(config: AgentConfig, *, port_file: Path | None = None) -> None:
             write_port_file(port_file, agent.port)
         auth = "token required" if config.tokens is not None else "NO TOKEN (--insecure-no-token)"
         log(f"listening on {agent.address} as machine {config.machine_name!r}, {auth}")
+        if not is_loopback(config.bind):
+            log("warning: listening beyond loopback without TLS; the token and snapshots cross the network "
+                "unencrypted, so keep the agents' port on a trusted network")
         await stop.wait()
         log("stopping")
     finally:

@@ -60,6 +60,7 @@ def make_token_file(folder: Path, name: str = "token") -> tuple[str, Path]:
     token = secrets.token_hex(16)
     path = folder / name
     path.write_text(token + "\n")
+    path.chmod(0o600)
     return token, path
 
 

@@ -115,6 +115,40 @@ async def test_stream_metrics_sends_the_readings_asked_for(agent: RunningAgent) 
     assert all(r.stacks == () for r in readings)
 
 
+async def test_a_method_not_listed_needs_the_act_role() -> None:
+    """An RPC added later (an action) is protected even if nobody lists it in METHOD_ROLES."""
+    method = "/rankscope.v1.RankscopeAgent/SomeFutureAction"
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return b"done:" + request
+
+    def register(server: grpc.aio.Server) -> None:
+        handler = grpc.unary_unary_rpc_method_handler(echo)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("rankscope.v1.RankscopeAgent", {"SomeFutureAction": handler}),)
+        )
+
+    tokens = parse_tokens(f"read:{TOKEN}\nact:{OTHER}\n", "test")
+    running = await start_agent(AgentConfig(tokens=tokens, port=0, run_id="no-such-run-h2"), extra_services=[register])
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            call = channel.unary_unary(method)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(b"x", metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "'act' role" in (err.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(b"x", timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert await call(b"x", metadata=(("authorization", f"Bearer {OTHER}"),), timeout=10) == b"done:x"
+            # the read-only token still reads
+            reply = await _stub(channel).Describe(
+                pb.DescribeRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=20)
+            assert reply.machine
+    finally:
+        await running.stop(0)
+
+
 def test_token_roles_and_constant_time_check() -> None:
     tokens = parse_tokens(f"# ops team\nread:{TOKEN}\nact:{OTHER}\n", "tokens")
     assert tokens.role_of(TOKEN) is Role.READ

@@ -40,6 +40,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import socket
+    import sys
 
     from rankscope.agent import AgentConfig, serve
     from rankscope.errors import RankscopeError
@@ -48,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         raise RankscopeError("--concurrency must be at least 1", "use the default, 8")
     tokens = load_tokens(args.token_file)
+    if args.token_file is not None and args.token_file.stat().st_mode & 0o077:
+        print(f"rankscope agent: warning: {args.token_file} can be read by other users; "
+              f"fix: chmod 600 {args.token_file}", file=sys.stderr)
     if tokens is not None and args.insecure_no_token:
         raise RankscopeError("--insecure-no-token given together with a token", "drop one of them")
     config = AgentConfig(
