@@ -1,0 +1,256 @@
+"""In-place hot-update of a job's code (ByteRobust §6.1).
+
+The job runs its code from one directory, ``current``, which is a symbolic
+link into a versions directory. Changing the code is switching that link:
+
+- a **git ref** of the configured repository is resolved to a commit and
+  checked out once into ``<versions>/<commit>`` with ``git worktree add
+  --detach`` (a detached worktree shares the repository's objects, so a
+  version costs only its checked-out files);
+- a **prepared directory** (copied to every machine beforehand) is used as it is.
+
+The switch is atomic: a new link is made beside ``current`` and renamed over
+it, so a process starting at any moment sees either the old tree or the new
+one, never a missing directory. The machines are not rescheduled; the agent
+restarts the training processes where they are (the ``restart`` callback) and
+they resume from the latest checkpoint.
+
+Modes: *immediate* switches and restarts now. *Lazy* resolves the version at
+once (a bad ref fails at request time, not at 3 a.m.) and waits: it is applied
+at the next restart or failure the agent reports, or when its window (24 h by
+default) expires -- :func:`lazy_update_due` decides, purely from (now, the
+pending update, the events). Every request and its outcome goes into the
+persistent history; rollback returns to the version before the newest update.
+
+git runs as an argv list with ``shell=False``; refs are validated so none
+can pass as an option, and ``--end-of-options`` makes sure of it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateRecord, UpdateState, Version
+from rankscope.actions.model import HotUpdateArgs, RollbackArgs, UpdateMode, VersionSource, check_git_ref
+from rankscope.errors import RankscopeError
+
+# The agent's part: restart the training processes on this machine where they are, on ``version``.
+RestartCallback = Callable[[Version, str], None]
+
+_GIT_TIMEOUT_S = 300.0
+
+
+class JobEventKind(StrEnum):
+    RESTART = "restart"
+    FAILURE = "failure"
+
+
+@dataclass(frozen=True, slots=True)
+class JobEvent:
+    kind: JobEventKind
+    at: float  # wall clock, seconds
+
+
+@dataclass(frozen=True, slots=True)
+class LazyDecision:
+    apply: bool
+    trigger: str  # "restart", "failure", "window" or "" when not due
+    reason: str
+
+
+def lazy_update_due(now: float, pending: UpdateRecord | None, events: Sequence[JobEvent]) -> LazyDecision:
+    """Whether a pending lazy update is to be applied now, and why.
+
+    The first restart or failure at or after the request applies it (the
+    job is stopping anyway, so the update costs nothing extra); otherwise it
+    is applied once its window has expired. Pure: same inputs, same answer.
+    """
+    if pending is None or pending.state != UpdateState.PENDING:
+        return LazyDecision(False, "", "no pending update")
+    if pending.mode == UpdateMode.IMMEDIATE:
+        return LazyDecision(True, "immediate", "an immediate update is applied at once")
+    after = sorted((e for e in events if e.at >= pending.requested_at), key=lambda e: e.at)
+    if after:
+        first = after[0]
+        return LazyDecision(True, first.kind.value, f"the job had a {first.kind.value} after the request")
+    if now >= pending.deadline:
+        return LazyDecision(True, "window", f"the {pending.window_s / 3600:g} h window expired")
+    left_h = (pending.deadline - now) / 3600
+    return LazyDecision(False, "", f"waits for the next restart or failure, at most {left_h:.1f} h more")
+
+
+class CodeVersions:
+    """The ``current`` link, the versions directory and (optionally) the git repository behind them."""
+
+    def __init__(self, current: str | Path, versions_dir: str | Path, repo: str | Path | None = None,
+                 git: str = "git") -> None:
+        self.current = Path(current)
+        self.versions_dir = Path(versions_dir)
+        self.repo = Path(repo) if repo is not None else None
+        self.git = git
+
+    def resolve(self, source: VersionSource, version: str) -> Version:
+        """Make ``version`` available on disk and name it; nothing is switched yet."""
+        if source == VersionSource.GIT:
+            return self.checkout(version)
+        return self.prepared(version)
+
+    def checkout(self, ref: str) -> Version:
+        if self.repo is None:
+            raise RankscopeError("this agent has no code repository configured",
+                                 "start the agent with --code-repo, or hot-update to a prepared directory")
+        check_git_ref(ref)
+        commit = self._git("rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}",
+                           what=f"resolve {ref!r}").strip()
+        path = self.versions_dir / commit
+        if not (path / ".git").exists():
+            self.versions_dir.mkdir(parents=True, exist_ok=True)
+            self._git("worktree", "add", "--detach", "--quiet", str(path), commit, what=f"check out {commit[:12]}")
+        return Version(label=f"git:{ref} ({commit[:12]})", path=str(path))
+
+    def prepared(self, directory: str) -> Version:
+        path = Path(directory)
+        if not path.is_absolute() or not path.is_dir():
+            raise RankscopeError(f"prepared directory {directory} does not exist on this machine",
+                                 "copy the code to the same absolute path on every machine first")
+        real = path.resolve()
+        return Version(label=f"dir:{real}", path=str(real))
+
+    def target(self) -> Path | None:
+        """Where ``current`` points now (None when it does not exist yet)."""
+        if self.current.is_symlink():
+            return Path(os.readlink(self.current))
+        if self.current.exists():
+            raise RankscopeError(
+                f"the code directory {self.current} is a real directory, not a link, so it cannot be switched",
+                f"move it into {self.versions_dir} and make {self.current} a symbolic link to it",
+            )
+        return None
+
+    def switch(self, version: Version) -> Path | None:
+        """Point ``current`` at ``version`` atomically; returns the previous target."""
+        previous = self.target()
+        self.current.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.current.with_name(f".{self.current.name}.switch-{os.getpid()}")
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        os.symlink(version.path, tmp, target_is_directory=True)
+        os.replace(tmp, self.current)  # rename(2): atomic on POSIX
+        return previous
+
+    def _git(self, *argv: str, what: str) -> str:
+        assert self.repo is not None
+        try:
+            proc = subprocess.run([self.git, "-C", str(self.repo), *argv], shell=False, capture_output=True,
+                                  text=True, timeout=_GIT_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RankscopeError(f"git could not {what}: {exc}",
+                                 "check that git is installed and the repository is reachable") from exc
+        if proc.returncode != 0:
+            detail = (proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}").splitlines()
+            raise RankscopeError(f"git could not {what}: {detail[-1] if detail else ''}",
+                                 f"check the ref exists in {self.repo} (git -C {self.repo} log --oneline)")
+        return proc.stdout
+
+
+class HotUpdater:
+    """Hot-update and rollback of one machine's job code, recorded in the history."""
+
+    def __init__(self, versions: CodeVersions, history: HotUpdateHistory, restart: RestartCallback | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.versions = versions
+        self.history = history
+        self.restart = restart
+        self._clock = clock
+
+    def current_version(self) -> Version | None:
+        target = self.versions.target()
+        if target is None:
+            return None
+        recorded = self.history.current()
+        if recorded is not None and Path(recorded.path) == target:
+            return recorded
+        return Version(label=f"dir:{target}", path=str(target))
+
+    def update(self, action_id: str, who: str, args: HotUpdateArgs) -> UpdateRecord:
+        """Request an update: applied now if immediate, else recorded as pending."""
+        version = self.versions.resolve(args.source, args.version)
+        record = self.history.request(action_id, who, UpdateKind.UPDATE, args.mode, args.window_s,
+                                      self.current_version(), version)
+        if args.mode == UpdateMode.IMMEDIATE:
+            return self._apply(record, "immediate", restart=True)
+        return record
+
+    def rollback(self, action_id: str, who: str, args: RollbackArgs) -> UpdateRecord:
+        """Return to the version before the newest update (or to ``args.to_version``, a path or label)."""
+        target = self._rollback_target(args.to_version)
+        record = self.history.request(action_id, who, UpdateKind.ROLLBACK, args.mode, 24 * 3600.0,
+                                      self.current_version(), target)
+        if args.mode == UpdateMode.IMMEDIATE:
+            return self._apply(record, "immediate", restart=True)
+        return record
+
+    def on_event(self, event: JobEvent) -> UpdateRecord | None:
+        """The job restarts or failed: apply a pending lazy update first, without an extra restart.
+
+        The agent calls this in its restart path, before it starts the
+        processes again, and then starts them on :meth:`current_version`.
+        """
+        pending = self.history.pending()
+        decision = lazy_update_due(self._clock(), pending, [event])
+        if pending is None or not decision.apply:
+            return None
+        return self._apply(pending, decision.trigger, restart=False)
+
+    def tick(self) -> UpdateRecord | None:
+        """Apply a pending update whose window expired (restarting the processes); the agent calls this periodically."""
+        pending = self.history.pending()
+        decision = lazy_update_due(self._clock(), pending, ())
+        if pending is None or not decision.apply:
+            return None
+        return self._apply(pending, decision.trigger, restart=True)
+
+    def _rollback_target(self, wanted: str) -> Version:
+        if wanted:
+            for record in self.history.entries():
+                for v in (record.to_version, record.from_version):
+                    if v is not None and wanted in (v.label, v.path):
+                        return v
+            raise RankscopeError(f"no version {wanted!r} in the hot-update history",
+                                 "pick a version listed in the TUI's update history")
+        target = self.history.rollback_target()
+        if target is None:
+            raise RankscopeError("there is no earlier version to roll back to",
+                                 "hot-update to the version you want instead")
+        if not Path(target.path).is_dir():
+            raise RankscopeError(f"the earlier version's tree {target.path} is gone",
+                                 "hot-update to that ref again (it will be checked out anew)")
+        return target
+
+    def _apply(self, record: UpdateRecord, trigger: str, restart: bool) -> UpdateRecord:
+        before = self.current_version()
+        try:
+            self.versions.switch(record.to_version)
+        except (OSError, RankscopeError) as exc:
+            message = exc.message if isinstance(exc, RankscopeError) else str(exc)
+            self.history.finish(record.id, UpdateState.FAILED, trigger, f"switch failed: {message}")
+            raise
+        if restart and self.restart is not None:
+            try:
+                self.restart(record.to_version, trigger)
+            except Exception as exc:
+                # The code link stays on the new version: some processes may already run it. Rolling back is
+                # one key away and recorded; doing it silently here would hide what happened.
+                message = exc.message if isinstance(exc, RankscopeError) else f"{type(exc).__name__}: {exc}"
+                self.history.finish(record.id, UpdateState.FAILED, trigger,
+                                    f"code switched but restart failed: {message}", from_version=before)
+                raise
+        return self.history.finish(record.id, UpdateState.APPLIED, trigger,
+                                   "restarted on the new code" if restart and self.restart else "code switched",
+                                   from_version=before)

@@ -1,0 +1,389 @@
+"""The data of the action protocol: requests, plans, progress, results, audit records.
+
+A client never sends shell text. It names an action kind and typed
+arguments (machines, ranks, a version, a reason); the agent carries out the
+procedure it was configured with. Everything here is a frozen dataclass that
+converts to and from plain JSON (``to_json``/``from_json``), so the agent's
+RPCs, the audit log and the TUI all speak the same shape.
+
+Confirmation is part of the data: every plan carries the exact phrase a
+person must type (for eviction) or the targets a yes/no prompt must name,
+and :func:`confirmation_matches` is the one place that decides.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from rankscope.errors import RankscopeError
+
+
+class ActionKind(StrEnum):
+    EVICT = "evict"
+    HOT_UPDATE = "hot_update"
+    BACKUP = "backup"
+    ROLLBACK = "rollback"
+
+
+class ActionState(StrEnum):
+    """Where an action stands; the last four are final."""
+
+    PLANNED = "planned"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REFUSED = "refused"
+
+    @property
+    def final(self) -> bool:
+        return self in (ActionState.SUCCEEDED, ActionState.FAILED, ActionState.CANCELLED, ActionState.REFUSED)
+
+
+class UpdateMode(StrEnum):
+    IMMEDIATE = "immediate"  # stop the training processes now and restart them on the new code
+    LAZY = "lazy"  # apply at the next restart or failure, or when the window expires
+
+
+class VersionSource(StrEnum):
+    GIT = "git"  # a ref (branch, tag, commit) in the agent's configured repository
+    DIR = "dir"  # a directory prepared on every machine beforehand
+
+
+class TokenScope(StrEnum):
+    READ_ONLY = "read_only"
+    ACTING = "acting"
+
+
+# Ids, machine names and git refs travel as arguments and end up as argv
+# elements; none may start with '-' (it would read as an option) and none may
+# hold whitespace or control characters.
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_MACHINE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,252}$")
+_GIT_REF_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/@{}^~+-]{0,254}$")
+_MAX_TEXT = 500
+DEFAULT_LAZY_WINDOW_S = 24 * 3600.0  # ByteRobust §6.1: a pending non-critical update is applied within a day
+
+
+def check_text(value: str, what: str) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value) > _MAX_TEXT \
+            or any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise RankscopeError(f"{what} must be one line of 1-{_MAX_TEXT} printable characters, got {value!r}",
+                             f"give a short {what} without newlines or control characters")
+    return value
+
+
+def check_action_id(action_id: str) -> str:
+    if not isinstance(action_id, str) or not _ID_RE.match(action_id):
+        raise RankscopeError(f"bad action id {action_id!r}",
+                             "use letters, digits and . _ : - (up to 128), starting with a letter or digit")
+    return action_id
+
+
+def check_machine(name: str) -> str:
+    if not isinstance(name, str) or not _MACHINE_RE.match(name):
+        raise RankscopeError(f"bad machine name {name!r}",
+                             "use the host names the agents report (letters, digits, . _ : -)")
+    return name
+
+
+def check_git_ref(ref: str) -> str:
+    if not isinstance(ref, str) or not _GIT_REF_RE.match(ref) or ".." in ref or ref.endswith((".lock", "/")):
+        raise RankscopeError(f"bad git ref {ref!r}", "name a branch, tag or commit of the configured repository")
+    return ref
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """What an action is aimed at: machines by name and/or ranks by number."""
+
+    machines: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for m in self.machines:
+            check_machine(m)
+        for r in self.ranks:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+                raise RankscopeError(f"bad rank {r!r} in targets", "ranks are non-negative integers")
+
+    def describe(self) -> str:
+        parts = []
+        if self.machines:
+            parts.append("machines " + " ".join(self.machines))
+        if self.ranks:
+            parts.append("ranks " + " ".join(str(r) for r in self.ranks))
+        return "; ".join(parts) or "the whole job"
+
+
+@dataclass(frozen=True, slots=True)
+class EvictArgs:
+    reason: str
+
+    def __post_init__(self) -> None:
+        check_text(self.reason, "eviction reason")
+
+
+@dataclass(frozen=True, slots=True)
+class HotUpdateArgs:
+    source: VersionSource
+    version: str  # git ref for GIT; for DIR, the prepared directory's path on every machine
+    mode: UpdateMode = UpdateMode.IMMEDIATE
+    window_s: float = DEFAULT_LAZY_WINDOW_S
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.source == VersionSource.GIT:
+            check_git_ref(self.version)
+        else:
+            check_text(self.version, "prepared directory")
+            if not self.version.startswith("/"):
+                raise RankscopeError(f"prepared directory {self.version!r} is not absolute",
+                                     "give the absolute path the directory has on every machine")
+        if not (isinstance(self.window_s, int | float) and 0 < self.window_s <= 30 * 24 * 3600):
+            raise RankscopeError(f"lazy window must be between 0 and 30 days, got {self.window_s!r} s",
+                                 "use the default 24 h or a few hours")
+        if self.note:
+            check_text(self.note, "note")
+
+
+@dataclass(frozen=True, slots=True)
+class BackupArgs:
+    """Snapshot every rank at its next step boundary and copy each shard to its backup peer."""
+
+    tag: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tag:
+            check_action_id(self.tag)
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackArgs:
+    """Return the code to the version before the current one (or to ``to_version`` if given)."""
+
+    to_version: str = ""
+    mode: UpdateMode = UpdateMode.IMMEDIATE
+
+    def __post_init__(self) -> None:
+        if self.to_version:
+            check_text(self.to_version, "version")
+
+
+ActionArgs = EvictArgs | HotUpdateArgs | BackupArgs | RollbackArgs
+_ARGS_OF: dict[ActionKind, type[Any]] = {
+    ActionKind.EVICT: EvictArgs,
+    ActionKind.HOT_UPDATE: HotUpdateArgs,
+    ActionKind.BACKUP: BackupArgs,
+    ActionKind.ROLLBACK: RollbackArgs,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRequest:
+    """A client's request. ``action_id`` makes it idempotent: the same id is carried out at most once."""
+
+    action_id: str
+    kind: ActionKind
+    targets: Targets
+    args: ActionArgs
+    requested_by: str  # the person (or tool) acting, as the client names it; the audit log records it
+    job_id: str | None = None
+
+    def __post_init__(self) -> None:
+        check_action_id(self.action_id)
+        want = _ARGS_OF[ActionKind(self.kind)]
+        if not isinstance(self.args, want):
+            raise RankscopeError(f"{self.kind} takes {want.__name__}, got {type(self.args).__name__}",
+                                 "build the request with the argument type of its kind")
+        check_text(self.requested_by, "requester")
+        if self.kind == ActionKind.EVICT and not self.targets.machines:
+            raise RankscopeError("an eviction needs at least one machine", "name the suspect group's machines")
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = _to_json(self)
+        return out
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> ActionRequest:
+        try:
+            kind = ActionKind(data["kind"])
+            args = _args_from_json(kind, data.get("args") or {})
+            targets = data.get("targets") or {}
+            return ActionRequest(
+                action_id=str(data["action_id"]),
+                kind=kind,
+                targets=Targets(tuple(targets.get("machines", ())), tuple(targets.get("ranks", ()))),
+                args=args,
+                requested_by=str(data["requested_by"]),
+                job_id=data.get("job_id"),
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise RankscopeError(f"malformed action request: {exc}",
+                                 "send action_id, kind, targets, args and requested_by") from exc
+
+
+def _args_from_json(kind: ActionKind, data: Mapping[str, Any]) -> ActionArgs:
+    if kind == ActionKind.EVICT:
+        return EvictArgs(reason=str(data["reason"]))
+    if kind == ActionKind.HOT_UPDATE:
+        return HotUpdateArgs(source=VersionSource(data["source"]), version=str(data["version"]),
+                             mode=UpdateMode(data.get("mode", UpdateMode.IMMEDIATE)),
+                             window_s=float(data.get("window_s", DEFAULT_LAZY_WINDOW_S)),
+                             note=str(data.get("note", "")))
+    if kind == ActionKind.BACKUP:
+        return BackupArgs(tag=str(data.get("tag", "")))
+    return RollbackArgs(to_version=str(data.get("to_version", "")),
+                        mode=UpdateMode(data.get("mode", UpdateMode.IMMEDIATE)))
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessRef:
+    """One training process an action stops or restarts."""
+
+    machine: str
+    pid: int
+    rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ActionPlan:
+    """What an action will do, exactly, shown before anyone confirms.
+
+    ``commands`` are the argv lists a backend will run (never a shell
+    string), so the plan a person approves is the plan that runs.
+    ``confirm_phrase`` is what must be typed for the most destructive kinds
+    (eviction); for the others the prompt names ``machines`` and a yes/no
+    with Cancel as default is enough.
+    """
+
+    action_id: str
+    kind: ActionKind
+    summary: str
+    machines: tuple[str, ...] = ()
+    processes: tuple[ProcessRef, ...] = ()
+    standbys: tuple[str, ...] = ()
+    backup_peers: tuple[tuple[int, int], ...] = ()  # (rank, peer)
+    commands: tuple[tuple[str, ...], ...] = ()
+    steps: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    typed_confirmation: bool = False
+    confirm_phrase: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = _to_json(self)
+        return out
+
+
+def needs_typed_confirmation(kind: ActionKind) -> bool:
+    """Eviction takes machines out of the job: the person types the phrase, not just 'y'."""
+    return kind == ActionKind.EVICT
+
+
+def confirm_phrase_for(kind: ActionKind, machines: tuple[str, ...]) -> str:
+    """The phrase to type: the verb and every target, so nobody evicts a machine they did not read."""
+    return f"{kind.value} {' '.join(machines)}".strip()
+
+
+def confirmation_matches(plan: ActionPlan, answer: str | bool | None) -> bool:
+    """Whether a person's answer confirms ``plan``; anything unclear is Cancel."""
+    if plan.typed_confirmation:
+        return isinstance(answer, str) and " ".join(answer.split()) == plan.confirm_phrase
+    return answer is True
+
+
+@dataclass(frozen=True, slots=True)
+class ActionProgress:
+    """A step of a running action, broadcast to every attached TUI."""
+
+    action_id: str
+    at: float  # wall clock, seconds
+    step: int
+    total: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ActionResult:
+    action_id: str
+    kind: ActionKind
+    state: ActionState
+    message: str
+    started: float | None = None
+    finished: float | None = None
+    details: tuple[str, ...] = ()
+    replayed: bool = False  # True when a repeated id returned the recorded result without acting again
+
+    @property
+    def ok(self) -> bool:
+        return self.state == ActionState.SUCCEEDED
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = _to_json(self)
+        return out
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> ActionResult:
+        return ActionResult(
+            action_id=str(data["action_id"]), kind=ActionKind(data["kind"]), state=ActionState(data["state"]),
+            message=str(data["message"]), started=data.get("started"), finished=data.get("finished"),
+            details=tuple(data.get("details", ())), replayed=bool(data.get("replayed", False)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    """One line of the audit log: who did what, when, and how it ended (or 'started')."""
+
+    seq: int
+    action_id: str
+    who: str
+    when: float  # wall clock, seconds
+    kind: ActionKind
+    what: str  # the plan's summary: verb and exact targets
+    result: str  # "requested", "started", or a final ActionState value
+    message: str = ""
+    machines: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = _to_json(self)
+        return out
+
+
+def check_targets(request: ActionRequest, job_machines: tuple[str, ...] | frozenset[str],
+                  world_size: int | None) -> None:
+    """An agent refuses targets outside its job: unknown machines or ranks beyond the world size."""
+    known = set(job_machines)
+    outside = [m for m in request.targets.machines if m not in known]
+    if outside:
+        raise RankscopeError(f"refused: machine(s) {' '.join(outside)} are not part of this job",
+                             f"target only the job's machines: {' '.join(sorted(known)) or '(none known)'}")
+    if world_size is not None:
+        bad = [r for r in request.targets.ranks if r >= world_size]
+        if bad:
+            raise RankscopeError(f"refused: rank(s) {bad} are outside the job's {world_size} ranks",
+                                 f"target ranks 0..{world_size - 1}")
+
+
+def check_scope(scope: TokenScope) -> None:
+    """A read-only token watches; only an acting token may change anything."""
+    if scope != TokenScope.ACTING:
+        raise RankscopeError("refused: this token is read-only",
+                             "attach with an acting token (the agent's --token) to run actions")
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, StrEnum):
+        return value.value
+    if hasattr(value, "__dataclass_fields__"):
+        out = {name: _to_json(getattr(value, name)) for name in value.__dataclass_fields__}
+        if isinstance(value, ActionRequest):
+            out["args"] = _to_json(value.args)
+        return out
+    if isinstance(value, tuple | list):
+        return [_to_json(v) for v in value]
+    return value

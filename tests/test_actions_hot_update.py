@@ -1,0 +1,176 @@
+"""Hot-update for real: a git repository made in the test, worktrees, the atomic link switch, lazy rules, rollback."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateRecord, UpdateState, Version
+from rankscope.actions.hot_update import (
+    CodeVersions,
+    HotUpdater,
+    JobEvent,
+    JobEventKind,
+    lazy_update_due,
+)
+from rankscope.actions.model import HotUpdateArgs, RollbackArgs, UpdateMode, VersionSource
+from rankscope.errors import RankscopeError
+
+
+def _git(repo: Path, *argv: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *argv], check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """Two commits: tag A writes train.py 'version A', tag B 'version B'."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "t")
+    for name in ("A", "B"):
+        (repo / "train.py").write_text(f"print('version {name}')\n")
+        _git(repo, "add", "train.py")
+        _git(repo, "commit", "-q", "-m", f"version {name}")
+        _git(repo, "tag", name)
+    return repo
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 10_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _updater(tmp_path: Path, repo: Path, clock: Clock | None = None) -> tuple[HotUpdater, list[tuple[str, str]]]:
+    restarts: list[tuple[str, str]] = []
+    versions = CodeVersions(current=tmp_path / "job" / "code", versions_dir=tmp_path / "versions", repo=repo)
+    history = HotUpdateHistory(tmp_path / "state" / "history.db", clock=clock or Clock())
+    return HotUpdater(versions, history, restart=lambda v, why: restarts.append((v.label, why)),
+                      clock=clock or Clock()), restarts
+
+
+def test_switch_to_b_then_roll_back_to_a(tmp_path: Path, repo: Path) -> None:
+    up, restarts = _updater(tmp_path, repo)
+    code = tmp_path / "job" / "code"
+    a = up.update("u-a", "alice", HotUpdateArgs(VersionSource.GIT, "A"))
+    assert (code / "train.py").read_text() == "print('version A')\n"
+    b = up.update("u-b", "alice", HotUpdateArgs(VersionSource.GIT, "B"))
+    assert code.is_symlink()
+    assert Path(code.resolve()) == Path(b.to_version.path).resolve()
+    assert (code / "train.py").read_text() == "print('version B')\n"
+    assert _git(Path(b.to_version.path), "rev-parse", "HEAD") == _git(repo, "rev-parse", "B")
+    assert b.state == UpdateState.APPLIED and b.from_version == a.to_version and b.who == "alice"
+    assert b.to_version.label.startswith("git:B (")
+    assert restarts == [(a.to_version.label, "immediate"), (b.to_version.label, "immediate")]
+
+    rb = up.rollback("r-1", "bob", RollbackArgs())
+    assert rb.kind == UpdateKind.ROLLBACK and rb.state == UpdateState.APPLIED
+    assert rb.to_version == a.to_version and rb.from_version == b.to_version
+    assert (code / "train.py").read_text() == "print('version A')\n"
+    history = HotUpdateHistory(tmp_path / "state" / "history.db")  # persisted
+    assert [(e.action_id, e.who, e.state) for e in history.entries()] == [
+        ("r-1", "bob", UpdateState.APPLIED), ("u-b", "alice", UpdateState.APPLIED),
+        ("u-a", "alice", UpdateState.APPLIED)]
+
+
+def test_a_version_is_checked_out_once_and_reused(tmp_path: Path, repo: Path) -> None:
+    up, _ = _updater(tmp_path, repo)
+    first = up.versions.checkout("A")
+    (Path(first.path) / "marker").write_text("kept")
+    again = up.versions.checkout(_git(repo, "rev-parse", "A"))
+    assert again.path == first.path and (Path(again.path) / "marker").exists()
+
+
+def test_lazy_update_waits_for_a_failure_then_applies_without_an_extra_restart(tmp_path: Path, repo: Path) -> None:
+    clock = Clock()
+    up, restarts = _updater(tmp_path, repo, clock)
+    up.update("u-a", "alice", HotUpdateArgs(VersionSource.GIT, "A"))
+    code = tmp_path / "job" / "code"
+    pending = up.update("u-b", "alice", HotUpdateArgs(VersionSource.GIT, "B", UpdateMode.LAZY))
+    assert pending.state == UpdateState.PENDING
+    assert (code / "train.py").read_text() == "print('version A')\n"  # nothing switched yet
+    clock.t += 3600
+    assert up.tick() is None  # window not expired
+    applied = up.on_event(JobEvent(JobEventKind.FAILURE, clock.t))
+    assert applied is not None and applied.state == UpdateState.APPLIED and applied.trigger == "failure"
+    assert (code / "train.py").read_text() == "print('version B')\n"
+    assert len(restarts) == 1  # the failure path restarts the job itself; only the first, immediate update restarted
+    assert up.history.pending() is None
+
+
+def test_lazy_update_applies_when_its_window_expires(tmp_path: Path, repo: Path) -> None:
+    clock = Clock()
+    up, restarts = _updater(tmp_path, repo, clock)
+    up.update("u-b", "alice", HotUpdateArgs(VersionSource.GIT, "B", UpdateMode.LAZY, window_s=7200))
+    clock.t += 7199
+    assert up.tick() is None
+    clock.t += 1
+    applied = up.tick()
+    assert applied is not None and applied.trigger == "window"
+    assert restarts == [(applied.to_version.label, "window")]
+
+
+def test_a_bad_ref_fails_at_request_time_and_switches_nothing(tmp_path: Path, repo: Path) -> None:
+    up, restarts = _updater(tmp_path, repo)
+    up.update("u-a", "alice", HotUpdateArgs(VersionSource.GIT, "A"))
+    with pytest.raises(RankscopeError, match="could not resolve 'no-such-branch'") as err:
+        up.update("u-x", "alice", HotUpdateArgs(VersionSource.GIT, "no-such-branch", UpdateMode.LAZY))
+    assert "git -C" in err.value.fix
+    assert up.history.pending() is None and len(restarts) == 1
+
+
+def test_prepared_directory_and_failed_restart_is_recorded(tmp_path: Path, repo: Path) -> None:
+    prepared = tmp_path / "exp7"
+    prepared.mkdir()
+    (prepared / "train.py").write_text("print('exp7')\n")
+    versions = CodeVersions(tmp_path / "job" / "code", tmp_path / "versions")
+
+    def restart(version: Version, why: str) -> None:
+        raise RankscopeError("rank 3 did not come back", "look at machine m1")
+
+    up = HotUpdater(versions, HotUpdateHistory(tmp_path / "h.db"), restart=restart)
+    with pytest.raises(RankscopeError, match="rank 3"):
+        up.update("u-1", "alice", HotUpdateArgs(VersionSource.DIR, str(prepared)))
+    record = up.history.entries()[0]
+    assert record.state == UpdateState.FAILED and "restart failed: rank 3" in record.message
+    assert (tmp_path / "job" / "code" / "train.py").read_text() == "print('exp7')\n"
+    with pytest.raises(RankscopeError, match="no code repository"):
+        up.update("u-2", "alice", HotUpdateArgs(VersionSource.GIT, "A"))
+    with pytest.raises(RankscopeError, match="does not exist"):
+        up.update("u-3", "alice", HotUpdateArgs(VersionSource.DIR, str(tmp_path / "missing")))
+
+
+def test_a_real_code_directory_is_refused_with_the_fix(tmp_path: Path, repo: Path) -> None:
+    (tmp_path / "job" / "code").mkdir(parents=True)
+    up, _ = _updater(tmp_path, repo)
+    with pytest.raises(RankscopeError, match="real directory") as err:
+        up.update("u-a", "alice", HotUpdateArgs(VersionSource.GIT, "A"))
+    assert "symbolic link" in err.value.fix
+
+
+def test_nothing_to_roll_back_to(tmp_path: Path, repo: Path) -> None:
+    up, _ = _updater(tmp_path, repo)
+    with pytest.raises(RankscopeError, match="no earlier version"):
+        up.rollback("r", "bob", RollbackArgs())
+
+
+def _pending(mode: UpdateMode = UpdateMode.LAZY, at: float = 100.0, window: float = 50.0) -> UpdateRecord:
+    return UpdateRecord(1, "u", "a", at, UpdateKind.UPDATE, mode, window, None, Version("x", "/x"),
+                        UpdateState.PENDING)
+
+
+def test_lazy_decision_is_a_pure_function_of_now_pending_and_events() -> None:
+    p = _pending()
+    assert not lazy_update_due(120.0, p, []).apply
+    assert not lazy_update_due(120.0, p, [JobEvent(JobEventKind.RESTART, 99.0)]).apply  # before the request
+    d = lazy_update_due(120.0, p, [JobEvent(JobEventKind.FAILURE, 110.0), JobEvent(JobEventKind.RESTART, 105.0)])
+    assert (d.apply, d.trigger) == (True, "restart")  # the first event after the request
+    d = lazy_update_due(150.0, p, [])
+    assert (d.apply, d.trigger) == (True, "window")
+    assert not lazy_update_due(150.0, None, []).apply
+    assert lazy_update_due(0.0, _pending(UpdateMode.IMMEDIATE), []).trigger == "immediate"
