@@ -1,17 +1,153 @@
-"""`rankscope drill`: not built yet."""
+"""`rankscope drill`: a real TP x PP x DP job on local "machines", a named fault, and the ground truth."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 from typing import Any
 
 from rankscope.errors import RankscopeError
 
+DESCRIPTION = """\
+Start a real PyTorch job (gloo on CPU) with tensor, pipeline and data
+parallelism, spread over --machines local machines: one torchrun node and one
+rankscope agent each, on loopback. Inject a named fault at a rank (or a
+machine) and a step, and look at the job the way an on-call engineer would.
+
+Without --headless the TUI opens attached to the live drill. With --headless
+the drill waits until progress stops (hang faults) or until a capture step
+(slow faults and the healthy baseline 'none'), captures a snapshot through the
+agents, writes the bundle and prints the ground truth beside what was
+captured. Every process the drill started is stopped at the end, also on
+Ctrl-C and on failure.
+
+Faults: none, hang-compute, hang-p2p, hang-collective, dataloader-stall,
+checkpoint-stall, crash (hangs); slow-compute, slow-comm, slow-dataloader,
+cpu-contention, thermal (fail-slow; --fault-on/--fault-off make them
+intermittent).
+
+Example: rankscope drill --headless --json --fault hang-p2p --fault-rank 5 --fault-step 20
+"""
+
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser("drill", help="(not built yet)")
+    p: argparse.ArgumentParser = sub.add_parser(
+        "drill", help="run a real TP/PP/DP job on local machines, inject a fault, capture it",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
+    p.add_argument("--dp", type=int, default=2, help="data-parallel replicas (default 2)")
+    p.add_argument("--machines", type=int, default=4, help="local machines: torchrun nodes with one agent each (default 4)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: fault step + 40)")
+    p.add_argument("--fault", default="hang-p2p", help="fault name, or 'none' for a healthy baseline (default hang-p2p)")
+    p.add_argument("--fault-rank", type=int, help="the faulty rank (default: drawn from --seed)")
+    p.add_argument("--fault-machine", type=int, help="draw the faulty rank from this machine (0-based)")
+    p.add_argument("--fault-step", type=int, default=20, help="step at which the fault starts (default 20)")
+    p.add_argument("--fault-group", choices=("tp", "pp", "dp"),
+                   help="group of hang-collective (default tp) or slow-comm (default pp)")
+    p.add_argument("--fault-factor", type=float, default=2.0,
+                   help="slow-compute/thermal: how many times longer a step takes (default 2.0)")
+    p.add_argument("--fault-delay-ms", type=float, default=50.0,
+                   help="slow-comm/slow-dataloader: delay per send or batch (default 50)")
+    p.add_argument("--fault-on", type=int, default=0, help="intermittent slow fault: steps on (with --fault-off)")
+    p.add_argument("--fault-off", type=int, default=0, help="intermittent slow fault: steps off")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the random fault rank")
+    p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (default 5)")
+    p.add_argument("--loader-workers", type=int, default=1, help="dataloader worker processes per rank (default 1)")
+    p.add_argument("--stall-seconds", type=float, default=5.0,
+                   help="progress stopped = no rank advanced for this long (default 5)")
+    p.add_argument("--start-timeout", type=float, default=180.0, help="seconds for the job to start (default 180)")
+    p.add_argument("--stall-timeout", type=float, default=120.0, help="seconds to wait for the stall (default 120)")
+    p.add_argument("--no-agents", action="store_true", help="capture in this process with the probes instead of agents")
+    p.add_argument("--run-dir", type=Path, help="folder for logs, progress, checkpoints and the bundle (default: a temp dir)")
+    p.add_argument("-o", "--output", type=Path, help="write the bundle here (default: RUN_DIR/bundle.json)")
+    p.add_argument("--headless", action="store_true", help="no TUI: run, capture, report and stop")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (with --headless)")
     p.set_defaults(func=run)
 
 
+def build_config(args: argparse.Namespace) -> Any:
+    from rankscope.drill.faults import DrillLayout, make_plan
+    from rankscope.drill.launcher import TrainingOptions
+    from rankscope.drill.session import DrillConfig
+
+    layout = DrillLayout(tp=args.tp, pp=args.pp, dp=args.dp, machines=args.machines)
+    if args.fault_machine is not None and not 0 <= args.fault_machine < layout.machines:
+        raise RankscopeError(f"--fault-machine {args.fault_machine} does not exist",
+                             f"choose a machine from 0 to {layout.machines - 1}")
+    plan = make_plan(
+        args.fault, layout, rank=args.fault_rank, machine=args.fault_machine, step=args.fault_step,
+        group=args.fault_group, factor=args.fault_factor, delay_ms=args.fault_delay_ms,
+        on_steps=args.fault_on, off_steps=args.fault_off, seed=args.seed,
+    )
+    steps = args.steps if args.steps is not None else args.fault_step + 40
+    if plan.name != "none" and steps <= plan.step:
+        raise RankscopeError(f"--steps {steps} ends before --fault-step {plan.step}", f"pass --steps {plan.step + 20} or more")
+    training = TrainingOptions(steps=steps, seed=args.seed, loader_workers=args.loader_workers,
+                               checkpoint_every=args.checkpoint_every)
+    return DrillConfig(layout=layout, plan=plan, training=training, run_dir=args.run_dir, agents=not args.no_agents,
+                       stall_seconds=args.stall_seconds, start_timeout_s=args.start_timeout,
+                       stall_timeout_s=args.stall_timeout)
+
+
 def run(args: argparse.Namespace) -> int:
-    raise RankscopeError("'rankscope drill' is not built yet", "see README.md for what works today")
+    config = build_config(args)
+    if not args.headless:
+        return _run_attached(config, args)
+    from rankscope.drill.session import run_headless
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    report = run_headless(config, bundle_path=args.output, on_event=say)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print("\n".join(report_lines(report)))
+    return 0
+
+
+def _run_attached(config: Any, args: argparse.Namespace) -> int:
+    """The TUI attached to the live drill; the drill stops when the TUI quits."""
+    try:
+        from rankscope.tui.app import run_attach
+    except ImportError:
+        print("rankscope drill: the TUI is not available here; running headless", file=sys.stderr)
+        args.headless = True
+        return run(args)
+    from rankscope.drill.session import DrillSession
+
+    with DrillSession(config) as s:
+        print(f"drill {s.launcher.run_id}: fault {config.plan.name} at rank {config.plan.rank}, step {config.plan.step}; "
+              f"waiting for the job to start ...", file=sys.stderr, flush=True)
+        s.wait_for_steps(1, config.start_timeout_s)
+        if not s.agents:
+            raise RankscopeError("the drill's agents did not start, so the TUI has nothing to attach to",
+                                 f"read the agent logs in {s.run_dir / 'logs'}, or run with --headless")
+        return int(run_attach(agents=list(s.agents.values()), token=s.token(), layout=config.layout.to_snapshot_layout(),
+                              read_only=False) or 0)
+
+
+def report_lines(report: dict[str, Any]) -> list[str]:
+    truth = report["ground_truth"]
+    cap = report["captured"]
+    lines = [
+        f"drill {report['run_id']}  bundle: {report['bundle']}",
+        f"ground truth: {truth['fault']} on rank {truth['rank']} ({truth['machine']}) at step {truth['step']}; "
+        f"expected suspect: {truth['suspect_kind']} ranks {truth['suspect_ranks']} on {', '.join(truth['suspect_machines'])}",
+        f"progress: {report['stall']['reason']} at steps {report['stall']['steps']}",
+    ]
+    for m in cap["machines"]:
+        lines.append(f"  {m['machine']} reachable={m['reachable']} ranks={m['ranks_seen']} stacks={m['stacks_captured']}")
+        for rank, r in m["ranks"].items():
+            top = r["main"][0] if r["main"] else (r["error"] or "no stack")
+            subs = ", ".join(f"{sp['role']}:{sp['pid']}" for sp in r["subprocesses"])
+            lines.append(f"    rank {rank}: {top}   [{subs}]")
+    lines.append(f"injected frame {cap['injected_frame']}: found in {cap['injected_frame_found_in']}")
+    if report.get("verdict") is not None:
+        lines.append(f"verdict: {report['verdict']}")
+    lines.append(f"times (s): {report['times_s']}")
+    return lines

@@ -1,0 +1,369 @@
+"""Starts the drill's "machines" on loopback and stops every process it started.
+
+A machine is one ``torchrun`` node (multi-node static rendezvous on
+127.0.0.1, ``--max-restarts 0``) plus one rankscope agent scoped to that
+node's ranks (``--launcher-pid``), on its own port. The set of machines is a
+list of labels chosen per launch, node rank = position in the list, so a
+restart may run the same job on a different set of machines (an eviction
+swaps a label for a standby's) while the agents of surviving machines stay.
+
+Cleanup must not depend on the job behaving: torchrun starts every rank in
+a session of its own, and dataloader workers and checkpoint writers hang off
+the ranks. So every process started here carries a marker in its
+environment (``RANKSCOPE_DRILL_RUN_ID``), inherited by all descendants, and
+``stop`` kills the trees it knows of, then sweeps the process table for the
+marker until nothing is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rankscope.drill.faults import DrillLayout, machine_name
+from rankscope.errors import RankscopeError
+
+RUN_ID_ENV = "RANKSCOPE_DRILL_RUN_ID"
+AGENT_START_TIMEOUT_S = 30.0
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:  # not Linux
+    _LIBC = None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the drill itself dies (even by SIGKILL)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingOptions:
+    """The worker's flags (see ``python -m rankscope.drill.worker train --help``)."""
+
+    steps: int = 60
+    seed: int = 0
+    hidden: int = 64
+    layers_per_stage: int = 2
+    micro_batches: int = 4
+    micro_batch_size: int = 8
+    loader_workers: int = 1
+    checkpoint_every: int = 5
+    pg_timeout_s: float = 900.0
+
+    def worker_args(self, layout: DrillLayout, run_dir: Path, *, resume: bool) -> list[str]:
+        args = [
+            "--run-dir", str(run_dir), "--tp", str(layout.tp), "--pp", str(layout.pp), "--dp", str(layout.dp),
+            "--machines", str(layout.machines), "--steps", str(self.steps), "--seed", str(self.seed),
+            "--hidden", str(self.hidden), "--layers-per-stage", str(self.layers_per_stage),
+            "--micro-batches", str(self.micro_batches), "--micro-batch-size", str(self.micro_batch_size),
+            "--loader-workers", str(self.loader_workers), "--checkpoint-every", str(self.checkpoint_every),
+            "--pg-timeout", str(self.pg_timeout_s),
+        ]
+        return [*args, "--resume"] if resume else args
+
+
+@dataclass
+class Node:
+    """One machine's torchrun node."""
+
+    name: str
+    node_rank: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class Agent:
+    """One machine's agent and the address it listens on."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    address: str
+    log: Path
+
+
+@dataclass
+class Launcher:
+    """Owns every process of one drill run (nodes, agents, extra helpers)."""
+
+    run_dir: Path
+    layout: DrillLayout
+    training: TrainingOptions = field(default_factory=TrainingOptions)
+    run_id: str = field(default_factory=lambda: "drill-" + secrets.token_hex(6))
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    python: str = sys.executable
+    nodes: dict[str, Node] = field(default_factory=dict)
+    agents: dict[str, Agent] = field(default_factory=dict)
+    helpers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    token_file: Path | None = None
+    master_port: int = 0
+
+    def __post_init__(self) -> None:
+        for sub in ("logs", "progress", "loss", "checkpoints"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+
+    # ---- environment ------------------------------------------------------
+
+    def base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env[RUN_ID_ENV] = self.run_id
+        env["PYTHONUNBUFFERED"] = "1"
+        env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    def _popen(self, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=dict(env),
+                start_new_session=True, preexec_fn=_die_with_parent, cwd=str(self.run_dir),
+            )
+        return proc
+
+    # ---- nodes ----------------------------------------------------------------
+
+    def start_nodes(self, machines: Sequence[str] | None = None, *, resume: bool = False,
+                    env: Mapping[str, str] | None = None) -> list[Node]:
+        """Start one torchrun node per machine label; node rank = position in ``machines``.
+
+        ``machines`` defaults to machine-0 .. machine-(K-1). Its length must be
+        the layout's machine count; the labels may differ between launches.
+        """
+        labels = list(machines) if machines is not None else [machine_name(i) for i in range(self.layout.machines)]
+        if len(labels) != self.layout.machines:
+            raise RankscopeError(f"{len(labels)} machines given for a layout of {self.layout.machines}",
+                                 "pass one machine label per node")
+        if self.nodes:
+            raise RankscopeError("the job is already running", "stop_nodes() before starting it again")
+        self.master_port = free_port()
+        node_env = self.base_env()
+        if env:
+            node_env.update(env)
+        worker = self.training.worker_args(self.layout, self.run_dir, resume=resume)
+        started = []
+        for node_rank, label in enumerate(labels):
+            argv = [
+                self.python, "-m", "torch.distributed.run",
+                "--nnodes", str(self.layout.machines), "--node-rank", str(node_rank),
+                "--nproc-per-node", str(self.layout.ranks_per_machine),
+                "--rdzv-backend", "static", "--rdzv-id", self.run_id,
+                "--master-addr", "127.0.0.1", "--master-port", str(self.master_port), "--local-addr", "127.0.0.1",
+                "--max-restarts", "0", "--monitor-interval", "0.5",
+                "-m", "rankscope.drill.worker", "train", *worker,
+            ]
+            log = self.run_dir / "logs" / f"{label}.torchrun.log"
+            node = Node(name=label, node_rank=node_rank, proc=self._popen(argv, log, node_env), log=log)
+            self.nodes[label] = node
+            started.append(node)
+        return started
+
+    def nodes_alive(self) -> dict[str, bool]:
+        return {name: n.proc.poll() is None for name, n in self.nodes.items()}
+
+    def node_exit_codes(self) -> dict[str, int | None]:
+        return {name: n.proc.poll() for name, n in self.nodes.items()}
+
+    def stop_nodes(self) -> None:
+        """Kill the job (every node and its descendants); agents stay up."""
+        kill_trees([n.proc.pid for n in self.nodes.values()])
+        for n in self.nodes.values():
+            _reap(n.proc)
+        self.nodes.clear()
+
+    # ---- agents -----------------------------------------------------------
+
+    def ensure_token(self) -> Path:
+        if self.token_file is None:
+            path = self.run_dir / "rankscope.token"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(16) + "\n")
+            self.token_file = path
+        return self.token_file
+
+    def token(self) -> str:
+        return self.ensure_token().read_text().strip()
+
+    def start_agents(self, *, timeout_s: float = AGENT_START_TIMEOUT_S) -> dict[str, str]:
+        """One agent per running node, scoped to that node's torchrun pid; returns name -> address.
+
+        Raises ``RankscopeError`` (with the agent's log tail) when an agent
+        does not come up; nodes already started keep running.
+        """
+        token_file = self.ensure_token()
+        pending: dict[str, tuple[subprocess.Popen[bytes], Path, Path]] = {}
+        for name, node in self.nodes.items():
+            if name in self.agents:
+                continue
+            port_file = self.run_dir / "logs" / f"{name}.agent.port"
+            port_file.unlink(missing_ok=True)
+            log = self.run_dir / "logs" / f"{name}.agent.log"
+            argv = [
+                self.python, "-m", "rankscope", "agent", "--bind", "127.0.0.1", "--port", "0",
+                "--port-file", str(port_file), "--token-file", str(token_file), "--machine-name", name,
+                "--launcher-pid", str(node.proc.pid),
+            ]
+            pending[name] = (self._popen(argv, log, self.base_env()), port_file, log)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            for name, (proc, port_file, log) in list(pending.items()):
+                port = _read_port(port_file)
+                if port is not None:
+                    self.agents[name] = Agent(name=name, proc=proc, address=f"127.0.0.1:{port}", log=log)
+                    del pending[name]
+                elif proc.poll() is not None:
+                    for other, _, _ in pending.values():
+                        self.helpers.append(other)
+                    raise RankscopeError(
+                        f"the agent of {name} exited with status {proc.returncode}: {_tail(log)}",
+                        f"read {log}; check that `python -m rankscope agent --help` works in this environment",
+                    )
+            if pending and time.monotonic() > deadline:
+                for other, _, _ in pending.values():
+                    self.helpers.append(other)
+                raise RankscopeError(f"agents of {', '.join(pending)} did not report a port within {timeout_s:.0f} s",
+                                     f"read the agent logs in {self.run_dir / 'logs'}")
+            time.sleep(0.05)
+        return self.addresses()
+
+    def addresses(self) -> dict[str, str]:
+        return {name: a.address for name, a in self.agents.items()}
+
+    def stop_agent(self, name: str) -> None:
+        agent = self.agents.pop(name, None)
+        if agent is not None:
+            kill_trees([agent.proc.pid])
+            _reap(agent.proc)
+
+    # ---- helpers (noise processes etc.) -------------------------------------
+
+    def start_helper(self, argv: Sequence[str], log_name: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+        full_env = self.base_env()
+        if env:
+            full_env.update(env)
+        proc = self._popen(argv, self.run_dir / "logs" / log_name, full_env)
+        self.helpers.append(proc)
+        return proc
+
+    # ---- everything ---------------------------------------------------------
+
+    def stop(self) -> list[int]:
+        """Stop every process of this run; returns the pids the final sweep still had to kill."""
+        roots = [n.proc.pid for n in self.nodes.values()] + [a.proc.pid for a in self.agents.values()]
+        roots += [h.pid for h in self.helpers]
+        kill_trees(roots)
+        for proc in [n.proc for n in self.nodes.values()] + [a.proc for a in self.agents.values()] + self.helpers:
+            _reap(proc)
+        self.nodes.clear()
+        self.agents.clear()
+        self.helpers.clear()
+        return sweep(self.run_id)
+
+
+def _read_port(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def kill_trees(pids: Sequence[int], *, grace_s: float = 2.0) -> None:
+    """SIGTERM each process with all its descendants, then SIGKILL what is left after ``grace_s``.
+
+    Descendants are collected before anything is signalled, since a killed
+    parent's children are re-parented and can no longer be found from it.
+    """
+    import psutil
+
+    procs: dict[int, psutil.Process] = {}
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs[pid] = root
+            for child in root.children(recursive=True):
+                procs[child.pid] = child
+        except psutil.Error:
+            continue
+    if not procs:
+        return
+    for p in procs.values():
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGCONT)  # a process stopped by the thermal fault must run to die
+            p.terminate()
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def marked_processes(run_id: str) -> list[int]:
+    """Pids of live processes whose environment carries this run's marker."""
+    import psutil
+
+    found = []
+    me = os.getpid()
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == me:
+            continue
+        try:
+            if p.environ().get(RUN_ID_ENV) == run_id and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def sweep(run_id: str, *, rounds: int = 5) -> list[int]:
+    """Kill every process still marked with ``run_id``; returns those it found."""
+    import psutil
+
+    killed: list[int] = []
+    for _ in range(rounds):
+        pids = marked_processes(run_id)
+        if not pids:
+            break
+        killed.extend(pids)
+        procs = []
+        for pid in pids:
+            try:
+                p = psutil.Process(pid)
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                procs.append(p)
+            except psutil.Error:
+                continue
+        psutil.wait_procs(procs, timeout=2.0)
+    return killed

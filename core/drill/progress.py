@@ -1,0 +1,116 @@
+"""How the drill knows each rank's step without asking the ranks.
+
+Each rank replaces a tiny file ``<run_dir>/progress/rank<R>`` after every
+step (write to a temporary name, then ``os.replace``, so a reader never sees
+half a file). The orchestrator reads the folder; a hung rank needs to answer
+nothing. "Progress stopped" means no rank advanced for a chosen number of
+seconds, timed on the orchestrator's monotonic clock, so the ranks' clocks
+never matter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+PROGRESS_DIR = "progress"
+
+
+@dataclass(frozen=True, slots=True)
+class RankProgress:
+    """What a rank last reported: steps completed, its pid and its state."""
+
+    rank: int
+    step: int
+    pid: int
+    state: str  # "starting", "running", "done", "failed"
+    wall: float
+
+
+def progress_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / PROGRESS_DIR / f"rank{rank}"
+
+
+def write_progress(run_dir: Path, rank: int, step: int, state: str = "running") -> None:
+    """Record that ``rank`` has completed ``step`` steps (called by the rank)."""
+    target = progress_path(run_dir, rank)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "step": step, "pid": os.getpid(), "state": state, "wall": time.time()}))
+    os.replace(tmp, target)
+
+
+def read_progress(run_dir: Path) -> dict[int, RankProgress]:
+    """Every rank's latest report; a file being replaced right now is skipped this round."""
+    out: dict[int, RankProgress] = {}
+    folder = run_dir / PROGRESS_DIR
+    if not folder.is_dir():
+        return out
+    for path in folder.glob("rank*"):
+        if path.name.endswith(".tmp"):
+            continue
+        try:
+            data = json.loads(path.read_text())
+            p = RankProgress(rank=int(data["rank"]), step=int(data["step"]), pid=int(data["pid"]),
+                             state=str(data["state"]), wall=float(data["wall"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        out[p.rank] = p
+    return out
+
+
+class ProgressWatcher:
+    """Polls the progress folder and remembers when each rank last moved.
+
+    ``timeline`` keeps, per rank, the orchestrator's monotonic time at which
+    each new step was first seen, so step times before and after a slow fault
+    can be compared without trusting the ranks' clocks.
+    """
+
+    def __init__(self, run_dir: Path, world: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.run_dir = run_dir
+        self.world = world
+        self.clock = clock
+        self.latest: dict[int, RankProgress] = {}
+        self.last_change = clock()
+        self.timeline: dict[int, list[tuple[int, float]]] = {r: [] for r in range(world)}
+
+    def poll(self) -> dict[int, RankProgress]:
+        now = self.clock()
+        current = read_progress(self.run_dir)
+        for rank, p in current.items():
+            old = self.latest.get(rank)
+            if old is None or old.step != p.step or old.state != p.state:
+                self.last_change = now
+                if old is None or old.step != p.step:
+                    self.timeline.setdefault(rank, []).append((p.step, now))
+        self.latest.update(current)
+        return dict(self.latest)
+
+    def min_step(self) -> int:
+        if len(self.latest) < self.world:
+            return 0
+        return min(p.step for p in self.latest.values())
+
+    def max_step(self) -> int:
+        return max((p.step for p in self.latest.values()), default=0)
+
+    def all_done(self) -> bool:
+        return len(self.latest) == self.world and all(p.state == "done" for p in self.latest.values())
+
+    def idle_seconds(self) -> float:
+        return self.clock() - self.last_change
+
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self.latest.items()}
+
+    def step_seconds(self, rank: int, first: int, last: int) -> float | None:
+        """Mean seconds per step of ``rank`` between steps ``first`` and ``last`` as seen here."""
+        seen = {s: t for s, t in self.timeline.get(rank, [])}
+        steps = sorted(s for s in seen if first <= s <= last)
+        if len(steps) < 2:
+            return None
+        return (seen[steps[-1]] - seen[steps[0]]) / (steps[-1] - steps[0])

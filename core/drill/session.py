@@ -1,0 +1,508 @@
+"""A drill run from start to stop: launch, wait, inject, detect the stall, capture, score.
+
+``DrillSession`` is a context manager: whatever happens inside the ``with``
+(an exception, Ctrl-C, SIGTERM, interpreter exit), every process the drill
+started is stopped. ``run_headless`` is the whole headless drill as one call;
+it returns the report that ``rankscope drill --headless --json`` prints.
+
+Faults that the ranks inject themselves are fixed at launch (the plan rides
+in their environment); faults that act from outside (``cpu-contention``,
+``thermal``) are carried out here, by a thread that watches the progress
+files and starts, pauses and resumes them at the planned steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import tempfile
+import threading
+import time
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan, GroundTruth, ground_truth, machine_name
+from rankscope.drill.launcher import Launcher, TrainingOptions
+from rankscope.drill.progress import ProgressWatcher
+from rankscope.errors import RankscopeError
+from rankscope.snapshot import JobSnapshot, ProcessRole, ProcessStack, ThreadStack
+
+POLL_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class DrillConfig:
+    layout: DrillLayout = field(default_factory=DrillLayout)
+    plan: FaultPlan = field(default_factory=lambda: FaultPlan(name="none", rank=-1, step=0))
+    training: TrainingOptions = field(default_factory=TrainingOptions)
+    run_dir: Path | None = None
+    agents: bool = True  # False: capture in this process with the probes (no gRPC)
+    stall_seconds: float = 5.0
+    start_timeout_s: float = 180.0  # until every rank has finished its first step
+    stall_timeout_s: float = 120.0  # from the fault step until progress stopped
+    capture_timeout_s: float = 5.0  # per py-spy call
+
+
+@dataclass
+class StallInfo:
+    """How waiting for the stall ended."""
+
+    reason: str  # "stalled", "job-exited", "finished", "timeout"
+    idle_s: float
+    steps: dict[int, int]
+    node_exit_codes: dict[str, int | None]
+
+
+class DrillInterrupted(RankscopeError):
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"drill stopped by signal {signal.Signals(signum).name}; every process it started was stopped")
+
+
+class DrillSession:
+    """One drill: a running job, its agents, its fault and its ground truth."""
+
+    def __init__(self, config: DrillConfig) -> None:
+        self.config = config
+        self.layout = config.layout
+        self.plan = config.plan
+        self.truth: GroundTruth = ground_truth(config.plan, config.layout,
+                                               checkpoint_every=config.training.checkpoint_every)
+        self.run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix="rankscope-drill-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.launcher = Launcher(self.run_dir, self.layout, config.training)
+        self.watcher = ProgressWatcher(self.run_dir, self.layout.world)
+        self.notes: list[str] = []
+        self.times: dict[str, float] = {}  # event -> monotonic seconds
+        self.fault_started_mono: float | None = None
+        self._stop_event = threading.Event()
+        self._outside: threading.Thread | None = None
+        self._old_handlers: dict[int, Any] = {}
+        self._stopped = False
+        self.leftovers: list[int] = []  # pids the final sweep had to kill
+
+    # ---- lifecycle ------------------------------------------------------------
+
+    def __enter__(self) -> DrillSession:
+        self._install_signal_handlers()
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: types.TracebackType | None) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        import atexit
+
+        atexit.register(self.stop)
+        self.times["launch"] = time.monotonic()
+        env = {FAULT_ENV: self.plan.to_env()} if self.plan.spec.by == "rank" else {}
+        self.launcher.start_nodes(env=env)
+        if self.config.agents:
+            try:
+                self.launcher.start_agents()
+            except RankscopeError as exc:
+                self.notes.append(f"agents unavailable, capturing in-process instead: {exc.message}")
+        if self.plan.spec.by == "orchestrator":
+            self._outside = threading.Thread(target=self._run_outside_fault, name="drill-outside-fault", daemon=True)
+            self._outside.start()
+
+    def stop(self) -> list[int]:
+        """Stop everything this drill started; safe to call twice. Returns pids the sweep found."""
+        if self._stopped:
+            return []
+        self._stopped = True
+        self._stop_event.set()
+        if self._outside is not None:
+            self._outside.join(timeout=5)
+        self.leftovers = self.launcher.stop()
+        self._restore_signal_handlers()
+        return self.leftovers
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: types.FrameType | None) -> None:
+            raise DrillInterrupted(signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._old_handlers[sig] = signal.signal(sig, handler)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, old in self._old_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, old)
+        self._old_handlers.clear()
+
+    # ---- where the job is -------------------------------------------------
+
+    @property
+    def agents(self) -> dict[str, str]:
+        return self.launcher.addresses()
+
+    def token(self) -> str:
+        return self.launcher.token()
+
+    def _poll(self) -> None:
+        self.watcher.poll()
+        if self.fault_started_mono is None and self.plan.name != "none":
+            # The fault acts during step ``plan.step``, which begins once the
+            # faulty rank has completed that many steps.
+            p = self.watcher.latest.get(self.plan.rank)
+            if p is not None and p.step >= self.plan.step:
+                self.fault_started_mono = time.monotonic()
+                self.times["fault"] = self.fault_started_mono
+
+    def _job_exited(self) -> bool:
+        return not any(self.launcher.nodes_alive().values())
+
+    def wait_for_steps(self, step: int, timeout_s: float) -> None:
+        """Block until every rank has completed ``step`` steps."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._poll()
+            if self.watcher.min_step() >= step:
+                return
+            if self._job_exited():
+                raise RankscopeError(
+                    f"the drill job exited before every rank reached step {step} (exit codes {self.launcher.node_exit_codes()})",
+                    f"read the logs in {self.run_dir / 'logs'}",
+                )
+            if time.monotonic() > deadline:
+                raise RankscopeError(
+                    f"ranks did not reach step {step} within {timeout_s:.0f} s (steps now: {self.steps()})",
+                    f"read the logs in {self.run_dir / 'logs'}; on a busy machine pass a longer --start-timeout",
+                )
+            time.sleep(POLL_S)
+
+    def steps(self) -> dict[int, int]:
+        return {r: p.step for r, p in sorted(self.watcher.latest.items())}
+
+    def wait_until_stalled(self, stall_s: float | None = None, timeout_s: float | None = None) -> StallInfo:
+        """Block until no rank advanced for ``stall_s`` seconds, the job exited or finished."""
+        stall_s = self.config.stall_seconds if stall_s is None else stall_s
+        timeout_s = self.config.stall_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        reason = "timeout"
+        while time.monotonic() < deadline:
+            self._poll()
+            if self.watcher.all_done():
+                reason = "finished"
+                break
+            if self._job_exited():
+                reason = "job-exited"
+                break
+            if self.watcher.idle_seconds() >= stall_s and len(self.watcher.latest) == self.layout.world:
+                reason = "stalled"
+                break
+            time.sleep(POLL_S)
+        self.times["stall_detected"] = time.monotonic()
+        return StallInfo(reason=reason, idle_s=self.watcher.idle_seconds(), steps=self.steps(),
+                         node_exit_codes=self.launcher.node_exit_codes())
+
+    # ---- capture ------------------------------------------------------------
+
+    def capture(self, *, native: bool = False, subprocesses: bool = True) -> JobSnapshot:
+        """One snapshot of the whole job: through the agents, else with the probes in this process."""
+        started = time.monotonic()
+        timeout_s = self.config.capture_timeout_s
+        if self.agents:
+            from rankscope.client import capture_once
+
+            snap = capture_once(list(self.agents.values()), self.token(), native=native, subprocesses=subprocesses,
+                                timeout_s=timeout_s)
+        else:
+            snap = asyncio.run(self._capture_in_process(native=native, subprocesses=subprocesses, timeout_s=timeout_s))
+        from dataclasses import replace
+
+        snap = replace(snap, layout=self.layout.to_snapshot_layout(), job_id=snap.job_id or self.launcher.run_id)
+        self.times["captured"] = time.monotonic()
+        self.times["capture_s"] = self.times["captured"] - started
+        return snap
+
+    async def _capture_in_process(self, *, native: bool, subprocesses: bool, timeout_s: float) -> JobSnapshot:
+        from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
+        from rankscope.snapshot import Instant
+
+        options = CaptureOptions(native=native, subprocesses=subprocesses, timeout_s=timeout_s)
+        started = Instant(wall=time.time(), mono=time.monotonic())
+        machines = await asyncio.gather(*(
+            capture_machine(name, "in-process", Scope(launcher_pid=node.proc.pid), options)
+            for name, node in self.launcher.nodes.items()
+        ))
+        return JobSnapshot(captured=started, machines=tuple(machines), job_id=self.launcher.run_id)
+
+    # ---- faults from outside the ranks ---------------------------------------
+
+    def _run_outside_fault(self) -> None:
+        """Start, pause and resume an orchestrator fault as the job passes the planned steps."""
+        plan = self.plan
+        noise: Any = None
+        target_pid: int | None = None
+        while not self._stop_event.is_set():
+            self.watcher.poll()
+            step = self.watcher.max_step()
+            on = plan.active(step)
+            if plan.name == "cpu-contention":
+                noise = self._toggle_noise(noise, on)
+            elif plan.name == "thermal" and on:
+                target_pid = target_pid or self.watcher.pids().get(plan.rank)
+                if target_pid is not None:
+                    self._throttle_once(target_pid, plan.factor)
+                    continue
+            self._stop_event.wait(POLL_S)
+
+    def _toggle_noise(self, noise: Any, on: bool) -> Any:
+        import signal as sig
+
+        if on and noise is None:
+            noise = self.launcher.start_helper(
+                [self.launcher.python, "-m", "rankscope.drill.worker", "noise"], "noise.log",
+                env={"RANKSCOPE_ROLE": "other"},
+            )
+            _pin_like(noise.pid, self.launcher_rank_pids_of_machine())
+            self.notes.append(f"cpu-contention: noise pid {noise.pid} pinned beside {machine_name(self.plan.machine or 0)}")
+        elif noise is not None:
+            with contextlib.suppress(ProcessLookupError):
+                noise.send_signal(sig.SIGCONT if on else sig.SIGSTOP)
+        return noise
+
+    def launcher_rank_pids_of_machine(self) -> list[int]:
+        pids = self.watcher.pids()
+        return [pids[r] for r in self.layout.ranks_on(self.plan.machine or 0) if r in pids]
+
+    def _throttle_once(self, pid: int, factor: float, period_s: float = 0.05) -> None:
+        """One duty cycle of a throttled device: run 1/factor of the period, stopped the rest.
+
+        Where a GPU is present the real knob is a locked lower clock
+        (``lower_gpu_clock``); on CPU the process itself is throttled.
+        """
+        import os
+        import signal as sig
+
+        run_s = period_s / factor
+        try:
+            os.kill(pid, sig.SIGCONT)
+            time.sleep(run_s)
+            os.kill(pid, sig.SIGSTOP)
+            time.sleep(period_s - run_s)
+            os.kill(pid, sig.SIGCONT)
+        except ProcessLookupError:
+            return
+
+
+def lower_gpu_clock(index: int, mhz: int) -> None:
+    """The thermal fault on a GPU machine: lock the SM clock of GPU ``index`` to ``mhz`` (needs root)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        pynvml.nvmlDeviceSetGpuLockedClocks(handle, mhz, mhz)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _pin_like(pid: int, others: list[int]) -> None:
+    """Pin ``pid`` to the CPUs the machine's ranks may run on, so the noise lands on that machine."""
+    import os
+
+    import psutil
+
+    cpus: set[int] = set()
+    for other in others:
+        with contextlib.suppress(psutil.Error):
+            cpus.update(psutil.Process(other).cpu_affinity() or [])
+    if cpus:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(pid, cpus)
+
+
+# --------------------------------------------------------------------------
+# What was captured, against the ground truth
+# --------------------------------------------------------------------------
+
+
+def main_thread(proc: ProcessStack) -> ThreadStack | None:
+    """The process's main thread (py-spy names it MainThread), else its first thread."""
+    threads = proc.threads or ()
+    return next((t for t in threads if t.thread_name == "MainThread"), threads[0] if threads else None)
+
+
+def innermost(frames: Any, count: int = 4) -> list[str]:
+    return [f"{f.name} ({Path(f.filename).name}:{f.line})" for f in list(frames)[:count]]
+
+
+def capture_summary(snap: JobSnapshot, truth: GroundTruth, frames: int = 4) -> dict[str, Any]:
+    """Per machine and rank what the capture holds, and whether the injected frame is where it should be."""
+    machines: list[dict[str, Any]] = []
+    found_frame_in: list[dict[str, Any]] = []
+    ranks_with_stacks: set[int] = set()
+    for m in snap.machines:
+        ranks: dict[str, Any] = {}
+        for rs in sorted(m.stacks, key=lambda s: s.rank):
+            main = main_thread(rs.main)
+            if main is not None and main.frames:
+                ranks_with_stacks.add(rs.rank)
+            subs = []
+            for sp in rs.subprocesses:
+                sub_main = main_thread(sp)
+                subs.append({"pid": sp.pid, "role": str(sp.role), "top": innermost(sub_main.frames if sub_main else (), 2),
+                             "error": sp.error.message if sp.error else None})
+            for proc in (rs.main, *rs.subprocesses):
+                for t in proc.threads or ():
+                    if truth.frame and any(f.name == truth.frame for f in t.frames):
+                        found_frame_in.append({"rank": rs.rank, "machine": m.machine, "pid": proc.pid,
+                                               "role": str(proc.role)})
+            ranks[str(rs.rank)] = {
+                "pid": rs.main.pid,
+                "main": innermost(main.frames, frames) if main is not None else [],
+                "error": rs.main.error.message if rs.main.error else None,
+                "subprocesses": subs,
+            }
+        machines.append({
+            "machine": m.machine, "address": m.address, "reachable": m.reachable,
+            "ranks_seen": sorted(r.rank for r in m.ranks), "stacks_captured": len(ranks_with_stacks & {r.rank for r in m.ranks}),
+            "error": m.error.message if m.error else None, "ranks": ranks,
+        })
+    world = snap.world_size or 0
+    frame_ok = None
+    if truth.frame and truth.rank is not None:
+        frame_ok = any(f["rank"] == truth.rank and f["role"] == _role_value(truth.role) for f in found_frame_in)
+    return {
+        "machines": machines,
+        "ranks_with_stacks": sorted(ranks_with_stacks),
+        "ranks_missing": sorted(set(range(world)) - ranks_with_stacks),
+        "injected_frame": truth.frame,
+        "injected_frame_found_in": found_frame_in,
+        "injected_frame_at_faulty_rank": frame_ok,
+    }
+
+
+def _role_value(role: str) -> str:
+    try:
+        return str(ProcessRole(role))
+    except ValueError:
+        return role
+
+
+def score(snap: JobSnapshot, truth: GroundTruth) -> dict[str, Any] | None:
+    """Where the verdict of the analyzers is scored against the ground truth (issue 3 plugs in here).
+
+    Returns None while no analyzer entry point exists; otherwise whether the
+    top suspect names the right kind, ranks and machines.
+    """
+    analyze = _analyzer_entry()
+    if analyze is None:
+        return None
+    verdict = analyze(snap)
+    top = verdict.top
+    if top is None:
+        return {"summary": verdict.summary, "top": None, "kind_ok": truth.suspect_kind == "none",
+                "ranks_ok": not truth.suspect_ranks, "machines_ok": not truth.suspect_machines}
+    return {
+        "summary": verdict.summary,
+        "top": {"kind": str(top.kind), "ranks": list(top.ranks), "machines": list(top.machines), "score": top.score},
+        "kind_ok": str(top.kind) == truth.suspect_kind,
+        "ranks_ok": set(truth.suspect_ranks) <= set(top.ranks),
+        "machines_ok": set(truth.suspect_machines) <= set(top.machines),
+    }
+
+
+def _analyzer_entry() -> Callable[[JobSnapshot], Any] | None:
+    """The analyzers' one-call verdict over a snapshot, once it exists."""
+    try:
+        from rankscope.analyzers import verdict as v
+    except ImportError:
+        return None
+    entry = getattr(v, "analyze_snapshot", None)
+    return entry if callable(entry) else None
+
+
+# --------------------------------------------------------------------------
+# The headless drill
+# --------------------------------------------------------------------------
+
+
+def _seconds(times: dict[str, float], a: str, b: str) -> float | None:
+    return round(times[b] - times[a], 3) if a in times and b in times else None
+
+
+def run_headless(config: DrillConfig, *, bundle_path: Path | None = None,
+                 on_event: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Start, inject, wait until progress stops (or the capture step for slow faults), capture, write the bundle."""
+    from rankscope.bundle import Bundle, write_bundle
+
+    say = on_event or (lambda _msg: None)
+    with DrillSession(config) as s:
+        say(f"drill {s.launcher.run_id}: {config.layout.world} ranks on {config.layout.machines} machines, "
+            f"fault {config.plan.name} (run dir {s.run_dir})")
+        s.wait_for_steps(1, config.start_timeout_s)
+        s.times["running"] = time.monotonic()
+        say(f"job running; agents: {s.agents or 'none (in-process capture)'}")
+        if s.truth.category == "hang":
+            stall = s.wait_until_stalled()
+            say(f"progress stopped ({stall.reason}) at steps {stall.steps}")
+        else:
+            capture_step = min(config.plan.step + max(5, config.training.steps // 4), config.training.steps - 1) \
+                if config.plan.name != "none" else max(1, config.training.steps // 2)
+            s.wait_for_steps(capture_step, config.stall_timeout_s)
+            s.times["stall_detected"] = time.monotonic()
+            stall = StallInfo(reason="capture-step", idle_s=s.watcher.idle_seconds(), steps=s.steps(),
+                              node_exit_codes=s.launcher.node_exit_codes())
+        snap = s.capture()
+        say(f"captured in {s.times['capture_s']:.2f} s")
+        truth = s.truth.to_dict()
+        summary = capture_summary(snap, s.truth)
+        bundle_path = bundle_path or s.run_dir / "bundle.json"
+        meta = {"drill": {"run_id": s.launcher.run_id, "run_dir": str(s.run_dir), "agents": s.agents,
+                          "stall": stall.reason, "steps": stall.steps, "notes": s.notes}}
+        write_bundle(Bundle(snapshots=(snap,), created_wall=time.time(), ground_truth=truth, meta=meta), bundle_path)
+        report: dict[str, Any] = {
+            "run_id": s.launcher.run_id,
+            "run_dir": str(s.run_dir),
+            "bundle": str(bundle_path),
+            "layout": {"tp": config.layout.tp, "pp": config.layout.pp, "dp": config.layout.dp,
+                       "machines": config.layout.machines, "world": config.layout.world},
+            "ground_truth": truth,
+            "stall": {"reason": stall.reason, "idle_s": round(stall.idle_s, 2), "steps": stall.steps,
+                      "node_exit_codes": stall.node_exit_codes},
+            "captured": summary,
+            "verdict": score(snap, s.truth),
+            "step_seconds": _step_times(s),
+            "times_s": {
+                "launch_to_running": _seconds(s.times, "launch", "running"),
+                "fault_to_stall_detected": _seconds(s.times, "fault", "stall_detected"),
+                "stall_detected_to_captured": _seconds(s.times, "stall_detected", "captured"),
+                "fault_to_captured": _seconds(s.times, "fault", "captured"),
+                "capture": round(s.times["capture_s"], 3),
+            },
+            "notes": s.notes,
+        }
+    report["leftover_processes"] = s.leftovers
+    return report
+
+
+def _step_times(s: DrillSession) -> dict[str, Any]:
+    """Mean seconds per step of the faulty rank (or rank 0) before and after the fault step."""
+    rank = s.plan.rank if s.plan.rank >= 0 else 0
+    fault_step = s.plan.step if s.plan.name != "none" else 0
+    before = s.watcher.step_seconds(rank, 1, fault_step) if fault_step > 1 else None
+    after = s.watcher.step_seconds(rank, fault_step, s.watcher.max_step())
+    return {"rank": rank, "before_fault": before, "after_fault": after}
+
+
+@contextlib.contextmanager
+def drill(config: DrillConfig) -> Iterator[DrillSession]:
+    """``with drill(config) as s:`` — the session, stopped at the end whatever happens."""
+    with DrillSession(config) as s:
+        yield s

@@ -1,0 +1,408 @@
+"""The training script every drill rank runs (``python -m rankscope.drill.worker train``).
+
+Plain torch and torch.distributed on gloo, launched by torchrun. It has the
+process tree of a real job: a DataLoader with worker processes and a separate
+checkpoint writer process. Training is deterministic and resumable bit for
+bit: the data of a step is a pure function of (seed, step, dp rank), the RNG
+is reseeded at every step, and a checkpoint holds the model, the optimizer
+and the step.
+
+The fault plan comes from ``RANKSCOPE_DRILL_FAULT`` (see ``faults.py``). An
+injected fault runs inside a function named ``drill_injected_<fault>``, so the
+frame a stack capture should show is known in advance.
+
+Two more entry points live here so that they need no extra files:
+``checkpoint-writer`` (the writer process, started by each rank, without
+torch) and ``noise`` (the spinning neighbour of the cpu-contention fault).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan
+from rankscope.drill.progress import write_progress
+
+FEATURES = 16
+
+
+# --------------------------------------------------------------------------
+# Injected faults: each one lives in its own recognisable frame
+# --------------------------------------------------------------------------
+
+
+def _parent_gone(parent: int) -> bool:
+    return os.getppid() != parent
+
+
+def drill_injected_hang_compute() -> None:
+    """Spin in compute forever, as a kernel that never returns would."""
+    acc = 0.0
+    while True:
+        for i in range(20000):
+            acc += (i % 7) * 0.5
+        time.sleep(0.01)
+
+
+def drill_injected_hang_p2p() -> None:
+    """Never issue the pipeline send the next stage waits for."""
+    while True:
+        time.sleep(0.1)
+
+
+def drill_injected_hang_collective() -> None:
+    """Never join the collective the rest of the group waits in."""
+    while True:
+        time.sleep(0.1)
+
+
+def drill_injected_dataloader_stall() -> None:
+    """Block the dataloader worker; it leaves when its rank is gone."""
+    parent = os.getppid()
+    while not _parent_gone(parent):
+        time.sleep(0.1)
+    os._exit(1)
+
+
+def drill_injected_checkpoint_stall() -> None:
+    """Block the checkpoint writer; it leaves when its rank is gone."""
+    parent = os.getppid()
+    while not _parent_gone(parent):
+        time.sleep(0.1)
+    os._exit(1)
+
+
+def drill_injected_crash(rank: int, step: int) -> None:
+    raise RuntimeError(f"drill: injected crash on rank {rank} at step {step}")
+
+
+def drill_injected_slow_compute(seconds: float) -> None:
+    """Burn CPU for ``seconds``, as a slower device would take longer."""
+    end = time.perf_counter() + seconds
+    acc = 0.0
+    while time.perf_counter() < end:
+        for i in range(200):
+            acc += i * 0.5
+
+
+def drill_injected_slow_comm(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def drill_injected_slow_dataloader(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def drill_injected_cpu_noise() -> None:
+    """The cpu-contention neighbour: spin until killed (or the drill is gone)."""
+    parent = os.getppid()
+    acc = 0
+    while not _parent_gone(parent):
+        for i in range(100000):
+            acc ^= i
+
+
+# --------------------------------------------------------------------------
+# Data: a pure function of (seed, step, dp rank)
+# --------------------------------------------------------------------------
+
+
+class StepData:
+    """The synthetic dataset, indexed by step; runs in the dataloader workers."""
+
+    def __init__(self, seed: int, dp_rank: int, rows: int, plan: FaultPlan, rank: int) -> None:
+        self.seed = seed
+        self.dp_rank = dp_rank
+        self.rows = rows
+        self.plan = plan
+        self.rank = rank
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, step: int) -> tuple[Any, Any]:
+        import torch
+
+        if self.plan.hits(self.rank, step):
+            if self.plan.name == "dataloader-stall" and step == self.plan.step:
+                drill_injected_dataloader_stall()
+            elif self.plan.name == "slow-dataloader":
+                drill_injected_slow_dataloader(self.plan.delay_ms / 1000.0)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + self.dp_rank)
+        x = torch.randn(self.rows, FEATURES, generator=gen)
+        w = torch.Generator().manual_seed(self.seed)
+        w_true = torch.randn(FEATURES, 1, generator=w)
+        y = torch.sin(x @ w_true)
+        return x, y
+
+
+# --------------------------------------------------------------------------
+# Checkpoints: a separate writer process per rank
+# --------------------------------------------------------------------------
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+class CheckpointWriter:
+    """The rank's side of its writer process: hand over bytes, wait for the ack.
+
+    The writer is a real child process (``RANKSCOPE_ROLE=checkpoint`` in its
+    environment so discovery names its role) that does the file I/O, like the
+    asynchronous checkpoint savers of large jobs. The rank waits for the ack
+    before going on, so a stalled writer stalls the rank.
+    """
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        env = dict(os.environ, RANKSCOPE_ROLE="checkpoint")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rankscope.drill.worker", "checkpoint-writer", "--run-dir", str(run_dir),
+             "--rank", str(rank)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+        )
+
+    def save(self, step: int, payload: bytes) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"step": step, "size": len(payload)}).encode() + b"\n")
+        self.proc.stdin.write(payload)
+        self.proc.stdin.flush()
+        wait_for_checkpoint_writer(self.proc.stdout, step)
+
+    def close(self) -> None:
+        # An explicit goodbye: forked dataloader workers hold a copy of the
+        # pipe, so end-of-file alone may never reach the writer.
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(b'{"quit": true}\n')
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def wait_for_checkpoint_writer(stdout: IO[bytes], step: int) -> None:
+    line = stdout.readline()
+    if line.strip() != f"ok {step}".encode():
+        raise RuntimeError(f"checkpoint writer failed at step {step}: {line!r}")
+
+
+def run_checkpoint_writer(run_dir: Path, rank: int) -> int:
+    """The writer process: read (header, bytes) records from stdin, write files, ack."""
+    plan = FaultPlan.from_env(os.environ.get(FAULT_ENV))
+    out_dir = checkpoint_dir(run_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        header = stdin.readline()
+        if not header:
+            return 0
+        meta = json.loads(header)
+        if meta.get("quit"):
+            return 0
+        step, size = int(meta["step"]), int(meta["size"])
+        payload = stdin.read(size)
+        if plan.name == "checkpoint-stall" and plan.rank == rank and step >= plan.step:
+            drill_injected_checkpoint_stall()
+        target = out_dir / f"rank{rank}-step{step}.pt"
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_bytes(payload)
+        os.replace(tmp, target)
+        stdout.write(f"ok {step}\n".encode())
+        stdout.flush()
+
+
+def latest_checkpoint(run_dir: Path, rank: int) -> int:
+    steps = [int(p.stem.split("-step")[1]) for p in checkpoint_dir(run_dir).glob(f"rank{rank}-step*.pt")]
+    return max(steps, default=0)
+
+
+# --------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------
+
+
+class Injector:
+    """Carries out the plan inside the rank's main process."""
+
+    def __init__(self, plan: FaultPlan, rank: int) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.step = 0
+        self.compute_started = 0.0
+
+    def mine(self) -> bool:
+        return self.plan.hits(self.rank, self.step)
+
+    def at_step_start(self) -> None:
+        if self.mine() and self.plan.name == "crash" and self.step == self.plan.step:
+            drill_injected_crash(self.rank, self.step)
+
+    def before_compute(self) -> None:
+        self.compute_started = time.perf_counter()
+
+    def after_compute(self) -> None:
+        if not self.mine():
+            return
+        if self.plan.name == "hang-compute" and self.step == self.plan.step:
+            drill_injected_hang_compute()
+        elif self.plan.name == "slow-compute":
+            elapsed = time.perf_counter() - self.compute_started
+            drill_injected_slow_compute(elapsed * (self.plan.factor - 1.0))
+
+    def before_comm(self, kind: str, op: str) -> None:
+        if not self.mine():
+            return
+        name = self.plan.name
+        if name == "hang-p2p" and kind == "pp" and op == "send" and self.step == self.plan.step:
+            drill_injected_hang_p2p()
+        elif name == "hang-collective" and kind == self.plan.group and op == "all_reduce" and self.step == self.plan.step:
+            drill_injected_hang_collective()
+        elif name == "slow-comm" and kind == self.plan.group:
+            drill_injected_slow_comm(self.plan.delay_ms / 1000.0)
+
+
+def train(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from rankscope.drill import model as m
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    run_dir = Path(args.run_dir)
+    layout = DrillLayout(tp=args.tp, pp=args.pp, dp=args.dp, machines=args.machines)
+    if layout.world != world:
+        raise SystemExit(f"drill worker: layout needs {layout.world} ranks, torchrun started {world}")
+    plan = FaultPlan.from_env(os.environ.get(FAULT_ENV))
+    torch.set_num_threads(1)
+    (run_dir / "progress").mkdir(parents=True, exist_ok=True)
+    write_progress(run_dir, rank, 0, "starting")
+    _, dp_rank, _pp_rank = layout.coords(rank)
+
+    # Processes before threads: the writer and the dataloader workers start
+    # before gloo opens its sockets and threads.
+    writer = CheckpointWriter(run_dir, rank)
+    start = latest_checkpoint(run_dir, rank) if args.resume else 0
+    rows = args.micro_batches * args.micro_batch_size
+
+    def make_batches(first: int) -> Iterator[tuple[Any, Any]]:
+        return iter(torch.utils.data.DataLoader(
+            StepData(args.seed, dp_rank, rows, plan, rank),  # type: ignore[arg-type]
+            batch_size=None, sampler=range(first, args.steps),
+            num_workers=args.loader_workers, persistent_workers=args.loader_workers > 0,
+            prefetch_factor=2 if args.loader_workers > 0 else None,
+        ))
+
+    batches = make_batches(start)
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    groups = m.make_groups(layout, rank)
+    model = m.Stage(groups, hidden=args.hidden, features=FEATURES, layers_per_stage=args.layers_per_stage, seed=args.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    if args.resume:
+        # Every rank resumes from the newest step that all ranks have saved.
+        agreed = torch.tensor([start], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        agreed_start = int(agreed.item())
+        if agreed_start != start:
+            # This rank saved a newer step than some other rank: go back with them.
+            del batches
+            start = agreed_start
+            batches = make_batches(start)
+        if start > 0:
+            state = torch.load(checkpoint_dir(run_dir) / f"rank{rank}-step{start}.pt", weights_only=True)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optim"])
+
+    injector = Injector(plan, rank)
+    m.set_comm_hook(injector.before_comm)
+    loss_log = None
+    if groups.last_stage:
+        (run_dir / "loss").mkdir(exist_ok=True)
+        loss_log = open(run_dir / "loss" / f"rank{rank}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+    write_progress(run_dir, rank, start, "running")
+    try:
+        for step in range(start, args.steps):
+            injector.step = step
+            torch.manual_seed(args.seed * 7919 + step)
+            injector.at_step_start()
+            x, y = next(batches)
+            injector.before_compute()
+            loss = m.train_step(model, optimizer, x, y, micro_batches=args.micro_batches, hidden=args.hidden,
+                                compute_hook=injector.after_compute)
+            done = step + 1
+            if loss_log is not None and loss is not None:
+                loss_log.write(json.dumps({"step": done, "loss": loss.hex(), "value": loss}) + "\n")
+                loss_log.flush()
+            if args.checkpoint_every > 0 and done % args.checkpoint_every == 0:
+                buf = io.BytesIO()
+                torch.save({"step": done, "model": model.state_dict(), "optim": optimizer.state_dict()}, buf)
+                writer.save(done, buf.getvalue())
+            write_progress(run_dir, rank, done, "running")
+        dist.barrier()
+        write_progress(run_dir, rank, args.steps, "done")
+    finally:
+        if loss_log is not None:
+            loss_log.close()
+        writer.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def run_noise() -> int:
+    drill_injected_cpu_noise()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rankscope.drill.worker")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="one rank of the drill (started by torchrun)")
+    t.add_argument("--run-dir", required=True)
+    t.add_argument("--tp", type=int, default=2)
+    t.add_argument("--pp", type=int, default=2)
+    t.add_argument("--dp", type=int, default=2)
+    t.add_argument("--machines", type=int, default=1)
+    t.add_argument("--steps", type=int, default=100)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--hidden", type=int, default=64)
+    t.add_argument("--layers-per-stage", type=int, default=2)
+    t.add_argument("--micro-batches", type=int, default=4)
+    t.add_argument("--micro-batch-size", type=int, default=8)
+    t.add_argument("--lr", type=float, default=0.01)
+    t.add_argument("--loader-workers", type=int, default=1)
+    t.add_argument("--checkpoint-every", type=int, default=5)
+    t.add_argument("--pg-timeout", type=float, default=900.0)
+    t.add_argument("--resume", action="store_true")
+    w = sub.add_parser("checkpoint-writer", help="the checkpoint writer process of one rank")
+    w.add_argument("--run-dir", required=True)
+    w.add_argument("--rank", type=int, required=True)
+    sub.add_parser("noise", help="the spinning neighbour of the cpu-contention fault")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "train":
+        return train(args)
+    if args.cmd == "checkpoint-writer":
+        return run_checkpoint_writer(Path(args.run_dir), args.rank)
+    return run_noise()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
