@@ -49,6 +49,10 @@ FIX_TIMEOUT = (
 FIX_NOT_PYTHON = "py-spy reads Python stacks only; for a native process use `gdb -p {pid} -batch -ex 'thread apply all bt'`"
 FIX_TOOL_MISSING = "install py-spy next to rankscope: `pip install py-spy==0.4.3` (or `pip install 'rankscope[agent]'`)"
 FIX_STOPPED = "the process is stopped or already traced by a debugger: detach gdb/strace, or resume it with `kill -CONT {pid}`"
+FIX_TRACED = (
+    "another tool is attached to the process ({name}, pid {tracer}) and ptrace allows one tracer at a time: "
+    "detach it (quit gdb / stop strace, or `kill {tracer}` if it is stuck) and capture again"
+)
 FIX_FAILED = "run `py-spy dump --pid {pid}` by hand to see the full error"
 
 _ADDRESS = re.compile(r"^0x[0-9a-fA-F]+$")
@@ -148,6 +152,25 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def _tracer(pid: int) -> tuple[int, str] | None:
+    """The process already ptrace-attached to ``pid`` (a debugger, strace), if any."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("TracerPid:"):
+            tracer = int(line.split()[1])
+            if tracer == 0:
+                return None
+            try:
+                name = psutil.Process(tracer).name()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                name = "?"
+            return tracer, name
+    return None
+
+
 def classify_pyspy_failure(returncode: int | None, stderr: str, pid: int) -> CaptureError:
     """What a failed py-spy run means, with the fix. ``returncode`` None: py-spy was killed at its time limit."""
     if returncode is None:
@@ -155,6 +178,13 @@ def classify_pyspy_failure(returncode: int | None, stderr: str, pid: int) -> Cap
                             FIX_TIMEOUT.format(pid=pid))
     text = _summary(stderr)
     low = stderr.lower()
+    tracer = _tracer(pid)
+    if tracer is not None:
+        # Only one tracer at a time: ptrace says EPERM, but no privilege would help.
+        tracer_pid, tracer_name = tracer
+        return CaptureError(CaptureErrorKind.FAILED,
+                            f"pid {pid} is already traced by pid {tracer_pid} ({tracer_name}): {text}",
+                            FIX_TRACED.format(pid=pid, tracer=tracer_pid, name=tracer_name))
     if "permission denied" in low or "operation not permitted" in low or "sys_ptrace" in low:
         return CaptureError(CaptureErrorKind.PERMISSION, f"ptrace not permitted on pid {pid}: {text}",
                             FIX_PERMISSION)

@@ -211,6 +211,25 @@ async def test_stopped_process_names_the_fix(target: subprocess.Popen[bytes]) ->
     assert f"kill -CONT {target.pid}" in stack.error.fix
 
 
+async def test_process_already_traced_by_another_tool_names_it(target: subprocess.Popen[bytes]) -> None:
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is needed to hold the target traced")
+    tracer = subprocess.Popen([strace, "-p", str(target.pid), "-o", os.devnull], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while f"TracerPid:\t{tracer.pid}" not in Path(f"/proc/{target.pid}/status").read_text():
+            assert tracer.poll() is None and time.monotonic() < deadline, "strace did not attach"
+            time.sleep(0.02)
+        stack = await dump_process(target.pid, ProcessRole.MAIN, timeout_s=20)
+    finally:
+        tracer.terminate()
+        tracer.wait(timeout=10)
+    assert stack.error is not None and stack.error.kind is CaptureErrorKind.FAILED
+    assert f"traced by pid {tracer.pid} (strace)" in stack.error.message
+    assert f"kill {tracer.pid}" in stack.error.fix
+
+
 async def test_non_python_process() -> None:
     proc = subprocess.Popen(["sleep", "60"])
     try:
