@@ -1,18 +1,223 @@
-"""Reading the CCL plugin's per-rank counter files (filled in by the CCL work).
+"""Reading the CCL plugin's per-rank counter files (Aegis Phase-2 CL/WR/WC).
 
-``read_counters(ranks)`` returns one ``RankCounters`` per rank whose counter
-file exists; a corrupt or stale file comes back with ``error`` / ``stale`` set,
-never as an exception.
+The files live in shared memory (``/dev/shm/rankscope`` unless ``rankscope run
+--counter-dir`` said otherwise), one per rank and writer, named
+``<job_id>.rank<R>[.nccl].ccl``. The layout and its seqlock protocol are in
+``rankscope.ccl_plugin.layout``; this reader never takes a lock, so a rank
+hung with its GIL held is read like any other.
+
+A file that is truncated, corrupt or from another layout version comes back
+as a ``RankCounters`` with ``error`` set (and a fix in the text); a file left by
+a dead process comes back with ``stale`` set. Nothing here raises.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import re
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rankscope.snapshot import RankCounters, RankInfo
+from rankscope.ccl_plugin import layout as L
+from rankscope.ccl_plugin.writer import process_start_ticks
+from rankscope.snapshot import Communicator, OpCounters, RankCounters, RankInfo
+
+SEQLOCK_RETRIES = 200
+# A file whose pid is not visible here (another pid namespace) is still trusted
+# while its heartbeat is this fresh; a live, hung process keeps its file current.
+FRESH_HEARTBEAT_S = 30.0
+
+_NAME = re.compile(r"^(?P<job>.*)\.rank(?P<rank>\d+)(?:\.(?P<kind>[a-z]+))?\.ccl$")
+
+
+class _Torn(Exception):
+    """A seqlocked record stayed odd or kept changing through every retry."""
+
+
+@dataclass(frozen=True, slots=True)
+class CounterFile:
+    """One parsed file plus the header facts used to match it to a rank."""
+
+    path: Path
+    counters: RankCounters
+    pid_start_ticks: int = 0
+
+
+def default_directory() -> Path:
+    return Path(os.environ.get(L.ENV_DIR) or L.DEFAULT_DIR)
+
+
+def _read_stable(mm: mmap.mmap, off: int, size: int) -> bytes:
+    for _ in range(SEQLOCK_RETRIES):
+        s1 = L.SEQ.unpack_from(mm, off)[0]
+        if s1 & 1:
+            continue
+        raw = mm[off:off + size]
+        if L.SEQ.unpack_from(mm, off)[0] == s1:
+            return raw
+    raise _Torn(f"record at offset {off} was being written through {SEQLOCK_RETRIES} reads")
+
+
+def _read_header(mm: mmap.mmap) -> bytes:
+    """Header bytes with its mutable part consistent (the header seq guards it)."""
+    for _ in range(SEQLOCK_RETRIES):
+        s1 = L.SEQ.unpack_from(mm, L.HEADER_SEQ_OFFSET)[0]
+        if s1 & 1:
+            continue
+        raw = mm[0:L.HEADER_SIZE]
+        if L.SEQ.unpack_from(mm, L.HEADER_SEQ_OFFSET)[0] == s1:
+            return raw
+    raise _Torn("header was being written through every read")
+
+
+def staleness(pid: int, start_ticks: int, heartbeat: float, flags: int, now: float) -> str | None:
+    """Why the file's writer is gone, or None if it may still be alive."""
+    if flags & L.FLAG_CLEAN_EXIT:
+        return "the process exited cleanly and left its file behind"
+    if pid <= 0:
+        return f"no valid pid in the header ({pid})"
+    if os.path.exists(f"/proc/{pid}"):
+        if start_ticks and process_start_ticks(pid) not in (0, start_ticks):
+            return f"pid {pid} now belongs to another process (the writer exited)"
+        return None
+    if now - heartbeat <= FRESH_HEARTBEAT_S:
+        return None  # pid in another namespace, but the file is being kept up to date
+    return f"process {pid} is gone; last heartbeat {now - heartbeat:.0f} s ago"
+
+
+def _corrupt(path: Path, rank: int, why: str) -> CounterFile:
+    msg = (f"counter file {path} is unreadable: {why}; delete it if its job is over, "
+           "or check that the rank and rankscope use the same version")
+    return CounterFile(path, RankCounters(rank=rank, pid=None, world_size=None, job_id=None,
+                                          heartbeat_wall=None, error=msg))
+
+
+def read_counter_file(path: Path, now: float | None = None) -> CounterFile:
+    """Parse one counter file; problems come back in ``counters.error``, never raised."""
+    m = _NAME.match(path.name)
+    name_rank = int(m.group("rank")) if m else -1
+    now = time.time() if now is None else now
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size < L.HEADER_SIZE:
+                return _corrupt(path, name_rank, f"truncated ({size} bytes, the header alone is {L.HEADER_SIZE})")
+            with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
+                return _parse(path, mm, size, name_rank, now)
+    except _Torn as exc:
+        return _corrupt(path, name_rank, str(exc))
+    except (OSError, ValueError, IndexError, UnicodeError) as exc:  # vanished, or bad numbers
+        return _corrupt(path, name_rank, f"{type(exc).__name__}: {exc}")
+
+
+def _parse(path: Path, mm: mmap.mmap, size: int, name_rank: int, now: float) -> CounterFile:
+    h = dict(zip((n for n, _, _ in L.HEADER_FIELDS), L.HEADER.unpack(_read_header(mm)), strict=True))
+    if h["magic"] != L.MAGIC:
+        return _corrupt(path, name_rank, f"bad magic {h['magic']!r}, not a rankscope counter file")
+    if h["version"] != L.VERSION:
+        return _corrupt(path, name_rank, f"layout version {h['version']}, this rankscope reads {L.VERSION}")
+    if h["file_size"] > size:
+        return _corrupt(path, name_rank, f"truncated ({size} of {h['file_size']} bytes)")
+    n_comms, n_ops = h["n_comms"], h["n_ops"]
+    pool_end = h["member_pool_offset"] + h["member_pool_size"] * L.MEMBER.size
+    if (n_comms > h["max_comms"] or n_ops > h["max_ops"]
+            or h["comm_table_offset"] + h["max_comms"] * L.COMM_SIZE > size
+            or h["op_table_offset"] + h["max_ops"] * L.OP_SIZE > size or pool_end > size):
+        return _corrupt(path, name_rank, "table sizes in the header do not fit the file")
+    comms: list[Communicator] = []
+    for i in range(n_comms):
+        raw = _read_stable(mm, h["comm_table_offset"] + i * L.COMM_SIZE, L.COMM_SIZE)
+        _, first, count, cid, backend, desc = L.COMM.unpack(raw)
+        if first + count > h["member_pool_size"]:
+            return _corrupt(path, name_rank, f"communicator {i} members lie outside the member pool")
+        base = h["member_pool_offset"] + first * L.MEMBER.size
+        members = tuple(v[0] for v in L.MEMBER.iter_unpack(mm[base:base + count * L.MEMBER.size]))
+        comms.append(Communicator(L.decode(cid), L.decode(backend), L.decode(desc), members))
+    ops: list[OpCounters] = []
+    for i in range(n_ops):
+        raw = _read_stable(mm, h["op_table_offset"] + i * L.OP_SIZE, L.OP_SIZE)
+        v = L.OP.unpack(raw)
+        comm_index, op = v[1], L.decode(v[3])
+        (cl, wr, wc, lls, lcs, nbytes, dur, lw, cw), ring = v[4:13], v[13:13 + L.RING_LEN]
+        ring_next, ring_count, n_peers = v[13 + L.RING_LEN:16 + L.RING_LEN]
+        peers = v[17 + L.RING_LEN:17 + L.RING_LEN + min(n_peers, L.MAX_OPEN_PEERS)]
+        if comm_index >= n_comms:
+            return _corrupt(path, name_rank, f"op slot {i} names communicator {comm_index} of {n_comms}")
+        count = min(ring_count, L.RING_LEN)
+        recent = tuple(ring[(ring_next - count + k) % L.RING_LEN] for k in range(count))  # oldest first
+        ops.append(OpCounters(
+            comm_id=comms[comm_index].comm_id, op=op, cl=cl, wr=wr, wc=wc, last_launched_seq=lls,
+            last_completed_seq=lcs, bytes_total=nbytes, last_duration_s=dur if wc else None,
+            recent_throughput=recent, last_launch_wall=lw or None, last_complete_wall=cw or None,
+            open_peers=tuple(peers)))
+    why = staleness(h["pid"], h["pid_start_ticks"], h["heartbeat_wall"], h["flags"], now)
+    counters = RankCounters(
+        rank=h["rank"], pid=h["pid"], world_size=h["world_size"], job_id=L.decode(h["job_id"]) or None,
+        heartbeat_wall=h["heartbeat_wall"], communicators=tuple(comms), ops=tuple(ops),
+        steps=h["steps"] if h["writer_kind"] == L.WRITER_PYTHON else None,
+        last_step_duration_s=h["last_step_duration"] or None, stale=why is not None, stale_reason=why)
+    return CounterFile(path, counters, h["pid_start_ticks"])
+
+
+def list_counter_files(directory: Path | None = None) -> tuple[CounterFile, ...]:
+    """Every counter file in the directory, parsed (missing directory: none)."""
+    base = default_directory() if directory is None else directory
+    try:
+        paths = sorted(p for p in base.iterdir() if p.name.endswith(L.FILE_SUFFIX) and not p.name.startswith("."))
+    except OSError:
+        return ()
+    now = time.time()
+    return tuple(read_counter_file(p, now) for p in paths)
+
+
+def _merge(files: Sequence[CounterFile]) -> RankCounters:
+    """One rank's view from its writers (Python hooks and NCCL plugin may both write)."""
+    first = files[0].counters
+    if len(files) == 1:
+        return first
+    comms: dict[str, Communicator] = {}
+    ops: list[OpCounters] = []
+    errors = [f.counters.error for f in files if f.counters.error]
+    steps = next((f.counters.steps for f in files if f.counters.steps is not None), None)
+    step_s = next((f.counters.last_step_duration_s for f in files if f.counters.last_step_duration_s), None)
+    for f in files:
+        for c in f.counters.communicators:
+            comms.setdefault(c.comm_id, c)
+        ops.extend(f.counters.ops)
+    beats = [f.counters.heartbeat_wall for f in files if f.counters.heartbeat_wall is not None]
+    return replace(first, communicators=tuple(comms.values()), ops=tuple(ops), steps=steps,
+                   last_step_duration_s=step_s, heartbeat_wall=max(beats) if beats else None,
+                   stale=all(f.counters.stale for f in files),
+                   error="; ".join(e for e in errors if e) or None)
 
 
 def read_counters(ranks: Sequence[RankInfo], directory: Path | None = None) -> tuple[RankCounters, ...]:
-    """Counters of the given ranks; empty until the CCL plugin lands."""
-    return ()
+    """Counters of the given ranks, one ``RankCounters`` per rank that has a file.
+
+    A file belongs to a rank when its header pid is the rank's pid; failing
+    that (a file from a writer whose pid we do not know), when its rank
+    matches and it is not stale. Corrupt files whose name carries the rank are
+    returned with ``error`` set so the gap is visible.
+    """
+    files = list_counter_files(directory)
+    by_pid: dict[int, list[CounterFile]] = {}
+    by_rank: dict[int, list[CounterFile]] = {}
+    for f in files:
+        if f.counters.pid is not None:
+            by_pid.setdefault(f.counters.pid, []).append(f)
+        by_rank.setdefault(f.counters.rank, []).append(f)
+    out: list[RankCounters] = []
+    for info in ranks:
+        mine = by_pid.get(info.pid)
+        if mine:
+            mine = [f for f in mine if f.counters.rank == info.rank] or mine
+        else:
+            candidates = by_rank.get(info.rank, [])
+            live = [f for f in candidates if not f.counters.stale and f.counters.error is None]
+            mine = live or [f for f in candidates if f.counters.error is not None]
+        if mine:
+            out.append(replace(_merge(mine), rank=info.rank))
+    return tuple(out)

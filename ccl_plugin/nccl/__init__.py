@@ -1,0 +1,1 @@
+"""C sources of the NCCL profiler plugin (built by ``rankscope.ccl_plugin.build``)."""

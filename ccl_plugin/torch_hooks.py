@@ -1,0 +1,485 @@
+"""Counting torch.distributed's collectives and p2p calls into the counter file.
+
+Why wrapping functions (and not a backend): it works for every backend (gloo,
+NCCL, ...) without user changes. ``install()`` replaces each function both in
+``torch.distributed.distributed_c10d`` (so torch's own internal calls and
+later ``from ... import`` bindings see it) and in ``torch.distributed`` (so
+Megatron's import-time ``from torch.distributed import all_gather_into_tensor``
+gets it when the autoload patches before user code runs).
+
+Per call: CL += 1 and one WR per request issued (a p2p call issues one;
+``batch_isend_irecv`` counts each op it carries). WC when the request
+completes, learned without adding a wait: a synchronous call has completed
+when it returns; an async Work reports through its future where the backend
+has one, else when the user's own ``wait()`` / ``is_completed()`` says so,
+else through a background poll of ``is_completed()``. TD is launch to
+completion; N (bytes/TD) goes into the ring of the last five.
+
+Where torch offers ``ProcessGroup.register_pre_hook`` / ``register_post_hook``
+(2.14+), those are used as well, since they also see collectives issued from
+C++ (DDP's reducer); in 2.13 they do not exist and the path is skipped.
+
+Every hook body is guarded: the first internal error disables the hooks with
+one line on stderr, and the user's call proceeds as if we were not there.
+torch is imported only inside functions (the plugin must import stdlib only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rankscope.ccl_plugin.writer import CounterWriter, OpSlot, Request
+
+# op name -> (parameter holding the payload, kind). kind: "coll", "p2p_send",
+# "p2p_recv", "batch", "sync_p2p_send", "sync_p2p_recv".
+OPS: dict[str, tuple[str | None, str]] = {
+    "all_reduce": ("tensor", "coll"),
+    "all_gather": ("tensor", "coll"),
+    "all_gather_into_tensor": ("input_tensor", "coll"),
+    "_all_gather_base": ("input_tensor", "coll"),
+    "all_gather_single": ("input_tensor", "coll"),
+    "reduce_scatter": ("input_list", "coll"),
+    "reduce_scatter_tensor": ("input", "coll"),
+    "_reduce_scatter_base": ("input", "coll"),
+    "reduce_scatter_single": ("input", "coll"),
+    "broadcast": ("tensor", "coll"),
+    "reduce": ("tensor", "coll"),
+    "all_to_all": ("input_tensor_list", "coll"),
+    "all_to_all_single": ("input", "coll"),
+    "barrier": (None, "coll"),
+    "gather": ("tensor", "coll"),
+    "scatter": ("tensor", "coll"),
+    "send": ("tensor", "send"),
+    "recv": ("tensor", "recv"),
+    "isend": ("tensor", "isend"),
+    "irecv": ("tensor", "irecv"),
+    "batch_isend_irecv": (None, "batch"),
+}
+# The name the counters use: the private aliases count as their public op, and
+# blocking and non-blocking p2p share a row per direction.
+OP_ALIAS = {"_all_gather_base": "all_gather_into_tensor", "_reduce_scatter_base": "reduce_scatter_tensor",
+            "all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor",
+            "isend": "send", "irecv": "recv"}
+
+POLL_INTERVAL_S = 0.005
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+class _State:
+    """Everything the hooks share, in one place so tests can reset it."""
+
+    def __init__(self) -> None:
+        self.writer: CounterWriter | None = None
+        self.directory: Path | None = None
+        self.job_id = "job"
+        self.disabled = False
+        self.installed = False
+        self.tls = threading.local()
+        self.groups: dict[int, tuple[Any, int]] = {}  # id(pg) -> (pg, comm index)
+        self.pending: dict[int, tuple[Any, list[Request]]] = {}  # id(work) -> (work, requests)
+        self.pending_lock = threading.Lock()
+        self.wake = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.originals: list[tuple[Any, str, Any]] = []  # (owner, attr, original) for uninstall
+        self.dist: Any = None
+        self.c10d: Any = None
+
+
+STATE = _State()
+
+
+def _disable(where: str, exc: BaseException) -> None:
+    """First internal failure: stop counting, say so once, never raise."""
+    if not STATE.disabled:
+        STATE.disabled = True
+        with contextlib.suppress(Exception):
+            print(f"rankscope: CCL counters disabled after an internal error in {where}: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def _nbytes(obj: Any) -> int:
+    if obj is None:
+        return 0
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    try:
+        return int(obj.numel()) * int(obj.element_size())
+    except Exception:
+        return 0
+
+
+def _group_index(group: Any) -> tuple[int, tuple[int, ...]]:
+    """(communicator index in the file, member global ranks) of ``group`` (None = world)."""
+    c10d = STATE.c10d
+    if group is None:
+        group = c10d._get_default_group()
+    hit = STATE.groups.get(id(group))
+    if hit is not None and hit[0] is group:
+        return hit[1], _members_cache[id(group)]
+    members = tuple(int(r) for r in c10d.get_process_group_ranks(group))
+    name = str(getattr(group, "group_name", "") or id(group))
+    desc = str(getattr(group, "group_desc", "") or "")
+    try:
+        backend = str(c10d.get_backend(group))
+    except Exception:
+        backend = "unknown"
+    writer = _ensure_writer()
+    idx = writer.comm(name, backend, desc, members)
+    STATE.groups[id(group)] = (group, idx)
+    _members_cache[id(group)] = members
+    return idx, members
+
+
+_members_cache: dict[int, tuple[int, ...]] = {}
+
+
+def _ensure_writer() -> CounterWriter:
+    w = STATE.writer
+    if w is None:
+        c10d = STATE.c10d
+        directory = STATE.directory or Path("/dev/shm/rankscope")
+        w = CounterWriter(directory, rank=int(c10d.get_rank()), world_size=int(c10d.get_world_size()),
+                          job_id=STATE.job_id)
+        STATE.writer = w
+        _start_thread()
+        try:
+            _install_step_hook()
+        except Exception as exc:  # counters still work without step counts
+            print(f"rankscope: optimizer step counting off: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return w
+
+
+# ---- completion ----------------------------------------------------------
+
+
+def _complete_all(reqs: list[Request]) -> None:
+    w = STATE.writer
+    if w is None:
+        return
+    for r in reqs:
+        w.complete(r)
+
+
+def _watch(work: Any, reqs: list[Request]) -> None:
+    """Arrange for WC when ``work`` completes, without waiting on it."""
+    try:
+        fut = work.get_future()
+    except Exception:  # gloo p2p Work has no future: caught by wait()/is_completed()/the poller
+        with STATE.pending_lock:
+            STATE.pending[id(work)] = (work, reqs)
+        STATE.wake.set()
+        return
+
+    def done(_f: Any) -> None:
+        try:
+            _complete_all(reqs)
+        except Exception as exc:
+            _disable("work completion", exc)
+
+    fut.add_done_callback(done)
+
+
+def _settle(work: Any) -> None:
+    """The Work is known complete: record its pending requests once."""
+    with STATE.pending_lock:
+        entry = STATE.pending.pop(id(work), None)
+    if entry is not None and entry[0] is work:
+        _complete_all(entry[1])
+
+
+def _poll_pending() -> None:
+    with STATE.pending_lock:
+        items = list(STATE.pending.values())
+    for work, _ in items:
+        try:
+            done = work.is_completed()
+        except Exception:
+            done = True  # a failed Work is no longer in flight either way
+        if done:
+            _settle(work)
+
+
+def _background() -> None:
+    """Heartbeat every second; poll Works without a future while any are open."""
+    beat_every = int(HEARTBEAT_INTERVAL_S / POLL_INTERVAL_S)
+    ticks = 0
+    while True:
+        try:
+            if STATE.pending:
+                STATE.wake.wait(POLL_INTERVAL_S)
+                _poll_pending()
+                ticks += 1
+            else:
+                STATE.wake.wait(HEARTBEAT_INTERVAL_S)
+                ticks = beat_every
+            STATE.wake.clear()
+            w = STATE.writer
+            if ticks >= beat_every and w is not None:
+                ticks = 0
+                w.heartbeat()
+        except Exception as exc:
+            _disable("heartbeat thread", exc)
+            return
+
+
+def _start_thread() -> None:
+    if STATE.thread is None:
+        STATE.thread = threading.Thread(target=_background, name="rankscope-ccl", daemon=True)
+        STATE.thread.start()
+
+
+# ---- wrappers ----------------------------------------------------------------
+
+
+def _binder(fn: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]:
+    """A fast args -> {param: value} for ``fn`` (only the parameters we read)."""
+    sig = inspect.signature(fn)
+    names = list(sig.parameters)
+    defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    wanted = {"group", "async_op", "dst", "src", "group_dst", "group_src", "p2p_op_list",
+              *(v[0] for v in OPS.values() if v[0])}
+
+    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        out = {n: defaults.get(n) for n in names if n in wanted}
+        for n, v in zip(names, args, strict=False):
+            if n in wanted:
+                out[n] = v
+        for n, v in kwargs.items():
+            if n in wanted:
+                out[n] = v
+        return out
+
+    return bind
+
+
+def _peer(a: dict[str, Any], kind: str, members: tuple[int, ...]) -> int | None:
+    key = "dst" if kind in ("send", "isend") else "src"
+    peer = a.get(key)
+    if peer is not None:
+        return int(peer)
+    gpeer = a.get("group_" + key)
+    if gpeer is not None and 0 <= int(gpeer) < len(members):
+        return members[int(gpeer)]
+    return None
+
+
+def _launch_one(op: str, kind: str, group: Any, payload: Any, a: dict[str, Any]) -> Request:
+    w = STATE.writer or _ensure_writer()
+    idx, members = _group_index(group)
+    slot: OpSlot = w.slot(idx, op)
+    peer = _peer(a, kind, members) if kind in ("send", "recv", "isend", "irecv") else None
+    return w.launch(slot, _nbytes(payload), peer=peer)
+
+
+def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    payload_param, kind = OPS[name]
+    op = OP_ALIAS.get(name, name)
+    bind = _binder(orig)
+    tls = STATE.tls
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if STATE.disabled or getattr(tls, "depth", False):
+            return orig(*args, **kwargs)
+        reqs: list[Request] | None = None
+        is_async = False
+        try:
+            a = bind(args, kwargs)
+            if kind == "batch":
+                reqs = []
+                for p in a.get("p2p_op_list") or ():
+                    direction = "isend" if getattr(p.op, "__name__", "") == "isend" else "irecv"
+                    pa = {"dst" if direction == "isend" else "src": getattr(p, "peer", None)}
+                    reqs.append(_launch_one(OP_ALIAS[direction], direction, p.group, p.tensor, pa))
+                is_async = True
+            else:
+                reqs = [_launch_one(op, kind, a.get("group"), a.get(payload_param) if payload_param else None, a)]
+                is_async = kind in ("isend", "irecv") or bool(a.get("async_op"))
+        except Exception as exc:
+            _disable(name, exc)
+            reqs = None
+        tls.depth = True
+        try:
+            result = orig(*args, **kwargs)
+        finally:
+            tls.depth = False
+        if reqs:
+            try:
+                if not is_async or result is None:
+                    _complete_all(reqs)  # a blocking call has finished when it returns
+                elif kind == "batch":
+                    works = list(result)
+                    if len(works) == len(reqs):
+                        for wk, r in zip(works, reqs, strict=True):
+                            _watch(wk, [r])
+                    elif works:  # coalesced: the batch completes as a whole with its last Work
+                        for wk in works[:-1]:
+                            _watch(wk, [])
+                        _watch(works[-1], reqs)
+                    else:
+                        _complete_all(reqs)
+                else:
+                    _watch(result, reqs)
+            except Exception as exc:
+                _disable(name, exc)
+        return result
+
+    wrapper.__rankscope_original__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_work_methods(work_cls: Any) -> None:
+    """Record completion when the user's own wait()/is_completed() learns it."""
+    orig_wait = work_cls.wait
+    orig_done = work_cls.is_completed
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig_wait(self, *args, **kwargs)
+        if STATE.pending and not STATE.disabled:
+            try:
+                _settle(self)
+            except Exception as exc:
+                _disable("Work.wait", exc)
+        return result
+
+    def is_completed(self: Any) -> Any:
+        result = orig_done(self)
+        if result and STATE.pending and not STATE.disabled:
+            try:
+                _settle(self)
+            except Exception as exc:
+                _disable("Work.is_completed", exc)
+        return result
+
+    for attr, new, old in (("wait", wait, orig_wait), ("is_completed", is_completed, orig_done)):
+        setattr(work_cls, attr, new)
+        STATE.originals.append((work_cls, attr, old))
+
+
+def _wrap_new_group(c10d: Any, dist: Any) -> None:
+    """Record each process group's members and description when it is created."""
+    orig = c10d.new_group
+
+    @functools.wraps(orig)
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        pg = orig(*args, **kwargs)
+        if not STATE.disabled:
+            try:
+                if pg is not None and pg is not c10d.GroupMember.NON_GROUP_MEMBER:
+                    _group_index(pg)
+            except Exception as exc:
+                _disable("new_group", exc)
+        return pg
+
+    _replace(c10d, dist, "new_group", new_group)
+
+
+def _wrap_init(c10d: Any, dist: Any) -> None:
+    """Open the counter file once the rank is known; steps from the optimizer hook."""
+    orig = c10d.init_process_group
+
+    @functools.wraps(orig)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        result = orig(*args, **kwargs)
+        if not STATE.disabled:
+            try:
+                _group_index(None)
+            except Exception as exc:
+                _disable("init_process_group", exc)
+        return result
+
+    _replace(c10d, dist, "init_process_group", init_process_group)
+
+
+def _replace(c10d: Any, dist: Any, attr: str, new: Any) -> None:
+    old = getattr(c10d, attr)
+    setattr(c10d, attr, new)
+    STATE.originals.append((c10d, attr, old))
+    if getattr(dist, attr, None) is old:
+        setattr(dist, attr, new)
+        STATE.originals.append((dist, attr, old))
+
+
+def _install_step_hook() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def on_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+        if STATE.disabled or STATE.writer is None:
+            return
+        try:
+            STATE.writer.step()
+        except Exception as exc:
+            _disable("optimizer step hook", exc)
+
+    register_optimizer_step_post_hook(on_step)
+
+
+def _install_pg_hooks(dist: Any) -> bool:
+    """torch 2.14+: ProcessGroup pre/post hooks also see C++-issued collectives."""
+    pg_cls = getattr(dist, "ProcessGroup", None)
+    return bool(pg_cls is not None and hasattr(pg_cls, "register_pre_hook") and hasattr(pg_cls, "register_post_hook"))
+
+
+def install(directory: Path, job_id: str) -> bool:
+    """Patch torch.distributed (imports torch). Returns False and says why when it cannot."""
+    if STATE.installed:
+        return True
+    STATE.directory = directory
+    STATE.job_id = job_id
+    try:
+        # Through sys.modules: this may run inside torch's own first import,
+        # when `torch.distributed` is not yet an attribute of `torch`.
+        dist = sys.modules["torch.distributed"]
+        if not dist.is_available():
+            print("rankscope: torch.distributed is not available; CCL counters off", file=sys.stderr)
+            return False
+        c10d = sys.modules["torch.distributed.distributed_c10d"]
+        missing = [n for n in ("get_process_group_ranks", "_get_default_group") if not hasattr(c10d, n)]
+        if missing:
+            print(f"rankscope: this torch is too old for CCL counters (no {', '.join(missing)})", file=sys.stderr)
+            return False
+        STATE.dist, STATE.c10d = dist, c10d
+        for name in OPS:
+            orig = getattr(c10d, name, None)
+            if orig is None or hasattr(orig, "__rankscope_original__"):
+                continue
+            _replace(c10d, dist, name, _make_wrapper(name, orig))
+        _wrap_new_group(c10d, dist)
+        _wrap_init(c10d, dist)
+        _wrap_work_methods(c10d.Work)
+        # the optimizer step hook waits for the writer: torch.optim cannot be
+        # imported while torch itself is still initialising (we run inside it)
+        # ProcessGroup hooks (2.14+) would double count what the wrappers see;
+        # they are reserved for C++-issued work once a torch that has them is here.
+        _install_pg_hooks(dist)
+        STATE.installed = True
+        return True
+    except Exception as exc:
+        _disable("install", exc)
+        return False
+
+
+def shutdown() -> None:
+    """Clean exit: remove this rank's file (atexit)."""
+    w = STATE.writer
+    if w is not None:
+        with contextlib.suppress(Exception):
+            _poll_pending()
+        with contextlib.suppress(Exception):
+            w.close(remove=True)
+
+
+def uninstall() -> None:
+    """Put every replaced attribute back (tests)."""
+    for owner, attr, old in reversed(STATE.originals):
+        with contextlib.suppress(Exception):
+            setattr(owner, attr, old)
+    STATE.originals.clear()
+    STATE.installed = False

@@ -1,0 +1,290 @@
+"""The Python side's counter-file writer: one mmap'd file per rank in shared memory.
+
+Why a file in /dev/shm and a seqlock: the agent must read the counters while
+the training process is hung, possibly with its GIL held, so the reader can
+never depend on the writer's cooperation. Every store goes straight into the
+shared mapping; the seqlock (see ``layout``) keeps readers from seeing half an
+update. A lock serialises this process's own threads (the training thread and
+the threads that run Work completion callbacks), so there is one writer.
+
+Cost matters (µs per collective): each op slot keeps its numbers in Python and
+rewrites its dynamic part with one ``struct.pack_into``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+
+from rankscope.ccl_plugin import layout as L
+
+
+def process_start_ticks(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (/proc/<pid>/stat field 22); 0 if unknown.
+
+    Stored in the header so a reader can tell a live writer from a new process
+    that happens to reuse the pid of a dead one.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+        # the command name (field 2) may contain spaces and parens: split after the last ')'
+        return int(raw[raw.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class CounterFileFull(Exception):
+    """The file's fixed tables are full; callers stop recording new communicators/ops."""
+
+
+class OpSlot:
+    """One (communicator, operation) row: its numbers live here and in the file."""
+
+    __slots__ = (
+        "bytes_total",
+        "cl",
+        "comm_index",
+        "index",
+        "last_complete_wall",
+        "last_completed_seq",
+        "last_duration",
+        "last_launch_wall",
+        "last_launched_seq",
+        "offset",
+        "op",
+        "open_peers",
+        "ring",
+        "ring_count",
+        "ring_next",
+        "seq",
+        "wc",
+        "wr",
+    )
+
+    def __init__(self, index: int, comm_index: int, op: str) -> None:
+        self.index = index
+        self.offset = L.op_offset(index)
+        self.comm_index = comm_index
+        self.op = op
+        self.seq = 0  # the slot's seqlock value, mirrored here to save a read per store
+        self.cl = self.wr = self.wc = 0
+        self.last_launched_seq = self.last_completed_seq = 0
+        self.bytes_total = 0
+        self.last_duration = self.last_launch_wall = self.last_complete_wall = 0.0
+        self.ring = [0.0] * L.RING_LEN
+        self.ring_next = self.ring_count = 0
+        self.open_peers: dict[int, int] = {}  # global rank -> open requests to/from it
+
+
+class Request:
+    """A launched work request, handed back at completion to compute TD and N."""
+
+    __slots__ = ("comm_seq", "mono", "nbytes", "peer", "slot")
+
+    def __init__(self, slot: OpSlot, comm_seq: int, nbytes: int, peer: int | None, mono: float) -> None:
+        self.slot = slot
+        self.comm_seq = comm_seq
+        self.nbytes = nbytes
+        self.peer = peer
+        self.mono = mono
+
+
+_NO_PEERS = (0,) * L.MAX_OPEN_PEERS
+_SEQ_PACK = L.SEQ.pack_into
+_DYN_PACK = L.OP_DYNAMIC.pack_into
+assert L.RING_LEN == 5  # _store unrolls the ring
+
+
+class CounterWriter:
+    """Owns one rank's counter file. Thread-safe; one instance per process."""
+
+    def __init__(self, directory: Path, *, rank: int, world_size: int, job_id: str,
+                 pid: int | None = None, writer_kind: int = L.WRITER_PYTHON) -> None:
+        self.pid = os.getpid() if pid is None else pid
+        self.rank = rank
+        self.path = directory / L.file_name(job_id, rank)
+        self._lock = threading.Lock()
+        self._comms: dict[str, int] = {}
+        self._comm_seq: list[int] = []
+        self._slots: dict[tuple[int, str], OpSlot] = {}
+        self._members_used = 0
+        self._steps = 0
+        self._last_step_mono: float | None = None
+        self._last_step_duration = 0.0
+        self._last_step_wall = 0.0
+        self._heartbeat = time.time()
+        self._closed = False
+        # Events read one clock (perf_counter) and derive wall time from it.
+        self._wall_offset = time.time() - time.perf_counter()
+        directory.mkdir(parents=True, exist_ok=True)
+        # Build the file under a temporary name and rename it into place, so a
+        # reader never finds a file whose header is not written yet.
+        tmp = directory / f".{self.path.name}.{self.pid}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, L.FILE_SIZE)
+            self._mm = mmap.mmap(fd, L.FILE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        now = time.time()
+        L.HEADER.pack_into(
+            self._mm, 0, L.MAGIC, L.VERSION, L.HEADER_SIZE, L.FILE_SIZE, 0, self.pid,
+            process_start_ticks(self.pid), rank, world_size, writer_kind, 0, now, now, 0, 0.0, 0.0,
+            0, 0, L.MAX_COMMS, L.MAX_OPS, L.MEMBER_POOL, 0, L.COMM_TABLE_OFFSET, L.OP_TABLE_OFFSET,
+            L.MEMBER_POOL_OFFSET, L.encode(job_id, L.JOB_ID_LEN), b"")
+        os.replace(tmp, self.path)
+
+    # ---- seqlocked stores ------------------------------------------------
+
+    def _publish_header(self) -> None:
+        mm = self._mm
+        seq = L.SEQ.unpack_from(mm, L.HEADER_SEQ_OFFSET)[0] + 1
+        L.SEQ.pack_into(mm, L.HEADER_SEQ_OFFSET, seq)
+        L.HEADER_MUTABLE.pack_into(
+            mm, L.HEADER_MUTABLE_OFFSET, self._heartbeat, self._steps, self._last_step_duration,
+            self._last_step_wall, len(self._comms), len(self._slots), L.MAX_COMMS, L.MAX_OPS,
+            L.MEMBER_POOL, self._members_used)
+        L.SEQ.pack_into(mm, L.HEADER_SEQ_OFFSET, seq + 1)
+
+    def _store(self, s: OpSlot) -> None:
+        mm = self._mm
+        off = s.offset
+        seq = s.seq + 1
+        _SEQ_PACK(mm, off, seq)
+        peers = list(s.open_peers)[: L.MAX_OPEN_PEERS] if s.open_peers else ()
+        ring = s.ring
+        _DYN_PACK(
+            mm, off + L.OP_DYNAMIC_OFFSET, s.cl, s.wr, s.wc, s.last_launched_seq, s.last_completed_seq,
+            s.bytes_total, s.last_duration, s.last_launch_wall, s.last_complete_wall,
+            ring[0], ring[1], ring[2], ring[3], ring[4],
+            s.ring_next, s.ring_count, len(peers), 0, *peers, *_NO_PEERS[len(peers):])
+        s.seq = seq + 1
+        _SEQ_PACK(mm, off, seq + 1)
+
+    # ---- registration ----------------------------------------------------
+
+    def comm(self, comm_id: str, backend: str, description: str, members: tuple[int, ...]) -> int:
+        """Index of the communicator ``comm_id``, recording it on first sight."""
+        idx = self._comms.get(comm_id)
+        if idx is not None:
+            return idx
+        with self._lock:
+            idx = self._comms.get(comm_id)
+            if idx is not None:
+                return idx
+            idx = len(self._comms)
+            if idx >= L.MAX_COMMS:
+                raise CounterFileFull(f"more than {L.MAX_COMMS} communicators")
+            members = members[: max(0, L.MEMBER_POOL - self._members_used)]
+            first = self._members_used
+            for i, r in enumerate(members):
+                L.MEMBER.pack_into(self._mm, L.member_offset(first + i), r)
+            self._members_used += len(members)
+            off = L.comm_offset(idx)
+            L.COMM.pack_into(self._mm, off, 0, first, len(members), L.encode(comm_id, L.COMM_ID_LEN),
+                             L.encode(backend, L.BACKEND_LEN), L.encode(description, L.DESC_LEN))
+            L.SEQ.pack_into(self._mm, off, 2)  # even: complete
+            self._comms[comm_id] = idx
+            self._comm_seq.append(0)
+            self._publish_header()
+            return idx
+
+    def slot(self, comm_index: int, op: str) -> OpSlot:
+        key = (comm_index, op)
+        s = self._slots.get(key)
+        if s is not None:
+            return s
+        with self._lock:
+            s = self._slots.get(key)
+            if s is not None:
+                return s
+            index = len(self._slots)
+            if index >= L.MAX_OPS:
+                raise CounterFileFull(f"more than {L.MAX_OPS} (communicator, op) pairs")
+            s = OpSlot(index, comm_index, op)
+            L.OP_STATIC.pack_into(self._mm, s.offset + 8, comm_index, 0, L.encode(op, L.OP_NAME_LEN))
+            self._store(s)
+            self._slots[key] = s
+            self._publish_header()
+            return s
+
+    # ---- events ------------------------------------------------------------
+
+    def launch(self, s: OpSlot, nbytes: int, peer: int | None = None, launch: bool = True) -> Request:
+        """CL (if ``launch``) and one WR: a call issued one work request of ``nbytes``."""
+        mono = time.perf_counter()
+        now = mono + self._wall_offset
+        with self._lock:
+            seqs = self._comm_seq
+            seq = seqs[s.comm_index] + 1
+            seqs[s.comm_index] = seq
+            if launch:
+                s.cl += 1
+            s.wr += 1
+            s.last_launched_seq = seq
+            s.bytes_total += nbytes
+            s.last_launch_wall = now
+            if peer is not None:
+                s.open_peers[peer] = s.open_peers.get(peer, 0) + 1
+            self._store(s)
+        return Request(s, seq, nbytes, peer, mono)
+
+    def complete(self, req: Request) -> None:
+        """WC: the request finished; TD from its launch, N = bytes/TD into the ring."""
+        mono = time.perf_counter()
+        dur = mono - req.mono
+        now = mono + self._wall_offset
+        s = req.slot
+        with self._lock:
+            s.wc += 1
+            s.last_completed_seq = max(s.last_completed_seq, req.comm_seq)
+            s.last_duration = dur
+            s.last_complete_wall = now
+            if req.nbytes > 0 and dur > 0:
+                s.ring[s.ring_next] = req.nbytes / dur
+                s.ring_next = (s.ring_next + 1) % L.RING_LEN
+                s.ring_count = min(s.ring_count + 1, L.RING_LEN)
+            if req.peer is not None:
+                left = s.open_peers.get(req.peer, 0) - 1
+                if left > 0:
+                    s.open_peers[req.peer] = left
+                else:
+                    s.open_peers.pop(req.peer, None)
+            self._store(s)
+
+    def step(self) -> None:
+        """An optimizer step finished: count it and time it against the previous one."""
+        mono = time.perf_counter()
+        with self._lock:
+            self._steps += 1
+            if self._last_step_mono is not None:
+                self._last_step_duration = mono - self._last_step_mono
+            self._last_step_mono = mono
+            self._last_step_wall = self._heartbeat = time.time()
+            self._publish_header()
+
+    def heartbeat(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._heartbeat = time.time()
+            self._publish_header()
+
+    def close(self, remove: bool = True) -> None:
+        """Clean exit: mark the file and (by default) remove it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            flags = L.U32.unpack_from(self._mm, L.HEADER_FLAGS_OFFSET)[0]
+            L.U32.pack_into(self._mm, L.HEADER_FLAGS_OFFSET, flags | L.FLAG_CLEAN_EXIT)
+            if remove:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+            with contextlib.suppress(BufferError, ValueError):
+                self._mm.close()
