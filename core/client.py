@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -136,6 +136,23 @@ class JobClient:
             return stub.Capture(request, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
 
         return await self._fan_out(call, max(self.deadline_s, timeout_s + CAPTURE_MARGIN_S))
+
+    async def stream_metrics(
+        self, address: str, *, interval_s: float = 1.0, max_count: int = 0
+    ) -> AsyncIterator[MachineSnapshot]:
+        """Readings of one machine pushed by its agent every ``interval_s`` (no stacks).
+
+        The stream has no overall deadline (it runs until ``max_count`` readings or
+        until the caller stops iterating); if it breaks, one unreachable
+        MachineSnapshot saying why is yielded last.
+        """
+        request = pb.StreamMetricsRequest(interval_s=interval_s, max_count=max_count)
+        try:
+            stream = self._conn(address).stub.StreamMetrics(request, metadata=self._metadata)
+            async for reply in stream:
+                yield _with_address(machine_from_proto(reply), address)
+        except grpc.aio.AioRpcError as exc:
+            yield error_for_rpc(address, exc, 0.0)
 
     async def close(self) -> None:
         conns, self._conns = list(self._conns.values()), {}
