@@ -55,6 +55,8 @@ MIN_STREAM_INTERVAL_S = 0.2  # a client cannot make the agent spin
 MAX_PYSPY_TIMEOUT_S = 60.0
 DEFAULT_PYSPY_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+BIND_FIX = ("another process (an agent?) may hold the port: pick another --port, or --port 0 for a free one; "
+            "or --bind names an address this machine does not have (see `ip addr`)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,10 +277,10 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     except RuntimeError as exc:
         raise RankscopeError(
             f"cannot listen on {host}:{config.port} ({exc})",
-            "another agent may hold the port: pick another --port, or --port 0 for a free one",
+            BIND_FIX,
         ) from None
     if port == 0:
-        raise RankscopeError(f"cannot listen on {host}:{config.port}", "pick another --port, or --port 0 for a free one")
+        raise RankscopeError(f"cannot listen on {host}:{config.port}", BIND_FIX)
     address = f"{host}:{port}"
     pb_grpc.add_RankscopeAgentServicer_to_server(AgentService(config, address), server)  # type: ignore[no-untyped-call]
     for register in extra_services:
