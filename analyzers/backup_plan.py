@@ -32,23 +32,25 @@ rank 3 -- "ranks 8 and 9 exchange their optimizer states with ranks 2 and 3".
 rule puts both copies inside one PP group as soon as a machine holds two DP
 replicas; the half shift does not.)
 
-The coordinate math below is private to this module until the shared
-``rankscope.analyzers.topology`` lands; it follows the design notes (first name
-in the order varies fastest) and should be replaced by that module then.
+Group membership comes from the shared :mod:`rankscope.analyzers.topology`
+(so recorded communicators win over typed sizes); only the inverse,
+coordinates -> rank, needed for the mirror, is computed here.
 
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
+from rankscope.analyzers.topology import DIMS, Topology
+from rankscope.analyzers.topology import parse_order as _topology_parse_order
 from rankscope.errors import RankscopeError
 from rankscope.snapshot import Layout
 
-DIMENSIONS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
+DIMENSIONS: tuple[str, ...] = DIMS
 # Shifted first when building the mirror; the rest join only if two coordinates do not differ yet.
 _MIRROR_FIRST: tuple[str, ...] = ("dp", "pp")
 _MIRROR_THEN: tuple[str, ...] = ("cp", "ep", "tp")
@@ -86,29 +88,18 @@ class BackupPlan:
         return self.pairs[rank].peer
 
 
-class _HasLayout(Protocol):
-    @property
-    def layout(self) -> Layout: ...
-
-
 def parse_order(order: str) -> tuple[str, ...]:
-    """``"tp-cp-ep-dp-pp"`` -> ``("tp", "cp", "ep", "dp", "pp")``; the first varies fastest.
-
-    Dimensions left out of the order are appended slowest, in the default
-    order; the caller checks that those have size one.
-    """
-    names = tuple(part.strip().lower() for part in order.replace(",", "-").split("-") if part.strip())
-    unknown = [n for n in names if n not in DIMENSIONS]
-    if unknown or len(set(names)) != len(names) or not names:
-        raise RankscopeError(
-            f"bad rank order {order!r}: expected distinct names from {'-'.join(DIMENSIONS)}",
-            "use Megatron's default 'tp-cp-ep-dp-pp' or e.g. 'tp-pp-dp' (first name varies fastest)",
-        )
-    return names + tuple(d for d in DIMENSIONS if d not in names)
+    """The shared order parser (:func:`rankscope.analyzers.topology.parse_order`), its errors with a fix."""
+    try:
+        return _topology_parse_order(order)
+    except ValueError as exc:
+        raise RankscopeError(f"bad rank order {order!r}: {exc}",
+                             "use Megatron's default 'tp-cp-ep-dp-pp' or e.g. 'tp-pp-dp' (first name varies fastest)"
+                             ) from exc
 
 
 class _Grid:
-    """Mixed-radix rank <-> coordinate conversion for one layout (private; see module docstring)."""
+    """Coordinates -> rank for the mirror (the shared Topology only goes rank -> coordinates)."""
 
     def __init__(self, sizes: Mapping[str, int], order: tuple[str, ...]) -> None:
         self.sizes = dict(sizes)
@@ -127,28 +118,29 @@ class _Grid:
     def rank(self, coords: Mapping[str, int]) -> int:
         return sum((coords[d] % self.sizes[d]) * self.strides[d] for d in self.order)
 
-    def group_key(self, rank: int, kind: str) -> tuple[int, ...]:
-        """Ranks with equal keys share the group of ``kind`` (they agree on every other coordinate)."""
-        c = self.coords(rank)
-        return tuple(c[d] for d in self.order if d != kind)
-
 
 def backup_plan(
-    layout: Layout | _HasLayout,
+    layout: Layout | Topology,
     world_size: int | None = None,
     ranks_per_machine: int | None = None,
     machine_of: Mapping[int, str] | None = None,
 ) -> BackupPlan:
     """Pair every rank with the peer that keeps its checkpoint backup.
 
-    ``layout`` is the job's :class:`~rankscope.snapshot.Layout` (or anything
-    with a ``layout`` attribute). Machines are consecutive blocks of
-    ``ranks_per_machine`` ranks (default: the layout's, else the TP size),
-    unless ``machine_of`` gives the real rank -> machine map found in the job.
+    ``layout`` is the job's :class:`~rankscope.snapshot.Layout`, or its
+    :class:`~rankscope.analyzers.topology.Topology` -- then the group
+    membership the CCL plugin recorded decides which machines a group spans.
+    Machines are consecutive blocks of ``ranks_per_machine`` ranks (named
+    ``machine-<i>``; default: the layout's, else the TP size), unless
+    ``machine_of`` gives the real rank -> machine map found in the job.
     """
-    lay: Layout = layout if isinstance(layout, Layout) else layout.layout
-    sizes = _sizes(lay)
-    order = parse_order(lay.order)
+    if isinstance(layout, Topology):
+        lay, order = layout.layout, layout.order
+        sizes = _sizes(lay, order)
+        world_size = layout.world_size if world_size is None else world_size
+    else:
+        lay, order = layout, parse_order(layout.order)
+        sizes = _sizes(lay, order)
     grid = _Grid(sizes, order)
     if world_size is None:
         world_size = grid.world_size
@@ -164,8 +156,9 @@ def backup_plan(
             "pass --ranks-per-machine with the number of ranks each machine really hosts",
         )
     machine_index = {r: i for i, ranks in enumerate(ranks_by_machine) for r in ranks}
-    kinds = tuple(d for d in order if sizes[d] > 1)
-    spans = _group_spans(grid, kinds, machine_index)
+    topology = layout if isinstance(layout, Topology) else Topology(lay, world_size)
+    kinds = tuple(d for d in order if topology.size(d) > 1)
+    spans = _group_spans(topology, kinds, machine_index)
     linked = _linked_machines(len(ranks_by_machine), spans)
 
     notes: list[str] = []
@@ -184,8 +177,14 @@ def backup_plan(
                             "backups go to the nearest machine outside the rank's groups")
 
     unsafe: list[tuple[int, int, tuple[str, ...]]] = []
+    touching = _groups_touching(spans, len(ranks_by_machine))
+    spanning: dict[tuple[int, int], tuple[str, ...]] = {}
     for r in range(world_size):
-        both = _kinds_spanning(spans, machine_index[r], machine_index[peers[r]])
+        key = (machine_index[r], machine_index[peers[r]])
+        if key not in spanning:
+            spanning[key] = tuple(kind for kind, per_machine in touching.items()
+                                  if per_machine[key[0]] & per_machine[key[1]])
+        both = spanning[key]
         if both:
             unsafe.append((r, peers[r], both))
     if unsafe:
@@ -208,14 +207,14 @@ def backup_plan(
     )
 
 
-def _sizes(lay: Layout) -> dict[str, int]:
+def _sizes(lay: Layout, order: tuple[str, ...]) -> dict[str, int]:
     sizes = {d: getattr(lay, d) for d in DIMENSIONS}
     bad = {d: v for d, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
     if bad:
         raise RankscopeError(f"parallel sizes must be positive integers, got {bad}",
                              "pass e.g. --tp 2 --pp 4 --dp 2 (1 for an unused dimension)")
-    order = parse_order(lay.order)
-    named = set(lay.order.replace(",", "-").split("-"))
+    # parse_order appends dimensions the string left out; those must be unused, or ranks would be misplaced.
+    named = {p for p in re.split(r"[-_,\s]+", lay.order.strip().lower()) if p}
     missing = [d for d in order if sizes[d] > 1 and d not in named]
     if missing:
         raise RankscopeError(f"the rank order {lay.order!r} does not place {', '.join(missing)}",
@@ -252,18 +251,15 @@ def _machines(
         raise RankscopeError(f"{world_size} ranks cannot be split into machines of {rpm!r} ranks",
                              "pass --ranks-per-machine with a divisor of the world size (GPUs per machine)")
     count = world_size // rpm
-    return [str(i) for i in range(count)], [tuple(range(i * rpm, (i + 1) * rpm)) for i in range(count)]
+    # The same names rankscope.analyzers.topology.machines_of gives ranks no agent reported.
+    return [f"machine-{i}" for i in range(count)], [tuple(range(i * rpm, (i + 1) * rpm)) for i in range(count)]
 
 
-def _group_spans(grid: _Grid, kinds: Sequence[str], machine_index: Mapping[int, int]) -> dict[str, list[set[int]]]:
+def _group_spans(topology: Topology, kinds: Sequence[str],
+                 machine_index: Mapping[int, int]) -> dict[str, list[set[int]]]:
     """For each group kind, the machine set of each of its groups."""
-    spans: dict[str, list[set[int]]] = {}
-    for kind in kinds:
-        by_key: dict[tuple[int, ...], set[int]] = {}
-        for r in range(grid.world_size):
-            by_key.setdefault(grid.group_key(r, kind), set()).add(machine_index[r])
-        spans[kind] = list(by_key.values())
-    return spans
+    return {kind: [{machine_index[r] for r in group if r in machine_index} for group in topology.groups(kind)]
+            for kind in kinds}
 
 
 def _linked_machines(count: int, spans: Mapping[str, list[set[int]]]) -> list[set[int]]:
@@ -276,8 +272,16 @@ def _linked_machines(count: int, spans: Mapping[str, list[set[int]]]) -> list[se
     return linked
 
 
-def _kinds_spanning(spans: Mapping[str, list[set[int]]], a: int, b: int) -> tuple[str, ...]:
-    return tuple(kind for kind, groups in spans.items() if any(a in g and b in g for g in groups))
+def _groups_touching(spans: Mapping[str, list[set[int]]], count: int) -> dict[str, list[set[int]]]:
+    """Per kind and machine, the indices of the groups with a rank on that machine."""
+    out: dict[str, list[set[int]]] = {}
+    for kind, groups in spans.items():
+        per_machine: list[set[int]] = [set() for _ in range(count)]
+        for index, machines in enumerate(groups):
+            for m in machines:
+                per_machine[m].add(index)
+        out[kind] = per_machine
+    return out
 
 
 def _mirror_map(grid: _Grid, kinds: Sequence[str]) -> dict[int, int] | None:

@@ -153,7 +153,7 @@ def test_cli_json_prints_pairs_of_rank_and_peer(capsys: pytest.CaptureFixture[st
 def test_cli_text_names_machines(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["backup-plan", "--tp", "2", "--pp", "4", "--dp", "2", "--ranks-per-machine", "2"]) == 0
     out = capsys.readouterr().out
-    assert "rank  8 (machine 4) -> rank  2 (machine 1)" in out
+    assert "rank  8 (machine-4) -> rank  2 (machine-1)" in out
     assert "safe:" in out
 
 
@@ -176,3 +176,19 @@ def test_every_rank_has_exactly_one_pair_for_all_small_layouts() -> None:
         plan = backup_plan(Layout(tp=tp, pp=pp, dp=dp), ranks_per_machine=2 if world % 2 == 0 else 1)
         assert [p.rank for p in plan.pairs] == list(range(world))
         assert all(p.machine != p.peer_machine for p in plan.pairs)
+
+
+def test_recorded_communicator_membership_overrides_the_typed_sizes() -> None:
+    # The CCL plugin recorded PP groups that put rank 8 and its mirror 2 together: the mirror must not be used.
+    from rankscope.analyzers.topology import Topology
+
+    real_pp = ((0, 2, 8, 10), (1, 3, 9, 11), (4, 6, 12, 14), (5, 7, 13, 15))
+    topo = Topology(Layout(tp=2, pp=4, dp=2, ranks_per_machine=2), 16, explicit=(("pp", real_pp),))
+    plan = backup_plan(topo)
+    peers = {p.rank: p.peer for p in plan.pairs}
+    assert peers[8] not in real_pp[0]
+    groups = [set(g) for g in real_pp] + [set(topo.group_of(r, k)) for r in range(16) for k in ("tp", "dp")]
+    assert plan.safe
+    for group in groups:
+        evicted = {r // 2 for r in group}
+        assert not any(p.rank // 2 in evicted and p.peer // 2 in evicted for p in plan.pairs), sorted(group)

@@ -77,8 +77,8 @@ def render_text(plan: Any, layout: Any) -> str:
              f"on {len(plan.machines)} machines (rule: {plan.rule})"]
     width = len(str(plan.world_size - 1))
     for p in plan.pairs:
-        lines.append(f"  rank {p.rank:>{width}} (machine {p.machine}) -> rank {p.peer:>{width}} "
-                     f"(machine {p.peer_machine})")
+        lines.append(f"  rank {p.rank:>{width}} ({p.machine}) -> rank {p.peer:>{width}} "
+                     f"({p.peer_machine})")
     lines.append("safe: over-evicting any one parallel group keeps at least one copy of every shard" if plan.safe
                  else "NOT safe: see notes")
     lines.extend(f"note: {n}" for n in plan.notes)
