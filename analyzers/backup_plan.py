@@ -329,3 +329,48 @@ def _fallback(
     if neighbour_used == count:
         return peers, "neighbour"
     return peers, "next-free-machine" if neighbour_used == 0 else "mixed"
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """Which step the job resumes from and where each rank's shard comes from.
+
+    All ranks must resume from the same step, so the step is the newest one
+    for which every rank has a copy somewhere. A rank takes its local copy
+    when its machine still holds that step (nothing crosses the network),
+    else its backup peer's copy -- the case for ranks that moved to a
+    standby after an eviction.
+    """
+
+    step: int | None
+    sources: tuple[tuple[int, str], ...]  # (rank, "local" | "peer"), by rank
+    missing: tuple[int, ...]  # ranks with no copy of any step
+    notes: tuple[str, ...]
+
+
+def restore_plan(world_size: int, local: Mapping[int, Sequence[int]], peer: Mapping[int, Sequence[int]]) -> RestorePlan:
+    """Choose the common restore step and each rank's source.
+
+    ``local[r]``: steps the machine now hosting rank r holds for it (its own
+    agent's store); ``peer[r]``: steps r's backup peer's agent holds for it.
+    """
+    available = {r: set(local.get(r, ())) | set(peer.get(r, ())) for r in range(world_size)}
+    missing = tuple(r for r, steps in available.items() if not steps)
+    if missing:
+        return RestorePlan(None, (), missing,
+                           (f"{len(missing)} rank(s) have no checkpoint copy at all: resume from the last "
+                            "persistent checkpoint instead",))
+    common = set.intersection(*available.values()) if available else set()
+    if not common:
+        return RestorePlan(None, (), (), ("no step is held for every rank: the copies come from different steps; "
+                                          "resume from the last persistent checkpoint instead",))
+    step = max(common)
+    sources = tuple((r, "local" if step in set(local.get(r, ())) else "peer") for r in range(world_size))
+    notes: list[str] = []
+    newest = max(max(s) for s in available.values())
+    if newest > step:
+        notes.append(f"step {newest} is not held for every rank; resuming from step {step}")
+    from_peer = [r for r, src in sources if src == "peer"]
+    if from_peer:
+        notes.append(f"{len(from_peer)} rank(s) restore from their backup peer")
+    return RestorePlan(step, sources, (), tuple(notes))

@@ -14,16 +14,16 @@ from rankscope.actions.model import (
     HotUpdateArgs,
     RollbackArgs,
     Targets,
-    TokenScope,
     UpdateMode,
     VersionSource,
-    check_scope,
+    check_role,
     check_targets,
     confirm_phrase_for,
     confirmation_matches,
     needs_typed_confirmation,
 )
 from rankscope.errors import RankscopeError
+from rankscope.tokens import Role
 
 
 def _evict(machines: tuple[str, ...] = ("m12", "m13"), action_id: str = "a-1") -> ActionRequest:
@@ -102,9 +102,10 @@ def test_agent_refuses_targets_outside_its_job_and_read_only_tokens() -> None:
     backup = ActionRequest("b", ActionKind.BACKUP, Targets(ranks=(3, 40)), BackupArgs(), "x")
     with pytest.raises(RankscopeError, match="outside the job's 32 ranks"):
         check_targets(backup, job, world_size=32)
-    check_scope(TokenScope.ACTING)
-    with pytest.raises(RankscopeError, match="read-only"):
-        check_scope(TokenScope.READ_ONLY)
+    check_role(Role.ACT)
+    for role in (Role.READ, None):
+        with pytest.raises(RankscopeError, match="read-only"):
+            check_role(role)
 
 
 def test_result_state_and_json() -> None:

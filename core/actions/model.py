@@ -20,6 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from rankscope.errors import RankscopeError
+from rankscope.tokens import Role
 
 
 class ActionKind(StrEnum):
@@ -52,11 +53,6 @@ class UpdateMode(StrEnum):
 class VersionSource(StrEnum):
     GIT = "git"  # a ref (branch, tag, commit) in the agent's configured repository
     DIR = "dir"  # a directory prepared on every machine beforehand
-
-
-class TokenScope(StrEnum):
-    READ_ONLY = "read_only"
-    ACTING = "acting"
 
 
 # Ids, machine names and git refs travel as arguments and end up as argv
@@ -369,9 +365,14 @@ def check_targets(request: ActionRequest, job_machines: tuple[str, ...] | frozen
                                  f"target ranks 0..{world_size - 1}")
 
 
-def check_scope(scope: TokenScope) -> None:
-    """A read-only token watches; only an acting token may change anything."""
-    if scope != TokenScope.ACTING:
+def check_role(role: Role | None) -> None:
+    """A read token watches; only an act token may change anything.
+
+    The agent's token interceptor already refuses unlisted (state-changing)
+    methods to read tokens; this is the same rule where an action is handled,
+    so a handler reached some other way cannot act on a read token either.
+    """
+    if role is not Role.ACT:
         raise RankscopeError("refused: this token is read-only",
                              "attach with an acting token (the agent's --token) to run actions")
 
