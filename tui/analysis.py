@@ -1,0 +1,253 @@
+"""What the TUI shows about stacks, built from a capture (off the UI thread).
+
+The grouping, the prefix tree and the verdict come from
+``rankscope.analyzers`` (stack aggregation, CCL findings, merged into one
+verdict). They are imported lazily, and if they are not installed or fail on
+a snapshot the views still show the stacks grouped by a plain signature, with
+a note saying so: a broken analyzer must never blank the screen of someone
+in the middle of an incident.
+
+Everything here is a pure function of a snapshot, so the same capture always
+draws the same screen (snapshot tests rely on that).
+"""
+
+from __future__ import annotations
+
+import linecache
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankscope.analyzers.findings import Verdict
+from rankscope.snapshot import Frame, JobSnapshot, Layout, ProcessStack, RankStacks
+
+
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """One stack group: ranks that share a signature, largest group first."""
+
+    index: int
+    ranks: tuple[int, ...]
+    summary: str  # the innermost frame worth naming
+    frames: tuple[str, ...]  # outermost first, as a person reads a call path
+    signature: str
+    diverging_frame: str | None = None  # where it leaves the dominant path (None for the dominant group)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeNode:
+    """A node of the prefix tree: a frame and the ranks whose stacks pass through it."""
+
+    frame: str
+    ranks: tuple[int, ...]
+    children: tuple[TreeNode, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StackView:
+    groups: tuple[GroupView, ...]
+    group_of_rank: Mapping[int, int]
+    tree: TreeNode
+    verdict: Verdict
+    missing_ranks: tuple[int, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def dominant(self) -> GroupView | None:
+        return self.groups[0] if self.groups else None
+
+
+# --------------------------------------------------------------------------
+# rank ranges, frames
+# --------------------------------------------------------------------------
+
+
+def format_ranks(ranks: Iterable[int], limit: int = 6) -> str:
+    """``0-11,14,16-19``: compact rank ranges, cut after ``limit`` runs with a count."""
+    ordered = sorted(set(ranks))
+    runs: list[tuple[int, int]] = []
+    for r in ordered:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit]]
+    text = ",".join(parts)
+    if len(runs) > limit:
+        text += f",… (+{len(runs) - limit} runs)"
+    return text
+
+
+def frame_label(frame: Frame) -> str:
+    base = frame.filename.rsplit("/", 1)[-1]
+    return f"{frame.name} ({base})"
+
+
+def _main_thread(stack: ProcessStack) -> Sequence[Frame]:
+    """The thread that tells where a process is: the GIL owner, else the first with frames."""
+    if not stack.threads:
+        return ()
+    for t in stack.threads:
+        if t.owns_gil and t.frames:
+            return t.frames
+    for t in stack.threads:
+        if (t.thread_name or "").lower() in ("mainthread", "main") and t.frames:
+            return t.frames
+    for t in stack.threads:
+        if t.frames:
+            return t.frames
+    return ()
+
+
+def rank_path(rs: RankStacks) -> tuple[str, ...]:
+    """A rank's main call path, outermost first (py-spy reports innermost first)."""
+    return tuple(frame_label(f) for f in reversed(tuple(_main_thread(rs.main))))
+
+
+def diverging_index(a: Sequence[str], b: Sequence[str]) -> int:
+    """Index of the first frame where two paths differ (len of the shorter when one is a prefix)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def source_line(frame: Frame) -> str | None:
+    """The source line of a frame when the file is readable here (same paths as the job)."""
+    if frame.line is None or frame.native:
+        return None
+    text = linecache.getline(frame.filename, frame.line).strip()
+    return text or None
+
+
+def rank_stack_lines(rs: RankStacks, with_source: bool = True) -> list[str]:
+    """A rank's full capture as text: every thread of the main process and of each subprocess."""
+    lines: list[str] = []
+    for proc in (rs.main, *rs.subprocesses):
+        lines.append(f"process {proc.pid} [{proc.role.value}] {proc.name}".rstrip())
+        if proc.error is not None:
+            lines.append(f"  no stack: {proc.error.kind.value}: {proc.error.message}")
+            if proc.error.fix:
+                lines.append(f"  fix: {proc.error.fix}")
+            continue
+        for t in proc.threads or ():
+            flags = " ".join(x for x, on in (("active", t.active), ("gil", t.owns_gil)) if on)
+            lines.append(f"  thread {t.thread_name or t.thread_id} {flags}".rstrip())
+            for f in t.frames:  # innermost first, like py-spy
+                where = f"{f.filename}:{f.line}" if f.line is not None else f.filename
+                lines.append(f"    {f.name} ({where})")
+                src = source_line(f) if with_source else None
+                if src:
+                    lines.append(f"        {src}")
+    return lines
+
+
+# --------------------------------------------------------------------------
+# building the view
+# --------------------------------------------------------------------------
+
+
+def _fallback_groups(stacks: Mapping[int, RankStacks]) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    by_path: dict[tuple[str, ...], list[int]] = {}
+    for rank in sorted(stacks):
+        by_path.setdefault(rank_path(stacks[rank]), []).append(rank)
+    return sorted(((p, tuple(r)) for p, r in by_path.items()), key=lambda x: (-len(x[1]), x[1][0]))
+
+
+def _tree_from_paths(paths: Mapping[int, tuple[str, ...]]) -> TreeNode:
+    """Build the prefix tree of call paths (outermost first)."""
+
+    def build(frame: str, ranks: list[int], depth: int) -> TreeNode:
+        children: dict[str, list[int]] = {}
+        for r in ranks:
+            p = paths[r]
+            if len(p) > depth:
+                children.setdefault(p[depth], []).append(r)
+        kids = tuple(build(f, rs, depth + 1) for f, rs in sorted(children.items(), key=lambda x: (-len(x[1]), x[0])))
+        return TreeNode(frame, tuple(ranks), kids)
+
+    return build("all ranks", sorted(paths), 0)
+
+
+def _convert_tree(node: Any) -> TreeNode:
+    return TreeNode(str(node.frame), tuple(node.ranks), tuple(_convert_tree(c) for c in node.children))
+
+
+def build_stack_view(snapshot: JobSnapshot, layout: Layout | None = None) -> StackView:
+    """Group the capture's stacks and judge them; never raises on a bad analyzer."""
+    stacks = snapshot.all_stacks()
+    known = set(snapshot.rank_to_machine())
+    missing = tuple(sorted(r for r in known if r not in stacks or stacks[r].main.threads is None))
+    notes: list[str] = []
+    usable = {r: s for r, s in stacks.items() if s.main.threads is not None}
+    paths = {r: rank_path(s) for r, s in usable.items()}
+    try:
+        return _from_analyzers(snapshot, layout, paths, missing)
+    except ImportError:
+        notes.append("stack analyzer not installed: groups by main-thread path, no verdict")
+    except Exception as exc:  # the analyzer is someone else's code; show what we can
+        notes.append(f"stack analyzer failed ({type(exc).__name__}: {exc}); groups by main-thread path")
+    found = _fallback_groups(usable)
+    top = found[0][0] if found else ()
+    groups = tuple(
+        GroupView(i, ranks, path[-1] if path else "(empty stack)", path, " / ".join(path),
+                  None if i == 0 else (path[diverging_index(top, path)] if diverging_index(top, path) < len(path)
+                                       else None))
+        for i, (path, ranks) in enumerate(found)
+    )
+    group_of = {r: g.index for g in groups for r in g.ranks}
+    verdict = Verdict(suspects=(), summary="no verdict (analyzer unavailable)", missing_ranks=missing)
+    return StackView(groups, group_of, _tree_from_paths(paths), verdict, missing, tuple(notes))
+
+
+def _from_analyzers(
+    snapshot: JobSnapshot, layout: Layout | None, paths: Mapping[int, tuple[str, ...]], missing: tuple[int, ...]
+) -> StackView:
+    from rankscope.analyzers import stacks as stack_analyzer
+    from rankscope.analyzers import suspects as suspect_analyzer
+
+    analysis = suspect_analyzer.analyze_stacks(snapshot, layout or snapshot.layout)
+    verdict: Verdict = analysis.verdict
+    notes: list[str] = []
+    try:  # counters, when there are any, sharpen the verdict (Aegis)
+        from rankscope.analyzers import ccl as ccl_analyzer
+        from rankscope.analyzers import verdict as verdict_merge
+
+        if snapshot.all_counters():
+            ccl_verdict = ccl_analyzer.analyze_counters(snapshot, layout or snapshot.layout)
+            verdict = verdict_merge.merge_verdicts(verdict, ccl_verdict)
+    except ImportError:
+        pass
+    except Exception as exc:
+        notes.append(f"CCL analyzer failed ({type(exc).__name__}: {exc}); verdict from stacks only")
+    grouping = analysis.grouping
+    # The healthy group(s) first, so "A" on the map always means "where most ranks are".
+    order = [*grouping.dominant, *(i for i in range(len(grouping.groups)) if i not in grouping.dominant)]
+    groups: list[GroupView] = []
+    for new_index, i in enumerate(order):
+        g = grouping.groups[i]
+        diverges = stack_analyzer.diverging_frame(grouping, g)
+        groups.append(GroupView(new_index, tuple(g.ranks), str(g.summary), tuple(g.frames), str(g.signature),
+                                diverges))
+    group_of = {r: g.index for g in groups for r in g.ranks}
+    tree = _convert_tree(analysis.tree)
+    return StackView(tuple(groups), group_of, tree, verdict, tuple(verdict.missing_ranks) or missing, tuple(notes))
+
+
+def verdict_text(view: StackView | None) -> str:
+    """The verdict as plain text, for `y` and for tickets."""
+    if view is None:
+        return "no capture yet"
+    v = view.verdict
+    lines = [v.summary]
+    for s in v.suspects:
+        lines.append(f"- {s.kind.value} group {s.group_index if s.group_index is not None else ''}".rstrip()
+                     + f": ranks {format_ranks(s.ranks, 20)} on {', '.join(s.machines)} (score {s.score:.2f})")
+        lines.extend(f"    {e}" for e in s.evidence)
+        if s.diverging_frame:
+            lines.append(f"    diverges at: {s.diverging_frame}")
+    if view.missing_ranks:
+        lines.append(f"missing ranks: {format_ranks(view.missing_ranks, 20)}")
+    lines.extend(f"note: {n}" for n in (*v.notes, *view.notes))
+    return "\n".join(lines)

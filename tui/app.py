@@ -1,0 +1,402 @@
+"""The rankscope TUI: attach to a job's agents (or open a bundle) and inspect it live.
+
+How data flows (and why nothing here can freeze the screen):
+- a poll worker (async) awaits ``Source.poll``, digests the snapshot in a
+  thread, posts ``SnapshotReceived`` and only then schedules the next poll,
+  so polls never overlap and a lost agent only delays the next one;
+- captures (`s`, a stop in progress, or every 10 s in fail-slow mode) run
+  in their own worker; the stack analysis runs in a thread;
+- every message is folded into an immutable ``AppState`` by the reducers of
+  ``rankscope.tui.state``, and the visible view is redrawn from that state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from rankscope.bundle import Bundle, write_bundle
+from rankscope.snapshot import JobSnapshot, Layout
+from rankscope.tui import state as st
+from rankscope.tui.analysis import StackView, build_stack_view, format_ranks, rank_stack_lines, verdict_text
+from rankscope.tui.messages import AgentFound, AgentLost, CaptureAnalyzed, CaptureFailed, PollFailed, SnapshotReceived
+from rankscope.tui.screens.help import HelpScreen
+from rankscope.tui.screens.main import VIEWS, MainScreen
+from rankscope.tui.screens.rank import RankScreen
+from rankscope.tui.sources import BundleSource, LiveSource, Source, poll_loop
+from rankscope.tui.widgets.ccl import CclPanel
+from rankscope.tui.widgets.rank_map import RankMapPanel, group_glyph
+from rankscope.tui.widgets.stack_tree import StackTreePanel
+from textual import on, work
+from textual.app import App, SystemCommand
+from textual.binding import Binding, BindingType
+from textual.screen import Screen
+from textual.widgets import Input, TabbedContent
+
+FAIL_SLOW_CAPTURE_S = 10.0  # ByteRobust's fail-slow rounds: aggregate every 10 s
+
+
+@dataclass(frozen=True, slots=True)
+class AppOptions:
+    poll_interval_s: float = 1.0
+    hang_after_s: float = 30.0  # capture automatically when progress stops this long
+    fail_slow: bool = False  # capture every 10 s
+    capture_on_start: bool = True
+    bundle_dir: Path = Path(".")
+    layout: Layout | None = None
+    read_only: bool = False
+
+
+class RankscopeApp(App[int]):
+    CSS_PATH = "rankscope.tcss"
+    TITLE = "rankscope"
+    # e, u and b are kept free: evict, hot-update and checkpoint backup come with the actions issue.
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("1", "view('overview')", "Overview", show=False, id="view.overview"),
+        Binding("2", "view('stacks')", "Stacks", show=False, id="view.stacks"),
+        Binding("3", "view('ccl')", "CCL", show=False, id="view.ccl"),
+        Binding("4", "view('metrics')", "Metrics", show=False, id="view.metrics"),
+        Binding("5", "view('events')", "Events", show=False, id="view.events"),
+        Binding("s", "capture", "Capture", id="capture", tooltip="capture every rank's stack now"),
+        Binding("slash", "filter", "Filter", id="filter", tooltip="filter by rank, machine or frame text"),
+        Binding("y", "copy", "Copy", id="copy", tooltip="copy the selected stack or the verdict"),
+        Binding("w", "write_bundle", "Write", id="write", tooltip="write what was seen to a bundle"),
+        Binding("question_mark", "help", "Help", id="help"),
+        Binding("escape", "go_back", "Back", show=False),
+        Binding("q", "quit", "Quit", id="quit"),
+    ]
+
+    def __init__(self, source: Source, options: AppOptions | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
+        self.source = source
+        self.options = options or AppOptions()
+        self.clock = clock
+        self.state = st.AppState(layout=self.options.layout)
+        self.filter = st.NO_FILTER
+        self.last_copied: str | None = None
+        self.last_written: Path | None = None
+        self.loaded = asyncio.Event()  # set once the initial snapshots are on screen
+        self._capturing = False
+        self._hang_captured_for: float | None = None
+
+    # -- setup --------------------------------------------------------------
+
+    def get_default_screen(self) -> Screen[Any]:
+        return MainScreen()
+
+    @property
+    def main(self) -> MainScreen:
+        screen = self.screen_stack[0]
+        assert isinstance(screen, MainScreen)
+        return screen
+
+    def on_mount(self) -> None:
+        self.theme = "textual-ansi" if self._plain_colours() else "textual-dark"
+
+    def main_ready(self) -> None:
+        """Called by MainScreen once its widgets exist: only then can data be drawn."""
+        self.redraw()
+        self._load()
+
+    def _plain_colours(self) -> bool:
+        # In a 16-colour terminal the ANSI theme keeps the user's own palette readable.
+        return self.console.color_system == "standard"
+
+    def _now(self, snapshot_wall: float | None = None) -> float:
+        # Offline, "now" is the bundle's own time, so a replay draws the same screen every time.
+        if not self.source.live and snapshot_wall is not None:
+            return snapshot_wall
+        return self.clock()
+
+    @work(group="load")
+    async def _load(self) -> None:
+        try:
+            initial = list(await self.source.initial())
+        except Exception as exc:
+            self.state = st.apply_failure(self.state, "poll-failed", f"first contact failed: {exc}", self.clock())
+            initial = []
+        layout = self.options.layout
+        steps = await asyncio.to_thread(_digest_series, initial, layout)
+        for d, view in steps:
+            now = self._now(d.wall)
+            if view is None:
+                self.state = st.apply_snapshot(self.state, d, now, self.options.hang_after_s)
+            else:
+                self.state = st.apply_capture(self.state, d, view, now, self.options.hang_after_s)
+        self.redraw()
+        self.loaded.set()
+        if self.source.live:
+            self._poll()
+            if self.options.capture_on_start:
+                self.action_capture()
+
+    @work(group="poll", exclusive=True)
+    async def _poll(self) -> None:
+        async def deliver(snap: JobSnapshot) -> None:
+            d = await asyncio.to_thread(st.digest, snap)
+            self.post_message(SnapshotReceived(d, self.clock()))
+
+        def failed(exc: BaseException) -> None:
+            self.post_message(PollFailed(f"{type(exc).__name__}: {exc}", self.clock()))
+
+        await poll_loop(self.source, deliver, self.options.poll_interval_s, failed)
+
+    # -- messages -----------------------------------------------------------
+
+    def on_snapshot_received(self, message: SnapshotReceived) -> None:
+        before = {m.name: m.reachable for m in self.state.machines}
+        self.state = st.apply_snapshot(self.state, message.digest, self._now(message.digest.wall),
+                                       self.options.hang_after_s)
+        for m in self.state.machines:
+            if before.get(m.name) is True and not m.reachable:
+                self.post_message(AgentLost(m.name))
+            elif before.get(m.name) is False and m.reachable:
+                self.post_message(AgentFound(m.name))
+        self.redraw()
+        self._maybe_capture()
+
+    def on_capture_analyzed(self, message: CaptureAnalyzed) -> None:
+        self.state = st.apply_capture(self.state, message.digest, message.view, self._now(message.digest.wall),
+                                      self.options.hang_after_s)
+        if self.filter.active:
+            self.filter = st.compile_filter(self.filter.text, self.state)
+        self.redraw()
+
+    def on_capture_failed(self, message: CaptureFailed) -> None:
+        self.state = st.apply_failure(self.state, "capture-failed", message.error, message.received_wall)
+        self.notify(f"capture failed: {message.error}", severity="error", timeout=6)
+        self.redraw()
+
+    def on_poll_failed(self, message: PollFailed) -> None:
+        self.state = st.apply_failure(self.state, "poll-failed", message.error, message.received_wall)
+        self.redraw()
+
+    def on_agent_lost(self, message: AgentLost) -> None:
+        self.notify(f"agent {message.machine} lost", severity="warning", timeout=4)
+
+    def on_agent_found(self, message: AgentFound) -> None:
+        self.notify(f"agent {message.machine} is back", timeout=3)
+
+    def _maybe_capture(self) -> None:
+        """Capture when progress stopped (once per stop) and every 10 s in fail-slow mode."""
+        if not self.source.live or self._capturing:
+            return
+        h = st.health(self.state, self.options.hang_after_s)
+        if h.kind == "hung" and self._hang_captured_for != self.state.last_progress_wall:
+            self._hang_captured_for = self.state.last_progress_wall
+            self.action_capture()
+            return
+        if self.options.fail_slow:
+            last = self.state.capture_wall
+            if last is None or self.state.now_wall - last >= FAIL_SLOW_CAPTURE_S:
+                self.action_capture()
+
+    # -- drawing ------------------------------------------------------------
+
+    def redraw(self) -> None:
+        try:
+            main = self.main
+        except (AssertionError, IndexError):
+            return
+        if not main.is_mounted:
+            return
+        main.draw(self.state, self.filter, self.source.label, self.options.read_only, self.options.hang_after_s)
+
+    @on(TabbedContent.TabActivated)
+    def _tab_changed(self) -> None:
+        self.redraw()
+
+    # -- actions ------------------------------------------------------------
+
+    def action_view(self, view: str) -> None:
+        if view in VIEWS:
+            self.main.query_one("#views", TabbedContent).active = view
+            self.redraw()
+
+    def action_capture(self) -> None:
+        if self._capturing:
+            self.notify("a capture is already running", timeout=2)
+            return
+        self._capturing = True
+        self._capture()
+
+    @work(group="capture")
+    async def _capture(self) -> None:
+        try:
+            snap = await self.source.capture()
+            if snap is None:
+                self.post_message(CaptureFailed("no stacks to capture from this source", self.clock()))
+                return
+            d, view = await asyncio.to_thread(_digest_capture, snap, self.options.layout)
+            self.post_message(CaptureAnalyzed(d, view, self.clock()))
+        except Exception as exc:  # one failed capture is an event, not the end of the session
+            self.post_message(CaptureFailed(f"{type(exc).__name__}: {exc}", self.clock()))
+        finally:
+            self._capturing = False
+
+    def action_filter(self) -> None:
+        box = self.main.query_one("#filter-input", Input)
+        box.display = True
+        box.value = self.filter.text
+        box.focus()
+
+    @on(Input.Submitted, "#filter-input")
+    def _filter_submitted(self, event: Input.Submitted) -> None:
+        self.set_filter(event.value)
+        event.input.display = False
+        self.main.focus_next()
+
+    def set_filter(self, text: str) -> None:
+        self.filter = st.compile_filter(text, self.state)
+        self.redraw()
+
+    def action_go_back(self) -> None:
+        box = self.main.query_one("#filter-input", Input)
+        if box.display:
+            box.display = False
+            return
+        if self.main.active_view == "ccl" and self.main.query_one("#ccl-panel", CclPanel).back():
+            return
+        if self.filter.active:
+            self.set_filter("")
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self.options.read_only))
+
+    def action_copy(self) -> None:
+        text = self.selection_text()
+        self.copy_to_clipboard(text)
+        self.last_copied = text
+        self.notify(f"copied {len(text.splitlines())} lines (OSC 52)", timeout=2)
+
+    def selection_text(self) -> str:
+        """What `y` copies: the rank on screen, else the selected stack group, else the verdict."""
+        screen = self.screen
+        if isinstance(screen, RankScreen):
+            return screen.text
+        if isinstance(screen, MainScreen) and screen.active_view == "stacks":
+            group = screen.query_one("#stack-panel", StackTreePanel).selected
+            stacks = self._capture_snapshot_stacks()
+            if group is not None and group.ranks:
+                rs = stacks.get(group.ranks[0])
+                head = (f"group {group_glyph(group.index)}: {len(group.ranks)} ranks "
+                        f"({format_ranks(group.ranks, 20)})")
+                body = rank_stack_lines(rs, with_source=False) if rs is not None else list(group.frames)
+                return "\n".join([head, *body])
+        return verdict_text(self.state.stacks)
+
+    def _capture_snapshot_stacks(self) -> dict[int, Any]:
+        for snap in reversed(self.state.kept):
+            stacks = snap.all_stacks()
+            if stacks:
+                return stacks
+        return {}
+
+    def action_write_bundle(self) -> None:
+        if not self.state.kept:
+            self.notify("nothing received yet to write", severity="warning")
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(self.state.now_wall or self.clock()))
+        path = self.options.bundle_dir / f"rankscope-{stamp}.json"
+        bundle = Bundle(snapshots=self.state.kept, created_wall=self.clock(),
+                        meta={"written_by": "rankscope attach", "source": self.source.label})
+        self._write(bundle, path)
+
+    @work(group="write", thread=True)
+    def _write(self, bundle: Bundle, path: Path) -> None:
+        try:
+            written = write_bundle(bundle, path)
+        except OSError as exc:
+            self.call_from_thread(self.notify, f"could not write {path}: {exc}", severity="error")
+            return
+        self.last_written = written
+        self.call_from_thread(self.notify, f"wrote {len(bundle.snapshots)} snapshots to {written}")
+
+    @on(RankMapPanel.RankChosen)
+    def _rank_chosen(self, event: RankMapPanel.RankChosen) -> None:
+        self.open_rank(event.rank)
+
+    @on(StackTreePanel.GroupChosen)
+    def _group_chosen(self, event: StackTreePanel.GroupChosen) -> None:
+        ranks = event.group.ranks
+        if self.filter.active:
+            ranks = tuple(r for r in ranks if r in self.filter.ranks) or ranks
+        self.open_rank(ranks[0])
+
+    def open_rank(self, rank: int) -> None:
+        view = self.state.stacks
+        stacks = self._capture_snapshot_stacks()
+        where = self.state.machine_of_rank()
+        group_ranks: tuple[int, ...] = (rank,)
+        lookup: dict[int, tuple[str, str, Any]] = {}
+        if view is not None and rank in view.group_of_rank:
+            g = view.groups[view.group_of_rank[rank]]
+            group_ranks = g.ranks
+        for r in group_ranks:
+            gi = view.group_of_rank.get(r) if view is not None else None
+            label = f"group {group_glyph(gi)}" if gi is not None else "no stack group"
+            lookup[r] = (where.get(r, "?"), label, stacks.get(r))
+        self.push_screen(RankScreen(rank, group_ranks, lookup))
+
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Capture stacks now", "py-spy every rank through the agents (s)", self.action_capture)
+        yield SystemCommand("Copy verdict or stack", "OSC 52 clipboard (y)", self.action_copy)
+        yield SystemCommand("Write bundle", "save what was seen to a JSON bundle (w)", self.action_write_bundle)
+        yield SystemCommand("Filter", "by rank, machine or frame text (/)", self.action_filter)
+        yield SystemCommand("Keys", "all keys (?)", self.action_help)
+        for view in VIEWS:
+            yield SystemCommand(f"Show {view}", f"switch to the {view} view", lambda v=view: self.action_view(v))
+
+    async def on_unmount(self) -> None:
+        # The session is over; a stuck channel must not block the exit.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.source.close(), timeout=2.0)
+
+
+def _digest_capture(snap: JobSnapshot, layout: Layout | None) -> tuple[st.PollDigest, StackView]:
+    return st.digest(snap), build_stack_view(snap, layout)
+
+
+def _digest_series(snaps: Sequence[JobSnapshot], layout: Layout | None,
+                   analyze_limit: int = 4096) -> list[tuple[st.PollDigest, StackView | None]]:
+    """Digest a bundle's series; analyze each capture while cheap, else only the last one."""
+    with_stacks = [i for i, s in enumerate(snaps) if any(m.stacks for m in s.machines)]
+    world = max((s.world_size or 0 for s in snaps), default=0)
+    analyze = set(with_stacks) if world * len(with_stacks) <= analyze_limit else set(with_stacks[-1:])
+    out: list[tuple[st.PollDigest, StackView | None]] = []
+    for i, s in enumerate(snaps):
+        out.append((st.digest(s), build_stack_view(s, layout) if i in analyze else None))
+    return out
+
+
+def run_app(source: Source, options: AppOptions) -> int:
+    app = RankscopeApp(source, options)
+    return app.run() or 0
+
+
+def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None = None, read_only: bool = False,
+               **options: Any) -> int:
+    """Attach the TUI to a job's agents and block until the user quits (the drill calls this).
+
+    ``options`` are ``AppOptions`` fields (poll_interval_s, hang_after_s, fail_slow, capture_on_start,
+    bundle_dir) plus ``deadline_s`` for the client.
+    """
+    deadline_s = float(options.pop("deadline_s", 10.0))
+    source = LiveSource(agents, token, deadline_s=deadline_s)
+    return run_app(source, AppOptions(layout=layout, read_only=read_only, **options))
+
+
+def run_bundle(path: str | Path, layout: Layout | None = None, read_only: bool = False, **options: Any) -> int:
+    """Open a saved bundle (or recorded series) with the same views, offline."""
+    from rankscope.bundle import read_bundle
+
+    bundle = read_bundle(path)
+    return run_app(BundleSource(bundle, label=f"bundle {Path(path).name}"),
+                   AppOptions(layout=layout, read_only=read_only, **options))

@@ -1,0 +1,53 @@
+"""`?`: every key, grouped by what it is for."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("views", (("1-5, tab", "overview, stacks, CCL, metrics, events"),
+               ("enter", "open: a rank on the map, a group, a communicator"),
+               ("esc", "back; clears the filter on the main screen"))),
+    ("move", (("arrows, h j k l", "move"), ("pgup / pgdn", "page"), ("g / G", "top / bottom of a table"))),
+    ("find", (("/", "filter by rank (12, 8-15), machine name or frame text"),
+              ("o", "CCL: change the sort"), ("n / p", "rank view: next / previous rank of the group"))),
+    ("act", (("s", "capture stacks now"), ("y", "copy the selected stack or the verdict (OSC 52)"),
+             ("w", "write what was seen to a bundle file"), ("ctrl+p", "command palette"), ("q", "quit"))),
+    ("later", (("e u b", "reserved: evict, hot-update, checkpoint backup"),)),
+)
+
+
+def help_table(read_only: bool) -> Table:
+    table = Table(box=None, show_header=False, padding=(0, 2))
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column()
+    for section, rows in KEYS:
+        table.add_row(Text(section.upper(), "bold"), "")
+        for key, what in rows:
+            table.add_row(key, what)
+    if read_only:
+        table.add_row("", Text("read-only session: actions that change the job are off", "yellow"))
+    return table
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape,question_mark,q", "app.pop_screen", "Close"),
+    ]
+
+    def __init__(self, read_only: bool = False) -> None:
+        super().__init__()
+        self.read_only = read_only
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-box"):
+            yield Static(Text("rankscope keys", "bold"))
+            yield Static(help_table(self.read_only))

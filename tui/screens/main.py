@@ -1,0 +1,72 @@
+"""The main screen: job header, the five views as tabs, the filter line, the footer."""
+
+from __future__ import annotations
+
+from rankscope.tui.state import AppState, Filter, filter_summary
+from rankscope.tui.widgets.ccl import CclPanel
+from rankscope.tui.widgets.events import EventsPanel
+from rankscope.tui.widgets.metrics import MetricsPanel
+from rankscope.tui.widgets.rank_map import MapMachine, RankMapPanel
+from rankscope.tui.widgets.stack_tree import StackTreePanel
+from rankscope.tui.widgets.verdict import JobHeader, VerdictPanel, header_text, legend_text, verdict_text_rich
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Input, Static, TabbedContent, TabPane
+
+VIEWS = ("overview", "stacks", "ccl", "metrics", "events")
+
+
+class MainScreen(Screen[None]):
+    """Views draw from the app's state; only the visible one is redrawn on each update."""
+
+    def compose(self) -> ComposeResult:
+        yield JobHeader(id="job-header")
+        with TabbedContent(initial="overview", id="views"):
+            with TabPane("1 Overview", id="overview"), Vertical(id="overview-body"):
+                yield VerdictPanel(id="verdict")
+                yield RankMapPanel(id="rank-map")
+                yield Static(id="legend")
+            with TabPane("2 Stacks", id="stacks"):
+                yield StackTreePanel(id="stack-panel")
+            with TabPane("3 CCL", id="ccl"):
+                yield CclPanel(id="ccl-panel")
+            with TabPane("4 Metrics", id="metrics"):
+                yield MetricsPanel(id="metrics-panel")
+            with TabPane("5 Events", id="events"):
+                yield EventsPanel(id="events-panel")
+        yield Static(id="filter-status")
+        yield Input(placeholder="filter: rank (12, 8-15), machine name or frame text; enter applies, esc closes",
+                    id="filter-input")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        ready = getattr(self.app, "main_ready", None)
+        if callable(ready):
+            ready()
+
+    @property
+    def active_view(self) -> str:
+        return self.query_one("#views", TabbedContent).active or "overview"
+
+    def draw(self, state: AppState, flt: Filter, source: str, read_only: bool, hang_after_s: float) -> None:
+        self.query_one("#job-header", JobHeader).update(header_text(state, source, read_only, hang_after_s))
+        status = self.query_one("#filter-status", Static)
+        status.update(filter_summary(flt))
+        status.display = flt.active
+        view = self.active_view
+        if view == "overview":
+            room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)
+            self.query_one("#verdict", VerdictPanel).update(verdict_text_rich(state.stacks, flt, room))
+            group_of = state.stacks.group_of_rank if state.stacks is not None else {}
+            machines = [MapMachine(m.name, m.ranks, m.reachable) for m in state.machines]
+            self.query_one("#rank-map", RankMapPanel).show(machines, group_of, flt)
+            self.query_one("#legend", Static).update(legend_text(state.stacks))
+        elif view == "stacks":
+            self.query_one("#stack-panel", StackTreePanel).show(state.stacks, flt)
+        elif view == "ccl":
+            self.query_one("#ccl-panel", CclPanel).show(state, flt)
+        elif view == "metrics":
+            self.query_one("#metrics-panel", MetricsPanel).show(state, flt)
+        elif view == "events":
+            self.query_one("#events-panel", EventsPanel).show(state)

@@ -1,0 +1,167 @@
+"""Where snapshots come from: live agents, a saved bundle, or a test script.
+
+All sources share one small async interface, so the app, the tests and the
+benchmark drive the same code. ``poll_loop`` is the refresh loop: it waits
+for a poll to finish before it sleeps and polls again (dolphie's rule), so a
+slow or lost agent can delay the next poll but never stack polls up; the
+client's own deadline bounds each poll.
+
+The TUI reaches agents only through ``rankscope.client`` (imported lazily,
+so ``--bundle`` works on a machine without grpc).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
+
+from rankscope.bundle import Bundle
+from rankscope.errors import RankscopeError
+from rankscope.snapshot import JobSnapshot
+
+
+class Source(Protocol):
+    """What the app needs from a data source."""
+
+    live: bool
+    label: str
+
+    async def initial(self) -> Sequence[JobSnapshot]:
+        """Snapshots to show at start (a bundle's series; a live job's first description)."""
+        ...
+
+    async def poll(self) -> JobSnapshot | None:
+        """Metrics and counters now (None: nothing new, e.g. a bundle)."""
+        ...
+
+    async def capture(self) -> JobSnapshot | None:
+        """A snapshot with stacks (None: no stacks to be had)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class BundleSource:
+    """A saved bundle: its whole series is shown at start; `s` re-reads its last stacks."""
+
+    live = False
+
+    def __init__(self, bundle: Bundle, label: str = "bundle") -> None:
+        self.bundle = bundle
+        self.label = label
+
+    async def initial(self) -> Sequence[JobSnapshot]:
+        return self.bundle.snapshots
+
+    async def poll(self) -> JobSnapshot | None:
+        return None
+
+    async def capture(self) -> JobSnapshot | None:
+        for snap in reversed(self.bundle.snapshots):
+            if any(m.stacks for m in snap.machines):
+                return snap
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class QueueSource:
+    """Snapshots pushed by a script or a test; a poll waits for the next one.
+
+    ``live`` is True so the app runs its poll loop against it exactly as it
+    would against agents (the pilot tests of a lost and regained agent use it).
+    """
+
+    live = True
+
+    def __init__(self, label: str = "script", initial: Sequence[JobSnapshot] = ()) -> None:
+        self.label = label
+        self._initial = tuple(initial)
+        self._polls: asyncio.Queue[JobSnapshot] = asyncio.Queue()
+        self._captures: asyncio.Queue[JobSnapshot] = asyncio.Queue()
+        self.polls_started = 0
+        self.captures_started = 0
+
+    def push_poll(self, snap: JobSnapshot) -> None:
+        self._polls.put_nowait(snap)
+
+    def push_capture(self, snap: JobSnapshot) -> None:
+        self._captures.put_nowait(snap)
+
+    async def initial(self) -> Sequence[JobSnapshot]:
+        return self._initial
+
+    async def poll(self) -> JobSnapshot | None:
+        self.polls_started += 1
+        return await self._polls.get()
+
+    async def capture(self) -> JobSnapshot | None:
+        self.captures_started += 1
+        if self._captures.empty():
+            return None
+        return self._captures.get_nowait()
+
+    async def close(self) -> None:
+        return None
+
+
+class LiveSource:
+    """A job's agents, through ``rankscope.client.JobClient``."""
+
+    live = True
+
+    def __init__(self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0,
+                 native: bool = False, capture_timeout_s: float = 5.0) -> None:
+        if not agents:
+            raise RankscopeError("no agents to attach to", "pass --agents host:port[,host:port...] or a hostfile")
+        self.agents = tuple(agents)
+        self.label = f"{len(self.agents)} agents"
+        self.native = native
+        self.capture_timeout_s = capture_timeout_s
+        try:
+            from rankscope.client import JobClient
+        except ImportError as exc:
+            raise RankscopeError(f"the agent client is not available ({exc})",
+                                 "install rankscope[tui] (grpcio) on this machine") from None
+        self._client = JobClient(self.agents, token, deadline_s=deadline_s)
+
+    async def initial(self) -> Sequence[JobSnapshot]:
+        return (await self._client.describe(),)
+
+    async def poll(self) -> JobSnapshot | None:
+        return await self._client.poll()
+
+    async def capture(self) -> JobSnapshot | None:
+        return await self._client.capture(native=self.native, subprocesses=True, timeout_s=self.capture_timeout_s)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+async def poll_loop(
+    source: Source,
+    deliver: Callable[[JobSnapshot], Awaitable[None]],
+    interval_s: float,
+    on_error: Callable[[BaseException], None],
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Poll, deliver, then sleep what is left of the interval; never two polls at once.
+
+    Runs until cancelled. A failing poll is reported and retried at the next
+    interval, so one bad answer does not end live updates.
+    """
+    while True:
+        started = clock()
+        try:
+            snap = await source.poll()
+            if snap is not None:
+                await deliver(snap)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # reported in the events view; the loop goes on
+            on_error(exc)
+        await asyncio.sleep(max(0.0, interval_s - (clock() - started)))

@@ -1,0 +1,407 @@
+"""The app's state as a pure function of what it received.
+
+Every snapshot (a poll or a capture) is first digested into a ``PollDigest``
+(off the UI thread: it walks every rank's counters), then folded into an
+immutable ``AppState`` by ``apply_*`` reducers. Widgets draw from the state
+only, so the same sequence of snapshots always draws the same screens: two
+engineers attached to the same agents see the same thing, and a recorded
+bundle replays exactly.
+
+Times shown are taken from the snapshots, never from the clock here: ``now``
+is passed in (the receive time when live, the bundle's own time offline).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+
+from rankscope.snapshot import GpuMetrics, HostMetrics, JobSnapshot, Layout, MachineSnapshot
+from rankscope.tui.analysis import StackView, format_ranks
+
+HISTORY = 60  # points kept for sparklines (one per poll, about a minute at 1 Hz)
+EVENTS_KEPT = 500
+# Snapshots kept for `w`: bounded by ranks so 16k-rank jobs do not eat the memory.
+KEPT_RANK_SNAPSHOTS = 65_536
+
+
+# --------------------------------------------------------------------------
+# digests of one snapshot
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MachineView:
+    name: str
+    address: str
+    reachable: bool
+    error: str | None
+    ranks: tuple[int, ...]
+    host: HostMetrics | None
+    gpus: tuple[GpuMetrics, ...]
+    gpu_note: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CommRow:
+    """One rank's counters in one communicator, summed over operation kinds."""
+
+    rank: int
+    cl: int
+    wr: int
+    wc: int
+    lags: bool  # launched fewer collectives than the others of its communicator
+    open_requests: bool  # wc < wr: requests issued and not completed
+    stale: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CommView:
+    comm_id: str
+    description: str
+    backend: str
+    ranks: tuple[int, ...]
+    rows: tuple[CommRow, ...]
+    missing: tuple[int, ...]  # member ranks with no counters
+    progress: int  # sum of completed requests: moves while the communicator works
+
+    @property
+    def mismatch(self) -> bool:
+        return any(r.lags or r.open_requests for r in self.rows)
+
+
+@dataclass(frozen=True, slots=True)
+class PollDigest:
+    snapshot: JobSnapshot
+    wall: float
+    machines: tuple[MachineView, ...]
+    comms: tuple[CommView, ...]
+    steps: int | None  # the most optimizer steps any rank reported
+    progress: int  # steps + every collective completion: moves while anything moves
+    world_size: int | None
+    has_stacks: bool
+
+
+def _machine_view(m: MachineSnapshot) -> MachineView:
+    err = None
+    if m.error is not None:
+        err = f"{m.error.kind.value}: {m.error.message}"
+    gpus: tuple[GpuMetrics, ...] = ()
+    note = None
+    if m.gpus is not None:
+        gpus = m.gpus.gpus
+        if not m.gpus.available:
+            note = m.gpus.reason or "no GPU"
+    return MachineView(m.machine, m.address, m.reachable, err, tuple(sorted(r.rank for r in m.ranks)), m.host, gpus, note)
+
+
+def digest(snapshot: JobSnapshot) -> PollDigest:
+    """Everything the views need from one snapshot, computed once (O(ranks × ops))."""
+    machines = sorted(
+        (_machine_view(m) for m in snapshot.machines),
+        key=lambda mv: (mv.ranks[0] if mv.ranks else 1 << 62, mv.name),
+    )
+    members: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+    totals: dict[str, dict[int, list[int]]] = {}
+    stale: set[int] = set()
+    steps: int | None = None
+    has_stacks = False
+    for m in snapshot.machines:
+        has_stacks = has_stacks or bool(m.stacks)
+        for rc in m.counters:
+            if rc.stale or rc.error:
+                stale.add(rc.rank)
+            if rc.steps is not None:
+                steps = rc.steps if steps is None else max(steps, rc.steps)
+            for c in rc.communicators:
+                members.setdefault(c.comm_id, (c.description, c.backend, c.ranks))
+            for op in rc.ops:
+                t = totals.setdefault(op.comm_id, {}).setdefault(rc.rank, [0, 0, 0])
+                t[0] += op.cl
+                t[1] += op.wr
+                t[2] += op.wc
+    comms: list[CommView] = []
+    progress = steps or 0
+    for cid in sorted(set(members) | set(totals)):
+        desc, backend, ranks = members.get(cid, ("", "", tuple(sorted(totals.get(cid, {})))))
+        per = totals.get(cid, {})
+        top_cl = max((v[0] for v in per.values()), default=0)
+        rows = tuple(
+            CommRow(r, v[0], v[1], v[2], v[0] < top_cl, v[2] < v[1], r in stale) for r, v in sorted(per.items())
+        )
+        done = sum(v[2] for v in per.values())
+        progress += done
+        missing = tuple(r for r in ranks if r not in per)
+        comms.append(CommView(cid, desc, backend, tuple(ranks), rows, missing, done))
+    return PollDigest(
+        snapshot, snapshot.captured.wall, tuple(machines), tuple(comms), steps, progress, snapshot.world_size, has_stacks
+    )
+
+
+# --------------------------------------------------------------------------
+# the state
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    wall: float
+    kind: str  # capture, verdict, lost, found, capture-failed, hung, resumed, info
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class AppState:
+    now_wall: float = 0.0
+    layout: Layout | None = None
+    job_id: str | None = None
+    world_size: int | None = None
+    machines: tuple[MachineView, ...] = ()
+    comms: tuple[CommView, ...] = ()
+    comm_history: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    metric_history: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    progress_points: tuple[tuple[float, int], ...] = ()
+    step_points: tuple[tuple[float, int], ...] = ()
+    last_progress_wall: float | None = None
+    stacks: StackView | None = None
+    capture_wall: float | None = None
+    events: tuple[Event, ...] = ()
+    kept: tuple[JobSnapshot, ...] = ()
+    polls: int = 0
+    hung_reported: bool = False
+
+    @property
+    def lost(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.machines if not m.reachable)
+
+    def machine_of_rank(self) -> dict[int, str]:
+        return {r: m.name for m in self.machines for r in m.ranks}
+
+
+def fmt_time(wall: float | None) -> str:
+    if wall is None:
+        return "-"
+    return datetime.fromtimestamp(wall, UTC).strftime("%H:%M:%S")
+
+
+def _push(seq: tuple[float, ...], value: float) -> tuple[float, ...]:
+    return (*seq, value)[-HISTORY:]
+
+
+def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
+    return (*state.events, *events)[-EVENTS_KEPT:]
+
+
+def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s: float = 30.0) -> AppState:
+    """Fold one poll (or the counters and metrics of a capture) into the state."""
+    events: list[Event] = []
+    before = {m.name: m.reachable for m in state.machines}
+    for m in d.machines:
+        was = before.get(m.name)
+        if was is True and not m.reachable:
+            events.append(Event(now_wall, "lost", f"agent {m.name} ({m.address}) lost: {m.error or 'no answer'}"))
+        elif was is False and m.reachable:
+            events.append(Event(now_wall, "found", f"agent {m.name} ({m.address}) is back"))
+        elif was is None and not m.reachable:
+            events.append(Event(now_wall, "lost", f"agent {m.name} ({m.address}) unreachable: {m.error or 'no answer'}"))
+    # A lost machine keeps its last known ranks and metrics so the map keeps its shape.
+    old = {m.name: m for m in state.machines}
+    machines = tuple(
+        replace(old[m.name], reachable=False, error=m.error) if not m.reachable and m.name in old else m
+        for m in d.machines
+    )
+    names = {m.name for m in machines}
+    machines += tuple(replace(m, reachable=False, error="missing from the last poll") for m in state.machines
+                      if m.name not in names)
+    metric_history = dict(state.metric_history)
+    for m in d.machines:
+        if not m.reachable:
+            continue
+        if m.host is not None and m.host.cpu_percent is not None:
+            metric_history[f"{m.name}/cpu"] = _push(metric_history.get(f"{m.name}/cpu", ()), m.host.cpu_percent)
+        for g in m.gpus:
+            if g.util_percent is not None:
+                key = f"{m.name}/gpu{g.index}"
+                metric_history[key] = _push(metric_history.get(key, ()), g.util_percent)
+    comm_history = dict(state.comm_history)
+    comms = d.comms if d.comms else state.comms
+    for c in d.comms:
+        comm_history[c.comm_id] = tuple(int(x) for x in _push(tuple(float(v) for v in comm_history.get(c.comm_id, ())),
+                                                               c.progress))
+    progress_points = (*state.progress_points, (d.wall, d.progress))[-HISTORY:]
+    step_points = state.step_points
+    if d.steps is not None:
+        step_points = (*step_points, (d.wall, d.steps))[-HISTORY:]
+    last_progress = state.last_progress_wall
+    moved = not state.progress_points or d.progress != state.progress_points[-1][1]
+    if moved or last_progress is None:
+        last_progress = d.wall
+    hung_reported = state.hung_reported
+    if moved and hung_reported and state.progress_points:
+        events.append(Event(now_wall, "resumed", "progress resumed"))
+        hung_reported = False
+    elif not moved and not hung_reported and d.wall - last_progress >= hang_after_s and d.progress > 0:
+        events.append(Event(now_wall, "hung", f"no progress since {fmt_time(last_progress)}"))
+        hung_reported = True
+    world = d.world_size or state.world_size
+    limit = max(2, KEPT_RANK_SNAPSHOTS // max(1, world or 1))
+    kept = (*state.kept, d.snapshot)[-limit:]
+    return replace(
+        state,
+        now_wall=now_wall,
+        layout=d.snapshot.layout or state.layout,
+        job_id=d.snapshot.job_id or state.job_id,
+        world_size=world,
+        machines=machines,
+        comms=comms,
+        comm_history=comm_history,
+        metric_history=metric_history,
+        progress_points=progress_points,
+        step_points=step_points,
+        last_progress_wall=last_progress,
+        events=_with_events(state, events),
+        kept=kept,
+        polls=state.polls + 1,
+        hung_reported=hung_reported,
+    )
+
+
+def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: float, hang_after_s: float = 30.0) -> AppState:
+    """A capture carries stacks: fold its counters in, then its analysis, and log verdict changes."""
+    s = apply_snapshot(state, d, now_wall, hang_after_s)
+    events = [Event(now_wall, "capture", f"captured {len(d.snapshot.all_stacks())} ranks' stacks, "
+                    f"{len(view.groups)} groups")]
+    if state.stacks is None or state.stacks.verdict.summary != view.verdict.summary:
+        events.append(Event(now_wall, "verdict", view.verdict.summary))
+    return replace(s, stacks=view, capture_wall=d.wall, events=_with_events(s, events))
+
+
+def apply_failure(state: AppState, what: str, message: str, now_wall: float) -> AppState:
+    return replace(state, events=_with_events(state, [Event(now_wall, what, message)]))
+
+
+def apply_info(state: AppState, message: str, now_wall: float) -> AppState:
+    return apply_failure(state, "info", message, now_wall)
+
+
+# --------------------------------------------------------------------------
+# derived figures
+# --------------------------------------------------------------------------
+
+
+def step_rate(state: AppState) -> float | None:
+    """Steps per second over the kept window, from the counters (None without step counters)."""
+    pts = state.step_points
+    if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
+        return None
+    return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    kind: str  # healthy, hung, slow, unknown
+    text: str
+
+
+def health(state: AppState, hang_after_s: float = 30.0) -> Health:
+    if not state.progress_points:
+        return Health("unknown", "waiting for the first poll")
+    last = state.progress_points[-1]
+    if last[1] == 0 and not state.comms:
+        return Health("unknown", "no counters (CCL plugin not loaded?)")
+    since = state.last_progress_wall
+    if since is not None and last[0] - since >= hang_after_s:
+        return Health("hung", f"hung since {fmt_time(since)} ({last[0] - since:.0f} s)")
+    pts = state.step_points
+    if len(pts) >= 6:
+        rates = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(pts) if b[0] > a[0]]
+        if rates:
+            best = max(rates)
+            recent = rates[-3:]
+            if best > 0 and sum(recent) / len(recent) < 0.5 * best:
+                return Health("slow", f"slow: {sum(recent) / len(recent):.2f} steps/s, was {best:.2f}")
+    return Health("healthy", "healthy")
+
+
+def outliers(values: Mapping[str, float]) -> set[str]:
+    """Keys whose value sits more than two standard deviations above the mean (Aegis §5.1's λ+2δ)."""
+    if len(values) < 3:
+        return set()
+    xs = list(values.values())
+    mean = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+    if sd == 0:
+        return set()
+    return {k for k, v in values.items() if v > mean + 2 * sd}
+
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float], width: int = 12) -> str:
+    vals = list(values)[-width:]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    if hi == lo:
+        return _BARS[0] * len(vals)
+    return "".join(_BARS[min(7, int((v - lo) / (hi - lo) * 7.999))] for v in vals)
+
+
+def deltas(values: Sequence[int]) -> list[float]:
+    return [float(b - a) for a, b in itertools.pairwise(values)]
+
+
+# --------------------------------------------------------------------------
+# filter
+# --------------------------------------------------------------------------
+
+_RANKS = re.compile(r"^\s*r?(\d+)(?:\s*-\s*(\d+))?\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """What `/` selects: ranks by number or range, machines by name, or ranks whose stacks contain the text."""
+
+    text: str
+    ranks: frozenset[int]
+
+    @property
+    def active(self) -> bool:
+        return bool(self.text)
+
+
+NO_FILTER = Filter("", frozenset())
+
+
+def compile_filter(text: str, state: AppState) -> Filter:
+    text = text.strip()
+    if not text:
+        return NO_FILTER
+    hits: set[int] = set()
+    for part in (p for p in text.split(",") if p.strip()):
+        m = _RANKS.match(part)
+        if m:
+            a = int(m.group(1))
+            b = int(m.group(2)) if m.group(2) else a
+            hits.update(range(min(a, b), max(a, b) + 1))
+            continue
+        needle = part.strip().lower()
+        for mv in state.machines:
+            if needle in mv.name.lower() or needle in mv.address.lower():
+                hits.update(mv.ranks)
+        if state.stacks is not None:
+            for g in state.stacks.groups:
+                if needle in g.signature.lower() or any(needle in f.lower() for f in g.frames):
+                    hits.update(g.ranks)
+    return Filter(text, frozenset(hits))
+
+
+def filter_summary(f: Filter) -> str:
+    if not f.active:
+        return ""
+    return f"filter '{f.text}': {len(f.ranks)} ranks ({format_ranks(f.ranks, 4) or 'none'})"

@@ -1,0 +1,1 @@
+"""The panels of the TUI; each draws from ``AppState`` and a ``Filter`` only."""

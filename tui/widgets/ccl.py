@@ -1,0 +1,145 @@
+"""CCL counters: per communicator, then per rank (Aegis CL / WR / WC).
+
+The list shows one row per communicator with its description, the spread of
+launches and the open requests, and a sparkline of completions per poll; a
+communicator whose ranks disagree is marked and sorted first. `enter` opens
+one communicator's ranks (CL/WR/WC each, the laggards highlighted), `esc`
+goes back. `o` changes the sort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+from rankscope.tui.analysis import format_ranks
+from rankscope.tui.state import AppState, CommView, Filter, deltas, sparkline
+from rankscope.tui.widgets.events import VimTable
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.widgets import Static
+
+ROWS_MAX = 500  # rows drawn at once; the rest are counted, and `/` narrows them
+SORTS = ("mismatch", "comm", "size", "progress")
+
+
+def sort_comms(comms: list[CommView], key: str) -> list[CommView]:
+    if key == "comm":
+        return sorted(comms, key=lambda c: c.comm_id)
+    if key == "size":
+        return sorted(comms, key=lambda c: (-len(c.ranks), c.comm_id))
+    if key == "progress":
+        return sorted(comms, key=lambda c: (c.progress, c.comm_id))
+    return sorted(comms, key=lambda c: (not c.mismatch, c.comm_id))
+
+
+class CclPanel(Vertical):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("o", "cycle_sort", "Sort"),
+    ]
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.sort_key = "mismatch"
+        self.opened: str | None = None  # comm_id shown rank by rank
+        self._rows: list[CommView] = []
+        self._state: AppState | None = None
+        self._filter: Filter | None = None
+        self._shown: tuple[object, ...] = ()
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="ccl-title")
+        yield VimTable(id="ccl-table")
+
+    def show(self, state: AppState, flt: Filter, force: bool = False) -> None:
+        key = (state.comms, state.comm_history, flt, self.sort_key, self.opened)
+        if key == self._shown and not force:
+            return
+        self._shown = key
+        self._state = state
+        self._filter = flt if flt.active else None
+        if self.opened is not None:
+            comm = next((c for c in state.comms if c.comm_id == self.opened), None)
+            if comm is not None:
+                self._show_comm(comm, state.machine_of_rank())
+                return
+            self.opened = None
+        self._show_list(state)
+
+    def _show_list(self, state: AppState) -> None:
+        table = self.query_one("#ccl-table", VimTable)
+        title = self.query_one("#ccl-title", Static)
+        table.clear(columns=True)
+        table.add_columns("", "communicator", "size", "CL min-max", "WR", "WC", "open", "progress")
+        comms = [c for c in state.comms if self._filter is None or set(c.ranks) & self._filter.ranks]
+        comms = sort_comms(comms, self.sort_key)
+        self._rows = comms[:ROWS_MAX]
+        bad = sum(1 for c in comms if c.mismatch)
+        head = Text(f"{len(comms)} communicators, ")
+        head.append(f"{bad} with mismatches", "bold red" if bad else "green")
+        head.append(f"  sort: {self.sort_key} (o)  enter: ranks", "dim")
+        if len(comms) > ROWS_MAX:
+            head.append(f"  showing {ROWS_MAX} of {len(comms)}; narrow with /", "yellow")
+        if not state.comms:
+            head = Text("no CCL counters: is the job started with `rankscope run` (CCL plugin)?", "dim")
+        title.update(head)
+        for c in self._rows:
+            cls = [r.cl for r in c.rows] or [0]
+            wr = sum(r.wr for r in c.rows)
+            wc = sum(r.wc for r in c.rows)
+            flag = Text("!", "bold red") if c.mismatch else Text(" ")
+            name = Text(c.comm_id + (f" {c.description}" if c.description else ""))
+            if c.mismatch:
+                name.stylize("bold")
+            hist = deltas(state.comm_history.get(c.comm_id, ()))
+            cl_text = Text(f"{min(cls)}-{max(cls)}", "bold red" if min(cls) != max(cls) else "")
+            open_text = Text(str(wr - wc), "bold red" if wr > wc else "")
+            missing = f" (-{len(c.missing)})" if c.missing else ""
+            table.add_row(flag, name, f"{len(c.ranks)}{missing}", cl_text, str(wr), str(wc), open_text,
+                          sparkline(hist, 10))
+
+    def _show_comm(self, comm: CommView, where: Mapping[int, str]) -> None:
+        table = self.query_one("#ccl-table", VimTable)
+        title = self.query_one("#ccl-title", Static)
+        table.clear(columns=True)
+        table.add_columns("rank", "machine", "CL", "WR", "WC", "state")
+        head = Text(f"{comm.comm_id} {comm.description} [{comm.backend}] ranks {format_ranks(comm.ranks, 4)}", "bold")
+        head.append("  esc: back", "dim")
+        if comm.missing:
+            head.append(f"  no counters from {format_ranks(comm.missing, 4)}", "yellow")
+        title.update(head)
+        for r in comm.rows:
+            if self._filter is not None and r.rank not in self._filter.ranks:
+                continue
+            notes = []
+            if r.lags:
+                notes.append("CL lags")
+            if r.open_requests:
+                notes.append(f"{r.wr - r.wc} open")
+            if r.stale:
+                notes.append("stale")
+            style = "bold red" if (r.lags or r.open_requests) else ""
+            table.add_row(Text(str(r.rank), style), where.get(r.rank, "?"), Text(str(r.cl), "bold red" if r.lags else ""),
+                          str(r.wr), Text(str(r.wc), "bold red" if r.open_requests else ""),
+                          Text(", ".join(notes) or "ok", style or "green"))
+
+    def on_data_table_row_selected(self, event: VimTable.RowSelected) -> None:
+        event.stop()
+        if self.opened is None and 0 <= event.cursor_row < len(self._rows) and self._state is not None:
+            self.opened = self._rows[event.cursor_row].comm_id
+            self.show(self._state, self._filter or Filter("", frozenset()), force=True)
+
+    def back(self) -> bool:
+        """Close an opened communicator; False when there was none (esc goes further up)."""
+        if self.opened is None or self._state is None:
+            return False
+        self.opened = None
+        self.show(self._state, self._filter or Filter("", frozenset()), force=True)
+        return True
+
+    def action_cycle_sort(self) -> None:
+        self.sort_key = SORTS[(SORTS.index(self.sort_key) + 1) % len(SORTS)]
+        if self._state is not None:
+            self.show(self._state, self._filter or Filter("", frozenset()), force=True)

@@ -1,0 +1,189 @@
+"""The rank map: every rank as one cell, machines as rows, coloured by stack group.
+
+Drawn line by line (``render_line``) so only the visible rows cost anything:
+16,384 ranks over 2,048 machines scroll as cheaply as 16. When the machines
+do not fit one per row, several are packed side by side in each row.
+
+Each group has a letter as well as a colour (A is the dominant group), so the
+map reads the same in a 16-colour terminal, over tmux, or in `capture-pane`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from rankscope.tui.state import Filter
+from rich.segment import Segment
+from rich.style import Style
+from textual.binding import Binding, BindingType
+from textual.geometry import Size
+from textual.message import Message
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+GROUP_COLOURS = ("green", "red", "yellow", "magenta", "cyan", "blue", "bright_red", "bright_yellow")
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def group_glyph(index: int) -> str:
+    return LETTERS[index] if index < len(LETTERS) else "+"
+
+
+def group_style(index: int) -> Style:
+    return Style(color=GROUP_COLOURS[min(index, len(GROUP_COLOURS) - 1)], bold=index > 0)
+
+
+MISSING = Style(color="white", dim=True)
+LOST = Style(color="red", dim=True)
+FILTERED_OUT = Style(color="bright_black")
+
+
+@dataclass(frozen=True, slots=True)
+class MapMachine:
+    name: str
+    ranks: tuple[int, ...]
+    reachable: bool
+
+
+class RankMapPanel(ScrollView, can_focus=True):
+    """Cells per rank; arrows or h/j/k/l move a cursor, enter opens that rank's stack."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("left,h", "move(0,-1)", "Left", show=False),
+        Binding("right,l", "move(0,1)", "Right", show=False),
+        Binding("up,k", "move(-1,0)", "Up", show=False),
+        Binding("down,j", "move(1,0)", "Down", show=False),
+        Binding("pageup", "move(-10,0)", "Page up", show=False),
+        Binding("pagedown", "move(10,0)", "Page down", show=False),
+        Binding("enter", "open", "Open rank", show=False),
+    ]
+
+    class RankChosen(Message):
+        def __init__(self, rank: int) -> None:
+            super().__init__()
+            self.rank = rank
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.machines: tuple[MapMachine, ...] = ()
+        self.group_of_rank: Mapping[int, int] = {}
+        self.filter: Filter | None = None
+        self.cursor = (0, 0)  # (row, cell column)
+        self._rows: list[tuple[int, ...]] = []  # machine indexes per row
+        self._label_w = 0
+        self._slot = 1  # cells per machine block
+
+    # -- data -------------------------------------------------------------
+
+    def show(self, machines: Sequence[MapMachine], group_of_rank: Mapping[int, int], flt: Filter) -> None:
+        self.machines = tuple(machines)
+        self.group_of_rank = group_of_rank
+        self.filter = flt if flt.active else None
+        self._relayout()
+        self.refresh()
+
+    def on_resize(self) -> None:
+        self._relayout()
+
+    def _relayout(self) -> None:
+        width = max(10, self.size.width or 80)
+        height = max(1, self.size.height or 10)
+        self._label_w = min(14, max((len(m.name) for m in self.machines), default=4))
+        self._slot = max((len(m.ranks) for m in self.machines), default=1) or 1
+        room = width - self._label_w - 1
+        per_row = max(1, room // (self._slot + 1))
+        n = len(self.machines)
+        # One machine per row while they fit (easiest to read); else pack evenly, as few per row as fill the panel.
+        per_row = 1 if n <= height else min(per_row, -(-n // height))
+        self._rows = [tuple(range(i, min(n, i + per_row))) for i in range(0, n, per_row)]
+        widest = self._label_w + 1 + per_row * (self._slot + 1)
+        self.virtual_size = Size(widest, len(self._rows))
+        row, col = self.cursor
+        self.cursor = (min(row, max(0, len(self._rows) - 1)), col)
+
+    # -- cursor -----------------------------------------------------------
+
+    def rank_at(self, row: int, col: int) -> int | None:
+        if not (0 <= row < len(self._rows)):
+            return None
+        j, k = divmod(col, self._slot)
+        if j >= len(self._rows[row]):
+            return None
+        ranks = self.machines[self._rows[row][j]].ranks
+        return ranks[k] if k < len(ranks) else None
+
+    @property
+    def cursor_rank(self) -> int | None:
+        return self.rank_at(*self.cursor)
+
+    def action_move(self, drow: int, dcol: int) -> None:
+        if not self._rows:
+            return
+        row, col = self.cursor
+        row = max(0, min(len(self._rows) - 1, row + drow))
+        max_col = len(self._rows[row]) * self._slot - 1
+        col = max(0, min(max_col, col + dcol))
+        self.cursor = (row, col)
+        self.scroll_to_region_row(row)
+        self.refresh()
+
+    def scroll_to_region_row(self, row: int) -> None:
+        top = self.scroll_offset.y
+        height = self.size.height
+        if row < top:
+            self.scroll_to(y=row, animate=False)
+        elif row >= top + height:
+            self.scroll_to(y=row - height + 1, animate=False)
+
+    def action_open(self) -> None:
+        rank = self.cursor_rank
+        if rank is not None:
+            self.post_message(self.RankChosen(rank))
+
+    # -- drawing ----------------------------------------------------------
+
+    def _cell(self, rank: int, reachable: bool) -> tuple[str, Style]:
+        if self.filter is not None and rank not in self.filter.ranks:
+            return "·", FILTERED_OUT
+        if not reachable:
+            return "×", LOST
+        g = self.group_of_rank.get(rank)
+        if g is None:
+            return "?", MISSING
+        return group_glyph(g), group_style(g)
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        row = scroll_y + y
+        width = self.size.width
+        base = self.rich_style
+        if row >= len(self._rows):
+            return Strip.blank(width, base)
+        segs: list[Segment] = []
+        members = self._rows[row]
+        label = self.machines[members[0]].name[: self._label_w].ljust(self._label_w)
+        label_style = base + Style(dim=True) if self.machines[members[0]].reachable else base + LOST
+        segs.append(Segment(label + " ", label_style))
+        cur_row, cur_col = self.cursor
+        show_cursor = self.has_focus
+        for j, mi in enumerate(members):
+            m = self.machines[mi]
+            for k in range(self._slot):
+                if k < len(m.ranks):
+                    ch, st = self._cell(m.ranks[k], m.reachable)
+                    if show_cursor and row == cur_row and j * self._slot + k == cur_col:
+                        st = st + Style(reverse=True)
+                    segs.append(Segment(ch, base + st))
+                else:
+                    segs.append(Segment(" ", base))
+            segs.append(Segment(" ", base))
+        strip = Strip(segs)
+        return strip.crop(scroll_x, scroll_x + width).extend_cell_length(width, base)
+
+    def on_focus(self) -> None:
+        self.refresh()
+
+    def on_blur(self) -> None:
+        self.refresh()

@@ -1,0 +1,171 @@
+"""Stacks: the groups, the prefix tree, and an outlier beside the dominant path.
+
+The groups table lists each stack group with its size and rank ranges; the
+tree is the prefix tree of call paths (collapsible, ranks at each frame); the
+comparison puts the selected group's path beside the dominant one and marks
+the frame where they part, which is where an engineer starts reading.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rankscope.tui.analysis import GroupView, StackView, TreeNode, diverging_index, format_ranks
+from rankscope.tui.state import Filter
+from rankscope.tui.widgets.events import VimTable
+from rankscope.tui.widgets.rank_map import group_glyph, group_style
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Static, Tree
+from textual.widgets.tree import TreeNode as UiTreeNode
+
+TREE_NODES_MAX = 2_000  # a pathological capture (every rank different) must not freeze the UI
+
+
+class VimTree(Tree[TreeNode]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("j", "cursor_down", "Down", show=False),
+        Binding("k", "cursor_up", "Up", show=False),
+        Binding("h", "cursor_parent", "Parent", show=False),
+        Binding("l", "toggle_node", "Toggle", show=False),
+    ]
+
+
+def compare_table(dominant: GroupView, other: GroupView, width: int) -> Table:
+    """Two call paths side by side, shared frames dim, the first differing frame marked."""
+    cut = diverging_index(dominant.frames, other.frames)
+    table = Table(box=None, expand=True, show_edge=False, pad_edge=False, padding=(0, 1))
+    table.add_column(Text(f"{group_glyph(dominant.index)} dominant ({len(dominant.ranks)} ranks)",
+                          group_style(dominant.index)), ratio=1, no_wrap=True, overflow="ellipsis")
+    table.add_column(Text(f"{group_glyph(other.index)} group {group_glyph(other.index)} ({len(other.ranks)} ranks:"
+                          f" {format_ranks(other.ranks, 3)})", group_style(other.index)),
+                     ratio=1, no_wrap=True, overflow="ellipsis")
+    start = max(0, cut - 2)  # a little shared context above the split
+    if start:
+        table.add_row(Text(f"… {start} shared frames", "dim"), Text(f"… {start} shared frames", "dim"))
+    n = max(len(dominant.frames), len(other.frames))
+    for i in range(start, n):
+        a = dominant.frames[i] if i < len(dominant.frames) else ""
+        b = other.frames[i] if i < len(other.frames) else ""
+        if i < cut:
+            table.add_row(Text(a, "dim"), Text(b, "dim"))
+        elif i == cut:
+            table.add_row(Text("▶ " + a, "bold"), Text("▶ " + b + "  ◀ diverges", "bold magenta"))
+        else:
+            table.add_row(Text(a), Text(b))
+    return table
+
+
+class StackTreePanel(Vertical):
+    """Groups table on top; prefix tree and comparison below."""
+
+    class GroupChosen(Message):
+        def __init__(self, group: GroupView) -> None:
+            super().__init__()
+            self.group = group
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.view: StackView | None = None
+        self.filter: Filter | None = None
+        self._groups: list[GroupView] = []
+        self._shown: tuple[object, object] = (None, None)
+
+    def compose(self) -> ComposeResult:
+        yield VimTable(id="groups")
+        with Horizontal(id="stack-lower"):
+            yield VimTree("all ranks", id="prefix-tree")
+            yield Static(id="compare")
+
+    def on_mount(self) -> None:
+        table = self.query_one("#groups", VimTable)
+        table.add_columns("grp", "ranks", "which", "where")
+
+    @property
+    def selected(self) -> GroupView | None:
+        table = self.query_one("#groups", VimTable)
+        if not self._groups:
+            return None
+        return self._groups[min(table.cursor_row, len(self._groups) - 1)]
+
+    def show(self, view: StackView | None, flt: Filter) -> None:
+        key = (view, flt)
+        if key == self._shown:
+            return
+        self._shown = key
+        self.view = view
+        self.filter = flt if flt.active else None
+        table = self.query_one("#groups", VimTable)
+        table.clear()
+        self._groups = []
+        if view is not None:
+            for g in view.groups:
+                ranks = g.ranks if self.filter is None else tuple(r for r in g.ranks if r in self.filter.ranks)
+                if not ranks:
+                    continue
+                self._groups.append(g)
+                table.add_row(Text(group_glyph(g.index), group_style(g.index)), str(len(ranks)),
+                              format_ranks(ranks, 3), g.summary)
+        if self._groups and len(self._groups) > 1 and self.filter is None:
+            table.move_cursor(row=1)  # the first outlier is what one came here for
+        self._fill_tree()
+        self._fill_compare()
+
+    def _count(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        return ranks if self.filter is None else tuple(r for r in ranks if r in self.filter.ranks)
+
+    def _fill_tree(self) -> None:
+        tree = self.query_one("#prefix-tree", VimTree)
+        tree.clear()
+        if self.view is None:
+            return
+        root = self.view.tree
+        tree.root.set_label(f"all ranks ({len(self._count(root.ranks))})")
+        tree.root.data = root
+        budget = [TREE_NODES_MAX]
+
+        def add(parent: UiTreeNode[TreeNode], node: TreeNode) -> None:
+            for child in node.children:
+                ranks = self._count(child.ranks)
+                if not ranks or budget[0] <= 0:
+                    continue
+                budget[0] -= 1
+                label = Text(child.frame)
+                label.append(f"  [{len(ranks)}: {format_ranks(ranks, 3)}]", "dim")
+                if child.children:
+                    sub = parent.add(label, data=child, expand=True)
+                    add(sub, child)
+                else:
+                    parent.add_leaf(label, data=child)
+
+        add(tree.root, root)
+        tree.root.expand()
+
+    def _fill_compare(self) -> None:
+        compare = self.query_one("#compare", Static)
+        view = self.view
+        sel = self.selected
+        if view is None or view.dominant is None or sel is None:
+            compare.update(Text("no stacks captured yet (s)", "dim"))
+            return
+        if sel.index == view.dominant.index:
+            other = next((g for g in self._groups if g.index != sel.index), None)
+            if other is None:
+                compare.update(Text("all ranks share one stack: nothing diverges", "dim"))
+                return
+            sel = other
+        compare.update(compare_table(view.dominant, sel, self.size.width))
+
+    def on_data_table_row_highlighted(self, event: VimTable.RowHighlighted) -> None:
+        event.stop()
+        self._fill_compare()
+
+    def on_data_table_row_selected(self, event: VimTable.RowSelected) -> None:
+        event.stop()
+        sel = self.selected
+        if sel is not None:
+            self.post_message(self.GroupChosen(sel))

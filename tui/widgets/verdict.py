@@ -1,0 +1,97 @@
+"""The job header and the verdict: the two things to read first."""
+
+from __future__ import annotations
+
+from rankscope.analyzers.topology import compact_machines
+from rankscope.snapshot import Layout
+from rankscope.tui.analysis import StackView, format_ranks
+from rankscope.tui.state import AppState, Filter, fmt_time, health, step_rate
+from rankscope.tui.widgets.rank_map import group_glyph, group_style
+from rich.text import Text
+from textual.widgets import Static
+
+HEALTH_STYLES = {"healthy": "bold green", "hung": "bold red", "slow": "bold yellow", "unknown": "dim"}
+
+
+def layout_text(layout: Layout | None) -> str:
+    if layout is None:
+        return "layout unknown"
+    parts = [f"{k.upper()}{v}" for k, v in (("tp", layout.tp), ("cp", layout.cp), ("ep", layout.ep),
+                                            ("pp", layout.pp), ("dp", layout.dp)) if v > 1 or k in ("tp", "pp", "dp")]
+    text = " ".join(parts)
+    if layout.ranks_per_machine:
+        text += f", {layout.ranks_per_machine}/machine"
+    return text
+
+
+def header_text(state: AppState, source: str, read_only: bool, hang_after_s: float) -> Text:
+    """Line 1: the state first (what matters at 3 a.m.), then the job; line 2: where the data is from."""
+    h = health(state, hang_after_s)
+    reachable = sum(1 for m in state.machines if m.reachable)
+    lost = len(state.machines) - reachable
+    rate = step_rate(state)
+    t = Text(no_wrap=True, overflow="ellipsis")
+    t.append("HUNG" + h.text[4:] if h.kind == "hung" else h.text, HEALTH_STYLES[h.kind])
+    t.append(f" │ {reachable}/{len(state.machines)} machines")
+    if lost:
+        t.append(f" {lost} lost", "bold red")
+    t.append(f" │ {rate:.2f} steps/s" if rate is not None else " │ - steps/s")
+    t.append(f" │ world {state.world_size if state.world_size is not None else '?'} {layout_text(state.layout)}")
+    t.append(f" │ job {state.job_id or '?'}", "dim")
+    t.append("\n")
+    if read_only:
+        t.append("[read-only] ", "bold cyan")
+    t.append(f"{source} │ polled {fmt_time(state.progress_points[-1][0] if state.progress_points else None)}"
+             f" │ captured {fmt_time(state.capture_wall)} UTC", "dim")
+    return t
+
+
+class JobHeader(Static):
+    """Two lines: who the job is and how it is doing."""
+
+
+def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3) -> Text:
+    t = Text(no_wrap=True, overflow="ellipsis")
+    if view is None:
+        t.append("no capture yet — press s to capture stacks", "dim")
+        return t
+    v = view.verdict
+    t.append("verdict: ", "bold")
+    t.append(v.summary, "bold red" if v.suspects else "bold")
+    for s in v.suspects[:max_suspects]:
+        group = f" {s.group_index}" if s.group_index is not None else ""
+        t.append(f"\n ▸ {s.kind.value.upper()}{group}", "bold yellow")
+        t.append(f"  machines {compact_machines(s.machines)}", "bold")
+        t.append(f"  ranks {format_ranks(s.ranks, 4)}")
+        if flt.active and not (set(s.ranks) & flt.ranks):
+            t.append("  (outside filter)", "dim")
+        if s.evidence:
+            t.append(f"\n    {s.evidence[0]}", "italic")
+        if s.diverging_frame:
+            t.append("\n    diverges at ")
+            t.append(s.diverging_frame, "bold magenta")
+    if len(v.suspects) > max_suspects:
+        t.append(f"\n   … {len(v.suspects) - max_suspects} more suspects (y copies all)", "dim")
+    if view.missing_ranks:
+        t.append(f"\n missing stacks: ranks {format_ranks(view.missing_ranks, 6)}", "yellow")
+    for note in (*v.notes, *view.notes)[:2]:
+        t.append(f"\n note: {note}", "dim")
+    return t
+
+
+class VerdictPanel(Static):
+    """Suspect groups with kind, machines and one line of evidence, and the diverging frame."""
+
+
+def legend_text(view: StackView | None, limit: int = 6) -> Text:
+    t = Text()
+    if view is None:
+        t.append("? no stack  × lost", "dim")
+        return t
+    for g in view.groups[:limit]:
+        t.append(group_glyph(g.index), group_style(g.index))
+        t.append(f" {len(g.ranks)}× {g.summary}  ")
+    if len(view.groups) > limit:
+        t.append(f"+{len(view.groups) - limit} groups  ", "dim")
+    t.append("? no stack  × lost", "dim")
+    return t
