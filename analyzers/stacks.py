@@ -23,6 +23,7 @@ grow with the job.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -167,64 +168,78 @@ def is_wrapper(frame: Frame, options: SignatureOptions) -> bool:
 
 
 class _Interner:
-    """Frames and lanes to small ints, so signatures compare and hash as int tuples."""
+    """Frames and lanes to small ints, so signatures compare and hash as int tuples.
 
-    __slots__ = ("_frame_ids", "_idle_ids", "_lane_ids", "frame_texts", "lanes", "options")
+    The per-frame work is two C-level ``map`` calls (attribute getter, dict
+    lookup); a frame is normalised in Python only the first time it is seen.
+    A thread's raw id tuple (wrappers still in, as -1) is interned per lane
+    label, so folding and the idle test also run once per distinct stack.
+    """
+
+    __slots__ = (
+        "_frame_ids",
+        "_get",
+        "_idle_ids",
+        "_key",
+        "_lane_idle",
+        "_lane_ids",
+        "_raw",
+        "frame_texts",
+        "lanes",
+        "options",
+    )
 
     def __init__(self, options: SignatureOptions) -> None:
         self.options = options
-        self._frame_ids: dict[tuple[str, str] | tuple[str, str, int | None], int] = {}
+        self._frame_ids: dict[tuple[object, ...], int] = {}
+        self._get = self._frame_ids.get
+        self._key = (operator.attrgetter("name", "filename", "line") if options.keep_lines
+                     else operator.attrgetter("name", "filename"))
         self.frame_texts: list[str] = []
         self._idle_ids: set[int] = set()
+        self._raw: dict[str, dict[tuple[int | None, ...], int]] = {}
         self._lane_ids: dict[tuple[str, tuple[int, ...]], int] = {}
+        self._lane_idle: list[bool] = []
         self.lanes: list[tuple[str, tuple[int, ...]]] = []
 
-    def _add_frame(self, frame: Frame, key: tuple[str, str] | tuple[str, str, int | None]) -> int:
+    def _add_frame(self, frame: Frame) -> None:
+        key = self._key(frame)
+        if key in self._frame_ids:
+            return
         if is_wrapper(frame, self.options):
             fid = -1
         else:
             fid = len(self.frame_texts)
             self.frame_texts.append(frame_text(frame, self.options.keep_lines))
-            base = _basename(frame.filename)
-            if _short(frame.name) in _IDLE.get(base, ()):
+            if _short(frame.name) in _IDLE.get(_basename(frame.filename), ()):
                 self._idle_ids.add(fid)
         self._frame_ids[key] = fid
-        return fid
 
-    def frame_ids(self, frames: tuple[Frame, ...]) -> tuple[int, ...]:
-        """Interned ids of the kept frames, innermost first (py-spy's order)."""
-        ids = self._frame_ids
-        out: list[int] = []
-        append = out.append
-        if self.options.keep_lines:
+    def thread_lane(self, label: str, frames: tuple[Frame, ...]) -> int:
+        """The lane id of one thread's stack under ``label``."""
+        raw: tuple[int | None, ...] = tuple(map(self._get, map(self._key, frames)))
+        if None in raw:
             for f in frames:
-                key3 = (f.name, f.filename, f.line)
-                fid = ids.get(key3)
-                if fid is None:
-                    fid = self._add_frame(f, key3)
-                if fid >= 0:
-                    append(fid)
-        else:
-            for f in frames:
-                key2 = (f.name, f.filename)
-                fid = ids.get(key2)
-                if fid is None:
-                    fid = self._add_frame(f, key2)
-                if fid >= 0:
-                    append(fid)
-        return tuple(out)
-
-    def is_idle(self, ids: tuple[int, ...]) -> bool:
-        return not ids or ids[0] in self._idle_ids
-
-    def lane(self, label: str, ids: tuple[int, ...]) -> int:
-        key = (label, ids)
-        lid = self._lane_ids.get(key)
+                self._add_frame(f)
+            raw = tuple(map(self._get, map(self._key, frames)))
+        by_raw = self._raw.get(label)
+        if by_raw is None:
+            by_raw = self._raw[label] = {}
+        lid = by_raw.get(raw)
         if lid is None:
-            lid = len(self.lanes)
-            self._lane_ids[key] = lid
-            self.lanes.append(key)
+            ids = tuple(i for i in raw if i is not None and i >= 0)
+            key = (label, ids)
+            lid = self._lane_ids.get(key)
+            if lid is None:
+                lid = len(self.lanes)
+                self._lane_ids[key] = lid
+                self.lanes.append(key)
+                self._lane_idle.append(not ids or ids[0] in self._idle_ids)
+            by_raw[raw] = lid
         return lid
+
+    def is_idle(self, lane_id: int) -> bool:
+        return self._lane_idle[lane_id]
 
     def lane_frames(self, lane_id: int) -> tuple[str, tuple[str, ...]]:
         """A lane as text, outermost frame first (the order people read a tree in)."""
@@ -251,15 +266,18 @@ def _process_lanes(
     main = main_thread(process)
     if main is None:
         return
-    main_ids = interner.frame_ids(main.frames)
-    if always_main or interner.options.include_idle_threads or not interner.is_idle(main_ids):
-        lanes.append(interner.lane(label, main_ids))
-    for t in process.threads or ():
-        if t is main:
-            continue
-        ids = interner.frame_ids(t.frames)
-        if interner.options.include_idle_threads or not interner.is_idle(ids):
-            lanes.append(interner.lane(f"{label}/thread", ids))
+    keep_idle = interner.options.include_idle_threads
+    lid = interner.thread_lane(label, main.frames)
+    if always_main or keep_idle or not interner.is_idle(lid):
+        lanes.append(lid)
+    threads = process.threads or ()
+    if len(threads) > 1:
+        other = f"{label}/thread"
+        for t in threads:
+            if t is not main:
+                lid = interner.thread_lane(other, t.frames)
+                if keep_idle or not interner.is_idle(lid):
+                    lanes.append(lid)
 
 
 def _rank_lanes(interner: _Interner, rs: RankStacks) -> tuple[int, ...]:
@@ -283,15 +301,34 @@ def _rank_lanes(interner: _Interner, rs: RankStacks) -> tuple[int, ...]:
 # grouping
 # --------------------------------------------------------------------------
 
-_COMM_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast", "barrier",
-               "all_to_all", "alltoall", "send", "recv", "wait", "gather", "scatter", "reduce", "batch_isend_irecv")
+_P2P_WORDS = ("send", "recv", "_communicate")
+_COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast", "barrier",
+                     "all_to_all", "alltoall", "gather", "scatter", "reduce_from", "reduce_to")
+_COMM_FILES = ("distributed_c10d.py", "p2p_communication.py", "c10d_logger.py")
+
+
+def communication_kind(frame_text_: str) -> str | None:
+    """``"p2p"`` or ``"collective"`` for a frame that talks to other ranks, else None.
+
+    Told from the function name (``irecv``, ``tp_all_reduce``, ``send_forward``)
+    or from torch's communication modules; a ``wait`` counts only there, since
+    queue and lock waits are local.
+    """
+    name, _, rest = frame_text_.partition(" (")
+    short = name.lower().rsplit(".", 1)[-1]
+    if any(w in short for w in _P2P_WORDS):
+        return "p2p"
+    if any(w in short for w in _COLLECTIVE_WORDS):
+        return "collective"
+    base = rest.rstrip(")").split(":", 1)[0]
+    if base in _COMM_FILES:
+        return "collective" if "wait" in short or base != "p2p_communication.py" else "p2p"
+    return None
 
 
 def is_communication(frame_text_: str) -> bool:
     """Whether a normalised frame is a collective or point-to-point call (a rank waiting for others)."""
-    name = frame_text_.split(" (", 1)[0].lower()
-    short = name.rsplit(".", 1)[-1]
-    return any(w in short for w in _COMM_WORDS)
+    return communication_kind(frame_text_) is not None
 
 
 def _summary(lanes: tuple[tuple[str, tuple[str, ...]], ...]) -> str:

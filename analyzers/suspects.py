@@ -28,10 +28,11 @@ import numpy as np
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
+    MAIN_LANE,
     Grouping,
     PrefixNode,
     SignatureOptions,
-    StackGroup,
+    communication_kind,
     diverging_frame,
     group_stacks,
     is_communication,
@@ -66,13 +67,31 @@ class StackAnalysis:
     topology: Topology
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Candidate:
     kind: str
     ranks: np.ndarray  # sorted int64
     hits: int
     group_index: int | None
     groups: tuple[int, ...]  # group indices of that kind merged into this candidate
+    bonus: float = 0.0  # 1.0 when the candidate is where the outliers' origin points (see _Origin)
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Origin:
+    """Outlier ranks that are not waiting for anyone: where a hang most likely started.
+
+    ``side`` follows Aegis's split: "compute" when the ranks are stuck in
+    their own work (or a busy subprocess), so the ranks themselves are
+    suspect; "p2p" or "collective" when they are stuck on their way into a
+    call that talks to others, so the group they were talking to is suspect.
+    """
+
+    ranks: tuple[int, ...]
+    side: str
+    frame: str
+    lane: str
 
 
 class _Placement:
@@ -193,7 +212,7 @@ def _candidates(
 
 
 def _score(c: _Candidate, n_outliers: int) -> float:
-    return (c.hits / n_outliers) * (c.hits / c.ranks.size)
+    return (c.hits / n_outliers) * (c.hits / c.ranks.size) + c.bonus
 
 
 def _rank_candidates(cands: list[_Candidate], n_outliers: int, placement: _Placement) -> list[_Candidate]:
@@ -231,21 +250,88 @@ def describe(c: _Candidate, machines: tuple[str, ...]) -> str:
     return f"{_kind_label(c)} on {where}"
 
 
-def _origin_ranks(grouping: Grouping, members: set[int]) -> list[tuple[StackGroup, str]]:
-    """Outlier groups inside a candidate whose main thread is NOT waiting in communication.
+def _origins(grouping: Grouping) -> list[_Origin]:
+    """Outlier groups stuck somewhere other than a call that waits for other ranks.
 
-    In a hang the peers of a stuck rank wait in send/recv or a collective; the
-    one doing something else is where the fault most likely started.
+    In a hang the peers of a stuck rank wait in send/recv or a collective;
+    the ranks doing something else are where the fault started. A group
+    whose main thread waits but which runs a busy thread or subprocess the
+    healthy ranks lack (a stuck dataloader worker) counts as stuck in its own
+    work.
     """
-    out: list[tuple[StackGroup, str]] = []
+    if not grouping.dominant:
+        return []
+    healthy = grouping.groups[grouping.dominant[0]]
+    healthy_lanes = set(healthy.lanes)
+    out: list[_Origin] = []
     for i in grouping.outliers:
         g = grouping.groups[i]
-        if not members.intersection(g.ranks):
+        extra = [(label, frames) for label, frames in g.lanes[1:]
+                 if (label, frames) not in healthy_lanes and frames and not is_communication(frames[-1])]
+        if extra:
+            label, frames = extra[0]
+            out.append(_Origin(g.ranks, "compute", frames[-1], label))
             continue
-        inner = g.frames[-1] if g.frames else ""
-        if inner and not is_communication(inner):
-            out.append((g, inner))
+        if not g.frames or is_communication(g.frames[-1]):
+            continue
+        shared = 0
+        for a, b in zip(healthy.frames, g.frames, strict=False):
+            if a != b:
+                break
+            shared += 1
+        entering = [f for f in g.frames[shared:] if communication_kind(f)]
+        if entering:
+            side = communication_kind(entering[-1]) or "collective"
+            out.append(_Origin(g.ranks, side, entering[-1], MAIN_LANE))
+        else:
+            out.append(_Origin(g.ranks, "compute", g.frames[-1], MAIN_LANE))
     return out
+
+
+def _ranks_are(ranks: set[int] | tuple[int, ...]) -> str:
+    return f"rank {next(iter(ranks))} is" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)} are"
+
+
+def _apply_origins(
+    cands: list[_Candidate], origins: list[_Origin], grouping: Grouping, topology: Topology,
+    placement: _Placement,
+) -> None:
+    """Lift the candidates the origins point at above those that only fit the layout."""
+    waiting: dict[int, str] = {}
+    for i in grouping.outliers:
+        g = grouping.groups[i]
+        kind = communication_kind(g.frames[-1]) if g.frames else None
+        if kind is not None:
+            waiting.update(dict.fromkeys(g.ranks, kind))
+    for o in origins:
+        ranks = set(o.ranks)
+        where = "" if o.lane == MAIN_LANE else f" in its {o.lane}"
+        if o.side == "compute":
+            own = "its" if len(ranks) == 1 else "their"
+            why = (f"origin: {_ranks_are(ranks)} stuck in {own} own work{where} ({o.frame}), not waiting "
+                   "for other ranks: a computation-side fault, the rank itself is suspect")
+            machines = {int(placement.ids[r]) for r in ranks if r < placement.ids.size}
+            for c in cands:
+                members = set(c.ranks.tolist())
+                if (c.kind == "rank" and members <= ranks) or (
+                        c.kind == "machine" and members == ranks and len(machines) == 1):
+                    c.bonus, c.why = 1.0, why
+            continue
+        kinds = ["pp"] if o.side == "p2p" else [k for k in topology.kinds() if k != "pp"]
+        fitting: list[str] = []
+        for kind in kinds:
+            if kind not in topology.kinds():
+                continue
+            peers = {p for r in o.ranks for p in topology.group_of(r, kind)} - ranks
+            if peers and all(waiting.get(p) == o.side for p in peers):
+                fitting.append(kind)
+        lift = 1.0 if fitting else 0.5
+        for c in cands:
+            if c.kind in (fitting or kinds) and ranks & set(c.ranks.tolist()):
+                peers_say = "the peers in this group wait for it" if fitting else "this is the group it was calling"
+                c.bonus = max(c.bonus, lift)
+                c.why = (f"origin: {_ranks_are(ranks)} stuck on the way into a {o.side} call "
+                         f"({o.frame}) and {peers_say}: a communication-side fault, the group is suspect")
 
 
 def _evidence(
@@ -267,18 +353,15 @@ def _evidence(
         if first_div is None:
             first_div = div
         where = compact_machines(placement.machines(sorted(inside)))
-        line = f"ranks {compact_ranks(inside)} ({where}): {g.summary}"
+        line = f"{'rank' if len(inside) == 1 else 'ranks'} {compact_ranks(inside)} ({where}): {g.summary}"
         if div:
             line += f"; leaves the healthy path at {div}"
         lines.append(line)
     if grouping.dominant:
         healthy = grouping.groups[grouping.dominant[0]]
         lines.append(f"healthy majority: {len(healthy.ranks)} ranks at {healthy.summary}")
-    origins = _origin_ranks(grouping, members)
-    if origins and len(origins) < len([i for i in grouping.outliers if members.intersection(grouping.groups[i].ranks)]):
-        for g, inner in origins:
-            lines.append(f"likely origin: ranks {compact_ranks(members.intersection(g.ranks))} are not waiting in "
-                         f"communication ({inner}) while the other outliers are")
+    if c.why:
+        lines.insert(1, c.why)
     gone = sorted(r for r in members if r in missing)
     if gone:
         lines.append(f"ranks {compact_ranks(gone)} of this group could not be seen: "
@@ -321,7 +404,9 @@ def _suspects_for(
     else:
         singles = [grouping.groups[i].ranks[0] for i in grouping.outliers if len(grouping.groups[i].ranks) == 1]
     n = int(outlier_ranks.size)
-    ranked = _rank_candidates(_candidates(outlier_ranks, seen, topology, placement, singles), n, placement)
+    cands = _candidates(outlier_ranks, seen, topology, placement, singles)
+    _apply_origins(cands, _origins(grouping), grouping, topology, placement)
+    ranked = _rank_candidates(cands, n, placement)
     suspects: list[Suspect] = []
     for c in ranked[:_MAX_SUSPECTS]:
         machines = placement.machines(c.ranks)
@@ -339,8 +424,40 @@ def _suspects_for(
     return suspects, (suspects[0].score if suspects else 0.0)
 
 
-def _independent_cover(suspects: list[Suspect], outliers: set[int]) -> list[Suspect]:
-    """Suspects that together explain all outliers without overlapping, best first (greedy)."""
+def _waiting_closure(start: set[int], waiting: set[int], topology: Topology) -> set[int]:
+    """``start`` plus the waiting outliers linked to it through shared groups, transitively.
+
+    A rank that waits on a peer that waits on the stuck rank is explained by
+    the stuck rank too.
+    """
+    reached = set(start)
+    frontier = list(start)
+    kinds = topology.kinds()
+    while frontier:
+        rank = frontier.pop()
+        if rank >= topology.world_size:
+            continue
+        for kind in kinds:
+            for peer in topology.group_of(rank, kind):
+                if peer in waiting and peer not in reached:
+                    reached.add(peer)
+                    frontier.append(peer)
+    return reached
+
+
+def _independent_cover(
+    suspects: list[Suspect], grouping: Grouping, topology: Topology
+) -> list[Suspect]:
+    """Suspects that together explain all outliers without overlapping, best first (greedy).
+
+    A suspect explains its own ranks; one that names where outliers started
+    (score above 1) also explains the outliers that wait on it.
+    """
+    outliers = set(grouping.outlier_ranks)
+    if len(outliers) > _MAX_RANK_CANDIDATES:
+        return suspects[:1]
+    waiting = {r for i in grouping.outliers for r in grouping.groups[i].ranks
+               if grouping.groups[i].frames and is_communication(grouping.groups[i].frames[-1])}
     cover: list[Suspect] = []
     left = set(outliers)
     taken: set[int] = set()
@@ -350,9 +467,10 @@ def _independent_cover(suspects: list[Suspect], outliers: set[int]) -> list[Susp
         ranks = set(s.ranks)
         if ranks & taken or not ranks & left:
             continue
+        explained = _waiting_closure(ranks, waiting, topology) if s.score > 1.0 else ranks
         cover.append(s)
         taken |= ranks
-        left -= ranks
+        left -= explained
     return cover
 
 
@@ -400,7 +518,7 @@ def analyze_stacks(
         notes.append("no parallel sizes known: only ranks and machines can be suspected; "
                      "pass --tp/--pp/--dp (and --order) to name parallel groups")
     seen_count = sum(len(g.ranks) for g in grouping.groups)
-    summary = _summary(grouping, suspects, seen_count, notes)
+    summary = _summary(grouping, suspects, seen_count, notes, topology)
     verdict = Verdict(suspects=tuple(suspects), summary=summary, missing_ranks=missing_ranks, notes=tuple(notes))
     return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology)
 
@@ -413,7 +531,7 @@ def _reason_digest(missing: dict[int, str]) -> str:
     return " — " + "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else "")
 
 
-def _summary(grouping: Grouping, suspects: list[Suspect], seen: int, notes: list[str]) -> str:
+def _summary(grouping: Grouping, suspects: list[Suspect], seen: int, notes: list[str], topology: Topology) -> str:
     if seen == 0:
         return "no verdict: no rank's stacks could be read"
     if len(grouping.groups) == 1:
@@ -422,7 +540,7 @@ def _summary(grouping: Grouping, suspects: list[Suspect], seen: int, notes: list
         return f"no verdict: no two of the {seen} ranks show the same stacks"
     if not suspects:
         return "no verdict: the outliers fit no group smaller than the whole job"
-    cover = _independent_cover(suspects, set(grouping.outlier_ranks))
+    cover = _independent_cover(suspects, grouping, topology)
     if len(cover) > 1:
         notes.append(f"{len(cover)} separate outlier sets, each explained by its own suspect")
         return f"{len(cover)} separate suspects: " + "; ".join(_headline(s) for s in cover)

@@ -16,6 +16,7 @@ from tests.stack_fixtures import (
     OPTIMIZER,
     RECV,
     SEND,
+    TRAIN,
     WORKER_IDLE,
     WORKER_STUCK,
     rank_stacks,
@@ -73,10 +74,10 @@ def test_whole_dp_group() -> None:
     assert top.group_index == 1
 
 
-def test_outliers_filling_one_pipeline_in_megatron_order() -> None:
-    # PP groups of tp=0/1 with dp=2: ranks 4,5 (pp=0) and 12,13 (pp=1) on node2 and node6
+def test_outliers_waiting_in_one_pipeline_in_megatron_order() -> None:
+    # PP groups of tp=0/1 with dp=2: ranks 4,5 (pp=0) and 12,13 (pp=1) on node2 and node6, all waiting
     stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(16)}
-    stacks[4] = rank_stacks(4, COMPUTE)
+    stacks[4] = rank_stacks(4, SEND)
     stacks[5] = rank_stacks(5, SEND)
     stacks[12] = rank_stacks(12, RECV)
     stacks[13] = rank_stacks(13, RECV)
@@ -84,8 +85,40 @@ def test_outliers_filling_one_pipeline_in_megatron_order() -> None:
     top = analysis.verdict.top
     assert top is not None and top.kind is SuspectKind.PP
     assert top.ranks == (4, 5, 12, 13) and top.machines == ("node2", "node6")
-    # rank 4 is the one outlier not waiting in communication
-    assert any(e.startswith("likely origin: ranks 4 ") for e in top.evidence)
+    assert top.score == 1.0  # explained by the layout alone: nobody is stuck outside communication
+
+
+def test_computation_side_origin_is_named_before_its_pipeline() -> None:
+    # rank 4 is stuck in its own compute; its TP peer, and the next stage, wait for it (Aegis: computation side)
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(16)}
+    stacks[4] = rank_stacks(4, COMPUTE)
+    stacks[5] = rank_stacks(5, [*COMPUTE[:-1], "tp_all_reduce layers.py", "all_reduce distributed_c10d.py"])
+    stacks[12] = rank_stacks(12, RECV)
+    stacks[13] = rank_stacks(13, RECV)
+    analysis = analyze_stacks(snapshot(stacks, 16, 2, L16))
+    top, second = analysis.verdict.suspects[:2]
+    assert top.kind is SuspectKind.RANK and top.ranks == (4,) and top.machines == ("node2",)
+    assert any(e.startswith("origin: rank 4 is stuck in its own work (matmul_slow (model.py))") for e in top.evidence)
+    assert second.kind is SuspectKind.PP and second.ranks == (4, 5, 12, 13)
+    assert analysis.verdict.summary == "rank 4 on node2"  # the waiting ranks are explained by it
+
+
+def test_communication_side_origin_names_the_group_it_was_calling() -> None:
+    # rank 5 stalls on its way into a TP all-reduce; its TP peer 4 waits in it; the next stage waits in recv
+    into_tp = [*COMPUTE[:-1], "tp_all_reduce layers.py"]
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(16)}
+    stacks[5] = rank_stacks(5, [*into_tp, "stall_here faults.py"])
+    stacks[4] = rank_stacks(4, [*into_tp, "all_reduce distributed_c10d.py"])
+    stacks[12] = rank_stacks(12, RECV)
+    stacks[13] = rank_stacks(13, RECV)
+    top = analyze_stacks(snapshot(stacks, 16, 2, L16)).verdict.top
+    assert top is not None and top.kind is SuspectKind.TP and top.ranks == (4, 5) and top.machines == ("node2",)
+    # the same stall on the way into a send names the pipeline instead
+    into_send = [*TRAIN, "forward_backward schedules.py", "send_forward p2p.py"]
+    stacks[5] = rank_stacks(5, [*into_send, "stall_here faults.py"])
+    stacks[4] = rank_stacks(4, SEND)
+    top = analyze_stacks(snapshot(stacks, 16, 2, L16)).verdict.top
+    assert top is not None and top.kind is SuspectKind.PP and 5 in top.ranks and "node2" in top.machines
 
 
 def test_anomaly_only_in_a_subprocess() -> None:
