@@ -89,8 +89,8 @@ def build_snapshot() -> tuple[JobSnapshot, Layout, dict[str, list[int]]]:
             if rank in patterns["lone compute rank"]:
                 tail = [*P2P[:1], *COMPUTE_TAIL]
             elif rank in stalled:
-                tail = P2P + [("irecv" if (rank // TP) % PP < PP - 1 else "isend",
-                               f"{SITE}/torch/distributed/distributed_c10d.py")]
+                op = "irecv" if (rank // TP) % PP < PP - 1 else "isend"
+                tail = [*P2P, (op, f"{SITE}/torch/distributed/distributed_c10d.py")]
             else:
                 tail = HEALTHY_TAIL
             main = ThreadStack(thread_id=rank, frames=_frames(COMMON + tail, rank % 5), thread_name="MainThread",
@@ -146,6 +146,8 @@ def main() -> int:
     analysis = analyze_stacks(snap, layout)
     top = analysis.verdict.top
     print(f"verdict: {analysis.verdict.summary}")
+    for name, ranks in patterns.items():
+        print(f"  injected {name}: {len(ranks)} rank(s) from {ranks[0]}")
     print(f"  groups: {[len(g.ranks) for g in analysis.grouping.groups]}")
     print(f"  top suspect: {top.kind if top else None} ranks {len(top.ranks) if top else 0} "
           f"machines {top.machines[:3] if top else ()}...")
