@@ -26,8 +26,10 @@ from rankscope.ccl_plugin.writer import process_start_ticks
 from rankscope.snapshot import Communicator, OpCounters, RankCounters, RankInfo
 
 SEQLOCK_RETRIES = 200
-# A file whose pid is not visible here (another pid namespace) is still trusted
-# while its heartbeat is this fresh; a live, hung process keeps its file current.
+# Under a busy writer a record can be mid-update on many reads in a row; keep
+# trying (yielding the CPU) for this long before calling it torn.
+SEQLOCK_PATIENCE_S = 0.2
+# A file without a writer pid is trusted while its heartbeat is this fresh.
 FRESH_HEARTBEAT_S = 30.0
 
 _NAME = re.compile(r"^(?P<job>.*)\.rank(?P<rank>\d+)(?:\.(?P<kind>[a-z]+))?\.ccl$")
@@ -50,41 +52,44 @@ def default_directory() -> Path:
     return Path(os.environ.get(L.ENV_DIR) or L.DEFAULT_DIR)
 
 
-def _read_stable(mm: mmap.mmap, off: int, size: int) -> bytes:
-    for _ in range(SEQLOCK_RETRIES):
-        s1 = L.SEQ.unpack_from(mm, off)[0]
-        if s1 & 1:
-            continue
-        raw = mm[off:off + size]
-        if L.SEQ.unpack_from(mm, off)[0] == s1:
-            return raw
-    raise _Torn(f"record at offset {off} was being written through {SEQLOCK_RETRIES} reads")
+def _read_stable(mm: mmap.mmap, off: int, size: int, seq_off: int | None = None) -> bytes:
+    """A consistent copy of ``size`` bytes at ``off`` whose seqlock sits at ``seq_off`` (default: first)."""
+    at = off if seq_off is None else seq_off
+    deadline = 0.0
+    while True:
+        for _ in range(SEQLOCK_RETRIES):
+            s1 = L.SEQ.unpack_from(mm, at)[0]
+            if s1 & 1:
+                continue
+            raw = mm[off:off + size]
+            if L.SEQ.unpack_from(mm, at)[0] == s1:
+                return raw
+        now = time.monotonic()
+        if not deadline:
+            deadline = now + SEQLOCK_PATIENCE_S
+        elif now > deadline:
+            raise _Torn(f"record at offset {off} stayed mid-update for {SEQLOCK_PATIENCE_S:.1f} s "
+                        "(its writer died while writing it?)")
+        time.sleep(0)
 
 
 def _read_header(mm: mmap.mmap) -> bytes:
     """Header bytes with its mutable part consistent (the header seq guards it)."""
-    for _ in range(SEQLOCK_RETRIES):
-        s1 = L.SEQ.unpack_from(mm, L.HEADER_SEQ_OFFSET)[0]
-        if s1 & 1:
-            continue
-        raw = mm[0:L.HEADER_SIZE]
-        if L.SEQ.unpack_from(mm, L.HEADER_SEQ_OFFSET)[0] == s1:
-            return raw
-    raise _Torn("header was being written through every read")
+    return _read_stable(mm, 0, L.HEADER_SIZE, L.HEADER_SEQ_OFFSET)
 
 
 def staleness(pid: int, start_ticks: int, heartbeat: float, flags: int, now: float) -> str | None:
     """Why the file's writer is gone, or None if it may still be alive."""
     if flags & L.FLAG_CLEAN_EXIT:
         return "the process exited cleanly and left its file behind"
-    if pid <= 0:
-        return f"no valid pid in the header ({pid})"
+    if pid <= 0:  # no pid to check: only the heartbeat can tell
+        if now - heartbeat <= FRESH_HEARTBEAT_S:
+            return None
+        return f"no writer pid and no heartbeat for {now - heartbeat:.0f} s"
     if os.path.exists(f"/proc/{pid}"):
         if start_ticks and process_start_ticks(pid) not in (0, start_ticks):
             return f"pid {pid} now belongs to another process (the writer exited)"
-        return None
-    if now - heartbeat <= FRESH_HEARTBEAT_S:
-        return None  # pid in another namespace, but the file is being kept up to date
+        return None  # alive: an old heartbeat then means hung, which is what we are here for
     return f"process {pid} is gone; last heartbeat {now - heartbeat:.0f} s ago"
 
 

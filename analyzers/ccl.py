@@ -1,0 +1,200 @@
+"""Aegis Phase-2 (§4.2): suspects from the CL/WR/WC counters of every rank.
+
+Per communicator and collective op, the members launch the same collectives
+in the same order, so their launch counts (CL) move together:
+
+- computation side: a member whose CL lags the others never launched the
+  collective the others are waiting in (they show an open request, WC < WR):
+  it is stuck before the call, in its own computation;
+- communication side: a member with WC < WR has requests stuck on the wire
+  (the paper's "WR < WC" is a typo); the peers of those requests are suspects
+  with it, and a peer that has no open request back never posted its side.
+
+Both kinds become ``Suspect``s of kind RANK with source ``ccl``, so the
+verdict merge can rank them together with the stack verdict.
+``comm_tables`` gives the TUI one table per communicator with the mismatches
+flagged. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+from rankscope.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters
+
+SOURCE = "ccl"
+P2P_OPS = frozenset({"send", "recv"})
+# Scores on this detector's own scale (the merge rescales): a lagging rank
+# that others wait for is the strongest signal Aegis has.
+SCORE_CL_LAG = 1.0
+SCORE_P2P_UNPOSTED = 0.95
+SCORE_OPEN_REQUEST = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class CommRow:
+    """One member rank of a communicator, as the TUI's table shows it."""
+
+    rank: int
+    cl: int | None  # collective launches summed over the communicator's collective ops; None: no file
+    wr: int | None
+    wc: int | None
+    cl_lags: bool  # CL below the communicator's highest
+    incomplete: bool  # WC < WR: a request still open
+    open_peers: tuple[int, ...] = ()
+    per_op: tuple[tuple[str, int, int, int], ...] = ()  # (op, cl, wr, wc)
+    stale: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CommTable:
+    comm_id: str
+    backend: str
+    description: str
+    members: tuple[int, ...]
+    rows: tuple[CommRow, ...]
+
+    @property
+    def mismatch(self) -> bool:
+        return any(r.cl_lags or r.incomplete for r in self.rows)
+
+
+def _communicators(counters: Mapping[int, RankCounters]) -> dict[str, Communicator]:
+    out: dict[str, Communicator] = {}
+    for rc in counters.values():
+        for c in rc.communicators:
+            out.setdefault(c.comm_id, c)
+    return out
+
+
+def _ops_by_comm(rc: RankCounters) -> dict[str, list[OpCounters]]:
+    out: dict[str, list[OpCounters]] = {}
+    for o in rc.ops:
+        out.setdefault(o.comm_id, []).append(o)
+    return out
+
+
+def comm_tables(counters: Mapping[int, RankCounters]) -> tuple[CommTable, ...]:
+    """One table per communicator: each member's CL/WR/WC and what does not match."""
+    tables: list[CommTable] = []
+    by_rank_ops = {r: _ops_by_comm(rc) for r, rc in counters.items()}
+    for cid, comm in _communicators(counters).items():
+        totals: dict[int, tuple[int, int, int, tuple[int, ...], tuple[tuple[str, int, int, int], ...]]] = {}
+        for r in comm.ranks:
+            ops = by_rank_ops.get(r, {}).get(cid)
+            if r not in counters:
+                continue
+            ops = ops or []
+            cl = sum(o.cl for o in ops if o.op not in P2P_OPS)
+            peers = tuple(sorted({p for o in ops for p in o.open_peers}))
+            totals[r] = (cl, sum(o.wr for o in ops), sum(o.wc for o in ops), peers,
+                         tuple((o.op, o.cl, o.wr, o.wc) for o in sorted(ops, key=lambda o: o.op)))
+        top = max((t[0] for t in totals.values()), default=0)
+        rows = []
+        for r in comm.ranks:
+            t = totals.get(r)
+            if t is None:
+                rows.append(CommRow(r, None, None, None, False, False))
+                continue
+            cl, wr, wc, peers, per_op = t
+            rows.append(CommRow(r, cl, wr, wc, cl < top, wc < wr, peers, per_op, counters[r].stale))
+        tables.append(CommTable(cid, comm.backend, comm.description, comm.ranks, tuple(rows)))
+    return tuple(tables)
+
+
+def _label(comm: Communicator) -> str:
+    return f"comm {comm.comm_id}" + (f" ({comm.description})" if comm.description else "")
+
+
+def _machines(ranks: tuple[int, ...], placement: Mapping[int, str]) -> tuple[str, ...]:
+    return tuple(sorted({placement[r] for r in ranks if r in placement}))
+
+
+def counter_findings(counters: Mapping[int, RankCounters],
+                     placement: Mapping[int, str] | None = None) -> tuple[Suspect, ...]:
+    """The suspects the counters point at (computation side first)."""
+    placement = placement or {}
+    live = {r: rc for r, rc in counters.items() if rc.error is None}
+    comms = _communicators(live)
+    ops_of = {r: _ops_by_comm(rc) for r, rc in live.items()}
+    found: dict[tuple[int, ...], tuple[float, list[str]]] = {}
+
+    def add(ranks: tuple[int, ...], score: float, line: str) -> None:
+        key = tuple(sorted(set(ranks)))
+        old = found.get(key)
+        if old is None:
+            found[key] = (score, [line])
+        else:
+            found[key] = (max(old[0], score), [*old[1], line])
+
+    for cid, comm in comms.items():
+        members = [r for r in comm.ranks if r in live]
+        # computation side: per collective op, CL behind members that wait in it
+        op_names = sorted({o.op for r in members for o in ops_of[r].get(cid, []) if o.op not in P2P_OPS})
+        for op in op_names:
+            row = {r: next((o for o in ops_of[r].get(cid, []) if o.op == op), None) for r in members}
+            cls = {r: (o.cl if o else 0) for r, o in row.items()}
+            top = max(cls.values(), default=0)
+            leaders = [r for r, c in cls.items() if c == top]
+            waiting = [r for r in leaders if (o := row[r]) is not None and o.wc < o.wr]
+            laggards = tuple(r for r, c in cls.items() if c < top)
+            if laggards and waiting:
+                add(laggards, SCORE_CL_LAG,
+                    f"rank {', '.join(map(str, laggards))}: {op} CL {min(cls[r] for r in laggards)} < {top} on "
+                    f"{_label(comm)}; rank {', '.join(map(str, waiting))} wait in it (computation side)")
+        # communication side: open requests
+        for r in members:
+            for o in ops_of[r].get(cid, []):
+                if o.wc >= o.wr:
+                    continue
+                if o.op in P2P_OPS:
+                    for peer in o.open_peers or ():
+                        back = "send" if o.op == "recv" else "recv"
+                        peer_ops = ops_of.get(peer, {}).get(cid, [])
+                        posted = any(po.op == back and r in po.open_peers for po in peer_ops)
+                        line = (f"rank {r}: {o.op} on {_label(comm)} WC {o.wc} < WR {o.wr}, open with rank {peer}"
+                                + ("" if posted or peer not in live else f"; rank {peer} has no open {back} to rank {r}"))
+                        score = SCORE_OPEN_REQUEST if posted or peer not in live else SCORE_P2P_UNPOSTED
+                        add((r, peer), score, line + " (communication side)")
+                    if not o.open_peers:
+                        add((r,), SCORE_OPEN_REQUEST * 0.5,
+                            f"rank {r}: {o.op} on {_label(comm)} WC {o.wc} < WR {o.wr}, peer unknown")
+                else:
+                    launched = [x.cl for m in members for x in ops_of[m].get(cid, []) if x.op == o.op]
+                    if launched and min(launched) == max(launched) and len(launched) == len(members):
+                        # every member launched it, yet this one's request never completed
+                        add((r,), SCORE_OPEN_REQUEST,
+                            f"rank {r}: {o.op} on {_label(comm)} WC {o.wc} < WR {o.wr} with every member "
+                            "launched (communication side)")
+    suspects = [Suspect(SuspectKind.RANK, ranks, _machines(ranks, placement), score, tuple(lines), (SOURCE,))
+                for ranks, (score, lines) in found.items()]
+    suspects.sort(key=lambda s: (-s.score, len(s.ranks), s.ranks))
+    return tuple(suspects)
+
+
+def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None) -> Verdict:
+    """The CCL verdict for one snapshot (``layout`` is accepted for symmetry; membership comes from the files)."""
+    counters = snapshot.all_counters()
+    seen_ranks = {r.rank for m in snapshot.machines for r in m.ranks}
+    missing = tuple(sorted(seen_ranks - set(counters)))
+    notes = [f"rank {r}: {rc.error}" for r, rc in sorted(counters.items()) if rc.error]
+    notes += [f"rank {r}: counters stale ({rc.stale_reason})" for r, rc in sorted(counters.items()) if rc.stale]
+    if not counters:
+        return Verdict((), "no CCL counters (start the job with `rankscope run`)", missing, tuple(notes))
+    suspects = counter_findings({r: rc for r, rc in counters.items() if not rc.stale}, snapshot.rank_to_machine())
+    if suspects:
+        top = suspects[0]
+        summary = f"CCL counters: {top.evidence[0]}"
+    else:
+        summary = "CCL counters: every communicator's members agree"
+    return Verdict(suspects, summary, missing, tuple(notes))
+
+
+def counter_rates(previous: RankCounters, current: RankCounters, seconds: float) -> dict[tuple[str, str], float]:
+    """Collective launches per second per (comm, op) between two reads of one rank."""
+    if seconds <= 0:
+        return {}
+    before = {(o.comm_id, o.op): o.cl for o in previous.ops}
+    return {(o.comm_id, o.op): (o.cl - before.get((o.comm_id, o.op), 0)) / seconds for o in current.ops}
