@@ -158,7 +158,8 @@ class DrillSession:
             # The fault acts during step ``plan.step``, which begins once the
             # faulty rank has completed that many steps.
             p = self.watcher.latest.get(self.plan.rank)
-            if p is not None and p.step >= self.plan.step:
+            fault_step = self.truth.step if self.truth.step is not None else self.plan.step
+            if p is not None and p.step >= fault_step:
                 self.fault_started_mono = time.monotonic()
                 self.times["fault"] = self.fault_started_mono
 
@@ -487,9 +488,21 @@ def run_headless(config: DrillConfig, *, bundle_path: Path | None = None,
                 "capture": round(s.times["capture_s"], 3),
             },
             "notes": s.notes,
+            "errors_in_logs": log_errors(s.run_dir) if stall.reason == "job-exited" else {},
         }
     report["leftover_processes"] = s.leftovers
     return report
+
+
+def log_errors(run_dir: Path, limit: int = 3) -> dict[str, list[str]]:
+    """The error lines of each node's torchrun log: what a crash left behind."""
+    out: dict[str, list[str]] = {}
+    for log in sorted((run_dir / "logs").glob("*.torchrun.log")):
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
+                 if "Error:" in ln or "exitcode" in ln]
+        if lines:
+            out[log.name.split(".")[0]] = lines[:limit]
+    return out
 
 
 def _step_times(s: DrillSession) -> dict[str, Any]:
