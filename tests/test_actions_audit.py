@@ -178,3 +178,16 @@ def test_history_records_updates_supersedes_pending_and_walks_rollbacks_back(tmp
     assert [e.action_id for e in entries] == ["r1", "u3", "u2", "u1"]
     assert entries[1].who == "bob" and entries[1].trigger == "failure" and entries[1].applied_at is not None
     assert entries[0].describe() == "rollback git:c -> git:b [immediate] applied"
+
+
+def test_progress_notes_go_between_started_and_the_result(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.db")
+    req = _evict()
+
+    def act() -> ActionResult:
+        log.note(req, "evict m12 m13", "stopped ranks on m12", ("m12",))
+        return ActionResult("a-1", ActionKind.EVICT, ActionState.SUCCEEDED, "done")
+
+    log.run_once(req, "evict m12 m13", act)
+    assert [(r.result, r.message) for r in log.records()] == [
+        ("started", ""), ("progress", "stopped ranks on m12"), ("succeeded", "done")]

@@ -163,6 +163,16 @@ class AuditLog:
         self.finish(request, result, what, machines)
         return self.result_of(request.action_id) or result
 
+    def note(self, request: ActionRequest, what: str, message: str, machines: tuple[str, ...] = (),
+             result: str = "progress") -> AuditRecord:
+        """Append an intermediate line (a step of a running action) so every watcher sees it."""
+        now = self._clock()
+        with self._connect() as db:
+            seq = _append(db, request.action_id, request.requested_by, now, request.kind, what, result, message,
+                          machines)
+        return AuditRecord(seq, request.action_id, request.requested_by, now, request.kind, what, result, message,
+                           machines)
+
     def refuse(self, request: ActionRequest, what: str, message: str) -> AuditRecord:
         """Record a refused request (bad token, target outside the job) without claiming its id."""
         now = self._clock()
