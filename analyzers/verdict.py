@@ -9,7 +9,13 @@ share a rank with it. Two detectors naming the same ranks thus outrank one
 detector alone, however sure it is.
 
 Suspects with the same kind and ranks are folded into one entry, their
-evidence and sources joined.
+evidence and sources joined. On equal merged scores the suspect with more
+agreeing sources goes first, then the one with more ranks: ByteRobust
+over-evicts a whole group rather than gamble on one rank of it.
+
+``analyze_snapshot`` is the one call that runs every detector that has data
+in a snapshot (stacks; CCL counters when the plugin wrote any) and merges them:
+the drill's scorer and the headless tools use it.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from dataclasses import dataclass
 
 from rankscope.analyzers.findings import Suspect, Verdict
 from rankscope.analyzers.topology import compact_machines, compact_ranks
+from rankscope.snapshot import JobSnapshot, Layout
 
-# Among equal merged scores: the smaller eviction first, then this kind order.
-_KIND_ORDER = ("rank", "machine", "tp", "pp", "dp", "cp", "ep", "comm")
+# Among equal merged scores, sources and sizes: this kind order.
+_KIND_ORDER = ("pp", "dp", "tp", "cp", "ep", "machine", "rank", "comm")
 
 
 @dataclass(slots=True)
@@ -84,7 +91,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
             evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index,
             diverging_frame=s.diverging_frame,
         ))
-    merged.sort(key=lambda s: (-s.score, len(s.machines),
+    merged.sort(key=lambda s: (-s.score, -len(s.sources), -len(s.ranks),
                                _KIND_ORDER.index(str(s.kind)) if str(s.kind) in _KIND_ORDER else 99,
                                min(s.ranks, default=0)))
     missing = tuple(sorted({r for v in verdicts for r in v.missing_ranks}))
@@ -107,3 +114,22 @@ def headline(s: Suspect) -> str:
         return f"machine {where}"
     index = f" {s.group_index}" if s.group_index is not None else ""
     return f"{kind.upper()} group{index} (ranks {compact_ranks(s.ranks)}) on {where}"
+
+
+def analyze_snapshot(snapshot: JobSnapshot, layout: Layout | None = None) -> Verdict:
+    """Every detector with data in ``snapshot``, merged: stacks, plus CCL counters when present.
+
+    Raises ValueError (with the fix) when ``layout`` does not fit the job.
+    """
+    from rankscope.analyzers.suspects import analyze_stacks
+
+    stacks = analyze_stacks(snapshot, layout).verdict
+    if not snapshot.all_counters():
+        return stacks
+    from rankscope.analyzers.ccl import analyze_counters
+
+    counters = analyze_counters(snapshot, layout)
+    if not counters.suspects:
+        return Verdict(stacks.suspects, stacks.summary, stacks.missing_ranks,
+                       (*stacks.notes, counters.summary, *counters.notes))
+    return merge_verdicts(stacks, counters)

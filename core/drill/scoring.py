@@ -1,0 +1,78 @@
+"""Scoring a verdict against a drill's ground truth.
+
+A drill knows what it broke, so the tool is graded honestly: did the top
+suspect name the right *kind* of thing (the rank, or the parallel group the
+fault lives in), does it hold the faulty machine, how much more than the
+expected machines would an eviction take, and at which place in the ranking
+the truth first appears.
+
+``ground_truth`` is the drill's ``GroundTruth`` or its JSON form (as stored
+in a bundle); only its fields are read, so this module has no drill
+dependencies and also grades bundles from older runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rankscope.analyzers.findings import Suspect, Verdict
+
+
+def _field(truth: Any, name: str, default: Any = None) -> Any:
+    if isinstance(truth, Mapping):
+        return truth.get(name, default)
+    return getattr(truth, name, default)
+
+
+def _suspect_json(s: Suspect) -> dict[str, Any]:
+    return {"kind": str(s.kind), "ranks": list(s.ranks), "machines": list(s.machines), "score": s.score,
+            "sources": list(s.sources), "headline": s.evidence[0] if s.evidence else ""}
+
+
+def score_verdict(verdict: Verdict, ground_truth: Any) -> dict[str, Any]:
+    """Grade ``verdict`` against the drill's ground truth.
+
+    ``correct`` is the drill's pass mark: the top suspect is of the expected
+    kind and holds the faulty machine. For the healthy baseline (fault
+    ``none``) a verdict is correct when it names nobody.
+    """
+    kind = str(_field(ground_truth, "suspect_kind", "none"))
+    fault = str(_field(ground_truth, "fault", "none"))
+    machine = _field(ground_truth, "machine")
+    rank = _field(ground_truth, "rank")
+    expected_ranks = {int(r) for r in _field(ground_truth, "suspect_ranks", ()) or ()}
+    expected_machines = {str(m) for m in _field(ground_truth, "suspect_machines", ()) or ()}
+    top = verdict.top
+    out: dict[str, Any] = {
+        "fault": fault,
+        "expected": {"kind": kind, "rank": rank, "machine": machine, "ranks": sorted(expected_ranks),
+                     "machines": sorted(expected_machines)},
+        "summary": verdict.summary,
+        "top": _suspect_json(top) if top is not None else None,
+        "suspects": len(verdict.suspects),
+        "missing_ranks": list(verdict.missing_ranks),
+    }
+    if kind == "none":
+        out.update(kind_ok=top is None, machine_ok=top is None, ranks_ok=top is None, machines_ok=top is None,
+                   extra_machines=len(top.machines) if top else 0, truth_position=None, correct=top is None)
+        return out
+    if top is None:
+        out.update(kind_ok=False, machine_ok=False, ranks_ok=False, machines_ok=False, extra_machines=0,
+                   truth_position=None, correct=False)
+        return out
+    top_machines = set(top.machines)
+    kind_ok = str(top.kind) == kind or (kind == "machine" and set(top.ranks) == expected_ranks)
+    machine_ok = machine is not None and str(machine) in top_machines
+    position = next((i + 1 for i, s in enumerate(verdict.suspects)
+                     if machine is not None and str(machine) in s.machines), None)
+    out.update(
+        kind_ok=kind_ok,
+        machine_ok=machine_ok,
+        ranks_ok=rank is not None and int(rank) in top.ranks and expected_ranks <= set(top.ranks),
+        machines_ok=expected_machines <= top_machines,
+        extra_machines=len(top_machines - expected_machines),
+        truth_position=position,
+        correct=kind_ok and machine_ok,
+    )
+    return out
