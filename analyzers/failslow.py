@@ -32,6 +32,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from rankscope.analyzers.degradation import degradation_findings
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
 from rankscope.analyzers.minder import MinderDetector
@@ -59,9 +60,8 @@ class FailSlowConfig:
     similarity_threshold: float = 0.10  # Minder: smallest relative distance that makes a candidate
     separation: float = 1.5  # Minder: candidate's distance over the runner-up's
     step_ratio: float = 1.2  # step time this many times the peers' is "slow"
-    alpha: float = 0.8  # Aegis §5.2 TD < α·mean (for the CCL analyzer the caller runs)
-    beta: float = 1.5  # Aegis §5.2 N > β·mean
-    last_requests: int = 5  # Aegis §5.2 L
+    alpha: float = 0.8  # Aegis §5.2 TD < α·mean: the late arriver (the plugin keeps N over the last L=5 requests)
+    beta: float = 1.5  # Aegis §5.2 N > β·mean: a slow link
     rounds_needed: int = 5  # ByteRobust: rounds of stack aggregation before naming the degrader
     ccl_rounds_needed: int = 3  # consecutive updates a CCL finding must last
     confident_at: float = 0.7
@@ -127,15 +127,15 @@ def narrow_to_common_end(groups: Sequence[Iterable[int]]) -> tuple[int, ...]:
 
     Aegis §5.2 narrows the GPUs that suffer slow communication to the source or
     destination they share, like RootDiag in its Algorithm 1: if G is the
-    culprit, every slow link touches G. Returns () when no rank stands out (all
-    tie), which points at the network rather than a host.
+    culprit, every slow link touches G. Returns () when no rank is in two of
+    the groups, which points at the network rather than a host.
     """
     sets = [set(g) for g in groups if g]
     if len(sets) < 2:
         return tuple(sorted(sets[0])) if sets else ()
     counts = Counter(r for s in sets for r in s)
     best = max(counts.values())
-    if all(c == best for c in counts.values()):
+    if best < 2:
         return ()
     return tuple(sorted(r for r, c in counts.items() if c == best))
 
@@ -155,8 +155,9 @@ class FailSlowDetector:
     ``stack_analysis``: the findings of one stack-aggregation round (a
     ``Verdict``, or any object with a ``verdict`` attribute that is one, such as
     the fail-slow rounds analyzer's result), passed only on updates where stacks
-    were captured. ``degradation``: the CCL degradation analyzer's ``Verdict``
-    for this snapshot (TD/N per iteration), when the caller runs it.
+    were captured. The CCL counters of each snapshot go through Aegis §5.2
+    (``analyzers.degradation``, α and β from the config) here; a caller that
+    ran that analysis itself may pass its ``Verdict`` as ``degradation``.
     """
 
     def __init__(self, config: FailSlowConfig | None = None) -> None:
@@ -198,7 +199,7 @@ class FailSlowDetector:
         flags += self._metric_flags()
         flags += self._minder_flags(notes)
         flags += self._stack_flags(_as_verdict(stack_analysis))
-        flags += self._ccl_flags(degradation, now)
+        flags += self._ccl_flags(snapshot, degradation, notes)
         verdict = self._combine(flags, notes, now)
         self._history.append(verdict)
         self._last = verdict
@@ -265,31 +266,75 @@ class FailSlowDetector:
                              None, min(score, self._w("stacks")), evidence, alarmed, float(n), float(needed), None)
                 for m in machines]
 
-    def _ccl_flags(self, degradation: Verdict | None, now: float) -> list[DetectorFlag]:
-        if degradation is None:
-            return []
-        self._ccl_seen += 1
-        suspects = [s for s in degradation.suspects if s.ranks or s.machines]
-        narrowed = narrow_to_common_end([s.ranks for s in suspects]) if len(suspects) > 1 else ()
+    def _ccl_targets(self, snapshot: JobSnapshot, notes: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Aegis §5.2 on this snapshot's counters: machine -> (ranks, evidence).
+
+        A late arriver (TD < α·mean) is its own culprit. Slow links (N > β·mean)
+        are grouped per communicator and narrowed to the rank the groups share,
+        the source or destination every slow link touches (RootDiag's idea);
+        links that share no end point at the network, not at a host, and only
+        make a note.
+        """
+        counters = snapshot.all_counters()
+        if not counters:
+            return {}
+        found = degradation_findings(counters, self.config.alpha, self.config.beta)
         rank_machine = self.store.rank_machine()
-        per_machine: dict[str, tuple[tuple[int, ...], str]] = {}
-        if narrowed:
-            for r in narrowed:
-                m = rank_machine.get(r)
-                if m is not None:
-                    ranks, _ = per_machine.get(m, ((), ""))
-                    per_machine[m] = ((*ranks, r), f"slow links share rank {_ranges(narrowed)} (of {len(suspects)} slow groups)")
+        targets: dict[str, tuple[tuple[int, ...], str]] = {}
+
+        def blame(rank: int, evidence: str) -> None:
+            m = rank_machine.get(rank)
+            if m is None:
+                return
+            ranks, first = targets.get(m, ((), evidence))
+            if rank not in ranks:
+                targets[m] = ((*ranks, rank), first)
+
+        for f in found:
+            if f.kind == "slow_compute":
+                blame(f.rank, f.evidence())
+        links: dict[str, set[int]] = {}
+        for f in found:
+            if f.kind == "slow_link":
+                links.setdefault(f.comm_id, set()).add(f.rank)
+        if links:
+            ends = narrow_to_common_end(list(links.values()))
+            if ends:
+                for r in ends:
+                    blame(r, f"slow links on {len(links)} communicator(s) share rank {_ranges(ends)} "
+                             f"(N > {self.config.beta:g}·mean)")
+            else:
+                notes.append(f"slow links on {len(links)} communicators share no rank: look at the network")
+        return targets
+
+    def _ccl_flags(self, snapshot: JobSnapshot, degradation: Verdict | None, notes: list[str]) -> list[DetectorFlag]:
+        if degradation is not None:  # the caller ran the analysis (e.g. a replay with its own settings)
+            per_machine: dict[str, tuple[tuple[int, ...], str]] = {}
+            suspects = [s for s in degradation.suspects if s.ranks or s.machines]
+            narrowed = narrow_to_common_end([s.ranks for s in suspects]) if len(suspects) > 1 else ()
+            rank_machine = self.store.rank_machine()
+            if narrowed:
+                for r in narrowed:
+                    m = rank_machine.get(r)
+                    if m is not None:
+                        ranks, _ = per_machine.get(m, ((), ""))
+                        per_machine[m] = ((*ranks, r), f"slow links share rank {_ranges(narrowed)} (of {len(suspects)} slow groups)")
+            else:
+                for s in suspects:
+                    for m in s.machines or tuple({rank_machine[r] for r in s.ranks if r in rank_machine}):
+                        if m not in per_machine:
+                            per_machine[m] = (s.ranks, s.evidence[0] if s.evidence else "CCL degradation")
         else:
-            for s in suspects:
-                for m in s.machines or tuple({rank_machine[r] for r in s.ranks if r in rank_machine}):
-                    if m not in per_machine:
-                        per_machine[m] = (s.ranks, s.evidence[0] if s.evidence else "CCL degradation")
+            if not snapshot.all_counters():
+                return []
+            per_machine = self._ccl_targets(snapshot, notes)
+        self._ccl_seen += 1
         runs = self._ccl_runs.update(float(self._ccl_seen), per_machine)
         req = float(max(1, self.config.ccl_rounds_needed))
         out = []
         for m, (ranks, ev) in per_machine.items():
             held = runs[m].held_s + 1.0  # updates in a row, counting this one
-            out.append(DetectorFlag("ccl", m, ranks, None, _contribution(self._w("ccl"), held, req),
+            out.append(DetectorFlag("ccl", m, tuple(sorted(ranks)), None, _contribution(self._w("ccl"), held, req),
                                     f"{ev} ({held:.0f} updates in a row)", held >= req, held, req, None))
         return out
 

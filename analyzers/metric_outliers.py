@@ -24,7 +24,6 @@ is suspect (``MetricSpec.direction``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,29 +74,21 @@ class OutlierFinding:
         )
 
 
-def peer_outliers(
-    current: dict[str, float], pools: dict[str, np.ndarray], *, rel_floor: float, abs_floor: float,
-) -> dict[str, tuple[float, float, float]]:
-    """Per machine: (λ, δ, z) of its current value against its peers' pooled samples.
+def peer_stats(window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Leave-one-out mean and standard deviation per machine over a (time, machine) window.
 
-    ``pools[m]`` holds machine m's samples in the window; the peers of m are
-    all the other pools. A machine without finite peers is left out.
+    For machine j: all the other machines' finite samples pooled. Computed from
+    per-column sums so it costs O(time × machines), not O(machines²). NaN where
+    a machine has no peer sample.
     """
-    out: dict[str, tuple[float, float, float]] = {}
-    for m, v in current.items():
-        if not math.isfinite(v):
-            continue
-        peers = [p for other, p in pools.items() if other != m]
-        if not peers:
-            continue
-        pool = np.concatenate(peers)
-        pool = pool[np.isfinite(pool)]
-        if pool.size == 0:
-            continue
-        lam = float(pool.mean())
-        delta = max(float(pool.std()), rel_floor * abs(lam), abs_floor)
-        out[m] = (lam, delta, (v - lam) / delta)
-    return out
+    ok = np.isfinite(window)
+    x = np.where(ok, window, 0.0)
+    n_col, s_col, q_col = ok.sum(axis=0), x.sum(axis=0), (x * x).sum(axis=0)
+    n, s, q = n_col.sum() - n_col, s_col.sum() - s_col, q_col.sum() - q_col
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(n > 0, s / np.maximum(n, 1), np.nan)
+        var = np.where(n > 0, q / np.maximum(n, 1) - mean * mean, np.nan)
+    return mean, np.sqrt(np.maximum(var, 0.0))
 
 
 class MetricOutlierDetector:
@@ -127,22 +118,28 @@ class MetricOutlierDetector:
             _, machines, values = store.matrix(metric, since=now - self.window_s)
             if values.shape[0] == 0 or len(machines) < 2:
                 continue
-            current = dict(zip(machines, values[-1].tolist(), strict=True))
-            pools = {m: values[:, j] for j, m in enumerate(machines)}
-            stats = peer_outliers(current, pools, rel_floor=self.rel_floor, abs_floor=spec.floor)
-            for m, (lam, delta, z) in stats.items():
-                if z > self.k_sigma and spec.direction in (Direction.HIGH, Direction.BOTH):
-                    scored[(metric, m, Direction.HIGH)] = (current[m], lam, delta, z)
-                elif z < -self.k_sigma and spec.direction in (Direction.LOW, Direction.BOTH):
-                    scored[(metric, m, Direction.LOW)] = (current[m], lam, delta, z)
+            lam, sd = peer_stats(values)
+            current = values[-1]
+            delta = np.maximum(np.maximum(sd, self.rel_floor * np.abs(lam)), spec.floor)
+            with np.errstate(invalid="ignore"):
+                z = (current - lam) / delta
+            high = spec.direction in (Direction.HIGH, Direction.BOTH)
+            low = spec.direction in (Direction.LOW, Direction.BOTH)
+            for j in np.flatnonzero(np.isfinite(z) & (np.abs(z) > self.k_sigma)):
+                zj = float(z[j])
+                if (zj > 0 and not high) or (zj < 0 and not low):
+                    continue
+                side = Direction.HIGH if zj > 0 else Direction.LOW
+                scored[(metric, machines[j], side)] = (float(current[j]), float(lam[j]), float(delta[j]), zj)
         runs = self._runs.update(now, scored)
         findings = []
-        for key, (v, lam, delta, z) in scored.items():
+        for key, (value, peer_mean, peer_std, score) in scored.items():
             metric, m, side = key
             run = runs[key]
             # The window is "the lasting T": a run counts once it spans T (with a
             # little slack for poll jitter, so a 1 s poll does not need T + 1 s).
             alarmed = run.held_s >= self.window_s * 0.98
-            findings.append(OutlierFinding(m, metric, side, v, lam, delta, z, run.since, run.held_s, alarmed))
+            findings.append(OutlierFinding(m, metric, side, value, peer_mean, peer_std, score, run.since, run.held_s,
+                                           alarmed))
         findings.sort(key=lambda f: (not f.alarmed, -f.held_s, -abs(f.z)))
         return tuple(findings)

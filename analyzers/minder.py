@@ -69,17 +69,13 @@ def denoise(values: FloatArray, median_width: int = 3, mean_width: int = 3) -> F
     x = np.array(values, dtype=np.float64, copy=True)
     if x.ndim != 2 or x.shape[0] == 0:
         return x
-    for j in range(x.shape[1]):
-        col = x[:, j]
-        ok = np.isfinite(col)
-        if not ok.any():
-            continue
-        idx = np.where(ok, np.arange(col.size), 0)
-        np.maximum.accumulate(idx, out=idx)
-        col = col[idx]
-        first = int(np.argmax(ok))
-        col[:first] = col[first]
-        x[:, j] = col
+    ok = np.isfinite(x)
+    rows = np.arange(x.shape[0])[:, None]
+    cols = np.arange(x.shape[1])
+    last_ok = np.maximum.accumulate(np.where(ok, rows, 0), axis=0)
+    x = x[last_ok, cols]  # forward fill
+    first = ok.argmax(axis=0)
+    x = np.where(rows < first[None, :], x[first, cols][None, :], x)  # back fill before the first sample
     # Edges are padded with the median of the three samples nearest the edge:
     # repeating (or reflecting) the edge sample would let a spike in the newest
     # two samples survive exactly where it matters most.
@@ -168,7 +164,7 @@ class MinderDetector:
 
     def candidate(self, metric: str, values: FloatArray, machines: Sequence[str]) -> tuple[int, float, float, float, str] | None:
         """This window's candidate for one metric: (column, distance, separation, normal score, side)."""
-        keep = [j for j in range(values.shape[1]) if np.isfinite(values[:, j]).any()]
+        keep = np.flatnonzero(np.isfinite(values).any(axis=0)).tolist()
         if len(keep) < 3:
             return None
         # Denoise a little more than the window, so its first samples are not at an edge.
@@ -194,10 +190,10 @@ class MinderDetector:
             return MinderResult((), None, ("minder: needs 3 or more machines to tell the odd one out",))
         found: dict[tuple[str, str], tuple[float, float, float, str]] = {}
         for metric in self.metrics:
-            t, machines, values = store.matrix(metric)
+            t, machines, values = store.matrix(metric, last=self.window_points + self.median_width)
             if t.size < self.window_points:
                 continue
-            got = self.candidate(metric, values[-(self.window_points + self.median_width):], machines)
+            got = self.candidate(metric, values, machines)
             if got is not None:
                 j, dist, sep, normal, side = got
                 found[(metric, machines[j])] = (dist, sep, normal, side)

@@ -18,6 +18,7 @@ from "idle".
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -139,11 +140,23 @@ class _StepState:
     advanced_at: float  # job mono time at which the counter was last seen to move
 
 
+METRIC_NAMES: tuple[str, ...] = tuple(METRICS)
+_METRIC_INDEX: dict[str, int] = {name: i for i, name in enumerate(METRIC_NAMES)}
+
+
 @dataclass(frozen=True, slots=True)
 class _Row:
+    """One snapshot's values: machine columns in the store's first-seen order.
+
+    ``values`` is (metrics, machines known at that time); machines seen later
+    are NaN in older rows. Ranks are kept as two parallel arrays.
+    """
+
     t: float
-    machine: dict[str, dict[str, float]]
-    rank_step: dict[int, float]
+    values: FloatArray
+    ranks: npt.NDArray[np.int64]
+    rank_steps: FloatArray
+    job_step: float  # median step time over the ranks that have one (NaN if none)
 
 
 class SeriesStore:
@@ -159,11 +172,12 @@ class SeriesStore:
         self.max_age_s = max_age_s
         self._rows: deque[_Row] = deque(maxlen=max_rows)
         self._steps: dict[int, _StepState] = {}
-        self._machines: dict[str, None] = {}  # ordered set: first seen first
+        self._machines: dict[str, int] = {}  # name -> column, first seen first
         self._rank_machine: dict[int, str] = {}
         # An unreachable agent is reported under its address; the name it gave
         # while it answered is kept so its column does not change identity.
         self._names: dict[str, str] = {}
+        self._ranks_by_machine: dict[str, tuple[int, ...]] | None = None  # cache of ranks_of, reset by add
         self.missing_machines: tuple[str, ...] = ()
         self.reachable_machines: tuple[str, ...] = ()
         self.missing_ranks: tuple[int, ...] = ()
@@ -175,13 +189,14 @@ class SeriesStore:
         t = snapshot.captured.mono
         if self._rows and t <= self._rows[-1].t:
             return False
-        machines: dict[str, dict[str, float]] = {}
+        per_machine: dict[str, dict[str, float]] = {}
         rank_step: dict[int, float] = {}
+        self._ranks_by_machine = None
         for m in snapshot.machines:
             if m.reachable:
                 self._names[m.address] = m.machine
             name = self.name_of(m)
-            self._machines.setdefault(name, None)
+            self._machines.setdefault(name, len(self._machines))
             for r in m.ranks:
                 self._rank_machine[r.rank] = name
             for c in m.counters:
@@ -195,8 +210,14 @@ class SeriesStore:
                         rank_step[c.rank] = step
                         steps.append(step)
             values["step_time_s"] = float(np.median(steps)) if steps else math.nan
-            machines[name] = values
-        self._rows.append(_Row(t, machines, rank_step))
+            per_machine[name] = values
+        table = np.full((len(METRIC_NAMES), len(self._machines)), np.nan, dtype=np.float64)
+        for name, values in per_machine.items():
+            table[:, self._machines[name]] = [values[k] for k in METRIC_NAMES]
+        ranks = np.array(sorted(rank_step), dtype=np.int64)
+        steps_arr = np.array([rank_step[int(r)] for r in ranks], dtype=np.float64)
+        job_step = float(np.median(steps_arr)) if steps_arr.size else math.nan
+        self._rows.append(_Row(t, table, ranks, steps_arr, job_step))
         while self._rows and t - self._rows[0].t > self.max_age_s:
             self._rows.popleft()
         self.missing_machines = tuple(self.name_of(m) for m in snapshot.machines if not m.reachable)
@@ -251,54 +272,74 @@ class SeriesStore:
         return tuple(self._machines)
 
     def ranks_of(self, machine: str) -> tuple[int, ...]:
-        return tuple(sorted(r for r, m in self._rank_machine.items() if m == machine))
+        if self._ranks_by_machine is None:
+            by: dict[str, list[int]] = {}
+            for r, m in self._rank_machine.items():
+                by.setdefault(m, []).append(r)
+            self._ranks_by_machine = {m: tuple(sorted(rs)) for m, rs in by.items()}
+        return self._ranks_by_machine.get(machine, ())
 
     def rank_machine(self) -> dict[int, str]:
         return dict(self._rank_machine)
 
-    def _since_index(self, since: float | None) -> int:
-        if since is None:
-            return 0
-        for i, row in enumerate(self._rows):
-            if row.t >= since:
-                return i
-        return len(self._rows)
+    def _select(self, since: float | None, last: int | None) -> list[_Row]:
+        """Rows at or after ``since`` (job mono seconds), at most the ``last`` newest."""
+        rows = self._rows
+        start = 0
+        if since is not None:
+            start = bisect.bisect_left([r.t for r in rows], since)
+        if last is not None:
+            start = max(start, len(rows) - last)
+        return [rows[i] for i in range(start, len(rows))]
 
-    def times(self, since: float | None = None) -> FloatArray:
-        rows = list(self._rows)[self._since_index(since):]
-        return np.array([r.t for r in rows], dtype=np.float64)
+    def times(self, since: float | None = None, last: int | None = None) -> FloatArray:
+        return np.array([r.t for r in self._select(since, last)], dtype=np.float64)
 
-    def matrix(self, metric: str, since: float | None = None) -> tuple[FloatArray, tuple[str, ...], FloatArray]:
-        """``(times, machines, values)`` with values shaped (len(times), len(machines)), NaN where absent."""
-        if metric not in METRICS:
-            raise KeyError(f"unknown metric {metric!r}; known: {', '.join(METRICS)}")
-        rows = list(self._rows)[self._since_index(since):]
+    def matrix(self, metric: str, since: float | None = None, last: int | None = None,
+               ) -> tuple[FloatArray, tuple[str, ...], FloatArray]:
+        """``(times, machines, values)`` with values shaped (len(times), len(machines)), NaN where absent.
+
+        ``since`` keeps rows at or after that job time; ``last`` keeps at most
+        that many of the newest rows.
+        """
+        if metric not in _METRIC_INDEX:
+            raise KeyError(f"unknown metric {metric!r}; known: {', '.join(METRIC_NAMES)}")
+        k = _METRIC_INDEX[metric]
+        rows = self._select(since, last)
         machines = self.machines
         values = np.full((len(rows), len(machines)), np.nan, dtype=np.float64)
         for i, row in enumerate(rows):
-            for j, m in enumerate(machines):
-                v = row.machine.get(m)
-                if v is not None:
-                    values[i, j] = v.get(metric, math.nan)
+            values[i, : row.values.shape[1]] = row.values[k]
         return np.array([r.t for r in rows], dtype=np.float64), machines, values
 
-    def rank_matrix(self, since: float | None = None) -> tuple[FloatArray, tuple[int, ...], FloatArray]:
+    def rank_matrix(self, since: float | None = None, last: int | None = None,
+                    ) -> tuple[FloatArray, tuple[int, ...], FloatArray]:
         """Per-rank step time: ``(times, ranks, values)``, NaN where a rank's duration is unknown."""
-        rows = list(self._rows)[self._since_index(since):]
-        ranks = tuple(sorted({r for row in rows for r in row.rank_step}))
-        values = np.full((len(rows), len(ranks)), np.nan, dtype=np.float64)
-        col = {r: j for j, r in enumerate(ranks)}
+        rows = self._select(since, last)
+        ranks = np.unique(np.concatenate([r.ranks for r in rows])) if rows else np.array([], dtype=np.int64)
+        values = np.full((len(rows), ranks.size), np.nan, dtype=np.float64)
         for i, row in enumerate(rows):
-            for r, v in row.rank_step.items():
-                values[i, col[r]] = v
-        return np.array([r.t for r in rows], dtype=np.float64), ranks, values
+            values[i, np.searchsorted(ranks, row.ranks)] = row.rank_steps
+        return np.array([r.t for r in rows], dtype=np.float64), tuple(int(r) for r in ranks), values
 
-    def latest(self, metric: str) -> dict[str, float]:
-        """The newest value of ``metric`` per machine (NaN where absent)."""
+    def job_steps(self) -> tuple[FloatArray, FloatArray]:
+        """The job's step time (median over ranks) per row: ``(times, values)``, NaN where none."""
+        return (np.array([r.t for r in self._rows], dtype=np.float64),
+                np.array([r.job_step for r in self._rows], dtype=np.float64))
+
+    def latest_rank_steps(self) -> dict[int, float]:
+        """The newest step time of each rank that has one."""
         if not self._rows:
             return {}
         row = self._rows[-1]
-        return {m: row.machine.get(m, {}).get(metric, math.nan) for m in self.machines}
+        return {int(r): float(v) for r, v in zip(row.ranks, row.rank_steps, strict=True)}
+
+    def latest(self, metric: str) -> dict[str, float]:
+        """The newest value of ``metric`` per machine (NaN where absent)."""
+        _, machines, values = self.matrix(metric, last=1)
+        if values.shape[0] == 0:
+            return {}
+        return dict(zip(machines, values[0].tolist(), strict=True))
 
 
 # --------------------------------------------------------------------------

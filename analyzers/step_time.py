@@ -71,13 +71,12 @@ class StepTimeResult:
     per_rank: tuple[tuple[int, float], ...]  # newest step time per rank (NaN-free)
 
 
-def job_trend(times: np.ndarray, per_rank: np.ndarray, baseline_points: int, window_s: float) -> StepTrend:
-    """Trend of the job's median step time; ``per_rank`` is (time, rank) with NaNs."""
-    rows = np.array([np.nanmedian(r) if np.isfinite(r).any() else np.nan for r in per_rank], dtype=np.float64)
-    ok = np.isfinite(rows)
+def job_trend(times: np.ndarray, job_step: np.ndarray, baseline_points: int, window_s: float) -> StepTrend:
+    """Trend of the job's step time series (NaN where the job reported none)."""
+    ok = np.isfinite(job_step)
     if not ok.any():
         return StepTrend(None, None, None, None, 0)
-    t, v = times[ok], rows[ok]
+    t, v = times[ok], job_step[ok]
     step = float(v[-1])
     base = float(np.median(v[:baseline_points])) if v.size >= min(baseline_points, 3) else None
     recent = t >= t[-1] - window_s
@@ -99,9 +98,9 @@ class StepTimeDetector:
 
     def update(self, store: SeriesStore) -> StepTimeResult:
         now = store.now
-        t, ranks, per_rank = store.rank_matrix()
-        trend = job_trend(t, per_rank, self.baseline_points, self.window_s)
-        newest_rank = {r: float(per_rank[-1, j]) for j, r in enumerate(ranks) if per_rank.size and math.isfinite(per_rank[-1, j])}
+        t, job_step = store.job_steps()
+        trend = job_trend(t, job_step, self.baseline_points, self.window_s)
+        newest_rank = store.latest_rank_steps()
         machine_now = {m: v for m, v in store.latest("step_time_s").items() if math.isfinite(v)}
         if now is None:
             return StepTimeResult((), trend, (), ())

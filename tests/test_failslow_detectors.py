@@ -29,6 +29,7 @@ from rankscope.snapshot import (
     Instant,
     JobSnapshot,
     MachineSnapshot,
+    OpCounters,
     ProcessInfo,
     ProcessRole,
     RankCounters,
@@ -48,8 +49,13 @@ def no_fault(_t: int, _m: str) -> dict[str, float]:
     return {}
 
 
+# CCL ops of one rank at one time: (t, rank) -> its OpCounters
+Ops = Callable[[int, int], tuple[OpCounters, ...]]
+
+
 def make_series(n: int, fault: Fault = no_fault, seed: int = 7, machines: tuple[str, ...] = MACHINES,
-                unreachable: Callable[[int, str], bool] = lambda _t, _m: False) -> list[JobSnapshot]:
+                unreachable: Callable[[int, str], bool] = lambda _t, _m: False,
+                ops: Ops = lambda _t, _r: ()) -> list[JobSnapshot]:
     """``n`` snapshots one second apart; each metric noisy around HEALTHY times the fault's factor."""
     rng = np.random.default_rng(seed)
     steps = {r: 0 for r in range(len(machines) * RPM)}
@@ -75,7 +81,7 @@ def make_series(n: int, fault: Fault = no_fault, seed: int = 7, machines: tuple[
                 infos.append(RankInfo(r, r % RPM, len(machines) * RPM, 1000 + r,
                                       process=ProcessInfo(1000 + r, 1, ProcessRole.MAIN, "python", cpu_percent=v("proc_cpu"))))
                 counters.append(RankCounters(r, 1000 + r, len(machines) * RPM, "job", float(t), steps=steps[r],
-                                             last_step_duration_s=step))
+                                             last_step_duration_s=step, ops=ops(t, r)))
             gpus = GpuStatus(True, tuple(GpuMetrics(g, util_percent=v("util"), temperature_c=v("temp"), power_w=v("power"),
                                                     sm_clock_mhz=v("clock")) for g in range(2)))
             ms.append(MachineSnapshot(m, f"127.0.0.1:{5000 + i}", True, Instant(1000.0 + t, 50.0 + t * 1.3),
@@ -358,7 +364,48 @@ def test_stack_rounds_name_the_most_flagged_group_after_enough_rounds() -> None:
     assert {s.machines[0] for s in last.verdict.suspects} == {"m2", "m3"}
 
 
-def test_ccl_findings_are_narrowed_to_the_common_end_and_must_persist() -> None:
+def _allreduce(late: int | None, slow_link: int | None = None, comms: int = 1) -> Ops:
+    """Every rank on ``comms`` all-reduce communicators of all 8 ranks, call t+1 done.
+
+    The late arriver spends far less time in the collective (it came last);
+    a slow-link rank moves its bytes at a third of the others' rate.
+    """
+    rng = np.random.default_rng(3)
+
+    def ops(t: int, r: int) -> tuple[OpCounters, ...]:
+        out = []
+        for c in range(comms):
+            td = 0.05 if r == late else 0.20 * (1 + 0.05 * rng.standard_normal())
+            rate = 1e8 / 3 if r == slow_link else 1e8 * (1 + 0.05 * rng.standard_normal())
+            out.append(OpCounters(f"c{c}", "all_reduce", t + 1, t + 1, t + 1, last_duration_s=td,
+                                  recent_throughput=(rate,) * 5))
+        return tuple(out)
+    return ops
+
+
+def test_ccl_late_arriver_is_blamed_after_it_persists() -> None:
+    verdicts = run_detector(make_series(8, ops=_allreduce(late=5)), FailSlowConfig(ccl_rounds_needed=3))
+    flags = [[f for f in v.flags if f.detector == "ccl"] for v in verdicts]
+    assert all([(f.machine, f.ranks) for f in fl] == [("m2", (5,))] for fl in flags)
+    assert not verdicts[1].verdict.suspects, "two updates are not enough"
+    assert verdicts[2].machine == "m2" and verdicts[-1].confidence > verdicts[2].confidence
+    assert "arrived last" in verdicts[-1].verdict.top.evidence[0]  # type: ignore[union-attr]
+
+
+def test_ccl_healthy_counters_with_noise_blame_nobody() -> None:
+    verdicts = run_detector(make_series(10, ops=_allreduce(late=None)))
+    assert not any(f.detector == "ccl" for v in verdicts for f in v.flags)
+
+
+def test_ccl_slow_links_narrow_to_the_shared_rank() -> None:
+    verdicts = run_detector(make_series(5, ops=_allreduce(late=None, slow_link=6, comms=2)),
+                            FailSlowConfig(ccl_rounds_needed=3))
+    last = verdicts[-1]
+    assert last.machine == "m3" and last.verdict.top is not None and last.verdict.top.ranks == (6,)
+    assert "share rank 6" in last.verdict.top.evidence[0]
+
+
+def test_ccl_verdict_from_the_caller_is_narrowed_to_the_common_end_and_must_persist() -> None:
     det = FailSlowDetector(FailSlowConfig(ccl_rounds_needed=3))
     snaps = make_series(6)
     # three slow links (p2p pairs) all touching rank 5
@@ -375,6 +422,8 @@ def test_narrow_to_common_end() -> None:
     assert narrow_to_common_end([(1, 2), (2, 3), (2, 4)]) == (2,)
     assert narrow_to_common_end([(1, 2), (3, 4)]) == (), "no shared end: the network, not a host"
     assert narrow_to_common_end([(1, 2)]) == (1, 2)
+    assert narrow_to_common_end([(6,), (6,)]) == (6,)
+    assert narrow_to_common_end([(1, 2), (3, 4), (1, 5)]) == (1,)
 
 
 def test_history_keeps_every_round() -> None:

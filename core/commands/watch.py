@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from rankscope.analyzers.failslow import FailSlowVerdict
-    from rankscope.analyzers.findings import Verdict
     from rankscope.snapshot import JobSnapshot, Layout
 
 DESCRIPTION = """\
@@ -167,25 +166,6 @@ def _stack_round(snap: JobSnapshot, layout: Layout | None) -> tuple[object | Non
         return None, f"stack round failed: {type(exc).__name__}: {exc}"
 
 
-def _ccl_degradation(snap: JobSnapshot) -> Verdict | None:
-    """Aegis §5.2 TD/N findings for this snapshot, when that analyzer is installed."""
-    import importlib
-
-    try:
-        mod = importlib.import_module("rankscope.analyzers.degradation")
-    except ImportError:
-        return None
-    fn: Callable[..., Any] | None = getattr(mod, "analyze_degradation", None)
-    if fn is None:
-        return None
-    result = fn(snap)
-    if result is None:
-        return None
-    from rankscope.analyzers.findings import Verdict
-
-    return result if isinstance(result, Verdict) else getattr(result, "verdict", None)
-
-
 async def watch(args: argparse.Namespace, agents: list[str], token: str | None, emit: Callable[[dict[str, Any]], None]) -> int:
     import asyncio
     import time
@@ -232,17 +212,17 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
                 stack_rounds += analysis is not None
                 if problem:
                     error(problem, "pass --tp/--pp/--dp/--ranks-per-machine that match the job, or leave them out")
-            degradation: Verdict | None = None
             try:
-                degradation = _ccl_degradation(snap)
-            except Exception as exc:  # an analyzer bug must cost its evidence, not the watch
-                error(f"CCL degradation analysis failed: {type(exc).__name__}: {exc}", "report this as a rankscope bug")
-            fs = detector.update(snap, analysis, degradation)
-            key = change_key(fs, snap)
-            if key != last_key:
-                emit(verdict_event(fs, snap, started))
-                last_key = key
-            last = fs
+                fs: FailSlowVerdict | None = detector.update(snap, analysis)
+            except Exception as exc:  # an analyzer bug must cost this poll, not the watch
+                error(f"fail-slow analysis failed: {type(exc).__name__}: {exc}", "report this as a rankscope bug")
+                fs = None
+            if fs is not None:
+                key = change_key(fs, snap)
+                if key != last_key:
+                    emit(verdict_event(fs, snap, started))
+                    last_key = key
+                last = fs
             wake = tick + args.interval
             if end is not None:
                 wake = min(wake, end)
