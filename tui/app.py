@@ -96,17 +96,10 @@ class RankscopeApp(App[int]):
         assert isinstance(screen, MainScreen)
         return screen
 
-    def on_mount(self) -> None:
-        self.theme = "textual-ansi" if self._plain_colours() else "textual-dark"
-
     def main_ready(self) -> None:
         """Called by MainScreen once its widgets exist: only then can data be drawn."""
         self.redraw()
         self._load()
-
-    def _plain_colours(self) -> bool:
-        # In a 16-colour terminal the ANSI theme keeps the user's own palette readable.
-        return self.console.color_system == "standard"
 
     def _now(self, snapshot_wall: float | None = None) -> float:
         # Offline, "now" is the bundle's own time, so a replay draws the same screen every time.
@@ -130,6 +123,7 @@ class RankscopeApp(App[int]):
             else:
                 self.state = st.apply_capture(self.state, d, view, now, self.options.hang_after_s)
         self.redraw()
+        self.main.focus_view()
         self.loaded.set()
         if self.source.live:
             self._poll()
@@ -211,6 +205,7 @@ class RankscopeApp(App[int]):
     @on(TabbedContent.TabActivated)
     def _tab_changed(self) -> None:
         self.redraw()
+        self.main.focus_view()
 
     # -- actions ------------------------------------------------------------
 
@@ -218,6 +213,7 @@ class RankscopeApp(App[int]):
         if view in VIEWS:
             self.main.query_one("#views", TabbedContent).active = view
             self.redraw()
+            self.main.focus_view()
 
     def action_capture(self) -> None:
         if self._capturing:
@@ -250,7 +246,7 @@ class RankscopeApp(App[int]):
     def _filter_submitted(self, event: Input.Submitted) -> None:
         self.set_filter(event.value)
         event.input.display = False
-        self.main.focus_next()
+        self.main.focus_view()
 
     def set_filter(self, text: str) -> None:
         self.filter = st.compile_filter(text, self.state)
@@ -260,6 +256,7 @@ class RankscopeApp(App[int]):
         box = self.main.query_one("#filter-input", Input)
         if box.display:
             box.display = False
+            self.main.focus_view()
             return
         if self.main.active_view == "ccl" and self.main.query_one("#ccl-panel", CclPanel).back():
             return

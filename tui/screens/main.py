@@ -15,6 +15,9 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input, Static, TabbedContent, TabPane
 
 VIEWS = ("overview", "stacks", "ccl", "metrics", "events")
+# What takes the keys in each view, so arrows and enter work right after switching.
+FOCUS = {"overview": "#rank-map", "stacks": "#groups", "ccl": "#ccl-table", "metrics": "#metrics-table",
+         "events": "#events-panel"}
 
 
 class MainScreen(Screen[None]):
@@ -44,6 +47,9 @@ class MainScreen(Screen[None]):
         ready = getattr(self.app, "main_ready", None)
         if callable(ready):
             ready()
+
+    def focus_view(self) -> None:
+        self.query_one(FOCUS[self.active_view]).focus()
 
     @property
     def active_view(self) -> str:

@@ -14,6 +14,7 @@ from rankscope.tui.analysis import GroupView, StackView, TreeNode, diverging_ind
 from rankscope.tui.state import Filter
 from rankscope.tui.widgets.events import VimTable
 from rankscope.tui.widgets.rank_map import group_glyph, group_style
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -35,9 +36,13 @@ class VimTree(Tree[TreeNode]):
     ]
 
 
-def compare_table(dominant: GroupView, other: GroupView, width: int) -> Table:
+def compare_table(dominant: GroupView, other: GroupView, width: int) -> Group:
     """Two call paths side by side, shared frames dim, the first differing frame marked."""
     cut = diverging_index(dominant.frames, other.frames)
+    where = other.diverging_frame or (other.frames[cut] if cut < len(other.frames) else "(same path)")
+    heading = Text(no_wrap=True, overflow="ellipsis")
+    heading.append(f"group {group_glyph(other.index)} diverges at ", "bold")
+    heading.append(where, "bold magenta")
     table = Table(box=None, expand=True, show_edge=False, pad_edge=False, padding=(0, 1))
     table.add_column(Text(f"{group_glyph(dominant.index)} dominant ({len(dominant.ranks)} ranks)",
                           group_style(dominant.index)), ratio=1, no_wrap=True, overflow="ellipsis")
@@ -54,10 +59,10 @@ def compare_table(dominant: GroupView, other: GroupView, width: int) -> Table:
         if i < cut:
             table.add_row(Text(a, "dim"), Text(b, "dim"))
         elif i == cut:
-            table.add_row(Text("▶ " + a, "bold"), Text("▶ " + b + "  ◀ diverges", "bold magenta"))
+            table.add_row(Text("▶ " + a, "bold"), Text("▶ " + b, "bold magenta"))
         else:
             table.add_row(Text(a), Text(b))
-    return table
+    return Group(heading, table)
 
 
 class StackTreePanel(Vertical):
