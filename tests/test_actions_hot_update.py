@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -84,6 +85,9 @@ def test_a_version_is_checked_out_once_and_reused(tmp_path: Path, repo: Path) ->
     (Path(first.path) / "marker").write_text("kept")
     again = up.versions.checkout(_git(repo, "rev-parse", "A"))
     assert again.path == first.path and (Path(again.path) / "marker").exists()
+    shutil.rmtree(first.path)  # someone cleaned the versions directory by hand
+    fresh = up.versions.checkout("A")
+    assert fresh.path == first.path and (Path(fresh.path) / "train.py").read_text() == "print('version A')\n"
 
 
 def test_lazy_update_waits_for_a_failure_then_applies_without_an_extra_restart(tmp_path: Path, repo: Path) -> None:

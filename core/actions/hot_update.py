@@ -111,6 +111,8 @@ class CodeVersions:
         path = self.versions_dir / commit
         if not (path / ".git").exists():
             self.versions_dir.mkdir(parents=True, exist_ok=True)
+            # A version tree deleted by hand leaves its registration behind, and git refuses to add it again.
+            self._git("worktree", "prune", what="prune stale worktrees")
             self._git("worktree", "add", "--detach", "--quiet", str(path), commit, what=f"check out {commit[:12]}")
         return Version(label=f"git:{ref} ({commit[:12]})", path=str(path))
 
