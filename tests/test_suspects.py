@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.stacks import SignatureOptions
 from rankscope.analyzers.suspects import analyze_stacks, verdict_to_json
@@ -210,3 +211,40 @@ def test_json_shape() -> None:
     first = suspects[0]
     assert set(first) >= {"kind", "ranks", "machines", "score", "evidence"}
     assert first["kind"] == "pp" and first["machines"] == ["machine-12", "machine-13", "machine-14", "machine-15"]
+
+
+def test_merge_agreement_outranks_one_sure_detector() -> None:
+    from rankscope.analyzers.findings import Suspect, Verdict
+    from rankscope.analyzers.verdict import merge_verdicts
+
+    pp = Suspect(SuspectKind.PP, (1, 5), ("m0", "m2"), 2.0, ("PP group 1",), ("stacks",), group_index=1)
+    lone = Suspect(SuspectKind.RANK, (3,), ("m1",), 1.9, ("rank 3",), ("stacks",))
+    stacks = Verdict((pp, lone), "PP group 1", missing_ranks=(7,), notes=("n1",))
+    ccl = Verdict((Suspect(SuspectKind.RANK, (5,), ("m2",), 1.0, ("rank 5 lags",), ("ccl",)),),
+                  "rank 5", missing_ranks=(6,))
+    merged = merge_verdicts(stacks, ccl)
+    first, second, third = merged.suspects
+    # the PP group and CCL's rank 5 agree; rank 3 has one detector only
+    assert {first.ranks, second.ranks} == {(1, 5), (5,)}
+    assert first.ranks == (1, 5)  # equal scores: the larger group first (over-eviction)
+    assert first.score == pytest.approx(2.0) and set(first.sources) == {"stacks", "ccl"}
+    assert any(e.startswith("agreement: ccl") for e in first.evidence)
+    assert third.ranks == (3,) and third.score == pytest.approx(0.95)
+    assert merged.missing_ranks == (6, 7) and merged.notes == ("n1",)
+    assert merged.summary == "PP group 1 (ranks 1,5) on m0, m2 (stacks + ccl)"
+    assert merge_verdicts(stacks) is stacks
+    assert merge_verdicts().suspects == ()
+
+
+def test_merge_folds_the_same_suspect_from_two_detectors() -> None:
+    from rankscope.analyzers.findings import Suspect, Verdict
+    from rankscope.analyzers.verdict import merge_verdicts
+
+    a = Verdict((Suspect(SuspectKind.RANK, (4,), ("m2",), 0.5, ("stuck in compute",), ("stacks",)),), "a")
+    b = Verdict((Suspect(SuspectKind.RANK, (4,), ("m2",), 0.8, ("CL lags",), ("ccl",)),
+                 Suspect(SuspectKind.RANK, (0,), ("m0",), 0.4, ("open request",), ("ccl",))), "b")
+    merged = merge_verdicts(a, b)
+    assert [s.ranks for s in merged.suspects] == [(4,), (0,)]
+    top = merged.suspects[0]
+    assert top.evidence[:2] == ("stuck in compute", "CL lags") and set(top.sources) == {"stacks", "ccl"}
+    assert top.score == pytest.approx(2.0)

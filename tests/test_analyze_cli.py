@@ -1,0 +1,116 @@
+"""`rankscope analyze`: bundles, folders of py-spy dumps, JSON and text, and clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rankscope.bundle import Bundle, write_bundle
+from rankscope.cli import main
+from rankscope.snapshot import Layout
+
+from tests.stack_fixtures import COMPUTE, OPTIMIZER, RECV, rank_stacks, snapshot
+
+FIG7 = Path(__file__).parent / "data" / "fig7"
+FIG7_FLAGS = ["--tp", "2", "--pp", "4", "--dp", "4", "--order", "tp-pp-dp", "--ranks-per-machine", "2"]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["analyze", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_pyspy_dir_json_names_the_fig7_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--pyspy-dir", str(FIG7), *FIG7_FLAGS, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["summary"] == "PP groups 6-7 on machine-12..15"
+    top = data["suspects"][0]
+    assert top["kind"] == "pp" and top["machines"] == [f"machine-{m}" for m in (12, 13, 14, 15)]
+    assert top["ranks"] == list(range(24, 32)) and top["score"] == 1.0 and top["evidence"]
+    assert [g["size"] for g in data["groups"]] == [24, 4, 2, 2]
+    assert data["dominant"] == [0] and data["outliers"] == [1, 2, 3]
+    assert data["layout"]["order"] == "tp-pp-dp-cp-ep" and data["world_size"] == 32
+
+
+def test_pyspy_dir_text(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--pyspy-dir", str(FIG7), *FIG7_FLAGS)
+    assert code == 0
+    assert out.startswith("verdict: PP groups 6-7 on machine-12..15\n")
+    assert "[outlier] 2 rank(s) 30-31: all_gather_into_tensor (distributed_c10d.py)" in out
+    assert "1. [pp] score 1.00  machines: machine-12, machine-13, machine-14, machine-15" in out
+
+
+def test_pyspy_dir_with_gaps_keeps_going_and_says_what_is_missing(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for f in FIG7.glob("rank*.json"):
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "rank3.json").unlink()
+    (tmp_path / "rank5.json").write_text("{not json")
+    code, out, _ = _run(capsys, "--pyspy-dir", str(tmp_path), *FIG7_FLAGS, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["missing_ranks"] == [3, 5]
+    assert data["suspects"][0]["kind"] == "pp"
+    assert any("rank5.json is not readable py-spy JSON" in n for n in data["notes"])
+
+
+def test_bundle_with_layout_flags_and_rounds(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    layout = Layout(tp=2, pp=2, dp=2, ranks_per_machine=2)
+    snaps = []
+    for slow in ({1: COMPUTE, 0: RECV, 5: RECV, 4: RECV}, {1: COMPUTE}, {1: COMPUTE, 5: RECV}):
+        stacks = {r: rank_stacks(r, slow.get(r, OPTIMIZER)) for r in range(8)}
+        snaps.append(snapshot(stacks, 8, 2, layout))
+    path = write_bundle(Bundle(snapshots=tuple(snaps), created_wall=1.0), tmp_path / "b.json")
+    code, out, _ = _run(capsys, str(path), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["suspects"][0]["kind"] == "rank" and data["suspects"][0]["ranks"] == [1]
+    fail_slow = data["fail_slow"]
+    assert len(fail_slow["rounds"]) == 3
+    assert fail_slow["degrader"]["ranks"] == [1] and fail_slow["degrader"]["score"] == 1.0
+    # flags override the bundle's layout; a layout that does not fit is refused with the fix
+    code, _, err = _run(capsys, str(path), "--dp", "3")
+    assert code == 2
+    assert "multiply to 12 ranks" in err and "fix:" in err
+    code, out, _ = _run(capsys, str(path), "--snapshot", "1")
+    assert code == 0 and out.startswith("verdict: rank 1 on node0")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ((), "give exactly one of BUNDLE, --pyspy-dir DIR or --flight-recorder DIR"),
+    (("--pyspy-dir", "/nonexistent/dumps"), "is not a folder"),
+    (("--pyspy-dir", str(FIG7), "--order", "tp-xx"), "unknown dimension"),
+    (("--pyspy-dir", str(FIG7), "--tp", "0"), "--tp must be at least 1"),
+])
+def test_errors_name_the_fix(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert message in err and "fix:" in err
+    assert "Traceback" not in err
+
+
+def test_empty_pyspy_dir_says_how_to_fill_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = _run(capsys, "--pyspy-dir", str(tmp_path))
+    assert code == 2 and "no rank<R>.json files" in err and "py-spy dump --pid" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("rankscope.flight_recorder") is not None,
+                    reason="the flight-recorder reader exists; its own tests cover it")
+def test_flight_recorder_without_its_reader_is_a_clear_error(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = _run(capsys, "--flight-recorder", str(tmp_path))
+    assert code == 2 and "no flight-recorder reader" in err
+
+
+def test_the_installed_command_runs() -> None:
+    proc = subprocess.run([sys.executable, "-m", "rankscope", "analyze", "--pyspy-dir", str(FIG7), *FIG7_FLAGS,
+                           "--json"], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["suspects"][0]["machines"][0] == "machine-12"
