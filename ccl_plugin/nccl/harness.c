@@ -1,0 +1,170 @@
+/* Drives the rankscope NCCL profiler plugin the way NCCL does, with no NCCL.
+ *
+ *   harness LIB counts  : a scripted set of collectives, p2p and proxy steps
+ *                         (see tests/test_ccl_nccl_plugin.py for the expected
+ *                         counters), prints "ready", waits for a line on stdin
+ *                         so a reader can check the live file, then finalizes;
+ *   harness LIB bench N : N rounds of one collective with one proxy step,
+ *                         prints the cost per plugin call in ns.
+ * Order of calls per NCCL: init per communicator; Coll/P2p start; ProxyOp
+ * start (parent: the Coll/P2p); ProxyStep start (parent: the ProxyOp), its
+ * state transitions, stop; ProxyOp stop; Coll/P2p stop; finalize. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "nccl_profiler_abi.h"
+
+static rs_nccl_profiler_v5* P;
+
+static void* start(void* ctx, rs_nccl_descr_v5 d) {
+  void* h = NULL;
+  P->startEvent(ctx, &h, &d);
+  return h;
+}
+
+static void* coll(void* ctx, const char* func, uint64_t seq, size_t count) {
+  rs_nccl_descr_v5 d;
+  memset(&d, 0, sizeof(d));
+  d.type = RS_EV_COLL;
+  d.coll.func = func;
+  d.coll.seqNumber = seq;
+  d.coll.count = count;
+  d.coll.datatype = "ncclFloat32";
+  return start(ctx, d);
+}
+
+static void* p2p(void* ctx, const char* func, int peer, size_t count) {
+  rs_nccl_descr_v5 d;
+  memset(&d, 0, sizeof(d));
+  d.type = RS_EV_P2P;
+  d.p2p.func = func;
+  d.p2p.peer = peer;
+  d.p2p.count = count;
+  d.p2p.datatype = "ncclInt8";
+  return start(ctx, d);
+}
+
+static void* child(void* ctx, uint64_t type, void* parent, int is_send, int peer) {
+  rs_nccl_descr_v5 d;
+  memset(&d, 0, sizeof(d));
+  d.type = type;
+  d.parentObj = parent;
+  if (type == RS_EV_PROXY_OP) {
+    d.proxyOp.isSend = is_send;
+    d.proxyOp.peer = peer;
+  }
+  return start(ctx, d);
+}
+
+static void state(void* h, int st, size_t trans) {
+  rs_nccl_state_args_v5 a;
+  memset(&a, 0, sizeof(a));
+  a.proxyStep.transSize = trans;
+  P->recordEventState(h, st, &a);
+}
+
+/* one network step: request, (flush for receives), completion */
+static void step(void* ctx, void* op, int is_send, size_t trans, int finish) {
+  void* s = child(ctx, RS_EV_PROXY_STEP, op, is_send, -1);
+  state(s, is_send ? RS_ST_STEP_SEND_WAIT : RS_ST_STEP_RECV_WAIT, trans);
+  if (!finish) return; /* left open: a request stuck on the wire */
+  if (!is_send) state(s, RS_ST_STEP_RECV_FLUSH_WAIT, trans);
+  P->stopEvent(s);
+}
+
+static double now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    fprintf(stderr, "usage: %s LIB counts|bench [N]\n", argv[0]);
+    return 2;
+  }
+  void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    fprintf(stderr, "dlopen: %s\n", dlerror());
+    return 2;
+  }
+  P = (rs_nccl_profiler_v5*)dlsym(lib, "ncclProfiler_v5");
+  if (!P) {
+    fprintf(stderr, "no ncclProfiler_v5 symbol\n");
+    return 2;
+  }
+  void *net = NULL, *local = NULL;
+  int mask = 0;
+  P->init(&net, 0xA1A1ULL, &mask, "PIPELINE_MODEL_PARALLEL_GROUP", 2, 4, 1, NULL);
+  if (!net || !(mask & RS_EV_PROXY_STEP)) {
+    fprintf(stderr, "init gave no context / mask %d\n", mask);
+    return 1;
+  }
+  P->init(&local, 0xB2B2ULL, &mask, "TENSOR_MODEL_PARALLEL_GROUP", 1, 2, 0, NULL);
+  if (strcmp(argv[2], "bench") == 0) {
+    long n = argc > 3 ? atol(argv[3]) : 1000000;
+    double t0 = now_ns();
+    for (long i = 0; i < n; i++) {
+      void* c = coll(net, "AllReduce", (uint64_t)i, 1024);
+      void* op = child(net, RS_EV_PROXY_OP, c, 1, 2);
+      void* s = child(net, RS_EV_PROXY_STEP, op, 1, -1);
+      state(s, RS_ST_STEP_SEND_WAIT, 4096);
+      P->stopEvent(s);
+      P->stopEvent(op);
+      P->stopEvent(c);
+    }
+    double per = (now_ns() - t0) / ((double)n * 7.0); /* 7 plugin calls per round */
+    printf("ns_per_call %.1f\n", per);
+    P->finalize(net);
+    P->finalize(local);
+    return 0;
+  }
+  /* comm A (two nodes): 5 AllReduce, each a send and a receive op of two steps */
+  for (int i = 1; i <= 5; i++) {
+    void* c = coll(net, "AllReduce", (uint64_t)i, 1024);
+    for (int is_send = 0; is_send < 2; is_send++) {
+      void* op = child(net, RS_EV_PROXY_OP, c, is_send, is_send ? 2 : 0);
+      step(net, op, is_send, 1 << 20, 1);
+      step(net, op, is_send, 1 << 20, 1);
+      P->stopEvent(op);
+    }
+    P->stopEvent(c);
+  }
+  /* a sixth AllReduce whose receive never arrives */
+  void* stuck = coll(net, "AllReduce", 6, 1024);
+  void* stuck_op = child(net, RS_EV_PROXY_OP, stuck, 0, 0);
+  step(net, stuck_op, 0, 1 << 20, 0);
+  /* p2p: three sends to rank 2, one receive from rank 3 left open */
+  for (int i = 0; i < 3; i++) {
+    void* s = p2p(net, "Send", 2, 256);
+    void* op = child(net, RS_EV_PROXY_OP, s, 1, 2);
+    step(net, op, 1, 256, 1);
+    P->stopEvent(op);
+    P->stopEvent(s);
+  }
+  void* r = p2p(net, "Recv", 3, 256);
+  void* rop = child(net, RS_EV_PROXY_OP, r, 0, 3);
+  step(net, rop, 0, 256, 0);
+  /* comm B (one node): two AllGather over two kernel channels each */
+  for (int i = 1; i <= 2; i++) {
+    void* c = coll(local, "AllGather", (uint64_t)i, 64);
+    for (int ch = 0; ch < 2; ch++) {
+      void* k = child(local, RS_EV_KERNEL_CH, c, 0, -1);
+      P->recordEventState(k, RS_ST_KERNEL_CH_STOP, NULL);
+      P->stopEvent(k);
+    }
+    P->stopEvent(c);
+  }
+  printf("ready\n");
+  fflush(stdout);
+  char line[16];
+  if (!fgets(line, sizeof(line), stdin)) return 1;
+  P->finalize(net);
+  P->finalize(local);
+  printf("finalized\n");
+  return 0;
+}
