@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from rankscope.ccl_plugin.build import BuildError, build_plugin, find_compiler, source_dir
 from rankscope.probes.ccl_counters import list_counter_files
 
