@@ -360,7 +360,9 @@ def group_stacks(stacks: Mapping[int, RankStacks], options: SignatureOptions = D
     lost_workers = 0
     for rank in sorted(stacks):
         rs = stacks[rank]
-        if rs.main.threads is None or not rs.main.threads:
+        main = main_thread(rs.main) if rs.main.threads else None
+        if main is None or not main.frames:
+            # No Python frames: the interpreter is exiting or not running Python yet; nothing to compare.
             unseen.append(rank)
             continue
         lost_workers += sum(1 for s in rs.subprocesses if s.threads is None)

@@ -380,7 +380,12 @@ def _missing_ranks(snapshot: JobSnapshot, topology: Topology, grouping: Grouping
                 reasons.setdefault(r.rank, why)
     for rank in grouping.unseen:
         err = stacks[rank].main.error
-        reasons[rank] = f"{err.kind}: {err.message}" if err else "no threads captured"
+        if err is not None:
+            reasons[rank] = f"{err.kind}: {err.message}"
+        elif stacks[rank].main.threads:
+            reasons[rank] = "main thread shows no Python frames (the process is exiting or not in Python yet)"
+        else:
+            reasons[rank] = "no threads captured"
     for rank in range(topology.world_size):
         if rank not in stacks:
             reasons.setdefault(rank, "no stacks in the snapshot")
@@ -514,6 +519,10 @@ def analyze_stacks(
     if missing_ranks:
         notes.append(f"{len(missing_ranks)} rank(s) could not be seen: {compact_ranks(missing_ranks)}"
                      + _reason_digest(missing))
+    exiting = [r for r, why in missing.items() if why.startswith(("main thread shows no Python frames", "gone"))]
+    if len(exiting) * 2 >= max(topology.world_size, 1):
+        notes.append(f"{len(exiting)} of {topology.world_size} ranks are exiting or gone: the job looks crashed, "
+                     "not hung; the launcher's log names the rank that failed first")
     if topology.assumed and suspects:
         notes.append("no parallel sizes known: only ranks and machines can be suspected; "
                      "pass --tp/--pp/--dp (and --order) to name parallel groups")

@@ -165,3 +165,12 @@ def test_main_thread_found_by_name_not_position() -> None:
     rs = RankStacks(0, ProcessStack(pid=9, role=ProcessRole.MAIN, threads=(other, main)))
     g = group_stacks({0: rs})
     assert g.groups[0].frames[-1] == "irecv (distributed_c10d.py)"
+
+
+def test_a_rank_without_python_frames_is_unseen_not_healthy() -> None:
+    stacks = {r: rank_stacks(r, []) for r in range(5)}  # processes tearing down
+    stacks[0] = rank_stacks(0, OPTIMIZER)
+    stacks[1] = rank_stacks(1, OPTIMIZER)
+    g = group_stacks(stacks)
+    assert g.unseen == (2, 3, 4)
+    assert [grp.ranks for grp in g.groups] == [(0, 1)]

@@ -168,7 +168,7 @@ def render_text(out: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"stack groups ({len(out['groups'])}):")
     for g in out["groups"][:20]:
-        tag = "healthy" if g["healthy"] else "outlier"
+        tag = "healthy" if g["healthy"] else "outlier" if out["dominant"] else "group"
         div = f"\n      leaves the healthy path at {g['diverging_frame']}" if g.get("diverging_frame") else ""
         lines.append(f"  [{tag}] {g['size']} rank(s) {_ranks(g['ranks'])}: {g['summary']}{div}")
     if len(out["groups"]) > 20:

@@ -1,0 +1,132 @@
+"""Scorecard of real drills: `python benchmarks/drill_scorecard.py [--drills 10] [--seed S]`.
+
+Runs ``rankscope drill --headless`` (TP=2, PP=2, DP=2 over 4 local machines,
+real torchrun, agents and py-spy) once per drill, cycling through the hang
+faults, each at a rank drawn from the seed. Every bundle is judged with
+``rankscope.analyzers.verdict.analyze_snapshot`` and graded with
+``rankscope.drill.scoring.score_verdict``; the table shows the expected and
+the named suspect, whether the top suspect is of the right kind and holds the
+faulty machine, and how long it took from the fault to the verdict (the
+drill's fault-to-capture time plus the analysis).
+
+One drill at a time, each in its own process group; on Ctrl-C or a timeout
+the running drill is stopped with SIGTERM (it then stops its job and agents).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rankscope.analyzers.verdict import analyze_snapshot
+from rankscope.bundle import read_bundle
+from rankscope.drill.scoring import score_verdict
+
+HANG_FAULTS = ("hang-compute", "hang-p2p", "hang-collective", "dataloader-stall", "checkpoint-stall", "crash")
+WORLD = 8
+
+
+def run_drill(fault: str, rank: int, workdir: Path, timeout_s: float) -> tuple[dict[str, Any] | None, Path, str]:
+    bundle = workdir / f"{fault}-r{rank}.json"
+    cmd = [sys.executable, "-m", "rankscope", "drill", "--headless", "--json", "--fault", fault,
+           "--fault-rank", str(rank), "--fault-step", "5", "--run-dir", str(workdir / f"run-{fault}-r{rank}"),
+           "-o", str(bundle)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    if proc.returncode != 0:
+        return None, bundle, err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
+    return json.loads(out), bundle, ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drills", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=20251121)
+    parser.add_argument("--faults", default=",".join(HANG_FAULTS), help="comma-separated fault names to cycle")
+    parser.add_argument("--timeout", type=float, default=420.0, help="seconds per drill")
+    parser.add_argument("--keep", type=Path, help="keep bundles in this folder (default: a temporary one)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON lines too")
+    args = parser.parse_args()
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    rng = random.Random(args.seed)
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="rankscope-scorecard-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    rows: list[dict[str, Any]] = []
+    header = (f"{'#':>2} {'fault':<17} {'rank':>4} {'machine':<10} {'expect':<6} {'named':<6} {'top machines':<22} "
+              f"{'kind':<4} {'mach':<4} {'fault->verdict':>14} {'analysis':>9}")
+    print(f"{args.drills} drills, TP=2 PP=2 DP=2 on 4 machines, seed {args.seed}, bundles in {workdir}")
+    print(header)
+    print("-" * len(header))
+    for i in range(args.drills):
+        fault = faults[i % len(faults)]
+        rank = rng.randrange(WORLD)
+        t0 = time.monotonic()
+        report, bundle_path, error = run_drill(fault, rank, workdir, args.timeout)
+        wall = time.monotonic() - t0
+        if report is None:
+            rows.append({"fault": fault, "rank": rank, "error": error, "correct": False, "drill_s": wall})
+            print(f"{i + 1:>2} {fault:<17} {rank:>4} drill failed: {error}")
+            continue
+        bundle = read_bundle(bundle_path)
+        a0 = time.perf_counter()
+        verdict = analyze_snapshot(bundle.latest)
+        analysis_s = time.perf_counter() - a0
+        graded = score_verdict(verdict, bundle.ground_truth or {})
+        captured = (report.get("times_s") or {}).get("fault_to_captured")
+        to_verdict = captured + analysis_s if isinstance(captured, (int, float)) else None
+        top = graded["top"] or {}
+        row = {"fault": fault, "rank": rank, "machine": graded["expected"]["machine"],
+               "expected": graded["expected"]["kind"], "named": top.get("kind"), "top_machines": top.get("machines"),
+               "kind_ok": graded["kind_ok"], "machine_ok": graded["machine_ok"], "correct": graded["correct"],
+               "extra_machines": graded["extra_machines"], "truth_position": graded["truth_position"],
+               "fault_to_verdict_s": to_verdict, "analysis_s": analysis_s, "drill_s": wall,
+               "summary": verdict.summary}
+        rows.append(row)
+        machines = ",".join(m.replace("machine-", "m") for m in top.get("machines") or []) or "-"
+        tv = f"{to_verdict:.1f} s" if to_verdict is not None else "?"
+        print(f"{i + 1:>2} {fault:<17} {rank:>4} {row['machine'] or '-':<10} {row['expected']:<6} "
+              f"{row['named'] or '-':<6} {machines:<22} {'ok' if row['kind_ok'] else 'NO':<4} "
+              f"{'ok' if row['machine_ok'] else 'NO':<4} {tv:>14} {analysis_s * 1e3:>7.1f}ms")
+        if args.json:
+            print(json.dumps(row))
+
+    done = [r for r in rows if "error" not in r]
+    correct = sum(1 for r in rows if r["correct"])
+    print("-" * len(header))
+    print(f"correct (right kind and faulty machine in the top suspect): {correct}/{len(rows)}")
+    if done:
+        print(f"right kind: {sum(r['kind_ok'] for r in done)}/{len(done)}; "
+              f"faulty machine in top suspect: {sum(r['machine_ok'] for r in done)}/{len(done)}; "
+              f"extra machines evicted (mean): {statistics.mean(r['extra_machines'] for r in done):.2f}")
+        times = [r["fault_to_verdict_s"] for r in done if r["fault_to_verdict_s"] is not None]
+        if times:
+            print(f"fault -> verdict: median {statistics.median(times):.1f} s, max {max(times):.1f} s "
+                  f"(the drill's stall detection waits for {5.0:.0f} s without progress before capturing)")
+        print(f"analysis per bundle: median {statistics.median(r['analysis_s'] for r in done) * 1e3:.1f} ms")
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        print(f"drills that did not run: {len(failed)} ({'; '.join(r['error'] for r in failed)})")
+    return 0 if correct == len(rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
