@@ -16,6 +16,12 @@ Safe by default:
 
 Stack captures are serialised: two engineers pressing "capture" at once must
 not make two py-spy processes ptrace the same rank (the second attach fails).
+
+Actions (PlanAction, RunAction, WatchAudit) are served when the agent was
+configured with them (``--state-dir`` / ``--actions-config``); the procedures
+live in ``rankscope.actions.agent_service``. Planning and watching the audit
+log need the ``read`` role; RunAction is not in ``METHOD_ROLES`` and so needs
+``act``.
 """
 
 from __future__ import annotations
@@ -35,11 +41,20 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from rankscope.actions.agent_protocol import FIX_SEPARATOR
+from rankscope.actions.agent_service import ActionsConfig, ActionService
 from rankscope.errors import RankscopeError
 from rankscope.proto import rankscope_pb2 as pb
 from rankscope.proto import rankscope_pb2_grpc as pb_grpc
-from rankscope.proto_convert import machine_to_proto
-from rankscope.snapshot import MachineSnapshot
+from rankscope.proto_convert import (
+    audit_to_proto,
+    confirmation_from_proto,
+    event_to_proto,
+    machine_to_proto,
+    plan_to_proto,
+    request_from_proto,
+)
+from rankscope.snapshot import MachineSnapshot, RankInfo
 from rankscope.tokens import MAKE_TOKEN, Role, TokenSet
 
 DEFAULT_PORT = 50051
@@ -50,6 +65,9 @@ METHOD_ROLES: dict[str, Role] = {
     f"/{SERVICE}/Describe": Role.READ,
     f"/{SERVICE}/Capture": Role.READ,
     f"/{SERVICE}/StreamMetrics": Role.READ,
+    f"/{SERVICE}/PlanAction": Role.READ,  # planning changes nothing
+    f"/{SERVICE}/WatchAudit": Role.READ,  # a read-only TUI sees actions live
+    # RunAction is deliberately absent: it needs ACT.
 }
 MIN_STREAM_INTERVAL_S = 0.2  # a client cannot make the agent spin
 MAX_PYSPY_TIMEOUT_S = 60.0
@@ -72,6 +90,7 @@ class AgentConfig:
     counter_dir: Path | None = None
     insecure_no_token: bool = False
     capture_concurrency: int = 8
+    actions: ActionsConfig | None = None  # None: this agent plans and runs no actions
 
 
 def is_loopback(host: str) -> bool:
@@ -177,6 +196,15 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         self.config = config
         self.address = address
         self._stack_lock = asyncio.Lock()
+        self.actions: ActionService | None = None
+        if config.actions is not None:
+            self.actions = ActionService(config.actions, config.machine_name, self.ranks)
+
+    def ranks(self) -> tuple[RankInfo, ...]:
+        """This machine's ranks, in the agent's scope (blocking: discovery scans /proc)."""
+        from rankscope.probes.discovery import discover_ranks
+
+        return discover_ranks(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id)
 
     async def capture(
         self, *, stacks: bool, native: bool = False, subprocesses: bool = True, timeout_s: float = DEFAULT_PYSPY_TIMEOUT_S
@@ -229,6 +257,57 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
 
+    # ---- actions ------------------------------------------------------------------
+
+    async def _actions(self, context: grpc.aio.ServicerContext) -> ActionService:
+        if self.actions is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the agent on {self.config.machine_name} has no actions configured"
+                f"{FIX_SEPARATOR}start it with --state-dir DIR (and --actions-config FILE for the procedures)",
+            )
+        assert self.actions is not None
+        return self.actions
+
+    @staticmethod
+    async def _refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, exc: RankscopeError) -> None:
+        await context.abort(code, f"{exc.message}{FIX_SEPARATOR}{exc.fix}" if exc.fix else exc.message)
+
+    async def PlanAction(self, request: pb.ActionRequest, context: grpc.aio.ServicerContext) -> pb.ActionPlan:
+        actions = await self._actions(context)
+        try:
+            decoded = request_from_proto(request)
+        except RankscopeError as exc:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+            raise  # unreachable: abort raises
+        try:
+            return plan_to_proto(await actions.plan(decoded))
+        except RankscopeError as exc:
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, exc)
+            raise
+
+    async def RunAction(
+        self, request: pb.RunActionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ActionEvent]:
+        actions = await self._actions(context)
+        try:
+            decoded = request_from_proto(request.request)
+            confirmation = confirmation_from_proto(request.confirmation)
+        except RankscopeError as exc:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+            raise
+        async for event in actions.run(decoded, confirmation):
+            yield event_to_proto(event)
+
+    async def WatchAudit(
+        self, request: pb.WatchAuditRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.AuditRecord]:
+        actions = await self._actions(context)
+        after = request.after_seq if request.HasField("after_seq") else None
+        async for record in actions.watch(after):
+            yield audit_to_proto(record)
+
+
 # --------------------------------------------------------------------------
 # running it
 # --------------------------------------------------------------------------
@@ -246,10 +325,13 @@ class RunningAgent:
     port: int
     address: str
     health: Any
+    service: AgentService | None = None
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.service is not None and self.service.actions is not None:
+            await self.service.actions.close()  # a running action ends and is recorded, never cut half way
 
 
 ServiceRegistrar = Callable[[Any], None]
@@ -282,7 +364,8 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     if port == 0:
         raise RankscopeError(f"cannot listen on {host}:{config.port}", BIND_FIX)
     address = f"{host}:{port}"
-    pb_grpc.add_RankscopeAgentServicer_to_server(AgentService(config, address), server)  # type: ignore[no-untyped-call]
+    service = AgentService(config, address)
+    pb_grpc.add_RankscopeAgentServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     for register in extra_services:
         register(server)
     health_servicer = health.aio.HealthServicer()
@@ -290,7 +373,7 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningAgent(server=server, port=port, address=address, health=health_servicer)
+    return RunningAgent(server=server, port=port, address=address, health=health_servicer, service=service)
 
 
 def write_port_file(path: Path, port: int) -> None:
@@ -312,6 +395,12 @@ async def serve(config: AgentConfig, *, port_file: Path | None = None) -> None:
             write_port_file(port_file, agent.port)
         auth = "token required" if config.tokens is not None else "NO TOKEN (--insecure-no-token)"
         log(f"listening on {agent.address} as machine {config.machine_name!r}, {auth}")
+        actions = agent.service.actions if agent.service is not None else None
+        if actions is not None:
+            log(f"actions enabled (eviction: {actions.config.eviction.backend}; state in {actions.config.state_dir})")
+            for action_id in actions.interrupted():
+                log(f"warning: action {action_id} was started by an earlier run and never finished: "
+                    "check this machine by hand")
         if not is_loopback(config.bind):
             log("warning: listening beyond loopback without TLS; the token and snapshots cross the network "
                 "unencrypted, so keep the agents' port on a trusted network")

@@ -11,6 +11,13 @@ do, never an exception for the whole call.
 Channels are kept per agent and reused (the TUI polls every second); gRPC
 reconnects a channel by itself, and the reconnect back-off is capped at a few
 seconds so an agent that comes back is seen again quickly.
+
+Actions: an agent acts only on its own machine, so ``plan_action`` splits a
+request by the machines and ranks each agent reports (one ``describe``) and
+asks each owner for its plan; ``run_action`` sends each owner its part with a
+confirmation naming exactly that agent's planned targets. Only a client made
+with ``acting=True`` (and a token of the 'act' role) ever sends RunAction.
+``watch_audit`` follows one agent's audit log and reconnects by itself.
 """
 
 from __future__ import annotations
@@ -23,9 +30,36 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+from rankscope.actions.agent_protocol import (
+    ActionError,
+    ActionUpdate,
+    AgentLost,
+    Confirmation,
+    combined_phrase,
+    confirmation_for,
+    split_fix,
+)
+from rankscope.actions.model import (
+    ActionKind,
+    ActionPlan,
+    ActionRequest,
+    ActionResult,
+    ActionState,
+    AuditRecord,
+    Targets,
+    needs_typed_confirmation,
+)
+from rankscope.errors import RankscopeError
 from rankscope.proto import rankscope_pb2 as pb
 from rankscope.proto import rankscope_pb2_grpc as pb_grpc
-from rankscope.proto_convert import machine_from_proto
+from rankscope.proto_convert import (
+    audit_from_proto,
+    confirmation_to_proto,
+    event_from_proto,
+    machine_from_proto,
+    plan_from_proto,
+    request_to_proto,
+)
 from rankscope.snapshot import CaptureError, CaptureErrorKind, Instant, JobSnapshot, MachineSnapshot
 
 # Room for many ranks' stacks in one reply (gRPC's default is 4 MiB).
@@ -43,6 +77,10 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 CAPTURE_MARGIN_S = 2.0
 
 Call = Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]
+UNOWNED = "unowned"  # plan_action's key for targets no agent reports
+# Codes after which reconnecting cannot help: the watch stops and says why.
+_FINAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -111,12 +149,22 @@ class _Agent:
 class JobClient:
     """All agents of one job; every method returns a whole JobSnapshot."""
 
-    def __init__(self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0) -> None:
+    def __init__(
+        self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0, acting: bool = False
+    ) -> None:
+        """``acting``: this client may run actions (its token was loaded with ``role=Role.ACT``).
+
+        A read-only client (the default, and what ``--read-only`` gives) refuses
+        ``run_action`` before anything is sent.
+        """
         self.agents: tuple[str, ...] = tuple(dict.fromkeys(agents))
         self.deadline_s = deadline_s
+        self.acting = acting
         self._metadata = auth_metadata(token)
         self._conns: dict[str, _Agent] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # action id -> (each owner's part of the request, the plans they gave): what run_action sends
+        self._planned: dict[str, tuple[dict[str, ActionRequest], dict[str, ActionPlan | ActionError]]] = {}
 
     # ---- public calls ---------------------------------------------------
 
@@ -153,6 +201,170 @@ class JobClient:
                 yield _with_address(machine_from_proto(reply), address)
         except grpc.aio.AioRpcError as exc:
             yield error_for_rpc(address, exc, 0.0)
+
+    # ---- actions ------------------------------------------------------------
+
+    async def plan_action(self, request: ActionRequest) -> dict[str, ActionPlan | ActionError]:
+        """Each owning agent's plan (or why it gave none), by agent address.
+
+        Targets that no reachable agent reports come back under the key
+        ``UNOWNED``; an agent that refuses its part (targets outside its job,
+        no actions configured) or cannot be reached gives an ActionError.
+        Planning changes nothing and needs only the 'read' role.
+        """
+        parts, answers = await self._split(request)
+
+        async def one(address: str, part: ActionRequest) -> tuple[str, ActionPlan | ActionError]:
+            try:
+                reply = await self._conn(address).stub.PlanAction(
+                    request_to_proto(part), metadata=self._metadata, timeout=self.deadline_s)
+                return address, plan_from_proto(reply)
+            except grpc.aio.AioRpcError as exc:
+                return address, action_error(address, exc, self.deadline_s)
+
+        for address, answer in await asyncio.gather(*(one(a, p) for a, p in parts.items())):
+            answers[address] = answer
+        self._planned[request.action_id] = (parts, answers)
+        return answers
+
+    async def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]:
+        """Run a confirmed action on every owning agent at once: their progress, then one result each.
+
+        ``confirmation`` is what the person confirmed for the whole action:
+        every planned machine (``confirmation_for(plans)``) and, for eviction,
+        the phrase ``combined_phrase(kind, plans)`` they typed. It must match
+        the plans exactly or nothing is sent (RankscopeError). Each agent gets
+        its own part and a confirmation of exactly its planned targets, plans
+        again and refuses on any difference. An agent lost mid-way gives a
+        failed result saying the outcome there is unknown; it never raises.
+        """
+        if not self.acting:
+            raise RankscopeError("this client is read-only: it does not send actions",
+                                 "attach without --read-only, with a token of the 'act' role")
+        if request.action_id not in self._planned:
+            await self.plan_action(request)
+        parts, answers = self._planned[request.action_id]
+        plans = {a: p for a, p in answers.items() if isinstance(p, ActionPlan)}
+        problems = [f"{a}: {e.message}" for a, e in answers.items() if isinstance(e, ActionError)]
+        if problems or not plans:
+            raise RankscopeError(f"not every target has a plan, so nothing was sent: {'; '.join(problems) or 'none'}",
+                                 "fix the targets (or the agents) and plan again")
+        self._check_confirmation(request, list(plans.values()), confirmation)
+        del self._planned[request.action_id]  # the next call with this id replays; it does not reuse a stale split
+
+        queue: asyncio.Queue[ActionUpdate | None] = asyncio.Queue()
+
+        async def one(address: str) -> None:
+            part, plan = parts[address], plans[address]
+            mine = Confirmation(plan.machines, tuple(sorted(set(part.targets.ranks))),
+                                plan.confirm_phrase if plan.typed_confirmation else "")
+            message = pb.RunActionRequest(request=request_to_proto(part), confirmation=confirmation_to_proto(mine))
+            ended = False
+            try:
+                async for reply in self._conn(address).stub.RunAction(message, metadata=self._metadata):
+                    event = event_from_proto(reply)
+                    ended = isinstance(event, ActionResult)
+                    await queue.put(ActionUpdate(address, event))
+                    if ended:
+                        return
+                reason = "the agent ended the stream without a result"
+            except grpc.aio.AioRpcError as exc:
+                reason = action_error(address, exc, 0.0).message
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a reply that does not fit: say so, keep the other agents going
+                reason = f"{type(exc).__name__}: {exc}"
+            if not ended:
+                await queue.put(ActionUpdate(address, lost_result(request, address, reason)))
+
+        tasks = [asyncio.create_task(one(a)) for a in plans]
+        gathered = asyncio.gather(*tasks)
+        gathered.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (update := await queue.get()) is not None:
+                yield update
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def watch_audit(
+        self, address: str, *, since: int | None = 0, retry_s: float = 1.0
+    ) -> AsyncIterator[AuditRecord | AgentLost]:
+        """One agent's audit records (``seq`` > ``since``; None: only new ones), live, for as long as you iterate.
+
+        A broken stream yields one AgentLost (``retrying=True``) and the client
+        reconnects every ``retry_s``, resuming after the last record seen, so
+        nothing is missed or repeated. A refused token or an agent without
+        actions yields AgentLost with ``retrying=False`` and ends. Never raises
+        for a lost agent.
+        """
+        last = since
+        lost = False
+        while True:
+            request = pb.WatchAuditRequest() if last is None else pb.WatchAuditRequest(after_seq=last)
+            try:
+                async for reply in self._conn(address).stub.WatchAudit(request, metadata=self._metadata):
+                    record = audit_from_proto(reply)
+                    last, lost = record.seq, False
+                    yield record
+                reason, fix = f"the agent at {address} ended the audit stream (stopping?)", "it is retried"
+            except grpc.aio.AioRpcError as exc:
+                error = action_error(address, exc, 0.0)
+                if exc.code() in _FINAL_CODES:
+                    yield AgentLost(address, error.message, error.fix, retrying=False)
+                    return
+                reason, fix = error.message, error.fix
+            if not lost:
+                lost = True
+                yield AgentLost(address, reason, fix, retrying=True)
+            await asyncio.sleep(retry_s)
+
+    async def _split(self, request: ActionRequest) -> tuple[dict[str, ActionRequest], dict[str, ActionPlan | ActionError]]:
+        """Each owning agent's part of ``request`` (from one describe), and errors for what has no owner."""
+        job = await self.describe()
+        parts: dict[str, ActionRequest] = {}
+        errors: dict[str, ActionPlan | ActionError] = {}
+        reachable = [m for m in job.machines if m.reachable]
+        for m in job.machines:
+            if not m.reachable and m.error is not None:
+                errors[m.address] = ActionError(m.address, m.error.message, m.error.fix)
+        wanted_machines = set(request.targets.machines)
+        wanted_ranks = set(request.targets.ranks)
+        whole_job = not wanted_machines and not wanted_ranks
+        for m in reachable:
+            machines = tuple(n for n in request.targets.machines if n in (m.machine, m.address))
+            ranks = tuple(r for r in request.targets.ranks if r in {i.rank for i in m.ranks})
+            if not (whole_job or machines or ranks):
+                continue
+            if machines and machines != (m.machine,):
+                machines = (m.machine,)  # named by its address: the agent knows itself by name
+            if request.kind == ActionKind.EVICT and not machines:
+                machines = (m.machine,)  # an eviction takes the machine of the ranks named
+            wanted_machines -= {m.machine, m.address}
+            wanted_ranks -= set(ranks)
+            parts[m.address] = dataclasses.replace(request, targets=Targets(machines, ranks))
+        if wanted_machines or wanted_ranks:
+            names = [f"machine {n}" for n in sorted(wanted_machines)] + [f"rank {r}" for r in sorted(wanted_ranks)]
+            errors[UNOWNED] = ActionError(
+                UNOWNED, f"no reachable agent of this job reports {', '.join(names)}",
+                "target the machines and ranks the agents list (a lost agent's machine cannot act)")
+        return parts, errors
+
+    @staticmethod
+    def _check_confirmation(request: ActionRequest, plans: list[ActionPlan], confirmation: Confirmation) -> None:
+        expected = confirmation_for(plans, request.targets.ranks)
+        if sorted(set(confirmation.machines)) != sorted(set(expected.machines)) \
+                or sorted(set(confirmation.ranks)) != sorted(set(expected.ranks)):
+            raise RankscopeError(
+                f"the confirmation names machines [{' '.join(confirmation.machines)}] ranks {list(confirmation.ranks)} "
+                f"but the plans target machines [{' '.join(expected.machines)}] ranks {list(expected.ranks)}; "
+                "nothing was sent", "confirm exactly the targets the plan shows")
+        if needs_typed_confirmation(request.kind) or any(p.typed_confirmation for p in plans):
+            phrase = combined_phrase(request.kind, plans)
+            if " ".join(confirmation.typed.split()) != phrase:
+                raise RankscopeError(f"the typed confirmation {confirmation.typed!r} is not {phrase!r}; nothing was sent",
+                                     f"type exactly: {phrase}")
 
     async def close(self) -> None:
         conns, self._conns = list(self._conns.values()), {}
@@ -204,6 +416,26 @@ class JobClient:
         started = Instant(wall=time.time(), mono=time.monotonic())
         machines = await asyncio.gather(*(self._one(a, call, timeout_s) for a in self.agents))
         return JobSnapshot(captured=started, machines=tuple(machines), job_id=common_run_id(machines))
+
+
+def action_error(address: str, exc: grpc.aio.AioRpcError, timeout_s: float) -> ActionError:
+    """A failed action call -> what happened and the fix (an agent's refusal carries its own fix)."""
+    code = exc.code()
+    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+        message, fix = split_fix(exc.details() or "")
+        return ActionError(address, f"agent at {address}: {message}", fix)
+    error = error_for_rpc(address, exc, timeout_s).error
+    assert error is not None
+    return ActionError(address, error.message, error.fix)
+
+
+def lost_result(request: ActionRequest, address: str, reason: str) -> ActionResult:
+    """The result shown for an agent whose run stream broke: the outcome there is unknown, not failed-and-undone."""
+    now = time.time()
+    return ActionResult(
+        request.action_id, request.kind, ActionState.FAILED,
+        f"{reason}; the outcome on {address} is unknown: the agent records it in its audit log",
+        None, now, (f"send the same action id {request.action_id} again to get the recorded result",))
 
 
 def _with_address(machine: MachineSnapshot, address: str) -> MachineSnapshot:

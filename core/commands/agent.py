@@ -13,6 +13,33 @@ answers `rankscope snapshot`, `rankscope attach` and the drill.
 
 Safe by default: it listens on 127.0.0.1 unless --bind names another address,
 and every call needs the token from --token-file (or $RANKSCOPE_TOKEN).
+
+Actions (evict, hot_update, rollback, backup) are off unless --state-dir is
+given: the agent then keeps its audit log, blocklist and hot-update history
+there and carries out the procedures of --actions-config (TOML, or JSON by
+suffix); with --state-dir alone, eviction stops this machine's ranks (SIGTERM,
+SIGKILL after 10 s) and blocks the machine. Clients never send commands: they
+name an action, the agent shows its plan, and runs it only when the person
+confirmed exactly the planned targets with a token of the 'act' role.
+
+  state_dir = "/var/lib/rankscope"     # or --state-dir
+  [eviction]
+  backend = "local"                    # local | slurm | kubernetes | command
+  grace_s = 10
+  [eviction.slurm]                     # settings of the chosen backend
+  job_id = "12345"                     # also: restart, step_id, scontrol, scancel
+  [eviction.kubernetes]
+  namespace = "train"                  # also: selector, kubectl, context
+  [eviction.command]
+  script = "/opt/site/evict"           # called as: script evict --job J --reason R --machine M
+  [hot_update]
+  current = "/srv/job/code"            # a symlink the job runs its code from
+  versions_dir = "/srv/job/versions"
+  repo = "/srv/job/repo"               # for git refs
+  [layout]                             # for the backup plan
+  tp = 2
+  pp = 4
+  dp = 2
 """
 
 
@@ -34,6 +61,10 @@ def register(sub: Any) -> None:
     p.add_argument("--run-id", help="only ranks of this torchrun run id (TORCHELASTIC_RUN_ID)")
     p.add_argument("--counter-dir", type=Path, help="where the CCL plugin writes its counter files")
     p.add_argument("--concurrency", type=int, default=8, help="py-spy calls at once during a capture (default 8)")
+    p.add_argument("--state-dir", type=Path,
+                   help="enable actions; keep the audit log, blocklist and hot-update history here")
+    p.add_argument("--actions-config", type=Path,
+                   help="TOML (or .json) file naming the eviction backend, hot-update paths and layout (see above)")
     p.set_defaults(func=run)
 
 
@@ -42,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     import socket
     import sys
 
+    from rankscope.actions.agent_service import load_actions_config
     from rankscope.agent import AgentConfig, serve
     from rankscope.errors import RankscopeError
     from rankscope.tokens import load_tokens
@@ -64,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         counter_dir=args.counter_dir,
         insecure_no_token=args.insecure_no_token,
         capture_concurrency=args.concurrency,
+        actions=load_actions_config(args.actions_config, args.state_dir),
     )
     asyncio.run(serve(config, port_file=args.port_file))
     return 0

@@ -79,6 +79,94 @@ CAPTURE_ERROR_KIND_FAILED: CaptureErrorKind.ValueType  # 6
 CAPTURE_ERROR_KIND_UNREACHABLE: CaptureErrorKind.ValueType  # 7
 Global___CaptureErrorKind: _TypeAlias = CaptureErrorKind  # noqa: Y015
 
+class _ActionKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ActionKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ActionKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ACTION_KIND_UNSPECIFIED: _ActionKind.ValueType  # 0
+    ACTION_KIND_EVICT: _ActionKind.ValueType  # 1
+    ACTION_KIND_HOT_UPDATE: _ActionKind.ValueType  # 2
+    ACTION_KIND_BACKUP: _ActionKind.ValueType  # 3
+    ACTION_KIND_ROLLBACK: _ActionKind.ValueType  # 4
+
+class ActionKind(_ActionKind, metaclass=_ActionKindEnumTypeWrapper):
+    """---------------------------------------------------------------- actions
+
+    Mirrors rankscope.actions.model; rankscope.proto_convert converts.
+    """
+
+ACTION_KIND_UNSPECIFIED: ActionKind.ValueType  # 0
+ACTION_KIND_EVICT: ActionKind.ValueType  # 1
+ACTION_KIND_HOT_UPDATE: ActionKind.ValueType  # 2
+ACTION_KIND_BACKUP: ActionKind.ValueType  # 3
+ACTION_KIND_ROLLBACK: ActionKind.ValueType  # 4
+Global___ActionKind: _TypeAlias = ActionKind  # noqa: Y015
+
+class _ActionState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ActionStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ActionState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ACTION_STATE_UNSPECIFIED: _ActionState.ValueType  # 0
+    ACTION_STATE_PLANNED: _ActionState.ValueType  # 1
+    ACTION_STATE_RUNNING: _ActionState.ValueType  # 2
+    ACTION_STATE_SUCCEEDED: _ActionState.ValueType  # 3
+    ACTION_STATE_FAILED: _ActionState.ValueType  # 4
+    ACTION_STATE_CANCELLED: _ActionState.ValueType  # 5
+    ACTION_STATE_REFUSED: _ActionState.ValueType  # 6
+
+class ActionState(_ActionState, metaclass=_ActionStateEnumTypeWrapper): ...
+
+ACTION_STATE_UNSPECIFIED: ActionState.ValueType  # 0
+ACTION_STATE_PLANNED: ActionState.ValueType  # 1
+ACTION_STATE_RUNNING: ActionState.ValueType  # 2
+ACTION_STATE_SUCCEEDED: ActionState.ValueType  # 3
+ACTION_STATE_FAILED: ActionState.ValueType  # 4
+ACTION_STATE_CANCELLED: ActionState.ValueType  # 5
+ACTION_STATE_REFUSED: ActionState.ValueType  # 6
+Global___ActionState: _TypeAlias = ActionState  # noqa: Y015
+
+class _UpdateMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _UpdateModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_UpdateMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    UPDATE_MODE_UNSPECIFIED: _UpdateMode.ValueType  # 0
+    UPDATE_MODE_IMMEDIATE: _UpdateMode.ValueType  # 1
+    UPDATE_MODE_LAZY: _UpdateMode.ValueType  # 2
+
+class UpdateMode(_UpdateMode, metaclass=_UpdateModeEnumTypeWrapper): ...
+
+UPDATE_MODE_UNSPECIFIED: UpdateMode.ValueType  # 0
+UPDATE_MODE_IMMEDIATE: UpdateMode.ValueType  # 1
+UPDATE_MODE_LAZY: UpdateMode.ValueType  # 2
+Global___UpdateMode: _TypeAlias = UpdateMode  # noqa: Y015
+
+class _VersionSource:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _VersionSourceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_VersionSource.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    VERSION_SOURCE_UNSPECIFIED: _VersionSource.ValueType  # 0
+    VERSION_SOURCE_GIT: _VersionSource.ValueType  # 1
+    """a ref of the repository the agent was configured with"""
+    VERSION_SOURCE_DIR: _VersionSource.ValueType  # 2
+    """a directory prepared on every machine beforehand"""
+
+class VersionSource(_VersionSource, metaclass=_VersionSourceEnumTypeWrapper): ...
+
+VERSION_SOURCE_UNSPECIFIED: VersionSource.ValueType  # 0
+VERSION_SOURCE_GIT: VersionSource.ValueType  # 1
+"""a ref of the repository the agent was configured with"""
+VERSION_SOURCE_DIR: VersionSource.ValueType  # 2
+"""a directory prepared on every machine beforehand"""
+Global___VersionSource: _TypeAlias = VersionSource  # noqa: Y015
+
 @_typing.final
 class DescribeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -1071,3 +1159,536 @@ class JobSnapshot(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__job_id) -> _WhichOneofReturnType__job_id | None: ...
 
 Global___JobSnapshot: _TypeAlias = JobSnapshot  # noqa: Y015
+
+@_typing.final
+class Targets(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINES_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def machines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        machines: _abc.Iterable[_builtins.str] | None = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machines", b"machines", "ranks", b"ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Targets: _TypeAlias = Targets  # noqa: Y015
+
+@_typing.final
+class EvictArgs(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictArgs: _TypeAlias = EvictArgs  # noqa: Y015
+
+@_typing.final
+class HotUpdateArgs(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    WINDOW_S_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    source: Global___VersionSource.ValueType
+    version: _builtins.str
+    """a git ref, or the prepared directory's absolute path"""
+    mode: Global___UpdateMode.ValueType
+    window_s: _builtins.float
+    """lazy mode: applied at the latest after this long"""
+    note: _builtins.str
+    def __init__(
+        self,
+        *,
+        source: Global___VersionSource.ValueType = ...,
+        version: _builtins.str = ...,
+        mode: Global___UpdateMode.ValueType = ...,
+        window_s: _builtins.float = ...,
+        note: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "note", b"note", "source", b"source", "version", b"version", "window_s", b"window_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HotUpdateArgs: _TypeAlias = HotUpdateArgs  # noqa: Y015
+
+@_typing.final
+class BackupArgs(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAG_FIELD_NUMBER: _builtins.int
+    tag: _builtins.str
+    def __init__(
+        self,
+        *,
+        tag: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tag", b"tag"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupArgs: _TypeAlias = BackupArgs  # noqa: Y015
+
+@_typing.final
+class RollbackArgs(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TO_VERSION_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    to_version: _builtins.str
+    """empty: the version before the newest update"""
+    mode: Global___UpdateMode.ValueType
+    def __init__(
+        self,
+        *,
+        to_version: _builtins.str = ...,
+        mode: Global___UpdateMode.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "to_version", b"to_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RollbackArgs: _TypeAlias = RollbackArgs  # noqa: Y015
+
+@_typing.final
+class ActionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
+    EVICT_FIELD_NUMBER: _builtins.int
+    HOT_UPDATE_FIELD_NUMBER: _builtins.int
+    BACKUP_FIELD_NUMBER: _builtins.int
+    ROLLBACK_FIELD_NUMBER: _builtins.int
+    REQUESTED_BY_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    action_id: _builtins.str
+    """the same id is carried out at most once"""
+    kind: Global___ActionKind.ValueType
+    requested_by: _builtins.str
+    job_id: _builtins.str
+    @_builtins.property
+    def targets(self) -> Global___Targets: ...
+    @_builtins.property
+    def evict(self) -> Global___EvictArgs: ...
+    @_builtins.property
+    def hot_update(self) -> Global___HotUpdateArgs: ...
+    @_builtins.property
+    def backup(self) -> Global___BackupArgs: ...
+    @_builtins.property
+    def rollback(self) -> Global___RollbackArgs: ...
+    def __init__(
+        self,
+        *,
+        action_id: _builtins.str = ...,
+        kind: Global___ActionKind.ValueType = ...,
+        targets: Global___Targets | None = ...,
+        evict: Global___EvictArgs | None = ...,
+        hot_update: Global___HotUpdateArgs | None = ...,
+        backup: Global___BackupArgs | None = ...,
+        rollback: Global___RollbackArgs | None = ...,
+        requested_by: _builtins.str = ...,
+        job_id: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_job_id", b"_job_id", "args", b"args", "backup", b"backup", "evict", b"evict", "hot_update", b"hot_update", "job_id", b"job_id", "rollback", b"rollback", "targets", b"targets"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_job_id", b"_job_id", "action_id", b"action_id", "args", b"args", "backup", b"backup", "evict", b"evict", "hot_update", b"hot_update", "job_id", b"job_id", "kind", b"kind", "requested_by", b"requested_by", "rollback", b"rollback", "targets", b"targets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__job_id: _TypeAlias = _typing.Literal["job_id"]  # noqa: Y015
+    _WhichOneofArgType__job_id: _TypeAlias = _typing.Literal["_job_id", b"_job_id"]  # noqa: Y015
+    _WhichOneofReturnType_args: _TypeAlias = _typing.Literal["evict", "hot_update", "backup", "rollback"]  # noqa: Y015
+    _WhichOneofArgType_args: _TypeAlias = _typing.Literal["args", b"args"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__job_id) -> _WhichOneofReturnType__job_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_args) -> _WhichOneofReturnType_args | None: ...
+
+Global___ActionRequest: _TypeAlias = ActionRequest  # noqa: Y015
+
+@_typing.final
+class Confirmation(_message.Message):
+    """What the person confirmed: the exact targets the plan named, and for
+    eviction the phrase they typed. Anything else refuses the action.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINES_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    TYPED_FIELD_NUMBER: _builtins.int
+    typed: _builtins.str
+    @_builtins.property
+    def machines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        machines: _abc.Iterable[_builtins.str] | None = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        typed: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machines", b"machines", "ranks", b"ranks", "typed", b"typed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Confirmation: _TypeAlias = Confirmation  # noqa: Y015
+
+@_typing.final
+class RunActionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    CONFIRMATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request(self) -> Global___ActionRequest: ...
+    @_builtins.property
+    def confirmation(self) -> Global___Confirmation: ...
+    def __init__(
+        self,
+        *,
+        request: Global___ActionRequest | None = ...,
+        confirmation: Global___Confirmation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["confirmation", b"confirmation", "request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["confirmation", b"confirmation", "request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunActionRequest: _TypeAlias = RunActionRequest  # noqa: Y015
+
+@_typing.final
+class ProcessRef(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    machine: _builtins.str
+    pid: _builtins.int
+    rank: _builtins.int
+    def __init__(
+        self,
+        *,
+        machine: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        rank: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "rank", b"rank"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "machine", b"machine", "pid", b"pid", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__rank: _TypeAlias = _typing.Literal["rank"]  # noqa: Y015
+    _WhichOneofArgType__rank: _TypeAlias = _typing.Literal["_rank", b"_rank"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rank) -> _WhichOneofReturnType__rank | None: ...
+
+Global___ProcessRef: _TypeAlias = ProcessRef  # noqa: Y015
+
+@_typing.final
+class BackupPeer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    PEER_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    peer: _builtins.int
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        peer: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer", b"peer", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupPeer: _TypeAlias = BackupPeer  # noqa: Y015
+
+@_typing.final
+class Argv(_message.Message):
+    """An argv list the agent will run (shown in the plan; never sent by a client)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ARGV_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        argv: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Argv: _TypeAlias = Argv  # noqa: Y015
+
+@_typing.final
+class ActionPlan(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    MACHINES_FIELD_NUMBER: _builtins.int
+    PROCESSES_FIELD_NUMBER: _builtins.int
+    STANDBYS_FIELD_NUMBER: _builtins.int
+    BACKUP_PEERS_FIELD_NUMBER: _builtins.int
+    COMMANDS_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    WARNINGS_FIELD_NUMBER: _builtins.int
+    TYPED_CONFIRMATION_FIELD_NUMBER: _builtins.int
+    CONFIRM_PHRASE_FIELD_NUMBER: _builtins.int
+    action_id: _builtins.str
+    kind: Global___ActionKind.ValueType
+    summary: _builtins.str
+    typed_confirmation: _builtins.bool
+    confirm_phrase: _builtins.str
+    @_builtins.property
+    def machines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def processes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProcessRef]: ...
+    @_builtins.property
+    def standbys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def backup_peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___BackupPeer]: ...
+    @_builtins.property
+    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___Argv]: ...
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        action_id: _builtins.str = ...,
+        kind: Global___ActionKind.ValueType = ...,
+        summary: _builtins.str = ...,
+        machines: _abc.Iterable[_builtins.str] | None = ...,
+        processes: _abc.Iterable[Global___ProcessRef] | None = ...,
+        standbys: _abc.Iterable[_builtins.str] | None = ...,
+        backup_peers: _abc.Iterable[Global___BackupPeer] | None = ...,
+        commands: _abc.Iterable[Global___Argv] | None = ...,
+        steps: _abc.Iterable[_builtins.str] | None = ...,
+        warnings: _abc.Iterable[_builtins.str] | None = ...,
+        typed_confirmation: _builtins.bool = ...,
+        confirm_phrase: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "backup_peers", b"backup_peers", "commands", b"commands", "confirm_phrase", b"confirm_phrase", "kind", b"kind", "machines", b"machines", "processes", b"processes", "standbys", b"standbys", "steps", b"steps", "summary", b"summary", "typed_confirmation", b"typed_confirmation", "warnings", b"warnings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActionPlan: _TypeAlias = ActionPlan  # noqa: Y015
+
+@_typing.final
+class ActionProgress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_ID_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    action_id: _builtins.str
+    at: _builtins.float
+    step: _builtins.int
+    total: _builtins.int
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        action_id: _builtins.str = ...,
+        at: _builtins.float = ...,
+        step: _builtins.int = ...,
+        total: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "at", b"at", "message", b"message", "step", b"step", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActionProgress: _TypeAlias = ActionProgress  # noqa: Y015
+
+@_typing.final
+class ActionResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    STARTED_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    action_id: _builtins.str
+    kind: Global___ActionKind.ValueType
+    state: Global___ActionState.ValueType
+    message: _builtins.str
+    started: _builtins.float
+    finished: _builtins.float
+    replayed: _builtins.bool
+    @_builtins.property
+    def details(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        action_id: _builtins.str = ...,
+        kind: Global___ActionKind.ValueType = ...,
+        state: Global___ActionState.ValueType = ...,
+        message: _builtins.str = ...,
+        started: _builtins.float | None = ...,
+        finished: _builtins.float | None = ...,
+        details: _abc.Iterable[_builtins.str] | None = ...,
+        replayed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_finished", b"_finished", "_started", b"_started", "finished", b"finished", "started", b"started"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finished", b"_finished", "_started", b"_started", "action_id", b"action_id", "details", b"details", "finished", b"finished", "kind", b"kind", "message", b"message", "replayed", b"replayed", "started", b"started", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__finished: _TypeAlias = _typing.Literal["finished"]  # noqa: Y015
+    _WhichOneofArgType__finished: _TypeAlias = _typing.Literal["_finished", b"_finished"]  # noqa: Y015
+    _WhichOneofReturnType__started: _TypeAlias = _typing.Literal["started"]  # noqa: Y015
+    _WhichOneofArgType__started: _TypeAlias = _typing.Literal["_started", b"_started"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__finished) -> _WhichOneofReturnType__finished | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__started) -> _WhichOneofReturnType__started | None: ...
+
+Global___ActionResult: _TypeAlias = ActionResult  # noqa: Y015
+
+@_typing.final
+class ActionEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def progress(self) -> Global___ActionProgress: ...
+    @_builtins.property
+    def result(self) -> Global___ActionResult: ...
+    def __init__(
+        self,
+        *,
+        progress: Global___ActionProgress | None = ...,
+        result: Global___ActionResult | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "progress", b"progress", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "progress", b"progress", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["progress", "result"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___ActionEvent: _TypeAlias = ActionEvent  # noqa: Y015
+
+@_typing.final
+class WatchAuditRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AFTER_SEQ_FIELD_NUMBER: _builtins.int
+    after_seq: _builtins.int
+    """Send the records with seq > after_seq first (0: the whole log); unset:
+    only records written from now on.
+    """
+    def __init__(
+        self,
+        *,
+        after_seq: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_after_seq", b"_after_seq", "after_seq", b"after_seq"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_after_seq", b"_after_seq", "after_seq", b"after_seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__after_seq: _TypeAlias = _typing.Literal["after_seq"]  # noqa: Y015
+    _WhichOneofArgType__after_seq: _TypeAlias = _typing.Literal["_after_seq", b"_after_seq"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__after_seq) -> _WhichOneofReturnType__after_seq | None: ...
+
+Global___WatchAuditRequest: _TypeAlias = WatchAuditRequest  # noqa: Y015
+
+@_typing.final
+class AuditRecord(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    ACTION_ID_FIELD_NUMBER: _builtins.int
+    WHO_FIELD_NUMBER: _builtins.int
+    WHEN_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    WHAT_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    MACHINES_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    action_id: _builtins.str
+    who: _builtins.str
+    when: _builtins.float
+    kind: Global___ActionKind.ValueType
+    what: _builtins.str
+    result: _builtins.str
+    """"started", "progress", or a final ActionState value"""
+    message: _builtins.str
+    @_builtins.property
+    def machines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        action_id: _builtins.str = ...,
+        who: _builtins.str = ...,
+        when: _builtins.float = ...,
+        kind: Global___ActionKind.ValueType = ...,
+        what: _builtins.str = ...,
+        result: _builtins.str = ...,
+        message: _builtins.str = ...,
+        machines: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "kind", b"kind", "machines", b"machines", "message", b"message", "result", b"result", "seq", b"seq", "what", b"what", "when", b"when", "who", b"who"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditRecord: _TypeAlias = AuditRecord  # noqa: Y015

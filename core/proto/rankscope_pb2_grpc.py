@@ -30,9 +30,10 @@ class RankscopeAgentStub:
     `authorization: Bearer <token>`); only the standard health service
     (grpc.health.v1.Health) answers without it.
 
-    Read-only calls come first. Calls that change state (evict, hot-update,
-    checkpoint backup) will be added below as their own RPCs and will need a
-    token with the "act" role; an audit stream will join StreamMetrics.
+    Read-only calls need a token with the "read" role (or a bare/"act" one).
+    RunAction is the one call that changes state and needs the "act" role.
+    Actions carry typed arguments only: the agent runs procedures it was
+    configured with and never a command text sent by a client.
     """
 
     def __init__(self, channel):
@@ -56,6 +57,21 @@ class RankscopeAgentStub:
                 request_serializer=rankscope__pb2.StreamMetricsRequest.SerializeToString,
                 response_deserializer=rankscope__pb2.MachineSnapshot.FromString,
                 _registered_method=True)
+        self.PlanAction = channel.unary_unary(
+                '/rankscope.v1.RankscopeAgent/PlanAction',
+                request_serializer=rankscope__pb2.ActionRequest.SerializeToString,
+                response_deserializer=rankscope__pb2.ActionPlan.FromString,
+                _registered_method=True)
+        self.RunAction = channel.unary_stream(
+                '/rankscope.v1.RankscopeAgent/RunAction',
+                request_serializer=rankscope__pb2.RunActionRequest.SerializeToString,
+                response_deserializer=rankscope__pb2.ActionEvent.FromString,
+                _registered_method=True)
+        self.WatchAudit = channel.unary_stream(
+                '/rankscope.v1.RankscopeAgent/WatchAudit',
+                request_serializer=rankscope__pb2.WatchAuditRequest.SerializeToString,
+                response_deserializer=rankscope__pb2.AuditRecord.FromString,
+                _registered_method=True)
 
 
 class RankscopeAgentServicer:
@@ -63,9 +79,10 @@ class RankscopeAgentServicer:
     `authorization: Bearer <token>`); only the standard health service
     (grpc.health.v1.Health) answers without it.
 
-    Read-only calls come first. Calls that change state (evict, hot-update,
-    checkpoint backup) will be added below as their own RPCs and will need a
-    token with the "act" role; an audit stream will join StreamMetrics.
+    Read-only calls need a token with the "read" role (or a bare/"act" one).
+    RunAction is the one call that changes state and needs the "act" role.
+    Actions carry typed arguments only: the agent runs procedures it was
+    configured with and never a command text sent by a client.
     """
 
     def Describe(self, request, context):
@@ -89,6 +106,29 @@ class RankscopeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlanAction(self, request, context):
+        """What an action would do on this machine, exactly; changes nothing (read role).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunAction(self, request, context):
+        """Carry out an action the person confirmed (act role). The stream sends
+        progress and ends with exactly one result; the same action_id sent again
+        gets the recorded result back and nothing is done twice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchAudit(self, request, context):
+        """The audit log: past records after `after_seq`, then every new one live (read role).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RankscopeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +147,21 @@ def add_RankscopeAgentServicer_to_server(servicer, server):
                     request_deserializer=rankscope__pb2.StreamMetricsRequest.FromString,
                     response_serializer=rankscope__pb2.MachineSnapshot.SerializeToString,
             ),
+            'PlanAction': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanAction,
+                    request_deserializer=rankscope__pb2.ActionRequest.FromString,
+                    response_serializer=rankscope__pb2.ActionPlan.SerializeToString,
+            ),
+            'RunAction': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunAction,
+                    request_deserializer=rankscope__pb2.RunActionRequest.FromString,
+                    response_serializer=rankscope__pb2.ActionEvent.SerializeToString,
+            ),
+            'WatchAudit': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchAudit,
+                    request_deserializer=rankscope__pb2.WatchAuditRequest.FromString,
+                    response_serializer=rankscope__pb2.AuditRecord.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'rankscope.v1.RankscopeAgent', rpc_method_handlers)
@@ -120,9 +175,10 @@ class RankscopeAgent:
     `authorization: Bearer <token>`); only the standard health service
     (grpc.health.v1.Health) answers without it.
 
-    Read-only calls come first. Calls that change state (evict, hot-update,
-    checkpoint backup) will be added below as their own RPCs and will need a
-    token with the "act" role; an audit stream will join StreamMetrics.
+    Read-only calls need a token with the "read" role (or a bare/"act" one).
+    RunAction is the one call that changes state and needs the "act" role.
+    Actions carry typed arguments only: the agent runs procedures it was
+    configured with and never a command text sent by a client.
     """
 
     @staticmethod
@@ -196,6 +252,87 @@ class RankscopeAgent:
             '/rankscope.v1.RankscopeAgent/StreamMetrics',
             rankscope__pb2.StreamMetricsRequest.SerializeToString,
             rankscope__pb2.MachineSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanAction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankscope.v1.RankscopeAgent/PlanAction',
+            rankscope__pb2.ActionRequest.SerializeToString,
+            rankscope__pb2.ActionPlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunAction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rankscope.v1.RankscopeAgent/RunAction',
+            rankscope__pb2.RunActionRequest.SerializeToString,
+            rankscope__pb2.ActionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rankscope.v1.RankscopeAgent/WatchAudit',
+            rankscope__pb2.WatchAuditRequest.SerializeToString,
+            rankscope__pb2.AuditRecord.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,115 @@
+"""What the action protocol adds around H8's model: confirmations and per-agent events.
+
+The model (:mod:`rankscope.actions.model`) says what an action is. This
+module holds the few shapes the wire and the TUI need on top of it, without
+importing grpc, so the TUI can build a confirmation and read events while it
+reaches the agents only through ``rankscope.client``:
+
+- :class:`Confirmation`: what the person confirmed -- the exact machines and
+  ranks the plan named and, for eviction, the phrase they typed. An agent
+  carries out nothing unless the confirmation names exactly the targets of
+  the plan it makes at that moment (:func:`confirmation_problem`).
+- :class:`ActionUpdate`: one progress line or the result of one agent, with
+  the agent it came from (an action over several machines runs on several
+  agents at once).
+- :class:`ActionError` / :class:`AgentLost`: an agent that could not plan, or
+  a watched agent that went away; never an exception for the whole call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from rankscope.actions.model import (
+    ActionKind,
+    ActionPlan,
+    ActionProgress,
+    ActionRequest,
+    ActionResult,
+    confirm_phrase_for,
+    needs_typed_confirmation,
+)
+
+# An agent's refusal travels as gRPC status details "<message>\nfix: <what to do>".
+FIX_SEPARATOR = "\nfix: "
+
+
+def split_fix(details: str) -> tuple[str, str]:
+    """Status details -> (message, fix)."""
+    message, _, fix = details.partition(FIX_SEPARATOR)
+    return message.strip(), fix.strip()
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmation:
+    """The targets a person confirmed, as the plan named them, and the phrase typed for eviction."""
+
+    machines: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+    typed: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ActionError:
+    """An agent that gave no plan (refused the targets, lost, no actions configured)."""
+
+    address: str
+    message: str
+    fix: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ActionUpdate:
+    """One event of a running action, from the agent at ``address``."""
+
+    address: str
+    event: ActionProgress | ActionResult
+
+    @property
+    def final(self) -> bool:
+        return isinstance(self.event, ActionResult)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentLost:
+    """A watched agent's audit stream broke. ``retrying``: the client reconnects by itself."""
+
+    address: str
+    message: str
+    fix: str = ""
+    retrying: bool = True
+
+
+def planned_ranks(request: ActionRequest) -> tuple[int, ...]:
+    """The ranks a confirmation must name: those the request targets, sorted."""
+    return tuple(sorted(set(request.targets.ranks)))
+
+
+def confirmation_for(plans: Iterable[ActionPlan], ranks: Iterable[int] = (), typed: str = "") -> Confirmation:
+    """The confirmation of exactly these plans' targets (what a confirm modal sends after 'yes')."""
+    machines: list[str] = []
+    for plan in plans:
+        machines.extend(m for m in plan.machines if m not in machines)
+    return Confirmation(tuple(machines), tuple(sorted(set(ranks))), typed)
+
+
+def combined_phrase(kind: ActionKind, plans: Iterable[ActionPlan]) -> str:
+    """The phrase a person types to evict the machines of several agents' plans together."""
+    return confirm_phrase_for(kind, confirmation_for(plans).machines)
+
+
+def confirmation_problem(plan: ActionPlan, request: ActionRequest, confirmation: Confirmation) -> str | None:
+    """Why ``confirmation`` does not confirm ``plan`` (None when it does). Anything unclear refuses."""
+    if sorted(set(confirmation.machines)) != sorted(set(plan.machines)) or \
+            len(confirmation.machines) != len(set(confirmation.machines)):
+        return (f"the confirmation names machines [{' '.join(confirmation.machines) or 'none'}] but the plan "
+                f"targets [{' '.join(plan.machines) or 'none'}]")
+    if tuple(sorted(set(confirmation.ranks))) != planned_ranks(request):
+        return (f"the confirmation names ranks {list(confirmation.ranks)} but the request targets "
+                f"{list(planned_ranks(request))}")
+    if needs_typed_confirmation(plan.kind) or plan.typed_confirmation:
+        typed = " ".join(confirmation.typed.split())
+        if typed != plan.confirm_phrase:
+            return f"the typed confirmation {confirmation.typed!r} is not {plan.confirm_phrase!r}"
+    return None

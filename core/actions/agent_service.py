@@ -1,0 +1,769 @@
+"""The agent's side of the action protocol: plan, confirm, carry out once, audit, broadcast.
+
+An agent owns one machine. A client names an action and typed arguments
+(:class:`~rankscope.actions.model.ActionRequest`); this module turns it into
+the procedure the agent was configured with (``--actions-config``), never
+into anything a client wrote. The order of every run is fixed:
+
+1. A repeated ``action_id`` gets the recorded result back (the audit log's
+   ledger); nothing is done twice, even across an agent restart.
+2. Plan again, now: targets must belong to this agent's job -- the machine it
+   is and the ranks it sees -- or the request is refused.
+3. The confirmation must name exactly the plan's machines and ranks, and for
+   eviction carry the typed phrase. Any mismatch refuses; nothing is done.
+4. Claim the id, run the procedure in a worker thread, stream its progress,
+   record the result.
+
+Every step becomes an audit record (who, when, what, result) and is fanned out
+to every ``WatchAudit`` subscriber through its own bounded queue: a slow
+subscriber loses nothing (it re-reads the log from its last ``seq``) and never
+holds up the action. The action runs as its own task, so a client that
+disconnects mid-way does not stop it half done.
+
+Procedures in this version:
+
+``evict``
+    ``local`` backend: SIGTERM this machine's rank processes (and their worker
+    subprocesses) found by discovery, SIGKILL what is left after the grace
+    period, block the machine. Restarting the job without it is left to the
+    launcher (torchrun's restarts, the drill, the scheduler).
+    ``slurm`` / ``kubernetes`` / ``command``: the configured
+    :class:`~rankscope.actions.evict_backends.EvictionBackend` is called for
+    this machine and the machine is blocked when it succeeds.
+``hot_update`` / ``rollback``
+    :class:`~rankscope.actions.hot_update.HotUpdater` switches the code link
+    (immediate) or records a pending lazy update. The agent does not stop the
+    ranks itself: on an immediate switch it records "restart requested" and
+    the launcher restarts them on the new code.
+``backup``
+    Plan only: the backup peers (``rankscope.analyzers.backup_plan``). Running
+    it ends in a failed result saying it is not yet supported; nothing is copied.
+
+No grpc here: ``rankscope.agent`` wraps this service in the RPCs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+import tomllib
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rankscope.actions.agent_protocol import Confirmation, confirmation_problem
+from rankscope.actions.audit import AuditLog, _append
+from rankscope.actions.blocklist import Blocklist
+from rankscope.actions.evict_backends import (
+    BACKENDS,
+    EvictionBackend,
+    KubernetesBackend,
+    SiteCommandBackend,
+    SlurmBackend,
+)
+from rankscope.actions.history import HotUpdateHistory, Version
+from rankscope.actions.hot_update import CodeVersions, HotUpdater
+from rankscope.actions.model import (
+    ActionKind,
+    ActionPlan,
+    ActionProgress,
+    ActionRequest,
+    ActionResult,
+    ActionState,
+    AuditRecord,
+    BackupArgs,
+    EvictArgs,
+    HotUpdateArgs,
+    ProcessRef,
+    RollbackArgs,
+    UpdateMode,
+    VersionSource,
+    confirm_phrase_for,
+)
+from rankscope.errors import RankscopeError
+from rankscope.snapshot import Layout, RankInfo
+
+DEFAULT_GRACE_S = 10.0
+SUBSCRIBER_QUEUE = 256  # records a watcher may lag behind before it re-reads the log
+CONFIG_FIX = "see `rankscope agent --help` for the --actions-config format"
+PROGRESS = "progress"  # the audit result of an intermediate step
+
+
+# --------------------------------------------------------------------------
+# configuration
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionSettings:
+    """Which backend evicts, and its settings (keyword arguments of the backend's class)."""
+
+    backend: str = "local"
+    grace_s: float = DEFAULT_GRACE_S  # local: SIGTERM, then SIGKILL after this long
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class HotUpdateSettings:
+    current: Path  # the link the job runs its code from
+    versions_dir: Path
+    repo: Path | None = None
+    git: str = "git"
+
+
+@dataclass(frozen=True, slots=True)
+class ActionsConfig:
+    """The procedures an agent may carry out, and where it keeps its state."""
+
+    state_dir: Path
+    eviction: EvictionSettings = field(default_factory=EvictionSettings)
+    hot_update: HotUpdateSettings | None = None
+    layout: Layout | None = None  # for the backup plan
+
+    @property
+    def audit_path(self) -> Path:
+        return self.state_dir / "audit.sqlite"
+
+    @property
+    def blocklist_path(self) -> Path:
+        return self.state_dir / "blocklist.sqlite"
+
+    @property
+    def history_path(self) -> Path:
+        return self.state_dir / "hot_update_history.sqlite"
+
+
+_BACKEND_KEYS: dict[str, frozenset[str]] = {
+    "local": frozenset(),
+    "slurm": frozenset({"job_id", "restart", "step_id", "scontrol", "scancel", "timeout_s"}),
+    "kubernetes": frozenset({"namespace", "selector", "kubectl", "context", "timeout_s"}),
+    "command": frozenset({"script", "job_id", "timeout_s"}),
+}
+
+
+def load_actions_config(path: Path | None, state_dir: Path | None) -> ActionsConfig | None:
+    """``--actions-config`` (TOML, or JSON by suffix) and ``--state-dir`` -> the config; None: no actions.
+
+    Format (every section optional)::
+
+        state_dir = "/var/lib/rankscope"      # --state-dir wins
+        [eviction]
+        backend = "slurm"                     # local | slurm | kubernetes | command
+        grace_s = 10                          # local: SIGTERM -> SIGKILL
+        [eviction.slurm]                      # the chosen backend's settings
+        job_id = "12345"
+        restart = "requeue"
+        [hot_update]
+        current = "/srv/job/code"             # a symbolic link the job runs from
+        versions_dir = "/srv/job/versions"
+        repo = "/srv/job/repo"                # for git refs
+        [layout]                              # for the backup plan
+        tp = 2
+        pp = 4
+        dp = 2
+        order = "tp-cp-ep-dp-pp"
+        ranks_per_machine = 2
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_config(path)
+    where = str(path) if path is not None else "--state-dir"
+    folder = state_dir if state_dir is not None else data.get("state_dir")
+    if folder is None:
+        if path is None:
+            return None
+        raise RankscopeError(f"{where}: no state directory for the audit log, blocklist and history",
+                             "pass --state-dir DIR or set state_dir in the file")
+    known = {"state_dir", "eviction", "hot_update", "layout"}
+    _no_unknown(data, known, where)
+    return ActionsConfig(
+        state_dir=Path(folder),
+        eviction=_eviction(data.get("eviction", {}), where),
+        hot_update=_hot_update(data.get("hot_update"), where),
+        layout=_layout(data.get("layout"), where),
+    )
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RankscopeError(f"cannot read --actions-config {path}: {exc}", "check the path") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise RankscopeError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}",
+                             CONFIG_FIX) from None
+    if not isinstance(data, dict):
+        raise RankscopeError(f"{path} must hold a table of settings", CONFIG_FIX)
+    return data
+
+
+def _no_unknown(section: Mapping[str, Any], known: set[str] | frozenset[str], where: str) -> None:
+    unknown = sorted(set(section) - set(known))
+    if unknown:
+        raise RankscopeError(f"{where}: unknown setting(s) {', '.join(unknown)}",
+                             f"use only {', '.join(sorted(known)) or '(none)'}; {CONFIG_FIX}")
+
+
+def _table(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise RankscopeError(f"{where} must be a table", CONFIG_FIX)
+    return value
+
+
+def _eviction(value: Any, where: str) -> EvictionSettings:
+    section = _table(value, f"{where} [eviction]")
+    backend = str(section.get("backend", "local"))
+    if backend not in BACKENDS:
+        raise RankscopeError(f"{where}: unknown eviction backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+    _no_unknown(section, {"backend", "grace_s", *BACKENDS}, f"{where} [eviction]")
+    grace = section.get("grace_s", DEFAULT_GRACE_S)
+    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= 600:
+        raise RankscopeError(f"{where}: grace_s must be 0-600 seconds, got {grace!r}", "use the default 10")
+    options = dict(_table(section.get(backend, {}), f"{where} [eviction.{backend}]"))
+    _no_unknown(options, _BACKEND_KEYS[backend], f"{where} [eviction.{backend}]")
+    settings = EvictionSettings(backend, float(grace), options)
+    make_backend(settings)  # a bad setting fails at start-up, not at the first eviction
+    return settings
+
+
+def _hot_update(value: Any, where: str) -> HotUpdateSettings | None:
+    if value is None:
+        return None
+    section = _table(value, f"{where} [hot_update]")
+    _no_unknown(section, {"current", "versions_dir", "repo", "git"}, f"{where} [hot_update]")
+    missing = [k for k in ("current", "versions_dir") if k not in section]
+    if missing:
+        raise RankscopeError(f"{where} [hot_update] needs {' and '.join(missing)}", CONFIG_FIX)
+    repo = section.get("repo")
+    return HotUpdateSettings(Path(section["current"]), Path(section["versions_dir"]),
+                             Path(repo) if repo else None, str(section.get("git", "git")))
+
+
+def _layout(value: Any, where: str) -> Layout | None:
+    if value is None:
+        return None
+    section = dict(_table(value, f"{where} [layout]"))
+    _no_unknown(section, {"tp", "pp", "dp", "cp", "ep", "order", "ranks_per_machine"}, f"{where} [layout]")
+    try:
+        return Layout(**section)
+    except TypeError as exc:
+        raise RankscopeError(f"{where} [layout]: {exc}", CONFIG_FIX) from None
+
+
+def make_backend(settings: EvictionSettings) -> EvictionBackend | None:
+    """The configured eviction backend; None for ``local`` (the agent stops its own ranks)."""
+    options = dict(settings.options)
+    try:
+        if settings.backend == "slurm":
+            return SlurmBackend(**options)
+        if settings.backend == "kubernetes":
+            return KubernetesBackend(**options)
+        if settings.backend == "command":
+            return SiteCommandBackend(**options)
+    except TypeError as exc:
+        raise RankscopeError(f"[eviction.{settings.backend}]: {exc}", CONFIG_FIX) from None
+    return None
+
+
+# --------------------------------------------------------------------------
+# the service
+# --------------------------------------------------------------------------
+
+Report = Callable[[str], None]
+RanksReader = Callable[[], tuple[RankInfo, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """A plan and what the procedure needs to carry it out."""
+
+    plan: ActionPlan
+    ranks: tuple[RankInfo, ...]
+    total: int  # progress steps
+
+
+class _Subscriber:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[AuditRecord] = asyncio.Queue(SUBSCRIBER_QUEUE)
+        self.lagged = False
+
+    def offer(self, record: AuditRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except asyncio.QueueFull:
+            self.lagged = True  # it will re-read the log from its last seq; the action never waits
+
+
+class _Execution:
+    """One running action: its events so far, for every caller following it."""
+
+    def __init__(self, request: ActionRequest) -> None:
+        self.request = request
+        self.events: list[ActionProgress | ActionResult] = []
+        self.changed = asyncio.Condition()
+        self.task: asyncio.Task[None] | None = None
+
+    async def add(self, event: ActionProgress | ActionResult) -> None:
+        async with self.changed:
+            self.events.append(event)
+            self.changed.notify_all()
+
+    def _more_than(self, seen: int) -> Callable[[], bool]:
+        return lambda: len(self.events) > seen
+
+    async def follow(self, replayed: bool) -> AsyncIterator[ActionProgress | ActionResult]:
+        seen = 0
+        while True:
+            async with self.changed:
+                await self.changed.wait_for(self._more_than(seen))
+                batch = self.events[seen:]
+            seen += len(batch)
+            for event in batch:
+                if isinstance(event, ActionResult):
+                    yield replace(event, replayed=replayed) if replayed else event
+                    return
+                yield event
+
+
+class ActionService:
+    """Plans and carries out actions on this agent's machine; keeps and broadcasts the audit log."""
+
+    def __init__(self, config: ActionsConfig, machine: str, ranks: RanksReader,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.machine = machine
+        self._ranks = ranks
+        self._clock = clock
+        self.audit = AuditLog(config.audit_path, clock)
+        self.blocklist = Blocklist(config.blocklist_path, clock)
+        self.history = HotUpdateHistory(config.history_path, clock)
+        self.backend = make_backend(config.eviction)
+        self.versions = (CodeVersions(config.hot_update.current, config.hot_update.versions_dir,
+                                      config.hot_update.repo, config.hot_update.git)
+                         if config.hot_update is not None else None)
+        self._subscribers: set[_Subscriber] = set()
+        self._executions: dict[str, _Execution] = {}
+        self._publish_lock = asyncio.Lock()
+        last = self.audit.records()
+        self._published = last[-1].seq if last else 0
+
+    # ---- planning ---------------------------------------------------------------------
+
+    async def plan(self, request: ActionRequest) -> ActionPlan:
+        """What ``request`` would do here; raises RankscopeError when it is refused."""
+        return (await asyncio.to_thread(self._plan, request)).plan
+
+    def _plan(self, request: ActionRequest) -> _Planned:
+        ranks = self._ranks()
+        self._check_job(request, ranks)
+        if request.kind == ActionKind.EVICT:
+            return self._plan_evict(request, ranks)
+        if request.kind in (ActionKind.HOT_UPDATE, ActionKind.ROLLBACK):
+            return self._plan_update(request, ranks)
+        return self._plan_backup(request, ranks)
+
+    def _check_job(self, request: ActionRequest, ranks: tuple[RankInfo, ...]) -> None:
+        """An agent acts only on its own job: the machine it is and the ranks it sees."""
+        others = [m for m in request.targets.machines if m != self.machine]
+        if others:
+            raise RankscopeError(
+                f"refused: {' '.join(others)} {'is' if len(others) == 1 else 'are'} not this agent's machine "
+                f"({self.machine})",
+                "send each machine's part of an action to that machine's agent (rankscope's client does this)")
+        seen = {r.rank for r in ranks}
+        unseen = sorted(set(request.targets.ranks) - seen)
+        if unseen:
+            raise RankscopeError(
+                f"refused: rank(s) {' '.join(map(str, unseen))} do not run on {self.machine} "
+                f"(its ranks: {' '.join(map(str, sorted(seen))) or 'none found'})",
+                "target ranks this machine runs; take a fresh snapshot if the job was restarted")
+        run_ids = {r.run_id for r in ranks if r.run_id}
+        if request.job_id is not None and run_ids and request.job_id not in run_ids:
+            raise RankscopeError(
+                f"refused: job {request.job_id} does not run on {self.machine} (it runs {' '.join(sorted(run_ids))})",
+                "attach to the agents of the job you mean")
+
+    def _processes(self, ranks: tuple[RankInfo, ...]) -> tuple[ProcessRef, ...]:
+        refs: list[ProcessRef] = []
+        for r in ranks:
+            refs.append(ProcessRef(self.machine, r.pid, r.rank))
+            refs.extend(ProcessRef(self.machine, s.pid, r.rank) for s in r.subprocesses)
+        return tuple(refs)
+
+    def _plan_evict(self, request: ActionRequest, ranks: tuple[RankInfo, ...]) -> _Planned:
+        assert isinstance(request.args, EvictArgs)
+        machines = (self.machine,)
+        processes = self._processes(ranks)
+        rank_list = " ".join(str(r.rank) for r in ranks) or "none"
+        warnings: list[str] = []
+        if request.targets.ranks:
+            warnings.append(f"eviction takes the whole machine {self.machine}: all its ranks ({rank_list}) stop, "
+                            "not only the ones named")
+        block = f"block {self.machine} (reason: {request.args.reason}) so no restart brings it back"
+        if self.backend is None:
+            if not ranks:
+                warnings.append(f"no ranks found on {self.machine}: nothing to stop, the machine is only blocked")
+            steps = (f"SIGTERM {len(processes)} process(es) of ranks {rank_list} on {self.machine}",
+                     f"SIGKILL any still running after {self.config.eviction.grace_s:g} s",
+                     block,
+                     "restarting the job without this machine is left to the launcher (torchrun, the drill)")
+            plan = ActionPlan(
+                action_id=request.action_id, kind=ActionKind.EVICT,
+                summary=f"evict {self.machine}: stop ranks {rank_list} and block it",
+                machines=machines, processes=processes, steps=steps, warnings=tuple(warnings),
+                typed_confirmation=True, confirm_phrase=confirm_phrase_for(ActionKind.EVICT, machines))
+            return _Planned(plan, ranks, 3)
+        backend_plan = self.backend.plan(machines, request.args.reason)
+        plan = ActionPlan(
+            action_id=request.action_id, kind=ActionKind.EVICT,
+            summary=f"evict {self.machine} via {self.backend.name} (ranks {rank_list})",
+            machines=backend_plan.machines, processes=processes, standbys=backend_plan.standbys,
+            commands=backend_plan.commands, steps=(*backend_plan.steps, block),
+            warnings=(*warnings, *backend_plan.warnings),
+            typed_confirmation=True, confirm_phrase=confirm_phrase_for(ActionKind.EVICT, backend_plan.machines))
+        return _Planned(plan, ranks, 2)
+
+    def _plan_update(self, request: ActionRequest, ranks: tuple[RankInfo, ...]) -> _Planned:
+        if self.versions is None:
+            raise RankscopeError(f"refused: the agent on {self.machine} has no hot-update configured",
+                                 "add a [hot_update] section (current, versions_dir, repo) to its --actions-config")
+        args = request.args
+        assert isinstance(args, HotUpdateArgs | RollbackArgs)
+        current = self.versions.target()
+        steps: list[str] = []
+        if isinstance(args, HotUpdateArgs):
+            if args.source == VersionSource.GIT:
+                if self.versions.repo is None:
+                    raise RankscopeError(f"refused: the agent on {self.machine} has no code repository configured",
+                                         "set [hot_update] repo in its --actions-config, or use a prepared directory")
+                steps.append(f"resolve git ref {args.version} in {self.versions.repo} and check it out under "
+                             f"{self.versions.versions_dir}")
+            else:
+                self.versions.prepared(args.version)  # refuses a directory missing on this machine now
+                steps.append(f"use the prepared directory {args.version}")
+            to = f"{args.source.value}:{args.version}"
+            verb = "hot-update"
+        else:
+            target = self._rollback_target(args)
+            to = target.label
+            verb = "roll back"
+        mode = args.mode
+        steps.append(f"point {self.versions.current} (now {current or 'unset'}) at {to}"
+                     + (" now" if mode == UpdateMode.IMMEDIATE else " when the update is applied"))
+        rank_list = " ".join(str(r.rank) for r in ranks) or "none"
+        if mode == UpdateMode.IMMEDIATE:
+            steps.append(f"request a restart of ranks {rank_list}: the launcher restarts them on the new code "
+                         "(the agent does not stop them)")
+        else:
+            window = args.window_s if isinstance(args, HotUpdateArgs) else 24 * 3600.0
+            steps.append(f"record it as pending: applied at the next restart or failure, at the latest in "
+                         f"{window / 3600:g} h")
+        plan = ActionPlan(
+            action_id=request.action_id, kind=request.kind,
+            summary=f"{verb} {self.machine} to {to} ({mode.value})",
+            machines=(self.machine,), processes=self._processes(ranks), steps=tuple(steps))
+        return _Planned(plan, ranks, 2)
+
+    def _rollback_target(self, args: RollbackArgs) -> Version:
+        if args.to_version:
+            for record in self.history.entries():
+                for v in (record.to_version, record.from_version):
+                    if v is not None and args.to_version in (v.label, v.path):
+                        return v
+            raise RankscopeError(f"refused: no version {args.to_version!r} in the hot-update history of "
+                                 f"{self.machine}", "pick a version listed in the update history")
+        target = self.history.rollback_target()
+        if target is None:
+            raise RankscopeError(f"refused: {self.machine} has no earlier version to roll back to",
+                                 "hot-update to the version you want instead")
+        return target
+
+    def _plan_backup(self, request: ActionRequest, ranks: tuple[RankInfo, ...]) -> _Planned:
+        assert isinstance(request.args, BackupArgs)
+        from rankscope.analyzers.backup_plan import backup_plan
+
+        not_yet = ("checkpoint backup is not yet supported by the agent: this plan only shows the backup peers; "
+                   "running it copies nothing")
+        warnings = [not_yet]
+        peers: tuple[tuple[int, int], ...] = ()
+        mine = set(request.targets.ranks) or {r.rank for r in ranks}
+        if self.config.layout is None:
+            warnings.append("no [layout] in the agent's --actions-config: backup peers unknown")
+        else:
+            world = ranks[0].world_size if ranks else None
+            try:
+                pairs = backup_plan(self.config.layout, world_size=world).pairs
+                peers = tuple((p.rank, p.peer) for p in pairs if p.rank in mine)
+            except RankscopeError as exc:
+                warnings.append(f"backup peers unknown: {exc.message}")
+        plan = ActionPlan(
+            action_id=request.action_id, kind=ActionKind.BACKUP,
+            summary=f"back up the checkpoints of ranks {' '.join(map(str, sorted(mine))) or 'none'} to their peers",
+            machines=(self.machine,), processes=self._processes(ranks), backup_peers=peers,
+            steps=("snapshot each rank at its next step boundary", "copy each shard to its backup peer"),
+            warnings=tuple(warnings))
+        return _Planned(plan, ranks, 1)
+
+    # ---- running ----------------------------------------------------------------------
+
+    async def run(self, request: ActionRequest, confirmation: Confirmation
+                  ) -> AsyncIterator[ActionProgress | ActionResult]:
+        """Progress of the action, ending with exactly one result (see the module docstring for the order)."""
+        running = self._executions.get(request.action_id)
+        if running is not None:
+            if running.request != request:
+                yield await self._refuse(request, f"action id {request.action_id} is already in use for a different "
+                                                  "request; nothing was done")
+                return
+            async for event in running.follow(replayed=True):
+                yield event
+            return
+        try:
+            if await asyncio.to_thread(self.audit.result_of, request.action_id) is not None:
+                seen = await asyncio.to_thread(self.audit.begin, request, self._what(request))
+                if seen is not None:
+                    yield seen
+                    return
+            planned = await asyncio.to_thread(self._plan, request)
+        except RankscopeError as exc:
+            yield await self._refuse(request, exc.message)
+            return
+        problem = confirmation_problem(planned.plan, request, confirmation)
+        if problem is not None:
+            yield await self._refuse(request, f"refused: {problem}; nothing was done")
+            return
+        execution = _Execution(request)
+        self._executions[request.action_id] = execution
+        # Its own task: a client that goes away mid-way does not leave the action half done.
+        execution.task = asyncio.create_task(self._execute(execution, planned))
+        async for event in execution.follow(replayed=False):
+            yield event
+
+    async def _execute(self, execution: _Execution, planned: _Planned) -> None:
+        request, plan = execution.request, planned.plan
+        try:
+            seen = await asyncio.to_thread(self.audit.begin, request, plan.summary, plan.machines)
+            await self._publish()
+            if seen is not None:
+                await execution.add(seen)
+                return
+            started = self._clock()
+            loop = asyncio.get_running_loop()
+            steps: asyncio.Queue[ActionProgress | None] = asyncio.Queue()
+            count = 0
+
+            def report(message: str) -> None:  # called from the worker thread
+                nonlocal count
+                count += 1
+                progress = ActionProgress(request.action_id, self._clock(), count, max(planned.total, count), message)
+                loop.call_soon_threadsafe(steps.put_nowait, progress)
+
+            work = asyncio.ensure_future(asyncio.to_thread(self._procedure, request, planned, report))
+            work.add_done_callback(lambda _: steps.put_nowait(None))
+            while (progress := await steps.get()) is not None:
+                await asyncio.to_thread(self._note, request, plan, progress.message)
+                await self._publish()
+                await execution.add(progress)
+            try:
+                state, message, details = work.result()
+            except RankscopeError as exc:
+                state, message, details = ActionState.FAILED, exc.message, (f"fix: {exc.fix}",) if exc.fix else ()
+            except Exception as exc:  # a procedure's bug must still end the action with a recorded result
+                state, message, details = ActionState.FAILED, f"{type(exc).__name__}: {exc}", ()
+            result = ActionResult(request.action_id, request.kind, state, message, started, self._clock(), details)
+            await asyncio.to_thread(self.audit.finish, request, result, plan.summary, plan.machines)
+            await self._publish()
+            await execution.add(result)
+        except Exception as exc:  # the audit log itself failed: say so to whoever follows
+            await execution.add(ActionResult(request.action_id, request.kind, ActionState.FAILED,
+                                             f"the agent could not record the action: {type(exc).__name__}: {exc}"))
+        finally:
+            self._executions.pop(request.action_id, None)
+
+    def _procedure(self, request: ActionRequest, planned: _Planned,
+                   report: Report) -> tuple[ActionState, str, tuple[str, ...]]:
+        if request.kind == ActionKind.EVICT:
+            if self.backend is None:
+                return self._evict_local(request, planned, report)
+            return self._evict_backend(request, planned, report)
+        if request.kind in (ActionKind.HOT_UPDATE, ActionKind.ROLLBACK):
+            return self._update(request, report)
+        report("checkpoint backup is not yet supported: nothing is copied")
+        return (ActionState.FAILED,
+                "checkpoint backup is not yet supported by the agent: nothing was copied "
+                "(the plan shows the backup peers only)", ())
+
+    def _evict_local(self, request: ActionRequest, planned: _Planned,
+                     report: Report) -> tuple[ActionState, str, tuple[str, ...]]:
+        assert isinstance(request.args, EvictArgs)
+        import psutil
+
+        targets = _live_processes(planned.plan.processes)
+        for proc in targets:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGTERM)
+        report(f"sent SIGTERM to {len(targets)} process(es): {' '.join(str(p.pid) for p in targets) or 'none'}")
+        left = _wait_gone(targets, self.config.eviction.grace_s)
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
+        stuck = _wait_gone(left, 5.0)
+        report(f"SIGKILL to {len(left)} process(es) still running after {self.config.eviction.grace_s:g} s"
+               if left else "every process ended after SIGTERM")
+        self.blocklist.block((self.machine,), request.args.reason, request.requested_by, request.action_id)
+        report(f"blocked {self.machine}")
+        ranks = " ".join(str(r.rank) for r in planned.ranks) or "none"
+        details = tuple(f"pid {p.pid} (rank {p.rank}) stopped" for p in planned.plan.processes
+                        if p.pid not in {s.pid for s in stuck})
+        if stuck:
+            return (ActionState.FAILED,
+                    f"{' '.join(str(p.pid) for p in stuck)} on {self.machine} survived SIGKILL (uninterruptible?); "
+                    f"{self.machine} is blocked", details)
+        return (ActionState.SUCCEEDED,
+                f"stopped ranks {ranks} on {self.machine} ({len(targets)} process(es), {len(left)} needed SIGKILL) "
+                f"and blocked it; the launcher restarts the job without it", details)
+
+    def _evict_backend(self, request: ActionRequest, planned: _Planned,
+                       report: Report) -> tuple[ActionState, str, tuple[str, ...]]:
+        assert isinstance(request.args, EvictArgs) and self.backend is not None
+        report(f"running {len(planned.plan.commands)} {self.backend.name} command(s)")
+        outcome = self.backend.evict(planned.plan.machines, request.args.reason)
+        details = tuple(f"exit {run.returncode}: {' '.join(run.argv)}" for run in outcome.runs)
+        if outcome.replacements:
+            details += (f"replacements: {' '.join(outcome.replacements)}",)
+        if not outcome.ok:
+            return ActionState.FAILED, outcome.message, details
+        report(f"{self.backend.name}: {outcome.message}")
+        self.blocklist.block(outcome.machines, request.args.reason, request.requested_by, request.action_id)
+        return ActionState.SUCCEEDED, f"{outcome.message}; blocked {' '.join(outcome.machines)}", details
+
+    def _update(self, request: ActionRequest, report: Report) -> tuple[ActionState, str, tuple[str, ...]]:
+        assert self.versions is not None
+        restarts: list[str] = []
+
+        def restart_requested(version: Version, trigger: str) -> None:
+            # The launcher restarts the ranks; the agent records the request and stops nothing.
+            restarts.append(version.label)
+            report(f"restart requested ({trigger}): the launcher restarts the ranks on {version.label}")
+
+        updater = HotUpdater(self.versions, self.history, restart_requested, self._clock)
+        if isinstance(request.args, HotUpdateArgs):
+            record = updater.update(request.action_id, request.requested_by, request.args)
+        else:
+            assert isinstance(request.args, RollbackArgs)
+            record = updater.rollback(request.action_id, request.requested_by, request.args)
+        report(record.describe())
+        if record.mode == UpdateMode.LAZY:
+            deadline = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(record.deadline))
+            return (ActionState.SUCCEEDED,
+                    f"pending on {self.machine}: {record.to_version.label} is applied at the next restart or "
+                    f"failure, at the latest {deadline}", (record.describe(),))
+        return (ActionState.SUCCEEDED,
+                f"{self.machine} now runs its code from {record.to_version.label}; restart requested from the "
+                "launcher (the agent did not stop the ranks)", (record.describe(),))
+
+    async def _refuse(self, request: ActionRequest, message: str) -> ActionResult:
+        now = self._clock()
+        await asyncio.to_thread(self.audit.refuse, request, self._what(request), message)
+        await self._publish()
+        return ActionResult(request.action_id, request.kind, ActionState.REFUSED, message, now, now)
+
+    @staticmethod
+    def _what(request: ActionRequest) -> str:
+        return f"{request.kind.value} {request.targets.describe()}"
+
+    def _note(self, request: ActionRequest, plan: ActionPlan, message: str) -> None:
+        """Append one progress line to the audit log.
+
+        TODO(H8): uses the log's private ``_append``; swap for a public
+        ``AuditLog`` method for intermediate steps once it exists.
+        """
+        with self.audit._connect() as db:
+            _append(db, request.action_id, request.requested_by, self._clock(), request.kind, plan.summary,
+                    PROGRESS, message, plan.machines)
+
+    # ---- the audit stream -------------------------------------------------------------
+
+    async def _publish(self) -> None:
+        """Fan every record not yet broadcast out to the subscribers, in seq order."""
+        async with self._publish_lock:
+            fresh = await asyncio.to_thread(self.audit.records, self._published)
+            for record in fresh:
+                for subscriber in tuple(self._subscribers):
+                    subscriber.offer(record)
+                self._published = record.seq
+
+    async def watch(self, after_seq: int | None) -> AsyncIterator[AuditRecord]:
+        """Records with seq > ``after_seq`` (None: from now on), then every new one as it is written."""
+        subscriber = _Subscriber()
+        self._subscribers.add(subscriber)  # before reading the backlog, so nothing falls in between
+        try:
+            last = self._published if after_seq is None else after_seq
+            catch_up = after_seq is not None
+            while True:
+                if catch_up or subscriber.lagged:
+                    catch_up = subscriber.lagged = False
+                    # Everything broadcast so far comes from the log; later records come through the queue.
+                    for record in await asyncio.to_thread(self.audit.records, last):
+                        if record.seq > self._published:
+                            break
+                        last = record.seq
+                        yield record
+                record = await subscriber.queue.get()
+                if subscriber.lagged:
+                    continue  # records were dropped: re-read the log (it holds this one too)
+                if record.seq > last:
+                    last = record.seq
+                    yield record
+        finally:
+            self._subscribers.discard(subscriber)
+
+    def interrupted(self) -> tuple[str, ...]:
+        """Actions an earlier run of the agent started and never finished."""
+        return self.audit.interrupted()
+
+    async def close(self) -> None:
+        """Let running actions finish and record their results (bounded by their own timeouts)."""
+        tasks = [e.task for e in self._executions.values() if e.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _live_processes(processes: tuple[ProcessRef, ...]) -> list[Any]:
+    """psutil handles of the planned processes that still exist (a pid reused since would be a different process:
+    the plan is made just before, from a fresh discovery)."""
+    import psutil
+
+    out = []
+    for ref in processes:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(ref.pid)
+            if proc.pid != os.getpid():
+                out.append(proc)
+    return out
+
+
+def _gone(proc: Any) -> bool:
+    import psutil
+
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def _wait_gone(procs: list[Any], timeout_s: float) -> list[Any]:
+    """Poll until every process ended (a zombie counts as ended: its parent reaps it) or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in procs if not _gone(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if not _gone(p)]
+    return left
