@@ -275,12 +275,14 @@ def train_step(
     micro_batches: int,
     hidden: int,
     compute_hook: ComputeHook | None = None,
+    before_compute: ComputeHook | None = None,
 ) -> float | None:
     """One GPipe step: all forwards, then all backwards, then DP and the update.
 
     Returns the mean loss on the last stage (None elsewhere).
-    ``compute_hook`` runs after each micro-batch's forward compute, inside the
-    step, so a compute fault sits where a slow kernel would.
+    ``before_compute`` and ``compute_hook`` run around each micro-batch's
+    forward compute, inside the step, so a compute fault sits where a slow
+    kernel would and can scale with the time the compute really took.
     """
     groups = model.groups
     optimizer.zero_grad(set_to_none=True)
@@ -290,6 +292,8 @@ def train_step(
     outputs: list[torch.Tensor] = []
     for i in range(micro_batches):
         inp = xs[i] if groups.first_stage else recv_forward((xs[i].shape[0], hidden), groups).requires_grad_(True)
+        if before_compute is not None:
+            before_compute()
         out = model(inp)
         if compute_hook is not None:
             compute_hook()

@@ -79,6 +79,8 @@ class DrillSession:
         self.times: dict[str, float] = {}  # event -> monotonic seconds
         self.fault_started_mono: float | None = None
         self._stop_event = threading.Event()
+        self._capturing = threading.Event()  # outside faults hold off while stacks are read
+        self._throttle_lock = threading.Lock()  # held for one stop/continue cycle of the thermal fault
         self._outside: threading.Thread | None = None
         self._old_handlers: dict[int, Any] = {}
         self._stopped = False
@@ -216,6 +218,15 @@ class DrillSession:
         """One snapshot of the whole job: through the agents, else with the probes in this process."""
         started = time.monotonic()
         timeout_s = self.config.capture_timeout_s
+        self._capturing.set()
+        with self._throttle_lock:  # let a running stop/continue cycle finish first
+            pass
+        try:
+            return self._capture(native=native, subprocesses=subprocesses, timeout_s=timeout_s, started=started)
+        finally:
+            self._capturing.clear()
+
+    def _capture(self, *, native: bool, subprocesses: bool, timeout_s: float, started: float) -> JobSnapshot:
         if self.agents:
             from rankscope.client import capture_once
 
@@ -255,7 +266,9 @@ class DrillSession:
             on = plan.active(step)
             if plan.name == "cpu-contention":
                 noise = self._toggle_noise(noise, on)
-            elif plan.name == "thermal" and on:
+            elif plan.name == "thermal" and on and not self._capturing.is_set():
+                # A hot device still runs, only slower: never leave the rank
+                # stopped while py-spy reads it.
                 target_pid = target_pid or self.watcher.pids().get(plan.rank)
                 if target_pid is not None:
                     self._throttle_once(target_pid, plan.factor)
@@ -291,14 +304,17 @@ class DrillSession:
         import signal as sig
 
         run_s = period_s / factor
-        try:
-            os.kill(pid, sig.SIGCONT)
-            time.sleep(run_s)
-            os.kill(pid, sig.SIGSTOP)
-            time.sleep(period_s - run_s)
-            os.kill(pid, sig.SIGCONT)
-        except ProcessLookupError:
-            return
+        with self._throttle_lock:
+            try:
+                os.kill(pid, sig.SIGCONT)
+                time.sleep(run_s)
+                if self._capturing.is_set():
+                    return
+                os.kill(pid, sig.SIGSTOP)
+                time.sleep(period_s - run_s)
+                os.kill(pid, sig.SIGCONT)
+            except ProcessLookupError:
+                return
 
 
 def lower_gpu_clock(index: int, mhz: int) -> None:
@@ -508,7 +524,7 @@ def log_errors(run_dir: Path, limit: int = 3) -> dict[str, list[str]]:
 def _step_times(s: DrillSession) -> dict[str, Any]:
     """Mean seconds per step of the faulty rank (or rank 0) before and after the fault step."""
     rank = s.plan.rank if s.plan.rank >= 0 else 0
-    fault_step = s.plan.step if s.plan.name != "none" else 0
+    fault_step = s.plan.step if s.plan.name != "none" else 1
     before = s.watcher.step_seconds(rank, 1, fault_step) if fault_step > 1 else None
     after = s.watcher.step_seconds(rank, fault_step, s.watcher.max_step())
     return {"rank": rank, "before_fault": before, "after_fault": after}

@@ -260,8 +260,9 @@ class Injector:
         if self.plan.name == "hang-compute" and self.step == self.plan.step:
             drill_injected_hang_compute()
         elif self.plan.name == "slow-compute":
+            # The forward just measured stands for forward + backward (about 3x forward).
             elapsed = time.perf_counter() - self.compute_started
-            drill_injected_slow_compute(elapsed * (self.plan.factor - 1.0))
+            drill_injected_slow_compute(3.0 * elapsed * (self.plan.factor - 1.0))
 
     def before_comm(self, kind: str, op: str) -> None:
         if not self.mine():
@@ -341,9 +342,8 @@ def train(args: argparse.Namespace) -> int:
             torch.manual_seed(args.seed * 7919 + step)
             injector.at_step_start()
             x, y = next(batches)
-            injector.before_compute()
             loss = m.train_step(model, optimizer, x, y, micro_batches=args.micro_batches, hidden=args.hidden,
-                                compute_hook=injector.after_compute)
+                                compute_hook=injector.after_compute, before_compute=injector.before_compute)
             done = step + 1
             if loss_log is not None and loss is not None:
                 loss_log.write(json.dumps({"step": done, "loss": loss.hex(), "value": loss}) + "\n")
