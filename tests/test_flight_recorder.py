@@ -1,0 +1,111 @@
+"""Flight recorder dumps (pickle and JSON) read as CCL counters; the rank that never arrived is named."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from rankscope.errors import RankscopeError
+from rankscope.flight_recorder import analyze_flight_recorder_dir, dumps_to_counters, load_dump
+
+JOB = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    r = dist.get_rank()
+    pp = dist.new_group([0, 1], group_desc="PIPELINE_MODEL_PARALLEL_GROUP")
+    for _ in range(3):
+        dist.all_reduce(torch.ones(4))
+    dist.broadcast(torch.ones(8), 0, group=pp)
+
+    def dump():
+        (out / "json" / f"rank{r}.json").write_bytes(_dump_fr_trace_json())
+        (out / "pkl" / f"nccl_trace_rank_{r}").write_bytes(_dump_fr_trace(True, False, False))
+        (out / f"dumped{r}").touch()
+
+    def wait_for(p):
+        deadline = time.monotonic() + 60
+        while not p.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    if r == 1:  # the late rank: its dump shows it never reached the 4th all_reduce
+        dump()
+        wait_for(out / "dumped0")
+        dist.all_reduce(torch.ones(4))
+    else:
+        work = dist.all_reduce(torch.ones(4), async_op=True)
+        wait_for(out / "dumped1")
+        dump()
+        work.wait()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.drill
+def test_real_gloo_dumps_name_the_rank_that_never_arrived(tmp_path: Path) -> None:
+    (tmp_path / "json").mkdir()
+    (tmp_path / "pkl").mkdir()
+    script = tmp_path / "fr_job.py"
+    script.write_text(JOB)
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "200"}
+    env.pop("RANKSCOPE_CCL", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for fmt in ("pkl", "json"):
+        snapshot, verdict = analyze_flight_recorder_dir(tmp_path / fmt, None)
+        counters = snapshot.all_counters()
+        assert set(counters) == {0, 1}
+        ar = {r: next(o for o in c.ops if o.comm_id == "0" and o.op == "all_reduce") for r, c in counters.items()}
+        assert (ar[0].cl, ar[0].wc, ar[1].cl, ar[1].wc) == (4, 3, 3, 3), fmt
+        descs = {c.comm_id: c.description for c in counters[0].communicators}
+        assert descs == {"0": "default_pg", "1": "PIPELINE_MODEL_PARALLEL_GROUP"}
+        assert verdict.top is not None and verdict.top.ranks == (1,), (fmt, verdict)
+        assert "all_reduce CL 3 < 4" in verdict.top.evidence[0]
+
+
+def _entry(seq: int, retired: bool, pg: tuple[str, str] = ("0", "default_pg")) -> dict[str, object]:
+    return {"record_id": seq - 1, "pg_id": int(pg[0]), "process_group": pg, "collective_seq_id": seq,
+            "p2p_seq_id": 0, "profiling_name": "nccl:all_reduce", "time_created_ns": 10**18 + seq,
+            "input_sizes": [[4, 2]], "input_dtypes": ["Float"], "state": "completed" if retired else "scheduled",
+            "retired": retired, "is_p2p": False, "time_discovered_completed_ns": 0}
+
+
+def test_pg_config_gives_members_and_bytes_follow_dtypes(tmp_path: Path) -> None:
+    cfg = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2]"}}
+    dumps = {r: {"version": "2.10", "pg_config": cfg, "pg_status": {}, "entries": [_entry(1, True)]} for r in (0, 1)}
+    (counters, notes) = dumps_to_counters(dumps)
+    assert counters[0].communicators[0].ranks == (0, 1, 2) and counters[0].ops[0].bytes_total == 32
+    assert notes == []
+
+
+def test_missing_and_unreadable_dumps_are_reported_not_crashed_on(tmp_path: Path) -> None:
+    cfg = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2]"}}
+    for r, n in ((0, 2), (1, 1)):
+        entries = [_entry(i, i < 2 or r == 1) for i in range(1, n + 1)]
+        (tmp_path / f"rank{r}").write_bytes(pickle.dumps({"version": "2.10", "pg_config": cfg, "entries": entries}))
+    (tmp_path / "rank2").write_bytes(b"\x80\x04garbage")
+    _, verdict = analyze_flight_recorder_dir(tmp_path, None)
+    assert 2 in verdict.missing_ranks
+    assert any("rank2: unreadable" in n for n in verdict.notes)
+    assert verdict.top is not None and verdict.top.ranks == (1,)
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    evil = tmp_path / "rank0"
+    evil.write_bytes(pickle.dumps({"entries": [], "x": os.system}))  # a global reference: could be called
+    with pytest.raises(pickle.UnpicklingError):
+        load_dump(evil)
+    with pytest.raises(RankscopeError) as err:
+        analyze_flight_recorder_dir(tmp_path, None)
+    assert "TORCH_FR_BUFFER_SIZE" in err.value.fix
+    with pytest.raises(RankscopeError):
+        analyze_flight_recorder_dir(tmp_path / "absent", None)
