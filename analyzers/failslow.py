@@ -257,8 +257,7 @@ class FailSlowDetector:
         suspect = next(r[1] for r in reversed(rounds) if r is not None and r[0] == best)
         unique = not rest or rest[0][1] < n
         alarmed = len(rounds) >= needed and n >= 2 and unique
-        name = f"{suspect.kind.value.upper()} group {suspect.group_index}" if suspect.group_index is not None else (
-            f"{suspect.kind.value} ranks {_ranges(suspect.ranks)}")
+        name = _group_name(suspect)
         evidence = f"{name} flagged in {n} of the last {len(rounds)} stack rounds"
         score = self._w("stacks") * n / needed
         machines = suspect.machines or (None,)
@@ -403,6 +402,18 @@ class FailSlowDetector:
         if n == 1:
             return "no fail-slow: 1 machine answered, no peers to compare it with"
         return f"no fail-slow: {n} machines alike"
+
+
+def _group_name(s: Suspect) -> str:
+    """'PP group 1 (ranks 4-7)', 'rank 5', 'machine m2 (ranks 4-5)'."""
+    ranks = _ranges(s.ranks)
+    if s.kind is SuspectKind.RANK:
+        return f"rank {ranks}"
+    if s.kind is SuspectKind.MACHINE:
+        return f"machine {','.join(s.machines)} (ranks {ranks})"
+    index = f" {s.group_index}" if s.group_index is not None else ""
+    label = "communicator" if s.kind is SuspectKind.COMM else f"{s.kind.value.upper()} group"
+    return f"{label}{index} (ranks {ranks})"
 
 
 def _ranges(ranks: Iterable[int]) -> str:

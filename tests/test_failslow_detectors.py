@@ -343,7 +343,8 @@ def test_unreachable_machine_is_noted_not_a_crash() -> None:
 
 
 def _round(kind: SuspectKind, group: int, ranks: tuple[int, ...], machines: tuple[str, ...]) -> Verdict:
-    return Verdict((Suspect(kind, ranks, machines, 1.0, ("outliers",)),), "x") if group >= 0 else Verdict((), "ok")
+    return Verdict((Suspect(kind, ranks, machines, 1.0, ("outliers",), group_index=group),), "x") if group >= 0 \
+        else Verdict((), "ok")
 
 
 def test_stack_rounds_name_the_most_flagged_group_after_enough_rounds() -> None:
@@ -360,7 +361,7 @@ def test_stack_rounds_name_the_most_flagged_group_after_enough_rounds() -> None:
     stacks = [f for f in last.flags if f.detector == "stacks"]
     assert {f.machine for f in stacks} == {"m2", "m3"} and all(f.alarmed for f in stacks)
     assert {f.ranks for f in stacks} == {(4, 5), (6, 7)}
-    assert "flagged in 3 of the last 5" in stacks[0].evidence
+    assert stacks[0].evidence == "PP group 1 (ranks 4-7) flagged in 3 of the last 5 stack rounds"
     assert {s.machines[0] for s in last.verdict.suspects} == {"m2", "m3"}
 
 

@@ -40,9 +40,9 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-def watch(*args: str) -> tuple[int, list[dict[str, Any]], str]:
+def watch(*args: str, timeout_s: float = WATCH_TIMEOUT_S) -> tuple[int, list[dict[str, Any]], str]:
     proc = subprocess.run([sys.executable, "-m", "rankscope", "watch", *args], capture_output=True, text=True,
-                          env=clean_env(), timeout=WATCH_TIMEOUT_S, check=False)
+                          env=clean_env(), timeout=timeout_s, check=False)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     return proc.returncode, lines, proc.stderr
 
@@ -124,3 +124,37 @@ def test_verdict_event_is_json_and_names_the_slow_machine() -> None:
     assert {f["detector"] for f in event["flags"]} >= {"step_time", "metrics", "minder"}
     # a change of verdict changes the key; the same verdict repeated does not
     assert keys[0] == keys[5] and len(set(keys)) > 2
+
+
+# ---- a real fail-slow drill -------------------------------------------------
+
+
+@pytest.mark.drill
+@pytest.mark.timeout(420)
+def test_watch_names_the_slow_machine_of_a_real_slow_compute_drill(tmp_path: Path) -> None:
+    """A real gloo job with rank 5 computing 3× slower: watch must end naming its machine."""
+    from rankscope.drill.faults import DrillLayout, make_plan
+    from rankscope.drill.launcher import TrainingOptions
+    from rankscope.drill.session import DrillConfig, drill
+
+    layout = DrillLayout(tp=2, pp=2, dp=2, machines=4)
+    plan = make_plan("slow-compute", layout, rank=5, machine=None, step=2, group=None, factor=3.0, delay_ms=0.0,
+                     on_steps=0, off_steps=0, seed=7)
+    config = DrillConfig(layout=layout, plan=plan, run_dir=tmp_path / "drill",
+                         training=TrainingOptions(steps=100_000, seed=7, loader_workers=0, checkpoint_every=0))
+    with drill(config) as session:
+        session.wait_for_steps(3, 240)
+        token_file = tmp_path / "token"
+        token_file.write_text(session.token() + "\n")
+        code, events, err = watch(
+            "--agents", ",".join(session.agents.values()), "--token-file", str(token_file), "--duration", "40",
+            "--window", "10", "--continuity", "8", "--stack-interval", "3", "--rounds", "3",
+            "--tp", "2", "--pp", "2", "--dp", "2", "--ranks-per-machine", "2", "--json", timeout_s=120)
+    slow_machine = session.truth.machine
+    assert slow_machine == "machine-2"
+    end = events[-1]
+    assert end["event"] == "end" and end["stack_rounds"] >= 5, (end, err)
+    assert code == 1 and end["machine"] == slow_machine, [e.get("summary") for e in events]
+    named = [e for e in events if e["event"] == "verdict" and e["machine"] is not None]
+    assert named[0]["machine"] == slow_machine, "the first machine named is the slow one"
+    assert 5 in named[-1]["ranks"] and "stacks" in named[-1]["sources"]
