@@ -320,18 +320,39 @@ class JobClient:
                 yield AgentLost(address, reason, fix, retrying=True)
             await asyncio.sleep(retry_s)
 
+    async def watch_all_audit(
+        self, *, since: int | None = 0, retry_s: float = 1.0
+    ) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost]:
+        """Every agent's audit stream merged, each record with its agent's address (see ``watch_audit``)."""
+        queue: asyncio.Queue[tuple[str, AuditRecord] | AgentLost] = asyncio.Queue()
+
+        async def one(address: str) -> None:
+            async for item in self.watch_audit(address, since=since, retry_s=retry_s):
+                await queue.put(item if isinstance(item, AgentLost) else (address, item))
+
+        tasks = [asyncio.create_task(one(a)) for a in self.agents]
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _split(self, request: ActionRequest) -> tuple[dict[str, ActionRequest], dict[str, ActionPlan | ActionError]]:
         """Each owning agent's part of ``request`` (from one describe), and errors for what has no owner."""
         job = await self.describe()
         parts: dict[str, ActionRequest] = {}
         errors: dict[str, ActionPlan | ActionError] = {}
         reachable = [m for m in job.machines if m.reachable]
-        for m in job.machines:
-            if not m.reachable and m.error is not None:
-                errors[m.address] = ActionError(m.address, m.error.message, m.error.fix)
+        lost = [m for m in job.machines if not m.reachable]
         wanted_machines = set(request.targets.machines)
         wanted_ranks = set(request.targets.ranks)
         whole_job = not wanted_machines and not wanted_ranks
+        if whole_job:  # every agent should take part: a lost one means the action cannot be whole
+            for m in lost:
+                error = m.error or CaptureError(CaptureErrorKind.UNREACHABLE, f"agent at {m.address} is lost")
+                errors[m.address] = ActionError(m.address, error.message, error.fix)
         for m in reachable:
             machines = tuple(n for n in request.targets.machines if n in (m.machine, m.address))
             ranks = tuple(r for r in request.targets.ranks if r in {i.rank for i in m.ranks})
@@ -346,8 +367,9 @@ class JobClient:
             parts[m.address] = dataclasses.replace(request, targets=Targets(machines, ranks))
         if wanted_machines or wanted_ranks:
             names = [f"machine {n}" for n in sorted(wanted_machines)] + [f"rank {r}" for r in sorted(wanted_ranks)]
+            unreachable = f" (unreachable: {' '.join(m.address for m in lost)})" if lost else ""
             errors[UNOWNED] = ActionError(
-                UNOWNED, f"no reachable agent of this job reports {', '.join(names)}",
+                UNOWNED, f"no reachable agent of this job reports {', '.join(names)}{unreachable}",
                 "target the machines and ranks the agents list (a lost agent's machine cannot act)")
         return parts, errors
 

@@ -535,3 +535,93 @@ def test_actions_config_errors_name_the_fix(tmp_path: Path) -> None:
     config = load_actions_config(good, tmp_path / "st")
     assert config is not None and config.eviction.backend == "command" and config.layout == Layout(tp=2, pp=2)
     assert config.audit_path == tmp_path / "st" / "audit.sqlite"
+
+
+# ---- several agents, a lost agent, a slow watcher --------------------------------------------
+
+
+async def test_one_eviction_over_two_machines_goes_to_each_owner_with_its_part(
+        procs: Processes, tmp_path: Path) -> None:
+    run_a, run_b = f"rankscope-actions-a-{uuid.uuid4().hex[:8]}", f"rankscope-actions-b-{uuid.uuid4().hex[:8]}"
+    rank0 = start_rank_tree(procs, 0, 2, run_a)
+    rank1 = start_rank_tree(procs, 1, 2, run_b)
+    settings = EvictionSettings(grace_s=5.0)
+    async with serving("m0", run_a, ActionsConfig(tmp_path / "s0", settings)) as a0, \
+            serving("m1", run_b, ActionsConfig(tmp_path / "s1", settings)) as a1, \
+            JobClient([a0.address, a1.address], ACT, acting=True) as client:
+        watched: list[tuple[str, AuditRecord] | AgentLost] = []
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            async for item in client.watch_all_audit(since=0):
+                watched.append(item)
+                if sum(1 for w in watched if isinstance(w, tuple) and w[1].result == "succeeded") == 2:
+                    done.set()
+
+        task = asyncio.create_task(watch())
+        try:
+            # named by machine (m0) and by rank (1): each agent gets only its own machine
+            request = ActionRequest("evict-group", ActionKind.EVICT, Targets(("m0",), (1,)), EvictArgs("PP group 0"),
+                                    "alice")
+            plans = await client.plan_action(request)
+            assert set(plans) == {a0.address, a1.address}, plans
+            good = [p for p in plans.values() if isinstance(p, ActionPlan)]
+            assert sorted(p.machines for p in good) == [("m0",), ("m1",)]
+            phrase = combined_phrase(ActionKind.EVICT, good)
+            assert sorted(phrase.split()[1:]) == ["m0", "m1"]
+            updates = await collect(client, request, confirmation_for(good, ranks=(1,), typed=phrase))
+            await asyncio.wait_for(done.wait(), 30)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    by_agent = {u.address: u.event for u in updates if isinstance(u.event, ActionResult)}
+    assert {a: r.state for a, r in by_agent.items()} == {a0.address: ActionState.SUCCEEDED,
+                                                        a1.address: ActionState.SUCCEEDED}
+    assert rank0.proc.wait(timeout=10) == -signal.SIGTERM and rank1.proc.wait(timeout=10) == -signal.SIGTERM
+    finals = {(address, r.machines) for address, r in (w for w in watched if isinstance(w, tuple))
+              if r.result == "succeeded"}
+    assert finals == {(a0.address, ("m0",)), (a1.address, ("m1",))}
+
+
+async def test_an_agent_lost_mid_action_gives_an_unknown_outcome_not_an_exception(
+        procs: Processes, run_id: str, tmp_path: Path) -> None:
+    start_rank_tree(procs, 0, 1, run_id, ignore_term=True)  # holds the action in its grace period
+    config = tmp_path / "actions.toml"
+    config.write_text("[eviction]\ngrace_s = 60\n")
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"act:{ACT}\n")
+    tokens.chmod(0o600)
+    agent = procs.agent("lost-m0", "--run-id", run_id, "--state-dir", str(tmp_path / "st"),
+                        "--actions-config", str(config), token_file=tokens)
+    async with JobClient([agent.address], ACT, acting=True) as client:
+        request = evict("evict-lost", "lost-m0")
+        await client.plan_action(request)
+        updates: list[ActionUpdate] = []
+        async for update in client.run_action(request, Confirmation(("lost-m0",), (), "evict lost-m0")):
+            updates.append(update)
+            if isinstance(update.event, ActionProgress) and "SIGTERM" in update.event.message:
+                os.killpg(agent.proc.pid, signal.SIGKILL)  # the machine dies mid-action
+    (result,) = results(updates)
+    assert result.state == ActionState.FAILED and "outcome on" in result.message and "unknown" in result.message
+
+
+async def test_a_slow_watcher_loses_nothing_and_holds_up_nobody(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankscope.actions import agent_service
+
+    monkeypatch.setattr(agent_service, "SUBSCRIBER_QUEUE", 2)
+    service = agent_service.ActionService(ActionsConfig(tmp_path / "s"), "m0", lambda: ())
+    watch = service.watch(0)
+    request = evict("w0", "m0")
+    first = asyncio.ensure_future(anext(watch))
+    [event] = [e async for e in service.run(request, Confirmation())]  # refused: no confirmation
+    assert isinstance(event, ActionResult) and event.state == ActionState.REFUSED
+    assert (await asyncio.wait_for(first, 10)).action_id == "w0"
+    # nobody reads while ten more actions are refused: the queue (2) overflows, the actions do not wait
+    for i in range(1, 11):
+        [event] = [e async for e in service.run(evict(f"w{i}", "m0"), Confirmation())]
+        assert isinstance(event, ActionResult) and event.state == ActionState.REFUSED
+    rest = [await asyncio.wait_for(anext(watch), 10) for _ in range(10)]
+    assert [r.action_id for r in rest] == [f"w{i}" for i in range(1, 11)]
+    assert [r.seq for r in rest] == list(range(2, 12))
+    await watch.aclose()
