@@ -625,3 +625,22 @@ async def test_a_slow_watcher_loses_nothing_and_holds_up_nobody(
     assert [r.action_id for r in rest] == [f"w{i}" for i in range(1, 11)]
     assert [r.seq for r in rest] == list(range(2, 12))
     await watch.aclose()
+
+
+async def test_the_same_id_sent_twice_at_once_runs_once_and_both_get_the_result(
+        procs: Processes, run_id: str, tmp_path: Path) -> None:
+    tree = start_rank_tree(procs, 0, 1, run_id, ignore_term=True)  # the grace period keeps the first one running
+    state = tmp_path / "state"
+    async with serving("m0", run_id, ActionsConfig(state, EvictionSettings(grace_s=1.0))) as agent:
+        request = evict("evict-race", "m0")
+        confirmation = Confirmation(("m0",), (), "evict m0")
+        first, second = await asyncio.gather(run_raw(agent.address, ACT, request, confirmation),
+                                             run_raw(agent.address, ACT, request, confirmation))
+    end_first, end_second = first[-1], second[-1]
+    assert isinstance(end_first, ActionResult) and isinstance(end_second, ActionResult)
+    assert end_first.state == end_second.state == ActionState.SUCCEEDED
+    assert sorted([end_first.replayed, end_second.replayed]) == [False, True]
+    assert end_first.message == end_second.message
+    assert tree.proc.wait(timeout=10) == -signal.SIGKILL
+    started = [r for r in AuditLog(state / "audit.sqlite").records() if r.result == "started"]
+    assert len(started) == 1

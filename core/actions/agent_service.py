@@ -516,13 +516,8 @@ class ActionService:
     async def run(self, request: ActionRequest, confirmation: Confirmation
                   ) -> AsyncIterator[ActionProgress | ActionResult]:
         """Progress of the action, ending with exactly one result (see the module docstring for the order)."""
-        running = self._executions.get(request.action_id)
-        if running is not None:
-            if running.request != request:
-                yield await self._refuse(request, f"action id {request.action_id} is already in use for a different "
-                                                  "request; nothing was done")
-                return
-            async for event in running.follow(replayed=True):
+        if request.action_id in self._executions:
+            async for event in self._follow_running(request):
                 yield event
             return
         try:
@@ -539,11 +534,26 @@ class ActionService:
         if problem is not None:
             yield await self._refuse(request, f"refused: {problem}; nothing was done")
             return
+        if request.action_id in self._executions:  # the same id arrived again while this one was planning
+            async for event in self._follow_running(request):
+                yield event
+            return
+        # From here to the insert there is no await: one execution per id, whoever comes second follows it.
         execution = _Execution(request)
         self._executions[request.action_id] = execution
         # Its own task: a client that goes away mid-way does not leave the action half done.
         execution.task = asyncio.create_task(self._execute(execution, planned))
         async for event in execution.follow(replayed=False):
+            yield event
+
+    async def _follow_running(self, request: ActionRequest) -> AsyncIterator[ActionProgress | ActionResult]:
+        """The same id is running now: follow it and get its result (marked replayed); a different request is refused."""
+        running = self._executions[request.action_id]
+        if running.request != request:
+            yield await self._refuse(request, f"action id {request.action_id} is already in use for a different "
+                                              "request; nothing was done")
+            return
+        async for event in running.follow(replayed=True):
             yield event
 
     async def _execute(self, execution: _Execution, planned: _Planned) -> None:
