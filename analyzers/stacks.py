@@ -95,6 +95,7 @@ class PrefixNode:
 
 
 MAIN_LANE = "main"
+_MAIN_THREADS = "main/thread"
 
 # --------------------------------------------------------------------------
 # frame normalisation
@@ -260,40 +261,38 @@ def main_thread(process: ProcessStack) -> ThreadStack | None:
     return threads[0] if threads else None
 
 
-def _process_lanes(
-    interner: _Interner, process: ProcessStack, label: str, lanes: list[int], always_main: bool
-) -> None:
-    main = main_thread(process)
-    if main is None:
-        return
-    keep_idle = interner.options.include_idle_threads
-    lid = interner.thread_lane(label, main.frames)
-    if always_main or keep_idle or not interner.is_idle(lid):
-        lanes.append(lid)
-    threads = process.threads or ()
-    if len(threads) > 1:
-        other = f"{label}/thread"
-        for t in threads:
-            if t is not main:
-                lid = interner.thread_lane(other, t.frames)
-                if keep_idle or not interner.is_idle(lid):
-                    lanes.append(lid)
-
-
 def _rank_lanes(interner: _Interner, rs: RankStacks) -> tuple[int, ...]:
     """The rank's signature as lane ids: its main thread first, then the rest as a sorted set.
 
     A set, because ranks differ in how many identical idle workers they run,
-    and thread or process order means nothing.
+    and thread or process order means nothing. (Written flat: this runs once
+    per rank of a 16k-rank job.)
     """
-    first: list[int] = []
-    _process_lanes(interner, rs.main, MAIN_LANE, first, always_main=True)
-    main_lane, others = first[0], first[1:]
+    lane = interner.thread_lane
+    idle = interner._lane_idle
+    keep_idle = interner.options.include_idle_threads
+    threads = rs.main.threads or ()
+    main = main_thread(rs.main)
+    main_lane = lane(MAIN_LANE, main.frames) if main is not None else lane(MAIN_LANE, ())
+    others: list[int] = []
+    if len(threads) > 1:
+        for t in threads:
+            if t is not main:
+                lid = lane(_MAIN_THREADS, t.frames)
+                if keep_idle or not idle[lid]:
+                    others.append(lid)
     if interner.options.include_subprocesses:
         for sub in rs.subprocesses:
-            if sub.threads is None:
+            if not sub.threads:
                 continue  # a worker that exited mid-capture is not evidence; see Grouping.notes
-            _process_lanes(interner, sub, str(sub.role), others, always_main=False)
+            label = str(sub.role)
+            sub_main = main_thread(sub)
+            for t in sub.threads:
+                lid = lane(label if t is sub_main else f"{label}/thread", t.frames)
+                if keep_idle or not idle[lid]:
+                    others.append(lid)
+    if not others:
+        return (main_lane,)
     return (main_lane, *sorted(set(others)))
 
 

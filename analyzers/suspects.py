@@ -21,7 +21,7 @@ vector operations per kind as a small one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,10 +46,9 @@ from rankscope.analyzers.topology import (
     compact_ranks,
     layout_sizes,
     natural_key,
-    placement_of,
     topology_for,
 )
-from rankscope.snapshot import JobSnapshot, Layout
+from rankscope.snapshot import JobSnapshot, Layout, RankStacks
 
 # Among equally good candidates, the kind ByteRobust evicts first.
 _KIND_PREFERENCE: tuple[str, ...] = ("pp", "dp", "tp", "cp", "ep", "machine", "rank")
@@ -98,22 +97,28 @@ class _Placement:
     """Rank -> machine, as an index array for vector work and names for people."""
 
     def __init__(self, snapshot: JobSnapshot, world: int, ranks_per_machine: int | None) -> None:
-        known = placement_of(snapshot)
         names: list[str] = []
         index: dict[str, int] = {}
         ids = np.full(world, -1, dtype=np.int64)
-        for rank in range(world):
-            name = known.get(rank)
-            if name is None and ranks_per_machine:
-                name = f"machine-{rank // ranks_per_machine}"
-            if name is None:
-                continue
+
+        def mid_of(name: str) -> int:
             mid = index.get(name)
             if mid is None:
-                mid = len(names)
-                index[name] = mid
+                mid = index[name] = len(names)
                 names.append(name)
-            ids[rank] = mid
+            return mid
+
+        for machine in snapshot.machines:  # what the agents saw is the truth
+            seen = np.fromiter((*(r.rank for r in machine.ranks), *(s.rank for s in machine.stacks)), dtype=np.int64)
+            seen = seen[(seen >= 0) & (seen < world)]
+            if seen.size:
+                ids[seen] = mid_of(machine.machine)
+        if ranks_per_machine:  # ranks no agent reported: consecutive blocks
+            unplaced = np.flatnonzero(ids < 0)
+            for block in np.unique(unplaced // ranks_per_machine).tolist():
+                lo, hi = block * ranks_per_machine, (block + 1) * ranks_per_machine
+                span = ids[lo:hi]
+                span[span < 0] = mid_of(f"machine-{block}")
         self.ids = ids
         self.names = names
 
@@ -369,10 +374,11 @@ def _evidence(
     return tuple(lines), first_div
 
 
-def _missing_ranks(snapshot: JobSnapshot, topology: Topology, grouping: Grouping) -> dict[int, str]:
+def _missing_ranks(
+    snapshot: JobSnapshot, topology: Topology, grouping: Grouping, stacks: Mapping[int, RankStacks]
+) -> dict[int, str]:
     """Rank -> why it could not be seen, for every expected rank without readable stacks."""
     reasons: dict[int, str] = {}
-    stacks = snapshot.all_stacks()
     for m in snapshot.machines:
         if not m.reachable:
             why = f"machine {m.machine} unreachable" + (f" ({m.error.message})" if m.error else "")
@@ -394,11 +400,12 @@ def _missing_ranks(snapshot: JobSnapshot, topology: Topology, grouping: Grouping
 
 def _suspects_for(
     grouping: Grouping, topology: Topology, placement: _Placement, missing: dict[int, str]
-) -> tuple[list[Suspect], float]:
+) -> tuple[list[Suspect], list[set[int]]]:
+    """Suspects best first, and for each the outlier ranks it accounts for."""
     outlier_ranks = np.asarray(grouping.outlier_ranks, dtype=np.int64)
     outlier_ranks = outlier_ranks[outlier_ranks < topology.world_size]
     if outlier_ranks.size == 0:
-        return [], 0.0
+        return [], []
     seen = np.zeros(topology.world_size, dtype=bool)
     for g in grouping.groups:
         idx = np.asarray(g.ranks, dtype=np.int64)
@@ -410,10 +417,24 @@ def _suspects_for(
         singles = [grouping.groups[i].ranks[0] for i in grouping.outliers if len(grouping.groups[i].ranks) == 1]
     n = int(outlier_ranks.size)
     cands = _candidates(outlier_ranks, seen, topology, placement, singles)
-    _apply_origins(cands, _origins(grouping), grouping, topology, placement)
+    origins = _origins(grouping)
+    _apply_origins(cands, origins, grouping, topology, placement)
     ranked = _rank_candidates(cands, n, placement)
+    is_out = set(outlier_ranks.tolist())
+    origin_ranks = {r for o in origins for r in o.ranks}
+    # Groups around an origin that are mostly outliers: the ranks waiting on it.
+    sick = [set(c.ranks.tolist()) & is_out for c in cands if 2 * c.hits >= c.ranks.size]
     suspects: list[Suspect] = []
+    explains: list[set[int]] = []
     for c in ranked[:_MAX_SUSPECTS]:
+        members = set(c.ranks.tolist())
+        explained = members & is_out
+        if c.bonus:
+            starts = members & origin_ranks
+            for group in sick:
+                if group & starts:
+                    explained |= group
+        explains.append(explained)
         machines = placement.machines(c.ranks)
         evidence, div = _evidence(c, grouping, n, machines, placement, missing)
         suspects.append(Suspect(
@@ -426,53 +447,25 @@ def _suspects_for(
             group_index=c.group_index,
             diverging_frame=div,
         ))
-    return suspects, (suspects[0].score if suspects else 0.0)
+    return suspects, explains
 
 
-def _waiting_closure(start: set[int], waiting: set[int], topology: Topology) -> set[int]:
-    """``start`` plus the waiting outliers linked to it through shared groups, transitively.
+def _independent_cover(suspects: list[Suspect], explains: list[set[int]], outliers: set[int]) -> list[Suspect]:
+    """Suspects that together account for all outliers without overlapping, best first (greedy).
 
-    A rank that waits on a peer that waits on the stuck rank is explained by
-    the stuck rank too.
+    A suspect accounts for its own outlier ranks; one that names where a hang
+    started also accounts for the mostly-outlier groups around it (the ranks
+    waiting on it).
     """
-    reached = set(start)
-    frontier = list(start)
-    kinds = topology.kinds()
-    while frontier:
-        rank = frontier.pop()
-        if rank >= topology.world_size:
-            continue
-        for kind in kinds:
-            for peer in topology.group_of(rank, kind):
-                if peer in waiting and peer not in reached:
-                    reached.add(peer)
-                    frontier.append(peer)
-    return reached
-
-
-def _independent_cover(
-    suspects: list[Suspect], grouping: Grouping, topology: Topology
-) -> list[Suspect]:
-    """Suspects that together explain all outliers without overlapping, best first (greedy).
-
-    A suspect explains its own ranks; one that names where outliers started
-    (score above 1) also explains the outliers that wait on it.
-    """
-    outliers = set(grouping.outlier_ranks)
-    if len(outliers) > _MAX_RANK_CANDIDATES:
-        return suspects[:1]
-    waiting = {r for i in grouping.outliers for r in grouping.groups[i].ranks
-               if grouping.groups[i].frames and is_communication(grouping.groups[i].frames[-1])}
     cover: list[Suspect] = []
     left = set(outliers)
     taken: set[int] = set()
-    for s in suspects:
+    for s, explained in zip(suspects, explains, strict=True):
         if not left:
             break
         ranks = set(s.ranks)
-        if ranks & taken or not ranks & left:
+        if ranks & taken or not explained & left:
             continue
-        explained = _waiting_closure(ranks, waiting, topology) if s.score > 1.0 else ranks
         cover.append(s)
         taken |= ranks
         left -= explained
@@ -491,9 +484,10 @@ def analyze_stacks(
     rpm = (layout.ranks_per_machine if layout is not None else None) or topology.layout.ranks_per_machine
     if rpm is None and snapshot.layout is not None:
         rpm = snapshot.layout.ranks_per_machine
-    grouping = group_stacks(snapshot.all_stacks(), options)
+    stacks = snapshot.all_stacks()
+    grouping = group_stacks(stacks, options)
     placement = _Placement(snapshot, topology.world_size, rpm)
-    missing = _missing_ranks(snapshot, topology, grouping)
+    missing = _missing_ranks(snapshot, topology, grouping, stacks)
     notes = list(grouping.notes)
 
     # When several groups tie for largest, the healthy one is the choice whose
@@ -505,7 +499,8 @@ def analyze_stacks(
             best, best_score = grouping, -1.0
             for t in tied:
                 trial = with_dominant(grouping, (t,))
-                _, score = _suspects_for(trial, topology, placement, missing)
+                found, _ = _suspects_for(trial, topology, placement, missing)
+                score = found[0].score if found else 0.0
                 if score > best_score + 1e-9:
                     best, best_score = trial, score
             if best.dominant != grouping.dominant:
@@ -513,7 +508,7 @@ def analyze_stacks(
                              "better by one parallel group")
             grouping = best
 
-    suspects, _ = _suspects_for(grouping, topology, placement, missing)
+    suspects, explains = _suspects_for(grouping, topology, placement, missing)
     tree = tree_from_grouping(grouping)
     missing_ranks = tuple(sorted(missing))
     if missing_ranks:
@@ -527,7 +522,7 @@ def analyze_stacks(
         notes.append("no parallel sizes known: only ranks and machines can be suspected; "
                      "pass --tp/--pp/--dp (and --order) to name parallel groups")
     seen_count = sum(len(g.ranks) for g in grouping.groups)
-    summary = _summary(grouping, suspects, seen_count, notes, topology)
+    summary = _summary(grouping, suspects, explains, seen_count, notes)
     verdict = Verdict(suspects=tuple(suspects), summary=summary, missing_ranks=missing_ranks, notes=tuple(notes))
     return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology)
 
@@ -540,7 +535,9 @@ def _reason_digest(missing: dict[int, str]) -> str:
     return " — " + "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else "")
 
 
-def _summary(grouping: Grouping, suspects: list[Suspect], seen: int, notes: list[str], topology: Topology) -> str:
+def _summary(
+    grouping: Grouping, suspects: list[Suspect], explains: list[set[int]], seen: int, notes: list[str]
+) -> str:
     if seen == 0:
         return "no verdict: no rank's stacks could be read"
     if len(grouping.groups) == 1:
@@ -549,7 +546,7 @@ def _summary(grouping: Grouping, suspects: list[Suspect], seen: int, notes: list
         return f"no verdict: no two of the {seen} ranks show the same stacks"
     if not suspects:
         return "no verdict: the outliers fit no group smaller than the whole job"
-    cover = _independent_cover(suspects, grouping, topology)
+    cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks))
     if len(cover) > 1:
         notes.append(f"{len(cover)} separate outlier sets, each explained by its own suspect")
         return f"{len(cover)} separate suspects: " + "; ".join(_headline(s) for s in cover)

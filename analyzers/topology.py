@@ -240,8 +240,8 @@ def topology_for(snapshot: JobSnapshot, layout: Layout | None) -> Topology:
     chosen = layout if layout is not None else snapshot.layout
     explicit = communicator_groups(snapshot)
     world = snapshot.world_size
-    ranks_seen = [r for m in snapshot.machines for r in (*(ri.rank for ri in m.ranks), *(s.rank for s in m.stacks))]
     if world is None:
+        ranks_seen = [r for m in snapshot.machines for r in (*(ri.rank for ri in m.ranks), *(s.rank for s in m.stacks))]
         world = max(ranks_seen) + 1 if ranks_seen else 0
     assumed = False
     if chosen is None:

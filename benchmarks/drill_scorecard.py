@@ -32,7 +32,10 @@ from rankscope.analyzers.verdict import analyze_snapshot
 from rankscope.bundle import read_bundle
 from rankscope.drill.scoring import score_verdict
 
-HANG_FAULTS = ("hang-compute", "hang-p2p", "hang-collective", "dataloader-stall", "checkpoint-stall", "crash")
+# The drill's hang faults that leave the job standing. ``crash`` is left out by default: torchrun tears the
+# crashed rank's node down and the rest of the job exits soon after, so a capture shows exiting processes,
+# not a hang (the analyzer says "the job looks crashed" and names no suspect); pass --faults to include it.
+HANG_FAULTS = ("hang-compute", "hang-p2p", "hang-collective", "dataloader-stall", "checkpoint-stall")
 WORLD = 8
 
 
