@@ -644,3 +644,19 @@ async def test_the_same_id_sent_twice_at_once_runs_once_and_both_get_the_result(
     assert tree.proc.wait(timeout=10) == -signal.SIGKILL
     started = [r for r in AuditLog(state / "audit.sqlite").records() if r.result == "started"]
     assert len(started) == 1
+
+
+async def test_a_restarted_agent_still_replays_a_finished_action(run_id: str, tmp_path: Path) -> None:
+    config = ActionsConfig(tmp_path / "state", EvictionSettings(grace_s=1.0))
+    request = evict("evict-restart", "m0")
+    confirmation = Confirmation(("m0",), (), "evict m0")
+    async with serving("m0", run_id, config) as agent:
+        first = (await run_raw(agent.address, ACT, request, confirmation))[-1]
+    async with serving("m0", run_id, config) as agent:  # a new process would open the same state dir
+        replies = await run_raw(agent.address, ACT, request, confirmation)
+    assert len(replies) == 1, "a replay streams only the recorded result"
+    again = replies[0]
+    assert isinstance(first, ActionResult) and isinstance(again, ActionResult)
+    assert first.state == ActionState.SUCCEEDED and "blocked" in first.message
+    assert again.replayed and (again.state, again.message) == (first.state, first.message)
+    assert [r.result for r in AuditLog(tmp_path / "state" / "audit.sqlite").records()].count("started") == 1
