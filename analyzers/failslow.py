@@ -38,7 +38,7 @@ from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFi
 from rankscope.analyzers.minder import MinderDetector
 from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
-from rankscope.snapshot import JobSnapshot
+from rankscope.snapshot import JobSnapshot, Layout
 
 DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl")
 
@@ -402,6 +402,28 @@ class FailSlowDetector:
         if n == 1:
             return "no fail-slow: 1 machine answered, no peers to compare it with"
         return f"no fail-slow: {n} machines alike"
+
+
+def replay(snapshots: Iterable[JobSnapshot], config: FailSlowConfig | None = None,
+           layout: Layout | None = None) -> tuple[FailSlowVerdict, ...]:
+    """Run the detector over a recorded series (a bundle from ``rankscope watch --record``), oldest first.
+
+    Snapshots that carry stacks (the watch's captures) also make a stack
+    aggregation round, as they did live. Returns every update's verdict.
+    """
+    from rankscope.analyzers.suspects import analyze_stacks
+
+    detector = FailSlowDetector(config)
+    out = []
+    for snap in sorted(snapshots, key=lambda s: s.captured.mono):
+        analysis = None
+        if snap.all_stacks():
+            try:
+                analysis = analyze_stacks(snap, layout)
+            except ValueError:  # a layout that does not fit: the other detectors still run
+                analysis = None
+        out.append(detector.update(snap, analysis))
+    return tuple(out)
 
 
 def _group_name(s: Suspect) -> str:

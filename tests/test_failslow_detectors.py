@@ -14,7 +14,13 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from rankscope.analyzers.failslow import FailSlowConfig, FailSlowDetector, FailSlowVerdict, narrow_to_common_end
+from rankscope.analyzers.failslow import (
+    FailSlowConfig,
+    FailSlowDetector,
+    FailSlowVerdict,
+    narrow_to_common_end,
+    replay,
+)
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector
 from rankscope.analyzers.minder import MinderDetector, denoise
@@ -434,3 +440,11 @@ def test_history_keeps_every_round() -> None:
         det.update(s)
     assert len(det.history) == 10 and det.history[-1].rounds == 15
     assert det.update(snaps[3]) is det.latest, "an old snapshot changes nothing"
+
+
+def test_replay_gives_the_live_answer_in_any_order() -> None:
+    snaps = make_series(60, SLOW_ALL)
+    live = run_detector(snaps)
+    replayed = replay(list(reversed(snaps)))
+    assert [v.confidence for v in replayed] == [v.confidence for v in live]
+    assert replayed[-1].machine == "m2"

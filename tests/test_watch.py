@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 from agent_helpers import Processes, clean_env, make_token_file
-from rankscope.analyzers.failslow import FailSlowDetector
+from rankscope.analyzers.failslow import FailSlowConfig, FailSlowDetector, replay
+from rankscope.bundle import read_bundle
 from rankscope.commands.watch import change_key, verdict_event
+from rankscope.snapshot import Layout
 from test_failslow_detectors import SLOW_ALL, make_series
 
 WATCH_TIMEOUT_S = 60
@@ -50,8 +52,9 @@ def watch(*args: str, timeout_s: float = WATCH_TIMEOUT_S) -> tuple[int, list[dic
 def test_watch_prints_json_lines_from_a_real_agent_and_exits_0(procs: Processes, tmp_path: Path) -> None:
     _, token_file = make_token_file(tmp_path)
     agent = procs.agent("w0", "--run-id", "no-such-run-h7", token_file=token_file)
+    record = tmp_path / "watch.json"
     code, events, err = watch("--agents", agent.address, "--token-file", str(token_file), "--duration", "2",
-                              "--interval", "0.5", "--json")
+                              "--interval", "0.5", "--json", "--record", str(record))
     assert code == 0, err
     kinds = [e["event"] for e in events]
     assert kinds[0] == "start" and kinds[-1] == "end" and "verdict" in kinds, kinds
@@ -62,6 +65,9 @@ def test_watch_prints_json_lines_from_a_real_agent_and_exits_0(procs: Processes,
     # only changes are printed: a healthy, unchanging job gives one verdict line in 4 polls
     assert len(verdicts) == 1
     assert events[-1]["exit"] == 0 and events[-1]["rounds"] >= 3
+    bundle = read_bundle(record)
+    assert len(bundle.snapshots) == events[-1]["rounds"] and bundle.meta["command"] == "watch"
+    assert all(s.machines[0].machine == "w0" for s in bundle.snapshots)
 
 
 def test_watch_reports_an_unreachable_agent_and_keeps_going(procs: Processes, tmp_path: Path) -> None:
@@ -105,6 +111,8 @@ def test_watch_runs_stack_rounds_on_real_ranks(procs: Processes, tmp_path: Path)
 def test_watch_rejects_bad_input_with_the_fix(tmp_path: Path) -> None:
     code, _, err = watch("--agents", "127.0.0.1:1", "--interval", "0", "--duration", "1")
     assert code == 2 and "--interval" in err and "fix:" in err
+    code, _, err = watch("--agents", "127.0.0.1:1", "--duration", "1", "--record", str(tmp_path / "no" / "x.json"))
+    assert code == 2 and "does not exist" in err
     code, _, err = watch("--duration", "1")
     assert code == 2 and "no agents" in err
 
@@ -149,7 +157,8 @@ def test_watch_names_the_slow_machine_of_a_real_slow_compute_drill(tmp_path: Pat
         code, events, err = watch(
             "--agents", ",".join(session.agents.values()), "--token-file", str(token_file), "--duration", "40",
             "--window", "10", "--continuity", "8", "--stack-interval", "3", "--rounds", "3",
-            "--tp", "2", "--pp", "2", "--dp", "2", "--ranks-per-machine", "2", "--json", timeout_s=120)
+            "--tp", "2", "--pp", "2", "--dp", "2", "--ranks-per-machine", "2", "--json",
+            "--record", str(tmp_path / "record.json"), timeout_s=120)
     slow_machine = session.truth.machine
     assert slow_machine == "machine-2"
     end = events[-1]
@@ -158,3 +167,8 @@ def test_watch_names_the_slow_machine_of_a_real_slow_compute_drill(tmp_path: Pat
     named = [e for e in events if e["event"] == "verdict" and e["machine"] is not None]
     assert named[0]["machine"] == slow_machine, "the first machine named is the slow one"
     assert 5 in named[-1]["ranks"] and "stacks" in named[-1]["sources"]
+    # the recorded series replays to the same answer, offline
+    bundle = read_bundle(tmp_path / "record.json")
+    replayed = replay(bundle.snapshots, FailSlowConfig(window_s=10, continuity_s=8, step_window_s=8, rounds_needed=3),
+                      Layout(tp=2, pp=2, dp=2, ranks_per_machine=2))
+    assert replayed[-1].machine == slow_machine and "stacks" in replayed[-1].verdict.top.sources  # type: ignore[union-attr]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -40,6 +41,7 @@ with one (the last verdict names a machine), 4 when no agent ever answered,
 """
 
 EXIT_CLEAN, EXIT_SUSPECT, EXIT_NO_AGENT = 0, 1, 4
+RECORD_LIMIT = 3600  # snapshots kept for --record: an hour at one poll a second
 
 
 def register(sub: Any) -> None:
@@ -66,6 +68,9 @@ def register(sub: Any) -> None:
     p.add_argument("--dp", type=int, help="data-parallel size")
     p.add_argument("--order", default="tp-cp-ep-dp-pp", help="rank order of the parallel dimensions")
     p.add_argument("--ranks-per-machine", type=int, help="ranks on each machine")
+    p.add_argument("--record", type=Path, metavar="FILE",
+                   help=f"also save every snapshot polled (the last {RECORD_LIMIT}) as a bundle, for "
+                        "`rankscope attach --bundle`, a ticket or rankscope.analyzers.failslow.replay")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=run)
 
@@ -166,7 +171,9 @@ def _stack_round(snap: JobSnapshot, layout: Layout | None) -> tuple[object | Non
         return None, f"stack round failed: {type(exc).__name__}: {exc}"
 
 
-async def watch(args: argparse.Namespace, agents: list[str], token: str | None, emit: Callable[[dict[str, Any]], None]) -> int:
+async def watch(args: argparse.Namespace, agents: list[str], token: str | None, emit: Callable[[dict[str, Any]], None],
+                record: deque[JobSnapshot] | None = None) -> int:
+    """The watch loop; every snapshot polled is appended to ``record`` when given."""
     import asyncio
     import time
 
@@ -206,6 +213,8 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
             else:
                 snap = await client.poll()
             ever_answered = ever_answered or any(m.reachable for m in snap.machines)
+            if record is not None:
+                record.append(snap)
             analysis: object | None = None
             if stack_round:
                 analysis, problem = _stack_round(snap, layout)
@@ -252,6 +261,9 @@ def run(args: argparse.Namespace) -> int:
     if args.window <= 0 or args.continuity <= 0 or args.rounds < 1:
         raise RankscopeError("--window and --continuity must be positive and --rounds at least 1",
                              "e.g. --window 30 --continuity 20 --rounds 5")
+    if args.record is not None and not args.record.resolve().parent.is_dir():
+        raise RankscopeError(f"--record {args.record}: folder {args.record.resolve().parent} does not exist",
+                             "create the folder first or pass a path in an existing one")
     agents = resolve_agents(args.agents, args.hostfile, default_port=args.port)
     token = load_client_token(args.token_file)
     out: TextIO = sys.stdout
@@ -260,9 +272,34 @@ def run(args: argparse.Namespace) -> int:
         out.write((json.dumps(event, default=str) if args.json else human_line(event)) + "\n")
         out.flush()  # a pipe reader (a script, `tail -f`) sees each change as it happens
 
+    record: deque[JobSnapshot] | None = deque(maxlen=RECORD_LIMIT) if args.record is not None else None
     try:
-        return asyncio.run(watch(args, agents, token, emit))
+        code = asyncio.run(watch(args, agents, token, emit, record))
     except KeyboardInterrupt:
         emit({"event": "end", "wall": None, "rounds": None, "summary": "interrupted", "machine": None,
               "confidence": None, "stack_rounds": None, "exit": 130})
-        return 130
+        code = 130
+    finally:
+        if record is not None and record:
+            _write_record(args, agents, tuple(record))
+    return code
+
+
+def _write_record(args: argparse.Namespace, agents: list[str], snapshots: tuple[JobSnapshot, ...]) -> None:
+    """Save the watched series (interrupted or not: an incident's record is never thrown away)."""
+    import time
+
+    from rankscope import __version__
+    from rankscope.bundle import Bundle, write_bundle
+
+    bundle = Bundle(snapshots=snapshots, created_wall=time.time(),
+                    meta={"command": "watch", "rankscope_version": __version__, "agents": agents,
+                          "interval_s": args.interval, "stack_interval_s": args.stack_interval,
+                          "window_s": args.window, "continuity_s": args.continuity, "rounds": args.rounds})
+    try:
+        path = write_bundle(bundle, args.record)
+    except OSError as exc:
+        print(f"rankscope watch: error: could not write the record {args.record}: {exc}", file=sys.stderr)
+        print("  fix: pass --record a path in a writable folder with room to spare", file=sys.stderr)
+        return
+    print(f"rankscope watch: {len(snapshots)} snapshot(s) recorded to {path}", file=sys.stderr)
