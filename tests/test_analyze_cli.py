@@ -101,12 +101,31 @@ def test_empty_pyspy_dir_says_how_to_fill_it(capsys: pytest.CaptureFixture[str],
     assert code == 2 and "no rank<R>.json files" in err and "py-spy dump --pid" in err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("rankscope.flight_recorder") is not None,
-                    reason="the flight-recorder reader exists; its own tests cover it")
-def test_flight_recorder_without_its_reader_is_a_clear_error(
+def _fr_entry(seq: int, retired: bool) -> dict[str, object]:
+    # One entry of PyTorch's flight-recorder dump (the fields rankscope.flight_recorder reads).
+    return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq,
+            "p2p_seq_id": 0, "profiling_name": "nccl:all_reduce", "time_created_ns": 10**18 + seq,
+            "input_sizes": [[4, 2]], "input_dtypes": ["Float"], "state": "completed" if retired else "scheduled",
+            "retired": retired, "is_p2p": False, "time_discovered_completed_ns": 0}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("rankscope.flight_recorder") is None,
+                    reason="no flight-recorder reader in this tree")
+def test_flight_recorder_dumps_are_judged_by_their_counters(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, _, err = _run(capsys, "--flight-recorder", str(tmp_path))
-    assert code == 2 and "no flight-recorder reader" in err
+    import pickle
+
+    cfg = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2]"}}
+    for rank, launched in ((0, 3), (1, 2), (2, 3)):  # rank 1 never launched the 3rd all_reduce
+        entries = [_fr_entry(i, i < 3) for i in range(1, launched + 1)]
+        (tmp_path / f"rank{rank}").write_bytes(pickle.dumps({"version": "2.10", "pg_config": cfg, "entries": entries}))
+    code, out, _ = _run(capsys, "--flight-recorder", str(tmp_path), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["groups"] == [] and data["suspects"][0]["ranks"] == [1]
+    assert data["suspects"][0]["sources"] == ["ccl"]
+    code, out, _ = _run(capsys, "--flight-recorder", str(tmp_path))
+    assert code == 0 and "1. [rank]" in out
 
 
 def test_the_installed_command_runs() -> None:

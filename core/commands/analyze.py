@@ -89,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
                              f"pass a number from 0 to {len(snapshots) - 1}, or -1 for the last")
     snapshot = snapshots[index]
     layout = _layout(args, snapshot.layout)
+    if other_verdicts and not any(m.stacks for m in snapshot.machines):
+        # Nothing to group (flight-recorder dumps carry counters only): the other detectors speak alone.
+        out = _verdict_only(other_verdicts, snapshot, layout)
+        _print(out, args.json)
+        return 0
     try:
         analysis = analyze_stacks(snapshot, layout, options)
         rounds = _rounds(snapshots, layout, options) if len(snapshots) > 1 else None
@@ -110,12 +115,39 @@ def run(args: argparse.Namespace) -> int:
         out["fail_slow"] = rounds
     if snapshot.notes:
         out["notes"] = [*snapshot.notes, *out["notes"]]  # type: ignore[misc]
-    if args.json:
+    _print(out, args.json)
+    return 0
+
+
+def _print(out: dict[str, Any], as_json: bool) -> None:
+    if as_json:
         json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render_text(out))
-    return 0
+
+
+def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, Any]:
+    """The --json shape for a source without stacks: no groups, the detectors' suspects."""
+    from rankscope.analyzers.suspects import suspect_to_json
+    from rankscope.analyzers.verdict import merge_verdicts
+
+    verdict = merge_verdicts(*verdicts)
+    lay = layout
+    sizes = {d: getattr(lay, d) if lay is not None else 1 for d in ("tp", "pp", "dp", "cp", "ep")}
+    return {
+        "summary": verdict.summary,
+        "world_size": snapshot.world_size,
+        "layout": {**sizes, "order": lay.order if lay is not None else "tp-cp-ep-dp-pp",
+                   "ranks_per_machine": lay.ranks_per_machine if lay is not None else None,
+                   "from_communicators": [], "assumed": lay is None},
+        "groups": [],
+        "dominant": [],
+        "outliers": [],
+        "suspects": [suspect_to_json(s) for s in verdict.suspects],
+        "missing_ranks": list(verdict.missing_ranks),
+        "notes": [*snapshot.notes, *(n for n in verdict.notes if n not in snapshot.notes)],
+    }
 
 
 def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
