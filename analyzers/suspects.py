@@ -136,7 +136,8 @@ def _group_ids(topology: Topology, kind: str) -> np.ndarray:
         if k == kind:
             out = np.full(world, -1, dtype=np.int64)
             for i, group in enumerate(groups):
-                out[np.asarray(group, dtype=np.int64)] = i
+                members = np.asarray(group, dtype=np.int64)
+                out[members[(members >= 0) & (members < world)]] = i
             return out
     sizes = layout_sizes(topology.layout)
     rest = np.arange(world, dtype=np.int64)

@@ -248,3 +248,26 @@ def test_merge_folds_the_same_suspect_from_two_detectors() -> None:
     top = merged.suspects[0]
     assert top.evidence[:2] == ("stuck in compute", "CL lags") and set(top.sources) == {"stacks", "ccl"}
     assert top.score == pytest.approx(2.0)
+
+
+def test_recorded_communicators_decide_the_groups() -> None:
+    import dataclasses
+
+    from rankscope.snapshot import Communicator, RankCounters
+
+    # Sizes typed as tp=2, pp=2, dp=2 would pair ranks (0,4),(1,5),...; the job really built pipelines (r, 7-r).
+    pipes = [Communicator(f"pp{r}", "gloo", "PIPELINE_MODEL_PARALLEL_GROUP", (r, 7 - r)) for r in range(4)]
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(8)}
+    stacks[1] = rank_stacks(1, SEND)
+    stacks[6] = rank_stacks(6, RECV)
+    snap = snapshot(stacks, 8, 2, Layout(tp=2, pp=2, dp=2, ranks_per_machine=2))
+    machines = tuple(
+        dataclasses.replace(m, counters=tuple(RankCounters(rank=r.rank, pid=r.pid, world_size=8, job_id="j",
+                                                           heartbeat_wall=1.0, communicators=tuple(pipes))
+                                              for r in m.ranks))
+        for m in snap.machines)
+    analysis = analyze_stacks(dataclasses.replace(snap, machines=machines))
+    top = analysis.verdict.top
+    assert top is not None and top.kind is SuspectKind.PP and top.ranks == (1, 6)
+    assert top.machines == ("node0", "node3")
+    assert analysis.topology.explicit[0][0] == "pp"
