@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rankscope.analyzers import ccl, suspects
 from rankscope.analyzers.verdict import analyze_snapshot
 from rankscope.bundle import read_bundle
 from rankscope.drill.scoring import score_verdict
@@ -37,6 +38,7 @@ from rankscope.drill.scoring import score_verdict
 # not a hang (the analyzer says "the job looks crashed" and names no suspect); pass --faults to include it.
 HANG_FAULTS = ("hang-compute", "hang-p2p", "hang-collective", "dataloader-stall", "checkpoint-stall")
 WORLD = 8
+_PRELOADED = (ccl, suspects)  # imported up front so the timed analysis does not include imports
 
 
 def run_drill(fault: str, rank: int, workdir: Path, timeout_s: float) -> tuple[dict[str, Any] | None, Path, str]:
