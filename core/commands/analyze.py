@@ -5,8 +5,11 @@
     rankscope analyze --flight-recorder traces/ --tp 2 --pp 2 --dp 2
 
 Sizes typed here override the layout recorded in the bundle; communicator
-membership recorded by the CCL plugin overrides both. A bundle holding a
-series of snapshots is also read as fail-slow rounds (one round each).
+membership recorded by the CCL plugin overrides both. When the snapshot
+carries CCL counters their verdict is merged with the stacks' (agreement
+counts for more; ``stacks_summary`` keeps the stacks' own headline). A
+bundle holding a series of snapshots is also read as fail-slow rounds (one
+round each).
 """
 
 from __future__ import annotations
@@ -101,6 +104,12 @@ def run(args: argparse.Namespace) -> int:
         raise RankscopeError(str(exc), _LAYOUT_FIX) from None
 
     out = verdict_to_json(analysis)
+    if snapshot.all_counters() and not other_verdicts:
+        from rankscope.analyzers.ccl import analyze_counters
+
+        counters = analyze_counters(snapshot, layout)
+        if counters.suspects:  # CCL counters recorded by the plugin: merge, agreement counts for more
+            other_verdicts = [counters]
     if other_verdicts:
         from rankscope.analyzers.suspects import suspect_to_json
         from rankscope.analyzers.verdict import merge_verdicts
