@@ -271,3 +271,35 @@ def test_recorded_communicators_decide_the_groups() -> None:
     assert top is not None and top.kind is SuspectKind.PP and top.ranks == (1, 6)
     assert top.machines == ("node0", "node3")
     assert analysis.topology.explicit[0][0] == "pp"
+
+
+def test_analyze_snapshot_merges_stacks_and_ccl_counters() -> None:
+    import dataclasses
+
+    from rankscope.analyzers.verdict import analyze_snapshot
+    from rankscope.snapshot import Communicator, OpCounters, RankCounters
+
+    # Rank 5 stalls on its way into the TP all-reduce: the stacks name TP group {4,5}; the counters agree
+    # (rank 5's all_reduce CL lags while rank 4 waits with an open request).
+    into_tp = [*COMPUTE[:-1], "tp_all_reduce layers.py"]
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(8)}
+    stacks[5] = rank_stacks(5, [*into_tp, "stall_here faults.py"])
+    stacks[4] = rank_stacks(4, [*into_tp, "all_reduce distributed_c10d.py"])
+    stacks[0] = rank_stacks(0, RECV)
+    stacks[1] = rank_stacks(1, RECV)
+    snap = snapshot(stacks, 8, 2, Layout(tp=2, pp=2, dp=2, ranks_per_machine=2))
+    tp = Communicator("tp2", "gloo", "TENSOR_MODEL_PARALLEL_GROUP", (4, 5))
+    counts = {4: OpCounters("tp2", "all_reduce", cl=4, wr=4, wc=3), 5: OpCounters("tp2", "all_reduce", cl=3, wr=3, wc=3)}
+    machines = tuple(
+        dataclasses.replace(m, counters=tuple(
+            RankCounters(rank=r.rank, pid=r.pid, world_size=8, job_id="j", heartbeat_wall=1.0,
+                         communicators=(tp,), ops=(counts[r.rank],)) for r in m.ranks if r.rank in counts))
+        for m in snap.machines)
+    verdict = analyze_snapshot(dataclasses.replace(snap, machines=machines))
+    top = verdict.top
+    assert top is not None and top.kind is SuspectKind.TP and top.ranks == (4, 5) and top.machines == ("node2",)
+    assert set(top.sources) == {"stacks", "ccl"}
+    assert "(stacks + ccl)" in verdict.summary
+    # without counters the stacks speak alone
+    alone = analyze_snapshot(snap)
+    assert alone.top is not None and alone.top.ranks == (4, 5) and alone.top.sources == ("stacks",)
