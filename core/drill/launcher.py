@@ -203,8 +203,12 @@ class Launcher:
     def token(self) -> str:
         return self.ensure_token().read_text().strip()
 
-    def start_agents(self, *, timeout_s: float = AGENT_START_TIMEOUT_S) -> dict[str, str]:
+    def start_agents(self, *, timeout_s: float = AGENT_START_TIMEOUT_S,
+                     ports: Mapping[str, int] | None = None) -> dict[str, str]:
         """One agent per running node, scoped to that node's torchrun pid; returns name -> address.
+
+        ``ports`` pins the port of some machines' agents (a restart keeps the
+        addresses a TUI already holds); the others pick a free port.
 
         Raises ``RankscopeError`` (with the agent's log tail) when an agent
         does not come up; nodes already started keep running.
@@ -218,7 +222,7 @@ class Launcher:
             port_file.unlink(missing_ok=True)
             log = self.run_dir / "logs" / f"{name}.agent.log"
             argv = [
-                self.python, "-m", "rankscope", "agent", "--bind", "127.0.0.1", "--port", "0",
+                self.python, "-m", "rankscope", "agent", "--bind", "127.0.0.1", "--port", str((ports or {}).get(name, 0)),
                 "--port-file", str(port_file), "--token-file", str(token_file), "--machine-name", name,
                 "--launcher-pid", str(node.proc.pid),
             ]
@@ -253,6 +257,22 @@ class Launcher:
         if agent is not None:
             kill_trees([agent.proc.pid])
             _reap(agent.proc)
+
+    def restart(self, machines: Sequence[str], *, resume: bool = True, env: Mapping[str, str] | None = None,
+                agents: bool = True) -> dict[str, str]:
+        """Run the job again on ``machines`` (e.g. after an eviction swapped one for a standby).
+
+        The job is stopped and restarted from the newest checkpoint all ranks
+        saved. Agents are scoped to a node's torchrun pid, so each is
+        restarted too: machines that stay keep their agent's address, a
+        machine that left loses its agent, a new machine gets one.
+        """
+        ports = {name: int(a.address.rsplit(":", 1)[1]) for name, a in self.agents.items() if name in machines}
+        self.stop_nodes()
+        for name in list(self.agents):
+            self.stop_agent(name)
+        self.start_nodes(machines, resume=resume, env=env)
+        return self.start_agents(ports=ports) if agents else {}
 
     # ---- helpers (noise processes etc.) -------------------------------------
 
