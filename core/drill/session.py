@@ -413,26 +413,20 @@ def _role_value(role: str) -> str:
 
 
 def score(snap: JobSnapshot, truth: GroundTruth) -> dict[str, Any] | None:
-    """Where the verdict of the analyzers is scored against the ground truth (issue 3 plugs in here).
+    """Where the analyzers' verdict meets the ground truth: ``analyze_snapshot`` graded by ``score_verdict``.
 
-    Returns None while no analyzer entry point exists; otherwise whether the
-    top suspect names the right kind, ranks and machines.
+    Returns None when the analyzers are not installed.
     """
     analyze = _analyzer_entry()
     if analyze is None:
         return None
+    from rankscope.drill.scoring import score_verdict
+
+    started = time.monotonic()
     verdict = analyze(snap)
-    top = verdict.top
-    if top is None:
-        return {"summary": verdict.summary, "top": None, "kind_ok": truth.suspect_kind == "none",
-                "ranks_ok": not truth.suspect_ranks, "machines_ok": not truth.suspect_machines}
-    return {
-        "summary": verdict.summary,
-        "top": {"kind": str(top.kind), "ranks": list(top.ranks), "machines": list(top.machines), "score": top.score},
-        "kind_ok": str(top.kind) == truth.suspect_kind,
-        "ranks_ok": set(truth.suspect_ranks) <= set(top.ranks),
-        "machines_ok": set(truth.suspect_machines) <= set(top.machines),
-    }
+    graded = score_verdict(verdict, truth)
+    graded["analysis_s"] = round(time.monotonic() - started, 3)
+    return graded
 
 
 def _analyzer_entry() -> Callable[[JobSnapshot], Any] | None:
