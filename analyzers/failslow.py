@@ -7,7 +7,8 @@ its evidence to last before it counts, so bursts and spikes never alarm:
 - ``metrics`` (metric_outliers.py, Aegis §5.1): a host or GPU metric beyond λ±2δ of the peers for ``window_s``.
 - ``minder`` (minder.py): the most dissimilar machine on the first metric (by Minder's priority) for ``continuity_s``.
 - ``stacks`` (ByteRobust §5): stack-aggregation rounds, each flagging one parallel
-  group; over the last ``rounds_needed`` rounds the most flagged group is the degrader.
+  group; over the last ``rounds_needed`` rounds the most flagged group is the
+  degrader, once it holds a majority of them.
 - ``ccl`` (Aegis §5.2): per-iteration CCL degradation findings (TD < α·mean: the
   late arriver computes slowly; N > β·mean: slow communication), narrowed to the
   common end of the slow links, lasting ``ccl_rounds_needed`` updates.
@@ -256,7 +257,10 @@ class FailSlowDetector:
         (best, n), *rest = counts.most_common()
         suspect = next(r[1] for r in reversed(rounds) if r is not None and r[0] == best)
         unique = not rest or rest[0][1] < n
-        alarmed = len(rounds) >= needed and n >= 2 and unique
+        # ByteRobust names the most flagged group; we also ask for a majority of
+        # the rounds, since with a drill's few ranks timing noise alone often
+        # flags one healthy group in two rounds of five.
+        alarmed = len(rounds) >= needed and 2 * n > len(rounds) and unique
         name = _group_name(suspect)
         evidence = f"{name} flagged in {n} of the last {len(rounds)} stack rounds"
         score = self._w("stacks") * n / needed

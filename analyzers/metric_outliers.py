@@ -2,10 +2,10 @@
 
 In synchronous training every machine runs the same program at the same pace,
 so one metric should move alike on all of them. For each metric, each machine
-is compared with its *peers*: λ and δ are the mean and standard deviation of
-all the other machines' samples over the last ``window_s`` seconds. A machine
-whose value sits beyond λ ± k·δ (k = 2 in the paper) in every update for
-``window_s`` seconds is an outlier. Aegis uses ten minutes in production; a
+is compared with its *peers*: λ is the other machines' mean now and δ their
+standard deviation across machines over the last ``window_s`` seconds. A
+machine whose value sits beyond λ ± k·δ (k = 2 in the paper) in every update
+for ``window_s`` seconds is an outlier. Aegis uses ten minutes in production; a
 drill needs seconds, hence the parameter.
 
 Why peers only: with a handful of machines a single outlier inflates the
@@ -75,20 +75,30 @@ class OutlierFinding:
 
 
 def peer_stats(window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Leave-one-out mean and standard deviation per machine over a (time, machine) window.
+    """Per machine: its peers' mean now (λ) and their spread over the window (δ).
 
-    For machine j: all the other machines' finite samples pooled. Computed from
-    per-column sums so it costs O(time × machines), not O(machines²). NaN where
-    a machine has no peer sample.
+    ``window`` is (time, machine), NaN where absent. For machine j and each
+    sample time, the peers are the other machines with a value then; λ is
+    their mean at the newest time, δ the root mean of their variance around
+    their own mean at each time of the window. Measuring the spread *across
+    machines at each time* rather than over all samples pooled keeps a change
+    every machine goes through together (memory filling up, a new phase of
+    training) from making everybody an outlier of their own past. Computed from
+    per-time sums: O(time × machines). NaN where a machine has no peer.
     """
     ok = np.isfinite(window)
     x = np.where(ok, window, 0.0)
-    n_col, s_col, q_col = ok.sum(axis=0), x.sum(axis=0), (x * x).sum(axis=0)
-    n, s, q = n_col.sum() - n_col, s_col.sum() - s_col, q_col.sum() - q_col
+    total_n, total_s, total_q = ok.sum(axis=1), x.sum(axis=1), (x * x).sum(axis=1)
+    n = total_n[:, None] - ok  # peers per (time, machine)
+    s = total_s[:, None] - x
+    q = total_q[:, None] - x * x
+    has = n > 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(n > 0, s / np.maximum(n, 1), np.nan)
-        var = np.where(n > 0, q / np.maximum(n, 1) - mean * mean, np.nan)
-    return mean, np.sqrt(np.maximum(var, 0.0))
+        mean_t = np.where(has, s / np.maximum(n, 1), np.nan)
+        var_t = np.where(has, np.maximum(q / np.maximum(n, 1) - mean_t * mean_t, 0.0), np.nan)
+        counted = has.sum(axis=0)
+        var = np.where(counted > 0, np.nansum(var_t, axis=0) / np.maximum(counted, 1), np.nan)
+    return mean_t[-1], np.sqrt(var)
 
 
 class MetricOutlierDetector:

@@ -200,12 +200,22 @@ def test_outliers_alarm_on_a_persistently_hotter_busier_machine_only_after_the_w
     for s in make_series(40, slow_machine("m2", 10, {"proc_cpu": 1.3, "temp": 1.25})):
         store.add(s)
         for f in det.update(store):
-            assert f.machine == "m2", f
+            # a healthy machine may look low next to peers that include the hot one
+            # for a moment, while the window still holds the healthy past; never for long
+            assert f.machine == "m2" or (not f.alarmed and f.side.value == "low"), f
             if f.alarmed:
+                assert f.machine == "m2"
                 first_alarm.setdefault(f.metric, s.captured.mono)
                 assert f.side.value == "high" and f.z > 2 and f.held_s >= 14.7
     assert set(first_alarm) == {"proc_cpu_percent", "gpu_temperature_c"}
     assert all(t >= 100 + 10 + 15 for t in first_alarm.values())
+
+
+def test_outliers_ignore_a_change_every_machine_goes_through() -> None:
+    def everyone_busier(t: int, _m: str) -> dict[str, float]:
+        return {"proc_cpu": 1.0 + 0.03 * t, "temp": 1.0 + 0.01 * t}
+
+    assert not [s for s in _outliers(make_series(40, everyone_busier)) if s[2]]
 
 
 def test_outliers_see_a_throttled_clock_on_the_low_side() -> None:
@@ -369,6 +379,17 @@ def test_stack_rounds_name_the_most_flagged_group_after_enough_rounds() -> None:
     assert {f.ranks for f in stacks} == {(4, 5), (6, 7)}
     assert stacks[0].evidence == "PP group 1 (ranks 4-7) flagged in 3 of the last 5 stack rounds"
     assert {s.machines[0] for s in last.verdict.suspects} == {"m2", "m3"}
+
+
+def test_stack_rounds_need_a_majority() -> None:
+    det = FailSlowDetector(FailSlowConfig(rounds_needed=5))
+    pp = _round(SuspectKind.PP, 1, (4, 5, 6, 7), ("m2", "m3"))
+    dp = _round(SuspectKind.DP, 0, (0, 2), ("m0", "m1"))
+    healthy = _round(SuspectKind.PP, -1, (), ())
+    verdicts = [det.update(s, r) for s, r in zip(make_series(5), [pp, healthy, dp, pp, healthy], strict=True)]
+    stacks = [f for f in verdicts[-1].flags if f.detector == "stacks"]
+    assert stacks and not any(f.alarmed for f in stacks), "2 of 5 rounds is noise, not a degrader"
+    assert not verdicts[-1].verdict.suspects
 
 
 def _allreduce(late: int | None, slow_link: int | None = None, comms: int = 1) -> Ops:
