@@ -122,6 +122,7 @@ class DrillSession:
         if self._stopped:
             return []
         self._stopped = True
+        self._hold_signals()  # a second Ctrl-C or SIGTERM must not cut the cleanup short
         self._stop_event.set()
         if self._outside is not None:
             self._outside.join(timeout=5)
@@ -138,6 +139,13 @@ class DrillSession:
 
         for sig in (signal.SIGTERM, signal.SIGHUP):
             self._old_handlers[sig] = signal.signal(sig, handler)
+
+    def _hold_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            old = signal.signal(sig, signal.SIG_IGN)
+            self._old_handlers.setdefault(sig, old)
 
     def _restore_signal_handlers(self) -> None:
         for sig, old in self._old_handlers.items():
