@@ -475,7 +475,7 @@ def run_headless(config: DrillConfig, *, bundle_path: Path | None = None,
             capture_step = min(config.plan.step + max(5, config.training.steps // 4), config.training.steps - 1) \
                 if config.plan.name != "none" else max(1, config.training.steps // 2)
             s.wait_for_steps(capture_step, config.stall_timeout_s)
-            s.times["stall_detected"] = time.monotonic()
+            s.times["capture_step"] = time.monotonic()
             stall = StallInfo(reason="capture-step", idle_s=s.watcher.idle_seconds(), steps=s.steps(),
                               node_exit_codes=s.launcher.node_exit_codes())
         snap = s.capture()
@@ -502,6 +502,7 @@ def run_headless(config: DrillConfig, *, bundle_path: Path | None = None,
                 "launch_to_running": _seconds(s.times, "launch", "running"),
                 "fault_to_stall_detected": _seconds(s.times, "fault", "stall_detected"),
                 "stall_detected_to_captured": _seconds(s.times, "stall_detected", "captured"),
+                "fault_to_capture_step": _seconds(s.times, "fault", "capture_step"),  # slow faults, baseline
                 "fault_to_captured": _seconds(s.times, "fault", "captured"),
                 "capture": round(s.times["capture_s"], 3),
             },
