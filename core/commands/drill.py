@@ -143,11 +143,14 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     for m in cap["machines"]:
         lines.append(f"  {m['machine']} reachable={m['reachable']} ranks={m['ranks_seen']} stacks={m['stacks_captured']}")
         for rank, r in m["ranks"].items():
-            top = r["main"][0] if r["main"] else (r["error"] or "no stack")
+            top = " <- ".join(f.split(" (")[0] for f in r["main"][:4]) if r["main"] else (r["error"] or "no stack")
             subs = ", ".join(f"{sp['role']}:{sp['pid']}" for sp in r["subprocesses"])
             lines.append(f"    rank {rank}: {top}   [{subs}]")
     lines.append(f"injected frame {cap['injected_frame']}: found in {cap['injected_frame_found_in']}")
-    if report.get("verdict") is not None:
-        lines.append(f"verdict: {report['verdict']}")
+    verdict = report.get("verdict")
+    if verdict is not None:
+        mark = "correct" if verdict.get("correct") else "WRONG"
+        lines.append(f"verdict: {verdict.get('summary')}  [{mark}: expected {truth['suspect_kind']} "
+                     f"on {', '.join(truth['suspect_machines']) or 'nobody'}]")
     lines.append(f"times (s): {report['times_s']}")
     return lines
