@@ -82,7 +82,7 @@ class _State:
         self.disabled = False
         self.installed = False
         self.tls = threading.local()
-        self.groups: dict[int, tuple[Any, int]] = {}  # id(pg) -> (pg, comm index)
+        self.groups: dict[int, tuple[Any, int, tuple[int, ...]]] = {}  # id(pg) -> (pg, comm index, members)
         self.pending: dict[int, tuple[Any, list[Request]]] = {}  # id(work) -> (work, requests)
         self.pending_lock = threading.Lock()
         self.wake = threading.Event()
@@ -115,14 +115,16 @@ def _nbytes(obj: Any) -> int:
         return 0
 
 
-def _group_index(group: Any) -> tuple[int, tuple[int, ...]]:
-    """(communicator index in the file, member global ranks) of ``group`` (None = world)."""
+def _group_entry(group: Any) -> tuple[Any, int, tuple[int, ...]]:
+    """(group, communicator index in the file, member global ranks) of ``group`` (None = world)."""
     c10d = STATE.c10d
     if group is None:
-        group = c10d._get_default_group()
+        group = c10d.GroupMember.WORLD
+        if group is None:
+            group = c10d._get_default_group()  # raises the user-facing "not initialized" error
     hit = STATE.groups.get(id(group))
     if hit is not None and hit[0] is group:
-        return hit[1], _members_cache[id(group)]
+        return hit
     members = tuple(int(r) for r in c10d.get_process_group_ranks(group))
     name = str(getattr(group, "group_name", "") or id(group))
     desc = str(getattr(group, "group_desc", "") or "")
@@ -131,13 +133,9 @@ def _group_index(group: Any) -> tuple[int, tuple[int, ...]]:
     except Exception:
         backend = "unknown"
     writer = _ensure_writer()
-    idx = writer.comm(name, backend, desc, members)
-    STATE.groups[id(group)] = (group, idx)
-    _members_cache[id(group)] = members
-    return idx, members
-
-
-_members_cache: dict[int, tuple[int, ...]] = {}
+    entry = (group, writer.comm(name, backend, desc, members), members)
+    STATE.groups[id(group)] = entry
+    return entry
 
 
 def _ensure_writer() -> CounterWriter:
@@ -238,51 +236,65 @@ def _start_thread() -> None:
 # ---- wrappers ----------------------------------------------------------------
 
 
-def _binder(fn: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]:
-    """A fast args -> {param: value} for ``fn`` (only the parameters we read)."""
-    sig = inspect.signature(fn)
-    names = list(sig.parameters)
-    defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
-    wanted = {"group", "async_op", "dst", "src", "group_dst", "group_src", "p2p_op_list",
-              *(v[0] for v in OPS.values() if v[0])}
-
-    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        out = {n: defaults.get(n) for n in names if n in wanted}
-        for n, v in zip(names, args, strict=False):
-            if n in wanted:
-                out[n] = v
-        for n, v in kwargs.items():
-            if n in wanted:
-                out[n] = v
-        return out
-
-    return bind
+_MISSING = object()
 
 
-def _peer(a: dict[str, Any], kind: str, members: tuple[int, ...]) -> int | None:
+class _Args:
+    """Reads a few named parameters of one call without binding the whole signature."""
+
+    __slots__ = ("defaults", "pos")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        params = inspect.signature(fn).parameters
+        self.pos = {n: i for i, n in enumerate(params)}
+        self.defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+
+    def get(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+        if kwargs:
+            v = kwargs.get(name, _MISSING)
+            if v is not _MISSING:
+                return v
+        i = self.pos.get(name)
+        if i is not None and i < len(args):
+            return args[i]
+        return self.defaults.get(name)
+
+
+def _peer(get: Callable[[str], Any], kind: str, members: tuple[int, ...]) -> int | None:
     key = "dst" if kind in ("send", "isend") else "src"
-    peer = a.get(key)
+    peer = get(key)
     if peer is not None:
         return int(peer)
-    gpeer = a.get("group_" + key)
+    gpeer = get("group_" + key)
     if gpeer is not None and 0 <= int(gpeer) < len(members):
         return members[int(gpeer)]
     return None
 
 
-def _launch_one(op: str, kind: str, group: Any, payload: Any, a: dict[str, Any]) -> Request:
+_P2P_KINDS = frozenset({"send", "recv", "isend", "irecv"})
+
+
+def _launch_one(op: str, kind: str, group: Any, payload: Any, get: Callable[[str], Any],
+                cache: dict[int, tuple[Any, OpSlot, tuple[int, ...]]]) -> Request:
     w = STATE.writer or _ensure_writer()
-    idx, members = _group_index(group)
-    slot: OpSlot = w.slot(idx, op)
-    peer = _peer(a, kind, members) if kind in ("send", "recv", "isend", "irecv") else None
-    return w.launch(slot, _nbytes(payload), peer=peer)
+    if group is None:
+        group = STATE.c10d.GroupMember.WORLD  # resolved per call: a re-initialised world is a new group
+    hit = cache.get(id(group))
+    if hit is None or hit[0] is not group:
+        _pg, idx, members = _group_entry(group)
+        hit = (group, w.slot(idx, op), members)
+        cache[id(group)] = hit
+    peer = _peer(get, kind, hit[2]) if kind in _P2P_KINDS else None
+    return w.launch(hit[1], _nbytes(payload), peer=peer)
 
 
 def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     payload_param, kind = OPS[name]
     op = OP_ALIAS.get(name, name)
-    bind = _binder(orig)
+    params = _Args(orig)
     tls = STATE.tls
+    slots: dict[int, tuple[Any, OpSlot, tuple[int, ...]]] = {}  # id(group) -> (group, slot, members)
+    batch_slots: dict[str, dict[int, tuple[Any, OpSlot, tuple[int, ...]]]] = {"send": {}, "recv": {}}
 
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -291,17 +303,22 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         reqs: list[Request] | None = None
         is_async = False
         try:
-            a = bind(args, kwargs)
+            def get(param: str) -> Any:
+                return params.get(args, kwargs, param)
+
             if kind == "batch":
                 reqs = []
-                for p in a.get("p2p_op_list") or ():
+                for p in get("p2p_op_list") or ():
                     direction = "isend" if getattr(p.op, "__name__", "") == "isend" else "irecv"
-                    pa = {"dst" if direction == "isend" else "src": getattr(p, "peer", None)}
-                    reqs.append(_launch_one(OP_ALIAS[direction], direction, p.group, p.tensor, pa))
+                    peer_args = {"dst" if direction == "isend" else "src": getattr(p, "peer", None)}
+                    op_name = OP_ALIAS[direction]
+                    reqs.append(_launch_one(op_name, direction, p.group, p.tensor, peer_args.get,
+                                            batch_slots[op_name]))
                 is_async = True
             else:
-                reqs = [_launch_one(op, kind, a.get("group"), a.get(payload_param) if payload_param else None, a)]
-                is_async = kind in ("isend", "irecv") or bool(a.get("async_op"))
+                reqs = [_launch_one(op, kind, get("group"), get(payload_param) if payload_param else None, get,
+                                    slots)]
+                is_async = kind in ("isend", "irecv") or bool(get("async_op"))
         except Exception as exc:
             _disable(name, exc)
             reqs = None
@@ -373,7 +390,7 @@ def _wrap_new_group(c10d: Any, dist: Any) -> None:
         if not STATE.disabled:
             try:
                 if pg is not None and pg is not c10d.GroupMember.NON_GROUP_MEMBER:
-                    _group_index(pg)
+                    _group_entry(pg)
             except Exception as exc:
                 _disable("new_group", exc)
         return pg
@@ -390,7 +407,7 @@ def _wrap_init(c10d: Any, dist: Any) -> None:
         result = orig(*args, **kwargs)
         if not STATE.disabled:
             try:
-                _group_index(None)
+                _group_entry(None)
             except Exception as exc:
                 _disable("init_process_group", exc)
         return result

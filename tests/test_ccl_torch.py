@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -48,9 +49,19 @@ class Job:
         return {c.rank: c for c in read_counters(infos, self.counters)}
 
     def kill(self) -> None:
+        """The whole tree: torchrun starts its workers in sessions of their own."""
+        import psutil
+        try:
+            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        self.proc.wait(timeout=30)
+        psutil.wait_procs(tree, timeout=30)
         self.log.close()
 
     def output(self) -> str:
