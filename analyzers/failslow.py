@@ -107,8 +107,15 @@ class FailSlowVerdict:
 
     @property
     def machine(self) -> str | None:
+        """The first machine of the top suspect (the best supported one of its group)."""
         top = self.verdict.top
         return top.machines[0] if top is not None and top.machines else None
+
+    @property
+    def machines(self) -> tuple[str, ...]:
+        """All machines of the top suspect: one, or a whole flagged group to over-evict."""
+        top = self.verdict.top
+        return top.machines if top is not None else ()
 
     def key(self) -> tuple[object, ...]:
         """What a watcher compares to tell a *change* of verdict from the same one repeated."""
@@ -176,6 +183,7 @@ class FailSlowDetector:
         self._updates = 0
         self._last: FailSlowVerdict | None = None
         self._trend: StepTrend | None = None
+        self._stack_degrader: Suspect | None = None  # the group the stack rounds name, once alarmed
 
     @property
     def history(self) -> tuple[FailSlowVerdict, ...]:
@@ -249,6 +257,7 @@ class FailSlowDetector:
             key: tuple[object, ...] | None = (str(top.kind), top.ranks) if top is not None else None
             self._stack_rounds.append((key, top) if key is not None and top is not None else None)
         rounds = list(self._stack_rounds)
+        self._stack_degrader = None
         if not rounds:
             return []
         counts = Counter(r[0] for r in rounds if r is not None)
@@ -261,6 +270,7 @@ class FailSlowDetector:
         # the rounds, since with a drill's few ranks timing noise alone often
         # flags one healthy group in two rounds of five.
         alarmed = len(rounds) >= needed and 2 * n > len(rounds) and unique
+        self._stack_degrader = suspect if alarmed else None
         name = _group_name(suspect)
         evidence = f"{name} flagged in {n} of the last {len(rounds)} stack rounds"
         score = self._w("stacks") * n / needed
@@ -364,15 +374,39 @@ class FailSlowDetector:
                 against = max((o[det].score for om, o in per_machine.items() if om != m and det in o), default=0.0)
                 conf *= 1.0 - 0.5 * against
             confidence[m] = conf
-        order = sorted(confidence, key=lambda m: -confidence[m])
-        suspects = []
+        # Ties (the machines of one flagged parallel group) go to the machine
+        # with more evidence still building up (candidates of other detectors).
+        support: dict[str, float] = {}
+        for f in flags:
+            if not f.alarmed and f.machine is not None and f.required > 0:
+                support[f.machine] = support.get(f.machine, 0.0) + min(1.0, f.held / f.required)
+        order = sorted(confidence, key=lambda m: (-round(confidence[m], 6), -support.get(m, 0.0), m))
+        # Machines with the very same evidence (one stack group, one communicator)
+        # are one suspect: ByteRobust evicts the group, not one of its machines.
+        merged: list[list[str]] = []
+        index: dict[tuple[object, ...], int] = {}
         for m in order:
-            by_det = per_machine[m]
+            key = (round(confidence[m], 6), tuple(sorted((d, f.evidence) for d, f in per_machine[m].items())))
+            if key in index:
+                merged[index[key]].append(m)
+            else:
+                index[key] = len(merged)
+                merged.append([m])
+        suspects = []
+        for ms in merged:
+            by_det = per_machine[ms[0]]
             ranked = sorted(by_det.values(), key=lambda f: -f.score)
-            ranks = tuple(sorted({r for f in ranked for r in f.ranks})) or self.store.ranks_of(m)
+            ranks = tuple(sorted({r for m in ms for f in per_machine[m].values() for r in f.ranks})) or tuple(
+                r for m in ms for r in self.store.ranks_of(m))
             evidence = tuple(f"[{f.detector}] {f.evidence}" for f in ranked)
-            suspects.append(Suspect(SuspectKind.MACHINE, ranks, (m,), round(confidence[m], 4), evidence,
-                                    tuple(f.detector for f in ranked)))
+            sources = tuple(f.detector for f in ranked)
+            group = self._stack_degrader
+            if len(ms) > 1 and group is not None and "stacks" in by_det and set(ms) <= set(group.machines):
+                suspects.append(Suspect(group.kind, group.ranks, tuple(ms), round(confidence[ms[0]], 4), evidence,
+                                        sources, group.group_index, group.diverging_frame))
+            else:
+                suspects.append(Suspect(SuspectKind.MACHINE, ranks, tuple(ms), round(confidence[ms[0]], 4), evidence,
+                                        sources))
         trend = self._trend
         if self.store.missing_machines:
             notes.append(f"unreachable: {', '.join(self.store.missing_machines)}")
@@ -392,7 +426,8 @@ class FailSlowDetector:
         if suspects:
             top = suspects[0]
             lead = top.evidence[0] if top.evidence else ""
-            return (f"fail-slow: machine {top.machines[0]} (ranks {_ranges(top.ranks)}) — {lead}; "
+            where = "" if top.kind is SuspectKind.MACHINE else f" on {', '.join(top.machines)}"
+            return (f"fail-slow: {_group_name(top)}{where} — {lead}; "
                     f"confidence {conf:.2f} from {'+'.join(top.sources)}")
         if flags:
             f = max(flags, key=lambda x: x.held / x.required if x.required else 0.0)

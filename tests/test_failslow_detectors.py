@@ -378,7 +378,12 @@ def test_stack_rounds_name_the_most_flagged_group_after_enough_rounds() -> None:
     assert {f.machine for f in stacks} == {"m2", "m3"} and all(f.alarmed for f in stacks)
     assert {f.ranks for f in stacks} == {(4, 5), (6, 7)}
     assert stacks[0].evidence == "PP group 1 (ranks 4-7) flagged in 3 of the last 5 stack rounds"
-    assert {s.machines[0] for s in last.verdict.suspects} == {"m2", "m3"}
+    # one suspect: the group, on both its machines (over-eviction), not two machines
+    top = last.verdict.top
+    assert len(last.verdict.suspects) == 1 and top is not None
+    assert top.kind is SuspectKind.PP and top.group_index == 1 and top.ranks == (4, 5, 6, 7)
+    assert set(top.machines) == {"m2", "m3"} and set(last.machines) == {"m2", "m3"}
+    assert last.verdict.summary.startswith("fail-slow: PP group 1 (ranks 4-7) on m")
 
 
 def test_stack_rounds_need_a_majority() -> None:

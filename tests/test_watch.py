@@ -163,12 +163,13 @@ def test_watch_names_the_slow_machine_of_a_real_slow_compute_drill(tmp_path: Pat
     assert slow_machine == "machine-2"
     end = events[-1]
     assert end["event"] == "end" and end["stack_rounds"] >= 5, (end, err)
-    assert code == 1 and end["machine"] == slow_machine, [e.get("summary") for e in events]
+    # the slow machine, or the group that holds it (over-eviction)
+    assert code == 1 and slow_machine in end["suspect_machines"], [e.get("summary") for e in events]
     named = [e for e in events if e["event"] == "verdict" and e["machine"] is not None]
-    assert named[0]["machine"] == slow_machine, "the first machine named is the slow one"
+    assert slow_machine in named[0]["suspect_machines"], "the first suspect named holds the slow machine"
     assert 5 in named[-1]["ranks"] and "stacks" in named[-1]["sources"]
     # the recorded series replays to the same answer, offline
     bundle = read_bundle(tmp_path / "record.json")
     replayed = replay(bundle.snapshots, FailSlowConfig(window_s=10, continuity_s=8, step_window_s=8, rounds_needed=3),
                       Layout(tp=2, pp=2, dp=2, ranks_per_machine=2))
-    assert replayed[-1].machine == slow_machine and "stacks" in replayed[-1].verdict.top.sources  # type: ignore[union-attr]
+    assert slow_machine in replayed[-1].machines and "stacks" in replayed[-1].verdict.top.sources  # type: ignore[union-attr]

@@ -105,6 +105,8 @@ def verdict_event(fs: FailSlowVerdict, snap: JobSnapshot, started_mono: float) -
         "round": fs.rounds,
         "summary": v.summary,
         "machine": fs.machine,
+        "suspect_machines": list(fs.machines),
+        "kind": str(top.kind) if top else None,
         "ranks": list(top.ranks) if top else [],
         "sources": list(top.sources) if top else [],
         "confidence": fs.confidence,
@@ -241,7 +243,8 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
     summary = last.verdict.summary if last is not None else "no poll completed"
     code = EXIT_NO_AGENT if not ever_answered else (EXIT_SUSPECT if last is not None and last.verdict.suspects else EXIT_CLEAN)
     emit({"event": "end", "wall": time.time(), "rounds": last.rounds if last is not None else 0, "summary": summary,
-          "machine": last.machine if last is not None else None, "confidence": last.confidence if last is not None else 0.0,
+          "machine": last.machine if last is not None else None,
+          "suspect_machines": list(last.machines) if last is not None else [], "confidence": last.confidence if last is not None else 0.0,
           "stack_rounds": stack_rounds, "exit": code})
     return code
 
