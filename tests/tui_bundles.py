@@ -64,8 +64,8 @@ def rank_stacks(rank: int, state: str, pid: int) -> RankStacks:
     main = ProcessStack(pid, ProcessRole.MAIN, (ThreadStack(pid, frames_for(state), "MainThread", pid, True, True),),
                         name="python")
     loader = ProcessStack(pid + 1, ProcessRole.DATALOADER,
-                          (ThreadStack(pid + 1, (Frame("wait", "/usr/lib/python3.11/threading.py", 320),
-                                                 Frame("_worker_loop", "torch/utils/data/_utils/worker.py", 300)),
+                          (ThreadStack(pid + 1, (Frame("wait", "/job/threading.py", 320),
+                                                 Frame("_worker_loop", "/job/torch/utils/data/_utils/worker.py", 300)),
                                        "MainThread"),), name="pt_data_worker")
     return RankStacks(rank, main, (loader,))
 

@@ -14,12 +14,12 @@ is passed in (the receive time when live, the bundle's own time offline).
 from __future__ import annotations
 
 import itertools
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
+import numpy as np
 from rankscope.snapshot import GpuMetrics, HostMetrics, JobSnapshot, Layout, MachineSnapshot
 from rankscope.tui.analysis import StackView, format_ranks
 
@@ -74,6 +74,57 @@ class CommView:
         return any(r.lags or r.open_requests for r in self.rows)
 
 
+METRICS = ("cpu", "mem", "load", "gpu", "gmem", "temp", "power")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricRow:
+    """One line of the metrics view: a GPU of a machine (or the machine when it has none)."""
+
+    key: str  # "<machine>/gpu<i>" or "<machine>/cpu": the sparkline's key too
+    machine: str
+    gpu: int | None
+    reachable: bool
+    ranks: tuple[int, ...]
+    values: tuple[float | None, ...]  # in METRICS order
+    outliers: frozenset[str]  # names from METRICS that stand out among all rows
+
+
+def _pct(used: int | None, total: int | None) -> float | None:
+    if used is None or not total:
+        return None
+    return 100.0 * used / total
+
+
+def metric_rows(machines: Sequence[MachineView]) -> tuple[MetricRow, ...]:
+    """Rows with their outliers (mean + 2 sd over all rows, Aegis §5.1), outliers first."""
+    raw: list[tuple[str, MachineView, int | None, tuple[float | None, ...]]] = []
+    for m in machines:
+        h = m.host
+        host = (h.cpu_percent, _pct(h.mem_used_bytes, h.mem_total_bytes), h.load_1m) if h else (None, None, None)
+        if m.gpus:
+            for g in m.gpus:
+                raw.append((f"{m.name}/gpu{g.index}", m, g.index,
+                            (*host, g.util_percent, _pct(g.mem_used_bytes, g.mem_total_bytes), g.temperature_c,
+                             g.power_w)))
+        else:
+            raw.append((f"{m.name}/cpu", m, None, (*host, None, None, None, None)))
+    if not raw:
+        return ()
+    table = np.array([[np.nan if v is None else v for v in r[3]] for r in raw], dtype=float)
+    flags = np.zeros(table.shape, dtype=bool)
+    for j in range(table.shape[1]):
+        col = table[:, j]
+        seen = col[~np.isnan(col)]
+        if len(seen) >= 3 and seen.std() > 0:
+            flags[:, j] = col > seen.mean() + 2 * seen.std()
+    rows = [MetricRow(key, m.name, gi, m.reachable, m.ranks, vals,
+                      frozenset(METRICS[j] for j in np.flatnonzero(flags[i])) if flags[i].any() else frozenset())
+            for i, (key, m, gi, vals) in enumerate(raw)]
+    order = np.argsort(~flags.any(axis=1), kind="stable")
+    return tuple(rows[i] for i in order)
+
+
 @dataclass(frozen=True, slots=True)
 class PollDigest:
     snapshot: JobSnapshot
@@ -84,6 +135,12 @@ class PollDigest:
     progress: int  # steps + every collective completion: moves while anything moves
     world_size: int | None
     has_stacks: bool
+    # Readings for the sparklines, keyed and ordered here (off the UI thread) so folding them in is one array copy.
+    metric_keys: tuple[str, ...] = ()
+    metric_values: tuple[float, ...] = ()
+    comm_keys: tuple[str, ...] = ()
+    comm_values: tuple[float, ...] = ()
+    metric_rows: tuple[MetricRow, ...] = ()
 
 
 def _machine_view(m: MachineSnapshot) -> MachineView:
@@ -137,14 +194,67 @@ def digest(snapshot: JobSnapshot) -> PollDigest:
         progress += done
         missing = tuple(r for r in ranks if r not in per)
         comms.append(CommView(cid, desc, backend, tuple(ranks), rows, missing, done))
+    readings: dict[str, float] = {}
+    for mv in machines:
+        if not mv.reachable:
+            continue
+        if mv.host is not None and mv.host.cpu_percent is not None:
+            readings[f"{mv.name}/cpu"] = mv.host.cpu_percent
+        for g in mv.gpus:
+            if g.util_percent is not None:
+                readings[f"{mv.name}/gpu{g.index}"] = g.util_percent
     return PollDigest(
-        snapshot, snapshot.captured.wall, tuple(machines), tuple(comms), steps, progress, snapshot.world_size, has_stacks
+        snapshot, snapshot.captured.wall, tuple(machines), tuple(comms), steps, progress, snapshot.world_size,
+        has_stacks, tuple(readings), tuple(readings.values()), tuple(c.comm_id for c in comms),
+        tuple(float(c.progress) for c in comms), metric_rows(machines),
     )
 
 
 # --------------------------------------------------------------------------
 # the state
 # --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Series:
+    """The last ``HISTORY`` readings of many keys (machines, GPUs, communicators) as one array.
+
+    A 2,048-machine job has 16k GPU keys; one array shifted per poll costs a
+    copy, where a tuple per key cost 16k Python objects a second. Each push
+    returns a new Series, so older states stay valid (compared by identity).
+    """
+
+    keys: tuple[str, ...] = ()
+    index: Mapping[str, int] = field(default_factory=dict)
+    values: np.ndarray = field(default_factory=lambda: np.empty((0, HISTORY)))
+
+    def get(self, key: str) -> tuple[float, ...]:
+        i = self.index.get(key)
+        if i is None:
+            return ()
+        row = self.values[i]
+        return tuple(float(x) for x in row[~np.isnan(row)])
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.index
+
+    def pushed(self, keys_in: tuple[str, ...], readings: Sequence[float]) -> Series:
+        keys, index = self.keys, self.index
+        values = self.values
+        if keys_in == keys:  # the usual case: the same machines as last time, in the same order
+            column = np.asarray(readings, dtype=float)
+        else:
+            new_keys = [k for k in keys_in if k not in index]
+            if new_keys:
+                keys = (*keys, *new_keys)
+                index = {k: i for i, k in enumerate(keys)}
+                values = np.vstack([values, np.full((len(new_keys), HISTORY), np.nan)])
+            column = np.full(len(keys), np.nan)
+            column[[index[k] for k in keys_in]] = readings
+        shifted = np.empty_like(values)
+        shifted[:, :-1] = values[:, 1:]
+        shifted[:, -1] = column
+        return Series(keys, index, shifted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +272,9 @@ class AppState:
     world_size: int | None = None
     machines: tuple[MachineView, ...] = ()
     comms: tuple[CommView, ...] = ()
-    comm_history: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    metric_history: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    metric_rows: tuple[MetricRow, ...] = ()
+    comm_history: Series = field(default_factory=Series)  # completions per communicator
+    metric_history: Series = field(default_factory=Series)  # "<machine>/cpu" and "<machine>/gpu<i>" utilisation
     progress_points: tuple[tuple[float, int], ...] = ()
     step_points: tuple[tuple[float, int], ...] = ()
     last_progress_wall: float | None = None
@@ -186,10 +297,6 @@ def fmt_time(wall: float | None) -> str:
     if wall is None:
         return "-"
     return datetime.fromtimestamp(wall, UTC).strftime("%H:%M:%S")
-
-
-def _push(seq: tuple[float, ...], value: float) -> tuple[float, ...]:
-    return (*seq, value)[-HISTORY:]
 
 
 def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
@@ -217,21 +324,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
     names = {m.name for m in machines}
     machines += tuple(replace(m, reachable=False, error="missing from the last poll") for m in state.machines
                       if m.name not in names)
-    metric_history = dict(state.metric_history)
-    for m in d.machines:
-        if not m.reachable:
-            continue
-        if m.host is not None and m.host.cpu_percent is not None:
-            metric_history[f"{m.name}/cpu"] = _push(metric_history.get(f"{m.name}/cpu", ()), m.host.cpu_percent)
-        for g in m.gpus:
-            if g.util_percent is not None:
-                key = f"{m.name}/gpu{g.index}"
-                metric_history[key] = _push(metric_history.get(key, ()), g.util_percent)
-    comm_history = dict(state.comm_history)
+    metric_history = state.metric_history.pushed(d.metric_keys, d.metric_values)
     comms = d.comms if d.comms else state.comms
-    for c in d.comms:
-        comm_history[c.comm_id] = tuple(int(x) for x in _push(tuple(float(v) for v in comm_history.get(c.comm_id, ())),
-                                                               c.progress))
+    comm_history = state.comm_history.pushed(d.comm_keys, d.comm_values) if d.comms else state.comm_history
     progress_points = (*state.progress_points, (d.wall, d.progress))[-HISTORY:]
     step_points = state.step_points
     if d.steps is not None:
@@ -258,6 +353,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
         world_size=world,
         machines=machines,
         comms=comms,
+        metric_rows=d.metric_rows,
         comm_history=comm_history,
         metric_history=metric_history,
         progress_points=progress_points,
@@ -327,18 +423,6 @@ def health(state: AppState, hang_after_s: float = 30.0) -> Health:
     return Health("healthy", "healthy")
 
 
-def outliers(values: Mapping[str, float]) -> set[str]:
-    """Keys whose value sits more than two standard deviations above the mean (Aegis §5.1's λ+2δ)."""
-    if len(values) < 3:
-        return set()
-    xs = list(values.values())
-    mean = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
-    if sd == 0:
-        return set()
-    return {k for k, v in values.items() if v > mean + 2 * sd}
-
-
 _BARS = "▁▂▃▄▅▆▇█"
 
 
@@ -352,7 +436,7 @@ def sparkline(values: Sequence[float], width: int = 12) -> str:
     return "".join(_BARS[min(7, int((v - lo) / (hi - lo) * 7.999))] for v in vals)
 
 
-def deltas(values: Sequence[int]) -> list[float]:
+def deltas(values: Sequence[float]) -> list[float]:
     return [float(b - a) for a, b in itertools.pairwise(values)]
 
 

@@ -14,14 +14,13 @@ from typing import ClassVar
 
 from rankscope.tui.analysis import format_ranks
 from rankscope.tui.state import AppState, CommView, Filter, deltas, sparkline
-from rankscope.tui.widgets.events import VimTable
+from rankscope.tui.widgets.table import Cell, LineTable
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.widgets import Static
 
-ROWS_MAX = 500  # rows drawn at once; the rest are counted, and `/` narrows them
 SORTS = ("mismatch", "comm", "size", "progress")
 
 
@@ -51,7 +50,7 @@ class CclPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(id="ccl-title")
-        yield VimTable(id="ccl-table")
+        yield LineTable(id="ccl-table")
 
     def show(self, state: AppState, flt: Filter, force: bool = False) -> None:
         key = (state.comms, state.comm_history, flt, self.sort_key, self.opened)
@@ -69,42 +68,37 @@ class CclPanel(Vertical):
         self._show_list(state)
 
     def _show_list(self, state: AppState) -> None:
-        table = self.query_one("#ccl-table", VimTable)
+        table = self.query_one("#ccl-table", LineTable)
         title = self.query_one("#ccl-title", Static)
-        table.clear(columns=True)
-        table.add_columns("", "communicator", "size", "CL min-max", "WR", "WC", "open", "progress")
-        comms = [c for c in state.comms if self._filter is None or set(c.ranks) & self._filter.ranks]
+        comms = [c for c in state.comms if self._filter is None or not self._filter.ranks.isdisjoint(c.ranks)]
         comms = sort_comms(comms, self.sort_key)
-        self._rows = comms[:ROWS_MAX]
+        self._rows = comms
         bad = sum(1 for c in comms if c.mismatch)
         head = Text(f"{len(comms)} communicators, ")
         head.append(f"{bad} with mismatches", "bold red" if bad else "green")
         head.append(f"  sort: {self.sort_key} (o)  enter: ranks", "dim")
-        if len(comms) > ROWS_MAX:
-            head.append(f"  showing {ROWS_MAX} of {len(comms)}; narrow with /", "yellow")
         if not state.comms:
             head = Text("no CCL counters: is the job started with `rankscope run` (CCL plugin)?", "dim")
         title.update(head)
-        for c in self._rows:
+        def render(c: CommView) -> tuple[Cell, ...]:
             cls = [r.cl for r in c.rows] or [0]
             wr = sum(r.wr for r in c.rows)
             wc = sum(r.wc for r in c.rows)
-            flag = Text("!", "bold red") if c.mismatch else Text(" ")
-            name = Text(c.comm_id + (f" {c.description}" if c.description else ""))
-            if c.mismatch:
-                name.stylize("bold")
-            hist = deltas(state.comm_history.get(c.comm_id, ()))
-            cl_text = Text(f"{min(cls)}-{max(cls)}", "bold red" if min(cls) != max(cls) else "")
-            open_text = Text(str(wr - wc), "bold red" if wr > wc else "")
+            flag: Cell = Text("!", "bold red") if c.mismatch else " "
+            name = Text(c.comm_id + (f" {c.description}" if c.description else ""), "bold" if c.mismatch else "")
+            hist = deltas(state.comm_history.get(c.comm_id))
+            cl_text: Cell = Text(f"{min(cls)}-{max(cls)}", "bold red") if min(cls) != max(cls) else f"{min(cls)}-{max(cls)}"
+            open_text: Cell = Text(str(wr - wc), "bold red") if wr > wc else str(wr - wc)
             missing = f" (-{len(c.missing)})" if c.missing else ""
-            table.add_row(flag, name, f"{len(c.ranks)}{missing}", cl_text, str(wr), str(wc), open_text,
-                          sparkline(hist, 10))
+            return (flag, name, f"{len(c.ranks)}{missing}", cl_text, str(wr), str(wc), open_text, sparkline(hist, 10))
+
+        table.set_rows(("", "communicator", "size", "CL min-max", "WR", "WC", "open", "progress"), self._rows,
+                       render=render)
 
     def _show_comm(self, comm: CommView, where: Mapping[int, str]) -> None:
-        table = self.query_one("#ccl-table", VimTable)
+        table = self.query_one("#ccl-table", LineTable)
         title = self.query_one("#ccl-title", Static)
-        table.clear(columns=True)
-        table.add_columns("rank", "machine", "CL", "WR", "WC", "state")
+        rows: list[tuple[Cell, ...]] = []
         head = Text(f"{comm.comm_id} {comm.description} [{comm.backend}] ranks {format_ranks(comm.ranks, 4)}", "bold")
         head.append("  esc: back", "dim")
         if comm.missing:
@@ -121,14 +115,15 @@ class CclPanel(Vertical):
             if r.stale:
                 notes.append("stale")
             style = "bold red" if (r.lags or r.open_requests) else ""
-            table.add_row(Text(str(r.rank), style), where.get(r.rank, "?"), Text(str(r.cl), "bold red" if r.lags else ""),
-                          str(r.wr), Text(str(r.wc), "bold red" if r.open_requests else ""),
-                          Text(", ".join(notes) or "ok", style or "green"))
+            rows.append((Text(str(r.rank), style), where.get(r.rank, "?"), Text(str(r.cl), "bold red" if r.lags else ""),
+                         str(r.wr), Text(str(r.wc), "bold red" if r.open_requests else ""),
+                         Text(", ".join(notes) or "ok", style or "green")))
+        table.set_rows(("rank", "machine", "CL", "WR", "WC", "state"), rows, cursor=0)
 
-    def on_data_table_row_selected(self, event: VimTable.RowSelected) -> None:
+    def on_line_table_row_selected(self, event: LineTable.RowSelected) -> None:
         event.stop()
-        if self.opened is None and 0 <= event.cursor_row < len(self._rows) and self._state is not None:
-            self.opened = self._rows[event.cursor_row].comm_id
+        if self.opened is None and 0 <= event.index < len(self._rows) and self._state is not None:
+            self.opened = self._rows[event.index].comm_id
             self.show(self._state, self._filter or Filter("", frozenset()), force=True)
 
     def back(self) -> bool:

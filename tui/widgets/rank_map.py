@@ -74,11 +74,18 @@ class RankMapPanel(ScrollView, can_focus=True):
         self._rows: list[tuple[int, ...]] = []  # machine indexes per row
         self._label_w = 0
         self._slot = 1  # cells per machine block
+        self._strips: dict[int, Strip] = {}  # rendered rows, until the data, cursor or size change
+        self._style_cache: dict[tuple[int, bool], Style] = {}
+        self._style_base: Style | None = None
 
     # -- data -------------------------------------------------------------
 
     def show(self, machines: Sequence[MapMachine], group_of_rank: Mapping[int, int], flt: Filter) -> None:
-        self.machines = tuple(machines)
+        machines = tuple(machines)
+        new_filter = flt if flt.active else None
+        if machines == self.machines and group_of_rank is self.group_of_rank and new_filter == self.filter:
+            return  # nothing on the map changed (the usual poll): keep the drawn rows
+        self.machines = machines
         self.group_of_rank = group_of_rank
         self.filter = flt if flt.active else None
         self._relayout()
@@ -88,6 +95,7 @@ class RankMapPanel(ScrollView, can_focus=True):
         self._relayout()
 
     def _relayout(self) -> None:
+        self._strips.clear()
         width = max(10, self.size.width or 80)
         height = max(1, self.size.height or 10)
         self._label_w = min(14, max((len(m.name) for m in self.machines), default=4))
@@ -125,7 +133,10 @@ class RankMapPanel(ScrollView, can_focus=True):
         row = max(0, min(len(self._rows) - 1, row + drow))
         max_col = len(self._rows[row]) * self._slot - 1
         col = max(0, min(max_col, col + dcol))
+        old_row = self.cursor[0]
         self.cursor = (row, col)
+        self._strips.pop(old_row, None)
+        self._strips.pop(row, None)
         self.scroll_to_region_row(row)
         self.refresh()
 
@@ -144,15 +155,56 @@ class RankMapPanel(ScrollView, can_focus=True):
 
     # -- drawing ----------------------------------------------------------
 
-    def _cell(self, rank: int, reachable: bool) -> tuple[str, Style]:
+    def _cell(self, rank: int, reachable: bool) -> tuple[str, int]:
+        """A rank's glyph and style slot (see ``_styles``)."""
         if self.filter is not None and rank not in self.filter.ranks:
-            return "·", FILTERED_OUT
+            return "·", -3
         if not reachable:
-            return "×", LOST
+            return "×", -2
         g = self.group_of_rank.get(rank)
         if g is None:
-            return "?", MISSING
-        return group_glyph(g), group_style(g)
+            return "?", -1
+        return group_glyph(g), min(g, len(GROUP_COLOURS) - 1)
+
+    def _style(self, slot: int, base: Style, cursor: bool) -> Style:
+        key = (slot, cursor)
+        got = self._style_cache.get(key)
+        if got is None:
+            specials = {-4: Style(), -3: FILTERED_OUT, -2: LOST, -1: MISSING}
+            st = specials[slot] if slot in specials else group_style(slot)
+            got = base + st + (Style(reverse=True) if cursor else Style())
+            self._style_cache[key] = got
+        return got
+
+    def _row_strip(self, row: int, base: Style) -> Strip:
+        """One row of the map as runs of equal style (a few segments, not one per rank)."""
+        members = self._rows[row]
+        first = self.machines[members[0]]
+        label = first.name[: self._label_w].ljust(self._label_w) + " "
+        segs = [Segment(label, base + (Style(dim=True) if first.reachable else LOST))]
+        cur_row, cur_col = self.cursor
+        show_cursor = self.has_focus and row == cur_row
+        run_text: list[str] = []
+        run_key: tuple[int, bool] | None = None
+
+        def flush() -> None:
+            if run_key is not None and run_text:
+                segs.append(Segment("".join(run_text), self._style(run_key[0], base, run_key[1])))
+
+        for j, mi in enumerate(members):
+            m = self.machines[mi]
+            for k in range(self._slot + 1):
+                if k < len(m.ranks):
+                    ch, slot = self._cell(m.ranks[k], m.reachable)
+                    key = (slot, show_cursor and j * self._slot + k == cur_col)
+                else:
+                    ch, key = " ", (-4, False)
+                if key != run_key:
+                    flush()
+                    run_text, run_key = [], key
+                run_text.append(ch)
+        flush()
+        return Strip(segs)
 
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
@@ -161,29 +213,20 @@ class RankMapPanel(ScrollView, can_focus=True):
         base = self.rich_style
         if row >= len(self._rows):
             return Strip.blank(width, base)
-        segs: list[Segment] = []
-        members = self._rows[row]
-        label = self.machines[members[0]].name[: self._label_w].ljust(self._label_w)
-        label_style = base + Style(dim=True) if self.machines[members[0]].reachable else base + LOST
-        segs.append(Segment(label + " ", label_style))
-        cur_row, cur_col = self.cursor
-        show_cursor = self.has_focus
-        for j, mi in enumerate(members):
-            m = self.machines[mi]
-            for k in range(self._slot):
-                if k < len(m.ranks):
-                    ch, st = self._cell(m.ranks[k], m.reachable)
-                    if show_cursor and row == cur_row and j * self._slot + k == cur_col:
-                        st = st + Style(reverse=True)
-                    segs.append(Segment(ch, base + st))
-                else:
-                    segs.append(Segment(" ", base))
-            segs.append(Segment(" ", base))
-        strip = Strip(segs)
+        if base != self._style_base:
+            self._style_cache.clear()
+            self._strips.clear()
+            self._style_base = base
+        strip = self._strips.get(row)
+        if strip is None:
+            strip = self._row_strip(row, base)
+            self._strips[row] = strip
         return strip.crop(scroll_x, scroll_x + width).extend_cell_length(width, base)
 
     def on_focus(self) -> None:
+        self._strips.clear()
         self.refresh()
 
     def on_blur(self) -> None:
+        self._strips.clear()
         self.refresh()

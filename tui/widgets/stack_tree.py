@@ -12,8 +12,8 @@ from typing import ClassVar
 
 from rankscope.tui.analysis import GroupView, StackView, TreeNode, diverging_index, format_ranks
 from rankscope.tui.state import Filter
-from rankscope.tui.widgets.events import VimTable
 from rankscope.tui.widgets.rank_map import group_glyph, group_style
+from rankscope.tui.widgets.table import Cell, LineTable
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -81,18 +81,14 @@ class StackTreePanel(Vertical):
         self._shown: tuple[object, object] = (None, None)
 
     def compose(self) -> ComposeResult:
-        yield VimTable(id="groups")
+        yield LineTable(id="groups")
         with Horizontal(id="stack-lower"):
             yield VimTree("all ranks", id="prefix-tree")
             yield Static(id="compare")
 
-    def on_mount(self) -> None:
-        table = self.query_one("#groups", VimTable)
-        table.add_columns("grp", "ranks", "which", "where")
-
     @property
     def selected(self) -> GroupView | None:
-        table = self.query_one("#groups", VimTable)
+        table = self.query_one("#groups", LineTable)
         if not self._groups:
             return None
         return self._groups[min(table.cursor_row, len(self._groups) - 1)]
@@ -104,19 +100,20 @@ class StackTreePanel(Vertical):
         self._shown = key
         self.view = view
         self.filter = flt if flt.active else None
-        table = self.query_one("#groups", VimTable)
-        table.clear()
+        table = self.query_one("#groups", LineTable)
         self._groups = []
+        rows: list[tuple[Cell, ...]] = []
         if view is not None:
             for g in view.groups:
                 ranks = g.ranks if self.filter is None else tuple(r for r in g.ranks if r in self.filter.ranks)
                 if not ranks:
                     continue
                 self._groups.append(g)
-                table.add_row(Text(group_glyph(g.index), group_style(g.index)), str(len(ranks)),
-                              format_ranks(ranks, 3), g.summary)
-        if self._groups and len(self._groups) > 1 and self.filter is None:
-            table.move_cursor(row=1)  # the first outlier is what one came here for
+                rows.append((Text(group_glyph(g.index), group_style(g.index)), str(len(ranks)),
+                             format_ranks(ranks, 3), g.summary))
+        # The first outlier is what one came here for.
+        table.set_rows(("grp", "ranks", "which", "where"), rows,
+                       cursor=1 if len(rows) > 1 and self.filter is None else 0)
         self._fill_tree()
         self._fill_compare()
 
@@ -165,11 +162,11 @@ class StackTreePanel(Vertical):
             sel = other
         compare.update(compare_table(view.dominant, sel, self.size.width))
 
-    def on_data_table_row_highlighted(self, event: VimTable.RowHighlighted) -> None:
+    def on_line_table_row_highlighted(self, event: LineTable.RowHighlighted) -> None:
         event.stop()
         self._fill_compare()
 
-    def on_data_table_row_selected(self, event: VimTable.RowSelected) -> None:
+    def on_line_table_row_selected(self, event: LineTable.RowSelected) -> None:
         event.stop()
         sel = self.selected
         if sel is not None:

@@ -1,0 +1,134 @@
+"""How the TUI copes with 16,384 ranks on 2,048 machines: `python benchmarks/bench_tui.py`.
+
+Builds (untimed) a capture of 16,384 ranks (8 per machine, one machine's
+ranks stuck elsewhere, one GPU running hot), opens it in the real app
+headless at 160x48, and measures:
+- the first load (digest + stack analysis, off the UI thread);
+- one refresh per view: folding a new poll into the state and redrawing the
+  visible view, until the screen is painted (``Pilot.pause`` runs the
+  compositor), median and worst of several;
+- a filter (`/node1733`, `/irecv`) applied and drawn;
+- a page of scrolling in the rank map;
+- the process's resident memory (RSS) after everything.
+
+The same figures for the 32-rank Fig. 7 bundle are printed beside them as the
+baseline, with the ratio, so a regression that only shows at scale stands out.
+Goals from the issue: a refresh under 50 ms, RSS under 300 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tui_bundles import big_job, fig7_bundle  # noqa: E402
+
+from rankscope.snapshot import JobSnapshot  # noqa: E402
+from rankscope.tui import state as st  # noqa: E402
+from rankscope.tui.app import AppOptions, RankscopeApp  # noqa: E402
+from rankscope.tui.sources import QueueSource  # noqa: E402
+
+VIEWS = (("overview", "1"), ("stacks", "2"), ("ccl", "3"), ("metrics", "4"), ("events", "5"))
+
+
+def bump(snap: JobSnapshot, seconds: float) -> JobSnapshot:
+    """The same job a little later: a new poll without stacks (what arrives every second)."""
+    when = dataclasses.replace(snap.captured, wall=snap.captured.wall + seconds, mono=snap.captured.mono + seconds)
+    machines = tuple(dataclasses.replace(m, stacks=(), captured=when) for m in snap.machines)
+    return dataclasses.replace(snap, captured=when, machines=machines)
+
+
+def ms(xs: list[float]) -> str:
+    return f"median {statistics.median(xs) * 1000:7.1f} ms  worst {max(xs) * 1000:7.1f} ms"
+
+
+async def measure(snap: JobSnapshot, filters: tuple[str, ...], rounds: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    source = QueueSource("bench", initial=(snap,))
+    app = RankscopeApp(source, AppOptions(capture_on_start=False, poll_interval_s=3600.0),
+                       clock=lambda: snap.captured.wall)
+    t0 = time.perf_counter()
+    async with app.run_test(size=(160, 48)) as pilot:
+        await app.loaded.wait()
+        await pilot.pause()
+        out["load"] = time.perf_counter() - t0
+        polls = [await asyncio.to_thread(st.digest, bump(snap, 1.0 + i)) for i in range(2)]
+        for view, key in VIEWS:
+            await pilot.press(key)
+            await pilot.pause()
+            times = []
+            for i in range(rounds):
+                d = polls[i % 2]
+                t = time.perf_counter()
+                app.state = st.apply_snapshot(app.state, d, d.wall)
+                app.redraw()
+                await pilot.pause()
+                times.append(time.perf_counter() - t)
+            out[f"refresh {view}"] = times
+        await pilot.press("1")
+        await pilot.pause()
+        for text in filters:
+            times = []
+            for _ in range(max(3, rounds // 3)):
+                t = time.perf_counter()
+                app.set_filter(text)
+                await pilot.pause()
+                times.append(time.perf_counter() - t)
+                app.set_filter("")
+                await pilot.pause()
+            out[f"filter '{text}'"] = times
+        app.main.query_one("#rank-map").focus()
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            await pilot.press("pagedown")
+            times.append(time.perf_counter() - t)
+        out["scroll (page down)"] = times
+        gc.collect()
+        out["rss_mb"] = psutil.Process().memory_info().rss / 2**20
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--machines", type=int, default=2048)
+    parser.add_argument("--ranks-per-machine", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+
+    rss0 = psutil.Process().memory_info().rss / 2**20
+    base = asyncio.run(measure(fig7_bundle().latest, ("node15", "irecv"), args.rounds))
+    t = time.perf_counter()
+    snap = big_job(args.machines, args.ranks_per_machine)
+    built = time.perf_counter() - t
+    big = asyncio.run(measure(snap, ("node1733", "irecv"), args.rounds))
+    world = args.machines * args.ranks_per_machine
+
+    print(f"rankscope TUI benchmark: {world:,} ranks on {args.machines:,} machines vs 32 ranks (Fig. 7), 160x48")
+    print(f"  python {sys.version.split()[0]}, building the big capture took {built:.1f} s (untimed below)")
+    print(f"  first load (digest + analysis, off the UI thread): {big['load']:.2f} s   baseline {base['load']:.2f} s")
+    keys = [k for k in big if k not in ("load", "rss_mb")]
+    for k in keys:
+        b, s = big[k], base[k.replace("node1733", "node15")] if "node1733" in k else base[k]
+        ratio = statistics.median(b) / max(1e-9, statistics.median(s))
+        print(f"  {k:<22} {ms(b)}   baseline {statistics.median(s) * 1000:6.1f} ms   x{ratio:5.1f}")
+    refresh = [x for k in keys if k.startswith("refresh") for x in big[k]]
+    print(f"  refresh, all views:    {ms(refresh)}   goal < 50 ms")
+    print(f"  resident memory: {big['rss_mb']:.0f} MB with the big capture loaded "
+          f"(process started at {rss0:.0f} MB; goal < 300 MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
