@@ -32,12 +32,11 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from tui_bundles import big_job, fig7_bundle  # noqa: E402
-
-from rankscope.snapshot import JobSnapshot  # noqa: E402
-from rankscope.tui import state as st  # noqa: E402
-from rankscope.tui.app import AppOptions, RankscopeApp  # noqa: E402
-from rankscope.tui.sources import QueueSource  # noqa: E402
+from rankscope.snapshot import JobSnapshot
+from rankscope.tui import state as st
+from rankscope.tui.app import AppOptions, RankscopeApp
+from rankscope.tui.sources import QueueSource
+from tui_bundles import big_job, fig7_bundle
 
 VIEWS = (("overview", "1"), ("stacks", "2"), ("ccl", "3"), ("metrics", "4"), ("events", "5"))
 

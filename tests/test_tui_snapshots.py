@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from textual.pilot import Pilot
-from tui_bundles import fig7_bundle
-
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.sources import BundleSource
+from textual.pilot import Pilot
+from tui_bundles import fig7_bundle
 
 pytestmark = pytest.mark.timeout(120)
 
