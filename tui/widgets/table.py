@@ -71,7 +71,7 @@ class LineTable(ScrollView, can_focus=True):
         super().__init__(id=id)
         self.columns: tuple[str, ...] = ()
         self.rows: Sequence[Any] = []
-        self._render: Callable[[Any], tuple[Cell, ...]] = _identity
+        self._make_cells: Callable[[Any], tuple[Cell, ...]] = _identity
         self.widths: list[int] = []
         self.cursor_row = 0
         self._cache: dict[tuple[int, bool], Strip] = {}
@@ -87,10 +87,10 @@ class LineTable(ScrollView, can_focus=True):
         """
         self.columns = tuple(columns)
         self.rows = rows
-        self._render = render or _identity
+        self._make_cells = render or _identity
         widths = [cell_len(c) for c in self.columns]
         for record in self.rows[:WIDTH_SAMPLE]:
-            for i, cell in enumerate(self._render(record)):
+            for i, cell in enumerate(self._make_cells(record)):
                 n = cell.cell_len if isinstance(cell, Text) else cell_len(cell)
                 if n > widths[i]:
                     widths[i] = n
@@ -166,7 +166,7 @@ class LineTable(ScrollView, can_focus=True):
             key = (index, selected)
             cached = self._cache.get(key)
             if cached is None:
-                cached = self._line(self._render(self.rows[index]), base, CURSOR if selected else None)
+                cached = self._line(self._make_cells(self.rows[index]), base, CURSOR if selected else None)
                 self._cache[key] = cached
             strip = cached
         return strip.crop(scroll_x, scroll_x + width).extend_cell_length(width, base)
