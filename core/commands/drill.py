@@ -61,6 +61,7 @@ def register(sub: Any) -> None:
                    help="progress stopped = no rank advanced for this long (default 5)")
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds for the job to start (default 180)")
     p.add_argument("--stall-timeout", type=float, default=120.0, help="seconds to wait for the stall (default 120)")
+    p.add_argument("--no-counters", action="store_true", help="do not load the CCL counter plugin in the ranks")
     p.add_argument("--no-agents", action="store_true", help="capture in this process with the probes instead of agents")
     p.add_argument("--run-dir", type=Path, help="folder for logs, progress, checkpoints and the bundle (default: a temp dir)")
     p.add_argument("-o", "--output", type=Path, help="write the bundle here (default: RUN_DIR/bundle.json)")
@@ -90,7 +91,7 @@ def build_config(args: argparse.Namespace) -> Any:
                                checkpoint_every=args.checkpoint_every)
     return DrillConfig(layout=layout, plan=plan, training=training, run_dir=args.run_dir, agents=not args.no_agents,
                        stall_seconds=args.stall_seconds, start_timeout_s=args.start_timeout,
-                       stall_timeout_s=args.stall_timeout)
+                       stall_timeout_s=args.stall_timeout, counters=not args.no_counters)
 
 
 def run(args: argparse.Namespace) -> int:

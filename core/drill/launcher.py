@@ -116,15 +116,36 @@ class Launcher:
     helpers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     token_file: Path | None = None
     master_port: int = 0
+    counters: bool = True  # load the CCL counter plugin in the ranks (RANKSCOPE_CCL) and point agents at its files
+    notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for sub in ("logs", "progress", "loss", "checkpoints"):
+        for sub in ("logs", "progress", "loss", "checkpoints", "counters"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        self._ccl_env: dict[str, str] = {}
+        if self.counters:
+            self._ccl_env = self._counter_env()
+
+    @property
+    def counter_dir(self) -> Path:
+        return self.run_dir / "counters"
+
+    def _counter_env(self) -> dict[str, str]:
+        """The environment that loads the CCL plugin in every rank, as ``rankscope run`` does."""
+        try:
+            from rankscope.ccl_plugin import autoload
+
+            autoload.install_pth()
+            return autoload.ccl_env(self.counter_dir, self.run_id)
+        except (ImportError, OSError) as exc:
+            self.notes.append(f"CCL counters off: {exc}")
+            return {}
 
     # ---- environment ------------------------------------------------------
 
     def base_env(self) -> dict[str, str]:
         env = dict(os.environ)
+        env.update(self._ccl_env)
         env.update(self.extra_env)
         env[RUN_ID_ENV] = self.run_id
         env["PYTHONUNBUFFERED"] = "1"
@@ -226,6 +247,8 @@ class Launcher:
                 "--port-file", str(port_file), "--token-file", str(token_file), "--machine-name", name,
                 "--launcher-pid", str(node.proc.pid),
             ]
+            if self._ccl_env:
+                argv += ["--counter-dir", str(self.counter_dir)]
             pending[name] = (self._popen(argv, log, self.base_env()), port_file, log)
         deadline = time.monotonic() + timeout_s
         while pending:

@@ -45,6 +45,7 @@ class DrillConfig:
     start_timeout_s: float = 180.0  # until every rank has finished its first step
     stall_timeout_s: float = 120.0  # from the fault step until progress stopped
     capture_timeout_s: float = 5.0  # per py-spy call
+    counters: bool = True  # CCL counters in the ranks (the plugin of rankscope.ccl_plugin)
 
 
 @dataclass
@@ -73,9 +74,9 @@ class DrillSession:
                                                checkpoint_every=config.training.checkpoint_every)
         self.run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix="rankscope-drill-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.launcher = Launcher(self.run_dir, self.layout, config.training)
+        self.launcher = Launcher(self.run_dir, self.layout, config.training, counters=config.counters)
         self.watcher = ProgressWatcher(self.run_dir, self.layout.world)
-        self.notes: list[str] = []
+        self.notes: list[str] = self.launcher.notes  # one list: launcher and session notes together
         self.times: dict[str, float] = {}  # event -> monotonic seconds
         self.fault_started_mono: float | None = None
         self._stop_event = threading.Event()
@@ -255,8 +256,9 @@ class DrillSession:
 
         options = CaptureOptions(native=native, subprocesses=subprocesses, timeout_s=timeout_s)
         started = Instant(wall=time.time(), mono=time.monotonic())
+        counter_dir = self.launcher.counter_dir if self.config.counters else None
         machines = await asyncio.gather(*(
-            capture_machine(name, "in-process", Scope(launcher_pid=node.proc.pid), options)
+            capture_machine(name, "in-process", Scope(launcher_pid=node.proc.pid, counter_dir=counter_dir), options)
             for name, node in self.launcher.nodes.items()
         ))
         return JobSnapshot(captured=started, machines=tuple(machines), job_id=self.launcher.run_id)
