@@ -369,7 +369,7 @@ def innermost(frames: Any, count: int = 4) -> list[str]:
     return [f"{f.name} ({Path(f.filename).name}:{f.line})" for f in list(frames)[:count]]
 
 
-def capture_summary(snap: JobSnapshot, truth: GroundTruth, frames: int = 4) -> dict[str, Any]:
+def capture_summary(snap: JobSnapshot, truth: GroundTruth, frames: int = 8) -> dict[str, Any]:
     """Per machine and rank what the capture holds, and whether the injected frame is where it should be."""
     machines: list[dict[str, Any]] = []
     found_frame_in: list[dict[str, Any]] = []
