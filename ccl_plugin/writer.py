@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import struct
 import threading
 import time
 from pathlib import Path
@@ -97,6 +98,9 @@ class Request:
 _NO_PEERS = (0,) * L.MAX_OPEN_PEERS
 _SEQ_PACK = L.SEQ.pack_into
 _DYN_PACK = L.OP_DYNAMIC.pack_into
+# prefixes of OP_DYNAMIC, for stores that leave the tail (ring, peers) as it is
+_LAUNCH_PACK = struct.Struct("<QQQQQQdd").pack_into
+_COMPLETE_PACK = struct.Struct(f"<QQQQQQddd{L.RING_LEN}dII").pack_into
 assert L.RING_LEN == 5  # _store unrolls the ring
 
 
@@ -166,6 +170,30 @@ class CounterWriter:
         s.seq = seq + 1
         _SEQ_PACK(mm, off, seq + 1)
 
+    def _store_launch(self, s: OpSlot) -> None:
+        """Launch-side fields only (cl .. last_launch_wall): most calls change nothing else."""
+        mm = self._mm
+        off = s.offset
+        seq = s.seq + 1
+        _SEQ_PACK(mm, off, seq)
+        _LAUNCH_PACK(mm, off + L.OP_DYNAMIC_OFFSET, s.cl, s.wr, s.wc, s.last_launched_seq, s.last_completed_seq,
+                     s.bytes_total, s.last_duration, s.last_launch_wall)
+        s.seq = seq + 1
+        _SEQ_PACK(mm, off, seq + 1)
+
+    def _store_complete(self, s: OpSlot) -> None:
+        """Everything but the open peers (cl .. ring_count)."""
+        mm = self._mm
+        off = s.offset
+        seq = s.seq + 1
+        _SEQ_PACK(mm, off, seq)
+        ring = s.ring
+        _COMPLETE_PACK(mm, off + L.OP_DYNAMIC_OFFSET, s.cl, s.wr, s.wc, s.last_launched_seq, s.last_completed_seq,
+                       s.bytes_total, s.last_duration, s.last_launch_wall, s.last_complete_wall,
+                       ring[0], ring[1], ring[2], ring[3], ring[4], s.ring_next, s.ring_count)
+        s.seq = seq + 1
+        _SEQ_PACK(mm, off, seq + 1)
+
     # ---- registration ----------------------------------------------------
 
     def comm(self, comm_id: str, backend: str, description: str, members: tuple[int, ...]) -> int:
@@ -231,7 +259,9 @@ class CounterWriter:
             s.last_launch_wall = now
             if peer is not None:
                 s.open_peers[peer] = s.open_peers.get(peer, 0) + 1
-            self._store(s)
+                self._store(s)
+            else:
+                self._store_launch(s)
         return Request(s, seq, nbytes, peer, mono)
 
     def complete(self, req: Request) -> None:
@@ -255,7 +285,9 @@ class CounterWriter:
                     s.open_peers[req.peer] = left
                 else:
                     s.open_peers.pop(req.peer, None)
-            self._store(s)
+                self._store(s)
+            else:
+                self._store_complete(s)
 
     def step(self) -> None:
         """An optimizer step finished: count it and time it against the previous one."""
