@@ -130,6 +130,8 @@ _IDLE = {
     "pin_memory.py": frozenset({"do_one_step"}),
 }
 
+_OWN_PLUGIN = "/ccl_plugin/"
+
 _ADDRESS = re.compile(r"\s*(\+\s*)?0x[0-9a-fA-F]+")
 
 
@@ -156,6 +158,10 @@ def frame_text(frame: Frame, keep_lines: bool = False) -> str:
 
 
 def is_wrapper(frame: Frame, options: SignatureOptions) -> bool:
+    # rankscope's own CCL plugin wraps torch.distributed calls; its frames are instrumentation and are
+    # always folded, so a job looks the same with the plugin loaded or not.
+    if _OWN_PLUGIN in frame.filename.replace("\\", "/"):
+        return True
     if not options.fold_wrappers:
         return False
     if frame.native and _INTERPRETER_NATIVE.match(frame.name):

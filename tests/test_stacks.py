@@ -174,3 +174,15 @@ def test_a_rank_without_python_frames_is_unseen_not_healthy() -> None:
     g = group_stacks(stacks)
     assert g.unseen == (2, 3, 4)
     assert [grp.ranks for grp in g.groups] == [(0, 1)]
+
+
+def test_rankscope_plugin_frames_are_invisible() -> None:
+    # The CCL plugin wraps Work.wait; with or without it, a waiting rank looks the same.
+    plain = RankStacks(0, process(100, OPTIMIZER))
+    hooked = RankStacks(1, ProcessStack(pid=101, role=ProcessRole.MAIN, threads=(ThreadStack(
+        thread_id=1, thread_name="MainThread",
+        frames=(Frame("_wrap_work_methods.<locals>.wait", "/site/rankscope/ccl_plugin/torch_hooks.py", 88),
+                *frames(OPTIMIZER))),)))
+    g = group_stacks({0: plain, 1: hooked}, SignatureOptions(fold_wrappers=False))
+    assert [grp.ranks for grp in g.groups] == [(0, 1)]
+    assert g.groups[0].frames[-1] == "all_reduce (distributed_c10d.py)"
