@@ -8,10 +8,11 @@ its evidence to last before it counts, so bursts and spikes never alarm:
 - ``minder`` (minder.py): the most dissimilar machine on the first metric (by Minder's priority) for ``continuity_s``.
 - ``stacks`` (ByteRobust §5): stack-aggregation rounds, each flagging one parallel
   group; over the last ``rounds_needed`` rounds the most flagged group is the
-  degrader, once it holds a majority of them.
-- ``ccl`` (Aegis §5.2): per-iteration CCL degradation findings (TD < α·mean: the
-  late arriver computes slowly; N > β·mean: slow communication), narrowed to the
-  common end of the slow links, lasting ``ccl_rounds_needed`` updates.
+  degrader, once it holds a clear majority of them (``stack_majority``).
+- ``ccl`` (Aegis §5.2): per-call CCL degradation findings (TD < α·mean: the
+  late arriver computes slowly; N > β·mean: slow communication), kept over a
+  rank's last calls (it must be the one flagged in most of them: in a healthy
+  job someone is always last), slow links narrowed to their common end.
 
 Confidence. A detector that has alarmed on a machine contributes
 ``w·(1 − ½^(held/required))``: half its weight when it first alarms, more the
@@ -30,16 +31,17 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
-from rankscope.analyzers.degradation import degradation_findings
+from rankscope.analyzers.degradation import P2P_OPS, degradation_findings, inverse_throughput
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
 from rankscope.analyzers.minder import MinderDetector
 from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
-from rankscope.snapshot import JobSnapshot, Layout
+from rankscope.snapshot import JobSnapshot, Layout, RankCounters
 
 DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl")
 
@@ -64,7 +66,11 @@ class FailSlowConfig:
     alpha: float = 0.8  # Aegis §5.2 TD < α·mean: the late arriver (the plugin keeps N over the last L=5 requests)
     beta: float = 1.5  # Aegis §5.2 N > β·mean: a slow link
     rounds_needed: int = 5  # ByteRobust: rounds of stack aggregation before naming the degrader
-    ccl_rounds_needed: int = 3  # consecutive updates a CCL finding must last
+    stack_majority: float = 0.6  # the degrader must be flagged in more than this share of those rounds (4 of 5)
+    ccl_rounds_needed: int = 3  # consecutive updates a caller-given CCL verdict must last
+    ccl_calls_window: int = 10  # a rank's last collective calls that are tallied
+    ccl_min_calls: int = 5  # calls seen before a rank can be blamed
+    ccl_fraction: float = 0.8  # share of its calls in which a rank must be flagged
     confident_at: float = 0.7
     history_len: int = 600
     max_age_s: float = 900.0  # how much series history to keep
@@ -148,6 +154,66 @@ def narrow_to_common_end(groups: Sequence[Iterable[int]]) -> tuple[int, ...]:
     return tuple(sorted(r for r, c in counts.items() if c == best))
 
 
+K = TypeVar("K", bound=Hashable)
+
+
+class _CallTally(Generic[K]):
+    """Per key (a rank, a rank on a communicator): was it flagged, in each of its last calls?
+
+    A call is counted once, however many polls still show it as the latest.
+    """
+
+    def __init__(self, window: int, remember: int = 4096) -> None:
+        self.window = window
+        self._marks: dict[K, deque[bool]] = {}
+        self._seen: dict[tuple[object, ...], None] = {}  # insertion-ordered, bounded
+        self._remember = remember
+
+    def add(self, call: tuple[object, ...], members: Iterable[K], flagged: set[K]) -> None:
+        if call in self._seen:
+            return
+        self._seen[call] = None
+        if len(self._seen) > self._remember:
+            del self._seen[next(iter(self._seen))]
+        for k in members:
+            self._marks.setdefault(k, deque(maxlen=self.window)).append(k in flagged)
+
+    def persistent(self, min_calls: int, fraction: float) -> dict[K, tuple[int, int]]:
+        """Keys flagged in at least ``fraction`` of their last calls (at least ``min_calls`` seen): (hits, calls)."""
+        out: dict[K, tuple[int, int]] = {}
+        for k, marks in self._marks.items():
+            hits = sum(marks)
+            if len(marks) >= min_calls and hits >= fraction * len(marks):
+                out[k] = (hits, len(marks))
+        return out
+
+
+def collective_calls(counters: Mapping[int, RankCounters]) -> dict[tuple[str, str], tuple[int, list[int], list[int]]]:
+    """Per (communicator, collective op): the call most members last completed, and who has TD / N for it.
+
+    The same rule as ``degradation.degradation_findings`` (members compared on
+    one call; point-to-point ops left out), so the ranks tallied are the ranks
+    that analysis compared.
+    """
+    rows: dict[tuple[str, str], dict[int, tuple[int, bool, bool]]] = {}
+    for r, rc in counters.items():
+        if rc.error is not None or rc.stale:
+            continue
+        for o in rc.ops:
+            if o.op in P2P_OPS or o.wc == 0:
+                continue
+            has_td = o.last_duration_s is not None and o.last_duration_s > 0
+            has_n = inverse_throughput(o.recent_throughput) is not None
+            rows.setdefault((o.comm_id, o.op), {})[r] = (o.wc, has_td, has_n)
+    out: dict[tuple[str, str], tuple[int, list[int], list[int]]] = {}
+    for key, per_rank in rows.items():
+        counts = Counter(v[0] for v in per_rank.values())
+        call = max(counts, key=lambda c: (counts[c], c))
+        same = {r: v for r, v in per_rank.items() if v[0] == call}
+        out[key] = (call, sorted(r for r, v in same.items() if v[1]), sorted(r for r, v in same.items() if v[2]))
+    return out
+
+
 def _as_verdict(obj: object | None) -> Verdict | None:
     if obj is None:
         return None
@@ -178,6 +244,9 @@ class FailSlowDetector:
         self.step_time = StepTimeDetector(window_s=c.step_window_s, ratio_threshold=c.step_ratio)
         self._stack_rounds: deque[tuple[tuple[object, ...], Suspect] | None] = deque(maxlen=max(1, c.rounds_needed))
         self._ccl_runs = RunTracker()
+        self._late: _CallTally[int] = _CallTally(c.ccl_calls_window)
+        self._links: _CallTally[tuple[str, int]] = _CallTally(c.ccl_calls_window)
+        self._late_example: dict[int, str] = {}
         self._ccl_seen = 0
         self._history: deque[FailSlowVerdict] = deque(maxlen=c.history_len)
         self._updates = 0
@@ -266,10 +335,12 @@ class FailSlowDetector:
         (best, n), *rest = counts.most_common()
         suspect = next(r[1] for r in reversed(rounds) if r is not None and r[0] == best)
         unique = not rest or rest[0][1] < n
-        # ByteRobust names the most flagged group; we also ask for a majority of
-        # the rounds, since with a drill's few ranks timing noise alone often
-        # flags one healthy group in two rounds of five.
-        alarmed = len(rounds) >= needed and 2 * n > len(rounds) and unique
+        # ByteRobust names the most flagged group (and starts the rounds only once
+        # the job has slowed down). Watching all the time, we ask for a clear
+        # majority of the rounds: in a healthy pipeline-parallel job the stages
+        # are caught at different points, and timing alone flags some group in
+        # two or three rounds of five.
+        alarmed = len(rounds) >= needed and n > self.config.stack_majority * len(rounds) and unique
         self._stack_degrader = suspect if alarmed else None
         name = _group_name(suspect)
         evidence = f"{name} flagged in {n} of the last {len(rounds)} stack rounds"
@@ -279,43 +350,58 @@ class FailSlowDetector:
                              None, min(score, self._w("stacks")), evidence, alarmed, float(n), float(needed), None)
                 for m in machines]
 
-    def _ccl_targets(self, snapshot: JobSnapshot, notes: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Aegis §5.2 on this snapshot's counters: machine -> (ranks, evidence).
+    def _ccl_targets(self, snapshot: JobSnapshot, notes: list[str]) -> dict[str, tuple[tuple[int, ...], str, int]]:
+        """Aegis §5.2 on the counters, kept over calls: machine -> (ranks, evidence, flagged calls).
 
-        A late arriver (TD < α·mean) is its own culprit. Slow links (N > β·mean)
-        are grouped per communicator and narrowed to the rank the groups share,
-        the source or destination every slow link touches (RootDiag's idea);
-        links that share no end point at the network, not at a host, and only
-        make a note.
+        In a healthy job *someone* arrives last at every collective; what marks
+        a slow computer is being the late arriver (TD < α·mean) call after call.
+        So each distinct call a rank takes part in (seen once, however many
+        polls show it) is tallied, and a rank is blamed once it was flagged in
+        at least ``ccl_fraction`` of its last ``ccl_calls_window`` calls (and
+        ``ccl_min_calls`` of them). Slow links (N > β·mean) are tallied the same
+        way per communicator, then narrowed to the rank the slow communicators
+        share, the source or destination every slow link touches (RootDiag's
+        idea); links that share no rank point at the network and only make a note.
         """
         counters = snapshot.all_counters()
         if not counters:
             return {}
-        found = degradation_findings(counters, self.config.alpha, self.config.beta)
+        cfg = self.config
+        found = degradation_findings(counters, cfg.alpha, cfg.beta)
+        late = {(f.comm_id, f.op, f.rank): f for f in found if f.kind == "slow_compute"}
+        slow = {(f.comm_id, f.op, f.rank) for f in found if f.kind == "slow_link"}
+        for (comm, op), (call, with_td, with_n) in collective_calls(counters).items():
+            self._late.add((comm, op, call), with_td, {r for r in with_td if (comm, op, r) in late})
+            self._links.add((comm, op, call), [(comm, r) for r in with_n],
+                            {(comm, r) for r in with_n if (comm, op, r) in slow})
+        for f in late.values():
+            self._late_example[f.rank] = f.evidence()
         rank_machine = self.store.rank_machine()
-        targets: dict[str, tuple[tuple[int, ...], str]] = {}
+        targets: dict[str, tuple[tuple[int, ...], str, int]] = {}
 
-        def blame(rank: int, evidence: str) -> None:
+        def blame(rank: int, evidence: str, calls: int) -> None:
             m = rank_machine.get(rank)
             if m is None:
                 return
-            ranks, first = targets.get(m, ((), evidence))
+            ranks, first, most = targets.get(m, ((), evidence, 0))
             if rank not in ranks:
-                targets[m] = ((*ranks, rank), first)
+                targets[m] = ((*ranks, rank), first, max(most, calls))
 
-        for f in found:
-            if f.kind == "slow_compute":
-                blame(f.rank, f.evidence())
+        for rank, (hits, seen) in sorted(self._late.persistent(cfg.ccl_min_calls, cfg.ccl_fraction).items(),
+                                         key=lambda kv: -kv[1][0]):
+            blame(rank, f"rank {rank} arrived last in {hits} of its last {seen} collectives (TD < {cfg.alpha:g}·mean); "
+                        f"latest: {self._late_example.get(rank, '-')}", hits)
         links: dict[str, set[int]] = {}
-        for f in found:
-            if f.kind == "slow_link":
-                links.setdefault(f.comm_id, set()).add(f.rank)
+        hits_of: dict[int, int] = {}
+        for (comm, rank), (hits, _seen) in self._links.persistent(cfg.ccl_min_calls, cfg.ccl_fraction).items():
+            links.setdefault(comm, set()).add(rank)
+            hits_of[rank] = max(hits_of.get(rank, 0), hits)
         if links:
             ends = narrow_to_common_end(list(links.values()))
             if ends:
                 for r in ends:
-                    blame(r, f"slow links on {len(links)} communicator(s) share rank {_ranges(ends)} "
-                             f"(N > {self.config.beta:g}·mean)")
+                    blame(r, f"slow links (N > {cfg.beta:g}·mean) on {len(links)} communicator(s) share rank "
+                             f"{_ranges(ends)}", hits_of.get(r, 0))
             else:
                 notes.append(f"slow links on {len(links)} communicators share no rank: look at the network")
         return targets
@@ -340,7 +426,13 @@ class FailSlowDetector:
         else:
             if not snapshot.all_counters():
                 return []
-            per_machine = self._ccl_targets(snapshot, notes)
+            # Persistence is counted in collective calls here (see _ccl_targets):
+            # a target is already persistent when it is returned.
+            req_calls = float(max(1, math.ceil(self.config.ccl_fraction * self.config.ccl_min_calls)))
+            return [DetectorFlag("ccl", m, tuple(sorted(ranks)), None,
+                                 _contribution(self._w("ccl"), float(calls), req_calls), ev, True, float(calls),
+                                 req_calls, None)
+                    for m, (ranks, ev, calls) in self._ccl_targets(snapshot, notes).items()]
         self._ccl_seen += 1
         runs = self._ccl_runs.update(float(self._ccl_seen), per_machine)
         req = float(max(1, self.config.ccl_rounds_needed))
