@@ -89,6 +89,7 @@ class _State:
         self.thread: threading.Thread | None = None
         self.originals: list[tuple[Any, str, Any]] = []  # (owner, attr, original) for uninstall
         self.dist: Any = None
+        self.pg_hooks = False  # torch offers ProcessGroup.register_pre_hook / register_post_hook
         self.c10d: Any = None
 
 
@@ -135,6 +136,8 @@ def _group_entry(group: Any) -> tuple[Any, int, tuple[int, ...]]:
     writer = _ensure_writer()
     entry = (group, writer.comm(name, backend, desc, members), members)
     STATE.groups[id(group)] = entry
+    if STATE.pg_hooks:
+        _hook_group(group, entry[1])
     return entry
 
 
@@ -439,9 +442,50 @@ def _install_step_hook() -> None:
 
 
 def _install_pg_hooks(dist: Any) -> bool:
-    """torch 2.14+: ProcessGroup pre/post hooks also see C++-issued collectives."""
+    """torch 2.14+: ProcessGroup pre/post hooks also see C++-issued collectives (DDP's reducer)."""
     pg_cls = getattr(dist, "ProcessGroup", None)
-    return bool(pg_cls is not None and hasattr(pg_cls, "register_pre_hook") and hasattr(pg_cls, "register_post_hook"))
+    STATE.pg_hooks = bool(pg_cls is not None and hasattr(pg_cls, "register_pre_hook")
+                          and hasattr(pg_cls, "register_post_hook"))
+    return STATE.pg_hooks
+
+
+def _hook_group(pg: Any, idx: int) -> None:
+    """Count what ``pg`` runs outside our Python wrappers, through its own hooks.
+
+    Not exercised here: torch 2.13 has no such hooks. The hook arguments are
+    read by duck typing (an op ``name`` and an ``op_id`` pairing pre and post),
+    and any surprise disables the counters with one line on stderr.
+    """
+    open_reqs: dict[Any, Request] = {}
+    tls = STATE.tls
+
+    def pre(args: Any) -> None:
+        if STATE.disabled or getattr(tls, "depth", False):
+            return  # issued through a wrapped Python call: already counted
+        try:
+            w = STATE.writer or _ensure_writer()
+            op = str(getattr(args, "name", "unknown")).lower()
+            open_reqs[getattr(args, "op_id", None)] = w.launch(w.slot(idx, op), 0)
+        except Exception as exc:
+            _disable("ProcessGroup pre-hook", exc)
+
+    def post(args: Any) -> None:
+        if STATE.disabled:
+            return
+        try:
+            req = open_reqs.pop(getattr(args, "op_id", None), None)
+            if req is None:
+                return
+            work = getattr(args, "work", None)
+            if work is not None:
+                _watch(work, [req])
+            else:
+                _complete_all([req])
+        except Exception as exc:
+            _disable("ProcessGroup post-hook", exc)
+
+    pg.register_pre_hook(pre)
+    pg.register_post_hook(post)
 
 
 def install(directory: Path, job_id: str) -> bool:
@@ -473,8 +517,8 @@ def install(directory: Path, job_id: str) -> bool:
         _wrap_work_methods(c10d.Work)
         # the optimizer step hook waits for the writer: torch.optim cannot be
         # imported while torch itself is still initialising (we run inside it)
-        # ProcessGroup hooks (2.14+) would double count what the wrappers see;
-        # they are reserved for C++-issued work once a torch that has them is here.
+        # ProcessGroup hooks (2.14+): added per group as groups are first seen;
+        # they count only calls that did not come through a wrapper.
         _install_pg_hooks(dist)
         STATE.installed = True
         return True

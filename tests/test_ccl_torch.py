@@ -215,3 +215,42 @@ def test_ccl_env_names_the_directory_job_and_plugin(tmp_path: Path) -> None:
     assert env == {"RANKSCOPE_CCL": "1", "RANKSCOPE_CCL_DIR": str(tmp_path), "RANKSCOPE_JOB_ID": "j7",
                    "NCCL_PROFILER_PLUGIN": str(tmp_path / "lib.so")}
     assert (ROOT / "ccl_plugin" / autoload.PTH_NAME).read_text() == autoload.PTH_LINE
+
+
+def test_process_group_hooks_count_only_calls_the_wrappers_did_not_see(tmp_path: Path) -> None:
+    """The torch >= 2.14 path, driven by a group object offering the two hook registrations."""
+    from types import SimpleNamespace
+
+    from rankscope.ccl_plugin import torch_hooks
+    from rankscope.ccl_plugin.writer import CounterWriter
+    from rankscope.probes.ccl_counters import read_counter_file
+
+    class Group:
+        def __init__(self) -> None:
+            self.pre: list[Callable[[object], None]] = []
+            self.post: list[Callable[[object], None]] = []
+
+        def register_pre_hook(self, fn: Callable[[object], None]) -> None:
+            self.pre.append(fn)
+
+        def register_post_hook(self, fn: Callable[[object], None]) -> None:
+            self.post.append(fn)
+
+    w = CounterWriter(tmp_path, rank=0, world_size=1, job_id="hooks")
+    old = torch_hooks.STATE.writer
+    torch_hooks.STATE.writer = w
+    try:
+        g = Group()
+        idx = w.comm("0", "nccl", "default_pg", (0,))
+        torch_hooks._hook_group(g, idx)
+        (pre,), (post,) = g.pre, g.post
+        pre(SimpleNamespace(name="ALLREDUCE", op_id=1))  # from C++ (DDP's reducer): counted
+        post(SimpleNamespace(name="ALLREDUCE", op_id=1, work=None))
+        torch_hooks.STATE.tls.depth = True  # inside a wrapped Python call: the wrapper counts it
+        pre(SimpleNamespace(name="ALLREDUCE", op_id=2))
+        torch_hooks.STATE.tls.depth = False
+        (op,) = read_counter_file(w.path).counters.ops
+        assert (op.op, op.cl, op.wr, op.wc) == ("allreduce", 1, 1, 1)
+    finally:
+        torch_hooks.STATE.writer = old
+        w.close()
