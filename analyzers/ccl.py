@@ -108,6 +108,10 @@ def _label(comm: Communicator) -> str:
     return f"comm {comm.comm_id}" + (f" ({comm.description})" if comm.description else "")
 
 
+def _ranks_word(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
 def _machines(ranks: tuple[int, ...], placement: Mapping[int, str]) -> tuple[str, ...]:
     return tuple(sorted({placement[r] for r in ranks if r in placement}))
 
@@ -143,7 +147,8 @@ def counter_findings(counters: Mapping[int, RankCounters],
             if laggards and waiting:
                 add(laggards, SCORE_CL_LAG,
                     f"rank {', '.join(map(str, laggards))}: {op} CL {min(cls[r] for r in laggards)} < {top} on "
-                    f"{_label(comm)}; rank {', '.join(map(str, waiting))} wait in it (computation side)")
+                    f"{_label(comm)}; {_ranks_word(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in it "
+                    "(computation side)")
         # communication side: open requests
         for r in members:
             for o in ops_of[r].get(cid, []):

@@ -328,6 +328,13 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         tls.depth = True
         try:
             result = orig(*args, **kwargs)
+        except BaseException:
+            # the call failed before or while running: nothing stays in flight,
+            # so the request is closed rather than left looking stuck (WC < WR)
+            if reqs:
+                with contextlib.suppress(Exception):
+                    _complete_all(reqs)
+            raise
         finally:
             tls.depth = False
         if reqs:

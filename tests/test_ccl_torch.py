@@ -179,6 +179,17 @@ CHILD = textwrap.dedent("""
     t = torch.ones(4)
     all_reduce(t)
     all_gather_into_tensor(torch.empty(4), t)
+    dist.all_gather([torch.empty(4)], t)
+    dist.broadcast(t, 0)
+    dist.reduce(t, 0)
+    dist.gather(t, [torch.empty(4)], 0)
+    dist.scatter(t, [torch.ones(4)], 0)
+    dist.all_to_all_single(torch.empty(4), t)
+    dist.barrier()
+    try:
+        dist.reduce_scatter(torch.empty(4), [torch.ones(4)])  # gloo has none: raises, nothing stays open
+    except Exception:
+        pass
     from rankscope.ccl_plugin import torch_hooks
     from rankscope.probes.ccl_counters import read_counter_file
     c = read_counter_file(torch_hooks.STATE.writer.path).counters
@@ -202,7 +213,9 @@ def test_pth_line_patches_torch_before_user_imports_and_never_raises(tmp_path: P
     on = subprocess.run([sys.executable, "-c", boot], env=env, capture_output=True, text=True, timeout=120)
     assert on.returncode == 0, on.stderr
     assert "patched True" in on.stdout
-    assert "ops [('all_gather_into_tensor', 1, 1), ('all_reduce', 1, 1)]" in on.stdout
+    assert ("ops [('all_gather', 1, 1), ('all_gather_into_tensor', 1, 1), ('all_reduce', 1, 1), "
+            "('all_to_all_single', 1, 1), ('barrier', 1, 1), ('broadcast', 1, 1), ('gather', 1, 1), "
+            "('reduce', 1, 1), ('reduce_scatter', 1, 1), ('scatter', 1, 1)]") in on.stdout
     assert "after 1.0" in on.stdout
     assert on.stderr.count("CCL counters disabled after an internal error") == 1
     off = subprocess.run([sys.executable, "-c", boot], env={k: v for k, v in env.items() if k != "RANKSCOPE_CCL"},

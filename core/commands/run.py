@@ -89,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise RankscopeError(f"cannot create counter directory {counter_dir}: {exc.strerror}",
                              "pass --counter-dir to a writable directory (ideally on tmpfs)") from exc
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        print("rankscope run: torch is not installed in this interpreter; the ranks' Python counters will not "
+              "load (the NCCL plugin still can)", file=sys.stderr)
     plugin = None if args.no_nccl_plugin else _nccl_plugin(quiet=True)
     env = dict(os.environ, **autoload.ccl_env(counter_dir, job_id, plugin))
     try:
