@@ -1,4 +1,4 @@
-"""The NCCL profiler plugin, driven through its v5 entry points by a C harness (no NCCL, no GPU here)."""
+"""The NCCL profiler plugin, driven through its v5 and v4 entry points by a C harness (no NCCL, no GPU here)."""
 
 from __future__ import annotations
 
@@ -25,16 +25,18 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return lib, harness
 
 
-def test_plugin_exports_v5_and_needs_only_libc(built: tuple[Path, Path]) -> None:
+def test_plugin_exports_only_the_profiler_tables(built: tuple[Path, Path]) -> None:
     lib, _ = built
     syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in syms.splitlines() if line.split()[-2] in {"D", "B", "T"}}
-    assert exported == {"ncclProfiler_v5"}
+    assert exported == {"ncclProfiler_v5", "ncclProfiler_v4"}
 
 
-def test_harness_events_become_counters_in_the_shared_file(built: tuple[Path, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("abi", ["5", "4"])
+def test_harness_events_become_counters_in_the_shared_file(built: tuple[Path, Path], tmp_path: Path, abi: str) -> None:
     lib, harness = built
-    env = {**os.environ, "RANKSCOPE_CCL_DIR": str(tmp_path), "RANKSCOPE_JOB_ID": "nc", "RANK": "5", "WORLD_SIZE": "8"}
+    env = {**os.environ, "RANKSCOPE_CCL_DIR": str(tmp_path), "RANKSCOPE_JOB_ID": "nc", "RANK": "5", "WORLD_SIZE": "8",
+           "RS_HARNESS_ABI": abi}
     proc = subprocess.Popen([str(harness), str(lib), "counts"], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:

@@ -6,6 +6,7 @@
  *                         so a reader can check the live file, then finalizes;
  *   harness LIB bench N : N rounds of one collective with one proxy step,
  *                         prints the cost per plugin call in ns.
+ * RS_HARNESS_ABI=4 drives the ncclProfiler_v4 entry points instead of v5.
  * Order of calls per NCCL: init per communicator; Coll/P2p start; ProxyOp
  * start (parent: the Coll/P2p); ProxyStep start (parent: the ProxyOp), its
  * state transitions, stop; ProxyOp stop; Coll/P2p stop; finalize. */
@@ -19,21 +20,37 @@
 #include "nccl_profiler_abi.h"
 
 static rs_nccl_profiler_v5* P;
+static rs_nccl_profiler_v4* P4; /* set when driving the v4 entry points */
 
 static void* start(void* ctx, rs_nccl_descr_v5 d) {
   void* h = NULL;
-  P->startEvent(ctx, &h, &d);
+  if (P4) { /* what an older NCCL hands over: the same union behind a one-byte type */
+    rs_nccl_descr_v4 d4;
+    memset(&d4, 0xAB, sizeof(d4)); /* garbage in the padding, as a real caller may leave */
+    d4.type = (uint8_t)d.type;
+    d4.parentObj = d.parentObj;
+    d4.rank = d.rank;
+    d4.u = d.u;
+    P4->startEvent(ctx, &h, &d4);
+  } else {
+    P->startEvent(ctx, &h, &d);
+  }
   return h;
+}
+
+static void init(void** ctx, uint64_t id, int* mask, const char* name, int nNodes, int nranks, int rank) {
+  if (P4) P4->init(ctx, mask, name, id, nNodes, nranks, rank, NULL);
+  else P->init(ctx, id, mask, name, nNodes, nranks, rank, NULL);
 }
 
 static void* coll(void* ctx, const char* func, uint64_t seq, size_t count) {
   rs_nccl_descr_v5 d;
   memset(&d, 0, sizeof(d));
   d.type = RS_EV_COLL;
-  d.coll.func = func;
-  d.coll.seqNumber = seq;
-  d.coll.count = count;
-  d.coll.datatype = "ncclFloat32";
+  d.u.coll.func = func;
+  d.u.coll.seqNumber = seq;
+  d.u.coll.count = count;
+  d.u.coll.datatype = "ncclFloat32";
   return start(ctx, d);
 }
 
@@ -41,10 +58,10 @@ static void* p2p(void* ctx, const char* func, int peer, size_t count) {
   rs_nccl_descr_v5 d;
   memset(&d, 0, sizeof(d));
   d.type = RS_EV_P2P;
-  d.p2p.func = func;
-  d.p2p.peer = peer;
-  d.p2p.count = count;
-  d.p2p.datatype = "ncclInt8";
+  d.u.p2p.func = func;
+  d.u.p2p.peer = peer;
+  d.u.p2p.count = count;
+  d.u.p2p.datatype = "ncclInt8";
   return start(ctx, d);
 }
 
@@ -54,8 +71,8 @@ static void* child(void* ctx, uint64_t type, void* parent, int is_send, int peer
   d.type = type;
   d.parentObj = parent;
   if (type == RS_EV_PROXY_OP) {
-    d.proxyOp.isSend = is_send;
-    d.proxyOp.peer = peer;
+    d.u.proxyOp.isSend = is_send;
+    d.u.proxyOp.peer = peer;
   }
   return start(ctx, d);
 }
@@ -92,19 +109,25 @@ int main(int argc, char** argv) {
     fprintf(stderr, "dlopen: %s\n", dlerror());
     return 2;
   }
+  const char* version = getenv("RS_HARNESS_ABI");
   P = (rs_nccl_profiler_v5*)dlsym(lib, "ncclProfiler_v5");
+  if (version && strcmp(version, "4") == 0) {
+    P4 = (rs_nccl_profiler_v4*)dlsym(lib, "ncclProfiler_v4");
+    /* stop/state/finalize have the same signatures in both versions */
+    P = P4 ? (rs_nccl_profiler_v5*)P4 : NULL;
+  }
   if (!P) {
-    fprintf(stderr, "no ncclProfiler_v5 symbol\n");
+    fprintf(stderr, "no ncclProfiler_v%s symbol\n", version ? version : "5");
     return 2;
   }
   void *net = NULL, *local = NULL;
   int mask = 0;
-  P->init(&net, 0xA1A1ULL, &mask, "PIPELINE_MODEL_PARALLEL_GROUP", 2, 4, 1, NULL);
+  init(&net, 0xA1A1ULL, &mask, "PIPELINE_MODEL_PARALLEL_GROUP", 2, 4, 1);
   if (!net || !(mask & RS_EV_PROXY_STEP)) {
     fprintf(stderr, "init gave no context / mask %d\n", mask);
     return 1;
   }
-  P->init(&local, 0xB2B2ULL, &mask, "TENSOR_MODEL_PARALLEL_GROUP", 1, 2, 0, NULL);
+  init(&local, 0xB2B2ULL, &mask, "TENSOR_MODEL_PARALLEL_GROUP", 1, 2, 0);
   if (strcmp(argv[2], "bench") == 0) {
     long n = argc > 3 ? atol(argv[3]) : 1000000;
     double t0 = now_ns();

@@ -1,4 +1,4 @@
-/* The NCCL profiler plugin ABI (interface version 5), declared from NVIDIA's
+/* The NCCL profiler plugin ABI (interface versions 5 and 4), declared from NVIDIA's
  * documented layout (ext-profiler/README and the v5 interface description) so
  * the plugin builds with no NCCL headers or sources present. Only what the
  * rankscope plugin reads is named; field order and types follow the ABI. */
@@ -31,11 +31,10 @@ typedef void (*ncclDebugLogger_t)(int level, unsigned long flags, const char* fi
 #define RS_ST_KERNEL_CH_STOP 22
 typedef int rs_nccl_state_t;
 
-typedef struct {
-  uint64_t type;
-  void* parentObj;
-  int rank;
-  union {
+/* The descriptor's union: in v5 it gained the *Api / kernelLaunch members and
+ * a trailing parentGroup in coll and p2p; every member starts at the union's
+ * start and keeps its v4 field order, so one declaration reads both. */
+typedef union {
     struct { int graphCaptured; int groupDepth; } groupApi;
     struct { const char* func; size_t count; const char* datatype; int root; void* stream; bool graphCaptured; } collApi;
     struct { const char* func; size_t count; const char* datatype; void* stream; bool graphCaptured; } p2pApi;
@@ -49,8 +48,21 @@ typedef struct {
     struct { int step; } proxyStep;
     struct { uint8_t channelId; uint64_t pTimer; } kernelCh;
     struct { int64_t id; void* data; } netPlugin;
-  };
+} rs_nccl_descr_union;
+
+typedef struct {
+  uint64_t type;
+  void* parentObj;
+  int rank;
+  rs_nccl_descr_union u;
 } rs_nccl_descr_v5;
+
+typedef struct {
+  uint8_t type; /* v4: one byte, then padding up to parentObj */
+  void* parentObj;
+  int rank;
+  rs_nccl_descr_union u;
+} rs_nccl_descr_v4;
 
 typedef union {
   struct { size_t transSize; } proxyStep;
@@ -68,5 +80,15 @@ typedef struct {
   ncclResult_t (*recordEventState)(void* eHandle, rs_nccl_state_t eState, rs_nccl_state_args_v5* eStateArgs);
   ncclResult_t (*finalize)(void* context);
 } rs_nccl_profiler_v5;
+
+typedef struct {
+  const char* name;
+  ncclResult_t (*init)(void** context, int* eActivationMask, const char* commName, uint64_t commHash, int nNodes,
+                       int nranks, int rank, ncclDebugLogger_t logfn);
+  ncclResult_t (*startEvent)(void* context, void** eHandle, rs_nccl_descr_v4* eDescr);
+  ncclResult_t (*stopEvent)(void* eHandle);
+  ncclResult_t (*recordEventState)(void* eHandle, rs_nccl_state_t eState, rs_nccl_state_args_v5* eStateArgs);
+  ncclResult_t (*finalize)(void* context);
+} rs_nccl_profiler_v4;
 
 #endif

@@ -1,7 +1,7 @@
 /* rankscope's NCCL profiler plugin: Aegis Phase-2 CL/WR/WC from inside NCCL.
  *
  * NCCL loads this library through NCCL_PROFILER_PLUGIN and calls the entry
- * points of `ncclProfiler_v5`. Events are turned into the same counter file
+ * points of `ncclProfiler_v5` (or `ncclProfiler_v4` on older NCCL). Events are turned into the same counter file
  * the Python hooks write (layout in rankscope_layout.h, generated from
  * layout.py), named <job>.rank<R>.nccl.ccl so both writers can coexist:
  *   CL  Coll / P2p start, per (communicator id given to init, function);
@@ -235,26 +235,27 @@ static ncclResult_t rs_init(void** context, uint64_t commId, int* mask, const ch
   return RS_NCCL_SUCCESS;
 }
 
-static ncclResult_t rs_start(void* context, void** handle, rs_nccl_descr_v5* d) {
+static ncclResult_t rs_start_any(void* context, void** handle, uint64_t type, void* parent_obj,
+                                 const rs_nccl_descr_union* u) {
   *handle = NULL;
   rs_ctx* ctx = (rs_ctx*)context;
   if (!ctx || !base) return RS_NCCL_SUCCESS;
-  rs_event* parent = (rs_event*)d->parentObj;
+  rs_event* parent = (rs_event*)parent_obj;
   rs_event* e = NULL;
   double now = mono();
   pthread_mutex_lock(&lock);
-  if (d->type == RS_EV_COLL || d->type == RS_EV_P2P) {
-    int is_coll = d->type == RS_EV_COLL;
-    const char* func = is_coll ? d->coll.func : d->p2p.func;
+  if (type == RS_EV_COLL || type == RS_EV_P2P) {
+    int is_coll = type == RS_EV_COLL;
+    const char* func = is_coll ? u->coll.func : u->p2p.func;
     int slot = slot_for(ctx->comm_index, func ? func : "?");
     if (slot >= 0 && (e = calloc(1, sizeof(rs_event)))) {
       rs_op* o = op_at(slot);
       e->kind = is_coll ? K_COLL : K_P2P;
       e->slot = slot;
-      e->peer = is_coll ? -1 : d->p2p.peer;
-      e->bytes = (uint64_t)(is_coll ? d->coll.count * type_size(d->coll.datatype)
-                                    : d->p2p.count * type_size(d->p2p.datatype));
-      e->seq = is_coll ? d->coll.seqNumber : ++comm_seq[ctx->comm_index];
+      e->peer = is_coll ? -1 : u->p2p.peer;
+      e->bytes = (uint64_t)(is_coll ? u->coll.count * type_size(u->coll.datatype)
+                                    : u->p2p.count * type_size(u->p2p.datatype));
+      e->seq = is_coll ? u->coll.seqNumber : ++comm_seq[ctx->comm_index];
       e->t0 = now;
       wbegin(&o->seq);
       o->cl++;
@@ -264,16 +265,16 @@ static ncclResult_t rs_start(void* context, void** handle, rs_nccl_descr_v5* d) 
       if (!is_coll) open_peer(o, e->peer, +1);
       wend(&o->seq);
     }
-  } else if ((d->type == RS_EV_PROXY_OP || d->type == RS_EV_PROXY_STEP || d->type == RS_EV_KERNEL_CH) && parent &&
+  } else if ((type == RS_EV_PROXY_OP || type == RS_EV_PROXY_STEP || type == RS_EV_KERNEL_CH) && parent &&
              parent->slot >= 0) {
     if ((e = calloc(1, sizeof(rs_event)))) {
       e->slot = parent->slot;
       e->peer = parent->peer;
-      if (d->type == RS_EV_PROXY_OP) {
+      if (type == RS_EV_PROXY_OP) {
         e->kind = K_OP;
-        e->is_send = d->proxyOp.isSend;
-        e->peer = d->proxyOp.peer;
-      } else if (d->type == RS_EV_PROXY_STEP) {
+        e->is_send = u->proxyOp.isSend;
+        e->peer = u->proxyOp.peer;
+      } else if (type == RS_EV_PROXY_STEP) {
         e->kind = K_STEP;
         e->is_send = parent->is_send;
       } else {
@@ -292,6 +293,19 @@ static ncclResult_t rs_start(void* context, void** handle, rs_nccl_descr_v5* d) 
   pthread_mutex_unlock(&lock);
   *handle = e;
   return RS_NCCL_SUCCESS;
+}
+
+static ncclResult_t rs_start(void* context, void** handle, rs_nccl_descr_v5* d) {
+  return rs_start_any(context, handle, d->type, d->parentObj, &d->u);
+}
+
+static ncclResult_t rs_start_v4(void* context, void** handle, rs_nccl_descr_v4* d) {
+  return rs_start_any(context, handle, d->type, d->parentObj, &d->u);
+}
+
+static ncclResult_t rs_init_v4(void** context, int* mask, const char* commName, uint64_t commHash, int nNodes,
+                               int nranks, int rank, ncclDebugLogger_t logfn) {
+  return rs_init(context, commHash, mask, commName, nNodes, nranks, rank, logfn);
 }
 
 static void complete_request(rs_event* e, double now) {
@@ -371,3 +385,5 @@ static ncclResult_t rs_finalize(void* context) {
 }
 
 EXPORT rs_nccl_profiler_v5 ncclProfiler_v5 = {"rankscope", rs_init, rs_start, rs_stop, rs_state, rs_finalize};
+/* NCCL 2.23-2.25 look for v4: same events and states, another init order and a one-byte type */
+EXPORT rs_nccl_profiler_v4 ncclProfiler_v4 = {"rankscope", rs_init_v4, rs_start_v4, rs_stop, rs_state, rs_finalize};
