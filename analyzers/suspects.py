@@ -15,6 +15,19 @@ two PP groups (tp=0 and tp=1) on the same four machines, and machines are what
 gets evicted. Single outlier ranks and machines are candidates too, so a lone
 stuck rank is named as such rather than blamed on its whole pipeline.
 
+Where the hang started lifts a candidate by 1.0 (so scores above 1 mean
+"named by the origin", below 1 "fits the layout only"). Outliers waiting in
+send/recv or a collective are consequences; an outlier stuck anywhere else
+is an origin, and following Aegis's split:
+
+- computation side: stuck in its own work (or a busy dataloader/checkpoint
+  subprocess the healthy ranks lack) -> the rank itself;
+- communication side: stuck on its way *into* a send/recv or collective ->
+  the group it was calling: PP for point-to-point, else the kind whose other
+  members all wait in a collective.
+
+Fig. 7 has no origin (every outlier waits), so the layout score decides.
+
 The numbers per rank are numpy arrays, so a 16k-rank job costs the same few
 vector operations per kind as a small one.
 """
