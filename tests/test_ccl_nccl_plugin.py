@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from rankscope.ccl_plugin.build import BuildError, build_plugin, find_compiler, source_dir
-from rankscope.probes.ccl_counters import list_counter_files
+from rankscope.probes.ccl_counters import list_counter_files, read_counter_file
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler")
 
@@ -77,3 +78,30 @@ def test_missing_compiler_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(BuildError) as err:
         build_plugin(tmp_path / "out")
     assert "no C compiler" in err.value.message and "gcc" in err.value.fix
+
+
+def test_c_writer_under_load_never_shows_a_torn_slot(built: tuple[Path, Path], tmp_path: Path) -> None:
+    """The harness's bench loop rewrites one slot millions of times while we read it."""
+    lib, harness = built
+    env = {**os.environ, "RANKSCOPE_CCL_DIR": str(tmp_path), "RANKSCOPE_JOB_ID": "hammer", "RANK": "0"}
+    proc = subprocess.Popen([str(harness), str(lib), "bench", "200000000"], env=env, stdout=subprocess.DEVNULL)
+    try:
+        path = tmp_path / "hammer.rank0.nccl.ccl"
+        deadline = time.monotonic() + 30
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen = set()
+        for _ in range(2000):
+            c = read_counter_file(path).counters
+            assert c.error is None, c.error
+            ops = [o for o in c.ops if o.op == "AllReduce"]
+            if not ops:
+                continue
+            (o,) = ops
+            # per round: one launch, one request, its completion; a torn read would break these
+            assert o.wr in (o.cl, o.cl - 1) and o.wc in (o.wr, o.wr - 1) and o.bytes_total == 4096 * o.cl, o
+            seen.add(o.cl)
+        assert len(seen) > 10
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
