@@ -7,11 +7,12 @@ Run: python benchmarks/bench_ccl.py [--steps 60] [--calls 20000] [--json]
    and a barrier), run three times in one go: no counters (baseline), with the
    counters loaded by the .pth hook (as `rankscope run` does), and with the
    flight recorder on (TORCH_FR_BUFFER_SIZE=2000). Goal: under 2 % of step time.
-2. Per-call cost of small all_reduce calls (world of 1, gloo): the same loop
-   with and without the hooks; the difference per call. Goal: under 3 µs.
+2. Per-call cost of small all_reduce calls (world of 1, gloo): in one process
+   with the hooks loaded, the wrapper and the original function in interleaved
+   blocks (best block of each); the difference per call. Goal: under 3 µs.
 3. The writer alone (launch + completion of one request) in this process.
 4. The NCCL profiler plugin's cost per event, from its C harness. Goal: < 200 ns.
-Medians over repeats; the machine is shared, so ratios are the figures to read.
+Best of repeats (noise on a shared machine only ever adds time); read the ratios.
 """
 
 from __future__ import annotations
@@ -59,16 +60,20 @@ import sys, time, tempfile, json
 import torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 n = int(sys.argv[1]); t = torch.ones(1)
+wrapped = dist.all_reduce
+plain = getattr(wrapped, "__rankscope_original__", wrapped)
 for _ in range(2000):
-    dist.all_reduce(t)
-best = []
-for _ in range(5):
-    t0 = time.perf_counter()
-    for _ in range(n):
-        dist.all_reduce(t)
-    best.append((time.perf_counter() - t0) / n)
-print(json.dumps({"per_call_s": sorted(best)[len(best) // 2],
-                  "hooked": hasattr(dist.all_reduce, "__rankscope_original__")}))
+    wrapped(t); plain(t)
+# interleaved blocks, best block of each: the machine is shared, noise only adds time
+best = {"plain": float("inf"), "wrapped": float("inf")}
+for _ in range(max(1, n // 1000)):
+    for name, fn in (("plain", plain), ("wrapped", wrapped)):
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            fn(t)
+        best[name] = min(best[name], (time.perf_counter() - t0) / 1000)
+print(json.dumps({"plain_s": best["plain"], "wrapped_s": best["wrapped"],
+                  "hooked": wrapped is not plain}))
 dist.destroy_process_group()
 '''
 
@@ -103,15 +108,18 @@ def micro(mode: str, calls: int, tmp: Path) -> dict[str, float]:
 
 
 def writer_cost(n: int, tmp: Path) -> float:
+    """Best block of 1000 launch+complete pairs."""
     from rankscope.ccl_plugin.writer import CounterWriter
     w = CounterWriter(tmp / "w", rank=0, world_size=1, job_id="bench")
     s = w.slot(w.comm("0", "gloo", "", (0,)), "all_reduce")
-    t0 = time.perf_counter()
-    for _ in range(n):
-        w.complete(w.launch(s, 4))
-    per = (time.perf_counter() - t0) / n
+    best = float("inf")
+    for _ in range(max(1, n // 1000)):
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            w.complete(w.launch(s, 4))
+        best = min(best, (time.perf_counter() - t0) / 1000)
     w.close()
-    return per
+    return best
 
 
 def plugin_ns(tmp: Path) -> float | None:
@@ -128,17 +136,18 @@ def plugin_ns(tmp: Path) -> float | None:
                     "-ldl"], check=True)
     env = {**os.environ, "RANKSCOPE_CCL_DIR": str(tmp / "c"), "RANKSCOPE_JOB_ID": "bench"}
     runs = []
-    for _ in range(3):
-        out = subprocess.run([str(exe), str(lib), "bench", "1000000"], env=env, capture_output=True, text=True,
+    for _ in range(5):
+        out = subprocess.run([str(exe), str(lib), "bench", "300000"], env=env, capture_output=True, text=True,
                              check=True).stdout
         runs.append(float(out.split()[-1]))
-    return statistics.median(runs)
+    return min(runs)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--calls", type=int, default=50000)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved runs of the three step-time modes")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     from rankscope.ccl_plugin.autoload import install_pth
@@ -146,17 +155,23 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         modes = ("baseline", "counters", "flight_recorder")
-        steps = {m: step_times(m, args.steps, tmp) for m in modes}
-        med = {m: statistics.median(v) for m, v in steps.items()}
-        mic = {m: micro(m, args.calls, tmp) for m in ("baseline", "counters")}
-        assert mic["counters"]["hooked"] and not mic["baseline"]["hooked"], "the hooks did not load as expected"
-        per_call_us = (mic["counters"]["per_call_s"] - mic["baseline"]["per_call_s"]) * 1e6
+        # rounds interleave the modes, so a burst of load on the shared machine
+        # hits all three; each mode's figure is its best round's median
+        rounds: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(args.rounds):
+            for m in modes:
+                rounds[m].append(statistics.median(step_times(m, args.steps, tmp)))
+        med = {m: min(v) for m, v in rounds.items()}
+        mic = micro("counters", args.calls, tmp)
+        assert mic["hooked"], "the hooks did not load as expected"
+        per_call_us = (mic["wrapped_s"] - mic["plain_s"]) * 1e6
         writer_us = writer_cost(100000, tmp) * 1e6
         ns = plugin_ns(tmp)
     result = {
         "step_median_ms": {m: round(v * 1e3, 3) for m, v in med.items()},
         "step_overhead_pct": {m: round((med[m] / med["baseline"] - 1) * 100, 2) for m in modes},
-        "all_reduce_per_call_us": {m: round(v["per_call_s"] * 1e6, 2) for m, v in mic.items()},
+        "all_reduce_per_call_us": {"plain": round(mic["plain_s"] * 1e6, 2),
+                                   "with_counters": round(mic["wrapped_s"] * 1e6, 2)},
         "hook_cost_per_call_us": round(per_call_us, 2),
         "writer_launch_plus_complete_us": round(writer_us, 2),
         "nccl_plugin_ns_per_event": None if ns is None else round(ns, 1),
@@ -168,8 +183,8 @@ def main() -> int:
     for m in modes:
         print(f"  {m:34} {med[m] * 1e3:10.3f} {result['step_overhead_pct'][m]:+11.2f}%")
     print(f"{'small all_reduce (world 1)':36} {'µs/call':>10}")
-    for m, v in mic.items():
-        print(f"  {m:34} {v['per_call_s'] * 1e6:10.2f}")
+    print(f"  {'plain (the original function)':34} {mic['plain_s'] * 1e6:10.2f}")
+    print(f"  {'with counters (the wrapper)':34} {mic['wrapped_s'] * 1e6:10.2f}")
     print(f"  {'hook cost per call':34} {per_call_us:10.2f}   (goal < 3 µs)")
     print(f"  {'writer launch+complete alone':34} {writer_us:10.2f}")
     print(f"{'NCCL plugin per event (harness)':36} {'' if ns is None else f'{ns:10.1f} ns'}   (goal < 200 ns)")
