@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -37,8 +38,9 @@ from typing import Any
 
 from rankscope.ccl_plugin.writer import CounterWriter, OpSlot, Request
 
-# op name -> (parameter holding the payload, kind). kind: "coll", "p2p_send",
-# "p2p_recv", "batch", "sync_p2p_send", "sync_p2p_recv".
+# op name -> (parameter holding the payload, kind). kind: "coll" (async when
+# async_op=True), "send"/"recv" (blocking p2p), "isend"/"irecv" (return a Work),
+# "batch" (batch_isend_irecv: one request per P2POp).
 OPS: dict[str, tuple[str | None, str]] = {
     "all_reduce": ("tensor", "coll"),
     "all_gather": ("tensor", "coll"),
@@ -537,7 +539,7 @@ def install(directory: Path, job_id: str) -> bool:
 def shutdown() -> None:
     """Clean exit: remove this rank's file (atexit)."""
     w = STATE.writer
-    if w is not None:
+    if w is not None and w.pid == os.getpid():  # a forked child leaves its parent's file alone
         with contextlib.suppress(Exception):
             _poll_pending()
         with contextlib.suppress(Exception):
