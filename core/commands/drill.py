@@ -51,7 +51,8 @@ def register(sub: Any) -> None:
     p.add_argument("--fault-factor", type=float, default=2.0,
                    help="slow-compute/thermal: how many times longer a step takes (default 2.0)")
     p.add_argument("--fault-delay-ms", type=float, default=50.0,
-                   help="slow-comm/slow-dataloader: delay per send or batch (default 50)")
+                   help="slow-comm/slow-dataloader: delay per send or per batch (default 50); a dataloader "
+                        "delay shows only once it exceeds a step's time, since the worker prefetches")
     p.add_argument("--fault-on", type=int, default=0, help="intermittent slow fault: steps on (with --fault-off)")
     p.add_argument("--fault-off", type=int, default=0, help="intermittent slow fault: steps off")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the random fault rank")
