@@ -22,6 +22,10 @@ confidence faster than any one detector can. Detectors that alarm on *other*
 machines lower it (``× (1 − ½·c_other)``). One detector alone tops out at its
 weight (below ``confident_at`` for the weaker ones); two agreeing pass it.
 
+While a machine stays a suspect, its confidence fades with a half-life
+(``confidence_half_life_s``) rather than dropping with one weaker round; a
+machine no detector alarms on any more stops being a suspect at once.
+
 Everything is pure: times come from the snapshots, and the stack and CCL
 findings are handed in by the caller (the live watcher, the TUI, a replay),
 who runs those analyzers on the captures it has.
@@ -71,7 +75,10 @@ class FailSlowConfig:
     ccl_calls_window: int = 10  # a rank's last collective calls that are tallied
     ccl_min_calls: int = 5  # calls seen before a rank can be blamed
     ccl_fraction: float = 0.8  # share of its calls in which a rank must be flagged
+    ccl_min_lateness_s: float = 0.005  # a late arrival counts only if this much later than the mean...
+    ccl_min_lateness_share: float = 0.05  # ...and this share of the job's step time, when known
     confident_at: float = 0.7
+    confidence_half_life_s: float = 30.0  # how fast a suspect's confidence fades while weaker evidence still names it
     history_len: int = 600
     max_age_s: float = 900.0  # how much series history to keep
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
@@ -253,6 +260,7 @@ class FailSlowDetector:
         self._last: FailSlowVerdict | None = None
         self._trend: StepTrend | None = None
         self._stack_degrader: Suspect | None = None  # the group the stack rounds name, once alarmed
+        self._confidence: dict[str, tuple[float, float]] = {}  # machine -> (confidence, at), for the hysteresis
 
     @property
     def history(self) -> tuple[FailSlowVerdict, ...]:
@@ -368,7 +376,11 @@ class FailSlowDetector:
             return {}
         cfg = self.config
         found = degradation_findings(counters, cfg.alpha, cfg.beta)
-        late = {(f.comm_id, f.op, f.rank): f for f in found if f.kind == "slow_compute"}
+        # Lateness that is a sliver of a step (a millisecond on a tiny
+        # collective) is scheduling noise, not a slow computer.
+        step = self._trend.step_s if self._trend is not None else None
+        floor = max(cfg.ccl_min_lateness_s, cfg.ccl_min_lateness_share * step if step else 0.0)
+        late = {(f.comm_id, f.op, f.rank): f for f in found if f.kind == "slow_compute" and f.mean - f.value >= floor}
         slow = {(f.comm_id, f.op, f.rank) for f in found if f.kind == "slow_link"}
         for (comm, op), (call, with_td, with_n) in collective_calls(counters).items():
             self._late.add((comm, op, call), with_td, {r for r in with_td if (comm, op, r) in late})
@@ -465,7 +477,14 @@ class FailSlowDetector:
                     continue
                 against = max((o[det].score for om, o in per_machine.items() if om != m and det in o), default=0.0)
                 conf *= 1.0 - 0.5 * against
+            # Hysteresis: while a machine stays a suspect its confidence fades with
+            # a half-life instead of dropping when one round is weaker (a stack
+            # round at 2 of 3, a metric dipping back for a sample).
+            prev = self._confidence.get(m)
+            if prev is not None and cfg.confidence_half_life_s > 0:
+                conf = max(conf, prev[0] * 0.5 ** ((now - prev[1]) / cfg.confidence_half_life_s))
             confidence[m] = conf
+        self._confidence = {m: (c, now) for m, c in confidence.items()}
         # Ties (the machines of one flagged parallel group) go to the machine
         # with more evidence still building up (candidates of other detectors).
         support: dict[str, float] = {}

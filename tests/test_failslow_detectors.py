@@ -8,8 +8,8 @@ persistently slow machine (1.5× step time, +30% CPU, a hotter GPU).
 
 from __future__ import annotations
 
-import itertools
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 

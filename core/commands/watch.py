@@ -35,9 +35,10 @@ persistence, and stack-aggregation rounds (ByteRobust) every --stack-interval
 seconds. Each verdict change is printed; with --json as one JSON object per
 line (events: start, verdict, error, end).
 
-Exit status: 0 when the watch ended with no fail-slow suspect, 1 when it ended
-with one (the last verdict names a machine), 4 when no agent ever answered,
-2 on bad input, 130 on Ctrl-C.
+Exit status: 0 when the watch ended without a confident fail-slow verdict, 1
+when it ended with one (the last verdict's confidence reached 0.7), 4 when no
+agent ever answered, 2 on bad input, 130 on Ctrl-C. A suspect below that
+confidence is in the lines (and the "end" event) but does not fail the run.
 """
 
 EXIT_CLEAN, EXIT_SUSPECT, EXIT_NO_AGENT = 0, 1, 4
@@ -241,10 +242,11 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
             if delay > 0:
                 await asyncio.sleep(delay)
     summary = last.verdict.summary if last is not None else "no poll completed"
-    code = EXIT_NO_AGENT if not ever_answered else (EXIT_SUSPECT if last is not None and last.verdict.suspects else EXIT_CLEAN)
+    code = EXIT_NO_AGENT if not ever_answered else (EXIT_SUSPECT if last is not None and last.confident else EXIT_CLEAN)
     emit({"event": "end", "wall": time.time(), "rounds": last.rounds if last is not None else 0, "summary": summary,
           "machine": last.machine if last is not None else None,
-          "suspect_machines": list(last.machines) if last is not None else [], "confidence": last.confidence if last is not None else 0.0,
+          "suspect_machines": list(last.machines) if last is not None else [],
+          "confident": last.confident if last is not None else False, "confidence": last.confidence if last is not None else 0.0,
           "stack_rounds": stack_rounds, "exit": code})
     return code
 
@@ -280,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         code = asyncio.run(watch(args, agents, token, emit, record))
     except KeyboardInterrupt:
         emit({"event": "end", "wall": None, "rounds": None, "summary": "interrupted", "machine": None,
-              "confidence": None, "stack_rounds": None, "exit": 130})
+              "suspect_machines": [], "confident": None, "confidence": None, "stack_rounds": None, "exit": 130})
         code = 130
     finally:
         if record is not None and record:
