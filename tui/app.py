@@ -207,7 +207,8 @@ class RankscopeApp(App[int]):
     @on(TabbedContent.TabActivated)
     def _tab_changed(self) -> None:
         self.redraw()
-        self.main.focus_view()
+        if not isinstance(self.focused, Input):  # keys typed fast ("2" then "/") must not lose the filter box
+            self.main.focus_view()
 
     # -- actions ------------------------------------------------------------
 
@@ -242,7 +243,8 @@ class RankscopeApp(App[int]):
         box = self.main.query_one("#filter-input", Input)
         box.display = True
         box.value = self.filter.text
-        box.focus()
+        # Focus now, not at the next idle: keys typed right after `/` (a paste, tmux send-keys) belong to the box.
+        self.main.set_focus(box)
 
     @on(Input.Submitted, "#filter-input")
     def _filter_submitted(self, event: Input.Submitted) -> None:

@@ -151,8 +151,11 @@ class StackTreePanel(Vertical):
         compare = self.query_one("#compare", Static)
         view = self.view
         sel = self.selected
-        if view is None or view.dominant is None or sel is None:
+        if view is None or view.dominant is None:
             compare.update(Text("no stacks captured yet (s)", "dim"))
+            return
+        if sel is None:
+            compare.update(Text("no stack group matches the filter (esc clears it)", "dim"))
             return
         if sel.index == view.dominant.index:
             other = next((g for g in self._groups if g.index != sel.index), None)
