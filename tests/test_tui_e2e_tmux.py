@@ -12,6 +12,7 @@ must show the injected frame. Quitting the TUI must stop the whole drill.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -85,10 +86,8 @@ def drill_in_tmux(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         while time.monotonic() < deadline and processes_of(run_dir):
             time.sleep(0.5)
         for pid in processes_of(run_dir):  # last resort, only processes of this drill
-            try:
+            with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
 
 
 def verdict_names_the_pipeline_group(text: str) -> bool:
