@@ -90,7 +90,7 @@ def legend_text(view: StackView | None, limit: int = 6) -> Text:
         return t
     for g in view.groups[:limit]:
         t.append(group_glyph(g.index), group_style(g.index))
-        t.append(f" {len(g.ranks)}× {g.summary}  ")
+        t.append(f" {len(g.ranks)}× {g.summary.split(' | ')[0]}  ")  # the main thread's part; 2 shows the rest
     if len(view.groups) > limit:
         t.append(f"+{len(view.groups) - limit} groups  ", "dim")
     t.append("? no stack  × lost", "dim")

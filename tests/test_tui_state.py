@@ -1,0 +1,173 @@
+"""The TUI's pure parts: the state fold, the filter, the history arrays, the poll loop, stack text."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from pathlib import Path
+
+import pytest
+from rankscope.snapshot import Frame, JobSnapshot, ProcessRole, ProcessStack, RankStacks, ThreadStack
+from rankscope.tui import state as st
+from rankscope.tui.analysis import build_stack_view, format_ranks, rank_stack_lines
+from rankscope.tui.app import AppOptions, RankscopeApp
+from rankscope.tui.sources import QueueSource, poll_loop
+from tui_bundles import T0, fig7_bundle, job, lost_series
+from tui_screen import screen_text
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def fold(snaps: tuple[JobSnapshot, ...], hang_after_s: float = 30.0) -> st.AppState:
+    s = st.AppState()
+    for snap in snaps:
+        s = st.apply_snapshot(s, st.digest(snap), snap.captured.wall, hang_after_s)
+    return s
+
+
+def test_the_state_is_a_function_of_the_snapshots() -> None:
+    snaps = fig7_bundle().snapshots
+    a, b = fold(snaps), fold(snaps)
+    assert a.machines == b.machines and a.comms == b.comms and a.events == b.events
+    assert a.metric_history.get("node09/gpu1") == b.metric_history.get("node09/gpu1")
+    h = st.health(a)
+    assert h.kind == "hung" and "46 s" in h.text  # progress stopped at T0+2, the last snapshot is T0+48
+    assert [e.kind for e in a.events] == ["hung"]
+
+
+def test_lost_and_found_machines_keep_their_ranks_and_are_logged() -> None:
+    first, lost, back = lost_series()
+    s = fold((first, lost))
+    node05 = next(m for m in s.machines if m.name == "node05")
+    assert not node05.reachable and node05.ranks == (10, 11)  # the map keeps its shape
+    assert s.lost == ("node05",)
+    s = st.apply_snapshot(s, st.digest(back), back.captured.wall)
+    assert s.lost == ()
+    assert [e.kind for e in s.events] == ["lost", "found"]
+
+
+def test_ccl_digest_marks_the_laggard_and_open_requests() -> None:
+    d = st.digest(fig7_bundle().latest)
+    pp24 = next(c for c in d.comms if c.comm_id == "pp24")
+    assert pp24.mismatch
+    rows = {r.rank: r for r in pp24.rows}
+    assert rows[30].lags and not rows[24].lags
+    assert rows[26].open_requests and rows[28].open_requests and not rows[24].open_requests
+    assert not next(c for c in d.comms if c.comm_id == "pp0").mismatch
+
+
+def test_metric_outliers_are_flagged_and_listed_first() -> None:
+    d = st.digest(fig7_bundle().latest)
+    first = d.metric_rows[0]
+    assert (first.machine, first.gpu, first.outliers) == ("node09", 1, frozenset({"temp"}))
+    assert sum(1 for r in d.metric_rows if r.outliers) == 1
+
+
+def test_filter_by_rank_range_machine_and_frame_text() -> None:
+    snap = fig7_bundle().latest
+    s = st.apply_capture(fold((snap,)), st.digest(snap), build_stack_view(snap), snap.captured.wall)
+    assert st.compile_filter("24-27", s).ranks == frozenset(range(24, 28))
+    assert st.compile_filter("r3", s).ranks == frozenset({3})
+    assert st.compile_filter("node12", s).ranks == frozenset({24, 25})
+    assert st.compile_filter("all_gather", s).ranks == frozenset({30, 31})
+    assert st.compile_filter("nothing-like-this", s).ranks == frozenset()
+    assert not st.compile_filter("  ", s).active
+
+
+def test_series_shifts_and_adds_keys() -> None:
+    s = st.Series().pushed(("a", "b"), (1.0, 2.0)).pushed(("a", "b"), (3.0, 4.0))
+    assert s.get("a") == (1.0, 3.0) and s.get("b") == (2.0, 4.0)
+    s2 = s.pushed(("b", "c"), (5.0, 6.0))
+    assert s2.get("a") == (1.0, 3.0) and s2.get("b") == (2.0, 4.0, 5.0) and s2.get("c") == (6.0,)
+    assert s.get("b") == (2.0, 4.0)  # the older series is unchanged
+    assert st.sparkline([0, 1, 2, 3, 4, 5, 6, 7]) == "▁▂▃▄▅▆▇█"
+    assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+async def test_poll_loop_never_overlaps_and_survives_a_failing_poll() -> None:
+    class SlowSource(QueueSource):
+        def __init__(self) -> None:
+            super().__init__("slow")
+            self.running = 0
+            self.most = 0
+            self.calls = 0
+
+        async def poll(self) -> JobSnapshot | None:
+            self.calls += 1
+            self.running += 1
+            self.most = max(self.most, self.running)
+            try:
+                await asyncio.sleep(0.03)  # slower than the interval
+                if self.calls == 2:
+                    raise ConnectionError("agent went away")
+                return job(T0 + self.calls, stacks=False, step=self.calls, hung=False)
+            finally:
+                self.running -= 1
+
+    source = SlowSource()
+    got: list[JobSnapshot] = []
+    errors: list[BaseException] = []
+
+    async def deliver(snap: JobSnapshot) -> None:
+        got.append(snap)
+
+    task = asyncio.create_task(poll_loop(source, deliver, 0.001, errors.append))
+    deadline = asyncio.get_running_loop().time() + 10
+    while len(got) < 4 and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert source.most == 1
+    assert len(got) >= 4 and [type(e) for e in errors] == [ConnectionError]
+    assert [s.captured.wall for s in got[:3]] == [T0 + 1, T0 + 3, T0 + 4]
+
+
+def test_rank_stack_text_has_threads_subprocesses_and_readable_source_lines() -> None:
+    here = Path(inspect.getsourcefile(test_rank_stack_text_has_threads_subprocesses_and_readable_source_lines) or "")
+    line = inspect.getsourcelines(test_rank_stack_text_has_threads_subprocesses_and_readable_source_lines)[1]
+    main = ProcessStack(7, ProcessRole.MAIN, (ThreadStack(1, (Frame("test_fn", str(here), line + 1),), "MainThread"),
+                                               ThreadStack(2, (Frame("poll", "/nowhere.py", 3),), "pin_memory")))
+    worker = ProcessStack(8, ProcessRole.DATALOADER, None, name="worker")
+    text = "\n".join(rank_stack_lines(RankStacks(3, main, (worker,))))
+    assert "thread MainThread" in text and "thread pin_memory" in text
+    assert "here = Path(inspect.getsourcefile" in text  # the line of the frame, read from the file
+    assert "process 8 [dataloader] worker" in text
+
+
+async def test_two_tuis_fed_the_same_snapshots_draw_the_same_screen() -> None:
+    screens = []
+    for _ in range(2):
+        first, lost, back = lost_series()
+        source = QueueSource("agents", initial=(first,))
+        app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, capture_on_start=False), clock=lambda: T0 + 9)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await app.loaded.wait()
+            source.push_poll(lost)
+            while app.state.polls < 2:
+                await pilot.pause(0.02)
+            await pilot.pause()
+            screens.append(screen_text(app))
+    assert screens[0] == screens[1]
+    assert "1 lost" in screens[0]
+
+
+async def test_fail_slow_mode_captures_every_ten_seconds() -> None:
+    source = QueueSource("agents", initial=(job(T0, stacks=False, step=1, hung=False),))
+    clock = [T0]
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, capture_on_start=False, fail_slow=True),
+                       clock=lambda: clock[0])
+    async with app.run_test(size=(100, 30)) as pilot:
+        await app.loaded.wait()
+        for i, wall in enumerate((T0 + 1, T0 + 12, T0 + 15, T0 + 23)):
+            clock[0] = wall
+            source.push_capture(job(wall + 0.5, stacks=True, step=i + 2, hung=False))
+            source.push_poll(job(wall, stacks=False, step=i + 2, hung=False))
+            while not any(p[0] == wall for p in app.state.progress_points):  # this poll is folded in
+                await pilot.pause(0.02)
+            # every capture started so far has been folded into the state
+            while app._capturing or sum(e.kind == "capture" for e in app.state.events) < source.captures_started:
+                await pilot.pause(0.02)
+        # At the first poll (none before), at T0+12 (10.5 s after the capture of T0+1.5), not at T0+15,
+        # then at T0+23 (10.5 s after T0+12.5).
+        assert source.captures_started == 3, [(e.wall - T0, e.kind) for e in app.state.events]
