@@ -138,7 +138,7 @@ def test_rank_stack_text_has_threads_subprocesses_and_readable_source_lines() ->
 async def test_two_tuis_fed_the_same_snapshots_draw_the_same_screen() -> None:
     screens = []
     for _ in range(2):
-        first, lost, back = lost_series()
+        first, lost, _back = lost_series()
         source = QueueSource("agents", initial=(first,))
         app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, capture_on_start=False), clock=lambda: T0 + 9)
         async with app.run_test(size=(100, 30)) as pilot:
