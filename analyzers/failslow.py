@@ -100,7 +100,7 @@ class DetectorFlag:
     score: float
     evidence: str
     alarmed: bool = False
-    held: float = 0.0  # seconds (rounds for "stacks", updates for "ccl") the evidence has lasted
+    held: float = 0.0  # how long the evidence has lasted: seconds; for "stacks" rounds flagged, for "ccl" calls flagged
     required: float = 0.0  # how much it must last to alarm, same unit
     since_mono: float | None = None
 
@@ -352,11 +352,14 @@ class FailSlowDetector:
         self._stack_degrader = suspect if alarmed else None
         name = _group_name(suspect)
         evidence = f"{name} flagged in {n} of the last {len(rounds)} stack rounds"
-        score = self._w("stacks") * n / needed
-        machines = suspect.machines or (None,)
-        return [DetectorFlag("stacks", m, suspect.ranks if m is None else tuple(r for r in suspect.ranks if r in self.store.ranks_of(m)) or suspect.ranks,
-                             None, min(score, self._w("stacks")), evidence, alarmed, float(n), float(needed), None)
-                for m in machines]
+        score = min(self._w("stacks") * n / needed, self._w("stacks"))
+        required = float(math.floor(self.config.stack_majority * needed) + 1)  # flags needed in a full window
+        out = []
+        for m in suspect.machines or (None,):
+            mine = suspect.ranks if m is None else tuple(r for r in suspect.ranks if r in self.store.ranks_of(m))
+            out.append(DetectorFlag("stacks", m, mine or suspect.ranks, None, score, evidence, alarmed, float(n),
+                                    required, None))
+        return out
 
     def _ccl_targets(self, snapshot: JobSnapshot, notes: list[str]) -> dict[str, tuple[tuple[int, ...], str, int]]:
         """Aegis §5.2 on the counters, kept over calls: machine -> (ranks, evidence, flagged calls).
@@ -542,7 +545,7 @@ class FailSlowDetector:
                     f"confidence {conf:.2f} from {'+'.join(top.sources)}")
         if flags:
             f = max(flags, key=lambda x: x.held / x.required if x.required else 0.0)
-            unit = {"stacks": " rounds", "ccl": " updates"}.get(f.detector, "s")
+            unit = {"stacks": f" of {self.config.rounds_needed} rounds", "ccl": " calls"}.get(f.detector, "s")
             return f"watching: {f.machine} [{f.detector}] {f.evidence} (alarms at {f.required:g}{unit})"
         n = len(self.store.reachable_machines)
         if len(self.store) == 0 or n == 0:

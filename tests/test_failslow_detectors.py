@@ -397,6 +397,7 @@ def test_stack_rounds_need_a_majority() -> None:
     stacks = [f for f in verdicts[-1].flags if f.detector == "stacks"]
     assert stacks and not any(f.alarmed for f in stacks), "3 of 5 rounds is timing noise, not a degrader"
     assert not verdicts[-1].verdict.suspects
+    assert verdicts[-1].verdict.summary.endswith("flagged in 3 of the last 5 stack rounds (alarms at 4 of 5 rounds)")
 
 
 def _allreduce(late: Callable[[int], int | None], slow_link: int | None = None, comms: int = 1) -> Ops:
