@@ -67,7 +67,17 @@ def register(sub: Any) -> None:
     p.add_argument("--run-dir", type=Path, help="folder for logs, progress, checkpoints and the bundle (default: a temp dir)")
     p.add_argument("-o", "--output", type=Path, help="write the bundle here (default: RUN_DIR/bundle.json)")
     p.add_argument("--headless", action="store_true", help="no TUI: run, capture, report and stop")
-    p.add_argument("--json", action="store_true", help="print the report as JSON (with --headless)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (with --headless or --suite)")
+    p.add_argument("--suite", choices=("failslow",),
+                   help="run the fail-slow scorecard instead of one drill: slow faults at seeded random ranks plus "
+                        "healthy baselines, each watched live; prints detection, attribution, time to a confident "
+                        "verdict and precision/recall/F1 (see rankscope.drill.suite)")
+    p.add_argument("--suite-drills", type=int, default=20, help="--suite: faulty drills (default 20)")
+    p.add_argument("--suite-baselines", type=int, default=5, help="--suite: healthy baselines (default 5)")
+    p.add_argument("--stack-interval", type=float, default=10.0,
+                   help="--suite: seconds between stack captures (default 10, ByteRobust's rounds)")
+    p.add_argument("--time-limit", type=float, default=90.0,
+                   help="--suite: seconds after the fault's onset to wait for a confident verdict (default 90)")
     p.set_defaults(func=run)
 
 
@@ -96,6 +106,8 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite:
+        return _run_suite(args)
     config = build_config(args)
     if not args.headless:
         return _run_attached(config, args)
@@ -109,6 +121,24 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, default=str))
     else:
         print("\n".join(report_lines(report)))
+    return 0
+
+
+def _run_suite(args: argparse.Namespace) -> int:
+    from rankscope.drill.faults import DrillLayout
+    from rankscope.drill.suite import SuiteConfig, run_suite, scorecard_lines
+
+    if args.suite_drills < 0 or args.suite_baselines < 0 or args.suite_drills + args.suite_baselines == 0:
+        raise RankscopeError("--suite needs at least one drill", "pass --suite-drills 20 --suite-baselines 5")
+    if args.stack_interval < 0 or args.time_limit <= 0:
+        raise RankscopeError("--stack-interval must be 0 or more and --time-limit positive",
+                             "e.g. --stack-interval 10 --time-limit 90")
+    config = SuiteConfig(layout=DrillLayout(tp=args.tp, pp=args.pp, dp=args.dp, machines=args.machines),
+                         faulty=args.suite_drills, baselines=args.suite_baselines, seed=args.seed,
+                         fault_step=args.fault_step, stack_interval_s=args.stack_interval,
+                         time_limit_s=args.time_limit, start_timeout_s=args.start_timeout, run_root=args.run_dir)
+    result = run_suite(config, say=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(json.dumps(result, indent=2, default=str) if args.json else "\n".join(scorecard_lines(result)))
     return 0
 
 
