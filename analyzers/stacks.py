@@ -225,14 +225,16 @@ class _Interner:
     def thread_lane(self, label: str, frames: tuple[Frame, ...]) -> int:
         """The lane id of one thread's stack under ``label``."""
         raw: tuple[int | None, ...] = tuple(map(self._get, map(self._key, frames)))
-        if None in raw:
-            for f in frames:
-                self._add_frame(f)
-            raw = tuple(map(self._get, map(self._key, frames)))
         by_raw = self._raw.get(label)
         if by_raw is None:
             by_raw = self._raw[label] = {}
-        lid = by_raw.get(raw)
+        lid = by_raw.get(raw)  # a raw tuple holding None (an unseen frame) is never stored, so it misses
+        if lid is None:
+            if None in raw:
+                for f in frames:
+                    self._add_frame(f)
+                raw = tuple(map(self._get, map(self._key, frames)))
+                lid = by_raw.get(raw)
         if lid is None:
             ids = tuple(i for i in raw if i is not None and i >= 0)
             key = (label, ids)
