@@ -8,9 +8,23 @@ suspect, more confidence, an agent lost or back). With ``--json`` each line is
 one JSON object; the first is ``{"event": "start", ...}`` and the last
 ``{"event": "end", ...}``.
 
+The JSON lines (``--json``), one object each:
+
+- ``start``: agents, interval_s, stack_interval_s, duration_s, window_s, continuity_s, rounds_needed.
+- ``verdict`` (each change of suspect, sources, confidence by 0.1, confident, missing ranks
+  or unreachable agents): wall, elapsed_s, round, summary, machine (first of the top
+  suspect), suspect_machines, kind ("machine", "pp", "rank", ...), ranks, sources,
+  confidence (0..1), confident, slow_since_wall, suspects (``Suspect`` fields), flags
+  (every detector's ``DetectorFlag``: detector, machine, ranks, metric, score, evidence,
+  alarmed, held, required), trend (the job's step time: step_s, baseline_s, ratio, slope),
+  machines (those that answered), unreachable (address, error, fix), missing_ranks, notes.
+- ``error``: message, fix (each distinct problem once: a stack round that failed, ...).
+- ``end``: rounds, summary, machine, suspect_machines, confident, confidence, stack_rounds, exit.
+
 Polls never overlap: the next one starts an interval after the previous one
-*started*, or at once if it took longer. An agent that does not answer is
-reported in the line and the watch goes on; it never stops on one machine.
+*started*, or at once if it took longer (so a run may end up to one poll after
+``--duration``). An agent that does not answer is reported in the line and the
+watch goes on; it never stops on one machine.
 """
 
 from __future__ import annotations
