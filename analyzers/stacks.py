@@ -229,12 +229,11 @@ class _Interner:
         if by_raw is None:
             by_raw = self._raw[label] = {}
         lid = by_raw.get(raw)  # a raw tuple holding None (an unseen frame) is never stored, so it misses
-        if lid is None:
-            if None in raw:
-                for f in frames:
-                    self._add_frame(f)
-                raw = tuple(map(self._get, map(self._key, frames)))
-                lid = by_raw.get(raw)
+        if lid is None and None in raw:
+            for f in frames:
+                self._add_frame(f)
+            raw = tuple(map(self._get, map(self._key, frames)))
+            lid = by_raw.get(raw)
         if lid is None:
             ids = tuple(i for i in raw if i is not None and i >= 0)
             key = (label, ids)
