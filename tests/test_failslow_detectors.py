@@ -491,3 +491,11 @@ def test_replay_gives_the_live_answer_in_any_order() -> None:
     replayed = replay(list(reversed(snaps)))
     assert [v.confidence for v in replayed] == [v.confidence for v in live]
     assert replayed[-1].machine == "m2"
+
+
+def test_two_machines_still_name_the_slow_one_without_minder() -> None:
+    """With one peer, Minder cannot tell which of two differs; step time and Aegis's one-sided test can."""
+    verdicts = run_detector(make_series(60, slow_machine("m1", 5, {"step": 1.5, "temp": 1.25}), machines=("m0", "m1")))
+    last = verdicts[-1]
+    assert last.machine == "m1" and set(last.verdict.top.sources) == {"step_time", "metrics"}  # type: ignore[union-attr]
+    assert any("3 or more machines" in n for n in last.verdict.notes)
