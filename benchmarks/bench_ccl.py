@@ -93,10 +93,15 @@ def step_times(mode: str, steps: int, tmp: Path) -> list[float]:
     script = tmp / "step_job.py"
     script.write_text(STEP_JOB)
     out = tmp / f"steps-{mode}.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(script), str(steps), str(out)], env=_env(mode, tmp / "c"), check=True,
-                   capture_output=True, timeout=600)
-    return list(json.loads(out.read_text()))
+    err = ""
+    for _ in range(3):  # a rendezvous can fail on a loaded machine: try again, then say why
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(script), str(steps), str(out)], env=_env(mode, tmp / "c"),
+                              capture_output=True, text=True, timeout=600, check=False)
+        if proc.returncode == 0:
+            return list(json.loads(out.read_text()))
+        err = proc.stderr[-2000:]
+    raise SystemExit(f"the {mode} step job failed three times:\n{err}")
 
 
 def micro(mode: str, calls: int, tmp: Path) -> dict[str, float]:
