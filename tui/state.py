@@ -68,10 +68,7 @@ class CommView:
     rows: tuple[CommRow, ...]
     missing: tuple[int, ...]  # member ranks with no counters
     progress: int  # sum of completed requests: moves while the communicator works
-
-    @property
-    def mismatch(self) -> bool:
-        return any(r.lags or r.open_requests for r in self.rows)
+    mismatch: bool  # a member lags in launches or has open requests (computed once, sorted on often)
 
 
 METRICS = ("cpu", "mem", "load", "gpu", "gmem", "temp", "power")
@@ -137,9 +134,9 @@ class PollDigest:
     has_stacks: bool
     # Readings for the sparklines, keyed and ordered here (off the UI thread) so folding them in is one array copy.
     metric_keys: tuple[str, ...] = ()
-    metric_values: tuple[float, ...] = ()
+    metric_values: np.ndarray = field(default_factory=lambda: np.empty(0))
     comm_keys: tuple[str, ...] = ()
-    comm_values: tuple[float, ...] = ()
+    comm_values: np.ndarray = field(default_factory=lambda: np.empty(0))
     metric_rows: tuple[MetricRow, ...] = ()
 
 
@@ -154,6 +151,20 @@ def _machine_view(m: MachineSnapshot) -> MachineView:
         if not m.gpus.available:
             note = m.gpus.reason or "no GPU"
     return MachineView(m.machine, m.address, m.reachable, err, tuple(sorted(r.rank for r in m.ranks)), m.host, gpus, note)
+
+
+_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+def _keys(keys: Iterable[str]) -> tuple[str, ...]:
+    """The same key tuple object for the same keys, so the UI thread compares by identity, not 16k strings."""
+    t = tuple(keys)
+    got = _KEYS.get(t)
+    if got is None:
+        if len(_KEYS) > 8:
+            _KEYS.clear()
+        _KEYS[t] = got = t
+    return got
 
 
 def digest(snapshot: JobSnapshot) -> PollDigest:
@@ -193,7 +204,8 @@ def digest(snapshot: JobSnapshot) -> PollDigest:
         done = sum(v[2] for v in per.values())
         progress += done
         missing = tuple(r for r in ranks if r not in per)
-        comms.append(CommView(cid, desc, backend, tuple(ranks), rows, missing, done))
+        mismatch = any(r.lags or r.open_requests for r in rows)
+        comms.append(CommView(cid, desc, backend, tuple(ranks), rows, missing, done, mismatch))
     readings: dict[str, float] = {}
     for mv in machines:
         if not mv.reachable:
@@ -205,8 +217,9 @@ def digest(snapshot: JobSnapshot) -> PollDigest:
                 readings[f"{mv.name}/gpu{g.index}"] = g.util_percent
     return PollDigest(
         snapshot, snapshot.captured.wall, tuple(machines), tuple(comms), steps, progress, snapshot.world_size,
-        has_stacks, tuple(readings), tuple(readings.values()), tuple(c.comm_id for c in comms),
-        tuple(float(c.progress) for c in comms), metric_rows(machines),
+        has_stacks, _keys(readings), np.fromiter(readings.values(), dtype=float, count=len(readings)),
+        _keys(c.comm_id for c in comms), np.fromiter((float(c.progress) for c in comms), dtype=float, count=len(comms)),
+        metric_rows(machines),
     )
 
 
@@ -238,10 +251,10 @@ class Series:
     def __contains__(self, key: str) -> bool:
         return key in self.index
 
-    def pushed(self, keys_in: tuple[str, ...], readings: Sequence[float]) -> Series:
+    def pushed(self, keys_in: tuple[str, ...], readings: Sequence[float] | np.ndarray) -> Series:
         keys, index = self.keys, self.index
         values = self.values
-        if keys_in == keys:  # the usual case: the same machines as last time, in the same order
+        if keys_in is keys or keys_in == keys:  # the usual case: the same machines as last time, in the same order
             column = np.asarray(readings, dtype=float)
         else:
             new_keys = [k for k in keys_in if k not in index]

@@ -38,7 +38,6 @@ class MainScreen(Screen[None]):
                 yield MetricsPanel(id="metrics-panel")
             with TabPane("5 Events", id="events"):
                 yield EventsPanel(id="events-panel")
-        yield Static(id="filter-status")
         yield Input(placeholder="filter: rank (12, 8-15), machine name or frame text; enter applies, esc closes",
                     id="filter-input")
         yield Footer()
@@ -56,10 +55,9 @@ class MainScreen(Screen[None]):
         return self.query_one("#views", TabbedContent).active or "overview"
 
     def draw(self, state: AppState, flt: Filter, source: str, read_only: bool, hang_after_s: float) -> None:
-        self.query_one("#job-header", JobHeader).update(header_text(state, source, read_only, hang_after_s))
-        status = self.query_one("#filter-status", Static)
-        status.update(filter_summary(flt))
-        status.display = flt.active
+        # The filter is shown in the header, not in a bar of its own: no relayout of the screen when it changes.
+        self.query_one("#job-header", JobHeader).update(
+            header_text(state, source, read_only, hang_after_s, filter_summary(flt)))
         view = self.active_view
         if view == "overview":
             room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)

@@ -54,7 +54,8 @@ class CclPanel(Vertical):
 
     def show(self, state: AppState, flt: Filter, force: bool = False) -> None:
         key = (state.comms, state.comm_history, flt, self.sort_key, self.opened)
-        if key == self._shown and not force:
+        # By identity: a new poll is a new tuple; comparing 2,048 communicators by value costs more than a redraw.
+        if not force and len(key) == len(self._shown) and all(a is b for a, b in zip(key, self._shown, strict=True)):
             return
         self._shown = key
         self._state = state

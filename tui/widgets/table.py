@@ -26,7 +26,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 Cell = str | Text
-WIDTH_SAMPLE = 300  # column widths from the header and the first rows: enough to size, cheap at any size
+WIDTH_SAMPLE = 100  # column widths from the header and the first rows: enough to size, cheap at any size
 
 HEADER = Style(bold=True, underline=True)
 CURSOR = Style(reverse=True)

@@ -24,7 +24,7 @@ def layout_text(layout: Layout | None) -> str:
     return text
 
 
-def header_text(state: AppState, source: str, read_only: bool, hang_after_s: float) -> Text:
+def header_text(state: AppState, source: str, read_only: bool, hang_after_s: float, filter_line: str = "") -> Text:
     """Line 1: the state first (what matters at 3 a.m.), then the job; line 2: where the data is from."""
     h = health(state, hang_after_s)
     reachable = sum(1 for m in state.machines if m.reachable)
@@ -41,6 +41,8 @@ def header_text(state: AppState, source: str, read_only: bool, hang_after_s: flo
     t.append("\n")
     if read_only:
         t.append("[read-only] ", "bold cyan")
+    if filter_line:
+        t.append(filter_line + " │ ", "bold yellow")
     t.append(f"{source} │ polled {fmt_time(state.progress_points[-1][0] if state.progress_points else None)}"
              f" │ captured {fmt_time(state.capture_wall)} UTC", "dim")
     return t
