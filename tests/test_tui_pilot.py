@@ -253,3 +253,34 @@ async def test_an_empty_state_draws_without_data() -> None:
 
 def test_fig7_layout_is_the_papers() -> None:
     assert (FIG7_LAYOUT.tp, FIG7_LAYOUT.pp, FIG7_LAYOUT.dp, FIG7_LAYOUT.ranks_per_machine) == (2, 4, 4, 2)
+
+
+async def test_command_palette_runs_a_capture() -> None:
+    source = QueueSource("script", initial=(job(T0, stacks=False, step=5, hung=False),))
+    source.push_capture(job(T0 + 1, stacks=True, step=5, hung=True))
+    app = RankscopeApp(source, AppOptions(capture_on_start=False, poll_interval_s=3600), clock=lambda: T0 + 1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"Capture stacks")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await until(pilot, lambda: app.state.stacks is not None)
+        assert source.captures_started == 1
+        assert "node12..15" in screen_text(app)
+
+
+def test_attach_cli_names_the_fix_for_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rankscope.cli import main as cli_main
+
+    assert cli_main(["attach", "--bundle", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert cli_main(["attach", "--bundle", str(bad)]) == 2
+    assert "not a rankscope bundle" in capsys.readouterr().err
+    assert cli_main(["attach", "--bundle", str(bad), "--agents", "127.0.0.1:1"]) == 2
+    assert "cannot be combined" in capsys.readouterr().err
+    assert cli_main(["attach"]) == 2
+    assert "fix:" in capsys.readouterr().err
