@@ -79,6 +79,7 @@ class SuiteConfig:
     time_limit_s: float = 90.0  # after onset; a baseline is watched as long
     start_timeout_s: float = 300.0
     run_root: Path | None = None
+    record: bool = False  # keep every drill's polled series as RUN_DIR/watch.json (for failslow.replay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,9 @@ class DrillRecord:
     watched_after_onset_s: float | None = None
     polls: int = 0
     stack_rounds: int = 0
+    peak_confidence: float = 0.0  # the highest confidence seen, confident or not (what a miss came close to)
+    peak_machines: tuple[str, ...] = ()
+    last_flags: tuple[str, ...] = ()  # every detector's last word: why a miss was a miss
     error: str | None = None  # the drill could not run (start-up failed): counted as a miss
     run_dir: str | None = None
     summary: str | None = None
@@ -262,6 +266,22 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
                                                rounds_needed=config.rounds_needed))
     layout = session.layout.to_snapshot_layout()
     polls = rounds = 0
+    peak: tuple[float, tuple[str, ...]] = (0.0, ())
+    fs: Any = None
+    series: list[Any] = []
+
+    def done(verdict: Any, at: float, error: str | None = None) -> dict[str, Any]:
+        flags = tuple(f"{f.detector}@{f.machine}{' ALARM' if f.alarmed else ''} {f.score:.2f}: {f.evidence}"
+                      for f in (fs.flags if fs is not None else ()))
+        if config.record and series:
+            from rankscope.bundle import Bundle, write_bundle
+
+            write_bundle(Bundle(snapshots=tuple(series), created_wall=time.time(), ground_truth=truth.to_dict(),
+                                meta={"command": "drill --suite", "onset_mono": onset.onset_mono}),
+                         session.run_dir / "watch.json")
+        return {"fs": verdict, "polls": polls, "rounds": rounds, "at": at, "error": error, "peak": peak,
+                "flags": flags}
+
     next_stacks = time.monotonic()
     hard_end = time.monotonic() + config.start_timeout_s + config.time_limit_s  # onset must come at all
     async with JobClient(list(session.agents.values()), session.token()) as client:
@@ -269,10 +289,9 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
             tick = time.monotonic()
             started = onset.poll()
             if started is not None and tick - started >= config.time_limit_s:
-                return {"fs": None, "polls": polls, "rounds": rounds, "at": tick}
+                return done(None, tick)
             if tick >= hard_end or not any(session.launcher.nodes_alive().values()):
-                return {"fs": None, "polls": polls, "rounds": rounds, "at": tick,
-                        "error": "the job exited" if tick < hard_end else "the faulty step never came"}
+                return done(None, tick, "the job exited" if tick < hard_end else "the faulty step never came")
             stacks = config.stack_interval_s > 0 and tick >= next_stacks
             if stacks:
                 next_stacks = tick + config.stack_interval_s
@@ -280,13 +299,17 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
             else:
                 snap = await client.poll()
             polls += 1
+            if config.record:
+                series.append(snap)
             analysis = _stack_round(snap, layout) if stacks else None
             rounds += analysis is not None
             fs = detector.update(snap, analysis)
+            if fs.confidence > peak[0]:
+                peak = (round(fs.confidence, 3), tuple(fs.machines))
             # A verdict before onset (a baseline's "onset" included) counts too:
             # it is an alarm on a healthy job.
             if fs.confident:
-                return {"fs": fs, "polls": polls, "rounds": rounds, "at": snap.captured.mono}
+                return done(fs, snap.captured.mono)
             wake = tick + config.poll_interval_s
             while (left := wake - time.monotonic()) > 0:
                 onset.poll()
@@ -323,7 +346,8 @@ def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None
         return replace(base, error=exc.message)
     fs = out["fs"]
     started = onset.onset_mono
-    rec = replace(base, polls=out["polls"], stack_rounds=out["rounds"], error=out.get("error"),
+    rec = replace(base, polls=out["polls"], stack_rounds=out["rounds"], error=out["error"],
+                  peak_confidence=out["peak"][0], peak_machines=out["peak"][1], last_flags=out["flags"],
                   watched_after_onset_s=round(out["at"] - started, 2) if started is not None else None)
     if fs is None:
         return rec

@@ -1,0 +1,138 @@
+"""The fail-slow scorecard: its TP/FP/FN rules and arithmetic, its plan, and one small live suite."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rankscope.drill.faults import DrillLayout
+from rankscope.drill.progress import ProgressWatcher, write_progress
+from rankscope.drill.suite import (
+    DrillRecord,
+    OnsetClock,
+    SuiteConfig,
+    plan_suite,
+    prf,
+    run_suite,
+    score_records,
+    scorecard_lines,
+)
+
+
+def rec(kind: str, *, detected: bool, right: bool = True, t: float | None = 30.0, index: int = 0) -> DrillRecord:
+    machine = None if kind == "none" else "machine-1"
+    named = (("machine-1",) if right else ("machine-3",)) if detected else ()
+    return DrillRecord(index=index, kind=kind, rank=None if kind == "none" else 2, machine=machine,
+                       expected_machines=() if kind == "none" else ("machine-1",), detected=detected,
+                       named_machines=named, right_machine=detected and right, right_group=detected and right,
+                       onset_to_verdict_s=t if detected else None)
+
+
+def test_outcomes_follow_the_documented_rules() -> None:
+    assert rec("slow-compute", detected=True).outcome == "tp"
+    assert rec("slow-compute", detected=True, right=False).outcome == "fp+fn"
+    assert rec("slow-compute", detected=False).outcome == "fn"
+    assert rec("none", detected=True).outcome == "fp"
+    assert rec("none", detected=False).outcome == "tn"
+
+
+def test_precision_recall_f1_from_constructed_records() -> None:
+    records = [
+        *[rec("slow-compute", detected=True, t=20.0 + i) for i in range(8)],  # 8 TP
+        rec("slow-compute", detected=False),  # FN
+        rec("slow-comm", detected=True, right=False),  # FP + FN
+        rec("slow-comm", detected=True, t=70.0),  # TP, but after 60 s
+        rec("none", detected=True),  # FP (false alarm)
+        rec("none", detected=False),
+    ]
+    card = score_records(records)
+    o = card["overall"]
+    assert (o["tp"], o["fp"], o["fn"]) == (9, 2, 2)
+    assert o["precision"] == round(9 / 11, 4) and o["recall"] == round(9 / 11, 4)
+    assert o["f1"] == round(9 / 11, 4)
+    sc = card["kinds"]["slow-compute"]
+    assert (sc["drills"], sc["detected"], sc["right_machine"], sc["tp"], sc["fn"], sc["fp"]) == (9, 8, 8, 8, 1, 0)
+    assert sc["precision"] == 1.0 and sc["recall"] == round(8 / 9, 4)
+    assert sc["onset_to_verdict_s"] == {"min": 20.0, "median": 24.0, "max": 27.0} and sc["named_within_s"] == 8
+    comm = card["kinds"]["slow-comm"]
+    assert (comm["tp"], comm["fp"], comm["fn"], comm["named_within_s"]) == (1, 1, 1, 0)
+    assert card["baselines"] == {"drills": 2, "false_alarms": 1, "errors": 0}
+    assert "none" not in card["kinds"]
+
+
+def test_empty_denominators_are_none_not_zero_division() -> None:
+    assert prf(0, 0, 0) == {"tp": 0, "fp": 0, "fn": 0, "precision": None, "recall": None, "f1": None}
+    assert prf(0, 0, 3)["recall"] == 0.0 and prf(0, 0, 3)["precision"] is None
+    assert prf(0, 2, 3)["f1"] == 0.0
+    card = score_records([rec("none", detected=False)])
+    assert card["overall"]["f1"] is None and card["baselines"]["false_alarms"] == 0
+
+
+def test_plan_is_seeded_cycles_the_kinds_and_spreads_baselines() -> None:
+    config = SuiteConfig(faulty=20, baselines=5, seed=11)
+    items = plan_suite(config)
+    assert [i.index for i in items] == list(range(25))
+    names = [i.plan.name for i in items]
+    assert names.count("none") == 5 and names[0] != "none" and names[-1] != "none"
+    faulty = [i.plan for i in items if i.plan.name != "none"]
+    assert [p.name for p in faulty[:5]] == list(config.kinds) and all(names.count(k) == 4 for k in config.kinds)
+    assert len({p.rank for p in faulty}) > 3, "ranks are drawn, not fixed"
+    assert [i.plan for i in plan_suite(config)] == [i.plan for i in items]
+    assert [i.plan.rank for i in plan_suite(SuiteConfig(seed=12))] != [i.plan.rank for i in items]
+    slow = next(p for p in faulty if p.name == "slow-compute")
+    assert slow.factor == 1.5 and slow.machine == DrillLayout().machine_of(slow.rank)
+    assert all(i.loader_workers == (1 if i.plan.name == "slow-dataloader" else 0) for i in items)
+
+
+def test_onset_is_read_from_the_rank_progress_file(tmp_path: Path) -> None:
+    (tmp_path / "progress").mkdir()
+    clock = OnsetClock(ProgressWatcher(tmp_path, 8), rank=5, step=3)
+    write_progress(tmp_path, 5, 2)
+    assert clock.poll() is None
+    before = time.monotonic()
+    write_progress(tmp_path, 5, 3)
+    onset = clock.poll()
+    assert onset is not None and before - 0.05 <= onset <= time.monotonic() + 0.05 and clock.exact
+    write_progress(tmp_path, 5, 9)
+    assert clock.poll() == onset, "the onset is fixed once seen"
+
+
+def test_scorecard_lines_show_each_kind_and_the_overall_figures() -> None:
+    records = [rec("slow-compute", detected=True), rec("thermal", detected=False), rec("none", detected=False)]
+    lines = scorecard_lines({"scorecard": score_records(records), "wall_s": 12.0})
+    text = "\n".join(lines)
+    assert "slow-compute" in text and "thermal" in text and "confident false alarms: 0" in text
+    assert "TP 1 FP 0 FN 1" in text and "F1 0.67" in text
+
+
+def test_cli_rejects_an_empty_suite_with_the_fix() -> None:
+    proc = subprocess.run([sys.executable, "-m", "rankscope", "drill", "--suite", "failslow", "--suite-drills", "0",
+                           "--suite-baselines", "0"], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "at least one drill" in proc.stderr and "fix:" in proc.stderr
+
+
+# ---- one small live suite ----------------------------------------------------
+
+
+@pytest.mark.drill
+@pytest.mark.timeout(600)
+def test_live_suite_names_a_slow_compute_machine_and_leaves_a_baseline_alone(tmp_path: Path) -> None:
+    """A real 8-rank gloo job with one rank 1.5x slower, then a healthy one, each watched live."""
+    config = SuiteConfig(faulty=1, baselines=1, seed=3, kinds=("slow-compute",), fault_step=10,
+                         stack_interval_s=10.0, time_limit_s=90.0, run_root=tmp_path)
+    result = run_suite(config)
+    json.dumps(result, default=str)  # the --json report
+    slow, base = sorted(result["drills"], key=lambda d: d["kind"] == "none")
+    assert slow["kind"] == "slow-compute" and base["kind"] == "none"
+    assert slow["error"] is None and base["error"] is None, result["drills"]
+    assert slow["detected"] and slow["machine"] in slow["named_machines"], slow
+    assert slow["right_machine"] and slow["outcome"] == "tp", slow
+    assert slow["onset_to_verdict_s"] is not None and slow["onset_to_verdict_s"] > 0
+    assert not base["detected"] and base["outcome"] == "tn", base
+    assert base["watched_after_onset_s"] >= config.time_limit_s
+    card = result["scorecard"]
+    assert card["overall"]["tp"] == 1 and card["overall"]["fp"] == 0 and card["baselines"]["false_alarms"] == 0
