@@ -117,6 +117,8 @@ class Launcher:
     token_file: Path | None = None
     master_port: int = 0
     counters: bool = True  # load the CCL counter plugin in the ranks (RANKSCOPE_CCL) and point agents at its files
+    actions: bool = False  # agents serve actions (state under run_dir/state/<machine>, eviction backend local)
+    standbys: list[str] = field(default_factory=list)  # idle warm standbys: an agent each, no ranks
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -197,6 +199,17 @@ class Launcher:
             started.append(node)
         return started
 
+    def machines(self) -> tuple[str, ...]:
+        """The labels of the running nodes, by node rank."""
+        return tuple(n.name for n in sorted(self.nodes.values(), key=lambda n: n.node_rank))
+
+    def stop_node(self, name: str) -> None:
+        """Kill one node's torchrun and its ranks; it stays listed (dead) until the next restart."""
+        node = self.nodes.get(name)
+        if node is not None:
+            kill_trees([node.proc.pid])
+            _reap(node.proc)
+
     def nodes_alive(self) -> dict[str, bool]:
         return {name: n.proc.poll() is None for name, n in self.nodes.items()}
 
@@ -224,9 +237,27 @@ class Launcher:
     def token(self) -> str:
         return self.ensure_token().read_text().strip()
 
+    def state_dir(self, name: str) -> Path:
+        """Where the agent of machine ``name`` keeps its audit log and blocklist; it outlives the agent."""
+        return self.run_dir / "state" / name
+
+    def _agent_argv(self, name: str, port: int, port_file: Path, scope: Sequence[str]) -> list[str]:
+        argv = [
+            self.python, "-m", "rankscope", "agent", "--bind", "127.0.0.1", "--port", str(port),
+            "--port-file", str(port_file), "--token-file", str(self.ensure_token()), "--machine-name", name, *scope,
+        ]
+        if self._ccl_env:
+            argv += ["--counter-dir", str(self.counter_dir)]
+        if self.actions:
+            # With --state-dir alone the agent's eviction backend is `local`: it stops its own ranks and
+            # blocks the machine; the drill's recovery (rankscope.drill.control) restarts the job.
+            self.state_dir(name).mkdir(parents=True, exist_ok=True)
+            argv += ["--state-dir", str(self.state_dir(name))]
+        return argv
+
     def start_agents(self, *, timeout_s: float = AGENT_START_TIMEOUT_S,
                      ports: Mapping[str, int] | None = None) -> dict[str, str]:
-        """One agent per running node, scoped to that node's torchrun pid; returns name -> address.
+        """One agent per running node, scoped to that node's torchrun pid, and one per idle standby; name -> address.
 
         ``ports`` pins the port of some machines' agents (a restart keeps the
         addresses a TUI already holds); the others pick a free port.
@@ -234,21 +265,18 @@ class Launcher:
         Raises ``RankscopeError`` (with the agent's log tail) when an agent
         does not come up; nodes already started keep running.
         """
-        token_file = self.ensure_token()
         pending: dict[str, tuple[subprocess.Popen[bytes], Path, Path]] = {}
-        for name, node in self.nodes.items():
+        wanted = {name: ["--launcher-pid", str(node.proc.pid)] for name, node in self.nodes.items()}
+        # A standby runs no ranks: its agent is scoped to a run id no rank has, so it sees none of the
+        # job's ranks on this shared host (on a real cluster it would be alone on its machine).
+        wanted.update({name: ["--run-id", f"standby-{name}"] for name in self.standbys if name not in wanted})
+        for name, scope in wanted.items():
             if name in self.agents:
                 continue
             port_file = self.run_dir / "logs" / f"{name}.agent.port"
             port_file.unlink(missing_ok=True)
             log = self.run_dir / "logs" / f"{name}.agent.log"
-            argv = [
-                self.python, "-m", "rankscope", "agent", "--bind", "127.0.0.1", "--port", str((ports or {}).get(name, 0)),
-                "--port-file", str(port_file), "--token-file", str(token_file), "--machine-name", name,
-                "--launcher-pid", str(node.proc.pid),
-            ]
-            if self._ccl_env:
-                argv += ["--counter-dir", str(self.counter_dir)]
+            argv = self._agent_argv(name, (ports or {}).get(name, 0), port_file, scope)
             pending[name] = (self._popen(argv, log, self.base_env()), port_file, log)
         deadline = time.monotonic() + timeout_s
         while pending:
@@ -272,6 +300,14 @@ class Launcher:
             time.sleep(0.05)
         return self.addresses()
 
+    def start_standbys(self, names: Sequence[str], *, timeout_s: float = AGENT_START_TIMEOUT_S) -> dict[str, str]:
+        """Add idle warm standbys (an agent each, no ranks) to the pool; returns every agent's address."""
+        for name in names:
+            if name in self.nodes or name in self.standbys:
+                raise RankscopeError(f"{name} is already a machine of this drill", "give each standby its own name")
+            self.standbys.append(name)
+        return self.start_agents(timeout_s=timeout_s)
+
     def addresses(self) -> dict[str, str]:
         return {name: a.address for name, a in self.agents.items()}
 
@@ -288,12 +324,16 @@ class Launcher:
         The job is stopped and restarted from the newest checkpoint all ranks
         saved. Agents are scoped to a node's torchrun pid, so each is
         restarted too: machines that stay keep their agent's address, a
-        machine that left loses its agent, a new machine gets one.
+        machine that left loses its agent, a new machine gets one (a standby
+        that joins keeps its address and leaves the standby pool).
         """
         ports = {name: int(a.address.rsplit(":", 1)[1]) for name, a in self.agents.items() if name in machines}
         self.stop_nodes()
+        # Standbys that join leave the pool; the idle ones keep their agents as they are.
+        self.standbys = [s for s in self.standbys if s not in machines]
         for name in list(self.agents):
-            self.stop_agent(name)
+            if name not in self.standbys:
+                self.stop_agent(name)
         self.start_nodes(machines, resume=resume, env=env)
         return self.start_agents(ports=ports) if agents else {}
 

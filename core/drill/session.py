@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent, ranks_resumed, standby_name
 from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan, GroundTruth, ground_truth, machine_name
 from rankscope.drill.launcher import Launcher, TrainingOptions
 from rankscope.drill.progress import ProgressWatcher
@@ -46,6 +47,7 @@ class DrillConfig:
     stall_timeout_s: float = 120.0  # from the fault step until progress stopped
     capture_timeout_s: float = 5.0  # per py-spy call
     counters: bool = True  # CCL counters in the ranks (the plugin of rankscope.ccl_plugin)
+    standbys: int = 0  # idle warm standbys; > 0 also turns on the agents' actions and the recovery (drill.control)
 
 
 @dataclass
@@ -74,7 +76,9 @@ class DrillSession:
                                                checkpoint_every=config.training.checkpoint_every)
         self.run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix="rankscope-drill-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.launcher = Launcher(self.run_dir, self.layout, config.training, counters=config.counters)
+        self.launcher = Launcher(self.run_dir, self.layout, config.training, counters=config.counters,
+                                 actions=config.standbys > 0)
+        self.recovery: Recovery | None = None
         self.watcher = ProgressWatcher(self.run_dir, self.layout.world)
         self.notes: list[str] = self.launcher.notes  # one list: launcher and session notes together
         self.times: dict[str, float] = {}  # event -> monotonic seconds
@@ -114,6 +118,11 @@ class DrillSession:
                 self.launcher.start_agents()
             except RankscopeError as exc:
                 self.notes.append(f"agents unavailable, capturing in-process instead: {exc.message}")
+            else:
+                if self.config.standbys > 0:
+                    self.launcher.start_standbys([standby_name(i) for i in range(self.config.standbys)])
+                    self.recovery = Recovery(self.launcher, DrillMachines(self.launcher), on_event=self.notes.append)
+                    self.recovery.start()
         if self.plan.spec.by == "orchestrator":
             self._outside = threading.Thread(target=self._run_outside_fault, name="drill-outside-fault", daemon=True)
             self._outside.start()
@@ -127,6 +136,8 @@ class DrillSession:
         self._stop_event.set()
         if self._outside is not None:
             self._outside.join(timeout=5)
+        if self.recovery is not None:
+            self.recovery.stop()
         self.leftovers = self.launcher.stop()
         self._restore_signal_handlers()
         return self.leftovers
@@ -195,6 +206,27 @@ class DrillSession:
                     f"read the logs in {self.run_dir / 'logs'}; on a busy machine pass a longer --start-timeout",
                 )
             time.sleep(POLL_S)
+
+    def wait_for_recovery(self, count: int = 1, timeout_s: float = 120.0) -> RecoveryEvent:
+        """Block until the drill has handled ``count`` evictions (restarted with standbys, or failed to)."""
+        if self.recovery is None:
+            raise RankscopeError("this drill has no standbys, so an eviction does not restart it",
+                                 "run the drill with --standbys 1 or more")
+        event = self.recovery.wait(count, timeout_s)
+        self.times["restarted"] = event.restarted_mono
+        return event
+
+    def wait_until_resumed(self, event: RecoveryEvent, timeout_s: float) -> None:
+        """Block until every rank of the restarted job has completed a step after the restart."""
+        deadline = time.monotonic() + timeout_s
+        while not ranks_resumed(self.run_dir, self.layout.world, event):
+            if time.monotonic() > deadline:
+                raise RankscopeError(f"training did not resume within {timeout_s:.0f} s after the restart "
+                                     f"(steps now: {self.steps()})", f"read the logs in {self.run_dir / 'logs'}")
+            self._poll()
+            time.sleep(POLL_S)
+        self._poll()
+        self.times["resumed"] = time.monotonic()
 
     def steps(self) -> dict[int, int]:
         return {r: p.step for r, p in sorted(self.watcher.latest.items())}

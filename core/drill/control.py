@@ -1,0 +1,253 @@
+"""Recovery on the drill: warm standbys, and the restart that ends a local eviction.
+
+The mechanism, in order (ByteRobust §6.2 over-eviction with warm standbys):
+
+1. The drill's agents serve actions (``Launcher(actions=True)``: each agent
+   has ``--state-dir run_dir/state/<machine>`` and the ``local`` eviction
+   backend). Idle standbys are "machines" with an agent and no ranks.
+2. A person (the TUI, or a test through ``JobClient``) plans and confirms
+   ``evict`` of the suspect group's machines. Each machine's agent stops its
+   own ranks (SIGTERM, then SIGKILL) and blocks the machine in its persistent
+   blocklist with the reason. Agents own processes; they do not launch jobs.
+3. :class:`Recovery`, a thread of the drill's orchestrator, follows every
+   agent's audit stream (``JobClient.watch_all_audit``). When every agent
+   that began an eviction has finished it and at least one succeeded, it
+   drives :class:`~rankscope.actions.evict_backends.LocalBackend` over
+   :class:`DrillMachines`: stop what is left of the evicted nodes, self-check
+   idle standbys (skipping blocked or failing ones), restart the job on the
+   remaining machines plus the standbys that passed. Ranks resume from the
+   newest step every rank has saved.
+
+The orchestrator restarts the job because on the drill it is the launcher
+(as torchrun's elastic agent, Slurm's requeue or a Kubernetes controller is
+elsewhere); the agent only stops and blocks, exactly as on a real cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rankscope.actions.blocklist import Blocklist
+from rankscope.actions.evict_backends import EvictionOutcome, LocalBackend, SelfCheck
+from rankscope.actions.model import ActionKind, ActionState, AuditRecord
+from rankscope.drill.launcher import Launcher
+from rankscope.errors import RankscopeError
+
+FINAL = frozenset({ActionState.SUCCEEDED.value, ActionState.FAILED.value, ActionState.CANCELLED.value,
+                   ActionState.REFUSED.value})
+DEFAULT_DAILY_FAILURE_RATE = 0.0012  # ByteRobust Table 5 is reproduced by 0.12 % per machine per day
+
+
+def standby_name(index: int) -> str:
+    return f"standby-{index}"
+
+
+def default_standbys(machines: int, daily_failure_rate: float = DEFAULT_DAILY_FAILURE_RATE) -> int:
+    """The P99 pool of the binomial model (``size_standby_pool``), at least one so the drill can recover."""
+    from rankscope.analyzers.standby import size_standby_pool
+
+    return max(1, size_standby_pool(machines, daily_failure_rate).count)
+
+
+def blocked_machines(launcher: Launcher) -> frozenset[str]:
+    """Every machine some agent of this drill has blocked (each agent keeps its own persistent list)."""
+    out: set[str] = set()
+    for path in sorted((launcher.run_dir / "state").glob("*/blocklist.sqlite")):
+        with contextlib.suppress(Exception):  # a list being created right now is read next time
+            out.update(entry.machine for entry in Blocklist(path).blocked())
+    return frozenset(out)
+
+
+def block_reason(launcher: Launcher, machine: str) -> str:
+    for path in sorted((launcher.run_dir / "state").glob("*/blocklist.sqlite")):
+        with contextlib.suppress(Exception):
+            for entry in Blocklist(path).blocked():
+                if entry.machine == machine:
+                    return entry.reason
+    return "evicted"
+
+
+@dataclass
+class DrillMachines:
+    """The drill's implementation of :class:`~rankscope.actions.evict_backends.DrillControl`."""
+
+    launcher: Launcher
+    check: Callable[[str], SelfCheck] | None = None  # stand-in for tests; default: the real self-check
+    restarts: int = 0
+
+    def machines(self) -> tuple[str, ...]:
+        return self.launcher.machines()
+
+    def standbys(self) -> tuple[str, ...]:
+        return tuple(self.launcher.standbys)
+
+    def stop(self, machine: str) -> None:
+        self.launcher.stop_node(machine)
+
+    def self_check(self, machine: str) -> SelfCheck:
+        """CPU and memory, an exact matrix product, NVML GPUs when expected, a real two-process gloo all_reduce.
+
+        On a real cluster the standby runs this on itself; the drill's standbys
+        share this host, so running it here checks the same hardware.
+        """
+        if self.check is not None:
+            return self.check(machine)
+        from rankscope.actions.self_check import SelfCheckConfig, self_check
+
+        return self_check(machine, SelfCheckConfig(min_free_memory_bytes=256 << 20))
+
+    def restart(self, machines: tuple[str, ...]) -> None:
+        self.launcher.restart(machines, resume=True)
+        self.restarts += 1
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryEvent:
+    """One eviction seen in the audit stream and what the drill did about it."""
+
+    action_id: str
+    evicted: tuple[str, ...]
+    joined: tuple[str, ...]
+    machines: tuple[str, ...]  # the job's machines after the restart (empty when it did not restart)
+    ok: bool
+    message: str
+    evicted_mono: float  # when the last agent's eviction result was seen
+    restarted_mono: float  # when the job's nodes and agents were up again
+    restart_began_wall: float  # wall clock as the drill began the restart (progress after it is the new job's)
+    resume_step: int  # the step the ranks resume from (newest step all ranks saved)
+
+
+@dataclass
+class Recovery:
+    """Follows the agents' audit streams; a finished eviction ends in a restart with standbys."""
+
+    launcher: Launcher
+    control: DrillMachines
+    on_event: Callable[[str], None] = lambda _msg: None
+    events: list[RecoveryEvent] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._handled: set[str] = set()
+        self._lock = threading.Lock()  # held while the job is being restarted
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="drill-recovery", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def wait(self, count: int, timeout_s: float) -> RecoveryEvent:
+        """Block until ``count`` evictions have been handled; the last one's event."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while len(self.events) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RankscopeError(
+                        f"no recovery within {timeout_s:.0f} s (handled {len(self.events)}, errors: "
+                        f"{'; '.join(self.errors) or 'none'})",
+                        f"read the agent logs in {self.launcher.run_dir / 'logs'}")
+                self._changed.wait(min(left, 0.5))
+            return self.events[count - 1]
+
+    # ---- the watcher ----------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except Exception as exc:  # the drill goes on; the error is shown with the report
+            self.errors.append(f"recovery stopped: {type(exc).__name__}: {exc}")
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                addresses = dict(self.launcher.addresses())
+            if not addresses:
+                await asyncio.sleep(0.2)
+                continue
+            await self._follow(addresses)
+
+    async def _follow(self, addresses: dict[str, str]) -> None:
+        """Follow these agents until an eviction was handled (the set of agents changed) or the drill stops."""
+        from rankscope.actions.agent_protocol import AgentLost
+        from rankscope.client import JobClient
+
+        machine_of = {address: name for name, address in addresses.items()}
+        began: dict[str, set[str]] = {}
+        finished: dict[str, dict[str, str]] = {}
+        queue: asyncio.Queue[tuple[str, AuditRecord]] = asyncio.Queue()
+        async with JobClient(list(addresses.values()), self.launcher.token()) as client:
+
+            async def pump() -> None:
+                async for item in client.watch_all_audit(since=0, retry_s=0.5):
+                    if not isinstance(item, AgentLost):
+                        await queue.put(item)
+
+            pumping = asyncio.create_task(pump())
+            try:
+                while not self._stop.is_set():
+                    try:
+                        address, record = await asyncio.wait_for(queue.get(), 0.5)
+                    except TimeoutError:
+                        continue
+                    if record.kind != ActionKind.EVICT or record.action_id in self._handled:
+                        continue
+                    machine = machine_of.get(address, "")
+                    began.setdefault(record.action_id, set()).add(machine)
+                    if record.result in FINAL:
+                        finished.setdefault(record.action_id, {})[machine] = record.result
+                    done = finished.get(record.action_id, {})
+                    if began[record.action_id] <= set(done) and ActionState.SUCCEEDED.value in done.values():
+                        evicted = tuple(m for m in self.launcher.machines() if done.get(m) == ActionState.SUCCEEDED.value)
+                        self._handled.add(record.action_id)
+                        await asyncio.to_thread(self._recover, record.action_id, evicted)
+                        return  # the agents changed: follow the new set
+            finally:
+                pumping.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pumping
+
+    def _recover(self, action_id: str, evicted: tuple[str, ...]) -> None:
+        from rankscope.drill.worker import latest_checkpoint
+
+        seen, began_wall = time.monotonic(), time.time()
+        blocked = blocked_machines(self.launcher)
+        reason = block_reason(self.launcher, evicted[0]) if evicted else "evicted"
+        self.on_event(f"eviction {action_id} of {' '.join(evicted)} finished: restarting with standbys")
+        with self._lock:
+            try:
+                outcome = LocalBackend(self.control, lambda: blocked).evict(evicted, reason)
+            except RankscopeError as exc:
+                outcome = EvictionOutcome(False, evicted, exc.message)
+        world = self.launcher.layout.world
+        resume = min((latest_checkpoint(self.launcher.run_dir, r) for r in range(world)), default=0)
+        event = RecoveryEvent(action_id, evicted, outcome.replacements,
+                              self.launcher.machines() if outcome.ok else (), outcome.ok, outcome.message, seen,
+                              time.monotonic(), began_wall, resume)
+        self.on_event(outcome.message)
+        with self._changed:
+            self.events.append(event)
+            self._changed.notify_all()
+
+
+def ranks_resumed(run_dir: Path, world: int, event: RecoveryEvent) -> bool:
+    """Every rank of the restarted job has completed a step after the restart."""
+    from rankscope.drill.progress import read_progress
+
+    progress = read_progress(run_dir)
+    return len(progress) >= world and all(
+        p.wall >= event.restart_began_wall and p.step > event.resume_step and p.state in ("running", "done")
+        for r, p in progress.items() if r < world)

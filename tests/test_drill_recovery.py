@@ -1,0 +1,156 @@
+"""Recovery on the drill, end to end: hang -> verdict -> evict -> standbys join -> training resumes bit for bit.
+
+One small real job (TP=1, PP=2, DP=2: two pipelines, one rank per machine),
+real agents with actions, real py-spy, the real analyzers and the real action
+RPCs. The eviction is confirmed with the typed phrase, exactly as the TUI
+sends it; the drill's recovery (``rankscope.drill.control``) restarts the job
+on the remaining machines plus the warm standbys. The losses after recovery
+are compared, as float hex, with a fault-free run of the same deterministic
+job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from rankscope.actions.agent_protocol import combined_phrase, confirmation_for
+from rankscope.actions.blocklist import Blocklist
+from rankscope.actions.evict_backends import SelfCheck
+from rankscope.actions.model import ActionKind, ActionPlan, ActionRequest, ActionResult, ActionState, EvictArgs, Targets
+from rankscope.drill.control import DrillMachines, blocked_machines, default_standbys
+from rankscope.drill.faults import DrillLayout, make_plan
+from rankscope.drill.launcher import Launcher, TrainingOptions, marked_processes
+from rankscope.drill.session import DrillConfig, DrillSession
+
+LAYOUT = DrillLayout(tp=1, pp=2, dp=2, machines=4)
+TRAINING = TrainingOptions(steps=12, checkpoint_every=4, micro_batches=2, loader_workers=0)
+FAULT_STEP = 6
+
+
+def losses(run_dir: Path, rank: int) -> list[tuple[int, str]]:
+    lines = (run_dir / "loss" / f"rank{rank}.jsonl").read_text().splitlines()
+    return [(int(json.loads(x)["step"]), str(json.loads(x)["loss"])) for x in lines]
+
+
+def reference_losses(run_dir: Path) -> dict[int, dict[int, str]]:
+    """The same job without a fault, on one machine (placement does not enter the arithmetic)."""
+    layout = DrillLayout(tp=LAYOUT.tp, pp=LAYOUT.pp, dp=LAYOUT.dp, machines=1)
+    job = Launcher(run_dir, layout, TRAINING, counters=False)
+    try:
+        job.start_nodes()
+        for node in job.nodes.values():
+            node.proc.wait(timeout=200)
+        assert set(job.node_exit_codes().values()) == {0}
+    finally:
+        job.stop()
+    return {r: dict(losses(run_dir, r)) for r in last_stage_ranks()}
+
+
+def last_stage_ranks() -> list[int]:
+    return [r for r in range(LAYOUT.world) if LAYOUT.coords(r)[2] == LAYOUT.pp - 1]
+
+
+async def evict(agents: list[str], token: str, machines: tuple[str, ...], reason: str) -> list[ActionResult]:
+    """Plan, confirm with the typed phrase, run: what the TUI's `e` does."""
+    from rankscope.client import JobClient
+
+    request = ActionRequest(action_id=f"evict-{uuid.uuid4().hex[:8]}", kind=ActionKind.EVICT,
+                            targets=Targets(machines=machines), args=EvictArgs(reason=reason), requested_by="drill-test")
+    async with JobClient(agents, token, acting=True) as client:
+        answers = await client.plan_action(request)
+        plans = [p for p in answers.values() if isinstance(p, ActionPlan)]
+        assert len(plans) == len(machines), answers
+        confirmation = confirmation_for(plans, typed=combined_phrase(ActionKind.EVICT, plans))
+        return [u.event async for u in client.run_action(request, confirmation) if isinstance(u.event, ActionResult)]
+
+
+@pytest.mark.drill
+@pytest.mark.timeout(600)
+def test_evicting_a_hung_pipeline_brings_in_standbys_and_training_resumes_bit_for_bit(tmp_path: Path) -> None:
+    from rankscope.analyzers.verdict import analyze_snapshot
+
+    reference = reference_losses(tmp_path / "reference")
+    assert all(sorted(reference[r]) == list(range(1, TRAINING.steps + 1)) for r in reference)
+
+    plan = make_plan("hang-p2p", LAYOUT, rank=2, step=FAULT_STEP)
+    config = DrillConfig(layout=LAYOUT, plan=plan, training=TRAINING, run_dir=tmp_path / "run", stall_seconds=3.0,
+                         standbys=2)
+    with DrillSession(config) as s:
+        assert sorted(s.agents) == ["machine-0", "machine-1", "machine-2", "machine-3", "standby-0", "standby-1"]
+        s.wait_for_steps(1, 180)
+        stall = s.wait_until_stalled()
+        assert stall.reason == "stalled", stall
+        verdict = analyze_snapshot(s.capture())
+        top = verdict.top
+        assert top is not None, verdict.summary
+        # Rank 2 never sends its gradient to rank 0: the suspect is their pipeline, on machines 0 and 2.
+        assert sorted(top.machines) == sorted(s.truth.suspect_machines) == ["machine-0", "machine-2"]
+
+        results = asyncio.run(evict(list(s.agents.values()), s.token(), top.machines, f"hang-p2p: {verdict.summary}"))
+        assert sorted(r.state for r in results) == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
+
+        event = s.wait_for_recovery(1, timeout_s=240)
+        assert event.ok, event.message
+        assert sorted(event.evicted) == ["machine-0", "machine-2"]
+        assert event.joined == ("standby-0", "standby-1")
+        assert s.launcher.machines() == ("machine-1", "machine-3", "standby-0", "standby-1")
+        assert s.launcher.standbys == []
+        # The evicted machines are in the persistent blocklist, with the reason, and their agents are gone.
+        assert blocked_machines(s.launcher) >= {"machine-0", "machine-2"}
+        entry = next(e for e in Blocklist(s.launcher.state_dir("machine-0") / "blocklist.sqlite").blocked())
+        assert entry.machine == "machine-0" and entry.reason.startswith("hang-p2p")
+        assert sorted(s.agents) == ["machine-1", "machine-3", "standby-0", "standby-1"]
+        # Nothing was lost beyond the last checkpoint before the fault.
+        assert event.resume_step == (FAULT_STEP // TRAINING.checkpoint_every) * TRAINING.checkpoint_every
+        s.wait_until_resumed(event, timeout_s=180)
+        s.wait_for_steps(TRAINING.steps, timeout_s=240)
+        run_id = s.launcher.run_id
+    assert marked_processes(run_id) == []
+
+    for rank in last_stage_ranks():
+        logged = losses(tmp_path / "run", rank)
+        before = [s for s, _ in logged[:FAULT_STEP]]
+        after = logged[FAULT_STEP:]
+        assert before == list(range(1, FAULT_STEP + 1))  # the steps done before the hang
+        # After recovery every step from the checkpoint on is there once, in order ...
+        assert [s for s, _ in after] == list(range(event.resume_step + 1, TRAINING.steps + 1))
+        # ... and bit for bit what the fault-free run computed (float hex), before and after the fault.
+        assert dict(after) == {s: reference[rank][s] for s, _ in after}
+        assert dict(logged[:len(before)]) == {s: reference[rank][s] for s in before}
+
+
+def test_local_backend_over_the_drill_skips_a_standby_that_fails_its_check(tmp_path: Path) -> None:
+    """DrillMachines wired into LocalBackend without processes: the plan and the standby choice."""
+    from rankscope.actions.evict_backends import LocalBackend
+
+    launcher = Launcher(tmp_path, LAYOUT, TRAINING, counters=False, actions=True)
+    launcher.standbys = ["standby-0", "standby-1"]
+    checked: list[str] = []
+
+    def check(machine: str) -> SelfCheck:
+        checked.append(machine)
+        ok = machine != "standby-0"
+        return SelfCheck(machine, ok, (("loopback collective", ok, "exact" if ok else "wrong sums"),))
+
+    control = DrillMachines(launcher, check=check)
+    restarted: list[tuple[str, ...]] = []
+    control.restart = restarted.append  # type: ignore[method-assign]
+    control.machines = lambda: ("machine-0", "machine-1", "machine-2", "machine-3")  # type: ignore[method-assign]
+    control.stop = lambda machine: None  # type: ignore[method-assign]
+    backend = LocalBackend(control)
+    plan = backend.plan(("machine-2",), "hang")
+    assert plan.standbys == ("standby-0",)
+    outcome = backend.evict(("machine-2",), "hang")
+    assert outcome.ok and outcome.replacements == ("standby-1",)
+    assert checked == ["standby-0", "standby-1"]
+    assert restarted == [("machine-0", "machine-1", "machine-3", "standby-1")]
+
+
+def test_the_default_pool_is_the_binomial_p99_and_at_least_one() -> None:
+    assert default_standbys(4) == 1
+    assert default_standbys(1024) == 4  # ByteRobust Table 5
+    assert default_standbys(128, daily_failure_rate=0.05) > 2
