@@ -284,3 +284,23 @@ def test_attach_cli_names_the_fix_for_bad_input(tmp_path: Path, capsys: pytest.C
     assert "cannot be combined" in capsys.readouterr().err
     assert cli_main(["attach"]) == 2
     assert "fix:" in capsys.readouterr().err
+
+
+async def test_a_bundle_given_by_path_is_read_by_the_app_and_a_bad_one_exits_with_the_fix(tmp_path: Path) -> None:
+    from rankscope.bundle import write_bundle
+
+    path = write_bundle(fig7_bundle(), tmp_path / "fig7.json")
+    source = BundleSource(label="bundle fig7.json", path=path)
+    assert source.label.startswith("loading")
+    app = RankscopeApp(source, AppOptions())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.pause()
+        assert "bundle fig7.json │" in screen_text(app)
+        assert app.state.stacks is not None and len(app.state.stacks.groups) == 4
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "rankscope.bundle", "version": 99}')
+    app = RankscopeApp(BundleSource(label="bad", path=bad), AppOptions())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.return_code is not None)
+    assert app.return_code == 2

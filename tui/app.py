@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rankscope.bundle import Bundle, write_bundle
+from rankscope.errors import RankscopeError
 from rankscope.snapshot import JobSnapshot, Layout
 from rankscope.tui import state as st
 from rankscope.tui.analysis import StackView, build_stack_view, format_ranks, rank_stack_lines, verdict_text
@@ -39,6 +40,7 @@ from textual.binding import Binding, BindingType
 from textual.screen import Screen
 from textual.widgets import Input, TabbedContent
 
+SMALL_BUNDLE_BYTES = 4 << 20  # read before the UI opens; larger bundles are read by the app, in a thread
 FAIL_SLOW_CAPTURE_S = 10.0  # ByteRobust's fail-slow rounds: aggregate every 10 s
 
 
@@ -112,6 +114,13 @@ class RankscopeApp(App[int]):
     async def _load(self) -> None:
         try:
             initial = list(await self.source.initial())
+        except RankscopeError as exc:
+            if not self.source.live:  # a bundle that cannot be read: leave with the reason and the fix, like the CLI
+                self.exit(return_code=2, message=f"rankscope attach: error: {exc.message}\n  fix: {exc.fix}")
+                return
+            self.state = st.apply_failure(self.state, "poll-failed", f"first contact failed: {exc.message}",
+                                          self.clock())
+            initial = []
         except Exception as exc:
             self.state = st.apply_failure(self.state, "poll-failed", f"first contact failed: {exc}", self.clock())
             initial = []
@@ -392,7 +401,8 @@ def _digest_series(snaps: Sequence[JobSnapshot], layout: Layout | None,
 
 def run_app(source: Source, options: AppOptions) -> int:
     app = RankscopeApp(source, options)
-    return app.run() or 0
+    result = app.run()
+    return app.return_code or result or 0
 
 
 def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None = None, read_only: bool = False,
@@ -408,9 +418,21 @@ def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None =
 
 
 def run_bundle(path: str | Path, layout: Layout | None = None, read_only: bool = False, **options: Any) -> int:
-    """Open a saved bundle (or recorded series) with the same views, offline."""
-    from rankscope.bundle import read_bundle
+    """Open a saved bundle (or recorded series) with the same views, offline.
 
-    bundle = read_bundle(path)
-    return run_app(BundleSource(bundle, label=f"bundle {Path(path).name}"),
-                   AppOptions(layout=layout, read_only=read_only, **options))
+    A small bundle is read here, so a wrong file fails like any CLI error;
+    a big one is read inside the app, which shows that it is loading.
+    """
+    from rankscope.bundle import BundleError, read_bundle
+
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+    except OSError:
+        raise BundleError(f"{p}: no such file; check the path given to --bundle") from None
+    name = f"bundle {p.name}"
+    if size < SMALL_BUNDLE_BYTES:
+        source = BundleSource(read_bundle(p), label=name)
+    else:
+        source = BundleSource(label=f"{name} ({size / 2**20:.0f} MB)", path=p)
+    return run_app(source, AppOptions(layout=layout, read_only=read_only, **options))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 from rankscope.bundle import Bundle
@@ -44,21 +45,40 @@ class Source(Protocol):
 
 
 class BundleSource:
-    """A saved bundle: its whole series is shown at start; `s` re-reads its last stacks."""
+    """A saved bundle: its whole series is shown at start; `s` re-reads its last stacks.
+
+    Given a path, the bundle is read in a thread when the app starts: a
+    16k-rank bundle takes seconds to decode, and the screen should say so
+    instead of staying blank.
+    """
 
     live = False
 
-    def __init__(self, bundle: Bundle, label: str = "bundle") -> None:
+    def __init__(self, bundle: Bundle | None = None, label: str = "bundle", *, path: str | Path | None = None) -> None:
+        if bundle is None and path is None:
+            raise ValueError("BundleSource needs a bundle or a path")
         self.bundle = bundle
+        self.path = Path(path) if path is not None else None
         self.label = label
+        if bundle is None and self.path is not None:
+            self.label = f"loading {label} …"
+        self._final_label = label
 
     async def initial(self) -> Sequence[JobSnapshot]:
+        if self.bundle is None:
+            from rankscope.bundle import read_bundle
+
+            assert self.path is not None
+            self.bundle = await asyncio.to_thread(read_bundle, self.path)
+            self.label = self._final_label
         return self.bundle.snapshots
 
     async def poll(self) -> JobSnapshot | None:
         return None
 
     async def capture(self) -> JobSnapshot | None:
+        if self.bundle is None:
+            return None
         for snap in reversed(self.bundle.snapshots):
             if any(m.stacks for m in snap.machines):
                 return snap
