@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from rankscope.drill.faults import DrillLayout
+from rankscope.bundle import read_bundle
+from rankscope.drill.faults import DrillLayout, machine_name
 from rankscope.drill.progress import ProgressWatcher, write_progress
 from rankscope.drill.suite import (
     DrillRecord,
@@ -115,24 +116,31 @@ def test_cli_rejects_an_empty_suite_with_the_fix() -> None:
     assert proc.returncode == 2 and "at least one drill" in proc.stderr and "fix:" in proc.stderr
 
 
-# ---- one small live suite ----------------------------------------------------
+# ---- one small live drill ----------------------------------------------------
 
 
 @pytest.mark.drill
-@pytest.mark.timeout(600)
-def test_live_suite_names_a_slow_compute_machine_and_leaves_a_baseline_alone(tmp_path: Path) -> None:
-    """A real 8-rank gloo job with one rank 1.5x slower, then a healthy one, each watched live."""
-    config = SuiteConfig(faulty=1, baselines=1, seed=3, kinds=("slow-compute",), fault_step=10,
-                         stack_interval_s=10.0, time_limit_s=90.0, run_root=tmp_path)
+@pytest.mark.timeout(300)
+def test_live_drill_is_watched_from_its_onset_and_cleaned_up(tmp_path: Path) -> None:
+    """A real 8-rank gloo job with rank 1.5x slower, watched live for a short while.
+
+    Short on purpose (the full scorecard is benchmarks/failslow_scorecard.py,
+    minutes per drill): this checks the machinery: the onset found from the
+    progress files, polls at about 1 Hz, stack rounds, every process stopped,
+    and a confident verdict, if one came this soon, naming the slow machine.
+    """
+    config = SuiteConfig(faulty=1, baselines=0, seed=3, kinds=("slow-compute",), fault_step=10,
+                         stack_interval_s=4.0, time_limit_s=15.0, run_root=tmp_path, record=True)
     result = run_suite(config)
     json.dumps(result, default=str)  # the --json report
-    slow, base = sorted(result["drills"], key=lambda d: d["kind"] == "none")
-    assert slow["kind"] == "slow-compute" and base["kind"] == "none"
-    assert slow["error"] is None and base["error"] is None, result["drills"]
-    assert slow["detected"] and slow["machine"] in slow["named_machines"], slow
-    assert slow["right_machine"] and slow["outcome"] == "tp", slow
-    assert slow["onset_to_verdict_s"] is not None and slow["onset_to_verdict_s"] > 0
-    assert not base["detected"] and base["outcome"] == "tn", base
-    assert base["watched_after_onset_s"] >= config.time_limit_s
-    card = result["scorecard"]
-    assert card["overall"]["tp"] == 1 and card["overall"]["fp"] == 0 and card["baselines"]["false_alarms"] == 0
+    (d,) = result["drills"]
+    assert d["kind"] == "slow-compute" and d["error"] is None, d
+    assert d["machine"] == machine_name(DrillLayout().machine_of(d["rank"]))
+    assert d["watched_after_onset_s"] is not None
+    assert d["detected"] or d["watched_after_onset_s"] >= config.time_limit_s
+    assert d["polls"] >= 10 and d["stack_rounds"] >= 3, d
+    assert not d["leftovers"], "the drill's own stop left nothing for the sweep"
+    if d["detected"]:
+        assert d["right_machine"] and d["outcome"] == "tp", d
+    series = read_bundle(Path(d["run_dir"]) / "watch.json")
+    assert len(series.snapshots) == d["polls"] and series.ground_truth["rank"] == d["rank"]

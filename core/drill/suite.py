@@ -114,6 +114,7 @@ class DrillRecord:
     peak_confidence: float = 0.0  # the highest confidence seen, confident or not (what a miss came close to)
     peak_machines: tuple[str, ...] = ()
     last_flags: tuple[str, ...] = ()  # every detector's last word: why a miss was a miss
+    leftovers: tuple[int, ...] = ()  # pids the drill's final sweep had to kill
     error: str | None = None  # the drill could not run (start-up failed): counted as a miss
     run_dir: str | None = None
     summary: str | None = None
@@ -344,6 +345,7 @@ def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None
             out = asyncio.run(_watch(s, truth, config, onset, say))
     except RankscopeError as exc:
         return replace(base, error=exc.message)
+    base = replace(base, leftovers=tuple(s.leftovers))
     fs = out["fs"]
     started = onset.onset_mono
     rec = replace(base, polls=out["polls"], stack_rounds=out["rounds"], error=out["error"],
