@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from rankscope.tui.analysis import StackView
 from rankscope.tui.state import AppState, Filter, filter_summary
 from rankscope.tui.widgets.ccl import CclPanel
 from rankscope.tui.widgets.events import EventsPanel
 from rankscope.tui.widgets.metrics import MetricsPanel
-from rankscope.tui.widgets.rank_map import MapMachine, RankMapPanel
+from rankscope.tui.widgets.rank_map import MapMachine, RankMapPanel, group_glyph
 from rankscope.tui.widgets.stack_tree import StackTreePanel
 from rankscope.tui.widgets.verdict import JobHeader, VerdictPanel, header_text, legend_text, verdict_text_rich
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.screen import Screen
@@ -42,6 +44,26 @@ class MainScreen(Screen[None]):
                     id="filter-input")
         yield Footer()
 
+    cursor_note = ""  # which rank the map's cursor is on, shown above the legend
+
+    def on_rank_map_panel_cursor_moved(self, event: RankMapPanel.CursorMoved) -> None:
+        state = getattr(self.app, "state", None)
+        if event.rank is None or state is None:
+            self.cursor_note = ""
+        else:
+            view = state.stacks
+            g = view.group_of_rank.get(event.rank) if view is not None else None
+            where = f"group {group_glyph(g)}: {view.groups[g].summary.split(' | ')[0]}" \
+                if view is not None and g is not None else "no stack"
+            self.cursor_note = f"▸ rank {event.rank} · {event.machine} · {where}"
+        self._draw_legend(state.stacks if state is not None else None)
+
+    def _draw_legend(self, view: StackView | None) -> None:
+        legend = legend_text(view)
+        if self.cursor_note:
+            legend = Text.assemble((self.cursor_note, "bold"), "\n", legend)
+        self.query_one("#legend", Static).update(legend)
+
     def on_mount(self) -> None:
         ready = getattr(self.app, "main_ready", None)
         if callable(ready):
@@ -65,7 +87,7 @@ class MainScreen(Screen[None]):
             group_of = state.stacks.group_of_rank if state.stacks is not None else {}
             machines = [MapMachine(m.name, m.ranks, m.reachable) for m in state.machines]
             self.query_one("#rank-map", RankMapPanel).show(machines, group_of, flt)
-            self.query_one("#legend", Static).update(legend_text(state.stacks))
+            self._draw_legend(state.stacks)
         elif view == "stacks":
             self.query_one("#stack-panel", StackTreePanel).show(state.stacks, flt)
         elif view == "ccl":

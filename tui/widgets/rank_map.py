@@ -65,6 +65,14 @@ class RankMapPanel(ScrollView, can_focus=True):
             super().__init__()
             self.rank = rank
 
+    class CursorMoved(Message):
+        """The cursor is on another rank (or on none): the screen says which, and on which machine."""
+
+        def __init__(self, rank: int | None, machine: str | None) -> None:
+            super().__init__()
+            self.rank = rank
+            self.machine = machine
+
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.machines: tuple[MapMachine, ...] = ()
@@ -139,6 +147,15 @@ class RankMapPanel(ScrollView, can_focus=True):
         self._strips.pop(row, None)
         self.scroll_to_region_row(row)
         self.refresh()
+        self._announce()
+
+    def _announce(self) -> None:
+        row, col = self.cursor
+        rank = self.rank_at(row, col)
+        machine = None
+        if rank is not None:
+            machine = self.machines[self._rows[row][col // self._slot]].name
+        self.post_message(self.CursorMoved(rank, machine))
 
     def scroll_to_region_row(self, row: int) -> None:
         top = self.scroll_offset.y
@@ -226,6 +243,7 @@ class RankMapPanel(ScrollView, can_focus=True):
     def on_focus(self) -> None:
         self._strips.clear()
         self.refresh()
+        self._announce()
 
     def on_blur(self) -> None:
         self._strips.clear()
