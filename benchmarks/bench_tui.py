@@ -61,7 +61,7 @@ async def measure(path: Path, filters: tuple[str, ...], rounds: int) -> dict[str
     """Open the bundle file as `rankscope attach --bundle` does, then refresh, filter and scroll."""
     out: dict[str, Any] = {}
     source = BundleSource(label=path.name, path=path)
-    app = RankscopeApp(source, AppOptions(capture_on_start=False))
+    app = RankscopeApp(source, AppOptions(capture_on_start=False, settle_heap=True))  # as `rankscope attach` runs
     t0 = time.perf_counter()
     async with app.run_test(size=(160, 48)) as pilot:
         await app.loaded.wait()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -53,6 +54,7 @@ class AppOptions:
     bundle_dir: Path = Path(".")
     layout: Layout | None = None
     read_only: bool = False
+    settle_heap: bool = False  # gc.freeze() after each snapshot; `rankscope attach` turns it on
 
 
 class RankscopeApp(App[int]):
@@ -104,6 +106,19 @@ class RankscopeApp(App[int]):
         self.redraw()
         self._load()
 
+    def _settle_heap(self) -> None:
+        """Move what is alive now out of the cyclic collector's way (``AppOptions.settle_heap``).
+
+        A 16k-rank snapshot is millions of small objects; without this each
+        full collection walks them all again, holding the GIL for a second
+        (a stalled screen) and making a digest 5x slower. Snapshots hold no
+        cycles, so they are still freed by reference counting when the state
+        lets go of them. Off by default for apps embedded in other processes
+        (tests), where freezing would keep their cyclic garbage forever.
+        """
+        if self.options.settle_heap:
+            gc.freeze()
+
     def _now(self, snapshot_wall: float | None = None) -> float:
         # Offline, "now" is the bundle's own time, so a replay draws the same screen every time.
         if not self.source.live and snapshot_wall is not None:
@@ -125,6 +140,7 @@ class RankscopeApp(App[int]):
             self.state = st.apply_failure(self.state, "poll-failed", f"first contact failed: {exc}", self.clock())
             initial = []
         layout = self.options.layout
+        self._settle_heap()
         steps = await asyncio.to_thread(_digest_series, initial, layout)
         for d, view in steps:
             now = self._now(d.wall)
@@ -143,7 +159,7 @@ class RankscopeApp(App[int]):
     @work(group="poll", exclusive=True)
     async def _poll(self) -> None:
         async def deliver(snap: JobSnapshot) -> None:
-            _settle_heap()
+            self._settle_heap()
             d = await asyncio.to_thread(st.digest, snap)
             self.post_message(SnapshotReceived(d, self.clock()))
 
@@ -241,6 +257,7 @@ class RankscopeApp(App[int]):
             if snap is None:
                 self.post_message(CaptureFailed("no stacks to capture from this source", self.clock()))
                 return
+            self._settle_heap()
             d, view = await asyncio.to_thread(_digest_capture, snap, self.options.layout)
             self.post_message(CaptureAnalyzed(d, view, self.clock()))
         except Exception as exc:  # one failed capture is an event, not the end of the session
@@ -370,19 +387,7 @@ class RankscopeApp(App[int]):
             await asyncio.wait_for(self.source.close(), timeout=2.0)
 
 
-def _settle_heap() -> None:
-    """Move what is alive now out of the cyclic collector's way.
-
-    A 16k-rank snapshot is millions of small objects; without this every
-    full collection walks them all again and a digest takes 5x longer. They
-    hold no cycles, so they are still freed by reference counting when the
-    state lets go of them.
-    """
-    gc.freeze()
-
-
 def _digest_capture(snap: JobSnapshot, layout: Layout | None) -> tuple[st.PollDigest, StackView]:
-    _settle_heap()
     return st.digest(snap), build_stack_view(snap, layout)
 
 
@@ -392,7 +397,6 @@ def _digest_series(snaps: Sequence[JobSnapshot], layout: Layout | None,
     with_stacks = [i for i, s in enumerate(snaps) if any(m.stacks for m in s.machines)]
     world = max((s.world_size or 0 for s in snaps), default=0)
     analyze = set(with_stacks) if world * len(with_stacks) <= analyze_limit else set(with_stacks[-1:])
-    _settle_heap()
     out: list[tuple[st.PollDigest, StackView | None]] = []
     for i, s in enumerate(snaps):
         out.append((st.digest(s), build_stack_view(s, layout) if i in analyze else None))
@@ -400,7 +404,7 @@ def _digest_series(snaps: Sequence[JobSnapshot], layout: Layout | None,
 
 
 def run_app(source: Source, options: AppOptions) -> int:
-    app = RankscopeApp(source, options)
+    app = RankscopeApp(source, dataclasses.replace(options, settle_heap=True))  # this process is the TUI's
     result = app.run()
     return app.return_code or result or 0
 
