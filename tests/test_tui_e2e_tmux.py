@@ -126,7 +126,8 @@ def test_tui_in_tmux_shows_suspect_machines_and_diverging_frame_of_a_live_hang(
 
     # The stacks view: the hung rank's injected frame, and where its group leaves the healthy path.
     tmux("send-keys", "-t", session, "2")
-    text = wait_screen(session, lambda t: "drill_injected_hang_p2p" in t, 20, "the injected frame")
+    text = wait_screen(session, lambda t: "all ranks (" in t and "drill_injected_hang_p2p" in t, 20,
+                       "the stacks view with the injected frame")
     assert "diverges at" in text
     assert re.search(r"\b5\b.*drill_injected_hang_p2p", text), text  # rank 5 is the one stuck in it
 
