@@ -44,7 +44,17 @@ class MainScreen(Screen[None]):
                     id="filter-input")
         yield Footer()
 
-    cursor_note = ""  # which rank the map's cursor is on, shown above the legend
+    def __init__(self) -> None:
+        super().__init__()
+        self.cursor_note = ""  # which rank the map's cursor is on, shown above the legend
+        self._shown_text: dict[str, Text] = {}
+
+    def _set(self, selector: str, text: Text) -> None:
+        """Update a text panel only when its text changed: an update re-lays out the screen."""
+        if self._shown_text.get(selector) == text:
+            return
+        self._shown_text[selector] = text
+        self.query_one(selector, Static).update(text)
 
     def on_rank_map_panel_cursor_moved(self, event: RankMapPanel.CursorMoved) -> None:
         state = getattr(self.app, "state", None)
@@ -62,7 +72,7 @@ class MainScreen(Screen[None]):
         legend = legend_text(view)
         if self.cursor_note:
             legend = Text.assemble((self.cursor_note, "bold"), "\n", legend)
-        self.query_one("#legend", Static).update(legend)
+        self._set("#legend", legend)
 
     def on_mount(self) -> None:
         ready = getattr(self.app, "main_ready", None)
@@ -78,12 +88,12 @@ class MainScreen(Screen[None]):
 
     def draw(self, state: AppState, flt: Filter, source: str, read_only: bool, hang_after_s: float) -> None:
         # The filter is shown in the header, not in a bar of its own: no relayout of the screen when it changes.
-        self.query_one("#job-header", JobHeader).update(
+        self._set("#job-header",
             header_text(state, source, read_only, hang_after_s, filter_summary(flt)))
         view = self.active_view
         if view == "overview":
             room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)
-            self.query_one("#verdict", VerdictPanel).update(verdict_text_rich(state.stacks, flt, room))
+            self._set("#verdict", verdict_text_rich(state.stacks, flt, room))
             group_of = state.stacks.group_of_rank if state.stacks is not None else {}
             machines = [MapMachine(m.name, m.ranks, m.reachable) for m in state.machines]
             self.query_one("#rank-map", RankMapPanel).show(machines, group_of, flt)
