@@ -23,8 +23,10 @@ open point-to-point requests.
 Seqlock protocol (one writer, many readers, no torn values):
   writer: seq += 1 (odd), store the fields, seq += 1 (even);
   reader: s1 = seq; if odd retry; copy the bytes; s2 = seq; accept if s1 == s2.
-The writer publishes a new communicator or slot by filling it first and only
-then raising ``n_comms`` / ``n_ops`` in the header. A reader needs no lock and
+The seq is always stored on its own (Python's struct.pack_into zeroes its
+target before filling it, so a seq packed with the fields would pass for an
+even 0 mid-update). The writer publishes a new communicator or slot by filling
+it first and only then raising ``n_comms`` / ``n_ops`` in the header. A reader needs no lock and
 never blocks the writer, so a process hung with its GIL held is still read.
 
 A file left by a dead process is recognised by its pid (and the pid's start

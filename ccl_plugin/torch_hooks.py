@@ -110,6 +110,10 @@ def _disable(where: str, exc: BaseException) -> None:
 def _nbytes(obj: Any) -> int:
     if obj is None:
         return 0
+    try:
+        return int(obj.nbytes)  # a tensor: one attribute read
+    except AttributeError:
+        pass
     if isinstance(obj, (list, tuple)):
         return sum(_nbytes(o) for o in obj)
     try:
@@ -279,27 +283,103 @@ def _peer(get: Callable[[str], Any], kind: str, members: tuple[int, ...]) -> int
 _P2P_KINDS = frozenset({"send", "recv", "isend", "irecv"})
 
 
-def _launch_one(op: str, kind: str, group: Any, payload: Any, get: Callable[[str], Any],
+_SLOT_CACHES: list[dict[int, tuple[Any, OpSlot, tuple[int, ...]]]] = []  # cleared when the world changes
+_WORLD_KEY = -1  # cache key of group=None (the default group)
+
+
+def _forget_groups() -> None:
+    """init/destroy_process_group: the default group is about to be another object."""
+    for cache in _SLOT_CACHES:
+        cache.clear()
+
+
+def _launch_one(op: str, kind: str, group: Any, payload: Any, get: Callable[[str], Any] | None,
                 cache: dict[int, tuple[Any, OpSlot, tuple[int, ...]]]) -> Request:
     w = STATE.writer or _ensure_writer()
-    if group is None:
-        group = STATE.c10d.GroupMember.WORLD  # resolved per call: a re-initialised world is a new group
-    hit = cache.get(id(group))
-    if hit is None or hit[0] is not group:
+    key = _WORLD_KEY if group is None else id(group)
+    hit = cache.get(key)
+    if hit is None or (group is not None and hit[0] is not group):
         _pg, idx, members = _group_entry(group)
         hit = (group, w.slot(idx, op), members)
-        cache[id(group)] = hit
-    peer = _peer(get, kind, hit[2]) if kind in _P2P_KINDS else None
+        cache[key] = hit
+    peer = _peer(get, kind, hit[2]) if get is not None and kind in _P2P_KINDS else None
     return w.launch(hit[1], _nbytes(payload), peer=peer)
+
+
+def _make_coll_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    """The hot path: a collective. Arguments are read by position, no helper calls on the way."""
+    payload_param, _kind = OPS[name]
+    op = OP_ALIAS.get(name, name)
+    params = _Args(orig)
+    gi = params.pos.get("group", 1 << 30)
+    gdef = params.defaults.get("group")
+    pi = params.pos.get(payload_param, 1 << 30) if payload_param else 1 << 30
+    ai = params.pos.get("async_op", 1 << 30)
+    adef = bool(params.defaults.get("async_op", False))
+    tls = STATE.tls
+    slots: dict[int, tuple[Any, OpSlot, tuple[int, ...]]] = {}
+    _SLOT_CACHES.append(slots)
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if STATE.disabled or getattr(tls, "depth", False):
+            return orig(*args, **kwargs)
+        req: Request | None = None
+        is_async = adef
+        try:
+            n = len(args)
+            group = args[gi] if gi < n else gdef
+            payload = args[pi] if pi < n else None
+            if ai < n:
+                is_async = bool(args[ai])
+            if kwargs:
+                group = kwargs.get("group", group)
+                if payload_param:
+                    payload = kwargs.get(payload_param, payload)
+                is_async = bool(kwargs.get("async_op", is_async))
+            w = STATE.writer or _ensure_writer()
+            hit = slots.get(_WORLD_KEY if group is None else id(group))
+            if hit is None or (group is not None and hit[0] is not group):
+                req = _launch_one(op, "coll", group, payload, None, slots)
+            else:
+                req = w.launch(hit[1], _nbytes(payload))
+        except Exception as exc:
+            _disable(name, exc)
+            req = None
+        tls.depth = True
+        try:
+            result = orig(*args, **kwargs)
+        except BaseException:
+            if req is not None:  # failed: nothing stays in flight
+                with contextlib.suppress(Exception):
+                    _complete_all([req])
+            raise
+        finally:
+            tls.depth = False
+        if req is not None:
+            try:
+                if not is_async or result is None:
+                    w.complete(req)  # a blocking call has finished when it returns
+                else:
+                    _watch(result, [req])
+            except Exception as exc:
+                _disable(name, exc)
+        return result
+
+    wrapper.__rankscope_original__ = orig  # type: ignore[attr-defined]
+    return wrapper
 
 
 def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     payload_param, kind = OPS[name]
+    if kind == "coll":
+        return _make_coll_wrapper(name, orig)
     op = OP_ALIAS.get(name, name)
     params = _Args(orig)
     tls = STATE.tls
     slots: dict[int, tuple[Any, OpSlot, tuple[int, ...]]] = {}  # id(group) -> (group, slot, members)
     batch_slots: dict[str, dict[int, tuple[Any, OpSlot, tuple[int, ...]]]] = {"send": {}, "recv": {}}
+    _SLOT_CACHES.extend((slots, *batch_slots.values()))
 
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -308,12 +388,9 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         reqs: list[Request] | None = None
         is_async = False
         try:
-            def get(param: str) -> Any:
-                return params.get(args, kwargs, param)
-
             if kind == "batch":
                 reqs = []
-                for p in get("p2p_op_list") or ():
+                for p in params.get(args, kwargs, "p2p_op_list") or ():
                     direction = "isend" if getattr(p.op, "__name__", "") == "isend" else "irecv"
                     peer_args = {"dst" if direction == "isend" else "src": getattr(p, "peer", None)}
                     op_name = OP_ALIAS[direction]
@@ -321,9 +398,13 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
                                             batch_slots[op_name]))
                 is_async = True
             else:
-                reqs = [_launch_one(op, kind, get("group"), get(payload_param) if payload_param else None, get,
-                                    slots)]
-                is_async = kind in ("isend", "irecv") or bool(get("async_op"))
+                get = None
+                if kind in _P2P_KINDS:
+                    def get(param: str) -> Any:
+                        return params.get(args, kwargs, param)
+                reqs = [_launch_one(op, kind, params.get(args, kwargs, "group"),
+                                    params.get(args, kwargs, payload_param) if payload_param else None, get, slots)]
+                is_async = kind in ("isend", "irecv") or bool(params.get(args, kwargs, "async_op"))
         except Exception as exc:
             _disable(name, exc)
             reqs = None
@@ -416,6 +497,7 @@ def _wrap_init(c10d: Any, dist: Any) -> None:
 
     @functools.wraps(orig)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        _forget_groups()
         result = orig(*args, **kwargs)
         if not STATE.disabled:
             try:
@@ -425,6 +507,15 @@ def _wrap_init(c10d: Any, dist: Any) -> None:
         return result
 
     _replace(c10d, dist, "init_process_group", init_process_group)
+
+    orig_destroy = c10d.destroy_process_group
+
+    @functools.wraps(orig_destroy)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        _forget_groups()
+        return orig_destroy(*args, **kwargs)
+
+    _replace(c10d, dist, "destroy_process_group", destroy_process_group)
 
 
 def _replace(c10d: Any, dist: Any, attr: str, new: Any) -> None:

@@ -82,23 +82,19 @@ class OpSlot:
         self.open_peers: dict[int, int] = {}  # global rank -> open requests to/from it
 
 
-class Request:
-    """A launched work request, handed back at completion to compute TD and N."""
-
-    __slots__ = ("comm_seq", "mono", "nbytes", "peer", "slot")
-
-    def __init__(self, slot: OpSlot, comm_seq: int, nbytes: int, peer: int | None, mono: float) -> None:
-        self.slot = slot
-        self.comm_seq = comm_seq
-        self.nbytes = nbytes
-        self.peer = peer
-        self.mono = mono
+# A launched work request, handed back at completion to compute TD and N:
+# (slot, sequence number in its communicator, bytes, peer or None, launch time).
+# A plain tuple: it is built on every call, and that is the cheapest object.
+Request = tuple[OpSlot, int, int, "int | None", float]
 
 
 _NO_PEERS = (0,) * L.MAX_OPEN_PEERS
 _SEQ_PACK = L.SEQ.pack_into
 _DYN_PACK = L.OP_DYNAMIC.pack_into
-# prefixes of OP_DYNAMIC, for stores that leave the tail (ring, peers) as it is
+# Stores that leave the tail (ring, peers) as it is, for calls that changed no
+# peer: prefixes of the slot's dynamic part. The seq is always its own store:
+# struct.pack_into zeroes its whole target before filling it, so a seq packed
+# together with the fields would read as an even 0 in the middle of the update.
 _LAUNCH_PACK = struct.Struct("<QQQQQQdd").pack_into
 _COMPLETE_PACK = struct.Struct(f"<QQQQQQddd{L.RING_LEN}dII").pack_into
 assert L.RING_LEN == 5  # _store unrolls the ring
@@ -170,30 +166,6 @@ class CounterWriter:
         s.seq = seq + 1
         _SEQ_PACK(mm, off, seq + 1)
 
-    def _store_launch(self, s: OpSlot) -> None:
-        """Launch-side fields only (cl .. last_launch_wall): most calls change nothing else."""
-        mm = self._mm
-        off = s.offset
-        seq = s.seq + 1
-        _SEQ_PACK(mm, off, seq)
-        _LAUNCH_PACK(mm, off + L.OP_DYNAMIC_OFFSET, s.cl, s.wr, s.wc, s.last_launched_seq, s.last_completed_seq,
-                     s.bytes_total, s.last_duration, s.last_launch_wall)
-        s.seq = seq + 1
-        _SEQ_PACK(mm, off, seq + 1)
-
-    def _store_complete(self, s: OpSlot) -> None:
-        """Everything but the open peers (cl .. ring_count)."""
-        mm = self._mm
-        off = s.offset
-        seq = s.seq + 1
-        _SEQ_PACK(mm, off, seq)
-        ring = s.ring
-        _COMPLETE_PACK(mm, off + L.OP_DYNAMIC_OFFSET, s.cl, s.wr, s.wc, s.last_launched_seq, s.last_completed_seq,
-                       s.bytes_total, s.last_duration, s.last_launch_wall, s.last_complete_wall,
-                       ring[0], ring[1], ring[2], ring[3], ring[4], s.ring_next, s.ring_count)
-        s.seq = seq + 1
-        _SEQ_PACK(mm, off, seq + 1)
-
     # ---- registration ----------------------------------------------------
 
     def comm(self, comm_id: str, backend: str, description: str, members: tuple[int, ...]) -> int:
@@ -246,7 +218,6 @@ class CounterWriter:
     def launch(self, s: OpSlot, nbytes: int, peer: int | None = None, launch: bool = True) -> Request:
         """CL (if ``launch``) and one WR: a call issued one work request of ``nbytes``."""
         mono = time.perf_counter()
-        now = mono + self._wall_offset
         with self._lock:
             seqs = self._comm_seq
             seq = seqs[s.comm_index] + 1
@@ -256,38 +227,51 @@ class CounterWriter:
             s.wr += 1
             s.last_launched_seq = seq
             s.bytes_total += nbytes
-            s.last_launch_wall = now
+            s.last_launch_wall = mono + self._wall_offset
             if peer is not None:
                 s.open_peers[peer] = s.open_peers.get(peer, 0) + 1
                 self._store(s)
-            else:
-                self._store_launch(s)
-        return Request(s, seq, nbytes, peer, mono)
+            else:  # inlined _store_launch: this runs on every collective
+                mm, off, odd = self._mm, s.offset, s.seq + 1
+                _SEQ_PACK(mm, off, odd)
+                _LAUNCH_PACK(mm, off + L.OP_DYNAMIC_OFFSET, s.cl, s.wr, s.wc, seq, s.last_completed_seq,
+                             s.bytes_total, s.last_duration, s.last_launch_wall)
+                s.seq = odd + 1
+                _SEQ_PACK(mm, off, odd + 1)
+        return (s, seq, nbytes, peer, mono)
 
     def complete(self, req: Request) -> None:
         """WC: the request finished; TD from its launch, N = bytes/TD into the ring."""
         mono = time.perf_counter()
-        dur = mono - req.mono
-        now = mono + self._wall_offset
-        s = req.slot
+        s, comm_seq, nbytes, peer, t0 = req
+        dur = mono - t0
         with self._lock:
             s.wc += 1
-            s.last_completed_seq = max(s.last_completed_seq, req.comm_seq)
+            if comm_seq > s.last_completed_seq:
+                s.last_completed_seq = comm_seq
             s.last_duration = dur
-            s.last_complete_wall = now
-            if req.nbytes > 0 and dur > 0:
-                s.ring[s.ring_next] = req.nbytes / dur
+            s.last_complete_wall = mono + self._wall_offset
+            ring = s.ring
+            if nbytes > 0 and dur > 0:
+                ring[s.ring_next] = nbytes / dur
                 s.ring_next = (s.ring_next + 1) % L.RING_LEN
-                s.ring_count = min(s.ring_count + 1, L.RING_LEN)
-            if req.peer is not None:
-                left = s.open_peers.get(req.peer, 0) - 1
+                if s.ring_count < L.RING_LEN:
+                    s.ring_count += 1
+            if peer is not None:
+                left = s.open_peers.get(peer, 0) - 1
                 if left > 0:
-                    s.open_peers[req.peer] = left
+                    s.open_peers[peer] = left
                 else:
-                    s.open_peers.pop(req.peer, None)
+                    s.open_peers.pop(peer, None)
                 self._store(s)
-            else:
-                self._store_complete(s)
+            else:  # inlined _store_complete
+                mm, off, odd = self._mm, s.offset, s.seq + 1
+                _SEQ_PACK(mm, off, odd)
+                _COMPLETE_PACK(mm, off + L.OP_DYNAMIC_OFFSET, s.cl, s.wr, s.wc, s.last_launched_seq,
+                               s.last_completed_seq, s.bytes_total, dur, s.last_launch_wall, s.last_complete_wall,
+                               ring[0], ring[1], ring[2], ring[3], ring[4], s.ring_next, s.ring_count)
+                s.seq = odd + 1
+                _SEQ_PACK(mm, off, odd + 1)
 
     def step(self) -> None:
         """An optimizer step finished: count it and time it against the previous one."""
