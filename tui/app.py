@@ -414,10 +414,13 @@ def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None =
     """Attach the TUI to a job's agents and block until the user quits (the drill calls this).
 
     ``options`` are ``AppOptions`` fields (poll_interval_s, hang_after_s, fail_slow, capture_on_start,
-    bundle_dir) plus ``deadline_s`` for the client.
+    bundle_dir) plus, for the client, ``deadline_s`` (per agent and call), ``capture_timeout_s`` (per
+    py-spy call) and ``native`` (native frames in captures).
     """
     deadline_s = float(options.pop("deadline_s", 10.0))
-    source = LiveSource(agents, token, deadline_s=deadline_s)
+    capture_timeout_s = float(options.pop("capture_timeout_s", 5.0))
+    native = bool(options.pop("native", False))
+    source = LiveSource(agents, token, deadline_s=deadline_s, native=native, capture_timeout_s=capture_timeout_s)
     return run_app(source, AppOptions(layout=layout, read_only=read_only, **options))
 
 

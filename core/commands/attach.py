@@ -28,6 +28,8 @@ def register(sub: Any) -> None:
     p.add_argument("--read-only", action="store_true", help="no actions that change the job (evict, update, backup)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between polls of metrics and counters (default 1)")
     p.add_argument("--deadline", type=float, default=5.0, help="seconds each agent has to answer (default 5)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds each py-spy call may take (default 5)")
+    p.add_argument("--native", action="store_true", help="include native frames in stack captures")
     p.add_argument("--hang-after", type=float, default=30.0,
                    help="capture stacks automatically when progress stops this long (default 30 s)")
     p.add_argument("--fail-slow", action="store_true", help="capture stacks every 10 s (fail-slow rounds)")
@@ -73,4 +75,4 @@ def run(args: argparse.Namespace) -> int:
         raise RankscopeError("no agents given", "pass --agents host:port[,...], --hostfile FILE, or --bundle FILE")
     token = load_client_token(args.token_file)
     return tui_app.run_attach(agents, token, layout=layout, read_only=args.read_only, deadline_s=args.deadline,
-                              **options)
+                              capture_timeout_s=args.timeout, native=args.native, **options)
