@@ -85,3 +85,20 @@ def test_not_json_and_missing_file(tmp_path: Path) -> None:
         loads("{", "x")
     with pytest.raises(BundleError, match="no such file"):
         read_bundle(tmp_path / "nope.json")
+
+
+def test_every_contract_field_is_documented() -> None:
+    import dataclasses
+    import re
+
+    import rankscope.snapshot as contract
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "bundle-format.md").read_text()
+    sections = dict(re.findall(r"^## (\w+)\n(.*?)(?=^## |\Z)", doc, flags=re.S | re.M))
+    for name in dir(contract):
+        cls = getattr(contract, name)
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            continue
+        assert name in sections, f"docs/bundle-format.md has no section for {name}"
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in sections[name], f"{name}.{f.name} is not documented"
