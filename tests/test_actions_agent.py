@@ -478,20 +478,21 @@ async def test_hot_update_switches_the_code_and_requests_a_restart_then_rolls_ba
     assert states == [("rb-1", UpdateState.APPLIED), ("hu-2", UpdateState.SUPERSEDED), ("hu-1", UpdateState.APPLIED)]
 
 
-async def test_backup_plans_the_peers_and_says_it_is_not_yet_supported(
+async def test_backup_plans_the_peers_and_fails_when_no_rank_writes_a_shard(
         procs: Processes, run_id: str, tmp_path: Path) -> None:
     start_rank_tree(procs, 2, 4, run_id)
     start_rank_tree(procs, 3, 4, run_id)
-    config = ActionsConfig(tmp_path / "s", layout=Layout(tp=2, dp=2, ranks_per_machine=2))
+    config = ActionsConfig(tmp_path / "s", layout=Layout(tp=2, dp=2, ranks_per_machine=2), backup_wait_s=1.0)
     async with serving("m1", run_id, config) as agent, JobClient([agent.address], ACT, acting=True) as client:
         request = ActionRequest("bk-1", ActionKind.BACKUP, Targets(), BackupArgs(), "alice")
         plan = (await client.plan_action(request))[agent.address]
         assert isinstance(plan, ActionPlan)
         assert {rank for rank, _ in plan.backup_peers} == {2, 3}
         assert all(peer in (0, 1) for _, peer in plan.backup_peers)  # on the other machine
-        assert any("not yet supported" in w for w in plan.warnings)
         (result,) = results(await collect(client, request, Confirmation(("m1",))))
-    assert result.state == ActionState.FAILED and "not yet supported" in result.message
+    # These ranks have no backup hook: the request file is written, no shard comes, and the result says so.
+    assert json.loads((tmp_path / "s" / "backup.request").read_text())["request_id"] == "bk-1"
+    assert result.state == ActionState.FAILED and "rank(s) 2 3 on m1 wrote no backup" in result.message
 
 
 # ---- the CLI: rankscope agent --state-dir --actions-config ------------------------------------

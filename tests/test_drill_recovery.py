@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from pathlib import Path
 
 import pytest
-from rankscope.actions.agent_protocol import combined_phrase, confirmation_for
+from rankscope.actions.agent_protocol import confirmation_for
 from rankscope.actions.blocklist import Blocklist
 from rankscope.actions.evict_backends import SelfCheck
-from rankscope.actions.model import ActionKind, ActionPlan, ActionRequest, ActionResult, ActionState, EvictArgs, Targets
-from rankscope.drill.control import DrillMachines, blocked_machines, default_standbys
+from rankscope.actions.model import ActionPlan, ActionResult, ActionState
+from rankscope.analyzers.verdict import analyze_snapshot
+from rankscope.drill.control import DrillMachines, blocked_machines, default_standbys, evict_machines
 from rankscope.drill.faults import DrillLayout, make_plan
 from rankscope.drill.launcher import Launcher, TrainingOptions, marked_processes
 from rankscope.drill.session import DrillConfig, DrillSession
@@ -36,10 +36,10 @@ def losses(run_dir: Path, rank: int) -> list[tuple[int, str]]:
     return [(int(json.loads(x)["step"]), str(json.loads(x)["loss"])) for x in lines]
 
 
-def reference_losses(run_dir: Path) -> dict[int, dict[int, str]]:
+def reference_losses(run_dir: Path, training: TrainingOptions = TRAINING) -> dict[int, dict[int, str]]:
     """The same job without a fault, on one machine (placement does not enter the arithmetic)."""
     layout = DrillLayout(tp=LAYOUT.tp, pp=LAYOUT.pp, dp=LAYOUT.dp, machines=1)
-    job = Launcher(run_dir, layout, TRAINING, counters=False)
+    job = Launcher(run_dir, layout, training, counters=False)
     try:
         job.start_nodes()
         for node in job.nodes.values():
@@ -54,25 +54,9 @@ def last_stage_ranks() -> list[int]:
     return [r for r in range(LAYOUT.world) if LAYOUT.coords(r)[2] == LAYOUT.pp - 1]
 
 
-async def evict(agents: list[str], token: str, machines: tuple[str, ...], reason: str) -> list[ActionResult]:
-    """Plan, confirm with the typed phrase, run: what the TUI's `e` does."""
-    from rankscope.client import JobClient
-
-    request = ActionRequest(action_id=f"evict-{uuid.uuid4().hex[:8]}", kind=ActionKind.EVICT,
-                            targets=Targets(machines=machines), args=EvictArgs(reason=reason), requested_by="drill-test")
-    async with JobClient(agents, token, acting=True) as client:
-        answers = await client.plan_action(request)
-        plans = [p for p in answers.values() if isinstance(p, ActionPlan)]
-        assert len(plans) == len(machines), answers
-        confirmation = confirmation_for(plans, typed=combined_phrase(ActionKind.EVICT, plans))
-        return [u.event async for u in client.run_action(request, confirmation) if isinstance(u.event, ActionResult)]
-
-
 @pytest.mark.drill
 @pytest.mark.timeout(600)
 def test_evicting_a_hung_pipeline_brings_in_standbys_and_training_resumes_bit_for_bit(tmp_path: Path) -> None:
-    from rankscope.analyzers.verdict import analyze_snapshot
-
     reference = reference_losses(tmp_path / "reference")
     assert all(sorted(reference[r]) == list(range(1, TRAINING.steps + 1)) for r in reference)
 
@@ -90,7 +74,8 @@ def test_evicting_a_hung_pipeline_brings_in_standbys_and_training_resumes_bit_fo
         # Rank 2 never sends its gradient to rank 0: the suspect is their pipeline, on machines 0 and 2.
         assert sorted(top.machines) == sorted(s.truth.suspect_machines) == ["machine-0", "machine-2"]
 
-        results = asyncio.run(evict(list(s.agents.values()), s.token(), top.machines, f"hang-p2p: {verdict.summary}"))
+        results = asyncio.run(evict_machines(list(s.agents.values()), s.token(), top.machines,
+                                             f"hang-p2p: {verdict.summary}", requested_by="drill-test"))
         assert sorted(r.state for r in results) == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
 
         event = s.wait_for_recovery(1, timeout_s=240)
@@ -154,3 +139,64 @@ def test_the_default_pool_is_the_binomial_p99_and_at_least_one() -> None:
     assert default_standbys(4) == 1
     assert default_standbys(1024) == 4  # ByteRobust Table 5
     assert default_standbys(128, daily_failure_rate=0.05) > 2
+
+
+@pytest.mark.drill
+@pytest.mark.timeout(600)
+def test_a_backup_taken_before_the_hang_is_restored_from_the_peers_after_eviction(tmp_path: Path) -> None:
+    """No checkpoints at all: only the `b` backup (own + peer copies in the agents' stores) can save the steps."""
+    from rankscope.actions.model import ActionKind, ActionRequest, BackupArgs, Targets
+    from rankscope.actions.shard_store import ShardStore
+    from rankscope.client import JobClient
+
+    # The backup must reach the ranks before they hang; a step of this tiny job takes tens of milliseconds.
+    training = TrainingOptions(steps=54, checkpoint_every=0, micro_batches=2, loader_workers=0)
+    fault_step = 50
+    reference = reference_losses(tmp_path / "reference", training)
+    plan = make_plan("hang-p2p", LAYOUT, rank=2, step=fault_step)
+    config = DrillConfig(layout=LAYOUT, plan=plan, training=training, run_dir=tmp_path / "run", stall_seconds=3.0,
+                         standbys=2)
+
+    async def back_up(agents: list[str], token: str) -> list[ActionResult]:
+        request = ActionRequest("backup-1", ActionKind.BACKUP, Targets(), BackupArgs(), "drill-test")
+        async with JobClient(agents, token, acting=True) as client:
+            answers = await client.plan_action(request)
+            plans = [p for p in answers.values() if isinstance(p, ActionPlan)]
+            return [u.event async for u in client.run_action(request, confirmation_for(plans))
+                    if isinstance(u.event, ActionResult)]
+
+    with DrillSession(config) as s:
+        s.wait_for_steps(2, 180)
+        running = [a for name, a in s.agents.items() if name.startswith("machine-")]
+        backed = asyncio.run(back_up(running, s.token()))
+        assert [r.state for r in backed] == [ActionState.SUCCEEDED] * 4, [r.message for r in backed]
+        stores = {m: ShardStore(s.launcher.state_dir(m) / "shards") for m in ("machine-0", "machine-1", "machine-2",
+                                                                              "machine-3")}
+        # Each rank's shard is on its own machine and on its backup peer's (rank 0 <-> 3, 1 <-> 2: the mirror).
+        for rank, peer in ((0, 3), (1, 2), (2, 1), (3, 0)):
+            assert stores[f"machine-{rank}"].steps(rank) and stores[f"machine-{peer}"].steps(rank)
+        backup_step = min(max(stores[f"machine-{r}"].steps(r)) for r in range(4))
+        assert 0 < backup_step <= fault_step
+
+        stall = s.wait_until_stalled()
+        assert stall.reason == "stalled", stall
+        top = analyze_snapshot(s.capture()).top
+        assert top is not None and sorted(top.machines) == ["machine-0", "machine-2"]
+        results = asyncio.run(evict_machines(list(s.agents.values()), s.token(), top.machines, "hang-p2p",
+                                             requested_by="drill-test"))
+        assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
+        event = s.wait_for_recovery(1, timeout_s=240)
+        assert event.ok, event.message
+        s.wait_until_resumed(event, timeout_s=180)
+        s.wait_for_steps(training.steps, timeout_s=240)
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "run" / "logs").glob("*.torchrun.log"))
+    # Ranks 0 and 2 lost their machines: they come back from their peers' copies (on machines 3 and 1).
+    assert "rank 0 restored step" in logs and "rank 2 restored step" in logs
+    for rank in last_stage_ranks():
+        logged = losses(tmp_path / "run", rank)
+        after = logged[fault_step:]
+        resumed_from = after[0][0] - 1
+        # Nothing lost beyond the backup: the job resumes at the newest step every rank had backed up.
+        assert backup_step <= resumed_from <= fault_step
+        assert [s for s, _ in after] == list(range(resumed_from + 1, training.steps + 1))
+        assert dict(after) == {s: reference[rank][s] for s, _ in after}

@@ -36,8 +36,12 @@ Procedures in this version:
     ranks itself: on an immediate switch it records "restart requested" and
     the launcher restarts them on the new code.
 ``backup``
-    Plan only: the backup peers (``rankscope.analyzers.backup_plan``). Running
-    it ends in a failed result saying it is not yet supported; nothing is copied.
+    Write ``<state dir>/backup.request``; the ranks' in-process plugin
+    (``rankscope.ccl_plugin.backup``) snapshots parameters and optimizer state
+    at the next step boundaries and writes each shard with its SHA-256 to this
+    agent's store (``<state dir>/shards``) and to its backup peer's. The agent
+    waits for a new shard of each of its ranks, verifies it and reports the
+    shards it holds (its own ranks' and its peers' copies).
 
 No grpc here: ``rankscope.agent`` wraps this service in the RPCs.
 """
@@ -85,10 +89,12 @@ from rankscope.actions.model import (
     VersionSource,
     confirm_phrase_for,
 )
+from rankscope.ccl_plugin.backup import REQUEST_FILE, SHARDS_DIR
 from rankscope.errors import RankscopeError
 from rankscope.snapshot import Layout, RankInfo
 
 DEFAULT_GRACE_S = 10.0
+BACKUP_WAIT_S = 60.0  # for every rank to reach a step boundary and write its shard
 SUBSCRIBER_QUEUE = 256  # records a watcher may lag behind before it re-reads the log
 CONFIG_FIX = "see `rankscope agent --help` for the --actions-config format"
 PROGRESS = "progress"  # the audit result of an intermediate step
@@ -124,6 +130,7 @@ class ActionsConfig:
     eviction: EvictionSettings = field(default_factory=EvictionSettings)
     hot_update: HotUpdateSettings | None = None
     layout: Layout | None = None  # for the backup plan
+    backup_wait_s: float = BACKUP_WAIT_S  # how long a backup waits for the ranks' shards
 
     @property
     def audit_path(self) -> Path:
@@ -489,13 +496,14 @@ class ActionService:
         assert isinstance(request.args, BackupArgs)
         from rankscope.analyzers.backup_plan import backup_plan
 
-        not_yet = ("checkpoint backup is not yet supported by the agent: this plan only shows the backup peers; "
-                   "running it copies nothing")
-        warnings = [not_yet]
+        warnings: list[str] = []
         peers: tuple[tuple[int, int], ...] = ()
         mine = set(request.targets.ranks) or {r.rank for r in ranks}
+        if not mine:
+            warnings.append(f"no ranks found on {self.machine}: nothing to back up here")
         if self.config.layout is None:
-            warnings.append("no [layout] in the agent's --actions-config: backup peers unknown")
+            warnings.append("no [layout] in the agent's --actions-config: backup peers not shown (the ranks know "
+                            "theirs from RANKSCOPE_BACKUP_TARGETS)")
         else:
             world = ranks[0].world_size if ranks else None
             try:
@@ -507,9 +515,12 @@ class ActionService:
             action_id=request.action_id, kind=ActionKind.BACKUP,
             summary=f"back up the checkpoints of ranks {' '.join(map(str, sorted(mine))) or 'none'} to their peers",
             machines=(self.machine,), processes=self._processes(ranks), backup_peers=peers,
-            steps=("snapshot each rank at its next step boundary", "copy each shard to its backup peer"),
+            steps=(f"write the backup request {self.config.state_dir / REQUEST_FILE}",
+                   "each rank snapshots parameters and optimizer state at its next step boundaries into CPU memory "
+                   "and writes the shard, with its SHA-256, to this agent's store and to its backup peer's",
+                   f"wait up to {self.config.backup_wait_s:g} s for a new shard of every rank here and verify its checksum"),
             warnings=tuple(warnings))
-        return _Planned(plan, ranks, 1)
+        return _Planned(plan, ranks, 3)
 
     # ---- running ----------------------------------------------------------------------
 
@@ -605,10 +616,59 @@ class ActionService:
             return self._evict_backend(request, planned, report)
         if request.kind in (ActionKind.HOT_UPDATE, ActionKind.ROLLBACK):
             return self._update(request, report)
-        report("checkpoint backup is not yet supported: nothing is copied")
-        return (ActionState.FAILED,
-                "checkpoint backup is not yet supported by the agent: nothing was copied "
-                "(the plan shows the backup peers only)", ())
+        return self._backup(request, planned, report)
+
+    def _backup(self, request: ActionRequest, planned: _Planned,
+                report: Report) -> tuple[ActionState, str, tuple[str, ...]]:
+        """Ask this machine's ranks for a backup through the request file, then wait for and verify their shards.
+
+        The ranks' in-process plugin (``rankscope.ccl_plugin.backup``) watches
+        the file at every optimizer step boundary; the agent never talks to a
+        rank, so a hung rank costs a timeout here, not a hung agent.
+        """
+        from rankscope.actions.shard_store import ShardCorrupt, ShardStore
+
+        store = ShardStore(self.config.state_dir / SHARDS_DIR)
+        ranks = sorted(set(request.targets.ranks) or {r.rank for r in planned.ranks})
+        if not ranks:
+            return ActionState.SUCCEEDED, f"no ranks on {self.machine}: nothing to back up", ()
+        newest_before = {r: max(store.steps(r), default=-1) for r in ranks}
+        path = self.config.state_dir / REQUEST_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"request_id": request.action_id, "written": self._clock()}))
+        os.replace(tmp, path)
+        report(f"asked ranks {' '.join(map(str, ranks))} for a backup at their next step boundary ({path})")
+        wait_s = self.config.backup_wait_s
+        deadline = time.monotonic() + wait_s
+        while True:
+            newest = {r: max(store.steps(r), default=-1) for r in ranks}
+            late = [r for r in ranks if newest[r] <= newest_before[r]]
+            if not late:
+                break
+            if time.monotonic() > deadline:
+                return (ActionState.FAILED,
+                        f"rank(s) {' '.join(map(str, late))} on {self.machine} wrote no backup within "
+                        f"{wait_s:g} s: they are not reaching a step boundary (hung?), or the backup hook is "
+                        "not loaded in them (start the job with `rankscope run`, which loads it)", ())
+            time.sleep(0.1)
+        details: list[str] = []
+        for r in ranks:
+            try:
+                got = store.get(r, newest[r])
+            except ShardCorrupt as exc:
+                return ActionState.FAILED, exc.message, tuple(details)
+            if got is None:
+                return ActionState.FAILED, f"the shard of rank {r} step {newest[r]} vanished before it was read", ()
+            info = got[0]
+            details.append(f"rank {r}: step {info.step}, {info.size} bytes, sha256 {info.sha256[:16]}")
+        report(f"verified {len(ranks)} shard(s)")
+        held = {r: s for r, s in store.inventory().items() if r not in ranks and s}
+        if held:
+            details.append("peer copies held here: " + ", ".join(f"rank {r} steps {list(s)}" for r, s in held.items()))
+        steps = sorted({newest[r] for r in ranks})
+        return (ActionState.SUCCEEDED,
+                f"backed up ranks {' '.join(map(str, ranks))} on {self.machine} at step {' '.join(map(str, steps))} "
+                "(own copy here, peer copy on the backup peer's machine)", tuple(details))
 
     def _evict_local(self, request: ActionRequest, planned: _Planned,
                      report: Report) -> tuple[ActionState, str, tuple[str, ...]]:

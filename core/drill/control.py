@@ -35,7 +35,7 @@ from pathlib import Path
 
 from rankscope.actions.blocklist import Blocklist
 from rankscope.actions.evict_backends import EvictionOutcome, LocalBackend, SelfCheck
-from rankscope.actions.model import ActionKind, ActionState, AuditRecord
+from rankscope.actions.model import ActionKind, ActionResult, ActionState, AuditRecord
 from rankscope.drill.launcher import Launcher
 from rankscope.errors import RankscopeError
 
@@ -75,11 +75,19 @@ def block_reason(launcher: Launcher, machine: str) -> str:
 
 @dataclass
 class DrillMachines:
-    """The drill's implementation of :class:`~rankscope.actions.evict_backends.DrillControl`."""
+    """The drill's implementation of :class:`~rankscope.actions.evict_backends.DrillControl`.
+
+    Warm standbys check themselves while they wait (:meth:`precheck`), as
+    ByteRobust's standbys have passed their self-check before they are
+    needed; a result younger than ``fresh_s`` is taken at join time, an older
+    one (or none) is checked again then.
+    """
 
     launcher: Launcher
     check: Callable[[str], SelfCheck] | None = None  # stand-in for tests; default: the real self-check
+    fresh_s: float = 600.0
     restarts: int = 0
+    checked: dict[str, tuple[float, SelfCheck]] = field(default_factory=dict)  # machine -> (monotonic, result)
 
     def machines(self) -> tuple[str, ...]:
         return self.launcher.machines()
@@ -96,11 +104,31 @@ class DrillMachines:
         On a real cluster the standby runs this on itself; the drill's standbys
         share this host, so running it here checks the same hardware.
         """
+        cached = self.checked.get(machine)
+        if cached is not None and time.monotonic() - cached[0] <= self.fresh_s and cached[1].ok:
+            return cached[1]
+        result = self._run_check(machine)
+        self.checked[machine] = (time.monotonic(), result)
+        return result
+
+    def _run_check(self, machine: str) -> SelfCheck:
         if self.check is not None:
             return self.check(machine)
         from rankscope.actions.self_check import SelfCheckConfig, self_check
 
         return self_check(machine, SelfCheckConfig(min_free_memory_bytes=256 << 20))
+
+    def precheck(self, machines: tuple[str, ...]) -> threading.Thread:
+        """Self-check idle standbys in the background, one after the other (the host has few cores)."""
+
+        def run() -> None:
+            for m in machines:
+                with contextlib.suppress(Exception):  # a failed check is checked again at join time
+                    self.self_check(m)
+
+        thread = threading.Thread(target=run, name="drill-standby-precheck", daemon=True)
+        thread.start()
+        return thread
 
     def restart(self, machines: tuple[str, ...]) -> None:
         self.launcher.restart(machines, resume=True)
@@ -138,7 +166,6 @@ class Recovery:
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._handled: set[str] = set()
-        self._lock = threading.Lock()  # held while the job is being restarted
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._main, name="drill-recovery", daemon=True)
@@ -166,22 +193,22 @@ class Recovery:
     # ---- the watcher ----------------------------------------------------------------
 
     def _main(self) -> None:
+        # The restart runs on this thread, not in an executor thread that may end: the restarted
+        # processes get their parent-death signal when the thread that started them ends.
         try:
-            asyncio.run(self._run())
+            while not self._stop.is_set():
+                addresses = dict(self.launcher.addresses())
+                if not addresses:
+                    self._stop.wait(0.2)
+                    continue
+                found = asyncio.run(self._follow(addresses))
+                if found is not None:
+                    self._recover(*found)
         except Exception as exc:  # the drill goes on; the error is shown with the report
             self.errors.append(f"recovery stopped: {type(exc).__name__}: {exc}")
 
-    async def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                addresses = dict(self.launcher.addresses())
-            if not addresses:
-                await asyncio.sleep(0.2)
-                continue
-            await self._follow(addresses)
-
-    async def _follow(self, addresses: dict[str, str]) -> None:
-        """Follow these agents until an eviction was handled (the set of agents changed) or the drill stops."""
+    async def _follow(self, addresses: dict[str, str]) -> tuple[str, tuple[str, ...]] | None:
+        """Follow these agents until an eviction has finished everywhere; its id and machines (None: stopping)."""
         from rankscope.actions.agent_protocol import AgentLost
         from rankscope.client import JobClient
 
@@ -205,20 +232,20 @@ class Recovery:
                         continue
                     if record.kind != ActionKind.EVICT or record.action_id in self._handled:
                         continue
-                    machine = machine_of.get(address, "")
-                    began.setdefault(record.action_id, set()).add(machine)
+                    began.setdefault(record.action_id, set()).add(machine_of.get(address, ""))
                     if record.result in FINAL:
-                        finished.setdefault(record.action_id, {})[machine] = record.result
+                        finished.setdefault(record.action_id, {})[machine_of.get(address, "")] = record.result
                     done = finished.get(record.action_id, {})
                     if began[record.action_id] <= set(done) and ActionState.SUCCEEDED.value in done.values():
-                        evicted = tuple(m for m in self.launcher.machines() if done.get(m) == ActionState.SUCCEEDED.value)
                         self._handled.add(record.action_id)
-                        await asyncio.to_thread(self._recover, record.action_id, evicted)
-                        return  # the agents changed: follow the new set
+                        evicted = tuple(m for m in self.launcher.machines()
+                                        if done.get(m) == ActionState.SUCCEEDED.value)
+                        return record.action_id, evicted  # the client closes before anything is started
             finally:
                 pumping.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await pumping
+        return None
 
     def _recover(self, action_id: str, evicted: tuple[str, ...]) -> None:
         from rankscope.drill.worker import latest_checkpoint
@@ -227,11 +254,10 @@ class Recovery:
         blocked = blocked_machines(self.launcher)
         reason = block_reason(self.launcher, evicted[0]) if evicted else "evicted"
         self.on_event(f"eviction {action_id} of {' '.join(evicted)} finished: restarting with standbys")
-        with self._lock:
-            try:
-                outcome = LocalBackend(self.control, lambda: blocked).evict(evicted, reason)
-            except RankscopeError as exc:
-                outcome = EvictionOutcome(False, evicted, exc.message)
+        try:
+            outcome = LocalBackend(self.control, lambda: blocked).evict(evicted, reason)
+        except RankscopeError as exc:
+            outcome = EvictionOutcome(False, evicted, exc.message)
         world = self.launcher.layout.world
         resume = min((latest_checkpoint(self.launcher.run_dir, r) for r in range(world)), default=0)
         event = RecoveryEvent(action_id, evicted, outcome.replacements,
@@ -251,3 +277,26 @@ def ranks_resumed(run_dir: Path, world: int, event: RecoveryEvent) -> bool:
     return len(progress) >= world and all(
         p.wall >= event.restart_began_wall and p.step > event.resume_step and p.state in ("running", "done")
         for r, p in progress.items() if r < world)
+
+
+async def evict_machines(agents: list[str], token: str, machines: tuple[str, ...], reason: str,
+                         requested_by: str = "drill") -> list[ActionResult]:
+    """Plan, confirm with the typed phrase and run an eviction of ``machines``: what the TUI's `e` sends.
+
+    Returns each agent's final result. Raises RankscopeError when an agent
+    gives no plan (nothing is sent then).
+    """
+    import uuid
+
+    from rankscope.actions.agent_protocol import combined_phrase, confirmation_for
+    from rankscope.actions.model import ActionPlan, ActionRequest, EvictArgs, Targets
+    from rankscope.client import JobClient
+
+    request = ActionRequest(action_id=f"evict-{uuid.uuid4().hex[:12]}", kind=ActionKind.EVICT,
+                            targets=Targets(machines=machines), args=EvictArgs(reason=reason),
+                            requested_by=requested_by)
+    async with JobClient(agents, token, acting=True) as client:
+        answers = await client.plan_action(request)
+        plans = [p for p in answers.values() if isinstance(p, ActionPlan)]
+        confirmation = confirmation_for(plans, typed=combined_phrase(ActionKind.EVICT, plans))
+        return [u.event async for u in client.run_action(request, confirmation) if isinstance(u.event, ActionResult)]

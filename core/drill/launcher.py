@@ -18,7 +18,7 @@ marker until nothing is left.
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import json
 import os
 import secrets
 import signal
@@ -34,19 +34,15 @@ from rankscope.drill.faults import DrillLayout, machine_name
 from rankscope.errors import RankscopeError
 
 RUN_ID_ENV = "RANKSCOPE_DRILL_RUN_ID"
+STORES_ENV = "RANKSCOPE_DRILL_BACKUP_STORES"  # JSON: the backup store of each machine of the job, by node rank
 AGENT_START_TIMEOUT_S = 30.0
 
-_PR_SET_PDEATHSIG = 1
-try:
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
-except OSError:  # not Linux
-    _LIBC = None
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if the drill itself dies (even by SIGKILL)."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+# Runs in the child in place of a preexec_fn: ask for SIGTERM when the starting thread dies, then exec.
+_DEATHSIG_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGTERM)\nexcept Exception:\n    pass\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])\n"
+)
 
 
 def free_port() -> int:
@@ -155,10 +151,13 @@ class Launcher:
         return env
 
     def _popen(self, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+        # No preexec_fn: Python then starts the child with vfork, which runs no fork handlers. A restart
+        # is started from a process whose gRPC client threads are live, and gRPC's fork handlers can kill
+        # a plain fork()ed child before it execs. The parent-death signal is set by a tiny shim instead.
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=dict(env),
-                start_new_session=True, preexec_fn=_die_with_parent, cwd=str(self.run_dir),
+                [self.python, "-S", "-c", _DEATHSIG_SHIM, *argv], stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, env=dict(env), start_new_session=True, cwd=str(self.run_dir),
             )
         return proc
 
@@ -184,6 +183,7 @@ class Launcher:
         worker = self.training.worker_args(self.layout, self.run_dir, resume=resume)
         started = []
         for node_rank, label in enumerate(labels):
+            per_node = dict(node_env, **self._backup_env(labels, node_rank)) if self.actions else node_env
             argv = [
                 self.python, "-m", "torch.distributed.run",
                 "--nnodes", str(self.layout.machines), "--node-rank", str(node_rank),
@@ -194,10 +194,33 @@ class Launcher:
                 "-m", "rankscope.drill.worker", "train", *worker,
             ]
             log = self.run_dir / "logs" / f"{label}.torchrun.log"
-            node = Node(name=label, node_rank=node_rank, proc=self._popen(argv, log, node_env), log=log)
+            node = Node(name=label, node_rank=node_rank, proc=self._popen(argv, log, per_node), log=log)
             self.nodes[label] = node
             started.append(node)
         return started
+
+    def _backup_env(self, labels: Sequence[str], node_rank: int) -> dict[str, str]:
+        """Where this node's ranks find a backup request and put their shards (``rankscope.ccl_plugin.backup``).
+
+        Each rank writes to its own machine's store and to the store of the
+        machine of its backup peer (``backup_plan``, over this launch's
+        placement); on resume it restores from the store of the machine it
+        now runs on, else from any other machine of the job (``STORES_ENV``).
+        """
+        from rankscope.analyzers.backup_plan import backup_plan
+        from rankscope.ccl_plugin.backup import ENV_REQUEST, ENV_TARGETS, REQUEST_FILE, SHARDS_DIR
+
+        per = self.layout.ranks_per_machine
+        stores = [str(self.state_dir(label) / SHARDS_DIR) for label in labels]
+        try:
+            peers = {p.rank: p.peer for p in backup_plan(self.layout.to_snapshot_layout(), self.layout.world).pairs}
+        except RankscopeError as exc:
+            self.notes.append(f"checkpoint backup without peers: {exc.message}")
+            peers = {}
+        mine = range(node_rank * per, (node_rank + 1) * per)
+        targets = {str(r): [stores[node_rank]] + ([stores[peers[r] // per]] if r in peers else []) for r in mine}
+        return {ENV_REQUEST: str(self.state_dir(labels[node_rank]) / REQUEST_FILE), ENV_TARGETS: json.dumps(targets),
+                STORES_ENV: json.dumps(stores)}
 
     def machines(self) -> tuple[str, ...]:
         """The labels of the running nodes, by node rank."""

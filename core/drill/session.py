@@ -79,6 +79,7 @@ class DrillSession:
         self.launcher = Launcher(self.run_dir, self.layout, config.training, counters=config.counters,
                                  actions=config.standbys > 0)
         self.recovery: Recovery | None = None
+        self._precheck: threading.Thread | None = None
         self.watcher = ProgressWatcher(self.run_dir, self.layout.world)
         self.notes: list[str] = self.launcher.notes  # one list: launcher and session notes together
         self.times: dict[str, float] = {}  # event -> monotonic seconds
@@ -121,7 +122,9 @@ class DrillSession:
             else:
                 if self.config.standbys > 0:
                     self.launcher.start_standbys([standby_name(i) for i in range(self.config.standbys)])
-                    self.recovery = Recovery(self.launcher, DrillMachines(self.launcher), on_event=self.notes.append)
+                    control = DrillMachines(self.launcher)
+                    self._precheck = control.precheck(tuple(self.launcher.standbys))
+                    self.recovery = Recovery(self.launcher, control, on_event=self.notes.append)
                     self.recovery.start()
         if self.plan.spec.by == "orchestrator":
             self._outside = threading.Thread(target=self._run_outside_fault, name="drill-outside-fault", daemon=True)
@@ -138,6 +141,8 @@ class DrillSession:
             self._outside.join(timeout=5)
         if self.recovery is not None:
             self.recovery.stop()
+        if self._precheck is not None:
+            self._precheck.join(timeout=30)  # its gloo pair ends on its own within the check's timeout
         self.leftovers = self.launcher.stop()
         self._restore_signal_handlers()
         return self.leftovers
@@ -206,6 +211,13 @@ class DrillSession:
                     f"read the logs in {self.run_dir / 'logs'}; on a busy machine pass a longer --start-timeout",
                 )
             time.sleep(POLL_S)
+
+    def standbys_checked(self, timeout_s: float) -> bool:
+        """Wait for the background self-check of the idle standbys; True when it finished."""
+        if self._precheck is not None:
+            self._precheck.join(timeout_s)
+            return not self._precheck.is_alive()
+        return True
 
     def wait_for_recovery(self, count: int = 1, timeout_s: float = 120.0) -> RecoveryEvent:
         """Block until the drill has handled ``count`` evictions (restarted with standbys, or failed to)."""
