@@ -41,6 +41,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stack-interval", type=float, default=10.0, help="seconds between stack captures (default 10)")
     p.add_argument("--time-limit", type=float, default=90.0, help="seconds after onset before a miss (default 90)")
+    p.add_argument("--hidden", type=int, default=64, help="drill model hidden size (default 64; larger: more compute)")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="rows per micro-batch (default 8)")
     p.add_argument("--run-root", type=Path, help="keep the drills' run dirs here (default: a temp dir)")
     p.add_argument("--out", type=Path, help="write the JSON result here, updated after each drill")
     p.add_argument("--record", action="store_true", help="keep each drill's polled series (watch.json)")
@@ -49,7 +51,7 @@ def main() -> int:
     root = args.run_root or Path(tempfile.mkdtemp(prefix="rankscope-failslow-suite-"))
     config = SuiteConfig(faulty=args.drills, baselines=args.baselines, seed=args.seed,
                          stack_interval_s=args.stack_interval, time_limit_s=args.time_limit, run_root=root,
-                         record=args.record)
+                         record=args.record, hidden=args.hidden, micro_batch_size=args.micro_batch_size)
     done: list[DrillRecord] = []
 
     def keep(rec: DrillRecord) -> None:

@@ -78,6 +78,12 @@ class SuiteConfig:
     continuity_s: float = 20.0  # Minder continuity, and how long step time must stay high
     time_limit_s: float = 90.0  # after onset; a baseline is watched as long
     start_timeout_s: float = 300.0
+    # The drill model's size. At the default (hidden 64, 8 rows a micro-batch)
+    # compute is a sliver of a step (gloo and Python dominate), so a 1.5x
+    # slower compute barely lengthens the step; larger values give compute
+    # a real share of the step, as on a GPU, at the cost of slower steps.
+    hidden: int = 64
+    micro_batch_size: int = 8
     run_root: Path | None = None
     record: bool = False  # keep every drill's polled series as RUN_DIR/watch.json (for failslow.replay)
 
@@ -328,7 +334,7 @@ def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None
     truth = ground_truth(plan, layout)
     run_dir = config.run_root / f"drill-{item.index:02d}-{plan.name}" if config.run_root is not None else None
     training = TrainingOptions(steps=1_000_000, seed=config.seed + item.index, loader_workers=item.loader_workers,
-                               checkpoint_every=0)  # runs until stopped; no checkpoint noise
+                               checkpoint_every=0, hidden=config.hidden, micro_batch_size=config.micro_batch_size)  # runs until stopped; no checkpoint noise
     dconfig = DrillConfig(layout=layout, plan=plan, training=training, run_dir=run_dir,
                           start_timeout_s=config.start_timeout_s)
     base = DrillRecord(index=item.index, kind=plan.name, rank=truth.rank, machine=truth.machine,
@@ -387,6 +393,7 @@ def run_suite(config: SuiteConfig, *, say: Callable[[str], None] = lambda _m: No
                    "poll_interval_s": config.poll_interval_s, "stack_interval_s": config.stack_interval_s,
                    "rounds_needed": config.rounds_needed, "window_s": config.window_s,
                    "continuity_s": config.continuity_s, "time_limit_s": config.time_limit_s,
+                   "hidden": config.hidden, "micro_batch_size": config.micro_batch_size,
                    "knobs": FAULT_KNOBS},
         "scorecard": score_records(records),
         "drills": [r.to_dict() for r in records],
