@@ -51,10 +51,15 @@ class MainScreen(Screen[None]):
 
     def _set(self, selector: str, text: Text) -> None:
         """Update a text panel only when its text changed: an update re-lays out the screen."""
-        if self._shown_text.get(selector) == text:
+        old = self._shown_text.get(selector)
+        if old == text:
             return
         self._shown_text[selector] = text
-        self.query_one(selector, Static).update(text)
+        # The header has a fixed height and the verdict does not wrap: while their line count stays, the screen's
+        # layout cannot change, and skipping the relayout keeps a 1 Hz header update cheap.
+        fixed = selector in ("#job-header", "#verdict") and old is not None and \
+            old.plain.count("\n") == text.plain.count("\n")
+        self.query_one(selector, Static).update(text, layout=not fixed)
 
     def on_rank_map_panel_cursor_moved(self, event: RankMapPanel.CursorMoved) -> None:
         state = getattr(self.app, "state", None)
