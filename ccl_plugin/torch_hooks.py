@@ -91,7 +91,8 @@ class _State:
         self.thread: threading.Thread | None = None
         self.originals: list[tuple[Any, str, Any]] = []  # (owner, attr, original) for uninstall
         self.dist: Any = None
-        self.pg_hooks = False  # torch offers ProcessGroup.register_pre_hook / register_post_hook
+        self.pg_hooks = False
+        self.work_patched = False  # Work.wait / is_completed wrapped (first future-less Work)  # torch offers ProcessGroup.register_pre_hook / register_post_hook
         self.c10d: Any = None
 
 
@@ -179,6 +180,11 @@ def _watch(work: Any, reqs: list[Request]) -> None:
     try:
         fut = work.get_future()
     except Exception:  # gloo p2p Work has no future: caught by wait()/is_completed()/the poller
+        if not STATE.work_patched:
+            # patched only now: every Work.wait() pays for the patch, and jobs whose
+            # Works all have futures (NCCL, gloo collectives) never need it
+            STATE.work_patched = True
+            _wrap_work_methods(STATE.c10d.Work)
         with STATE.pending_lock:
             STATE.pending[id(work)] = (work, reqs)
         STATE.wake.set()
@@ -614,7 +620,6 @@ def install(directory: Path, job_id: str) -> bool:
             _replace(c10d, dist, name, _make_wrapper(name, orig))
         _wrap_new_group(c10d, dist)
         _wrap_init(c10d, dist)
-        _wrap_work_methods(c10d.Work)
         # the optimizer step hook waits for the writer: torch.optim cannot be
         # imported while torch itself is still initialising (we run inside it)
         # ProcessGroup hooks (2.14+): added per group as groups are first seen;
@@ -644,3 +649,4 @@ def uninstall() -> None:
             setattr(owner, attr, old)
     STATE.originals.clear()
     STATE.installed = False
+    STATE.work_patched = False
