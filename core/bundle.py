@@ -12,6 +12,7 @@ keep in sync.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import types
@@ -101,84 +102,224 @@ def write_bundle(bundle: Bundle, path: str | Path) -> Path:
 
 def from_jsonable(cls: type[T], data: Any, where: str = "$") -> T:
     """Rebuild a contract dataclass from JSON values, checking every field."""
-    return typing.cast(T, _decode(cls, data, where))
+    try:
+        return typing.cast(T, _decoder(cls)(data))
+    except _FieldError as exc:
+        raise BundleError(f"{where}{''.join(reversed(exc.path))}: {exc.problem}") from None
+    finally:
+        _MEMO.clear()
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+# Decoding is compiled once per type into a closure: a 16k-rank bundle holds
+# millions of values, and re-inspecting type hints for each one cost seconds.
+# Paths are only built on the way out of an error, never for good values.
+
+Decoder = typing.Callable[[Any], Any]
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = typing.get_type_hints(cls)
-        _HINTS[cls] = hints
-    return hints
+class _FieldError(Exception):
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.path: list[str] = []  # innermost part first
+
+
+_DECODERS: dict[Any, Decoder] = {}
+# Decoded leaf objects of the bundle being read (see _dataclass_decoder); emptied after each read.
+_MEMO: dict[tuple[Any, ...], Any] = {}
+
+
+def _is_scalar(tp: Any) -> bool:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return all(_is_scalar(a) for a in typing.get_args(tp))
+    return tp in (str, int, float, bool, type(None)) or (isinstance(tp, type) and issubclass(tp, Enum))
+
+
+def _decoder(tp: Any) -> Decoder:
+    dec = _DECODERS.get(tp)
+    if dec is None:
+        dec = _build_decoder(tp)
+        _DECODERS[tp] = dec
+    return dec
 
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _decode(tp: Any, data: Any, where: str) -> Any:
+def _build_decoder(tp: Any) -> Decoder:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if data is None:
-            if type(None) in args:
-                return None
-            raise BundleError(f"{where}: value is missing (null) but is required")
-        errors: list[str] = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _decode(arg, data, where)
-            except BundleError as exc:
-                errors.append(str(exc))
-        raise BundleError(errors[0] if errors else f"{where}: unexpected value {data!r}")
+        return _union_decoder(tp)
     if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(data, list):
-            raise BundleError(f"{where}: expected a list, got {type(data).__name__}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
-        if len(args) != len(data):
-            raise BundleError(f"{where}: expected {len(args)} items, got {len(data)}")
-        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data, strict=True)))
+        return _tuple_decoder(tp)
     if origin in (Mapping, dict) or tp is Any:
-        if tp is not Any and not isinstance(data, dict):
-            raise BundleError(f"{where}: expected an object, got {type(data).__name__}")
-        return data
+        return _mapping_decoder(tp is Any)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        if not isinstance(data, dict):
-            raise BundleError(f"{where}: expected an object for {tp.__name__}, got {type(data).__name__}")
-        hints = _hints(tp)
-        kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(tp):
-            if f.name in data:
-                kwargs[f.name] = _decode(hints[f.name], data[f.name], f"{where}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise BundleError(f"{where}: required field '{f.name}' of {tp.__name__} is missing")
-        return tp(**kwargs)
+        return _dataclass_decoder(tp)
     if isinstance(tp, type) and issubclass(tp, Enum):
-        try:
-            return tp(data)
-        except ValueError:
-            allowed = ", ".join(str(m.value) for m in tp)
-            raise BundleError(f"{where}: {data!r} is not one of {allowed}") from None
+        return _enum_decoder(tp)
     if tp is float:
-        if isinstance(data, bool) or not isinstance(data, (int, float)):
-            raise BundleError(f"{where}: expected a number, got {type(data).__name__}")
-        return float(data)
+        return _float
     if tp is int:
-        if isinstance(data, bool) or not isinstance(data, int):
-            raise BundleError(f"{where}: expected an integer, got {type(data).__name__}")
-        return data
+        return _int
     if tp in (str, bool):
-        if not isinstance(data, tp):
-            raise BundleError(f"{where}: expected {_type_name(tp)}, got {type(data).__name__}")
+        return _exact(tp)
+    raise TypeError(f"the bundle codec cannot decode {_type_name(tp)}")
+
+
+def _union_decoder(tp: Any) -> Decoder:
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    decoders = [_decoder(a) for a in args if a is not type(None)]
+
+    def decode(data: Any) -> Any:
+        if data is None:
+            if optional:
+                return None
+            raise _FieldError("value is missing (null) but is required")
+        first: _FieldError | None = None
+        for dec in decoders:
+            try:
+                return dec(data)
+            except _FieldError as exc:
+                first = first or exc
+        raise first or _FieldError(f"unexpected value {data!r}")
+
+    return decode
+
+
+def _tuple_decoder(tp: Any) -> Decoder:
+    args = typing.get_args(tp)
+    if len(args) == 2 and args[1] is Ellipsis:
+        item = _decoder(args[0])
+
+        def decode_var(data: Any) -> Any:
+            if not isinstance(data, list):
+                raise _FieldError(f"expected a list, got {type(data).__name__}")
+            try:
+                return tuple([item(v) for v in data])
+            except _FieldError as exc:
+                for i, v in enumerate(data):  # find which item, only on the error path
+                    try:
+                        item(v)
+                    except _FieldError:
+                        exc.path.append(f"[{i}]")
+                        break
+                raise
+
+        return decode_var
+    items = [_decoder(a) for a in args]
+
+    def decode_fixed(data: Any) -> Any:
+        if not isinstance(data, list):
+            raise _FieldError(f"expected a list, got {type(data).__name__}")
+        if len(items) != len(data):
+            raise _FieldError(f"expected {len(items)} items, got {len(data)}")
+        out = []
+        for i, (dec, v) in enumerate(zip(items, data, strict=True)):
+            try:
+                out.append(dec(v))
+            except _FieldError as exc:
+                exc.path.append(f"[{i}]")
+                raise
+        return tuple(out)
+
+    return decode_fixed
+
+
+def _mapping_decoder(anything: bool) -> Decoder:
+    def decode(data: Any) -> Any:
+        if not anything and not isinstance(data, dict):
+            raise _FieldError(f"expected an object, got {type(data).__name__}")
         return data
-    raise BundleError(f"{where}: cannot decode type {_type_name(tp)}")
+
+    return decode
+
+
+def _dataclass_decoder(cls: type) -> Decoder:
+    hints = typing.get_type_hints(cls)
+    fields = [
+        (f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+    ]
+    # Filled lazily: a contract type may refer to itself (nested stacks) or to
+    # types declared further down.
+    decoders: dict[str, Decoder] = {}
+
+    leaf = all(_is_scalar(hints[name]) for name, _ in fields)
+
+    def decode(data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise _FieldError(f"expected an object for {cls.__name__}, got {type(data).__name__}")
+        if leaf:
+            # Thousands of ranks share the same frames: decode each distinct one
+            # once and share the (frozen) object, which also saves most of the memory.
+            values = [data.get(name) for name, _ in fields]
+            # types are part of the key so that `true` never passes as a cached `1`
+            key = (cls, len(data), *values, *map(type, values))
+            try:
+                hit = _MEMO.get(key)
+            except TypeError:  # an unhashable value: let the decoder report it
+                hit = None
+            if hit is not None:
+                return hit
+            made = build(data)
+            with contextlib.suppress(TypeError):
+                _MEMO[key] = made
+            return made
+        return build(data)
+
+    def build(data: dict[str, Any]) -> Any:
+        if not decoders:
+            decoders.update({name: _decoder(hints[name]) for name, _ in fields})
+        kwargs: dict[str, Any] = {}
+        for name, required in fields:
+            if name in data:
+                try:
+                    kwargs[name] = decoders[name](data[name])
+                except _FieldError as exc:
+                    exc.path.append(f".{name}")
+                    raise
+            elif required:
+                raise _FieldError(f"required field '{name}' of {cls.__name__} is missing")
+        return cls(**kwargs)
+
+    return decode
+
+
+def _enum_decoder(cls: type[Enum]) -> Decoder:
+    by_value = {m.value: m for m in cls}
+    allowed = ", ".join(str(v) for v in by_value)
+
+    def decode(data: Any) -> Any:
+        try:
+            return by_value[data]
+        except (KeyError, TypeError):
+            raise _FieldError(f"{data!r} is not one of {allowed}") from None
+
+    return decode
+
+
+def _float(data: Any) -> float:
+    if isinstance(data, bool) or not isinstance(data, (int, float)):
+        raise _FieldError(f"expected a number, got {type(data).__name__}")
+    return float(data)
+
+
+def _int(data: Any) -> int:
+    if isinstance(data, bool) or not isinstance(data, int):
+        raise _FieldError(f"expected an integer, got {type(data).__name__}")
+    return data
+
+
+def _exact(tp: type) -> Decoder:
+    def decode(data: Any) -> Any:
+        if not isinstance(data, tp):
+            raise _FieldError(f"expected {_type_name(tp)}, got {type(data).__name__}")
+        return data
+
+    return decode
 
 
 def bundle_from_dict(data: Any, source: str = "bundle") -> Bundle:

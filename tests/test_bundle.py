@@ -102,3 +102,18 @@ def test_every_contract_field_is_documented() -> None:
         assert name in sections, f"docs/bundle-format.md has no section for {name}"
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in sections[name], f"{name}.{f.name} is not documented"
+
+
+def test_identical_frames_are_shared_but_never_loosen_the_checks() -> None:
+    from rankscope.bundle import bundle_to_dict
+
+    snap = _snapshot()
+    data = bundle_to_dict(Bundle(snapshots=(snap, snap), created_wall=3.0))
+    back = loads(json.dumps(data))
+    f0 = back.snapshots[0].all_stacks()[1].main.threads[0].frames[0]  # type: ignore[index]
+    assert f0 == Frame("wait", "/x/dist.py", 12, None)
+    # a second frame equal in value except that its line is `true` must still be refused
+    thread = data["snapshots"][1]["machines"][0]["stacks"][0]["main"]["threads"][0]
+    thread["frames"].append(dict(thread["frames"][0], line=True))
+    with pytest.raises(BundleError, match=r"snapshots\[1\]\.machines\[0\]\.stacks\[0\]\.main\.threads\[0\]\.frames\[2\]\.line"):
+        loads(json.dumps(data))
