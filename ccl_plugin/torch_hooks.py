@@ -70,6 +70,7 @@ OP_ALIAS = {"_all_gather_base": "all_gather_into_tensor", "_reduce_scatter_base"
             "all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor",
             "isend": "send", "irecv": "recv"}
 
+ENV_KEEP = "RANKSCOPE_CCL_KEEP"  # "1": leave the file behind at exit (marked clean), for post-mortems
 POLL_INTERVAL_S = 0.005
 HEARTBEAT_INTERVAL_S = 1.0
 
@@ -639,7 +640,7 @@ def shutdown() -> None:
         with contextlib.suppress(Exception):
             _poll_pending()
         with contextlib.suppress(Exception):
-            w.close(remove=True)
+            w.close(remove=os.environ.get(ENV_KEEP) != "1")
 
 
 def uninstall() -> None:

@@ -30,7 +30,8 @@ def register(sub: Any) -> None:
                    help="where the per-rank counter files go (default /dev/shm/rankscope)")
     p.add_argument("--job-id", default=None, help="job id in the files' names (default: TORCHELASTIC_RUN_ID or a new one)")
     p.add_argument("--no-nccl-plugin", action="store_true", help="do not build or load the NCCL profiler plugin")
-    p.add_argument("--keep-files", action="store_true", help="leave the counter files behind after the job ends")
+    p.add_argument("--keep-files", action="store_true",
+                   help="leave the counter files behind after the job ends (marked as exited), for a post-mortem")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the launcher and its arguments")
     p.set_defaults(func=run)
 
@@ -95,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
               "load (the NCCL plugin still can)", file=sys.stderr)
     plugin = None if args.no_nccl_plugin else _nccl_plugin(quiet=True)
     env = dict(os.environ, **autoload.ccl_env(counter_dir, job_id, plugin))
+    if args.keep_files:
+        env["RANKSCOPE_CCL_KEEP"] = "1"  # the ranks (Python and NCCL writers) leave their files too
     try:
         child = subprocess.Popen(cmd, env=env)
     except OSError as exc:
