@@ -26,7 +26,9 @@ from rankscope.bundle import Bundle, write_bundle
 from rankscope.errors import RankscopeError
 from rankscope.snapshot import JobSnapshot, Layout
 from rankscope.tui import state as st
+from rankscope.tui.actions import ActionController
 from rankscope.tui.analysis import StackView, build_stack_view, format_ranks, rank_stack_lines, verdict_text
+from rankscope.tui.failslow_state import FailSlowFeeder, FailSlowUpdated, FailSlowView
 from rankscope.tui.messages import AgentFound, AgentLost, CaptureAnalyzed, CaptureFailed, PollFailed, SnapshotReceived
 from rankscope.tui.screens.help import HelpScreen
 from rankscope.tui.screens.main import VIEWS, MainScreen
@@ -41,6 +43,9 @@ from textual.binding import Binding, BindingType
 from textual.screen import Screen
 from textual.widgets import Input, TabbedContent
 
+# Only bound when the session may act (see RankscopeApp.__init__).
+ACTION_KEYS: tuple[tuple[str, str, str], ...] = (("e", "evict", "Evict"), ("u", "update", "Update"),
+                                                 ("b", "backup", "Backup"))
 SMALL_BUNDLE_BYTES = 4 << 20  # read before the UI opens; larger bundles are read by the app, in a thread
 FAIL_SLOW_CAPTURE_S = 10.0  # ByteRobust's fail-slow rounds: aggregate every 10 s
 
@@ -60,13 +65,16 @@ class AppOptions:
 class RankscopeApp(App[int]):
     CSS_PATH = "rankscope.tcss"
     TITLE = "rankscope"
-    # e, u and b are kept free: evict, hot-update and checkpoint backup come with the actions issue.
+    # e, u and b (evict, hot-update, checkpoint backup) are bound per app in __init__, and only when the session
+    # is not read-only: under --read-only they do not exist at all (nvitop's --readonly).
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("1", "view('overview')", "Overview", show=False, id="view.overview"),
         Binding("2", "view('stacks')", "Stacks", show=False, id="view.stacks"),
         Binding("3", "view('ccl')", "CCL", show=False, id="view.ccl"),
         Binding("4", "view('metrics')", "Metrics", show=False, id="view.metrics"),
         Binding("5", "view('events')", "Events", show=False, id="view.events"),
+        Binding("6", "view('actions')", "Actions", show=False, id="view.actions"),
+        Binding("7", "view('failslow')", "Fail-slow", show=False, id="view.failslow"),
         Binding("s", "capture", "Capture", id="capture", tooltip="capture every rank's stack now"),
         Binding("slash", "filter", "Filter", id="filter", tooltip="filter by rank, machine or frame text"),
         Binding("y", "copy", "Copy", id="copy", tooltip="copy the selected stack or the verdict"),
@@ -89,6 +97,13 @@ class RankscopeApp(App[int]):
         self.loaded = asyncio.Event()  # set once the initial snapshots are on screen
         self._capturing = False
         self._hang_captured_for: float | None = None
+        self.actions = ActionController(self)  # the action keys and the agents' audit log
+        if not self.options.read_only:
+            for key, action, description in ACTION_KEYS:
+                self.bind(key, action, description=description)
+        # Fail-slow detectors, fed every snapshot off the UI thread (view 7); the latest view they produced.
+        self.failslow = FailSlowFeeder(self)
+        self.failslow_view: FailSlowView | None = None
 
     # -- setup --------------------------------------------------------------
 
@@ -148,9 +163,11 @@ class RankscopeApp(App[int]):
                 self.state = st.apply_snapshot(self.state, d, now, self.options.hang_after_s)
             else:
                 self.state = st.apply_capture(self.state, d, view, now, self.options.hang_after_s)
+        self.failslow.feed_series((d.snapshot, view) for d, view in steps)  # a recorded series replays through them
         self.redraw()
         self.main.focus_view()
         self.loaded.set()
+        self.actions.start_watch()  # read-only sessions too: a pair's second pane sees actions happen
         if self.source.live:
             self._poll()
             if self.options.capture_on_start:
@@ -179,6 +196,7 @@ class RankscopeApp(App[int]):
                 self.post_message(AgentLost(m.name))
             elif before.get(m.name) is False and m.reachable:
                 self.post_message(AgentFound(m.name))
+        self.failslow.feed(message.digest.snapshot)
         self.redraw()
         self._maybe_capture()
 
@@ -187,6 +205,11 @@ class RankscopeApp(App[int]):
                                       self.options.hang_after_s)
         if self.filter.active:
             self.filter = st.compile_filter(self.filter.text, self.state)
+        self.failslow.feed(message.digest.snapshot, message.view)  # a capture is also a stack-aggregation round
+        self.redraw()
+
+    def on_fail_slow_updated(self, message: FailSlowUpdated) -> None:
+        self.failslow_view = message.view
         self.redraw()
 
     def on_capture_failed(self, message: CaptureFailed) -> None:
@@ -242,6 +265,25 @@ class RankscopeApp(App[int]):
             self.main.query_one("#views", TabbedContent).active = view
             self.redraw()
             self.main.focus_view()
+
+    def action_evict(self) -> None:
+        self.actions.evict(self.selected_rank())
+
+    def action_update(self) -> None:
+        self.actions.update()
+
+    def action_backup(self) -> None:
+        self.actions.backup()
+
+    def selected_rank(self) -> int | None:
+        """The rank the person points at (map cursor, stack group), so `e` can aim at that suspect."""
+        main = self.main
+        if main.active_view == "overview":
+            return main.query_one("#rank-map", RankMapPanel).cursor_rank
+        if main.active_view == "stacks":
+            group = main.query_one("#stack-panel", StackTreePanel).selected
+            return group.ranks[0] if group is not None and group.ranks else None
+        return None
 
     def action_capture(self) -> None:
         if self._capturing:
@@ -378,6 +420,10 @@ class RankscopeApp(App[int]):
         yield SystemCommand("Write bundle", "save what was seen to a JSON bundle (w)", self.action_write_bundle)
         yield SystemCommand("Filter", "by rank, machine or frame text (/)", self.action_filter)
         yield SystemCommand("Keys", "all keys (?)", self.action_help)
+        if not self.options.read_only:
+            yield SystemCommand("Evict suspect group", "plan, confirm by typing, evict (e)", self.action_evict)
+            yield SystemCommand("Hot-update / rollback", "version and mode, plan, confirm (u)", self.action_update)
+            yield SystemCommand("Checkpoint backup", "plan the backup peers, confirm (b)", self.action_backup)
         for view in VIEWS:
             yield SystemCommand(f"Show {view}", f"switch to the {view} view", lambda v=view: self.action_view(v))
 
@@ -415,12 +461,15 @@ def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None =
 
     ``options`` are ``AppOptions`` fields (poll_interval_s, hang_after_s, fail_slow, capture_on_start,
     bundle_dir) plus, for the client, ``deadline_s`` (per agent and call), ``capture_timeout_s`` (per
-    py-spy call) and ``native`` (native frames in captures).
+    py-spy call), ``native`` (native frames in captures) and ``act_problem`` ((message, fix) when the
+    token is known not to have the 'act' role: the action keys then say so instead of failing later).
     """
     deadline_s = float(options.pop("deadline_s", 10.0))
     capture_timeout_s = float(options.pop("capture_timeout_s", 5.0))
     native = bool(options.pop("native", False))
-    source = LiveSource(agents, token, deadline_s=deadline_s, native=native, capture_timeout_s=capture_timeout_s)
+    act_problem = options.pop("act_problem", None)
+    source = LiveSource(agents, token, deadline_s=deadline_s, native=native, capture_timeout_s=capture_timeout_s,
+                        acting=not read_only, act_problem=act_problem)
     return run_app(source, AppOptions(layout=layout, read_only=read_only, **options))
 
 

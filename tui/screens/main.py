@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from rankscope.tui.analysis import StackView
 from rankscope.tui.state import AppState, Filter, filter_summary
+from rankscope.tui.widgets.audit import ActionsPanel
 from rankscope.tui.widgets.ccl import CclPanel
 from rankscope.tui.widgets.events import EventsPanel
+from rankscope.tui.widgets.failslow import FailSlowPanel
 from rankscope.tui.widgets.metrics import MetricsPanel
 from rankscope.tui.widgets.rank_map import MapMachine, RankMapPanel, group_glyph
 from rankscope.tui.widgets.stack_tree import StackTreePanel
@@ -16,10 +18,10 @@ from textual.containers import Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static, TabbedContent, TabPane
 
-VIEWS = ("overview", "stacks", "ccl", "metrics", "events")
+VIEWS = ("overview", "stacks", "ccl", "metrics", "events", "actions", "failslow")
 # What takes the keys in each view, so arrows and enter work right after switching.
 FOCUS = {"overview": "#rank-map", "stacks": "#groups", "ccl": "#ccl-table", "metrics": "#metrics-table",
-         "events": "#events-panel"}
+         "events": "#events-panel", "actions": "#audit-table", "failslow": "#failslow-panel"}
 
 
 class MainScreen(Screen[None]):
@@ -40,6 +42,10 @@ class MainScreen(Screen[None]):
                 yield MetricsPanel(id="metrics-panel")
             with TabPane("5 Events", id="events"):
                 yield EventsPanel(id="events-panel")
+            with TabPane("6 Actions", id="actions"):
+                yield ActionsPanel(id="actions-panel")
+            with TabPane("7 Fail-slow", id="failslow"):
+                yield FailSlowPanel(id="failslow-panel")
         yield Input(placeholder="filter: rank (12, 8-15), machine name or frame text; enter applies, esc closes",
                     id="filter-input")
         yield Footer()
@@ -111,3 +117,8 @@ class MainScreen(Screen[None]):
             self.query_one("#metrics-panel", MetricsPanel).show(state, flt)
         elif view == "events":
             self.query_one("#events-panel", EventsPanel).show(state)
+        elif view == "actions" and (actions := getattr(self.app, "actions", None)) is not None:
+            self.query_one("#actions-panel", ActionsPanel).show(state, actions.log, read_only)
+        elif view == "failslow":
+            panel = self.query_one("#failslow-panel", FailSlowPanel)
+            panel.show(getattr(self.app, "failslow_view", None), self.size.width, self.size.height)

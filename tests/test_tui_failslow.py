@@ -1,0 +1,207 @@
+"""Fail-slow view (key 7): a recorded series replayed through the detectors, live polls fed as they come.
+
+The series are built here from contract dataclasses: four machines of two
+ranks, one snapshot a second, each rank reporting its step counter and last
+step duration (what the CCL plugin reports), host and GPU metrics with a
+small fixed wobble. In the slow series machine m2 takes 1.5x longer per step
+(and runs hotter and busier, as a throttled machine does) from second 10 on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from rankscope.bundle import Bundle
+from rankscope.snapshot import (
+    GpuMetrics,
+    GpuStatus,
+    HostMetrics,
+    Instant,
+    JobSnapshot,
+    MachineSnapshot,
+    ProcessInfo,
+    ProcessRole,
+    RankCounters,
+    RankInfo,
+)
+from rankscope.tui.app import AppOptions, RankscopeApp
+from rankscope.tui.failslow_state import FailSlowTracker
+from rankscope.tui.sources import BundleSource, QueueSource
+from rankscope.tui.widgets.failslow import FailSlowPanel, heat_text, history_text
+from textual.pilot import Pilot
+from textual.widgets import Static
+
+pytestmark = pytest.mark.timeout(120)
+
+MACHINES = ("m0", "m1", "m2", "m3")
+RPM = 2
+WALL0 = 1_790_000_000.0
+MONO0 = 100.0
+SLOW_FROM = 10
+
+
+def _wobble(t: int, i: int) -> float:
+    """Deterministic ±3% noise, different per machine and time."""
+    return 1.0 + 0.03 * math.sin(1.7 * t + 2.3 * i)
+
+
+def fs_series(n: int, slow: str | None = "m2", slow_from: int = SLOW_FROM, factor: float = 1.5) -> list[JobSnapshot]:
+    steps = {r: 0 for r in range(len(MACHINES) * RPM)}
+    world = len(MACHINES) * RPM
+    out = []
+    for t in range(n):
+        ms = []
+        for i, m in enumerate(MACHINES):
+            hot = m == slow and t >= slow_from
+            w = _wobble(t, i)
+            step = 0.5 * w * (factor if hot else 1.0)
+            infos, counters = [], []
+            for r in range(i * RPM, (i + 1) * RPM):
+                steps[r] += 1
+                infos.append(RankInfo(r, r % RPM, world, 1000 + r, group_rank=i,
+                                      process=ProcessInfo(1000 + r, 1, ProcessRole.MAIN, "python",
+                                                          cpu_percent=60.0 * w * (1.3 if hot else 1.0))))
+                counters.append(RankCounters(r, 1000 + r, world, "fs", WALL0 + t, steps=steps[r],
+                                             last_step_duration_s=step))
+            gpus = GpuStatus(True, tuple(GpuMetrics(g, util_percent=80.0 * w, temperature_c=60.0 * w * (1.25 if hot else 1.0),
+                                                    power_w=250.0 * w, sm_clock_mhz=1400.0) for g in range(RPM)))
+            ms.append(MachineSnapshot(m, f"127.0.0.1:{5000 + i}", True, Instant(WALL0 + t, MONO0 + t), m,
+                                      tuple(infos), (), HostMetrics(40.0 * w, 8, 16 << 30, 8 << 30, 1.0), gpus,
+                                      tuple(counters)))
+        out.append(JobSnapshot(Instant(WALL0 + t, MONO0 + t), tuple(ms), job_id="fs"))
+    return out
+
+
+def fs_bundle(n: int = 70, slow: str | None = "m2") -> Bundle:
+    snaps = tuple(fs_series(n, slow))
+    return Bundle(snaps, WALL0 + n, ground_truth={"fault": "fail-slow", "machines": [slow] if slow else []})
+
+
+async def _replayed(pilot: Pilot[Any]) -> None:
+    app = pilot.app
+    assert isinstance(app, RankscopeApp)
+    await app.loaded.wait()
+    await app.failslow.idle.wait()
+    await pilot.pause()
+
+
+def _text(app: RankscopeApp, selector: str) -> str:
+    return str(app.main.query_one(selector, Static).render())
+
+
+# ---- the tracker, without the app ----------------------------------------------
+
+
+def test_tracker_names_the_slow_machine_and_marks_its_ranks() -> None:
+    tracker = FailSlowTracker()
+    view = tracker.feed_series((s, None) for s in fs_series(70))
+    v = view.verdict
+    assert v is not None and v.confident and v.machine == "m2"
+    assert view.suspect == "m2"
+    heat = {h.machine: h for h in view.heat}
+    assert heat["m2"].ranks == (4, 5)
+    assert all(r is not None and 1.4 < r < 1.6 for r in heat["m2"].ratios)
+    assert all(r is not None and r < 1.1 for m in ("m0", "m1", "m3") for r in heat[m].ratios)
+    # slow since: measured in the snapshots' time, from when the evidence began
+    assert v.slow_since_mono is not None and MONO0 + SLOW_FROM <= v.slow_since_mono <= MONO0 + SLOW_FROM + 2
+    assert view.slow_for_s == pytest.approx(MONO0 + 69 - v.slow_since_mono)
+    assert len(view.rounds) == 60 and view.updates == 70
+    assert view.rounds[-1].suspect == "m2" and view.rounds[-1].confident
+    # the oldest round kept is the slowdown's first second: flagged, not alarmed, no suspect yet
+    first = view.rounds[0]
+    assert first.at_mono == MONO0 + SLOW_FROM and first.suspect is None
+    assert ("step_time", "m2", False) in first.flags and not any(alarmed for _, _, alarmed in first.flags)
+    # the sparklines: the suspect's step time stays ~1.5x its peers' median once slow
+    assert view.suspect_steps[-1] / view.peer_steps[-1] == pytest.approx(1.5, rel=0.08)
+    plain = heat_text(view, 80, 10, ("m2",)).plain
+    m2_line = next(line for line in plain.splitlines() if line.startswith("m2"))
+    assert m2_line.endswith("▲▲") and "▲" not in plain.split("m2")[0]
+    hist = history_text(view.rounds, 40).plain
+    assert "A=m2" in hist and "step_time" in hist
+
+
+def test_tracker_on_a_healthy_series_flags_nothing_confidently() -> None:
+    view = FailSlowTracker().feed_series((s, None) for s in fs_series(70, slow=None))
+    assert view.verdict is not None and not view.verdict.confident
+    assert not view.verdict.verdict.suspects
+    assert view.slow_for_s is None
+    assert all(r is not None and r < 1.1 for h in view.heat for r in h.ratios)
+
+
+def test_tracker_ignores_a_repeated_snapshot() -> None:
+    snaps = fs_series(5)
+    tracker = FailSlowTracker()
+    tracker.feed(snaps[0])
+    tracker.feed(snaps[1])
+    view = tracker.feed(snaps[1])
+    assert view.updates == 2 and len(view.rounds) == 2
+
+
+# ---- the app -------------------------------------------------------------------
+
+
+async def test_key_7_shows_the_slow_machine_of_a_recorded_series() -> None:
+    app = RankscopeApp(BundleSource(fs_bundle(), "bundle fs"), AppOptions())
+    async with app.run_test(size=(160, 48)) as pilot:
+        await _replayed(pilot)
+        await pilot.press("7")
+        await pilot.pause()
+        assert app.main.active_view == "failslow"
+        assert isinstance(app.focused, FailSlowPanel)
+        view = app.failslow_view
+        assert view is not None and view.verdict is not None and view.verdict.confident
+        assert view.verdict.machine == "m2"
+        summary = _text(app, "#fs-summary")
+        assert "m2" in summary and "(confident)" in summary
+        assert "slow since" in summary
+        slow_for = view.slow_for_s
+        assert slow_for is not None and f"slow since {slow_for:.0f} s ago" in summary
+        heat = _text(app, "#fs-heat")
+        lines = {line.split()[0]: line for line in heat.splitlines()[1:5]}
+        assert lines["m2"].rstrip().endswith("▲▲")
+        assert all("▲" not in lines[m] for m in ("m0", "m1", "m3"))
+        flags = _text(app, "#fs-flags")
+        assert "● step_time" in flags and "m2" in flags
+        assert "A=m2" in _text(app, "#fs-history")
+        assert _text(app, "#fs-spark").splitlines()[1].startswith("m2")
+
+
+async def test_healthy_series_shows_no_confident_flag() -> None:
+    app = RankscopeApp(BundleSource(fs_bundle(slow=None), "bundle ok"), AppOptions())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _replayed(pilot)
+        await pilot.press("7")
+        await pilot.pause()
+        view = app.failslow_view
+        assert view is not None and view.verdict is not None and not view.verdict.confident
+        summary = _text(app, "#fs-summary")
+        assert summary.startswith("no fail-slow") and "slow since" not in summary
+        assert "none: no detector flags a machine" in _text(app, "#fs-flags")
+        rows = _text(app, "#fs-heat").splitlines()[1:-1]  # the last line is the legend
+        assert len(rows) == 4 and all("▲" not in row and row.rstrip().endswith("■■") for row in rows)
+
+
+async def test_live_polls_feed_the_detectors_until_the_slow_machine_is_named() -> None:
+    snaps = fs_series(70)
+    source = QueueSource("live", initial=snaps[:1])
+    app = RankscopeApp(source, AppOptions(capture_on_start=False, poll_interval_s=0.0))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.loaded.wait()
+        await pilot.press("7")
+        for s in snaps[1:]:
+            source.push_poll(s)
+        # every poll reaches the detectors (a newer view replaces an undelivered one, never a poll)
+        for _ in range(400):
+            await app.failslow.idle.wait()
+            await pilot.pause()
+            if app.failslow.tracker.detector.latest is not None and \
+                    app.failslow.tracker.detector.latest.at_mono == snaps[-1].captured.mono:
+                break
+            await pilot.pause(0.02)
+        await pilot.pause()
+        view = app.failslow_view
+        assert view is not None and view.updates == 70
+        assert view.verdict is not None and view.verdict.confident and view.verdict.machine == "m2"
+        assert "slow since" in _text(app, "#fs-summary")
