@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rankscope.bundle import Bundle
 from rankscope.errors import RankscopeError
 from rankscope.snapshot import JobSnapshot
+
+if TYPE_CHECKING:
+    from rankscope.actions.agent_protocol import ActionError, ActionUpdate, AgentLost, Confirmation
+    from rankscope.actions.model import ActionPlan, ActionRequest, AuditRecord
+
+NEEDS_LIVE_JOB = RankscopeError(
+    "actions need a live job: this is a saved bundle",
+    "attach to the job's agents (rankscope attach --agents host:port,...) to evict, hot-update or back up")
 
 
 class Source(Protocol):
@@ -87,6 +95,19 @@ class BundleSource:
     async def close(self) -> None:
         return None
 
+    act_problem: tuple[str, str] | None = (NEEDS_LIVE_JOB.message, NEEDS_LIVE_JOB.fix)
+
+    async def plan_action(self, request: ActionRequest) -> Mapping[str, ActionPlan | ActionError]:
+        raise NEEDS_LIVE_JOB
+
+    def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]:
+        raise NEEDS_LIVE_JOB
+
+    async def watch_audit(self, since: int | None = 0) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost]:
+        """A bundle has no agents, so no audit stream: ends at once."""
+        return
+        yield
+
 
 class QueueSource:
     """Snapshots pushed by a script or a test; a poll waits for the next one.
@@ -129,12 +150,20 @@ class QueueSource:
 
 
 class LiveSource:
-    """A job's agents, through ``rankscope.client.JobClient``."""
+    """A job's agents, through ``rankscope.client.JobClient``.
+
+    ``acting``: this session may run actions (not ``--read-only``); the
+    client then sends RunAction, which the agents allow only to a token of
+    the 'act' role. ``act_problem`` is (message, fix) when it is already
+    known that this session cannot act (read-only, or the token file holds
+    no 'act' token), so the TUI says so before a person confirms anything.
+    """
 
     live = True
 
     def __init__(self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0,
-                 native: bool = False, capture_timeout_s: float = 5.0) -> None:
+                 native: bool = False, capture_timeout_s: float = 5.0, acting: bool = False,
+                 act_problem: tuple[str, str] | None = None) -> None:
         if not agents:
             raise RankscopeError("no agents to attach to", "pass --agents host:port[,host:port...] or a hostfile")
         self.agents = tuple(agents)
@@ -146,7 +175,10 @@ class LiveSource:
         except ImportError as exc:
             raise RankscopeError(f"the agent client is not available ({exc})",
                                  "install rankscope[tui] (grpcio) on this machine") from None
-        self._client = JobClient(self.agents, token, deadline_s=deadline_s)
+        self._client = JobClient(self.agents, token, deadline_s=deadline_s, acting=acting)
+        self.act_problem = act_problem if acting else (
+            "this session is read-only: it does not send actions",
+            "attach without --read-only, with a token of the 'act' role (--token-file)")
 
     async def initial(self) -> Sequence[JobSnapshot]:
         return (await self._client.describe(),)
@@ -159,6 +191,18 @@ class LiveSource:
 
     async def close(self) -> None:
         await self._client.close()
+
+    # Actions: plain passthroughs, so the TUI reaches agents only through the client.
+
+    async def plan_action(self, request: ActionRequest) -> Mapping[str, ActionPlan | ActionError]:
+        return await self._client.plan_action(request)
+
+    def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]:
+        return self._client.run_action(request, confirmation)
+
+    def watch_audit(self, since: int | None = 0) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost]:
+        """Every agent's audit records, live (read role is enough: a read-only pane sees actions happen)."""
+        return self._client.watch_all_audit(since=since)
 
 
 async def poll_loop(

@@ -21,7 +21,13 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
               ("o", "CCL: change the sort"), ("n / p", "rank view: next / previous rank of the group"))),
     ("act", (("s", "capture stacks now"), ("y", "copy the selected stack or the verdict (OSC 52)"),
              ("w", "write what was seen to a bundle file"), ("ctrl+p", "command palette"), ("q", "quit"))),
-    ("later", (("e u b", "reserved: evict, hot-update, checkpoint backup"),)),
+)
+# Listed only when the session may act: under --read-only these keys do not exist.
+ACTION_KEYS_HELP: tuple[tuple[str, str], ...] = (
+    ("e", "evict the suspect group's machines: plan, then type the phrase to confirm"),
+    ("u", "hot-update (git ref or prepared directory; immediate or lazy) or roll back"),
+    ("b", "checkpoint backup to peers outside each rank's groups"),
+    ("6", "actions view: the agents' audit log, update history, standby sizing"),
 )
 
 
@@ -29,12 +35,14 @@ def help_table(read_only: bool) -> Table:
     table = Table(box=None, show_header=False, padding=(0, 2))
     table.add_column(style="bold cyan", no_wrap=True)
     table.add_column()
-    for section, rows in KEYS:
+    sections = KEYS if read_only else (*KEYS, ("change the job", ACTION_KEYS_HELP))
+    for section, rows in sections:
         table.add_row(Text(section.upper(), "bold"), "")
         for key, what in rows:
             table.add_row(key, what)
     if read_only:
-        table.add_row("", Text("read-only session: actions that change the job are off", "yellow"))
+        table.add_row("6", "actions view: the audit log, live")
+        table.add_row("", Text("read-only: no keys change the job", "yellow"))
     return table
 
 

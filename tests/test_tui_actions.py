@@ -1,0 +1,346 @@
+"""The action keys of the TUI: plan shown, Cancel by default, type-to-confirm, live progress, read-only without keys.
+
+Most tests drive the app with Pilot over the recorded Fig. 7 bundle and a
+source that records what it is asked (the same plan/run/watch passthroughs
+LiveSource offers), so they can say exactly what would have been sent. The
+last test does it for real: agents on loopback with actions enabled and
+stand-in rank processes, a TUI that presses e and types the phrase, the
+ranks really stopped, and a second, read-only TUI on the same agents that
+sees the audit records arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import pytest
+from rankscope.actions.agent_protocol import ActionError, ActionUpdate, AgentLost, Confirmation
+from rankscope.actions.model import (
+    ActionKind,
+    ActionPlan,
+    ActionProgress,
+    ActionRequest,
+    ActionResult,
+    ActionState,
+    AuditRecord,
+    EvictArgs,
+    HotUpdateArgs,
+    ProcessRef,
+    Targets,
+    UpdateMode,
+    VersionSource,
+    confirm_phrase_for,
+)
+from rankscope.tui.actions import ACT_TOKEN_FIX, ActionSource, pick_suspect, plan_text, summarize
+from rankscope.tui.app import AppOptions, RankscopeApp
+from rankscope.tui.screens.confirm import ConfirmModal, UpdateModal
+from rankscope.tui.screens.help import HelpScreen
+from rankscope.tui.sources import BundleSource
+from textual.widgets import Button, Input, RadioButton
+from tui_bundles import fig7_bundle
+from tui_screen import screen_text
+
+pytestmark = pytest.mark.timeout(60)
+
+SUSPECT_MACHINES = ("node12", "node13", "node14", "node15")  # Fig. 7: the PP group on machines 12-15
+PHRASE = "evict node12 node13 node14 node15"
+
+
+def address_of(machine: str) -> str:
+    return f"10.0.0.{int(machine[4:])}:50051"
+
+
+class RecordingSource(BundleSource):
+    """The Fig. 7 bundle plus the action passthroughs, answering like agents and recording every call."""
+
+    def __init__(self, act_problem: tuple[str, str] | None = None, result_message: str = "evicted") -> None:
+        super().__init__(fig7_bundle(), "bundle fig7")
+        self.act_problem = act_problem
+        self.result_message = result_message
+        self.planned: list[ActionRequest] = []
+        self.runs: list[tuple[ActionRequest, Confirmation]] = []
+        self.audit: asyncio.Queue[tuple[str, AuditRecord] | AgentLost] = asyncio.Queue()
+
+    async def plan_action(self, request: ActionRequest) -> Mapping[str, ActionPlan | ActionError]:
+        self.planned.append(request)
+        machines = request.targets.machines or ("node00", "node01")
+        plans: dict[str, ActionPlan | ActionError] = {}
+        for m in machines:
+            n = int(m[4:])
+            evict = request.kind == ActionKind.EVICT
+            plans[address_of(m)] = ActionPlan(
+                request.action_id, request.kind, f"{request.kind.value} {m}", machines=(m,),
+                processes=(ProcessRef(m, 4000 + 2 * n, 2 * n), ProcessRef(m, 4001 + 2 * n, 2 * n + 1)),
+                standbys=(f"spare-{n}",) if evict else (),
+                backup_peers=((2 * n, 2 * n + 10), (2 * n + 1, 2 * n + 11)) if request.kind == ActionKind.BACKUP else (),
+                commands=((("scontrol", "update", f"NodeName={m}", "State=DRAIN"),) if evict else ()),
+                typed_confirmation=evict, confirm_phrase=confirm_phrase_for(ActionKind.EVICT, (m,)) if evict else "")
+        return plans
+
+    async def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]:
+        self.runs.append((request, confirmation))
+        for m in confirmation.machines:
+            yield ActionUpdate(address_of(m), ActionProgress(request.action_id, 1.0, 1, 2, f"SIGTERM 2 processes on {m}"))
+        for m in confirmation.machines:
+            yield ActionUpdate(address_of(m), ActionResult(request.action_id, request.kind, ActionState.SUCCEEDED,
+                                                           f"{self.result_message} {m}", 1.0, 2.0))
+
+    async def watch_audit(self, since: int | None = 0) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost]:
+        while True:
+            yield await self.audit.get()
+
+
+class Watched:
+    """The app's notifications, as text (what a person saw pop up)."""
+
+    def __init__(self, app: RankscopeApp) -> None:
+        self.lines: list[str] = []
+        original = app.notify
+
+        def notify(message: str, **kwargs: Any) -> None:
+            self.lines.append(f"{kwargs.get('title', '')}: {message}")
+            original(message, **kwargs)
+
+        app.notify = notify  # type: ignore[method-assign]
+
+    def has(self, text: str) -> bool:
+        return any(text in line for line in self.lines)
+
+
+async def until(pilot: Any, cond: Callable[[], bool], timeout: float = 10.0, what: str = "the condition") -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def open_confirm(pilot: Any, app: RankscopeApp, key: str) -> ConfirmModal:
+    await until(pilot, app.loaded.is_set, what="the bundle")
+    await pilot.press(key)
+    await until(pilot, lambda: isinstance(app.screen, ConfirmModal), what="the confirm modal")
+    await pilot.pause()
+    assert isinstance(app.screen, ConfirmModal)
+    return app.screen
+
+
+async def focus_phrase_box(pilot: Any, app: RankscopeApp) -> None:
+    """Tab from the focused Cancel button to the phrase box, as a person would."""
+    for _ in range(6):
+        if isinstance(app.focused, Input):
+            return
+        await pilot.press("tab")
+    assert isinstance(app.focused, Input), app.focused
+
+
+# ---- pure parts --------------------------------------------------------------------------------
+
+
+def test_the_eviction_aims_at_the_suspect_under_the_cursor_else_the_top_one() -> None:
+    from rankscope.tui.analysis import build_stack_view
+
+    snap = [s for s in fig7_bundle().snapshots if any(m.stacks for m in s.machines)][-1]
+    view = build_stack_view(snap, None)
+    assert pick_suspect(view).machines == SUSPECT_MACHINES  # type: ignore[union-attr]
+    assert pick_suspect(view, selected_rank=3).machines == SUSPECT_MACHINES  # type: ignore[union-attr]
+    assert pick_suspect(view, selected_rank=30).machines == SUSPECT_MACHINES  # type: ignore[union-attr]
+    assert pick_suspect(None) is None
+
+
+async def test_plan_text_names_machines_processes_standbys_peers_and_argv() -> None:
+    source = RecordingSource()
+    request = ActionRequest("evict-x", ActionKind.EVICT, Targets(("node12", "node13")), EvictArgs("hung"), "alice")
+    summary = summarize(request, await source.plan_action(request))
+    assert summary.runnable and summary.machines == ("node12", "node13")
+    assert summary.phrase == "evict node12 node13"
+    text = plan_text(summary).plain
+    for needle in ("evict node12 node13", "24: 4024", "25: 4025", "26: 4026", "standbys joining: spare-12",
+                   "runs: scontrol update NodeName=node12 State=DRAIN", "reason: hung"):
+        assert needle in text, needle
+    assert summary.confirmation("evict node12 node13") == Confirmation(("node12", "node13"), (), "evict node12 node13")
+
+
+# ---- e: plan, Cancel default, type-to-confirm ------------------------------------------------------
+
+
+async def test_evict_shows_the_plan_with_cancel_focused_and_enter_cancels_without_running() -> None:
+    source = RecordingSource()
+    app = RankscopeApp(source, AppOptions())
+    async with app.run_test(size=(140, 48)) as pilot:
+        modal = await open_confirm(pilot, app, "e")
+        (request,) = source.planned
+        assert request.kind == ActionKind.EVICT and request.targets.machines == SUSPECT_MACHINES
+        assert isinstance(app.focused, Button) and app.focused.id == "cancel"
+        assert modal.query_one("#confirm", Button).disabled  # nothing typed yet
+        text = screen_text(app)
+        assert PHRASE in text
+        for needle in ("processes (rank: pids): 24: 4024; 25: 4025", "standbys joining: spare-12",
+                       "scontrol update NodeName=node15 State=DRAIN"):
+            assert needle in text, needle
+        await pilot.press("enter")  # the default answer
+        await until(pilot, lambda: not isinstance(app.screen, ConfirmModal), what="the modal to close")
+        await pilot.pause()
+        assert source.runs == []
+
+
+async def test_a_wrong_phrase_runs_nothing_and_escape_cancels() -> None:
+    source = RecordingSource()
+    app = RankscopeApp(source, AppOptions())
+    watched = Watched(app)
+    async with app.run_test(size=(140, 48)) as pilot:
+        modal = await open_confirm(pilot, app, "e")
+        await focus_phrase_box(pilot, app)
+        await pilot.press(*"evict node12 node13")  # two machines short
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmModal), "a wrong phrase must not close the modal as confirmed"
+        assert modal.query_one("#confirm", Button).disabled
+        assert watched.has("not the phrase")
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, ConfirmModal), what="the modal to close")
+        await pilot.pause()
+        assert source.runs == []
+        assert watched.has("cancelled: nothing was sent")
+
+
+async def test_the_right_phrase_runs_with_the_exact_confirmation_and_progress_and_result_are_shown() -> None:
+    source = RecordingSource()
+    app = RankscopeApp(source, AppOptions())
+    watched = Watched(app)
+    async with app.run_test(size=(140, 48)) as pilot:
+        await open_confirm(pilot, app, "e")
+        await focus_phrase_box(pilot, app)
+        await pilot.press(*PHRASE)
+        await pilot.press("enter")
+        await until(pilot, lambda: bool(source.runs), what="the run")
+        (request, confirmation), = source.runs
+        assert request is source.planned[0]
+        assert confirmation == Confirmation(SUSPECT_MACHINES, (), PHRASE)
+        await until(pilot, lambda: watched.has("succeeded: evicted node15"), what="the result")
+        assert watched.has("SIGTERM 2 processes on node12") and watched.has("evict 1/2")
+        assert all(watched.has(f"{address_of(m)}: succeeded: evicted {m}") for m in SUSPECT_MACHINES)
+        # the agents' audit stream: shown in the Actions view and the Events view
+        for seq, result in enumerate(("started", "succeeded"), start=1):
+            source.audit.put_nowait((address_of("node12"), AuditRecord(
+                seq, request.action_id, "alice@desk", 1700000000.0 + seq, ActionKind.EVICT,
+                "evict node12: stop ranks 24 25 and block it", result, "blocked node12" if seq == 2 else "",
+                ("node12",))))
+        await until(pilot, lambda: len(app.actions.log.lines) == 2, what="the audit records")
+        await pilot.press("6")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "succeeded" in text and "started" in text and "alice@desk" in text and "blocked node12" in text
+        assert "warm standbys (P99, 24 h): 1 for 16 machines" in text
+        await pilot.press("5")
+        await pilot.pause()
+        assert "evict succeeded on node12 by alice@desk" in screen_text(app)
+
+
+# ---- u and b ------------------------------------------------------------------------------------------
+
+
+async def test_update_asks_version_and_mode_then_plans_and_a_plain_confirm_runs_it() -> None:
+    source = RecordingSource(result_message="updated")
+    app = RankscopeApp(source, AppOptions())
+    async with app.run_test(size=(140, 48)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.press("u")
+        await until(pilot, lambda: isinstance(app.screen, UpdateModal), what="the update modal")
+        await pilot.pause()
+        assert isinstance(app.focused, Input)
+        await pilot.press(*"release-2")
+        app.screen.query_one("#mode-lazy", RadioButton).value = True
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmModal), what="the plan")
+        (request,) = source.planned
+        assert request.kind == ActionKind.HOT_UPDATE
+        assert request.args == HotUpdateArgs(VersionSource.GIT, "release-2", UpdateMode.LAZY)
+        assert isinstance(app.focused, Button) and app.focused.id == "cancel"
+        assert "Input" not in {type(w).__name__ for w in app.screen.query("*")}, "only eviction is typed"
+        await pilot.press("tab")  # to Confirm
+        assert isinstance(app.focused, Button) and app.focused.id == "confirm"
+        await pilot.press("enter")
+        await until(pilot, lambda: bool(source.runs), what="the run")
+        assert source.runs[0][1] == Confirmation(("node00", "node01"), (), "")
+
+
+async def test_backup_plan_shows_the_peers_and_cancel_sends_nothing() -> None:
+    source = RecordingSource()
+    app = RankscopeApp(source, AppOptions())
+    async with app.run_test(size=(140, 48)) as pilot:
+        await open_confirm(pilot, app, "b")
+        assert source.planned[0].kind == ActionKind.BACKUP
+        assert "backup peers (rank→peer): 0→10 1→11" in screen_text(app)
+        await pilot.press("enter")
+        await until(pilot, lambda: not isinstance(app.screen, ConfirmModal))
+        assert source.runs == []
+
+
+# ---- who may act --------------------------------------------------------------------------------------
+
+
+async def test_read_only_has_no_action_bindings_and_help_and_footer_do_not_list_them() -> None:
+    source = RecordingSource()
+    app = RankscopeApp(source, AppOptions(read_only=True))
+    async with app.run_test(size=(140, 48)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.pause()
+        assert not {"e", "u", "b"} & set(app.active_bindings)
+        actions = {b.action for _, b in app.active_bindings.items() for b in [b.binding]}
+        assert not {"evict", "update", "backup"} & actions
+        text = screen_text(app)
+        assert "[read-only]" in text and "Evict" not in text and "Backup" not in text
+        for key in "eub":
+            await pilot.press(key)
+        await pilot.pause()
+        assert source.planned == [] and isinstance(app.screen, type(app.main))
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        help_text = screen_text(app)
+        assert "evict the suspect" not in help_text and "hot-update" not in help_text
+        assert "read-only: no keys change the job" in help_text
+    writer = RankscopeApp(RecordingSource(), AppOptions())
+    async with writer.run_test(size=(140, 48)) as pilot:
+        await until(pilot, writer.loaded.is_set)
+        await pilot.pause()
+        assert {"e", "u", "b"} <= set(writer.active_bindings)
+        text = screen_text(writer)
+        assert "Evict" in text and "Update" in text and "Backup" in text
+
+
+async def test_a_saved_bundle_says_actions_need_a_live_job() -> None:
+    app = RankscopeApp(BundleSource(fig7_bundle(), "bundle fig7"), AppOptions())
+    watched = Watched(app)
+    async with app.run_test(size=(140, 48)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        assert isinstance(app.source, ActionSource)
+        await pilot.press("e")
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmModal)
+        assert watched.has("actions need a live job") and watched.has("--agents")
+
+
+async def test_a_token_without_the_act_role_is_named_with_the_fix() -> None:
+    source = RecordingSource(act_problem=("rankscope.token holds no token with the 'act' role",
+                                          "add a line 'act:<token>'"))
+    app = RankscopeApp(source, AppOptions())
+    watched = Watched(app)
+    async with app.run_test(size=(140, 48)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.press("e")
+        await pilot.pause()
+        assert source.planned == [] and not isinstance(app.screen, ConfirmModal)
+        assert watched.has("no token with the 'act' role") and watched.has("fix: add a line 'act:<token>'")
+    # known only when the agents refuse: the result says it was the token, and how to fix it
+    refused = RecordingSource(result_message="agent at x: RunAction needs a token with the 'act' role;")
+    app = RankscopeApp(refused, AppOptions())
+    watched = Watched(app)
+    async with app.run_test(size=(140, 48)) as pilot:
+        await open_confirm(pilot, app, "e")
+        await focus_phrase_box(pilot, app)
+        await pilot.press(*PHRASE, "enter")
+        await until(pilot, lambda: watched.has("this token may not act"), what="the refusal")
+        assert watched.has(ACT_TOKEN_FIX)

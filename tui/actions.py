@@ -1,0 +1,455 @@
+"""The action keys (e evict, u hot-update, b checkpoint backup): plan, confirm by name, run, watch the audit log.
+
+The TUI never decides on its own: a key builds an ``ActionRequest`` from
+what the screen shows (the verdict's top suspect, or the suspect under the
+rank-map cursor), asks the agents for their plan, and shows that plan --
+exact machines, processes (pid, rank), standbys, backup peers and the argv
+the backend will run -- in a ``ConfirmModal`` whose default is Cancel.
+Eviction needs the phrase typed (k9s); only then does the request go out,
+with a confirmation of exactly the planned targets (the client and each
+agent check it again). Progress and the result are shown as they come.
+
+Every attached TUI, read-only ones included, follows the agents' audit
+streams (``watch_audit``), so a person in the other pane of a pair sees an
+action happen live. The audit records feed the Events view, and the
+Actions view (``ActionsPanel``) with the hot-update history and the warm
+standby sizing (ByteRobust §6.2's P99 binomial).
+
+Nothing here imports grpc: the source's passthroughs reach the client.
+"""
+
+from __future__ import annotations
+
+import getpass
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from rankscope.actions.agent_protocol import (
+    ActionError,
+    ActionUpdate,
+    AgentLost,
+    Confirmation,
+    combined_phrase,
+    confirmation_for,
+)
+from rankscope.actions.model import (
+    ActionKind,
+    ActionPlan,
+    ActionProgress,
+    ActionRequest,
+    ActionResult,
+    ActionState,
+    AuditRecord,
+    BackupArgs,
+    EvictArgs,
+    HotUpdateArgs,
+    RollbackArgs,
+    Targets,
+    UpdateMode,
+    VersionSource,
+)
+from rankscope.analyzers.findings import Suspect
+from rankscope.errors import RankscopeError
+from rankscope.tui import state as st
+from rankscope.tui.analysis import StackView, format_ranks
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from rankscope.tui.app import RankscopeApp
+
+DAILY_FAILURE_RATE = 0.0012  # per machine and day: reproduces ByteRobust Table 5's pool sizes
+KIND_LABELS = {ActionKind.EVICT: "evict", ActionKind.HOT_UPDATE: "hot-update", ActionKind.BACKUP: "backup",
+               ActionKind.ROLLBACK: "rollback"}
+FINAL_RESULTS = frozenset(s.value for s in ActionState if s.final)
+# What the agent's interceptor says when a read token asks to act (see rankscope.agent).
+_ROLE_REFUSAL = ("needs a token with the 'act' role", "does not allow this call with this token")
+ACT_TOKEN_FIX = ("attach with --token-file naming a token the agents accept with the 'act' role "
+                 "(a line 'act:<token>' in the agents' token file)")
+
+
+@runtime_checkable
+class ActionSource(Protocol):
+    """What a source offers for actions (LiveSource; BundleSource refuses with the fix)."""
+
+    act_problem: tuple[str, str] | None
+
+    async def plan_action(self, request: ActionRequest) -> Mapping[str, ActionPlan | ActionError]: ...
+
+    def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]: ...
+
+    def watch_audit(self, since: int | None = 0) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost]: ...
+
+
+# --------------------------------------------------------------------------
+# requests from what is on screen (pure)
+# --------------------------------------------------------------------------
+
+
+def pick_suspect(view: StackView | None, selected_rank: int | None = None) -> Suspect | None:
+    """The suspect an eviction aims at: the one holding the selected rank, else the verdict's top one."""
+    if view is None or not view.verdict.suspects:
+        return None
+    if selected_rank is not None:
+        for s in view.verdict.suspects:
+            if selected_rank in s.ranks:
+                return s
+    return view.verdict.top
+
+
+def new_action_id(kind: ActionKind, now: float) -> str:
+    """Unique per press (the agents carry out an id at most once), readable in the audit log."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
+    return f"{KIND_LABELS[kind]}-{stamp}-{secrets.token_hex(3)}"
+
+
+def requester() -> str:
+    """Who acts, as the audit log records it: user@host of this terminal."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return _printable(f"{user}@{socket.gethostname()} (rankscope attach)")
+
+
+def _printable(text: str, limit: int = 300) -> str:
+    clean = "".join(ch if ch.isprintable() else " " for ch in text)
+    return " ".join(clean.split())[:limit] or "-"
+
+
+def suspect_label(s: Suspect) -> str:
+    group = f" group {s.group_index}" if s.group_index is not None else ""
+    return f"{s.kind.value.upper()}{group}"
+
+
+def evict_request(suspect: Suspect, action_id: str, who: str, job_id: str | None = None) -> ActionRequest:
+    """Over-evict the suspect group: every machine it touches (ByteRobust §5.3), named by machine."""
+    evidence = suspect.evidence[0] if suspect.evidence else "named by the verdict"
+    reason = _printable(f"{suspect_label(suspect)} ranks {format_ranks(suspect.ranks, 8)}: {evidence}")
+    return ActionRequest(action_id, ActionKind.EVICT, Targets(tuple(suspect.machines)), EvictArgs(reason), who,
+                         job_id)
+
+
+def update_request(version: str, mode: UpdateMode, action_id: str, who: str,
+                   job_id: str | None = None) -> ActionRequest:
+    """Hot-update the whole job: a path is a prepared directory, anything else a git ref."""
+    version = version.strip()
+    source = VersionSource.DIR if version.startswith("/") else VersionSource.GIT
+    return ActionRequest(action_id, ActionKind.HOT_UPDATE, Targets(), HotUpdateArgs(source, version, mode), who,
+                         job_id)
+
+
+def rollback_request(mode: UpdateMode, action_id: str, who: str, job_id: str | None = None) -> ActionRequest:
+    return ActionRequest(action_id, ActionKind.ROLLBACK, Targets(), RollbackArgs(mode=mode), who, job_id)
+
+
+def backup_request(action_id: str, who: str, job_id: str | None = None) -> ActionRequest:
+    return ActionRequest(action_id, ActionKind.BACKUP, Targets(), BackupArgs(), who, job_id)
+
+
+# --------------------------------------------------------------------------
+# plans as a person reads them (pure)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSummary:
+    """Every agent's answer to one request: the plans, the refusals, and what confirming takes."""
+
+    request: ActionRequest
+    plans: tuple[ActionPlan, ...]
+    errors: tuple[ActionError, ...]
+
+    @property
+    def runnable(self) -> bool:
+        return bool(self.plans) and not self.errors
+
+    @property
+    def machines(self) -> tuple[str, ...]:
+        return confirmation_for(self.plans).machines
+
+    @property
+    def phrase(self) -> str | None:
+        """The phrase to type (eviction), or None when an explicit yes is enough."""
+        if self.request.kind == ActionKind.EVICT or any(p.typed_confirmation for p in self.plans):
+            return combined_phrase(self.request.kind, self.plans)
+        return None
+
+    def confirmation(self, typed: str = "") -> Confirmation:
+        """Exactly the planned targets, as ``run_action`` wants them."""
+        return confirmation_for(self.plans, self.request.targets.ranks, typed if self.phrase is not None else "")
+
+
+def summarize(request: ActionRequest, answers: Mapping[str, ActionPlan | ActionError]) -> PlanSummary:
+    plans = tuple(a for a in answers.values() if isinstance(a, ActionPlan))
+    errors = tuple(a for a in answers.values() if isinstance(a, ActionError))
+    return PlanSummary(request, plans, errors)
+
+
+def plan_text(summary: PlanSummary, process_limit: int = 64) -> Text:
+    """The plan, exactly: machines, processes (pid, rank), standbys, backup peers, argv, steps, warnings."""
+    import shlex
+
+    t = Text()
+    kind = KIND_LABELS[summary.request.kind]
+    t.append(f"{kind} ", "bold")
+    t.append(" ".join(summary.machines) or "(no machine)", "bold red" if kind == "evict" else "bold")
+    t.append(f"   action {summary.request.action_id}\n", "dim")
+    if summary.request.kind == ActionKind.EVICT:
+        assert isinstance(summary.request.args, EvictArgs)
+        t.append(f"reason: {summary.request.args.reason}\n", "italic")
+    for e in summary.errors:
+        t.append(f"✗ {e.message}\n", "bold red")
+        if e.fix:
+            t.append(f"  fix: {e.fix}\n", "yellow")
+    shown = 0
+    for plan in summary.plans:
+        t.append(f"\n▸ {plan.summary}\n", "bold cyan")
+        by_rank: dict[int | None, list[int]] = {}
+        for p in plan.processes:
+            by_rank.setdefault(p.rank, []).append(p.pid)
+        if by_rank:
+            t.append("  processes (rank: pids): ")
+            parts = []
+            for rank, pids in sorted(by_rank.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+                if shown >= process_limit:
+                    parts.append(f"… +{len(plan.processes) - shown} more")
+                    break
+                parts.append(f"{'?' if rank is None else rank}: {' '.join(map(str, pids))}")
+                shown += len(pids)
+            t.append("; ".join(parts) + "\n")
+        else:
+            t.append("  processes: none found on this machine\n", "yellow")
+        if plan.standbys:
+            t.append(f"  standbys joining: {' '.join(plan.standbys)}\n", "green")
+        if plan.backup_peers:
+            t.append("  backup peers (rank→peer): " + " ".join(f"{r}→{p}" for r, p in plan.backup_peers) + "\n")
+        for argv in plan.commands:
+            t.append(f"  runs: {shlex.join(argv)}\n", "magenta")
+        for step in plan.steps:
+            t.append(f"  · {step}\n", "dim")
+        for w in plan.warnings:
+            t.append(f"  ! {w}\n", "yellow")
+    return t
+
+
+# --------------------------------------------------------------------------
+# the audit log as this TUI has seen it
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AuditLine:
+    address: str
+    record: AuditRecord
+
+
+@dataclass
+class ActionLog:
+    """Audit records from every agent (deduplicated by agent and seq) and notes about the streams."""
+
+    lines: list[AuditLine] = field(default_factory=list)
+    notes: dict[str, str] = field(default_factory=dict)  # agent address -> why its stream is missing
+    version: int = 0  # bumped on every change, so the panel redraws only when needed
+    _seen: set[tuple[str, int]] = field(default_factory=set)
+
+    def add(self, address: str, record: AuditRecord) -> bool:
+        key = (address, record.seq)
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        self.lines.append(AuditLine(address, record))
+        self.notes.pop(address, None)
+        self.version += 1
+        return True
+
+    def note(self, address: str, text: str) -> None:
+        self.notes[address] = text
+        self.version += 1
+
+    def history(self) -> list[AuditRecord]:
+        """The hot-update history: updates and rollbacks with how each ended, oldest first."""
+        return [x.record for x in self.lines if x.record.kind in (ActionKind.HOT_UPDATE, ActionKind.ROLLBACK)
+                and x.record.result in FINAL_RESULTS]
+
+    def records_of(self, action_id: str) -> list[AuditRecord]:
+        return [x.record for x in self.lines if x.record.action_id == action_id]
+
+
+def audit_line_text(record: AuditRecord) -> str:
+    """One line for the Events view and notifications."""
+    machines = " ".join(record.machines) or "-"
+    what = record.message if record.result == "progress" else record.what
+    return _printable(f"{KIND_LABELS.get(record.kind, record.kind)} {record.result} on {machines} "
+                      f"by {record.who}: {what}", 400)
+
+
+def result_is_role_refusal(result: ActionResult) -> bool:
+    return any(m in result.message for m in _ROLE_REFUSAL)
+
+
+# --------------------------------------------------------------------------
+# the controller: keys -> plan -> confirm -> run, and the audit watch
+# --------------------------------------------------------------------------
+
+
+class ActionController:
+    """Drives the action keys of one app; holds what it has seen of the audit log."""
+
+    def __init__(self, app: RankscopeApp, who: Callable[[], str] = requester) -> None:
+        self.app = app
+        self.log = ActionLog()
+        self.who = who
+        self.running: str | None = None  # the action id under way from this TUI (one at a time)
+        self.last_result: dict[str, ActionResult] = {}  # agent address -> result of the latest run here
+        self.watching = False
+
+    @property
+    def source(self) -> Any:
+        return self.app.source
+
+    def _problem(self) -> tuple[str, str] | None:
+        if not isinstance(self.source, ActionSource):
+            return ("this source cannot act", "attach to a live job's agents")
+        if self.running is not None:
+            return (f"action {self.running} is still under way", "wait for its result (Actions view, 6)")
+        return self.source.act_problem
+
+    def _refuse_if_cannot_act(self) -> bool:
+        problem = self._problem()
+        if problem is None:
+            return False
+        message, fix = problem
+        self.app.notify(f"{message}\nfix: {fix}", title="cannot act", severity="error", timeout=8)
+        return True
+
+    def _job_id(self) -> str | None:
+        return self.app.state.job_id
+
+    # -- keys -----------------------------------------------------------------
+
+    def evict(self, selected_rank: int | None = None) -> None:
+        if self._refuse_if_cannot_act():
+            return
+        suspect = pick_suspect(self.app.state.stacks, selected_rank)
+        if suspect is None:
+            self.app.notify("no suspect to evict: capture stacks (s) until the verdict names a group",
+                            severity="warning", timeout=6)
+            return
+        request = evict_request(suspect, new_action_id(ActionKind.EVICT, self.app.clock()), self.who(),
+                                self._job_id())
+        self._plan(request, f"Evict {suspect_label(suspect)}")
+
+    def update(self) -> None:
+        if self._refuse_if_cannot_act():
+            return
+        from rankscope.tui.screens.confirm import UpdateChoice, UpdateModal
+
+        def chosen(choice: UpdateChoice | None) -> None:
+            if choice is None:
+                return
+            now = self.app.clock()
+            try:
+                if choice.rollback:
+                    request = rollback_request(choice.mode, new_action_id(ActionKind.ROLLBACK, now), self.who(),
+                                               self._job_id())
+                else:
+                    request = update_request(choice.version, choice.mode, new_action_id(ActionKind.HOT_UPDATE, now),
+                                             self.who(), self._job_id())
+            except RankscopeError as exc:
+                self.app.notify(f"{exc.message}\nfix: {exc.fix}", title="hot-update", severity="error", timeout=8)
+                return
+            title = "Roll back" if choice.rollback else f"Hot-update to {choice.version} ({choice.mode.value})"
+            self._plan(request, title)
+
+        self.app.push_screen(UpdateModal(), chosen)
+
+    def backup(self) -> None:
+        if self._refuse_if_cannot_act():
+            return
+        request = backup_request(new_action_id(ActionKind.BACKUP, self.app.clock()), self.who(), self._job_id())
+        self._plan(request, "Checkpoint backup")
+
+    # -- plan, confirm, run ---------------------------------------------------------
+
+    def _plan(self, request: ActionRequest, title: str) -> None:
+        self.app.notify(f"planning {KIND_LABELS[request.kind]} with the agents …", timeout=3)
+        self.app.run_worker(self._plan_then_confirm(request, title), group="action-plan", exclusive=True)
+
+    async def _plan_then_confirm(self, request: ActionRequest, title: str) -> None:
+        from rankscope.tui.screens.confirm import ConfirmModal
+
+        try:
+            answers = await self.source.plan_action(request)
+        except RankscopeError as exc:
+            self.app.notify(f"{exc.message}\nfix: {exc.fix}", title="no plan", severity="error", timeout=8)
+            return
+        except Exception as exc:  # the screen stays; the person reads why
+            self.app.notify(f"planning failed: {type(exc).__name__}: {exc}", severity="error", timeout=8)
+            return
+        summary = summarize(request, answers)
+        modal = ConfirmModal(title, summary)
+
+        def answered(confirmed: bool | None) -> None:
+            if not confirmed:
+                self.app.notify(f"{KIND_LABELS[request.kind]} cancelled: nothing was sent", timeout=4)
+                return
+            self.running = request.action_id
+            self.app.run_worker(self._run(summary, modal.typed), group="action-run")
+
+        self.app.push_screen(modal, answered)
+
+    async def _run(self, summary: PlanSummary, typed: str) -> None:
+        request = summary.request
+        kind = KIND_LABELS[request.kind]
+        try:
+            async for update in self.source.run_action(request, summary.confirmation(typed)):
+                event = update.event
+                if isinstance(event, ActionProgress):
+                    self.app.notify(f"{update.address}: {event.message}", title=f"{kind} {event.step}/{event.total}",
+                                    timeout=4)
+                elif isinstance(event, ActionResult):
+                    self.last_result[update.address] = event
+                    self._show_result(update.address, event)
+        except RankscopeError as exc:
+            self.app.notify(f"{exc.message}\nfix: {exc.fix}", title=f"{kind} not sent", severity="error", timeout=10)
+        except Exception as exc:
+            self.app.notify(f"{kind} failed: {type(exc).__name__}: {exc}", severity="error", timeout=10)
+        finally:
+            self.running = None
+            self.app.redraw()
+
+    def _show_result(self, address: str, result: ActionResult) -> None:
+        kind = KIND_LABELS[result.kind]
+        if result_is_role_refusal(result):
+            self.app.notify(f"{address} refused: this token may not act (nothing was done there)\nfix: {ACT_TOKEN_FIX}",
+                            title=f"{kind} refused", severity="error", timeout=12)
+            return
+        extra = f" (recorded result of {result.action_id})" if result.replayed else ""
+        self.app.notify(f"{address}: {result.state.value}: {result.message}{extra}", title=f"{kind} result",
+                        severity="information" if result.ok else "error", timeout=10)
+
+    # -- the audit watch ----------------------------------------------------------
+
+    def start_watch(self) -> None:
+        """Follow every agent's audit log for as long as the app runs (read-only sessions too)."""
+        if self.watching or not isinstance(self.source, ActionSource):
+            return
+        self.watching = True
+        self.app.run_worker(self._watch(), group="audit", exit_on_error=False)
+
+    async def _watch(self) -> None:
+        async for item in self.source.watch_audit(since=0):
+            if isinstance(item, AgentLost):
+                note = f"audit of {item.address}: {item.message}"
+                if item.fix:
+                    note += f" (fix: {item.fix})"
+                self.log.note(item.address, note + (" — reconnecting" if item.retrying else ""))
+            else:
+                address, record = item
+                if self.log.add(address, record):
+                    self.app.state = st.apply_failure(self.app.state, "action", audit_line_text(record), record.when)
+            self.app.redraw()

@@ -1,0 +1,159 @@
+"""Confirming an action: the exact plan, Cancel focused, and a typed phrase for eviction.
+
+``ConfirmModal(ModalScreen[bool])`` is answered through the callback given
+to ``push_screen`` (frogmouth's pattern): True only after the person pressed
+the confirm button (or enter in the phrase box) with the phrase typed
+exactly. Escape, the Cancel button (focused at start, so a stray enter
+cancels) and anything unclear answer False. ``typed`` holds the phrase that
+was typed, which goes into the confirmation the agents check again.
+
+``UpdateModal`` asks what a hot-update needs before there is a plan: the
+version (a git ref, or the absolute path of a prepared directory) and the
+mode (immediate, or lazy at the next restart), or a rollback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from rankscope.actions.model import UpdateMode
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, RadioButton, RadioSet, Static
+
+if TYPE_CHECKING:
+    from rankscope.tui.actions import PlanSummary
+
+
+class ConfirmModal(ModalScreen[bool]):
+    """The plan of one action, waiting for a decision that names its targets."""
+
+    AUTO_FOCUS = "#cancel"
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, title: str, summary: PlanSummary) -> None:
+        super().__init__()
+        self.title_text = title
+        self.summary = summary
+        self.typed = ""
+
+    @property
+    def phrase(self) -> str | None:
+        return self.summary.phrase
+
+    def compose(self) -> ComposeResult:
+        from rankscope.tui.actions import plan_text
+
+        with Vertical(id="confirm-box"):
+            yield Static(Text(self.title_text, "bold"), id="confirm-title")
+            with VerticalScroll(id="confirm-plan"):
+                yield Static(plan_text(self.summary), id="confirm-plan-text")
+            if not self.summary.runnable:
+                yield Static(Text("Nothing can run until every target has a plan: fix the above and press the key "
+                                  "again.", "bold red"), id="confirm-prompt")
+            elif self.phrase is not None:
+                yield Static(Text.assemble("Type ", (self.phrase, "bold red"), " to confirm (tab to the box), "
+                                           "then enter. Cancel is the default."), id="confirm-prompt")
+                yield Input(placeholder=self.phrase, id="confirm-phrase")
+            else:
+                yield Static(Text.assemble("Run this on ", (" ".join(self.summary.machines), "bold"),
+                                           "? Cancel is the default; tab to the other button to confirm."),
+                             id="confirm-prompt")
+            with Horizontal(id="confirm-buttons"):
+                yield Button("Cancel", id="cancel", variant="primary")
+                label = "Evict" if self.phrase is not None else "Confirm"
+                yield Button(label, id="confirm", variant="error",
+                             disabled=not self.summary.runnable or self.phrase is not None)
+
+    def _matches(self, text: str) -> bool:
+        return self.phrase is not None and " ".join(text.split()) == self.phrase
+
+    @on(Input.Changed, "#confirm-phrase")
+    def _phrase_changed(self, event: Input.Changed) -> None:
+        self.query_one("#confirm", Button).disabled = not self._matches(event.value)
+
+    @on(Input.Submitted, "#confirm-phrase")
+    def _phrase_submitted(self, event: Input.Submitted) -> None:
+        if self._matches(event.value):
+            self.typed = " ".join(event.value.split())
+            self.dismiss(True)
+        else:
+            self.app.notify(f"that is not the phrase: type exactly {self.phrase}", severity="warning", timeout=4)
+
+    @on(Button.Pressed, "#confirm")
+    def _confirm(self) -> None:
+        if not self.summary.runnable:
+            return
+        if self.phrase is not None:
+            text = self.query_one("#confirm-phrase", Input).value
+            if not self._matches(text):
+                return
+            self.typed = " ".join(text.split())
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(False)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateChoice:
+    version: str
+    mode: UpdateMode
+    rollback: bool = False
+
+
+class UpdateModal(ModalScreen["UpdateChoice | None"]):
+    """Version and mode of a hot-update (or a rollback), asked before the agents plan it."""
+
+    AUTO_FOCUS = "#update-version"
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="update-box"):
+            yield Static(Text("Hot-update the job's code", "bold"))
+            yield Static("Version: a git ref of the agents' configured repository, or the absolute path of a "
+                         "directory prepared on every machine.")
+            yield Input(placeholder="e.g. v1.4.2, a commit, or /srv/job/versions/fix-17", id="update-version")
+            with RadioSet(id="update-mode"):
+                yield RadioButton("immediate: restart the training processes on the new code now", value=True,
+                                  id="mode-immediate")
+                yield RadioButton("lazy: apply at the next restart or failure (at the latest in 24 h)",
+                                  id="mode-lazy")
+            with Horizontal(id="update-buttons"):
+                yield Button("Cancel", id="cancel", variant="primary")
+                yield Button("Plan update", id="plan-update", variant="warning")
+                yield Button("Plan rollback", id="plan-rollback")
+
+    @property
+    def mode(self) -> UpdateMode:
+        lazy = self.query_one("#mode-lazy", RadioButton).value
+        return UpdateMode.LAZY if lazy else UpdateMode.IMMEDIATE
+
+    def _update(self) -> None:
+        version = self.query_one("#update-version", Input).value.strip()
+        if not version:
+            self.app.notify("type a version first (a git ref or /absolute/path)", severity="warning", timeout=4)
+            return
+        self.dismiss(UpdateChoice(version, self.mode))
+
+    @on(Input.Submitted, "#update-version")
+    def _submitted(self) -> None:
+        self._update()
+
+    @on(Button.Pressed, "#plan-update")
+    def _plan_update(self) -> None:
+        self._update()
+
+    @on(Button.Pressed, "#plan-rollback")
+    def _plan_rollback(self) -> None:
+        self.dismiss(UpdateChoice("", self.mode, rollback=True))
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
