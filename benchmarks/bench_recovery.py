@@ -36,6 +36,7 @@ from rankscope.drill.launcher import TrainingOptions
 from rankscope.drill.progress import read_progress
 from rankscope.drill.session import DrillConfig, DrillSession
 from rankscope.drill.worker import latest_checkpoint
+from rankscope.errors import RankscopeError
 
 LAYOUT = DrillLayout(tp=1, pp=2, dp=2, machines=4)
 TRAINING = TrainingOptions(steps=40, checkpoint_every=4, micro_batches=2, loader_workers=0)
@@ -63,7 +64,7 @@ def _resumed(run_dir: Path, since_wall: float, step: int) -> bool:
     return len(progress) >= LAYOUT.world and all(p.wall >= since_wall and p.step > step for p in progress.values())
 
 
-def evict_with_standby(run_dir: Path) -> float:
+def evict_with_standby(run_dir: Path) -> tuple[float, dict[str, float]]:
     with DrillSession(_config(run_dir, standbys=2)) as s:
         machines = _suspects(s)
         s.standbys_checked(120)  # the standbys are warm: checked while they waited
@@ -71,29 +72,41 @@ def evict_with_standby(run_dir: Path) -> float:
         results = asyncio.run(evict_machines(list(s.agents.values()), s.token(), machines, "bench: hang-p2p"))
         if not all(r.state == "succeeded" for r in results):
             raise SystemExit(f"eviction failed: {[r.message for r in results]}")
+        agents_done = time.monotonic()
         event = s.wait_for_recovery(1, 300)
         if not event.ok:
             raise SystemExit(f"recovery failed: {event.message}")
         s.wait_until_resumed(event, 300)
-        return time.monotonic() - started
+        ended = time.monotonic()
+        return ended - started, {"agents stop+block": agents_done - started,
+                                 "seen -> restarted (nodes+agents up)": event.restarted_mono - event.evicted_mono,
+                                 "restarted -> resumed": ended - event.restarted_mono}
 
 
-def stop_and_relaunch(run_dir: Path) -> float:
+def stop_and_relaunch(run_dir: Path) -> tuple[float, dict[str, float]]:
     with DrillSession(_config(run_dir, standbys=0)) as s:
         machines = _suspects(s)
         started, started_wall = time.monotonic(), time.time()
         launcher = s.launcher
         survivors = [m for m in launcher.machines() if m not in machines]
         launcher.stop()  # every node and agent
+        stopped = time.monotonic()
         resume = min(latest_checkpoint(run_dir, r) for r in range(LAYOUT.world))
         launcher.start_nodes([*survivors, *(f"spare-{i}" for i in range(len(machines)))], resume=True)
         launcher.start_agents()
+        relaunched = time.monotonic()
         deadline = time.monotonic() + 300
         while not _resumed(run_dir, started_wall, resume):
             if time.monotonic() > deadline:
                 raise SystemExit("the relaunched job did not resume")
             time.sleep(0.1)
-        return time.monotonic() - started
+        ended = time.monotonic()
+        return ended - started, {"stop everything": stopped - started,
+                                 "relaunch (nodes+agents up)": relaunched - stopped, "relaunched -> resumed": ended - relaunched}
+
+
+def _parts(parts: dict[str, float]) -> str:
+    return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items())
 
 
 def main() -> None:
@@ -104,9 +117,12 @@ def main() -> None:
     base: list[float] = []
     with tempfile.TemporaryDirectory(prefix="rankscope-bench-recovery-") as tmp:
         for i in range(args.repeat):  # interleaved, so load on the shared host hits both alike
-            ours.append(evict_with_standby(Path(tmp) / f"evict-{i}"))
-            base.append(stop_and_relaunch(Path(tmp) / f"relaunch-{i}"))
-            print(f"run {i + 1}: evict+standby {ours[-1]:.2f} s, stop+relaunch {base[-1]:.2f} s", flush=True)
+            total, parts = evict_with_standby(Path(tmp) / f"evict-{i}")
+            ours.append(total)
+            print(f"run {i + 1}: evict+standby {total:.2f} s ({_parts(parts)})", flush=True)
+            total, parts = stop_and_relaunch(Path(tmp) / f"relaunch-{i}")
+            base.append(total)
+            print(f"run {i + 1}: stop+relaunch {total:.2f} s ({_parts(parts)})", flush=True)
     a, b = statistics.median(ours), statistics.median(base)
     print(f"confirm -> training resumed (median of {args.repeat}, {LAYOUT.world} ranks on {LAYOUT.machines} machines):")
     print(f"  evict + warm standby : {a:7.2f} s")
@@ -115,4 +131,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RankscopeError as exc:
+        raise SystemExit(f"bench_recovery: {exc.message}\nfix: {exc.fix}") from None

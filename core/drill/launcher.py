@@ -351,12 +351,14 @@ class Launcher:
         that joins keeps its address and leaves the standby pool).
         """
         ports = {name: int(a.address.rsplit(":", 1)[1]) for name, a in self.agents.items() if name in machines}
-        self.stop_nodes()
         # Standbys that join leave the pool; the idle ones keep their agents as they are.
         self.standbys = [s for s in self.standbys if s not in machines]
-        for name in list(self.agents):
-            if name not in self.standbys:
-                self.stop_agent(name)
+        leaving = [self.agents.pop(name) for name in list(self.agents) if name not in self.standbys]
+        # One kill for nodes and agents together: their grace periods run at once, not one after another.
+        kill_trees([n.proc.pid for n in self.nodes.values()] + [a.proc.pid for a in leaving])
+        for proc in [n.proc for n in self.nodes.values()] + [a.proc for a in leaving]:
+            _reap(proc)
+        self.nodes.clear()
         self.start_nodes(machines, resume=resume, env=env)
         return self.start_agents(ports=ports) if agents else {}
 
