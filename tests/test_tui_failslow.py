@@ -205,3 +205,17 @@ async def test_live_polls_feed_the_detectors_until_the_slow_machine_is_named() -
         assert view is not None and view.updates == 70
         assert view.verdict is not None and view.verdict.confident and view.verdict.machine == "m2"
         assert "slow since" in _text(app, "#fs-summary")
+
+
+# ---- screenshots ------------------------------------------------------------------
+
+SIZES = {"80x24": (80, 24), "160x48": (160, 48)}
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("series", ["slow", "healthy"])
+def test_failslow_view_snapshot(snap_compare: Any, series: str, size: str) -> None:
+    """The view after a replay; its times are the series' own, so the screen is the same on every run."""
+    app = RankscopeApp(BundleSource(fs_bundle(slow="m2" if series == "slow" else None), f"bundle {series}"),
+                       AppOptions())
+    assert snap_compare(app, press=("7",), terminal_size=SIZES[size], run_before=_replayed)

@@ -13,7 +13,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-    ("views", (("1-5", "overview, stacks, CCL, metrics, events"), ("tab", "next panel"),
+    ("views", (("1-5", "overview, stacks, CCL, metrics, events"),
+               ("7", "fail-slow: step-time heat map and flags"),
+               ("tab", "next panel"),
                ("enter", "open: a rank on the map, a group, a communicator"),
                ("esc", "back; clears the filter on the main screen"))),
     ("move", (("arrows, h j k l", "move"), ("pgup / pgdn", "page"), ("g / G", "top / bottom of a table"))),

@@ -4,9 +4,10 @@ Top to bottom: the verdict line with its confidence and how long the
 slowdown has lasted; a heat map of step time (machines as rows, ranks as
 cells coloured by their step time over the job median, packed several ranks
 to a cell when a machine has more ranks than the width holds, slowest
-machines kept when there are more machines than rows); the detectors' flags
-now; their history round by round; the suspect machine's step time against
-its peers' median as two sparklines on one scale.
+machines kept when there are more machines than rows); the suspect machine's
+step time against its peers' median as two sparklines on one scale; the
+detectors' history round by round; their flags now. The history comes before
+the flags: it is a few lines, while each flag carries its evidence.
 
 Glyphs carry the meaning as well as colours (▲ slow, ■ normal, · unknown),
 so the screen reads the same without colour.
@@ -197,12 +198,12 @@ def history_text(rounds: Sequence[RoundFlags], columns: int) -> Text:
 
 
 def spark_pair(a: Sequence[float], b: Sequence[float], width: int) -> tuple[str, str]:
-    """Two sparklines on one scale, so the gap between them is visible."""
+    """Two sparklines on one scale from zero, so bar heights compare as ratios and noise stays small."""
     a, b = list(a)[-width:], list(b)[-width:]
     vals = [x for x in (*a, *b) if math.isfinite(x)]
     if not vals:
         return "", ""
-    lo, hi = min(vals), max(vals)
+    lo, hi = min(0.0, *vals), max(vals)
 
     def line(xs: Sequence[float]) -> str:
         if hi == lo:
@@ -219,7 +220,8 @@ def spark_text(view: FailSlowView, width: int) -> Text:
     last_a = next((x for x in reversed(view.suspect_steps) if math.isfinite(x)), math.nan)
     last_b = next((x for x in reversed(view.peer_steps) if math.isfinite(x)), math.nan)
     label_w = min(16, max(len(view.suspect), 5))
-    out = Text("step time, same scale\n", "bold")
+    role = "suspect" if view.verdict is not None and view.suspect in view.verdict.machines else "slowest"
+    out = Text(f"step time of {view.suspect} ({role}) vs the other machines' median, one scale from 0 s\n", "bold")
     out.append(f"{view.suspect[:label_w]:<{label_w}} ", "bold red")
     out.append(a, "red")
     out.append(f" {last_a:.3g} s\n" if math.isfinite(last_a) else " - s\n")
@@ -240,8 +242,8 @@ class FailSlowPanel(VerticalScroll, can_focus=True):
         yield Static(id="fs-summary")
         yield Static(id="fs-heat")
         yield Static(id="fs-spark")
-        yield Static(id="fs-flags")
         yield Static(id="fs-history")
+        yield Static(id="fs-flags")
 
     def show(self, view: FailSlowView | None, width: int, height: int) -> None:
         from rankscope.tui.failslow_state import EMPTY
