@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -147,6 +148,10 @@ def test_the_eviction_aims_at_the_suspect_under_the_cursor_else_the_top_one() ->
     assert pick_suspect(view).machines == SUSPECT_MACHINES  # type: ignore[union-attr]
     assert pick_suspect(view, selected_rank=3).machines == SUSPECT_MACHINES  # type: ignore[union-attr]
     assert pick_suspect(view, selected_rank=30).machines == SUSPECT_MACHINES  # type: ignore[union-attr]
+    # pointing at an outlier rank picks the most likely suspect holding it; a healthy rank changes nothing
+    narrow = replace(view, verdict=replace(view.verdict, suspects=view.verdict.suspects[1:]))
+    assert pick_suspect(narrow, selected_rank=24).machines == ("node12",)  # type: ignore[union-attr]
+    assert pick_suspect(narrow, selected_rank=0) == narrow.verdict.top
     assert pick_suspect(None) is None
 
 
@@ -344,3 +349,115 @@ async def test_a_token_without_the_act_role_is_named_with_the_fix() -> None:
         await pilot.press(*PHRASE, "enter")
         await until(pilot, lambda: watched.has("this token may not act"), what="the refusal")
         assert watched.has(ACT_TOKEN_FIX)
+
+
+# ---- for real: agents on loopback, stand-in ranks, two TUIs ------------------------------------------------
+
+# A rank stand-in with a worker child, its main thread parked in a function named on the command line, so the
+# capture groups the ranks by where they wait, as it would group a pipeline stall.
+PARKED_RANK = """
+import subprocess, sys, time
+where, ready = sys.argv[1], sys.argv[2]
+child = subprocess.Popen([sys.executable, "-c", "import time\\nwhile True: time.sleep(1)"])
+def park():
+    open(ready + ".tmp", "w").write(str(child.pid))
+    import os
+    os.replace(ready + ".tmp", ready)
+    while True:
+        time.sleep(1)
+exec(f"def {where}():\\n    park()\\n")
+globals()[where]()
+"""
+
+
+async def test_e_through_real_agents_stops_the_suspect_ranks_and_a_read_only_tui_sees_the_audit(
+        tmp_path: Any) -> None:
+    import subprocess
+    import uuid
+
+    import psutil
+    from agent_helpers import PY, Processes, clean_env, wait_for
+    from rankscope.actions.agent_service import ActionsConfig, EvictionSettings
+    from rankscope.agent import AgentConfig, start_agent
+    from rankscope.snapshot import Layout
+    from rankscope.tokens import parse_tokens
+    from rankscope.tui.sources import LiveSource
+
+    read, act = "read" + uuid.uuid4().hex, "act0" + uuid.uuid4().hex
+    tokens = parse_tokens(f"read:{read}\nact:{act}", "test")
+    base = f"rankscope-tui-actions-{uuid.uuid4().hex[:8]}"
+    # TP1 PP2 DP2, one rank per machine: ranks 1 and 3 form the PP group of dp=1; they wait in the pipeline
+    # while 0 and 2 sit in the optimizer, so the verdict names machines m1 and m3.
+    where = {0: "optimizer_step", 1: "recv_activations", 2: "optimizer_step", 3: "send_activations"}
+    procs = Processes(tmp_path)
+    agents = []
+    try:
+        ranks: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
+        for r, fn in where.items():
+            ready = tmp_path / f"rank{r}.ready"
+            env = clean_env()
+            env.update(RANK=str(r), LOCAL_RANK="0", WORLD_SIZE="4", GROUP_RANK=str(r), LOCAL_WORLD_SIZE="1",
+                       TORCHELASTIC_RUN_ID=f"{base}-{r}")
+            proc = subprocess.Popen([PY, "-c", PARKED_RANK, fn, str(ready)], env=env, start_new_session=True)
+            procs.started.append(proc)
+            wait_for(ready.exists, 30, f"rank {r} to start")
+            ranks[r] = (proc, int(ready.read_text()))
+        for r in where:  # one agent per "machine", each scoped to its rank's run id
+            agents.append(await start_agent(AgentConfig(
+                tokens=tokens, port=0, machine_name=f"m{r}", run_id=f"{base}-{r}",
+                actions=ActionsConfig(tmp_path / f"state-m{r}", EvictionSettings(grace_s=5.0)))))
+        addresses = [a.address for a in agents]
+        options = AppOptions(poll_interval_s=0.5, hang_after_s=3600.0, layout=Layout(tp=1, pp=2, dp=2,
+                                                                                      ranks_per_machine=1))
+        actor = RankscopeApp(LiveSource(addresses, act, acting=True, capture_timeout_s=10.0), options)
+        watcher = RankscopeApp(LiveSource(addresses, read, capture_timeout_s=10.0),
+                               AppOptions(poll_interval_s=0.5, hang_after_s=3600.0, read_only=True,
+                                          capture_on_start=False))
+        notes = Watched(actor)
+        async with actor.run_test(size=(160, 48)) as pilot, watcher.run_test(size=(160, 48)) as second:
+            def named() -> bool:
+                view = actor.state.stacks
+                return view is not None and view.verdict.top is not None
+            await until(pilot, named, 60, "a verdict from the capture")
+            top = actor.state.stacks.verdict.top  # type: ignore[union-attr]
+            assert top is not None and set(top.machines) == {"m1", "m3"}, actor.state.stacks.verdict  # type: ignore[union-attr]
+            assert not {"e", "u", "b"} & set(watcher.active_bindings)
+
+            await pilot.press("e")
+            await until(pilot, lambda: isinstance(actor.screen, ConfirmModal), 30, "the plan")
+            modal = actor.screen
+            assert isinstance(modal, ConfirmModal) and modal.summary.runnable, modal.summary.errors
+            phrase = modal.summary.phrase
+            assert phrase is not None and sorted(phrase.split()[1:]) == ["m1", "m3"]
+            planned = {p.pid for plan in modal.summary.plans for p in plan.processes}
+            assert planned == {ranks[1][0].pid, ranks[1][1], ranks[3][0].pid, ranks[3][1]}
+            assert ranks[1][0].poll() is None, "planning must not touch a rank"
+            await focus_phrase_box(pilot, actor)
+            await pilot.press(*phrase, "enter")
+
+            def stopped(r: int) -> bool:
+                proc, child = ranks[r]
+                try:
+                    child_gone = psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+                except psutil.NoSuchProcess:
+                    child_gone = True
+                return proc.poll() is not None and child_gone
+
+            await until(pilot, lambda: stopped(1) and stopped(3), 60, "the suspect ranks to stop")
+            await until(pilot, lambda: notes.has("succeeded"), 30, "the result in the acting TUI")
+
+            def audited(app: RankscopeApp) -> set[tuple[str, str]]:
+                return {(m, x.record.result) for x in app.actions.log.lines for m in x.record.machines
+                        if x.record.kind == ActionKind.EVICT}
+
+            want = {("m1", "started"), ("m1", "succeeded"), ("m3", "started"), ("m3", "succeeded")}
+            await until(second, lambda: want <= audited(watcher), 30, "the read-only TUI to see the audit records")
+            await second.press("6")
+            await second.pause()
+            text = screen_text(watcher)
+            assert "succeeded" in text and "started" in text and "[read-only]" in text
+            assert ranks[0][0].poll() is None and ranks[2][0].poll() is None, "a healthy rank was stopped"
+    finally:
+        for agent in agents:
+            await agent.stop(0)
+        procs.close()

@@ -90,10 +90,16 @@ class ActionSource(Protocol):
 
 
 def pick_suspect(view: StackView | None, selected_rank: int | None = None) -> Suspect | None:
-    """The suspect an eviction aims at: the one holding the selected rank, else the verdict's top one."""
+    """The suspect an eviction aims at: the verdict's top one, unless the person points at an outlier rank.
+
+    A selected rank of the dominant (healthy) stack group says nothing -- the
+    map's cursor starts on rank 0 -- so only an outlier rank picks the most
+    likely suspect holding it.
+    """
     if view is None or not view.verdict.suspects:
         return None
-    if selected_rank is not None:
+    dominant = view.dominant
+    if selected_rank is not None and (dominant is None or selected_rank not in dominant.ranks):
         for s in view.verdict.suspects:
             if selected_rank in s.ranks:
                 return s
