@@ -190,21 +190,39 @@ async def test_live_polls_feed_the_detectors_until_the_slow_machine_is_named() -
     async with app.run_test(size=(120, 40)) as pilot:
         await app.loaded.wait()
         await pilot.press("7")
-        for s in snaps[1:]:
+        detector = app.failslow.tracker.detector
+        for s in snaps[1:]:  # one poll at a time, each taken in before the next comes (none skipped)
             source.push_poll(s)
-        # every poll reaches the detectors (a newer view replaces an undelivered one, never a poll)
-        for _ in range(400):
-            await app.failslow.idle.wait()
-            await pilot.pause()
-            if app.failslow.tracker.detector.latest is not None and \
-                    app.failslow.tracker.detector.latest.at_mono == snaps[-1].captured.mono:
-                break
-            await pilot.pause(0.02)
+            for _ in range(500):
+                await pilot.pause()
+                if detector.latest is not None and detector.latest.at_mono == s.captured.mono:
+                    break
+            else:
+                pytest.fail(f"poll at {s.captured.mono} never reached the detectors")
+        await app.failslow.idle.wait()
         await pilot.pause()
         view = app.failslow_view
-        assert view is not None and view.updates == 70
+        assert view is not None and view.updates == 70 and view.skipped == 0
         assert view.verdict is not None and view.verdict.confident and view.verdict.machine == "m2"
         assert "slow since" in _text(app, "#fs-summary")
+
+
+async def test_live_polls_that_pile_up_are_skipped_but_captures_never() -> None:
+    """While the detectors work, only the newest of the waiting polls is taken in; captures all are."""
+    snaps = fs_series(6)
+    app = RankscopeApp(BundleSource(fs_bundle(2), "bundle"), AppOptions())
+    async with app.run_test(size=(100, 30)):
+        await app.loaded.wait()
+        await app.failslow.idle.wait()
+        feeder = app.failslow
+        feeder.feed(snaps[2])
+        feeder.feed(snaps[3])
+        marker = object()  # stands for a capture's stack analysis
+        feeder.feed(snaps[4], stack_analysis=marker)
+        feeder.feed(snaps[5])
+        kept = feeder._take()
+        assert [s.captured.mono for s, _ in kept] == [MONO0 + 4, MONO0 + 5]
+        assert kept[0][1] is marker and feeder.skipped == 2
 
 
 # ---- screenshots ------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from rankscope.analyzers.failslow import DETECTORS, FailSlowConfig, FailSlowDetector, FailSlowVerdict
@@ -62,6 +62,7 @@ class FailSlowView:
     peer_steps: tuple[float, ...]  # the median of the other machines, same times
     updates: int
     errors: tuple[str, ...] = ()
+    skipped: int = 0  # live polls left out because the detectors were still busy with older ones
 
     @property
     def slow_for_s(self) -> float | None:
@@ -160,27 +161,35 @@ class FailSlowUpdated(Message):
 class FailSlowFeeder:
     """The app's side: queue snapshots in arrival order, one worker feeds them to the tracker in a thread.
 
-    Snapshots that pile up while the detector works (a 16k-rank job, a long
-    recorded series) are fed together in one batch and produce one message,
-    so the UI never waits for the detectors and never gets a backlog.
-    ``idle`` is set whenever everything queued has been taken in (tests and
-    the offline replay wait on it).
+    A recorded series is fed whole (``feed_series``): every snapshot is a
+    round. Live (``feed``), the detectors may be slower than the polls (about
+    2 s a snapshot at 16k ranks): then, of the polls that piled up, only the
+    newest is taken in (captures always are: each is a stack-aggregation
+    round), and the worker rests as long as its last batch took, so the
+    detectors hold at most about half of the interpreter and the screen stays
+    responsive. Skipped polls are counted and shown. ``idle`` is set whenever
+    everything queued has been taken in (tests wait on it).
     """
 
     def __init__(self, app: App[object] | App[int], config: FailSlowConfig | None = None) -> None:
         self.app = app
         self.tracker = FailSlowTracker(config)
-        self._pending: list[tuple[JobSnapshot, object | None]] = []
+        self._pending: list[tuple[JobSnapshot, object | None, bool]] = []  # (snapshot, analysis, may be skipped)
         self._wake = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
         self._started = False
+        self.skipped = 0
 
     def feed(self, snapshot: JobSnapshot, stack_analysis: object | None = None) -> None:
-        self.feed_series([(snapshot, stack_analysis)])
+        """A live poll (or capture, with its analysis)."""
+        self._push([(snapshot, stack_analysis, stack_analysis is None)])
 
     def feed_series(self, items: Iterable[tuple[JobSnapshot, object | None]]) -> None:
-        batch = list(items)
+        """A recorded series: every snapshot is taken in, as it was live."""
+        self._push([(s, a, False) for s, a in items])
+
+    def _push(self, batch: list[tuple[JobSnapshot, object | None, bool]]) -> None:
         if not batch:
             return
         self._pending.extend(batch)
@@ -190,13 +199,31 @@ class FailSlowFeeder:
             self._started = True
             self.app.run_worker(self._run(), name="fail-slow detectors", group="failslow", exit_on_error=False)
 
+    def _take(self) -> list[tuple[JobSnapshot, object | None]]:
+        """What is pending, less the skippable polls that a newer snapshot makes stale."""
+        batch, self._pending = self._pending, []
+        keep: list[tuple[JobSnapshot, object | None]] = []
+        for i, (snap, analysis, skippable) in enumerate(batch):
+            if skippable and i < len(batch) - 1:
+                self.skipped += 1
+                continue
+            keep.append((snap, analysis))
+        return keep
+
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            batch, self._pending = self._pending, []
+            batch = self._take()
             if batch:
+                started = loop.time()
                 view = await asyncio.to_thread(self.tracker.feed_series, batch)
+                if self.skipped:
+                    view = replace(view, skipped=self.skipped)
                 self.app.post_message(FailSlowUpdated(view))
+                took = loop.time() - started
+                if took > 0.2:  # busy (a big job): rest as long, so the detectors take at most half the time
+                    await asyncio.sleep(took)
             if not self._pending:
                 self.idle.set()

@@ -64,6 +64,8 @@ def summary_text(view: FailSlowView) -> Text:
                    "bold red" if v.confident else "yellow")
     if view.job_step_s is not None:
         out.append(f" · job step {view.job_step_s:.3g} s")
+    if view.skipped:
+        out.append(f" · {view.skipped} polls skipped while the detectors were busy", "yellow")
     for e in view.errors:
         out.append(f"\n{e}", "red")
     return out
