@@ -15,10 +15,12 @@ A job that wants to say exactly what to save adds it with
 The trigger is a file the agent writes, so the agent never talks to the
 process (a hung or busy rank just does not answer): ``RANKSCOPE_BACKUP_REQUEST``
 names it (in the drill ``<state dir of the machine's agent>/backup.request``),
-holding ``{"request_id": ..., "written": <wall>}``. At each step boundary the
-hook looks at the file's size and mtime (one ``stat``); on a new request id it
-snapshots this step and the next one -- ranks of a synchronous job are at most
-one step apart, so every rank then holds a common step.
+holding ``{"request_id": ..., "written": <wall>, "align": N}``. At each step
+boundary the hook looks at the file's size and mtime (one ``stat``); on a new
+request id it snapshots the next two boundaries whose step is a multiple of
+N. The agents write their requests a few steps apart at most (N is chosen
+above that), so every rank then holds a common step. A request written
+before this process started was meant for the one it replaced and is ignored.
 
 Where the shard goes: ``RANKSCOPE_BACKUP_TARGETS`` is JSON ``{"<rank>": [own
 store, peer store]}``: the store of the rank's own agent and the store of its
@@ -40,6 +42,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -56,7 +59,7 @@ _lock = threading.Lock()
 _registered: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
 _optimizers: list[Any] = []  # weak references to every optimizer seen stepping, first one counts the steps
 _status: dict[str, Any] = {"installed": False, "step": 0, "seen": None, "handled": None, "pending": 0,
-                           "last": None, "error": None}
+                           "align": 1, "last": None, "error": None, "since": time.time()}
 
 
 def register_state(name: str, get_state: Callable[[], Any], set_state: Callable[[Any], None]) -> None:
@@ -166,7 +169,7 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         _status["step"] += 1
         if _new_request():
             _status["pending"] = SNAPSHOTS_PER_REQUEST
-        if _status["pending"] > 0:
+        if _status["pending"] > 0 and _status["step"] % _status["align"] == 0:
             _status["pending"] -= 1
             backup_now()
     except Exception as exc:  # never into user code
@@ -187,12 +190,15 @@ def _new_request() -> bool:
         return False
     _status["seen"] = seen
     try:
-        request_id = str(json.loads(Path(path).read_text())["request_id"])
-    except (OSError, ValueError, KeyError, TypeError):
+        request = json.loads(Path(path).read_text())
+        request_id = str(request["request_id"])
+        written = float(request.get("written", time.time()))
+        align = max(1, int(request.get("align", 1)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
-    if request_id == _status["handled"]:
-        return False
-    _status["handled"] = request_id
+    if request_id == _status["handled"] or written < _status["since"]:
+        return False  # done already, or a request to the process this one replaced (a restart)
+    _status["handled"], _status["align"] = request_id, align
     return True
 
 

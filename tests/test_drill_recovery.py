@@ -157,18 +157,20 @@ def test_a_backup_taken_before_the_hang_is_restored_from_the_peers_after_evictio
     config = DrillConfig(layout=LAYOUT, plan=plan, training=training, run_dir=tmp_path / "run", stall_seconds=3.0,
                          standbys=2)
 
-    async def back_up(agents: list[str], token: str) -> list[ActionResult]:
+    async def back_up(agents: list[str], token: str) -> tuple[list[ActionPlan], list[ActionResult]]:
         request = ActionRequest("backup-1", ActionKind.BACKUP, Targets(), BackupArgs(), "drill-test")
         async with JobClient(agents, token, acting=True) as client:
             answers = await client.plan_action(request)
             plans = [p for p in answers.values() if isinstance(p, ActionPlan)]
-            return [u.event async for u in client.run_action(request, confirmation_for(plans))
-                    if isinstance(u.event, ActionResult)]
+            return plans, [u.event async for u in client.run_action(request, confirmation_for(plans))
+                           if isinstance(u.event, ActionResult)]
 
     with DrillSession(config) as s:
         s.wait_for_steps(2, 180)
         running = [a for name, a in s.agents.items() if name.startswith("machine-")]
-        backed = asyncio.run(back_up(running, s.token()))
+        plans, backed = asyncio.run(back_up(running, s.token()))
+        # The plans name each rank's backup peer: the mirror, outside every group the rank is in.
+        assert sorted(pair for plan in plans for pair in plan.backup_peers) == [(0, 3), (1, 2), (2, 1), (3, 0)]
         assert [r.state for r in backed] == [ActionState.SUCCEEDED] * 4, [r.message for r in backed]
         stores = {m: ShardStore(s.launcher.state_dir(m) / "shards") for m in ("machine-0", "machine-1", "machine-2",
                                                                               "machine-3")}

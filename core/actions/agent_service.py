@@ -131,6 +131,7 @@ class ActionsConfig:
     hot_update: HotUpdateSettings | None = None
     layout: Layout | None = None  # for the backup plan
     backup_wait_s: float = BACKUP_WAIT_S  # how long a backup waits for the ranks' shards
+    backup_align_steps: int = 1  # ranks snapshot at step multiples of this (> the steps between agents' requests)
 
     @property
     def audit_path(self) -> Path:
@@ -169,6 +170,10 @@ def load_actions_config(path: Path | None, state_dir: Path | None) -> ActionsCon
         current = "/srv/job/code"             # a symbolic link the job runs from
         versions_dir = "/srv/job/versions"
         repo = "/srv/job/repo"                # for git refs
+        [backup]
+        wait_s = 60                           # for every rank's shard
+        align_steps = 1                       # snapshot at step multiples of this; more than the steps
+                                              # that pass between the agents' requests
         [layout]                              # for the backup plan
         tp = 2
         pp = 4
@@ -186,13 +191,18 @@ def load_actions_config(path: Path | None, state_dir: Path | None) -> ActionsCon
             return None
         raise RankscopeError(f"{where}: no state directory for the audit log, blocklist and history",
                              "pass --state-dir DIR or set state_dir in the file")
-    known = {"state_dir", "eviction", "hot_update", "layout"}
+    known = {"state_dir", "eviction", "hot_update", "layout", "backup"}
     _no_unknown(data, known, where)
+    backup = data.get("backup", {})
+    if not isinstance(backup, dict) or set(backup) - {"wait_s", "align_steps"}:
+        raise RankscopeError(f"{where} [backup]: only wait_s and align_steps are known", CONFIG_FIX)
     return ActionsConfig(
         state_dir=Path(folder),
         eviction=_eviction(data.get("eviction", {}), where),
         hot_update=_hot_update(data.get("hot_update"), where),
         layout=_layout(data.get("layout"), where),
+        backup_wait_s=float(backup.get("wait_s", BACKUP_WAIT_S)),
+        backup_align_steps=max(1, int(backup.get("align_steps", 1))),
     )
 
 
@@ -635,7 +645,8 @@ class ActionService:
         newest_before = {r: max(store.steps(r), default=-1) for r in ranks}
         path = self.config.state_dir / REQUEST_FILE
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"request_id": request.action_id, "written": self._clock()}))
+        tmp.write_text(json.dumps({"request_id": request.action_id, "written": self._clock(),
+                                   "align": self.config.backup_align_steps}))
         os.replace(tmp, path)
         report(f"asked ranks {' '.join(map(str, ranks))} for a backup at their next step boundary ({path})")
         wait_s = self.config.backup_wait_s

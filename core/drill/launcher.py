@@ -272,11 +272,23 @@ class Launcher:
         if self._ccl_env:
             argv += ["--counter-dir", str(self.counter_dir)]
         if self.actions:
-            # With --state-dir alone the agent's eviction backend is `local`: it stops its own ranks and
-            # blocks the machine; the drill's recovery (rankscope.drill.control) restarts the job.
+            # Eviction backend `local` (the default): the agent stops its own ranks and blocks the machine;
+            # the drill's recovery (rankscope.drill.control) restarts the job. The layout lets a backup
+            # plan name each rank's peer.
             self.state_dir(name).mkdir(parents=True, exist_ok=True)
-            argv += ["--state-dir", str(self.state_dir(name))]
+            argv += ["--state-dir", str(self.state_dir(name)), "--actions-config", str(self._actions_config())]
         return argv
+
+    def _actions_config(self) -> Path:
+        path = self.run_dir / "state" / "actions.json"
+        if not path.exists():
+            layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
+                      "ranks_per_machine": self.layout.ranks_per_machine}
+            # The drill's steps take milliseconds, so the agents' requests may land several steps apart.
+            backup = {"align_steps": 8, "wait_s": 60}
+            path.write_text(json.dumps({"eviction": {"backend": "local"}, "layout": layout, "backup": backup},
+                                       indent=1))
+        return path
 
     def start_agents(self, *, timeout_s: float = AGENT_START_TIMEOUT_S,
                      ports: Mapping[str, int] | None = None) -> dict[str, str]:
