@@ -129,11 +129,9 @@ async def open_confirm(pilot: Any, app: RankscopeApp, key: str) -> ConfirmModal:
 
 
 async def focus_phrase_box(pilot: Any, app: RankscopeApp) -> None:
-    """Tab from the focused Cancel button to the phrase box, as a person would."""
-    for _ in range(6):
-        if isinstance(app.focused, Input):
-            return
-        await pilot.press("tab")
+    """One tab from the focused Cancel button reaches the phrase box, as a person would press it."""
+    assert isinstance(app.focused, Button) and app.focused.id == "cancel", app.focused
+    await pilot.press("tab")
     assert isinstance(app.focused, Input), app.focused
 
 
@@ -461,3 +459,18 @@ async def test_e_through_real_agents_stops_the_suspect_ranks_and_a_read_only_tui
         for agent in agents:
             await agent.stop(0)
         procs.close()
+
+
+async def test_on_a_small_terminal_the_phrase_box_and_buttons_stay_visible_and_pgdn_scrolls_the_plan() -> None:
+    source = RecordingSource()
+    app = RankscopeApp(source, AppOptions())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await open_confirm(pilot, app, "e")
+        text = screen_text(app)
+        assert "Cancel" in text and "Evict" in text and "Type evict node12" in text
+        plan = app.screen.query_one("#confirm-plan")
+        assert plan.scroll_y == 0 and plan.max_scroll_y > 0  # 4 machines' plans do not fit in 24 rows
+        await pilot.press("pagedown")
+        await pilot.pause()
+        assert plan.scroll_y > 0
+        assert isinstance(app.focused, Button) and app.focused.id == "cancel"

@@ -30,11 +30,19 @@ if TYPE_CHECKING:
     from rankscope.tui.actions import PlanSummary
 
 
+class PlanScroll(VerticalScroll, can_focus=False):
+    """The plan text; scrolled with pgup/pgdn from anywhere in the modal, so tab goes Cancel -> phrase box."""
+
+
 class ConfirmModal(ModalScreen[bool]):
     """The plan of one action, waiting for a decision that names its targets."""
 
     AUTO_FOCUS = "#cancel"
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "cancel", "Cancel"),
+        Binding("pageup", "scroll_plan(-1)", "Scroll plan", show=False),
+        Binding("pagedown", "scroll_plan(1)", "Scroll plan", show=False),
+    ]
 
     def __init__(self, title: str, summary: PlanSummary) -> None:
         super().__init__()
@@ -51,24 +59,33 @@ class ConfirmModal(ModalScreen[bool]):
 
         with Vertical(id="confirm-box"):
             yield Static(Text(self.title_text, "bold"), id="confirm-title")
-            with VerticalScroll(id="confirm-plan"):
+            with Vertical(id="confirm-foot"):  # docked at the bottom: the prompt and buttons never scroll away
+                yield from self._foot()
+            with PlanScroll(id="confirm-plan"):
                 yield Static(plan_text(self.summary), id="confirm-plan-text")
-            if not self.summary.runnable:
-                yield Static(Text("Nothing can run until every target has a plan: fix the above and press the key "
-                                  "again.", "bold red"), id="confirm-prompt")
-            elif self.phrase is not None:
-                yield Static(Text.assemble("Type ", (self.phrase, "bold red"), " to confirm (tab to the box), "
-                                           "then enter. Cancel is the default."), id="confirm-prompt")
-                yield Input(placeholder=self.phrase, id="confirm-phrase")
-            else:
-                yield Static(Text.assemble("Run this on ", (" ".join(self.summary.machines), "bold"),
-                                           "? Cancel is the default; tab to the other button to confirm."),
-                             id="confirm-prompt")
-            with Horizontal(id="confirm-buttons"):
-                yield Button("Cancel", id="cancel", variant="primary")
-                label = "Evict" if self.phrase is not None else "Confirm"
-                yield Button(label, id="confirm", variant="error",
-                             disabled=not self.summary.runnable or self.phrase is not None)
+
+    def _foot(self) -> ComposeResult:
+        if not self.summary.runnable:
+            yield Static(Text("Nothing can run until every target has a plan: fix the above and press the key "
+                              "again.", "bold red"), id="confirm-prompt")
+        elif self.phrase is not None:
+            yield Static(Text.assemble("Type ", (self.phrase, "bold red"), " to confirm (tab to the box), "
+                                       "then enter. Cancel is the default; pgup/pgdn scroll the plan."),
+                         id="confirm-prompt")
+            yield Input(placeholder=self.phrase, id="confirm-phrase")
+        else:
+            yield Static(Text.assemble("Run this on ", (" ".join(self.summary.machines), "bold"),
+                                       "? Cancel is the default; tab to the other button to confirm."),
+                         id="confirm-prompt")
+        with Horizontal(id="confirm-buttons"):
+            yield Button("Cancel", id="cancel", variant="primary")
+            label = "Evict" if self.phrase is not None else "Confirm"
+            yield Button(label, id="confirm", variant="error",
+                         disabled=not self.summary.runnable or self.phrase is not None)
+
+    def action_scroll_plan(self, direction: int) -> None:
+        plan = self.query_one("#confirm-plan", PlanScroll)
+        plan.scroll_to(y=plan.scroll_y + direction * max(1, plan.size.height - 1), animate=False)
 
     def _matches(self, text: str) -> bool:
         return self.phrase is not None and " ".join(text.split()) == self.phrase

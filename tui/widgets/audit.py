@@ -87,7 +87,7 @@ class ActionsPanel(Vertical):
         yield LineTable(id="audit-table")
 
     def show(self, state: AppState, log: ActionLog, read_only: bool) -> None:
-        key = (log.version, len(state.machines), state.layout, state.world_size, read_only)
+        key = (log.version, state.machines, state.layout, state.world_size, read_only)
         if key == self._shown:
             return
         self._shown = key
@@ -96,7 +96,9 @@ class ActionsPanel(Vertical):
             t.append("[read-only] this session watches actions; it cannot start them\n", "bold cyan")
         else:
             t.append("e evict the suspect group · u hot-update / rollback · b checkpoint backup\n", "bold")
-        t.append_text(standby_line(len(state.machines), self.daily_failure_rate))
+        # The job's machines: those running ranks (idle standbys are the pool, not the job).
+        job_machines = sum(1 for m in state.machines if m.ranks) or len(state.machines)
+        t.append_text(standby_line(job_machines, self.daily_failure_rate))
         t.append("\n")
         t.append_text(backup_line(state))
         t.append("\n")
