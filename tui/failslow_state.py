@@ -90,23 +90,27 @@ class FailSlowTracker:
 
     def feed(self, snapshot: JobSnapshot, stack_analysis: object | None = None) -> FailSlowView:
         """One snapshot (a capture's stack analysis with it); returns the view of the state after it."""
-        before = self.detector.latest
-        try:
-            verdict = self.detector.update(snapshot, stack_analysis)
-        except Exception as exc:  # a detector bug costs this snapshot, not the session
-            self._errors = [*self._errors, f"fail-slow update failed: {type(exc).__name__}: {exc}"][-5:]
-            return self.view()
-        if verdict is not before:  # an old or repeated snapshot gives back the last verdict: no new round
-            flags = tuple((f.detector, f.machine, f.alarmed) for f in verdict.flags)
-            self._rounds = [*self._rounds, RoundFlags(verdict.at_mono, flags, verdict.machine, verdict.confident,
-                                                      verdict.confidence)][-ROUNDS_KEPT:]
+        self._update(snapshot, stack_analysis)
         return self.view()
 
     def feed_series(self, items: Iterable[tuple[JobSnapshot, object | None]]) -> FailSlowView:
         """A recorded series, oldest first (the bundle a watch recorded): replayed as it happened live."""
         for snap, analysis in sorted(items, key=lambda it: it[0].captured.mono):
-            self.feed(snap, analysis)
-        return self.view()
+            self._update(snap, analysis)
+        return self.view()  # drawn once, for the newest state
+
+    def _update(self, snapshot: JobSnapshot, stack_analysis: object | None) -> None:
+        before = self.detector.latest
+        try:
+            verdict = self.detector.update(snapshot, stack_analysis)
+        except Exception as exc:  # a detector bug costs this snapshot, not the session
+            self._errors = [*self._errors, f"fail-slow update failed: {type(exc).__name__}: {exc}"][-5:]
+            return
+        if verdict is not before:  # an old or repeated snapshot gives back the last verdict: no new round
+            flags = tuple((f.detector, f.machine, f.alarmed) for f in verdict.flags)
+            self._rounds.append(RoundFlags(verdict.at_mono, flags, verdict.machine, verdict.confident,
+                                           verdict.confidence))
+            del self._rounds[:-ROUNDS_KEPT]
 
     def view(self) -> FailSlowView:
         store = self.detector.store
@@ -186,8 +190,15 @@ class FailSlowFeeder:
         self._push([(snapshot, stack_analysis, stack_analysis is None)])
 
     def feed_series(self, items: Iterable[tuple[JobSnapshot, object | None]]) -> None:
-        """A recorded series: every snapshot is taken in, as it was live."""
-        self._push([(s, a, False) for s, a in items])
+        """A recorded series: every snapshot is taken in, as it was live.
+
+        A lone snapshot (a hang bundle, a live job's first description) is
+        left out: no detector can judge slowness from one point, and at 16k
+        ranks it would cost seconds of work at the moment the screen opens.
+        """
+        batch = [(s, a, False) for s, a in items]
+        if len(batch) > 1:
+            self._push(batch)
 
     def _push(self, batch: list[tuple[JobSnapshot, object | None, bool]]) -> None:
         if not batch:

@@ -52,8 +52,9 @@ def _cell(ratio: float | None) -> tuple[str, str]:
 def summary_text(view: FailSlowView) -> Text:
     v = view.verdict
     if v is None:
-        return Text("fail-slow: waiting for snapshots with step counters "
-                    "(attach --fail-slow, or open a series recorded by `rankscope watch --record`)", "dim")
+        return Text("fail-slow: the detectors need a series of snapshots with step counters: attach to the job "
+                    "(--fail-slow adds a stack round every 10 s), or open a series recorded by "
+                    "`rankscope watch --record`", "dim")
     style = "bold red" if v.confident else ("yellow" if v.verdict.suspects else "green")
     out = Text.assemble((v.verdict.summary, style))
     out.append(f"\nconfidence {v.confidence:.0%}{' (confident)' if v.confident else ''} · "
