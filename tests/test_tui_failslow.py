@@ -10,6 +10,7 @@ small fixed wobble. In the slow series machine m2 takes 1.5x longer per step
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -137,6 +138,27 @@ def test_tracker_ignores_a_repeated_snapshot() -> None:
     tracker.feed(snaps[1])
     view = tracker.feed(snaps[1])
     assert view.updates == 2 and len(view.rounds) == 2
+
+
+def test_heat_map_packs_ranks_and_keeps_the_slowest_machines() -> None:
+    """300 ranks a machine do not fit 80 columns: cells hold several ranks and show the slowest of them."""
+    from rankscope.tui.failslow_state import EMPTY, HeatRow
+
+    def row(i: int, slow_rank: int | None) -> HeatRow:
+        ranks = tuple(range(i * 300, (i + 1) * 300))
+        ratios = tuple(1.6 if r == slow_rank else 1.0 for r in ranks)
+        return HeatRow(f"n{i:02d}", ranks, ratios, 1.0, 0.5, True)
+
+    rows = tuple(row(i, 5 * 300 + 123 if i == 5 else None) for i in range(12))
+    view = replace(EMPTY, heat=rows)
+    lines = heat_text(view, 80, 4, ()).plain.splitlines()
+    assert "per cell, slowest shown" in lines[0]
+    shown = [line for line in lines[1:] if line.startswith("n")]
+    assert len(shown) == 4  # in machine order, the one with a straggling rank among them
+    n05 = next(line for line in shown if line.startswith("n05"))
+    cells = n05.split()[-1]
+    assert cells.count("▲") == 1 and len(cells) <= 80 and set(cells) == {"■", "▲"}
+    assert "8 more machines" in lines[-2]
 
 
 # ---- the app -------------------------------------------------------------------

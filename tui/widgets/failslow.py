@@ -91,7 +91,7 @@ def heat_text(view: FailSlowView, width: int, max_rows: int, suspects: Sequence[
         return Text("no step times yet", "dim")
     hidden = 0
     if len(rows) > max_rows:
-        keep = {h.machine for h in sorted(rows, key=lambda h: -(h.ratio or 0.0))[:max_rows]}
+        keep = {h.machine for h in sorted(rows, key=lambda h: -_worst(h))[:max_rows]}
         keep.update(s for s in suspects if any(h.machine == s for h in rows))
         hidden = len(rows) - len(keep)
         rows = [h for h in rows if h.machine in keep]
@@ -111,6 +111,11 @@ def heat_text(view: FailSlowView, width: int, max_rows: int, suspects: Sequence[
     out.append("■", "green")
     out.append(" normal  · unknown", "")
     return out
+
+
+def _worst(h: HeatRow) -> float:
+    """How slow a machine looks at its worst: its median or its slowest rank (one straggling GPU counts)."""
+    return max([h.ratio or 0.0, *(r for r in h.ratios if r is not None)])
 
 
 def _row(out: Text, h: HeatRow, name_w: int, room: int, suspect: bool) -> None:
