@@ -60,6 +60,10 @@ def _install_now() -> None:
         directory, job = _settings()
         if torch_hooks.install(directory, job):
             atexit.register(torch_hooks.shutdown)
+        from rankscope.ccl_plugin import backup
+        if os.environ.get(backup.ENV_REQUEST):
+            # checkpoint backup on request (key `b`), through torch's global optimizer step hook
+            backup.install()
     except Exception as exc:  # never into user code
         with contextlib.suppress(Exception):
             print(f"rankscope: CCL counters not loaded: {type(exc).__name__}: {exc}", file=sys.stderr)

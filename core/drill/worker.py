@@ -328,10 +328,9 @@ def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     from rankscope.ccl_plugin import backup
 
-    if os.environ.get(backup.ENV_REQUEST):
-        # The no-change path is the CCL plugin's autoload calling this (one line in autoload._install_now,
-        # pending with its owner); until it lands the drill asks for the same global hook itself.
-        # Idempotent: registered once whoever asks first.
+    if os.environ.get(backup.ENV_REQUEST) and os.environ.get("RANKSCOPE_CCL") != "1":
+        # With the CCL plugin loaded (the default) its autoload installs the backup hook with no
+        # change to this script; only `--no-counters` drills ask for the same global hook here.
         backup.install()
     (run_dir / "progress").mkdir(parents=True, exist_ok=True)
     write_progress(run_dir, rank, 0, "starting")
