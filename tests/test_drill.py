@@ -293,3 +293,18 @@ def test_after_a_crash_training_resumes_bit_for_bit_on_another_set_of_machines(t
     # machines, give the same losses (as float hex) as before the crash.
     resumed = dict(after[8:])
     assert {s: resumed[s] for s in (6, 7, 8)} == {s: before[s] for s in (6, 7, 8)}
+
+
+def test_standbys_default_to_the_p99_pool_with_the_tui_and_to_none_headless() -> None:
+    from rankscope.cli import build_parser
+    from rankscope.commands.drill import build_config
+    from rankscope.drill.control import default_standbys
+
+    def standbys(*argv: str) -> int:
+        return int(build_config(build_parser().parse_args(["drill", *argv])).standbys)
+
+    assert standbys() == default_standbys(4) >= 1
+    assert standbys("--headless") == 0
+    assert standbys("--headless", "--standbys", "2") == 2
+    with pytest.raises(RankscopeError, match="negative"):
+        standbys("--standbys", "-1")

@@ -62,6 +62,9 @@ def register(sub: Any) -> None:
                    help="progress stopped = no rank advanced for this long (default 5)")
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds for the job to start (default 180)")
     p.add_argument("--stall-timeout", type=float, default=120.0, help="seconds to wait for the stall (default 120)")
+    p.add_argument("--standbys", type=int, default=None,
+                   help="idle warm standby machines that join when `e` evicts (default with the TUI: the P99 "
+                        "binomial pool, at least 1; headless: 0, no recovery)")
     p.add_argument("--no-counters", action="store_true", help="do not load the CCL counter plugin in the ranks")
     p.add_argument("--no-agents", action="store_true", help="capture in this process with the probes instead of agents")
     p.add_argument("--run-dir", type=Path, help="folder for logs, progress, checkpoints and the bundle (default: a temp dir)")
@@ -100,9 +103,19 @@ def build_config(args: argparse.Namespace) -> Any:
         raise RankscopeError(f"--steps {steps} ends before --fault-step {plan.step}", f"pass --steps {plan.step + 20} or more")
     training = TrainingOptions(steps=steps, seed=args.seed, loader_workers=args.loader_workers,
                                checkpoint_every=args.checkpoint_every)
+    if args.standbys is not None and args.standbys < 0:
+        raise RankscopeError(f"--standbys {args.standbys} is negative", "pass 0 (no recovery) or more")
+    if args.standbys is not None:
+        standbys = args.standbys
+    elif args.headless or args.no_agents:
+        standbys = 0
+    else:
+        from rankscope.drill.control import default_standbys
+
+        standbys = default_standbys(layout.machines)
     return DrillConfig(layout=layout, plan=plan, training=training, run_dir=args.run_dir, agents=not args.no_agents,
                        stall_seconds=args.stall_seconds, start_timeout_s=args.start_timeout,
-                       stall_timeout_s=args.stall_timeout, counters=not args.no_counters)
+                       stall_timeout_s=args.stall_timeout, counters=not args.no_counters, standbys=standbys)
 
 
 def run(args: argparse.Namespace) -> int:
