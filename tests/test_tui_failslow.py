@@ -271,3 +271,20 @@ def test_failslow_view_snapshot(snap_compare: Any, series: str, size: str) -> No
     app = RankscopeApp(BundleSource(fs_bundle(slow="m2" if series == "slow" else None), f"bundle {series}"),
                        AppOptions())
     assert snap_compare(app, press=("7",), terminal_size=SIZES[size], run_before=_replayed)
+
+
+def test_captures_analysed_by_the_tui_count_as_stack_rounds() -> None:
+    """The StackView a capture produces is what the app hands the detectors: its verdict makes a stack round."""
+    from rankscope.tui.analysis import build_stack_view
+    from tui_bundles import FIG7_LAYOUT, T0, job
+
+    tracker = FailSlowTracker()
+    for i in range(6):
+        snap = job(T0 + 10 * i, stacks=True, step=100 + i, hung=True)
+        view = tracker.feed(snap, build_stack_view(snap, FIG7_LAYOUT))
+    stack_flags = [f for f in view.verdict.flags if f.detector == "stacks"] if view.verdict else []
+    assert stack_flags, [r.flags for r in view.rounds]
+    assert set(stack_flags[0].ranks) <= set(range(24, 32))
+    assert any(d == "stacks" for r in view.rounds for d, _, _ in r.flags)
+    stacks_row = next(line for line in history_text(view.rounds, 40).plain.splitlines() if line.startswith("stacks"))
+    assert set(stacks_row.split()[1]) - {"·"}, stacks_row  # the rounds that flagged a machine show its letter
