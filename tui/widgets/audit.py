@@ -50,7 +50,10 @@ def backup_line(state: AppState) -> Text:
     if state.layout is None:
         return t.append("backup peers: layout unknown (pass --tp/--pp/--dp); b still asks the agents", "dim")
     try:
-        plan = backup_plan(state.layout, world_size=state.world_size, machine_of=state.machine_of_rank() or None)
+        where = state.machine_of_rank()
+        # Only a map of every rank names the machines; a partial one (ranks exiting, a restart) would be refused.
+        whole = state.world_size is not None and set(where) >= set(range(state.world_size))
+        plan = backup_plan(state.layout, world_size=state.world_size, machine_of=where if whole else None)
     except (RankscopeError, ValueError) as exc:
         message = exc.message if isinstance(exc, RankscopeError) else str(exc)
         return t.append(f"backup peers: {message}", "yellow")
