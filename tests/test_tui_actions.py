@@ -474,3 +474,37 @@ async def test_on_a_small_terminal_the_phrase_box_and_buttons_stay_visible_and_p
         await pilot.pause()
         assert plan.scroll_y > 0
         assert isinstance(app.focused, Button) and app.focused.id == "cancel"
+
+
+def test_the_actions_summary_sizes_the_pool_lists_standbys_on_hand_and_the_update_history() -> None:
+    from rankscope.snapshot import Layout
+    from rankscope.tui.actions import ActionLog
+    from rankscope.tui.state import AppState, MachineView
+    from rankscope.tui.widgets.audit import summary_text
+
+    def machine(name: str, ranks: tuple[int, ...]) -> MachineView:
+        return MachineView(name, f"{name}:50051", True, None, ranks, None, (), None)
+
+    # 128 job machines + 2 idle agents: ByteRobust Table 5 keeps 2 standbys for 128 machines at 0.12 %/day
+    machines = tuple(machine(f"m{i}", (2 * i, 2 * i + 1)) for i in range(128)) + \
+        (machine("spare-0", ()), machine("spare-1", ()))
+    state = AppState(machines=machines, world_size=256, layout=Layout(tp=2, pp=4, dp=32, ranks_per_machine=2))
+    log = ActionLog()
+    for seq, (kind, result, what) in enumerate([
+            (ActionKind.HOT_UPDATE, "started", "hot-update m0 to git:v2 (lazy)"),
+            (ActionKind.HOT_UPDATE, "succeeded", "hot-update m0 to git:v2 (lazy)"),
+            (ActionKind.ROLLBACK, "failed", "roll back m0 to git:v1 (immediate)")], start=1):
+        assert log.add("m0:50051", AuditRecord(seq, f"a{seq}", "alice", 1700000000.0 + seq, kind, what, result, "",
+                                               ("m0",)))
+    assert not log.add("m0:50051", AuditRecord(1, "a1", "alice", 0.0, ActionKind.HOT_UPDATE, "x", "started"))
+    log.note("m5:50051", "audit of m5:50051: no agent answered — reconnecting")
+    text = summary_text(state, log, read_only=False, daily_failure_rate=0.0012).plain
+    assert "warm standbys (P99, 24 h): 2 for 128 machines" in text
+    assert "on hand (agents without ranks): spare-0 spare-1" in text
+    assert "backup peers: rule mirror, safe" in text
+    history = text.split("update history:")[1]
+    assert "rollback failed m0" in history and "hot-update succeeded m0" in history
+    assert history.index("rollback") < history.index("hot-update")  # newest first
+    assert "started" not in history  # only how each ended
+    assert "no agent answered — reconnecting" in text
+    assert "[read-only]" in summary_text(state, log, read_only=True, daily_failure_rate=0.0012).plain

@@ -79,6 +79,29 @@ def history_text(log: ActionLog, limit: int = 4) -> Text:
     return t
 
 
+def summary_text(state: AppState, log: ActionLog, read_only: bool, daily_failure_rate: float) -> Text:
+    """What to know before pressing e or b: who may act, standby sizing and those on hand, backup rule, history."""
+    t = Text()
+    if read_only:
+        t.append("[read-only] this session watches actions; it cannot start them\n", "bold cyan")
+    else:
+        t.append("e evict the suspect group · u hot-update / rollback · b checkpoint backup\n", "bold")
+    # The job's machines: those running ranks (idle standbys are the pool, not the job).
+    job_machines = sum(1 for m in state.machines if m.ranks) or len(state.machines)
+    t.append_text(standby_line(job_machines, daily_failure_rate))
+    idle = [m.name for m in state.machines if m.reachable and not m.ranks]
+    if idle and len(idle) < len(state.machines):  # agents without ranks: the warm standbys on hand
+        t.append(f"; on hand (agents without ranks): {' '.join(idle[:8])}"
+                 + (f" +{len(idle) - 8}" if len(idle) > 8 else ""), "green")
+    t.append("\n")
+    t.append_text(backup_line(state))
+    t.append("\n")
+    t.append_text(history_text(log))
+    for note in log.notes.values():
+        t.append(f"\n{note}", "yellow")
+    return t
+
+
 class ActionsPanel(Vertical):
     def __init__(self, *, id: str | None = None, daily_failure_rate: float = 0.0012) -> None:
         super().__init__(id=id)
@@ -94,20 +117,7 @@ class ActionsPanel(Vertical):
         if key == self._shown:
             return
         self._shown = key
-        t = Text()
-        if read_only:
-            t.append("[read-only] this session watches actions; it cannot start them\n", "bold cyan")
-        else:
-            t.append("e evict the suspect group · u hot-update / rollback · b checkpoint backup\n", "bold")
-        # The job's machines: those running ranks (idle standbys are the pool, not the job).
-        job_machines = sum(1 for m in state.machines if m.ranks) or len(state.machines)
-        t.append_text(standby_line(job_machines, self.daily_failure_rate))
-        t.append("\n")
-        t.append_text(backup_line(state))
-        t.append("\n")
-        t.append_text(history_text(log))
-        for note in log.notes.values():
-            t.append(f"\n{note}", "yellow")
+        t = summary_text(state, log, read_only, self.daily_failure_rate)
         self.query_one("#actions-summary", Static).update(t)
         rows = []
         for line in reversed(log.lines):
