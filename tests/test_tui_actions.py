@@ -486,8 +486,8 @@ def test_the_actions_summary_sizes_the_pool_lists_standbys_on_hand_and_the_updat
         return MachineView(name, f"{name}:50051", True, None, ranks, None, (), None)
 
     # 128 job machines + 2 idle agents: ByteRobust Table 5 keeps 2 standbys for 128 machines at 0.12 %/day
-    machines = tuple(machine(f"m{i}", (2 * i, 2 * i + 1)) for i in range(128)) + \
-        (machine("spare-0", ()), machine("spare-1", ()))
+    machines = (*(machine(f"m{i}", (2 * i, 2 * i + 1)) for i in range(128)),
+                machine("spare-0", ()), machine("spare-1", ()))
     state = AppState(machines=machines, world_size=256, layout=Layout(tp=2, pp=4, dp=32, ranks_per_machine=2))
     log = ActionLog()
     for seq, (kind, result, what) in enumerate([
