@@ -122,7 +122,8 @@ async def until(pilot: Any, cond: Callable[[], bool], timeout: float = 10.0, wha
 async def open_confirm(pilot: Any, app: RankscopeApp, key: str) -> ConfirmModal:
     await until(pilot, app.loaded.is_set, what="the bundle")
     await pilot.press(key)
-    await until(pilot, lambda: isinstance(app.screen, ConfirmModal), what="the confirm modal")
+    await until(pilot, lambda: isinstance(app.screen, ConfirmModal) and app.focused is not None,
+                what="the confirm modal, focused")
     await pilot.pause()
     assert isinstance(app.screen, ConfirmModal)
     return app.screen
@@ -430,6 +431,7 @@ async def test_e_through_real_agents_stops_the_suspect_ranks_and_a_read_only_tui
             planned = {p.pid for plan in modal.summary.plans for p in plan.processes}
             assert planned == {ranks[1][0].pid, ranks[1][1], ranks[3][0].pid, ranks[3][1]}
             assert ranks[1][0].poll() is None, "planning must not touch a rank"
+            await until(pilot, lambda: isinstance(actor.focused, Button), 10, "Cancel to take the focus")
             await focus_phrase_box(pilot, actor)
             await pilot.press(*phrase, "enter")
 

@@ -20,6 +20,7 @@ Nothing here imports grpc: the source's passthroughs reach the client.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import secrets
 import socket
@@ -57,6 +58,7 @@ from rankscope.errors import RankscopeError
 from rankscope.tui import state as st
 from rankscope.tui.analysis import StackView, format_ranks
 from rich.text import Text
+from textual.css.query import NoMatches
 
 if TYPE_CHECKING:
     from rankscope.tui.app import RankscopeApp
@@ -426,6 +428,11 @@ class ActionController:
             self.app.notify(f"{kind} failed: {type(exc).__name__}: {exc}", severity="error", timeout=10)
         finally:
             self.running = None
+            self._redraw()
+
+    def _redraw(self) -> None:
+        # A result or record may arrive while the app is closing and its widgets are already gone.
+        with contextlib.suppress(NoMatches):
             self.app.redraw()
 
     def _show_result(self, address: str, result: ActionResult) -> None:
@@ -458,4 +465,4 @@ class ActionController:
                 address, record = item
                 if self.log.add(address, record):
                     self.app.state = st.apply_failure(self.app.state, "action", audit_line_text(record), record.when)
-            self.app.redraw()
+            self._redraw()
