@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from agent_helpers import Processes, clean_env, make_token_file
-from rankscope.analyzers.failslow import FailSlowConfig, FailSlowDetector, replay
+from rankscope.analyzers.failslow import DETECTORS, FailSlowConfig, FailSlowDetector, replay
 from rankscope.bundle import read_bundle
 from rankscope.commands.watch import change_key, verdict_event
 from rankscope.snapshot import Layout
@@ -170,9 +170,21 @@ def test_watch_names_the_slow_machine_of_a_real_slow_compute_drill(tmp_path: Pat
     assert slow_machine in named[0]["suspect_machines"], "the first suspect named holds the slow machine"
     confident = [e for e in named if e["confident"]]
     assert confident and all(slow_machine in e["suspect_machines"] for e in confident), "only the slow machine, confidently"
-    assert 5 in named[-1]["ranks"] and "stacks" in named[-1]["sources"]
+    last = named[-1]
+    assert 5 in last["ranks"], last
+    # Which detector names it first (stack rounds, Minder, step time, ...) depends on timing on a loaded machine,
+    # so the sources are checked for what holds whichever wins: known detectors, each backed in that very line by
+    # an alarmed flag about the suspect's machines; and over the run some detector alarmed on the slow machine.
+    assert last["sources"] and set(last["sources"]) <= set(DETECTORS), last["sources"]
+    backing = {f["detector"] for f in last["flags"] if f["alarmed"] and f["machine"] in last["suspect_machines"]}
+    assert set(last["sources"]) <= backing, (last["sources"], last["flags"])
+    alarmed_on_slow = {f["detector"] for e in events if e["event"] == "verdict" for f in e["flags"]
+                       if f["alarmed"] and f["machine"] == slow_machine}
+    assert alarmed_on_slow & set(DETECTORS), "a detector that looks at the slow machine alarmed on it"
     # the recorded series replays to the same answer, offline
     bundle = read_bundle(tmp_path / "record.json")
     replayed = replay(bundle.snapshots, FailSlowConfig(window_s=10, continuity_s=8, step_window_s=8, rounds_needed=3),
                       Layout(tp=2, pp=2, dp=2, ranks_per_machine=2))
-    assert slow_machine in replayed[-1].machines and "stacks" in replayed[-1].verdict.top.sources  # type: ignore[union-attr]
+    top = replayed[-1].verdict.top
+    assert top is not None and slow_machine in replayed[-1].machines and 5 in top.ranks, replayed[-1].verdict.summary
+    assert top.sources and set(top.sources) <= set(DETECTORS), top.sources
