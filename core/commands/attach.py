@@ -73,6 +73,17 @@ def run(args: argparse.Namespace) -> int:
     agents = resolve_agents(args.agents, args.hostfile, default_port=args.port)
     if not agents:
         raise RankscopeError("no agents given", "pass --agents host:port[,...], --hostfile FILE, or --bundle FILE")
-    token = load_client_token(args.token_file)
+    if args.read_only:
+        token = load_client_token(args.token_file)
+    else:
+        # A session that may act sends a token of the 'act' role; with only a read token it still
+        # attaches, and the action keys say why they cannot act instead of failing at the agents.
+        from rankscope.tokens import Role
+
+        try:
+            token = load_client_token(args.token_file, role=Role.ACT)
+        except RankscopeError as exc:
+            token = load_client_token(args.token_file)
+            options["act_problem"] = (exc.message, exc.fix)
     return tui_app.run_attach(agents, token, layout=layout, read_only=args.read_only, deadline_s=args.deadline,
                               capture_timeout_s=args.timeout, native=args.native, **options)
