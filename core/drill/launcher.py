@@ -284,8 +284,10 @@ class Launcher:
         if not path.exists():
             layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
                       "ranks_per_machine": self.layout.ranks_per_machine}
-            # The drill's steps take milliseconds, so the agents' requests may land several steps apart.
-            backup = {"align_steps": 8, "wait_s": 60}
+            # The drill's steps take milliseconds, so the agents' requests land steps apart: about 8 on a
+            # lightly loaded 2-core host, more under load. Ranks whose requests land more than one align
+            # apart share no backed-up step and the restore falls back to the checkpoint; 16 leaves room.
+            backup = {"align_steps": 16, "wait_s": 60}
             path.write_text(json.dumps({"eviction": {"backend": "local"}, "layout": layout, "backup": backup},
                                        indent=1))
         return path

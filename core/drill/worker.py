@@ -255,6 +255,10 @@ def restore_backup(rank: int, world: int, checkpoint_step: int, optimizer: Any) 
     dist.all_gather_object(everyone, mine)
     plan = restore_plan(world, {r: v[0] for r, v in enumerate(everyone)}, {r: v[1] for r, v in enumerate(everyone)})
     if plan.step is None or plan.step <= checkpoint_step:
+        # Said in the log: a restart from the checkpoint instead of the backup is otherwise silent.
+        why = "; ".join(plan.notes) or f"step {plan.step} is not newer than checkpoint step {checkpoint_step}"
+        print(f"drill worker: rank {rank} restored no backup (local {mine[0]}, peers {mine[1]}): {why}",
+              file=sys.stderr, flush=True)
         return None
     source = dict(plan.sources)[rank]
     for store in ([here] if source == "local" else []) + others + [here]:
