@@ -14,7 +14,7 @@ from rankscope.errors import RankscopeError
 from rankscope.flight_recorder import analyze_flight_recorder_dir, dumps_to_counters, load_dump
 
 JOB = textwrap.dedent("""
-    import os, sys, time
+    import os, pickle, sys, time
     from pathlib import Path
     import torch, torch.distributed as dist
     from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
@@ -26,24 +26,36 @@ JOB = textwrap.dedent("""
         dist.all_reduce(torch.ones(4))
     dist.broadcast(torch.ones(8), 0, group=pp)
 
-    def dump():
+    def settled(n_open):
+        # gloo marks a work done before its worker thread retires the recorder entry: wait for the entries
+        es = pickle.loads(_dump_fr_trace(True, False, False)).get("entries", [])
+        return sum(not (e.get("retired") or e.get("state") == "completed") for e in es) == n_open
+
+    def dump(n_open):
+        deadline = time.monotonic() + 120
+        while not settled(n_open):
+            if time.monotonic() > deadline:
+                sys.exit(f"rank {r}: flight recorder never settled with {n_open} open entries")
+            time.sleep(0.02)
         (out / "json" / f"rank{r}.json").write_bytes(_dump_fr_trace_json())
         (out / "pkl" / f"nccl_trace_rank_{r}").write_bytes(_dump_fr_trace(True, False, False))
         (out / f"dumped{r}").touch()
 
     def wait_for(p):
-        deadline = time.monotonic() + 60
-        while not p.exists() and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120
+        while not p.exists():
+            if time.monotonic() > deadline:
+                sys.exit(f"rank {r}: timed out waiting for {p.name}")
             time.sleep(0.02)
 
     if r == 1:  # the late rank: its dump shows it never reached the 4th all_reduce
-        dump()
+        dump(0)
         wait_for(out / "dumped0")
         dist.all_reduce(torch.ones(4))
     else:
         work = dist.all_reduce(torch.ones(4), async_op=True)
         wait_for(out / "dumped1")
-        dump()
+        dump(1)
         work.wait()
     dist.destroy_process_group()
 """)
@@ -58,7 +70,7 @@ def test_real_gloo_dumps_name_the_rank_that_never_arrived(tmp_path: Path) -> Non
     env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "200"}
     env.pop("RANKSCOPE_CCL", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
+                           str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for fmt in ("pkl", "json"):
         snapshot, verdict = analyze_flight_recorder_dir(tmp_path / fmt, None)

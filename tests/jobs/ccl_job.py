@@ -70,7 +70,7 @@ def main() -> None:
             dist.isend(buf, 1, group=pp).wait()
         elif rank == 1:
             work = dist.irecv(buf, 0, group=pp)
-            if hang == "p2p":
+            if hang == "p2p" and step == hang_step:  # only once the step's irecv is issued, never a step early
                 (out / f"waiting.rank{rank}").write_text(str(os.getpid()))
             work.wait()
         peer = (rank + 1) % world
