@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Callable
 
 from rankscope.actions.model import (
     ActionKind,
@@ -31,6 +28,7 @@ from rankscope.actions.model import (
     ActionState,
     AuditRecord,
 )
+from rankscope.actions.sqlite_store import SqliteStore
 from rankscope.errors import RankscopeError
 
 _SCHEMA = """
@@ -61,28 +59,12 @@ CREATE TABLE IF NOT EXISTS actions (
 """
 
 
-class AuditLog:
+class AuditLog(SqliteStore):
     """Append-only audit records plus the action-id ledger, in one SQLite file."""
 
-    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
-        self.path = Path(path)
-        self._clock = clock
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self._connect() as db:
-                db.executescript(_SCHEMA)
-        except (OSError, sqlite3.Error) as exc:
-            raise RankscopeError(f"cannot open the audit log {self.path}: {exc}",
-                                 "give the agent a writable --state-dir") from exc
-
-    @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            yield db
-        finally:
-            db.close()
+    what = "audit log"
+    schema = _SCHEMA
+    wal = True
 
     # ---- idempotent execution -------------------------------------------------------------
 

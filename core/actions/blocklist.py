@@ -8,15 +8,11 @@ when it was lifted), so the history of a machine is never lost.
 
 from __future__ import annotations
 
-import sqlite3
-import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from rankscope.actions.model import check_machine, check_text
-from rankscope.errors import RankscopeError
+from rankscope.actions.sqlite_store import SqliteStore
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS blocklist (
@@ -48,27 +44,11 @@ class BlockEntry:
         return self.lifted_at is None
 
 
-class Blocklist:
+class Blocklist(SqliteStore):
     """A persistent blocklist in one SQLite file."""
 
-    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
-        self.path = Path(path)
-        self._clock = clock
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self._connect() as db:
-                db.executescript(_SCHEMA)
-        except (OSError, sqlite3.Error) as exc:
-            raise RankscopeError(f"cannot open the blocklist {self.path}: {exc}",
-                                 "give the agent a writable --state-dir") from exc
-
-    @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-        try:
-            yield db
-        finally:
-            db.close()
+    what = "blocklist"
+    schema = _SCHEMA
 
     def block(self, machines: Iterable[str], reason: str, who: str, action_id: str = "") -> tuple[BlockEntry, ...]:
         """Block each machine (already-blocked ones keep their first entry). Returns the new entries."""

@@ -9,16 +9,12 @@ at a time (A -> B -> C, rollback gives B, rollback again gives A).
 
 from __future__ import annotations
 
-import sqlite3
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
 from rankscope.actions.model import UpdateMode, check_text
+from rankscope.actions.sqlite_store import SqliteStore
 from rankscope.errors import RankscopeError
 
 
@@ -92,27 +88,11 @@ _COLUMNS = ("id, action_id, who, requested_at, kind, mode, window_s, from_label,
             "state, applied_at, trigger, message")
 
 
-class HotUpdateHistory:
+class HotUpdateHistory(SqliteStore):
     """The hot-update history of one job, in one SQLite file."""
 
-    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
-        self.path = Path(path)
-        self._clock = clock
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self._connect() as db:
-                db.executescript(_SCHEMA)
-        except (OSError, sqlite3.Error) as exc:
-            raise RankscopeError(f"cannot open the hot-update history {self.path}: {exc}",
-                                 "give the agent a writable --state-dir") from exc
-
-    @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-        try:
-            yield db
-        finally:
-            db.close()
+    what = "hot-update history"
+    schema = _SCHEMA
 
     def request(self, action_id: str, who: str, kind: UpdateKind, mode: UpdateMode, window_s: float,
                 from_version: Version | None, to_version: Version) -> UpdateRecord:
