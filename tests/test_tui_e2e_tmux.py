@@ -69,7 +69,7 @@ def drill_in_tmux(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     # COLUMNS/LINES from the test's own terminal would override the pane's size in the TUI.
     cmd = ["env", "-u", "COLUMNS", "-u", "LINES", sys.executable, "-m", "rankscope", "drill", "--tp", "2", "--pp", "2", "--dp", "2", "--machines", "4",
            "--fault", "hang-p2p", "--fault-rank", "5", "--fault-step", "6", "--steps", "40",
-           "--run-dir", str(run_dir)]
+           "--standbys", "1", "--run-dir", str(run_dir)]
     started = tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "48", "-e", "TERM=xterm-256color",
                    shlex.join(cmd))
     assert started.returncode == 0, started.stderr
@@ -114,7 +114,8 @@ def test_tui_in_tmux_shows_suspect_machines_and_diverging_frame_of_a_live_hang(
     assert re.search(r"▸ (PP|RANK)", top), top
     diverging = re.search(r"diverges at (\S+)", text)
     assert diverging, text
-    assert "4/4 machines" in text
+    assert "5/5 machines" in text  # the 4 training machines and the warm standby, all reachable
+    assert "standby-0" in text
 
     # `s` takes a new capture: the header's capture time moves on.
     before = re.search(r"captured (\d\d:\d\d:\d\d)", text)
