@@ -64,7 +64,8 @@ def register(sub: Any) -> None:
     p.add_argument("--stall-timeout", type=float, default=120.0, help="seconds to wait for the stall (default 120)")
     p.add_argument("--standbys", type=int, default=None,
                    help="idle warm standby machines that join when `e` evicts (default with the TUI: the P99 "
-                        "binomial pool, at least 1; headless: 0, no recovery)")
+                        "binomial pool, and at least enough to replace one pipeline or data-parallel group; "
+                        "headless: 0, no recovery)")
     p.add_argument("--no-counters", action="store_true", help="do not load the CCL counter plugin in the ranks")
     p.add_argument("--no-agents", action="store_true", help="capture in this process with the probes instead of agents")
     p.add_argument("--run-dir", type=Path, help="folder for logs, progress, checkpoints and the bundle (default: a temp dir)")
@@ -112,7 +113,9 @@ def build_config(args: argparse.Namespace) -> Any:
     else:
         from rankscope.drill.control import default_standbys
 
-        standbys = default_standbys(layout.machines)
+        # `e` over-evicts a whole suspect group: a pipeline or data-parallel group spans up to PP or DP
+        # machines here, so the pool must refill that many for the drill to recover, whatever P99 says.
+        standbys = max(default_standbys(layout.machines), min(max(layout.pp, layout.dp), layout.machines))
     return DrillConfig(layout=layout, plan=plan, training=training, run_dir=args.run_dir, agents=not args.no_agents,
                        stall_seconds=args.stall_seconds, start_timeout_s=args.start_timeout,
                        stall_timeout_s=args.stall_timeout, counters=not args.no_counters, standbys=standbys)
