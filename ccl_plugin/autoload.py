@@ -16,17 +16,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 from rankscope.ccl_plugin import layout as L
+from rankscope.ccl_plugin.post_import import after_import
 
 PTH_NAME = "rankscope-ccl.pth"
 # One line, executed by site.py for every interpreter: cheap when the variable is unset.
@@ -69,42 +64,6 @@ def _install_now() -> None:
             print(f"rankscope: CCL counters not loaded: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    """Runs the real loader, then installs the hooks into the fresh module."""
-
-    def __init__(self, inner: importlib.abc.Loader) -> None:
-        self.inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)
-        _install_now()
-
-    def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, ...
-        return getattr(self.inner, name)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Catches the import of torch.distributed once, and wraps its loader."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != TARGET:
-            return None
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding us
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            if spec is None or spec.loader is None:
-                return None
-            spec.loader = _PatchingLoader(spec.loader)
-            return spec
-        except Exception:
-            return None
-
-
 def activate() -> None:
     """Turn the hooks on for this process (idempotent; never raises)."""
     global _activated
@@ -112,10 +71,7 @@ def activate() -> None:
         return
     _activated = True
     try:
-        if TARGET in sys.modules:
-            _install_now()
-        else:
-            sys.meta_path.insert(0, _PostImportFinder())
+        after_import(TARGET, lambda _module: _install_now())
     except Exception as exc:
         with contextlib.suppress(Exception):
             print(f"rankscope: CCL counters not loaded: {type(exc).__name__}: {exc}", file=sys.stderr)

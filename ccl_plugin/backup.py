@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.abc
-import importlib.machinery
 import io
 import json
 import os
@@ -45,8 +43,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
+
+from rankscope.ccl_plugin.post_import import after_import
 
 ENV_REQUEST = "RANKSCOPE_BACKUP_REQUEST"
 ENV_TARGETS = "RANKSCOPE_BACKUP_TARGETS"
@@ -96,8 +95,8 @@ def install() -> bool:
         module = sys.modules.get(_OPTIMIZER_MODULE)
         if module is not None and hasattr(module, "register_optimizer_step_post_hook"):
             _register(module)
-        elif not any(isinstance(f, _AfterOptimizerImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _AfterOptimizerImport())
+        elif module is None:  # (a module still being imported by torch itself has no hook to call yet)
+            after_import(_OPTIMIZER_MODULE, _register_quietly)
         return True
     except Exception as exc:
         _say(f"checkpoint backup not loaded: {type(exc).__name__}: {exc}")
@@ -113,41 +112,11 @@ def _register(module: Any) -> None:
         _status["installed"] = True
 
 
-class _RegisteringLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader) -> None:
-        self.inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)
-        try:
-            _register(module)
-        except Exception as exc:
-            _say(f"checkpoint backup not loaded: {type(exc).__name__}: {exc}")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-class _AfterOptimizerImport(importlib.abc.MetaPathFinder):
-    """Waits for ``torch.optim.optimizer`` once and registers the hook when its body has run."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _OPTIMIZER_MODULE:
-            return None
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            if spec is None or spec.loader is None:
-                return None
-            spec.loader = _RegisteringLoader(spec.loader)
-            return spec
-        except Exception:
-            return None
+def _register_quietly(module: Any) -> None:
+    try:
+        _register(module)
+    except Exception as exc:
+        _say(f"checkpoint backup not loaded: {type(exc).__name__}: {exc}")
 
 
 def _say(message: str) -> None:
