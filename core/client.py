@@ -162,6 +162,7 @@ class JobClient:
         self.acting = acting
         self._metadata = auth_metadata(token)
         self._conns: dict[str, _Agent] = {}
+        self._names: dict[str, str] = {}  # address -> the machine name its agent last reported
         self._loop: asyncio.AbstractEventLoop | None = None
         # action id -> (each owner's part of the request, the plans they gave): what run_action sends
         self._planned: dict[str, tuple[dict[str, ActionRequest], dict[str, ActionPlan | ActionError]]] = {}
@@ -436,8 +437,20 @@ class JobClient:
 
     async def _fan_out(self, call: Call, timeout_s: float) -> JobSnapshot:
         started = Instant(wall=time.time(), mono=time.monotonic())
-        machines = await asyncio.gather(*(self._one(a, call, timeout_s) for a in self.agents))
+        machines = [self._named(m) for m in await asyncio.gather(*(self._one(a, call, timeout_s) for a in self.agents))]
         return JobSnapshot(captured=started, machines=tuple(machines), job_id=common_run_id(machines))
+
+    def _named(self, m: MachineSnapshot) -> MachineSnapshot:
+        """An agent that stops answering keeps the machine name it last gave, not its address.
+
+        Otherwise a restarting agent shows up twice (once by name, once by
+        address) and the machine it speaks for looks gone and new again.
+        """
+        if m.reachable:
+            self._names[m.address] = m.machine
+            return m
+        name = self._names.get(m.address)
+        return dataclasses.replace(m, machine=name) if name is not None and m.machine == m.address else m
 
 
 def action_error(address: str, exc: grpc.aio.AioRpcError, timeout_s: float) -> ActionError:

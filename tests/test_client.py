@@ -92,6 +92,7 @@ async def test_a_dead_agent_is_marked_and_comes_back_when_restarted(procs: Proce
         second = await client.capture(timeout_s=20)
         lost = by_address(second)[b.address]
         assert not lost.reachable and lost.error is not None and lost.error.kind is CaptureErrorKind.UNREACHABLE
+        assert lost.machine == "machine-b"  # the name it last gave, so a restart is not a new machine
         assert parked_threads(by_address(second)[a.address], 0) == 2
 
         # The same client (same channels) sees machine B again once an agent listens there.
