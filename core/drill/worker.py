@@ -381,6 +381,11 @@ def train(args: argparse.Namespace) -> int:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optim"])
     backup.set_step(start)  # shards carry the job's step numbers (the hook counts optimizer steps from here)
+    # ---- hot-update hook: the user code of the node's code link (none: training exactly as without it) ----
+    from rankscope.drill import user_code
+
+    code = user_code.from_env(run_dir, rank, start)
+    # ---- end of the hot-update hook ----
 
     injector = Injector(plan, rank)
     m.set_comm_hook(injector.before_comm)
@@ -394,12 +399,18 @@ def train(args: argparse.Namespace) -> int:
             injector.step = step
             torch.manual_seed(args.seed * 7919 + step)
             injector.at_step_start()
+            if code is not None:  # hot-update hook: the version's learning-rate factor (v1: exactly 1.0)
+                for group in optimizer.param_groups:
+                    group["lr"] = code.lr(args.lr, step)
             x, y = next(batches)
             loss = m.train_step(model, optimizer, x, y, micro_batches=args.micro_batches, hidden=args.hidden,
                                 compute_hook=injector.after_compute, before_compute=injector.before_compute)
             done = step + 1
             if loss_log is not None and loss is not None:
-                loss_log.write(json.dumps({"step": done, "loss": loss.hex(), "value": loss}) + "\n")
+                record: dict[str, Any] = {"step": done, "loss": loss.hex(), "value": loss}
+                if code is not None:  # hot-update hook: which code computed this step
+                    record["code"] = code.version
+                loss_log.write(json.dumps(record) + "\n")
                 loss_log.flush()
             if args.checkpoint_every > 0 and done % args.checkpoint_every == 0:
                 buf = io.BytesIO()
