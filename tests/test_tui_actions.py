@@ -237,7 +237,8 @@ async def test_the_right_phrase_runs_with_the_exact_confirmation_and_progress_an
         await pilot.pause()
         text = screen_text(app)
         assert "succeeded" in text and "started" in text and "alice@desk" in text and "blocked node12" in text
-        assert "warm standbys (P99, 24 h): 1 for 16 machines" in text
+        assert "warm standbys (P99, 24 h): 1 for 16 machines" in text  # the job's size, with node12 out of it
+        assert "15/15 machines 1 evicted" in text  # out of the job on purpose: not counted as lost
         await pilot.press("5")
         await pilot.pause()
         assert "evict succeeded on node12 by alice@desk" in screen_text(app)

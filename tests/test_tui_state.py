@@ -7,7 +7,7 @@ import inspect
 from pathlib import Path
 
 import pytest
-from rankscope.snapshot import Frame, JobSnapshot, ProcessRole, ProcessStack, RankStacks, ThreadStack
+from rankscope.snapshot import Frame, JobSnapshot, ProcessRole, ProcessStack, RankInfo, RankStacks, ThreadStack
 from rankscope.tui import state as st
 from rankscope.tui.analysis import build_stack_view, format_ranks, rank_stack_lines
 from rankscope.tui.app import AppOptions, RankscopeApp
@@ -171,3 +171,52 @@ async def test_fail_slow_mode_captures_every_ten_seconds() -> None:
         # At the first poll (none before), at T0+12 (10.5 s after the capture of T0+1.5), not at T0+15,
         # then at T0+23 (10.5 s after T0+12.5).
         assert source.captures_started == 3, [(e.wall - T0, e.kind) for e in app.state.events]
+
+
+def _restarted_on_standby(wall: float, step: int) -> JobSnapshot:
+    """The job after node05 was evicted: its ranks 10-11 run on standby-0, every rank under a new pid."""
+    from dataclasses import replace
+
+    snap = job(wall, stacks=False, step=step, hung=False, lost=(5,))
+    machines = []
+    for m in snap.machines:
+        ranks = tuple(replace(r, pid=r.pid + 50_000) for r in m.ranks)
+        if m.machine == "node05":
+            machines.append(replace(m, ranks=()))
+            machines.append(replace(m, machine="standby-0", address="standby-0:50051", reachable=True, error=None,
+                                    ranks=tuple(RankInfo(r, r % 2, 32, 60_000 + r) for r in (10, 11))))
+        else:
+            machines.append(replace(m, ranks=ranks))
+    return replace(snap, machines=tuple(machines))
+
+
+def test_an_evicted_machine_is_out_of_the_job_and_the_restart_is_seen() -> None:
+    first = job(T0, stacks=False, step=100, hung=False)
+    s = fold((first,))
+    s = st.apply_evicted(s, ["node05"], T0 + 1)
+    node05 = next(m for m in s.machines if m.name == "node05")
+    assert node05.evicted and node05.ranks == () and s.machines[-1] is node05  # listed last, holding no ranks
+    assert len(s.job_machines) == 15 and s.lost == ()
+    assert st.apply_evicted(s, ["node05"], T0 + 2) is s  # the same record seen again changes nothing
+
+    # Its agent is gone (unreachable) and the job runs again on a standby, every rank under a new pid.
+    s = st.apply_snapshot(s, st.digest(_restarted_on_standby(T0 + 40, 96)), T0 + 40)
+    assert s.restarts == 1 and s.lost == ()
+    assert [e.kind for e in s.events][-2:] == ["evicted", "restarted"]
+    assert "standby-0" in s.events[-1].text and "node05" not in s.events[-1].text
+    assert s.progress_points == ((T0 + 40, s.progress_points[0][1]),)  # counters start again in new processes
+    assert st.health(s).kind != "hung"  # 40 s without the old counters moving is not a hang
+    assert next(m for m in s.machines if m.name == "node05").evicted
+    # The same pids again is the same job, not another restart.
+    s = st.apply_snapshot(s, st.digest(_restarted_on_standby(T0 + 41, 97)), T0 + 41)
+    assert s.restarts == 1
+
+
+def test_no_ranks_anywhere_is_idle_not_hung() -> None:
+    from dataclasses import replace
+
+    first = job(T0, stacks=False, step=100, hung=False)
+    ended = replace(first, captured=replace(first.captured, wall=T0 + 60),
+                    machines=tuple(replace(m, ranks=(), counters=()) for m in first.machines))
+    s = fold((first, ended))
+    assert st.health(s).kind == "idle" and st.health(s).text == "no ranks running"

@@ -465,4 +465,6 @@ class ActionController:
                 address, record = item
                 if self.log.add(address, record):
                     self.app.state = st.apply_failure(self.app.state, "action", audit_line_text(record), record.when)
+                    if record.kind == ActionKind.EVICT and record.result == ActionState.SUCCEEDED.value:
+                        self.app.state = st.apply_evicted(self.app.state, record.machines, record.when)
             self._redraw()

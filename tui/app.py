@@ -189,10 +189,14 @@ class RankscopeApp(App[int]):
 
     def on_snapshot_received(self, message: SnapshotReceived) -> None:
         before = {m.name: m.reachable for m in self.state.machines}
+        restarts = self.state.restarts
         self.state = st.apply_snapshot(self.state, message.digest, self._now(message.digest.wall),
                                        self.options.hang_after_s)
+        if self.state.restarts != restarts and self.source.live and not self._capturing:
+            # The stacks on screen are of processes that are gone: look at the new ones.
+            self.action_capture()
         for m in self.state.machines:
-            if before.get(m.name) is True and not m.reachable:
+            if before.get(m.name) is True and not m.reachable and not m.evicted:
                 self.post_message(AgentLost(m.name))
             elif before.get(m.name) is False and m.reachable:
                 self.post_message(AgentFound(m.name))

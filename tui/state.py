@@ -44,6 +44,8 @@ class MachineView:
     host: HostMetrics | None
     gpus: tuple[GpuMetrics, ...]
     gpu_note: str | None
+    pids: tuple[int, ...] = ()  # the ranks' main pids: new pids for the same ranks mean the job restarted
+    evicted: bool = False  # an eviction of this machine succeeded: it runs none of the job's ranks any more
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +152,9 @@ def _machine_view(m: MachineSnapshot) -> MachineView:
         gpus = m.gpus.gpus
         if not m.gpus.available:
             note = m.gpus.reason or "no GPU"
-    return MachineView(m.machine, m.address, m.reachable, err, tuple(sorted(r.rank for r in m.ranks)), m.host, gpus, note)
+    ranks = sorted(m.ranks, key=lambda r: r.rank)
+    return MachineView(m.machine, m.address, m.reachable, err, tuple(r.rank for r in ranks), m.host, gpus, note,
+                       tuple(r.pid for r in ranks))
 
 
 _KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
@@ -273,7 +277,7 @@ class Series:
 @dataclass(frozen=True, slots=True)
 class Event:
     wall: float
-    kind: str  # capture, verdict, lost, found, capture-failed, hung, resumed, info
+    kind: str  # capture, verdict, lost, found, capture-failed, hung, resumed, restarted, evicted, action, info
     text: str
 
 
@@ -297,10 +301,17 @@ class AppState:
     kept: tuple[JobSnapshot, ...] = ()
     polls: int = 0
     hung_reported: bool = False
+    evicted: frozenset[str] = frozenset()  # machines an eviction took out of the job (from the audit logs)
+    restarts: int = 0  # times the job's ranks came back with new pids (an eviction, a hot-update, a relaunch)
 
     @property
     def lost(self) -> tuple[str, ...]:
-        return tuple(m.name for m in self.machines if not m.reachable)
+        """Machines whose agent does not answer; evicted ones are not lost, they were taken out on purpose."""
+        return tuple(m.name for m in self.machines if not m.reachable and not m.evicted)
+
+    @property
+    def job_machines(self) -> tuple[MachineView, ...]:
+        return tuple(m for m in self.machines if not m.evicted)
 
     def machine_of_rank(self) -> dict[int, str]:
         return {r: m.name for m in self.machines for r in m.ranks}
@@ -321,6 +332,8 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
     events: list[Event] = []
     before = {m.name: m.reachable for m in state.machines}
     for m in d.machines:
+        if m.name in state.evicted:
+            continue  # its agent going away is the eviction's doing, not news
         was = before.get(m.name)
         if was is True and not m.reachable:
             events.append(Event(now_wall, "lost", f"agent {m.name} ({m.address}) lost: {m.error or 'no answer'}"))
@@ -337,6 +350,14 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
     names = {m.name for m in machines}
     machines += tuple(replace(m, reachable=False, error="missing from the last poll") for m in state.machines
                       if m.name not in names)
+    machines = _mark_evicted(machines, state.evicted)
+    restarted = _restarted(state.machines, machines)
+    if restarted:
+        on = ", ".join(m.name for m in machines if m.ranks and m.reachable)
+        events.append(Event(now_wall, "restarted", f"the job restarted: its ranks run under new pids on {on}"))
+        # Counters start again in the new processes: the old progress and step points would read as a
+        # hang or a negative rate.
+        state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False)
     metric_history = state.metric_history.pushed(d.metric_keys, d.metric_values)
     comms = d.comms if d.comms else state.comms
     comm_history = state.comm_history.pushed(d.comm_keys, d.comm_values) if d.comms else state.comm_history
@@ -376,7 +397,36 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
         kept=kept,
         polls=state.polls + 1,
         hung_reported=hung_reported,
+        restarts=state.restarts + (1 if restarted else 0),
     )
+
+
+def _mark_evicted(machines: tuple[MachineView, ...], evicted: frozenset[str]) -> tuple[MachineView, ...]:
+    """Evicted machines hold no ranks (theirs run elsewhere now) and go last, after the job's machines."""
+    if not evicted:
+        return machines
+    kept = tuple(m for m in machines if m.name not in evicted)
+    gone = tuple(replace(m, evicted=True, ranks=(), pids=()) for m in machines if m.name in evicted)
+    return kept + gone
+
+
+def _restarted(before: Sequence[MachineView], after: Sequence[MachineView]) -> bool:
+    """The job's ranks came back as new processes: none of the ranks seen both times kept its pid."""
+    old = {r: pid for m in before if m.reachable for r, pid in zip(m.ranks, m.pids, strict=False)}
+    new = {r: pid for m in after if m.reachable for r, pid in zip(m.ranks, m.pids, strict=False)}
+    both = old.keys() & new.keys()
+    return bool(both) and all(old[r] != new[r] for r in both)
+
+
+def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float) -> AppState:
+    """An eviction of ``machines`` succeeded (seen in an agent's audit log)."""
+    new = frozenset(machines) - state.evicted
+    if not new:
+        return state
+    evicted = state.evicted | new
+    events = [Event(now_wall, "evicted", f"evicted {' '.join(sorted(new))}: out of the job, its ranks restart elsewhere")]
+    return replace(state, evicted=evicted, machines=_mark_evicted(state.machines, evicted),
+                   events=_with_events(state, events))
 
 
 def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: float, hang_after_s: float = 30.0) -> AppState:
@@ -412,13 +462,17 @@ def step_rate(state: AppState) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Health:
-    kind: str  # healthy, hung, slow, unknown
+    kind: str  # healthy, hung, slow, idle, unknown
     text: str
 
 
 def health(state: AppState, hang_after_s: float = 30.0) -> Health:
     if not state.progress_points:
         return Health("unknown", "waiting for the first poll")
+    running = [m for m in state.job_machines if m.reachable]
+    if running and not any(m.ranks for m in running):
+        # Not a hang: nothing to wait for. The job ended, has not started, or is between a stop and a restart.
+        return Health("idle", "no ranks running")
     last = state.progress_points[-1]
     if last[1] == 0 and not state.comms:
         return Health("unknown", "no counters (CCL plugin not loaded?)")

@@ -106,7 +106,7 @@ class MainScreen(Screen[None]):
             room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)
             self._set("#verdict", verdict_text_rich(state.stacks, flt, room))
             group_of = state.stacks.group_of_rank if state.stacks is not None else {}
-            machines = [MapMachine(m.name, m.ranks, m.reachable) for m in state.machines]
+            machines = [MapMachine(m.name, m.ranks, m.reachable, m.evicted) for m in state.machines]
             self.query_one("#rank-map", RankMapPanel).show(machines, group_of, flt)
             self._draw_legend(state.stacks)
         elif view == "stacks":

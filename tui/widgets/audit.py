@@ -86,11 +86,15 @@ def summary_text(state: AppState, log: ActionLog, read_only: bool, daily_failure
         t.append("[read-only] this session watches actions; it cannot start them\n", "bold cyan")
     else:
         t.append("e evict the suspect group · u hot-update / rollback · b checkpoint backup\n", "bold")
-    # The job's machines: those running ranks (idle standbys are the pool, not the job).
-    job_machines = sum(1 for m in state.machines if m.ranks) or len(state.machines)
+    # The job's size in machines: from its layout when known (it stays the same across an eviction), else the
+    # machines running ranks (idle standbys are the pool, not the job; evicted machines are out of it).
+    per = state.layout.ranks_per_machine if state.layout is not None else None
+    job = state.job_machines
+    job_machines = (-(-state.world_size // per) if per and state.world_size
+                    else sum(1 for m in job if m.ranks) or len(job))
     t.append_text(standby_line(job_machines, daily_failure_rate))
-    idle = [m.name for m in state.machines if m.reachable and not m.ranks]
-    if idle and len(idle) < len(state.machines):  # agents without ranks: the warm standbys on hand
+    idle = [m.name for m in job if m.reachable and not m.ranks]
+    if idle and len(idle) < len(job):  # agents without ranks: the warm standbys on hand
         t.append(f"; on hand (agents without ranks): {' '.join(idle[:8])}"
                  + (f" +{len(idle) - 8}" if len(idle) > 8 else ""), "green")
     t.append("\n")

@@ -7,7 +7,8 @@ from rankscope.tui.widgets.table import LineTable
 from rich.text import Text
 
 KIND_STYLES = {"lost": "bold red", "found": "bold green", "verdict": "bold yellow", "capture": "cyan",
-               "capture-failed": "red", "poll-failed": "red", "hung": "bold red", "resumed": "green", "info": "dim"}
+               "capture-failed": "red", "poll-failed": "red", "hung": "bold red", "resumed": "green", "info": "dim",
+               "action": "magenta", "evicted": "bold magenta", "restarted": "bold green"}
 
 
 class EventsPanel(LineTable):

@@ -37,6 +37,7 @@ def group_style(index: int) -> Style:
 
 MISSING = Style(color="white", dim=True)
 LOST = Style(color="red", dim=True)
+EVICTED = Style(color="yellow", dim=True, strike=True)
 FILTERED_OUT = Style(color="bright_black")
 
 
@@ -45,6 +46,7 @@ class MapMachine:
     name: str
     ranks: tuple[int, ...]
     reachable: bool
+    evicted: bool = False  # taken out of the job: listed (struck through) so the pair sees where it went
 
 
 class RankMapPanel(ScrollView, can_focus=True):
@@ -198,7 +200,7 @@ class RankMapPanel(ScrollView, can_focus=True):
         members = self._rows[row]
         first = self.machines[members[0]]
         label = first.name[: self._label_w].ljust(self._label_w) + " "
-        segs = [Segment(label, base + (Style(dim=True) if first.reachable else LOST))]
+        segs = [Segment(label, base + (EVICTED if first.evicted else Style(dim=True) if first.reachable else LOST))]
         cur_row, cur_col = self.cursor
         show_cursor = self.has_focus and row == cur_row
         run_text: list[str] = []

@@ -10,7 +10,8 @@ from rankscope.tui.widgets.rank_map import group_glyph, group_style
 from rich.text import Text
 from textual.widgets import Static
 
-HEALTH_STYLES = {"healthy": "bold green", "hung": "bold red", "slow": "bold yellow", "unknown": "dim"}
+HEALTH_STYLES = {"healthy": "bold green", "hung": "bold red", "slow": "bold yellow", "idle": "bold cyan",
+                 "unknown": "dim"}
 
 
 def layout_text(layout: Layout | None) -> str:
@@ -27,14 +28,18 @@ def layout_text(layout: Layout | None) -> str:
 def header_text(state: AppState, source: str, read_only: bool, hang_after_s: float, filter_line: str = "") -> Text:
     """Line 1: the state first (what matters at 3 a.m.), then the job; line 2: where the data is from."""
     h = health(state, hang_after_s)
-    reachable = sum(1 for m in state.machines if m.reachable)
-    lost = len(state.machines) - reachable
+    job = state.job_machines
+    reachable = sum(1 for m in job if m.reachable)
+    lost = len(job) - reachable
+    evicted = len(state.machines) - len(job)
     rate = step_rate(state)
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("HUNG" + h.text[4:] if h.kind == "hung" else h.text, HEALTH_STYLES[h.kind])
-    t.append(f" │ {reachable}/{len(state.machines)} machines")
+    t.append(f" │ {reachable}/{len(job)} machines")
     if lost:
         t.append(f" {lost} lost", "bold red")
+    if evicted:
+        t.append(f" {evicted} evicted", "yellow")
     t.append(f" │ {rate:.2f} steps/s" if rate is not None else " │ - steps/s")
     t.append(f" │ world {state.world_size if state.world_size is not None else '?'} {layout_text(state.layout)}")
     t.append(f" │ job {state.job_id or '?'}", "dim")
