@@ -221,8 +221,21 @@ def run_checkpoint_writer(run_dir: Path, rank: int) -> int:
         tmp = target.with_name(target.name + ".tmp")
         tmp.write_bytes(payload)
         os.replace(tmp, target)
+        prune_checkpoints(out_dir, rank, CHECKPOINTS_KEPT)
         stdout.write(f"ok {step}\n".encode())
         stdout.flush()
+
+
+# Ranks move in lock step (their collectives tie them), so their newest checkpoints differ by a step or
+# two; the restart resumes from the newest step every rank holds, which the last few always contain.
+CHECKPOINTS_KEPT = 4
+
+
+def prune_checkpoints(out_dir: Path, rank: int, keep: int) -> None:
+    """Delete this rank's checkpoints but the newest ``keep`` (a long drill would otherwise fill the disk)."""
+    found = sorted((int(p.stem.split("-step")[1]), p) for p in out_dir.glob(f"rank{rank}-step*.pt"))
+    for _, path in found[:-keep]:
+        path.unlink(missing_ok=True)
 
 
 def latest_checkpoint(run_dir: Path, rank: int) -> int:
