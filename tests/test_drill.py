@@ -309,3 +309,17 @@ def test_standbys_default_to_a_pool_that_can_refill_a_group_with_the_tui_and_to_
     assert standbys("--headless", "--standbys", "2") == 2
     with pytest.raises(RankscopeError, match="negative"):
         standbys("--standbys", "-1")
+
+
+def test_the_checkpoint_writer_keeps_only_the_newest_checkpoints_of_its_rank(tmp_path: Path) -> None:
+    from rankscope.drill.worker import CHECKPOINTS_KEPT, latest_checkpoint, prune_checkpoints
+
+    out = tmp_path / "checkpoints"
+    out.mkdir()
+    for step in (5, 10, 15, 20, 25, 30, 100):
+        (out / f"rank0-step{step}.pt").write_bytes(b"x")
+    (out / "rank1-step5.pt").write_bytes(b"x")  # another rank's files are not this writer's to delete
+    prune_checkpoints(out, 0, CHECKPOINTS_KEPT)
+    assert sorted(p.name for p in out.iterdir()) == ["rank0-step100.pt", "rank0-step20.pt", "rank0-step25.pt",
+                                                     "rank0-step30.pt", "rank1-step5.pt"]  # by step, not by name
+    assert latest_checkpoint(tmp_path, 0) == 100
