@@ -27,6 +27,7 @@ log need the ``read`` role; RunAction is not in ``METHOD_ROLES`` and so needs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import os
 import signal
@@ -42,7 +43,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rankscope.actions.agent_protocol import FIX_SEPARATOR
-from rankscope.actions.agent_service import ActionsConfig, ActionService
+from rankscope.actions.agent_service import SUPERVISE_INTERVAL_S, ActionsConfig, ActionService
 from rankscope.errors import RankscopeError
 from rankscope.proto import rankscope_pb2 as pb
 from rankscope.proto import rankscope_pb2_grpc as pb_grpc
@@ -326,8 +327,13 @@ class RunningAgent:
     address: str
     health: Any
     service: AgentService | None = None
+    supervisor: asyncio.Task[None] | None = None  # applies a pending lazy hot-update when it is due
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self.supervisor is not None:
+            self.supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.supervisor
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         if self.service is not None and self.service.actions is not None:
@@ -373,7 +379,26 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningAgent(server=server, port=port, address=address, health=health_servicer, service=service)
+    supervisor = asyncio.create_task(supervise(service.actions)) if service.actions is not None else None
+    return RunningAgent(server=server, port=port, address=address, health=health_servicer, service=service,
+                        supervisor=supervisor)
+
+
+async def supervise(actions: ActionService, interval_s: float = SUPERVISE_INTERVAL_S) -> None:
+    """Every ``interval_s``: apply a pending lazy hot-update whose window expired or whose ranks died.
+
+    A failed round is logged and the next one tried: the agent's other work
+    must not end because one check did (the history and audit log say what
+    happened to the update itself).
+    """
+    while True:
+        try:
+            await actions.supervise_once()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log(f"hot-update supervision failed: {type(exc).__name__}: {exc}")
+        await asyncio.sleep(interval_s)
 
 
 def write_port_file(path: Path, port: int) -> None:

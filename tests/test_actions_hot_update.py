@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from rankscope.actions.agent_protocol import Confirmation
+from rankscope.actions.agent_service import (
+    RESTART_REQUESTED,
+    ActionsConfig,
+    ActionService,
+    EvictionSettings,
+    HotUpdateSettings,
+    apply_pending,
+    load_actions_config,
+    local_standbys,
+)
+from rankscope.actions.audit import AuditLog
 from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateRecord, UpdateState, Version
 from rankscope.actions.hot_update import (
     CodeVersions,
@@ -15,8 +29,20 @@ from rankscope.actions.hot_update import (
     JobEventKind,
     lazy_update_due,
 )
-from rankscope.actions.model import HotUpdateArgs, RollbackArgs, UpdateMode, VersionSource
+from rankscope.actions.model import (
+    ActionKind,
+    ActionRequest,
+    ActionResult,
+    ActionState,
+    EvictArgs,
+    HotUpdateArgs,
+    RollbackArgs,
+    Targets,
+    UpdateMode,
+    VersionSource,
+)
 from rankscope.errors import RankscopeError
+from rankscope.snapshot import RankInfo
 
 
 def _git(repo: Path, *argv: str) -> str:
@@ -178,3 +204,120 @@ def test_lazy_decision_is_a_pure_function_of_now_pending_and_events() -> None:
     assert (d.apply, d.trigger) == (True, "window")
     assert not lazy_update_due(150.0, None, []).apply
     assert lazy_update_due(0.0, _pending(UpdateMode.IMMEDIATE), []).trigger == "immediate"
+
+
+# ---- the agent's side: the window, a failure, the launcher's restart, the eviction plan's standbys ----------
+
+
+def _service(tmp_path: Path, repo: Path, clock: Clock, ranks: list[RankInfo],
+             eviction: EvictionSettings | None = None) -> ActionService:
+    """An agent's action service on machine m0 whose code link starts at tag A (no processes, no gRPC)."""
+    config = ActionsConfig(tmp_path / "state", eviction=eviction or EvictionSettings(),
+                           hot_update=HotUpdateSettings(tmp_path / "job" / "code", tmp_path / "versions", repo))
+    versions = CodeVersions(tmp_path / "job" / "code", tmp_path / "versions", repo)
+    versions.switch(versions.checkout("A"))
+    return ActionService(config, "m0", lambda: tuple(ranks), clock=clock)
+
+
+async def _run(service: ActionService, request: ActionRequest) -> ActionResult:
+    events = [e async for e in service.run(request, Confirmation((service.machine,)))]
+    result = events[-1]
+    assert isinstance(result, ActionResult)
+    return result
+
+
+def _lazy(action_id: str, ref: str, window_s: float = 3600.0) -> ActionRequest:
+    return ActionRequest(action_id, ActionKind.HOT_UPDATE, Targets(),
+                         HotUpdateArgs(VersionSource.GIT, ref, UpdateMode.LAZY, window_s), "alice")
+
+
+def _code(tmp_path: Path) -> str:
+    return (tmp_path / "job" / "code" / "train.py").read_text()
+
+
+async def test_the_agent_applies_a_lazy_update_when_its_window_expires_and_requests_a_restart(
+        tmp_path: Path, repo: Path) -> None:
+    clock = Clock()
+    service = _service(tmp_path, repo, clock, [RankInfo(0, 0, 1, pid=111)])
+    result = await _run(service, _lazy("hu-1", "B", window_s=3600))
+    assert result.state == ActionState.SUCCEEDED and "pending on m0" in result.message
+    assert await service.supervise_once() is None  # not due: nothing switched
+    assert _code(tmp_path) == "print('version A')\n"
+    clock.t += 3599
+    assert await service.supervise_once() is None
+    clock.t += 1
+    applied = await service.supervise_once()
+    assert applied is not None and applied.trigger == "window" and applied.state == UpdateState.APPLIED
+    assert _code(tmp_path) == "print('version B')\n"
+    # The audit stream says so under a derived id, with the restart request the drill's recovery acts on.
+    (final,) = [r for r in service.audit.records() if r.action_id == "hu-1.window" and r.result == "succeeded"]
+    assert final.kind == ActionKind.HOT_UPDATE and RESTART_REQUESTED in final.message and final.who.startswith("alice")
+    assert await service.supervise_once() is None  # applied once
+
+
+async def test_the_agent_applies_a_lazy_update_when_its_ranks_die_without_requesting_a_restart(
+        tmp_path: Path, repo: Path) -> None:
+    clock = Clock()
+    ranks = [RankInfo(0, 0, 2, pid=111), RankInfo(1, 1, 2, pid=112)]
+    service = _service(tmp_path, repo, clock, ranks)
+    assert (await _run(service, _lazy("hu-2", "B"))).state == ActionState.SUCCEEDED
+    assert await service.supervise_once() is None  # first look: the ranks are alive
+    assert await service.supervise_once() is None  # still alive
+    ranks.pop()  # rank 1 died
+    applied = await service.supervise_once()
+    assert applied is not None and applied.trigger == "failure"
+    assert _code(tmp_path) == "print('version B')\n"
+    (final,) = [r for r in service.audit.records() if r.action_id == "hu-2.failure" and r.result == "succeeded"]
+    assert "ranks ended" in final.message and RESTART_REQUESTED not in final.message
+
+
+async def test_the_launcher_restart_path_applies_the_pending_update_before_the_ranks_start(
+        tmp_path: Path, repo: Path) -> None:
+    clock = Clock()
+    service = _service(tmp_path, repo, clock, [])
+    assert (await _run(service, _lazy("hu-3", "B"))).state == ActionState.SUCCEEDED
+    clock.t += 10
+    applied = apply_pending(service.config, "m0", JobEvent(JobEventKind.RESTART, clock.t), clock)
+    assert applied is not None and applied.trigger == "restart" and applied.who == "alice"
+    assert _code(tmp_path) == "print('version B')\n"
+    assert apply_pending(service.config, "m0", JobEvent(JobEventKind.RESTART, clock.t), clock) is None
+    records = [(r.action_id, r.result) for r in AuditLog(service.config.audit_path).records()
+               if r.action_id.startswith("hu-3")]
+    assert records[-2:] == [("hu-3.restart", "started"), ("hu-3.restart", "succeeded")]
+    history = HotUpdateHistory(service.config.history_path).entries()
+    assert [(e.action_id, e.state, e.trigger) for e in history] == [("hu-3", UpdateState.APPLIED, "restart")]
+    # A rollback requested lazily rides on the next restart the same way.
+    back = ActionRequest("rb-1", ActionKind.ROLLBACK, Targets(), RollbackArgs(mode=UpdateMode.LAZY), "bob")
+    assert (await _run(service, back)).state == ActionState.SUCCEEDED
+    assert _code(tmp_path) == "print('version B')\n"
+    clock.t += 10
+    rolled = apply_pending(service.config, "m0", JobEvent(JobEventKind.RESTART, clock.t), clock)
+    assert rolled is not None and rolled.kind == UpdateKind.ROLLBACK and rolled.trigger == "restart"
+    assert _code(tmp_path) == "print('version A')\n"
+
+
+async def test_a_local_eviction_plan_lists_the_warm_standbys_minus_blocked_ones(tmp_path: Path, repo: Path) -> None:
+    eviction = EvictionSettings("local", options={"standbys": ("spare-0", "spare-1", "spare-2")})
+    service = _service(tmp_path, repo, Clock(), [RankInfo(0, 0, 1, pid=os.getpid())], eviction)
+    service.blocklist.block(("spare-1",), "failed its check last week", "carol", "old-evict")
+    plan = await service.plan(ActionRequest("ev-1", ActionKind.EVICT, Targets(("m0",)), EvictArgs("hang"), "alice"))
+    assert plan.standbys == ("spare-0", "spare-2")
+    assert any("spare-0 spare-2" in step and "self-checks first" in step for step in plan.steps), plan.steps
+    # Without standbys configured the plan says the restart is the launcher's, and lists none.
+    bare = _service(tmp_path / "bare", repo, Clock(), [], EvictionSettings("local"))
+    plan = await bare.plan(ActionRequest("ev-2", ActionKind.EVICT, Targets(("m0",)), EvictArgs("hang"), "alice"))
+    assert plan.standbys == () and "left to the launcher" in plan.steps[-1]
+
+
+def test_the_local_standbys_setting_is_checked_at_start_up(tmp_path: Path) -> None:
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps({"eviction": {"backend": "local", "local": {"standbys": ["spare-0", "spare-1"]}}}))
+    config = load_actions_config(path, tmp_path / "st")
+    assert config is not None and local_standbys(config.eviction) == ("spare-0", "spare-1")
+    for local, needle in (({"standbys": "spare-0"}, "must be a list of machine names"),
+                          ({"standbys": ["-rf"]}, "bad machine name"),
+                          ({"spares": []}, r"unknown setting\(s\) spares")):
+        path.write_text(json.dumps({"eviction": {"backend": "local", "local": local}}))
+        with pytest.raises(RankscopeError, match=needle) as err:
+            load_actions_config(path, tmp_path / "st")
+        assert err.value.fix

@@ -26,7 +26,9 @@ Procedures in this version:
     ``local`` backend: SIGTERM this machine's rank processes (and their worker
     subprocesses) found by discovery, SIGKILL what is left after the grace
     period, block the machine. Restarting the job without it is left to the
-    launcher (torchrun's restarts, the drill, the scheduler).
+    launcher (torchrun's restarts, the drill, the scheduler); when the config
+    names the launcher's warm standbys (``[eviction.local] standbys``) the
+    plan lists those that would join (minus blocked ones).
     ``slurm`` / ``kubernetes`` / ``command``: the configured
     :class:`~rankscope.actions.evict_backends.EvictionBackend` is called for
     this machine and the machine is blocked when it succeeds.
@@ -34,7 +36,11 @@ Procedures in this version:
     :class:`~rankscope.actions.hot_update.HotUpdater` switches the code link
     (immediate) or records a pending lazy update. The agent does not stop the
     ranks itself: on an immediate switch it records "restart requested" and
-    the launcher restarts them on the new code.
+    the launcher restarts them on the new code. A pending lazy update is
+    applied by :meth:`ActionService.supervise_once` (the agent calls it
+    periodically): when its window expired (switch, "restart requested") or
+    when the agent saw its ranks die (switch only: the job is restarting
+    anyway), and by :func:`apply_pending` in a launcher's restart path.
 ``backup``
     Write ``<state dir>/backup.request``; the ranks' in-process plugin
     (``rankscope.ccl_plugin.backup``) snapshots parameters and optimizer state
@@ -70,8 +76,8 @@ from rankscope.actions.evict_backends import (
     SiteCommandBackend,
     SlurmBackend,
 )
-from rankscope.actions.history import HotUpdateHistory, Version
-from rankscope.actions.hot_update import CodeVersions, HotUpdater
+from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateRecord, Version
+from rankscope.actions.hot_update import CodeVersions, HotUpdater, JobEvent, JobEventKind
 from rankscope.actions.model import (
     ActionKind,
     ActionPlan,
@@ -85,8 +91,10 @@ from rankscope.actions.model import (
     HotUpdateArgs,
     ProcessRef,
     RollbackArgs,
+    Targets,
     UpdateMode,
     VersionSource,
+    check_machine,
     confirm_phrase_for,
 )
 from rankscope.ccl_plugin.backup import REQUEST_FILE, SHARDS_DIR
@@ -98,6 +106,9 @@ BACKUP_WAIT_S = 60.0  # for every rank to reach a step boundary and write its sh
 SUBSCRIBER_QUEUE = 256  # records a watcher may lag behind before it re-reads the log
 CONFIG_FIX = "see `rankscope agent --help` for the --actions-config format"
 PROGRESS = "progress"  # the audit result of an intermediate step
+# In an action's audit records: the code link was switched and the launcher is to restart the ranks on it.
+RESTART_REQUESTED = "restart requested"
+SUPERVISE_INTERVAL_S = 5.0  # how often the agent checks a pending lazy update's window and its ranks
 
 
 # --------------------------------------------------------------------------
@@ -147,7 +158,7 @@ class ActionsConfig:
 
 
 _BACKEND_KEYS: dict[str, frozenset[str]] = {
-    "local": frozenset(),
+    "local": frozenset({"standbys"}),
     "slurm": frozenset({"job_id", "restart", "step_id", "scontrol", "scancel", "timeout_s"}),
     "kubernetes": frozenset({"namespace", "selector", "kubectl", "context", "timeout_s"}),
     "command": frozenset({"script", "job_id", "timeout_s"}),
@@ -166,6 +177,8 @@ def load_actions_config(path: Path | None, state_dir: Path | None) -> ActionsCon
         [eviction.slurm]                      # the chosen backend's settings
         job_id = "12345"
         restart = "requeue"
+        # [eviction.local]                    # local: the launcher's warm standbys, in the order
+        # standbys = ["spare-0", "spare-1"]   # it takes them (shown in the eviction plan)
         [hot_update]
         current = "/srv/job/code"             # a symbolic link the job runs from
         versions_dir = "/srv/job/versions"
@@ -245,9 +258,28 @@ def _eviction(value: Any, where: str) -> EvictionSettings:
         raise RankscopeError(f"{where}: grace_s must be 0-600 seconds, got {grace!r}", "use the default 10")
     options = dict(_table(section.get(backend, {}), f"{where} [eviction.{backend}]"))
     _no_unknown(options, _BACKEND_KEYS[backend], f"{where} [eviction.{backend}]")
+    if backend == "local" and "standbys" in options:
+        options["standbys"] = _machine_list(options["standbys"], f"{where} [eviction.local] standbys")
     settings = EvictionSettings(backend, float(grace), options)
     make_backend(settings)  # a bad setting fails at start-up, not at the first eviction
     return settings
+
+
+def _machine_list(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise RankscopeError(f"{where} must be a list of machine names, got {value!r}",
+                             'write it as standbys = ["spare-0", "spare-1"]')
+    try:
+        return tuple(dict.fromkeys(check_machine(v) for v in value))
+    except RankscopeError as exc:
+        raise RankscopeError(f"{where}: {exc.message}", exc.fix) from None
+
+
+def local_standbys(settings: EvictionSettings) -> tuple[str, ...]:
+    """The warm standbys the launcher takes, in order, when ``local`` eviction names them (else none)."""
+    if settings.backend != "local":
+        return ()
+    return tuple(settings.options.get("standbys", ()))
 
 
 def _hot_update(value: Any, where: str) -> HotUpdateSettings | None:
@@ -276,6 +308,8 @@ def _layout(value: Any, where: str) -> Layout | None:
 
 def make_backend(settings: EvictionSettings) -> EvictionBackend | None:
     """The configured eviction backend; None for ``local`` (the agent stops its own ranks)."""
+    if settings.backend == "local":
+        return None
     options = dict(settings.options)
     try:
         if settings.backend == "slurm":
@@ -287,6 +321,78 @@ def make_backend(settings: EvictionSettings) -> EvictionBackend | None:
     except TypeError as exc:
         raise RankscopeError(f"[eviction.{settings.backend}]: {exc}", CONFIG_FIX) from None
     return None
+
+
+# --------------------------------------------------------------------------
+# lazy hot-updates applied by a trigger (restart, failure, window)
+# --------------------------------------------------------------------------
+
+
+def triggered_request(record: UpdateRecord, machine: str, trigger: str) -> ActionRequest:
+    """The audit entry of a lazy update applied by ``trigger`` rather than by a request made now.
+
+    Its id is the original request's with the trigger appended, so the TUI's
+    history shows the request (pending) and, under the derived id, when and
+    why it was applied; its requester is the original one.
+    """
+    action_id = f"{record.action_id[:100]}.{trigger}"
+    targets = Targets(machines=(machine,))
+    who = f"{record.who} (lazy, applied at {trigger})"[:200]
+    if record.kind == UpdateKind.ROLLBACK:
+        return ActionRequest(action_id, ActionKind.ROLLBACK, targets,
+                             RollbackArgs(to_version=record.to_version.path, mode=UpdateMode.LAZY), who)
+    return ActionRequest(action_id, ActionKind.HOT_UPDATE, targets,
+                         HotUpdateArgs(VersionSource.DIR, record.to_version.path, UpdateMode.LAZY,
+                                       record.window_s), who)
+
+
+def _audit_triggered(audit: AuditLog, machine: str, record: UpdateRecord, trigger: str, state: ActionState,
+                     message: str, clock: Callable[[], float]) -> None:
+    request = triggered_request(record, machine, trigger)
+    what = f"{record.kind.value} {machine} to {record.to_version.label} (lazy, applied at {trigger})"
+    if audit.begin(request, what, (machine,)) is not None:
+        return  # already recorded (the same trigger seen twice)
+    audit.finish(request, ActionResult(request.action_id, request.kind, state, message, clock(), clock(),
+                                       (record.describe(),)), what, (machine,))
+
+
+def apply_pending(config: ActionsConfig, machine: str, event: JobEvent,
+                  clock: Callable[[], float] = time.time) -> UpdateRecord | None:
+    """Apply ``machine``'s pending lazy update for a restart or failure, before the processes start again.
+
+    This is the launcher's half of a lazy hot-update (ByteRobust §6.1: the
+    update rides on the next restart, at no extra cost). The launcher calls
+    it in its restart path with the machine's actions config, after the old
+    processes (and the machine's agent) are stopped and before the new ones
+    start, so they start on the new code. The history and the audit log get
+    the outcome; returns the applied (or failed) record, None when nothing
+    was pending.
+    """
+    if config.hot_update is None:
+        return None
+    settings = config.hot_update
+    history = HotUpdateHistory(config.history_path, clock)
+    pending = history.pending()
+    if pending is None:
+        return None
+    updater = HotUpdater(CodeVersions(settings.current, settings.versions_dir, settings.repo, settings.git), history,
+                         None, clock)
+    audit = AuditLog(config.audit_path, clock)
+    trigger = event.kind.value
+    try:
+        record = updater.on_event(event)
+    except (OSError, RankscopeError) as exc:
+        message = exc.message if isinstance(exc, RankscopeError) else str(exc)
+        _audit_triggered(audit, machine, pending, trigger, ActionState.FAILED,
+                         f"{machine}: pending {pending.to_version.label} could not be applied at the {trigger}: "
+                         f"{message}", clock)
+        return history.get(pending.id)
+    if record is None:
+        return None
+    _audit_triggered(audit, machine, record, trigger, ActionState.SUCCEEDED,
+                     f"{machine} now runs its code from {record.to_version.label}: the pending lazy update was "
+                     f"applied at the {trigger}, before the ranks started again", clock)
+    return record
 
 
 # --------------------------------------------------------------------------
@@ -367,6 +473,7 @@ class ActionService:
                          if config.hot_update is not None else None)
         self._subscribers: set[_Subscriber] = set()
         self._executions: dict[str, _Execution] = {}
+        self._seen_pids: frozenset[int] | None = None  # the ranks seen while a lazy update is pending
         self._publish_lock = asyncio.Lock()
         last = self.audit.records()
         self._published = last[-1].seq if last else 0
@@ -427,14 +534,27 @@ class ActionService:
         if self.backend is None:
             if not ranks:
                 warnings.append(f"no ranks found on {self.machine}: nothing to stop, the machine is only blocked")
+            configured = local_standbys(self.config.eviction)
+            blocked = {e.machine for e in self.blocklist.blocked()}
+            standbys = tuple(m for m in configured if m not in blocked and m != self.machine)
+            if not configured:
+                restart = "restarting the job without this machine is left to the launcher (torchrun, the drill)"
+            elif standbys:
+                restart = (f"the launcher restarts the job without this machine, with warm standby(s) "
+                           f"{' '.join(standbys)} joining in this order, one per evicted machine; each standby "
+                           "self-checks first and one that fails is skipped")
+            else:
+                restart = "the launcher has no unblocked warm standby: the job cannot restart at its size"
+                warnings.append(f"no warm standby left to replace {self.machine} "
+                                f"(blocked: {' '.join(sorted(blocked & set(configured))) or 'none'})")
             steps = (f"SIGTERM {len(processes)} process(es) of ranks {rank_list} on {self.machine}",
                      f"SIGKILL any still running after {self.config.eviction.grace_s:g} s",
                      block,
-                     "restarting the job without this machine is left to the launcher (torchrun, the drill)")
+                     restart)
             plan = ActionPlan(
                 action_id=request.action_id, kind=ActionKind.EVICT,
                 summary=f"evict {self.machine}: stop ranks {rank_list} and block it",
-                machines=machines, processes=processes, steps=steps, warnings=tuple(warnings),
+                machines=machines, processes=processes, standbys=standbys, steps=steps, warnings=tuple(warnings),
                 typed_confirmation=True, confirm_phrase=confirm_phrase_for(ActionKind.EVICT, machines))
             return _Planned(plan, ranks, 3)
         backend_plan = self.backend.plan(machines, request.args.reason)
@@ -732,7 +852,7 @@ class ActionService:
         def restart_requested(version: Version, trigger: str) -> None:
             # The launcher restarts the ranks; the agent records the request and stops nothing.
             restarts.append(version.label)
-            report(f"restart requested ({trigger}): the launcher restarts the ranks on {version.label}")
+            report(f"{RESTART_REQUESTED} ({trigger}): the launcher restarts the ranks on {version.label}")
 
         updater = HotUpdater(self.versions, self.history, restart_requested, self._clock)
         if isinstance(request.args, HotUpdateArgs):
@@ -747,7 +867,7 @@ class ActionService:
                     f"pending on {self.machine}: {record.to_version.label} is applied at the next restart or "
                     f"failure, at the latest {deadline}", (record.describe(),))
         return (ActionState.SUCCEEDED,
-                f"{self.machine} now runs its code from {record.to_version.label}; restart requested from the "
+                f"{self.machine} now runs its code from {record.to_version.label}; {RESTART_REQUESTED} from the "
                 "launcher (the agent did not stop the ranks)", (record.describe(),))
 
     async def _refuse(self, request: ActionRequest, message: str) -> ActionResult:
@@ -769,6 +889,58 @@ class ActionService:
         with self.audit._connect() as db:
             _append(db, request.action_id, request.requested_by, self._clock(), request.kind, plan.summary,
                     PROGRESS, message, plan.machines)
+
+    # ---- a pending lazy update: its window and the job's failures --------------------
+
+    async def supervise_once(self) -> UpdateRecord | None:
+        """Apply a pending lazy hot-update that is due; the agent calls this every few seconds.
+
+        Due when the agent saw its ranks die since the last call (a failure:
+        the code is switched, no restart is requested, the job is restarting
+        anyway) or when the update's window expired (the code is switched and
+        a restart is requested from the launcher, as for an immediate update).
+        Both outcomes go into the history and the audit stream.
+        """
+        record = await asyncio.to_thread(self._supervise)
+        if record is not None:
+            await self._publish()
+        return record
+
+    def _supervise(self) -> UpdateRecord | None:
+        if self.versions is None:
+            return None
+        pending = self.history.pending()
+        if pending is None:
+            self._seen_pids = None  # ranks are only watched while something waits for a failure
+            return None
+        pids = frozenset(r.pid for r in self._ranks())
+        died = self._seen_pids is not None and bool(self._seen_pids - pids)
+        self._seen_pids = pids
+        restarts: list[str] = []
+
+        def restart_requested(version: Version, trigger: str) -> None:
+            restarts.append(trigger)
+
+        updater = HotUpdater(self.versions, self.history, restart_requested, self._clock)
+        trigger = JobEventKind.FAILURE.value if died else "window"
+        try:
+            record = updater.on_event(JobEvent(JobEventKind.FAILURE, self._clock())) if died else updater.tick()
+        except (OSError, RankscopeError) as exc:
+            message = exc.message if isinstance(exc, RankscopeError) else str(exc)
+            _audit_triggered(self.audit, self.machine, pending, trigger, ActionState.FAILED,
+                             f"{self.machine}: pending {pending.to_version.label} could not be applied at the "
+                             f"{trigger}: {message}", self._clock)
+            return self.history.get(pending.id)
+        if record is None:
+            return None
+        if died:
+            message = (f"{self.machine} now runs its code from {record.to_version.label}: its ranks ended (a "
+                       "failure), so the pending lazy update was applied for their restart")
+        else:
+            message = (f"{self.machine} now runs its code from {record.to_version.label}: the pending lazy "
+                       f"update's window expired; {RESTART_REQUESTED} from the launcher")
+        _audit_triggered(self.audit, self.machine, record, trigger, ActionState.SUCCEEDED, message, self._clock)
+        return record
 
     # ---- the audit stream -------------------------------------------------------------
 

@@ -21,6 +21,15 @@ The mechanism, in order (ByteRobust §6.2 over-eviction with warm standbys):
 The orchestrator restarts the job because on the drill it is the launcher
 (as torchrun's elastic agent, Slurm's requeue or a Kubernetes controller is
 elsewhere); the agent only stops and blocks, exactly as on a real cluster.
+
+Hot-update (ByteRobust §6.1) takes the same path without rescheduling: each
+agent switches its machine's code link and records "restart requested"
+(immediate, or a lazy update whose window expired). When every agent that
+began the update finished it with success and one requested a restart,
+:class:`Recovery` restarts the job on the SAME machines
+(``launcher.restart(launcher.machines())``); the ranks resume from the newest
+checkpoint on the new code. A lazy update is applied by the launcher's
+restart path itself (``Launcher.apply_pending_updates``).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.actions.blocklist import Blocklist
+from rankscope.actions.agent_service import RESTART_REQUESTED
 from rankscope.actions.evict_backends import EvictionOutcome, LocalBackend, SelfCheck
 from rankscope.actions.model import ActionKind, ActionResult, ActionState, AuditRecord
 from rankscope.drill.launcher import Launcher
@@ -57,14 +66,12 @@ def default_standbys(machines: int, daily_failure_rate: float = DEFAULT_DAILY_FA
 
 def blocked_machines(launcher: Launcher) -> frozenset[str]:
     """Every machine some agent of this drill has blocked (each agent keeps its own persistent list)."""
-    out: set[str] = set()
-    for path in sorted((launcher.run_dir / "state").glob("*/blocklist.sqlite")):
-        with contextlib.suppress(Exception):  # a list being created right now is read next time
-            out.update(entry.machine for entry in Blocklist(path).blocked())
-    return frozenset(out)
+    return launcher.blocked_machines()
 
 
 def block_reason(launcher: Launcher, machine: str) -> str:
+    from rankscope.actions.blocklist import Blocklist
+
     for path in sorted((launcher.run_dir / "state").glob("*/blocklist.sqlite")):
         with contextlib.suppress(Exception):
             for entry in Blocklist(path).blocked():
@@ -149,6 +156,7 @@ class RecoveryEvent:
     restarted_mono: float  # when the job's nodes and agents were up again
     restart_began_wall: float  # wall clock as the drill began the restart (progress after it is the new job's)
     resume_step: int  # the step the ranks resume from (newest step all ranks saved)
+    kind: str = ActionKind.EVICT.value  # or hot_update / rollback: a restart in place on the new code
 
 
 @dataclass
@@ -202,19 +210,22 @@ class Recovery:
                     self._stop.wait(0.2)
                     continue
                 found = asyncio.run(self._follow(addresses))
-                if found is not None:
-                    self._recover(*found)
+                if found is None:
+                    continue
+                if found.kind == ActionKind.EVICT:
+                    self._recover(found.action_id, found.machines)
+                else:
+                    self._restart_in_place(found)
         except Exception as exc:  # the drill goes on; the error is shown with the report
             self.errors.append(f"recovery stopped: {type(exc).__name__}: {exc}")
 
-    async def _follow(self, addresses: dict[str, str]) -> tuple[str, tuple[str, ...]] | None:
-        """Follow these agents until an eviction has finished everywhere; its id and machines (None: stopping)."""
+    async def _follow(self, addresses: dict[str, str]) -> _Finished | None:
+        """Follow these agents until an eviction or a hot-update has finished everywhere (None: stopping)."""
         from rankscope.actions.agent_protocol import AgentLost
         from rankscope.client import JobClient
 
         machine_of = {address: name for name, address in addresses.items()}
-        began: dict[str, set[str]] = {}
-        finished: dict[str, dict[str, str]] = {}
+        seen: dict[str, _Seen] = {}
         queue: asyncio.Queue[tuple[str, AuditRecord]] = asyncio.Queue()
         async with JobClient(list(addresses.values()), self.launcher.token()) as client:
 
@@ -229,23 +240,70 @@ class Recovery:
                     try:
                         address, record = await asyncio.wait_for(queue.get(), 0.5)
                     except TimeoutError:
-                        continue
-                    if record.kind != ActionKind.EVICT or record.action_id in self._handled:
-                        continue
-                    began.setdefault(record.action_id, set()).add(machine_of.get(address, ""))
-                    if record.result in FINAL:
-                        finished.setdefault(record.action_id, {})[machine_of.get(address, "")] = record.result
-                    done = finished.get(record.action_id, {})
-                    if began[record.action_id] <= set(done) and ActionState.SUCCEEDED.value in done.values():
-                        self._handled.add(record.action_id)
-                        evicted = tuple(m for m in self.launcher.machines()
-                                        if done.get(m) == ActionState.SUCCEEDED.value)
-                        return record.action_id, evicted  # the client closes before anything is started
+                        pass
+                    else:
+                        if record.kind in WATCHED and record.action_id not in self._handled:
+                            seen.setdefault(record.action_id, _Seen(record.kind)).add(
+                                machine_of.get(address, ""), record)
+                    found = self._finished(seen, set(addresses))
+                    if found is not None:
+                        self._handled.add(found.action_id)
+                        return found  # the client closes before anything is started
             finally:
                 pumping.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await pumping
         return None
+
+    def _finished(self, seen: dict[str, _Seen], agents: set[str]) -> _Finished | None:
+        for action_id, s in seen.items():
+            if action_id in self._handled or not s.began or not s.began <= set(s.finished):
+                continue
+            if s.kind == ActionKind.EVICT:
+                if ActionState.SUCCEEDED.value in s.finished.values():
+                    evicted = tuple(m for m in self.launcher.machines()
+                                    if s.finished.get(m) == ActionState.SUCCEEDED.value)
+                    return _Finished(s.kind, action_id, evicted)
+                continue
+            # A whole-job update reaches every agent at once; one aimed at some machines is taken as complete
+            # once its agents have been quiet for SETTLE_S (their "started" records arrive within milliseconds).
+            if not (agents <= s.began or time.monotonic() - s.last_mono >= SETTLE_S):
+                continue
+            if s.restart_requested or any(r != ActionState.SUCCEEDED.value for r in s.finished.values()):
+                return _Finished(s.kind, action_id, tuple(sorted(s.began)), s.finished, s.restart_requested)
+            self._handled.add(action_id)  # lazy and pending everywhere: applied at the next restart
+        return None
+
+    def _restart_in_place(self, found: _Finished) -> None:
+        """Restart the job on the machines it runs on, on the code the agents switched to (§6.1)."""
+        seen = time.monotonic()
+        machines = self.launcher.machines()
+        failed = sorted(m for m, r in found.results.items() if r != ActionState.SUCCEEDED.value)
+        world = self.launcher.layout.world
+        if failed:
+            message = (f"{found.kind.value} {found.action_id} did not succeed on {' '.join(failed)}: the job was not "
+                       "restarted (machines would run different code); roll back or update again")
+            self.on_event(message)
+            self._add(RecoveryEvent(found.action_id, (), (), (), False, message, seen, time.monotonic(), time.time(),
+                                    0, found.kind.value))
+            return
+        self.on_event(f"{found.kind.value} {found.action_id}: restarting the job in place on "
+                      f"{' '.join(machines)} (restart requested by {' '.join(found.restart_requested)})")
+        began_wall = time.time()
+        try:
+            self.control.restart(machines)
+            ok, message = True, f"restarted {' '.join(machines)} in place on the new code ({found.kind.value})"
+        except RankscopeError as exc:
+            ok, message = False, f"the restart after {found.kind.value} {found.action_id} failed: {exc.message}"
+        began_wall, resume = self.launcher.last_restart or (began_wall, 0)
+        self.on_event(message)
+        self._add(RecoveryEvent(found.action_id, (), (), self.launcher.machines() if ok else (), ok, message, seen,
+                                time.monotonic(), began_wall, resume if world else 0, found.kind.value))
+
+    def _add(self, event: RecoveryEvent) -> None:
+        with self._changed:
+            self.events.append(event)
+            self._changed.notify_all()
 
     def _recover(self, action_id: str, evicted: tuple[str, ...]) -> None:
         from rankscope.drill.worker import latest_checkpoint
@@ -264,9 +322,39 @@ class Recovery:
                               self.launcher.machines() if outcome.ok else (), outcome.ok, outcome.message, seen,
                               time.monotonic(), began_wall, resume)
         self.on_event(outcome.message)
-        with self._changed:
-            self.events.append(event)
-            self._changed.notify_all()
+        self._add(event)
+
+
+WATCHED = frozenset({ActionKind.EVICT, ActionKind.HOT_UPDATE, ActionKind.ROLLBACK})
+SETTLE_S = 3.0
+
+
+@dataclass
+class _Seen:
+    """One action as the agents' audit streams showed it so far."""
+
+    kind: ActionKind
+    began: set[str] = field(default_factory=set)
+    finished: dict[str, str] = field(default_factory=dict)  # machine -> final result
+    restart_requested: tuple[str, ...] = ()  # machines whose agent asked the launcher for a restart
+    last_mono: float = field(default_factory=time.monotonic)
+
+    def add(self, machine: str, record: AuditRecord) -> None:
+        self.began.add(machine)
+        self.last_mono = time.monotonic()
+        if RESTART_REQUESTED in record.message and machine not in self.restart_requested:
+            self.restart_requested = (*self.restart_requested, machine)
+        if record.result in FINAL:
+            self.finished[machine] = record.result
+
+
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    kind: ActionKind
+    action_id: str
+    machines: tuple[str, ...]
+    results: dict[str, str] = field(default_factory=dict)
+    restart_requested: tuple[str, ...] = ()
 
 
 def ranks_resumed(run_dir: Path, world: int, event: RecoveryEvent) -> bool:

@@ -7,6 +7,15 @@ list of labels chosen per launch, node rank = position in the list, so a
 restart may run the same job on a different set of machines (an eviction
 swaps a label for a standby's) while the agents of surviving machines stay.
 
+With actions on, every machine also runs the job's code from its own
+hot-updatable link, ``state/<machine>/code/current``, into
+``state/<machine>/code/versions`` (a worktree per version of the drill's
+code repository ``code/repo``, see ``rankscope.drill.user_code``), and its
+agent gets its own actions config (``state/<machine>/actions.json``) naming
+that link and the warm standbys the drill would bring in. The restart path
+(:meth:`Launcher.restart`) applies each machine's pending lazy hot-update
+before its processes start again.
+
 Cleanup must not depend on the job behaving: torchrun starts every rank in
 a session of its own, and dataloader workers and checkpoint writers hang off
 the ranks. So every process started here carries a marker in its
@@ -29,9 +38,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rankscope.drill.faults import DrillLayout, machine_name
 from rankscope.errors import RankscopeError
+
+if TYPE_CHECKING:
+    from rankscope.actions.agent_service import ActionsConfig
 
 RUN_ID_ENV = "RANKSCOPE_DRILL_RUN_ID"
 STORES_ENV = "RANKSCOPE_DRILL_BACKUP_STORES"  # JSON: the backup store of each machine of the job, by node rank
@@ -114,8 +127,11 @@ class Launcher:
     master_port: int = 0
     counters: bool = True  # load the CCL counter plugin in the ranks (RANKSCOPE_CCL) and point agents at its files
     actions: bool = False  # agents serve actions (state under run_dir/state/<machine>, eviction backend local)
+    code: bool = True  # with actions: ranks run the drill's user code from a hot-updatable link per machine
     standbys: list[str] = field(default_factory=list)  # idle warm standbys: an agent each, no ranks
     notes: list[str] = field(default_factory=list)
+    # Set by restart() once the old processes are gone: (wall clock, the step the ranks resume from).
+    last_restart: tuple[float, int] | None = None
 
     def __post_init__(self) -> None:
         for sub in ("logs", "progress", "loss", "checkpoints", "counters"):
@@ -184,6 +200,8 @@ class Launcher:
         started = []
         for node_rank, label in enumerate(labels):
             per_node = dict(node_env, **self._backup_env(labels, node_rank)) if self.actions else node_env
+            if self.hot_updates:
+                per_node = dict(per_node, **self._code_env(label))
             argv = [
                 self.python, "-m", "torch.distributed.run",
                 "--nnodes", str(self.layout.machines), "--node-rank", str(node_rank),
@@ -221,6 +239,84 @@ class Launcher:
         targets = {str(r): [stores[node_rank]] + ([stores[peers[r] // per]] if r in peers else []) for r in mine}
         return {ENV_REQUEST: str(self.state_dir(labels[node_rank]) / REQUEST_FILE), ENV_TARGETS: json.dumps(targets),
                 STORES_ENV: json.dumps(stores)}
+
+    # ---- the job's code (hot-update) -------------------------------------------
+
+    @property
+    def hot_updates(self) -> bool:
+        return self.actions and self.code
+
+    @property
+    def code_repo(self) -> Path:
+        """The drill's code repository (tags v1, v2, v3): the ``repo`` of every agent's hot-update config."""
+        return self.run_dir / "code" / "repo"
+
+    def code_link(self, name: str) -> Path:
+        """The link machine ``name``'s ranks import their code from."""
+        return self.state_dir(name) / "code" / "current"
+
+    def code_versions(self, name: str) -> Path:
+        return self.state_dir(name) / "code" / "versions"
+
+    def _prepare_code(self, name: str) -> None:
+        """The repository (once) and ``name``'s link, at the initial version when it has none yet."""
+        from rankscope.actions.hot_update import CodeVersions
+        from rankscope.drill import user_code
+
+        user_code.make_repo(self.code_repo)
+        versions = CodeVersions(self.code_link(name), self.code_versions(name), self.code_repo)
+        if versions.target() is None:
+            versions.switch(versions.checkout(user_code.INITIAL_VERSION))
+
+    def _code_env(self, label: str) -> dict[str, str]:
+        from rankscope.drill import user_code
+
+        self._prepare_code(label)
+        return {user_code.CODE_ENV: str(self.code_link(label)), user_code.MACHINE_ENV: label}
+
+    def _hot_update_config(self, name: str) -> ActionsConfig:
+        from rankscope.actions.agent_service import ActionsConfig, HotUpdateSettings
+
+        return ActionsConfig(state_dir=self.state_dir(name),
+                             hot_update=HotUpdateSettings(self.code_link(name), self.code_versions(name),
+                                                          self.code_repo))
+
+    def apply_pending_updates(self, machines: Sequence[str]) -> list[str]:
+        """Apply each machine's pending lazy hot-update, for the restart about to happen; what was done.
+
+        ByteRobust §6.1 applies a lazy update in the recovery procedure of
+        the next restart. On a cluster the agent would do it in its restart
+        path; on the drill the launcher is the restart path (the agents are
+        scoped to a torchrun pid, so they are stopped and started with the
+        nodes), so it calls the agents' code (``apply_pending``) on each
+        machine's history and link while nothing of that machine runs.
+        """
+        from rankscope.actions.agent_service import apply_pending
+        from rankscope.actions.history import UpdateState
+        from rankscope.actions.hot_update import JobEvent, JobEventKind
+
+        done: list[str] = []
+        if not self.hot_updates:
+            return done
+        for name in machines:
+            self._prepare_code(name)
+            record = apply_pending(self._hot_update_config(name), name, JobEvent(JobEventKind.RESTART, time.time()))
+            if record is not None:
+                ok = record.state == UpdateState.APPLIED
+                done.append(f"{name}: {'applied' if ok else 'could not apply'} pending {record.to_version.label} "
+                            f"at the restart{'' if ok else ': ' + record.message}")
+        self.notes.extend(done)
+        return done
+
+    def blocked_machines(self) -> frozenset[str]:
+        """Every machine some agent of this drill has blocked (each agent keeps its own persistent list)."""
+        from rankscope.actions.blocklist import Blocklist
+
+        out: set[str] = set()
+        for path in sorted((self.run_dir / "state").glob("*/blocklist.sqlite")):
+            with contextlib.suppress(Exception):  # a list being created right now is read next time
+                out.update(entry.machine for entry in Blocklist(path).blocked())
+        return frozenset(out)
 
     def machines(self) -> tuple[str, ...]:
         """The labels of the running nodes, by node rank."""
@@ -276,20 +372,35 @@ class Launcher:
             # the drill's recovery (rankscope.drill.control) restarts the job. The layout lets a backup
             # plan name each rank's peer.
             self.state_dir(name).mkdir(parents=True, exist_ok=True)
-            argv += ["--state-dir", str(self.state_dir(name)), "--actions-config", str(self._actions_config())]
+            argv += ["--state-dir", str(self.state_dir(name)), "--actions-config", str(self._actions_config(name))]
         return argv
 
-    def _actions_config(self) -> Path:
-        path = self.run_dir / "state" / "actions.json"
-        if not path.exists():
-            layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
-                      "ranks_per_machine": self.layout.ranks_per_machine}
-            # The drill's steps take milliseconds, so the agents' requests land steps apart: about 8 on a
-            # lightly loaded 2-core host, more under load. Ranks whose requests land more than one align
-            # apart share no backed-up step and the restore falls back to the checkpoint; 16 leaves room.
-            backup = {"align_steps": 16, "wait_s": 60}
-            path.write_text(json.dumps({"eviction": {"backend": "local"}, "layout": layout, "backup": backup},
-                                       indent=1))
+    def _actions_config(self, name: str) -> Path:
+        """Machine ``name``'s agent config, written anew at each agent start (the standby pool changes).
+
+        One file per machine: each agent's hot-update section names its own
+        machine's code link. The local eviction names the idle standbys not
+        blocked, in the order the drill's recovery takes them, so every
+        eviction plan lists who would join.
+        """
+        path = self.state_dir(name) / "actions.json"
+        layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
+                  "ranks_per_machine": self.layout.ranks_per_machine}
+        # The drill's steps take milliseconds, so the agents' requests land steps apart: about 8 on a
+        # lightly loaded 2-core host, more under load. Ranks whose requests land more than one align
+        # apart share no backed-up step and the restore falls back to the checkpoint; 16 leaves room.
+        backup = {"align_steps": 16, "wait_s": 60}
+        blocked = self.blocked_machines()
+        standbys = [m for m in self.standbys if m not in blocked and m != name]
+        config: dict[str, Any] = {"eviction": {"backend": "local", "local": {"standbys": standbys}},
+                                  "layout": layout, "backup": backup}
+        if self.hot_updates:
+            self._prepare_code(name)
+            config["hot_update"] = {"current": str(self.code_link(name)), "versions_dir": str(self.code_versions(name)),
+                                    "repo": str(self.code_repo)}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(config, indent=1))
+        os.replace(tmp, path)
         return path
 
     def start_agents(self, *, timeout_s: float = AGENT_START_TIMEOUT_S,
@@ -359,7 +470,8 @@ class Launcher:
         """Run the job again on ``machines`` (e.g. after an eviction swapped one for a standby).
 
         The job is stopped and restarted from the newest checkpoint all ranks
-        saved. Agents are scoped to a node's torchrun pid, so each is
+        saved; in between, each machine's pending lazy hot-update is applied
+        (:meth:`apply_pending_updates`). Agents are scoped to a node's torchrun pid, so each is
         restarted too: machines that stay keep their agent's address, a
         machine that left loses its agent, a new machine gets one (a standby
         that joins keeps its address and leaves the standby pool).
@@ -373,6 +485,11 @@ class Launcher:
         for proc in [n.proc for n in self.nodes.values()] + [a.proc for a in leaving]:
             _reap(proc)
         self.nodes.clear()
+        from rankscope.drill.worker import latest_checkpoint
+
+        self.last_restart = (time.time(), min((latest_checkpoint(self.run_dir, r) for r in range(self.layout.world)),
+                                              default=0))
+        self.apply_pending_updates(machines)  # nothing of these machines runs now: lazy updates ride on this restart
         self.start_nodes(machines, resume=resume, env=env)
         return self.start_agents(ports=ports) if agents else {}
 

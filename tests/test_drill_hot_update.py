@@ -1,0 +1,189 @@
+"""Hot-update on the drill (ByteRobust §6.1): new code in place, on the same machines, immediately and lazily.
+
+One small real job (TP=1, PP=2, DP=1: one rank on each of two machines) with
+real agents serving actions, each machine running the drill's user code from
+its own code link. The update is planned and confirmed through ``JobClient``
+exactly as the TUI's `u` sends it (``update_request``, ``summarize(...)
+.confirmation()``); the drill's recovery restarts the job on the same machines
+when every agent switched its link and asked for a restart. Which code every
+step ran is read back from the ranks' own records (``code_runs`` per process
+start, ``code`` per logged loss).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from rankscope.actions.agent_service import RESTART_REQUESTED, load_actions_config, local_standbys
+from rankscope.actions.audit import AuditLog
+from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateState
+from rankscope.actions.model import ActionKind, ActionRequest, ActionResult, ActionState, AuditRecord, UpdateMode
+from rankscope.client import JobClient
+from rankscope.drill import user_code
+from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent, ranks_resumed
+from rankscope.drill.faults import DrillLayout
+from rankscope.drill.launcher import Launcher, TrainingOptions, marked_processes
+from rankscope.drill.progress import read_progress
+from rankscope.tui.actions import new_action_id, rollback_request, summarize, update_request
+
+LAYOUT = DrillLayout(tp=1, pp=2, dp=1, machines=2)
+MACHINES = ("machine-0", "machine-1")
+# Far more steps than the test lasts: the job must still be running at every update (it is stopped at the end).
+TRAINING = TrainingOptions(steps=100_000, checkpoint_every=5, micro_batches=2, loader_workers=0)
+LAST_STAGE_RANK = 1
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def version_of(link: Path) -> str:
+    return user_code.load(str(link)).version
+
+
+def steps_done(run_dir: Path) -> int:
+    progress = read_progress(run_dir)
+    return min((p.step for p in progress.values()), default=0) if len(progress) == LAYOUT.world else 0
+
+
+def loss_records(run_dir: Path) -> list[dict[str, object]]:
+    lines = (run_dir / "loss" / f"rank{LAST_STAGE_RANK}.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines if x.strip()]
+
+
+async def act(launcher: Launcher, request: ActionRequest) -> list[ActionResult]:
+    """Plan, confirm as the TUI does (yes to the named machines) and run; every agent's final result."""
+    async with JobClient(list(launcher.addresses().values()), launcher.token(), acting=True) as client:
+        summary = summarize(request, await client.plan_action(request))
+        assert summary.runnable, summary.errors
+        assert summary.phrase is None  # a hot-update needs a yes, not a typed phrase
+        return [u.event async for u in client.run_action(request, summary.confirmation())
+                if isinstance(u.event, ActionResult)]
+
+
+@pytest.fixture
+def drill(tmp_path: Path) -> Iterator[tuple[Launcher, Recovery]]:
+    launcher = Launcher(tmp_path / "run", LAYOUT, TRAINING, counters=False, actions=True)
+    recovery: Recovery | None = None
+    try:
+        launcher.start_nodes()
+        launcher.start_agents()
+        recovery = Recovery(launcher, DrillMachines(launcher), on_event=launcher.notes.append)
+        recovery.start()
+        yield launcher, recovery
+    finally:
+        if recovery is not None:
+            recovery.stop()
+        launcher.stop()
+        assert marked_processes(launcher.run_id) == []
+
+
+def resumed_on(launcher: Launcher, event: RecoveryEvent, version: str, runs_before: dict[int, int]) -> None:
+    """Every rank restarted once more, on its own machine, on ``version``, and completed a step after the restart."""
+    wait_for(lambda: ranks_resumed(launcher.run_dir, LAYOUT.world, event), 120, "every rank to resume")
+    for rank in range(LAYOUT.world):
+        runs = user_code.read_runs(launcher.run_dir, rank)
+        assert len(runs) == runs_before[rank] + 1, runs
+        old, new = runs[-2], runs[-1]
+        assert new.machine == old.machine == MACHINES[rank]  # the same machine: not rescheduled
+        assert new.pid != old.pid  # a new process
+        assert new.version == version and new.start_step == event.resume_step
+
+
+@pytest.mark.drill
+@pytest.mark.timeout(300)
+def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
+        drill: tuple[Launcher, Recovery]) -> None:
+    launcher, recovery = drill
+    run_dir = launcher.run_dir
+    links = {m: launcher.code_link(m) for m in MACHINES}
+    wait_for(lambda: steps_done(run_dir) >= 3, 120, "the job's first steps")
+    assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v1")
+    assert [r.version for rank in range(LAYOUT.world) for r in user_code.read_runs(run_dir, rank)] == ["v1", "v1"]
+    # Each agent's config names its own machine's link, and the repository the git refs come from.
+    for m in MACHINES:
+        config = load_actions_config(launcher.state_dir(m) / "actions.json", launcher.state_dir(m))
+        assert config is not None and config.hot_update is not None
+        assert config.hot_update.current == links[m] and config.hot_update.repo == launcher.code_repo
+        assert local_standbys(config.eviction) == ()  # this drill has no warm standbys
+
+    # ---- immediate: v2 (a git tag), as the TUI's `u` sends it ---------------------------------------------
+    runs = {rank: len(user_code.read_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
+    now = time.time()
+    results = asyncio.run(act(launcher, update_request("v2", UpdateMode.IMMEDIATE,
+                                                       new_action_id(ActionKind.HOT_UPDATE, now), "drill-test")))
+    assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
+    assert all(RESTART_REQUESTED in r.message for r in results)
+    event = recovery.wait(1, 120)
+    assert event.ok and event.kind == "hot_update", event.message
+    assert event.machines == MACHINES and event.evicted == () and event.joined == ()
+    assert launcher.machines() == MACHINES
+    resumed_on(launcher, event, "v2", runs)
+    v2_trees = {m: os.path.realpath(link) for m, link in links.items()}
+    assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v2")
+    # The losses say which code computed each step: v1 up to the restart, v2 from the checkpoint on.
+    wait_for(lambda: loss_records(run_dir)[-1]["code"] == "v2", 60, "a loss computed by v2")
+    logged = loss_records(run_dir)
+    first_v2 = next(i for i, x in enumerate(logged) if x["code"] == "v2")
+    assert all(x["code"] == "v1" for x in logged[:first_v2])
+    assert logged[first_v2]["step"] == event.resume_step + 1
+    assert all(x["code"] == "v2" for x in logged[first_v2:])
+
+    # ---- lazy: v3 waits while the job runs on v2, and rides on the next restart ----------------------------
+    results = asyncio.run(act(launcher, update_request("v3", UpdateMode.LAZY,
+                                                       new_action_id(ActionKind.HOT_UPDATE, time.time()),
+                                                       "drill-test")))
+    assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
+    assert all("pending on" in r.message for r in results)
+    at = steps_done(run_dir)
+    wait_for(lambda: steps_done(run_dir) >= at + 10, 60, "ten more steps on v2")
+    assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v2")
+    assert [len(user_code.read_runs(run_dir, rank)) for rank in range(LAYOUT.world)] == [2, 2]  # no restart
+    assert len(recovery.events) == 1 and loss_records(run_dir)[-1]["code"] == "v2"
+    for m in MACHINES:
+        pending = HotUpdateHistory(launcher.state_dir(m) / "hot_update_history.sqlite").pending()
+        assert pending is not None and pending.to_version.label.startswith("git:v3 (")
+
+    runs = {rank: len(user_code.read_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
+    launcher.restart(launcher.machines())  # the next restart (a failure or an eviction would take this path too)
+    assert launcher.last_restart is not None
+    restart_wall, resume = launcher.last_restart
+    restarted = RecoveryEvent("explicit", (), (), MACHINES, True, "", 0.0, 0.0, restart_wall, resume, "restart")
+    resumed_on(launcher, restarted, "v3", runs)
+    assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v3")
+
+    # ---- rollback: back to v2, immediately ----------------------------------------------------------------
+    runs = {rank: len(user_code.read_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
+    results = asyncio.run(act(launcher, rollback_request(UpdateMode.IMMEDIATE,
+                                                         new_action_id(ActionKind.ROLLBACK, time.time()), "drill-test")))
+    assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
+    event = recovery.wait(2, 120)
+    assert event.ok and event.kind == "rollback" and event.machines == MACHINES, event.message
+    resumed_on(launcher, event, "v2", runs)
+    assert {m: os.path.realpath(link) for m, link in links.items()} == v2_trees  # the same v2 tree as before
+
+    # ---- the history: who, when, what, result ---------------------------------------------------------------
+    for m in MACHINES:
+        entries = HotUpdateHistory(launcher.state_dir(m) / "hot_update_history.sqlite").entries()
+        got = [(e.kind, e.mode, e.state, e.trigger, e.to_version.label.split(" ")[0]) for e in entries]
+        assert got == [
+            (UpdateKind.ROLLBACK, UpdateMode.IMMEDIATE, UpdateState.APPLIED, "immediate", "git:v2"),
+            (UpdateKind.UPDATE, UpdateMode.LAZY, UpdateState.APPLIED, "restart", "git:v3"),
+            (UpdateKind.UPDATE, UpdateMode.IMMEDIATE, UpdateState.APPLIED, "immediate", "git:v2"),
+        ], got
+        assert all(e.who == "drill-test" and e.applied_at is not None and e.applied_at >= e.requested_at
+                   for e in entries)
+        # The audit log (what the TUI's history shows) has the lazy update's application under its derived id.
+        audit: list[AuditRecord] = list(AuditLog(launcher.state_dir(m) / "audit.sqlite").records())
+        applied = [r for r in audit if r.action_id == f"{entries[1].action_id}.restart"]
+        assert [r.result for r in applied] == ["started", "succeeded"] and "v3" in applied[-1].message
