@@ -661,3 +661,33 @@ async def test_a_restarted_agent_still_replays_a_finished_action(run_id: str, tm
     assert first.state == ActionState.SUCCEEDED and "blocked" in first.message
     assert again.replayed and (again.state, again.message) == (first.state, first.message)
     assert [r.result for r in AuditLog(tmp_path / "state" / "audit.sqlite").records()].count("started") == 1
+
+
+async def test_the_running_agent_applies_a_lazy_update_when_its_window_expires(run_id: str, tmp_path: Path) -> None:
+    """The agent's supervisor task (every SUPERVISE_INTERVAL_S) is what applies a due lazy update, unasked."""
+    v1, v2 = tmp_path / "code-v1", tmp_path / "code-v2"
+    v1.mkdir()
+    v2.mkdir()
+    current = tmp_path / "job" / "code"
+    current.parent.mkdir()
+    os.symlink(v1, current)
+    config = ActionsConfig(tmp_path / "state", hot_update=HotUpdateSettings(current, tmp_path / "versions"))
+    async with serving("m0", run_id, config) as agent, JobClient([agent.address], ACT, acting=True) as client:
+        assert agent.supervisor is not None and not agent.supervisor.done()
+        lazy = ActionRequest("hu-w", ActionKind.HOT_UPDATE, Targets(),
+                             HotUpdateArgs(VersionSource.DIR, str(v2), UpdateMode.LAZY, window_s=1.0), "alice")
+        (pending,) = results(await collect(client, lazy, Confirmation(("m0",))))
+        assert pending.state == ActionState.SUCCEEDED and "pending" in pending.message
+
+        async def applied() -> AuditRecord:
+            async for record in client.watch_all_audit(since=0):
+                if isinstance(record, tuple) and record[1].action_id == "hu-w.window" and \
+                        record[1].result == "succeeded":
+                    return record[1]
+            raise AssertionError("the audit stream ended")
+
+        record = await asyncio.wait_for(applied(), 30)
+        assert "restart requested" in record.message and os.readlink(current) == str(v2)
+    assert agent.supervisor.done()  # stopped with the agent
+    (entry,) = HotUpdateHistory(tmp_path / "state" / "hot_update_history.sqlite").entries()
+    assert entry.state == UpdateState.APPLIED and entry.trigger == "window"

@@ -187,3 +187,87 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
         audit: list[AuditRecord] = list(AuditLog(launcher.state_dir(m) / "audit.sqlite").records())
         applied = [r for r in audit if r.action_id == f"{entries[1].action_id}.restart"]
         assert [r.result for r in applied] == ["started", "succeeded"] and "v3" in applied[-1].message
+
+
+# ---- without processes: the recovery's rule for restarting in place, the per-machine code set-up ----------
+
+
+def _record(seq: int, action_id: str, kind: ActionKind, result: str, message: str = "") -> AuditRecord:
+    return AuditRecord(seq, action_id, "alice", 1000.0 + seq, kind, "hot-update", result, message)
+
+
+def test_the_recovery_restarts_in_place_only_once_every_agent_switched_and_one_asked(tmp_path: Path) -> None:
+    from rankscope.drill.control import _Seen
+
+    launcher = Launcher(tmp_path, LAYOUT, TRAINING, counters=False, actions=True)
+    recovery = Recovery(launcher, DrillMachines(launcher))
+    agents = set(MACHINES)
+    seen: dict[str, _Seen] = {}
+
+    def add(machine: str, record: AuditRecord) -> None:
+        seen.setdefault(record.action_id, _Seen(record.kind)).add(machine, record)
+
+    add("machine-0", _record(1, "hu-1", ActionKind.HOT_UPDATE, "started"))
+    add("machine-0", _record(2, "hu-1", ActionKind.HOT_UPDATE, "progress", f"{RESTART_REQUESTED} (immediate)"))
+    add("machine-0", _record(3, "hu-1", ActionKind.HOT_UPDATE, "succeeded"))
+    assert recovery._finished(seen, agents) is None  # machine-1 has not begun: it may still be switching
+    add("machine-1", _record(1, "hu-1", ActionKind.HOT_UPDATE, "started"))
+    assert recovery._finished(seen, agents) is None  # begun, not finished
+    add("machine-1", _record(2, "hu-1", ActionKind.HOT_UPDATE, "succeeded", f"... {RESTART_REQUESTED} from the launcher"))
+    found = recovery._finished(seen, agents)
+    assert found is not None and found.kind == ActionKind.HOT_UPDATE and found.action_id == "hu-1"
+    assert found.restart_requested == MACHINES
+
+    # A lazy update finished everywhere asks for nothing: no restart, and it is not looked at again.
+    seen.clear()
+    for m in MACHINES:
+        add(m, _record(4, "hu-2", ActionKind.HOT_UPDATE, "started"))
+        add(m, _record(5, "hu-2", ActionKind.HOT_UPDATE, "succeeded", "pending on m: applied at the next restart"))
+    assert recovery._finished(seen, agents) is None and "hu-2" in recovery._handled
+
+    # One agent failed: the job is not restarted on mixed code; the event says so.
+    seen.clear()
+    add("machine-0", _record(6, "rb-1", ActionKind.ROLLBACK, "succeeded", RESTART_REQUESTED))
+    add("machine-1", _record(6, "rb-1", ActionKind.ROLLBACK, "failed", "git could not resolve"))
+    found = recovery._finished(seen, agents)
+    assert found is not None and found.results == {"machine-0": "succeeded", "machine-1": "failed"}
+    recovery._restart_in_place(found)
+    (event,) = recovery.events
+    assert not event.ok and event.kind == "rollback" and "machine-1" in event.message and event.machines == ()
+    assert launcher.nodes == {}  # nothing was started
+
+
+def test_each_drill_machine_gets_its_own_code_link_and_agent_config(tmp_path: Path) -> None:
+    from rankscope.actions.agent_service import ActionService
+    from rankscope.actions.blocklist import Blocklist
+    from rankscope.actions.model import EvictArgs, Targets
+
+    launcher = Launcher(tmp_path, LAYOUT, TRAINING, counters=False, actions=True)
+    launcher.standbys = ["standby-0", "standby-1"]
+    paths = {m: launcher._actions_config(m) for m in (*MACHINES, "standby-0")}
+    trees = set()
+    for m, path in paths.items():
+        config = load_actions_config(path, launcher.state_dir(m))
+        assert config is not None and config.hot_update is not None
+        assert config.hot_update.current == launcher.code_link(m) and config.hot_update.current.is_symlink()
+        assert config.hot_update.versions_dir == launcher.code_versions(m)
+        trees.add(os.path.realpath(config.hot_update.current))
+        code = user_code.load(str(config.hot_update.current))
+        assert code.version == "v1" and code.lr(0.01, 7) == 0.01  # v1 changes nothing: losses stay bit for bit
+        # A machine's eviction plan names the standbys that would join, never itself.
+        assert local_standbys(config.eviction) == tuple(s for s in ("standby-0", "standby-1") if s != m)
+    assert len(trees) == 3  # one version tree per machine: each machine has its own copy of the code
+    # A standby blocked by any agent of the drill is no longer offered.
+    Blocklist(launcher.state_dir("machine-1") / "blocklist.sqlite").block(("standby-0",), "failed", "t", "e-1")
+    config = load_actions_config(launcher._actions_config("machine-0"), launcher.state_dir("machine-0"))
+    assert config is not None and local_standbys(config.eviction) == ("standby-1",)
+    service = ActionService(config, "machine-0", lambda: ())
+    plan = asyncio.run(service.plan(ActionRequest("ev-1", ActionKind.EVICT, Targets(("machine-0",)),
+                                                  EvictArgs("hang"), "alice")))
+    assert plan.standbys == ("standby-1",) and "self-checks first" in plan.steps[-1]
+    # The repository has the three versions as tags, each module saying its name.
+    for version in ("v1", "v2", "v3"):
+        assert f"VERSION = {version!r}" in user_code._git(launcher.code_repo, "show", f"{version}:drill_user_code.py")
+    # Without actions (or with code=False) the nodes get no link and the worker runs as it always did.
+    plain = Launcher(tmp_path / "plain", LAYOUT, TRAINING, counters=False)
+    assert not plain.hot_updates and plain.apply_pending_updates(MACHINES) == []
