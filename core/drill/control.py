@@ -279,7 +279,6 @@ class Recovery:
         seen = time.monotonic()
         machines = self.launcher.machines()
         failed = sorted(m for m, r in found.results.items() if r != ActionState.SUCCEEDED.value)
-        world = self.launcher.layout.world
         if failed:
             message = (f"{found.kind.value} {found.action_id} did not succeed on {' '.join(failed)}: the job was not "
                        "restarted (machines would run different code); roll back or update again")
@@ -290,6 +289,7 @@ class Recovery:
         self.on_event(f"{found.kind.value} {found.action_id}: restarting the job in place on "
                       f"{' '.join(machines)} (restart requested by {' '.join(found.restart_requested)})")
         began_wall = time.time()
+        self.launcher.last_restart = None  # set again by this restart once the old processes are gone
         try:
             self.control.restart(machines)
             ok, message = True, f"restarted {' '.join(machines)} in place on the new code ({found.kind.value})"
@@ -298,7 +298,7 @@ class Recovery:
         began_wall, resume = self.launcher.last_restart or (began_wall, 0)
         self.on_event(message)
         self._add(RecoveryEvent(found.action_id, (), (), self.launcher.machines() if ok else (), ok, message, seen,
-                                time.monotonic(), began_wall, resume if world else 0, found.kind.value))
+                                time.monotonic(), began_wall, resume, found.kind.value))
 
     def _add(self, event: RecoveryEvent) -> None:
         with self._changed:
