@@ -314,8 +314,19 @@ def test_the_local_standbys_setting_is_checked_at_start_up(tmp_path: Path) -> No
     path.write_text(json.dumps({"eviction": {"backend": "local", "local": {"standbys": ["spare-0", "spare-1"]}}}))
     config = load_actions_config(path, tmp_path / "st")
     assert config is not None and local_standbys(config.eviction) == ("spare-0", "spare-1")
+    # A list the launcher keeps current is read at each call; a broken one is an error naming the format.
+    pool = tmp_path / "standbys.json"
+    path.write_text(json.dumps({"eviction": {"backend": "local", "local": {"standbys_file": str(pool)}}}))
+    config = load_actions_config(path, tmp_path / "st")
+    assert config is not None and local_standbys(config.eviction) == ()  # not written yet: none on hand
+    pool.write_text('["spare-3"]')
+    assert local_standbys(config.eviction) == ("spare-3",)
+    pool.write_text("spare-3")
+    with pytest.raises(RankscopeError, match="cannot read the standby list"):
+        local_standbys(config.eviction)
     for local, needle in (({"standbys": "spare-0"}, "must be a list of machine names"),
                           ({"standbys": ["-rf"]}, "bad machine name"),
+                          ({"standbys_file": "standbys.json"}, "must be an absolute path"),
                           ({"spares": []}, r"unknown setting\(s\) spares")):
         path.write_text(json.dumps({"eviction": {"backend": "local", "local": local}}))
         with pytest.raises(RankscopeError, match=needle) as err:

@@ -254,17 +254,25 @@ def test_each_drill_machine_gets_its_own_code_link_and_agent_config(tmp_path: Pa
         trees.add(os.path.realpath(config.hot_update.current))
         code = user_code.load(str(config.hot_update.current))
         assert code.version == "v1" and code.lr(0.01, 7) == 0.01  # v1 changes nothing: losses stay bit for bit
-        # A machine's eviction plan names the standbys that would join, never itself.
-        assert local_standbys(config.eviction) == tuple(s for s in ("standby-0", "standby-1") if s != m)
+        # Every agent reads the launcher's current pool (a standby's own plan leaves itself out).
+        assert local_standbys(config.eviction) == ("standby-0", "standby-1")
     assert len(trees) == 3  # one version tree per machine: each machine has its own copy of the code
-    # A standby blocked by any agent of the drill is no longer offered.
-    Blocklist(launcher.state_dir("machine-1") / "blocklist.sqlite").block(("standby-0",), "failed", "t", "e-1")
-    config = load_actions_config(launcher._actions_config("machine-0"), launcher.state_dir("machine-0"))
-    assert config is not None and local_standbys(config.eviction) == ("standby-1",)
+    config = load_actions_config(paths["machine-0"], launcher.state_dir("machine-0"))
+    assert config is not None
     service = ActionService(config, "machine-0", lambda: ())
-    plan = asyncio.run(service.plan(ActionRequest("ev-1", ActionKind.EVICT, Targets(("machine-0",)),
-                                                  EvictArgs("hang"), "alice")))
-    assert plan.standbys == ("standby-1",) and "self-checks first" in plan.steps[-1]
+
+    def evict_plan() -> tuple[str, ...]:
+        plan = asyncio.run(service.plan(ActionRequest("ev-1", ActionKind.EVICT, Targets(("machine-0",)),
+                                                      EvictArgs("hang"), "alice")))
+        assert "self-checks first" in plan.steps[-1], plan.steps
+        return plan.standbys
+
+    assert evict_plan() == ("standby-0", "standby-1")
+    # The pool changes while the agent runs (a standby added, one blocked by any agent): the next plan shows it.
+    launcher.standbys.append("standby-2")
+    Blocklist(launcher.state_dir("machine-1") / "blocklist.sqlite").block(("standby-0",), "failed", "t", "e-1")
+    launcher.write_standbys()
+    assert evict_plan() == ("standby-1", "standby-2")
     # The repository has the three versions as tags, each module saying its name.
     for version in ("v1", "v2", "v3"):
         assert f"VERSION = {version!r}" in user_code._git(launcher.code_repo, "show", f"{version}:drill_user_code.py")

@@ -27,8 +27,9 @@ Procedures in this version:
     subprocesses) found by discovery, SIGKILL what is left after the grace
     period, block the machine. Restarting the job without it is left to the
     launcher (torchrun's restarts, the drill, the scheduler); when the config
-    names the launcher's warm standbys (``[eviction.local] standbys``) the
-    plan lists those that would join (minus blocked ones).
+    names the launcher's warm standbys (``[eviction.local] standbys``, or
+    ``standbys_file``, a JSON list the launcher keeps current) the plan lists
+    those that would join (minus blocked ones).
     ``slurm`` / ``kubernetes`` / ``command``: the configured
     :class:`~rankscope.actions.evict_backends.EvictionBackend` is called for
     this machine and the machine is blocked when it succeeds.
@@ -158,7 +159,7 @@ class ActionsConfig:
 
 
 _BACKEND_KEYS: dict[str, frozenset[str]] = {
-    "local": frozenset({"standbys"}),
+    "local": frozenset({"standbys", "standbys_file"}),
     "slurm": frozenset({"job_id", "restart", "step_id", "scontrol", "scancel", "timeout_s"}),
     "kubernetes": frozenset({"namespace", "selector", "kubectl", "context", "timeout_s"}),
     "command": frozenset({"script", "job_id", "timeout_s"}),
@@ -178,7 +179,8 @@ def load_actions_config(path: Path | None, state_dir: Path | None) -> ActionsCon
         job_id = "12345"
         restart = "requeue"
         # [eviction.local]                    # local: the launcher's warm standbys, in the order
-        # standbys = ["spare-0", "spare-1"]   # it takes them (shown in the eviction plan)
+        # standbys = ["spare-0", "spare-1"]   # it takes them (shown in the eviction plan), or
+        # standbys_file = "/run/standbys.json"  # a JSON list the launcher keeps current (read per plan)
         [hot_update]
         current = "/srv/job/code"             # a symbolic link the job runs from
         versions_dir = "/srv/job/versions"
@@ -260,6 +262,11 @@ def _eviction(value: Any, where: str) -> EvictionSettings:
     _no_unknown(options, _BACKEND_KEYS[backend], f"{where} [eviction.{backend}]")
     if backend == "local" and "standbys" in options:
         options["standbys"] = _machine_list(options["standbys"], f"{where} [eviction.local] standbys")
+    if backend == "local" and "standbys_file" in options:
+        file = options["standbys_file"]
+        if not isinstance(file, str) or not file.startswith("/"):
+            raise RankscopeError(f"{where} [eviction.local] standbys_file must be an absolute path, got {file!r}",
+                                 'write it as standbys_file = "/path/to/standbys.json"')
     settings = EvictionSettings(backend, float(grace), options)
     make_backend(settings)  # a bad setting fails at start-up, not at the first eviction
     return settings
@@ -276,10 +283,25 @@ def _machine_list(value: Any, where: str) -> tuple[str, ...]:
 
 
 def local_standbys(settings: EvictionSettings) -> tuple[str, ...]:
-    """The warm standbys the launcher takes, in order, when ``local`` eviction names them (else none)."""
+    """The warm standbys the launcher takes, in order, when ``local`` eviction names them (else none).
+
+    ``standbys_file`` is read at each call: the pool changes as standbys join
+    and new ones are added, while an agent reads its config once.
+    """
     if settings.backend != "local":
         return ()
-    return tuple(settings.options.get("standbys", ()))
+    names = tuple(settings.options.get("standbys", ()))
+    file = settings.options.get("standbys_file")
+    if file is None:
+        return names
+    try:
+        listed = json.loads(Path(file).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return names  # no pool written (yet): none on hand
+    except (OSError, ValueError) as exc:
+        raise RankscopeError(f"cannot read the standby list {file}: {exc}",
+                             "the launcher writes it as a JSON list of machine names") from None
+    return tuple(dict.fromkeys((*names, *_machine_list(listed, f"standby list {file}"))))
 
 
 def _hot_update(value: Any, where: str) -> HotUpdateSettings | None:
@@ -534,10 +556,14 @@ class ActionService:
         if self.backend is None:
             if not ranks:
                 warnings.append(f"no ranks found on {self.machine}: nothing to stop, the machine is only blocked")
-            configured = local_standbys(self.config.eviction)
+            try:
+                configured = local_standbys(self.config.eviction)
+            except RankscopeError as exc:
+                configured = ()
+                warnings.append(f"standbys unknown: {exc.message}")
             blocked = {e.machine for e in self.blocklist.blocked()}
             standbys = tuple(m for m in configured if m not in blocked and m != self.machine)
-            if not configured:
+            if "standbys" not in self.config.eviction.options and "standbys_file" not in self.config.eviction.options:
                 restart = "restarting the job without this machine is left to the launcher (torchrun, the drill)"
             elif standbys:
                 restart = (f"the launcher restarts the job without this machine, with warm standby(s) "

@@ -379,9 +379,8 @@ class Launcher:
         """Machine ``name``'s agent config, written anew at each agent start (the standby pool changes).
 
         One file per machine: each agent's hot-update section names its own
-        machine's code link. The local eviction names the idle standbys not
-        blocked, in the order the drill's recovery takes them, so every
-        eviction plan lists who would join.
+        machine's code link. The local eviction points at the standby list
+        (:meth:`write_standbys`), so every eviction plan lists who would join.
         """
         path = self.state_dir(name) / "actions.json"
         layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
@@ -390,9 +389,7 @@ class Launcher:
         # lightly loaded 2-core host, more under load. Ranks whose requests land more than one align
         # apart share no backed-up step and the restore falls back to the checkpoint; 16 leaves room.
         backup = {"align_steps": 16, "wait_s": 60}
-        blocked = self.blocked_machines()
-        standbys = [m for m in self.standbys if m not in blocked and m != name]
-        config: dict[str, Any] = {"eviction": {"backend": "local", "local": {"standbys": standbys}},
+        config: dict[str, Any] = {"eviction": {"backend": "local", "local": {"standbys_file": str(self.write_standbys())}},
                                   "layout": layout, "backup": backup}
         if self.hot_updates:
             self._prepare_code(name)
@@ -400,6 +397,21 @@ class Launcher:
                                     "repo": str(self.code_repo)}
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(config, indent=1))
+        os.replace(tmp, path)
+        return path
+
+    def write_standbys(self) -> Path:
+        """``state/standbys.json``: the idle standbys not blocked, in the order the recovery takes them.
+
+        Agents read it at each eviction plan (``[eviction.local]
+        standbys_file``): the pool changes while they run (standbys are added
+        after the job's agents start, and join at a recovery).
+        """
+        path = self.run_dir / "state" / "standbys.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        blocked = self.blocked_machines()
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps([m for m in self.standbys if m not in blocked]))
         os.replace(tmp, path)
         return path
 
@@ -479,6 +491,8 @@ class Launcher:
         ports = {name: int(a.address.rsplit(":", 1)[1]) for name, a in self.agents.items() if name in machines}
         # Standbys that join leave the pool; the idle ones keep their agents as they are.
         self.standbys = [s for s in self.standbys if s not in machines]
+        if self.actions:
+            self.write_standbys()
         leaving = [self.agents.pop(name) for name in list(self.agents) if name not in self.standbys]
         # One kill for nodes and agents together: their grace periods run at once, not one after another.
         kill_trees([n.proc.pid for n in self.nodes.values()] + [a.proc.pid for a in leaving])
