@@ -197,7 +197,7 @@ def _record(seq: int, action_id: str, kind: ActionKind, result: str, message: st
 
 
 def test_the_recovery_restarts_in_place_only_once_every_agent_switched_and_one_asked(tmp_path: Path) -> None:
-    from rankscope.drill.control import _Seen
+    from rankscope.drill.control import SETTLE_S, _Seen
 
     launcher = Launcher(tmp_path, LAYOUT, TRAINING, counters=False, actions=True)
     recovery = Recovery(launcher, DrillMachines(launcher))
@@ -224,6 +224,16 @@ def test_the_recovery_restarts_in_place_only_once_every_agent_switched_and_one_a
         add(m, _record(4, "hu-2", ActionKind.HOT_UPDATE, "started"))
         add(m, _record(5, "hu-2", ActionKind.HOT_UPDATE, "succeeded", "pending on m: applied at the next restart"))
     assert recovery._finished(seen, agents) is None and "hu-2" in recovery._handled
+
+    # A lazy update whose window expired on one agent: only that agent records it (id + ".window"). It is taken
+    # as complete once its agents have been quiet for SETTLE_S, and the restart applies the others' pending ones.
+    seen.clear()
+    add("machine-0", _record(7, "hu-2.window", ActionKind.HOT_UPDATE, "started"))
+    add("machine-0", _record(8, "hu-2.window", ActionKind.HOT_UPDATE, "succeeded", f"window expired; {RESTART_REQUESTED}"))
+    assert recovery._finished(seen, agents) is None  # machine-1 may still be on its way
+    seen["hu-2.window"].last_mono -= SETTLE_S
+    found = recovery._finished(seen, agents)
+    assert found is not None and found.restart_requested == ("machine-0",)
 
     # One agent failed: the job is not restarted on mixed code; the event says so.
     seen.clear()
