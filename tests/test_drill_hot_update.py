@@ -235,6 +235,17 @@ def test_the_recovery_restarts_in_place_only_once_every_agent_switched_and_one_a
     found = recovery._finished(seen, agents)
     assert found is not None and found.restart_requested == ("machine-0",)
 
+    # An eviction is taken as complete only after its agents' quiet time: another agent may yet begin it.
+    seen.clear()
+    add("machine-1", _record(9, "ev-1", ActionKind.EVICT, "started"))
+    add("machine-1", _record(10, "ev-1", ActionKind.EVICT, "succeeded"))
+    assert recovery._finished(seen, agents) is None
+    add("machine-0", _record(9, "ev-1", ActionKind.EVICT, "started"))  # the slow one
+    add("machine-0", _record(10, "ev-1", ActionKind.EVICT, "succeeded"))
+    seen["ev-1"].last_mono -= SETTLE_S
+    found = recovery._finished(seen, agents)
+    assert found is not None and found.kind == ActionKind.EVICT and found.machines == ()  # nothing runs here
+
     # One agent failed: the job is not restarted on mixed code; the event says so.
     seen.clear()
     add("machine-0", _record(6, "rb-1", ActionKind.ROLLBACK, "succeeded", RESTART_REQUESTED))

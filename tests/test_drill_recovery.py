@@ -50,6 +50,16 @@ def reference_losses(run_dir: Path, training: TrainingOptions = TRAINING) -> dic
     return {r: dict(losses(run_dir, r)) for r in last_stage_ranks()}
 
 
+async def plan_eviction(agents: list[str], token: str, machines: tuple[str, ...]) -> list[ActionPlan]:
+    """What the TUI shows before `e` is confirmed: every owning agent's plan (planning changes nothing)."""
+    from rankscope.actions.model import ActionKind, ActionRequest, EvictArgs, Targets
+    from rankscope.client import JobClient
+
+    request = ActionRequest("plan-evict", ActionKind.EVICT, Targets(machines), EvictArgs("hang-p2p"), "drill-test")
+    async with JobClient(agents, token) as client:
+        return [p for p in (await client.plan_action(request)).values() if isinstance(p, ActionPlan)]
+
+
 def last_stage_ranks() -> list[int]:
     return [r for r in range(LAYOUT.world) if LAYOUT.coords(r)[2] == LAYOUT.pp - 1]
 
@@ -74,6 +84,11 @@ def test_evicting_a_hung_pipeline_brings_in_standbys_and_training_resumes_bit_fo
         # Rank 2 never sends its gradient to rank 0: the suspect is their pipeline, on machines 0 and 2.
         assert sorted(top.machines) == sorted(s.truth.suspect_machines) == ["machine-0", "machine-2"]
 
+        # Each agent's plan shows the warm standbys that would join (the launcher's pool, in the order taken).
+        plans = asyncio.run(plan_eviction(list(s.agents.values()), s.token(), top.machines))
+        assert sorted(p.machines for p in plans) == [("machine-0",), ("machine-2",)]
+        assert [p.standbys for p in plans] == [("standby-0", "standby-1")] * 2
+        assert all("self-checks first" in p.steps[-1] for p in plans), [p.steps for p in plans]
         results = asyncio.run(evict_machines(list(s.agents.values()), s.token(), top.machines,
                                              f"hang-p2p: {verdict.summary}", requested_by="drill-test"))
         assert sorted(r.state for r in results) == [ActionState.SUCCEEDED] * 2, [r.message for r in results]

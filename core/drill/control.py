@@ -260,6 +260,11 @@ class Recovery:
             if action_id in self._handled or not s.began or not s.began <= set(s.finished):
                 continue
             if s.kind == ActionKind.EVICT:
+                # Each agent gets only its own machine's part, so none knows the whole set: an agent slowed down
+                # (a loaded host, a slow /proc scan) may record "started" after another finished. Wait until the
+                # action's agents have been quiet for SETTLE_S, so all of them are restarted around at once.
+                if time.monotonic() - s.last_mono < SETTLE_S:
+                    continue
                 if ActionState.SUCCEEDED.value in s.finished.values():
                     evicted = tuple(m for m in self.launcher.machines()
                                     if s.finished.get(m) == ActionState.SUCCEEDED.value)
@@ -326,7 +331,7 @@ class Recovery:
 
 
 WATCHED = frozenset({ActionKind.EVICT, ActionKind.HOT_UPDATE, ActionKind.ROLLBACK})
-SETTLE_S = 3.0
+SETTLE_S = 2.0  # quiet time after an action's last record before it is taken as complete (see _finished)
 
 
 @dataclass
