@@ -1,18 +1,27 @@
-"""End to end: a real hang-p2p drill with the TUI attached, driven inside tmux.
+"""End to end: a real hang-p2p drill with the TUI attached, driven inside tmux, through to recovery.
 
 `rankscope drill` (not headless) starts a real TP=2, PP=2, DP=2 torch job on
-four local "machines" with an agent each, hangs rank 5 in its pipeline send
-at step 6, and opens the TUI on the agents. The test types keys with
-`tmux send-keys` and reads the screen with `tmux capture-pane`, as a person
-pairing over tmux would: the verdict must name the suspect machines
-(machine-0 and machine-2, the pipeline group of ranks 1 and 5) with the
-frame where they diverge, `s` must take a new capture, and the stacks view
-must show the injected frame. Quitting the TUI must stop the whole drill.
+four local "machines" with an agent each plus two idle warm standbys, hangs
+rank 5 in its pipeline send at step 6, and opens the TUI on the agents. The
+test types keys with `tmux send-keys` and reads the screen with `tmux
+capture-pane`, as a person pairing over tmux would: the verdict must name the
+suspect machines (machine-0 and machine-2, the pipeline group of ranks 1 and
+5) with the frame where they diverge, `s` must take a new capture, and the
+stacks view must show the injected frame.
+
+Then the incident is handled from the keyboard: `e`, read the plan, type the
+phrase the modal asks for, enter. The two machines are evicted, both
+standbys join, and training resumes from the last checkpoint; its losses must
+match a fault-free run of the same job bit for bit at every step. A second,
+read-only TUI in another tmux window (the pair's pane, attached with the
+command the drill prints) has no action keys and sees the eviction appear
+live. Quitting the TUI must stop the whole drill.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -26,15 +35,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.drill, pytest.mark.tmux, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.drill, pytest.mark.tmux, pytest.mark.timeout(720)]
+
+STEPS, FAULT_STEP, CHECKPOINT_EVERY = 40, 6, 5
 
 
 def tmux(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["tmux", *args], capture_output=True, text=True, check=False, timeout=10)
 
 
-def screen(session: str) -> str:
-    return tmux("capture-pane", "-p", "-t", session).stdout
+def screen(target: str) -> str:
+    return tmux("capture-pane", "-p", "-t", target).stdout
 
 
 def wait_screen(session: str, cond: Callable[[str], bool], timeout_s: float, what: str) -> str:
@@ -67,9 +78,10 @@ def drill_in_tmux(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     session = f"rankscope-e2e-{os.getpid()}"
     run_dir = tmp_path / "run"
     # COLUMNS/LINES from the test's own terminal would override the pane's size in the TUI.
-    cmd = ["env", "-u", "COLUMNS", "-u", "LINES", sys.executable, "-m", "rankscope", "drill", "--tp", "2", "--pp", "2", "--dp", "2", "--machines", "4",
-           "--fault", "hang-p2p", "--fault-rank", "5", "--fault-step", "6", "--steps", "40",
-           "--standbys", "1", "--run-dir", str(run_dir)]
+    cmd = ["env", "-u", "COLUMNS", "-u", "LINES", sys.executable, "-m", "rankscope", "drill", "--tp", "2", "--pp", "2",
+           "--dp", "2", "--machines", "4", "--fault", "hang-p2p", "--fault-rank", "5", "--fault-step", str(FAULT_STEP),
+           "--steps", str(STEPS), "--checkpoint-every", str(CHECKPOINT_EVERY), "--standbys", "2",
+           "--run-dir", str(run_dir)]
     started = tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "48", "-e", "TERM=xterm-256color",
                    shlex.join(cmd))
     assert started.returncode == 0, started.stderr
@@ -95,8 +107,45 @@ def verdict_names_the_pipeline_group(text: str) -> bool:
     return bool(lines) and "machine-0" in lines[0] and "machine-2" in lines[0] and "diverges at" in text
 
 
-def test_tui_in_tmux_shows_suspect_machines_and_diverging_frame_of_a_live_hang(
-    drill_in_tmux: tuple[str, Path],
+def losses(run_dir: Path, rank: int) -> list[tuple[int, str]]:
+    """(step, loss as float hex) for every step the rank logged, in the order it logged them."""
+    rows = [json.loads(x) for x in (run_dir / "loss" / f"rank{rank}.jsonl").read_text().splitlines()]
+    return [(int(r["step"]), str(r["loss"])) for r in rows]
+
+
+def reference_losses(run_dir: Path, ranks: list[int]) -> dict[int, dict[int, str]]:
+    """The same job and options as the drill's command line, fault-free, on one machine."""
+    from rankscope.drill.faults import DrillLayout
+    from rankscope.drill.launcher import Launcher, TrainingOptions
+
+    job = Launcher(run_dir, DrillLayout(tp=2, pp=2, dp=2, machines=1),
+                   TrainingOptions(steps=STEPS, checkpoint_every=CHECKPOINT_EVERY), counters=False)
+    try:
+        job.start_nodes()
+        for node in job.nodes.values():
+            node.proc.wait(timeout=300)
+        assert set(job.node_exit_codes().values()) == {0}
+    finally:
+        job.stop()
+    return {r: dict(losses(run_dir, r)) for r in ranks}
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f} s"
+        time.sleep(0.5)
+
+
+def all_done(run_dir: Path, world: int) -> bool:
+    from rankscope.drill.progress import read_progress
+
+    progress = read_progress(run_dir)
+    return len(progress) == world and all(p.state == "done" and p.step == STEPS for p in progress.values())
+
+
+def test_tui_in_tmux_from_hang_to_eviction_and_a_bit_for_bit_recovery(
+    drill_in_tmux: tuple[str, Path], tmp_path: Path,
 ) -> None:
     session, run_dir = drill_in_tmux
     # The job starts (torch imports, four torchrun nodes) and the TUI attaches with a first capture.
@@ -114,8 +163,8 @@ def test_tui_in_tmux_shows_suspect_machines_and_diverging_frame_of_a_live_hang(
     assert re.search(r"▸ (PP|RANK)", top), top
     diverging = re.search(r"diverges at (\S+)", text)
     assert diverging, text
-    assert "5/5 machines" in text  # the 4 training machines and the warm standby, all reachable
-    assert "standby-0" in text
+    assert "6/6 machines" in text  # the 4 training machines and the 2 warm standbys, all reachable
+    assert "standby-0" in text and "standby-1" in text
 
     # `s` takes a new capture: the header's capture time moves on.
     before = re.search(r"captured (\d\d:\d\d:\d\d)", text)
@@ -132,12 +181,62 @@ def test_tui_in_tmux_shows_suspect_machines_and_diverging_frame_of_a_live_hang(
     assert "diverges at" in text
     assert re.search(r"\b5\b.*drill_injected_hang_p2p", text), text  # rank 5 is the one stuck in it
 
-    # Filter to the faulty rank's machine, then open the events view: captures and verdicts are logged.
-    tmux("send-keys", "-t", session, "/")
-    wait_screen(session, lambda t: "filter: rank" in t, 10, "the filter box")  # as a person waits to see it
-    tmux("send-keys", "-t", session, "-l", "machine-2")
+    # The pair's pane: a second TUI, read-only, attached with the command the drill prints.
+    hostfile = run_dir / "agents.txt"
+    assert len(hostfile.read_text().split()) == 6
+    pair = f"{session}:pair"
+    pair_cmd = ["env", "-u", "COLUMNS", "-u", "LINES", sys.executable, "-m", "rankscope", "attach", "--hostfile",
+                str(hostfile), "--token-file", str(run_dir / "rankscope.token"), "--read-only",
+                "--no-initial-capture", "--tp", "2", "--pp", "2", "--dp", "2", "--ranks-per-machine", "2"]
+    started = tmux("new-window", "-d", "-t", session, "-n", "pair", shlex.join(pair_cmd))
+    assert started.returncode == 0, started.stderr
+    text = wait_screen(pair, lambda t: "[read-only]" in t and "6/6 machines" in t, 60, "the read-only TUI")
+    assert "e Evict" not in text  # no action keys in a read-only session
+    tmux("send-keys", "-t", pair, "6")
+    wait_screen(pair, lambda t: "this session watches actions" in t, 10, "the pair's actions view")
+
+    # `e` on the verdict's suspect: the plan names the exact machines and processes; type its phrase.
+    tmux("send-keys", "-t", session, "1")
+    wait_screen(session, lambda t: "verdict:" in t, 10, "the overview")
+    tmux("send-keys", "-t", session, "e")
+    text = wait_screen(session, lambda t: "to confirm" in t, 30, "the eviction plan")
+    phrase = re.search(r"Type (evict machine-\d machine-\d) to confirm", text)
+    assert phrase, text
+    assert sorted(phrase.group(1).split()[1:]) == ["machine-0", "machine-2"]
+    assert "SIGTERM" in text and "block machine-0" in text and "block machine-2" in text
+    # A person reads the plan before moving on: keys typed while the modal is still settling its focus
+    # could land on Cancel, the default.
+    time.sleep(2)
+    tmux("send-keys", "-t", session, "Tab")
+    time.sleep(1)
+    tmux("send-keys", "-t", session, "-l", phrase.group(1))
+    time.sleep(1)
     tmux("send-keys", "-t", session, "Enter")
-    text = wait_screen(session, lambda t: "filter 'machine-2': 2 ranks (4-5)" in t, 10, "the filter")
+    text = wait_screen(session, lambda t: "evict result" in t or "cancelled" in t or "not the phrase" in t, 60,
+                       "the eviction's outcome")
+    assert "evict result" in text, text
+
+    # The pair sees it happen, live, in its Actions view: both machines' evictions and how they ended.
+    text = wait_screen(pair, lambda t: len(re.findall(r"machine-[02]\s+evict\s+succeeded", t)) == 2, 90,
+                       "the eviction results in the read-only TUI")
+    # The acting TUI: the evicted machines leave the job, the standbys carry its ranks, training runs again.
+    text = wait_screen(session, lambda t: "4/4 machines 2 evicted" in t, 240, "the restarted job in the header")
+    wait_until(lambda: all_done(run_dir, 8), 300, "the restarted job did not finish its steps")
     tmux("send-keys", "-t", session, "5")
-    text = wait_screen(session, lambda t: "verdict" in t and "capture" in t, 10, "the events")
+    text = wait_screen(session, lambda t: "restarted" in t and "evicted" in t, 20, "the events of the recovery")
+    assert re.search(r"restarted.*standby-0.*standby-1|restarted.*standby-1.*standby-0", text), text
     assert processes_of(run_dir), "the drill stopped before the TUI was closed"
+
+    # Bit for bit: every step after the recovery computed exactly what a fault-free run computes.
+    last_stage = [4, 5, 6, 7]  # rank = tp + 2*dp + 4*pp (order tp-cp-ep-dp-pp): pp=1 is the loss stage
+    reference = reference_losses(tmp_path / "reference", last_stage)
+    resume = (FAULT_STEP // CHECKPOINT_EVERY) * CHECKPOINT_EVERY
+    for rank in last_stage:
+        logged = losses(run_dir, rank)
+        assert [st for st, _ in logged[:FAULT_STEP]] == list(range(1, FAULT_STEP + 1))  # the steps before the hang
+        after = logged[FAULT_STEP:]
+        # No step is lost beyond the last checkpoint: the restart resumes right after it, every step once ...
+        assert [st for st, _ in after] == list(range(resume + 1, STEPS + 1)), logged
+        # ... and bit for bit what the fault-free run computed (float hex), before and after the fault.
+        assert dict(after) == {st: reference[rank][st] for st, _ in after}
+        assert all(loss == reference[rank][st] for st, loss in logged[:FAULT_STEP])

@@ -191,6 +191,8 @@ def _restarted_on_standby(wall: float, step: int) -> JobSnapshot:
 
 
 def test_an_evicted_machine_is_out_of_the_job_and_the_restart_is_seen() -> None:
+    from dataclasses import replace
+
     first = job(T0, stacks=False, step=100, hung=False)
     s = fold((first,))
     s = st.apply_evicted(s, ["node05"], T0 + 1)
@@ -199,10 +201,20 @@ def test_an_evicted_machine_is_out_of_the_job_and_the_restart_is_seen() -> None:
     assert len(s.job_machines) == 15 and s.lost == ()
     assert st.apply_evicted(s, ["node05"], T0 + 2) is s  # the same record seen again changes nothing
 
-    # Its agent is gone (unreachable) and the job runs again on a standby, every rank under a new pid.
+    # Every agent is restarted with the job (the drill's agents are scoped to a torchrun pid): unreachable a while.
+    gone = job(T0 + 30, stacks=False, step=100, hung=False, lost=tuple(range(16)))
+    s = st.apply_snapshot(s, st.digest(gone), T0 + 30)
+    assert s.restarts == 0 and len(s.lost) == 15
+    # They answer again before the new ranks exist: no ranks seen is not yet a restart.
+    between = replace(job(T0 + 35, stacks=False, step=0, hung=False, lost=(5,)),
+                      machines=tuple(replace(m, ranks=()) for m in gone.machines))
+    between = replace(between, machines=tuple(replace(m, reachable=m.machine != "node05") for m in between.machines))
+    s = st.apply_snapshot(s, st.digest(between), T0 + 35)
+    assert s.restarts == 0
+    # node05's agent stays gone; the job runs again with a standby, every rank under a new pid.
     s = st.apply_snapshot(s, st.digest(_restarted_on_standby(T0 + 40, 96)), T0 + 40)
     assert s.restarts == 1 and s.lost == ()
-    assert [e.kind for e in s.events][-2:] == ["evicted", "restarted"]
+    assert [e.kind for e in s.events][-2:] == ["found", "restarted"]
     assert "standby-0" in s.events[-1].text and "node05" not in s.events[-1].text
     assert s.progress_points == ((T0 + 40, s.progress_points[0][1]),)  # counters start again in new processes
     assert st.health(s).kind != "hung"  # 40 s without the old counters moving is not a hang

@@ -60,6 +60,7 @@ class AppOptions:
     layout: Layout | None = None
     read_only: bool = False
     settle_heap: bool = False  # gc.freeze() after each snapshot; `rankscope attach` turns it on
+    pair_hint: str = ""  # how a second person attaches read-only (the drill says it); logged as the first event
 
 
 class RankscopeApp(App[int]):
@@ -155,6 +156,8 @@ class RankscopeApp(App[int]):
             self.state = st.apply_failure(self.state, "poll-failed", f"first contact failed: {exc}", self.clock())
             initial = []
         layout = self.options.layout
+        if self.options.pair_hint:
+            self.state = st.apply_info(self.state, self.options.pair_hint, self.clock())
         self._settle_heap()
         steps = await asyncio.to_thread(_digest_series, initial, layout)
         for d, view in steps:

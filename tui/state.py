@@ -303,6 +303,7 @@ class AppState:
     hung_reported: bool = False
     evicted: frozenset[str] = frozenset()  # machines an eviction took out of the job (from the audit logs)
     restarts: int = 0  # times the job's ranks came back with new pids (an eviction, a hot-update, a relaunch)
+    rank_pids: Mapping[int, int] = field(default_factory=dict)  # each rank's last seen pid
 
     @property
     def lost(self) -> tuple[str, ...]:
@@ -351,7 +352,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
     machines += tuple(replace(m, reachable=False, error="missing from the last poll") for m in state.machines
                       if m.name not in names)
     machines = _mark_evicted(machines, state.evicted)
-    restarted = _restarted(state.machines, machines)
+    restarted, rank_pids = _restarted(state.rank_pids, machines)
     if restarted:
         on = ", ".join(m.name for m in machines if m.ranks and m.reachable)
         events.append(Event(now_wall, "restarted", f"the job restarted: its ranks run under new pids on {on}"))
@@ -398,6 +399,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
         polls=state.polls + 1,
         hung_reported=hung_reported,
         restarts=state.restarts + (1 if restarted else 0),
+        rank_pids=rank_pids,
     )
 
 
@@ -410,12 +412,19 @@ def _mark_evicted(machines: tuple[MachineView, ...], evicted: frozenset[str]) ->
     return kept + gone
 
 
-def _restarted(before: Sequence[MachineView], after: Sequence[MachineView]) -> bool:
-    """The job's ranks came back as new processes: none of the ranks seen both times kept its pid."""
-    old = {r: pid for m in before if m.reachable for r, pid in zip(m.ranks, m.pids, strict=False)}
-    new = {r: pid for m in after if m.reachable for r, pid in zip(m.ranks, m.pids, strict=False)}
-    both = old.keys() & new.keys()
-    return bool(both) and all(old[r] != new[r] for r in both)
+def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tuple[bool, Mapping[int, int]]:
+    """Whether the job's ranks came back as new processes, and the pids now known per rank.
+
+    Restarted: none of the ranks seen now has the pid it last had. The last
+    pid of each rank is remembered across polls where the rank is not seen
+    (agents restarting with the job, a job between its stop and its start).
+    """
+    seen = {r: pid for m in machines if m.reachable for r, pid in zip(m.ranks, m.pids, strict=False)}
+    if not seen:
+        return False, known
+    both = seen.keys() & known.keys()
+    restarted = bool(both) and all(known[r] != seen[r] for r in both)
+    return restarted, {**known, **seen}
 
 
 def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float) -> AppState:

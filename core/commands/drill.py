@@ -41,7 +41,9 @@ def register(sub: Any) -> None:
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel replicas (default 2)")
     p.add_argument("--machines", type=int, default=4, help="local machines: torchrun nodes with one agent each (default 4)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: fault step + 40)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps (default: fault step + 40 headless, fault step + 2000 with the TUI, so the "
+                        "job is still training after an eviction or a hot-update)")
     p.add_argument("--fault", default="hang-p2p", help="fault name, or 'none' for a healthy baseline (default hang-p2p)")
     p.add_argument("--fault-rank", type=int, help="the faulty rank (default: drawn from --seed)")
     p.add_argument("--fault-machine", type=int, help="draw the faulty rank from this machine (0-based)")
@@ -99,7 +101,8 @@ def build_config(args: argparse.Namespace) -> Any:
         group=args.fault_group, factor=args.fault_factor, delay_ms=args.fault_delay_ms,
         on_steps=args.fault_on, off_steps=args.fault_off, seed=args.seed,
     )
-    steps = args.steps if args.steps is not None else args.fault_step + 40
+    tui = not (args.headless or args.no_agents or getattr(args, "suite", None))
+    steps = args.steps if args.steps is not None else args.fault_step + (2000 if tui else 40)
     if plan.name != "none" and steps <= plan.step:
         raise RankscopeError(f"--steps {steps} ends before --fault-step {plan.step}", f"pass --steps {plan.step + 20} or more")
     training = TrainingOptions(steps=steps, seed=args.seed, loader_workers=args.loader_workers,
@@ -175,8 +178,22 @@ def _run_attached(config: Any, args: argparse.Namespace) -> int:
         if not s.agents:
             raise RankscopeError("the drill's agents did not start, so the TUI has nothing to attach to",
                                  f"read the agent logs in {s.run_dir / 'logs'}, or run with --headless")
+        hint = pair_hint(s.run_dir, list(s.agents.values()), s.launcher.ensure_token(), config.layout)
+        print(hint, file=sys.stderr, flush=True)
         return int(run_attach(agents=list(s.agents.values()), token=s.token(), layout=config.layout.to_snapshot_layout(),
-                              read_only=False) or 0)
+                              read_only=False, pair_hint=hint) or 0)
+
+
+def pair_hint(run_dir: Path, agents: list[str], token_file: Path, layout: Any) -> str:
+    """Write the drill's agents to a hostfile; the command a second person runs to watch read-only."""
+    import shlex
+
+    hostfile = run_dir / "agents.txt"
+    hostfile.write_text("".join(f"{a}\n" for a in agents))
+    argv = ["rankscope", "attach", "--hostfile", str(hostfile), "--token-file", str(token_file), "--read-only",
+            "--tp", str(layout.tp), "--pp", str(layout.pp), "--dp", str(layout.dp),
+            "--ranks-per-machine", str(layout.ranks_per_machine)]
+    return f"pair (read-only, e.g. in a second tmux pane): {shlex.join(argv)}"
 
 
 def report_lines(report: dict[str, Any]) -> list[str]:
