@@ -232,3 +232,14 @@ def test_no_ranks_anywhere_is_idle_not_hung() -> None:
                     machines=tuple(replace(m, ranks=(), counters=()) for m in first.machines))
     s = fold((first, ended))
     assert st.health(s).kind == "idle" and st.health(s).text == "no ranks running"
+
+
+def test_one_reading_is_not_called_healthy_and_a_confident_slow_machine_is_in_the_header() -> None:
+    from rankscope.tui.widgets.verdict import header_text
+
+    s = fold((job(T0, stacks=False, step=100, hung=False),))
+    assert st.health(s).kind == "unknown"  # one reading: nothing is known about progress yet
+    s = fold(lost_series())
+    assert st.health(s).kind == "healthy"
+    line = header_text(s, "16 agents", False, 30.0, slow_machine="node09").plain.splitlines()[0]
+    assert line.startswith("slow: node09 (fail-slow detectors, key 7) │ 16/16 machines")

@@ -482,6 +482,9 @@ def health(state: AppState, hang_after_s: float = 30.0) -> Health:
     if running and not any(m.ranks for m in running):
         # Not a hang: nothing to wait for. The job ended, has not started, or is between a stop and a restart.
         return Health("idle", "no ranks running")
+    if len(state.progress_points) < 2:
+        # One reading says nothing about progress (a bundle of one capture, the first poll): not "healthy".
+        return Health("unknown", "progress unknown (one reading)")
     last = state.progress_points[-1]
     if last[1] == 0 and not state.comms:
         return Health("unknown", "no counters (CCL plugin not loaded?)")

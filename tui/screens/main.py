@@ -99,8 +99,11 @@ class MainScreen(Screen[None]):
 
     def draw(self, state: AppState, flt: Filter, source: str, read_only: bool, hang_after_s: float) -> None:
         # The filter is shown in the header, not in a bar of its own: no relayout of the screen when it changes.
+        failslow = getattr(self.app, "failslow_view", None)
+        verdict = failslow.verdict if failslow is not None else None
+        slow = verdict.machine if verdict is not None and verdict.confident else None
         self._set("#job-header",
-            header_text(state, source, read_only, hang_after_s, filter_summary(flt)))
+            header_text(state, source, read_only, hang_after_s, filter_summary(flt), slow))
         view = self.active_view
         if view == "overview":
             room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)

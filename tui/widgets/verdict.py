@@ -5,7 +5,7 @@ from __future__ import annotations
 from rankscope.analyzers.topology import compact_machines
 from rankscope.snapshot import Layout
 from rankscope.tui.analysis import StackView, format_ranks
-from rankscope.tui.state import AppState, Filter, fmt_time, health, step_rate
+from rankscope.tui.state import AppState, Filter, Health, fmt_time, health, step_rate
 from rankscope.tui.widgets.rank_map import group_glyph, group_style
 from rich.text import Text
 from textual.widgets import Static
@@ -25,9 +25,16 @@ def layout_text(layout: Layout | None) -> str:
     return text
 
 
-def header_text(state: AppState, source: str, read_only: bool, hang_after_s: float, filter_line: str = "") -> Text:
-    """Line 1: the state first (what matters at 3 a.m.), then the job; line 2: where the data is from."""
+def header_text(state: AppState, source: str, read_only: bool, hang_after_s: float, filter_line: str = "",
+                slow_machine: str | None = None) -> Text:
+    """Line 1: the state first (what matters at 3 a.m.), then the job; line 2: where the data is from.
+
+    ``slow_machine``: the fail-slow detectors' confident suspect. A job that
+    is merely slower than it was can look "healthy" by its step rate alone.
+    """
     h = health(state, hang_after_s)
+    if slow_machine and h.kind in ("healthy", "slow", "unknown"):
+        h = Health("slow", f"slow: {slow_machine} (fail-slow detectors, key 7)")
     job = state.job_machines
     reachable = sum(1 for m in job if m.reachable)
     lost = len(job) - reachable
