@@ -47,11 +47,12 @@ from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
 from rankscope.snapshot import JobSnapshot, Layout, RankCounters
 
-DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl")
+DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl", "p2p_wait")
 
 # How much one detector alone is trusted. Step time, stacks and the CCL
 # counters watch the training itself; host/GPU metrics only correlate with it.
-DEFAULT_WEIGHTS: dict[str, float] = {"step_time": 0.75, "metrics": 0.6, "minder": 0.6, "stacks": 0.8, "ccl": 0.8}
+DEFAULT_WEIGHTS: dict[str, float] = {"step_time": 0.75, "metrics": 0.6, "minder": 0.6, "stacks": 0.8, "ccl": 0.8,
+                                     "p2p_wait": 0.6}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +73,16 @@ class FailSlowConfig:
     rounds_needed: int = 5  # ByteRobust: rounds of stack aggregation before naming the degrader
     stack_majority: float = 0.6  # the degrader must be flagged in more than this share of those rounds (4 of 5)
     ccl_rounds_needed: int = 3  # consecutive updates a caller-given CCL verdict must last
-    ccl_calls_window: int = 10  # a rank's last collective calls that are tallied
-    ccl_min_calls: int = 5  # calls seen before a rank can be blamed
+    ccl_calls_window: int = 20  # a rank's last collective calls (per communicator) that are tallied
+    ccl_min_calls: int = 15  # calls seen before a rank can be blamed
     ccl_fraction: float = 0.8  # share of its calls in which a rank must be flagged
     ccl_min_lateness_s: float = 0.005  # a late arrival counts only if this much later than the mean...
     ccl_min_lateness_share: float = 0.05  # ...and this share of the job's step time, when known
+    p2p_window: int = 30  # polls over which pipeline peers' waits are counted
+    p2p_min_polls: int = 20  # polls seen before a rank can be blamed for its peers' waits
+    p2p_min_share: float = 0.5  # share of those polls in which some peer waited on it
+    p2p_ratio: float = 2.5  # ...and this many times as often as on its data-parallel peers
+    p2p_hold_s: float = 10.0  # how long that must last before it alarms (one flickering poll must not)
     confident_at: float = 0.7
     confidence_half_life_s: float = 30.0  # how fast a suspect's confidence fades while weaker evidence still names it
     history_len: int = 600
@@ -221,6 +227,82 @@ def collective_calls(counters: Mapping[int, RankCounters]) -> dict[tuple[str, st
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class PeerWait:
+    """A rank its pipeline peers keep waiting on, against its data-parallel peers."""
+
+    rank: int
+    waited: int  # polls in which some peer had an open send/recv naming it
+    polls: int
+    peers_mean: float  # the same count, averaged over its data-parallel peers
+    peers: tuple[int, ...]
+
+    @property
+    def ratio(self) -> float:
+        return self.waited / self.peers_mean if self.peers_mean > 0 else math.inf
+
+    def evidence(self) -> str:
+        against = (f"{self.ratio:.1f}× its data-parallel peers (rank {_ranges(self.peers)}: "
+                   f"{self.peers_mean:.0f})" if self.peers_mean > 0 else
+                   f"never its data-parallel peers (rank {_ranges(self.peers)})")
+        return f"peers waited on rank {self.rank} (open send/recv) in {self.waited} of the last {self.polls} polls, {against}"
+
+
+class PeerWaitTally:
+    """Who the pipeline keeps waiting on, poll after poll (Aegis §4.2's computation side, over time).
+
+    An open point-to-point request on rank A naming peer B means A is waiting
+    for B's side of the transfer: B has not launched it yet. In a healthy
+    pipeline every stage waits on its neighbours part of the time, and the
+    ranks at the same place of the other data-parallel replicas (its
+    ``DATA_PARALLEL_GROUP``) are waited on about as often. A rank that
+    computes, sends or is fed slowly is waited on far more often than they
+    are: its own replica's other stage stalls on it step after step. Counting
+    this per poll narrows a slow replica (which the collectives' late-arriver
+    test sees as a whole) to the rank holding it up. Without recorded
+    data-parallel groups, all other ranks are the peers.
+    """
+
+    def __init__(self, window: int) -> None:
+        self._polls: deque[set[int]] = deque(maxlen=max(1, window))
+        self._dp: dict[int, tuple[int, ...]] = {}
+        self._ranks: set[int] = set()
+
+    def add(self, counters: Mapping[int, RankCounters]) -> None:
+        waited: set[int] = set()
+        for r, rc in counters.items():
+            if rc.error is not None or rc.stale:
+                continue
+            self._ranks.add(r)
+            for c in rc.communicators:
+                if "DATA_PARALLEL" in c.description.upper() and r in c.ranks:
+                    self._dp[r] = tuple(x for x in c.ranks if x != r)
+            for o in rc.ops:
+                if o.op in P2P_OPS:
+                    waited.update(p for p in o.open_peers if p != r)
+        self._polls.append(waited)
+
+    def blamed(self, min_polls: int, min_share: float, ratio: float) -> list[PeerWait]:
+        polls = len(self._polls)
+        if polls < min_polls:
+            return []
+        counts = Counter(r for waited in self._polls for r in waited)
+        # It must still be so now: a burst early in the window must not carry
+        # a rank over the bar after the burst is over.
+        recent = list(self._polls)[-max(5, polls // 3):]
+        now = Counter(r for waited in recent for r in waited)
+        out = []
+        for r in sorted(self._ranks):
+            peers = self._dp.get(r) or tuple(x for x in sorted(self._ranks) if x != r)
+            if not peers:
+                continue
+            mean = sum(counts.get(p, 0) for p in peers) / len(peers)
+            n = counts.get(r, 0)
+            if n >= min_share * polls and n >= ratio * mean and now.get(r, 0) >= min_share * len(recent):
+                out.append(PeerWait(r, n, polls, mean, peers))
+        return out
+
+
 def _as_verdict(obj: object | None) -> Verdict | None:
     if obj is None:
         return None
@@ -251,9 +333,11 @@ class FailSlowDetector:
         self.step_time = StepTimeDetector(window_s=c.step_window_s, ratio_threshold=c.step_ratio)
         self._stack_rounds: deque[tuple[tuple[object, ...], Suspect] | None] = deque(maxlen=max(1, c.rounds_needed))
         self._ccl_runs = RunTracker()
-        self._late: _CallTally[int] = _CallTally(c.ccl_calls_window)
+        self._late: _CallTally[tuple[str, int]] = _CallTally(c.ccl_calls_window)
         self._links: _CallTally[tuple[str, int]] = _CallTally(c.ccl_calls_window)
         self._late_example: dict[int, str] = {}
+        self._waits = PeerWaitTally(c.p2p_window)
+        self._wait_runs = RunTracker()
         self._ccl_seen = 0
         self._history: deque[FailSlowVerdict] = deque(maxlen=c.history_len)
         self._updates = 0
@@ -286,6 +370,7 @@ class FailSlowDetector:
         flags += self._minder_flags(notes)
         flags += self._stack_flags(_as_verdict(stack_analysis))
         flags += self._ccl_flags(snapshot, degradation, notes)
+        flags += self._p2p_flags(snapshot)
         verdict = self._combine(flags, notes, now)
         self._history.append(verdict)
         self._last = verdict
@@ -366,13 +451,23 @@ class FailSlowDetector:
 
         In a healthy job *someone* arrives last at every collective; what marks
         a slow computer is being the late arriver (TD < α·mean) call after call.
-        So each distinct call a rank takes part in (seen once, however many
-        polls show it) is tallied, and a rank is blamed once it was flagged in
-        at least ``ccl_fraction`` of its last ``ccl_calls_window`` calls (and
-        ``ccl_min_calls`` of them). Slow links (N > β·mean) are tallied the same
-        way per communicator, then narrowed to the rank the slow communicators
-        share, the source or destination every slow link touches (RootDiag's
-        idea); links that share no rank point at the network and only make a note.
+        So each distinct call (seen once, however many polls show it) is
+        tallied per communicator and member, and a rank is blamed once it was
+        flagged in at least ``ccl_fraction`` of its last ``ccl_calls_window``
+        calls on one communicator (and ``ccl_min_calls`` of them). Per
+        communicator, because a rank's communicators tell different stories:
+        the slow rank's whole data-parallel replica arrives late at the
+        gradient all-reduce every step, while inside its tensor-parallel
+        group only the calls right after its slow compute are late; mixed
+        together, neither would reach the bar.
+
+        Slow links (N > β·mean) are tallied the same way per communicator, then
+        narrowed to the rank the slow communicators share, the source or
+        destination every slow link touches (RootDiag's idea); links that
+        share no rank point at the network and only make a note. N here is
+        measured per request including any wait for the peers, so on a call
+        where some member arrived late the others' low throughput is that
+        wait, not their link: such calls are not counted as slow links.
         """
         counters = snapshot.all_counters()
         if not counters:
@@ -384,9 +479,11 @@ class FailSlowDetector:
         step = self._trend.step_s if self._trend is not None else None
         floor = max(cfg.ccl_min_lateness_s, cfg.ccl_min_lateness_share * step if step else 0.0)
         late = {(f.comm_id, f.op, f.rank): f for f in found if f.kind == "slow_compute" and f.mean - f.value >= floor}
-        slow = {(f.comm_id, f.op, f.rank) for f in found if f.kind == "slow_link"}
+        waited = {(f.comm_id, f.op) for f in found if f.kind == "slow_compute"}
+        slow = {(f.comm_id, f.op, f.rank) for f in found if f.kind == "slow_link" and (f.comm_id, f.op) not in waited}
         for (comm, op), (call, with_td, with_n) in collective_calls(counters).items():
-            self._late.add((comm, op, call), with_td, {r for r in with_td if (comm, op, r) in late})
+            self._late.add((comm, op, call), [(comm, r) for r in with_td],
+                           {(comm, r) for r in with_td if (comm, op, r) in late})
             self._links.add((comm, op, call), [(comm, r) for r in with_n],
                             {(comm, r) for r in with_n if (comm, op, r) in slow})
         for f in late.values():
@@ -402,10 +499,10 @@ class FailSlowDetector:
             if rank not in ranks:
                 targets[m] = ((*ranks, rank), first, max(most, calls))
 
-        for rank, (hits, seen) in sorted(self._late.persistent(cfg.ccl_min_calls, cfg.ccl_fraction).items(),
-                                         key=lambda kv: -kv[1][0]):
-            blame(rank, f"rank {rank} arrived last in {hits} of its last {seen} collectives (TD < {cfg.alpha:g}·mean); "
-                        f"latest: {self._late_example.get(rank, '-')}", hits)
+        for (comm, rank), (hits, seen) in sorted(self._late.persistent(cfg.ccl_min_calls, cfg.ccl_fraction).items(),
+                                                 key=lambda kv: (-kv[1][0], kv[0])):
+            blame(rank, f"rank {rank} arrived last in {hits} of its last {seen} collectives on comm {comm} "
+                        f"(TD < {cfg.alpha:g}·mean); latest: {self._late_example.get(rank, '-')}", hits)
         links: dict[str, set[int]] = {}
         hits_of: dict[int, int] = {}
         for (comm, rank), (hits, _seen) in self._links.persistent(cfg.ccl_min_calls, cfg.ccl_fraction).items():
@@ -442,8 +539,11 @@ class FailSlowDetector:
             if not snapshot.all_counters():
                 return []
             # Persistence is counted in collective calls here (see _ccl_targets):
-            # a target is already persistent when it is returned.
-            req_calls = float(max(1, math.ceil(self.config.ccl_fraction * self.config.ccl_min_calls)))
+            # a target is already persistent when it is returned. Half the weight
+            # at half the window's bar, so a full window of late calls gives ~0.66:
+            # the late-arriver test alone names a whole data-parallel replica and
+            # must not be confident without another detector narrowing it.
+            req_calls = float(max(1, math.ceil(self.config.ccl_fraction * self.config.ccl_calls_window / 2)))
             return [DetectorFlag("ccl", m, tuple(sorted(ranks)), None,
                                  _contribution(self._w("ccl"), float(calls), req_calls), ev, True, float(calls),
                                  req_calls, None)
@@ -456,6 +556,29 @@ class FailSlowDetector:
             held = runs[m].held_s + 1.0  # updates in a row, counting this one
             out.append(DetectorFlag("ccl", m, tuple(sorted(ranks)), None, _contribution(self._w("ccl"), held, req),
                                     f"{ev} ({held:.0f} updates in a row)", held >= req, held, req, None))
+        return out
+
+    def _p2p_flags(self, snapshot: JobSnapshot) -> list[DetectorFlag]:
+        counters = snapshot.all_counters()
+        if not counters:
+            return []
+        cfg = self.config
+        self._waits.add(counters)
+        rank_machine = self.store.rank_machine()
+        per_machine: dict[str, list[PeerWait]] = {}
+        for w in self._waits.blamed(cfg.p2p_min_polls, cfg.p2p_min_share, cfg.p2p_ratio):
+            m = rank_machine.get(w.rank)
+            if m is not None:
+                per_machine.setdefault(m, []).append(w)
+        runs = self._wait_runs.update(snapshot.captured.mono, per_machine)
+        req = cfg.p2p_hold_s
+        out = []
+        for m, ws in per_machine.items():
+            run = runs[m]
+            out.append(DetectorFlag("p2p_wait", m, tuple(sorted(w.rank for w in ws)), None,
+                                    _contribution(self._w("p2p_wait"), run.held_s, req),
+                                    "; ".join(w.evidence() for w in sorted(ws, key=lambda w: -w.waited)),
+                                    run.held_s >= req * 0.98, run.held_s, req, run.since))
         return out
 
     # ---- combining -------------------------------------------------------

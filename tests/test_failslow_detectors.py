@@ -30,6 +30,7 @@ from rankscope.analyzers.step_time import StepTimeDetector
 from rankscope.snapshot import (
     CaptureError,
     CaptureErrorKind,
+    Communicator,
     GpuMetrics,
     GpuStatus,
     HostMetrics,
@@ -62,7 +63,8 @@ Ops = Callable[[int, int], tuple[OpCounters, ...]]
 
 def make_series(n: int, fault: Fault = no_fault, seed: int = 7, machines: tuple[str, ...] = MACHINES,
                 unreachable: Callable[[int, str], bool] = lambda _t, _m: False,
-                ops: Ops = lambda _t, _r: ()) -> list[JobSnapshot]:
+                ops: Ops = lambda _t, _r: (),
+                comms: Callable[[int], tuple[Communicator, ...]] = lambda _r: ()) -> list[JobSnapshot]:
     """``n`` snapshots one second apart; each metric noisy around HEALTHY times the fault's factor."""
     rng = np.random.default_rng(seed)
     steps = {r: 0 for r in range(len(machines) * RPM)}
@@ -88,7 +90,7 @@ def make_series(n: int, fault: Fault = no_fault, seed: int = 7, machines: tuple[
                 infos.append(RankInfo(r, r % RPM, len(machines) * RPM, 1000 + r,
                                       process=ProcessInfo(1000 + r, 1, ProcessRole.MAIN, "python", cpu_percent=v("proc_cpu"))))
                 counters.append(RankCounters(r, 1000 + r, len(machines) * RPM, "job", float(t), steps=steps[r],
-                                             last_step_duration_s=step, ops=ops(t, r)))
+                                             last_step_duration_s=step, ops=ops(t, r), communicators=comms(r)))
             gpus = GpuStatus(True, tuple(GpuMetrics(g, util_percent=v("util"), temperature_c=v("temp"), power_w=v("power"),
                                                     sm_clock_mhz=v("clock")) for g in range(2)))
             ms.append(MachineSnapshot(m, f"127.0.0.1:{5000 + i}", True, Instant(1000.0 + t, 50.0 + t * 1.3),
@@ -420,12 +422,14 @@ def _allreduce(late: Callable[[int], int | None], slow_link: int | None = None, 
 
 
 def test_ccl_late_arriver_is_blamed_once_it_is_late_call_after_call() -> None:
-    verdicts = run_detector(make_series(10, ops=_allreduce(late=lambda _t: 5)))
-    assert not any(f.detector == "ccl" for v in verdicts[:4] for f in v.flags), "four calls are not enough"
-    assert all([(f.machine, f.ranks) for f in v.flags if f.detector == "ccl"] == [("m2", (5,))] for v in verdicts[4:])
-    assert verdicts[4].machine == "m2" and verdicts[-1].confidence > verdicts[4].confidence
+    verdicts = run_detector(make_series(20, ops=_allreduce(late=lambda _t: 5)))
+    assert not any(f.detector == "ccl" for v in verdicts[:14] for f in v.flags), "fourteen calls are not enough"
+    assert all([(f.machine, f.ranks) for f in v.flags if f.detector == "ccl"] == [("m2", (5,))] for v in verdicts[14:])
+    assert verdicts[14].machine == "m2" and verdicts[-1].confidence > verdicts[14].confidence
     top = verdicts[-1].verdict.top
-    assert top is not None and top.evidence[0].startswith("[ccl] rank 5 arrived last in 10 of its last 10 collectives")
+    assert top is not None and top.evidence[0].startswith(
+        "[ccl] rank 5 arrived last in 20 of its last 20 collectives on comm c0")
+    assert not verdicts[-1].confident, "the late-arriver test alone is never confident"
 
 
 def test_ccl_a_different_late_arriver_each_call_blames_nobody() -> None:
@@ -436,7 +440,7 @@ def test_ccl_a_different_late_arriver_each_call_blames_nobody() -> None:
 
 
 def test_ccl_repeated_polls_of_one_call_count_once() -> None:
-    snaps = make_series(10, ops=_allreduce(late=lambda _t: 5))
+    snaps = make_series(20, ops=_allreduce(late=lambda _t: 5))
     # the same call (t=0) seen by ten polls: still one call
     frozen = [dataclasses.replace(s, machines=snaps[0].machines) for s in snaps]
     verdicts = run_detector(frozen)
@@ -444,12 +448,12 @@ def test_ccl_repeated_polls_of_one_call_count_once() -> None:
 
 
 def test_ccl_healthy_counters_with_noise_blame_nobody() -> None:
-    verdicts = run_detector(make_series(10, ops=_allreduce(late=lambda _t: None)))
+    verdicts = run_detector(make_series(30, ops=_allreduce(late=lambda _t: None)))
     assert not any(f.detector == "ccl" for v in verdicts for f in v.flags)
 
 
 def test_ccl_slow_links_narrow_to_the_shared_rank() -> None:
-    verdicts = run_detector(make_series(8, ops=_allreduce(late=lambda _t: None, slow_link=6, comms=2)))
+    verdicts = run_detector(make_series(20, ops=_allreduce(late=lambda _t: None, slow_link=6, comms=2)))
     last = verdicts[-1]
     assert last.machine == "m3" and last.verdict.top is not None and last.verdict.top.ranks == (6,)
     assert "share rank 6" in last.verdict.top.evidence[0]
@@ -499,3 +503,135 @@ def test_two_machines_still_name_the_slow_one_without_minder() -> None:
     last = verdicts[-1]
     assert last.machine == "m1" and set(last.verdict.top.sources) == {"step_time", "metrics"}  # type: ignore[union-attr]
     assert any("3 or more machines" in n for n in last.verdict.notes)
+
+
+# ---- the drill's layout: per-communicator lateness and pipeline waits ------
+# Four machines of one TP pair each (ranks 2m, 2m+1); DP groups pair the same
+# stage of the two replicas ({0,2}, {1,3}, {4,6}, {5,7}); PP groups pair the
+# stages of one replica ({0,4}, {1,5}, {2,6}, {3,7}).
+
+DP_OF = {0: (0, 2), 2: (0, 2), 1: (1, 3), 3: (1, 3), 4: (4, 6), 6: (4, 6), 5: (5, 7), 7: (5, 7)}
+PP_PEER = {r: (r + 4) % 8 for r in range(8)}
+
+
+def drill_comms(r: int) -> tuple[Communicator, ...]:
+    dp = DP_OF[r]
+    return (Communicator(f"dp{dp[0]}", "gloo", "DATA_PARALLEL_GROUP", dp),
+            Communicator(f"tp{r // 2}", "gloo", "TENSOR_MODEL_PARALLEL_GROUP", (r - r % 2, r - r % 2 + 1)),
+            Communicator(f"pp{min(r, PP_PEER[r])}", "gloo", "PIPELINE_MODEL_PARALLEL_GROUP",
+                         tuple(sorted((r, PP_PEER[r])))))
+
+
+def drill_ops(late_dp: Callable[[int], set[int]], late_tp: Callable[[int], set[int]],
+              waits: Callable[[int, int], int | None], seed: int = 5) -> Ops:
+    """Every rank's gradient all-reduce (DP), tensor all-reduce (TP) and pipeline recv at poll t.
+
+    ``late_dp(t)`` / ``late_tp(t)``: the ranks that came last to call t of their
+    DP / TP all-reduce (a much shorter TD). ``waits(t, r)``: the peer rank r's
+    open recv waits on at poll t, or None.
+    """
+    rng = np.random.default_rng(seed)
+
+    def ops(t: int, r: int) -> tuple[OpCounters, ...]:
+        def td(late: bool) -> float:
+            return 0.05 if late else 0.20 * (1 + 0.05 * rng.standard_normal())
+
+        peer = waits(t, r)
+        dp, tp = DP_OF[r], (r - r % 2, r - r % 2 + 1)
+        return (
+            OpCounters(f"dp{dp[0]}", "all_reduce", t + 1, t + 1, t + 1, last_duration_s=td(r in late_dp(t)),
+                       recent_throughput=(1e8,) * 5),
+            OpCounters(f"tp{tp[0] // 2}", "all_reduce", 16 * (t + 1), 16 * (t + 1), 16 * (t + 1),
+                       last_duration_s=td(r in late_tp(t)), recent_throughput=(1e8,) * 5),
+            OpCounters(f"pp{min(r, PP_PEER[r])}", "recv", 4 * t + 1, 4 * t + 1, 4 * t, open_peers=(peer,) if peer is not None else ()),
+        )
+    return ops
+
+
+def healthy_waits(seed: int = 11, share: float = 0.25) -> Callable[[int, int], int | None]:
+    """Each rank waits on its pipeline peer in about ``share`` of the polls, whichever replica it is in."""
+    rng = np.random.default_rng(seed)
+    table = rng.random((400, 8)) < share
+    return lambda t, r: PP_PEER[r] if table[t, r] else None
+
+
+def slow_rank_3(t: int, start: int = 0) -> tuple[set[int], set[int], bool]:
+    """Rank 3 (m1) computes slowly from ``start``: its replica (ranks 2, 3, 6, 7) arrives late at every
+    gradient all-reduce, rank 3 comes last to a third of its TP calls, and rank 7 waits on it in most polls."""
+    on = t >= start
+    return ({2, 3, 6, 7} if on else set()), ({3} if on and t % 3 == 0 else set()), on
+
+
+def test_ccl_lateness_is_tallied_per_communicator() -> None:
+    """Late at every gradient all-reduce, but only at a third of its TP calls: mixed together the rank
+    would be late in two thirds of its calls (below the bar); per communicator the DP story is plain."""
+    ops = drill_ops(late_dp=lambda t: {3}, late_tp=lambda t: {3} if t % 3 == 0 else set(), waits=lambda t, r: None)
+    verdicts = run_detector(make_series(25, ops=ops, comms=drill_comms))
+    ccl = [f for f in verdicts[-1].flags if f.detector == "ccl"]
+    assert [(f.machine, f.ranks) for f in ccl] == [("m1", (3,))]
+    assert "on comm dp1" in ccl[0].evidence and not verdicts[-1].confident
+
+
+def test_ccl_low_throughput_while_waiting_on_a_late_arriver_is_no_slow_link() -> None:
+    """N is measured per request including the wait: the early arrivers of a call someone came late to
+    move their bytes 'slowly' only because they waited."""
+    rng = np.random.default_rng(2)
+
+    def ops(t: int, r: int) -> tuple[OpCounters, ...]:
+        late = r == 5
+        return (OpCounters("c0", "all_reduce", t + 1, t + 1, t + 1, last_duration_s=0.05 if late else 0.2,
+                           recent_throughput=(1e8 if late or r != 6 else 1e8 / 3,) * 5),
+                OpCounters("c1", "all_reduce", t + 1, t + 1, t + 1,
+                           last_duration_s=0.05 if late else 0.2 * (1 + 0.05 * rng.standard_normal()),
+                           recent_throughput=(1e8 if r != 6 else 1e8 / 3,) * 5))
+    verdicts = run_detector(make_series(20, ops=ops))
+    assert not any("slow link" in f.evidence for v in verdicts for f in v.flags)
+    assert {f.machine for f in verdicts[-1].flags if f.detector == "ccl"} == {"m2"}, "the late arriver, not rank 6"
+
+
+def test_p2p_waits_name_the_rank_its_pipeline_peers_wait_on() -> None:
+    base = healthy_waits()
+
+    def waits(t: int, r: int) -> int | None:
+        return 3 if r == 7 and t >= 10 and t % 10 != 0 else base(t, r)
+
+    verdicts = run_detector(make_series(45, ops=drill_ops(lambda t: set(), lambda t: set(), waits), comms=drill_comms))
+    alarmed = [(i, f) for i, v in enumerate(verdicts) for f in v.flags if f.detector == "p2p_wait" and f.alarmed]
+    assert alarmed and {f.machine for _, f in alarmed} == {"m1"} and all(f.ranks == (3,) for _, f in alarmed)
+    assert alarmed[0][0] >= 29, "20 polls seen, half of them waiting on it, for 10 s"
+    assert "peers waited on rank 3" in alarmed[-1][1].evidence and "data-parallel peers (rank 1:" in alarmed[-1][1].evidence
+    assert not verdicts[-1].confident, "one detector alone is never confident"
+
+
+def test_p2p_healthy_waits_and_a_burst_never_alarm() -> None:
+    """Peers waiting on each other a quarter of the time, and a 5 s burst (shorter than the 10 s hold)
+    in which rank 7 waits on rank 3 in every poll: nothing alarms."""
+    base = healthy_waits(share=0.25)
+
+    def burst(t: int, r: int) -> int | None:
+        return 3 if r == 7 and 20 <= t < 25 else base(t, r)
+
+    for waits in (base, burst):
+        verdicts = run_detector(make_series(60, ops=drill_ops(lambda t: set(), lambda t: set(), waits), comms=drill_comms))
+        assert not any(f.detector == "p2p_wait" and f.alarmed for v in verdicts for f in v.flags)
+        assert not any(v.verdict.suspects for v in verdicts)
+
+
+def test_slow_rank_in_a_pipeline_is_named_confidently_by_agreeing_detectors() -> None:
+    """The late-arriver test names rank 3's whole replica (m1 and m3); the pipeline waits single out m1."""
+    base = healthy_waits()
+
+    def waits(t: int, r: int) -> int | None:
+        return 3 if r == 7 and slow_rank_3(t, 5)[2] and t % 7 != 0 else base(t, r)
+
+    ops = drill_ops(lambda t: slow_rank_3(t, 5)[0], lambda t: slow_rank_3(t, 5)[1], waits)
+    verdicts = run_detector(make_series(50, ops=ops, comms=drill_comms))
+    ccl = {f.machine for f in verdicts[-1].flags if f.detector == "ccl"}
+    assert ccl == {"m1", "m3"}, "the whole slow replica arrives late"
+    first = next(i for i, v in enumerate(verdicts) if v.confident)
+    assert all(v.machines == ("m1",) for v in verdicts[first:])
+    assert set(verdicts[-1].verdict.top.sources) >= {"ccl", "p2p_wait"}  # type: ignore[union-attr]
+
+    # Without the pipeline waits, the replica alone names no machine confidently.
+    ops = drill_ops(lambda t: slow_rank_3(t, 5)[0], lambda t: slow_rank_3(t, 5)[1], base)
+    assert not any(v.confident for v in run_detector(make_series(50, ops=ops, comms=drill_comms)))

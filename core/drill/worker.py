@@ -290,33 +290,81 @@ def restore_backup(rank: int, world: int, checkpoint_step: int, optimizer: Any) 
 
 
 class Injector:
-    """Carries out the plan inside the rank's main process."""
+    """Carries out the plan inside the rank's main process.
+
+    A slow compute is defined on the rank's *step*: at ``factor`` the step
+    takes ``factor`` times as long. On the drill's small CPU model the forward
+    pass is a sliver of a step (communication dominates), so scaling the
+    forward would barely show; instead the rank measures its own healthy step
+    time (the median of its steps before the fault) and burns ``factor - 1``
+    times that much CPU per faulty step, spread over its micro-batches'
+    compute. Its peers then wait on it in their next communication, as they
+    would on a slower device. On a shared CPU the burn also slows the peers
+    and they catch up while it burns, so the burn is steered by the faulty
+    steps the rank really takes: longer while they fall short of ``factor``
+    healthy steps, shorter when they overshoot.
+    """
+
+    WARMUP_STEPS = 2  # the first steps pay for lazy set-up; not "healthy" timing
+    HEALTHY_STEPS = 15  # how many healthy steps the median is taken over
+    GAIN = 0.5  # how much of a faulty step's shortfall the next step's burn makes up
 
     def __init__(self, plan: FaultPlan, rank: int) -> None:
         self.plan = plan
         self.rank = rank
         self.step = 0
         self.compute_started = 0.0
+        self._step_started: float | None = None
+        self._healthy: list[float] = []  # durations of the rank's steps before the fault
+        self._calls = 0  # compute-hook calls in the current step
+        self._calls_per_step = 1
+        self._burn_s: float | None = None  # CPU burned per faulty step
 
     def mine(self) -> bool:
         return self.plan.hits(self.rank, self.step)
 
     def at_step_start(self) -> None:
+        now = time.perf_counter()
+        if self._step_started is not None:
+            prev = self.step - 1
+            took = now - self._step_started
+            if self.WARMUP_STEPS <= prev < self.plan.step:
+                self._healthy = [*self._healthy, took][-self.HEALTHY_STEPS:]
+                self._calls_per_step = max(1, self._calls)
+            elif self._burn_s is not None and self.plan.hits(self.rank, prev) and self.plan.name == "slow-compute":
+                healthy = self.healthy_step_s() or took
+                target = self.plan.factor * healthy
+                self._burn_s = min(3.0 * target, max(0.0, self._burn_s + self.GAIN * (target - took)))
+        self._step_started = now
+        self._calls = 0
         if self.mine() and self.plan.name == "crash" and self.step == self.plan.step:
             drill_injected_crash(self.rank, self.step)
+
+    def healthy_step_s(self) -> float | None:
+        """The median of the rank's healthy step durations (None before any)."""
+        if not self._healthy:
+            return None
+        ordered = sorted(self._healthy)
+        return ordered[len(ordered) // 2]
 
     def before_compute(self) -> None:
         self.compute_started = time.perf_counter()
 
     def after_compute(self) -> None:
+        self._calls += 1
         if not self.mine():
             return
         if self.plan.name == "hang-compute" and self.step == self.plan.step:
             drill_injected_hang_compute()
         elif self.plan.name == "slow-compute":
-            # The forward just measured stands for forward + backward (about 3x forward).
-            elapsed = time.perf_counter() - self.compute_started
-            drill_injected_slow_compute(3.0 * elapsed * (self.plan.factor - 1.0))
+            healthy = self.healthy_step_s()
+            if healthy is not None:
+                if self._burn_s is None:
+                    self._burn_s = (self.plan.factor - 1.0) * healthy
+                seconds = self._burn_s / self._calls_per_step
+            else:  # no healthy step seen (fault from the first steps): scale the forward, ~1/3 of compute
+                seconds = 3.0 * (time.perf_counter() - self.compute_started) * (self.plan.factor - 1.0)
+            drill_injected_slow_compute(seconds)
 
     def before_comm(self, kind: str, op: str) -> None:
         if not self.mine():
