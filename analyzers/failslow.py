@@ -11,8 +11,14 @@ its evidence to last before it counts, so bursts and spikes never alarm:
   degrader, once it holds a clear majority of them (``stack_majority``).
 - ``ccl`` (Aegis §5.2): per-call CCL degradation findings (TD < α·mean: the
   late arriver computes slowly; N > β·mean: slow communication), kept over a
-  rank's last calls (it must be the one flagged in most of them: in a healthy
-  job someone is always last), slow links narrowed to their common end.
+  rank's last calls on each communicator (it must be the one flagged in most
+  of them: in a healthy job someone is always last), slow links narrowed to
+  their common end. In a pipeline the slow rank's whole data-parallel replica
+  arrives late at the gradient all-reduce, so this names the replica.
+- ``p2p_wait`` (Aegis §4.2's computation side, over time): the rank whose
+  pipeline peers keep an open send/recv naming it, poll after poll, far more
+  often than the same place in the other replicas: it narrows the replica to
+  the machine holding it up.
 
 Confidence. A detector that has alarmed on a machine contributes
 ``w·(1 − ½^(held/required))``: half its weight when it first alarms, more the

@@ -144,3 +144,66 @@ def test_live_drill_is_watched_from_its_onset_and_cleaned_up(tmp_path: Path) -> 
         assert d["right_machine"] and d["outcome"] == "tp", d
     series = read_bundle(Path(d["run_dir"]) / "watch.json")
     assert len(series.snapshots) == d["polls"] and series.ground_truth["rank"] == d["rank"]
+
+
+# ---- the slow faults' strength: steered to `factor` times the healthy step ----
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_slow_compute_burns_factor_minus_one_healthy_steps_and_is_steered_by_the_steps_taken(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Healthy steps of 0.2 s and 4 micro-batches; at 1.5x the rank first burns 0.1 s a step (0.025 s per
+    micro-batch). Steps that still come out at 0.25 s (its peers caught up while it burned) make it burn
+    more; steps of 0.35 s make it burn less."""
+    from rankscope.drill import worker
+    from rankscope.drill.faults import FaultPlan
+
+    clock = FakeClock()
+    burns: list[float] = []
+    monkeypatch.setattr(worker.time, "perf_counter", clock)
+    monkeypatch.setattr(worker, "drill_injected_slow_compute", burns.append)
+    inj = worker.Injector(FaultPlan(name="slow-compute", rank=3, step=10, factor=1.5), 3)
+
+    def step(n: int, seconds: float) -> None:
+        inj.step = n
+        inj.at_step_start()
+        for _ in range(4):
+            inj.before_compute()
+            inj.after_compute()
+        clock.now += seconds
+
+    for n in range(10):
+        step(n, 0.2)
+    assert burns == [] and inj.healthy_step_s() == pytest.approx(0.2)
+    step(10, 0.25)
+    assert burns == pytest.approx([0.025] * 4)
+    step(11, 0.35)  # step 10 took 0.25 s, short of 1.5 x 0.2 s: step 11 burns more
+    assert sum(burns[4:8]) == pytest.approx(0.1 + 0.5 * (0.3 - 0.25))
+    step(12, 0.3)  # step 11 took 0.35 s, past 1.5 x 0.2 s: step 12 burns less
+    assert sum(burns[8:12]) == pytest.approx(sum(burns[4:8]) + 0.5 * (0.3 - 0.35))
+    other = worker.Injector(FaultPlan(name="slow-compute", rank=3, step=10, factor=1.5), 2)
+    other.step = 11
+    other.after_compute()
+    assert len(burns) == 12, "only the faulty rank burns"
+
+
+def test_thermal_stop_is_steered_to_factor_times_the_healthy_step() -> None:
+    from rankscope.drill.session import _HealthyStep
+
+    h = _HealthyStep(fault_step=10)
+    for s in range(12):
+        h.saw(s, 1000.0 + 0.2 * s)  # steps past the fault step are not healthy and are ignored
+    assert h.seconds() == pytest.approx(0.2)
+    first = h.stepped(11, 1000.0, 2.0)
+    assert first == pytest.approx(0.2), "stopped one healthy step per step at 2x"
+    longer = h.stepped(12, 1000.3, 2.0)  # that step took 0.3 s, short of 2 x 0.2 s
+    assert longer == pytest.approx(0.2 + 0.5 * 0.1)
+    shorter = h.stepped(13, 1000.3 + 0.6, 2.0)  # 0.6 s: too long now
+    assert shorter < longer
