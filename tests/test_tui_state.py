@@ -243,3 +243,25 @@ def test_one_reading_is_not_called_healthy_and_a_confident_slow_machine_is_in_th
     assert st.health(s).kind == "healthy"
     line = header_text(s, "16 agents", False, 30.0, slow_machine="node09").plain.splitlines()[0]
     assert line.startswith("slow: node09 (fail-slow detectors, key 7) │ 16/16 machines")
+
+
+def test_a_capture_a_few_milliseconds_after_a_poll_is_no_step_rate() -> None:
+    s = st.AppState()
+    for i in range(8):  # 1 step/s, one poll a second; a capture 5 ms after the last poll has moved 3 steps on
+        snap = job(T0 + i, stacks=False, step=100 + i, hung=False)
+        s = st.apply_snapshot(s, st.digest(snap), T0 + i)
+    capture = job(T0 + 7.005, stacks=False, step=110, hung=False)
+    s = st.apply_snapshot(s, st.digest(capture), T0 + 7.005)
+    assert st.health(s).kind == "healthy", st.health(s)  # not "slow: 1 steps/s, was 600"
+
+
+def test_suspects_of_a_progressing_job_are_qualified() -> None:
+    from rankscope.tui.widgets.verdict import verdict_text_rich
+
+    snap = fig7_bundle().latest
+    view = build_stack_view(snap, snap.layout)
+    assert view.verdict.suspects
+    hung = verdict_text_rich(view, st.Filter("", frozenset()), progressing=False).plain
+    running = verdict_text_rich(view, st.Filter("", frozenset()), progressing=True).plain
+    assert hung.startswith("verdict: ") and "differences may be timing" not in hung
+    assert running.startswith("verdict (job is progressing: differences may be timing): ")

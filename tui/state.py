@@ -493,7 +493,9 @@ def health(state: AppState, hang_after_s: float = 30.0) -> Health:
         return Health("hung", f"hung since {fmt_time(since)} ({last[0] - since:.0f} s)")
     pts = state.step_points
     if len(pts) >= 6:
-        rates = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(pts) if b[0] > a[0]]
+        # Rates over readings at least half a second apart: a capture's reading lands milliseconds after a
+        # poll's, and a few steps over a few milliseconds is no rate (it read as thousands of steps/s).
+        rates = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(pts) if b[0] - a[0] >= 0.5]
         if rates:
             best = max(rates)
             recent = rates[-3:]

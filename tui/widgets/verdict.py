@@ -64,14 +64,20 @@ class JobHeader(Static):
     """Two lines: who the job is and how it is doing."""
 
 
-def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3) -> Text:
+def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3, progressing: bool = False) -> Text:
+    """``progressing``: the job is making progress, so stacks that differ may only be caught at different moments."""
     t = Text(no_wrap=True, overflow="ellipsis")
     if view is None:
         t.append("no capture yet — press s to capture stacks", "dim")
         return t
     v = view.verdict
-    t.append("verdict: ", "bold")
-    t.append(v.summary, "bold red" if v.suspects else "bold")
+    if progressing and v.suspects:
+        # A capture of a running job finds ranks at different points of a step; that is not a hang.
+        t.append("verdict (job is progressing: differences may be timing): ", "bold")
+        t.append(v.summary, "yellow")
+    else:
+        t.append("verdict: ", "bold")
+        t.append(v.summary, "bold red" if v.suspects else "bold")
     for s in v.suspects[:max_suspects]:
         group = f" {s.group_index}" if s.group_index is not None else ""
         t.append(f"\n ▸ {s.kind.value.upper()}{group}", "bold yellow")
