@@ -300,3 +300,18 @@ def test_each_drill_machine_gets_its_own_code_link_and_agent_config(tmp_path: Pa
     # Without actions (or with code=False) the nodes get no link and the worker runs as it always did.
     plain = Launcher(tmp_path / "plain", LAYOUT, TRAINING, counters=False)
     assert not plain.hot_updates and plain.apply_pending_updates(MACHINES) == []
+
+
+def test_a_drill_without_git_runs_without_code_links_and_says_why(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankscope.errors import RankscopeError
+
+    def no_git(repo: Path, *argv: str) -> str:
+        raise RankscopeError("git failed while making the drill's code repository: not found", "install git")
+
+    monkeypatch.setattr(user_code, "_git", no_git)
+    launcher = Launcher(tmp_path, LAYOUT, TRAINING, counters=False, actions=True)
+    assert launcher._code_env("machine-0") == {}
+    assert not launcher.hot_updates and any("hot-update off" in n and "install git" in n for n in launcher.notes)
+    config = load_actions_config(launcher._actions_config("machine-0"), launcher.state_dir("machine-0"))
+    assert config is not None and config.hot_update is None  # `u` is refused with the fix, eviction still works

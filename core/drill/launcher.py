@@ -271,7 +271,15 @@ class Launcher:
     def _code_env(self, label: str) -> dict[str, str]:
         from rankscope.drill import user_code
 
-        self._prepare_code(label)
+        try:
+            self._prepare_code(label)
+        except RankscopeError as exc:
+            if self.nodes:  # some nodes already run from their links: a half-set-up job must not start
+                raise
+            # No git here (say): the drill runs as without actions' code links, and says why.
+            self.code = False
+            self.notes.append(f"hot-update off on this drill: {exc.message} (fix: {exc.fix})")
+            return {}
         return {user_code.CODE_ENV: str(self.code_link(label)), user_code.MACHINE_ENV: label}
 
     def _hot_update_config(self, name: str) -> ActionsConfig:
@@ -383,6 +391,7 @@ class Launcher:
         (:meth:`write_standbys`), so every eviction plan lists who would join.
         """
         path = self.state_dir(name) / "actions.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
                   "ranks_per_machine": self.layout.ranks_per_machine}
         # The drill's steps take milliseconds, so the agents' requests land steps apart: about 8 on a
