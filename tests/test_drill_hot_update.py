@@ -13,6 +13,7 @@ start, ``code`` per logged loss).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -57,8 +58,12 @@ def steps_done(run_dir: Path) -> int:
 
 
 def loss_records(run_dir: Path) -> list[dict[str, object]]:
-    lines = (run_dir / "loss" / f"rank{LAST_STAGE_RANK}.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines if x.strip()]
+    """The last stage's loss records; a line the rank is writing right now is left for the next read."""
+    out = []
+    for line in (run_dir / "loss" / f"rank{LAST_STAGE_RANK}.jsonl").read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
 
 
 async def act(launcher: Launcher, request: ActionRequest) -> list[ActionResult]:

@@ -503,8 +503,11 @@ class Launcher:
         if self.actions:
             self.write_standbys()
         leaving = [self.agents.pop(name) for name in list(self.agents) if name not in self.standbys]
-        # One kill for nodes and agents together: their grace periods run at once, not one after another.
-        kill_trees([n.proc.pid for n in self.nodes.values()] + [a.proc.pid for a in leaving])
+        # Agents first: an agent that saw its ranks end in this restart would take it for a failure of the job
+        # and apply a pending lazy update itself (trigger "failure"), racing the launcher's own application below.
+        # A short grace: a watched agent's graceful stop waits for its open streams (the TUI's) for 2 s.
+        kill_trees([a.proc.pid for a in leaving], grace_s=0.5)
+        kill_trees([n.proc.pid for n in self.nodes.values()])
         for proc in [n.proc for n in self.nodes.values()] + [a.proc for a in leaving]:
             _reap(proc)
         self.nodes.clear()

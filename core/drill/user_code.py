@@ -145,7 +145,10 @@ def read_runs(run_dir: Path, rank: int) -> list[CodeRun]:
         return []
     out = []
     for text in path.read_text(encoding="utf-8").splitlines():
-        d = json.loads(text)
+        try:
+            d = json.loads(text)
+        except ValueError:
+            continue  # the line a starting rank is writing right now; read again for it
         out.append(CodeRun(int(d["rank"]), int(d["pid"]), str(d["machine"]), str(d["version"]), str(d["path"]),
                            int(d["start_step"]), float(d["wall"])))
     return out
