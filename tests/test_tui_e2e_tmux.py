@@ -9,10 +9,13 @@ suspect machines (machine-0 and machine-2, the pipeline group of ranks 1 and
 5) with the frame where they diverge, `s` must take a new capture, and the
 stacks view must show the injected frame.
 
-Then the incident is handled from the keyboard: `e`, read the plan, type the
-phrase the modal asks for, enter. The two machines are evicted, both
-standbys join, and training resumes from the last checkpoint; its losses must
-match a fault-free run of the same job bit for bit at every step. A second,
+The job writes no checkpoints: while it trains, `b` backs every rank's state
+up to its own machine and to its backup peer's. After the hang the incident
+is handled from the keyboard: `e`, read the plan, type the phrase the modal
+asks for, enter. The two machines are evicted, both standbys join, and
+training resumes from the backup (the surviving peers' copies); its losses
+must match a fault-free run of the same job bit for bit at every step, and no
+step is lost beyond the backed-up one. A second,
 read-only TUI in another tmux window (the pair's pane, attached with the
 command the drill prints) has no action keys and sees the eviction appear
 live. Quitting the TUI must stop the whole drill.
@@ -37,7 +40,10 @@ import pytest
 
 pytestmark = [pytest.mark.drill, pytest.mark.tmux, pytest.mark.timeout(720)]
 
-STEPS, FAULT_STEP, CHECKPOINT_EVERY = 40, 6, 5
+# The hang comes late enough for `b`, pressed as soon as the TUI shows, to land well before it: the drill
+# makes 5-7 steps/s on two cores, and plan, confirm and the next aligned step take about 20 s under load.
+FAULT_STEP = 500
+STEPS = FAULT_STEP + 10
 
 
 def tmux(*args: str) -> subprocess.CompletedProcess[str]:
@@ -80,7 +86,7 @@ def drill_in_tmux(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     # COLUMNS/LINES from the test's own terminal would override the pane's size in the TUI.
     cmd = ["env", "-u", "COLUMNS", "-u", "LINES", sys.executable, "-m", "rankscope", "drill", "--tp", "2", "--pp", "2",
            "--dp", "2", "--machines", "4", "--fault", "hang-p2p", "--fault-rank", "5", "--fault-step", str(FAULT_STEP),
-           "--steps", str(STEPS), "--checkpoint-every", str(CHECKPOINT_EVERY), "--standbys", "2",
+           "--steps", str(STEPS), "--checkpoint-every", "0", "--standbys", "2",
            "--run-dir", str(run_dir)]
     started = tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "48", "-e", "TERM=xterm-256color",
                    shlex.join(cmd))
@@ -113,21 +119,31 @@ def losses(run_dir: Path, rank: int) -> list[tuple[int, str]]:
     return [(int(r["step"]), str(r["loss"])) for r in rows]
 
 
-def reference_losses(run_dir: Path, ranks: list[int]) -> dict[int, dict[int, str]]:
-    """The same job and options as the drill's command line, fault-free, on one machine."""
+@contextlib.contextmanager
+def reference_run(run_dir: Path) -> Iterator[Callable[[list[int]], dict[int, dict[int, str]]]]:
+    """The same job and options as the drill's command line, fault-free, on one machine, in the background.
+
+    It runs beside the drill (the losses do not depend on timing) and is
+    stopped at the end whatever happens; the yielded function waits for it
+    and returns the losses of the given ranks.
+    """
     from rankscope.drill.faults import DrillLayout
     from rankscope.drill.launcher import Launcher, TrainingOptions
 
     job = Launcher(run_dir, DrillLayout(tp=2, pp=2, dp=2, machines=1),
-                   TrainingOptions(steps=STEPS, checkpoint_every=CHECKPOINT_EVERY), counters=False)
+                   TrainingOptions(steps=STEPS, checkpoint_every=0), counters=False)
+
+    def finish(ranks: list[int]) -> dict[int, dict[int, str]]:
+        for node in job.nodes.values():
+            node.proc.wait(timeout=600)
+        assert set(job.node_exit_codes().values()) == {0}, f"the reference run failed: see {run_dir / 'logs'}"
+        return {r: dict(losses(run_dir, r)) for r in ranks}
+
     try:
         job.start_nodes()
-        for node in job.nodes.values():
-            node.proc.wait(timeout=300)
-        assert set(job.node_exit_codes().values()) == {0}
+        yield finish
     finally:
         job.stop()
-    return {r: dict(losses(run_dir, r)) for r in ranks}
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -135,6 +151,21 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f} s"
         time.sleep(0.5)
+
+
+def rank_progress(run_dir: Path, rank: int) -> int:
+    from rankscope.drill.progress import read_progress
+
+    got = read_progress(run_dir).get(rank)
+    return got.step if got is not None else 0
+
+
+def restored_steps(run_dir: Path) -> set[int]:
+    """The steps the restarted ranks say they restored from the backups (their torchrun logs)."""
+    found: set[int] = set()
+    for log in (run_dir / "logs").glob("*.torchrun.log"):
+        found.update(int(m) for m in re.findall(r"restored step (\d+) from the backup", log.read_text()))
+    return found
 
 
 def all_done(run_dir: Path, world: int) -> bool:
@@ -148,9 +179,33 @@ def test_tui_in_tmux_from_hang_to_eviction_and_a_bit_for_bit_recovery(
     drill_in_tmux: tuple[str, Path], tmp_path: Path,
 ) -> None:
     session, run_dir = drill_in_tmux
+    with reference_run(tmp_path / "reference") as reference_losses:
+        _drive_and_check(session, run_dir, reference_losses)
+
+
+def _drive_and_check(session: str, run_dir: Path,
+                     reference_losses: Callable[[list[int]], dict[int, dict[int, str]]]) -> None:
     # The job starts (torch imports, four torchrun nodes) and the TUI attaches with a first capture.
     wait_screen(session, lambda t: "1 Overview" in t and "captured" in t, 240, "the TUI")
-    # The fault hits at step 6; capture again (`s`) until the verdict names the pipeline group's machines.
+
+    # `b` while it trains: the plan names each rank's backup peer; confirm with the second button.
+    tmux("send-keys", "-t", session, "b")
+    text = wait_screen(session, lambda t: "Run this on" in t and "Confirm" in t, 60, "the backup plan")
+    assert "backup peers (rank→peer): 0→6 1→7" in text, text  # the mirror: outside every group of the rank
+    time.sleep(2)  # a person reads the plan; keys typed while the modal settles its focus could hit Cancel
+    tmux("send-keys", "-t", session, "Tab")
+    time.sleep(1)
+    tmux("send-keys", "-t", session, "Enter")
+    wait_screen(session, lambda t: "Run this on" not in t, 30, "the backup modal to close")
+    tmux("send-keys", "-t", session, "6")
+    text = wait_screen(session, lambda t: len(re.findall(r"machine-\d\s+backup\s+succeeded", t)) == 4, 120,
+                       "the backup results of the four machines")
+    assert not (rank_progress(run_dir, 5) >= FAULT_STEP), "the job hung before the backup landed: raise FAULT_STEP"
+    tmux("send-keys", "-t", session, "1")
+
+    # The fault hits rank 5 at its step FAULT_STEP (the drill's ground truth); then capture (`s`) until the
+    # verdict names the pipeline group's machines.
+    wait_until(lambda: rank_progress(run_dir, 5) >= FAULT_STEP, 240, "rank 5 did not reach the fault step")
     deadline = time.monotonic() + 120
     text = screen(session)
     while not verdict_names_the_pipeline_group(text):
@@ -227,16 +282,21 @@ def test_tui_in_tmux_from_hang_to_eviction_and_a_bit_for_bit_recovery(
     assert re.search(r"restarted.*standby-0.*standby-1|restarted.*standby-1.*standby-0", text), text
     assert processes_of(run_dir), "the drill stopped before the TUI was closed"
 
+    # Training resumed from the backup: every rank restored the same backed-up step, from before the hang.
+    backed_up = restored_steps(run_dir)
+    assert len(backed_up) == 1, backed_up
+    resume = backed_up.pop()
+    assert 0 < resume < FAULT_STEP
+
     # Bit for bit: every step after the recovery computed exactly what a fault-free run computes.
     last_stage = [4, 5, 6, 7]  # rank = tp + 2*dp + 4*pp (order tp-cp-ep-dp-pp): pp=1 is the loss stage
-    reference = reference_losses(tmp_path / "reference", last_stage)
-    resume = (FAULT_STEP // CHECKPOINT_EVERY) * CHECKPOINT_EVERY
+    reference = reference_losses(last_stage)
     for rank in last_stage:
         logged = losses(run_dir, rank)
         assert [st for st, _ in logged[:FAULT_STEP]] == list(range(1, FAULT_STEP + 1))  # the steps before the hang
         after = logged[FAULT_STEP:]
-        # No step is lost beyond the last checkpoint: the restart resumes right after it, every step once ...
-        assert [st for st, _ in after] == list(range(resume + 1, STEPS + 1)), logged
+        # No step is lost beyond the backup: the restart resumes right after it, every step once ...
+        assert [st for st, _ in after] == list(range(resume + 1, STEPS + 1)), logged[FAULT_STEP - 2:]
         # ... and bit for bit what the fault-free run computed (float hex), before and after the fault.
         assert dict(after) == {st: reference[rank][st] for st, _ in after}
         assert all(loss == reference[rank][st] for st, loss in logged[:FAULT_STEP])
