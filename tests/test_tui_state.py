@@ -265,3 +265,17 @@ def test_suspects_of_a_progressing_job_are_qualified() -> None:
     running = verdict_text_rich(view, st.Filter("", frozenset()), progressing=True).plain
     assert hung.startswith("verdict: ") and "differences may be timing" not in hung
     assert running.startswith("verdict (job is progressing: differences may be timing): ")
+
+
+def test_slow_is_measured_against_the_usual_pace_not_one_quick_reading() -> None:
+    s = st.AppState()
+    steps = 100
+    for i in range(12):  # a steady 2 steps/s with one quick pair (6 steps in a second) early on
+        steps += 6 if i == 2 else 2
+        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=steps, hung=False)), T0 + i)
+    assert st.health(s).kind == "healthy", st.health(s)
+    for i in range(12, 16):  # then a step every other second: a quarter of the usual pace
+        steps += 1 if i % 2 else 0
+        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=steps, hung=False)), T0 + i)
+    h = st.health(s)
+    assert h.kind == "slow" and h.text == "slow: 0.67 steps/s, usually 2.00", h
