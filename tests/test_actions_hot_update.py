@@ -148,7 +148,7 @@ def test_lazy_update_applies_when_its_window_expires(tmp_path: Path, repo: Path)
 def test_a_bad_ref_fails_at_request_time_and_switches_nothing(tmp_path: Path, repo: Path) -> None:
     up, restarts = _updater(tmp_path, repo)
     up.update("u-a", "alice", HotUpdateArgs(VersionSource.GIT, "A"))
-    with pytest.raises(RankscopeError, match="could not resolve 'no-such-branch'") as err:
+    with pytest.raises(RankscopeError, match="no git ref 'no-such-branch' in ") as err:
         up.update("u-x", "alice", HotUpdateArgs(VersionSource.GIT, "no-such-branch", UpdateMode.LAZY))
     assert "git -C" in err.value.fix
     assert up.history.pending() is None and len(restarts) == 1
@@ -332,3 +332,17 @@ def test_the_local_standbys_setting_is_checked_at_start_up(tmp_path: Path) -> No
         with pytest.raises(RankscopeError, match=needle) as err:
             load_actions_config(path, tmp_path / "st")
         assert err.value.fix
+
+
+async def test_the_plan_names_the_commit_and_refuses_a_ref_that_does_not_exist(tmp_path: Path, repo: Path) -> None:
+    service = _service(tmp_path, repo, Clock(), [RankInfo(0, 0, 1, pid=os.getpid())])
+    commit = CodeVersions(tmp_path / "job" / "code", tmp_path / "versions", repo).commit_of("B")
+    plan = await service.plan(ActionRequest("hu-1", ActionKind.HOT_UPDATE, Targets(),
+                                            HotUpdateArgs(VersionSource.GIT, "B"), "alice"))
+    assert any(f"git ref B (commit {commit[:12]})" in step for step in plan.steps), plan.steps
+    # A typo is refused in the plan, before anyone confirms, and nothing is recorded or switched.
+    with pytest.raises(RankscopeError, match="no git ref 'Bx' in ") as err:
+        await service.plan(ActionRequest("hu-2", ActionKind.HOT_UPDATE, Targets(),
+                                         HotUpdateArgs(VersionSource.GIT, "Bx"), "alice"))
+    assert f"git -C {repo} tag" in err.value.fix
+    assert _code(tmp_path) == "print('version A')\n" and service.history.entries() == ()

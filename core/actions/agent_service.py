@@ -606,8 +606,10 @@ class ActionService:
                 if self.versions.repo is None:
                     raise RankscopeError(f"refused: the agent on {self.machine} has no code repository configured",
                                          "set [hot_update] repo in its --actions-config, or use a prepared directory")
-                steps.append(f"resolve git ref {args.version} in {self.versions.repo} and check it out under "
-                             f"{self.versions.versions_dir}")
+                # Resolved now, so a ref that does not exist is refused in the plan, before anyone confirms.
+                commit = self.versions.commit_of(args.version)
+                steps.append(f"check out git ref {args.version} (commit {commit[:12]}) of {self.versions.repo} "
+                             f"under {self.versions.versions_dir}")
             else:
                 self.versions.prepared(args.version)  # refuses a directory missing on this machine now
                 steps.append(f"use the prepared directory {args.version}")

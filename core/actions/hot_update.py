@@ -101,13 +101,24 @@ class CodeVersions:
             return self.checkout(version)
         return self.prepared(version)
 
-    def checkout(self, ref: str) -> Version:
+    def commit_of(self, ref: str) -> str:
+        """The commit ``ref`` names in the repository; a ref that names none is refused with the fix."""
         if self.repo is None:
             raise RankscopeError("this agent has no code repository configured",
                                  "start the agent with --code-repo, or hot-update to a prepared directory")
         check_git_ref(ref)
-        commit = self._git("rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}",
-                           what=f"resolve {ref!r}").strip()
+        try:
+            return self._git("rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}",
+                             what=f"resolve {ref!r}").strip()
+        except RankscopeError as exc:
+            if "exit status 1" not in exc.message:  # git itself failed (missing, repository unreadable)
+                raise
+            raise RankscopeError(f"no git ref {ref!r} in {self.repo}",
+                                 f"pick a tag, branch or commit that exists there (git -C {self.repo} tag; "
+                                 f"git -C {self.repo} log --oneline)") from None
+
+    def checkout(self, ref: str) -> Version:
+        commit = self.commit_of(ref)
         path = self.versions_dir / commit
         if not (path / ".git").exists():
             self.versions_dir.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,8 @@ confirmed exactly the planned targets with a token of the 'act' role.
   [eviction]
   backend = "local"                    # local | slurm | kubernetes | command
   grace_s = 10
+  [eviction.local]                     # the warm standbys the launcher restarts with (shown in plans)
+  standbys = ["spare-0"]               # or standbys_file = "/abs/standbys.json" (a JSON list, read per plan)
   [eviction.slurm]                     # settings of the chosen backend
   job_id = "12345"                     # also: restart, step_id, scontrol, scancel
   [eviction.kubernetes]

@@ -136,7 +136,8 @@ class UpdateModal(ModalScreen["UpdateChoice | None"]):
             yield Static(Text("Hot-update the job's code", "bold"))
             yield Static("Version: a git ref of the agents' configured repository, or the absolute path of a "
                          "directory prepared on every machine.")
-            yield Input(placeholder="e.g. v1.4.2, a commit, or /srv/job/versions/fix-17", id="update-version")
+            yield Input(placeholder="a tag, branch or commit (v2 on the drill), or /srv/job/versions/fix-17",
+                        id="update-version")
             with RadioSet(id="update-mode"):
                 yield RadioButton("immediate: restart the training processes on the new code now", value=True,
                                   id="mode-immediate")
