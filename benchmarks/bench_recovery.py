@@ -86,6 +86,25 @@ def _resumed(run_dir: Path, since_wall: float, step: int) -> bool:
     return len(progress) >= LAYOUT.world and all(p.wall >= since_wall and p.step > step for p in progress.values())
 
 
+def _wait_resumed(run_dir: Path, since_wall: float, step: int, what: str) -> float:
+    """Block until every rank completed a step after ``step`` since ``since_wall``; the monotonic time then."""
+    deadline = time.monotonic() + 300
+    while not _resumed(run_dir, since_wall, step):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the {what} job did not resume")
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def _relaunch(launcher: Launcher, machines: list[str] | tuple[str, ...], since_wall: float) -> tuple[float, float]:
+    """Start the job again from the newest common checkpoint; (nodes+agents up, resumed), monotonic."""
+    resume = min(latest_checkpoint(launcher.run_dir, r) for r in range(LAYOUT.world))
+    launcher.start_nodes(machines, resume=True)
+    launcher.start_agents()
+    relaunched = time.monotonic()
+    return relaunched, _wait_resumed(launcher.run_dir, since_wall, resume, "relaunched")
+
+
 def evict_with_standby(run_dir: Path) -> tuple[float, dict[str, float]]:
     with DrillSession(_config(run_dir, standbys=2)) as s:
         machines = _suspects(s)
@@ -113,16 +132,8 @@ def stop_and_relaunch(run_dir: Path) -> tuple[float, dict[str, float]]:
         survivors = [m for m in launcher.machines() if m not in machines]
         launcher.stop()  # every node and agent
         stopped = time.monotonic()
-        resume = min(latest_checkpoint(run_dir, r) for r in range(LAYOUT.world))
-        launcher.start_nodes([*survivors, *(f"spare-{i}" for i in range(len(machines)))], resume=True)
-        launcher.start_agents()
-        relaunched = time.monotonic()
-        deadline = time.monotonic() + 300
-        while not _resumed(run_dir, started_wall, resume):
-            if time.monotonic() > deadline:
-                raise SystemExit("the relaunched job did not resume")
-            time.sleep(0.1)
-        ended = time.monotonic()
+        relaunched, ended = _relaunch(launcher, [*survivors, *(f"spare-{i}" for i in range(len(machines)))],
+                                      started_wall)
         return ended - started, {"stop everything": stopped - started,
                                  "relaunch (nodes+agents up)": relaunched - stopped, "relaunched -> resumed": ended - relaunched}
 
@@ -165,12 +176,7 @@ def hot_update_in_place(run_dir: Path) -> tuple[float, dict[str, float]]:
         event = recovery.wait(1, 300)
         if not event.ok:
             raise SystemExit(f"the restart failed: {event.message}")
-        deadline = time.monotonic() + 300
-        while not _resumed(run_dir, event.restart_began_wall, event.resume_step):
-            if time.monotonic() > deadline:
-                raise SystemExit("the hot-updated job did not resume")
-            time.sleep(0.1)
-        ended = time.monotonic()
+        ended = _wait_resumed(run_dir, event.restart_began_wall, event.resume_step, "hot-updated")
         if len(results) != LAYOUT.machines:
             raise SystemExit(f"{len(results)} agents answered, not {LAYOUT.machines}")
         seen_wall = time.time() - (time.monotonic() - event.evicted_mono)
@@ -198,16 +204,7 @@ def relaunch_with_new_code(run_dir: Path) -> tuple[float, dict[str, float]]:
             versions = CodeVersions(launcher.code_link(m), launcher.code_versions(m), launcher.code_repo)
             versions.switch(versions.checkout("v2"))
         switched = time.monotonic()
-        resume = min(latest_checkpoint(run_dir, r) for r in range(LAYOUT.world))
-        launcher.start_nodes(machines, resume=True)
-        launcher.start_agents()
-        relaunched = time.monotonic()
-        deadline = time.monotonic() + 300
-        while not _resumed(run_dir, stopped_wall, resume):
-            if time.monotonic() > deadline:
-                raise SystemExit("the relaunched job did not resume")
-            time.sleep(0.1)
-        ended = time.monotonic()
+        relaunched, ended = _relaunch(launcher, machines, stopped_wall)
         return ended - started, {"stop everything": stopped - started, "check out v2": switched - stopped,
                                  "relaunch (nodes+agents up)": relaunched - switched,
                                  "relaunched -> resumed": ended - relaunched}

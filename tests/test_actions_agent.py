@@ -437,15 +437,21 @@ async def test_slurm_eviction_through_the_agent_runs_the_planned_argv(
     assert tree.proc.poll() is None, "the slurm backend leaves stopping the ranks to slurm"
 
 
-async def test_hot_update_switches_the_code_and_requests_a_restart_then_rolls_back(
-        procs: Processes, run_id: str, tmp_path: Path) -> None:
-    tree = start_rank_tree(procs, 0, 1, run_id)
+def code_link_at_v1(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """Two prepared code directories and the job's code link, pointing at the first."""
     v1, v2 = tmp_path / "code-v1", tmp_path / "code-v2"
     v1.mkdir()
     v2.mkdir()
     current = tmp_path / "job" / "code"
     current.parent.mkdir()
     os.symlink(v1, current)
+    return v1, v2, current
+
+
+async def test_hot_update_switches_the_code_and_requests_a_restart_then_rolls_back(
+        procs: Processes, run_id: str, tmp_path: Path) -> None:
+    tree = start_rank_tree(procs, 0, 1, run_id)
+    v1, v2, current = code_link_at_v1(tmp_path)
     state = tmp_path / "state"
     config = ActionsConfig(state, hot_update=HotUpdateSettings(current, tmp_path / "versions"))
     async with serving("m0", run_id, config) as agent, JobClient([agent.address], ACT, acting=True) as client:
@@ -665,12 +671,7 @@ async def test_a_restarted_agent_still_replays_a_finished_action(run_id: str, tm
 
 async def test_the_running_agent_applies_a_lazy_update_when_its_window_expires(run_id: str, tmp_path: Path) -> None:
     """The agent's supervisor task (every SUPERVISE_INTERVAL_S) is what applies a due lazy update, unasked."""
-    v1, v2 = tmp_path / "code-v1", tmp_path / "code-v2"
-    v1.mkdir()
-    v2.mkdir()
-    current = tmp_path / "job" / "code"
-    current.parent.mkdir()
-    os.symlink(v1, current)
+    _v1, v2, current = code_link_at_v1(tmp_path)
     config = ActionsConfig(tmp_path / "state", hot_update=HotUpdateSettings(current, tmp_path / "versions"))
     async with serving("m0", run_id, config) as agent, JobClient([agent.address], ACT, acting=True) as client:
         assert agent.supervisor is not None and not agent.supervisor.done()
