@@ -19,11 +19,16 @@ RUN_ROOT/drill-*/watch.json for ``rankscope.analyzers.failslow.replay``.
 A full run takes about two minutes a drill on two busy cores (25 drills: about
 50 minutes).
 
-Latest run (2026-11-21, commit c0414fe detectors, seed 0, 20 + 5 drills,
-stacks every 10 s, 90 s limit, hidden 64, 2 cores shared with other jobs):
-slow-dataloader 4/4 right machine (39-49 s), slow-comm 1/4 (right PP group,
-49 s), slow-compute 1.5x 0/4, thermal 0/4, cpu-contention 0/4; baselines 0/5
-confident false alarms; precision 1.00, recall 0.25, F1 0.40 (bar 0.9).
+Latest run (2026-11-21 16:52-17:23 UTC, commit 17742f5, seed 0, 20 + 5
+drills, stacks every 10 s, 90 s limit, hidden 64, this 2-core VM shared
+with other test runs, load average 7-28): slow-compute 1.5x 4/4 right
+machine (median 28.9 s from onset, max 42.8 s), slow-comm 4/4 (27.8 s),
+slow-dataloader 4/4 (27.9 s), thermal 2x 4/4 (27.9 s), cpu-contention 2/4
+(27.6 s; the two misses were both on machine-0, whose first-stage ranks
+need little CPU: the noise slowed them ~1.3x, not enough to show);
+baselines 0/5 confident false alarms, no wrong machine named; precision
+1.00, recall 0.90, F1 0.95 (bar 0.9). Every confident verdict came from
+two detectors agreeing (ccl + p2p_wait 15x, ccl + minder 2x, ccl + stacks 1x).
 """
 
 from __future__ import annotations

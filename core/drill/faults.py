@@ -159,16 +159,19 @@ FAULTS: dict[str, FaultSpec] = {
                   role="checkpoint", frame="drill_injected_checkpoint_stall"),
         FaultSpec("crash", "hang", "the rank exits with an error; torchrun tears its node down", "rank",
                   frame="drill_injected_crash"),
-        FaultSpec("slow-compute", "slow", "the rank's compute takes --fault-factor times longer", "rank",
+        FaultSpec("slow-compute", "slow", "the rank burns CPU in its compute until its steps take --fault-factor "
+                  "times its healthy step", "rank",
                   frame="drill_injected_slow_compute"),
         FaultSpec("slow-comm", "slow", "the rank's sends on one group are delayed by --fault-delay-ms", "group",
                   frame="drill_injected_slow_comm", default_group="pp"),
         FaultSpec("slow-dataloader", "slow", "the rank's dataloader worker takes --fault-delay-ms longer per batch", "rank",
                   role="dataloader", frame="drill_injected_slow_dataloader"),
-        FaultSpec("cpu-contention", "slow", "a noisy process spins on the CPUs of one machine", "machine",
+        FaultSpec("cpu-contention", "slow", "noisy processes (nice -5) spin on one core, where the machine's "
+                  "ranks are confined", "machine",
                   role="other", frame="drill_injected_cpu_noise", by="orchestrator"),
         FaultSpec("thermal", "slow", "the rank's device is throttled (GPU: locked lower clock; CPU: the process is "
-                  "stopped for part of every period)", "rank", frame=None, by="orchestrator"),
+                  "stopped each step until its steps take --fault-factor times its healthy step)", "rank", frame=None,
+                  by="orchestrator"),
     )
 }
 
