@@ -96,6 +96,13 @@ class FailSlowConfig:
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
 
 
+def config_for(window_s: float, continuity_s: float, rounds_needed: int) -> FailSlowConfig:
+    """The detectors' config from the three knobs a person sets (``watch`` and ``attach``): Aegis T, Minder's
+    continuity and ByteRobust's rounds; a machine's step time must stay slow for the shorter of the first two."""
+    return FailSlowConfig(window_s=window_s, continuity_s=continuity_s, step_window_s=min(window_s, continuity_s),
+                          rounds_needed=rounds_needed)
+
+
 @dataclass(frozen=True, slots=True)
 class DetectorFlag:
     """One detector's view of one machine in one update.

@@ -49,3 +49,17 @@ def test_a_read_only_session_sends_the_read_token(tmp_path: Path, calls: list[di
     f = _tokens(tmp_path, "read:" + "r" * 32 + "\nact:" + "a" * 32 + "\n")
     assert main(["attach", "--agents", "127.0.0.1:1", "--token-file", f, "--read-only"]) == 0
     assert calls[0]["token"] == "r" * 32 and calls[0]["read_only"] is True
+
+
+def test_the_fail_slow_windows_reach_the_detectors(tmp_path: Path, calls: list[dict[str, Any]],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from rankscope.tui.app import AppOptions
+
+    f = _tokens(tmp_path, "read:" + "r" * 32 + "\n")
+    assert main(["attach", "--agents", "127.0.0.1:1", "--token-file", f, "--read-only", "--fail-slow",
+                 "--window", "600", "--continuity", "240", "--rounds", "7"]) == 0
+    config = calls[0]["failslow_config"]
+    assert (config.window_s, config.continuity_s, config.step_window_s, config.rounds_needed) == (600, 240, 240, 7)
+    assert AppOptions(failslow_config=config).failslow_config is config  # an AppOptions field, passed as is
+    assert main(["attach", "--agents", "127.0.0.1:1", "--token-file", f, "--rounds", "0"]) == 2
+    assert "--rounds at least 1" in capsys.readouterr().err

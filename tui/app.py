@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from rankscope.analyzers.failslow import FailSlowConfig
 from rankscope.bundle import Bundle, write_bundle
 from rankscope.errors import RankscopeError
 from rankscope.snapshot import JobSnapshot, Layout
@@ -61,6 +62,7 @@ class AppOptions:
     read_only: bool = False
     settle_heap: bool = False  # gc.freeze() after each snapshot; `rankscope attach` turns it on
     pair_hint: str = ""  # how a second person attaches read-only (the drill says it); logged as the first event
+    failslow_config: FailSlowConfig | None = None  # the fail-slow detectors' windows (None: drill-sized defaults)
 
 
 class RankscopeApp(App[int]):
@@ -103,7 +105,7 @@ class RankscopeApp(App[int]):
             for key, action, description in ACTION_KEYS:
                 self.bind(key, action, description=description)
         # Fail-slow detectors, fed every snapshot off the UI thread (view 7); the latest view they produced.
-        self.failslow = FailSlowFeeder(self)
+        self.failslow = FailSlowFeeder(self, self.options.failslow_config)
         self.failslow_view: FailSlowView | None = None
 
     # -- setup --------------------------------------------------------------

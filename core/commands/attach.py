@@ -33,6 +33,11 @@ def register(sub: Any) -> None:
     p.add_argument("--hang-after", type=float, default=30.0,
                    help="capture stacks automatically when progress stops this long (default 30 s)")
     p.add_argument("--fail-slow", action="store_true", help="capture stacks every 10 s (fail-slow rounds)")
+    p.add_argument("--window", type=float, default=30.0,
+                   help="fail-slow: Aegis window T in seconds (default 30; production uses 600)")
+    p.add_argument("--continuity", type=float, default=20.0,
+                   help="fail-slow: Minder continuity in seconds (default 20; production uses 240)")
+    p.add_argument("--rounds", type=int, default=5, help="fail-slow: stack rounds before naming the degrader (default 5)")
     p.add_argument("--no-initial-capture", action="store_true", help="do not capture stacks on attach")
     p.add_argument("--bundle-dir", type=Path, default=Path("."), help="where `w` writes bundles (default: here)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (to name parallel groups)")
@@ -58,9 +63,15 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise RankscopeError(f"the terminal UI is not installed ({exc})", "pip install 'rankscope[tui]'") from None
     layout = _layout(args)
+    if args.window <= 0 or args.continuity <= 0 or args.rounds < 1:
+        raise RankscopeError("--window and --continuity must be positive and --rounds at least 1",
+                             "e.g. --window 30 --continuity 20 --rounds 5 (production: 600, 240, 5)")
+    from rankscope.analyzers.failslow import config_for
+
     options: dict[str, Any] = {
         "poll_interval_s": args.interval, "hang_after_s": args.hang_after, "fail_slow": args.fail_slow,
         "capture_on_start": not args.no_initial_capture, "bundle_dir": args.bundle_dir,
+        "failslow_config": config_for(args.window, args.continuity, args.rounds),
     }
     if args.bundle is not None:
         if args.agents or args.hostfile:

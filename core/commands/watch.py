@@ -194,11 +194,10 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
     import asyncio
     import time
 
-    from rankscope.analyzers.failslow import FailSlowConfig, FailSlowDetector
+    from rankscope.analyzers.failslow import FailSlowDetector, config_for
     from rankscope.client import JobClient
 
-    config = FailSlowConfig(window_s=args.window, continuity_s=args.continuity, step_window_s=min(args.window, args.continuity),
-                            rounds_needed=args.rounds)
+    config = config_for(args.window, args.continuity, args.rounds)
     detector = FailSlowDetector(config)
     layout = _layout(args)
     started = time.monotonic()
