@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from drill_processes import processes_under
 from rankscope.cli import main as cli_main
 from rankscope.drill.faults import FAULTS, DrillLayout, FaultPlan, ground_truth, make_plan
 from rankscope.drill.launcher import RUN_ID_ENV, marked_processes
@@ -167,18 +168,6 @@ def _innermost_names(frames: list[str]) -> str:
     return " ".join(frames)
 
 
-def _marked(run_dir: Path) -> list[int]:
-    """Live processes started for a drill whose run dir is ``run_dir`` (by marker or command line)."""
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if str(run_dir) in " ".join(p.info["cmdline"] or ()) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p.pid)
-        except psutil.Error:
-            continue
-    return found
-
-
 @pytest.mark.drill
 @pytest.mark.timeout(240)
 def test_hang_p2p_drill_through_the_agents(tmp_path: Path) -> None:
@@ -218,7 +207,7 @@ def test_hang_p2p_drill_through_the_agents(tmp_path: Path) -> None:
     assert bundle["ground_truth"]["rank"] == 5 and bundle["ground_truth"]["suspect_ranks"] == [1, 5]
     # Every process of the drill is gone.
     assert marked_processes(report["run_id"]) == []
-    assert _marked(tmp_path / "run") == []
+    assert processes_under(tmp_path / "run") == []
 
 
 @pytest.mark.drill
@@ -249,7 +238,7 @@ def test_ctrl_c_stops_every_process_of_the_drill(tmp_path: Path) -> None:
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err
         assert marked_processes(run_id) == []
-        assert _marked(run_dir) == []
+        assert processes_under(run_dir) == []
     finally:
         if proc.poll() is None:
             proc.kill()

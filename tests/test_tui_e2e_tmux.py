@@ -37,6 +37,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from drill_processes import processes_under
 
 pytestmark = [pytest.mark.drill, pytest.mark.tmux, pytest.mark.timeout(720)]
 
@@ -66,17 +67,6 @@ def wait_screen(session: str, cond: Callable[[str], bool], timeout_s: float, wha
     raise AssertionError(f"{what} not on screen within {timeout_s:.0f} s; last screen:\n{text}")
 
 
-def processes_of(run_dir: Path) -> list[int]:
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if str(run_dir) in " ".join(p.info["cmdline"] or ()) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p.pid)
-        except psutil.Error:
-            continue
-    return found
-
-
 @pytest.fixture
 def drill_in_tmux(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     if shutil.which("tmux") is None:
@@ -101,9 +91,9 @@ def drill_in_tmux(tmp_path: Path) -> Iterator[tuple[str, Path]]:
             time.sleep(0.5)
         tmux("kill-session", "-t", session)  # sends SIGHUP: the drill's handler stops what is left
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and processes_of(run_dir):
+        while time.monotonic() < deadline and processes_under(run_dir):
             time.sleep(0.5)
-        for pid in processes_of(run_dir):  # last resort, only processes of this drill
+        for pid in processes_under(run_dir):  # last resort, only processes of this drill
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
 
@@ -280,7 +270,7 @@ def _drive_and_check(session: str, run_dir: Path,
     tmux("send-keys", "-t", session, "5")
     text = wait_screen(session, lambda t: "restarted" in t and "evicted" in t, 20, "the events of the recovery")
     assert re.search(r"restarted.*standby-0.*standby-1|restarted.*standby-1.*standby-0", text), text
-    assert processes_of(run_dir), "the drill stopped before the TUI was closed"
+    assert processes_under(run_dir), "the drill stopped before the TUI was closed"
 
     # Training resumed from the backup: every rank restored the same backed-up step, from before the hang.
     backed_up = restored_steps(run_dir)
