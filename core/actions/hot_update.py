@@ -107,15 +107,12 @@ class CodeVersions:
             raise RankscopeError("this agent has no code repository configured",
                                  "start the agent with --code-repo, or hot-update to a prepared directory")
         check_git_ref(ref)
-        try:
-            return self._git("rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}",
-                             what=f"resolve {ref!r}").strip()
-        except RankscopeError as exc:
-            if "exit status 1" not in exc.message:  # git itself failed (missing, repository unreadable)
-                raise
-            raise RankscopeError(f"no git ref {ref!r} in {self.repo}",
+        # `rev-parse --verify --quiet` exits 1 with no output when the ref names nothing; other failures speak.
+        missing = RankscopeError(f"no git ref {ref!r} in {self.repo}",
                                  f"pick a tag, branch or commit that exists there (git -C {self.repo} tag; "
-                                 f"git -C {self.repo} log --oneline)") from None
+                                 f"git -C {self.repo} log --oneline)")
+        return self._git("rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}",
+                         what=f"resolve {ref!r}", silent_failure=missing).strip()
 
     def checkout(self, ref: str) -> Version:
         commit = self.commit_of(ref)
@@ -157,7 +154,8 @@ class CodeVersions:
         os.replace(tmp, self.current)  # rename(2): atomic on POSIX
         return previous
 
-    def _git(self, *argv: str, what: str) -> str:
+    def _git(self, *argv: str, what: str, silent_failure: RankscopeError | None = None) -> str:
+        """git's output; ``silent_failure`` is raised when git fails without saying why (a --quiet query)."""
         assert self.repo is not None
         try:
             proc = subprocess.run([self.git, "-C", str(self.repo), *argv], shell=False, capture_output=True,
@@ -165,6 +163,8 @@ class CodeVersions:
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise RankscopeError(f"git could not {what}: {exc}",
                                  "check that git is installed and the repository is reachable") from exc
+        if proc.returncode != 0 and silent_failure is not None and not (proc.stderr.strip() or proc.stdout.strip()):
+            raise silent_failure
         if proc.returncode != 0:
             detail = (proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}").splitlines()
             raise RankscopeError(f"git could not {what}: {detail[-1] if detail else ''}",
