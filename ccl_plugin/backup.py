@@ -226,7 +226,21 @@ def shard_path(store: Path, rank: int, step: int) -> Path:
 
 
 def write_shard(store: Path, rank: int, step: int, data: bytes, origin: str, keep: int = KEEP) -> Path:
-    """Write one shard atomically: data and checksum to temporary files, the checksum renamed first."""
+    """Write one shard (``write_shard_files``) and delete this rank's steps but the newest ``keep``."""
+    path = write_shard_files(store, rank, step, data, origin)
+    for old in stored_steps(store, rank)[:-keep]:
+        for p in (shard_path(store, rank, old), shard_path(store, rank, old).with_suffix(".json")):
+            with contextlib.suppress(OSError):
+                p.unlink()
+    return path
+
+
+def write_shard_files(store: Path, rank: int, step: int, data: bytes, origin: str) -> Path:
+    """Write one shard atomically: data and checksum to temporary files, the checksum renamed first.
+
+    The one definition of a shard on disk: the ranks write it here, the
+    agent's ``ShardStore`` writes and reads the same files.
+    """
     path = shard_path(store, rank, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{threading.get_ident()}"
@@ -241,10 +255,6 @@ def write_shard(store: Path, rank: int, step: int, data: bytes, origin: str, kee
                                     "sha256": hashlib.sha256(data).hexdigest()}))
     os.replace(meta_tmp, meta)
     os.replace(tmp, path)
-    for old in stored_steps(store, rank)[:-keep]:
-        for p in (shard_path(store, rank, old), shard_path(store, rank, old).with_suffix(".json")):
-            with contextlib.suppress(OSError):
-                p.unlink()
     return path
 
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from rankscope.ccl_plugin.backup import shard_path, stored_steps, write_shard_files
 from rankscope.errors import RankscopeError
 
 ORIGINS = ("own", "peer")
@@ -59,7 +59,7 @@ class ShardStore:
                                  "give the agent a writable --state-dir on local disk") from exc
 
     def _path(self, rank: int, step: int) -> Path:
-        return self.directory / f"rank{rank:06d}" / f"step{step:012d}.shard"
+        return shard_path(self.directory, rank, step)
 
     def put(self, rank: int, step: int, data: bytes, origin: str = "own") -> ShardInfo:
         if origin not in ORIGINS:
@@ -67,19 +67,7 @@ class ShardStore:
         if rank < 0 or step < 0:
             raise RankscopeError(f"bad shard key rank={rank} step={step}", "ranks and steps are non-negative")
         info = ShardInfo(rank, step, origin, len(data), hashlib.sha256(data).hexdigest())
-        path = self._path(rank, step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        meta = path.with_suffix(".json")
-        meta_tmp = meta.with_name(f"{meta.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-        meta_tmp.write_text(json.dumps({"rank": rank, "step": step, "origin": origin, "size": info.size,
-                                        "sha256": info.sha256}))
-        os.replace(meta_tmp, meta)
-        os.replace(tmp, path)
+        write_shard_files(self.directory, rank, step, data, origin)
         with self._lock:
             if self.in_memory:
                 self._memory[(rank, step)] = (info, bytes(data))
@@ -120,14 +108,7 @@ class ShardStore:
 
     def steps(self, rank: int) -> tuple[int, ...]:
         """Complete steps stored for ``rank``, oldest first."""
-        folder = self.directory / f"rank{rank:06d}"
-        if not folder.is_dir():
-            return ()
-        found = []
-        for p in folder.glob("step*.shard"):
-            if p.with_suffix(".json").exists():
-                found.append(int(p.stem[4:]))
-        return tuple(sorted(found))
+        return tuple(stored_steps(self.directory, rank))
 
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted(int(p.name[4:]) for p in self.directory.glob("rank*") if p.is_dir()))
