@@ -41,6 +41,27 @@ class Suspect:
     sources: tuple[str, ...] = ()
     group_index: int | None = None  # which group of that kind (e.g. the 3rd PP group)
     diverging_frame: str | None = None  # where the outliers leave the dominant stack path
+    victims: tuple[int, ...] = ()  # ranks that only wait on this suspect: evidence, never suspects of their own
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A fact about the job that is more than "evict these machines".
+
+    A desync (ranks inside a different collective from their group peers), a
+    CCL or flight-recorder mismatch (sizes, dtypes, op types or states that
+    disagree within one collective), a rank missing from a communicator's
+    call. ``kind`` names the rule ("desync", "fr-size-mismatch", ...);
+    ``advice`` says what a person should do, e.g. that eviction will not cure
+    a program mismatch.
+    """
+
+    kind: str
+    ranks: tuple[int, ...]
+    summary: str
+    evidence: tuple[str, ...] = ()
+    communicator: str | None = None
+    advice: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +72,7 @@ class Verdict:
     summary: str  # one line for a header: "PP group 3 on machines 12-15", "no verdict: all ranks identical"
     missing_ranks: tuple[int, ...] = ()  # ranks the snapshot could not see
     notes: tuple[str, ...] = field(default=())
+    findings: tuple[Finding, ...] = ()
 
     @property
     def top(self) -> Suspect | None:
