@@ -77,3 +77,15 @@ class Verdict:
     @property
     def top(self) -> Suspect | None:
         return self.suspects[0] if self.suspects else None
+
+
+def finding_to_json(finding: Finding) -> dict[str, object]:
+    """A finding in the --json shape every detector shares."""
+    return {
+        "kind": finding.kind,
+        "ranks": list(finding.ranks),
+        "summary": finding.summary,
+        "evidence": list(finding.evidence),
+        "communicator": finding.communicator,
+        "advice": finding.advice,
+    }

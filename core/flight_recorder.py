@@ -7,6 +7,9 @@ op, CL (entries recorded), WR (the same: one work item per entry) and WC
 (entries retired or completed); ``pg_config`` gives members and descriptions;
 ``pg_status`` is kept as notes. The CCL analyzer then names the rank whose
 launches lag (the one that never entered the collective the others wait in).
+Beside the counters, ``rankscope.analyzers.flight_recorder`` compares the
+entries themselves across ranks (op types, sizes, dtypes, states, missing
+ranks, the laggard wavefront, damaged dumps): its findings ride on the verdict.
 
 Dumps are read as JSON (``_dump_fr_trace_json``) or pickle (the default
 dump). The pickle reader accepts only plain containers and scalars, so a
@@ -22,11 +25,13 @@ import pickle
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rankscope.analyzers.ccl import analyze_counters
 from rankscope.analyzers.findings import Verdict
+from rankscope.analyzers.flight_recorder import SERIOUS, FrAnalysis, analyze_dumps, parse_members, read_entry
 from rankscope.errors import RankscopeError
 from rankscope.snapshot import (
     Communicator,
@@ -93,75 +98,74 @@ def load_dir(directory: Path) -> tuple[dict[int, dict[str, Any]], list[str]]:
     return dumps, notes
 
 
-def _op_name(entry: Mapping[str, Any]) -> str:
-    name = str(entry.get("profiling_name") or "unknown")
-    name = name.split(":", 1)[1] if ":" in name else name
-    return name.split(" ", 1)[0]
-
-
 def _nbytes(entry: Mapping[str, Any]) -> int:
+    op, _ = read_entry(entry, 0)
+    if op is None or not op.input_sizes:
+        return 0
     total = 0
-    for shape, dtype in zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or [], strict=False):
+    for shape, dtype in zip(op.input_sizes, op.input_dtypes or (), strict=False):
         n = 1
-        for d in shape or []:
-            n *= int(d)
-        total += n * _DTYPE_BYTES.get(str(dtype), 4)
+        for d in shape:
+            n *= d
+        total += n * _DTYPE_BYTES.get(dtype, 4)
     return total
 
 
-def _members(pg_config: Mapping[str, Any], name: str) -> tuple[int, ...] | None:
-    cfg = pg_config.get(name)
-    if not isinstance(cfg, Mapping):
-        return None
-    ranks = cfg.get("ranks")
-    try:
-        got = json.loads(ranks) if isinstance(ranks, str) else ranks
-        members = tuple(int(r) for r in got or ())
-    except (ValueError, TypeError):
-        return None
-    return members or None
+def _members(pg_config: Any, name: str) -> tuple[int, ...] | None:
+    cfg = pg_config.get(name) if isinstance(pg_config, Mapping) else None
+    return parse_members(cfg.get("ranks")) if isinstance(cfg, Mapping) else None
+
+
+def _seconds(value: Any) -> float:
+    return float(value) / 1e9 if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def _entries(dump: Any) -> list[Any]:
+    got = dump.get("entries") if isinstance(dump, Mapping) else None
+    return list(got) if isinstance(got, list | tuple) else []
 
 
 def dumps_to_counters(dumps: Mapping[int, Mapping[str, Any]]) -> tuple[tuple[RankCounters, ...], list[str]]:
-    """Each rank's dump as counters; notes say what had to be inferred."""
+    """Each rank's dump as counters; notes say what had to be inferred.
+
+    Entries the analyzer cannot read (no process group, op name or sequence
+    id) are left out here; its ``fr-malformed-entry`` finding reports them.
+    """
     notes: list[str] = []
+    parsed = {rank: [(e, op) for e in _entries(dump) for op in [read_entry(e, rank)[0]] if op is not None]
+              for rank, dump in dumps.items()}
     # which ranks recorded each group: members when pg_config does not say
     seen_in: dict[str, set[int]] = {}
-    for rank, dump in dumps.items():
-        for e in dump.get("entries") or []:
-            pg = e.get("process_group") or ("?", "")
-            seen_in.setdefault(str(pg[0]), set()).add(rank)
+    for rank, pairs in parsed.items():
+        for _, op in pairs:
+            seen_in.setdefault(op.pg_name, set()).add(rank)
     all_ranks = tuple(sorted(dumps))
     out: list[RankCounters] = []
     for rank, dump in sorted(dumps.items()):
-        pg_config = dump.get("pg_config") or {}
+        pg_config = dump.get("pg_config") if isinstance(dump, Mapping) else None
         comms: dict[str, Communicator] = {}
         rows: dict[tuple[str, str], dict[str, Any]] = {}
         last_wall = 0.0
-        for e in dump.get("entries") or []:
-            pg = e.get("process_group") or ("?", "")
-            name, desc = str(pg[0]), str(pg[1] if len(pg) > 1 else "")
+        for e, fr in parsed[rank]:
+            name, desc = fr.pg_name, fr.pg_desc
             if name not in comms:
                 members = _members(pg_config, name)
                 if members is None:
                     members = all_ranks if desc == "default_pg" else tuple(sorted(seen_in.get(name, {rank})))
                 comms[name] = Communicator(name, "flight_recorder", desc, members)
-            p2p = bool(e.get("is_p2p"))
-            op = _op_name(e)
-            seq = int(e.get("p2p_seq_id" if p2p else "collective_seq_id") or 0)
-            done = bool(e.get("retired")) or e.get("state") == "completed"
-            row = rows.setdefault((name, op), {"cl": 0, "wc": 0, "lls": 0, "lcs": 0, "bytes": 0, "td": None,
-                                               "launch": None, "complete": None})
+            done = e.get("retired") is True or fr.state == "completed"
+            row = rows.setdefault((name, fr.op), {"cl": 0, "wc": 0, "lls": 0, "lcs": 0, "bytes": 0, "td": None,
+                                                  "launch": None, "complete": None})
             row["cl"] += 1
             row["bytes"] += _nbytes(e)
-            row["lls"] = max(row["lls"], seq)
-            created = float(e.get("time_created_ns") or 0) / 1e9
+            row["lls"] = max(row["lls"], fr.seq)
+            created = _seconds(e.get("time_created_ns"))
             row["launch"] = created or row["launch"]
             last_wall = max(last_wall, created)
             if done:
                 row["wc"] += 1
-                row["lcs"] = max(row["lcs"], seq)
-                finished = float(e.get("time_discovered_completed_ns") or 0) / 1e9
+                row["lcs"] = max(row["lcs"], fr.seq)
+                finished = _seconds(e.get("time_discovered_completed_ns"))
                 if finished and created:
                     row["td"] = finished - created
                     row["complete"] = finished
@@ -169,12 +173,8 @@ def dumps_to_counters(dumps: Mapping[int, Mapping[str, Any]]) -> tuple[tuple[Ran
                                last_completed_seq=r["lcs"], bytes_total=r["bytes"], last_duration_s=r["td"],
                                last_launch_wall=r["launch"], last_complete_wall=r["complete"])
                     for (name, op), r in rows.items())
-        first = (dump.get("entries") or [{}])[0]
-        if int(first.get("record_id") or 0) > 0:
-            notes.append(f"rank {rank}: the recorder's buffer wrapped (first record {first.get('record_id')}); "
-                         "counts cover its last entries only")
-        status = dump.get("pg_status") or {}
-        for pg_id, st in sorted(status.items()) if isinstance(status, Mapping) else ():
+        status = dump.get("pg_status") if isinstance(dump, Mapping) else None
+        for pg_id, st in sorted(status.items(), key=lambda kv: str(kv[0])) if isinstance(status, Mapping) else ():
             if isinstance(st, Mapping):
                 notes.append(f"rank {rank}: pg {pg_id} last enqueued {st.get('last_enqueued_collective')}, "
                              f"completed {st.get('last_completed_collective')}")
@@ -183,15 +183,28 @@ def dumps_to_counters(dumps: Mapping[int, Mapping[str, Any]]) -> tuple[tuple[Ran
     return tuple(out), notes
 
 
-def analyze_flight_recorder_dir(path: Path, layout: Layout | None) -> tuple[JobSnapshot, Verdict]:
-    """Read a folder of per-rank dumps; the snapshot carries their counters, the verdict names the suspects."""
+@dataclass(frozen=True, slots=True)
+class FlightRecorderReport:
+    """What a folder of dumps gave: counters as a snapshot, the verdict (with findings), the comparison."""
+
+    snapshot: JobSnapshot
+    verdict: Verdict
+    analysis: FrAnalysis
+
+
+def read_flight_recorder_dir(path: Path, layout: Layout | None) -> FlightRecorderReport:
+    """Read a folder of per-rank dumps; the counters name lag suspects, the entries' comparison gives findings."""
     dumps, notes = load_dir(path)
+    analysis = analyze_dumps(dumps)
     counters, more = dumps_to_counters(dumps)
     notes += more
     expected: set[int] = set()
     for c in counters:
         for comm in c.communicators:
             expected.update(comm.ranks)
+    for f in analysis.findings:
+        if f.kind == "fr-missing-dump":
+            expected.update(f.ranks)
     missing = sorted(expected - set(dumps))
     if missing:
         notes.append(f"no dump for rank(s) {', '.join(map(str, missing))}")
@@ -200,5 +213,17 @@ def analyze_flight_recorder_dir(path: Path, layout: Layout | None) -> tuple[JobS
     machine = MachineSnapshot(MACHINE, str(path), True, now, ranks=ranks, counters=counters)
     snapshot = JobSnapshot(now, (machine,), layout=layout, notes=tuple(notes))
     verdict = analyze_counters(snapshot, layout)
-    return snapshot, Verdict(verdict.suspects, verdict.summary, tuple(sorted(set(verdict.missing_ranks) | set(missing))),
-                             verdict.notes + tuple(notes))
+    summary = verdict.summary
+    serious = [f for f in analysis.findings if f.kind in SERIOUS]
+    if serious and not verdict.suspects:  # counters agree, the entries do not: say so in the headline
+        others = f" (+{len(serious) - 1} more finding(s))" if len(serious) > 1 else ""
+        summary = f"flight recorder: {serious[0].summary}{others}"
+    verdict = Verdict(verdict.suspects, summary, tuple(sorted(set(verdict.missing_ranks) | set(missing))),
+                      verdict.notes + tuple(notes), findings=verdict.findings + analysis.findings)
+    return FlightRecorderReport(snapshot, verdict, analysis)
+
+
+def analyze_flight_recorder_dir(path: Path, layout: Layout | None) -> tuple[JobSnapshot, Verdict]:
+    """Read a folder of per-rank dumps; the snapshot carries their counters, the verdict names the suspects."""
+    report = read_flight_recorder_dir(path, layout)
+    return report.snapshot, report.verdict

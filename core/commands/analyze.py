@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     options = SignatureOptions(keep_lines=args.keep_lines, fold_wrappers=not args.no_fold,
                                include_subprocesses=not args.no_subprocesses,
                                include_idle_threads=args.idle_threads)
-    snapshots, other_verdicts = _load(args)
+    snapshots, other_verdicts, extra = _load(args)
     index = args.snapshot
     if not -len(snapshots) <= index < len(snapshots):
         raise RankscopeError(f"--snapshot {index} is out of range: the bundle holds {len(snapshots)} snapshot(s)",
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if other_verdicts and not any(m.stacks for m in snapshot.machines):
         # Nothing to group (flight-recorder dumps carry counters only): the other detectors speak alone.
         out = _verdict_only(other_verdicts, snapshot, layout)
+        out.update(extra)
         _print(out, args.json)
         return 0
     try:
@@ -138,6 +139,7 @@ def _print(out: dict[str, Any], as_json: bool) -> None:
 
 def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, Any]:
     """The --json shape for a source without stacks: no groups, the detectors' suspects."""
+    from rankscope.analyzers.findings import finding_to_json
     from rankscope.analyzers.suspects import suspect_to_json
     from rankscope.analyzers.verdict import merge_verdicts
 
@@ -156,31 +158,35 @@ def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, 
         "suspects": [suspect_to_json(s) for s in verdict.suspects],
         "missing_ranks": list(verdict.missing_ranks),
         "notes": [*snapshot.notes, *(n for n in verdict.notes if n not in snapshot.notes)],
+        "findings": [finding_to_json(f) for f in verdict.findings],
     }
 
 
-def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
-    """The snapshots to judge and verdicts from other detectors (the flight recorder's)."""
+def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    """The snapshots to judge, verdicts from other detectors (the flight recorder's), extra --json keys."""
     if args.bundle is not None:
         from rankscope.bundle import read_bundle
 
         bundle = read_bundle(args.bundle)
         if not bundle.snapshots:
             raise RankscopeError(f"{args.bundle} holds no snapshots", "capture one with `rankscope snapshot -o FILE`")
-        return list(bundle.snapshots), []
+        return list(bundle.snapshots), [], {}
     if args.pyspy_dir is not None:
         from rankscope.pyspy_dir import load_pyspy_dir
 
-        return [load_pyspy_dir(args.pyspy_dir, _layout(args, None))], []
+        return [load_pyspy_dir(args.pyspy_dir, _layout(args, None))], [], {}
     try:
-        from rankscope.flight_recorder import analyze_flight_recorder_dir  # type: ignore[import-not-found,unused-ignore]
+        from rankscope.flight_recorder import read_flight_recorder_dir  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         raise RankscopeError(
             "this rankscope has no flight-recorder reader (rankscope.flight_recorder is missing)",
             "analyze a bundle or a --pyspy-dir instead, or install a rankscope release that has it",
         ) from None
-    snapshot, verdict = analyze_flight_recorder_dir(args.flight_recorder, _layout(args, None))
-    return [snapshot], [verdict]
+    from rankscope.analyzers.flight_recorder import wavefront_to_json
+
+    report = read_flight_recorder_dir(args.flight_recorder, _layout(args, None))
+    return [report.snapshot], [report.verdict], {"fr_wavefront": [wavefront_to_json(w)
+                                                                  for w in report.analysis.wavefront]}
 
 
 def _rounds(snapshots: list[Any], layout: Any, options: Any) -> dict[str, object]:
@@ -222,6 +228,7 @@ def render_text(out: dict[str, Any]) -> str:
             lines.extend(f"       {e}" for e in s["evidence"])
     else:
         lines.append("suspects: none")
+    lines.extend(_render_findings(out))
     fs = out.get("fail_slow")
     if fs:
         lines.append("")
@@ -237,6 +244,32 @@ def render_text(out: dict[str, Any]) -> str:
         lines.append("")
         lines.extend(f"note: {n}" for n in out["notes"])
     return "\n".join(lines) + "\n"
+
+
+def _render_findings(out: dict[str, Any]) -> list[str]:
+    """Findings (mismatches, missing ranks, damaged dumps) and the flight recorder's wavefront."""
+    lines: list[str] = []
+    findings = out.get("findings") or []
+    if findings:
+        lines += ["", f"findings ({len(findings)}):"]
+        for f in findings[:20]:
+            lines.append(f"  [{f['kind']}] ranks {_ranks(f['ranks'])}: {f['summary']}")
+            lines.extend(f"       {e}" for e in f["evidence"][:6])
+            if f.get("advice"):
+                lines.append(f"       -> {f['advice']}")
+        if len(findings) > 20:
+            lines.append(f"  ... {len(findings) - 20} more findings (use --json)")
+    waves = out.get("fr_wavefront")
+    if waves is not None:
+        from rankscope.analyzers.flight_recorder import wavefront_line
+
+        lines += ["", "flight-recorder wavefront (laggards first):"]
+        lines.extend(f"  {wavefront_line(w)}" for w in waves[:20])
+        if not waves:
+            lines.append("  no collective recorded")
+        if len(waves) > 20:
+            lines.append(f"  ... {len(waves) - 20} more groups (use --json)")
+    return lines
 
 
 def _ranks(ranks: list[int]) -> str:
