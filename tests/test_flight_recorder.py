@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 from rankscope.errors import RankscopeError
-from rankscope.flight_recorder import analyze_flight_recorder_dir, dumps_to_counters, load_dump
+from rankscope.flight_recorder import (
+    analyze_flight_recorder_dir,
+    dumps_to_counters,
+    load_dump,
+    read_flight_recorder_dir,
+)
 
 JOB = textwrap.dedent("""
     import os, pickle, sys, time
@@ -25,6 +30,9 @@ JOB = textwrap.dedent("""
     for _ in range(3):
         dist.all_reduce(torch.ones(4))
     dist.broadcast(torch.ones(8), 0, group=pp)
+    # gloo moves bytes only: same byte counts, different shapes / dtypes go through and are recorded
+    dist.all_reduce(torch.ones(4) if r == 0 else torch.ones(2, 2), group=pp)
+    dist.all_reduce(torch.ones(4) if r == 0 else torch.ones(4, dtype=torch.int32), group=pp)
 
     def settled(n_open):
         # gloo marks a work done before its worker thread retires the recorder entry: wait for the entries
@@ -73,7 +81,8 @@ def test_real_gloo_dumps_name_the_rank_that_never_arrived(tmp_path: Path) -> Non
                            str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for fmt in ("pkl", "json"):
-        snapshot, verdict = analyze_flight_recorder_dir(tmp_path / fmt, None)
+        report = read_flight_recorder_dir(tmp_path / fmt, None)
+        snapshot, verdict = report.snapshot, report.verdict
         counters = snapshot.all_counters()
         assert set(counters) == {0, 1}
         ar = {r: next(o for o in c.ops if o.comm_id == "0" and o.op == "all_reduce") for r, c in counters.items()}
@@ -82,6 +91,22 @@ def test_real_gloo_dumps_name_the_rank_that_never_arrived(tmp_path: Path) -> Non
         assert descs == {"0": "default_pg", "1": "PIPELINE_MODEL_PARALLEL_GROUP"}
         assert verdict.top is not None and verdict.top.ranks == (1,), (fmt, verdict)
         assert "all_reduce CL 3 < 4" in verdict.top.evidence[0]
+        # the entries compared across ranks: the two program mismatches and the rank that never arrived
+        got = [(f.kind, f.ranks, f.communicator, f.summary) for f in verdict.findings]
+        pp = "1:PIPELINE_MODEL_PARALLEL_GROUP"
+        assert got == [
+            ("fr-size-mismatch", (0, 1), pp,
+             f"input_sizes disagree at all_reduce seq 2, record 4 in pg {pp}: rank 0 [[4]] vs rank 1 [[2, 2]]"),
+            ("fr-dtype-mismatch", (0, 1), pp,
+             f"input_dtypes disagree at all_reduce seq 3, record 5 in pg {pp}: rank 0 ['Float'] vs rank 1 ['Int']"),
+            ("fr-missing-ranks", (1,), "0:default_pg",
+             "rank(s) 1 never joined all_reduce seq 4, record 6 in pg 0:default_pg"),
+        ], fmt
+        waves = {w.communicator: w for w in report.analysis.wavefront}
+        assert [w.communicator for w in report.analysis.wavefront] == ["0:default_pg", pp]  # laggard first
+        d = waves["0:default_pg"]
+        assert (d.least_seq, d.behind, d.head_seq, d.ahead, d.next_op) == (3, (1,), 4, (0,), "all_reduce seq 4")
+        assert (waves[pp].head_seq, waves[pp].ahead) == (3, ())
 
 
 def _entry(seq: int, retired: bool, pg: tuple[str, str] = ("0", "default_pg")) -> dict[str, object]:
