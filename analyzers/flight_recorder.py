@@ -298,7 +298,8 @@ def _read_dumps(dumps: Mapping[int, Any], findings: list[Finding]) -> dict[int, 
                 tuple(f"rank {rank}: {p} unreadable in {n} entr{'y' if n == 1 else 'ies'}"
                       + (f" (first at record {first_bad[p]})" if first_bad[p] is not None else "")
                       for p, n in sorted(bad.items()))))
-        _check_records(dump, findings)
+        _check_records(dump, [i for e in entries if isinstance(e, Mapping)
+                              for i in [_int(e.get("record_id"))] if i is not None], findings)
         out[rank] = dump
     if len(versions) > 1:
         findings.append(_finding(
@@ -308,8 +309,7 @@ def _read_dumps(dumps: Mapping[int, Any], findings: list[Finding]) -> dict[int, 
     return out
 
 
-def _check_records(dump: _Dump, findings: list[Finding]) -> None:
-    ids = [op.record_id for op in dump.ops if op.record_id is not None]
+def _check_records(dump: _Dump, ids: list[int], findings: list[Finding]) -> None:
     if not ids:
         return
     evidence: list[str] = []
@@ -477,16 +477,20 @@ def _analyze_group(grp: _Group, dumps: Mapping[int, _Dump]) -> tuple[list[Findin
                 per.setdefault(op.seq, []).append(op)
         calls[r] = per
 
+    bounds = {r: (min(per), max(per)) for r, per in calls.items() if per}
+
     def status(r: int, seq: int) -> str:
-        """'in', 'missing' (has not joined) or 'unknown' (its buffer no longer covers seq)."""
-        per = calls[r]
-        if seq in per:
-            return "partial" if dumps[r].wrapped and seq == min(per) else "in"
-        if not per:
-            return "unknown" if dumps[r].wrapped else "missing"
-        if seq > max(per):
+        """'in', 'partial' (the call may have lost its head to a wrap), 'missing' (has not joined) or
+        'unknown' (its buffer no longer covers seq)."""
+        wrapped = dumps[r].wrapped
+        if r not in bounds:
+            return "unknown" if wrapped else "missing"
+        low, high = bounds[r]
+        if seq in calls[r]:
+            return "partial" if wrapped and seq == low else "in"
+        if seq > high:
             return "missing"
-        return "unknown" if dumps[r].wrapped and seq < min(per) else "missing"
+        return "unknown" if wrapped and seq < low else "missing"
 
     first_missing: dict[int, tuple[int, int, FrOp]] = {}  # rank -> (seq, position, the op others hold)
     mismatches: list[Finding] = []
@@ -532,7 +536,8 @@ def _missing_findings(grp: _Group, first: Mapping[int, tuple[int, int, FrOp]],
     for (seq, pos), ranks in sorted(by_point.items()):
         ref = first[ranks[0]][2]
         joined = sorted(r for r, per in calls.items() if len(per.get(seq, [])) > pos)
-        evidence = [f"ranks {compact_ranks(joined)} recorded {_where(ref, grp.label)}"]
+        evidence = [f"{'rank' if len(joined) == 1 else 'ranks'} {compact_ranks(joined)} recorded "
+                    f"{_where(ref, grp.label)}"]
         for r in sorted(ranks):
             per = calls[r]
             last = max(per) if per else None

@@ -98,7 +98,7 @@ def test_case6_empty_coalesced_on_rank0_names_rank0_missing_like_pytorch(
     assert kinds(report.analysis) == [("fr-missing-ranks", (0,))]
     f = report.analysis.findings[0]
     assert f.summary == "rank(s) 0 never joined _reduce_oop seq 0, record 1 in pg 0:default_pg"
-    assert f.evidence == ("ranks 1 recorded _reduce_oop seq 0, record 1 in pg 0:default_pg",
+    assert f.evidence == ("rank 1 recorded _reduce_oop seq 0, record 1 in pg 0:default_pg",
                           "rank 0: last entry seq 0 (all_reduce, completed)")
     (w,) = report.analysis.wavefront
     assert (w.behind, w.ahead, w.next_op) == ((0,), (1,), "_reduce_oop seq 0")
