@@ -78,6 +78,8 @@ ADVICE = {
     "fr-empty-dump": "set TORCH_FR_BUFFER_SIZE (e.g. 2000) in that rank's environment before the job starts",
     "fr-truncated-dump": "raise TORCH_FR_BUFFER_SIZE so the buffer holds the whole window of interest; "
                          "ops before the wrap cannot be compared",
+    "fr-unreadable-dump": "the file is cut short or not a dump (a rank killed while writing it?): dump that "
+                          "rank again, or judge without it",
     "fr-malformed-entry": "the dump is damaged or from an unknown format version: re-dump it, or read it "
                           "with the torch version that wrote it",
     "fr-version-mismatch": "dumps from different torch versions: collect them again from one job",
@@ -344,7 +346,8 @@ class _Group:
         return f"{base} {_fmt(self.members)}" if self.qualify else base
 
 
-def _groups(dumps: Mapping[int, _Dump]) -> list[_Group]:
+def _groups(dumps: Mapping[int, _Dump], others: set[int]) -> list[_Group]:
+    """The groups the entries name; ``others``: job ranks without a usable dump."""
     keyed: dict[tuple[str, tuple[int, ...] | None], _Group] = {}
     for dump in dumps.values():
         for op in dump.ops:
@@ -357,7 +360,7 @@ def _groups(dumps: Mapping[int, _Dump]) -> list[_Group]:
     for (_, members), grp in keyed.items():
         if members is None:  # no pg_config: the default group spans every dump, others whoever recorded them
             recorders = set(grp.ops)
-            grp.members = tuple(sorted(set(dumps) if grp.desc == "default_pg" else recorders))
+            grp.members = tuple(sorted(set(dumps) | others if grp.desc == "default_pg" else recorders))
     names = Counter(g.name for g in keyed.values())
     for grp in keyed.values():
         grp.qualify = names[grp.name] > 1
@@ -643,12 +646,22 @@ def _finding(kind: str, ranks: Iterable[int], summary: str, evidence: Sequence[s
     return Finding(kind, tuple(ranks), summary, tuple(evidence), communicator, ADVICE.get(kind, ""))
 
 
-def analyze_dumps(dumps: Mapping[int, Any]) -> FrAnalysis:
-    """Judge decoded flight-recorder dumps (rank -> the dump's dict); never raises on their content."""
+def analyze_dumps(dumps: Mapping[int, Any], unreadable: Mapping[int, str] | None = None) -> FrAnalysis:
+    """Judge decoded flight-recorder dumps (rank -> the dump's dict); never raises on their content.
+
+    ``unreadable``: ranks whose file could not be decoded, and why; they are
+    members of the job (of ``default_pg``) without a dump.
+    """
     findings: list[Finding] = []
+    bad_files = dict(unreadable or {})
+    if bad_files:
+        findings.append(_finding("fr-unreadable-dump", sorted(bad_files),
+                                 f"{len(bad_files)} dump file(s) could not be read",
+                                 tuple(f"rank {r}: {why}" for r, why in sorted(bad_files.items()))[:10]))
     read = _read_dumps(dumps, findings)
-    groups = _groups(read)
-    no_dump = sorted({r for g in groups for r in g.members} - set(dumps))
+    damaged = {r for r in dumps if isinstance(r, int)} - set(read)  # decoded, but no list of entries
+    groups = _groups(read, set(bad_files) | damaged)
+    no_dump = sorted({r for g in groups for r in g.members} - set(dumps) - set(bad_files))
     if no_dump:
         findings.append(_finding("fr-missing-dump", no_dump, f"no dump from rank(s) {compact_ranks(no_dump)}",
                                  tuple(f"pg {g.label}: members {compact_ranks(g.members)}, no dump from "

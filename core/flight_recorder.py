@@ -71,13 +71,14 @@ def rank_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def load_dir(directory: Path) -> tuple[dict[int, dict[str, Any]], list[str]]:
-    """Every readable dump in ``directory`` by rank, and a note per file that was not."""
+def load_dir(directory: Path) -> tuple[dict[int, dict[str, Any]], list[str], dict[int, str]]:
+    """Every readable dump in ``directory`` by rank, a note per file that was not, and why by rank."""
     if not directory.is_dir():
         raise RankscopeError(f"{directory} is not a directory",
                              "pass the folder the ranks dumped into (TORCH_FR_DUMP_TEMP_FILE's folder)")
     dumps: dict[int, dict[str, Any]] = {}
     notes: list[str] = []
+    unreadable: dict[int, str] = {}
     for path in sorted(p for p in directory.iterdir() if p.is_file()):
         rank = rank_of(path)
         if rank is None:
@@ -86,6 +87,7 @@ def load_dir(directory: Path) -> tuple[dict[int, dict[str, Any]], list[str]]:
             data = load_dump(path)
         except (OSError, ValueError, pickle.UnpicklingError, EOFError, UnicodeDecodeError) as exc:
             notes.append(f"{path.name}: unreadable flight recorder dump ({type(exc).__name__}: {exc})")
+            unreadable[rank] = f"{path.name}: {type(exc).__name__}: {exc}"
             continue
         if rank in dumps:
             notes.append(f"{path.name}: a second dump for rank {rank}, ignored")
@@ -95,7 +97,7 @@ def load_dir(directory: Path) -> tuple[dict[int, dict[str, Any]], list[str]]:
         raise RankscopeError(f"no flight recorder dumps in {directory}" + (f" ({'; '.join(notes)})" if notes else ""),
                              "set TORCH_FR_BUFFER_SIZE=2000 in the job and dump with "
                              "torch._C._distributed_c10d._dump_fr_trace() or on timeout")
-    return dumps, notes
+    return dumps, notes, {r: why for r, why in unreadable.items() if r not in dumps}
 
 
 def _nbytes(entry: Mapping[str, Any]) -> int:
@@ -194,17 +196,17 @@ class FlightRecorderReport:
 
 def read_flight_recorder_dir(path: Path, layout: Layout | None) -> FlightRecorderReport:
     """Read a folder of per-rank dumps; the counters name lag suspects, the entries' comparison gives findings."""
-    dumps, notes = load_dir(path)
-    analysis = analyze_dumps(dumps)
+    dumps, notes, unreadable = load_dir(path)
+    analysis = analyze_dumps(dumps, unreadable)
     counters, more = dumps_to_counters(dumps)
     notes += more
     expected: set[int] = set()
     for c in counters:
         for comm in c.communicators:
             expected.update(comm.ranks)
-    for f in analysis.findings:
-        if f.kind == "fr-missing-dump":
-            expected.update(f.ranks)
+    expected.update(unreadable)
+    for w in analysis.wavefront:
+        expected.update(w.members)
     missing = sorted(expected - set(dumps))
     if missing:
         notes.append(f"no dump for rank(s) {', '.join(map(str, missing))}")

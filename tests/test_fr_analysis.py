@@ -365,3 +365,18 @@ def test_fuzz_identical_ranks_agree_and_one_changed_shape_names_exactly_that_ran
     (w,) = short.wavefront
     assert w.behind == (odd,) and w.head_seq == len(clean)
     assert [(f.kind, f.ranks) for f in short.findings if f.kind in SERIOUS] == [("fr-missing-ranks", (odd,))]
+
+
+def test_a_dump_file_cut_short_is_named_and_its_rank_shown_without_a_dump(tmp_path: Path) -> None:
+    gloo_cfg = {"": {"name": "", "desc": "", "ranks": "[]"}}  # what gloo writes: no membership
+    for r in range(3):
+        data = {"version": "2.10", "pg_config": gloo_cfg, "entries": [
+            {**e, "profiling_name": "gloo:all_reduce", "process_group": ("0", "default_pg")} for e in _run(2)]}
+        blob = pickle.dumps(data)
+        (tmp_path / f"nccl_trace_rank_{r}").write_bytes(blob[: len(blob) // 2] if r == 2 else blob)
+    report = read_flight_recorder_dir(tmp_path, None)
+    assert kinds(report.analysis) == [("fr-unreadable-dump", (2,))]
+    assert report.analysis.findings[0].evidence[0].startswith("rank 2: nccl_trace_rank_2: ")
+    (w,) = report.analysis.wavefront
+    assert (w.members, w.no_dump, w.head_seq) == ((0, 1, 2), (2,), 2)
+    assert 2 in report.verdict.missing_ranks
