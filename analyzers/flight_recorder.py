@@ -60,6 +60,8 @@ _REDUCE_SCATTER = {"reduce_scatter", "_reduce_scatter_base", "reduce_scatter_ten
                    "reduce_scatter_tensor_coalesced", "reduce_scatter_single"}
 _ALL_REDUCE = {"all_reduce", "allreduce_coalesced"}
 _P2P = {"send", "recv"}
+# How far an entry got; an unknown state is never taken as behind.
+_STATE_RANK = {"scheduled": 0, "started": 1, "completed": 2}
 _INTS = re.compile(r"-?\d+")
 
 ADVICE = {
@@ -121,8 +123,11 @@ class RankProgress:
     ops_at_last: int = 0  # entries at last_seq: a coalesced call one rank entered only partly
 
     @property
-    def key(self) -> tuple[int, int]:
-        return (-1, 0) if self.last_seq is None else (self.last_seq, self.ops_at_last)
+    def key(self) -> tuple[int, int, int]:
+        """Progress order: sequence id, then ops entered of that call, then how far the last one got."""
+        if self.last_seq is None:
+            return (-1, 0, 0)
+        return (self.last_seq, self.ops_at_last, _STATE_RANK.get(self.state, len(_STATE_RANK)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -629,11 +634,13 @@ def _wavefront(grp: _Group, dumps: Mapping[int, _Dump],
     next_op = ""
     if ahead:
         lead = calls[ahead[0]]
-        if least is not None and least == head:  # same call, fewer of its ops: the first one not entered
-            first = lead[least][least_key[1]]
+        first: FrOp | None = None
+        if least is not None and least == head:  # same call: the first of its ops not entered, if any
+            ops = lead[least]
+            first = ops[least_key[1]] if least_key[1] < len(ops) else None
         else:
             first = lead[min(s for s in lead if least is None or s > least)][0]
-        next_op = f"{first.op} seq {first.seq}"
+        next_op = f"{first.op} seq {first.seq}" if first is not None else ""
     return GroupWavefront(grp.label, grp.members, least, head, behind, ahead, tuple(progress), next_op,
                           tuple(r for r in grp.members if r not in dumps), tuple(unknown))
 
@@ -690,8 +697,10 @@ def wavefront_line(w: Mapping[str, Any]) -> str:
         if p["last_seq"] is None:
             return "no entry in this group"
         n = p["ops_at_last_seq"]
-        count = f" ({n} op{'s' if n != 1 else ''})" if low["last_seq"] == high["last_seq"] else ""
-        return f"seq {p['last_seq']}{count}"
+        same_seq = low["last_seq"] == high["last_seq"]
+        if same_seq and low["ops_at_last_seq"] == high["ops_at_last_seq"]:  # apart only by how far it got
+            return f"seq {p['last_seq']} ({p['op']} {p['state'] or 'no state'})"
+        return f"seq {p['last_seq']}" + (f" ({n} op{'s' if n != 1 else ''})" if same_seq else "")
 
     line = (f"pg {w['communicator']}: rank(s) {compact_ranks(w['behind'])} behind at {at(low)}; "
             f"rank(s) {compact_ranks(w['ahead'])} at {at(high)}")

@@ -380,3 +380,36 @@ def test_a_dump_file_cut_short_is_named_and_its_rank_shown_without_a_dump(tmp_pa
     (w,) = report.analysis.wavefront
     assert (w.members, w.no_dump, w.head_seq) == ((0, 1, 2), (2,), 2)
     assert 2 in report.verdict.missing_ranks
+
+
+@pytest.mark.parametrize("case", ["allreduce_coalesced", "broadcast-coalesced", "reduce-scatter-coalesced"])
+def test_pytorch_cases_2_3_5_matched_coalesced_calls_give_nothing(case: str) -> None:
+    if case == "allreduce_coalesced":  # test case 2
+        es = [entry(0, "allreduce_coalesced", [[4, 4]], [[4, 4]])]
+    elif case == "broadcast-coalesced":  # test case 3: seq id does not grow inside a coalesced call
+        es = [entry(0, "broadcast", [[4, 4]], [[4, 4]]), entry(1, "broadcast", [[4, 4]], [[4, 4]]),
+              entry(2, "coalesced", [[]], [[]])]
+    else:  # test case 5
+        es = [entry(0, "_reduce_oop", [[4, 4]], [[4, 4]]), entry(1, "_reduce_oop", [[4, 4]], [[4, 4]]),
+              entry(2, "REDUCE_SCATTER_coalesced", [[]], [[]])]
+    got = analyze_dumps(dumps(es, [dict(e) for e in es]))
+    assert kinds(got) == [] and not got.wavefront[0].lagging
+
+
+def test_past_the_cap_mismatches_are_summed_up_not_listed() -> None:
+    r0 = _run(14)
+    r1 = [{**e, "input_sizes": [[5]], "output_sizes": [[5]]} for e in _run(14)]
+    got = analyze_dumps(dumps(r0, r1))
+    assert [f.kind for f in got.findings] == ["fr-size-mismatch"] * 10 + ["fr-mismatch-cap"]
+    assert got.findings[-1].summary == "4 more mismatch(es) in pg 0:default_pg not listed"
+
+
+def test_at_the_same_call_the_rank_whose_op_got_least_far_is_the_laggard() -> None:
+    done = _run(3)
+    stuck = [*_run(2), {**_run(3)[2], "state": "scheduled"}]
+    got = analyze_dumps(dumps(done, stuck, done))
+    (w,) = got.wavefront
+    assert (w.behind, w.ahead) == ((1,), (0, 2))
+    assert wavefront_line(_wjson(w)) == ("pg 0:default_pg: rank(s) 1 behind at seq 3 (all_reduce scheduled); "
+                                         "rank(s) 0,2 at seq 3 (all_reduce completed)")
+    assert kinds(got) == [("fr-state-mismatch", (1,))]
