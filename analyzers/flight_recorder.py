@@ -457,10 +457,11 @@ def _compare(grp: _Group, at: Mapping[int, FrOp]) -> list[Finding]:
             found.append(_finding("fr-size-mismatch", tuple(sorted(at)), f"{kind} sends and receives differ at {where}",
                                   (f"total input numel {total_in} vs total output numel {total_out} "
                                    "over the group",), grp.label))
+    # dtypes count only where the side holds data: a non-root gather records an empty output
     dt_in = {r: tuple(sorted(set(op.input_dtypes))) for r, op in at.items()
-             if op.input_dtypes and op.input_sizes}
+             if op.input_dtypes and op.input_sizes and any(op.input_sizes)}
     dt_out = {r: tuple(sorted(set(op.output_dtypes))) for r, op in at.items()
-              if op.output_dtypes and op.output_sizes}
+              if op.output_dtypes and op.output_sizes and any(op.output_sizes)}
     if not (kind not in ("scatter", "broadcast", "_broadcast_oop")
             and check("fr-dtype-mismatch", "input_dtypes", dt_in)) and kind != "gather":
         check("fr-dtype-mismatch", "output_dtypes", dt_out)

@@ -50,6 +50,11 @@ _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "I
                 "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16}
 
 
+# What decoding damaged bytes raises: pickle's decoder alone has a handful (found by fuzzing).
+_UNREADABLE = (OSError, ValueError, pickle.UnpicklingError, EOFError, OverflowError, IndexError, KeyError,
+               TypeError, AttributeError, RecursionError, MemoryError)
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """Flight recorder dumps are dicts, lists, tuples, strings and numbers: allow nothing else."""
 
@@ -85,7 +90,7 @@ def load_dir(directory: Path) -> tuple[dict[int, dict[str, Any]], list[str], dic
             continue
         try:
             data = load_dump(path)
-        except (OSError, ValueError, pickle.UnpicklingError, EOFError, UnicodeDecodeError) as exc:
+        except _UNREADABLE as exc:
             notes.append(f"{path.name}: unreadable flight recorder dump ({type(exc).__name__}: {exc})")
             unreadable[rank] = f"{path.name}: {type(exc).__name__}: {exc}"
             continue
