@@ -79,3 +79,15 @@ class Verdict:
     @property
     def top(self) -> Suspect | None:
         return self.suspects[0] if self.suspects else None
+
+
+def finding_to_json(f: Finding) -> dict[str, object]:
+    """One finding as ``analyze --json`` and bundles show it (every detector's findings go through here)."""
+    return {
+        "kind": f.kind,
+        "ranks": list(f.ranks),
+        "communicator": f.communicator,
+        "summary": f.summary,
+        "evidence": list(f.evidence),
+        "advice": f.advice,
+    }

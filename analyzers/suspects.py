@@ -48,7 +48,7 @@ from rankscope.analyzers.chain import (
     follow_chain,
     rank_views,
 )
-from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
+from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, finding_to_json
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
     MAIN_LANE,
@@ -749,9 +749,24 @@ def verdict_to_json(analysis: StackAnalysis) -> dict[str, object]:
         "dominant": list(g.dominant),
         "outliers": list(g.outliers),
         "suspects": [suspect_to_json(s) for s in v.suspects],
+        "findings": [finding_to_json(f) for f in v.findings],
+        "chain": chain_to_json(analysis.chain) if analysis.chain is not None else None,
         "missing_ranks": list(v.missing_ranks),
         "notes": list(v.notes),
     }
 
 
-__all__ = ["StackAnalysis", "analyze_stacks", "suspect_to_json", "verdict_to_json"]
+def chain_to_json(chain: Chain) -> dict[str, object]:
+    """The roots the waiting ranks lead to (with their victims) and the waiters no root explains."""
+    return {
+        "roots": [{"rank": r.rank, "state": r.view.state.value, "detail": r.view.describe(),
+                   "process_state": r.view.process_state, "wchan": r.view.wchan, "victims": list(r.victims)}
+                  for r in chain.roots],
+        "desyncs": [{"group_kind": d.group_kind, "ranks": list(d.ranks), "victims": list(d.victims),
+                     "sites": [{"site": site, "ranks": list(ranks)} for site, ranks in d.sites], "tie": d.tie}
+                    for d in chain.desyncs],
+        "unexplained": list(chain.unexplained),
+    }
+
+
+__all__ = ["StackAnalysis", "analyze_stacks", "chain_to_json", "suspect_to_json", "verdict_to_json"]

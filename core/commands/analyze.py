@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         if counters.suspects:  # CCL counters recorded by the plugin: merge, agreement counts for more
             other_verdicts = [counters]
     if other_verdicts:
+        from rankscope.analyzers.findings import finding_to_json
         from rankscope.analyzers.suspects import suspect_to_json
         from rankscope.analyzers.verdict import merge_verdicts
 
@@ -118,8 +119,13 @@ def run(args: argparse.Namespace) -> int:
         out["stacks_summary"] = out["summary"]
         out["summary"] = merged.summary
         out["suspects"] = [suspect_to_json(s) for s in merged.suspects]
+        out["findings"] = [finding_to_json(f) for f in merged.findings]
         out["missing_ranks"] = list(merged.missing_ranks)
         out["notes"] = list(merged.notes)
+    if analysis.chain is not None:
+        from rankscope.analyzers.completeness import rank_evidence, rank_evidence_to_json
+
+        out["rank_evidence"] = [rank_evidence_to_json(e) for e in rank_evidence(snapshot, analysis.chain)]
     if rounds is not None:
         out["fail_slow"] = rounds
     if snapshot.notes:
@@ -138,6 +144,7 @@ def _print(out: dict[str, Any], as_json: bool) -> None:
 
 def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, Any]:
     """The --json shape for a source without stacks: no groups, the detectors' suspects."""
+    from rankscope.analyzers.findings import finding_to_json
     from rankscope.analyzers.suspects import suspect_to_json
     from rankscope.analyzers.verdict import merge_verdicts
 
@@ -154,6 +161,9 @@ def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, 
         "dominant": [],
         "outliers": [],
         "suspects": [suspect_to_json(s) for s in verdict.suspects],
+        "findings": [finding_to_json(f) for f in verdict.findings],
+        "chain": None,
+        "rank_evidence": [],
         "missing_ranks": list(verdict.missing_ranks),
         "notes": [*snapshot.notes, *(n for n in verdict.notes if n not in snapshot.notes)],
     }
@@ -218,10 +228,32 @@ def render_text(out: dict[str, Any]) -> str:
     if out["suspects"]:
         lines.append("suspects (most likely first):")
         for i, s in enumerate(out["suspects"][:5], 1):
-            lines.append(f"  {i}. [{s['kind']}] score {s['score']:.2f}  machines: {', '.join(s['machines']) or '?'}")
+            state = f"  [{s['state']}]" if s.get("state") else ""
+            lines.append(f"  {i}. [{s['kind']}] score {s['score']:.2f}  machines: {', '.join(s['machines']) or '?'}"
+                         + state)
             lines.extend(f"       {e}" for e in s["evidence"])
+            if s.get("victims"):
+                lines.append(f"       victims (wait on it, not suspects): ranks {_ranks(s['victims'])}")
     else:
         lines.append("suspects: none")
+    if out.get("findings"):
+        lines.append("")
+        lines.append("findings:")
+        for f in out["findings"]:
+            comm = f" on {f['communicator']}" if f.get("communicator") else ""
+            lines.append(f"  [{f['kind']}] ranks {_ranks(f['ranks'])}{comm}: {f['summary']}")
+            lines.extend(f"       {e}" for e in f["evidence"])
+            if f.get("advice"):
+                lines.append(f"       advice: {f['advice']}")
+    gaps = [e for e in out.get("rank_evidence", []) if not e["complete"]]
+    if gaps:
+        lines.append("")
+        lines.append(f"incomplete evidence ({len(gaps)} of {len(out['rank_evidence'])} ranks):")
+        for e in gaps[:10]:
+            what = "; ".join(e["failed"]) or (f"stack cut short: {e['truncated']}" if e["truncated"] else e["detail"])
+            lines.append(f"  rank {e['rank']} ({e['machine'] or '?'}) [{e['state']}]: {what}")
+        if len(gaps) > 10:
+            lines.append(f"  ... {len(gaps) - 10} more (use --json: rank_evidence)")
     fs = out.get("fail_slow")
     if fs:
         lines.append("")
