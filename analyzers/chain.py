@@ -247,9 +247,10 @@ def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
             direction = "prev" if prev and not nxt else "next" if nxt and not prev else "both"
             return RankView(rank, RankState.P2P, frame=inner_text, site=site, direction=direction)
         return RankView(rank, RankState.COLLECTIVE, frame=inner_text, site=site)
-    if any(_base(f.filename) in _DATALOADER_FILES for f in frames):
-        shown = " <- ".join(frame_text(f) for f in frames[:2])
-        return RankView(rank, RankState.LOADING, frame=f"{shown} (waits for its DataLoader)")
+    loader = next((i for i, f in enumerate(frames) if _base(f.filename) in _DATALOADER_FILES), None)
+    if loader is not None:
+        shown = " <- ".join(frame_text(f) for f in frames[max(loader - 1, 0):loader + 1])
+        return RankView(rank, RankState.LOADING, frame=f"{shown} (waits for a batch from its DataLoader)")
     if (_short(frames[0].name), _base(frames[0].filename)) in _AUTOGRAD_ENGINE:
         # Resolved in follow_chain: gradient reduction when its DP peers wait in a collective, else compute.
         return RankView(rank, RankState.COMPUTING, frame=inner_text, site=BACKWARD_SITE)

@@ -482,9 +482,10 @@ def _state_words(chain: Chain, ranks: set[int]) -> str:
         return ""
     v = views[0]
     if v.state in (RankState.UNREADABLE, RankState.STOPPED):
-        extra = f", process state {v.process_state}" if v.process_state else ""
-        extra += f" in {v.wchan}" if v.wchan else ""
-        return f"{v.state.value}{extra}"
+        extra = [v.reason.split(":", 1)[0]] if ":" in v.reason else []
+        if v.process_state:
+            extra.append(f"process state {v.process_state}" + (f" in {v.wchan}" if v.wchan else ""))
+        return f"{v.state.value}: {', '.join(extra)}" if extra else v.state.value
     return v.state.value
 
 
@@ -547,7 +548,9 @@ def _apply_chain(
         if mine:
             own_victims = tuple(sorted({v for r in chain.roots if r.rank in mine for v in r.victims} - members))
             lines = _root_lines(chain, mine, placement)
-            s = replace(s, evidence=(s.evidence[0], *lines, *s.evidence[1:]), victims=own_victims,
+            # The root line says what the rank does; the origin line's "own work" would repeat it less exactly.
+            rest = [e for e in s.evidence[1:] if not (e.startswith("origin:") and "own work" in e)]
+            s = replace(s, evidence=(s.evidence[0], *lines, *rest), victims=own_victims,
                         state=_state_words(chain, mine))
             explained = explained | set(own_victims) | mine
             held |= mine
@@ -631,6 +634,7 @@ def analyze_stacks(
                 if score > best_score + 1e-9:
                     best, best_score = trial, score
             if named:
+                notes = [n for n in notes if not n.startswith(f"{len(tied)} groups of {top} ranks tie")]
                 notes.append(f"{len(tied)} groups of {top} ranks tie for largest, so no majority says which is "
                              f"healthy: the chain of waits decides (group {best.dominant[0]} taken as healthy; "
                              f"it holds no root)")

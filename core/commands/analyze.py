@@ -281,12 +281,15 @@ def render_text(out: dict[str, Any]) -> str:
     gaps = [e for e in out.get("rank_evidence", []) if not e["complete"]]
     if gaps:
         lines.append("")
-        lines.append(f"incomplete evidence ({len(gaps)} of {len(out['rank_evidence'])} ranks):")
-        for e in gaps[:10]:
+        lines.append(f"incomplete evidence ({len(gaps)} of {len(out['rank_evidence'])} ranks; --json: rank_evidence):")
+        alike: dict[tuple[str, str], list[int]] = {}
+        for e in gaps:  # ranks that lack the same thing for the same reason share a line
             what = "; ".join(e["failed"]) or (f"stack cut short: {e['truncated']}" if e["truncated"] else e["detail"])
-            lines.append(f"  rank {e['rank']} ({e['machine'] or '?'}) [{e['state']}]: {what}")
-        if len(gaps) > 10:
-            lines.append(f"  ... {len(gaps) - 10} more (use --json: rank_evidence)")
+            alike.setdefault((e["state"], what), []).append(e["rank"])
+        for (state, what), ranks in list(alike.items())[:10]:
+            lines.append(f"  {'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)} [{state}]: {what}")
+        if len(alike) > 10:
+            lines.append(f"  ... {len(alike) - 10} more kinds of gap")
     fs = out.get("fail_slow")
     if fs:
         lines.append("")
