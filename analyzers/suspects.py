@@ -548,17 +548,17 @@ def _apply_chain(
         if mine:
             own_victims = tuple(sorted({v for r in chain.roots if r.rank in mine for v in r.victims} - members))
             lines = _root_lines(chain, mine, placement)
-            # The root line says what the rank does; the origin line's "own work" would repeat it less exactly.
-            rest = [e for e in s.evidence[1:] if not (e.startswith("origin:") and "own work" in e)]
-            s = replace(s, evidence=(s.evidence[0], *lines, *rest), victims=own_victims,
+            s = replace(s, evidence=(s.evidence[0], *lines, *s.evidence[1:]), victims=own_victims,
                         state=_state_words(chain, mine))
             explained = explained | set(own_victims) | mine
             held |= mine
         out.append((s, explained))
     world = max(topology.world_size, 1)
     for root in chain.roots:
-        if root.rank in held or root.view.state not in (RankState.UNREADABLE, RankState.STOPPED):
-            continue
+        absent = root.view.state in (RankState.UNREADABLE, RankState.STOPPED)
+        alone = any(se[0].ranks == (root.rank,) for se in out)
+        if alone or (root.rank in held and not absent):
+            continue  # an unreadable root is named alone even inside a group: no stack group holds it
         strong = root.view.process_state in ("D", "T", "t", "Z", "gone") or root.view.state is RankState.STOPPED
         machines = placement.machines([root.rank])
         out.append((Suspect(
