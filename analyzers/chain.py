@@ -93,6 +93,15 @@ class RankView:
     process_state: str | None = None
     wchan: str | None = None
 
+    def short(self) -> str:
+        """A few words: "loading data", "unreadable: permission, process state D in nv_wait"."""
+        if self.state not in (RankState.UNREADABLE, RankState.STOPPED, RankState.UNKNOWN):
+            return self.state.value
+        extra = [self.reason.split(":", 1)[0]] if ":" in self.reason else []
+        if self.process_state:
+            extra.append(f"process state {self.process_state}" + (f" in {self.wchan}" if self.wchan else ""))
+        return f"{self.state.value}: {', '.join(extra)}" if extra else self.state.value
+
     def describe(self) -> str:
         if self.state is RankState.COLLECTIVE:
             return f"in a collective: {self.site}"

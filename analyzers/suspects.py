@@ -480,13 +480,7 @@ def _state_words(chain: Chain, ranks: set[int]) -> str:
     views = [chain.views[r] for r in sorted(ranks) if r in chain.views and chain.views[r].state in TERMINAL]
     if not views:
         return ""
-    v = views[0]
-    if v.state in (RankState.UNREADABLE, RankState.STOPPED):
-        extra = [v.reason.split(":", 1)[0]] if ":" in v.reason else []
-        if v.process_state:
-            extra.append(f"process state {v.process_state}" + (f" in {v.wchan}" if v.wchan else ""))
-        return f"{v.state.value}: {', '.join(extra)}" if extra else v.state.value
-    return v.state.value
+    return views[0].short()
 
 
 def _root_lines(chain: Chain, ranks: set[int], placement: _Placement) -> list[str]:
