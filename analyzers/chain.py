@@ -302,10 +302,13 @@ class _Groups:
 _Key = tuple[RankState, str]
 
 
-def follow_chain(views: Mapping[int, RankView], topology: Topology) -> Chain:
+def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: frozenset[int] = frozenset()) -> Chain:
     """Roots (ranks others wait on, with their victims), desyncs, and waiters explained by neither.
 
-    Searched backwards from the ranks that wait for nobody. A group's ranks
+    Searched backwards from the ranks that wait for nobody, except those of
+    ``majority`` (the ranks of a stack group larger than any other): most of
+    a job doing the same work is the job running, not where it stopped. A
+    group's ranks
     are bucketed by call site once, so one step from a rank visits each
     (group, call site) pair once: the cost grows with the job, not its square.
     """
@@ -333,7 +336,7 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology) -> Chain:
     on_world = {r for r in collective
                 if all(len(sites(groups.group(k, r)).get(at(r), ())) == len(groups.group(k, r))
                        for k in groups.kinds)}
-    p2p_targets = {r: _p2p_peers(r, views[r], groups) for r in p2p}
+    p2p_targets = {r: _p2p_peers(r, views[r], groups) for r in p2p}  # empty: no pipeline known, wait on all
     p2p_on_world = {r for r, t in p2p_targets.items() if not t}
 
     def waiters_of(x: int, done: set[tuple[tuple[int, ...], _Key]]) -> list[int]:
@@ -365,7 +368,7 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology) -> Chain:
                     todo.append(w)
         return seen - set(starts)
 
-    terminals = [r for r, v in sorted(views.items()) if v.state in TERMINAL]
+    terminals = [r for r, v in sorted(views.items()) if v.state in TERMINAL and r not in majority]
     roots: list[Root] = []
     if len(terminals) <= _MAX_PER_ROOT_SEARCH:
         roots = [Root(t, views[t], tuple(sorted(victims_from([t]) - set(terminals)))) for t in terminals]
@@ -408,6 +411,8 @@ def _p2p_peers(rank: int, v: RankView, groups: _Groups) -> set[int]:
         out.add(stages[i - 1])
     if v.direction in ("next", "both") and i + 1 < len(stages):
         out.add(stages[i + 1])
+    if not out:  # the words pointed past the pipeline's end: the direction guess was wrong, take both sides
+        out = {stages[j] for j in (i - 1, i + 1) if 0 <= j < len(stages)}
     return out
 
 

@@ -609,7 +609,9 @@ def analyze_stacks(
     notes = list(grouping.notes)
 
     views = rank_views(stacks, topology.world_size, missing, options)
-    chain = follow_chain(views, topology)
+    sizes = [len(g.ranks) for g in grouping.groups]
+    unique_majority = len(sizes) > 0 and sizes[0] > 1 and (len(sizes) == 1 or sizes[0] > sizes[1])
+    chain = follow_chain(views, topology, frozenset(grouping.groups[0].ranks) if unique_majority else frozenset())
     named = chain.root_ranks | {r for d in chain.desyncs for r in d.ranks}
 
     # When several groups tie for largest, no majority says which is healthy: the chain decides (a group
