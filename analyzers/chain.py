@@ -53,8 +53,8 @@ from rankscope.analyzers.stacks import (
 from rankscope.analyzers.topology import DIMS, Topology, compact_ranks
 from rankscope.snapshot import CaptureError, CaptureErrorKind, Frame, RankStacks
 
-DESYNC_ADVICE = ("a desync is usually a program mismatch (different data or control flow on these ranks, e.g. an "
-                 "extra batch or a rank-dependent branch): evicting machines will not cure it; fix the code or the "
+DESYNC_ADVICE = ("evicting machines will not cure it: a desync is usually a program mismatch (different data or "
+                 "control flow on these ranks, e.g. an extra batch or a rank-dependent branch); fix the code or the "
                  "data split, then restart from the last checkpoint")
 BACKWARD_SITE = "gradient reduction inside backward (autograd hooks, not visible to py-spy)"
 _MAX_PER_ROOT_SEARCH = 32  # roots searched one by one; beyond this, one search for all

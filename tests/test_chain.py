@@ -151,7 +151,7 @@ def test_cli_json_has_findings_and_per_rank_evidence(capsys: pytest.CaptureFixtu
     text = capsys.readouterr().out
     assert text.startswith("verdict: desync: ranks 0,7-8")
     assert "findings:\n  [desync] ranks 0,7-8 on the whole job" in text
-    assert "advice: a desync is usually a program mismatch" in text
+    assert "advice: evicting machines will not cure it: a desync is usually a program mismatch" in text
 
 
 # --------------------------------------------------------------------------
@@ -301,3 +301,38 @@ def test_waiters_in_a_cycle_with_no_root_leave_the_layout_score_to_decide() -> N
     assert 13 in a.chain.unexplained
     top = a.verdict.top
     assert top is not None and 13 in top.ranks and top.victims == ()
+
+
+# --------------------------------------------------------------------------
+# what the TUI's verdict panel shows
+# --------------------------------------------------------------------------
+
+
+def _panel(stacks: dict[int, RankStacks], world: int, rpm: int, layout: Layout) -> str:
+    from rankscope.tui.analysis import build_stack_view, verdict_text
+    from rankscope.tui.state import Filter
+    from rankscope.tui.widgets.verdict import verdict_text_rich
+
+    view = build_stack_view(snapshot(stacks, world, rpm, layout), layout)
+    return verdict_text_rich(view, Filter("", frozenset()), max_suspects=3).plain + "\n---\n" + verdict_text(view)
+
+
+def test_panel_shows_the_unreadable_root_its_state_and_its_victims() -> None:
+    stacks, layout = _waiting_job(2, 2, 2, "tp-dp-pp", 3, "unreadable")
+    text = _panel(stacks, 8, 2, layout)
+    assert text.startswith("verdict: rank 3 on node1 (unreadable: permission, process state D in nv_wait; "
+                           "7 ranks wait on it)")
+    assert "▸ RANK  machines node1  ranks 3  [unreadable: permission, process state D in nv_wait]" in text
+    assert "root: 7 ranks wait on it (victims, not suspects): 0-2,4-7" in text
+    assert "no stack: ranks 3 — unreadable: permission, process state D in nv_wait" in text
+    assert "victims (wait on it, not suspects): ranks 0-2,4-7" in text  # y copies them too
+
+
+def test_panel_shows_a_desync_with_its_call_sites_and_the_advice() -> None:
+    stacks = {r: _stacks_with_lines(r, BACKWARD if r in (2, 5) else _sync_at(231)) for r in range(8)}
+    text = _panel(stacks, 8, 8, Layout(dp=8, ranks_per_machine=8))
+    assert text.startswith("verdict: desync: ranks 2,5 are in a different collective from the other 6 ranks")
+    assert "▸ DESYNC  machines node0  ranks 2,5" in text
+    assert "6 rank(s) 0-1,3-4,6-7 at all_reduce <- _sync_ddp (distributed.py:231)" in text
+    assert "evicting machines will not cure it: a desync is usually a program mismatch" in text
+    assert "finding [desync] ranks 2,5 on the whole job" in text

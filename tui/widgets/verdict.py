@@ -88,12 +88,16 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
             t.append(f"  [{s.state}]", "bold red")
         if flt.active and not (set(s.ranks) & flt.ranks):
             t.append("  (outside filter)", "dim")
-        if s.evidence and (s.kind.value == "desync" or not s.victims):
-            t.append(f"\n    {s.evidence[0]}", "italic")
-        if s.victims:
+        if s.kind.value == "desync":
+            # Where each side is: the call sites (the evidence lines after the headline).
+            for line in s.evidence[1:3]:
+                t.append(f"\n    {line}", "italic")
+        elif s.victims:
             # The root and the ranks waiting on it: one suspect, its victims are evidence.
             t.append(f"\n    root: {len(s.victims)} ranks wait on it (victims, not suspects): "
                      f"{format_ranks(s.victims, 4)}")
+        elif s.evidence:
+            t.append(f"\n    {s.evidence[0]}", "italic")
         if s.ranks in advice:
             t.append(f"\n    {advice[s.ranks]}", "bold cyan")
         if s.diverging_frame:
