@@ -67,7 +67,7 @@ from rankscope.analyzers.topology import (
     Topology,
     compact_machines,
     compact_ranks,
-    layout_sizes,
+    group_ids,
     natural_key,
     topology_for,
 )
@@ -153,29 +153,6 @@ class _Placement:
         return tuple(sorted((self.names[m] for m in mids.tolist() if m >= 0), key=natural_key))
 
 
-def _group_ids(topology: Topology, kind: str) -> np.ndarray:
-    """For every rank, the index of its group of ``kind`` (the order of ``Topology.groups``)."""
-    world = topology.world_size
-    for k, groups in topology.explicit:
-        if k == kind:
-            out = np.full(world, -1, dtype=np.int64)
-            for i, group in enumerate(groups):
-                members = np.asarray(group, dtype=np.int64)
-                out[members[(members >= 0) & (members < world)]] = i
-            return out
-    sizes = layout_sizes(topology.layout)
-    rest = np.arange(world, dtype=np.int64)
-    index = np.zeros(world, dtype=np.int64)
-    scale = 1
-    for dim in topology.order:
-        coord = rest % sizes[dim]
-        rest = rest // sizes[dim]
-        if dim != kind:
-            index += coord * scale
-            scale *= sizes[dim]
-    return index
-
-
 def _merge_by_machine(touched: list[np.ndarray], machine_ids: np.ndarray) -> list[list[int]]:
     """Connected components of groups that share a machine (indices into ``touched``)."""
     parent = list(range(len(touched)))
@@ -212,7 +189,7 @@ def _candidates(
     n_seen = int(seen.sum())
     out: list[_Candidate] = []
     for kind in topology.kinds():
-        gid = _group_ids(topology, kind)
+        gid = group_ids(topology, kind)
         valid = gid >= 0
         n_groups = int(gid.max()) + 1 if valid.any() else 0
         hits = np.bincount(gid[valid & is_out], minlength=n_groups)
