@@ -85,7 +85,7 @@ def test_case4_size_mismatch_fails_the_second_broadcast_like_pytorch(capsys: pyt
     assert data["fr_wavefront"][0]["communicator"] == "0:default_pg" and data["fr_wavefront"][0]["ahead"] == []
     code = main(["analyze", "--flight-recorder", str(FIXTURES / "case4-size-mismatch")])
     text = capsys.readouterr().out
-    assert "[fr-size-mismatch] ranks 0-1: input_sizes disagree at _broadcast_oop" in text
+    assert "[fr-size-mismatch] ranks 0-1 on 0:default_pg: input_sizes disagree at _broadcast_oop" in text
     assert "pg 0:default_pg: all 2 rank(s) at seq 0" in text
 
 
