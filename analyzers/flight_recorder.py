@@ -178,6 +178,9 @@ def _sizes(value: Any) -> tuple[tuple[int, ...], ...] | None:
     for shape in value:
         if not isinstance(shape, list | tuple):
             return None
+        if all(type(d) is int for d in shape):  # the usual case, without a parse per dimension
+            out.append(tuple(shape))
+            continue
         dims = [_int(d) for d in shape]
         if any(d is None for d in dims):
             return None
@@ -391,11 +394,14 @@ def _numel(sizes: tuple[tuple[int, ...], ...]) -> int:
 
 def _disagreement(values: Mapping[int, Any]) -> tuple[tuple[int, ...], list[str]] | None:
     """The ranks off the majority value, and one evidence line per value; None if all agree."""
-    by_value: dict[str, list[int]] = {}
+    raw: dict[Any, list[int]] = {}  # values are tuples and strings: group first, format only a disagreement
     for rank, v in sorted(values.items()):
-        by_value.setdefault(_fmt(v), []).append(rank)
-    if len(by_value) < 2:
+        raw.setdefault(v, []).append(rank)
+    if len(raw) < 2:
         return None
+    by_value: dict[str, list[int]] = {}
+    for v, rs in raw.items():
+        by_value.setdefault(_fmt(v), []).extend(rs)
     counts = sorted((len(rs) for rs in by_value.values()), reverse=True)
     tie = counts[0] == counts[1]
     majority = max(by_value, key=lambda k: (len(by_value[k]), -by_value[k][0]))
