@@ -408,6 +408,8 @@ def _disagreement(values: Mapping[int, Any]) -> tuple[tuple[int, ...], list[str]
     odd = tuple(sorted(r for k, rs in by_value.items() if tie or k != majority for r in rs))
     lines = [f"{'rank' if len(rs) == 1 else 'ranks'} {compact_ranks(rs)}: {k}"
              for k, rs in sorted(by_value.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))]
+    if len(lines) > 10:
+        lines = [*lines[:10], f"... and {len(lines) - 10} more value(s)"]
     return odd, lines
 
 
@@ -553,11 +555,13 @@ def _missing_findings(grp: _Group, first: Mapping[int, tuple[int, int, FrOp]],
         joined = sorted(r for r, per in calls.items() if len(per.get(seq, [])) > pos)
         evidence = [f"{'rank' if len(joined) == 1 else 'ranks'} {compact_ranks(joined)} recorded "
                     f"{_where(ref, grp.label)}"]
-        for r in sorted(ranks):
+        for r in sorted(ranks)[:10]:  # a thousand absent ranks need not be a thousand lines
             per = calls[r]
             last = max(per) if per else None
             evidence.append(f"rank {r}: " + ("no entry in this group" if last is None else
                                              f"last entry seq {last} ({per[last][-1].op}, {per[last][-1].state})"))
+        if len(ranks) > 10:
+            evidence.append(f"... and {len(ranks) - 10} more rank(s) alike")
         out.append(_finding("fr-missing-ranks", tuple(sorted(ranks)),
                             f"rank(s) {compact_ranks(ranks)} never joined {_where(ref, grp.label)}",
                             tuple(evidence), grp.label))

@@ -421,3 +421,14 @@ def test_a_side_without_data_has_no_dtype_to_disagree_with() -> None:
     leaf = entry(0, "gather", [[4, 4]], [[]], out_dt="float16")  # no output on a non-root rank
     assert kinds(_pair(root, leaf)) == []
     assert kinds(_pair(root, {**leaf, "input_dtypes": "float16"})) == [("fr-dtype-mismatch", (0, 1))]
+
+
+def test_many_ranks_out_of_step_are_summed_up_in_the_evidence() -> None:
+    full, short = _run(2), _run(1)
+    got = analyze_dumps(dumps(*([full] * 4 + [short] * 12)))
+    (f,) = got.findings
+    assert (f.kind, f.ranks) == ("fr-missing-ranks", tuple(range(4, 16)))
+    assert len(f.evidence) == 12 and f.evidence[-1] == "... and 2 more rank(s) alike"
+    shapes = [[{**e, "input_sizes": [[r + 1]], "output_sizes": [[r + 1]]} for e in _run(1)] for r in range(13)]
+    (g,) = analyze_dumps(dumps(*shapes)).findings
+    assert g.ranks == tuple(range(13)) and g.evidence[-1] == "... and 3 more value(s)"
