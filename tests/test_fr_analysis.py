@@ -272,7 +272,7 @@ def test_the_wavefront_lists_lagging_groups_first_most_behind_first() -> None:
 
 JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-5, 2**40) | st.floats(allow_nan=True)
                        | st.text(max_size=12), lambda c: st.lists(c, max_size=4)
-                       | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=20)
+                       | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=10)
 SIZES = st.lists(st.lists(st.integers(0, 8), max_size=3), max_size=3)
 FIELD = {
     "record_id": st.integers(-2, 20) | JSONISH,
@@ -305,7 +305,7 @@ def _check(a: FrAnalysis) -> None:
         wavefront_line(json.loads(json.dumps(_wjson(w))))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.integers(0, 3), DUMP, max_size=4))
 def test_fuzz_the_analyzer_never_raises_on_any_dump_content(raw: dict[int, Any]) -> None:
     _check(analyze_dumps(raw))
