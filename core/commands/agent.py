@@ -37,7 +37,7 @@ confirmed exactly the planned targets with a token of the 'act' role.
   [eviction.local]                     # the warm standbys the launcher restarts with (shown in plans)
   standbys = ["spare-0"]               # or standbys_file = "/abs/standbys.json" (a JSON list, read per plan)
   [eviction.slurm]                     # settings of the chosen backend
-  job_id = "12345"                     # also: restart, step_id, scontrol, scancel
+  job_id = "12345"                     # also: restart, step_id, standby_partition, standby_reservation
   [eviction.kubernetes]
   namespace = "train"                  # also: selector, kubectl, context
   [eviction.command]
@@ -74,6 +74,10 @@ def register(sub: Any) -> None:
                    help="serve plaintext beyond loopback (token and snapshots unencrypted; trusted networks only)")
     p.add_argument("--slurm-scope", action="store_true",
                    help="inside a Slurm job step: only this job's ranks on this node; machine name = the node")
+    p.add_argument("--slurm-standby-partition",
+                   help="with --slurm-scope: evicted nodes are replaced by idle nodes of this partition")
+    p.add_argument("--slurm-standby-reservation",
+                   help="with --slurm-scope: evicted nodes are replaced by idle nodes of this reservation")
     p.add_argument("--announce", action="store_true",
                    help="print 'RANKSCOPE_AGENT_READY machine=... host=... port=...' on stdout once listening")
     p.add_argument("--machine-name", help="name reported for this machine (default: the hostname)")
@@ -124,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
     actions = load_actions_config(args.actions_config, args.state_dir)
     if actions is not None and slurm_job and args.actions_config is None:
         # Started inside the job with no procedures of its own: evicting means draining and requeueing in Slurm.
-        actions = dataclasses.replace(actions, eviction=EvictionSettings("slurm", options={"job_id": slurm_job}))
+        options = {"job_id": slurm_job, "standby_partition": args.slurm_standby_partition,
+                   "standby_reservation": args.slurm_standby_reservation}
+        actions = dataclasses.replace(actions, eviction=EvictionSettings("slurm", options=options))
     config = AgentConfig(
         tokens=tokens,
         bind=args.bind,

@@ -51,6 +51,10 @@ def register(sub: Any) -> None:
     p.add_argument("--slurm-state-dir", default="~/.rankscope/slurm/%j/%n",
                    help="with --slurm: where each node's agent keeps its audit log and blocklist "
                         "(%%j: job id, %%n: node; default ~/.rankscope/slurm/%%j/%%n)")
+    p.add_argument("--standby-partition",
+                   help="with --slurm: evicted nodes are replaced by idle nodes of this partition")
+    p.add_argument("--standby-reservation",
+                   help="with --slurm: evicted nodes are replaced by idle nodes of this reservation")
     add_tls_args(p)
     add_slurm_args(p)
     p.set_defaults(func=run)
@@ -104,7 +108,12 @@ def run(args: argparse.Namespace) -> int:
         state_dir = str(args.slurm_state_dir).replace("%j", str(args.slurm))
         if state_dir.startswith("~"):
             state_dir = str(Path(state_dir).expanduser())
-    with open_target(args, role=role, state_dir=state_dir) as target:
+    extra: list[str] = []
+    if args.standby_partition:
+        extra += ["--slurm-standby-partition", args.standby_partition]
+    if args.standby_reservation:
+        extra += ["--slurm-standby-reservation", args.standby_reservation]
+    with open_target(args, role=role, state_dir=state_dir, agent_args=extra) as target:
         if not target.agents:
             raise RankscopeError("no agents given", "pass --agents host:port[,...], --hostfile FILE, or --bundle FILE")
         from rankscope.slurm import missing_lines

@@ -56,7 +56,7 @@ class Target:
 
 @contextmanager
 def open_target(args: argparse.Namespace, *, role: Role | None = None,
-                state_dir: str | None = None) -> Iterator[Target]:
+                state_dir: str | None = None, agent_args: list[str] | None = None) -> Iterator[Target]:
     """The agents, token and TLS the options name; with --slurm, agents started for the block's duration.
 
     ``role``: the token role to load (Role.ACT for a session that may act).
@@ -83,7 +83,8 @@ def open_target(args: argparse.Namespace, *, role: Role | None = None,
     from rankscope.slurm import SlurmAgents, sigterm_as_interrupt
 
     command = shlex.split(args.slurm_agent_command) if args.slurm_agent_command else None
-    session = SlurmAgents(str(slurm), state_dir=state_dir, start_timeout_s=args.slurm_timeout)
+    session = SlurmAgents(str(slurm), state_dir=state_dir, start_timeout_s=args.slurm_timeout,
+                          extra_agent_args=tuple(agent_args or ()))
     if command:
         session.agent_command = command
     with ExitStack() as stack:
