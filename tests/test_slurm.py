@@ -43,8 +43,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurmClus
     why = ensure_installed()
     if why is not None:
         pytest.skip(why)
-    c = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3,
-                          partitions={"train": (1, 2), "standby": (3,)})
+    c = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3, partitions={"standby": (3,)})
     with c:
         yield c
 
@@ -78,8 +77,12 @@ class TorchJob:
             f"'exec {PY} -m torch.distributed.run --nnodes $SLURM_JOB_NUM_NODES --nproc-per-node {RANKS_PER_NODE} "
             f"--node-rank $SLURM_NODEID --master-addr 127.0.0.1 --master-port $((20000 + SLURM_JOB_ID % 20000)) "
             f"{JOB} {folder}'\n")
-        self.id = cluster.sbatch("-p", "train", "-N2", "--ntasks-per-node=1", "-o", str(folder / "out-%j.txt"),
-                                 str(script))
+        # The standby node3 is busy while the job starts, so the job gets node1 and node2 and node3 stays idle.
+        blocker = cluster.sbatch("-w", "node3", "-o", "/dev/null", "--wrap", "sleep 600")
+        assert cluster.wait_state(blocker, "RUNNING", 60)
+        self.id = cluster.sbatch("-N2", "--ntasks-per-node=1", "-o", str(folder / "out-%j.txt"), str(script))
+        assert cluster.wait_state(self.id, "RUNNING", 120), cluster.job_field(self.id, "%T %R")
+        cluster.run("scancel", blocker)
 
     def ready(self) -> int:
         return len(list(self.folder.glob("ready.*")))
@@ -92,7 +95,6 @@ class TorchJob:
 @pytest.fixture(scope="module")
 def torch_job(cluster: LocalSlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchJob]:
     job = TorchJob(cluster, tmp_path_factory.mktemp("slurm-job"))
-    assert cluster.wait_state(job.id, "RUNNING", 120), cluster.job_field(job.id, "%T %R")
     wait_for(lambda: job.ready() == 2 * RANKS_PER_NODE, READY_TIMEOUT_S, f"8 ranks of job {job.id}: {job.output()}")
     yield job
     (job.folder / "release").touch()
@@ -155,7 +157,7 @@ def test_a_node_whose_agent_fails_is_named_and_the_other_nodes_answer(
 @slurm
 def test_clear_errors_for_a_job_that_is_not_running_unknown_or_without_slurm(
         cluster: LocalSlurmCluster, tmp_path: Path) -> None:
-    held = cluster.sbatch("--hold", "-p", "standby", "--wrap", "sleep 60")
+    held = cluster.sbatch("--hold", "-p", "standby", "-o", "/dev/null", "--wrap", "sleep 60")
     try:
         with pytest.raises(RankscopeError, match=f"job {held} is PENDING, not RUNNING") as err:
             SlurmAgents(held, env=cluster.env()).start()
@@ -212,7 +214,7 @@ async def test_evicting_a_node_drains_it_and_the_job_restarts_on_the_standby(
             assert plan.commands == (
                 ("scontrol", "update", "nodename=node2", "state=drain", "reason=rankscope test: PP group hung"),
                 ("scontrol", "requeue", j),
-                ("scontrol", "update", f"jobid={j}", "Partition=train,standby", "ExcNodeList=node2"),
+                ("scontrol", "update", f"jobid={j}", "ExcNodeList=node2"),
             )
             assert plan.standbys == ("node3",)
             updates = [u async for u in client.run_action(request, Confirmation(("node2",), (), "evict node2"))]
@@ -226,8 +228,9 @@ async def test_evicting_a_node_drains_it_and_the_job_restarts_on_the_standby(
     assert recorded is not None and recorded.state == ActionState.SUCCEEDED, (recorded, results)
     assert any(d == f"exit 0: scontrol requeue {j}" for d in recorded.details), recorded.details
     assert cluster.node_state("node2") in ("drained", "draining")
-    wait_for(lambda: cluster.job_field(j, "%T %N") == "RUNNING node[1,3]", 120,
-             f"job {j} running again on node1 and the standby node3 ({cluster.job_field(j, '%T %N %R')})")
+    wait_for(lambda: cluster.job_field(j, "%T %N") == "RUNNING node[1,3]", 180,
+             f"job {j} running again on node1 and the standby node3 ({cluster.job_field(j, '%T %N %R')}; "
+             f"{cluster.run('scontrol', 'show', 'job', j).stdout})")
     wait_for(lambda: "restart=1" in torch_job.output(), 60, f"the restarted batch script: {torch_job.output()}")
     assert "start nodes=node[1,3] restart=1" in torch_job.output()
     assert agent_processes() == []

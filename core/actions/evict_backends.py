@@ -158,8 +158,10 @@ class SlurmBackend(_CommandBackend):
 
     The job restarts (its batch script runs again, ``SLURM_RESTART_COUNT``
     one higher) on its remaining nodes plus idle standbys: the idle nodes of
-    ``standby_partition``, or of the reservation ``standby_reservation``
-    (the job must be allowed to use it). Drained nodes are never allocated
+    ``standby_partition``, or of the reservation ``standby_reservation``.
+    A job runs in one partition, so the standbys must also belong to the
+    job's partition (a "spares" partition is usually a subset of it), and a
+    reservation must be one the job may use. Drained nodes are never allocated
     again. A shrunk job's script must size itself from ``$SLURM_JOB_NUM_NODES``.
     """
 
@@ -250,12 +252,9 @@ class SlurmBackend(_CommandBackend):
                                      "name a standby partition or reservation with idle nodes, or evict fewer nodes")
             commands.append((self.scontrol, "requeue", self.job_id))
             steps.append(f"requeue job {self.job_id}: its steps end and it waits to start again")
-            # Keep what the job already excluded; add the standby partition if the job cannot use it yet.
+            # Keep what the job already excluded.
             excluded = ",".join(dict.fromkeys((*self._hostnames(job.get("ExcNodeList", "")), *names)))
             update: tuple[str, ...] = (self.scontrol, "update", f"jobid={self.job_id}")
-            partitions = [p for p in job.get("Partition", "").split(",") if p]
-            if chosen and self.standby_partition and self.standby_partition not in partitions:
-                update += (f"Partition={','.join((*partitions, self.standby_partition))}",)
             if size < num_nodes:
                 tasks = max(1, num_tasks // num_nodes) * size
                 commands.append((*update, f"NumNodes={size}", f"NumTasks={tasks}", f"ExcNodeList={excluded}"))
