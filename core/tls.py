@@ -219,7 +219,9 @@ def handshake_problem(details: str, *, using_tls: bool) -> tuple[str, str] | Non
     """
     lowered = details.lower()
     handshake = any(word in lowered for word in _HANDSHAKE_WORDS)
-    closed = any(word in lowered for word in _CLOSED_WORDS)
+    # Closed while connecting (the handshake), not mid-call: an agent that dies during a call closes
+    # the stream too, and that is a lost agent, not a TLS problem.
+    closed = "failed to connect" in lowered and any(word in lowered for word in _CLOSED_WORDS)
     if not using_tls:
         if handshake or closed:  # a TLS agent drops a plaintext client without a word of TLS
             return ("TLS/handshake failure: the agent closed the plaintext connection; it probably serves TLS",

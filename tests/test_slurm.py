@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from agent_helpers import PY, clean_env, wait_for
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankscope.actions.agent_protocol import Confirmation
 from rankscope.actions.audit import AuditLog
@@ -175,6 +175,7 @@ def test_clear_errors_for_a_job_that_is_not_running_unknown_or_without_slurm(
     assert agent_processes() == []
 
 
+@settings(max_examples=60, deadline=None)
 @given(st.dictionaries(st.from_regex(r"[A-Z][A-Za-z]{0,8}", fullmatch=True),
                        st.from_regex(r"[A-Za-z0-9_,()\[\]/.:-]{0,12}( [a-z0-9]{1,5}){0,2}", fullmatch=True),
                        min_size=1, max_size=6))
