@@ -167,7 +167,8 @@ class SlurmBackend(_CommandBackend):
 
     name = "slurm"
     RESTARTS = ("requeue", "step", "none")
-    PENDING = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"})
+    # A job another agent already requeued: pending again, or still completing its old run.
+    PENDING = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING"})
 
     def __init__(self, job_id: str, restart: str = "requeue", step_id: str | None = None, scontrol: str = "scontrol",
                  scancel: str = "scancel", sinfo: str = "sinfo", standby_partition: str | None = None,
@@ -273,14 +274,25 @@ class SlurmBackend(_CommandBackend):
                             warnings=tuple(warnings))
 
     def evict(self, machines: Sequence[str], reason: str) -> EvictionOutcome:
-        """The plan's commands in order; a requeue another agent already did counts as done."""
+        """The plan's commands in order; a requeue another agent already did counts as done.
+
+        Evicting several nodes, each node's agent drains its node and requeues
+        the job; the first requeue ends the job's steps, the other agents'
+        included, so their own requeue is refused ("pending execution") or
+        their command is killed by a signal. After a successful drain that is
+        not a failure when Slurm shows the job requeued.
+        """
         plan = self.plan(machines, reason)
         runs: list[CommandRun] = []
-        for argv in plan.commands:
+        for index, argv in enumerate(plan.commands):
             run = self._run(argv)
             runs.append(run)
-            if run.returncode != 0 and argv[1:2] == ("requeue",) and self._already_pending():
-                continue  # evicting several nodes: each node's agent requeues; the first one did it
+            overtaken = run.returncode < 0 or "pending execution" in run.stderr.lower()
+            if run.returncode != 0 and index > 0 and self.restart == "requeue" and overtaken \
+                    and self._already_pending():
+                return EvictionOutcome(True, plan.machines,
+                                       f"drained {' '.join(plan.machines)}; job {self.job_id} was already requeued "
+                                       "(by another node's agent)", tuple(runs), plan.standbys)
             if run.returncode != 0:
                 detail = (run.stderr.strip() or run.stdout.strip() or f"exit status {run.returncode}")
                 return EvictionOutcome(False, plan.machines, f"{argv[0]} failed: {detail.splitlines()[-1]}",

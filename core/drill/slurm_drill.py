@@ -126,13 +126,12 @@ def run_slurm_drill(config: SlurmDrillConfig, on_event: Callable[[str], None] | 
             report["evicted"]), config.restart_timeout_s, f"job {job} running again without the evicted nodes")
         report["restarted_on"] = list(_job_nodes(job, env))
         report["drained"] = {n: _node_state(n, env) for n in report["evicted"]}
-        resume_from = min(stall_step.values()) if stall_step else 0
-        _wait(lambda: _resumed(run_dir, world, requeued_wall), config.restart_timeout_s,
-              "every rank of the restarted job to complete a step")
+        hung_at = max(stall_step.values()) if stall_step else 0
+        _wait(lambda: _resumed(run_dir, world, requeued_wall, hung_at), config.restart_timeout_s,
+              f"every rank of the restarted job to train past step {hung_at}, where it hung")
         progress = read_progress(run_dir)
         report["resumed"] = True
         report["resumed_steps"] = {r: p.step for r, p in sorted(progress.items())}
-        report["resume_from_at_most"] = resume_from
         report["resumed_from"] = _resume_lines(run_dir)
         say(f"job {job} resumed on {' '.join(report['restarted_on'])}: {report['resumed_from'] or 'see logs'}")
         return report
@@ -162,7 +161,8 @@ def _submit(config: SlurmDrillConfig, run_dir: Path, env: dict[str, str], cluste
                                        "--wrap", "sleep 3600"))
         _wait(lambda: _state(blockers[0], env).startswith("RUNNING"), 60, "the standby placeholder job")
     proc = run_cli(["sbatch", "--parsable", "-N", str(config.layout.machines), "--ntasks-per-node=1",
-                    "-o", str(run_dir / "job-%j.out"), "--chdir", str(run_dir), str(script)], env=job_env)
+                    "-o", str(run_dir / "job-%j.out"), "--open-mode=append", "--chdir", str(run_dir), str(script)],
+                   env=job_env)
     if proc.returncode != 0:
         raise RankscopeError(f"sbatch failed: {proc.stderr.strip()}", "check the cluster with sinfo")
     job = proc.stdout.strip().split(";")[0]
@@ -252,10 +252,11 @@ def _attach_and_evict(config: SlurmDrillConfig, job: str, env: dict[str, str], r
     return out
 
 
-def _resumed(run_dir: Path, world: int, since_wall: float) -> bool:
+def _resumed(run_dir: Path, world: int, since_wall: float, hung_at: int) -> bool:
+    """Every rank reported after the eviction, past the step where the job hung."""
     progress = read_progress(run_dir)
     return len(progress) >= world and all(
-        p.wall >= since_wall and p.state in ("running", "done") and p.step >= 1
+        p.wall >= since_wall and p.state in ("running", "done") and p.step > hung_at
         for r, p in progress.items() if r < world)
 
 
@@ -265,5 +266,6 @@ def _resume_lines(run_dir: Path) -> list[str]:
     for log in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []:
         lines += [line.strip() for line in log.read_text(errors="replace").splitlines() if "resum" in line.lower()]
     for out in sorted(run_dir.glob("job-*.out")):
-        lines += [line.strip() for line in out.read_text(errors="replace").splitlines() if "resum" in line.lower()]
+        lines += [line.strip() for line in out.read_text(errors="replace").splitlines()
+                  if "restor" in line.lower() or "resum" in line.lower() or "rankscope drill: start" in line]
     return lines[-4:]
