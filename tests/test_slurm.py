@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -176,6 +177,29 @@ def test_clear_errors_for_a_job_that_is_not_running_unknown_or_without_slurm(
 
 
 @settings(max_examples=60, deadline=None)
+@slurm
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_a_watch_by_job_id_stops_its_agents(
+        cluster: LocalSlurmCluster, torch_job: TorchJob, sig: signal.Signals) -> None:
+    proc = subprocess.Popen([str(RANKSCOPE), "watch", "--slurm", torch_job.id, "--json", "--stack-interval", "0",
+                             "--slurm-timeout", "180"], env={**clean_env(), **cluster.env()},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())  # printed once the agents answer
+        assert first["event"] == "start" and len(first["agents"]) == 2
+        assert len(agent_processes()) == 2
+        proc.send_signal(sig)  # Ctrl-C, or a kill from a job scheduler
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert agent_processes() == []
+    assert [s for s in cluster.steps(torch_job.id) if "rankscope" in s] == []
+    assert cluster.job_field(torch_job.id, "%T") == "RUNNING"
+
+
 @given(st.dictionaries(st.from_regex(r"[A-Z][A-Za-z]{0,8}", fullmatch=True),
                        st.from_regex(r"[A-Za-z0-9_,()\[\]/.:-]{0,12}( [a-z0-9]{1,5}){0,2}", fullmatch=True),
                        min_size=1, max_size=6))
