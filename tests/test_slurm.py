@@ -50,7 +50,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurmClus
 
 
 def agent_processes() -> list[int]:
-    """Running (not zombie) rankscope agents started by a --slurm session, anywhere on this machine."""
+    """Running (not zombie) rankscope agents started by a --slurm session, anywhere on this machine (srun not counted)."""
     out = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -60,7 +60,8 @@ def agent_processes() -> list[int]:
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if b"--slurm-scope" in cmdline and b"agent" in cmdline and state != "Z":
+        if b"--slurm-scope" in cmdline and b"agent" in cmdline and not cmdline[0].endswith(b"srun") \
+                and state != "Z":
             out.append(int(proc.name))
     return out
 
@@ -176,7 +177,6 @@ def test_clear_errors_for_a_job_that_is_not_running_unknown_or_without_slurm(
     assert agent_processes() == []
 
 
-@settings(max_examples=60, deadline=None)
 @slurm
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -200,6 +200,7 @@ def test_interrupting_a_watch_by_job_id_stops_its_agents(
     assert cluster.job_field(torch_job.id, "%T") == "RUNNING"
 
 
+@settings(max_examples=60, deadline=None)
 @given(st.dictionaries(st.from_regex(r"[A-Z][A-Za-z]{0,8}", fullmatch=True),
                        st.from_regex(r"[A-Za-z0-9_,()\[\]/.:-]{0,12}( [a-z0-9]{1,5}){0,2}", fullmatch=True),
                        min_size=1, max_size=6))
