@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankscope.actions.agent_protocol import Confirmation
 from rankscope.actions.audit import AuditLog
+from rankscope.actions.evict_backends import SlurmBackend
 from rankscope.actions.model import ActionKind, ActionPlan, ActionRequest, ActionResult, ActionState, EvictArgs, Targets
 from rankscope.client import JobClient, capture_once
 from rankscope.errors import RankscopeError
@@ -218,6 +219,22 @@ def test_any_scontrol_output_parses_without_raising(text: str) -> None:
 # --------------------------------------------------------------------------
 # eviction through Slurm (last: it requeues the job)
 # --------------------------------------------------------------------------
+
+
+@slurm
+def test_too_few_standbys_plan_a_shrink_and_nodes_outside_the_job_are_refused(
+        cluster: LocalSlurmCluster, torch_job: TorchJob, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))  # the backend runs scontrol as an agent in the job would
+    j = torch_job.id
+    backend = SlurmBackend(job_id=j)  # no standby partition: nothing replaces node2
+    plan = backend.plan(["node2"], "slow NIC")
+    assert plan.commands[1:] == (("scontrol", "requeue", j),
+                                 ("scontrol", "update", f"jobid={j}", "NumNodes=1", "NumTasks=1",
+                                  "ExcNodeList=node2"))
+    assert plan.standbys == () and "shrinks from 2 to 1 nodes" in plan.warnings[0]
+    with pytest.raises(RankscopeError, match="not nodes of job"):
+        backend.plan(["node3"], "r")
+    assert cluster.node_state("node2") in ("allocated", "mixed")  # planning changed nothing: not drained
 
 
 @slurm
