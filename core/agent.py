@@ -7,7 +7,9 @@ through ``rankscope.probes`` and ships them as snapshots (converted in
 call names a fixed procedure.
 
 Safe by default:
-- it listens on 127.0.0.1 unless ``--bind`` names another address;
+- it listens on 127.0.0.1 unless ``--bind`` names another address, and
+  off loopback it serves TLS (``--tls-cert/--tls-key``, mutual TLS with
+  ``--tls-client-ca``) or refuses to start unless ``--insecure`` says so;
 - every call except the standard health check needs a bearer token, checked
   in one interceptor before any handler runs. Each method names the role it
   needs (``METHOD_ROLES``); a method not listed there needs the ``act`` role,
@@ -56,6 +58,7 @@ from rankscope.proto_convert import (
     request_from_proto,
 )
 from rankscope.snapshot import MachineSnapshot, RankInfo
+from rankscope.tls import ServerTLS, server_credentials
 from rankscope.tokens import MAKE_TOKEN, Role, TokenSet
 
 DEFAULT_PORT = 50051
@@ -74,6 +77,7 @@ MIN_STREAM_INTERVAL_S = 0.2  # a client cannot make the agent spin
 MAX_PYSPY_TIMEOUT_S = 60.0
 DEFAULT_PYSPY_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+ANNOUNCE_PREFIX = "RANKSCOPE_AGENT_READY"
 BIND_FIX = ("another process (an agent?) may hold the port: pick another --port, or --port 0 for a free one; "
             "or --bind names an address this machine does not have (see `ip addr`)")
 
@@ -92,6 +96,10 @@ class AgentConfig:
     insecure_no_token: bool = False
     capture_concurrency: int = 8
     actions: ActionsConfig | None = None  # None: this agent plans and runs no actions
+    tls: ServerTLS | None = None  # None: plaintext (loopback, or off loopback with ``insecure``)
+    insecure: bool = False  # serve plaintext beyond loopback: only when a person said so explicitly
+    slurm_job: str | None = None  # only ranks of this Slurm job (SLURM_JOB_ID)...
+    slurm_node: str | None = None  # ...on this Slurm node (SLURMD_NODENAME)
 
 
 def is_loopback(host: str) -> bool:
@@ -114,6 +122,12 @@ def check_config(config: AgentConfig) -> None:
         raise RankscopeError(
             f"--insecure-no-token is only allowed on a loopback address, not {config.bind}",
             "use --token-file, or drop --bind so the agent listens on 127.0.0.1",
+        )
+    if config.tls is None and not config.insecure and not is_loopback(config.bind):
+        raise RankscopeError(
+            f"refusing to listen on {config.bind} without TLS: the token and the snapshots would cross the network "
+            "in plaintext",
+            "give --tls-cert and --tls-key (and clients --tls-ca); or, on a trusted network only, add --insecure",
         )
     if not 0 <= config.port < 65536:
         raise RankscopeError(f"--port {config.port} is not a port number", "use 1-65535, or 0 to pick a free port")
@@ -205,7 +219,8 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         """This machine's ranks, in the agent's scope (blocking: discovery scans /proc)."""
         from rankscope.probes.discovery import discover_ranks
 
-        return discover_ranks(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id)
+        return discover_ranks(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id,
+                              slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node)
 
     async def capture(
         self, *, stacks: bool, native: bool = False, subprocesses: bool = True, timeout_s: float = DEFAULT_PYSPY_TIMEOUT_S
@@ -213,7 +228,8 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         """One reading of this machine through the probes (imported here: only the agent needs them)."""
         from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
 
-        scope = Scope(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id, counter_dir=self.config.counter_dir)
+        scope = Scope(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id, counter_dir=self.config.counter_dir,
+                      slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node)
         options = CaptureOptions(
             stacks=stacks, native=native, subprocesses=subprocesses, timeout_s=timeout_s,
             concurrency=self.config.capture_concurrency,
@@ -361,7 +377,10 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     )
     host = f"[{config.bind}]" if ":" in config.bind and not config.bind.startswith("[") else config.bind
     try:
-        port = server.add_insecure_port(f"{host}:{config.port}")
+        if config.tls is not None:
+            port = server.add_secure_port(f"{host}:{config.port}", server_credentials(config.tls))
+        else:
+            port = server.add_insecure_port(f"{host}:{config.port}")
     except RuntimeError as exc:
         raise RankscopeError(
             f"cannot listen on {host}:{config.port} ({exc})",
@@ -408,7 +427,14 @@ def write_port_file(path: Path, port: int) -> None:
     os.replace(tmp, path)
 
 
-async def serve(config: AgentConfig, *, port_file: Path | None = None) -> None:
+def announcement(agent: RunningAgent, config: AgentConfig) -> str:
+    """The line ``--announce`` prints on stdout once listening: how a launcher (``--slurm``) learns the address."""
+    fields = {"machine": config.machine_name, "host": socket.gethostname(), "port": str(agent.port),
+              "step": f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}".strip(".")}
+    return ANNOUNCE_PREFIX + " " + " ".join(f"{k}={v}" for k, v in fields.items() if v)
+
+
+async def serve(config: AgentConfig, *, port_file: Path | None = None, announce: bool = False) -> None:
     """Run until SIGTERM or SIGINT, then stop cleanly."""
     agent = await start_agent(config)
     stop = asyncio.Event()
@@ -418,17 +444,20 @@ async def serve(config: AgentConfig, *, port_file: Path | None = None) -> None:
     try:
         if port_file is not None:
             write_port_file(port_file, agent.port)
+        if announce:
+            print(announcement(agent, config), flush=True)
         auth = "token required" if config.tokens is not None else "NO TOKEN (--insecure-no-token)"
-        log(f"listening on {agent.address} as machine {config.machine_name!r}, {auth}")
+        transport = ("mutual TLS" if config.tls.client_ca_pem else "TLS") if config.tls is not None else "plaintext"
+        log(f"listening on {agent.address} as machine {config.machine_name!r}, {auth}, {transport}")
         actions = agent.service.actions if agent.service is not None else None
         if actions is not None:
             log(f"actions enabled (eviction: {actions.config.eviction.backend}; state in {actions.config.state_dir})")
             for action_id in actions.interrupted():
                 log(f"warning: action {action_id} was started by an earlier run and never finished: "
                     "check this machine by hand")
-        if not is_loopback(config.bind):
-            log("warning: listening beyond loopback without TLS; the token and snapshots cross the network "
-                "unencrypted, so keep the agents' port on a trusted network")
+        if not is_loopback(config.bind) and config.tls is None:
+            log("warning: listening beyond loopback without TLS (--insecure); the token and snapshots cross the "
+                "network unencrypted, so keep the agents' port on a trusted network")
         await stop.wait()
         log("stopping")
     finally:

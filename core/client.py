@@ -61,6 +61,7 @@ from rankscope.proto_convert import (
     request_to_proto,
 )
 from rankscope.snapshot import CaptureError, CaptureErrorKind, Instant, JobSnapshot, MachineSnapshot
+from rankscope.tls import ClientTLS, channel_credentials, channel_options, handshake_problem
 
 # Room for many ranks' stacks in one reply (gRPC's default is 4 MiB).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -96,11 +97,13 @@ def unreachable(address: str, kind: CaptureErrorKind, message: str, fix: str) ->
     )
 
 
-def error_for_rpc(address: str, exc: grpc.aio.AioRpcError, timeout_s: float) -> MachineSnapshot:
+def error_for_rpc(address: str, exc: grpc.aio.AioRpcError, timeout_s: float, *, using_tls: bool = False) -> MachineSnapshot:
     """A failed call -> the machine marked unreachable, with what happened and the fix."""
     code = exc.code()
     details = (exc.details() or "").strip()
     host, _, port = address.rpartition(":")
+    if code == grpc.StatusCode.UNAVAILABLE and (tls := handshake_problem(details, using_tls=using_tls)) is not None:
+        return unreachable(address, CaptureErrorKind.UNREACHABLE, f"agent at {address}: {tls[0]} ({details})", tls[1])
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return unreachable(
             address, CaptureErrorKind.PERMISSION,
@@ -137,9 +140,13 @@ def error_for_rpc(address: str, exc: grpc.aio.AioRpcError, timeout_s: float) -> 
 class _Agent:
     """One agent's channel and stub, created inside the event loop that uses them."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: ClientTLS | None = None) -> None:
         self.address = address
-        self.channel: Any = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if tls is not None:
+            self.channel: Any = grpc.aio.secure_channel(address, channel_credentials(tls),
+                                                        options=CHANNEL_OPTIONS + channel_options(tls))
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub: Any = pb_grpc.RankscopeAgentStub(self.channel)  # type: ignore[no-untyped-call]
 
     async def close(self) -> None:
@@ -150,9 +157,12 @@ class JobClient:
     """All agents of one job; every method returns a whole JobSnapshot."""
 
     def __init__(
-        self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0, acting: bool = False
+        self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0, acting: bool = False,
+        tls: ClientTLS | None = None,
     ) -> None:
         """``acting``: this client may run actions (its token was loaded with ``role=Role.ACT``).
+
+        ``tls``: reach the agents over TLS (``rankscope.tls.client_tls``); None: plaintext.
 
         A read-only client (the default, and what ``--read-only`` gives) refuses
         ``run_action`` before anything is sent.
@@ -160,6 +170,7 @@ class JobClient:
         self.agents: tuple[str, ...] = tuple(dict.fromkeys(agents))
         self.deadline_s = deadline_s
         self.acting = acting
+        self.tls = tls
         self._metadata = auth_metadata(token)
         self._conns: dict[str, _Agent] = {}
         self._names: dict[str, str] = {}  # address -> the machine name its agent last reported
@@ -201,7 +212,7 @@ class JobClient:
             async for reply in stream:
                 yield _with_address(machine_from_proto(reply), address)
         except grpc.aio.AioRpcError as exc:
-            yield error_for_rpc(address, exc, 0.0)
+            yield error_for_rpc(address, exc, 0.0, using_tls=self.tls is not None)
 
     # ---- actions ------------------------------------------------------------
 
@@ -221,7 +232,7 @@ class JobClient:
                     request_to_proto(part), metadata=self._metadata, timeout=self.deadline_s)
                 return address, plan_from_proto(reply)
             except grpc.aio.AioRpcError as exc:
-                return address, action_error(address, exc, self.deadline_s)
+                return address, action_error(address, exc, self.deadline_s, using_tls=self.tls is not None)
 
         for address, answer in await asyncio.gather(*(one(a, p) for a, p in parts.items())):
             answers[address] = answer
@@ -270,7 +281,7 @@ class JobClient:
                         return
                 reason = "the agent ended the stream without a result"
             except grpc.aio.AioRpcError as exc:
-                reason = action_error(address, exc, 0.0).message
+                reason = action_error(address, exc, 0.0, using_tls=self.tls is not None).message
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a reply that does not fit: say so, keep the other agents going
@@ -311,7 +322,7 @@ class JobClient:
                     yield record
                 reason, fix = f"the agent at {address} ended the audit stream (stopping?)", "it is retried"
             except grpc.aio.AioRpcError as exc:
-                error = action_error(address, exc, 0.0)
+                error = action_error(address, exc, 0.0, using_tls=self.tls is not None)
                 if exc.code() in _FINAL_CODES:
                     yield AgentLost(address, error.message, error.fix, retrying=False)
                     return
@@ -415,7 +426,7 @@ class JobClient:
             self._loop = loop
         conn = self._conns.get(address)
         if conn is None:
-            conn = self._conns[address] = _Agent(address)
+            conn = self._conns[address] = _Agent(address, self.tls)
         return conn
 
     async def _one(self, address: str, call: Call, timeout_s: float) -> MachineSnapshot:
@@ -424,7 +435,7 @@ class JobClient:
             reply = await call(conn.stub, self._metadata, timeout_s)
             machine = machine_from_proto(reply)
         except grpc.aio.AioRpcError as exc:
-            return error_for_rpc(address, exc, timeout_s)
+            return error_for_rpc(address, exc, timeout_s, using_tls=self.tls is not None)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bad address or a reply that does not fit: mark this machine, keep the rest
@@ -453,13 +464,13 @@ class JobClient:
         return dataclasses.replace(m, machine=name) if name is not None and m.machine == m.address else m
 
 
-def action_error(address: str, exc: grpc.aio.AioRpcError, timeout_s: float) -> ActionError:
+def action_error(address: str, exc: grpc.aio.AioRpcError, timeout_s: float, *, using_tls: bool = False) -> ActionError:
     """A failed action call -> what happened and the fix (an agent's refusal carries its own fix)."""
     code = exc.code()
     if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
         message, fix = split_fix(exc.details() or "")
         return ActionError(address, f"agent at {address}: {message}", fix)
-    error = error_for_rpc(address, exc, timeout_s).error
+    error = error_for_rpc(address, exc, timeout_s, using_tls=using_tls).error
     assert error is not None
     return ActionError(address, error.message, error.fix)
 
@@ -483,11 +494,12 @@ def common_run_id(machines: Sequence[MachineSnapshot]) -> str | None:
     return ids.pop() if len(ids) == 1 else None
 
 
-def capture_once(agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0, **capture_kwargs: Any) -> JobSnapshot:
+def capture_once(agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0, tls: ClientTLS | None = None,
+                 **capture_kwargs: Any) -> JobSnapshot:
     """One capture from a synchronous caller (scripts, the CLI)."""
 
     async def go() -> JobSnapshot:
-        async with JobClient(agents, token, deadline_s=deadline_s) as client:
+        async with JobClient(agents, token, deadline_s=deadline_s, tls=tls) as client:
             return await client.capture(**capture_kwargs)
 
     return asyncio.run(go())

@@ -52,7 +52,7 @@ WRAPPER_NAMES = frozenset(
 ROLE_ENV = "RANKSCOPE_ROLE"
 _ENV_KEYS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
-    "MASTER_ADDR", "MASTER_PORT", ROLE_ENV,
+    "MASTER_ADDR", "MASTER_PORT", ROLE_ENV, "SLURM_JOB_ID", "SLURMD_NODENAME",
 )
 
 
@@ -156,8 +156,9 @@ def _same_rank(a: _Proc, b: _Proc) -> bool:
     return a.rank == b.rank and a.run_id == b.run_id
 
 
-def discover(*, launcher_pid: int | None = None, run_id: str | None = None) -> DiscoveryResult:
-    """Ranks on this machine (optionally of one launcher or one run id), with skipped processes."""
+def discover(*, launcher_pid: int | None = None, run_id: str | None = None, slurm_job: str | None = None,
+             slurm_node: str | None = None) -> DiscoveryResult:
+    """Ranks on this machine (optionally of one launcher, run id or Slurm job and node), with skipped processes."""
     procs, skipped = _scan()
     forget_dead()
     children: dict[int, list[int]] = {}
@@ -177,6 +178,10 @@ def discover(*, launcher_pid: int | None = None, run_id: str | None = None) -> D
             continue
         if launcher_pid is not None and launcher_pid not in _ancestors(p.pid, procs):
             continue
+        if slurm_job is not None and p.env.get("SLURM_JOB_ID") != slurm_job:
+            continue
+        if slurm_node is not None and p.env.get("SLURMD_NODENAME") != slurm_node:
+            continue  # several Slurm nodes may share one host (and one /proc); each agent keeps its own
         tops.append(p)
 
     rank_pids: dict[int, _Proc] = {}
@@ -238,11 +243,14 @@ def _subprocesses(
     return out
 
 
-def discover_ranks(*, launcher_pid: int | None = None, run_id: str | None = None) -> tuple[RankInfo, ...]:
+def discover_ranks(*, launcher_pid: int | None = None, run_id: str | None = None, slurm_job: str | None = None,
+                   slurm_node: str | None = None) -> tuple[RankInfo, ...]:
     """The ranks on this machine, sorted by global rank, each with its labelled subprocesses.
 
     ``launcher_pid`` keeps the ranks started under that process (torchrun's
     agent or any ancestor of it); ``run_id`` keeps those whose
-    ``TORCHELASTIC_RUN_ID`` matches. Both together keep the intersection.
+    ``TORCHELASTIC_RUN_ID`` matches; ``slurm_job``/``slurm_node`` keep those
+    whose ``SLURM_JOB_ID``/``SLURMD_NODENAME`` match (an agent started inside a
+    Slurm job). Several filters together keep the intersection.
     """
-    return discover(launcher_pid=launcher_pid, run_id=run_id).ranks
+    return discover(launcher_pid=launcher_pid, run_id=run_id, slurm_job=slurm_job, slurm_node=slurm_node).ranks

@@ -51,6 +51,8 @@ class Scope:
     launcher_pid: int | None = None
     run_id: str | None = None
     counter_dir: Path | None = None
+    slurm_job: str | None = None  # SLURM_JOB_ID of the ranks (an agent started inside the job)
+    slurm_node: str | None = None  # SLURMD_NODENAME: several Slurm nodes may share one host
 
 
 def _all_pids(ranks: tuple[RankInfo, ...]) -> list[int]:
@@ -69,7 +71,8 @@ async def capture_machine(machine: str, address: str, scope: Scope, options: Cap
     captured = Instant(wall=time.time(), mono=time.monotonic())
     started = time.monotonic()
     await asyncio.to_thread(host.prime_cpu)
-    ranks = await asyncio.to_thread(discover_ranks, launcher_pid=scope.launcher_pid, run_id=scope.run_id)
+    ranks = await asyncio.to_thread(discover_ranks, launcher_pid=scope.launcher_pid, run_id=scope.run_id,
+                                    slurm_job=scope.slurm_job, slurm_node=scope.slurm_node)
     await asyncio.to_thread(host.prime_cpu, _all_pids(ranks))
 
     stacks: tuple[RankStacks, ...] = ()

@@ -13,9 +13,7 @@ import asyncio
 import json
 import os
 import signal
-import stat
 import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -401,40 +399,6 @@ async def test_watch_audit_resumes_after_the_last_record_and_marks_a_lost_agent(
 
 
 # ---- scheduler backends, hot-update, rollback, backup --------------------------------------
-
-
-def _standin(folder: Path, name: str, stdout: str = "") -> tuple[str, Path]:
-    """An executable that records its argv as JSON lines (like scontrol would be run)."""
-    log = folder / f"{name}.argv"
-    exe = folder / name
-    exe.write_text(f"#!{sys.executable}\nimport json, sys\n"
-                   f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
-                   f"sys.stdout.write({stdout!r})\n")
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    return str(exe), log
-
-
-async def test_slurm_eviction_through_the_agent_runs_the_planned_argv(
-        procs: Processes, run_id: str, tmp_path: Path) -> None:
-    tree = start_rank_tree(procs, 0, 1, run_id)
-    scontrol, log = _standin(tmp_path, "scontrol")
-    state = tmp_path / "state"
-    settings = EvictionSettings("slurm", options={"job_id": "4242", "scontrol": scontrol})
-    async with serving("gpu-12", run_id, ActionsConfig(state, settings)) as agent, \
-            JobClient([agent.address], ACT, acting=True) as client:
-        request = evict("evict-slurm", "gpu-12")
-        plan = (await client.plan_action(request))[agent.address]
-        assert isinstance(plan, ActionPlan)
-        assert plan.commands == (
-            (scontrol, "update", "NodeName=gpu-12", "State=DRAIN", "Reason=hung in all_gather"),
-            (scontrol, "requeue", "4242"))
-        assert not log.exists(), "planning ran a command"
-        (result,) = results(await collect(client, request, Confirmation(("gpu-12",), (), "evict gpu-12")))
-    assert result.state == ActionState.SUCCEEDED, result.message
-    assert [json.loads(line) for line in log.read_text().splitlines()] == [
-        ["update", "NodeName=gpu-12", "State=DRAIN", "Reason=hung in all_gather"], ["requeue", "4242"]]
-    assert Blocklist(state / "blocklist.sqlite").is_blocked("gpu-12")
-    assert tree.proc.poll() is None, "the slurm backend leaves stopping the ranks to slurm"
 
 
 def code_link_at_v1(tmp_path: Path) -> tuple[Path, Path, Path]:

@@ -70,11 +70,11 @@ def _procs() -> list[ProcessRef]:
 def test_eviction_plan_names_machines_processes_commands_and_the_phrase(tmp_path: Path) -> None:
     req = ActionRequest("a-9", ActionKind.EVICT, Targets(("machine-6", "machine-7")),
                         EvictArgs("PP group 3 hung in irecv"), "alice")
-    plan = plan_eviction(req, SlurmBackend(job_id="77", scontrol="/usr/bin/scontrol"), _procs())
+    plan = plan_eviction(req, SlurmBackend(job_id="77", restart="none", scontrol="/usr/bin/scontrol"), _procs())
     assert plan.machines == ("machine-6", "machine-7")
     assert [p.rank for p in plan.processes] == [12, 13, 14, 15]
-    assert plan.commands[0] == ("/usr/bin/scontrol", "update", "NodeName=machine-6,machine-7", "State=DRAIN",
-                                "Reason=PP group 3 hung in irecv")
+    assert plan.commands[0] == ("/usr/bin/scontrol", "update", "nodename=machine-6,machine-7", "state=drain",
+                                "reason=PP group 3 hung in irecv")
     assert plan.typed_confirmation and plan.confirm_phrase == "evict machine-6 machine-7"
     assert not confirmation_matches(plan, True) and confirmation_matches(plan, "evict machine-6 machine-7")
     assert "blocklist" in plan.steps[0]

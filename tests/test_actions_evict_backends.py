@@ -1,8 +1,9 @@
 """Eviction backends: the exact argv each one runs, against stand-in executables that record it.
 
-scontrol, kubectl and a site script are replaced by small executables that
-append their argv to a file and answer as configured; the backends run them
-for real with subprocess (no shell). The local backend is driven through the
+kubectl and a site script are replaced by small executables that append
+their argv to a file and answer as configured; the backends run them for
+real with subprocess (no shell). The Slurm backend runs against a real Slurm
+cluster in tests/test_slurm.py. The local backend is driven through the
 drill's interface by a recording control object (the real drill control comes
 with the drill's restart support).
 """
@@ -45,40 +46,6 @@ def _standin(tmp_path: Path, name: str, stdout: str = "", exit_code: int = 0, st
 
 def _argvs(log: Path) -> list[list[str]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-
-
-def test_slurm_drains_with_the_reason_then_requeues(tmp_path: Path) -> None:
-    scontrol, log = _standin(tmp_path, "scontrol")
-    backend = SlurmBackend(job_id="4242", scontrol=scontrol)
-    plan = backend.plan(["gpu-12", "gpu-13"], "rankscope: PP group 3 hung in irecv")
-    assert plan.commands == (
-        (scontrol, "update", "NodeName=gpu-12,gpu-13", "State=DRAIN", "Reason=rankscope: PP group 3 hung in irecv"),
-        (scontrol, "requeue", "4242"),
-    )
-    assert _argvs(log) == []  # planning runs nothing
-    outcome = backend.evict(["gpu-12", "gpu-13"], "rankscope: PP group 3 hung in irecv")
-    assert outcome.ok, outcome.message
-    assert _argvs(log) == [
-        ["update", "NodeName=gpu-12,gpu-13", "State=DRAIN", "Reason=rankscope: PP group 3 hung in irecv"],
-        ["requeue", "4242"],
-    ]
-
-
-def test_slurm_step_restart_cancels_the_step(tmp_path: Path) -> None:
-    scontrol, log = _standin(tmp_path, "scontrol")
-    scancel, cancel_log = _standin(tmp_path, "scancel")
-    backend = SlurmBackend(job_id="4242", restart="step", step_id="0", scontrol=scontrol, scancel=scancel)
-    assert backend.evict(["gpu-7"], "slow NIC").ok
-    assert _argvs(log) == [["update", "NodeName=gpu-7", "State=DRAIN", "Reason=slow NIC"]]
-    assert _argvs(cancel_log) == [["4242.0"]]
-
-
-def test_slurm_stops_at_the_first_failure_and_says_why(tmp_path: Path) -> None:
-    scontrol, log = _standin(tmp_path, "scontrol", exit_code=1, stderr="scontrol: error: Invalid node name specified\n")
-    outcome = SlurmBackend(job_id="1", scontrol=scontrol).evict(["gpu-99"], "x")
-    assert not outcome.ok and "Invalid node name specified" in outcome.message
-    assert len(_argvs(log)) == 1  # no requeue after a failed drain
-    assert outcome.runs[0].returncode == 1
 
 
 def test_kubernetes_cordons_annotates_and_deletes_the_jobs_pods_per_node(tmp_path: Path) -> None:
@@ -134,7 +101,7 @@ def test_shell_metacharacters_stay_one_argument(tmp_path: Path) -> None:
 
 
 def test_missing_executable_is_a_failed_run_not_a_traceback(tmp_path: Path) -> None:
-    outcome = SlurmBackend(job_id="1", scontrol=str(tmp_path / "no-scontrol")).evict(["n1"], "r")
+    outcome = SlurmBackend(job_id="1", restart="none", scontrol=str(tmp_path / "no-scontrol")).evict(["n1"], "r")
     assert not outcome.ok and "executable not found" in outcome.message
     assert run_argv([str(tmp_path / "nope")]).returncode == 127
 

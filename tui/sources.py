@@ -25,6 +25,7 @@ from rankscope.snapshot import JobSnapshot
 if TYPE_CHECKING:
     from rankscope.actions.agent_protocol import ActionError, ActionUpdate, AgentLost, Confirmation
     from rankscope.actions.model import ActionPlan, ActionRequest, AuditRecord
+    from rankscope.tls import ClientTLS
 
 NEEDS_LIVE_JOB = RankscopeError(
     "actions need a live job: this is a saved bundle",
@@ -163,7 +164,7 @@ class LiveSource:
 
     def __init__(self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0,
                  native: bool = False, capture_timeout_s: float = 5.0, acting: bool = False,
-                 act_problem: tuple[str, str] | None = None) -> None:
+                 act_problem: tuple[str, str] | None = None, tls: ClientTLS | None = None) -> None:
         if not agents:
             raise RankscopeError("no agents to attach to", "pass --agents host:port[,host:port...] or a hostfile")
         self.agents = tuple(agents)
@@ -175,7 +176,7 @@ class LiveSource:
         except ImportError as exc:
             raise RankscopeError(f"the agent client is not available ({exc})",
                                  "install rankscope[tui] (grpcio) on this machine") from None
-        self._client = JobClient(self.agents, token, deadline_s=deadline_s, acting=acting)
+        self._client = JobClient(self.agents, token, deadline_s=deadline_s, acting=acting, tls=tls)
         self.act_problem = act_problem if acting else (
             "this session is read-only: it does not send actions",
             "attach without --read-only, with a token of the 'act' role (--token-file)")

@@ -160,7 +160,8 @@ class ActionsConfig:
 
 _BACKEND_KEYS: dict[str, frozenset[str]] = {
     "local": frozenset({"standbys", "standbys_file"}),
-    "slurm": frozenset({"job_id", "restart", "step_id", "scontrol", "scancel", "timeout_s"}),
+    "slurm": frozenset({"job_id", "restart", "step_id", "scontrol", "scancel", "sinfo", "standby_partition",
+                        "standby_reservation", "timeout_s"}),
     "kubernetes": frozenset({"namespace", "selector", "kubectl", "context", "timeout_s"}),
     "command": frozenset({"script", "job_id", "timeout_s"}),
 }

@@ -10,9 +10,11 @@ machines, so the agent is configured with one backend:
     the standbys that passed. The backend drives a :class:`DrillControl` the
     drill provides.
 ``slurm``
-    ``scontrol update NodeName=<m1,m2> State=DRAIN Reason=<reason>``, then
-    ``scontrol requeue <jobid>`` (drained nodes are not scheduled again), or
-    ``scancel <jobid>.<step>`` for a batch script that relaunches its step.
+    ``scontrol update nodename=<m1,m2> state=drain reason=<reason>``, then
+    ``scontrol requeue <jobid>`` and ``scontrol update jobid=<jobid>
+    ExcNodeList=...`` (shrinking ``NumNodes`` when too few idle standbys),
+    so the job restarts on its other nodes plus standbys; or ``scancel
+    <jobid>.<step>`` for a batch script that relaunches its step.
 ``kubernetes``
     Per node: ``kubectl cordon <node>``, ``kubectl annotate node <node>
     --overwrite rankscope.io/evict-reason=<reason>``, then ``kubectl delete
@@ -30,8 +32,9 @@ machines, so the agent is configured with one backend:
     keys optional); stderr is shown to the person on failure.
 
 Every command is an argv list run with ``shell=False``, and the plan a person
-confirms lists those exact lists. Executable paths are configurable, which is
-also how the tests put stand-ins in place of scontrol and kubectl.
+confirms lists those exact lists. Executable paths are configurable (the
+Slurm backend is tested against a real Slurm cluster, the others against
+stand-ins that record their argv).
 """
 
 from __future__ import annotations
@@ -143,13 +146,33 @@ class _CommandBackend(EvictionBackend):
 
 
 class SlurmBackend(_CommandBackend):
-    """Drain the machines with the reason, then requeue the job (or cancel the step for the batch script to relaunch)."""
+    """Drain the machines with the reason, then requeue the job without them (or cancel the step to relaunch it).
+
+    ``restart="requeue"`` (the default) plans, from the job as Slurm reports it
+    (``scontrol show job -o``) and the idle standbys (``sinfo``)::
+
+        scontrol update nodename=<m1,m2> state=drain reason=<reason>
+        scontrol requeue <job>
+        scontrol update jobid=<job> ExcNodeList=<m1,m2>            # enough standbys: same size
+        scontrol update jobid=<job> NumNodes=<n> NumTasks=<t> ExcNodeList=<m1,m2>   # too few: shrink
+
+    The job restarts (its batch script runs again, ``SLURM_RESTART_COUNT``
+    one higher) on its remaining nodes plus idle standbys: the idle nodes of
+    ``standby_partition``, or of the reservation ``standby_reservation``.
+    A job runs in one partition, so the standbys must also belong to the
+    job's partition (a "spares" partition is usually a subset of it), and a
+    reservation must be one the job may use. Drained nodes are never allocated
+    again. A shrunk job's script must size itself from ``$SLURM_JOB_NUM_NODES``.
+    """
 
     name = "slurm"
     RESTARTS = ("requeue", "step", "none")
+    # A job another agent already requeued: pending again, or still completing its old run.
+    PENDING = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING"})
 
     def __init__(self, job_id: str, restart: str = "requeue", step_id: str | None = None, scontrol: str = "scontrol",
-                 scancel: str = "scancel", runner: Runner | None = None,
+                 scancel: str = "scancel", sinfo: str = "sinfo", standby_partition: str | None = None,
+                 standby_reservation: str | None = None, runner: Runner | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__(runner, timeout_s)
         if restart not in self.RESTARTS:
@@ -161,20 +184,141 @@ class SlurmBackend(_CommandBackend):
         self.step_id = check_machine(step_id) if step_id else None
         self.scontrol = scontrol
         self.scancel = scancel
+        self.sinfo = sinfo
+        self.standby_partition = check_machine(standby_partition) if standby_partition else None
+        self.standby_reservation = check_machine(standby_reservation) if standby_reservation else None
+
+    # ---- what Slurm says ---------------------------------------------------------
+
+    def _ask(self, *argv: str) -> str:
+        run = self._run(argv)
+        if run.returncode != 0:
+            words = (run.stderr.strip() or run.stdout.strip() or f"exit status {run.returncode}").splitlines()[-1]
+            raise RankscopeError(f"`{' '.join(argv)}` failed: {words}",
+                                 "check that the agent's node can reach slurmctld (scontrol ping) and the job exists")
+        return run.stdout
+
+    def _hostnames(self, hostlist: str) -> tuple[str, ...]:
+        if not hostlist or hostlist in ("(null)", "None"):
+            return ()
+        return tuple(w for w in self._ask(self.scontrol, "show", "hostnames", hostlist).split() if w)
+
+    def job(self) -> dict[str, str]:
+        from rankscope.slurm import parse_fields
+
+        return parse_fields(self._ask(self.scontrol, "show", "job", "-o", self.job_id).strip())
+
+    def standbys(self) -> tuple[str, ...]:
+        """Idle nodes of the standby partition or reservation, in Slurm's order."""
+        if self.standby_reservation:
+            from rankscope.slurm import parse_fields
+
+            fields = parse_fields(self._ask(self.scontrol, "show", "reservation", "-o", self.standby_reservation))
+            members = self._hostnames(fields.get("Nodes", ""))
+            if not members:
+                return ()
+            idle = self._ask(self.sinfo, "-h", "-N", "-t", "idle", "-n", ",".join(members), "-o", "%N").split()
+            return tuple(n for n in members if n in idle)
+        if self.standby_partition:
+            out = self._ask(self.sinfo, "-h", "-N", "-t", "idle", "-p", self.standby_partition, "-o", "%N")
+            return tuple(dict.fromkeys(out.split()))
+        return ()
+
+    # ---- the plan ----------------------------------------------------------------
 
     def plan(self, machines: Sequence[str], reason: str) -> EvictionPlan:
         names, reason = _checked(machines, reason)
+        joined = ",".join(names)
         commands: list[tuple[str, ...]] = [
-            (self.scontrol, "update", f"NodeName={','.join(names)}", "State=DRAIN", f"Reason={reason}"),
+            (self.scontrol, "update", f"nodename={joined}", "state=drain", f"reason={reason}"),
         ]
-        steps = [f"drain {' '.join(names)} with reason {reason!r}"]
+        steps = [f"drain {' '.join(names)} with reason {reason!r} (Slurm allocates them to no job until resumed)"]
+        chosen: tuple[str, ...] = ()
+        warnings: list[str] = []
         if self.restart == "requeue":
+            job = self.job()
+            nodes = self._hostnames(job.get("NodeList", ""))
+            outside = [m for m in names if m not in nodes]
+            if outside:
+                raise RankscopeError(f"{' '.join(outside)} are not nodes of job {self.job_id} "
+                                     f"(it runs on {' '.join(nodes) or 'no nodes'})",
+                                     "evict only the job's own nodes")
+            num_nodes = len(nodes)
+            num_tasks = _leading_int(job.get("NumTasks", "")) or num_nodes
+            remaining = tuple(n for n in nodes if n not in names)
+            chosen = tuple(n for n in self.standbys() if n not in nodes)[:len(names)]
+            size = len(remaining) + len(chosen)
+            if size == 0:
+                raise RankscopeError(f"evicting {' '.join(names)} leaves job {self.job_id} no node to run on",
+                                     "name a standby partition or reservation with idle nodes, or evict fewer nodes")
             commands.append((self.scontrol, "requeue", self.job_id))
-            steps.append(f"requeue job {self.job_id} (drained nodes are not allocated again)")
+            steps.append(f"requeue job {self.job_id}: its steps end and it waits to start again")
+            # Keep what the job already excluded.
+            excluded = ",".join(dict.fromkeys((*self._hostnames(job.get("ExcNodeList", "")), *names)))
+            update: tuple[str, ...] = (self.scontrol, "update", f"jobid={self.job_id}")
+            if size < num_nodes:
+                tasks = max(1, num_tasks // num_nodes) * size
+                commands.append((*update, f"NumNodes={size}", f"NumTasks={tasks}", f"ExcNodeList={excluded}"))
+                warnings.append(f"only {len(chosen)} idle standby node(s) for {len(names)} evicted: job "
+                                f"{self.job_id} shrinks from {num_nodes} to {size} nodes; its script must size "
+                                "itself from $SLURM_JOB_NUM_NODES")
+            else:
+                commands.append((*update, f"ExcNodeList={excluded}"))
+            steps.append(f"restart on {' '.join((*remaining, *chosen))}"
+                         + (f" (standbys {' '.join(chosen)})" if chosen else "")
+                         + "; ranks resume from the latest checkpoint")
         elif self.restart == "step":
             commands.append((self.scancel, f"{self.job_id}.{self.step_id}"))
             steps.append(f"cancel step {self.job_id}.{self.step_id}; the batch script relaunches it")
-        return EvictionPlan(self.name, names, reason, tuple(commands), tuple(steps))
+        return EvictionPlan(self.name, names, reason, tuple(commands), tuple(steps), standbys=chosen,
+                            warnings=tuple(warnings))
+
+    def evict(self, machines: Sequence[str], reason: str) -> EvictionOutcome:
+        """The plan's commands in order; a requeue another agent already did counts as done.
+
+        Evicting several nodes, each node's agent drains its node and requeues
+        the job; the first requeue ends the job's steps, the other agents'
+        included, so their own requeue is refused ("pending execution") or
+        their command is killed by a signal. After a successful drain that is
+        not a failure when Slurm shows the job requeued.
+        """
+        plan = self.plan(machines, reason)
+        runs: list[CommandRun] = []
+        for index, argv in enumerate(plan.commands):
+            run = self._run(argv)
+            runs.append(run)
+            overtaken = run.returncode < 0 or "pending execution" in run.stderr.lower()
+            if run.returncode != 0 and index > 0 and self.restart == "requeue" and overtaken \
+                    and self._already_pending():
+                return EvictionOutcome(True, plan.machines,
+                                       f"drained {' '.join(plan.machines)}; job {self.job_id} was already requeued "
+                                       "(by another node's agent)", tuple(runs), plan.standbys)
+            if run.returncode != 0:
+                detail = (run.stderr.strip() or run.stdout.strip() or f"exit status {run.returncode}")
+                return EvictionOutcome(False, plan.machines, f"{argv[0]} failed: {detail.splitlines()[-1]}",
+                                       tuple(runs))
+        return EvictionOutcome(True, plan.machines, self._success_message(plan), tuple(runs), plan.standbys)
+
+    def _already_pending(self) -> bool:
+        try:
+            return self.job().get("JobState", "") in self.PENDING
+        except RankscopeError:
+            return False
+
+    def _success_message(self, plan: EvictionPlan) -> str:
+        if self.restart == "requeue":
+            return (f"drained {' '.join(plan.machines)} and requeued job {self.job_id}"
+                    + (f" with standbys {' '.join(plan.standbys)}" if plan.standbys else ""))
+        return super()._success_message(plan)
+
+
+def _leading_int(text: str) -> int:
+    digits = ""
+    for ch in text:
+        if not ch.isdigit():
+            break
+        digits += ch
+    return int(digits) if digits else 0
 
 
 class KubernetesBackend(_CommandBackend):

@@ -3,14 +3,17 @@
     rankscope attach --agents 'node[01-16]:50051' --token-file ~/.rankscope/token --tp 2 --pp 4 --dp 4
     rankscope attach --hostfile agents.txt --read-only
     rankscope attach --bundle incident.json
+    rankscope attach --slurm 12345 --tp 2 --pp 4
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
+from rankscope.commands.target import add_slurm_args, add_tls_args, open_target
 from rankscope.errors import RankscopeError
 
 
@@ -45,6 +48,15 @@ def register(sub: Any) -> None:
     p.add_argument("--dp", type=int, help="data-parallel size")
     p.add_argument("--order", default="tp-cp-ep-dp-pp", help="rank order of the parallel dimensions")
     p.add_argument("--ranks-per-machine", type=int, help="ranks on each machine")
+    p.add_argument("--slurm-state-dir", default="~/.rankscope/slurm/%j/%n",
+                   help="with --slurm: where each node's agent keeps its audit log and blocklist "
+                        "(%%j: job id, %%n: node; default ~/.rankscope/slurm/%%j/%%n)")
+    p.add_argument("--standby-partition",
+                   help="with --slurm: evicted nodes are replaced by idle nodes of this partition")
+    p.add_argument("--standby-reservation",
+                   help="with --slurm: evicted nodes are replaced by idle nodes of this reservation")
+    add_tls_args(p)
+    add_slurm_args(p)
     p.set_defaults(func=run)
 
 
@@ -74,27 +86,40 @@ def run(args: argparse.Namespace) -> int:
         "failslow_config": config_for(args.window, args.continuity, args.rounds),
     }
     if args.bundle is not None:
-        if args.agents or args.hostfile:
-            raise RankscopeError("--bundle opens a saved file; it cannot be combined with --agents/--hostfile",
+        if args.agents or args.hostfile or args.slurm:
+            raise RankscopeError("--bundle opens a saved file; it cannot be combined with --agents/--hostfile/--slurm",
                                  "drop --bundle to attach live, or drop --agents to open the bundle")
         return tui_app.run_bundle(args.bundle, layout=layout, read_only=args.read_only, **options)
-    from rankscope.agents_spec import resolve_agents
-    from rankscope.tokens import load_client_token
+    from rankscope.tokens import Role
 
-    agents = resolve_agents(args.agents, args.hostfile, default_port=args.port)
-    if not agents:
-        raise RankscopeError("no agents given", "pass --agents host:port[,...], --hostfile FILE, or --bundle FILE")
-    if args.read_only:
-        token = load_client_token(args.token_file)
-    else:
+    role = Role.READ
+    if not args.read_only and not args.slurm:
         # A session that may act sends a token of the 'act' role; with only a read token it still
         # attaches, and the action keys say why they cannot act instead of failing at the agents.
-        from rankscope.tokens import Role
+        from rankscope.tokens import load_client_token
 
         try:
-            token = load_client_token(args.token_file, role=Role.ACT)
+            load_client_token(args.token_file, role=Role.ACT)
+            role = Role.ACT
         except RankscopeError as exc:
-            token = load_client_token(args.token_file)
             options["act_problem"] = (exc.message, exc.fix)
-    return tui_app.run_attach(agents, token, layout=layout, read_only=args.read_only, deadline_s=args.deadline,
-                              capture_timeout_s=args.timeout, native=args.native, **options)
+    state_dir = None
+    if args.slurm and not args.read_only:
+        state_dir = str(args.slurm_state_dir).replace("%j", str(args.slurm))
+        if state_dir.startswith("~"):
+            state_dir = str(Path(state_dir).expanduser())
+    extra: list[str] = []
+    if args.standby_partition:
+        extra += ["--slurm-standby-partition", args.standby_partition]
+    if args.standby_reservation:
+        extra += ["--slurm-standby-reservation", args.standby_reservation]
+    with open_target(args, role=role, state_dir=state_dir, agent_args=extra) as target:
+        if not target.agents:
+            raise RankscopeError("no agents given", "pass --agents host:port[,...], --hostfile FILE, or --bundle FILE")
+        from rankscope.slurm import missing_lines
+
+        for line in missing_lines(target.missing):
+            print(f"rankscope attach: {line.strip()}", file=sys.stderr)
+        return tui_app.run_attach(target.agents, target.token, layout=layout, read_only=args.read_only,
+                                  deadline_s=args.deadline, capture_timeout_s=args.timeout, native=args.native,
+                                  tls=target.tls, **options)

@@ -73,6 +73,10 @@ def register(sub: Any) -> None:
     p.add_argument("--run-dir", type=Path, help="folder for logs, progress, checkpoints and the bundle (default: a temp dir)")
     p.add_argument("-o", "--output", type=Path, help="write the bundle here (default: RUN_DIR/bundle.json)")
     p.add_argument("--headless", action="store_true", help="no TUI: run, capture, report and stop")
+    p.add_argument("--launcher", choices=("local", "slurm"), default="local",
+                   help="local: torchrun nodes started here (default); slurm: a local multi-node Slurm cluster "
+                        "(or the one $SLURM_CONF names) runs the job as one sbatch, and the incident is handled "
+                        "end to end: attach --slurm, evict the suspects (drain, requeue), resume (headless)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (with --headless or --suite)")
     p.add_argument("--suite", choices=("failslow",),
                    help="run the fail-slow scorecard instead of one drill: slow faults at seeded random ranks plus "
@@ -127,6 +131,8 @@ def build_config(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     if args.suite:
         return _run_suite(args)
+    if args.launcher == "slurm":
+        return _run_slurm(args)
     config = build_config(args)
     if not args.headless:
         return _run_attached(config, args)
@@ -140,6 +146,25 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, default=str))
     else:
         print("\n".join(report_lines(report)))
+    return 0
+
+
+def _run_slurm(args: argparse.Namespace) -> int:
+    from rankscope.drill.slurm_drill import SlurmDrillConfig, run_slurm_drill
+
+    args.headless = True
+    base = build_config(args)
+    layout = base.layout
+    standbys = args.standbys if args.standbys is not None else min(max(layout.pp, layout.dp), layout.machines)
+    config = SlurmDrillConfig(layout=layout, plan=base.plan, training=base.training, run_dir=args.run_dir,
+                              standbys=standbys, stall_seconds=args.stall_seconds,
+                              start_timeout_s=max(args.start_timeout, 300.0), stall_timeout_s=args.stall_timeout)
+    report = run_slurm_drill(config, on_event=lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        for key in ("job", "nodes", "verdict", "evicted", "drained", "restarted_on", "resumed_from", "resumed"):
+            print(f"{key}: {report.get(key)}")
     return 0
 
 

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from rankscope.commands.target import add_slurm_args, add_tls_args, open_target
+
 if TYPE_CHECKING:
     from rankscope.snapshot import JobSnapshot
 
@@ -18,7 +20,9 @@ a ticket. An agent that cannot be reached is reported and marked in the bundle;
 the others are still captured.
 
 Agents: --agents host:port,host2:port, Slurm ranges such as
-'node[01-04,07]:50051' or '127.0.0.1:[50051-50054]', @FILE, or --hostfile FILE.
+'node[01-04,07]:50051' or '127.0.0.1:[50051-50054]', @FILE, or --hostfile FILE;
+or --slurm JOBID: agents started inside the running job for this capture
+only (over TLS, with a token made for it) and stopped afterwards.
 Exit status: 0 when every agent answered, 1 when some did not (the bundle is
 written anyway), 2 on bad input.
 """
@@ -40,6 +44,8 @@ def register(sub: Any) -> None:
     p.add_argument("--no-subprocesses", action="store_true", help="skip the ranks' worker subprocesses")
     p.add_argument("-o", "--output", type=Path, help="write the bundle to this file")
     p.add_argument("--json", action="store_true", help="print the bundle as JSON on stdout (the summary goes to stderr)")
+    add_tls_args(p)
+    add_slurm_args(p)
     p.set_defaults(func=run)
 
 
@@ -94,25 +100,25 @@ def _ranges(values: list[int]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from rankscope import __version__
-    from rankscope.agents_spec import resolve_agents
     from rankscope.bundle import Bundle, dumps, write_bundle
     from rankscope.client import capture_once
     from rankscope.errors import RankscopeError
-    from rankscope.tokens import load_client_token
+    from rankscope.slurm import missing_lines
 
     if args.deadline <= 0 or args.timeout <= 0:
         raise RankscopeError("--deadline and --timeout must be positive", "e.g. --deadline 10 --timeout 5")
-    agents = resolve_agents(args.agents, args.hostfile, default_port=args.port)
-    token = load_client_token(args.token_file)
-    snap = capture_once(
-        agents, token, deadline_s=args.deadline,
-        native=args.native, subprocesses=not args.no_subprocesses, timeout_s=args.timeout,
-    )
-    bundle = Bundle(
-        snapshots=(snap,), created_wall=time.time(),
-        meta={"command": "snapshot", "rankscope_version": __version__, "agents": list(agents),
-              "deadline_s": args.deadline, "native": args.native},
-    )
+    with open_target(args) as target:
+        snap = capture_once(
+            target.agents, target.token, deadline_s=args.deadline, tls=target.tls,
+            native=args.native, subprocesses=not args.no_subprocesses, timeout_s=args.timeout,
+        )
+    agents, missing = target.agents, target.missing
+    meta: dict[str, Any] = {"command": "snapshot", "rankscope_version": __version__, "agents": list(agents),
+                            "deadline_s": args.deadline, "native": args.native}
+    if target.slurm_job is not None:
+        meta["slurm_job"] = target.slurm_job
+        meta["slurm_nodes_without_agent"] = {m.node: m.reason for m in missing}
+    bundle = Bundle(snapshots=(snap,), created_wall=time.time(), meta=meta)
     out: TextIO = sys.stderr if args.json else sys.stdout
     written: Path | None = None
     if args.output is not None:
@@ -122,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
         written = write_bundle(bundle, Path(time.strftime("rankscope-snapshot-%Y%m%d-%H%M%S.json")))
     if args.json:
         sys.stdout.write(dumps(bundle, indent=2) + "\n")
-    for line in summary_lines(snap):
+    for line in summary_lines(snap) + missing_lines(missing):
         print(line, file=out)
     if written is not None:
         print(f"bundle written to {written}", file=out)
-    return 0 if all(m.reachable for m in snap.machines) else 1
+    return 0 if all(m.reachable for m in snap.machines) and not missing else 1

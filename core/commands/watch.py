@@ -37,9 +37,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from rankscope.commands.target import add_slurm_args, add_tls_args, open_target
+
 if TYPE_CHECKING:
     from rankscope.analyzers.failslow import FailSlowVerdict
     from rankscope.snapshot import JobSnapshot, Layout
+    from rankscope.tls import ClientTLS
 
 DESCRIPTION = """\
 Watch a running job for fail-slow machines without the TUI. The detectors are
@@ -87,6 +90,8 @@ def register(sub: Any) -> None:
                    help=f"also save every snapshot polled (the last {RECORD_LIMIT}) as a bundle, for "
                         "`rankscope attach --bundle`, a ticket or rankscope.analyzers.failslow.replay")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_tls_args(p)
+    add_slurm_args(p)
     p.set_defaults(func=run)
 
 
@@ -189,7 +194,7 @@ def _stack_round(snap: JobSnapshot, layout: Layout | None) -> tuple[object | Non
 
 
 async def watch(args: argparse.Namespace, agents: list[str], token: str | None, emit: Callable[[dict[str, Any]], None],
-                record: deque[JobSnapshot] | None = None) -> int:
+                record: deque[JobSnapshot] | None = None, tls: ClientTLS | None = None) -> int:
     """The watch loop; every snapshot polled is appended to ``record`` when given."""
     import asyncio
     import time
@@ -217,7 +222,7 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
             errors_said.add(message)
             emit({"event": "error", "wall": time.time(), "message": message, "fix": fix})
 
-    async with JobClient(agents, token, deadline_s=args.deadline) as client:
+    async with JobClient(agents, token, deadline_s=args.deadline, tls=tls) as client:
         while True:
             tick = time.monotonic()
             if end is not None and tick >= end:
@@ -267,9 +272,8 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from rankscope.agents_spec import resolve_agents
     from rankscope.errors import RankscopeError
-    from rankscope.tokens import load_client_token
+    from rankscope.slurm import missing_lines
 
     if args.interval <= 0 or args.deadline <= 0 or args.timeout <= 0:
         raise RankscopeError("--interval, --deadline and --timeout must be positive", "e.g. --interval 1 --deadline 5")
@@ -282,8 +286,6 @@ def run(args: argparse.Namespace) -> int:
     if args.record is not None and not args.record.resolve().parent.is_dir():
         raise RankscopeError(f"--record {args.record}: folder {args.record.resolve().parent} does not exist",
                              "create the folder first or pass a path in an existing one")
-    agents = resolve_agents(args.agents, args.hostfile, default_port=args.port)
-    token = load_client_token(args.token_file)
     out: TextIO = sys.stdout
 
     def emit(event: dict[str, Any]) -> None:
@@ -291,8 +293,14 @@ def run(args: argparse.Namespace) -> int:
         out.flush()  # a pipe reader (a script, `tail -f`) sees each change as it happens
 
     record: deque[JobSnapshot] | None = deque(maxlen=RECORD_LIMIT) if args.record is not None else None
+    agents: list[str] = []
     try:
-        code = asyncio.run(watch(args, agents, token, emit, record))
+        with open_target(args) as target:
+            agents = target.agents
+            for line in missing_lines(target.missing):
+                emit({"event": "error", "wall": None, "message": line.strip(),
+                      "fix": "the other nodes are watched; read the node's slurmd log"})
+            code = asyncio.run(watch(args, agents, target.token, emit, record, tls=target.tls))
     except KeyboardInterrupt:
         emit({"event": "end", "wall": None, "rounds": None, "summary": "interrupted", "machine": None,
               "suspect_machines": [], "confident": None, "confidence": None, "stack_rounds": None, "exit": 130})

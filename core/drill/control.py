@@ -41,12 +41,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rankscope.actions.agent_service import RESTART_REQUESTED
 from rankscope.actions.evict_backends import EvictionOutcome, LocalBackend, SelfCheck
 from rankscope.actions.model import ActionKind, ActionResult, ActionState, AuditRecord
 from rankscope.drill.launcher import Launcher
 from rankscope.errors import RankscopeError
+
+if TYPE_CHECKING:
+    from rankscope.tls import ClientTLS
 
 FINAL = frozenset({ActionState.SUCCEEDED.value, ActionState.FAILED.value, ActionState.CANCELLED.value,
                    ActionState.REFUSED.value})
@@ -373,7 +377,7 @@ def ranks_resumed(run_dir: Path, world: int, event: RecoveryEvent) -> bool:
 
 
 async def evict_machines(agents: list[str], token: str, machines: tuple[str, ...], reason: str,
-                         requested_by: str = "drill") -> list[ActionResult]:
+                         requested_by: str = "drill", tls: ClientTLS | None = None) -> list[ActionResult]:
     """Plan, confirm with the typed phrase and run an eviction of ``machines``: what the TUI's `e` sends.
 
     Returns each agent's final result. Raises RankscopeError when an agent
@@ -388,7 +392,7 @@ async def evict_machines(agents: list[str], token: str, machines: tuple[str, ...
     request = ActionRequest(action_id=f"evict-{uuid.uuid4().hex[:12]}", kind=ActionKind.EVICT,
                             targets=Targets(machines=machines), args=EvictArgs(reason=reason),
                             requested_by=requested_by)
-    async with JobClient(agents, token, acting=True) as client:
+    async with JobClient(agents, token, acting=True, tls=tls) as client:
         answers = await client.plan_action(request)
         plans = [p for p in answers.values() if isinstance(p, ActionPlan)]
         confirmation = confirmation_for(plans, typed=combined_phrase(ActionKind.EVICT, plans))

@@ -1,0 +1,271 @@
+"""The drill on Slurm: the README's incident (hang -> `e` -> drain, requeue, resume) on a real Slurm cluster.
+
+``run_slurm_drill`` starts a local multi-node Slurm cluster
+(``rankscope.slurm_cluster``: one slurmd per node on this host, plus idle
+standby nodes in a ``standby`` partition), or uses the one ``SLURM_CONF``
+names, and runs the drill's training job as one ``sbatch``: one torchrun per
+node (``srun -N$SLURM_JOB_NUM_NODES``), node rank ``$SLURM_NODEID``. The
+injected fault rides in the job's environment only for its first run; a
+requeued run (``SLURM_RESTART_COUNT`` > 0) starts with ``--resume`` and no fault.
+
+Then what an on-call engineer does with ``rankscope attach --slurm J``, minus
+the keyboard: wait until progress stops, start the agents inside the job
+(``rankscope.slurm.SlurmAgents``: TLS, a session token), capture, let the
+analyzers name the suspect machines, plan and confirm their eviction (what
+`e` sends), and watch Slurm drain them, requeue the job and restart it on
+the remaining nodes plus standbys, until every rank has trained past the step
+it resumed from (the checkpoint, or the in-memory backup when newer).
+Everything it started is stopped at the end, also on failure and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan, ground_truth
+from rankscope.drill.launcher import RUN_ID_ENV, TrainingOptions, free_port
+from rankscope.drill.progress import read_progress
+from rankscope.errors import RankscopeError
+
+STANDBY_PARTITION = "standby"
+POLL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmDrillConfig:
+    layout: DrillLayout
+    plan: FaultPlan
+    training: TrainingOptions
+    run_dir: Path | None = None
+    standbys: int = 2  # idle standby nodes of the local cluster (its ``standby`` partition)
+    standby_partition: str = STANDBY_PARTITION
+    stall_seconds: float = 5.0
+    start_timeout_s: float = 600.0
+    stall_timeout_s: float = 300.0
+    restart_timeout_s: float = 600.0
+    capture_timeout_s: float = 20.0
+
+
+def batch_script(config: SlurmDrillConfig, run_dir: Path, port: int) -> str:
+    """The job: one torchrun per node, resumed and without the fault when Slurm restarts it."""
+    layout, training = config.layout, config.training
+    worker = shlex.join(training.worker_args(layout, run_dir, resume=False))
+    torchrun = (f"exec {shlex.quote(sys.executable)} -m torch.distributed.run --nnodes $SLURM_JOB_NUM_NODES "
+                f"--node-rank $SLURM_NODEID --nproc-per-node {layout.ranks_per_machine} --rdzv-backend static "
+                f"--master-addr 127.0.0.1 --master-port $PORT --max-restarts 0 "
+                f"-m rankscope.drill.worker train {worker} $RESUME")
+    return "\n".join([
+        "#!/bin/bash",
+        'echo "rankscope drill: start on $SLURM_JOB_NODELIST, restart ${SLURM_RESTART_COUNT:-0}"',
+        'RESUME=""',
+        f"PORT=$(( {port} + ${{SLURM_RESTART_COUNT:-0}} ))",
+        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME="--resume"; unset ' + FAULT_ENV + "; fi",
+        "export PORT RESUME",
+        f"srun -N$SLURM_JOB_NUM_NODES -n$SLURM_JOB_NUM_NODES --ntasks-per-node=1 bash -c {shlex.quote(torchrun)}",
+        "",
+    ])
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(POLL_S)
+    raise RankscopeError(f"the Slurm drill timed out after {timeout_s:g} s waiting for {what}",
+                         "the machine may be overloaded: raise --start-timeout/--stall-timeout, or read the run dir")
+
+
+def run_slurm_drill(config: SlurmDrillConfig, on_event: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The whole incident on Slurm; returns the report (``rankscope drill --launcher slurm --json``)."""
+    from rankscope.slurm_cluster import LocalSlurmCluster
+
+    say = on_event or (lambda _m: None)
+    run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix="rankscope-slurm-drill-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    layout = config.layout
+    existing = os.environ.get("SLURM_CONF")
+    cluster: LocalSlurmCluster | None = None
+    env = dict(os.environ)
+    job = ""
+    report: dict[str, Any] = {"launcher": "slurm", "run_dir": str(run_dir), "fault": config.plan.name,
+                              "world": layout.world}
+    try:
+        if existing is None:
+            nodes = layout.machines + config.standbys
+            standby_numbers = tuple(range(layout.machines + 1, nodes + 1))
+            cluster = LocalSlurmCluster(run_dir / "slurm", nodes=nodes,
+                                        partitions={config.standby_partition: standby_numbers} if standby_numbers else {})
+            cluster.start()
+            env = cluster.env()
+            say(f"local Slurm cluster: {nodes} nodes ({config.standbys} standby) under {run_dir / 'slurm'}")
+        report["slurm_conf"] = env.get("SLURM_CONF")
+        job = _submit(config, run_dir, env, cluster)
+        report["job"] = job
+        say(f"job {job}: {layout.world} ranks on {layout.machines} nodes, fault {config.plan.name}")
+        world = layout.world
+        _wait(lambda: _all_at(run_dir, world, 1), config.start_timeout_s, "every rank's first step")
+        first_nodes = _job_nodes(job, env)
+        report["nodes"] = list(first_nodes)
+        stall_step = _wait_stalled(run_dir, world, config)
+        report["stalled_at_steps"] = stall_step
+        say(f"progress stopped at steps {stall_step}")
+        report.update(_attach_and_evict(config, job, env, run_dir))
+        say(f"evicted {' '.join(report['evicted'])}; waiting for Slurm to restart job {job}")
+        requeued_wall = report["evicted_wall"]
+        _wait(lambda: _state(job, env).startswith("RUNNING") and set(_job_nodes(job, env)).isdisjoint(
+            report["evicted"]), config.restart_timeout_s, f"job {job} running again without the evicted nodes")
+        report["restarted_on"] = list(_job_nodes(job, env))
+        report["drained"] = {n: _node_state(n, env) for n in report["evicted"]}
+        hung_at = max(stall_step.values()) if stall_step else 0
+        _wait(lambda: _resumed(run_dir, world, requeued_wall, hung_at), config.restart_timeout_s,
+              f"every rank of the restarted job to train past step {hung_at}, where it hung")
+        progress = read_progress(run_dir)
+        report["resumed"] = True
+        report["resumed_steps"] = {r: p.step for r, p in sorted(progress.items())}
+        report["resumed_from"] = _resume_lines(run_dir)
+        say(f"job {job} resumed on {' '.join(report['restarted_on'])}: {report['resumed_from'] or 'see logs'}")
+        return report
+    finally:
+        if job:
+            from rankscope.slurm import run_cli
+
+            run_cli(["scancel", job], env=env, timeout_s=30)
+        if cluster is not None:
+            cluster.stop()
+
+
+def _submit(config: SlurmDrillConfig, run_dir: Path, env: dict[str, str], cluster: Any) -> str:
+    from rankscope.slurm import run_cli
+
+    script = run_dir / "drill-job.sh"
+    script.write_text(batch_script(config, run_dir, free_port()), encoding="utf-8")
+    job_env = dict(env, **{RUN_ID_ENV: "slurm-drill", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    if config.plan.name != "none":
+        job_env[FAULT_ENV] = config.plan.to_env()
+    blockers: list[str] = []
+    if cluster is not None and config.standbys:
+        # The standbys are busy while the job starts, so it lands on the others and they stay the idle spares.
+        nodes = ",".join(f"node{i}" for i in range(config.layout.machines + 1,
+                                                   config.layout.machines + config.standbys + 1))
+        blockers.append(cluster.sbatch("-w", nodes, "-N", str(config.standbys), "-o", "/dev/null",
+                                       "--wrap", "sleep 3600"))
+        _wait(lambda: _state(blockers[0], env).startswith("RUNNING"), 60, "the standby placeholder job")
+    proc = run_cli(["sbatch", "--parsable", "-N", str(config.layout.machines), "--ntasks-per-node=1",
+                    "-o", str(run_dir / "job-%j.out"), "--open-mode=append", "--chdir", str(run_dir), str(script)],
+                   env=job_env)
+    if proc.returncode != 0:
+        raise RankscopeError(f"sbatch failed: {proc.stderr.strip()}", "check the cluster with sinfo")
+    job = proc.stdout.strip().split(";")[0]
+    _wait(lambda: _state(job, env).startswith("RUNNING"), 120, f"job {job} to start")
+    for b in blockers:
+        run_cli(["scancel", b], env=env)
+    return job
+
+
+def _state(job: str, env: dict[str, str]) -> str:
+    from rankscope.slurm import run_cli
+
+    return run_cli(["squeue", "-h", "-j", job, "-o", "%T"], env=env).stdout.strip()
+
+
+def _job_nodes(job: str, env: dict[str, str]) -> tuple[str, ...]:
+    from rankscope.slurm import job_info
+
+    return job_info(job, env).nodes
+
+
+def _node_state(node: str, env: dict[str, str]) -> str:
+    from rankscope.slurm import run_cli
+
+    return run_cli(["sinfo", "-h", "-n", node, "-o", "%T"], env=env).stdout.strip()
+
+
+def _all_at(run_dir: Path, world: int, step: int) -> bool:
+    progress = read_progress(run_dir)
+    return len(progress) >= world and all(p.step >= step for r, p in progress.items() if r < world)
+
+
+def _wait_stalled(run_dir: Path, world: int, config: SlurmDrillConfig) -> dict[int, int]:
+    """Until no rank advanced for ``stall_seconds`` (a hang); the steps then."""
+    last: dict[int, int] = {}
+    moved = time.monotonic()
+    deadline = moved + config.stall_timeout_s
+    while time.monotonic() < deadline:
+        steps = {r: p.step for r, p in read_progress(run_dir).items() if r < world}
+        if steps != last:
+            last, moved = steps, time.monotonic()
+        elif len(steps) == world and time.monotonic() - moved >= config.stall_seconds:
+            return steps
+        time.sleep(POLL_S)
+    raise RankscopeError(f"progress did not stop within {config.stall_timeout_s:g} s", "use a hang fault (hang-p2p)")
+
+
+def _attach_and_evict(config: SlurmDrillConfig, job: str, env: dict[str, str], run_dir: Path) -> dict[str, Any]:
+    """What `rankscope attach --slurm J` and `e` do: capture, name the suspect machines, evict them."""
+    from rankscope.client import capture_once
+    from rankscope.drill.control import evict_machines
+    from rankscope.slurm import SlurmAgents
+
+    out: dict[str, Any] = {}
+    session = SlurmAgents(job, env=env, state_dir=str(run_dir / "state" / "%n"),
+                          extra_agent_args=("--slurm-standby-partition", config.standby_partition))
+    with session:
+        agents = list(session.agents.values())
+        snap = capture_once(agents, session.token, tls=session.tls, deadline_s=120, timeout_s=config.capture_timeout_s)
+        out["captured_ranks"] = len(snap.rank_to_machine())
+        out["agents_missing"] = [m.node for m in session.missing]
+        from rankscope.analyzers.verdict import analyze_snapshot
+
+        verdict = analyze_snapshot(snap, config.layout.to_snapshot_layout())
+        top = verdict.top
+        if top is None:
+            raise RankscopeError(f"the analyzers named no suspect: {verdict.summary}", "read the captured stacks")
+        out["verdict"] = verdict.summary
+        out["suspect_ranks"] = list(top.ranks)
+        truth = ground_truth(config.plan, config.layout)
+        out["truth_ranks"] = list(truth.suspect_ranks)
+        machines = tuple(top.machines)
+        out["evicted"] = list(machines)
+        out["evicted_wall"] = time.time()
+        results = asyncio.run(evict_machines(agents, session.token, machines,
+                                             f"rankscope drill: {verdict.summary}"[:200], tls=session.tls))
+        out["eviction_results"] = [r.message for r in results]
+    # The requeue ended the agent step: the audit logs on the nodes are the record.
+    from rankscope.actions.audit import AuditLog
+
+    out["audit"] = {}
+    for node in machines:
+        path = run_dir / "state" / node / "audit.sqlite"
+        if path.exists():
+            records = AuditLog(path).records()
+            out["audit"][node] = [f"{r.result}: {r.message}" for r in records][-2:]
+    return out
+
+
+def _resumed(run_dir: Path, world: int, since_wall: float, hung_at: int) -> bool:
+    """Every rank reported after the eviction, past the step where the job hung."""
+    progress = read_progress(run_dir)
+    return len(progress) >= world and all(
+        p.wall >= since_wall and p.state in ("running", "done") and p.step > hung_at
+        for r, p in progress.items() if r < world)
+
+
+def _resume_lines(run_dir: Path) -> list[str]:
+    """What the restarted ranks said about where they resumed (checkpoint or backup)."""
+    lines: list[str] = []
+    for log in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []:
+        lines += [line.strip() for line in log.read_text(errors="replace").splitlines() if "resum" in line.lower()]
+    for out in sorted(run_dir.glob("job-*.out")):
+        lines += [line.strip() for line in out.read_text(errors="replace").splitlines()
+                  if "restor" in line.lower() or "resum" in line.lower() or "rankscope drill: start" in line]
+    return lines[-4:]
