@@ -162,7 +162,7 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
                    node_order: Sequence[str] | None = None) -> JobSnapshot:
     """Read a folder (or one file) of py-spy dumps, text or JSON, into a JobSnapshot."""
     from rankscope.analyzers.topology import compact_ranks
-    from rankscope.probes.pyspy_text import parse_pyspy_text
+    from rankscope.probes.pyspy_text import FrameCache, parse_pyspy_text
 
     root = Path(path)
     notes: list[str] = []
@@ -170,6 +170,7 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
     subs: dict[int, list[_Process]] = {}
     nodes: dict[str, list[_Process]] = {}
     sources: dict[int, str] = {}
+    cache: FrameCache = {}
     for file in _files(root, notes):
         try:
             raw = file.read_bytes()
@@ -191,7 +192,7 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
             role = role_from_name(sub) if sub else ProcessRole.MAIN
             procs = [_Process(_parse_json(text, file.name, role, sub or ""), None, file.name)]
         else:
-            parsed = parse_pyspy_text(text)
+            parsed = parse_pyspy_text(text, cache=cache)
             if not parsed.processes:
                 why = parsed.problems[0] if parsed.problems else "the file is empty"
                 notes.append(f"{file.name}: not a py-spy dump (no `Process N:`, `Thread N` or `Error:` line; "
