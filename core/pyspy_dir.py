@@ -145,7 +145,7 @@ def _attach_workers(workers: list[_Process], procs: list[_Process], locals_: lis
     by_cmdline = {p.cmdline: start + local for p, local in zip(procs, locals_, strict=True) if p.cmdline}
     orphans = []
     for w in workers:
-        rank = by_cmdline.get(w.cmdline) if _LOCAL_RANK.search(w.cmdline or "") else None
+        rank = by_cmdline.get(w.cmdline) if w.cmdline and _LOCAL_RANK.search(w.cmdline) else None
         if rank is None:
             orphans.append(str(w.stack.pid))
             continue
