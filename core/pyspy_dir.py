@@ -135,7 +135,7 @@ def _node_rank_rule(procs: list[_Process]) -> tuple[list[int], list[str]]:
         order = sorted(pids)
         return ([order.index(pid) for pid in pids],
                 [f"pid-order: pid {pid} is #{order.index(pid)} of {len(pids)} by ascending pid" for pid in pids])
-    return list(range(len(procs))), [f"file-order: process #{i} of {len(procs)} in the file (pids unknown)"
+    return list(range(len(procs))), [f"file-order: process #{i} of {len(procs)} in the file (pids missing or repeated)"
                                      for i in range(len(procs))]
 
 
