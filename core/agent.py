@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import os
 import signal
@@ -197,6 +198,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         self.config = config
         self.address = address
         self._stack_lock = asyncio.Lock()
+        self._sampler: Any = None  # a probes.sampler.StackSampler, made on the first request to sample
         self.actions: ActionService | None = None
         if config.actions is not None:
             self.actions = ActionService(config.actions, config.machine_name, self.ranks)
@@ -208,9 +210,14 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         return discover_ranks(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id)
 
     async def capture(
-        self, *, stacks: bool, native: bool = False, subprocesses: bool = True, timeout_s: float = DEFAULT_PYSPY_TIMEOUT_S
+        self, *, stacks: bool, native: bool = False, subprocesses: bool = True, timeout_s: float = DEFAULT_PYSPY_TIMEOUT_S,
+        sample_hz: float = 0.0,
     ) -> MachineSnapshot:
-        """One reading of this machine through the probes (imported here: only the agent needs them)."""
+        """One reading of this machine through the probes (imported here: only the agent needs them).
+
+        ``sample_hz`` > 0 renews the stack sampler's lease on this machine's
+        ranks; while the sampler runs, every reply carries its windows.
+        """
         from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
 
         scope = Scope(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id, counter_dir=self.config.counter_dir)
@@ -218,7 +225,20 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             stacks=stacks, native=native, subprocesses=subprocesses, timeout_s=timeout_s,
             concurrency=self.config.capture_concurrency,
         )
-        return await capture_machine(self.config.machine_name, self.address, scope, options)
+        machine = await capture_machine(self.config.machine_name, self.address, scope, options)
+        if sample_hz > 0:
+            if self._sampler is None:
+                from rankscope.probes.sampler import StackSampler
+
+                self._sampler = StackSampler()
+            self._sampler.demand(machine.ranks, sample_hz)
+        if self._sampler is not None:
+            machine = dataclasses.replace(machine, samples=self._sampler.windows())
+        return machine
+
+    async def close(self) -> None:
+        if self._sampler is not None:
+            await self._sampler.close()
 
     async def _reply(self, context: grpc.aio.ServicerContext, reading: Awaitable[MachineSnapshot]) -> pb.MachineSnapshot:
         try:
@@ -231,7 +251,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             raise  # unreachable: abort raises
 
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
-        return await self._reply(context, self.capture(stacks=False))
+        return await self._reply(context, self.capture(stacks=False, sample_hz=request.sample_hz))
 
     async def Capture(self, request: pb.CaptureRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
         timeout_s = request.timeout_s if request.timeout_s > 0 else DEFAULT_PYSPY_TIMEOUT_S
@@ -336,6 +356,8 @@ class RunningAgent:
                 await self.supervisor
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.service is not None:
+            await self.service.close()  # the sampling loops and their py-spy processes end with the agent
         if self.service is not None and self.service.actions is not None:
             await self.service.actions.close()  # a running action ends and is recorded, never cut half way
 
