@@ -93,6 +93,35 @@ class AgentConfig:
     insecure_no_token: bool = False
     capture_concurrency: int = 8
     actions: ActionsConfig | None = None  # None: this agent plans and runs no actions
+    auto_name: bool = False  # True: machine_name is replaced at start by machine_identity (no --machine-name)
+
+
+def container_id(cgroup_text: str) -> str | None:
+    """The container's id (12 hex digits) from /proc/self/cgroup text, or None outside a container."""
+    import re
+
+    found = re.search(r"(?:docker|containerd|cri-containerd|crio|libpod)[-/]([0-9a-f]{64})", cgroup_text)
+    return found.group(1)[:12] if found else None
+
+
+def machine_identity(hostname: str, ranks: Sequence[RankInfo], container: str | None, port: int) -> str:
+    """A machine name that no other agent on this host reports, and that survives a restart of the agent.
+
+    Several agents can share a host (containers with the host's network,
+    tests, one agent per torchrun node of a job spread over one big host);
+    the hostname alone would merge them into one machine for every per-machine
+    detector. In order: the torchrun node rank its ranks share (stable across
+    restarts of the agent and of the job), the container's id, the port it
+    listens on (stable when given with --port).
+    """
+    nodes = {r.group_rank for r in ranks if r.group_rank is not None}
+    if len(nodes) == 1:
+        return f"{hostname}-node{nodes.pop()}"
+    if container is not None and container not in hostname:
+        return f"{hostname}-{container}"
+    if container is not None:
+        return hostname  # a container's own hostname is its id already
+    return f"{hostname}-{port}"
 
 
 def is_loopback(host: str) -> bool:
@@ -392,6 +421,8 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     if port == 0:
         raise RankscopeError(f"cannot listen on {host}:{config.port}", BIND_FIX)
     address = f"{host}:{port}"
+    if config.auto_name:
+        config = dataclasses.replace(config, machine_name=await asyncio.to_thread(_identity, config, port))
     service = AgentService(config, address)
     pb_grpc.add_RankscopeAgentServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     for register in extra_services:
@@ -404,6 +435,17 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     supervisor = asyncio.create_task(supervise(service.actions)) if service.actions is not None else None
     return RunningAgent(server=server, port=port, address=address, health=health_servicer, service=service,
                         supervisor=supervisor)
+
+
+def _identity(config: AgentConfig, port: int) -> str:
+    from rankscope.probes.discovery import discover_ranks
+
+    try:
+        cgroup = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        cgroup = ""
+    ranks = discover_ranks(launcher_pid=config.launcher_pid, run_id=config.run_id)
+    return machine_identity(socket.gethostname(), ranks, container_id(cgroup), port)
 
 
 async def supervise(actions: ActionService, interval_s: float = SUPERVISE_INTERVAL_S) -> None:
@@ -441,7 +483,8 @@ async def serve(config: AgentConfig, *, port_file: Path | None = None) -> None:
         if port_file is not None:
             write_port_file(port_file, agent.port)
         auth = "token required" if config.tokens is not None else "NO TOKEN (--insecure-no-token)"
-        log(f"listening on {agent.address} as machine {config.machine_name!r}, {auth}")
+        name = agent.service.config.machine_name if agent.service is not None else config.machine_name
+        log(f"listening on {agent.address} as machine {name!r}, {auth}")
         actions = agent.service.actions if agent.service is not None else None
         if actions is not None:
             log(f"actions enabled (eviction: {actions.config.eviction.backend}; state in {actions.config.state_dir})")

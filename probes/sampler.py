@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rankscope.analyzers.stack_samples import CLASSES, parse_collapsed
+from rankscope.analyzers.stack_samples import parse_collapsed
 from rankscope.probes.pyspy import FIX_FAILED, FIX_TOOL_MISSING, classify_pyspy_failure, pyspy_binary
 from rankscope.snapshot import CaptureError, CaptureErrorKind, RankInfo, StackSampleWindow
 
@@ -123,4 +123,5 @@ class StackSampler:
         except ValueError as exc:
             return failed(CaptureError(CaptureErrorKind.FAILED, f"unreadable py-spy samples for pid {pid}: {exc}",
                                        FIX_FAILED.format(pid=pid)))
-        return StackSampleWindow(rank, pid, start, time.time(), **{k: counts[k] for k in CLASSES})
+        return StackSampleWindow(rank, pid, start, time.time(), collective=counts["collective"], p2p=counts["p2p"],
+                                 compute=counts["compute"], data=counts["data"], other=counts["other"])

@@ -58,7 +58,10 @@ def register(sub: Any) -> None:
                    help="file with the accepted token(s), one per line; default: $RANKSCOPE_TOKEN")
     p.add_argument("--insecure-no-token", action="store_true",
                    help="serve without a token (only on a loopback address; for local experiments)")
-    p.add_argument("--machine-name", help="name reported for this machine (default: the hostname)")
+    p.add_argument("--machine-name",
+                   help="name reported for this machine (default: unique on the host and stable across restarts: "
+                        "HOST-nodeN from its ranks' torchrun node rank, else HOST-CONTAINER in a container, "
+                        "else HOST-PORT)")
     p.add_argument("--launcher-pid", type=int, help="only ranks started by this launcher (torchrun) process")
     p.add_argument("--run-id", help="only ranks of this torchrun run id (TORCHELASTIC_RUN_ID)")
     p.add_argument("--counter-dir", type=Path, help="where the CCL plugin writes its counter files")
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         bind=args.bind,
         port=args.port,
         machine_name=args.machine_name or socket.gethostname(),
+        auto_name=args.machine_name is None,
         launcher_pid=args.launcher_pid,
         run_id=args.run_id,
         counter_dir=args.counter_dir,
