@@ -125,7 +125,6 @@ def analyze_trace(columns: Mapping[str, Sequence[object]], *, worker_ratio: floa
         raise TraceError("durations must be finite and not negative")
 
     workers = sorted({(int(r), int(s), int(d)) for r, s, d in zip(rank, stage, dp, strict=True)})
-    stage_of = {r: s for r, s, _ in workers}
     dp_of = {r: d for r, _, d in workers}
     steps = np.unique(step)
     step_index = {int(s): i for i, s in enumerate(steps)}
