@@ -84,7 +84,7 @@ def test_bundle_with_layout_flags_and_rounds(capsys: pytest.CaptureFixture[str],
 
 
 @pytest.mark.parametrize("argv, message", [
-    ((), "give exactly one of BUNDLE, --pyspy-dir DIR or --flight-recorder DIR"),
+    ((), "give exactly one of BUNDLE, --pyspy-dir DIR, --flight-recorder DIR or --op-trace FILE"),
     (("--pyspy-dir", "/nonexistent/dumps"), "is not a folder"),
     (("--pyspy-dir", str(FIG7), "--order", "tp-xx"), "unknown dimension"),
     (("--pyspy-dir", str(FIG7), "--tp", "0"), "--tp must be at least 1"),

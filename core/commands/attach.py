@@ -32,7 +32,11 @@ def register(sub: Any) -> None:
     p.add_argument("--native", action="store_true", help="include native frames in stack captures")
     p.add_argument("--hang-after", type=float, default=30.0,
                    help="capture stacks automatically when progress stops this long (default 30 s)")
-    p.add_argument("--fail-slow", action="store_true", help="capture stacks every 10 s (fail-slow rounds)")
+    p.add_argument("--fail-slow", action="store_true",
+                   help="capture stacks every 10 s (fail-slow rounds) and sample every rank's main thread "
+                        "--sample-hz times a second (the sampled-stack straggler test; no counters needed)")
+    p.add_argument("--sample-hz", type=float, default=5.0,
+                   help="fail-slow: non-blocking stack samples per second per rank (default 5; 0 turns them off)")
     p.add_argument("--window", type=float, default=30.0,
                    help="fail-slow: Aegis window T in seconds (default 30; production uses 600)")
     p.add_argument("--continuity", type=float, default=20.0,
@@ -96,5 +100,8 @@ def run(args: argparse.Namespace) -> int:
         except RankscopeError as exc:
             token = load_client_token(args.token_file)
             options["act_problem"] = (exc.message, exc.fix)
+    if not 0 <= args.sample_hz <= 20:
+        raise RankscopeError("--sample-hz must be between 0 (off) and 20", "e.g. --sample-hz 5")
     return tui_app.run_attach(agents, token, layout=layout, read_only=args.read_only, deadline_s=args.deadline,
-                              capture_timeout_s=args.timeout, native=args.native, **options)
+                              capture_timeout_s=args.timeout, native=args.native,
+                              sample_hz=args.sample_hz if args.fail_slow else 0.0, **options)
