@@ -5,7 +5,7 @@
 Starts the drill's job the plain way (TP=2 PP=2 DP=2, 8 ranks over 2
 torchrun nodes, no counters, no fault), then alternates phases of
 ``--phase-s`` seconds with the agent's sampler (``probes.sampler``: one
-``py-spy record --nonblocking`` per rank, ``--rate`` Hz, 3 s windows, the
+``py-spy record --nonblocking`` per rank, ``--rate`` Hz, 5 s windows, the
 code the agent runs) off and on, ``--pairs`` times (off, on, off, on, …, so a
 machine getting busier over the run weighs on both sides). Each phase's step
 time is the job's own: rank 0's completed steps over the phase's wall time,
@@ -39,15 +39,20 @@ def step_time(watcher: ProgressWatcher, seconds: float) -> float:
     return (last.wall - first.wall) / max(1, last.step - first.step)
 
 
-def children_cpu() -> float:
-    """CPU seconds of this process's finished and running children (the py-spy recorders)."""
+def pyspy_cpu() -> float:
+    """CPU seconds of the py-spy recorders: those this process waited for, and those still running.
+
+    The drill's torchrun nodes and ranks are children of this process too, but
+    they run until the end, so the finished children's times are py-spy's only.
+    """
     me = psutil.Process()
     t = me.cpu_times()
     running = 0.0
     for c in me.children(recursive=True):
         try:
-            ct = c.cpu_times()
-            running += ct.user + ct.system
+            if c.name() == "py-spy":
+                ct = c.cpu_times()
+                running += ct.user + ct.system
         except psutil.Error:
             continue
     return t.children_user + t.children_system + running
@@ -57,7 +62,7 @@ async def sampled_phase(pids: list[tuple[int, int]], rate: int, seconds: float, 
                         ) -> tuple[float, int]:
     from rankscope.snapshot import RankInfo
 
-    sampler = StackSampler(window_s=3, lease_s=seconds + 5)
+    sampler = StackSampler(lease_s=seconds + 5)
     ranks = [RankInfo(rank=r, local_rank=0, world_size=len(pids), pid=p) for r, p in pids]
     sampler.demand(ranks, rate)
     await asyncio.sleep(1.0)  # the recorders start before the measurement begins
@@ -91,9 +96,9 @@ def main() -> int:
             t = step_time(watcher, args.phase_s)
             off.append(t)
             print(f"pair {i}: off {1000 * t:7.1f} ms/step", flush=True)
-            before = children_cpu()
+            before = pyspy_cpu()
             t, samples = asyncio.run(sampled_phase(pids, args.rate, args.phase_s, watcher))
-            cpu_sampling += children_cpu() - before
+            cpu_sampling += pyspy_cpu() - before
             sampled_s += args.phase_s + 1.0
             on.append(t)
             print(f"pair {i}: on  {1000 * t:7.1f} ms/step ({samples} samples in its windows)", flush=True)

@@ -11,7 +11,8 @@ rank several times a second would itself make the job slow.
 
 Why windows of separate py-spy runs rather than one endless one: py-spy
 writes its output only when a recording ends, and a window's process costs a
-few milliseconds of CPU to start, against a window of seconds.
+few tens of milliseconds of CPU to start (measured ~60 ms), against a window of
+seconds; the window is a trade between that cost and how soon a verdict can come.
 
 The sampler runs only while someone asks for it: each request renews a lease
 (``lease_s``); when polls stop, the loops end after their current window.
@@ -34,7 +35,7 @@ from rankscope.probes.pyspy import FIX_FAILED, FIX_TOOL_MISSING, classify_pyspy_
 from rankscope.snapshot import CaptureError, CaptureErrorKind, RankInfo, StackSampleWindow
 
 MIN_RATE_HZ, MAX_RATE_HZ = 1, 20
-DEFAULT_WINDOW_S = 3
+DEFAULT_WINDOW_S = 5  # each window is one py-spy start (~60 ms of CPU): longer windows, fewer starts
 RETRY_PAUSE_S = 2.0  # after a failed window, before the next try (a refused ptrace must not spin)
 
 
