@@ -72,7 +72,10 @@ def watched(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str
             out = subprocess.run(
                 [sys.executable, "-m", "rankscope", "watch", "--agents", ",".join(addresses), "--token-file",
                  str(token_file), "--duration", str(WATCH_S), "--json", "--tp", "2", "--pp", "2", "--dp", "2",
-                 "--order", "tp-dp-pp"],
+                 "--order", "tp-dp-pp",
+                 # A shared 2-core machine can be loaded 20× over: an agent's reply may take longer than the
+                 # default 5 s there, and a poll that times out is a poll without samples.
+                 "--deadline", "20", "--timeout", "10"],
                 capture_output=True, text=True, timeout=WATCH_S + 240, env=clean_env())
         finally:
             for proc in agents:
@@ -96,7 +99,9 @@ def test_watch_on_an_unprepared_job(watched: dict[str, Any]) -> None:
         assert not confident, confident[0]["summary"]
         assert events[-1]["exit"] == 0 and watched["code"] == 0
         return
-    assert confident, f"no confident verdict in {WATCH_S} s; last: {verdicts[-1]['summary']}"
+    answered = sum(bool(v["machines"]) for v in verdicts)
+    assert confident, f"no confident verdict in {WATCH_S} s ({answered} of {len(verdicts)} lines with answers); " \
+                      f"last: {verdicts[-1]['summary']}"
     first = confident[0]
     expected = f"{host}-node{watched['node']}"
     assert first["suspect_machines"] == [expected], first["summary"]
