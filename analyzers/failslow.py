@@ -19,6 +19,13 @@ its evidence to last before it counts, so bursts and spikes never alarm:
   pipeline peers keep an open send/recv naming it, poll after poll, far more
   often than the same place in the other replicas: it narrows the replica to
   the machine holding it up.
+- ``samples`` (stack_samples.py): every rank's main thread sampled a few
+  times a second without pausing it; the rank that rarely waits for others
+  while its peers wait, by a binomial test whose confidence grows with the
+  samples. It needs no counters, so it also works on a job that was not
+  started with ``rankscope run``, and it is the one detector besides a full
+  majority of stack rounds that may be confident alone (its confidence is a
+  p-value, not a count).
 
 Confidence. A detector that has alarmed on a machine contributes
 ``w·(1 − ½^(held/required))``: half its weight when it first alarms, more the
@@ -50,15 +57,16 @@ from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
 from rankscope.analyzers.minder import MinderDetector
 from rankscope.analyzers.series import RunTracker, SeriesStore
+from rankscope.analyzers.stack_samples import SampledWaitDetector
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
 from rankscope.snapshot import JobSnapshot, Layout, RankCounters
 
-DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl", "p2p_wait")
+DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl", "p2p_wait", "samples")
 
 # How much one detector alone is trusted. Step time, stacks and the CCL
 # counters watch the training itself; host/GPU metrics only correlate with it.
 DEFAULT_WEIGHTS: dict[str, float] = {"step_time": 0.75, "metrics": 0.6, "minder": 0.6, "stacks": 0.8, "ccl": 0.8,
-                                     "p2p_wait": 0.6}
+                                     "p2p_wait": 0.6, "samples": 0.9}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,11 @@ class FailSlowConfig:
     p2p_min_share: float = 0.5  # share of those polls in which some peer waited on it
     p2p_ratio: float = 2.5  # ...and this many times as often as on its data-parallel peers
     p2p_hold_s: float = 10.0  # how long that must last before it alarms (one flickering poll must not)
+    samples_horizon_s: float = 45.0  # sampled windows kept for the wait test (the agents' clocks)
+    samples_odds_margin: float = 0.2  # the null: a rank's odds of waiting at least this share of its peers'...
+    samples_min_gap: float = 0.25  # ...and its waiting share no more than this far below theirs
+    samples_min: int = 20  # samples of a rank before it is tested
+    samples_alarm_p: float = 0.001  # corrected p-value below which the wait test alarms
     confident_at: float = 0.7
     confidence_half_life_s: float = 30.0  # how fast a suspect's confidence fades while weaker evidence still names it
     history_len: int = 600
@@ -336,9 +349,12 @@ class FailSlowDetector:
     ran that analysis itself may pass its ``Verdict`` as ``degradation``.
     """
 
-    def __init__(self, config: FailSlowConfig | None = None) -> None:
+    def __init__(self, config: FailSlowConfig | None = None, layout: Layout | None = None) -> None:
         self.config = config or FailSlowConfig()
+        self.layout = layout  # names the parallel groups of a rank the sampled waits point at
         c = self.config
+        self.samples = SampledWaitDetector(horizon_s=c.samples_horizon_s, odds_margin=c.samples_odds_margin,
+                                           min_gap=c.samples_min_gap, min_samples=c.samples_min)
         self.store = SeriesStore(max_age_s=c.max_age_s)
         self.outliers = MetricOutlierDetector(window_s=c.window_s, k_sigma=c.k_sigma, rel_floor=c.rel_floor)
         self.minder = MinderDetector(window_points=c.minder_window_points, continuity_s=c.continuity_s,
@@ -384,6 +400,7 @@ class FailSlowDetector:
         flags += self._stack_flags(_as_verdict(stack_analysis))
         flags += self._ccl_flags(snapshot, degradation, notes)
         flags += self._p2p_flags(snapshot)
+        flags += self._sample_flags(snapshot)
         verdict = self._combine(flags, notes, now)
         self._history.append(verdict)
         self._last = verdict
@@ -594,6 +611,39 @@ class FailSlowDetector:
                                     run.held_s >= req * 0.98, run.held_s, req, run.since))
         return out
 
+    def _groups_of(self, snapshot: JobSnapshot, rank: int) -> str:
+        """' (TP group 1, PP group 0, ...)' for a rank when the layout is known, else ''."""
+        layout = self.layout or snapshot.layout
+        if layout is None:
+            return ""
+        from rankscope.analyzers.topology import topology_for
+
+        try:
+            topo = topology_for(snapshot, layout)
+            names = [f"{k.upper()} group {topo.group_index(rank, k)}" for k in topo.kinds()]
+        except ValueError:
+            return ""
+        return f" ({', '.join(names)})" if names else ""
+
+    def _sample_flags(self, snapshot: JobSnapshot) -> list[DetectorFlag]:
+        windows = snapshot.all_samples()
+        if windows:
+            self.samples.add(windows)
+        result = self.samples.result()
+        cfg = self.config
+        rank_machine = self.store.rank_machine()
+        out = []
+        for s in result.stragglers:
+            m = rank_machine.get(s.rank)
+            if m is None or s.p_value >= 0.5:
+                continue
+            # The score is the test's own confidence: it grows with the samples, not with a count of rounds.
+            out.append(DetectorFlag("samples", m, (s.rank,), None, self._w("samples") * s.confidence,
+                                    f"{s.evidence()}{self._groups_of(snapshot, s.rank)}",
+                                    s.p_value <= cfg.samples_alarm_p, round(s.confidence, 6),
+                                    1.0 - cfg.samples_alarm_p, None))
+        return out
+
     # ---- combining -------------------------------------------------------
 
     def _combine(self, flags: list[DetectorFlag], notes: list[str], now: float) -> FailSlowVerdict:
@@ -681,7 +731,8 @@ class FailSlowDetector:
                     f"confidence {conf:.2f} from {'+'.join(top.sources)}")
         if flags:
             f = max(flags, key=lambda x: x.held / x.required if x.required else 0.0)
-            unit = {"stacks": f" of {self.config.rounds_needed} rounds", "ccl": " calls"}.get(f.detector, "s")
+            unit = {"stacks": f" of {self.config.rounds_needed} rounds", "ccl": " calls",
+                    "samples": " confidence"}.get(f.detector, "s")
             return f"watching: {f.machine} [{f.detector}] {f.evidence} (alarms at {f.required:g}{unit})"
         n = len(self.store.reachable_machines)
         if len(self.store) == 0 or n == 0:

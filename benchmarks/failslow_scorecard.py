@@ -57,12 +57,16 @@ def main() -> int:
     p.add_argument("--run-root", type=Path, help="keep the drills' run dirs here (default: a temp dir)")
     p.add_argument("--out", type=Path, help="write the JSON result here, updated after each drill")
     p.add_argument("--record", action="store_true", help="keep each drill's polled series (watch.json)")
+    p.add_argument("--modes", default="prepared",
+                   help="prepared (counters, as `rankscope run`), unprepared (plain torchrun: the 'unprepared job' "
+                        "column), or both comma-separated (default prepared)")
     args = p.parse_args()
 
     root = args.run_root or Path(tempfile.mkdtemp(prefix="rankscope-failslow-suite-"))
     config = SuiteConfig(faulty=args.drills, baselines=args.baselines, seed=args.seed,
                          stack_interval_s=args.stack_interval, time_limit_s=args.time_limit, run_root=root,
-                         record=args.record, hidden=args.hidden, micro_batch_size=args.micro_batch_size)
+                         record=args.record, hidden=args.hidden, micro_batch_size=args.micro_batch_size,
+                         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()))
     done: list[DrillRecord] = []
 
     def keep(rec: DrillRecord) -> None:

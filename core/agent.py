@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import os
 import signal
@@ -100,6 +101,35 @@ class AgentConfig:
     insecure: bool = False  # serve plaintext beyond loopback: only when a person said so explicitly
     slurm_job: str | None = None  # only ranks of this Slurm job (SLURM_JOB_ID)...
     slurm_node: str | None = None  # ...on this Slurm node (SLURMD_NODENAME)
+    auto_name: bool = False  # True: machine_name is replaced at start by machine_identity (no --machine-name)
+
+
+def container_id(cgroup_text: str) -> str | None:
+    """The container's id (12 hex digits) from /proc/self/cgroup text, or None outside a container."""
+    import re
+
+    found = re.search(r"(?:docker|containerd|cri-containerd|crio|libpod)[-/]([0-9a-f]{64})", cgroup_text)
+    return found.group(1)[:12] if found else None
+
+
+def machine_identity(hostname: str, ranks: Sequence[RankInfo], container: str | None, port: int) -> str:
+    """A machine name that no other agent on this host reports, and that survives a restart of the agent.
+
+    Several agents can share a host (containers with the host's network,
+    tests, one agent per torchrun node of a job spread over one big host);
+    the hostname alone would merge them into one machine for every per-machine
+    detector. In order: the torchrun node rank its ranks share (stable across
+    restarts of the agent and of the job), the container's id, the port it
+    listens on (stable when given with --port).
+    """
+    nodes = {r.group_rank for r in ranks if r.group_rank is not None}
+    if len(nodes) == 1:
+        return f"{hostname}-node{nodes.pop()}"
+    if container is not None and container not in hostname:
+        return f"{hostname}-{container}"
+    if container is not None:
+        return hostname  # a container's own hostname is its id already
+    return f"{hostname}-{port}"
 
 
 def is_loopback(host: str) -> bool:
@@ -211,6 +241,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         self.config = config
         self.address = address
         self._stack_lock = asyncio.Lock()
+        self._sampler: Any = None  # a probes.sampler.StackSampler, made on the first request to sample
         self.actions: ActionService | None = None
         if config.actions is not None:
             self.actions = ActionService(config.actions, config.machine_name, self.ranks)
@@ -223,9 +254,14 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
                               slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node)
 
     async def capture(
-        self, *, stacks: bool, native: bool = False, subprocesses: bool = True, timeout_s: float = DEFAULT_PYSPY_TIMEOUT_S
+        self, *, stacks: bool, native: bool = False, subprocesses: bool = True, timeout_s: float = DEFAULT_PYSPY_TIMEOUT_S,
+        sample_hz: float = 0.0,
     ) -> MachineSnapshot:
-        """One reading of this machine through the probes (imported here: only the agent needs them)."""
+        """One reading of this machine through the probes (imported here: only the agent needs them).
+
+        ``sample_hz`` > 0 renews the stack sampler's lease on this machine's
+        ranks; while the sampler runs, every reply carries its windows.
+        """
         from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
 
         scope = Scope(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id, counter_dir=self.config.counter_dir,
@@ -234,7 +270,20 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             stacks=stacks, native=native, subprocesses=subprocesses, timeout_s=timeout_s,
             concurrency=self.config.capture_concurrency,
         )
-        return await capture_machine(self.config.machine_name, self.address, scope, options)
+        machine = await capture_machine(self.config.machine_name, self.address, scope, options)
+        if sample_hz > 0:
+            if self._sampler is None:
+                from rankscope.probes.sampler import StackSampler
+
+                self._sampler = StackSampler()
+            self._sampler.demand(machine.ranks, sample_hz)
+        if self._sampler is not None:
+            machine = dataclasses.replace(machine, samples=self._sampler.windows())
+        return machine
+
+    async def close(self) -> None:
+        if self._sampler is not None:
+            await self._sampler.close()
 
     async def _reply(self, context: grpc.aio.ServicerContext, reading: Awaitable[MachineSnapshot]) -> pb.MachineSnapshot:
         try:
@@ -247,7 +296,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             raise  # unreachable: abort raises
 
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
-        return await self._reply(context, self.capture(stacks=False))
+        return await self._reply(context, self.capture(stacks=False, sample_hz=request.sample_hz))
 
     async def Capture(self, request: pb.CaptureRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
         timeout_s = request.timeout_s if request.timeout_s > 0 else DEFAULT_PYSPY_TIMEOUT_S
@@ -352,6 +401,8 @@ class RunningAgent:
                 await self.supervisor
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.service is not None:
+            await self.service.close()  # the sampling loops and their py-spy processes end with the agent
         if self.service is not None and self.service.actions is not None:
             await self.service.actions.close()  # a running action ends and is recorded, never cut half way
 
@@ -389,6 +440,8 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     if port == 0:
         raise RankscopeError(f"cannot listen on {host}:{config.port}", BIND_FIX)
     address = f"{host}:{port}"
+    if config.auto_name:
+        config = dataclasses.replace(config, machine_name=await asyncio.to_thread(_identity, config, port))
     service = AgentService(config, address)
     pb_grpc.add_RankscopeAgentServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     for register in extra_services:
@@ -401,6 +454,17 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     supervisor = asyncio.create_task(supervise(service.actions)) if service.actions is not None else None
     return RunningAgent(server=server, port=port, address=address, health=health_servicer, service=service,
                         supervisor=supervisor)
+
+
+def _identity(config: AgentConfig, port: int) -> str:
+    from rankscope.probes.discovery import discover_ranks
+
+    try:
+        cgroup = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        cgroup = ""
+    ranks = discover_ranks(launcher_pid=config.launcher_pid, run_id=config.run_id)
+    return machine_identity(socket.gethostname(), ranks, container_id(cgroup), port)
 
 
 async def supervise(actions: ActionService, interval_s: float = SUPERVISE_INTERVAL_S) -> None:
@@ -447,8 +511,9 @@ async def serve(config: AgentConfig, *, port_file: Path | None = None, announce:
         if announce:
             print(announcement(agent, config), flush=True)
         auth = "token required" if config.tokens is not None else "NO TOKEN (--insecure-no-token)"
+        name = agent.service.config.machine_name if agent.service is not None else config.machine_name
         transport = ("mutual TLS" if config.tls.client_ca_pem else "TLS") if config.tls is not None else "plaintext"
-        log(f"listening on {agent.address} as machine {config.machine_name!r}, {auth}, {transport}")
+        log(f"listening on {agent.address} as machine {name!r}, {auth}, {transport}")
         actions = agent.service.actions if agent.service is not None else None
         if actions is not None:
             log(f"actions enabled (eviction: {actions.config.eviction.backend}; state in {actions.config.state_dir})")

@@ -184,9 +184,21 @@ class JobClient:
         """Ranks, processes, host and GPU metrics and counters of every machine; no stacks."""
         return await self._fan_out(self._describe_call, self.deadline_s)
 
-    async def poll(self) -> JobSnapshot:
-        """The cheap reading the TUI repeats: metrics and counters, no stacks."""
-        return await self._fan_out(self._describe_call, self.deadline_s)
+    async def poll(self, *, sample_hz: float = 0.0) -> JobSnapshot:
+        """The cheap reading the TUI repeats: metrics and counters, no stacks.
+
+        ``sample_hz`` > 0 asks each agent to keep sampling its ranks' main
+        threads (non-blocking) at that rate while polls keep coming; the
+        sampled windows come back in ``MachineSnapshot.samples``.
+        """
+        if sample_hz <= 0:
+            return await self._fan_out(self._describe_call, self.deadline_s)
+        request = pb.DescribeRequest(sample_hz=sample_hz)
+
+        def call(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
+            return stub.Describe(request, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
+
+        return await self._fan_out(call, self.deadline_s)
 
     async def capture(self, *, native: bool = False, subprocesses: bool = True, timeout_s: float = 5.0) -> JobSnapshot:
         """Everything ``describe`` gives plus the stacks of every rank (py-spy on each machine)."""

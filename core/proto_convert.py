@@ -59,6 +59,7 @@ from rankscope.snapshot import (
     RankCounters,
     RankInfo,
     RankStacks,
+    StackSampleWindow,
     ThreadStack,
 )
 
@@ -80,6 +81,7 @@ MESSAGES: dict[type, type[Message]] = {
     Communicator: pb.Communicator,
     OpCounters: pb.OpCounters,
     RankCounters: pb.RankCounters,
+    StackSampleWindow: pb.StackSampleWindow,
     MachineSnapshot: pb.MachineSnapshot,
     Layout: pb.Layout,
     JobSnapshot: pb.JobSnapshot,

@@ -271,6 +271,37 @@ class RankCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class StackSampleWindow:
+    """A few seconds of one rank's main thread sampled without pausing it, each sample classified.
+
+    The agent samples with ``py-spy record --nonblocking`` and counts the
+    samples by what the thread was doing (``analyzers.stack_samples.classify``):
+    waiting in a collective or a point-to-point transfer, computing, loading
+    data, or anything else. ``start_wall``/``end_wall`` are the agent's clock.
+    A window that could not be sampled has no counts and an ``error``.
+    """
+
+    rank: int
+    pid: int
+    start_wall: float
+    end_wall: float
+    collective: int = 0
+    p2p: int = 0
+    compute: int = 0
+    data: int = 0
+    other: int = 0
+    error: CaptureError | None = None
+
+    @property
+    def samples(self) -> int:
+        return self.collective + self.p2p + self.compute + self.data + self.other
+
+    @property
+    def waiting(self) -> int:
+        return self.collective + self.p2p
+
+
+@dataclass(frozen=True, slots=True)
 class MachineSnapshot:
     """What one agent reported, or why it could not be reached."""
 
@@ -285,6 +316,7 @@ class MachineSnapshot:
     gpus: GpuStatus | None = None
     counters: tuple[RankCounters, ...] = ()
     error: CaptureError | None = None
+    samples: tuple[StackSampleWindow, ...] = ()  # sampled main-thread windows, when a client asked for sampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,3 +356,6 @@ class JobSnapshot:
 
     def all_counters(self) -> dict[int, RankCounters]:
         return {c.rank: c for m in self.machines for c in m.counters}
+
+    def all_samples(self) -> tuple[StackSampleWindow, ...]:
+        return tuple(w for m in self.machines for w in m.samples)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -207,3 +208,19 @@ def test_thermal_stop_is_steered_to_factor_times_the_healthy_step() -> None:
     assert longer == pytest.approx(0.2 + 0.5 * 0.1)
     shorter = h.stepped(13, 1000.3 + 0.6, 2.0)  # 0.6 s: too long now
     assert shorter < longer
+
+
+def test_unprepared_drills_score_in_their_own_column() -> None:
+    prepared = [rec("slow-compute", detected=True, t=25.0), rec("none", detected=False)]
+    plain = [dataclasses.replace(r, unprepared=True) for r in (
+        rec("slow-compute", detected=True, t=40.0), rec("slow-compute", detected=False), rec("none", detected=True))]
+    card = score_records(prepared + plain)
+    assert card["kinds"]["slow-compute"]["drills"] == 1 and card["baselines"]["false_alarms"] == 0
+    un = card["unprepared"]
+    assert (un["kinds"]["slow-compute"]["drills"], un["kinds"]["slow-compute"]["tp"]) == (2, 1)
+    assert un["baselines"]["false_alarms"] == 1 and (un["overall"]["tp"], un["overall"]["fp"]) == (1, 1)
+    lines = scorecard_lines({"scorecard": card, "wall_s": 1.0})
+    assert lines[0].endswith("unprepared job")
+    assert next(line for line in lines if line.startswith("slow-compute")).endswith("1/2 (1 <=60s)")
+    assert lines[-1].startswith("unprepared jobs (plain torchrun, no counters): TP 1 FP 1 FN 1")
+    assert "unprepared" not in score_records(prepared)

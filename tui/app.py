@@ -470,7 +470,8 @@ def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None =
 
     ``options`` are ``AppOptions`` fields (poll_interval_s, hang_after_s, fail_slow, capture_on_start,
     bundle_dir) plus, for the client, ``deadline_s`` (per agent and call), ``capture_timeout_s`` (per
-    py-spy call), ``native`` (native frames in captures) and ``act_problem`` ((message, fix) when the
+    py-spy call), ``native`` (native frames in captures), ``sample_hz`` (the agents sample every rank's
+    main thread at this rate while polled; 0: off), ``act_problem`` ((message, fix) when the
     token is known not to have the 'act' role: the action keys then say so instead of failing later)
     and ``tls`` (a ``rankscope.tls.ClientTLS``: reach the agents over TLS).
     """
@@ -479,8 +480,9 @@ def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None =
     native = bool(options.pop("native", False))
     act_problem = options.pop("act_problem", None)
     tls = options.pop("tls", None)
+    sample_hz = float(options.pop("sample_hz", 0.0))
     source = LiveSource(agents, token, deadline_s=deadline_s, native=native, capture_timeout_s=capture_timeout_s,
-                        acting=not read_only, act_problem=act_problem, tls=tls)
+                        acting=not read_only, act_problem=act_problem, tls=tls, sample_hz=sample_hz)
     return run_app(source, AppOptions(layout=layout, read_only=read_only, **options))
 
 

@@ -164,13 +164,15 @@ class LiveSource:
 
     def __init__(self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0,
                  native: bool = False, capture_timeout_s: float = 5.0, acting: bool = False,
-                 act_problem: tuple[str, str] | None = None, tls: ClientTLS | None = None) -> None:
+                 act_problem: tuple[str, str] | None = None, tls: ClientTLS | None = None,
+                 sample_hz: float = 0.0) -> None:
         if not agents:
             raise RankscopeError("no agents to attach to", "pass --agents host:port[,host:port...] or a hostfile")
         self.agents = tuple(agents)
         self.label = f"{len(self.agents)} agents"
         self.native = native
         self.capture_timeout_s = capture_timeout_s
+        self.sample_hz = sample_hz  # > 0: each poll keeps the agents sampling stacks (the fail-slow view's test)
         try:
             from rankscope.client import JobClient
         except ImportError as exc:
@@ -185,7 +187,7 @@ class LiveSource:
         return (await self._client.describe(),)
 
     async def poll(self) -> JobSnapshot | None:
-        return await self._client.poll()
+        return await self._client.poll(sample_hz=self.sample_hz)
 
     async def capture(self) -> JobSnapshot | None:
         return await self._client.capture(native=self.native, subprocesses=True, timeout_s=self.capture_timeout_s)

@@ -80,7 +80,10 @@ def register(sub: Any) -> None:
                    help="with --slurm-scope: evicted nodes are replaced by idle nodes of this reservation")
     p.add_argument("--announce", action="store_true",
                    help="print 'RANKSCOPE_AGENT_READY machine=... host=... port=...' on stdout once listening")
-    p.add_argument("--machine-name", help="name reported for this machine (default: the hostname)")
+    p.add_argument("--machine-name",
+                   help="name reported for this machine (default: unique on the host and stable across restarts: "
+                        "HOST-nodeN from its ranks' torchrun node rank, else HOST-CONTAINER in a container, "
+                        "else HOST-PORT)")
     p.add_argument("--launcher-pid", type=int, help="only ranks started by this launcher (torchrun) process")
     p.add_argument("--run-id", help="only ranks of this torchrun run id (TORCHELASTIC_RUN_ID)")
     p.add_argument("--counter-dir", type=Path, help="where the CCL plugin writes its counter files")
@@ -136,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         bind=args.bind,
         port=args.port,
         machine_name=args.machine_name or slurm_node or socket.gethostname(),
+        # Without a name given (or a Slurm node's), the agent picks one unique on this host at start.
+        auto_name=args.machine_name is None and not slurm_node,
         launcher_pid=args.launcher_pid,
         run_id=args.run_id,
         counter_dir=args.counter_dir,

@@ -43,6 +43,11 @@ def register(sub: Any) -> None:
                           "node by node (default: file-name order)")
     src.add_argument("--flight-recorder", type=Path, metavar="DIR",
                      help="folder of PyTorch NCCL flight-recorder dumps")
+    src.add_argument("--op-trace", type=Path, metavar="FILE",
+                     help="a per-operation timing trace (parquet in the ByteDance StragglerAnalysis schema, or CSV): "
+                          "which worker is slow and in which op, which stage is slow, or that nobody is")
+    src.add_argument("--trace-meta", type=Path, metavar="FILE",
+                     help="the trace's job metadata (meta-*.yaml: dp_size, pp_size, tp_size, world_size)")
     lay = p.add_argument_group("parallel layout (overrides the bundle's)")
     for dim, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"), ("cp", "context"), ("ep", "expert")):
         lay.add_argument(f"--{dim}", type=int, metavar="N", help=f"{what}-parallel size")
@@ -80,12 +85,14 @@ def run(args: argparse.Namespace) -> int:
     from rankscope.analyzers.stacks import SignatureOptions
     from rankscope.analyzers.suspects import analyze_stacks, verdict_to_json
 
-    sources = [x for x in (args.bundle, args.pyspy_dir, args.flight_recorder) if x is not None]
+    sources = [x for x in (args.bundle, args.pyspy_dir, args.flight_recorder, args.op_trace) if x is not None]
     if len(sources) != 1:
         raise RankscopeError(
-            "give exactly one of BUNDLE, --dumps PATH or --flight-recorder DIR",
+            "give exactly one of BUNDLE, --dumps PATH, --flight-recorder DIR or --op-trace FILE",
             "e.g. `rankscope analyze incident.json` or `rankscope analyze --dumps dumps/ --tp 2 --pp 4 --dp 4`",
         )
+    if args.op_trace is not None:
+        return _op_trace(args)
     if args.bundle is not None and _is_dumps(args.bundle):
         args.pyspy_dir, args.bundle = args.bundle, None  # a folder or a pasted dump given where a bundle goes
     options = SignatureOptions(keep_lines=args.keep_lines, fold_wrappers=not args.no_fold,
@@ -165,6 +172,31 @@ def rank_assignment(snapshot: Any) -> list[dict[str, Any]]:
                 rule, _, detail = r.rank_source.partition(": ")
                 out.append({"rank": r.rank, "machine": m.machine, "pid": r.pid, "rule": rule, "source": detail})
     return sorted(out, key=lambda a: a["rank"])
+def _op_trace(args: argparse.Namespace) -> int:
+    """``--op-trace``: the trace's verdict (analyzers.optrace), as text or JSON."""
+    import dataclasses
+
+    from rankscope.analyzers.optrace import TraceError, analyze_trace
+    from rankscope.optrace_io import read_op_trace, read_trace_meta
+
+    columns = read_op_trace(args.op_trace)
+    meta = read_trace_meta(args.trace_meta) if args.trace_meta is not None else {}
+    try:
+        verdict = analyze_trace(columns)
+    except TraceError as exc:
+        raise RankscopeError(f"--op-trace {args.op_trace}: {exc}",
+                             "pass a trace with dp_rank, stage, rank, step, optype and duration columns") from None
+    out = dataclasses.asdict(verdict)
+    out["no_single_worker"] = verdict.no_single_worker
+    out["meta"] = meta
+    if args.json:
+        json.dump(out, sys.stdout, indent=1, default=str)
+        sys.stdout.write("\n")
+        return 0
+    job = ", ".join(f"{k} {meta[k]}" for k in ("dp_size", "pp_size", "tp_size", "world_size") if k in meta)
+    sys.stdout.write(f"{args.op_trace.name}: {verdict.workers} workers over {verdict.stages} stages, "
+                     f"{verdict.steps} steps{f' ({job})' if job else ''}\n{verdict.summary}\n")
+    return 0
 
 
 def _print(out: dict[str, Any], as_json: bool) -> None:

@@ -35,7 +35,11 @@ def register(sub: Any) -> None:
     p.add_argument("--native", action="store_true", help="include native frames in stack captures")
     p.add_argument("--hang-after", type=float, default=30.0,
                    help="capture stacks automatically when progress stops this long (default 30 s)")
-    p.add_argument("--fail-slow", action="store_true", help="capture stacks every 10 s (fail-slow rounds)")
+    p.add_argument("--fail-slow", action="store_true",
+                   help="capture stacks every 10 s (fail-slow rounds) and sample every rank's main thread "
+                        "--sample-hz times a second (the sampled-stack straggler test; no counters needed)")
+    p.add_argument("--sample-hz", type=float, default=5.0,
+                   help="fail-slow: non-blocking stack samples per second per rank (default 5; 0 turns them off)")
     p.add_argument("--window", type=float, default=30.0,
                    help="fail-slow: Aegis window T in seconds (default 30; production uses 600)")
     p.add_argument("--continuity", type=float, default=20.0,
@@ -103,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
             role = Role.ACT
         except RankscopeError as exc:
             options["act_problem"] = (exc.message, exc.fix)
+    if not 0 <= args.sample_hz <= 20:
+        raise RankscopeError("--sample-hz must be between 0 (off) and 20", "e.g. --sample-hz 5")
     state_dir = None
     if args.slurm and not args.read_only:
         state_dir = str(args.slurm_state_dir).replace("%j", str(args.slurm))
@@ -122,4 +128,4 @@ def run(args: argparse.Namespace) -> int:
             print(f"rankscope attach: {line.strip()}", file=sys.stderr)
         return tui_app.run_attach(target.agents, target.token, layout=layout, read_only=args.read_only,
                                   deadline_s=args.deadline, capture_timeout_s=args.timeout, native=args.native,
-                                  tls=target.tls, **options)
+                                  tls=target.tls, sample_hz=args.sample_hz if args.fail_slow else 0.0, **options)

@@ -88,6 +88,10 @@ def register(sub: Any) -> None:
                    help="--suite: seconds between stack captures (default 10, ByteRobust's rounds)")
     p.add_argument("--time-limit", type=float, default=90.0,
                    help="--suite: seconds after the fault's onset to wait for a confident verdict (default 90)")
+    p.add_argument("--suite-modes", default="prepared",
+                   help="--suite: how each drill's job is started, comma-separated: prepared (with the CCL "
+                        "counters, as `rankscope run` does), unprepared (plain torchrun, no counters: the "
+                        "scorecard's 'unprepared job' column); default prepared")
     p.set_defaults(func=run)
 
 
@@ -177,7 +181,11 @@ def _run_suite(args: argparse.Namespace) -> int:
     if args.stack_interval < 0 or args.time_limit <= 0:
         raise RankscopeError("--stack-interval must be 0 or more and --time-limit positive",
                              "e.g. --stack-interval 10 --time-limit 90")
-    config = SuiteConfig(layout=DrillLayout(tp=args.tp, pp=args.pp, dp=args.dp, machines=args.machines),
+    modes = tuple(m.strip() for m in args.suite_modes.split(",") if m.strip())
+    if not modes or set(modes) - {"prepared", "unprepared"}:
+        raise RankscopeError(f"--suite-modes {args.suite_modes!r}: each mode is prepared or unprepared",
+                             "e.g. --suite-modes prepared,unprepared")
+    config = SuiteConfig(layout=DrillLayout(tp=args.tp, pp=args.pp, dp=args.dp, machines=args.machines), modes=modes,
                          faulty=args.suite_drills, baselines=args.suite_baselines, seed=args.seed,
                          fault_step=args.fault_step, stack_interval_s=args.stack_interval,
                          time_limit_s=args.time_limit, start_timeout_s=args.start_timeout, run_root=args.run_dir)

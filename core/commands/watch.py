@@ -10,7 +10,7 @@ one JSON object; the first is ``{"event": "start", ...}`` and the last
 
 The JSON lines (``--json``), one object each:
 
-- ``start``: agents, interval_s, stack_interval_s, duration_s, window_s, continuity_s, rounds_needed.
+- ``start``: agents, interval_s, stack_interval_s, duration_s, window_s, continuity_s, rounds_needed, sample_hz.
 - ``verdict`` (each change of suspect, sources, confidence by 0.1, confident, missing ranks
   or unreachable agents): wall, elapsed_s, round, summary, machine (first of the top
   suspect), suspect_machines, kind ("machine", "pp", "rank", ...), ranks, sources,
@@ -48,8 +48,9 @@ DESCRIPTION = """\
 Watch a running job for fail-slow machines without the TUI. The detectors are
 the TUI's: step time per rank, cross-host metric outliers (Aegis, λ+2δ over
 --window seconds), Minder's machine similarity with --continuity seconds of
-persistence, and stack-aggregation rounds (ByteRobust) every --stack-interval
-seconds. Each verdict change is printed; with --json as one JSON object per
+persistence, stack-aggregation rounds (ByteRobust) every --stack-interval
+seconds, and every rank's main thread sampled --sample-hz times a second
+(the rank that rarely waits while its peers wait for it; no counters needed). Each verdict change is printed; with --json as one JSON object per
 line (events: start, verdict, error, end).
 
 Exit status: 0 when the watch ended without a confident fail-slow verdict, 1
@@ -75,6 +76,10 @@ def register(sub: Any) -> None:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between polls of metrics and counters (default 1)")
     p.add_argument("--stack-interval", type=float, default=10.0,
                    help="seconds between stack captures for the aggregation rounds (default 10; 0 turns them off)")
+    p.add_argument("--sample-hz", type=float, default=5.0,
+                   help="sample every rank's main thread this many times a second without pausing it (py-spy "
+                        "--nonblocking), for the wait-share straggler test; works without `rankscope run` "
+                        "(default 5; 0 turns sampling off)")
     p.add_argument("--deadline", type=float, default=5.0, help="seconds each agent has to answer a poll (default 5)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds each py-spy call may take (default 5)")
     p.add_argument("--window", type=float, default=30.0, help="Aegis window T in seconds (default 30; production uses 600)")
@@ -203,13 +208,14 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
     from rankscope.client import JobClient
 
     config = config_for(args.window, args.continuity, args.rounds)
-    detector = FailSlowDetector(config)
     layout = _layout(args)
+    detector = FailSlowDetector(config, layout)
     started = time.monotonic()
     end = started + args.duration if args.duration is not None else None
     emit({"event": "start", "wall": time.time(), "agents": agents, "interval_s": args.interval,
           "stack_interval_s": args.stack_interval or None, "duration_s": args.duration,
-          "window_s": config.window_s, "continuity_s": config.continuity_s, "rounds_needed": config.rounds_needed})
+          "window_s": config.window_s, "continuity_s": config.continuity_s, "rounds_needed": config.rounds_needed,
+          "sample_hz": args.sample_hz or None})
     last_key: tuple[object, ...] | None = None
     last: FailSlowVerdict | None = None
     next_stacks = started  # the first poll is a capture: a round from the start
@@ -232,7 +238,7 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
                 next_stacks = tick + args.stack_interval
                 snap = await client.capture(timeout_s=args.timeout)
             else:
-                snap = await client.poll()
+                snap = await client.poll(sample_hz=args.sample_hz)
             ever_answered = ever_answered or any(m.reachable for m in snap.machines)
             if record is not None:
                 record.append(snap)
@@ -277,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.interval <= 0 or args.deadline <= 0 or args.timeout <= 0:
         raise RankscopeError("--interval, --deadline and --timeout must be positive", "e.g. --interval 1 --deadline 5")
+    if args.sample_hz < 0 or args.sample_hz > 20:
+        raise RankscopeError("--sample-hz must be between 0 (off) and 20", "e.g. --sample-hz 5")
     if args.stack_interval < 0 or (args.duration is not None and args.duration <= 0):
         raise RankscopeError("--stack-interval must be 0 or more and --duration positive",
                              "e.g. --duration 60 --stack-interval 10 (0 turns stack rounds off)")

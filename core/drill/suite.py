@@ -90,6 +90,10 @@ class SuiteConfig:
     micro_batch_size: int = 8
     run_root: Path | None = None
     record: bool = False  # keep every drill's polled series as RUN_DIR/watch.json (for failslow.replay)
+    sample_hz: float = 5.0  # the agents sample every rank's main thread (0: off), as `rankscope watch` does
+    # Which jobs each drill is run as: "prepared" (started with the CCL counters, as `rankscope run` does)
+    # and/or "unprepared" (plain torchrun, no counters: a job already running when someone noticed).
+    modes: tuple[str, ...] = ("prepared",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +132,7 @@ class DrillRecord:
     error: str | None = None  # the drill could not run (start-up failed): counted as a miss
     run_dir: str | None = None
     summary: str | None = None
+    unprepared: bool = False  # the job ran without counters (plain torchrun)
 
     @property
     def baseline(self) -> bool:
@@ -176,7 +181,20 @@ def _counts(records: Sequence[DrillRecord]) -> tuple[int, int, int]:
 
 
 def score_records(records: Sequence[DrillRecord], *, within_s: float = 60.0) -> dict[str, Any]:
-    """Per fault kind and overall: detected, right machine/group, time to verdict, false alarms, P/R/F1."""
+    """Per fault kind and overall: detected, right machine/group, time to verdict, false alarms, P/R/F1.
+
+    Drills of prepared jobs make the card; those of unprepared jobs (plain
+    torchrun, no counters) are scored the same way under ``"unprepared"``,
+    the scorecard's "unprepared job" column.
+    """
+    card = _score(tuple(r for r in records if not r.unprepared), within_s)
+    plain = tuple(r for r in records if r.unprepared)
+    if plain:
+        card["unprepared"] = _score(plain, within_s)
+    return card
+
+
+def _score(records: Sequence[DrillRecord], within_s: float) -> dict[str, Any]:
     kinds: dict[str, Any] = {}
     for kind in sorted({r.kind for r in records if not r.baseline}):
         rs = [r for r in records if r.kind == kind]
@@ -272,10 +290,10 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
     from rankscope.analyzers.failslow import FailSlowConfig, FailSlowDetector
     from rankscope.client import JobClient
 
+    layout = session.layout.to_snapshot_layout()
     detector = FailSlowDetector(FailSlowConfig(window_s=config.window_s, continuity_s=config.continuity_s,
                                                step_window_s=min(config.window_s, config.continuity_s),
-                                               rounds_needed=config.rounds_needed))
-    layout = session.layout.to_snapshot_layout()
+                                               rounds_needed=config.rounds_needed), layout)
     polls = rounds = 0
     peak: tuple[float, tuple[str, ...]] = (0.0, ())
     fs: Any = None
@@ -308,7 +326,7 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
                 next_stacks = tick + config.stack_interval_s
                 snap = await client.capture(timeout_s=5.0)
             else:
-                snap = await client.poll()
+                snap = await client.poll(sample_hz=config.sample_hz)
             polls += 1
             if config.record:
                 series.append(snap)
@@ -327,8 +345,12 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
                 await asyncio.sleep(min(ONSET_POLL_S, left))
 
 
-def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None] = lambda _m: None) -> DrillRecord:
-    """One live drill, watched to a verdict; every process it started is stopped before this returns."""
+def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None] = lambda _m: None,
+              unprepared: bool = False) -> DrillRecord:
+    """One live drill, watched to a verdict; every process it started is stopped before this returns.
+
+    ``unprepared``: the job runs without the CCL counters (plain torchrun).
+    """
     from rankscope.drill.faults import ground_truth
     from rankscope.drill.session import DrillConfig, DrillSession
     from rankscope.errors import RankscopeError
@@ -336,13 +358,14 @@ def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None
     plan = item.plan
     layout = config.layout
     truth = ground_truth(plan, layout)
-    run_dir = config.run_root / f"drill-{item.index:02d}-{plan.name}" if config.run_root is not None else None
+    suffix = "-unprepared" if unprepared else ""
+    run_dir = config.run_root / f"drill-{item.index:02d}-{plan.name}{suffix}" if config.run_root is not None else None
     training = TrainingOptions(steps=1_000_000, seed=config.seed + item.index, loader_workers=item.loader_workers,
                                checkpoint_every=0, hidden=config.hidden, micro_batch_size=config.micro_batch_size)  # runs until stopped; no checkpoint noise
     dconfig = DrillConfig(layout=layout, plan=plan, training=training, run_dir=run_dir,
-                          start_timeout_s=config.start_timeout_s)
+                          start_timeout_s=config.start_timeout_s, counters=not unprepared)
     base = DrillRecord(index=item.index, kind=plan.name, rank=truth.rank, machine=truth.machine,
-                       expected_machines=truth.suspect_machines, detected=False)
+                       expected_machines=truth.suspect_machines, detected=False, unprepared=unprepared)
     try:
         with DrillSession(dconfig) as s:
             base = replace(base, run_dir=str(s.run_dir))
@@ -384,13 +407,14 @@ def run_suite(config: SuiteConfig, *, say: Callable[[str], None] = lambda _m: No
     for item in items:
         p = item.plan
         where = f"rank {p.rank} ({truth_machine(config.layout, p)})" if p.rank >= 0 else "healthy baseline"
-        say(f"[{item.index + 1}/{len(items)}] {p.name} at {where}")
-        rec = run_drill(item, config, say=say)
-        records.append(rec)
-        say(f"    -> {rec.outcome}: {rec.summary or rec.error or 'no confident verdict'}"
-            + (f" after {rec.onset_to_verdict_s:.1f} s" if rec.onset_to_verdict_s is not None else ""))
-        if on_record is not None:
-            on_record(rec)
+        for mode in config.modes:
+            say(f"[{item.index + 1}/{len(items)}] {p.name} at {where}, {mode} job")
+            rec = run_drill(item, config, say=say, unprepared=mode == "unprepared")
+            records.append(rec)
+            say(f"    -> {rec.outcome}: {rec.summary or rec.error or 'no confident verdict'}"
+                + (f" after {rec.onset_to_verdict_s:.1f} s" if rec.onset_to_verdict_s is not None else ""))
+            if on_record is not None:
+                on_record(rec)
     return {
         "config": {"layout": asdict(config.layout), "faulty": config.faulty, "baselines": config.baselines,
                    "seed": config.seed, "kinds": list(config.kinds), "fault_step": config.fault_step,
@@ -398,7 +422,7 @@ def run_suite(config: SuiteConfig, *, say: Callable[[str], None] = lambda _m: No
                    "rounds_needed": config.rounds_needed, "window_s": config.window_s,
                    "continuity_s": config.continuity_s, "time_limit_s": config.time_limit_s,
                    "hidden": config.hidden, "micro_batch_size": config.micro_batch_size,
-                   "knobs": FAULT_KNOBS},
+                   "knobs": FAULT_KNOBS, "modes": list(config.modes), "sample_hz": config.sample_hz},
         "scorecard": score_records(records),
         "drills": [r.to_dict() for r in records],
         "wall_s": round(time.monotonic() - started, 1),
@@ -410,22 +434,45 @@ def truth_machine(layout: DrillLayout, plan: FaultPlan) -> str:
 
 
 def scorecard_lines(result: dict[str, Any]) -> list[str]:
-    """The scorecard as text: one line per kind, the baselines, the overall figures."""
+    """The scorecard as text: one line per kind, the baselines, the overall figures.
+
+    With unprepared-job drills the last column, "unprepared job", gives for
+    each kind the same drills' right-group verdicts within the time limit on
+    plain torchrun (no counters): ``right/drills``.
+    """
     card = result["scorecard"]
+    plain = card.get("unprepared")
     lines = [f"{'kind':<16}{'drills':>7}{'detect':>7}{'mach':>6}{'group':>6}{'<=60s':>6}{'median s':>10}"
-             f"{'P':>7}{'R':>7}{'F1':>7}"]
+             f"{'P':>7}{'R':>7}{'F1':>7}" + (f"{'unprepared job':>16}" if plain else "")]
 
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 
-    for kind, k in card["kinds"].items():
+    def column(kind: str) -> str:
+        if not plain:
+            return ""
+        k = plain["kinds"].get(kind)
+        text = f"{k['tp']}/{k['drills']} ({k['named_within_s']} <=60s)" if k else "-"
+        return f"{text:>16}"
+
+    kinds = list(card["kinds"]) + [k for k in (plain or {}).get("kinds", {}) if k not in card["kinds"]]
+    for kind in kinds:
+        k = card["kinds"].get(kind)
+        if k is None:
+            lines.append(f"{kind:<16}{'-':>7}{'':>56}{column(kind)}")
+            continue
         t = k["onset_to_verdict_s"]
         lines.append(f"{kind:<16}{k['drills']:>7}{k['detected']:>7}{k['right_machine']:>6}{k['right_group']:>6}"
                      f"{k['named_within_s']:>6}{f(t['median'] if t else None):>10}"
-                     f"{f(k['precision']):>7}{f(k['recall']):>7}{f(k['f1']):>7}")
+                     f"{f(k['precision']):>7}{f(k['recall']):>7}{f(k['f1']):>7}{column(kind)}")
     b = card["baselines"]
     lines.append(f"healthy baselines: {b['drills']}, confident false alarms: {b['false_alarms']}")
     o = card["overall"]
     lines.append(f"overall: TP {o['tp']} FP {o['fp']} FN {o['fn']}  precision {f(o['precision'])} "
                  f"recall {f(o['recall'])} F1 {f(o['f1'])}  ({result['wall_s']:.0f} s)")
+    if plain:
+        pb, po = plain["baselines"], plain["overall"]
+        lines.append(f"unprepared jobs (plain torchrun, no counters): TP {po['tp']} FP {po['fp']} FN {po['fn']}  "
+                     f"precision {f(po['precision'])} recall {f(po['recall'])} F1 {f(po['f1'])}; "
+                     f"baselines {pb['drills']}, confident false alarms {pb['false_alarms']}")
     return lines

@@ -171,12 +171,19 @@ Global___VersionSource: _TypeAlias = VersionSource  # noqa: Y015
 class DescribeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    SAMPLE_HZ_FIELD_NUMBER: _builtins.int
+    sample_hz: _builtins.float
+    """> 0: keep sampling every rank's main thread (py-spy --nonblocking) at this
+    rate while polls keep asking, and send the sampled windows with the reply.
+    """
     def __init__(
         self,
+        *,
+        sample_hz: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sample_hz", b"sample_hz"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1072,6 +1079,7 @@ class MachineSnapshot(_message.Message):
     GPUS_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
     machine: _builtins.str
     address: _builtins.str
     reachable: _builtins.bool
@@ -1090,6 +1098,8 @@ class MachineSnapshot(_message.Message):
     def counters(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankCounters]: ...
     @_builtins.property
     def error(self) -> Global___CaptureError: ...
+    @_builtins.property
+    def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___StackSampleWindow]: ...
     def __init__(
         self,
         *,
@@ -1104,16 +1114,66 @@ class MachineSnapshot(_message.Message):
         gpus: Global___GpuStatus | None = ...,
         counters: _abc.Iterable[Global___RankCounters] | None = ...,
         error: Global___CaptureError | None = ...,
+        samples: _abc.Iterable[Global___StackSampleWindow] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_hostname", b"_hostname", "captured", b"captured", "error", b"error", "gpus", b"gpus", "host", b"host", "hostname", b"hostname"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_hostname", b"_hostname", "address", b"address", "captured", b"captured", "counters", b"counters", "error", b"error", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "ranks", b"ranks", "reachable", b"reachable", "stacks", b"stacks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_hostname", b"_hostname", "address", b"address", "captured", b"captured", "counters", b"counters", "error", b"error", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "ranks", b"ranks", "reachable", b"reachable", "samples", b"samples", "stacks", b"stacks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__hostname: _TypeAlias = _typing.Literal["hostname"]  # noqa: Y015
     _WhichOneofArgType__hostname: _TypeAlias = _typing.Literal["_hostname", b"_hostname"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__hostname) -> _WhichOneofReturnType__hostname | None: ...
 
 Global___MachineSnapshot: _TypeAlias = MachineSnapshot  # noqa: Y015
+
+@_typing.final
+class StackSampleWindow(_message.Message):
+    """rankscope.snapshot.StackSampleWindow: one rank's classified main-thread samples."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    START_WALL_FIELD_NUMBER: _builtins.int
+    END_WALL_FIELD_NUMBER: _builtins.int
+    COLLECTIVE_FIELD_NUMBER: _builtins.int
+    P2P_FIELD_NUMBER: _builtins.int
+    COMPUTE_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    OTHER_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    pid: _builtins.int
+    start_wall: _builtins.float
+    end_wall: _builtins.float
+    collective: _builtins.int
+    p2p: _builtins.int
+    compute: _builtins.int
+    data: _builtins.int
+    other: _builtins.int
+    @_builtins.property
+    def error(self) -> Global___CaptureError: ...
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        pid: _builtins.int = ...,
+        start_wall: _builtins.float = ...,
+        end_wall: _builtins.float = ...,
+        collective: _builtins.int = ...,
+        p2p: _builtins.int = ...,
+        compute: _builtins.int = ...,
+        data: _builtins.int = ...,
+        other: _builtins.int = ...,
+        error: Global___CaptureError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "compute", b"compute", "data", b"data", "end_wall", b"end_wall", "error", b"error", "other", b"other", "p2p", b"p2p", "pid", b"pid", "rank", b"rank", "start_wall", b"start_wall"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StackSampleWindow: _TypeAlias = StackSampleWindow  # noqa: Y015
 
 @_typing.final
 class Layout(_message.Message):

@@ -1,0 +1,288 @@
+"""A straggler from sampled stacks alone: the rank that rarely waits while its peers wait for it.
+
+A job started without ``rankscope run`` has no counters, so no step times and
+no late arrivers; a few one-shot stack captures catch the slow rank only by
+chance. Sampling every rank's main thread a few times a second (py-spy's
+non-blocking mode: the rank is never paused) and classifying each sample
+gives, per rank, the share of its time spent *waiting for other ranks* (in a
+collective or a point-to-point transfer). In a synchronous job the slow rank
+is the one that rarely waits: everyone else spends the extra time it takes in
+their collectives and receives, waiting for it.
+
+The test. For rank r with ``k`` waiting samples out of ``n``, and its peers
+(every other sampled rank: the whole job meets in the data-parallel
+all-reduce, so all of them end up waiting for it) with pooled waiting share
+``p``, the null hypothesis is that r waits at least ``p0`` of its time, where
+``p0`` is the share whose odds are a fifth of the peers' odds but no more
+than 25 points below the peers' share (``null_share``; ``p`` is taken at its
+Wilson lower bound). The one-sided binomial p-value ``P[X ≤ k]`` for
+``X ~ Bin(n, p0)`` is Bonferroni-corrected for the number of ranks tested,
+and ``1 − p`` is the confidence. Building the margin into the null keeps the
+systematic differences of a healthy job (a pipeline stage that waits 30 % of
+the time against its neighbour's 40 %, or 90 % against 97 % on a saturated
+machine) from ever becoming "significant" however many samples pile up,
+while a real straggler's confidence grows with every window. Samples within a few seconds are not
+independent draws; a window of a few Hz over steps of tens of milliseconds
+spreads them over many steps, and the margin absorbs the rest.
+
+Everything here is pure: the agent parses py-spy's output with
+``parse_collapsed`` and ships ``StackSampleWindow``s; callers feed windows in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from rankscope.analyzers.stacks import communication_kind
+from rankscope.snapshot import StackSampleWindow
+
+CLASSES: tuple[str, ...] = ("collective", "p2p", "compute", "data", "other")
+
+# A frame of the data pipeline (the main thread waiting for a batch).
+_DATA_FILES = ("dataloader.py", "fetch.py", "worker.py", "queues.py")
+_DATA_NAMES = ("_next_data", "_get_data", "_try_get_data", "__next__", "fetch")
+# A frame of the model's own work: forward, backward, the optimizer.
+_COMPUTE_NAMES = ("forward", "backward", "_call_impl", "_wrapped_call_impl", "step", "run_backward",
+                  "_engine_run_backward", "matmul", "linear", "loss")
+_COMPUTE_DIRS = ("torch/nn/", "torch/autograd/", "torch/optim/", "torch/_tensor.py", "torch/functional.py")
+
+
+def _name_and_file(frame: str) -> tuple[str, str]:
+    name, _, rest = frame.partition(" (")
+    return name.rsplit(".", 1)[-1].lower(), rest.rstrip(")").split(":", 1)[0]
+
+
+def classify(frames: Sequence[str]) -> str:
+    """What one main-thread sample was doing; frames innermost first, as ``name (path/file.py[:line])``.
+
+    The innermost frame that says something decides: a collective or p2p call
+    (``stacks.communication_kind``: the rank waits for others), a data-loader
+    frame ("data"), a model frame ("compute"); a stack with none of them is
+    "other" (logging, checkpointing, the rank's own bookkeeping).
+    """
+    for frame in frames:
+        kind = communication_kind(frame)
+        if kind is not None:
+            return kind
+        name, path = _name_and_file(frame)
+        base = path.rsplit("/", 1)[-1]
+        if ("torch/utils/data" in path and base in _DATA_FILES) or (name in _DATA_NAMES and "data" in path):
+            return "data"
+        if name in _COMPUTE_NAMES or any(d in path for d in _COMPUTE_DIRS):
+            return "compute"
+    return "other"
+
+
+def parse_collapsed(text: str, pid: int) -> dict[str, int]:
+    """Class counts of the main thread's samples in ``py-spy record --format raw --threads`` output.
+
+    Each line is ``thread (TID): NAME;outer frame;...;inner frame COUNT``; the
+    main thread is the one whose TID is the process id (or, where py-spy
+    prints Python thread ids, the one named MainThread). Raises ValueError
+    naming the line for anything else, so a changed format is noticed, not
+    silently counted as nothing.
+    """
+    counts = dict.fromkeys(CLASSES, 0)
+    by_tid: dict[str, dict[str, int]] = {}
+    names: dict[str, str] = {}
+    for i, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        stack, sep, count_text = line.rpartition(" ")
+        if not sep or not count_text.isdigit() or not stack.startswith("thread ("):
+            raise ValueError(f"line {i} is not 'thread (TID): frames COUNT': {line[:80]!r}")
+        head, sep, frames_text = stack.partition("): ")
+        if not sep and stack.endswith(")"):  # a thread py-spy caught with no Python frames at all
+            head, frames_text = stack[:-1], ""
+        tid = head[len("thread ("):]
+        if not tid.isdigit():
+            raise ValueError(f"line {i} has no thread id: {line[:80]!r}")
+        frames = frames_text.split(";") if frames_text else [""]
+        names.setdefault(tid, frames[0])
+        per = by_tid.setdefault(tid, dict.fromkeys(CLASSES, 0))
+        per[classify(frames[:0:-1])] += int(count_text)  # innermost first, the thread name left out
+    main = str(pid) if str(pid) in by_tid else next((t for t, n in names.items() if n == "MainThread"), None)
+    if main is not None:
+        counts = by_tid[main]
+    return counts
+
+
+# --------------------------------------------------------------------------
+# statistics (stdlib only)
+# --------------------------------------------------------------------------
+
+
+def binom_cdf(k: int, n: int, p: float) -> float:
+    """P[X ≤ k] for X ~ Binomial(n, p), summed in log space (n is at most a few thousand samples)."""
+    if k < 0:
+        return 0.0
+    if k >= n or p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0
+    lp, lq = math.log(p), math.log1p(-p)
+    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq
+            for i in range(k + 1)]
+    top = max(logs)
+    return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in logs))
+
+
+def wilson_lower(successes: int, n: int, z: float = 2.0) -> float:
+    """The Wilson score interval's lower bound of a proportion (0 when nothing was seen)."""
+    if n <= 0:
+        return 0.0
+    phat = successes / n
+    denom = 1 + z * z / n
+    centre = phat + z * z / (2 * n)
+    spread = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n))
+    return max(0.0, (centre - spread) / denom)
+
+
+# --------------------------------------------------------------------------
+# the detector
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankWaits:
+    """One rank's classified samples over the horizon."""
+
+    rank: int
+    samples: int
+    waiting: int
+    counts: tuple[tuple[str, int], ...]
+
+    @property
+    def share(self) -> float:
+        return self.waiting / self.samples if self.samples else math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class Straggler:
+    """A rank that waits far less than its peers: their waits are for it."""
+
+    rank: int
+    waits: RankWaits
+    peers: tuple[int, ...]
+    peer_share: float  # pooled waiting share of the peers
+    p_value: float  # Bonferroni-corrected
+    confidence: float  # 1 − p_value
+
+    def evidence(self) -> str:
+        c = dict(self.waits.counts)
+        busy = max(("compute", "data", "other"), key=lambda k: c.get(k, 0))
+        return (f"rank {self.rank} waited for peers in {self.waits.waiting} of {self.waits.samples} sampled stacks "
+                f"({100 * self.waits.share:.0f} %, mostly {busy}) while its {len(self.peers)} peers waited "
+                f"{100 * self.peer_share:.0f} % of theirs; p = {self.p_value:.1e}")
+
+
+@dataclass(frozen=True, slots=True)
+class SampledWaitResult:
+    """Every rank's waits and the ranks the test names, most confident first."""
+
+    ranks: tuple[RankWaits, ...]
+    stragglers: tuple[Straggler, ...]
+    windows: int
+    horizon_s: float
+
+    @property
+    def top(self) -> Straggler | None:
+        return self.stragglers[0] if self.stragglers else None
+
+
+def rank_waits(windows: Iterable[StackSampleWindow]) -> dict[int, RankWaits]:
+    """Per rank, the classified samples of the windows given, added up."""
+    sums: dict[int, dict[str, int]] = {}
+    for w in windows:
+        if w.error is not None:
+            continue
+        s = sums.setdefault(w.rank, dict.fromkeys(CLASSES, 0))
+        for k in CLASSES:
+            s[k] += getattr(w, k)
+    out = {}
+    for r, s in sums.items():
+        total = sum(s.values())
+        out[r] = RankWaits(r, total, s["collective"] + s["p2p"], tuple(s.items()))
+    return out
+
+
+def null_share(peer_share: float, odds_margin: float, min_gap: float) -> float:
+    """The least waiting share a rank is assumed to have under the null, given its peers'.
+
+    Both at most ``odds_margin`` times the peers' odds of waiting and at least
+    ``min_gap`` below their share: the smaller of the two, so that neither a
+    small difference near 0 % or 100 % (where odds swing) nor a modest one in
+    the middle can be called a straggler.
+    """
+    if peer_share <= 0.0:
+        return 0.0
+    if peer_share >= 1.0:
+        return max(0.0, 1.0 - min_gap)
+    odds = odds_margin * peer_share / (1.0 - peer_share)
+    return max(0.0, min(odds / (1.0 + odds), peer_share - min_gap))
+
+
+def find_stragglers(waits: Mapping[int, RankWaits], *, odds_margin: float = 0.2, min_gap: float = 0.25,
+                    min_samples: int = 20,
+                    min_peer_share: float = 0.1, peers_of: Mapping[int, Sequence[int]] | None = None,
+                    ) -> list[Straggler]:
+    """The binomial test of the module docstring for every rank with ``min_samples``; all results, best first.
+
+    The null share comes from ``null_share`` (peers' odds times ``odds_margin``,
+    at least ``min_gap`` below them).
+
+    ``peers_of`` narrows a rank's peers (default: every other rank). Peers that
+    hardly wait themselves (below ``min_peer_share``) mean nobody is held up,
+    and nobody is tested against them.
+    """
+    tested = [w for w in waits.values() if w.samples >= min_samples]
+    out = []
+    for w in tested:
+        peer_ranks = [p for p in (peers_of.get(w.rank, ()) if peers_of is not None else waits) if p != w.rank]
+        peers = [waits[p] for p in peer_ranks if p in waits and waits[p].samples >= min_samples]
+        n_peer = sum(p.samples for p in peers)
+        k_peer = sum(p.waiting for p in peers)
+        if not peers or n_peer == 0 or k_peer / n_peer < min_peer_share:
+            continue
+        p0 = null_share(wilson_lower(k_peer, n_peer), odds_margin, min_gap)
+        p_value = min(1.0, binom_cdf(w.waiting, w.samples, p0) * len(tested))
+        out.append(Straggler(w.rank, w, tuple(sorted(p.rank for p in peers)), k_peer / n_peer, p_value,
+                             1.0 - p_value))
+    return sorted(out, key=lambda s: (s.p_value, s.waits.share, s.rank))
+
+
+class SampledWaitDetector:
+    """Keeps the windows of the last ``horizon_s`` seconds and tests them on each update.
+
+    Windows arrive again and again (an agent sends all it holds); each is
+    kept once, by rank, process and start. The horizon is measured on the
+    agents' own wall clocks, from the newest window end of each rank's
+    agent, so machines' clock offsets do not matter.
+    """
+
+    def __init__(self, horizon_s: float = 45.0, odds_margin: float = 0.2, min_gap: float = 0.25,
+                 min_samples: int = 20, min_peer_share: float = 0.1) -> None:
+        self.horizon_s = horizon_s
+        self.odds_margin = odds_margin
+        self.min_gap = min_gap
+        self.min_samples = min_samples
+        self.min_peer_share = min_peer_share
+        self._windows: dict[tuple[int, int, float], StackSampleWindow] = {}
+
+    def add(self, windows: Iterable[StackSampleWindow]) -> None:
+        newest: dict[int, float] = {}
+        for w in windows:
+            self._windows.setdefault((w.rank, w.pid, w.start_wall), w)
+        for w in self._windows.values():
+            newest[w.rank] = max(newest.get(w.rank, w.end_wall), w.end_wall)
+        self._windows = {k: w for k, w in self._windows.items() if w.end_wall >= newest[w.rank] - self.horizon_s}
+
+    def result(self, peers_of: Mapping[int, Sequence[int]] | None = None) -> SampledWaitResult:
+        waits = rank_waits(self._windows.values())
+        found = find_stragglers(waits, odds_margin=self.odds_margin, min_gap=self.min_gap, min_samples=self.min_samples,
+                                min_peer_share=self.min_peer_share, peers_of=peers_of)
+        return SampledWaitResult(tuple(waits[r] for r in sorted(waits)), tuple(found), len(self._windows),
+                                 self.horizon_s)
