@@ -22,6 +22,7 @@ class SuspectKind(StrEnum):
     RANK = "rank"
     MACHINE = "machine"
     COMM = "comm"  # a communicator recorded by the CCL plugin, not a layout group
+    DESYNC = "desync"  # ranks inside a different collective from their group peers (a program mismatch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,7 @@ class Suspect:
     group_index: int | None = None  # which group of that kind (e.g. the 3rd PP group)
     diverging_frame: str | None = None  # where the outliers leave the dominant stack path
     victims: tuple[int, ...] = ()  # ranks that only wait on this suspect: evidence, never suspects of their own
+    state: str = ""  # what its root ranks are doing, e.g. "loading data", "unreadable (D, in nvidia_wait)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,3 +79,15 @@ class Verdict:
     @property
     def top(self) -> Suspect | None:
         return self.suspects[0] if self.suspects else None
+
+
+def finding_to_json(f: Finding) -> dict[str, object]:
+    """One finding as ``analyze --json`` and bundles show it (every detector's findings go through here)."""
+    return {
+        "kind": f.kind,
+        "ranks": list(f.ranks),
+        "communicator": f.communicator,
+        "summary": f.summary,
+        "evidence": list(f.evidence),
+        "advice": f.advice,
+    }

@@ -35,10 +35,20 @@ vector operations per kind as a small one.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
-from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+from rankscope.analyzers.chain import (
+    DESYNC_ADVICE,
+    TERMINAL,
+    Chain,
+    RankState,
+    desync_evidence,
+    desync_summary,
+    follow_chain,
+    rank_views,
+)
+from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, finding_to_json
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
     MAIN_LANE,
@@ -77,6 +87,7 @@ class StackAnalysis:
     tree: PrefixNode
     verdict: Verdict
     topology: Topology
+    chain: Chain | None = None  # every rank's state and who waits for whom (rankscope.analyzers.chain)
 
 
 @dataclass(slots=True)
@@ -464,6 +475,105 @@ def _suspects_for(
     return suspects, explains
 
 
+def _state_words(chain: Chain, ranks: set[int]) -> str:
+    """What a suspect's root ranks are doing, in a few words."""
+    views = [chain.views[r] for r in sorted(ranks) if r in chain.views and chain.views[r].state in TERMINAL]
+    if not views:
+        return ""
+    v = views[0]
+    if v.state in (RankState.UNREADABLE, RankState.STOPPED):
+        extra = [v.reason.split(":", 1)[0]] if ":" in v.reason else []
+        if v.process_state:
+            extra.append(f"process state {v.process_state}" + (f" in {v.wchan}" if v.wchan else ""))
+        return f"{v.state.value}: {', '.join(extra)}" if extra else v.state.value
+    return v.state.value
+
+
+def _root_lines(chain: Chain, ranks: set[int], placement: _Placement) -> list[str]:
+    lines: list[str] = []
+    for root in chain.roots:
+        if root.rank not in ranks:
+            continue
+        waits = sorted({chain.views[v].site or chain.views[v].frame for v in root.victims if v in chain.views})
+        where = compact_machines(placement.machines(root.victims))
+        line = (f"root: rank {root.rank} is {root.view.describe()}; {len(root.victims)} rank(s) wait on it "
+                f"(ranks {compact_ranks(root.victims)} on {where}, at {'; '.join(waits[:3])}"
+                f"{'; ...' if len(waits) > 3 else ''}): they are its victims, not suspects of their own")
+        if root.view.state in (RankState.UNREADABLE, RankState.STOPPED):
+            line += "; absence is evidence: a rank the others wait on whose stack cannot be read is the prime suspect"
+        lines.append(line)
+    return lines
+
+
+def _apply_chain(
+    suspects: list[Suspect], explains: list[set[int]], chain: Chain, placement: _Placement, topology: Topology,
+    grouping: Grouping,
+) -> tuple[list[Suspect], list[set[int]], list[Finding]]:
+    """Put the chain's verdict into the ranking: roots first with their victims, victims never on their own.
+
+    - a suspect holding a root gets the root's victims and a ``root:`` line;
+    - a suspect that holds no root or desync but only ranks waiting on one is dropped (one chain, one suspect);
+    - a root no suspect holds (an unreadable rank has no stack group) becomes a suspect of its own;
+    - a desync becomes one suspect of kind ``desync`` and a finding, replacing suspects inside its group.
+    """
+    roots = chain.root_ranks
+    victims = {v for r in chain.roots for v in r.victims}
+    findings: list[Finding] = []
+    out: list[tuple[Suspect, set[int]]] = []
+    for d in chain.desyncs:
+        ranks = set(d.ranks)
+        machines = placement.machines(d.ranks)
+        comm = "the whole job" if d.group_kind == "world" else (
+            f"{d.group_kind.upper()} group {topology.group_index(d.group[0], d.group_kind)}")
+        summary = desync_summary(d)
+        evidence = desync_evidence(d)
+        findings.append(Finding(kind="desync", ranks=d.ranks, summary=summary, evidence=evidence,
+                                communicator=comm, advice=DESYNC_ADVICE))
+        out.append((Suspect(
+            kind=SuspectKind.DESYNC, ranks=d.ranks, machines=machines,
+            score=round(2.0 + len(d.victims) / max(topology.world_size, 1), 6),
+            evidence=(f"{summary} (ranks {compact_ranks(d.ranks)} on {compact_machines(machines)}, {comm})",
+                      *evidence, f"advice: {DESYNC_ADVICE}"),
+            sources=("stacks",), victims=d.victims, state="desync",
+        ), ranks | set(d.victims)))
+    in_desync = {r for d in chain.desyncs for r in (*d.ranks, *d.victims)}
+    held: set[int] = set()
+    for s, explained in zip(suspects, explains, strict=True):
+        members = set(s.ranks)
+        if in_desync and members <= in_desync:
+            continue  # the desync suspect speaks for these ranks
+        mine = members & roots
+        if not mine and (roots or in_desync) and (members & set(grouping.outlier_ranks)) <= victims | in_desync:
+            continue  # only ranks that wait on a root: evidence under that root
+        if mine:
+            own_victims = tuple(sorted({v for r in chain.roots if r.rank in mine for v in r.victims} - members))
+            lines = _root_lines(chain, mine, placement)
+            # The root line says what the rank does; the origin line's "own work" would repeat it less exactly.
+            rest = [e for e in s.evidence[1:] if not (e.startswith("origin:") and "own work" in e)]
+            s = replace(s, evidence=(s.evidence[0], *lines, *rest), victims=own_victims,
+                        state=_state_words(chain, mine))
+            explained = explained | set(own_victims) | mine
+            held |= mine
+        out.append((s, explained))
+    world = max(topology.world_size, 1)
+    for root in chain.roots:
+        if root.rank in held or root.view.state not in (RankState.UNREADABLE, RankState.STOPPED):
+            continue
+        strong = root.view.process_state in ("D", "T", "t", "Z", "gone") or root.view.state is RankState.STOPPED
+        machines = placement.machines([root.rank])
+        out.append((Suspect(
+            kind=SuspectKind.RANK, ranks=(root.rank,), machines=machines,
+            score=round(1.0 + (0.5 if strong else 0.0) + 0.5 * len(root.victims) / world, 6),
+            evidence=(f"rank {root.rank} on {compact_machines(machines) or 'unknown machines'}: "
+                      f"{root.view.state.value} while {len(root.victims)} rank(s) wait on it",
+                      *_root_lines(chain, {root.rank}, placement)),
+            sources=("stacks",), victims=root.victims, state=_state_words(chain, {root.rank}),
+        ), {root.rank, *root.victims}))
+        held.add(root.rank)
+    out.sort(key=lambda se: -se[0].score)
+    return [s for s, _ in out], [e for _, e in out], findings
+
+
 def _independent_cover(suspects: list[Suspect], explains: list[set[int]], outliers: set[int]) -> list[Suspect]:
     """Suspects that together account for all outliers without overlapping, best first (greedy).
 
@@ -504,25 +614,37 @@ def analyze_stacks(
     missing = _missing_ranks(snapshot, topology, grouping, stacks)
     notes = list(grouping.notes)
 
-    # When several groups tie for largest, the healthy one is the choice whose
-    # outliers are best explained by one parallel group.
+    views = rank_views(stacks, topology.world_size, missing, options)
+    chain = follow_chain(views, topology)
+    named = chain.root_ranks | {r for d in chain.desyncs for r in d.ranks}
+
+    # When several groups tie for largest, no majority says which is healthy: the chain decides (a group
+    # holding a root or a desync is never the healthy one), then the choice whose outliers are best explained
+    # by one parallel group.
     if grouping.groups and grouping.dominant:
         top = len(grouping.groups[0].ranks)
         tied = [i for i, g in enumerate(grouping.groups) if len(g.ranks) == top]
         if len(tied) > 1:
+            free = [t for t in tied if not named.intersection(grouping.groups[t].ranks)] or tied
             best, best_score = grouping, -1.0
-            for t in tied:
+            for t in free:
                 trial = with_dominant(grouping, (t,))
                 found, _ = _suspects_for(trial, topology, placement, missing)
                 score = found[0].score if found else 0.0
                 if score > best_score + 1e-9:
                     best, best_score = trial, score
-            if best.dominant != grouping.dominant:
+            if named:
+                notes = [n for n in notes if not n.startswith(f"{len(tied)} groups of {top} ranks tie")]
+                notes.append(f"{len(tied)} groups of {top} ranks tie for largest, so no majority says which is "
+                             f"healthy: the chain of waits decides (group {best.dominant[0]} taken as healthy; "
+                             f"it holds no root)")
+            elif best.dominant != grouping.dominant:
                 notes.append(f"group {best.dominant[0]} taken as healthy instead: its complement is explained "
                              "better by one parallel group")
             grouping = best
 
     suspects, explains = _suspects_for(grouping, topology, placement, missing)
+    suspects, explains, findings = _apply_chain(suspects, explains, chain, placement, topology, grouping)
     tree = tree_from_grouping(grouping)
     missing_ranks = tuple(sorted(missing))
     if missing_ranks:
@@ -536,9 +658,10 @@ def analyze_stacks(
         notes.append("no parallel sizes known: only ranks and machines can be suspected; "
                      "pass --tp/--pp/--dp (and --order) to name parallel groups")
     seen_count = sum(len(g.ranks) for g in grouping.groups)
-    summary = _summary(grouping, suspects, explains, seen_count, notes)
-    verdict = Verdict(suspects=tuple(suspects), summary=summary, missing_ranks=missing_ranks, notes=tuple(notes))
-    return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology)
+    summary = _summary(grouping, suspects, explains, seen_count, notes, named)
+    verdict = Verdict(suspects=tuple(suspects), summary=summary, missing_ranks=missing_ranks, notes=tuple(notes),
+                      findings=tuple(findings))
+    return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology, chain=chain)
 
 
 def _reason_digest(missing: dict[int, str]) -> str:
@@ -550,8 +673,16 @@ def _reason_digest(missing: dict[int, str]) -> str:
 
 
 def _summary(
-    grouping: Grouping, suspects: list[Suspect], explains: list[set[int]], seen: int, notes: list[str]
+    grouping: Grouping, suspects: list[Suspect], explains: list[set[int]], seen: int, notes: list[str],
+    named: frozenset[int] | set[int] = frozenset(),
 ) -> str:
+    if named and suspects:
+        # The chain named where the hang starts: account for its roots and the outliers, victims included.
+        cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks) | set(named))
+        if len(cover) > 1:
+            notes.append(f"{len(cover)} separate outlier sets, each explained by its own suspect")
+            return f"{len(cover)} separate suspects: " + "; ".join(_headline(s) for s in cover)
+        return _headline(suspects[0])
     if seen == 0:
         return "no verdict: no rank's stacks could be read"
     if len(grouping.groups) == 1:
@@ -569,6 +700,10 @@ def _summary(
 
 def _headline(s: Suspect) -> str:
     where = compact_machines(s.machines) or "unknown machines"
+    if s.kind is SuspectKind.DESYNC:
+        return s.evidence[0].split(" (ranks ", 1)[0]
+    if s.kind is SuspectKind.RANK and s.victims:
+        return f"rank {s.ranks[0]} on {where} ({s.state}; {len(s.victims)} ranks wait on it)"
     if s.kind is SuspectKind.RANK:
         return f"rank {s.ranks[0]} on {where}"
     if s.kind is SuspectKind.MACHINE:
@@ -586,6 +721,8 @@ def suspect_to_json(s: Suspect) -> dict[str, object]:
         "sources": list(s.sources),
         "group_index": s.group_index,
         "diverging_frame": s.diverging_frame,
+        "victims": list(s.victims),
+        "state": s.state,
     }
 
 
@@ -616,9 +753,24 @@ def verdict_to_json(analysis: StackAnalysis) -> dict[str, object]:
         "dominant": list(g.dominant),
         "outliers": list(g.outliers),
         "suspects": [suspect_to_json(s) for s in v.suspects],
+        "findings": [finding_to_json(f) for f in v.findings],
+        "chain": chain_to_json(analysis.chain) if analysis.chain is not None else None,
         "missing_ranks": list(v.missing_ranks),
         "notes": list(v.notes),
     }
 
 
-__all__ = ["StackAnalysis", "analyze_stacks", "suspect_to_json", "verdict_to_json"]
+def chain_to_json(chain: Chain) -> dict[str, object]:
+    """The roots the waiting ranks lead to (with their victims) and the waiters no root explains."""
+    return {
+        "roots": [{"rank": r.rank, "state": r.view.state.value, "detail": r.view.describe(),
+                   "process_state": r.view.process_state, "wchan": r.view.wchan, "victims": list(r.victims)}
+                  for r in chain.roots],
+        "desyncs": [{"group_kind": d.group_kind, "ranks": list(d.ranks), "victims": list(d.victims),
+                     "sites": [{"site": site, "ranks": list(ranks)} for site, ranks in d.sites], "tie": d.tie}
+                    for d in chain.desyncs],
+        "unexplained": list(chain.unexplained),
+    }
+
+
+__all__ = ["StackAnalysis", "analyze_stacks", "chain_to_json", "suspect_to_json", "verdict_to_json"]

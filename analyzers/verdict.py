@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rankscope.analyzers.findings import Suspect, Verdict
+from rankscope.analyzers.findings import Finding, Suspect, Verdict
 from rankscope.analyzers.topology import compact_machines, compact_ranks
 from rankscope.snapshot import JobSnapshot, Layout
 
 # Among equal merged scores, sources and sizes: this kind order.
-_KIND_ORDER = ("pp", "dp", "tp", "cp", "ep", "machine", "rank", "comm")
+_KIND_ORDER = ("desync", "pp", "dp", "tp", "cp", "ep", "machine", "rank", "comm")
 
 
 @dataclass(slots=True)
@@ -89,7 +89,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
         merged.append(Suspect(
             kind=s.kind, ranks=s.ranks, machines=s.machines, score=round(entry.scaled * (1.0 + support), 6),
             evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index,
-            diverging_frame=s.diverging_frame,
+            diverging_frame=s.diverging_frame, victims=s.victims, state=s.state,
         ))
     merged.sort(key=lambda s: (-s.score, -len(s.sources), -len(s.ranks),
                                _KIND_ORDER.index(str(s.kind)) if str(s.kind) in _KIND_ORDER else 99,
@@ -101,7 +101,17 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
         summary = f"{headline(top)} ({' + '.join(top.sources)})"
     else:
         summary = next((v.summary for v in verdicts if v.summary), "no verdict")
-    return Verdict(suspects=tuple(merged), summary=summary, missing_ranks=missing, notes=notes)
+    return Verdict(suspects=tuple(merged), summary=summary, missing_ranks=missing, notes=notes,
+                   findings=merge_findings(*verdicts))
+
+
+def merge_findings(*verdicts: Verdict) -> tuple[Finding, ...]:
+    """Every detector's findings, each fact once (the same kind, ranks and communicator from two detectors)."""
+    out: dict[tuple[str, tuple[int, ...], str | None], Finding] = {}
+    for v in verdicts:
+        for f in v.findings:
+            out.setdefault((f.kind, f.ranks, f.communicator), f)
+    return tuple(out.values())
 
 
 def headline(s: Suspect) -> str:
@@ -131,5 +141,6 @@ def analyze_snapshot(snapshot: JobSnapshot, layout: Layout | None = None) -> Ver
     counters = analyze_counters(snapshot, layout)
     if not counters.suspects:
         return Verdict(stacks.suspects, stacks.summary, stacks.missing_ranks,
-                       (*stacks.notes, counters.summary, *counters.notes))
+                       (*stacks.notes, counters.summary, *counters.notes),
+                       findings=merge_findings(stacks, counters))
     return merge_verdicts(stacks, counters)

@@ -50,6 +50,11 @@ class CaptureError:
     kind: CaptureErrorKind
     message: str
     fix: str = ""
+    # The process's state when its capture failed, from /proc/<pid>/stat: a
+    # one-letter state (R, S, D uninterruptible sleep, T stopped, t traced,
+    # Z zombie, ...) or "gone"; None when not read (a dump saved elsewhere).
+    process_state: str | None = None
+    wchan: str | None = None  # the kernel function it sleeps in (/proc/<pid>/wchan), where readable
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +102,9 @@ class ProcessStack:
     error: CaptureError | None = None
     name: str = ""
     capture_seconds: float | None = None
+    # Why these stacks are known to be incomplete (a saved dump that ends
+    # mid-way, a stack cut short by grep); None when nothing says so.
+    truncated: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +152,10 @@ class RankInfo:
     master_port: int | None = None
     process: ProcessInfo | None = None
     subprocesses: tuple[ProcessInfo, ...] = ()
+    # How the rank number was told, for ranks read from saved dumps, so a wrong
+    # guess is visible: the rule first ("file-name", "cmdline", "pid-order",
+    # "file-order"), then where it came from. None for ranks found live.
+    rank_source: str | None = None
 
 
 # --------------------------------------------------------------------------

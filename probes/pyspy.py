@@ -53,6 +53,11 @@ FIX_TRACED = (
     "another tool is attached to the process ({name}, pid {tracer}) and ptrace allows one tracer at a time: "
     "detach it (quit gdb / stop strace, or `kill {tracer}` if it is stuck) and capture again"
 )
+FIX_SUSPEND_REFUSED = (
+    "ptrace refused to pause pid {pid}: if py-spy read the job's other processes as the same user, something "
+    "else holds this one (a debugger or a second py-spy: `grep TracerPid /proc/{pid}/status`) or it is exiting "
+    "or stuck in the kernel (`cat /proc/{pid}/stat /proc/{pid}/wchan`); otherwise: " + FIX_PERMISSION
+)
 FIX_FAILED = "run `py-spy dump --pid {pid}` by hand to see the full error"
 
 _ADDRESS = re.compile(r"^0x[0-9a-fA-F]+$")
@@ -171,13 +176,37 @@ def _tracer(pid: int) -> tuple[int, str] | None:
     return None
 
 
+def classify_pyspy_error(text: str, pid: int | str) -> tuple[CaptureErrorKind, str, str]:
+    """What py-spy's error text alone says: the kind of failure, what happened to ``pid``, and the fix.
+
+    Pure, so a dump saved on another machine is judged by the same rules as a
+    live capture (which adds what only the live process can tell).
+    """
+    low = text.lower()
+    if "failed to suspend process" in low and ("eperm" in low or "operation not permitted" in low):
+        # ptrace refused to pause it: privilege, or something else holds it.
+        return (CaptureErrorKind.PERMISSION, f"ptrace refused to pause pid {pid}",
+                FIX_SUSPEND_REFUSED.format(pid=pid))
+    if "permission denied" in low or "operation not permitted" in low or "sys_ptrace" in low or "eperm" in low:
+        return CaptureErrorKind.PERMISSION, f"ptrace not permitted on pid {pid}", FIX_PERMISSION
+    if ("no such process" in low or "esrch" in low or "check that the process is running" in low
+            or "os error 3)" in low):
+        return CaptureErrorKind.GONE, f"pid {pid} is gone", FIX_GONE
+    if ("failed to find python version" in low or "failed to find a python interpreter" in low
+            or "no python processes found" in low or "unsupported version of python" in low):
+        return (CaptureErrorKind.NOT_PYTHON, f"pid {pid} runs no Python py-spy can read",
+                FIX_NOT_PYTHON.format(pid=pid))
+    if "failed to suspend process" in low:
+        return CaptureErrorKind.FAILED, f"py-spy could not pause pid {pid}", FIX_STOPPED.format(pid=pid)
+    return CaptureErrorKind.FAILED, f"py-spy failed on pid {pid}", FIX_FAILED.format(pid=pid)
+
+
 def classify_pyspy_failure(returncode: int | None, stderr: str, pid: int) -> CaptureError:
     """What a failed py-spy run means, with the fix. ``returncode`` None: py-spy was killed at its time limit."""
     if returncode is None:
         return CaptureError(CaptureErrorKind.TIMEOUT, f"py-spy did not answer for pid {pid} in time",
                             FIX_TIMEOUT.format(pid=pid))
     text = _summary(stderr)
-    low = stderr.lower()
     tracer = _tracer(pid)
     if tracer is not None:
         # Only one tracer at a time: ptrace says EPERM, but no privilege would help.
@@ -185,20 +214,12 @@ def classify_pyspy_failure(returncode: int | None, stderr: str, pid: int) -> Cap
         return CaptureError(CaptureErrorKind.FAILED,
                             f"pid {pid} is already traced by pid {tracer_pid} ({tracer_name}): {text}",
                             FIX_TRACED.format(pid=pid, tracer=tracer_pid, name=tracer_name))
-    if "permission denied" in low or "operation not permitted" in low or "sys_ptrace" in low:
-        return CaptureError(CaptureErrorKind.PERMISSION, f"ptrace not permitted on pid {pid}: {text}",
-                            FIX_PERMISSION)
-    if not _pid_alive(pid) or "no such process" in low:
-        return CaptureError(CaptureErrorKind.GONE, f"pid {pid} is gone: {text}", FIX_GONE)
-    if ("failed to find python version" in low or "failed to find a python interpreter" in low
-            or "no python processes found" in low or "unsupported version of python" in low):
-        return CaptureError(CaptureErrorKind.NOT_PYTHON, f"pid {pid} runs no Python py-spy can read: {text}",
-                            FIX_NOT_PYTHON.format(pid=pid))
-    if "failed to suspend process" in low:
-        return CaptureError(CaptureErrorKind.FAILED, f"py-spy could not pause pid {pid}: {text}",
-                            FIX_STOPPED.format(pid=pid))
-    return CaptureError(CaptureErrorKind.FAILED, f"py-spy failed on pid {pid} (exit {returncode}): {text}",
-                        FIX_FAILED.format(pid=pid))
+    kind, what, fix = classify_pyspy_error(stderr, pid)
+    if kind is not CaptureErrorKind.PERMISSION and not _pid_alive(pid):
+        kind, what, fix = CaptureErrorKind.GONE, f"pid {pid} is gone", FIX_GONE
+    if kind is CaptureErrorKind.FAILED and what.startswith("py-spy failed"):
+        what += f" (exit {returncode})"
+    return CaptureError(kind, f"{what}: {text}", fix)
 
 
 # --------------------------------------------------------------------------

@@ -84,8 +84,8 @@ def test_bundle_with_layout_flags_and_rounds(capsys: pytest.CaptureFixture[str],
 
 
 @pytest.mark.parametrize("argv, message", [
-    ((), "give exactly one of BUNDLE, --pyspy-dir DIR or --flight-recorder DIR"),
-    (("--pyspy-dir", "/nonexistent/dumps"), "is not a folder"),
+    ((), "give exactly one of BUNDLE, --dumps PATH or --flight-recorder DIR"),
+    (("--pyspy-dir", "/nonexistent/dumps"), "is neither a folder nor a file of py-spy dumps"),
     (("--pyspy-dir", str(FIG7), "--order", "tp-xx"), "unknown dimension"),
     (("--pyspy-dir", str(FIG7), "--tp", "0"), "--tp must be at least 1"),
 ])
@@ -98,7 +98,7 @@ def test_errors_name_the_fix(capsys: pytest.CaptureFixture[str], argv: tuple[str
 
 def test_empty_pyspy_dir_says_how_to_fill_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = _run(capsys, "--pyspy-dir", str(tmp_path))
-    assert code == 2 and "no rank<R>.json files" in err and "py-spy dump --pid" in err
+    assert code == 2 and "no py-spy dumps in" in err and "py-spy dump --pid" in err
 
 
 def _fr_entry(seq: int, retired: bool) -> dict[str, object]:

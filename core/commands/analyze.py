@@ -34,9 +34,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument("bundle", nargs="?", type=Path, help="a bundle written by `rankscope snapshot -o` or the TUI")
     src = p.add_argument_group("other sources (instead of a bundle)")
-    src.add_argument("--pyspy-dir", type=Path, metavar="DIR",
-                     help="folder of rank<R>.json files, each `py-spy dump --json` of rank R's main process "
-                          "(rank<R>.<name>.json for its subprocesses)")
+    src.add_argument("--dumps", "--pyspy-dir", dest="pyspy_dir", type=Path, metavar="PATH",
+                     help="a folder or one pasted file of saved py-spy dumps, text as printed or --json: "
+                          "rank<R>.txt|json per rank (rank<R>.<name>.* for a subprocess), or one file per node "
+                          "holding several `py-spy dump` outputs one after another")
+    src.add_argument("--node-order", metavar="A,B,...",
+                     help="the order of per-node dump files (file names or stems) when ranks are numbered "
+                          "node by node (default: file-name order)")
     src.add_argument("--flight-recorder", type=Path, metavar="DIR",
                      help="folder of PyTorch NCCL flight-recorder dumps")
     lay = p.add_argument_group("parallel layout (overrides the bundle's)")
@@ -79,9 +83,11 @@ def run(args: argparse.Namespace) -> int:
     sources = [x for x in (args.bundle, args.pyspy_dir, args.flight_recorder) if x is not None]
     if len(sources) != 1:
         raise RankscopeError(
-            "give exactly one of BUNDLE, --pyspy-dir DIR or --flight-recorder DIR",
-            "e.g. `rankscope analyze incident.json` or `rankscope analyze --pyspy-dir dumps/ --tp 2 --pp 4 --dp 4`",
+            "give exactly one of BUNDLE, --dumps PATH or --flight-recorder DIR",
+            "e.g. `rankscope analyze incident.json` or `rankscope analyze --dumps dumps/ --tp 2 --pp 4 --dp 4`",
         )
+    if args.bundle is not None and _is_dumps(args.bundle):
+        args.pyspy_dir, args.bundle = args.bundle, None  # a folder or a pasted dump given where a bundle goes
     options = SignatureOptions(keep_lines=args.keep_lines, fold_wrappers=not args.no_fold,
                                include_subprocesses=not args.no_subprocesses,
                                include_idle_threads=args.idle_threads)
@@ -111,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if counters.suspects:  # CCL counters recorded by the plugin: merge, agreement counts for more
             other_verdicts = [counters]
     if other_verdicts:
+        from rankscope.analyzers.findings import finding_to_json
         from rankscope.analyzers.suspects import suspect_to_json
         from rankscope.analyzers.verdict import merge_verdicts
 
@@ -118,14 +125,45 @@ def run(args: argparse.Namespace) -> int:
         out["stacks_summary"] = out["summary"]
         out["summary"] = merged.summary
         out["suspects"] = [suspect_to_json(s) for s in merged.suspects]
+        out["findings"] = [finding_to_json(f) for f in merged.findings]
         out["missing_ranks"] = list(merged.missing_ranks)
         out["notes"] = list(merged.notes)
+    if analysis.chain is not None:
+        from rankscope.analyzers.completeness import rank_evidence, rank_evidence_to_json
+
+        out["rank_evidence"] = [rank_evidence_to_json(e) for e in rank_evidence(snapshot, analysis.chain)]
     if rounds is not None:
         out["fail_slow"] = rounds
     if snapshot.notes:
         out["notes"] = [*snapshot.notes, *out["notes"]]  # type: ignore[misc]
+    assignment = rank_assignment(snapshot)
+    if assignment:
+        out["rank_assignment"] = assignment
     _print(out, args.json)
     return 0
+
+
+def _is_dumps(path: Path) -> bool:
+    """A folder, or a file that is not a bundle (a bundle is a JSON object), is read as saved dumps."""
+    if path.is_dir():
+        return True
+    try:
+        with path.open("rb") as f:
+            head = f.read(256).lstrip()
+    except OSError:
+        return False
+    return not head.startswith(b"{")
+
+
+def rank_assignment(snapshot: Any) -> list[dict[str, Any]]:
+    """How each rank read from saved dumps got its number: rank, machine, pid, rule, and where from."""
+    out = []
+    for m in snapshot.machines:
+        for r in m.ranks:
+            if r.rank_source is not None:
+                rule, _, detail = r.rank_source.partition(": ")
+                out.append({"rank": r.rank, "machine": m.machine, "pid": r.pid, "rule": rule, "source": detail})
+    return sorted(out, key=lambda a: a["rank"])
 
 
 def _print(out: dict[str, Any], as_json: bool) -> None:
@@ -138,6 +176,7 @@ def _print(out: dict[str, Any], as_json: bool) -> None:
 
 def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, Any]:
     """The --json shape for a source without stacks: no groups, the detectors' suspects."""
+    from rankscope.analyzers.findings import finding_to_json
     from rankscope.analyzers.suspects import suspect_to_json
     from rankscope.analyzers.verdict import merge_verdicts
 
@@ -154,6 +193,9 @@ def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, 
         "dominant": [],
         "outliers": [],
         "suspects": [suspect_to_json(s) for s in verdict.suspects],
+        "findings": [finding_to_json(f) for f in verdict.findings],
+        "chain": None,
+        "rank_evidence": [],
         "missing_ranks": list(verdict.missing_ranks),
         "notes": [*snapshot.notes, *(n for n in verdict.notes if n not in snapshot.notes)],
     }
@@ -171,7 +213,8 @@ def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     if args.pyspy_dir is not None:
         from rankscope.pyspy_dir import load_pyspy_dir
 
-        return [load_pyspy_dir(args.pyspy_dir, _layout(args, None))], []
+        order = [n.strip() for n in args.node_order.split(",") if n.strip()] if args.node_order else None
+        return [load_pyspy_dir(args.pyspy_dir, _layout(args, None), order)], []
     try:
         from rankscope.flight_recorder import analyze_flight_recorder_dir  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
@@ -218,10 +261,35 @@ def render_text(out: dict[str, Any]) -> str:
     if out["suspects"]:
         lines.append("suspects (most likely first):")
         for i, s in enumerate(out["suspects"][:5], 1):
-            lines.append(f"  {i}. [{s['kind']}] score {s['score']:.2f}  machines: {', '.join(s['machines']) or '?'}")
+            state = f"  [{s['state']}]" if s.get("state") else ""
+            lines.append(f"  {i}. [{s['kind']}] score {s['score']:.2f}  machines: {', '.join(s['machines']) or '?'}"
+                         + state)
             lines.extend(f"       {e}" for e in s["evidence"])
+            if s.get("victims"):
+                lines.append(f"       victims (wait on it, not suspects): ranks {_ranks(s['victims'])}")
     else:
         lines.append("suspects: none")
+    if out.get("findings"):
+        lines.append("")
+        lines.append("findings:")
+        for f in out["findings"]:
+            comm = f" on {f['communicator']}" if f.get("communicator") else ""
+            lines.append(f"  [{f['kind']}] ranks {_ranks(f['ranks'])}{comm}: {f['summary']}")
+            lines.extend(f"       {e}" for e in f["evidence"])
+            if f.get("advice"):
+                lines.append(f"       advice: {f['advice']}")
+    gaps = [e for e in out.get("rank_evidence", []) if not e["complete"]]
+    if gaps:
+        lines.append("")
+        lines.append(f"incomplete evidence ({len(gaps)} of {len(out['rank_evidence'])} ranks; --json: rank_evidence):")
+        alike: dict[tuple[str, str], list[int]] = {}
+        for e in gaps:  # ranks that lack the same thing for the same reason share a line
+            what = "; ".join(e["failed"]) or (f"stack cut short: {e['truncated']}" if e["truncated"] else e["detail"])
+            alike.setdefault((e["state"], what), []).append(e["rank"])
+        for (state, what), ranks in list(alike.items())[:10]:
+            lines.append(f"  {'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)} [{state}]: {what}")
+        if len(alike) > 10:
+            lines.append(f"  ... {len(alike) - 10} more kinds of gap")
     fs = out.get("fail_slow")
     if fs:
         lines.append("")
@@ -230,6 +298,9 @@ def render_text(out: dict[str, Any]) -> str:
             lines.append(f"  round {r['index']}: {r['summary']}")
         deg = fs["degrader"]
         lines.append(f"  degrader: {deg['evidence'][0] if deg else 'none'}")
+    if out.get("rank_assignment"):
+        lines.append("")
+        lines.extend(_assignment_lines(out["rank_assignment"]))
     if out["missing_ranks"]:
         lines.append("")
         lines.append(f"could not see ranks: {_ranks(out['missing_ranks'])}")
@@ -237,6 +308,28 @@ def render_text(out: dict[str, Any]) -> str:
         lines.append("")
         lines.extend(f"note: {n}" for n in out["notes"])
     return "\n".join(lines) + "\n"
+
+
+def _assignment_lines(assignment: list[dict[str, Any]], limit: int = 20) -> list[str]:
+    """Rank numbers and the rule that gave each, runs of one rule on one machine on one line."""
+    runs: list[tuple[tuple[str, str], list[dict[str, Any]]]] = []
+    for a in assignment:
+        # A rank named by its own file needs no machine to be told apart; the others are per node.
+        key = (a["rule"], "" if a["rule"] == "file-name" else a["machine"])
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(a)
+        else:
+            runs.append((key, [a]))
+    lines = ["rank numbers (rule: how each was told):"]
+    for (rule, machine), items in runs[:limit]:
+        first = items[0]
+        where = f" on {machine}" if machine else ""
+        more = f"; {len(items) - 1} more alike" if len(items) > 1 else ""
+        lines.append(f"  rank(s) {_ranks([a['rank'] for a in items])}{where}: {rule}"
+                     f" (rank {first['rank']}, pid {first['pid']}: {first['source']}{more})")
+    if len(runs) > limit:
+        lines.append(f"  ... {len(runs) - limit} more runs (use --json)")
+    return lines
 
 
 def _ranks(ranks: list[int]) -> str:

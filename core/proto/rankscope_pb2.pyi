@@ -265,21 +265,35 @@ class CaptureError(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     FIX_FIELD_NUMBER: _builtins.int
+    PROCESS_STATE_FIELD_NUMBER: _builtins.int
+    WCHAN_FIELD_NUMBER: _builtins.int
     kind: Global___CaptureErrorKind.ValueType
     message: _builtins.str
     fix: _builtins.str
+    process_state: _builtins.str
+    """/proc/<pid>/stat state letter, or "gone" """
+    wchan: _builtins.str
     def __init__(
         self,
         *,
         kind: Global___CaptureErrorKind.ValueType = ...,
         message: _builtins.str = ...,
         fix: _builtins.str = ...,
+        process_state: _builtins.str | None = ...,
+        wchan: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_process_state", b"_process_state", "_wchan", b"_wchan", "process_state", b"process_state", "wchan", b"wchan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fix", b"fix", "kind", b"kind", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_process_state", b"_process_state", "_wchan", b"_wchan", "fix", b"fix", "kind", b"kind", "message", b"message", "process_state", b"process_state", "wchan", b"wchan"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__process_state: _TypeAlias = _typing.Literal["process_state"]  # noqa: Y015
+    _WhichOneofArgType__process_state: _TypeAlias = _typing.Literal["_process_state", b"_process_state"]  # noqa: Y015
+    _WhichOneofReturnType__wchan: _TypeAlias = _typing.Literal["wchan"]  # noqa: Y015
+    _WhichOneofArgType__wchan: _TypeAlias = _typing.Literal["_wchan", b"_wchan"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__process_state) -> _WhichOneofReturnType__process_state | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__wchan) -> _WhichOneofReturnType__wchan | None: ...
 
 Global___CaptureError: _TypeAlias = CaptureError  # noqa: Y015
 
@@ -402,10 +416,13 @@ class ProcessStack(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     CAPTURE_SECONDS_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     role: Global___ProcessRole.ValueType
     name: _builtins.str
     capture_seconds: _builtins.float
+    truncated: _builtins.str
+    """why the stacks are known to be incomplete"""
     @_builtins.property
     def threads(self) -> Global___ThreadList:
         """absent when the capture failed; see error"""
@@ -421,14 +438,20 @@ class ProcessStack(_message.Message):
         error: Global___CaptureError | None = ...,
         name: _builtins.str = ...,
         capture_seconds: _builtins.float | None = ...,
+        truncated: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_capture_seconds", b"_capture_seconds", "capture_seconds", b"capture_seconds", "error", b"error", "threads", b"threads"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_capture_seconds", b"_capture_seconds", "_truncated", b"_truncated", "capture_seconds", b"capture_seconds", "error", b"error", "threads", b"threads", "truncated", b"truncated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_capture_seconds", b"_capture_seconds", "capture_seconds", b"capture_seconds", "error", b"error", "name", b"name", "pid", b"pid", "role", b"role", "threads", b"threads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_capture_seconds", b"_capture_seconds", "_truncated", b"_truncated", "capture_seconds", b"capture_seconds", "error", b"error", "name", b"name", "pid", b"pid", "role", b"role", "threads", b"threads", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__capture_seconds: _TypeAlias = _typing.Literal["capture_seconds"]  # noqa: Y015
     _WhichOneofArgType__capture_seconds: _TypeAlias = _typing.Literal["_capture_seconds", b"_capture_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__truncated: _TypeAlias = _typing.Literal["truncated"]  # noqa: Y015
+    _WhichOneofArgType__truncated: _TypeAlias = _typing.Literal["_truncated", b"_truncated"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__capture_seconds) -> _WhichOneofReturnType__capture_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncated) -> _WhichOneofReturnType__truncated | None: ...
 
 Global___ProcessStack: _TypeAlias = ProcessStack  # noqa: Y015
 
@@ -536,6 +559,7 @@ class RankInfo(_message.Message):
     MASTER_PORT_FIELD_NUMBER: _builtins.int
     PROCESS_FIELD_NUMBER: _builtins.int
     SUBPROCESSES_FIELD_NUMBER: _builtins.int
+    RANK_SOURCE_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     world_size: _builtins.int
@@ -546,6 +570,8 @@ class RankInfo(_message.Message):
     launcher_pid: _builtins.int
     master_addr: _builtins.str
     master_port: _builtins.int
+    rank_source: _builtins.str
+    """how a rank read from saved dumps got its number"""
     @_builtins.property
     def process(self) -> Global___ProcessInfo: ...
     @_builtins.property
@@ -565,10 +591,11 @@ class RankInfo(_message.Message):
         master_port: _builtins.int | None = ...,
         process: Global___ProcessInfo | None = ...,
         subprocesses: _abc.Iterable[Global___ProcessInfo] | None = ...,
+        rank_source: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_run_id", b"_run_id", "group_rank", b"group_rank", "launcher_pid", b"launcher_pid", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "process", b"process", "run_id", b"run_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "group_rank", b"group_rank", "launcher_pid", b"launcher_pid", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "process", b"process", "rank_source", b"rank_source", "run_id", b"run_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_run_id", b"_run_id", "group_rank", b"group_rank", "launcher_pid", b"launcher_pid", "local_rank", b"local_rank", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "pid", b"pid", "process", b"process", "rank", b"rank", "run_id", b"run_id", "subprocesses", b"subprocesses", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "group_rank", b"group_rank", "launcher_pid", b"launcher_pid", "local_rank", b"local_rank", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "pid", b"pid", "process", b"process", "rank", b"rank", "rank_source", b"rank_source", "run_id", b"run_id", "subprocesses", b"subprocesses", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_rank: _TypeAlias = _typing.Literal["group_rank"]  # noqa: Y015
     _WhichOneofArgType__group_rank: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank"]  # noqa: Y015
@@ -580,6 +607,8 @@ class RankInfo(_message.Message):
     _WhichOneofArgType__master_addr: _TypeAlias = _typing.Literal["_master_addr", b"_master_addr"]  # noqa: Y015
     _WhichOneofReturnType__master_port: _TypeAlias = _typing.Literal["master_port"]  # noqa: Y015
     _WhichOneofArgType__master_port: _TypeAlias = _typing.Literal["_master_port", b"_master_port"]  # noqa: Y015
+    _WhichOneofReturnType__rank_source: _TypeAlias = _typing.Literal["rank_source"]  # noqa: Y015
+    _WhichOneofArgType__rank_source: _TypeAlias = _typing.Literal["_rank_source", b"_rank_source"]  # noqa: Y015
     _WhichOneofReturnType__run_id: _TypeAlias = _typing.Literal["run_id"]  # noqa: Y015
     _WhichOneofArgType__run_id: _TypeAlias = _typing.Literal["_run_id", b"_run_id"]  # noqa: Y015
     @_typing.overload
@@ -592,6 +621,8 @@ class RankInfo(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__master_addr) -> _WhichOneofReturnType__master_addr | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__master_port) -> _WhichOneofReturnType__master_port | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rank_source) -> _WhichOneofReturnType__rank_source | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__run_id) -> _WhichOneofReturnType__run_id | None: ...
 

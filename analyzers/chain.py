@@ -1,0 +1,492 @@
+"""Who waits for whom: each rank's state, and the ranks a hang's waiters lead back to.
+
+Outlier stacks say *where* ranks differ; they do not say which difference
+started the hang. Here every rank gets a state from its main thread (and the
+reason it could not be read):
+
+- ``collective``: inside a collective (its call site is the op plus the line
+  of the frame that called into torch.distributed, so two calls from one
+  function stay apart);
+- ``p2p``: inside a send or recv, waiting for an adjacent pipeline stage;
+- ``loading``: waiting for a batch from its DataLoader (or its worker);
+- ``computing``: in its own work, not waiting for any rank;
+- ``stopped``: the process is stopped (``T``), told by /proc when py-spy failed;
+- ``unreadable``: no stack (py-spy failed, the process is gone, its machine is
+  unreachable).
+
+A waiting rank waits on the members of its groups that are not at its call
+site: a collective whose every member of some group is present would finish,
+so only the *incomplete* groups (any layout kind; the whole job when all its
+layout groups are complete) hold the ranks it waits for. Send/recv waits on
+the adjacent stage it talks to. Following these edges backwards from every
+rank that is not waiting (computing, loading, stopped, unreadable) gives the
+*roots* and their *victims*: the waiters that lead to them. A victim is
+evidence under its root, never a suspect of its own.
+
+A rank whose main thread sits in the autograd engine with nothing visible
+below it, while its data-parallel peers all wait in one collective, is inside
+backward's gradient reduction: DDP and FSDP launch it from C++ autograd hooks
+that py-spy cannot show. That is a collective at another call site than its
+peers'. Ranks of one group at different collective sites that no root
+explains, where no smaller group is complete at any site, form a *desync*:
+usually a program mismatch (data or control flow), which eviction will not
+cure.
+
+Pure: stdlib and the snapshot contract; no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from rankscope.analyzers.stacks import (
+    DEFAULT_OPTIONS,
+    SignatureOptions,
+    communication_kind,
+    frame_text,
+    is_wrapper,
+    main_thread,
+)
+from rankscope.analyzers.topology import DIMS, Topology, compact_ranks
+from rankscope.snapshot import CaptureError, CaptureErrorKind, Frame, RankStacks
+
+DESYNC_ADVICE = ("a desync is usually a program mismatch (different data or control flow on these ranks, e.g. an "
+                 "extra batch or a rank-dependent branch): evicting machines will not cure it; fix the code or the "
+                 "data split, then restart from the last checkpoint")
+BACKWARD_SITE = "gradient reduction inside backward (autograd hooks, not visible to py-spy)"
+_MAX_PER_ROOT_SEARCH = 32  # roots searched one by one; beyond this, one search for all
+
+
+class RankState(StrEnum):
+    COMPUTING = "computing"
+    LOADING = "loading data"
+    COLLECTIVE = "collective"
+    P2P = "send/recv"
+    STOPPED = "stopped"
+    UNREADABLE = "unreadable"
+    UNKNOWN = "not captured"  # no data at all (a file missing from a dump folder): neither root nor waiter
+
+
+TERMINAL = frozenset({RankState.COMPUTING, RankState.LOADING, RankState.STOPPED, RankState.UNREADABLE})
+"""States that wait for no other rank: where a chain of waiters ends."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankView:
+    """One rank's state, where it is, and (when unreadable) why.
+
+    ``site`` identifies a collective or send/recv call (op and caller line);
+    ``frame`` is the innermost frame that explains the state; ``direction``
+    is "prev", "next" or "both" for send/recv (the stage it talks to);
+    ``reason`` says why a rank is unreadable or stopped, with /proc's state.
+    """
+
+    rank: int
+    state: RankState
+    frame: str = ""
+    site: str = ""
+    direction: str = ""
+    reason: str = ""
+    process_state: str | None = None
+    wchan: str | None = None
+
+    def describe(self) -> str:
+        if self.state is RankState.COLLECTIVE:
+            return f"in a collective: {self.site}"
+        if self.state is RankState.P2P:
+            return f"in send/recv: {self.site}"
+        if self.state is RankState.LOADING:
+            return f"loading data: {self.frame}"
+        if self.state is RankState.COMPUTING:
+            return f"computing: {self.frame}"
+        return f"{self.state.value}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class Root:
+    """A rank the others wait on, and the waiting ranks that lead to it."""
+
+    rank: int
+    view: RankView
+    victims: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Desync:
+    """Ranks of one group stuck in different collectives; ``ranks`` are the odd ones out."""
+
+    group_kind: str  # the layout kind of the group, or "world"
+    group: tuple[int, ...]
+    ranks: tuple[int, ...]
+    victims: tuple[int, ...]
+    sites: tuple[tuple[str, tuple[int, ...]], ...]  # call site -> ranks there, largest first
+    tie: bool = False  # the two largest sites hold as many ranks: the odd ones out are a choice
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    views: Mapping[int, RankView]
+    roots: tuple[Root, ...]  # most victims first
+    desyncs: tuple[Desync, ...]
+    unexplained: tuple[int, ...]  # waiting ranks that lead to no root
+
+    @property
+    def root_ranks(self) -> frozenset[int]:
+        return frozenset(r.rank for r in self.roots)
+
+    def victims_of(self, ranks: Sequence[int] | set[int] | frozenset[int]) -> tuple[int, ...]:
+        """The waiters that lead to any of ``ranks`` (themselves left out)."""
+        members = set(ranks)
+        out = {v for r in self.roots if r.rank in members for v in r.victims}
+        for d in self.desyncs:
+            if members & set(d.ranks):
+                out.update(d.victims)
+        return tuple(sorted(out - members))
+
+
+# --------------------------------------------------------------------------
+# states
+# --------------------------------------------------------------------------
+
+_TORCH_DISTRIBUTED = re.compile(r"(^|/)torch/distributed/")
+_COMM_BASENAMES = frozenset({"distributed_c10d.py", "c10d_logger.py"})
+_AUTOGRAD_ENGINE = frozenset({("_engine_run_backward", "graph.py"), ("run_backward", "__init__.py"),
+                              ("backward", "__init__.py"), ("backward", "_tensor.py")})
+_DATALOADER_FILES = frozenset({"dataloader.py", "fetch.py"})
+_PREV_WORDS = ("recv_forward", "recv_activation", "send_backward", "send_grad", "recv_prev", "send_prev")
+_NEXT_WORDS = ("recv_backward", "recv_grad", "send_forward", "send_activation", "recv_next", "send_next")
+
+
+def _base(filename: str) -> str:
+    return filename.replace("\\", "/").rsplit("/", 1)[-1]
+
+
+def _in_torch_distributed(f: Frame) -> bool:
+    path = f.filename.replace("\\", "/")
+    return bool(_TORCH_DISTRIBUTED.search(path)) or _base(path) in _COMM_BASENAMES
+
+
+def _short(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def unreadable_reason(error: CaptureError | None, fallback: str) -> tuple[str, str | None, str | None]:
+    """The py-spy error, /proc's state and wchan of a rank that could not be read."""
+    if error is None:
+        return fallback, None, None
+    state = getattr(error, "process_state", None)
+    wchan = getattr(error, "wchan", None)
+    text = f"{error.kind}: {error.message.strip()}"
+    if state:
+        text += f"; process state {describe_process_state(state)}"
+    if wchan:
+        text += f", sleeping in {wchan}"
+    return text, state, wchan
+
+
+_PROCESS_ERRORS = frozenset({CaptureErrorKind.PERMISSION, CaptureErrorKind.TIMEOUT, CaptureErrorKind.GONE,
+                             CaptureErrorKind.UNREACHABLE})
+
+
+def _about_the_process(error: CaptureError | None) -> bool:
+    """Whether a failed capture says something about the process (ptrace refused, no answer, gone, /proc state).
+
+    A file that is not py-spy output, or a tool that is missing, says nothing
+    about the rank: such a rank is unknown, not a suspect.
+    """
+    if error is None:
+        return False
+    return error.kind in _PROCESS_ERRORS or bool(getattr(error, "process_state", None))
+
+
+def describe_process_state(state: str) -> str:
+    words = {"D": "D (uninterruptible sleep, usually a driver or I/O call)", "T": "T (stopped)",
+             "t": "t (stopped by a tracer)", "Z": "Z (zombie: exited, not reaped)", "R": "R (running)",
+             "S": "S (sleeping)", "gone": "gone (the process no longer exists)"}
+    return words.get(state, state)
+
+
+def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
+              options: SignatureOptions = DEFAULT_OPTIONS) -> RankView:
+    """One rank's state from its main thread, or why there is none."""
+    if rs is None:
+        # Absence is evidence only when something tried to read the rank: an unreachable machine says so;
+        # a file missing from a folder of dumps says nothing about the rank.
+        unreachable = missing_reason.startswith("machine ") and " unreachable" in missing_reason
+        return RankView(rank, RankState.UNREADABLE if unreachable else RankState.UNKNOWN,
+                        reason=missing_reason or "no stacks in the snapshot")
+    main = main_thread(rs.main) if rs.main.threads else None
+    if main is None or not main.frames:
+        why = missing_reason or ("main thread shows no Python frames (the process is exiting or not in Python yet)"
+                                 if rs.main.threads else "no threads captured")
+        text, state, wchan = unreadable_reason(rs.main.error, why)
+        what = RankState.STOPPED if state in ("T", "t") else RankState.UNREADABLE
+        if rs.main.threads is None and not _about_the_process(rs.main.error):
+            what = RankState.UNKNOWN
+        return RankView(rank, what, reason=text, process_state=state, wchan=wchan)
+    frames = [f for f in main.frames if not is_wrapper(f, options)]  # innermost first
+    if not frames:
+        return RankView(rank, RankState.COMPUTING, frame="(only wrapper frames)")
+    inner_text = frame_text(frames[0])
+    kind = communication_kind(inner_text)
+    if kind is not None:
+        # The call site: the op, then the first frame outside torch.distributed and the comm helpers, with its line.
+        i = 0
+        while i + 1 < len(frames) and (_in_torch_distributed(frames[i + 1])
+                                       or communication_kind(frame_text(frames[i + 1])) is not None):
+            i += 1
+        caller = frame_text(frames[i + 1], keep_lines=True) if i + 1 < len(frames) else "(top of stack)"
+        site = f"{_short(frames[0].name)} <- {caller}"
+        if kind == "p2p":
+            names = " ".join(_short(f.name).lower() for f in frames[: i + 2])
+            prev = any(w in names for w in _PREV_WORDS)
+            nxt = any(w in names for w in _NEXT_WORDS)
+            direction = "prev" if prev and not nxt else "next" if nxt and not prev else "both"
+            return RankView(rank, RankState.P2P, frame=inner_text, site=site, direction=direction)
+        return RankView(rank, RankState.COLLECTIVE, frame=inner_text, site=site)
+    loader = next((i for i, f in enumerate(frames) if _base(f.filename) in _DATALOADER_FILES), None)
+    if loader is not None:
+        shown = " <- ".join(frame_text(f) for f in frames[max(loader - 1, 0):loader + 1])
+        return RankView(rank, RankState.LOADING, frame=f"{shown} (waits for a batch from its DataLoader)")
+    if (_short(frames[0].name), _base(frames[0].filename)) in _AUTOGRAD_ENGINE:
+        # Resolved in follow_chain: gradient reduction when its DP peers wait in a collective, else compute.
+        return RankView(rank, RankState.COMPUTING, frame=inner_text, site=BACKWARD_SITE)
+    return RankView(rank, RankState.COMPUTING, frame=inner_text)
+
+
+def rank_views(stacks: Mapping[int, RankStacks], world: int, missing: Mapping[int, str],
+               options: SignatureOptions = DEFAULT_OPTIONS) -> dict[int, RankView]:
+    """Every rank of the job, read or not."""
+    out: dict[int, RankView] = {}
+    for rank in range(world):
+        out[rank] = rank_view(rank, stacks.get(rank), missing.get(rank, ""), options)
+    for rank, rs in stacks.items():  # ranks beyond the layout's world still get a view
+        if rank not in out:
+            out[rank] = rank_view(rank, rs, missing.get(rank, ""), options)
+    return out
+
+
+# --------------------------------------------------------------------------
+# the chain
+# --------------------------------------------------------------------------
+
+
+class _Groups:
+    """Every rank's group of each kind with more than one rank, and the whole job, with their call sites."""
+
+    def __init__(self, topology: Topology, ranks: Sequence[int]) -> None:
+        self.kinds = tuple(k for k in DIMS if topology.size(k) > 1)
+        self.of: dict[tuple[str, int], tuple[int, ...]] = {}
+        for kind in self.kinds:
+            for group in topology.groups(kind):
+                for r in group:
+                    self.of[(kind, r)] = group
+        self.world = tuple(sorted(ranks))
+
+    def group(self, kind: str, rank: int) -> tuple[int, ...]:
+        return self.of.get((kind, rank), (rank,))
+
+
+_Key = tuple[RankState, str]
+
+
+def follow_chain(views: Mapping[int, RankView], topology: Topology) -> Chain:
+    """Roots (ranks others wait on, with their victims), desyncs, and waiters explained by neither.
+
+    Searched backwards from the ranks that wait for nobody. A group's ranks
+    are bucketed by call site once, so one step from a rank visits each
+    (group, call site) pair once: the cost grows with the job, not its square.
+    """
+    groups = _Groups(topology, list(views))
+    views = dict(views)
+    _resolve_backward(views, groups)
+
+    def at(rank: int) -> _Key:
+        v = views.get(rank)
+        return (v.state, v.site) if v is not None else (RankState.UNREADABLE, "")
+
+    buckets: dict[tuple[int, ...], dict[_Key, list[int]]] = {}
+
+    def sites(group: tuple[int, ...]) -> dict[_Key, list[int]]:
+        got = buckets.get(group)
+        if got is None:
+            got = buckets[group] = {}
+            for m in group:
+                got.setdefault(at(m), []).append(m)
+        return got
+
+    collective = {r for r, v in views.items() if v.state is RankState.COLLECTIVE}
+    p2p = {r for r, v in views.items() if v.state is RankState.P2P}
+    # A collective waiter whose layout groups are all complete at its site waits on the whole job.
+    on_world = {r for r in collective
+                if all(len(sites(groups.group(k, r)).get(at(r), ())) == len(groups.group(k, r))
+                       for k in groups.kinds)}
+    p2p_targets = {r: _p2p_peers(r, views[r], groups) for r in p2p}
+    p2p_on_world = {r for r, t in p2p_targets.items() if not t}
+
+    def waiters_of(x: int, done: set[tuple[tuple[int, ...], _Key]]) -> list[int]:
+        """The ranks that wait on ``x``."""
+        mine = at(x)
+        out: list[int] = []
+        scopes = [(groups.group(k, x), False) for k in groups.kinds] + [(groups.world, True)]
+        for group, whole in scopes:
+            for key, members in sites(group).items():
+                if key == mine or key[0] not in (RankState.COLLECTIVE, RankState.P2P) or (group, key) in done:
+                    continue
+                done.add((group, key))
+                if key[0] is RankState.COLLECTIVE:
+                    out.extend(m for m in members if (m in on_world) == whole)
+                elif whole:
+                    out.extend(m for m in members if m in p2p_on_world)
+        if "pp" in groups.kinds:
+            out.extend(m for m in groups.group("pp", x) if x in p2p_targets.get(m, ()))
+        return out
+
+    def victims_from(starts: Sequence[int]) -> set[int]:
+        seen: set[int] = set()
+        done: set[tuple[tuple[int, ...], _Key]] = set()
+        todo = list(starts)
+        while todo:
+            for w in waiters_of(todo.pop(), done):
+                if w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+        return seen - set(starts)
+
+    terminals = [r for r, v in sorted(views.items()) if v.state in TERMINAL]
+    roots: list[Root] = []
+    if len(terminals) <= _MAX_PER_ROOT_SEARCH:
+        roots = [Root(t, views[t], tuple(sorted(victims_from([t]) - set(terminals)))) for t in terminals]
+    else:
+        shared = tuple(sorted(victims_from(terminals)))
+        roots = [Root(t, views[t], shared) for t in terminals]
+    roots = [r for r in roots if r.victims]
+    roots.sort(key=lambda r: (-len(r.victims), r.rank))
+    explained = {v for r in roots for v in r.victims}
+    lost = {r for r in collective | p2p if r not in explained}
+    desyncs = _desyncs(views, groups, lost)
+    in_desync = {r for d in desyncs for r in (*d.ranks, *d.victims)}
+    unexplained = tuple(sorted(r for r in lost if r not in in_desync))
+    return Chain(views=views, roots=tuple(roots), desyncs=tuple(desyncs), unexplained=unexplained)
+
+
+def _resolve_backward(views: dict[int, RankView], groups: _Groups) -> None:
+    """Ranks idle in the autograd engine whose DP peers all wait in one collective: in the gradient reduction."""
+    if "dp" not in groups.kinds:
+        return
+    for rank, v in list(views.items()):
+        if v.state is not RankState.COMPUTING or v.site != BACKWARD_SITE:
+            continue
+        peers = [views.get(m) for m in groups.group("dp", rank) if m != rank]
+        others = [p for p in peers if p is not None and p.site != BACKWARD_SITE]
+        sites = {p.site for p in others if p.state is RankState.COLLECTIVE}
+        if others and len(sites) == 1 and all(p.state is RankState.COLLECTIVE for p in others):
+            views[rank] = RankView(rank, RankState.COLLECTIVE, frame=v.frame, site=BACKWARD_SITE)
+        else:
+            views[rank] = RankView(rank, RankState.COMPUTING, frame=v.frame)
+
+
+def _p2p_peers(rank: int, v: RankView, groups: _Groups) -> set[int]:
+    if "pp" not in groups.kinds:
+        return set()
+    stages = groups.group("pp", rank)
+    i = stages.index(rank)
+    out: set[int] = set()
+    if v.direction in ("prev", "both") and i > 0:
+        out.add(stages[i - 1])
+    if v.direction in ("next", "both") and i + 1 < len(stages):
+        out.add(stages[i + 1])
+    return out
+
+
+def _desyncs(views: Mapping[int, RankView], groups: _Groups, lost: set[int]) -> list[Desync]:
+    """Groups whose members all wait in collectives at two or more call sites, that no root explains."""
+    out: list[Desync] = []
+    seen: set[tuple[int, ...]] = set()
+    candidates: list[tuple[str, tuple[int, ...]]] = []
+    for kind in groups.kinds:
+        for group in {groups.group(kind, r) for r in lost}:
+            candidates.append((kind, group))
+    if not groups.kinds or not candidates:
+        candidates.append(("world", groups.world))
+    candidates.sort(key=lambda kg: (len(kg[1]), kg[1]))  # the smallest group that shows it
+    taken: set[int] = set()
+    for kind, group in candidates:
+        if group in seen or taken & set(group) or len(group) < 2:
+            continue
+        seen.add(group)
+        members = [views.get(m) for m in group]
+        if any(m is None or m.state is not RankState.COLLECTIVE or m.rank not in lost for m in members):
+            continue
+        by_site: dict[str, list[int]] = {}
+        for m in members:
+            assert m is not None
+            by_site.setdefault(m.site, []).append(m.rank)
+        if len(by_site) < 2:
+            continue
+        # A site whose ranks complete a smaller group is a call on that group, not a mismatch on this one.
+        if all(_complete_elsewhere(views, groups, kind, ranks, site) for site, ranks in by_site.items()):
+            continue
+        sites = sorted(by_site.items(), key=lambda kv: (-len(kv[1]), kv[0] == BACKWARD_SITE, min(kv[1])))
+        tie = len(sites[1][1]) == len(sites[0][1])
+        odd = sorted(r for _, ranks in sites[1:] for r in ranks)
+        out.append(Desync(group_kind="world" if group == groups.world else kind, group=group, ranks=tuple(odd),
+                          victims=tuple(sorted(sites[0][1])),
+                          sites=tuple((s, tuple(sorted(r))) for s, r in sites), tie=tie))
+        taken.update(group)
+    return out
+
+
+def _complete_elsewhere(views: Mapping[int, RankView], groups: _Groups, kind: str, ranks: list[int],
+                        site: str) -> bool:
+    if site == BACKWARD_SITE:
+        return False  # the gradient reduction is on the data-parallel group
+    for other in groups.kinds:
+        if other == kind:
+            continue
+        g = groups.group(other, ranks[0])
+        if len(g) < len(groups.group(kind, ranks[0])) and all(
+                (v := views.get(m)) is not None and v.state is RankState.COLLECTIVE and v.site == site for m in g):
+            return True
+    return False
+
+
+def desync_summary(d: Desync) -> str:
+    where = "the job" if d.group_kind == "world" else f"their {d.group_kind.upper()} group"
+    return (f"desync: ranks {compact_ranks(d.ranks)} are in a different collective from the other "
+            f"{len(d.victims)} ranks of {where}")
+
+
+def desync_evidence(d: Desync) -> tuple[str, ...]:
+    lines = [f"{len(ranks)} rank(s) {compact_ranks(ranks)} at {site}" for site, ranks in d.sites]
+    if d.tie:
+        lines.append(f"the two largest call sites tie at {len(d.sites[0][1])} ranks: ranks "
+                     f"{compact_ranks(d.ranks)} named as the odd ones out by the rule (the site not in backward, "
+                     "then the lowest rank, is taken as the majority); either side may be the one that strayed")
+    if any(s == BACKWARD_SITE for s, _ in d.sites):
+        lines.append("ranks shown in backward are read as inside its gradient reduction because their "
+                     "data-parallel peers all wait in another collective; if that collective is this step's "
+                     "gradient sync instead, those ranks are slow in backward")
+    return tuple(lines)
+
+
+__all__ = [
+    "BACKWARD_SITE",
+    "DESYNC_ADVICE",
+    "TERMINAL",
+    "Chain",
+    "Desync",
+    "RankState",
+    "RankView",
+    "Root",
+    "describe_process_state",
+    "desync_evidence",
+    "desync_summary",
+    "follow_chain",
+    "rank_view",
+    "rank_views",
+    "unreadable_reason",
+]
