@@ -33,13 +33,13 @@ from typing import Any
 from rankscope.analyzers import ccl, suspects
 from rankscope.analyzers.verdict import analyze_snapshot
 from rankscope.bundle import read_bundle
+from rankscope.drill import faults
 from rankscope.drill.scoring import score_verdict
 
 # The drill's hang faults that leave the job standing. ``crash`` is left out by default: torchrun tears the
 # crashed rank's node down and the rest of the job exits soon after, so a capture shows exiting processes,
 # not a hang (the analyzer says "the job looks crashed" and names no suspect); pass --faults to include it.
-HANG_FAULTS = ("hang-compute", "hang-p2p", "hang-collective", "dataloader-stall", "checkpoint-stall", "desync",
-               "dataloader-deadlock", "sigstop")
+HANG_FAULTS = tuple(f for f in faults.HANG_FAULTS if f != "crash")
 WORLD = 8
 _PRELOADED = (ccl, suspects)  # imported up front so the timed analysis does not include imports
 

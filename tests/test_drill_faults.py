@@ -175,6 +175,9 @@ def test_sigstop_drill_stops_the_rank_so_py_spy_cannot_read_it(tmp_path: Path) -
     assert ranks[5]["main"] == [] and ranks[5]["error"], ranks[5]
     assert report["captured"]["ranks_with_stacks"] == [0, 1, 2, 3, 4, 6, 7]
     assert report["ground_truth"]["process_state"] == "T"
+    # The agent says why: the process state it read from /proc when py-spy failed.
+    errors = [rs.main.error for m in _read(report).latest.machines for rs in m.stacks if rs.rank == 5]
+    assert len(errors) == 1 and errors[0] is not None and errors[0].process_state == "T", errors
 
 
 def _read(report: dict[str, Any]) -> Any:
