@@ -37,11 +37,13 @@ Pure: stdlib and the snapshot contract; no I/O.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+import numpy as np
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
     SignatureOptions,
@@ -50,11 +52,11 @@ from rankscope.analyzers.stacks import (
     is_wrapper,
     main_thread,
 )
-from rankscope.analyzers.topology import DIMS, Topology, compact_ranks
+from rankscope.analyzers.topology import DIMS, Topology, compact_ranks, group_ids
 from rankscope.snapshot import CaptureError, CaptureErrorKind, Frame, RankStacks
 
-DESYNC_ADVICE = ("a desync is usually a program mismatch (different data or control flow on these ranks, e.g. an "
-                 "extra batch or a rank-dependent branch): evicting machines will not cure it; fix the code or the "
+DESYNC_ADVICE = ("evicting machines will not cure it: a desync is usually a program mismatch (different data or "
+                 "control flow on these ranks, e.g. an extra batch or a rank-dependent branch); fix the code or the "
                  "data split, then restart from the last checkpoint")
 BACKWARD_SITE = "gradient reduction inside backward (autograd hooks, not visible to py-spy)"
 _MAX_PER_ROOT_SEARCH = 32  # roots searched one by one; beyond this, one search for all
@@ -92,6 +94,15 @@ class RankView:
     reason: str = ""
     process_state: str | None = None
     wchan: str | None = None
+
+    def short(self) -> str:
+        """A few words: "loading data", "unreadable: permission, process state D in nv_wait"."""
+        if self.state not in (RankState.UNREADABLE, RankState.STOPPED, RankState.UNKNOWN):
+            return self.state.value
+        extra = [self.reason.split(":", 1)[0]] if ":" in self.reason else []
+        if self.process_state:
+            extra.append(f"process state {self.process_state}" + (f" in {self.wchan}" if self.wchan else ""))
+        return f"{self.state.value}: {', '.join(extra)}" if extra else self.state.value
 
     def describe(self) -> str:
         if self.state is RankState.COLLECTIVE:
@@ -151,6 +162,7 @@ class Chain:
 # states
 # --------------------------------------------------------------------------
 
+_FRAME_KEY = operator.attrgetter("name", "filename", "line")
 _TORCH_DISTRIBUTED = re.compile(r"(^|/)torch/distributed/")
 _COMM_BASENAMES = frozenset({"distributed_c10d.py", "c10d_logger.py"})
 _AUTOGRAD_ENGINE = frozenset({("_engine_run_backward", "graph.py"), ("run_backward", "__init__.py"),
@@ -210,8 +222,13 @@ def describe_process_state(state: str) -> str:
 
 
 def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
-              options: SignatureOptions = DEFAULT_OPTIONS) -> RankView:
-    """One rank's state from its main thread, or why there is none."""
+              options: SignatureOptions = DEFAULT_OPTIONS,
+              cache: dict[tuple[object, ...], RankView] | None = None) -> RankView:
+    """One rank's state from its main thread, or why there is none.
+
+    ``cache`` maps a main thread's frames to the view they give: ranks of a
+    large job share a few stacks, so each is read once.
+    """
     if rs is None:
         # Absence is evidence only when something tried to read the rank: an unreachable machine says so;
         # a file missing from a folder of dumps says nothing about the rank.
@@ -227,7 +244,17 @@ def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
         if rs.main.threads is None and not _about_the_process(rs.main.error):
             what = RankState.UNKNOWN
         return RankView(rank, what, reason=text, process_state=state, wchan=wchan)
-    frames = [f for f in main.frames if not is_wrapper(f, options)]  # innermost first
+    if cache is not None:
+        key = tuple(map(_FRAME_KEY, main.frames))  # strings hash once each; frames would hash field by field
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = _stack_view(0, main.frames, options)
+        return RankView(rank, got.state, got.frame, got.site, got.direction)
+    return _stack_view(rank, main.frames, options)
+
+
+def _stack_view(rank: int, stack: tuple[Frame, ...], options: SignatureOptions) -> RankView:
+    frames = [f for f in stack if not is_wrapper(f, options)]  # innermost first
     if not frames:
         return RankView(rank, RankState.COMPUTING, frame="(only wrapper frames)")
     inner_text = frame_text(frames[0])
@@ -261,11 +288,12 @@ def rank_views(stacks: Mapping[int, RankStacks], world: int, missing: Mapping[in
                options: SignatureOptions = DEFAULT_OPTIONS) -> dict[int, RankView]:
     """Every rank of the job, read or not."""
     out: dict[int, RankView] = {}
+    cache: dict[tuple[object, ...], RankView] = {}
     for rank in range(world):
-        out[rank] = rank_view(rank, stacks.get(rank), missing.get(rank, ""), options)
+        out[rank] = rank_view(rank, stacks.get(rank), missing.get(rank, ""), options, cache)
     for rank, rs in stacks.items():  # ranks beyond the layout's world still get a view
         if rank not in out:
-            out[rank] = rank_view(rank, rs, missing.get(rank, ""), options)
+            out[rank] = rank_view(rank, rs, missing.get(rank, ""), options, cache)
     return out
 
 
@@ -275,28 +303,52 @@ def rank_views(stacks: Mapping[int, RankStacks], world: int, missing: Mapping[in
 
 
 class _Groups:
-    """Every rank's group of each kind with more than one rank, and the whole job, with their call sites."""
+    """Every rank's group of each kind with more than one rank, and the whole job, by small ids.
+
+    Groups are named by ``(kind, index)`` rather than by their member tuples,
+    so a lookup never hashes a group of thousands of ranks.
+    """
 
     def __init__(self, topology: Topology, ranks: Sequence[int]) -> None:
         self.kinds = tuple(k for k in DIMS if topology.size(k) > 1)
-        self.of: dict[tuple[str, int], tuple[int, ...]] = {}
+        self.index: dict[str, dict[int, int]] = {}
+        self.members: dict[str, tuple[tuple[int, ...], ...]] = {}
         for kind in self.kinds:
-            for group in topology.groups(kind):
-                for r in group:
-                    self.of[(kind, r)] = group
+            gid = group_ids(topology, kind)  # vector work: a 16k-rank job has thousands of groups per kind
+            valid = np.flatnonzero(gid >= 0)
+            order = valid[np.argsort(gid[valid], kind="stable")]
+            cuts = np.flatnonzero(np.diff(gid[order])) + 1
+            parts = np.split(order, cuts) if order.size else []
+            groups = tuple(tuple(p.tolist()) for p in parts)
+            self.members[kind] = groups
+            first = {g[0]: i for i, g in enumerate(groups)}
+            self.index[kind] = {r: first[g[0]] for g in groups for r in g}
         self.world = tuple(sorted(ranks))
+        self.members["world"] = (self.world,)
+        self.index["world"] = dict.fromkeys(self.world, 0)
+
+    def gid(self, kind: str, rank: int) -> tuple[str, int]:
+        return (kind, self.index[kind].get(rank, -1 - rank))
 
     def group(self, kind: str, rank: int) -> tuple[int, ...]:
-        return self.of.get((kind, rank), (rank,))
+        i = self.index[kind].get(rank)
+        return self.members[kind][i] if i is not None else (rank,)
+
+    def of_id(self, gid: tuple[str, int]) -> tuple[int, ...]:
+        kind, i = gid
+        return self.members[kind][i] if i >= 0 else (-1 - i,)
 
 
 _Key = tuple[RankState, str]
 
 
-def follow_chain(views: Mapping[int, RankView], topology: Topology) -> Chain:
+def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: frozenset[int] = frozenset()) -> Chain:
     """Roots (ranks others wait on, with their victims), desyncs, and waiters explained by neither.
 
-    Searched backwards from the ranks that wait for nobody. A group's ranks
+    Searched backwards from the ranks that wait for nobody, except those of
+    ``majority`` (the ranks of a stack group larger than any other): most of
+    a job doing the same work is the job running, not where it stopped. A
+    group's ranks
     are bucketed by call site once, so one step from a rank visits each
     (group, call site) pair once: the cost grows with the job, not its square.
     """
@@ -308,13 +360,13 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology) -> Chain:
         v = views.get(rank)
         return (v.state, v.site) if v is not None else (RankState.UNREADABLE, "")
 
-    buckets: dict[tuple[int, ...], dict[_Key, list[int]]] = {}
+    buckets: dict[tuple[str, int], dict[_Key, list[int]]] = {}
 
-    def sites(group: tuple[int, ...]) -> dict[_Key, list[int]]:
-        got = buckets.get(group)
+    def sites(gid: tuple[str, int]) -> dict[_Key, list[int]]:
+        got = buckets.get(gid)
         if got is None:
-            got = buckets[group] = {}
-            for m in group:
+            got = buckets[gid] = {}
+            for m in groups.of_id(gid):
                 got.setdefault(at(m), []).append(m)
         return got
 
@@ -322,21 +374,22 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology) -> Chain:
     p2p = {r for r, v in views.items() if v.state is RankState.P2P}
     # A collective waiter whose layout groups are all complete at its site waits on the whole job.
     on_world = {r for r in collective
-                if all(len(sites(groups.group(k, r)).get(at(r), ())) == len(groups.group(k, r))
+                if all(len(sites(groups.gid(k, r)).get(at(r), ())) == len(groups.group(k, r))
                        for k in groups.kinds)}
-    p2p_targets = {r: _p2p_peers(r, views[r], groups) for r in p2p}
+    p2p_targets = {r: _p2p_peers(r, views[r], groups) for r in p2p}  # empty: no pipeline known, wait on all
     p2p_on_world = {r for r, t in p2p_targets.items() if not t}
+    world_id = ("world", 0)
 
-    def waiters_of(x: int, done: set[tuple[tuple[int, ...], _Key]]) -> list[int]:
+    def waiters_of(x: int, done: set[tuple[tuple[str, int], _Key]]) -> list[int]:
         """The ranks that wait on ``x``."""
         mine = at(x)
         out: list[int] = []
-        scopes = [(groups.group(k, x), False) for k in groups.kinds] + [(groups.world, True)]
-        for group, whole in scopes:
-            for key, members in sites(group).items():
-                if key == mine or key[0] not in (RankState.COLLECTIVE, RankState.P2P) or (group, key) in done:
+        scopes = [(groups.gid(k, x), False) for k in groups.kinds] + [(world_id, True)]
+        for gid, whole in scopes:
+            for key, members in sites(gid).items():
+                if key == mine or key[0] not in (RankState.COLLECTIVE, RankState.P2P) or (gid, key) in done:
                     continue
-                done.add((group, key))
+                done.add((gid, key))
                 if key[0] is RankState.COLLECTIVE:
                     out.extend(m for m in members if (m in on_world) == whole)
                 elif whole:
@@ -347,7 +400,7 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology) -> Chain:
 
     def victims_from(starts: Sequence[int]) -> set[int]:
         seen: set[int] = set()
-        done: set[tuple[tuple[int, ...], _Key]] = set()
+        done: set[tuple[tuple[str, int], _Key]] = set()
         todo = list(starts)
         while todo:
             for w in waiters_of(todo.pop(), done):
@@ -356,7 +409,7 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology) -> Chain:
                     todo.append(w)
         return seen - set(starts)
 
-    terminals = [r for r, v in sorted(views.items()) if v.state in TERMINAL]
+    terminals = [r for r, v in sorted(views.items()) if v.state in TERMINAL and r not in majority]
     roots: list[Root] = []
     if len(terminals) <= _MAX_PER_ROOT_SEARCH:
         roots = [Root(t, views[t], tuple(sorted(victims_from([t]) - set(terminals)))) for t in terminals]
@@ -399,6 +452,8 @@ def _p2p_peers(rank: int, v: RankView, groups: _Groups) -> set[int]:
         out.add(stages[i - 1])
     if v.direction in ("next", "both") and i + 1 < len(stages):
         out.add(stages[i + 1])
+    if not out:  # the words pointed past the pipeline's end: the direction guess was wrong, take both sides
+        out = {stages[j] for j in (i - 1, i + 1) if 0 <= j < len(stages)}
     return out
 
 
@@ -408,8 +463,8 @@ def _desyncs(views: Mapping[int, RankView], groups: _Groups, lost: set[int]) -> 
     seen: set[tuple[int, ...]] = set()
     candidates: list[tuple[str, tuple[int, ...]]] = []
     for kind in groups.kinds:
-        for group in {groups.group(kind, r) for r in lost}:
-            candidates.append((kind, group))
+        for gid in {groups.gid(kind, r) for r in lost}:
+            candidates.append((kind, groups.of_id(gid)))
     if not groups.kinds or not candidates:
         candidates.append(("world", groups.world))
     candidates.sort(key=lambda kg: (len(kg[1]), kg[1]))  # the smallest group that shows it

@@ -61,9 +61,10 @@ def rank_evidence(snapshot: JobSnapshot, chain: Chain) -> tuple[RankEvidence, ..
             subs_ok = [s for s in rs.subprocesses if s.threads is not None]
             if subs_ok:
                 read.append(f"{len(subs_ok)} subprocess(es)")
-            for s in rs.subprocesses:
-                if s.threads is None:
-                    failed.append(f"{s.role} subprocess pid {s.pid}: " + unreadable_reason(s.error, "not captured")[0])
+            for sub in rs.subprocesses:
+                if sub.threads is None:
+                    failed.append(f"{sub.role} subprocess pid {sub.pid}: "
+                                  + unreadable_reason(sub.error, "not captured")[0])
         c = counters.get(rank)
         if c is not None:
             if c.error:

@@ -67,7 +67,7 @@ from rankscope.analyzers.topology import (
     Topology,
     compact_machines,
     compact_ranks,
-    layout_sizes,
+    group_ids,
     natural_key,
     topology_for,
 )
@@ -153,29 +153,6 @@ class _Placement:
         return tuple(sorted((self.names[m] for m in mids.tolist() if m >= 0), key=natural_key))
 
 
-def _group_ids(topology: Topology, kind: str) -> np.ndarray:
-    """For every rank, the index of its group of ``kind`` (the order of ``Topology.groups``)."""
-    world = topology.world_size
-    for k, groups in topology.explicit:
-        if k == kind:
-            out = np.full(world, -1, dtype=np.int64)
-            for i, group in enumerate(groups):
-                members = np.asarray(group, dtype=np.int64)
-                out[members[(members >= 0) & (members < world)]] = i
-            return out
-    sizes = layout_sizes(topology.layout)
-    rest = np.arange(world, dtype=np.int64)
-    index = np.zeros(world, dtype=np.int64)
-    scale = 1
-    for dim in topology.order:
-        coord = rest % sizes[dim]
-        rest = rest // sizes[dim]
-        if dim != kind:
-            index += coord * scale
-            scale *= sizes[dim]
-    return index
-
-
 def _merge_by_machine(touched: list[np.ndarray], machine_ids: np.ndarray) -> list[list[int]]:
     """Connected components of groups that share a machine (indices into ``touched``)."""
     parent = list(range(len(touched)))
@@ -212,7 +189,7 @@ def _candidates(
     n_seen = int(seen.sum())
     out: list[_Candidate] = []
     for kind in topology.kinds():
-        gid = _group_ids(topology, kind)
+        gid = group_ids(topology, kind)
         valid = gid >= 0
         n_groups = int(gid.max()) + 1 if valid.any() else 0
         hits = np.bincount(gid[valid & is_out], minlength=n_groups)
@@ -480,13 +457,7 @@ def _state_words(chain: Chain, ranks: set[int]) -> str:
     views = [chain.views[r] for r in sorted(ranks) if r in chain.views and chain.views[r].state in TERMINAL]
     if not views:
         return ""
-    v = views[0]
-    if v.state in (RankState.UNREADABLE, RankState.STOPPED):
-        extra = [v.reason.split(":", 1)[0]] if ":" in v.reason else []
-        if v.process_state:
-            extra.append(f"process state {v.process_state}" + (f" in {v.wchan}" if v.wchan else ""))
-        return f"{v.state.value}: {', '.join(extra)}" if extra else v.state.value
-    return v.state.value
+    return views[0].short()
 
 
 def _root_lines(chain: Chain, ranks: set[int], placement: _Placement) -> list[str]:
@@ -548,17 +519,17 @@ def _apply_chain(
         if mine:
             own_victims = tuple(sorted({v for r in chain.roots if r.rank in mine for v in r.victims} - members))
             lines = _root_lines(chain, mine, placement)
-            # The root line says what the rank does; the origin line's "own work" would repeat it less exactly.
-            rest = [e for e in s.evidence[1:] if not (e.startswith("origin:") and "own work" in e)]
-            s = replace(s, evidence=(s.evidence[0], *lines, *rest), victims=own_victims,
+            s = replace(s, evidence=(s.evidence[0], *lines, *s.evidence[1:]), victims=own_victims,
                         state=_state_words(chain, mine))
             explained = explained | set(own_victims) | mine
             held |= mine
         out.append((s, explained))
     world = max(topology.world_size, 1)
     for root in chain.roots:
-        if root.rank in held or root.view.state not in (RankState.UNREADABLE, RankState.STOPPED):
-            continue
+        absent = root.view.state in (RankState.UNREADABLE, RankState.STOPPED)
+        alone = any(se[0].ranks == (root.rank,) for se in out)
+        if alone or (root.rank in held and not absent):
+            continue  # an unreadable root is named alone even inside a group: no stack group holds it
         strong = root.view.process_state in ("D", "T", "t", "Z", "gone") or root.view.state is RankState.STOPPED
         machines = placement.machines([root.rank])
         out.append((Suspect(
@@ -615,7 +586,9 @@ def analyze_stacks(
     notes = list(grouping.notes)
 
     views = rank_views(stacks, topology.world_size, missing, options)
-    chain = follow_chain(views, topology)
+    sizes = [len(g.ranks) for g in grouping.groups]
+    unique_majority = len(sizes) > 0 and sizes[0] > 1 and (len(sizes) == 1 or sizes[0] > sizes[1])
+    chain = follow_chain(views, topology, frozenset(grouping.groups[0].ranks) if unique_majority else frozenset())
     named = chain.root_ranks | {r for d in chain.desyncs for r in d.ranks}
 
     # When several groups tie for largest, no majority says which is healthy: the chain decides (a group

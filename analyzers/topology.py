@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 from rankscope.snapshot import JobSnapshot, Layout
 
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
@@ -210,6 +211,29 @@ class Topology:
     def kinds(self) -> tuple[str, ...]:
         """Kinds whose groups say something: more than one rank and not the whole job."""
         return tuple(k for k in DIMS if 1 < self.size(k) < self.world_size)
+
+
+def group_ids(topology: Topology, kind: str) -> np.ndarray:
+    """For every rank, the index of its group of ``kind`` (the order of ``Topology.groups``)."""
+    world = topology.world_size
+    for k, groups in topology.explicit:
+        if k == kind:
+            out = np.full(world, -1, dtype=np.int64)
+            for i, group in enumerate(groups):
+                members = np.asarray(group, dtype=np.int64)
+                out[members[(members >= 0) & (members < world)]] = i
+            return out
+    sizes = layout_sizes(topology.layout)
+    rest = np.arange(world, dtype=np.int64)
+    index = np.zeros(world, dtype=np.int64)
+    scale = 1
+    for dim in topology.order:
+        coord = rest % sizes[dim]
+        rest = rest // sizes[dim]
+        if dim != kind:
+            index += coord * scale
+            scale *= sizes[dim]
+    return index
 
 
 def _check_kind(kind: str) -> str:

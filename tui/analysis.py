@@ -51,6 +51,8 @@ class StackView:
     verdict: Verdict
     missing_ranks: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    # ranks without a readable stack, grouped by their state and why: "unreadable: permission, process state D"
+    unreadable: tuple[tuple[tuple[int, ...], str], ...] = ()
 
     @property
     def dominant(self) -> GroupView | None:
@@ -232,7 +234,14 @@ def _from_analyzers(
                                 diverges))
     group_of = {r: g.index for g in groups for r in g.ranks}
     tree = _convert_tree(analysis.tree)
-    return StackView(tuple(groups), group_of, tree, verdict, tuple(verdict.missing_ranks) or missing, tuple(notes))
+    unreadable: dict[str, list[int]] = {}
+    chain = getattr(analysis, "chain", None)
+    if chain is not None:
+        for rank, rv in sorted(chain.views.items()):
+            if rv.state.value in ("unreadable", "stopped", "not captured"):
+                unreadable.setdefault(rv.short(), []).append(rank)
+    return StackView(tuple(groups), group_of, tree, verdict, tuple(verdict.missing_ranks) or missing, tuple(notes),
+                     tuple((tuple(r), why) for why, r in unreadable.items()))
 
 
 def verdict_text(view: StackView | None) -> str:
@@ -245,8 +254,18 @@ def verdict_text(view: StackView | None) -> str:
         lines.append(f"- {s.kind.value} group {s.group_index if s.group_index is not None else ''}".rstrip()
                      + f": ranks {format_ranks(s.ranks, 20)} on {', '.join(s.machines)} (score {s.score:.2f})")
         lines.extend(f"    {e}" for e in s.evidence)
+        if s.victims:
+            lines.append(f"    victims (wait on it, not suspects): ranks {format_ranks(s.victims, 20)}")
         if s.diverging_frame:
             lines.append(f"    diverges at: {s.diverging_frame}")
+    for f in v.findings:
+        lines.append(f"finding [{f.kind}] ranks {format_ranks(f.ranks, 20)}"
+                     + (f" on {f.communicator}" if f.communicator else "") + f": {f.summary}")
+        lines.extend(f"    {e}" for e in f.evidence)
+        if f.advice:
+            lines.append(f"    advice: {f.advice}")
+    for ranks, why in view.unreadable:
+        lines.append(f"ranks {format_ranks(ranks, 20)}: {why}")
     if view.missing_ranks:
         lines.append(f"missing ranks: {format_ranks(view.missing_ranks, 20)}")
     lines.extend(f"note: {n}" for n in (*v.notes, *view.notes))

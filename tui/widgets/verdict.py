@@ -78,21 +78,41 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
     else:
         t.append("verdict: ", "bold")
         t.append(v.summary, "bold red" if v.suspects else "bold")
+    advice = {f.ranks: f.advice for f in v.findings if f.advice}
     for s in v.suspects[:max_suspects]:
         group = f" {s.group_index}" if s.group_index is not None else ""
         t.append(f"\n ▸ {s.kind.value.upper()}{group}", "bold yellow")
         t.append(f"  machines {compact_machines(s.machines)}", "bold")
         t.append(f"  ranks {format_ranks(s.ranks, 4)}")
+        if s.state and s.kind.value != "desync":
+            t.append(f"  [{s.state}]", "bold red")
         if flt.active and not (set(s.ranks) & flt.ranks):
             t.append("  (outside filter)", "dim")
-        if s.evidence:
+        if s.kind.value == "desync":
+            # Where each side is: the call sites (the evidence lines after the headline).
+            for line in s.evidence[1:3]:
+                t.append(f"\n    {line}", "italic")
+        elif s.victims:
+            # The root and the ranks waiting on it: one suspect, its victims are evidence.
+            t.append(f"\n    root: {len(s.victims)} ranks wait on it (victims, not suspects): "
+                     f"{format_ranks(s.victims, 4)}")
+        elif s.evidence:
             t.append(f"\n    {s.evidence[0]}", "italic")
+        if s.ranks in advice:
+            t.append(f"\n    {advice[s.ranks]}", "bold cyan")
         if s.diverging_frame:
             t.append("\n    diverges at ")
             t.append(s.diverging_frame, "bold magenta")
     if len(v.suspects) > max_suspects:
         t.append(f"\n   … {len(v.suspects) - max_suspects} more suspects (y copies all)", "dim")
-    if view.missing_ranks:
+    shown = {f.ranks for f in v.findings if any(s.ranks == f.ranks for s in v.suspects[:max_suspects])}
+    for f in v.findings:
+        if f.ranks not in shown:
+            t.append(f"\n ◆ {f.kind}: {f.summary}", "bold magenta")
+    if view.unreadable:
+        for ranks, why in view.unreadable[:2]:
+            t.append(f"\n no stack: ranks {format_ranks(ranks, 6)} — {why}", "yellow")
+    elif view.missing_ranks:
         t.append(f"\n missing stacks: ranks {format_ranks(view.missing_ranks, 6)}", "yellow")
     for note in (*v.notes, *view.notes)[:2]:
         t.append(f"\n note: {note}", "dim")
