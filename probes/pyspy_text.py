@@ -247,3 +247,22 @@ def _stops_short(threads: tuple[ThreadStack, ...]) -> str | None:
                 return (f"MainThread stops at {bottom.name} ({bottom.filename}), not at the program's entry "
                         "(<module>): only its top frames were kept")
     return None
+
+
+def format_pyspy_text(stack: ProcessStack, cmdline: str = "python", python: str = "3.11.7") -> str:
+    """A process's stacks written as ``py-spy dump`` prints them (the inverse of the parser).
+
+    For handing rankscope's stacks to people and tools that read py-spy's
+    text, and for generating dumps in tests and benchmarks.
+    """
+    out = [f"Process {stack.pid}: {cmdline}", f"Python v{python} (/usr/bin/python3)", ""]
+    if stack.threads is None:
+        out.append(f"Error: {stack.error.message if stack.error else 'no stacks'}")
+    for t in stack.threads or ():
+        ident = str(t.os_thread_id) if t.os_thread_id is not None else f"{t.thread_id:#X}".replace("0X", "0x")
+        status = ("active+gil" if t.owns_gil else "active") if t.active else "idle"
+        name = f': "{t.thread_name}"' if t.thread_name is not None else ""
+        out.append(f"Thread {ident} ({status}){name}")
+        for f in t.frames:
+            out.append(f"    {f.name} ({f.filename}:{f.line})" if f.line is not None else f"    {f.name} ({f.filename})")
+    return "\n".join(out) + "\n"
