@@ -88,6 +88,11 @@ def test_a_desync_is_top_1_only_as_a_desync_of_exactly_the_ranks_ahead() -> None
     tp = _suspect(SuspectKind.TP, (2, 3), ("machine-1",))
     graded = score_verdict(Verdict(suspects=(tp,), summary="TP group 1"), truth)
     assert not graded["correct"] and graded["named"]["kind"] == "tp"
+    # One finding per split group: together they name the ranks ahead.
+    halves = (Finding(kind="desync", ranks=(2,), summary=""), Finding(kind="desync", ranks=(3,), summary=""))
+    assert score_verdict(Verdict(suspects=(), summary="", findings=halves), truth)["correct"]
+    stray = (*halves, Finding(kind="desync", ranks=(6,), summary=""))
+    assert not score_verdict(Verdict(suspects=(), summary="", findings=stray), truth)["correct"]
     # A desync reported after another finding is found, but not first.
     other = Finding(kind="fr-size-mismatch", ranks=(0, 1), summary="")
     graded = score_verdict(Verdict(suspects=(), summary="", findings=(other, right)), truth)

@@ -87,16 +87,18 @@ def _score_desync(verdict: Verdict, expected_ranks: set[int], expected_machines:
 
     Top-1 is the verdict's first word on the job: its first finding when it
     has findings (the desync rule reports there), else its top suspect. It is
-    correct when that is of kind ``desync`` and names exactly the ranks that
-    ran ahead, no more and no fewer (a desync blamed on the peers that wait,
-    or on a whole group around the ranks, would send the person to the wrong
-    code path).
+    correct when that is of kind ``desync`` and the desync findings together
+    (a rule may report one per group it saw split) name exactly the ranks
+    that ran ahead, no more and no fewer: a desync blamed on the peers that
+    wait, or on a whole group around the ranks, would send the person to the
+    wrong code path.
     """
     first = verdict.findings[0] if verdict.findings else None
     top = verdict.top
     named_kind: str | None
     if first is not None:
-        named_kind, named = first.kind, set(first.ranks)
+        named_kind = first.kind
+        named = {r for f in verdict.findings if f.kind == first.kind for r in f.ranks}
     elif top is not None:
         named_kind, named = str(top.kind), set(top.ranks)
     else:
@@ -104,7 +106,7 @@ def _score_desync(verdict: Verdict, expected_ranks: set[int], expected_machines:
     kind_ok = named_kind == "desync"
     ranks_ok = kind_ok and named == expected_ranks
     position = next((i + 1 for i, f in enumerate(verdict.findings)
-                     if f.kind == "desync" and set(f.ranks) == expected_ranks), None)
+                     if f.kind == "desync" and set(f.ranks) & expected_ranks), None)
     top_machines = set(top.machines) if top is not None else set()
     return {
         "named": {"kind": named_kind, "ranks": sorted(named)},

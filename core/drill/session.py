@@ -192,6 +192,10 @@ class DrillSession:
             # faulty rank has completed that many steps.
             p = self.watcher.latest.get(self.plan.rank)
             fault_step = self.truth.step if self.truth.step is not None else self.plan.step
+            if self.plan.name == "checkpoint-stall":
+                # The checkpoint of ``step`` steps is written as the rank ends its step number ``step`` (counting
+                # from 1), before it reports it: it has reported one step less when the writer stalls.
+                fault_step -= 1
             if p is not None and p.step >= fault_step:
                 self.fault_started_mono = time.monotonic()
                 self.times["fault"] = self.fault_started_mono
