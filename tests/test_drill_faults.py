@@ -183,6 +183,9 @@ def test_sigstop_drill_stops_the_rank_so_py_spy_cannot_read_it(tmp_path: Path) -
     # The agent says why: the process state it read from /proc when py-spy failed.
     errors = [rs.main.error for m in _read(report).latest.machines for rs in m.stacks if rs.rank == 5]
     assert len(errors) == 1 and errors[0] is not None and errors[0].process_state == "T", errors
+    # The verdict: the stopped rank alone is the prime suspect, its waiting peers are its victims.
+    verdict = report["verdict"]
+    assert verdict["correct"] and verdict["top"]["ranks"] == [5], verdict["summary"]
 
 
 def _read(report: dict[str, Any]) -> Any:
