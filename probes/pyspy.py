@@ -176,6 +176,42 @@ def _tracer(pid: int) -> tuple[int, str] | None:
     return None
 
 
+_STATE_NAMES = {"R": "running", "S": "sleeping", "D": "uninterruptible sleep", "T": "stopped",
+                "t": "traced", "Z": "zombie", "X": "dead", "I": "idle", "P": "parked", "gone": "gone"}
+
+
+def read_process_state(pid: int) -> tuple[str | None, str | None]:
+    """The state letter of ``/proc/<pid>/stat`` (or "gone") and the kernel function it sleeps in.
+
+    Read when a capture fails, because why py-spy got nothing often lies
+    there: D (stuck in I/O or a frozen cgroup), T (stopped), Z (exited,
+    unreaped). ``(None, None)`` when /proc cannot tell (not Linux, no rights).
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return "gone", None
+    except OSError:
+        return None, None
+    # The command name is in parentheses and may itself hold spaces or ')'.
+    rest = stat[stat.rfind(")") + 1:].split()
+    state = rest[0] if rest else None
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        wchan = ""
+    return state, (wchan if wchan and wchan != "0" else None)
+
+
+def describe_state(state: str | None, wchan: str | None) -> str:
+    """``state T (stopped), in do_signal_stop`` for messages; empty when nothing was read."""
+    if state is None:
+        return ""
+    name = _STATE_NAMES.get(state, "")
+    text = "process gone" if state == "gone" else f"state {state}" + (f" ({name})" if name else "")
+    return text + (f", in {wchan}" if wchan else "")
+
+
 def classify_pyspy_error(text: str, pid: int | str) -> tuple[CaptureErrorKind, str, str]:
     """What py-spy's error text alone says: the kind of failure, what happened to ``pid``, and the fix.
 
@@ -234,8 +270,14 @@ async def dump_process(
     started = time.monotonic()
 
     def failed(error: CaptureError) -> ProcessStack:
-        return ProcessStack(pid=pid, role=role, threads=None, error=error, name=name,
-                            capture_seconds=time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        if error.kind is not CaptureErrorKind.TOOL_MISSING:
+            # After py-spy is done (or killed, which detaches it): the target's own state.
+            state, wchan = read_process_state(pid)
+            seen = describe_state(state, wchan)
+            error = CaptureError(error.kind, f"{error.message} [{seen}]" if seen else error.message, error.fix,
+                                 process_state=state, wchan=wchan)
+        return ProcessStack(pid=pid, role=role, threads=None, error=error, name=name, capture_seconds=elapsed)
 
     binary = pyspy_binary()
     if binary is None:

@@ -128,13 +128,15 @@ def rich_job() -> JobSnapshot:
     main = ProcessStack(pid=100, role=ProcessRole.MAIN, threads=(thread, ThreadStack(7, ())), name="python", capture_seconds=0.125)
     worker_gone = ProcessStack(
         pid=101, role=ProcessRole.DATALOADER, threads=None,
-        error=CaptureError(CaptureErrorKind.GONE, "exited during the capture", "nothing to do"), name="pt_data_worker",
+        error=CaptureError(CaptureErrorKind.GONE, "exited during the capture", "nothing to do", process_state="Z",
+                           wchan="do_exit"), name="pt_data_worker", truncated="ends mid-line",
     )
     empty = ProcessStack(pid=102, role=ProcessRole.CHECKPOINT, threads=())  # captured, no threads: not the same as None
     pinfo = ProcessInfo(100, 99, ProcessRole.MAIN, "python", ("python", "train.py", "--lr", "0.1"), "S", 99.5, 2**33, 12)
     sub = ProcessInfo(101, 100, ProcessRole.DATALOADER, "pt_data_worker")
     rank = RankInfo(rank=5, local_rank=1, world_size=8, pid=100, group_rank=2, local_world_size=2, run_id="job-7",
-                    launcher_pid=99, master_addr="10.0.0.1", master_port=29500, process=pinfo, subprocesses=(sub,))
+                    launcher_pid=99, master_addr="10.0.0.1", master_port=29500, process=pinfo, subprocesses=(sub,),
+                    rank_source="pid-order: pid 100 is #1 of 2 by ascending pid in node02.txt")
     bare_rank = RankInfo(rank=4, local_rank=0, world_size=8, pid=98)
     gpu = GpuMetrics(0, "H100", "GPU-abc", 97.0, 40.5, 10**10, 8 * 10**10, 71.0, 650.5, 1980.0, 2619.0, 1.5, 2.5,
                      100.0, 200.0, 3, 0, 1, 2, (79, 48))
@@ -180,6 +182,10 @@ def test_a_rich_job_snapshot_survives_proto_bytes_and_back() -> None:
     assert stacks.subprocesses[0].threads is None and stacks.subprocesses[1].threads == ()
     assert back.machines[0].ranks[0].group_rank is None and back.machines[0].ranks[1].group_rank == 2
     assert back.machines[1].captured is None and back.machines[1].host is None
+    gone = stacks.subprocesses[0]
+    assert gone.error is not None and (gone.error.process_state, gone.error.wchan) == ("Z", "do_exit")
+    assert gone.truncated == "ends mid-line" and stacks.main.truncated is None
+    assert back.machines[0].ranks[0].rank_source is None and back.machines[0].ranks[1].rank_source
 
 
 def test_a_minimal_job_snapshot_round_trips() -> None:

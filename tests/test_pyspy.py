@@ -170,6 +170,8 @@ async def test_process_gone() -> None:
     assert stack.threads is None and stack.error is not None
     assert stack.error.kind is CaptureErrorKind.GONE
     assert "exited" in stack.error.fix
+    assert (stack.error.process_state, stack.error.wchan) == ("gone", None)
+    assert stack.error.message.endswith("[process gone]")
 
 
 @pytest.fixture
@@ -198,6 +200,9 @@ async def test_timeout_on_a_frozen_process_kills_py_spy(frozen: int) -> None:
     assert stack.threads is None and stack.error is not None
     assert stack.error.kind is CaptureErrorKind.TIMEOUT
     assert f"/proc/{frozen}/stack" in stack.error.fix
+    # frozen by the cgroup freezer: uninterruptible sleep, parked in the freezer's kernel function
+    assert stack.error.process_state == "D" and stack.error.wchan is not None
+    assert f"state D (uninterruptible sleep), in {stack.error.wchan}" in stack.error.message
     # The py-spy that hung was killed and reaped, not left behind.
     leftovers = [p for p in psutil.process_iter(["name", "cmdline"])
                  if p.info["name"] == "py-spy" and str(frozen) in (p.info["cmdline"] or [])]
@@ -206,9 +211,14 @@ async def test_timeout_on_a_frozen_process_kills_py_spy(frozen: int) -> None:
 
 async def test_stopped_process_names_the_fix(target: subprocess.Popen[bytes]) -> None:
     os.kill(target.pid, signal.SIGSTOP)
-    stack = await dump_process(target.pid, ProcessRole.MAIN, timeout_s=20)
+    [captured] = await capture_stacks([RankInfo(rank=0, local_rank=0, world_size=1, pid=target.pid)], timeout_s=20)
+    stack = captured.main
     assert stack.error is not None and stack.error.kind is CaptureErrorKind.FAILED
     assert f"kill -CONT {target.pid}" in stack.error.fix
+    # the agent records what /proc says of the process: stopped, in the kernel's signal-stop
+    assert stack.error.process_state == "T"
+    assert stack.error.wchan == Path(f"/proc/{target.pid}/wchan").read_text().strip() != ""
+    assert "[state T (stopped)" in stack.error.message
 
 
 async def test_process_already_traced_by_another_tool_names_it(target: subprocess.Popen[bytes]) -> None:
@@ -290,6 +300,8 @@ async def test_capture_records_each_failure_and_keeps_the_rest(target: subproces
         (sleeper.pid, ProcessRole.OTHER, CaptureErrorKind.NOT_PYTHON),
     ]
     assert r1.main.error is not None and r1.main.error.kind is CaptureErrorKind.GONE
+    assert r1.main.error.process_state == "gone"
+    assert r0.subprocesses[1].error is not None and r0.subprocesses[1].error.process_state == "S"  # sleep(1)
     assert only_main[0].subprocesses == ()
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,9 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from rankscope.cli import main
+from rankscope.errors import RankscopeError
 from rankscope.probes.pyspy import dump_process, pyspy_binary
 from rankscope.probes.pyspy_text import parse_pyspy_text
-from rankscope.snapshot import CaptureErrorKind, ProcessRole, ProcessStack
+from rankscope.pyspy_dir import load_pyspy_dir
+from rankscope.snapshot import CaptureErrorKind, JobSnapshot, ProcessRole, ProcessStack
 
 TARGET = """
 import os, sys, threading, time
@@ -223,3 +228,117 @@ def test_garbage_lines_are_quoted_not_dropped() -> None:
     parsed = parse_pyspy_text('hello\nThread 5 (idle): "MainThread"\n    f (a.py:1)\n\tzzz\n    <module> (a.py:2)\n')
     assert parsed.problems == ("line 1 is not py-spy output: 'hello'", "line 4 is not py-spy output: 'zzz'")
     assert [f.name for f in (parsed.processes[0].stack.threads or ())[0].frames] == ["f", "<module>"]
+
+
+# --------------------------------------------------------------------------
+# The loader: folders and pasted files of saved dumps, through `rankscope analyze`
+# --------------------------------------------------------------------------
+
+# The public incidents sit in ../shared/external beside the repository (a worktree: a level further up).
+EXTERNAL = next((p / "shared" / "external" for p in Path(__file__).resolve().parents[1].parents
+                 if (p / "shared" / "external").is_dir()), Path("../shared/external"))
+
+
+def _ranks(snapshot: JobSnapshot) -> dict[int, tuple[str, int, str | None]]:
+    """rank -> (machine, pid, rank_source)"""
+    return {r.rank: (m.machine, r.pid, r.rank_source) for m in snapshot.machines for r in m.ranks}
+
+
+def test_node_file_numbers_ranks_from_the_command_line(captures: Captures, tmp_path: Path) -> None:
+    (tmp_path / "node0.txt").write_text(captures.concatenated)
+    snap = load_pyspy_dir(tmp_path)
+    ranks = _ranks(snap)
+    assert {r: v[1] for r, v in ranks.items()} == {2: captures.pids[0], 0: captures.pids[1], 1: captures.pids[2]}
+    assert {v[0] for v in ranks.values()} == {"node0"}  # one file per node = one machine
+    assert ranks[2][2] == "cmdline: --local_rank=2 in node0.txt, node #0 by file-name order (first rank 0)"
+
+
+def test_node_files_without_local_rank_go_by_pid_order_and_node_order(captures: Captures, tmp_path: Path) -> None:
+    text = captures.concatenated.replace("--local_rank=", "--seed=")
+    (tmp_path / "b-node.txt").write_text(text)
+    (tmp_path / "a-node.txt").write_text(text.replace("Process ", "Process 9"))  # other pids, same order
+    snap = load_pyspy_dir(tmp_path, node_order=["b-node", "a-node.txt"])
+    ranks = _ranks(snap)
+    ordered = sorted(captures.pids)
+    assert [ranks[r][:2] for r in range(3)] == [("b-node", pid) for pid in ordered]
+    assert [ranks[r][1] for r in range(3, 6)] == [int(f"9{pid}") for pid in ordered]
+    assert all(ranks[r][2].startswith("pid-order: ") and "by --node-order" in ranks[r][2] for r in range(6))
+    with pytest.raises(RankscopeError, match="--node-order names c-node"):
+        load_pyspy_dir(tmp_path, node_order=["c-node"])
+
+
+def test_headerless_paste_goes_by_file_order(tmp_path: Path) -> None:
+    text = "".join(f'Thread 0x0 (active): "MainThread"\n    f{i} (a.py:1)\n    <module> (a.py:2)\n' for i in range(3))
+    (tmp_path / "paste.txt").write_text(text)
+    ranks = _ranks(load_pyspy_dir(tmp_path / "paste.txt"))  # a single pasted file
+    assert sorted(ranks) == [0, 1, 2] and all(v[2] and v[2].startswith("file-order: ") for v in ranks.values())
+
+
+def test_mixed_folder_json_and_text_garbage_named(captures: Captures, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    for f in (Path(__file__).parent / "data" / "fig7").glob("rank*.json"):
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "rank5.json").unlink()
+    (tmp_path / "rank5.txt").write_text(captures.text["plain"])
+    (tmp_path / "rank7.json").unlink()
+    (tmp_path / "rank7.txt").write_text("Process 77: python train.py\nPython v3.11.7 (/usr/bin/python3)\n\n"
+                                        "Error: Failed to suspend process\nReason: EPERM: Operation not permitted\n")
+    (tmp_path / "notes.md").write_text("# what we saw\nthe job hung at step 40\n")
+    (tmp_path / "core").write_bytes(b"\x7fELF\0\0\0binary")
+    code = main(["analyze", str(tmp_path), "--tp", "2", "--pp", "4", "--dp", "4", "--order", "tp-pp-dp",
+                 "--ranks-per-machine", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["world_size"] == 32
+    assert out["missing_ranks"] == [7]
+    assert {a["rank"]: a["pid"] for a in out["rank_assignment"]}[5] == captures.pids[0]
+    assert all(a["rule"] == "file-name" for a in out["rank_assignment"])
+    notes = "\n".join(out["notes"])
+    assert "notes.md: not a py-spy dump" in notes and "core: not a py-spy dump (binary content)" in notes
+    assert "could not be seen: 7 — permission: Error: Failed to suspend process" in notes
+
+
+@pytest.mark.parametrize(("folder", "world", "unreadable"), [
+    ("bloom176b-eval-hang-2022-04-30", 16, []),
+    ("m4-64gpu-rank0-unresponsive-2023-03-04", 64, [0]),
+    ("biom3-aurora-ddp-extra-batch-2026-04", 12, []),
+])
+def test_public_incidents_are_read_as_they_are(folder: str, world: int, unreadable: list[int],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["analyze", str(EXTERNAL / folder)])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert f"rank(s) 0-{world - 1}: file-name (rank 0, pid " in text
+    assert "note: SOURCE.md: not a py-spy dump" in text
+    snap = load_pyspy_dir(EXTERNAL / folder)
+    assert snap.world_size == world
+    stacks = {s.rank: s.main for m in snap.machines for s in m.stacks}
+    assert [r for r, s in stacks.items() if s.threads is None] == unreadable
+    if folder.startswith("m4"):
+        err = stacks[0].error
+        assert err is not None and err.kind is CaptureErrorKind.PERMISSION and stacks[0].pid == 280058
+        assert err.message.startswith("Error: Failed to suspend process Reason: EPERM")
+        assert "could not see ranks: 0" in text
+        # the posted stacks are the top 3 frames only: read for what they hold, and flagged
+        assert all(s.truncated and "wait_for_everyone" in s.truncated for r, s in stacks.items() if r)
+        assert [f.name for f in (stacks[9].threads or ())[0].frames] == ["barrier", "wait_for_everyone",
+                                                                         "wait_for_everyone"]
+    if folder.startswith("bloom"):
+        assert stacks[0].pid == 688510 and all(s.truncated is None for s in stacks.values())
+        assert len((stacks[0].threads or ())[0].frames) == 10
+
+
+def test_dataloader_workers_in_a_node_file_join_their_rank_and_shift_nothing(tmp_path: Path) -> None:
+    def proc(pid: int, local: int, frames: str) -> str:
+        return (f"Process {pid}: python train.py --local_rank={local}\nPython v3.11.7 (/usr/bin/python3)\n\n"
+                f'Thread {pid} (active): "MainThread"\n{frames}    <module> (train.py:9)\n')
+    worker = "    select (selectors.py:415)\n    _worker_loop (torch/utils/data/_utils/worker.py:308)\n"
+    rank = "    all_reduce (torch/distributed/distributed_c10d.py:2050)\n"
+    # pgrep order: rank 1's worker (forked, so the same command line) sits between the ranks
+    text = proc(100, 0, rank) + proc(105, 1, worker) + proc(101, 1, rank) + proc(107, 9, worker)
+    (tmp_path / "node0.txt").write_text(text)
+    snap = load_pyspy_dir(tmp_path)
+    stacks = {s.rank: s for m in snap.machines for s in m.stacks}
+    assert sorted(stacks) == [0, 1] and (stacks[0].main.pid, stacks[1].main.pid) == (100, 101)
+    assert [(p.pid, p.role) for p in stacks[1].subprocesses] == [(105, ProcessRole.DATALOADER)]
+    assert stacks[0].subprocesses == ()
+    assert any("worker(s) pid 107 not given to any rank" in n for n in snap.notes)
