@@ -139,6 +139,23 @@ def _node_rank_rule(procs: list[_Process]) -> tuple[list[int], list[str]]:
                                      for i in range(len(procs))]
 
 
+def _attach_workers(workers: list[_Process], procs: list[_Process], locals_: list[int], start: int, node: str,
+                    subs: dict[int, list[_Process]], notes: list[str]) -> None:
+    """A node file's DataLoader workers, each given to the rank whose --local_rank its command line repeats."""
+    by_cmdline = {p.cmdline: start + local for p, local in zip(procs, locals_, strict=True) if p.cmdline}
+    orphans = []
+    for w in workers:
+        rank = by_cmdline.get(w.cmdline) if _LOCAL_RANK.search(w.cmdline or "") else None
+        if rank is None:
+            orphans.append(str(w.stack.pid))
+            continue
+        subs.setdefault(rank, []).append(_Process(_with_role(w.stack, ProcessRole.DATALOADER, "dataloader"),
+                                                  w.cmdline, node))
+    if orphans:
+        notes.append(f"{node}: DataLoader worker(s) pid {', '.join(orphans[:8])} not given to any rank "
+                     "(no rank process with the same command line and --local_rank); not analyzed")
+
+
 def _ordered_nodes(nodes: dict[str, list[_Process]], node_order: Sequence[str] | None,
                    notes: list[str]) -> tuple[list[str], str]:
     if not node_order:
@@ -162,7 +179,7 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
                    node_order: Sequence[str] | None = None) -> JobSnapshot:
     """Read a folder (or one file) of py-spy dumps, text or JSON, into a JobSnapshot."""
     from rankscope.analyzers.topology import compact_ranks
-    from rankscope.probes.pyspy_text import parse_pyspy_text
+    from rankscope.probes.pyspy_text import FrameCache, parse_pyspy_text
 
     root = Path(path)
     notes: list[str] = []
@@ -170,6 +187,7 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
     subs: dict[int, list[_Process]] = {}
     nodes: dict[str, list[_Process]] = {}
     sources: dict[int, str] = {}
+    cache: FrameCache = {}
     for file in _files(root, notes):
         try:
             raw = file.read_bytes()
@@ -191,7 +209,7 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
             role = role_from_name(sub) if sub else ProcessRole.MAIN
             procs = [_Process(_parse_json(text, file.name, role, sub or ""), None, file.name)]
         else:
-            parsed = parse_pyspy_text(text)
+            parsed = parse_pyspy_text(text, cache=cache)
             if not parsed.processes:
                 why = parsed.problems[0] if parsed.problems else "the file is empty"
                 notes.append(f"{file.name}: not a py-spy dump (no `Process N:`, `Thread N` or `Error:` line; "
@@ -220,7 +238,13 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
     ordered, how = _ordered_nodes(nodes, node_order, notes)
     offset = 0
     for index, name in enumerate(ordered):
-        procs = nodes[name]
+        # DataLoader workers (a forked copy of their rank, command line included) are no ranks:
+        # numbering them would shift every rank after them.
+        procs = [p for p in nodes[name] if _child_role(p.stack, None) is not ProcessRole.DATALOADER]
+        workers = [p for p in nodes[name] if _child_role(p.stack, None) is ProcessRole.DATALOADER]
+        if not procs:
+            notes.append(f"{name}: holds only DataLoader workers (in _worker_loop), no rank process")
+            continue
         locals_, rules = _node_rank_rule(procs)
         start = index * rpm if rpm else offset
         offset += len(procs)
@@ -234,6 +258,7 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
             sources[rank] = f"{rule} in {name}, node #{index} by {how} (first rank {start})"
             machine_of[rank] = Path(name).stem
             local_of[rank] = local
+        _attach_workers(workers, procs, locals_, start, name, subs, notes)
 
     if not mains and not subs:
         raise RankscopeError(f"no py-spy dumps in {root}" + (f" ({'; '.join(notes[:3])})" if notes else ""), _HOW)

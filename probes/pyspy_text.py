@@ -99,8 +99,18 @@ def _frame(name: str, filename: str, line: str | None) -> Frame:
                  module=filename if native else None, native=native)
 
 
-def parse_pyspy_text(text: str, role: ProcessRole = ProcessRole.MAIN) -> ParsedText:
-    """Every process in a py-spy text dump; never raises on any input."""
+FrameCache = dict[str, tuple[int, Frame]]
+
+
+def parse_pyspy_text(text: str, role: ProcessRole = ProcessRole.MAIN, cache: FrameCache | None = None) -> ParsedText:
+    """Every process in a py-spy text dump; never raises on any input.
+
+    ``cache`` (frame line -> its indent and Frame), shared across the files of
+    one job, reads each distinct frame line once: ranks of one job repeat the
+    same lines, and the frozen Frame objects can be shared.
+    """
+    if cache is None:
+        cache = {}
     if "\x1b" in text:
         text = _ANSI.sub("", text)  # colours, when the dump was captured from a terminal
     sections: list[_Section] = []
@@ -122,6 +132,13 @@ def parse_pyspy_text(text: str, role: ProcessRole = ProcessRole.MAIN) -> ParsedT
         return sec
 
     for no, raw in enumerate(lines, 1):
+        if frames is not None and not in_locals:
+            hit = cache.get(raw)
+            if hit is not None and (frame_indent < 0 or hit[0] == frame_indent):
+                frame_indent = hit[0]
+                frames.append(hit[1])
+                recognised += 1
+                continue
         line = raw.rstrip()
         if not line:
             continue
@@ -141,7 +158,9 @@ def parse_pyspy_text(text: str, role: ProcessRole = ProcessRole.MAIN) -> ParsedT
         if m is not None and (frame_indent < 0 or indent == frame_indent) and not _is_header(stripped):
             assert frames is not None
             frame_indent = indent
-            frames.append(_frame(m.group(2).strip(), m.group(3), m.group(4)))
+            frame = _frame(m.group(2).strip(), m.group(3), m.group(4))
+            frames.append(frame)
+            cache[raw] = (indent, frame)
             recognised += 1
             continue
         if (p := _PROCESS.match(line)) is not None:

@@ -325,3 +325,20 @@ def test_public_incidents_are_read_as_they_are(folder: str, world: int, unreadab
     if folder.startswith("bloom"):
         assert stacks[0].pid == 688510 and all(s.truncated is None for s in stacks.values())
         assert len((stacks[0].threads or ())[0].frames) == 10
+
+
+def test_dataloader_workers_in_a_node_file_join_their_rank_and_shift_nothing(tmp_path: Path) -> None:
+    def proc(pid: int, local: int, frames: str) -> str:
+        return (f"Process {pid}: python train.py --local_rank={local}\nPython v3.11.7 (/usr/bin/python3)\n\n"
+                f'Thread {pid} (active): "MainThread"\n{frames}    <module> (train.py:9)\n')
+    worker = "    select (selectors.py:415)\n    _worker_loop (torch/utils/data/_utils/worker.py:308)\n"
+    rank = "    all_reduce (torch/distributed/distributed_c10d.py:2050)\n"
+    # pgrep order: rank 1's worker (forked, so the same command line) sits between the ranks
+    text = proc(100, 0, rank) + proc(105, 1, worker) + proc(101, 1, rank) + proc(107, 9, worker)
+    (tmp_path / "node0.txt").write_text(text)
+    snap = load_pyspy_dir(tmp_path)
+    stacks = {s.rank: s for m in snap.machines for s in m.stacks}
+    assert sorted(stacks) == [0, 1] and (stacks[0].main.pid, stacks[1].main.pid) == (100, 101)
+    assert [(p.pid, p.role) for p in stacks[1].subprocesses] == [(105, ProcessRole.DATALOADER)]
+    assert stacks[0].subprocesses == ()
+    assert any("worker(s) pid 107 not given to any rank" in n for n in snap.notes)

@@ -19,7 +19,7 @@ from rankscope.probes.pyspy_text import format_pyspy_text, parse_pyspy_text
 from rankscope.pyspy_dir import load_pyspy_dir
 from rankscope.snapshot import Frame, ProcessRole, ProcessStack, ThreadStack
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 _word = st.text(string.ascii_letters + string.digits + "_", min_size=1, max_size=12)
 _func = st.one_of(
@@ -104,9 +104,10 @@ def test_a_dump_cut_anywhere_keeps_a_prefix_of_its_frames(proc: ProcessStack, da
             assert thread.frames[:-1] == want.frames[: max(len(thread.frames) - 1, 0)]
     if 0 < cut < len(text) and parsed.processes and parsed.processes[0].stack.threads:
         main = parsed.processes[0].stack.threads[0]
-        # A cut main thread is flagged; one cut right after its thread line reads as a main
-        # thread with no Python frames (a real state too), which the analyzer reports as such.
-        if main.frames and main.frames != proc.threads[0].frames:
+        # A cut main thread is flagged. Two cuts at a line's end cannot be told from a whole
+        # stack: right after the thread line (a main thread with no Python frames, a real state
+        # the analyzer reports) and after a native frame (--native stacks end in native code).
+        if main.frames and main.frames != proc.threads[0].frames and not main.frames[-1].native:
             assert parsed.processes[0].stack.truncated is not None
 
 
