@@ -135,7 +135,7 @@ def _node_rank_rule(procs: list[_Process]) -> tuple[list[int], list[str]]:
         order = sorted(pids)
         return ([order.index(pid) for pid in pids],
                 [f"pid-order: pid {pid} is #{order.index(pid)} of {len(pids)} by ascending pid" for pid in pids])
-    return list(range(len(procs))), [f"file-order: process #{i} of {len(procs)} in the file (pids unknown)"
+    return list(range(len(procs))), [f"file-order: process #{i} of {len(procs)} in the file (pids missing or repeated)"
                                      for i in range(len(procs))]
 
 
@@ -145,7 +145,7 @@ def _attach_workers(workers: list[_Process], procs: list[_Process], locals_: lis
     by_cmdline = {p.cmdline: start + local for p, local in zip(procs, locals_, strict=True) if p.cmdline}
     orphans = []
     for w in workers:
-        rank = by_cmdline.get(w.cmdline) if _LOCAL_RANK.search(w.cmdline or "") else None
+        rank = by_cmdline.get(w.cmdline) if w.cmdline and _LOCAL_RANK.search(w.cmdline) else None
         if rank is None:
             orphans.append(str(w.stack.pid))
             continue

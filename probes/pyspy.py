@@ -183,7 +183,7 @@ _STATE_NAMES = {"R": "running", "S": "sleeping", "D": "uninterruptible sleep", "
 def read_process_state(pid: int) -> tuple[str | None, str | None]:
     """The state letter of ``/proc/<pid>/stat`` (or "gone") and the kernel function it sleeps in.
 
-    Read when a capture fails, because why py-spy got nothing often lies
+    Recorded when a capture fails, because why py-spy got nothing often lies
     there: D (stuck in I/O or a frozen cgroup), T (stopped), Z (exited,
     unreaped). ``(None, None)`` when /proc cannot tell (not Linux, no rights).
     """
@@ -268,12 +268,15 @@ async def dump_process(
 ) -> ProcessStack:
     """Stacks of one process; any failure is returned in ``ProcessStack.error``, never raised."""
     started = time.monotonic()
+    # The state py-spy meets, read before it runs: a failed attach can change it (py-spy's
+    # detach may resume a stopped process). Two small /proc reads, also when all goes well.
+    met = read_process_state(pid)
 
     def failed(error: CaptureError) -> ProcessStack:
         elapsed = time.monotonic() - started
         if error.kind is not CaptureErrorKind.TOOL_MISSING:
-            # After py-spy is done (or killed, which detaches it): the target's own state.
-            state, wchan = read_process_state(pid)
+            after = read_process_state(pid)  # after py-spy is done, or killed (which detaches it)
+            state, wchan = after if after[0] == "gone" or met[0] is None else met
             seen = describe_state(state, wchan)
             error = CaptureError(error.kind, f"{error.message} [{seen}]" if seen else error.message, error.fix,
                                  process_state=state, wchan=wchan)
