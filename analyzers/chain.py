@@ -189,8 +189,8 @@ def unreadable_reason(error: CaptureError | None, fallback: str) -> tuple[str, s
     """The py-spy error, /proc's state and wchan of a rank that could not be read."""
     if error is None:
         return fallback, None, None
-    state = getattr(error, "process_state", None)
-    wchan = getattr(error, "wchan", None)
+    state = error.process_state
+    wchan = error.wchan
     text = f"{error.kind}: {error.message.strip()}"
     if state:
         text += f"; process state {describe_process_state(state)}"
@@ -211,7 +211,7 @@ def _about_the_process(error: CaptureError | None) -> bool:
     """
     if error is None:
         return False
-    return error.kind in _PROCESS_ERRORS or bool(getattr(error, "process_state", None))
+    return error.kind in _PROCESS_ERRORS or bool(error.process_state)
 
 
 def describe_process_state(state: str) -> str:

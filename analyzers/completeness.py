@@ -57,7 +57,7 @@ def rank_evidence(snapshot: JobSnapshot, chain: Chain) -> tuple[RankEvidence, ..
         else:
             read.append(f"main process pid {rs.main.pid}: {len(rs.main.threads)} thread(s)")
         if rs is not None:
-            truncated = getattr(rs.main, "truncated", None)
+            truncated = rs.main.truncated
             subs_ok = [s for s in rs.subprocesses if s.threads is not None]
             if subs_ok:
                 read.append(f"{len(subs_ok)} subprocess(es)")

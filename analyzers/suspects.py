@@ -43,6 +43,7 @@ from rankscope.analyzers.chain import (
     TERMINAL,
     Chain,
     RankState,
+    RankView,
     desync_evidence,
     desync_summary,
     follow_chain,
@@ -71,7 +72,7 @@ from rankscope.analyzers.topology import (
     natural_key,
     topology_for,
 )
-from rankscope.snapshot import JobSnapshot, Layout, RankStacks
+from rankscope.snapshot import JobSnapshot, Layout, ProcessRole, RankStacks
 
 # Among equally good candidates, the kind ByteRobust evicts first.
 _KIND_PREFERENCE: tuple[str, ...] = ("pp", "dp", "tp", "cp", "ep", "machine", "rank")
@@ -521,7 +522,8 @@ def _apply_chain(
             lines = _root_lines(chain, mine, placement)
             s = replace(s, evidence=(s.evidence[0], *lines, *s.evidence[1:]), victims=own_victims,
                         state=_state_words(chain, mine))
-            explained = explained | set(own_victims) | mine
+            # The chain says who waits on whom; the layout's "mostly outliers around it" guess is not needed.
+            explained = (members & set(grouping.outlier_ranks)) | set(own_victims) | mine
             held |= mine
         out.append((s, explained))
     world = max(topology.world_size, 1)
@@ -586,6 +588,13 @@ def analyze_stacks(
     notes = list(grouping.notes)
 
     views = rank_views(stacks, topology.world_size, missing, options)
+    for o in _origins(grouping):
+        # A busy subprocess or thread the healthy ranks lack (a stuck DataLoader worker) makes its rank wait on
+        # it whatever its main thread shows: the rank is where a chain can end.
+        if o.side == "compute" and o.lane != MAIN_LANE:
+            state = RankState.LOADING if o.lane.startswith(str(ProcessRole.DATALOADER)) else RankState.COMPUTING
+            for r in o.ranks:
+                views[r] = RankView(r, state, frame=f"[{o.lane}] {o.frame}")
     sizes = [len(g.ranks) for g in grouping.groups]
     unique_majority = len(sizes) > 0 and sizes[0] > 1 and (len(sizes) == 1 or sizes[0] > sizes[1])
     chain = follow_chain(views, topology, frozenset(grouping.groups[0].ranks) if unique_majority else frozenset())

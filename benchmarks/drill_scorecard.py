@@ -1,4 +1,4 @@
-"""Scorecard of real drills: `python benchmarks/drill_scorecard.py [--drills 10] [--seed S]`.
+"""Scorecard of real drills: `python benchmarks/drill_scorecard.py [--drills 16] [--seed S]`.
 
 Runs ``rankscope drill --headless`` (TP=2, PP=2, DP=2 over 4 local machines,
 real torchrun, agents and py-spy) once per drill, cycling through the hang
@@ -7,7 +7,9 @@ faults, each at a rank drawn from the seed. Every bundle is judged with
 ``rankscope.drill.scoring.score_verdict``; the table shows the expected and
 the named suspect, whether the top suspect is of the right kind and holds the
 faulty machine, and how long it took from the fault to the verdict (the
-drill's fault-to-capture time plus the analysis).
+drill's fault-to-capture time plus the analysis). A desync is graded on the
+verdict's first finding (kind ``desync``, exactly the ranks that ran ahead;
+see ``score_verdict``), so its "named" column shows that finding.
 
 One drill at a time, each in its own process group; on Ctrl-C or a timeout
 the running drill is stopped with SIGTERM (it then stops its job and agents).
@@ -31,12 +33,13 @@ from typing import Any
 from rankscope.analyzers import ccl, suspects
 from rankscope.analyzers.verdict import analyze_snapshot
 from rankscope.bundle import read_bundle
+from rankscope.drill import faults
 from rankscope.drill.scoring import score_verdict
 
 # The drill's hang faults that leave the job standing. ``crash`` is left out by default: torchrun tears the
 # crashed rank's node down and the rest of the job exits soon after, so a capture shows exiting processes,
 # not a hang (the analyzer says "the job looks crashed" and names no suspect); pass --faults to include it.
-HANG_FAULTS = ("hang-compute", "hang-p2p", "hang-collective", "dataloader-stall", "checkpoint-stall")
+HANG_FAULTS = tuple(f for f in faults.HANG_FAULTS if f != "crash")
 WORLD = 8
 _PRELOADED = (ccl, suspects)  # imported up front so the timed analysis does not include imports
 
@@ -63,7 +66,7 @@ def run_drill(fault: str, rank: int, workdir: Path, timeout_s: float) -> tuple[d
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drills", type=int, default=10)
+    parser.add_argument("--drills", type=int, default=2 * len(HANG_FAULTS), help="drills (default: each fault twice)")
     parser.add_argument("--seed", type=int, default=20251121)
     parser.add_argument("--faults", default=",".join(HANG_FAULTS), help="comma-separated fault names to cycle")
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per drill")
@@ -77,7 +80,7 @@ def main() -> int:
 
     rows: list[dict[str, Any]] = []
     header = (f"{'#':>2} {'fault':<17} {'rank':>4} {'machine':<10} {'expect':<6} {'named':<6} {'top machines':<22} "
-              f"{'kind':<4} {'mach':<4} {'fault->verdict':>14} {'analysis':>9}")
+              f"{'kind':<4} {'mach':<4} {'fault->verdict':>14} {'analysis':>9}  named ranks")
     print(f"{args.drills} drills, TP=2 PP=2 DP=2 on 4 machines, seed {args.seed}, bundles in {workdir}")
     print(header)
     print("-" * len(header))
@@ -99,8 +102,10 @@ def main() -> int:
         captured = (report.get("times_s") or {}).get("fault_to_captured")
         to_verdict = captured + analysis_s if isinstance(captured, (int, float)) else None
         top = graded["top"] or {}
+        named = graded.get("named") or {"kind": top.get("kind"), "ranks": top.get("ranks")}  # a desync: its finding
         row = {"fault": fault, "rank": rank, "machine": graded["expected"]["machine"],
-               "expected": graded["expected"]["kind"], "named": top.get("kind"), "top_machines": top.get("machines"),
+               "expected": graded["expected"]["kind"], "named": named["kind"], "named_ranks": named["ranks"],
+               "top_machines": top.get("machines"),
                "kind_ok": graded["kind_ok"], "machine_ok": graded["machine_ok"], "correct": graded["correct"],
                "extra_machines": graded["extra_machines"], "truth_position": graded["truth_position"],
                "fault_to_verdict_s": to_verdict, "analysis_s": analysis_s, "drill_s": wall,
@@ -110,7 +115,9 @@ def main() -> int:
         tv = f"{to_verdict:.1f} s" if to_verdict is not None else "?"
         print(f"{i + 1:>2} {fault:<17} {rank:>4} {row['machine'] or '-':<10} {row['expected']:<6} "
               f"{row['named'] or '-':<6} {machines:<22} {'ok' if row['kind_ok'] else 'NO':<4} "
-              f"{'ok' if row['machine_ok'] else 'NO':<4} {tv:>14} {analysis_s * 1e3:>7.1f}ms")
+              f"{'ok' if row['machine_ok'] else 'NO':<4} {tv:>14} {analysis_s * 1e3:>7.1f}ms  {row['named_ranks']}")
+        if not row["correct"]:
+            print(f"   wrong: {verdict.summary}")
         if args.json:
             print(json.dumps(row))
 
@@ -127,6 +134,12 @@ def main() -> int:
             print(f"fault -> verdict: median {statistics.median(times):.1f} s, max {max(times):.1f} s "
                   f"(the drill's stall detection waits for {5.0:.0f} s without progress before capturing)")
         print(f"analysis per bundle: median {statistics.median(r['analysis_s'] for r in done) * 1e3:.1f} ms")
+    print("per fault (correct/drills, fault -> verdict median):")
+    for fault in dict.fromkeys(r["fault"] for r in rows):
+        rs = [r for r in rows if r["fault"] == fault]
+        ts = [r["fault_to_verdict_s"] for r in rs if r.get("fault_to_verdict_s") is not None]
+        median = f"{statistics.median(ts):.1f} s" if ts else "-"
+        print(f"  {fault:<20} {sum(r['correct'] for r in rs)}/{len(rs)}  {median}")
     failed = [r for r in rows if "error" in r]
     if failed:
         print(f"drills that did not run: {len(failed)} ({'; '.join(r['error'] for r in failed)})")

@@ -336,3 +336,19 @@ def test_panel_shows_a_desync_with_its_call_sites_and_the_advice() -> None:
     assert "6 rank(s) 0-1,3-4,6-7 at all_reduce <- _sync_ddp (distributed.py:231)" in text
     assert "evicting machines will not cure it: a desync is usually a program mismatch" in text
     assert "finding [desync] ranks 2,5 on the whole job" in text
+
+
+def test_a_rank_with_a_stuck_worker_is_a_root_of_its_own_beside_a_computing_one() -> None:
+    from tests.stack_fixtures import COMPUTE, WORKER_IDLE, WORKER_STUCK
+
+    # rank 6's main thread waits with everyone, but its DataLoader worker is stuck in its own work; rank 2
+    # computes. Two roots, two suspects: the worker's rank is not swallowed as a victim of rank 2.
+    stacks = {r: rank_stacks(r, OPTIMIZER, workers=[WORKER_IDLE]) for r in range(16)}
+    stacks[6] = rank_stacks(6, OPTIMIZER, workers=[WORKER_STUCK])
+    stacks[2] = rank_stacks(2, COMPUTE, workers=[WORKER_IDLE])
+    layout = Layout(tp=2, pp=2, dp=4, ranks_per_machine=2)
+    a = analyze_stacks(snapshot(stacks, 16, 2, layout), layout)
+    assert a.chain is not None and sorted(r.rank for r in a.chain.roots) == [2, 6]
+    assert a.chain.views[6].state is RankState.LOADING and "read_shard" in a.chain.views[6].frame
+    assert {s.ranks for s in a.verdict.suspects[:2]} == {(2,), (6,)}
+    assert a.verdict.summary.startswith("2 separate suspects")

@@ -123,7 +123,7 @@ def test_plan_travels_through_the_environment_and_intermittent_faults_toggle() -
 def test_every_fault_has_a_category_and_a_suspect() -> None:
     assert {f.category for f in FAULTS.values()} == {"none", "hang", "slow"}
     for spec in FAULTS.values():
-        assert spec.suspect in {"none", "rank", "machine", "group", "pp"}
+        assert spec.suspect in {"none", "rank", "machine", "group", "pp", "desync"}
         if spec.by == "rank" and spec.name != "none":
             assert spec.frame is not None and spec.frame.startswith("drill_injected_")
 

@@ -24,7 +24,8 @@ captured. Every process the drill started is stopped at the end, also on
 Ctrl-C and on failure.
 
 Faults: none, hang-compute, hang-p2p, hang-collective, dataloader-stall,
-checkpoint-stall, crash (hangs); slow-compute, slow-comm, slow-dataloader,
+dataloader-deadlock, checkpoint-stall, crash, desync (a group runs one step
+more than the rest), sigstop (a rank stopped, state T) (hangs); slow-compute, slow-comm, slow-dataloader,
 cpu-contention, thermal (fail-slow; --fault-on/--fault-off make them
 intermittent).
 
@@ -49,7 +50,8 @@ def register(sub: Any) -> None:
     p.add_argument("--fault-machine", type=int, help="draw the faulty rank from this machine (0-based)")
     p.add_argument("--fault-step", type=int, default=20, help="step at which the fault starts (default 20)")
     p.add_argument("--fault-group", choices=("tp", "pp", "dp"),
-                   help="group of hang-collective (default tp) or slow-comm (default pp)")
+                   help="group of hang-collective (default tp), desync (default tp: the ranks one step ahead) "
+                        "or slow-comm (default pp)")
     p.add_argument("--fault-factor", type=float, default=2.0,
                    help="slow-compute/thermal: how many times longer a step takes (default 2.0)")
     p.add_argument("--fault-delay-ms", type=float, default=50.0,
@@ -113,6 +115,9 @@ def build_config(args: argparse.Namespace) -> Any:
     steps = args.steps if args.steps is not None else args.fault_step + (2000 if tui else 40)
     if plan.name != "none" and steps <= plan.step:
         raise RankscopeError(f"--steps {steps} ends before --fault-step {plan.step}", f"pass --steps {plan.step + 20} or more")
+    if plan.spec.role == "dataloader" and args.loader_workers < 1:
+        raise RankscopeError(f"{plan.name} acts in a dataloader worker process, and --loader-workers is 0",
+                             "pass --loader-workers 1 or more")
     training = TrainingOptions(steps=steps, seed=args.seed, loader_workers=args.loader_workers,
                                checkpoint_every=args.checkpoint_every)
     if args.standbys is not None and args.standbys < 0:

@@ -128,7 +128,8 @@ class FaultSpec:
 
     ``suspect``: the kind of suspect a correct verdict names first ("rank",
     "machine", or a parallel group "tp"/"pp"/"dp"; "group" means the group the
-    plan names). ``role``: the process the injected frame is in. ``by``:
+    plan names; "desync" means the ranks of the group the plan names, which run
+    a different program from their peers). ``role``: the process the injected frame is in. ``by``:
     "rank" when the training processes inject it themselves, "orchestrator"
     when the drill acts from outside.
     """
@@ -141,6 +142,7 @@ class FaultSpec:
     frame: str | None = None
     by: str = "rank"
     default_group: str | None = None  # for faults aimed at a parallel group
+    state: str | None = None  # the /proc state the faulty rank's main process is left in (sigstop: "T")
 
 
 FAULTS: dict[str, FaultSpec] = {
@@ -159,6 +161,14 @@ FAULTS: dict[str, FaultSpec] = {
                   role="checkpoint", frame="drill_injected_checkpoint_stall"),
         FaultSpec("crash", "hang", "the rank exits with an error; torchrun tears its node down", "rank",
                   frame="drill_injected_crash"),
+        FaultSpec("desync", "hang", "the rank's group (--fault-group, default tp) runs one step more than the rest "
+                  "of the job, which has left the training loop for its closing barrier: a program mismatch that "
+                  "eviction does not cure", "desync", frame="drill_injected_desync", default_group="tp"),
+        FaultSpec("dataloader-deadlock", "hang", "two threads of the rank's dataloader worker take two locks in "
+                  "opposite order and deadlock; the rank waits for data", "rank",
+                  role="dataloader", frame="drill_injected_dataloader_deadlock"),
+        FaultSpec("sigstop", "hang", "the rank's process is stopped with SIGSTOP (state T): py-spy cannot read it "
+                  "and its peers wait for it", "rank", frame=None, by="orchestrator", state="T"),
         FaultSpec("slow-compute", "slow", "the rank burns CPU in its compute until its steps take --fault-factor "
                   "times its healthy step", "rank",
                   frame="drill_injected_slow_compute"),
@@ -280,6 +290,9 @@ def make_plan(
                                  f"raise --{group} or pass another --fault-group")
     elif group is not None:
         raise RankscopeError(f"{name} takes no --fault-group", "drop --fault-group")
+    if name == "desync" and group is not None and len(layout.group_of(group, rank)) == layout.world:
+        raise RankscopeError(f"desync on the {group} group would put every rank one step ahead, so nothing differs",
+                             "pass a --fault-group smaller than the whole job, or raise another parallel size")
     if name == "hang-p2p" and layout.pp < 2:
         raise RankscopeError("hang-p2p needs pipeline stages to send between", "pass --pp 2 or more")
     return FaultPlan(
@@ -327,6 +340,7 @@ class GroundTruth:
     delay_ms: float | None = None
     intermittent: tuple[int, int] | None = None
     injected_by: str = "rank"
+    process_state: str | None = None  # the faulty rank's /proc state the fault leaves (sigstop: "T")
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -349,7 +363,10 @@ def ground_truth(plan: FaultPlan, layout: DrillLayout, *, checkpoint_every: int 
     if kind == "group":
         assert plan.group is not None
         kind = plan.group
-    if kind in GROUPS:
+    if kind == "desync":
+        assert plan.group is not None
+        ranks = layout.group_of(plan.group, plan.rank)  # the ranks one step ahead of everyone else
+    elif kind in GROUPS:
         ranks = layout.group_of(kind, plan.rank)
     elif kind == "machine":
         ranks = layout.ranks_on(layout.machine_of(plan.rank))
@@ -374,4 +391,5 @@ def ground_truth(plan: FaultPlan, layout: DrillLayout, *, checkpoint_every: int 
         delay_ms=plan.delay_ms if plan.name in ("slow-comm", "slow-dataloader") else None,
         intermittent=intermittent if spec.category == "slow" else None,
         injected_by=spec.by,
+        process_state=spec.state,
     )

@@ -57,6 +57,9 @@ def score_verdict(verdict: Verdict, ground_truth: Any) -> dict[str, Any]:
         out.update(kind_ok=top is None, machine_ok=top is None, ranks_ok=top is None, machines_ok=top is None,
                    extra_machines=len(top.machines) if top else 0, truth_position=None, correct=top is None)
         return out
+    if kind == "desync":
+        out.update(_score_desync(verdict, expected_ranks, expected_machines, machine))
+        return out
     if top is None:
         out.update(kind_ok=False, machine_ok=False, ranks_ok=False, machines_ok=False, extra_machines=0,
                    truth_position=None, correct=False)
@@ -76,3 +79,43 @@ def score_verdict(verdict: Verdict, ground_truth: Any) -> dict[str, Any]:
         correct=kind_ok and machine_ok,
     )
     return out
+
+
+def _score_desync(verdict: Verdict, expected_ranks: set[int], expected_machines: set[str],
+                  machine: Any) -> dict[str, Any]:
+    """A desync is a program mismatch, not a part to evict: graded on what the verdict names first.
+
+    Top-1 is the verdict's first word on the job: its first finding when it
+    has findings (the desync rule reports there), else its top suspect. It is
+    correct when that is of kind ``desync`` and the desync findings together
+    (a rule may report one per group it saw split) name exactly the ranks
+    that ran ahead, no more and no fewer: a desync blamed on the peers that
+    wait, or on a whole group around the ranks, would send the person to the
+    wrong code path.
+    """
+    first = verdict.findings[0] if verdict.findings else None
+    top = verdict.top
+    named_kind: str | None
+    if first is not None:
+        named_kind = first.kind
+        named = {r for f in verdict.findings if f.kind == first.kind for r in f.ranks}
+    elif top is not None:
+        named_kind, named = str(top.kind), set(top.ranks)
+    else:
+        named_kind, named = None, set()
+    kind_ok = named_kind == "desync"
+    ranks_ok = kind_ok and named == expected_ranks
+    position = next((i + 1 for i, f in enumerate(verdict.findings)
+                     if f.kind == "desync" and set(f.ranks) & expected_ranks), None)
+    top_machines = set(top.machines) if top is not None else set()
+    return {
+        "named": {"kind": named_kind, "ranks": sorted(named)},
+        "kind_ok": kind_ok,
+        "machine_ok": machine is not None and ranks_ok,
+        "ranks_ok": ranks_ok,
+        "machines_ok": ranks_ok,
+        # What an eviction of the top suspect would take beyond the desync ranks' machines (none is best).
+        "extra_machines": len(top_machines - expected_machines),
+        "truth_position": position,
+        "correct": ranks_ok,
+    }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import tempfile
 import threading
@@ -91,6 +92,7 @@ class DrillSession:
         self._old_handlers: dict[int, Any] = {}
         self._stopped = False
         self.leftovers: list[int] = []  # pids the final sweep had to kill
+        self.stopped_pid: int | None = None  # the rank the sigstop fault stopped (continued again at stop())
 
     # ---- lifecycle ------------------------------------------------------------
 
@@ -139,6 +141,10 @@ class DrillSession:
         self._stop_event.set()
         if self._outside is not None:
             self._outside.join(timeout=5)
+        if self.stopped_pid is not None:
+            # Never leave a stopped rank behind: a stopped process acts on SIGTERM only once continued.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.stopped_pid, signal.SIGCONT)
         if self.recovery is not None:
             self.recovery.stop()
         if self._precheck is not None:
@@ -186,6 +192,10 @@ class DrillSession:
             # faulty rank has completed that many steps.
             p = self.watcher.latest.get(self.plan.rank)
             fault_step = self.truth.step if self.truth.step is not None else self.plan.step
+            if self.plan.name == "checkpoint-stall":
+                # The checkpoint of ``step`` steps is written as the rank ends its step number ``step`` (counting
+                # from 1), before it reports it: it has reported one step less when the writer stalls.
+                fault_step -= 1
             if p is not None and p.step >= fault_step:
                 self.fault_started_mono = time.monotonic()
                 self.times["fault"] = self.fault_started_mono
@@ -323,7 +333,10 @@ class DrillSession:
             if mine is not None:
                 healthy.saw(mine.step, mine.wall)
             on = plan.active(step)
-            if plan.name == "cpu-contention":
+            if plan.name == "sigstop":
+                if self.stopped_pid is None and mine is not None and mine.step >= plan.step:
+                    self._stop_rank(mine.pid)
+            elif plan.name == "cpu-contention":
                 if on != bool(pinned):
                     # The victim's ranks stay on the noise's core only while it spins.
                     pinned = self._confine_victims() if on else _restore_threads(pinned)
@@ -336,6 +349,31 @@ class DrillSession:
                     self._throttle_step(target_pid, plan, healthy)
                     continue
             self._stop_event.wait(POLL_S)
+
+    def _stop_rank(self, pid: int) -> None:
+        """The sigstop fault: stop the rank as it begins its faulty step; it stays stopped until the drill ends.
+
+        The drill reads no stack of it meanwhile (a capture does not continue it, unlike the thermal fault's).
+        """
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            self.notes.append(f"sigstop: rank {self.plan.rank} (pid {pid}) was gone before it could be stopped")
+            return
+        self.stopped_pid = pid
+        self.notes.append(f"sigstop: rank {self.plan.rank} (pid {pid}) stopped at step {self.plan.step}")
+
+    def stopped_rank(self) -> dict[str, Any] | None:
+        """The rank the sigstop fault stopped, its pid and its process state now (psutil's word: "stopped" is T)."""
+        if self.stopped_pid is None:
+            return None
+        import psutil
+
+        try:
+            state = str(psutil.Process(self.stopped_pid).status())
+        except psutil.Error:
+            state = "gone"
+        return {"rank": self.plan.rank, "pid": self.stopped_pid, "state": state}
 
     def _toggle_noise(self, noise: list[Any], on: bool) -> list[Any]:
         """Start the noisy neighbour on the victim machine's core at onset; pause and resume it with the plan.
@@ -700,6 +738,7 @@ def run_headless(config: DrillConfig, *, bundle_path: Path | None = None,
             s.times["capture_step"] = time.monotonic()
             stall = StallInfo(reason="capture-step", idle_s=s.watcher.idle_seconds(), steps=s.steps(),
                               node_exit_codes=s.launcher.node_exit_codes())
+        stopped = s.stopped_rank()  # read before the capture: its state while py-spy tries to read it
         snap = s.capture()
         say(f"captured in {s.times['capture_s']:.2f} s")
         truth = s.truth.to_dict()
@@ -729,6 +768,7 @@ def run_headless(config: DrillConfig, *, bundle_path: Path | None = None,
                 "capture": round(s.times["capture_s"], 3),
             },
             "notes": s.notes,
+            "stopped_rank": stopped,
             "errors_in_logs": log_errors(s.run_dir) if stall.reason == "job-exited" else {},
         }
     report["leftover_processes"] = s.leftovers

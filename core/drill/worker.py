@@ -25,8 +25,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -72,6 +73,42 @@ def drill_injected_dataloader_stall() -> None:
     while not _parent_gone(parent):
         time.sleep(0.1)
     os._exit(1)
+
+
+def drill_injected_dataloader_deadlock() -> None:
+    """Deadlock the dataloader worker: two threads take two locks in opposite order.
+
+    This thread holds ``first`` and waits for ``second``; its peer holds
+    ``second`` and waits for ``first``. Neither ever gets its lock. The peer
+    wakes twice a second only to leave once the rank is gone (a worker whose
+    parent died must not linger), which it does with ``os._exit``, since the
+    deadlocked thread can never be joined.
+    """
+    parent = os.getppid()
+    first, second = threading.Lock(), threading.Lock()
+    peer_holds_second = threading.Event()
+
+    def peer() -> None:
+        with second:
+            peer_holds_second.set()
+            while not first.acquire(timeout=0.5):
+                if _parent_gone(parent):
+                    os._exit(1)
+
+    with first:
+        threading.Thread(target=peer, name="drill-deadlock-peer", daemon=True).start()
+        peer_holds_second.wait()
+        with second:  # never granted: the peer holds it until it gets ``first``, which this thread holds
+            pass
+
+
+def drill_injected_desync(run_step: Callable[[int], None], step: int) -> None:
+    """Run one step more than the rest of the job, which has already left the training loop.
+
+    The step's first communication with a rank outside this group never
+    completes: that rank sits in the closing barrier, a different collective.
+    """
+    run_step(step)
 
 
 def drill_injected_checkpoint_stall() -> None:
@@ -136,6 +173,8 @@ class StepData:
         if self.plan.hits(self.rank, step):
             if self.plan.name == "dataloader-stall" and step == self.plan.step:
                 drill_injected_dataloader_stall()
+            elif self.plan.name == "dataloader-deadlock" and step == self.plan.step:
+                drill_injected_dataloader_deadlock()
             elif self.plan.name == "slow-dataloader":
                 drill_injected_slow_dataloader(self.plan.delay_ms / 1000.0)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + self.dp_rank)
@@ -455,29 +494,38 @@ def train(args: argparse.Namespace) -> int:
         (run_dir / "loss").mkdir(exist_ok=True)
         loss_log = open(run_dir / "loss" / f"rank{rank}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
     write_progress(run_dir, rank, start, "running")
+    desync = desync_ranks(plan, layout)
+
+    def run_step(step: int) -> None:
+        injector.step = step
+        torch.manual_seed(args.seed * 7919 + step)
+        injector.at_step_start()
+        if code is not None:  # hot-update hook: the version's learning-rate factor (v1: exactly 1.0)
+            for group in optimizer.param_groups:
+                group["lr"] = code.lr(args.lr, step)
+        x, y = next(batches)
+        loss = m.train_step(model, optimizer, x, y, micro_batches=args.micro_batches, hidden=args.hidden,
+                            compute_hook=injector.after_compute, before_compute=injector.before_compute)
+        done = step + 1
+        if loss_log is not None and loss is not None:
+            record: dict[str, Any] = {"step": done, "loss": loss.hex(), "value": loss}
+            if code is not None:  # hot-update hook: which code computed this step
+                record["code"] = code.version
+            loss_log.write(json.dumps(record) + "\n")
+            loss_log.flush()
+        if args.checkpoint_every > 0 and done % args.checkpoint_every == 0:
+            buf = io.BytesIO()
+            torch.save({"step": done, "model": model.state_dict(), "optim": optimizer.state_dict()}, buf)
+            writer.save(done, buf.getvalue())
+        write_progress(run_dir, rank, done, "running")
     try:
         for step in range(start, args.steps):
-            injector.step = step
-            torch.manual_seed(args.seed * 7919 + step)
-            injector.at_step_start()
-            if code is not None:  # hot-update hook: the version's learning-rate factor (v1: exactly 1.0)
-                for group in optimizer.param_groups:
-                    group["lr"] = code.lr(args.lr, step)
-            x, y = next(batches)
-            loss = m.train_step(model, optimizer, x, y, micro_batches=args.micro_batches, hidden=args.hidden,
-                                compute_hook=injector.after_compute, before_compute=injector.before_compute)
-            done = step + 1
-            if loss_log is not None and loss is not None:
-                record: dict[str, Any] = {"step": done, "loss": loss.hex(), "value": loss}
-                if code is not None:  # hot-update hook: which code computed this step
-                    record["code"] = code.version
-                loss_log.write(json.dumps(record) + "\n")
-                loss_log.flush()
-            if args.checkpoint_every > 0 and done % args.checkpoint_every == 0:
-                buf = io.BytesIO()
-                torch.save({"step": done, "model": model.state_dict(), "optim": optimizer.state_dict()}, buf)
-                writer.save(done, buf.getvalue())
-            write_progress(run_dir, rank, done, "running")
+            if step == plan.step and desync:
+                # The desync fault: its group runs this step too, everyone else has left the loop.
+                if rank in desync:
+                    drill_injected_desync(run_step, step)
+                break
+            run_step(step)
         dist.barrier()
         write_progress(run_dir, rank, args.steps, "done")
     finally:
@@ -486,6 +534,13 @@ def train(args: argparse.Namespace) -> int:
         writer.close()
     dist.destroy_process_group()
     return 0
+
+
+def desync_ranks(plan: FaultPlan, layout: DrillLayout) -> frozenset[int]:
+    """The ranks that run one step more under the desync fault (none for any other fault)."""
+    if plan.name != "desync" or plan.group is None:
+        return frozenset()
+    return frozenset(layout.group_of(plan.group, plan.rank))
 
 
 def run_noise() -> int:
