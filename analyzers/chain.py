@@ -420,7 +420,7 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: fr
     roots.sort(key=lambda r: (-len(r.victims), r.rank))
     explained = {v for r in roots for v in r.victims}
     lost = {r for r in collective | p2p if r not in explained}
-    desyncs = _desyncs(views, groups, lost)
+    desyncs = _merge_alike(_desyncs(views, groups, lost))
     in_desync = {r for d in desyncs for r in (*d.ranks, *d.victims)}
     unexplained = tuple(sorted(r for r in lost if r not in in_desync))
     return Chain(views=views, roots=tuple(roots), desyncs=tuple(desyncs), unexplained=unexplained)
@@ -469,23 +469,35 @@ def _desyncs(views: Mapping[int, RankView], groups: _Groups, lost: set[int]) -> 
         candidates.append(("world", groups.world))
     candidates.sort(key=lambda kg: (len(kg[1]), kg[1]))  # the smallest group that shows it
     taken: set[int] = set()
+    site_ranks: dict[str, set[int]] = {}  # call site -> the unexplained ranks of the whole job there
+    for r in lost:
+        v = views.get(r)
+        if v is not None:
+            site_ranks.setdefault(v.site, set()).add(r)
+    job_wide = {site: len(ranks) for site, ranks in site_ranks.items()}
     for kind, group in candidates:
         if group in seen or taken & set(group) or len(group) < 2:
             continue
         seen.add(group)
         members = [views.get(m) for m in group]
-        if any(m is None or m.state is not RankState.COLLECTIVE or m.rank not in lost for m in members):
+        # Ranks a step ahead may block in their pipeline send/recv rather than a collective.
+        if any(m is None or m.state not in (RankState.COLLECTIVE, RankState.P2P) or m.rank not in lost
+               for m in members):
             continue
         by_site: dict[str, list[int]] = {}
         for m in members:
             assert m is not None
             by_site.setdefault(m.site, []).append(m.rank)
-        if len(by_site) < 2:
+        if len(by_site) < 2 or not all(_p2p_site_is_a_step_ahead(views, groups, site_ranks[site])
+                                       for site in by_site):
             continue
         # A site whose ranks complete a smaller group is a call on that group, not a mismatch on this one.
         if all(_complete_elsewhere(views, groups, kind, ranks, site) for site, ranks in by_site.items()):
             continue
-        sites = sorted(by_site.items(), key=lambda kv: (-len(kv[1]), kv[0] == BACKWARD_SITE, min(kv[1])))
+        # On a tie within a small group, the call site most unexplained ranks of the whole job share is
+        # the majority's (two-rank groups split 1-1; the job as a whole says which side strayed).
+        sites = sorted(by_site.items(), key=lambda kv: (-len(kv[1]), -job_wide.get(kv[0], 0),
+                                                        kv[0] == BACKWARD_SITE, min(kv[1])))
         tie = len(sites[1][1]) == len(sites[0][1])
         odd = sorted(r for _, ranks in sites[1:] for r in ranks)
         out.append(Desync(group_kind="world" if group == groups.world else kind, group=group, ranks=tuple(odd),
@@ -493,6 +505,46 @@ def _desyncs(views: Mapping[int, RankView], groups: _Groups, lost: set[int]) -> 
                           sites=tuple((s, tuple(sorted(r))) for s, r in sites), tie=tie))
         taken.update(group)
     return out
+
+
+def _merge_alike(desyncs: list[Desync]) -> list[Desync]:
+    """Desyncs of groups of one kind with the same call sites are one mismatch, told once.
+
+    Two ranks of a tensor-parallel pair a step ahead split each of their two data-parallel pairs:
+    that is one group of ranks off the majority's path, not two separate suspects.
+    """
+    merged: dict[tuple[str, tuple[str, ...]], list[Desync]] = {}
+    for d in desyncs:
+        merged.setdefault((d.group_kind, tuple(site for site, _ in d.sites)), []).append(d)
+    out: list[Desync] = []
+    for (kind, names), alike in merged.items():
+        if len(alike) == 1:
+            out.append(alike[0])
+            continue
+        sites = tuple((name, tuple(sorted({r for d in alike for r in dict(d.sites)[name]}))) for name in names)
+        out.append(Desync(group_kind=kind, group=tuple(sorted({r for d in alike for r in d.group})),
+                          ranks=tuple(sorted({r for d in alike for r in d.ranks})),
+                          victims=tuple(sorted({r for d in alike for r in d.victims})),
+                          sites=sites, tie=any(d.tie for d in alike)))
+    return out
+
+
+def _p2p_site_is_a_step_ahead(views: Mapping[int, RankView], groups: _Groups, ranks: set[int]) -> bool:
+    """Ranks blocked in send/recv count toward a desync only as whole groups that moved on together.
+
+    Ranks that run a step more than the rest block in that step's pipeline traffic, and they do it
+    as whole tensor/context/expert/data-parallel groups (their members execute in lockstep). A lone
+    rank in recv while its group peers are elsewhere is a pipeline wait (Fig. 7's shape), not a
+    desync: the layout score decides that one.
+    """
+    if not any((v := views.get(r)) is not None and v.state is RankState.P2P for r in ranks):
+        return True
+    at_site = ranks
+    for r in ranks:
+        whole = [g for k in groups.kinds if k != "pp" and len(g := groups.group(k, r)) >= 2 and set(g) <= at_site]
+        if not whole:
+            return False
+    return True
 
 
 def _complete_elsewhere(views: Mapping[int, RankView], groups: _Groups, kind: str, ranks: list[int],

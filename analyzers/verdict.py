@@ -118,6 +118,10 @@ def headline(s: Suspect) -> str:
     """One line naming a suspect: ``rank 5 on machine-2``, ``PP group 3 (ranks 6,14) on machine-3, machine-7``."""
     where = compact_machines(s.machines) or "unknown machines"
     kind = str(s.kind)
+    if kind == "desync":
+        return f"desync: ranks {compact_ranks(s.ranks)} on {where} are in a different collective from their peers"
+    if kind == "rank" and len(s.ranks) == 1 and s.victims:
+        return f"rank {s.ranks[0]} on {where} ({s.state}; {len(s.victims)} ranks wait on it)"
     if kind == "rank" and len(s.ranks) == 1:
         return f"rank {s.ranks[0]} on {where}"
     if kind == "machine":
