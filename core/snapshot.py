@@ -144,6 +144,12 @@ class RankInfo:
     master_port: int | None = None
     process: ProcessInfo | None = None
     subprocesses: tuple[ProcessInfo, ...] = ()
+    # Kept by the agent (rankscope.rank_progress), so every client, attached early or late, reads the same job
+    # state: when this process last made progress (a step or a collective completed; without counters, its
+    # stack changed between captures), None while it has made none yet (importing, at rendezvous); and when
+    # the process started (wall clock of its machine).
+    last_progress_wall: float | None = None
+    started_wall: float | None = None
 
 
 # --------------------------------------------------------------------------
@@ -248,6 +254,7 @@ class RankCounters:
     ops: tuple[OpCounters, ...] = ()
     steps: int | None = None  # optimizer steps seen by the plugin, if any
     last_step_duration_s: float | None = None
+    last_step_wall: float | None = None  # when the plugin saw the rank's last optimizer step end
     stale: bool = False
     stale_reason: str | None = None
     error: str | None = None  # corrupt or truncated file: what is wrong and what to do
@@ -273,6 +280,10 @@ class MachineSnapshot:
     gpus: GpuStatus | None = None
     counters: tuple[RankCounters, ...] = ()
     error: CaptureError | None = None
+    # The agent's memory of its job (rankscope.rank_progress): launches of the job's ranks it has seen on this
+    # machine (a new set of pids is a new one), and when it last saw any rank of the job here.
+    generation: int | None = None
+    ranks_seen_wall: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

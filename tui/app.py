@@ -100,6 +100,7 @@ class RankscopeApp(App[int]):
         self.loaded = asyncio.Event()  # set once the initial snapshots are on screen
         self._capturing = False
         self._hang_captured_for: float | None = None
+        self._capture_after_start = False  # the job restarted: capture once its ranks have made their first step
         self.actions = ActionController(self)  # the action keys and the agents' audit log
         if not self.options.read_only:
             for key, action, description in ACTION_KEYS:
@@ -197,8 +198,14 @@ class RankscopeApp(App[int]):
         restarts = self.state.restarts
         self.state = st.apply_snapshot(self.state, message.digest, self._now(message.digest.wall),
                                        self.options.hang_after_s)
-        if self.state.restarts != restarts and self.source.live and not self._capturing:
-            # The stacks on screen are of processes that are gone: look at the new ones.
+        if self.state.restarts != restarts and self.source.live:
+            # The stacks on screen are of processes that are gone: look at the new ones, but only once they
+            # have made a step -- ranks importing or at rendezvous are no steady state to compare.
+            self._capture_after_start = True
+        clock = self.state.clock
+        if self._capture_after_start and not self._capturing and (
+                clock is None or (clock.progress_mark is not None and not clock.starting)):
+            self._capture_after_start = False
             self.action_capture()
         for m in self.state.machines:
             if before.get(m.name) is True and not m.reachable and not m.evicted:
