@@ -108,5 +108,5 @@ class ProgressTracker:
             out.append(replace(info, last_progress_wall=known.progress_wall, started_wall=known.started_wall))
         if machine.ranks:
             self.ranks_seen_wall = now
-        return replace(machine, ranks=tuple(out), generation=self.generation or None,
+        return replace(machine, ranks=tuple(out), generation=self.generation,
                        ranks_seen_wall=self.ranks_seen_wall)

@@ -73,6 +73,8 @@ def test_new_pids_are_a_new_generation_that_has_made_no_progress_yet() -> None:
     assert third.ranks_seen_wall == 520.0
     gone = t.observe(reading(600.0, {}))
     assert gone.generation == 2 and gone.ranks_seen_wall == 520.0  # when the job's ranks were last seen here
+    never = ProgressTracker(started).observe(reading(600.0, {}))
+    assert never.generation == 0 and never.ranks_seen_wall is None  # an agent up with no ranks of its job yet
 
 
 def test_without_counters_a_changed_stack_between_captures_is_progress() -> None:

@@ -8,6 +8,8 @@ every view, attached early or late, computes its header from.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from rankscope.snapshot import (
     Frame,
@@ -16,6 +18,7 @@ from rankscope.snapshot import (
     MachineSnapshot,
     ProcessRole,
     ProcessStack,
+    RankCounters,
     RankInfo,
     RankStacks,
     ThreadStack,
@@ -42,13 +45,16 @@ def snap(wall: float, *, progress: float | None, started: float = T0 - 100, pids
             continue
         infos = tuple(RankInfo(r, r % 2, 4, pids + r, last_progress_wall=progress, started_wall=started)
                       for r in (2 * i, 2 * i + 1)) if ranks else ()
+        # The plugin's step counters: they tell a rank before its first step from one whose state is unknown.
+        counters = tuple(RankCounters(r.rank, r.pid, 4, None, None, steps=0 if progress is None else 9,
+                                      last_step_wall=progress) for r in infos)
         st_ = ()
         if stacks is not None and ranks:
             st_ = tuple(RankStacks(r.rank, ProcessStack(r.pid, ProcessRole.MAIN, (ThreadStack(
                 1, (Frame("recv" if r.rank == 3 else stacks, "train.py", 5), Frame("main", "train.py", 1)),
                 "MainThread"),))) for r in infos)
         ms.append(MachineSnapshot(name, address, True, Instant(wall, wall - T0), ranks=infos, stacks=st_,
-                                  generation=1, ranks_seen_wall=wall if ranks else seen))
+                                  counters=counters, generation=1, ranks_seen_wall=wall if ranks else seen))
     return JobSnapshot(Instant(wall, wall - T0), (*ms, *extra))
 
 
@@ -70,8 +76,10 @@ def test_a_view_attached_late_says_what_the_view_that_watched_says_within_a_poll
     # Steps until T0+10, then nothing: the early view watched it all, the late one attaches at T0+190.
     early = fold([snap(T0 + i, progress=T0 + min(i, 10)) for i in range(0, 191)])
     late = fold([snap(T0 + 190, progress=T0 + 10)])
-    assert st.health(early) == st.health(late)
-    assert st.health(late).kind == "hung" and st.health(late).text == "hung since 22:13:30 (180 s)"
+    assert st.health(early) == st.health(late)  # from its first poll on
+    late = fold([snap(T0 + 191, progress=T0 + 10)], late)
+    early = fold([snap(T0 + 191, progress=T0 + 10)], early)
+    assert st.health(late).kind == "hung" and st.health(late).text == "hung since 22:13:30 (181 s)"
     assert header(early) == header(late)
     assert header(late).startswith("HUNG since 22:13:30")
     # Before the hang passes --hang-after a late view reads "progressing" from the agents, not its own window.
@@ -108,6 +116,23 @@ def test_a_verdict_goes_stale_when_the_job_progresses_restarts_or_finishes() -> 
 
 def test_a_capture_of_ranks_still_starting_is_never_a_steady_state_verdict() -> None:
     s = fold([snap(T0 + 5, progress=None, started=T0), snap(T0 + 6, progress=None, started=T0, stacks="import")])
+    assert s.verdict is not None and s.verdict.starting == (0, 1, 2, 3)
+    assert st.verdict_stale(s) == "taken while ranks 0-3 were still starting"
+
+
+def test_without_counters_a_rank_that_never_stepped_is_unknown_unless_its_stack_shows_it_starting() -> None:
+    bare = snap(T0 + 5, progress=None, started=T0)
+    bare = replace(bare, machines=tuple(replace(m, counters=()) for m in bare.machines))
+    s = fold([bare])
+    assert st.health(s).kind == "unknown" and "no counters" in st.health(s).text
+    assert not any(e.kind == "hung" for e in fold([replace(bare, captured=Instant(T0 + 90, 90.0))]).events)
+    # Its stack in the import machinery says what the counters could not: a capture of it is no steady state.
+    importing = snap(T0 + 6, progress=None, started=T0, stacks="x")
+    frames = (Frame("_find_spec", "<frozen importlib._bootstrap>", 1), Frame("main", "train.py", 1))
+    importing = replace(importing, machines=tuple(replace(m, counters=(), stacks=tuple(
+        replace(rs, main=replace(rs.main, threads=(ThreadStack(1, frames, "MainThread"),))) for rs in m.stacks))
+        for m in importing.machines))
+    s = fold([importing], s)
     assert s.verdict is not None and s.verdict.starting == (0, 1, 2, 3)
     assert st.verdict_stale(s) == "taken while ranks 0-3 were still starting"
 

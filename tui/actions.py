@@ -474,4 +474,5 @@ class ActionController:
                     self.app.state = st.apply_failure(self.app.state, "action", audit_line_text(record), record.when)
                     if record.kind == ActionKind.EVICT and record.result == ActionState.SUCCEEDED.value:
                         self.app.state = st.apply_evicted(self.app.state, record.machines, record.when)
+                        self.app.retire_machines(record.machines)
             self._redraw()

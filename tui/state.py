@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import numpy as np
-from rankscope.snapshot import GpuMetrics, HostMetrics, JobSnapshot, Layout, MachineSnapshot
+from rankscope.snapshot import GpuMetrics, HostMetrics, JobSnapshot, Layout, MachineSnapshot, RankStacks
 from rankscope.tui.analysis import StackView, format_ranks
 
 HISTORY = 60  # points kept for sparklines (one per poll, about a minute at 1 Hz)
@@ -53,7 +53,10 @@ class MachineView:
     progress_age_s: float | None = None
     start_mark: float | None = None  # the youngest of its rank processes started then
     start_age_s: float | None = None
-    starting: tuple[int, ...] = ()  # ranks with no progress yet in their current process
+    # Ranks with no progress yet in their current process: known to be starting (their counters show no step
+    # yet, or their stack is in imports or at rendezvous), or of unknown state (no counters, no stack change).
+    starting: tuple[int, ...] = ()
+    unknown: tuple[int, ...] = ()
     seen_mark: float | None = None  # when it last saw a rank of the job
     seen_age_s: float | None = None
 
@@ -155,7 +158,7 @@ class PollDigest:
 def _machine_view(m: MachineSnapshot) -> MachineView:
     err = None
     if m.error is not None:
-        err = f"{m.error.kind.value}: {m.error.message}"
+        err = m.error.message  # its first words say what happened (token refused, nothing listening, ...)
     gpus: tuple[GpuMetrics, ...] = ()
     note = None
     if m.gpus is not None:
@@ -171,14 +174,33 @@ def _machine_view(m: MachineSnapshot) -> MachineView:
                            tuple(r.pid for r in ranks))
     progress = max((r.last_progress_wall for r in ranks if r.last_progress_wall is not None), default=None)
     start = max((r.started_wall for r in ranks if r.started_wall is not None), default=None)
+    pid_of = {r.rank: r.pid for r in ranks}
+    known = {c.rank for c in m.counters if not c.error and c.pid in (None, pid_of.get(c.rank))}
+    known |= {s.rank for s in m.stacks if starting_stack(s)}
+    quiet = [r.rank for r in ranks if r.last_progress_wall is None]
     return MachineView(
         m.machine, m.address, m.reachable, err, tuple(r.rank for r in ranks), m.host, gpus, note,
         tuple(r.pid for r in ranks), clock_info=True,
         progress_mark=progress, progress_age_s=None if progress is None else max(0.0, wall - progress),
         start_mark=start, start_age_s=None if start is None else max(0.0, wall - start),
-        starting=tuple(r.rank for r in ranks if r.last_progress_wall is None),
+        starting=tuple(r for r in quiet if r in known), unknown=tuple(r for r in quiet if r not in known),
         seen_mark=m.ranks_seen_wall, seen_age_s=None if m.ranks_seen_wall is None else max(0.0, wall - m.ranks_seen_wall),
     )
+
+
+# Where a rank's main thread is while its process is still starting: importing modules, or meeting the others.
+_STARTUP_FILES = ("<frozen importlib",)
+_STARTUP_FUNCTIONS = frozenset({"init_process_group", "rendezvous", "_store_based_barrier", "next_rendezvous",
+                                "_rendezvous_helper", "_create_tcp_store", "_init_process_group_helper"})
+
+
+def starting_stack(stacks: RankStacks) -> bool:
+    """Whether a rank's stack shows it still starting (not a steady state to compare with the others')."""
+    threads = stacks.main.threads or ()
+    main = next((t for t in threads if t.thread_name == "MainThread"), threads[0] if threads else None)
+    if main is None:
+        return False
+    return any(f.filename.startswith(_STARTUP_FILES) or f.name in _STARTUP_FUNCTIONS for f in main.frames)
 
 
 _KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
@@ -311,7 +333,8 @@ class JobClock:
     progress_age_s: float | None
     start_mark: float | None  # the youngest rank process started then
     start_age_s: float | None
-    starting: tuple[int, ...]  # ranks with no progress yet in their current process
+    starting: tuple[int, ...]  # ranks known to be before their first step (MachineView.starting)
+    unknown: tuple[int, ...]  # ranks with no progress and no way to tell (no counters, no stack change yet)
     seen_mark: float | None  # ranks were last seen then (for a job with none running now)
     seen_age_s: float | None
 
@@ -334,7 +357,8 @@ def job_clock(machines: Sequence[MachineView]) -> JobClock | None:
     start = _latest((m.start_mark, m.start_age_s) for m in running)
     seen = _latest((m.seen_mark, m.seen_age_s) for m in ms)
     starting = tuple(sorted(r for m in running for r in m.starting))
-    return JobClock(bool(running), *progress, *start, starting, *seen)
+    unknown = tuple(sorted(r for m in running for r in m.unknown))
+    return JobClock(bool(running), *progress, *start, starting, unknown, *seen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,7 +482,8 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
             hung_reported = False
         last_progress = clock.progress_mark
         age = clock.progress_age_s if clock.progress_mark is not None else clock.start_age_s
-        if clock.running and not moved and not hung_reported and age is not None and age >= hang_after_s:
+        known = clock.progress_mark is not None or bool(clock.starting)  # else: nothing tells a hang from a start
+        if clock.running and known and not moved and not hung_reported and age is not None and age >= hang_after_s:
             since = clock.progress_mark if clock.progress_mark is not None else clock.start_mark
             events.append(Event(now_wall, "hung", f"no progress since {fmt_time(since)}"))
             hung_reported = True
@@ -506,7 +531,7 @@ def _mark_evicted(machines: tuple[MachineView, ...], evicted: frozenset[str],
     if not out:
         return machines
     kept = tuple(m for m in machines if not (m.name in evicted or m.address in addresses))
-    gone = tuple(replace(m, evicted=True, ranks=(), pids=(), starting=()) for m in out)
+    gone = tuple(replace(m, evicted=True, ranks=(), pids=(), starting=(), unknown=()) for m in out)
     return kept + gone
 
 
@@ -578,6 +603,10 @@ def verdict_stale(state: AppState) -> str | None:
         return None
     if state.restarts > mark.restarts:
         return "the job restarted after this capture"
+    evicted = state.evicted | {m.name for m in state.machines if m.evicted}
+    acted = sorted({m for s in state.stacks.verdict.suspects for m in s.machines} & evicted)
+    if acted:
+        return f"its suspects {' '.join(acted)} were evicted"
     job = [m for m in state.job_machines if m.reachable]
     if job and not any(m.ranks for m in job):
         return "the job has no ranks running now"
@@ -629,6 +658,9 @@ def _clock_health(clock: JobClock, hang_after_s: float) -> Health | None:
         return Health("finished", f"finished: no ranks running since {fmt_time(clock.seen_mark)}")
     if clock.progress_mark is None or clock.progress_age_s is None:
         age = clock.start_age_s
+        if not clock.starting:
+            return Health("unknown", "progress unknown: no counters (CCL plugin not loaded?) and no stack "
+                          "change between captures yet")
         if age is not None and age >= hang_after_s:
             return Health("hung", f"hung since its start at {fmt_time(clock.start_mark)} ({age:.0f} s): "
                           "no rank has made a step")
@@ -644,7 +676,8 @@ def health(state: AppState, hang_after_s: float = 30.0) -> Health:
     job = state.job_machines
     running = [m for m in job if m.reachable]
     if job and not running:
-        return Health("unknown", "no agent of the job answers (see the machines' errors)")
+        first = next((m.error for m in job if m.error), None)
+        return Health("unknown", f"no agent answers: {first}" if first else "no agent of the job answers")
     clock = state.clock
     if clock is not None:
         clocked = _clock_health(clock, hang_after_s)

@@ -82,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
     from rankscope.tokens import load_client_token
 
     agents = resolve_agents(args.agents, args.hostfile, default_port=args.port)
+    if args.hostfile is not None:
+        from rankscope.agents_spec import hostfile_members
+
+        # Followed while attached: agents added to it are asked, ones marked evicted are shown as such.
+        options["hostfile"] = args.hostfile
+        options["evicted"] = hostfile_members(args.hostfile, default_port=args.port)[1]
     if not agents:
         raise RankscopeError("no agents given", "pass --agents host:port[,...], --hostfile FILE, or --bundle FILE")
     if args.read_only:

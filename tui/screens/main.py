@@ -48,7 +48,7 @@ class MainScreen(Screen[None]):
                 yield FailSlowPanel(id="failslow-panel")
         yield Input(placeholder="filter: rank (12, 8-15), machine name or frame text; enter applies, esc closes",
                     id="filter-input")
-        yield Footer()
+        yield Footer(compact=True)
 
     def __init__(self) -> None:
         super().__init__()
