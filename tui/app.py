@@ -203,7 +203,7 @@ class RankscopeApp(App[int]):
             retire(addresses)
 
     def on_snapshot_received(self, message: SnapshotReceived) -> None:
-        evicted = getattr(self.source, "evicted_addresses", frozenset())
+        evicted: frozenset[str] = getattr(self.source, "evicted_addresses", frozenset())
         if evicted - self.state.evicted_addresses:  # a re-read hostfile marked agents evicted
             self.state = st.apply_evicted(self.state, (), self.clock(), evicted)
         before = {m.name: m.reachable for m in self.state.machines}
