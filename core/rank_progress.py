@@ -13,9 +13,9 @@ Progress of one rank (one process: a new pid starts from nothing):
 - counters present: its last optimizer step (or, for a writer that counts
   no steps, its last completed collective), as the plugin stamped it (exact,
   even for an agent started late);
-- no counters: the time of the first reading whose main-thread stack
-  differs from the one before (only captures carry stacks, so this moves at
-  capture pace).
+- no counters: when a capture finds the main-thread stack changed since the
+  capture before, the time of that earlier capture (it moved after then;
+  only captures carry stacks, so this moves at capture pace).
 
 A generation is one launch of the job's ranks on this machine: a reading
 where none of the ranks seen before keeps its pid (the launcher restarted
@@ -69,6 +69,7 @@ class _Rank:
     started_wall: float | None
     progress_wall: float | None = None
     signature: tuple[str, ...] | None = None
+    signature_wall: float | None = None
 
 
 class ProgressTracker:
@@ -96,15 +97,19 @@ class ProgressTracker:
             if known is None or known.pid != info.pid:
                 known = self._ranks[info.rank] = _Rank(info.pid, self._started_of(info.pid))
             c = counters.get(info.rank)
-            if c is not None and c.pid in (None, info.pid):
+            counted = c is not None and c.pid in (None, info.pid)
+            if c is not None and counted:
                 mark = counters_progress_wall(c)
                 if mark is not None and (known.started_wall is None or mark >= known.started_wall):
                     known.progress_wall = max(known.progress_wall or mark, mark)
             s = stacks.get(info.rank)
-            if s is not None and (sig := stack_signature(s)) is not None:
-                if known.signature is not None and sig != known.signature:
-                    known.progress_wall = max(known.progress_wall or now, now)
-                known.signature = sig
+            if not counted and s is not None and (sig := stack_signature(s)) is not None:
+                # The stack moved some time after the earlier capture: that capture's time is what is known.
+                # (With counters they alone decide: two captures minutes apart of a hung rank differ from a
+                # healthy one's, and calling that progress "now" hid a hang from a view attached late.)
+                if known.signature is not None and sig != known.signature and known.signature_wall is not None:
+                    known.progress_wall = max(known.progress_wall or known.signature_wall, known.signature_wall)
+                known.signature, known.signature_wall = sig, now
             out.append(replace(info, last_progress_wall=known.progress_wall, started_wall=known.started_wall))
         if machine.ranks:
             self.ranks_seen_wall = now

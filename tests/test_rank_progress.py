@@ -82,7 +82,15 @@ def test_without_counters_a_changed_stack_between_captures_is_progress() -> None
     a = t.observe(reading(150.0, {0: 10}, st=(stack(0, 10, "forward"),)))
     assert a.ranks[0].last_progress_wall is None  # one stack says nothing
     b = t.observe(reading(160.0, {0: 10}, st=(stack(0, 10, "backward"),)))
-    assert b.ranks[0].last_progress_wall == 160.0
+    assert b.ranks[0].last_progress_wall == 150.0  # it moved after the capture of 150
     c = t.observe(reading(170.0, {0: 10}, st=(stack(0, 10, "backward"),)))  # stuck in the same frame
     d = t.observe(reading(175.0, {0: 10}))  # a poll: no stacks, nothing learnt
-    assert c.ranks[0].last_progress_wall == d.ranks[0].last_progress_wall == 160.0
+    assert c.ranks[0].last_progress_wall == d.ranks[0].last_progress_wall == 150.0
+
+
+def test_with_counters_a_changed_stack_is_no_progress() -> None:
+    """A capture of a hung rank differs from one taken while it trained: the counters alone say it is stuck."""
+    t = ProgressTracker(started)
+    t.observe(reading(150.0, {0: 10}, (counters(0, 10, 149.0, None),), st=(stack(0, 10, "forward"),)))
+    hung = t.observe(reading(400.0, {0: 10}, (counters(0, 10, 160.0, None),), st=(stack(0, 10, "recv"),)))
+    assert hung.ranks[0].last_progress_wall == 160.0
