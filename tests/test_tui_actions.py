@@ -539,3 +539,19 @@ def test_the_actions_summary_sizes_the_pool_lists_standbys_on_hand_and_the_updat
     assert "started" not in history  # only how each ended
     assert "no agent answered — reconnecting" in text
     assert "[read-only]" in summary_text(state, log, read_only=True, daily_failure_rate=0.0012).plain
+
+
+async def test_at_80x24_the_footer_keeps_every_action_key_and_the_stack_tree_its_width() -> None:
+    app = RankscopeApp(RecordingSource(), AppOptions())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, app.loaded.is_set, what="the bundle")
+        await until(pilot, lambda: "s Capture" in screen_text(app), what="the footer")
+        footer = next(line for line in screen_text(app).splitlines() if "s Capture" in line)
+        for key in ("e Evict", "u Update", "b Backup", "s Capture", "? Help", "q Quit"):
+            assert key in footer, footer
+        await pilot.press("2")
+        await until(pilot, lambda: "diverges at" in screen_text(app), what="the stacks view")
+        text = screen_text(app)
+        # The tree has the whole width (the comparison went under it): a deep frame is not cut to "└── ▼ _fi".
+        assert "└── ▼ train_step (train.py)  [32: 0-31]" in text, text
+        assert "group B diverges at forward_step (schedules.py)" in text
