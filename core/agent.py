@@ -232,7 +232,8 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         """Read the ranks whenever no client did for ``interval_s``, so the progress memory stays current."""
         while True:
             idle = time.monotonic() - self.last_reading_mono
-            if idle >= interval_s:
+            # Not while a capture runs: its py-spy calls hold the worker threads, and it is a reading itself.
+            if idle >= interval_s and not self._stack_lock.locked():
                 try:
                     await self.capture(stacks=False)
                 except asyncio.CancelledError:

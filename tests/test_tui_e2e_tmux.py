@@ -78,7 +78,18 @@ def wait_screen(session: str, cond: Callable[[str], bool], timeout_s: float, wha
         if cond(text):
             return text
         time.sleep(0.5)
-    raise AssertionError(f"{what} not on screen within {timeout_s:.0f} s; last screen:\n{text}")
+    others = "".join(f"\n--- window {w}:\n{screen(w)}" for w in windows(session.split(":")[0]))
+    raise AssertionError(f"{what} not on screen within {timeout_s:.0f} s; last screen:\n{text}{others}")
+
+
+def windows(session: str) -> list[str]:
+    return [f"{session}:{w}" for w in tmux("list-windows", "-t", session, "-F", "#I").stdout.split()]
+
+
+def pane_dead(target: str) -> bool:
+    """The pane's command ended (panes stay, with what the command printed last: a crash shows its traceback)."""
+    got = tmux("display-message", "-p", "-t", target, "#{pane_dead}")
+    return got.returncode != 0 or got.stdout.strip() == "1"
 
 
 @pytest.fixture
@@ -95,13 +106,15 @@ def drill_in_tmux(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     started = tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "48", "-e", "TERM=xterm-256color",
                    shlex.join(cmd))
     assert started.returncode == 0, started.stderr
+    # A pane whose command ends stays on screen: a TUI that crashed leaves its traceback for the assertion.
+    tmux("set-option", "-w", "-t", f"{session}:0", "remain-on-exit", "on")
     try:
         yield session, run_dir
     finally:
         # Quit the TUI the way a person would; the drill then stops its job and agents.
-        tmux("send-keys", "-t", session, "q")
+        tmux("send-keys", "-t", f"{session}:0", "q")
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and tmux("has-session", "-t", session).returncode == 0:
+        while time.monotonic() < deadline and not pane_dead(f"{session}:0"):
             time.sleep(0.5)
         tmux("kill-session", "-t", session)  # sends SIGHUP: the drill's handler stops what is left
         deadline = time.monotonic() + 30
@@ -242,6 +255,7 @@ def _drive_and_check(session: str, run_dir: Path,
     started = tmux("new-window", "-d", "-t", session, "-n", "pair",
                    f"env -u COLUMNS -u LINES PATH=/usr/bin:/bin {printed}")
     assert started.returncode == 0, started.stderr
+    tmux("set-option", "-w", "-t", pair, "remain-on-exit", "on")
     text = wait_screen(pair, lambda t: "[read-only]" in t and "6/6 machines" in t and "polled" in t, 90,
                        "the read-only TUI")
     assert "e Evict" not in text and "b Backup" not in text  # no action keys in a read-only session
@@ -352,8 +366,7 @@ def _drive_and_check(session: str, run_dir: Path,
 
     # Quitting the read-only view leaves the drill and the main view running.
     tmux("send-keys", "-t", pair, "q")
-    wait_until(lambda: "pair" not in tmux("list-windows", "-t", session, "-F", "#W").stdout, 30,
-               "the read-only view did not quit")
+    wait_until(lambda: pane_dead(pair), 30, "the read-only view did not quit")
     time.sleep(5)  # the drill stopped about 2 s after the read-only view quit, once; give it the chance to
     assert processes_under(run_dir), "the drill stopped when the read-only view quit"
     assert tmux("has-session", "-t", session).returncode == 0

@@ -162,3 +162,14 @@ def test_evicted_machines_are_evicted_in_every_view_never_lost() -> None:
         line = header(view)
         assert "1/1 machines 1 evicted" in line and "lost" not in line, line
         assert [e.kind for e in view.events if e.kind == "lost"] == []
+
+
+def test_agents_of_the_ranks_not_answering_is_not_a_job_without_ranks() -> None:
+    standby = MachineSnapshot("standby-0", "127.0.0.1:59999", True, Instant(T0 + 5, 5.0), generation=0)
+    s = fold([snap(T0 + i, progress=T0 + i, extra=(standby,)) for i in range(3)])
+    s = fold([snap(T0 + 5, progress=None, ranks=False, stacks=None, extra=(standby,),
+                   unreachable=MACHINES)], s)
+    h = st.health(s)
+    assert h.kind == "unknown" and h.text.startswith("the agents of the job's ranks do not answer (2)"), h
+    assert "no ranks running" not in h.text
+

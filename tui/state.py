@@ -608,7 +608,8 @@ def verdict_stale(state: AppState) -> str | None:
     if acted:
         return f"its suspects {' '.join(acted)} were evicted"
     job = [m for m in state.job_machines if m.reachable]
-    if job and not any(m.ranks for m in job):
+    silent = any(m.ranks for m in state.job_machines if not m.reachable)  # lost agents keep their last ranks
+    if job and not silent and not any(m.ranks for m in job):
         return "the job has no ranks running now"
     if mark.starting:
         return f"taken while ranks {format_ranks(mark.starting, 4)} were still starting"
@@ -678,7 +679,12 @@ def health(state: AppState, hang_after_s: float = 30.0) -> Health:
     if job and not running:
         first = next((m.error for m in job if m.error), None)
         return Health("unknown", f"no agent answers: {first}" if first else "no agent of the job answers")
+    silent = [m for m in job if not m.reachable and m.ranks]
     clock = state.clock
+    if silent and not any(m.ranks for m in running):
+        # The ranks live on machines whose agents do not answer now: nothing can be said about the job.
+        return Health("unknown", f"the agents of the job's ranks do not answer ({len(silent)}): "
+                      f"{silent[0].error or 'no answer'}")
     if clock is not None:
         clocked = _clock_health(clock, hang_after_s)
         if clocked is not None:
