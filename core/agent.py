@@ -75,9 +75,10 @@ MIN_STREAM_INTERVAL_S = 0.2  # a client cannot make the agent spin
 MAX_PYSPY_TIMEOUT_S = 60.0
 DEFAULT_PYSPY_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# The agent reads its ranks at least this often on its own, so when they last progressed is known to a client
-# that attaches later (rankscope.rank_progress); a client's polls count as readings.
-WATCH_INTERVAL_S = 1.0
+# The agent reads its ranks at least this often on its own, so a client that attaches later finds its memory
+# current (rankscope.rank_progress): new pids, when ranks were last seen. Progress itself carries the
+# plugin's own timestamps, so this need not be frequent; a client's polls count as readings.
+WATCH_INTERVAL_S = 10.0
 BIND_FIX = ("another process (an agent?) may hold the port: pick another --port, or --port 0 for a free one; "
             "or --bind names an address this machine does not have (see `ip addr`)")
 
