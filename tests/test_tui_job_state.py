@@ -173,3 +173,13 @@ def test_agents_of_the_ranks_not_answering_is_not_a_job_without_ranks() -> None:
     assert h.kind == "unknown" and h.text.startswith("the agents of the job's ranks do not answer (2)"), h
     assert "no ranks running" not in h.text
 
+
+def test_between_an_eviction_and_the_restart_the_job_is_restarting_not_finished() -> None:
+    s = fold([snap(T0 + i, progress=T0 + i) for i in range(3)])
+    s = st.apply_evicted(s, ["machine-1"], T0 + 3)
+    s = fold([snap(T0 + 60, progress=None, ranks=False, seen=T0 + 4, unreachable=("machine-1",))], s)
+    assert st.health(s) == st.Health("idle", "no ranks running since 22:13:24: the job restarts after the eviction")
+    s = fold([snap(T0 + 70, progress=None, started=T0 + 65, pids=3000, unreachable=("machine-1",))], s)
+    assert s.restarts == 1 and not s.awaiting_restart
+    assert st.health(s).kind == "starting"
+

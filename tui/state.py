@@ -406,6 +406,7 @@ class AppState:
     clock: JobClock | None = None  # the job's state per its agents (None: they do not report it)
     verdict: VerdictMark | None = None  # what the job was doing when ``stacks`` was captured
     evicted_addresses: frozenset[str] = frozenset()  # agents taken out of the job (hostfile, audit)
+    awaiting_restart: bool = False  # an eviction succeeded and the job has not come back yet: not "finished"
 
     @property
     def lost(self) -> tuple[str, ...]:
@@ -521,6 +522,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
         restarts=state.restarts + (1 if restarted else 0),
         rank_pids=rank_pids,
         clock=clock,
+        awaiting_restart=state.awaiting_restart and not restarted,
     )
 
 
@@ -563,7 +565,7 @@ def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float, add
         if names else []
     return replace(state, evicted=evicted, evicted_addresses=evicted_addresses,
                    machines=_mark_evicted(state.machines, evicted, evicted_addresses),
-                   events=_with_events(state, events))
+                   events=_with_events(state, events), awaiting_restart=state.awaiting_restart or bool(new))
 
 
 def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: float, hang_after_s: float = 30.0) -> AppState:
@@ -685,6 +687,9 @@ def health(state: AppState, hang_after_s: float = 30.0) -> Health:
         # The ranks live on machines whose agents do not answer now: nothing can be said about the job.
         return Health("unknown", f"the agents of the job's ranks do not answer ({len(silent)}): "
                       f"{silent[0].error or 'no answer'}")
+    if clock is not None and not clock.running and state.awaiting_restart:
+        since = f" since {fmt_time(clock.seen_mark)}" if clock.seen_mark is not None else ""
+        return Health("idle", f"no ranks running{since}: the job restarts after the eviction")
     if clock is not None:
         clocked = _clock_health(clock, hang_after_s)
         if clocked is not None:
