@@ -206,7 +206,7 @@ def since(text: str) -> str | None:
 
 
 def header(text: str) -> str:
-    return text.splitlines()[0] if text else ""
+    return text.splitlines()[0].strip() if text else ""
 
 
 def both(session: str, pair: str, cond: Callable[[str], bool], timeout_s: float, what: str) -> tuple[str, str]:
