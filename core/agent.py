@@ -58,6 +58,7 @@ from rankscope.proto_convert import (
     plan_to_proto,
     request_from_proto,
 )
+from rankscope.rank_progress import ProgressTracker
 from rankscope.snapshot import MachineSnapshot, RankInfo
 from rankscope.tls import ServerTLS, server_credentials
 from rankscope.tokens import MAKE_TOKEN, Role, TokenSet
@@ -79,6 +80,10 @@ MAX_PYSPY_TIMEOUT_S = 60.0
 DEFAULT_PYSPY_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ANNOUNCE_PREFIX = "RANKSCOPE_AGENT_READY"
+# The agent reads its ranks at least this often on its own, so a client that attaches later finds its memory
+# current (rankscope.rank_progress): new pids, when ranks were last seen. Progress itself carries the
+# plugin's own timestamps, so this need not be frequent; a client's polls count as readings.
+WATCH_INTERVAL_S = 10.0
 BIND_FIX = ("another process (an agent?) may hold the port: pick another --port, or --port 0 for a free one; "
             "or --bind names an address this machine does not have (see `ip addr`)")
 
@@ -242,6 +247,8 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         self.address = address
         self._stack_lock = asyncio.Lock()
         self._sampler: Any = None  # a probes.sampler.StackSampler, made on the first request to sample
+        self.progress = ProgressTracker()
+        self.last_reading_mono = 0.0
         self.actions: ActionService | None = None
         if config.actions is not None:
             self.actions = ActionService(config.actions, config.machine_name, self.ranks)
@@ -270,7 +277,9 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             stacks=stacks, native=native, subprocesses=subprocesses, timeout_s=timeout_s,
             concurrency=self.config.capture_concurrency,
         )
-        machine = await capture_machine(self.config.machine_name, self.address, scope, options)
+        reading = await capture_machine(self.config.machine_name, self.address, scope, options)
+        self.last_reading_mono = time.monotonic()
+        machine = self.progress.observe(reading)
         if sample_hz > 0:
             if self._sampler is None:
                 from rankscope.probes.sampler import StackSampler
@@ -284,6 +293,21 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
     async def close(self) -> None:
         if self._sampler is not None:
             await self._sampler.close()
+
+    async def watch(self, interval_s: float = WATCH_INTERVAL_S) -> None:
+        """Read the ranks whenever no client did for ``interval_s``, so the progress memory stays current."""
+        while True:
+            idle = time.monotonic() - self.last_reading_mono
+            # Not while a capture runs: its py-spy calls hold the worker threads, and it is a reading itself.
+            if idle >= interval_s and not self._stack_lock.locked():
+                try:
+                    await self.capture(stacks=False)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the next reading tries again; clients' calls report their own failures
+                    log(f"background reading failed: {type(exc).__name__}: {exc}")
+                idle = 0.0
+            await asyncio.sleep(max(0.05, interval_s - idle))
 
     async def _reply(self, context: grpc.aio.ServicerContext, reading: Awaitable[MachineSnapshot]) -> pb.MachineSnapshot:
         try:
@@ -393,12 +417,14 @@ class RunningAgent:
     health: Any
     service: AgentService | None = None
     supervisor: asyncio.Task[None] | None = None  # applies a pending lazy hot-update when it is due
+    watcher: asyncio.Task[None] | None = None  # keeps the ranks' progress memory current (AgentService.watch)
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        if self.supervisor is not None:
-            self.supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.supervisor
+        for task in (self.supervisor, self.watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         if self.service is not None:
@@ -452,8 +478,9 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     supervisor = asyncio.create_task(supervise(service.actions)) if service.actions is not None else None
+    watcher = asyncio.create_task(service.watch())
     return RunningAgent(server=server, port=port, address=address, health=health_servicer, service=service,
-                        supervisor=supervisor)
+                        supervisor=supervisor, watcher=watcher)
 
 
 def _identity(config: AgentConfig, port: int) -> str:

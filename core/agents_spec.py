@@ -9,7 +9,11 @@ Accepted forms (mixed freely, comma-separated):
   (``127.0.0.1:[50051-50054]``, handy for several agents on one machine);
 - ``@FILE``: a hostfile, one entry per line (blank lines and ``#`` comments
   ignored; only the first word of a line is used, so MPI-style
-  ``node01 slots=8`` lines work).
+  ``node01 slots=8`` lines work). A line whose later words include
+  ``evicted`` names an agent taken out of the job (``127.0.0.1:50053
+  evicted``): it is not contacted, and the TUI shows its machine as evicted
+  (``hostfile_members``). The TUI re-reads its hostfile while attached, so
+  adding or marking a line changes whom it asks.
 
 Duplicates are dropped, first occurrence kept, so the order of the output is
 the order the user wrote.
@@ -23,6 +27,7 @@ from pathlib import Path
 from rankscope.errors import RankscopeError
 
 DEFAULT_PORT = 50051
+EVICTED_MARK = "evicted"  # a hostfile line's later word: this agent's machine was taken out of the job
 MAX_EXPANSION = 65536  # a typo like node[1-9999999] must not eat the memory
 _FORMS = "write agents as host:port, node[01-04]:50051 or @hostfile (comma-separated)"
 
@@ -148,6 +153,12 @@ def parse_entry(entry: str, *, default_port: int | None = None) -> list[str]:
 
 
 def read_hostfile(path: str | Path, *, default_port: int | None = None) -> list[str]:
+    """The agents a hostfile lists, in order (lines marked ``evicted`` left out)."""
+    return hostfile_members(path, default_port=default_port)[0]
+
+
+def hostfile_members(path: str | Path, *, default_port: int | None = None) -> tuple[list[str], list[str]]:
+    """(the agents to contact, the agents marked ``evicted``) of a hostfile."""
     p = Path(path)
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
@@ -156,16 +167,28 @@ def read_hostfile(path: str | Path, *, default_port: int | None = None) -> list[
     except (OSError, UnicodeDecodeError) as exc:
         raise AgentSpecError(f"cannot read hostfile {p}: {exc}", "check the path and its permissions") from None
     out: list[str] = []
+    evicted: list[str] = []
     for number, line in enumerate(lines, start=1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
+        into = evicted if EVICTED_MARK in words[1:] else out
         try:
             for item in split_outside_brackets(words[0]):
-                out.extend(parse_entry(item, default_port=default_port))
+                into.extend(parse_entry(item, default_port=default_port))
         except AgentSpecError as exc:
             raise AgentSpecError(f"{p}:{number}: {exc.message}", exc.fix) from None
-    return out
+    return out, evicted
+
+
+def write_hostfile(path: str | Path, agents: Iterable[str], evicted: Iterable[str] = ()) -> None:
+    """One agent per line, evicted ones marked; replaced atomically so a reader never sees half a file."""
+    p = Path(path)
+    gone = set(evicted)
+    text = "".join(f"{a} {EVICTED_MARK}\n" if a in gone else f"{a}\n" for a in dedupe([*agents, *evicted]))
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(p)
 
 
 def parse_agents(spec: str, *, default_port: int | None = None) -> list[str]:

@@ -362,7 +362,9 @@ def read_bundle(path: str | Path) -> Bundle:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise BundleError(f"{p}: no such file; check the path given to --bundle") from None
+        # Neutral about the option: `analyze` takes the bundle as an argument, `attach` with --bundle.
+        raise BundleError(f"{p}: no such file", "check the bundle's path (a file written by `rankscope snapshot -o`, "
+                          "`w` in the TUI or the drill)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise BundleError(f"{p}: cannot read the bundle ({exc})") from None
     return loads(text, str(p))

@@ -53,6 +53,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except RankscopeError as exc:
+        if getattr(args, "json", False):
+            # A script asked for JSON: its error is JSON too, on stdout where it reads the answer.
+            import json
+
+            print(json.dumps({"error": {"verb": args.verb, "message": exc.message, "fix": exc.fix}}))
+            return 2
         print(f"rankscope {args.verb}: error: {exc.message}", file=sys.stderr)
         if exc.fix:
             print(f"  fix: {exc.fix}", file=sys.stderr)

@@ -97,31 +97,71 @@ def unreachable(address: str, kind: CaptureErrorKind, message: str, fix: str) ->
     )
 
 
-def error_for_rpc(address: str, exc: grpc.aio.AioRpcError, timeout_s: float, *, using_tls: bool = False) -> MachineSnapshot:
-    """A failed call -> the machine marked unreachable, with what happened and the fix."""
+def evicted_stand_in(address: str) -> MachineSnapshot:
+    """A retired agent in a poll: not asked, and said to be out of the job rather than lost."""
+    return unreachable(address, CaptureErrorKind.FAILED, f"the agent at {address} is out of the job: its machine "
+                       "was evicted", "nothing to do: its ranks run on other machines now")
+
+
+# What gRPC says, in an UNAVAILABLE status's details, when the far side is no agent speaking our protocol.
+_HANDSHAKE_HINTS = ("handshake", "ssl", "tls", "http1.x", "socket closed", "reset by peer", "wrong_version_number",
+                    "end of tcp stream")
+
+
+def error_for_rpc(address: str, exc: grpc.aio.AioRpcError, timeout_s: float, *,
+                  using_tls: bool = False) -> MachineSnapshot:
+    """A failed call -> the machine marked unreachable, with what happened and the fix.
+
+    Each cause has its own first words (the TUI's header and `rankscope
+    snapshot` print them as they are): "token refused", "not allowed",
+    "nothing listening", "handshake failed", "no such host", "no answer".
+    """
     code = exc.code()
     details = (exc.details() or "").strip()
     host, _, port = address.rpartition(":")
+    lowered = details.lower()
     if code == grpc.StatusCode.UNAVAILABLE and (tls := handshake_problem(details, using_tls=using_tls)) is not None:
-        return unreachable(address, CaptureErrorKind.UNREACHABLE, f"agent at {address}: {tls[0]} ({details})", tls[1])
+        return unreachable(address, CaptureErrorKind.UNREACHABLE,
+                           f"handshake failed with {address}: {tls[0]} ({details})", tls[1])
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return unreachable(
             address, CaptureErrorKind.PERMISSION,
-            f"agent at {address} refused the token ({details or 'no reason given'})",
+            f"token refused: the agent at {address} refused the token ({details or 'no reason given'})",
             "pass --token-file with a token the agent accepts (a line of the agent's own --token-file), "
             "or set RANKSCOPE_TOKEN",
         )
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return unreachable(
             address, CaptureErrorKind.PERMISSION,
-            f"agent at {address} does not allow this call with this token ({details})",
+            f"not allowed: the agent at {address} does not allow this call with this token ({details})",
             "use a token with the 'act' role for actions (a line 'act:<token>' in the agent's token file)",
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return unreachable(
             address, CaptureErrorKind.UNREACHABLE,
-            f"agent at {address} did not answer within {timeout_s:.1f} s",
+            f"no answer: the agent at {address} did not answer within {timeout_s:.1f} s",
             "the machine may be overloaded or the network slow: raise --deadline, or read the agent's log there",
+        )
+    if code == grpc.StatusCode.UNAVAILABLE and "refused" in lowered:
+        return unreachable(
+            address, CaptureErrorKind.UNREACHABLE,
+            f"nothing listening at {address} (connection refused)",
+            f"start `rankscope agent` on {host or address} with --port {port or '?'}, or fix the address; agents "
+            "listen on 127.0.0.1 only unless started with --bind",
+        )
+    if code == grpc.StatusCode.UNAVAILABLE and any(h in lowered for h in _HANDSHAKE_HINTS):
+        return unreachable(
+            address, CaptureErrorKind.UNREACHABLE,
+            f"handshake failed with {address}: something listens there but does not speak to this client "
+            f"({details})",
+            "check that the port is a rankscope agent's, and that both sides use TLS or neither does "
+            "(the agent's TLS options and this client's must match)",
+        )
+    if code == grpc.StatusCode.UNAVAILABLE and any(h in lowered for h in ("dns", "resolv", "lookup")):
+        return unreachable(
+            address, CaptureErrorKind.UNREACHABLE,
+            f"no such host: {host or address} does not resolve ({details})",
+            "check the host name in --agents or the hostfile",
         )
     if code == grpc.StatusCode.UNAVAILABLE:
         return unreachable(
@@ -168,6 +208,9 @@ class JobClient:
         ``run_action`` before anything is sent.
         """
         self.agents: tuple[str, ...] = tuple(dict.fromkeys(agents))
+        # Agents taken out of the job (their machines evicted): no fan-out reaches them any more -- no plan,
+        # run, backup, hot-update or audit stream -- and polls report them as evicted without asking.
+        self.retired: frozenset[str] = frozenset()
         self.deadline_s = deadline_s
         self.acting = acting
         self.tls = tls
@@ -177,6 +220,22 @@ class JobClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         # action id -> (each owner's part of the request, the plans they gave): what run_action sends
         self._planned: dict[str, tuple[dict[str, ActionRequest], dict[str, ActionPlan | ActionError]]] = {}
+
+    # ---- membership ---------------------------------------------------------
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The agents every call fans out to: all given, less the retired ones."""
+        return tuple(a for a in self.agents if a not in self.retired)
+
+    def retire(self, addresses: Sequence[str]) -> None:
+        """Take these agents out of every fan-out (their machines were evicted); they stay listed as evicted."""
+        self.retired = self.retired | frozenset(addresses)
+
+    def set_agents(self, agents: Sequence[str], retired: Sequence[str] = ()) -> None:
+        """A new list of agents (a re-read hostfile): new ones are asked from the next call on."""
+        self.agents = tuple(dict.fromkeys([*agents, *retired]))
+        self.retired = self.retired | frozenset(retired)
 
     # ---- public calls ---------------------------------------------------
 
@@ -347,29 +406,46 @@ class JobClient:
     async def watch_all_audit(
         self, *, since: int | None = 0, retry_s: float = 1.0
     ) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost]:
-        """Every agent's audit stream merged, each record with its agent's address (see ``watch_audit``)."""
+        """Every member agent's audit stream merged, each record with its agent's address (see ``watch_audit``).
+
+        The set of streams follows the membership: a retired agent's stream is
+        closed, an agent added by ``set_agents`` is followed from its start.
+        """
         queue: asyncio.Queue[tuple[str, AuditRecord] | AgentLost] = asyncio.Queue()
+        tasks: dict[str, asyncio.Task[None]] = {}
 
         async def one(address: str) -> None:
             async for item in self.watch_audit(address, since=since, retry_s=retry_s):
                 await queue.put(item if isinstance(item, AgentLost) else (address, item))
 
-        tasks = [asyncio.create_task(one(a)) for a in self.agents]
+        def follow() -> None:
+            members = set(self.members)
+            for address in [a for a in tasks if a not in members]:
+                tasks.pop(address).cancel()
+            for address in self.members:
+                if address not in tasks:
+                    tasks[address] = asyncio.create_task(one(address))
+
         try:
             while True:
-                yield await queue.get()
+                follow()
+                try:
+                    yield await asyncio.wait_for(queue.get(), retry_s)
+                except TimeoutError:
+                    continue
         finally:
-            for task in tasks:
+            for task in tasks.values():
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
 
     async def _split(self, request: ActionRequest) -> tuple[dict[str, ActionRequest], dict[str, ActionPlan | ActionError]]:
         """Each owning agent's part of ``request`` (from one describe), and errors for what has no owner."""
         job = await self.describe()
         parts: dict[str, ActionRequest] = {}
         errors: dict[str, ActionPlan | ActionError] = {}
-        reachable = [m for m in job.machines if m.reachable]
-        lost = [m for m in job.machines if not m.reachable]
+        members = [m for m in job.machines if m.address not in self.retired]  # evicted machines take no part
+        reachable = [m for m in members if m.reachable]
+        lost = [m for m in members if not m.reachable]
         wanted_machines = set(request.targets.machines)
         wanted_ranks = set(request.targets.ranks)
         whole_job = not wanted_machines and not wanted_ranks
@@ -460,7 +536,10 @@ class JobClient:
 
     async def _fan_out(self, call: Call, timeout_s: float) -> JobSnapshot:
         started = Instant(wall=time.time(), mono=time.monotonic())
-        machines = [self._named(m) for m in await asyncio.gather(*(self._one(a, call, timeout_s) for a in self.agents))]
+        asked = self.members
+        answers = await asyncio.gather(*(self._one(a, call, timeout_s) for a in asked))
+        machines = [self._named(m) for m in answers]
+        machines += [self._named(evicted_stand_in(a)) for a in self.agents if a in self.retired]
         return JobSnapshot(captured=started, machines=tuple(machines), job_id=common_run_id(machines))
 
     def _named(self, m: MachineSnapshot) -> MachineSnapshot:

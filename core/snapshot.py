@@ -156,6 +156,12 @@ class RankInfo:
     # guess is visible: the rule first ("file-name", "cmdline", "pid-order",
     # "file-order"), then where it came from. None for ranks found live.
     rank_source: str | None = None
+    # Kept by the agent (rankscope.rank_progress), so every client, attached early or late, reads the same job
+    # state: when this process last made progress (a step or a collective completed; without counters, its
+    # stack changed between captures), None while it has made none yet (importing, at rendezvous); and when
+    # the process started (wall clock of its machine).
+    last_progress_wall: float | None = None
+    started_wall: float | None = None
 
 
 # --------------------------------------------------------------------------
@@ -260,6 +266,7 @@ class RankCounters:
     ops: tuple[OpCounters, ...] = ()
     steps: int | None = None  # optimizer steps seen by the plugin, if any
     last_step_duration_s: float | None = None
+    last_step_wall: float | None = None  # when the plugin saw the rank's last optimizer step end
     stale: bool = False
     stale_reason: str | None = None
     error: str | None = None  # corrupt or truncated file: what is wrong and what to do
@@ -317,6 +324,10 @@ class MachineSnapshot:
     counters: tuple[RankCounters, ...] = ()
     error: CaptureError | None = None
     samples: tuple[StackSampleWindow, ...] = ()  # sampled main-thread windows, when a client asked for sampling
+    # The agent's memory of its job (rankscope.rank_progress): launches of the job's ranks it has seen on this
+    # machine (a new set of pids is a new one), and when it last saw any rank of the job here.
+    generation: int | None = None
+    ranks_seen_wall: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,7 +163,8 @@ def _parse(path: Path, mm: mmap.mmap, size: int, name_rank: int, now: float) -> 
         rank=h["rank"], pid=h["pid"], world_size=h["world_size"], job_id=L.decode(h["job_id"]) or None,
         heartbeat_wall=h["heartbeat_wall"], communicators=tuple(comms), ops=tuple(ops),
         steps=h["steps"] if h["writer_kind"] == L.WRITER_PYTHON else None,
-        last_step_duration_s=h["last_step_duration"] or None, stale=why is not None, stale_reason=why)
+        last_step_duration_s=h["last_step_duration"] or None, last_step_wall=h["last_step_wall"] or None,
+        stale=why is not None, stale_reason=why)
     return CounterFile(path, counters, h["pid_start_ticks"])
 
 
@@ -188,13 +189,14 @@ def _merge(files: Sequence[CounterFile]) -> RankCounters:
     errors = [f.counters.error for f in files if f.counters.error]
     steps = next((f.counters.steps for f in files if f.counters.steps is not None), None)
     step_s = next((f.counters.last_step_duration_s for f in files if f.counters.last_step_duration_s), None)
+    step_wall = next((f.counters.last_step_wall for f in files if f.counters.last_step_wall), None)
     for f in files:
         for c in f.counters.communicators:
             comms.setdefault(c.comm_id, c)
         ops.extend(f.counters.ops)
     beats = [f.counters.heartbeat_wall for f in files if f.counters.heartbeat_wall is not None]
     return replace(first, communicators=tuple(comms.values()), ops=tuple(ops), steps=steps,
-                   last_step_duration_s=step_s, heartbeat_wall=max(beats) if beats else None,
+                   last_step_duration_s=step_s, last_step_wall=step_wall, heartbeat_wall=max(beats) if beats else None,
                    stale=all(f.counters.stale for f in files),
                    error="; ".join(e for e in errors if e) or None)
 

@@ -83,3 +83,32 @@ def test_nothing_to_contact_is_an_error() -> None:
     with pytest.raises(AgentSpecError) as err:
         resolve_agents(None, None)
     assert "--agents" in err.value.fix
+
+
+def test_a_hostfile_marks_evicted_agents_and_the_drill_marks_them_after_an_eviction(tmp_path: Path) -> None:
+    from rankscope.agents_spec import hostfile_members, read_hostfile, write_hostfile
+    from rankscope.drill.control import mark_evicted_in_hostfile
+
+    path = tmp_path / "agents.txt"
+    write_hostfile(path, ["127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003"])
+    mark_evicted_in_hostfile(path, {"machine-0": "127.0.0.1:5001", "machine-1": "127.0.0.1:5002"}, ("machine-0",))
+    assert path.read_text() == "127.0.0.1:5002\n127.0.0.1:5003\n127.0.0.1:5001 evicted\n"
+    assert hostfile_members(path) == (["127.0.0.1:5002", "127.0.0.1:5003"], ["127.0.0.1:5001"])
+    assert read_hostfile(path) == ["127.0.0.1:5002", "127.0.0.1:5003"]  # an evicted agent is not contacted
+    path.write_text("node01:50051 slots=8\nnode02:50051 evicted  # taken out at 03:12\n")
+    assert hostfile_members(path) == (["node01:50051"], ["node02:50051"])
+
+
+def test_a_live_source_follows_its_hostfile(tmp_path: Path) -> None:
+    from rankscope.agents_spec import write_hostfile
+    from rankscope.tui.sources import LiveSource
+
+    path = tmp_path / "agents.txt"
+    write_hostfile(path, ["127.0.0.1:5001", "127.0.0.1:5002"])
+    source = LiveSource(["127.0.0.1:5001", "127.0.0.1:5002"], None, hostfile=path)
+    assert not source.reread_hostfile()  # unchanged
+    write_hostfile(path, ["127.0.0.1:5002", "127.0.0.1:5009"], ["127.0.0.1:5001"])
+    assert source.reread_hostfile()
+    assert source.evicted_addresses == {"127.0.0.1:5001"}
+    assert source._client.members == ("127.0.0.1:5002", "127.0.0.1:5009")  # the new agent is asked, the evicted not
+    assert source.label == "2 agents"

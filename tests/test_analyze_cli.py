@@ -96,6 +96,19 @@ def test_errors_name_the_fix(capsys: pytest.CaptureFixture[str], argv: tuple[str
     assert "Traceback" not in err
 
 
+def test_a_missing_bundle_names_no_option_analyze_lacks_and_json_errors_are_json(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    code, out, err = _run(capsys, str(missing))
+    assert code == 2 and out == "" and f"{missing}: no such file" in err and "fix: check the bundle's path" in err
+    assert "--bundle" not in err  # analyze takes the bundle as an argument
+    code, out, err = _run(capsys, str(missing), "--json")
+    assert code == 2 and err == ""
+    assert json.loads(out) == {"error": {"verb": "analyze", "message": f"{missing}: no such file",
+                                         "fix": "check the bundle's path (a file written by `rankscope snapshot -o`, "
+                                                "`w` in the TUI or the drill)"}}
+
+
 def test_empty_pyspy_dir_says_how_to_fill_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = _run(capsys, "--pyspy-dir", str(tmp_path))
     assert code == 2 and "no py-spy dumps in" in err and "py-spy dump --pid" in err

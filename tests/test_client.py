@@ -151,7 +151,7 @@ async def test_an_agent_that_never_answers_is_marked_at_the_deadline() -> None:
     silent_m, refused_m = snap.machines
     assert silent_m.error is not None and silent_m.error.kind is CaptureErrorKind.UNREACHABLE
     assert "did not answer within 1.0 s" in silent_m.error.message
-    assert refused_m.error is not None and "no agent answered at 127.0.0.1:1" in refused_m.error.message
+    assert refused_m.error is not None and "nothing listening at 127.0.0.1:1" in refused_m.error.message
 
 
 def test_capture_once_and_a_bad_address_in_the_list(procs: Processes, tmp_path: Path) -> None:
@@ -177,7 +177,7 @@ def test_snapshot_command_writes_a_bundle_and_marks_the_lost_machine(procs: Proc
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env(), check=False)
     assert proc.returncode == 1, proc.stderr  # 1: some agent did not answer; the bundle is still written
     assert "machines: 1 of 2 answered" in proc.stdout
-    assert f"{dead}: UNREACHABLE" in proc.stdout and "ranks: 1 of 2 seen; missing 1" in proc.stdout
+    assert f"{dead}: nothing listening at {dead} (connection refused)" in proc.stdout and "ranks: 1 of 2 seen; missing 1" in proc.stdout
     bundle = read_bundle(out)
     snap = bundle.latest
     assert [m.reachable for m in snap.machines] == [True, False]
@@ -198,3 +198,77 @@ def test_snapshot_command_rejects_bad_agent_lists_with_a_fix(tmp_path: Path) -> 
                           capture_output=True, text=True, timeout=60, env=clean_env(), check=False)
     assert proc.returncode == 2 and "runs backwards" in proc.stderr and "fix:" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _http1_server() -> tuple[socket.socket, str]:
+    """A port where something listens that is no gRPC agent (an HTTP/1 server): the handshake fails."""
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.recv(1024)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                except OSError:
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, f"127.0.0.1:{server.getsockname()[1]}"
+
+
+async def test_each_way_of_not_reaching_an_agent_has_its_own_words_in_the_client_and_the_tui_header(
+        procs: Processes, tmp_path: Path) -> None:
+    from rankscope.tui import state as st
+    from rankscope.tui.widgets.verdict import header_text
+
+    token, token_file = make_token_file(tmp_path, "token-a")
+    _other, other_file = make_token_file(tmp_path, "token-b")
+    refusing = procs.agent("machine-r", "--run-id", "no-such-run-r", token_file=other_file)
+    empty = procs.agent("machine-e", "--run-id", "no-such-run-e", token_file=token_file)  # up, no ranks of its job
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    server, http1 = _http1_server()
+    try:
+        async with JobClient([refusing.address, nobody, http1, "no-such-host.invalid:50051", empty.address],
+                             token, deadline_s=10.0) as client:
+            snap = await client.describe()
+    finally:
+        server.close()
+    got = {m.address: m.error.message if m.error else None for m in snap.machines}
+    assert got[refusing.address] is not None and got[refusing.address].startswith(
+        f"token refused: the agent at {refusing.address} refused the token")
+    assert got[nobody] == f"nothing listening at {nobody} (connection refused)"
+    assert got[http1] is not None and got[http1].startswith(f"handshake failed with {http1}: something listens")
+    assert got["no-such-host.invalid:50051"] is not None
+    assert got["no-such-host.invalid:50051"].startswith("no such host: no-such-host.invalid does not resolve")
+    assert got[empty.address] is None
+    fixes = {m.error.fix for m in snap.machines if m.error}
+    assert len(fixes) == 4  # each its own fix
+
+    def header_of(machines: tuple[MachineSnapshot, ...]) -> str:
+        one = JobSnapshot(snap.captured, machines)
+        s = st.apply_snapshot(st.AppState(), st.digest(one), snap.captured.wall)
+        return header_text(s, "agents", True, 30.0).plain.splitlines()[0]
+
+    by = by_address(snap)
+    # Only that agent: the header names what happened, not "no counters" or "healthy".
+    assert header_of((by[nobody],)).startswith(f"no agent answers: nothing listening at {nobody} (connection refused)")
+    assert header_of((by[refusing.address],)).startswith("no agent answers: token refused:")
+    assert header_of((by[http1],)).startswith(f"no agent answers: handshake failed with {http1}")
+    assert header_of((by[empty.address],)).startswith(
+        "no ranks running: the agents answer but have seen none of the job's ranks")
+    # No phantom ranks: a capture of a job with no rank seen misses none.
+    from rankscope.tui.analysis import build_stack_view
+
+    view = build_stack_view(JobSnapshot(snap.captured, (by[empty.address],)), None)
+    assert view.missing_ranks == ()

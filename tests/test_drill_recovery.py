@@ -228,3 +228,56 @@ def test_a_backup_taken_before_the_hang_is_restored_from_the_peers_after_evictio
         assert resumed_from == max(common), (resumed_from, held)
         assert [s for s, _ in after] == list(range(resumed_from + 1, training.steps + 1))
         assert dict(after) == {s: reference[rank][s] for s, _ in after}
+
+
+def test_a_failing_round_of_the_recovery_watcher_leaves_it_and_the_processes_it_started_running(
+        tmp_path: Path) -> None:
+    """The watcher's thread is the parent (PR_SET_PDEATHSIG) of the restarted job and agents: it must not end.
+
+    A round that raised used to end the thread, which sent SIGTERM to every process it had restarted: the
+    drill "shut itself down" with no message. A child started from the thread shows it: it must outlive
+    a failed round, and the failure must be said.
+    """
+    import subprocess
+    import sys
+    import threading
+
+    from rankscope.drill.control import Recovery
+    from rankscope.drill.launcher import _DEATHSIG_SHIM
+
+    class OneMachine:
+        run_dir = tmp_path
+
+        def addresses(self) -> dict[str, str]:
+            return {"machine-0": "127.0.0.1:1"}
+
+    rounds: list[int] = []
+    children: list[subprocess.Popen[bytes]] = []
+    notes: list[str] = []
+    third = threading.Event()
+    recovery = Recovery(OneMachine(), DrillMachines(OneMachine()), on_event=notes.append)  # type: ignore[arg-type]
+
+    async def follow(addresses: dict[str, str]) -> None:
+        rounds.append(len(rounds))
+        if len(rounds) == 1:  # a restart happens on this thread: its processes die with the thread
+            children.append(subprocess.Popen([sys.executable, "-c", _DEATHSIG_SHIM, "sleep", "60"]))
+            return None
+        if len(rounds) == 2:
+            raise RuntimeError("an audit stream broke in a way the client did not expect")
+        third.set()
+        recovery._stop.wait(0.05)
+        return None
+
+    recovery._follow = follow  # type: ignore[assignment,method-assign]
+    recovery.start()
+    try:
+        assert third.wait(30), f"the watcher did not go on after a failed round: {recovery.errors}"
+        assert recovery._thread is not None and recovery._thread.is_alive()
+        assert children[0].poll() is None, "the restarted processes were killed with the watcher's thread"
+        assert notes == ["recovery round failed (it goes on): RuntimeError: an audit stream broke in a way the "
+                         "client did not expect"]
+    finally:
+        recovery.stop()
+        for child in children:
+            child.kill()
+            child.wait()

@@ -391,6 +391,7 @@ async def test_e_through_real_agents_stops_the_suspect_ranks_and_a_read_only_tui
     where = {0: "optimizer_step", 1: "recv_activations", 2: "optimizer_step", 3: "send_activations"}
     procs = Processes(tmp_path)
     agents = []
+    agents_stopped: set[int] = set()
     try:
         ranks: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
         for r, fn in where.items():
@@ -458,9 +459,36 @@ async def test_e_through_real_agents_stops_the_suspect_ranks_and_a_read_only_tui
             text = screen_text(watcher)
             assert "succeeded" in text and "started" in text and "[read-only]" in text
             assert ranks[0][0].poll() is None and ranks[2][0].poll() is None, "a healthy rank was stopped"
+
+            # The evicted machines' agents go away (the drill and a real cluster stop them). Membership follows
+            # the action: both views show m1 and m3 evicted, never lost, and the next whole-job action plans
+            # on the machines of the job only (it used to fail with "no agent answered" at the stopped agents).
+            for i in (1, 3):
+                await agents[i].stop(0)
+                agents_stopped.add(i)
+            for app, p in ((actor, pilot), (watcher, second)):
+                await until(p, lambda a=app: {m.name for m in a.state.machines if m.evicted} == {"m1", "m3"}
+                            and not any(m.reachable for m in a.state.machines if m.evicted), 30,
+                            "the evicted agents to be polled as gone")
+                await p.pause(1.5)  # a few more polls: still evicted, not lost
+                assert app.state.lost == () and not any(e.kind == "lost" for e in app.state.events)
+                header = screen_text(app).splitlines()[0]
+                assert "2/2 machines 2 evicted" in header and "lost" not in header, header
+            await pilot.press("1")
+            await pilot.press("e")  # the verdict named m1 and m3, now evicted: no default target any more
+            await until(pilot, lambda: notes.has("nothing to evict now"), 10, "e to say why it has no target")
+            assert notes.has("its suspects m1 m3 were evicted")
+            await pilot.press("b")
+            await until(pilot, lambda: isinstance(actor.screen, ConfirmModal), 30, "the backup plan")
+            backup = actor.screen
+            assert isinstance(backup, ConfirmModal)
+            assert backup.summary.errors == (), backup.summary.errors
+            assert backup.summary.runnable and backup.summary.machines == ("m0", "m2")
+            await pilot.press("escape")
     finally:
-        for agent in agents:
-            await agent.stop(0)
+        for i, agent in enumerate(agents):
+            if i not in agents_stopped:
+                await agent.stop(0)
         procs.close()
 
 
@@ -511,3 +539,19 @@ def test_the_actions_summary_sizes_the_pool_lists_standbys_on_hand_and_the_updat
     assert "started" not in history  # only how each ended
     assert "no agent answered — reconnecting" in text
     assert "[read-only]" in summary_text(state, log, read_only=True, daily_failure_rate=0.0012).plain
+
+
+async def test_at_80x24_the_footer_keeps_every_action_key_and_the_stack_tree_its_width() -> None:
+    app = RankscopeApp(RecordingSource(), AppOptions())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, app.loaded.is_set, what="the bundle")
+        await until(pilot, lambda: "s Capture" in screen_text(app), what="the footer")
+        footer = next(line for line in screen_text(app).splitlines() if "s Capture" in line)
+        for key in ("e Evict", "u Update", "b Backup", "s Capture", "? Help", "q Quit"):
+            assert key in footer, footer
+        await pilot.press("2")
+        await until(pilot, lambda: "diverges at" in screen_text(app), what="the stacks view")
+        text = screen_text(app)
+        # The tree has the whole width (the comparison went under it): a deep frame is not cut to "└── ▼ _fi".
+        assert "└── ▼ train_step (train.py)  [32: 0-31]" in text, text
+        assert "group B diverges at forward_step (schedules.py)" in text

@@ -16,9 +16,18 @@ asks for, enter. The two machines are evicted, both standbys join, and
 training resumes from the backup (the surviving peers' copies); its losses
 must match a fault-free run of the same job bit for bit at every step, and no
 step is lost beyond the backed-up one. A second,
-read-only TUI in another tmux window (the pair's pane, attached with the
-command the drill prints) has no action keys and sees the eviction appear
-live. Quitting the TUI must stop the whole drill.
+read-only TUI in another tmux window (the pair's pane), attached late -- when
+the job has been hung a while -- with the command the drill prints, run as
+printed without the venv on PATH, has no action keys, dates the hang exactly
+as the first view does, and sees the eviction appear live.
+
+Both screens are read at every step of the incident: HUNG with the same
+"since"; after the eviction the evicted machines are evicted (never lost)
+and the standbys members; training resumes and both say healthy with the
+old verdict marked stale (`e` then says why there is nothing to evict);
+`b` and `u v2` (lazy) succeed on the new membership; the job finishes and
+both say "finished", the verdict stale. Quitting the read-only view leaves
+the job and the main view running; quitting the main view stops the drill.
 """
 
 from __future__ import annotations
@@ -39,12 +48,17 @@ import psutil
 import pytest
 from drill_processes import processes_under
 
-pytestmark = [pytest.mark.drill, pytest.mark.tmux, pytest.mark.timeout(720)]
+pytestmark = [pytest.mark.drill, pytest.mark.tmux, pytest.mark.timeout(2400)]
 
 # The hang comes late enough for `b`, pressed as soon as the TUI shows, to land well before it: the drill
-# makes 5-7 steps/s on two cores, and plan, confirm and the next aligned step take about 20 s under load.
-FAULT_STEP = 500
-STEPS = FAULT_STEP + 10
+# makes 5-7 steps/s on two quiet cores (1-2 on a loaded machine), and plan, confirm and the next aligned step
+# take about 20 s.
+FAULT_STEP = 300
+# The restart resumes from the backup taken early (a few hundred steps back), so the job has those steps and
+# these to run after it: time for `b` and `u` to be planned, confirmed and carried out before it finishes.
+# The fault-free reference stops sooner: a step's loss depends on the step, not on the total.
+STEPS = FAULT_STEP + 150
+REFERENCE_STEPS = FAULT_STEP + 10
 
 
 def tmux(*args: str) -> subprocess.CompletedProcess[str]:
@@ -64,7 +78,18 @@ def wait_screen(session: str, cond: Callable[[str], bool], timeout_s: float, wha
         if cond(text):
             return text
         time.sleep(0.5)
-    raise AssertionError(f"{what} not on screen within {timeout_s:.0f} s; last screen:\n{text}")
+    others = "".join(f"\n--- window {w}:\n{screen(w)}" for w in windows(session.split(":")[0]))
+    raise AssertionError(f"{what} not on screen within {timeout_s:.0f} s; last screen:\n{text}{others}")
+
+
+def windows(session: str) -> list[str]:
+    return [f"{session}:{w}" for w in tmux("list-windows", "-t", session, "-F", "#I").stdout.split()]
+
+
+def pane_dead(target: str) -> bool:
+    """The pane's command ended (panes stay, with what the command printed last: a crash shows its traceback)."""
+    got = tmux("display-message", "-p", "-t", target, "#{pane_dead}")
+    return got.returncode != 0 or got.stdout.strip() == "1"
 
 
 @pytest.fixture
@@ -81,13 +106,15 @@ def drill_in_tmux(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     started = tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "48", "-e", "TERM=xterm-256color",
                    shlex.join(cmd))
     assert started.returncode == 0, started.stderr
+    # A pane whose command ends stays on screen: a TUI that crashed leaves its traceback for the assertion.
+    tmux("set-option", "-w", "-t", f"{session}:0", "remain-on-exit", "on")
     try:
         yield session, run_dir
     finally:
         # Quit the TUI the way a person would; the drill then stops its job and agents.
-        tmux("send-keys", "-t", session, "q")
+        tmux("send-keys", "-t", f"{session}:0", "q")
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and tmux("has-session", "-t", session).returncode == 0:
+        while time.monotonic() < deadline and not pane_dead(f"{session}:0"):
             time.sleep(0.5)
         tmux("kill-session", "-t", session)  # sends SIGHUP: the drill's handler stops what is left
         deadline = time.monotonic() + 30
@@ -121,7 +148,7 @@ def reference_run(run_dir: Path) -> Iterator[Callable[[list[int]], dict[int, dic
     from rankscope.drill.launcher import Launcher, TrainingOptions
 
     job = Launcher(run_dir, DrillLayout(tp=2, pp=2, dp=2, machines=1),
-                   TrainingOptions(steps=STEPS, checkpoint_every=0), counters=False)
+                   TrainingOptions(steps=REFERENCE_STEPS, checkpoint_every=0), counters=False)
 
     def finish(ranks: list[int]) -> dict[int, dict[int, str]]:
         for node in job.nodes.values():
@@ -165,12 +192,37 @@ def all_done(run_dir: Path, world: int) -> bool:
     return len(progress) == world and all(p.state == "done" and p.step == STEPS for p in progress.values())
 
 
-def test_tui_in_tmux_from_hang_to_eviction_and_a_bit_for_bit_recovery(
+def test_a_whole_incident_in_tmux_told_the_same_by_a_late_read_only_view(
     drill_in_tmux: tuple[str, Path], tmp_path: Path,
 ) -> None:
     session, run_dir = drill_in_tmux
     with reference_run(tmp_path / "reference") as reference_losses:
         _drive_and_check(session, run_dir, reference_losses)
+
+
+def since(text: str) -> str | None:
+    m = re.search(r"HUNG since (\d\d:\d\d:\d\d)", text)
+    return m.group(1) if m else None
+
+
+def header(text: str) -> str:
+    return text.splitlines()[0].strip() if text else ""
+
+
+def both(session: str, pair: str, cond: Callable[[str], bool], timeout_s: float, what: str) -> tuple[str, str]:
+    """Both screens satisfy ``cond`` (each read until it does)."""
+    a = wait_screen(session, cond, timeout_s, f"{what} (main view)")
+    b = wait_screen(pair, cond, timeout_s, f"{what} (read-only view)")
+    return a, b
+
+
+def confirm_modal(session: str) -> None:
+    """Cancel has the focus; a person reads the plan, moves to Confirm, presses enter."""
+    time.sleep(2)  # keys typed while the modal settles its focus could hit Cancel
+    tmux("send-keys", "-t", session, "Tab")
+    time.sleep(1)
+    tmux("send-keys", "-t", session, "Enter")
+    wait_screen(session, lambda t: "Run this on" not in t, 30, "the modal to close")
 
 
 def _drive_and_check(session: str, run_dir: Path,
@@ -182,20 +234,37 @@ def _drive_and_check(session: str, run_dir: Path,
     tmux("send-keys", "-t", session, "b")
     text = wait_screen(session, lambda t: "Run this on" in t and "Confirm" in t, 60, "the backup plan")
     assert "backup peers (rank→peer): 0→6 1→7" in text, text  # the mirror: outside every group of the rank
-    time.sleep(2)  # a person reads the plan; keys typed while the modal settles its focus could hit Cancel
-    tmux("send-keys", "-t", session, "Tab")
-    time.sleep(1)
-    tmux("send-keys", "-t", session, "Enter")
-    wait_screen(session, lambda t: "Run this on" not in t, 30, "the backup modal to close")
+    confirm_modal(session)
     tmux("send-keys", "-t", session, "6")
     text = wait_screen(session, lambda t: len(re.findall(r"machine-\d\s+backup\s+succeeded", t)) == 4, 120,
                        "the backup results of the four machines")
     assert not (rank_progress(run_dir, 5) >= FAULT_STEP), "the job hung before the backup landed: raise FAULT_STEP"
     tmux("send-keys", "-t", session, "1")
 
-    # The fault hits rank 5 at its step FAULT_STEP (the drill's ground truth); then capture (`s`) until the
-    # verdict names the pipeline group's machines.
-    wait_until(lambda: rank_progress(run_dir, 5) >= FAULT_STEP, 240, "rank 5 did not reach the fault step")
+    # The fault hits rank 5 at its step FAULT_STEP (the drill's ground truth); after --hang-after (30 s) without
+    # a step the header says HUNG since the last step.
+    wait_until(lambda: rank_progress(run_dir, 5) >= FAULT_STEP, 900, "rank 5 did not reach the fault step")
+    text = wait_screen(session, lambda t: since(header(t)) is not None, 120, "HUNG in the main view")
+    hung_since = since(header(text))
+
+    # The pair's pane, attached late and read-only with the command the drill printed, run as printed by someone
+    # whose PATH has no venv. From its first polls it says what the main view says: HUNG, since the same second.
+    printed = (run_dir / "pair-command.txt").read_text().strip()
+    assert "--read-only" in printed and printed.split()[0].startswith("/"), printed
+    pair = f"{session}:pair"
+    started = tmux("new-window", "-d", "-t", session, "-n", "pair",
+                   f"env -u COLUMNS -u LINES PATH=/usr/bin:/bin {printed}")
+    assert started.returncode == 0, started.stderr
+    tmux("set-option", "-w", "-t", pair, "remain-on-exit", "on")
+    text = wait_screen(pair, lambda t: "[read-only]" in t and "6/6 machines" in t and "polled" in t, 90,
+                       "the read-only TUI")
+    assert "e Evict" not in text and "b Backup" not in text  # no action keys in a read-only session
+    assert "healthy" not in header(text) and "progress unknown" not in header(text), header(text)
+    text = wait_screen(pair, lambda t: since(header(t)) is not None, 10, "HUNG in the read-only view")
+    assert since(header(text)) == hung_since, (header(text), hung_since)
+    assert since(header(screen(session))) == hung_since
+
+    # Capture (`s`) until the verdict names the pipeline group's machines.
     deadline = time.monotonic() + 120
     text = screen(session)
     while not verdict_names_the_pipeline_group(text):
@@ -206,18 +275,10 @@ def _drive_and_check(session: str, run_dir: Path,
         text = screen(session)
     top = next(line for line in text.splitlines() if "machines" in line and "▸" in line)
     assert re.search(r"▸ (PP|RANK)", top), top
-    diverging = re.search(r"diverges at (\S+)", text)
-    assert diverging, text
+    assert re.search(r"diverges at (\S+)", text), text
     assert "6/6 machines" in text  # the 4 training machines and the 2 warm standbys, all reachable
     assert "standby-0" in text and "standby-1" in text
-
-    # `s` takes a new capture: the header's capture time moves on.
-    before = re.search(r"captured (\d\d:\d\d:\d\d)", text)
-    assert before
-    time.sleep(1.1)
-    tmux("send-keys", "-t", session, "s")
-    wait_screen(session, lambda t: (m := re.search(r"captured (\d\d:\d\d:\d\d)", t)) is not None
-                and m.group(1) != before.group(1), 30, "a new capture time")
+    assert "stale" not in text  # a capture of the hang, nothing moved since: the verdict aims `e`
 
     # The stacks view: the hung rank's injected frame, and where its group leaves the healthy path.
     tmux("send-keys", "-t", session, "2")
@@ -225,18 +286,6 @@ def _drive_and_check(session: str, run_dir: Path,
                        "the stacks view with the injected frame")
     assert "diverges at" in text
     assert re.search(r"\b5\b.*drill_injected_hang_p2p", text), text  # rank 5 is the one stuck in it
-
-    # The pair's pane: a second TUI, read-only, attached with the command the drill prints.
-    hostfile = run_dir / "agents.txt"
-    assert len(hostfile.read_text().split()) == 6
-    pair = f"{session}:pair"
-    pair_cmd = ["env", "-u", "COLUMNS", "-u", "LINES", sys.executable, "-m", "rankscope", "attach", "--hostfile",
-                str(hostfile), "--token-file", str(run_dir / "rankscope.token"), "--read-only",
-                "--no-initial-capture", "--tp", "2", "--pp", "2", "--dp", "2", "--ranks-per-machine", "2"]
-    started = tmux("new-window", "-d", "-t", session, "-n", "pair", shlex.join(pair_cmd))
-    assert started.returncode == 0, started.stderr
-    text = wait_screen(pair, lambda t: "[read-only]" in t and "6/6 machines" in t, 60, "the read-only TUI")
-    assert "e Evict" not in text  # no action keys in a read-only session
     tmux("send-keys", "-t", pair, "6")
     wait_screen(pair, lambda t: "this session watches actions" in t, 10, "the pair's actions view")
 
@@ -249,8 +298,6 @@ def _drive_and_check(session: str, run_dir: Path,
     assert phrase, text
     assert sorted(phrase.group(1).split()[1:]) == ["machine-0", "machine-2"]
     assert "SIGTERM" in text and "block machine-0" in text and "block machine-2" in text
-    # A person reads the plan before moving on: keys typed while the modal is still settling its focus
-    # could land on Cancel, the default.
     time.sleep(2)
     tmux("send-keys", "-t", session, "Tab")
     time.sleep(1)
@@ -262,15 +309,74 @@ def _drive_and_check(session: str, run_dir: Path,
     assert "evict result" in text, text
 
     # The pair sees it happen, live, in its Actions view: both machines' evictions and how they ended.
-    text = wait_screen(pair, lambda t: len(re.findall(r"machine-[02]\s+evict\s+succeeded", t)) == 2, 90,
-                       "the eviction results in the read-only TUI")
-    # The acting TUI: the evicted machines leave the job, the standbys carry its ranks, training runs again.
-    text = wait_screen(session, lambda t: "4/4 machines 2 evicted" in t, 240, "the restarted job in the header")
-    wait_until(lambda: all_done(run_dir, 8), 300, "the restarted job did not finish its steps")
+    wait_screen(pair, lambda t: len(re.findall(r"machine-[02]\s+evict\s+succeeded", t)) == 2, 90,
+                "the eviction results in the read-only TUI")
+    tmux("send-keys", "-t", pair, "1")
+
+    # Both views: the evicted machines leave the job (evicted, never lost), the standbys carry its ranks, and
+    # training resumes; the old verdict is kept for reading, marked stale.
+    main, ro = both(session, pair, lambda t: "4/4 machines 2 evicted" in header(t) and header(t).startswith("healthy"),
+                    300, "the restarted job, healthy")
+    for text in (main, ro):
+        assert "lost" not in header(text), header(text)
+    # A capture right after the first step is fresh until the next poll sees the job move on: then stale.
+    both(session, pair, lambda t: re.search(r"verdict of \d\d:\d\d:\d\d \(stale: ", t) is not None, 30,
+         "the verdict marked stale")
+    wait_until(lambda: rank_progress(run_dir, 5) > FAULT_STEP, 900, "the restarted job did not pass the fault step")
+    tmux("send-keys", "-t", session, "e")  # a stale verdict aims nothing
+    wait_screen(session, lambda t: "nothing to evict now" in t, 20, "e saying why it has no target")
+    tmux("send-keys", "-t", session, "4")
+    text = wait_screen(session, lambda t: "standby-0" in t, 10, "the metrics view")
+    assert "lost" not in text, text
+    tmux("send-keys", "-t", session, "1")
+
+    # `b` and `u v2` after the eviction and the restart: planned on the job's machines (the evicted agents are
+    # stopped), confirmed, carried out.
+    tmux("send-keys", "-t", session, "b")
+    text = wait_screen(session, lambda t: "Run this on" in t and "Confirm" in t, 60, "the backup plan after the restart")
+    assert "no agent answered" not in text and "nothing listening" not in text and "✗" not in text, text
+    confirm_modal(session)
+    tmux("send-keys", "-t", session, "6")
+    wait_screen(session, lambda t: len(re.findall(r"standby-[01]\s+backup\s+succeeded", t)) == 2, 120,
+                "the standbys' backup results")
+    tmux("send-keys", "-t", session, "u")
+    wait_screen(session, lambda t: "Hot-update the job's code" in t, 20, "the hot-update dialog")
+    tmux("send-keys", "-t", session, "-l", "v2")
+    for key in ("Tab", "Down", "Enter", "BTab", "Enter"):  # lazy: applied at the next restart, none comes
+        time.sleep(0.5)
+        tmux("send-keys", "-t", session, key)
+    text = wait_screen(session, lambda t: "Run this on" in t and "Confirm" in t, 60, "the hot-update plan")
+    assert "(lazy)" in text and "✗" not in text, text
+    confirm_modal(session)
+    text = wait_screen(session, lambda t: len(re.findall(r"(?:machine|standby)-\d\s+hot-update\s+succeeded", t)) == 4,
+                       120, "the hot-update results")
+    tmux("send-keys", "-t", pair, "6")
+    wait_screen(pair, lambda t: len(re.findall(r"(?:machine|standby)-\d\s+hot-update\s+succeeded", t)) == 4, 60,
+                "the hot-update in the read-only view")
+    tmux("send-keys", "-t", pair, "1")
+
+    # The job finishes: both views say so, and the verdict is a record of another time.
+    wait_until(lambda: all_done(run_dir, 8), 900, "the restarted job did not finish its steps")
+    tmux("send-keys", "-t", session, "1")
+    main, ro = both(session, pair, lambda t: header(t).startswith("finished: no ranks running since"), 120,
+                    "finished")
+    for text in (main, ro):
+        assert re.search(r"verdict of \d\d:\d\d:\d\d \(stale: ", text), text
+    tmux("send-keys", "-t", session, "e")
+    wait_screen(session, lambda t: "nothing to evict now" in t, 20, "e after the job finished")
     tmux("send-keys", "-t", session, "5")
     text = wait_screen(session, lambda t: "restarted" in t and "evicted" in t, 20, "the events of the recovery")
     assert re.search(r"restarted.*standby-0.*standby-1|restarted.*standby-1.*standby-0", text), text
-    assert processes_under(run_dir), "the drill stopped before the TUI was closed"
+    assert "training runs again" in text, text
+
+    # Quitting the read-only view leaves the drill and the main view running.
+    tmux("send-keys", "-t", pair, "q")
+    wait_until(lambda: pane_dead(pair), 30, "the read-only view did not quit")
+    time.sleep(5)  # the drill stopped about 2 s after the read-only view quit, once; give it the chance to
+    assert processes_under(run_dir), "the drill stopped when the read-only view quit"
+    assert tmux("has-session", "-t", session).returncode == 0
+    tmux("send-keys", "-t", session, "1")
+    wait_screen(session, lambda t: header(t).startswith("finished"), 10, "the main view still running")
 
     # Training resumed from the backup: every rank restored the same backed-up step, from before the hang.
     backed_up = restored_steps(run_dir)
@@ -288,5 +394,6 @@ def _drive_and_check(session: str, run_dir: Path,
         # No step is lost beyond the backup: the restart resumes right after it, every step once ...
         assert [st for st, _ in after] == list(range(resume + 1, STEPS + 1)), logged[FAULT_STEP - 2:]
         # ... and bit for bit what the fault-free run computed (float hex), before and after the fault.
-        assert dict(after) == {st: reference[rank][st] for st, _ in after}
+        compared = [(st, loss) for st, loss in after if st <= REFERENCE_STEPS]
+        assert compared and dict(compared) == {st: reference[rank][st] for st, _ in compared}
         assert all(loss == reference[rank][st] for st, loss in logged[:FAULT_STEP])

@@ -342,6 +342,13 @@ class ActionController:
     def evict(self, selected_rank: int | None = None) -> None:
         if self._refuse_if_cannot_act():
             return
+        stale = st.verdict_stale(self.app.state)
+        if stale is not None:
+            # A verdict of another launch, or of a job that moved on, must never pick machines to take out.
+            self.app.notify(f"nothing to evict now: the verdict on screen is stale ({stale})\n"
+                            "fix: if the job is stuck again, capture (s) and evict from the new verdict",
+                            title="no suspect", severity="warning", timeout=8)
+            return
         suspect = pick_suspect(self.app.state.stacks, selected_rank)
         if suspect is None:
             self.app.notify("no suspect to evict: capture stacks (s) until the verdict names a group",
@@ -467,4 +474,5 @@ class ActionController:
                     self.app.state = st.apply_failure(self.app.state, "action", audit_line_text(record), record.when)
                     if record.kind == ActionKind.EVICT and record.result == ActionState.SUCCEEDED.value:
                         self.app.state = st.apply_evicted(self.app.state, record.machines, record.when)
+                        self.app.retire_machines(record.machines)
             self._redraw()

@@ -240,7 +240,11 @@ def _from_analyzers(
         for rank, rv in sorted(chain.views.items()):
             if rv.state.value in ("unreadable", "stopped", "not captured"):
                 unreadable.setdefault(rv.short(), []).append(rank)
-    return StackView(tuple(groups), group_of, tree, verdict, tuple(verdict.missing_ranks) or missing, tuple(notes),
+    # Missing means a rank of the job seen without a stack, or one below the known world size: with no rank seen
+    # at all there is no world to miss ranks from (it read "missing stacks: ranks 0" for an empty job).
+    world = snapshot.world_size
+    reported = tuple(r for r in verdict.missing_ranks if world is not None and r < world)
+    return StackView(tuple(groups), group_of, tree, verdict, reported or missing, tuple(notes),
                      tuple((tuple(r), why) for why, r in unreadable.items()))
 
 

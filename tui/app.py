@@ -80,8 +80,9 @@ class RankscopeApp(App[int]):
         Binding("7", "view('failslow')", "Fail-slow", show=False, id="view.failslow"),
         Binding("s", "capture", "Capture", id="capture", tooltip="capture every rank's stack now"),
         Binding("slash", "filter", "Filter", id="filter", tooltip="filter by rank, machine or frame text"),
-        Binding("y", "copy", "Copy", id="copy", tooltip="copy the selected stack or the verdict"),
-        Binding("w", "write_bundle", "Write", id="write", tooltip="write what was seen to a bundle"),
+        # y and w are listed by ? (and the palette), not in the footer: at 80 columns it must keep e, u and b.
+        Binding("y", "copy", "Copy", show=False, id="copy", tooltip="copy the selected stack or the verdict"),
+        Binding("w", "write_bundle", "Write", show=False, id="write", tooltip="write what was seen to a bundle"),
         Binding("question_mark", "help", "Help", id="help"),
         Binding("escape", "go_back", "Back", show=False),
         Binding("q", "quit", "Quit", id="quit"),
@@ -100,6 +101,7 @@ class RankscopeApp(App[int]):
         self.loaded = asyncio.Event()  # set once the initial snapshots are on screen
         self._capturing = False
         self._hang_captured_for: float | None = None
+        self._capture_after_start = False  # the job restarted: capture once its ranks have made their first step
         self.actions = ActionController(self)  # the action keys and the agents' audit log
         if not self.options.read_only:
             for key, action, description in ACTION_KEYS:
@@ -192,13 +194,30 @@ class RankscopeApp(App[int]):
 
     # -- messages -----------------------------------------------------------
 
+    def retire_machines(self, machines: Iterable[str]) -> None:
+        """Evicted machines leave every fan-out of the source (plans, backups, hot-updates, audit streams)."""
+        names = set(machines)
+        addresses = [m.address for m in self.state.machines if m.name in names]
+        retire = getattr(self.source, "retire", None)
+        if addresses and callable(retire):
+            retire(addresses)
+
     def on_snapshot_received(self, message: SnapshotReceived) -> None:
+        evicted: frozenset[str] = getattr(self.source, "evicted_addresses", frozenset())
+        if evicted - self.state.evicted_addresses:  # a re-read hostfile marked agents evicted
+            self.state = st.apply_evicted(self.state, (), self.clock(), evicted)
         before = {m.name: m.reachable for m in self.state.machines}
         restarts = self.state.restarts
         self.state = st.apply_snapshot(self.state, message.digest, self._now(message.digest.wall),
                                        self.options.hang_after_s)
-        if self.state.restarts != restarts and self.source.live and not self._capturing:
-            # The stacks on screen are of processes that are gone: look at the new ones.
+        if self.state.restarts != restarts and self.source.live:
+            # The stacks on screen are of processes that are gone: look at the new ones, but only once they
+            # have made a step -- ranks importing or at rendezvous are no steady state to compare.
+            self._capture_after_start = True
+        clock = self.state.clock
+        if self._capture_after_start and not self._capturing and (
+                clock is None or (not clock.starting and (clock.progress_mark is not None or bool(clock.unknown)))):
+            self._capture_after_start = False
             self.action_capture()
         for m in self.state.machines:
             if before.get(m.name) is True and not m.reachable and not m.evicted:
@@ -472,8 +491,9 @@ def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None =
     bundle_dir) plus, for the client, ``deadline_s`` (per agent and call), ``capture_timeout_s`` (per
     py-spy call), ``native`` (native frames in captures), ``sample_hz`` (the agents sample every rank's
     main thread at this rate while polled; 0: off), ``act_problem`` ((message, fix) when the
-    token is known not to have the 'act' role: the action keys then say so instead of failing later)
-    and ``tls`` (a ``rankscope.tls.ClientTLS``: reach the agents over TLS).
+    token is known not to have the 'act' role: the action keys then say so instead of failing later),
+    ``tls`` (a ``rankscope.tls.ClientTLS``: reach the agents over TLS), ``hostfile`` (re-read while
+    attached) and ``evicted`` (agents it marks evicted).
     """
     deadline_s = float(options.pop("deadline_s", 10.0))
     capture_timeout_s = float(options.pop("capture_timeout_s", 5.0))
@@ -481,8 +501,11 @@ def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None =
     act_problem = options.pop("act_problem", None)
     tls = options.pop("tls", None)
     sample_hz = float(options.pop("sample_hz", 0.0))
+    hostfile = options.pop("hostfile", None)
+    evicted = options.pop("evicted", ())
     source = LiveSource(agents, token, deadline_s=deadline_s, native=native, capture_timeout_s=capture_timeout_s,
-                        acting=not read_only, act_problem=act_problem, tls=tls, sample_hz=sample_hz)
+                        acting=not read_only, act_problem=act_problem, tls=tls, sample_hz=sample_hz,
+                        hostfile=hostfile, evicted=evicted)
     return run_app(source, AppOptions(layout=layout, read_only=read_only, **options))
 
 

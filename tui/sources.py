@@ -165,10 +165,14 @@ class LiveSource:
     def __init__(self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0,
                  native: bool = False, capture_timeout_s: float = 5.0, acting: bool = False,
                  act_problem: tuple[str, str] | None = None, tls: ClientTLS | None = None,
-                 sample_hz: float = 0.0) -> None:
+                 sample_hz: float = 0.0, hostfile: Path | None = None, evicted: Sequence[str] = ()) -> None:
         if not agents:
             raise RankscopeError("no agents to attach to", "pass --agents host:port[,host:port...] or a hostfile")
         self.agents = tuple(agents)
+        # The hostfile is re-read when it changes, so agents can be added or marked evicted while attached.
+        self.hostfile = hostfile
+        self._hostfile_stamp = _stamp(hostfile)
+        self.evicted_addresses: frozenset[str] = frozenset(evicted)
         self.label = f"{len(self.agents)} agents"
         self.native = native
         self.capture_timeout_s = capture_timeout_s
@@ -179,6 +183,8 @@ class LiveSource:
             raise RankscopeError(f"the agent client is not available ({exc})",
                                  "install rankscope[tui] (grpcio) on this machine") from None
         self._client = JobClient(self.agents, token, deadline_s=deadline_s, acting=acting, tls=tls)
+        if evicted:
+            self._client.set_agents(self.agents, evicted)
         self.act_problem = act_problem if acting else (
             "this session is read-only: it does not send actions",
             "attach without --read-only, with a token of the 'act' role (--token-file)")
@@ -187,7 +193,31 @@ class LiveSource:
         return (await self._client.describe(),)
 
     async def poll(self) -> JobSnapshot | None:
+        self.reread_hostfile()
         return await self._client.poll(sample_hz=self.sample_hz)
+
+    def retire(self, addresses: Sequence[str]) -> None:
+        """These agents' machines were evicted: no call reaches them any more (``JobClient.retire``)."""
+        self._client.retire(addresses)
+        self.evicted_addresses = self.evicted_addresses | frozenset(addresses)
+
+    def reread_hostfile(self) -> bool:
+        """Follow the hostfile when it changed: new agents are asked, ones marked evicted are retired."""
+        stamp = _stamp(self.hostfile)
+        if self.hostfile is None or stamp == self._hostfile_stamp:
+            return False
+        from rankscope.agents_spec import hostfile_members
+
+        try:
+            members, evicted = hostfile_members(self.hostfile)
+        except RankscopeError:
+            return False  # being rewritten, or gone: keep the agents known until it reads again
+        self._hostfile_stamp = stamp
+        self._client.set_agents(members, evicted)
+        self.evicted_addresses = self.evicted_addresses | frozenset(evicted)
+        self.agents = tuple(self._client.agents)
+        self.label = f"{len(self._client.members)} agents"
+        return True
 
     async def capture(self) -> JobSnapshot | None:
         return await self._client.capture(native=self.native, subprocesses=True, timeout_s=self.capture_timeout_s)
@@ -206,6 +236,14 @@ class LiveSource:
     def watch_audit(self, since: int | None = 0) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost]:
         """Every agent's audit records, live (read role is enough: a read-only pane sees actions happen)."""
         return self._client.watch_all_audit(since=since)
+
+
+def _stamp(path: Path | None) -> tuple[int, int] | None:
+    try:
+        st = path.stat() if path is not None else None
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size) if st is not None else None
 
 
 async def poll_loop(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import numpy as np
-from rankscope.snapshot import GpuMetrics, HostMetrics, JobSnapshot, Layout, MachineSnapshot
+from rankscope.snapshot import GpuMetrics, HostMetrics, JobSnapshot, Layout, MachineSnapshot, RankStacks
 from rankscope.tui.analysis import StackView, format_ranks
 
 HISTORY = 60  # points kept for sparklines (one per poll, about a minute at 1 Hz)
@@ -46,6 +46,19 @@ class MachineView:
     gpu_note: str | None
     pids: tuple[int, ...] = ()  # the ranks' main pids: new pids for the same ranks mean the job restarted
     evicted: bool = False  # an eviction of this machine succeeded: it runs none of the job's ranks any more
+    # The agent's memory of the job (rankscope.rank_progress), in the agent's clock; ages are measured on the
+    # agent's own clock too (its reading's time minus the mark), so no two machines' clocks are compared.
+    clock_info: bool = False  # the agent reports these at all (older agents and bundles do not)
+    progress_mark: float | None = None  # the latest progress of any of its ranks
+    progress_age_s: float | None = None
+    start_mark: float | None = None  # the youngest of its rank processes started then
+    start_age_s: float | None = None
+    # Ranks with no progress yet in their current process: known to be starting (their counters show no step
+    # yet, or their stack is in imports or at rendezvous), or of unknown state (no counters, no stack change).
+    starting: tuple[int, ...] = ()
+    unknown: tuple[int, ...] = ()
+    seen_mark: float | None = None  # when it last saw a rank of the job
+    seen_age_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +158,7 @@ class PollDigest:
 def _machine_view(m: MachineSnapshot) -> MachineView:
     err = None
     if m.error is not None:
-        err = f"{m.error.kind.value}: {m.error.message}"
+        err = m.error.message  # its first words say what happened (token refused, nothing listening, ...)
     gpus: tuple[GpuMetrics, ...] = ()
     note = None
     if m.gpus is not None:
@@ -153,8 +166,41 @@ def _machine_view(m: MachineSnapshot) -> MachineView:
         if not m.gpus.available:
             note = m.gpus.reason or "no GPU"
     ranks = sorted(m.ranks, key=lambda r: r.rank)
-    return MachineView(m.machine, m.address, m.reachable, err, tuple(r.rank for r in ranks), m.host, gpus, note,
-                       tuple(r.pid for r in ranks))
+    wall = m.captured.wall if m.captured is not None else None
+    info = m.reachable and wall is not None and (
+        m.generation is not None or any(r.started_wall is not None for r in ranks))
+    if not info or wall is None:
+        return MachineView(m.machine, m.address, m.reachable, err, tuple(r.rank for r in ranks), m.host, gpus, note,
+                           tuple(r.pid for r in ranks))
+    progress = max((r.last_progress_wall for r in ranks if r.last_progress_wall is not None), default=None)
+    start = max((r.started_wall for r in ranks if r.started_wall is not None), default=None)
+    pid_of = {r.rank: r.pid for r in ranks}
+    known = {c.rank for c in m.counters if not c.error and c.pid in (None, pid_of.get(c.rank))}
+    known |= {s.rank for s in m.stacks if starting_stack(s)}
+    quiet = [r.rank for r in ranks if r.last_progress_wall is None]
+    return MachineView(
+        m.machine, m.address, m.reachable, err, tuple(r.rank for r in ranks), m.host, gpus, note,
+        tuple(r.pid for r in ranks), clock_info=True,
+        progress_mark=progress, progress_age_s=None if progress is None else max(0.0, wall - progress),
+        start_mark=start, start_age_s=None if start is None else max(0.0, wall - start),
+        starting=tuple(r for r in quiet if r in known), unknown=tuple(r for r in quiet if r not in known),
+        seen_mark=m.ranks_seen_wall, seen_age_s=None if m.ranks_seen_wall is None else max(0.0, wall - m.ranks_seen_wall),
+    )
+
+
+# Where a rank's main thread is while its process is still starting: importing modules, or meeting the others.
+_STARTUP_FILES = ("<frozen importlib",)
+_STARTUP_FUNCTIONS = frozenset({"init_process_group", "rendezvous", "_store_based_barrier", "next_rendezvous",
+                                "_rendezvous_helper", "_create_tcp_store", "_init_process_group_helper"})
+
+
+def starting_stack(stacks: RankStacks) -> bool:
+    """Whether a rank's stack shows it still starting (not a steady state to compare with the others')."""
+    threads = stacks.main.threads or ()
+    main = next((t for t in threads if t.thread_name == "MainThread"), threads[0] if threads else None)
+    if main is None:
+        return False
+    return any(f.filename.startswith(_STARTUP_FILES) or f.name in _STARTUP_FUNCTIONS for f in main.frames)
 
 
 _KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
@@ -275,6 +321,59 @@ class Series:
 
 
 @dataclass(frozen=True, slots=True)
+class JobClock:
+    """The job's state as its agents remember it, over the machines of the job (evicted ones are not).
+
+    Marks are agent wall-clock times (shown as they are, so every view shows
+    the same "since"); ages are measured by each agent on its own clock.
+    """
+
+    running: bool  # some machine of the job runs ranks
+    progress_mark: float | None  # the job's latest progress in its current launch (None: none yet)
+    progress_age_s: float | None
+    start_mark: float | None  # the youngest rank process started then
+    start_age_s: float | None
+    starting: tuple[int, ...]  # ranks known to be before their first step (MachineView.starting)
+    unknown: tuple[int, ...]  # ranks with no progress and no way to tell (no counters, no stack change yet)
+    seen_mark: float | None  # ranks were last seen then (for a job with none running now)
+    seen_age_s: float | None
+
+
+def _latest(pairs: Iterable[tuple[float | None, float | None]]) -> tuple[float | None, float | None]:
+    """The latest mark and the smallest age among machines' (mark, age) pairs."""
+    got = [(m, a) for m, a in pairs if m is not None and a is not None]
+    if not got:
+        return None, None
+    return max(m for m, _ in got), min(a for _, a in got)
+
+
+def job_clock(machines: Sequence[MachineView]) -> JobClock | None:
+    """None when no reachable machine of the job reports the agents' memory (older agents, bundles)."""
+    ms = [m for m in machines if m.reachable and not m.evicted and m.clock_info]
+    if not ms:
+        return None
+    running = [m for m in ms if m.ranks]
+    progress = _latest((m.progress_mark, m.progress_age_s) for m in running)
+    start = _latest((m.start_mark, m.start_age_s) for m in running)
+    seen = _latest((m.seen_mark, m.seen_age_s) for m in ms)
+    starting = tuple(sorted(r for m in running for r in m.starting))
+    unknown = tuple(sorted(r for m in running for r in m.unknown))
+    return JobClock(bool(running), *progress, *start, starting, unknown, *seen)
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictMark:
+    """What the job was doing when the capture behind the verdict was taken (see ``verdict_stale``)."""
+
+    wall: float  # the capture's time
+    restarts: int  # the job's launches seen before it
+    progress_mark: float | None  # the job's last progress per its agents then (with clock info)
+    progress_count: int  # the summed counters then (without)
+    clock_info: bool
+    starting: tuple[int, ...] = ()  # ranks caught before their first step
+
+
+@dataclass(frozen=True, slots=True)
 class Event:
     wall: float
     kind: str  # capture, verdict, lost, found, capture-failed, hung, resumed, restarted, evicted, action, info
@@ -304,6 +403,10 @@ class AppState:
     evicted: frozenset[str] = frozenset()  # machines an eviction took out of the job (from the audit logs)
     restarts: int = 0  # times the job's ranks came back with new pids (an eviction, a hot-update, a relaunch)
     rank_pids: Mapping[int, int] = field(default_factory=dict)  # each rank's last seen pid
+    clock: JobClock | None = None  # the job's state per its agents (None: they do not report it)
+    verdict: VerdictMark | None = None  # what the job was doing when ``stacks`` was captured
+    evicted_addresses: frozenset[str] = frozenset()  # agents taken out of the job (hostfile, audit)
+    awaiting_restart: bool = False  # an eviction succeeded and the job has not come back yet: not "finished"
 
     @property
     def lost(self) -> tuple[str, ...]:
@@ -333,7 +436,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
     events: list[Event] = []
     before = {m.name: m.reachable for m in state.machines}
     for m in d.machines:
-        if m.name in state.evicted:
+        if m.name in state.evicted or m.address in state.evicted_addresses:
             continue  # its agent going away is the eviction's doing, not news
         was = before.get(m.name)
         if was is True and not m.reachable:
@@ -351,7 +454,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
     names = {m.name for m in machines}
     machines += tuple(replace(m, reachable=False, error="missing from the last poll") for m in state.machines
                       if m.name not in names)
-    machines = _mark_evicted(machines, state.evicted)
+    machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
     restarted, rank_pids = _restarted(state.rank_pids, machines)
     if restarted:
         on = ", ".join(m.name for m in machines if m.ranks and m.reachable)
@@ -366,17 +469,35 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
     step_points = state.step_points
     if d.steps is not None:
         step_points = (*step_points, (d.wall, d.steps))[-HISTORY:]
+    clock = job_clock(machines)
     last_progress = state.last_progress_wall
-    moved = not state.progress_points or d.progress != state.progress_points[-1][1]
-    if moved or last_progress is None:
-        last_progress = d.wall
     hung_reported = state.hung_reported
-    if moved and hung_reported and state.progress_points:
-        events.append(Event(now_wall, "resumed", "progress resumed"))
-        hung_reported = False
-    elif not moved and not hung_reported and d.wall - last_progress >= hang_after_s and d.progress > 0:
-        events.append(Event(now_wall, "hung", f"no progress since {fmt_time(last_progress)}"))
-        hung_reported = True
+    if clock is not None:
+        # The agents remember when the job last progressed: a view attached late says what an early one says.
+        moved = clock.progress_mark is not None and (last_progress is None or clock.progress_mark > last_progress)
+        if moved and last_progress is None and state.restarts + restarted > 0:
+            events.append(Event(now_wall, "resumed", f"training runs again: first step at {fmt_time(clock.progress_mark)}"))
+        elif moved and hung_reported:
+            events.append(Event(now_wall, "resumed", "progress resumed"))
+        if moved:
+            hung_reported = False
+        last_progress = clock.progress_mark
+        age = clock.progress_age_s if clock.progress_mark is not None else clock.start_age_s
+        known = clock.progress_mark is not None or bool(clock.starting)  # else: nothing tells a hang from a start
+        if clock.running and known and not moved and not hung_reported and age is not None and age >= hang_after_s:
+            since = clock.progress_mark if clock.progress_mark is not None else clock.start_mark
+            events.append(Event(now_wall, "hung", f"no progress since {fmt_time(since)}"))
+            hung_reported = True
+    else:
+        moved = not state.progress_points or d.progress != state.progress_points[-1][1]
+        if moved or last_progress is None:
+            last_progress = d.wall
+        if moved and hung_reported and state.progress_points:
+            events.append(Event(now_wall, "resumed", "progress resumed"))
+            hung_reported = False
+        elif not moved and not hung_reported and d.wall - last_progress >= hang_after_s and d.progress > 0:
+            events.append(Event(now_wall, "hung", f"no progress since {fmt_time(last_progress)}"))
+            hung_reported = True
     world = d.world_size or state.world_size
     limit = max(2, KEPT_RANK_SNAPSHOTS // max(1, world or 1))
     kept = (*state.kept, d.snapshot)[-limit:]
@@ -400,15 +521,19 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
         hung_reported=hung_reported,
         restarts=state.restarts + (1 if restarted else 0),
         rank_pids=rank_pids,
+        clock=clock,
+        awaiting_restart=state.awaiting_restart and not restarted,
     )
 
 
-def _mark_evicted(machines: tuple[MachineView, ...], evicted: frozenset[str]) -> tuple[MachineView, ...]:
-    """Evicted machines hold no ranks (theirs run elsewhere now) and go last, after the job's machines."""
-    if not evicted:
+def _mark_evicted(machines: tuple[MachineView, ...], evicted: frozenset[str],
+                  addresses: frozenset[str] = frozenset()) -> tuple[MachineView, ...]:
+    """Evicted machines (by name, or by agent address) hold no ranks (theirs run elsewhere now) and go last."""
+    out = [m for m in machines if m.name in evicted or m.address in addresses]
+    if not out:
         return machines
-    kept = tuple(m for m in machines if m.name not in evicted)
-    gone = tuple(replace(m, evicted=True, ranks=(), pids=()) for m in machines if m.name in evicted)
+    kept = tuple(m for m in machines if not (m.name in evicted or m.address in addresses))
+    gone = tuple(replace(m, evicted=True, ranks=(), pids=(), starting=(), unknown=()) for m in out)
     return kept + gone
 
 
@@ -427,25 +552,76 @@ def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tup
     return restarted, {**known, **seen}
 
 
-def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float) -> AppState:
-    """An eviction of ``machines`` succeeded (seen in an agent's audit log)."""
+def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float, addresses: Iterable[str] = ()) -> AppState:
+    """An eviction of ``machines`` succeeded (an agent's audit log), or the hostfile marks ``addresses`` evicted."""
     new = frozenset(machines) - state.evicted
-    if not new:
+    new_addresses = frozenset(addresses) - state.evicted_addresses
+    if not new and not new_addresses:
         return state
     evicted = state.evicted | new
-    events = [Event(now_wall, "evicted", f"evicted {' '.join(sorted(new))}: out of the job, its ranks restart elsewhere")]
-    return replace(state, evicted=evicted, machines=_mark_evicted(state.machines, evicted),
-                   events=_with_events(state, events))
+    evicted_addresses = state.evicted_addresses | new_addresses
+    names = sorted((new | {m.name for m in state.machines if m.address in new_addresses}) - state.evicted)
+    events = [Event(now_wall, "evicted", f"evicted {' '.join(names)}: out of the job, its ranks restart elsewhere")] \
+        if names else []
+    return replace(state, evicted=evicted, evicted_addresses=evicted_addresses,
+                   machines=_mark_evicted(state.machines, evicted, evicted_addresses),
+                   events=_with_events(state, events), awaiting_restart=state.awaiting_restart or bool(new))
 
 
 def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: float, hang_after_s: float = 30.0) -> AppState:
-    """A capture carries stacks: fold its counters in, then its analysis, and log verdict changes."""
+    """A capture carries stacks: fold its counters in, then its analysis, and log verdict changes.
+
+    The verdict is marked with what the job was doing at the capture, so it
+    can be told stale later (``verdict_stale``). Ranks caught before their
+    first step (importing, at rendezvous) are noted: their stacks are not a
+    steady state to compare, unless they have been starting for longer than
+    ``hang_after_s`` (then never reaching a step is the problem).
+    """
     s = apply_snapshot(state, d, now_wall, hang_after_s)
     events = [Event(now_wall, "capture", f"captured {len(d.snapshot.all_stacks())} ranks' stacks, "
                     f"{len(view.groups)} groups")]
     if state.stacks is None or state.stacks.verdict.summary != view.verdict.summary:
         events.append(Event(now_wall, "verdict", view.verdict.summary))
-    return replace(s, stacks=view, capture_wall=d.wall, events=_with_events(s, events))
+    starting = tuple(sorted(r for m in d.machines if m.reachable and m.start_age_s is not None
+                            and m.start_age_s < hang_after_s
+                            and m.name not in s.evicted and m.address not in s.evicted_addresses
+                            for r in m.starting))
+    clock = s.clock
+    mark = VerdictMark(d.wall, s.restarts, clock.progress_mark if clock is not None else None, d.progress,
+                       clock is not None, starting)
+    return replace(s, stacks=view, capture_wall=d.wall, verdict=mark, events=_with_events(s, events))
+
+
+def verdict_stale(state: AppState) -> str | None:
+    """Why the verdict on screen no longer describes the job (None: it does).
+
+    A verdict belongs to one capture of one launch in one state: it goes
+    stale when the job restarts, progresses after it, or has no ranks left;
+    a capture of ranks still starting is never a steady state. A stale
+    verdict is shown for reading but never aims an action.
+    """
+    mark = state.verdict
+    if state.stacks is None or mark is None:
+        return None
+    if state.restarts > mark.restarts:
+        return "the job restarted after this capture"
+    evicted = state.evicted | {m.name for m in state.machines if m.evicted}
+    acted = sorted({m for s in state.stacks.verdict.suspects for m in s.machines} & evicted)
+    if acted:
+        return f"its suspects {' '.join(acted)} were evicted"
+    job = [m for m in state.job_machines if m.reachable]
+    silent = any(m.ranks for m in state.job_machines if not m.reachable)  # lost agents keep their last ranks
+    if job and not silent and not any(m.ranks for m in job):
+        return "the job has no ranks running now"
+    if mark.starting:
+        return f"taken while ranks {format_ranks(mark.starting, 4)} were still starting"
+    clock = state.clock
+    if mark.clock_info and clock is not None:
+        if clock.progress_mark is not None and (mark.progress_mark is None or clock.progress_mark > mark.progress_mark):
+            return f"the job progressed after it (last step {fmt_time(clock.progress_mark)})"
+    elif state.progress_points and state.progress_points[-1][1] != mark.progress_count:
+        return "the job progressed after it"
+    return None
 
 
 def apply_failure(state: AppState, what: str, message: str, now_wall: float) -> AppState:
@@ -471,26 +647,66 @@ def step_rate(state: AppState) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Health:
-    kind: str  # healthy, hung, slow, idle, unknown
+    kind: str  # healthy, hung, slow, starting, idle, finished, unknown
     text: str
+
+
+def _clock_health(clock: JobClock, hang_after_s: float) -> Health | None:
+    """The job's state from its agents' memory; None: progressing (the step rate decides healthy or slow)."""
+    if not clock.running:
+        if clock.seen_mark is None or clock.seen_age_s is None:
+            return Health("idle", "no ranks running: the agents answer but have seen none of the job's ranks")
+        if clock.seen_age_s < hang_after_s:
+            return Health("idle", f"no ranks running since {fmt_time(clock.seen_mark)} (stopping or restarting)")
+        return Health("finished", f"finished: no ranks running since {fmt_time(clock.seen_mark)}")
+    if clock.progress_mark is None or clock.progress_age_s is None:
+        age = clock.start_age_s
+        if not clock.starting:
+            return Health("unknown", "progress unknown: no counters (CCL plugin not loaded?) and no stack "
+                          "change between captures yet")
+        if age is not None and age >= hang_after_s:
+            return Health("hung", f"hung since its start at {fmt_time(clock.start_mark)} ({age:.0f} s): "
+                          "no rank has made a step")
+        return Health("starting", f"starting: {len(clock.starting)} ranks before their first step")
+    if clock.progress_age_s >= hang_after_s:
+        return Health("hung", f"hung since {fmt_time(clock.progress_mark)} ({clock.progress_age_s:.0f} s)")
+    return None
 
 
 def health(state: AppState, hang_after_s: float = 30.0) -> Health:
     if not state.progress_points:
         return Health("unknown", "waiting for the first poll")
-    running = [m for m in state.job_machines if m.reachable]
-    if running and not any(m.ranks for m in running):
+    job = state.job_machines
+    running = [m for m in job if m.reachable]
+    if job and not running:
+        first = next((m.error for m in job if m.error), None)
+        return Health("unknown", f"no agent answers: {first}" if first else "no agent of the job answers")
+    silent = [m for m in job if not m.reachable and m.ranks]
+    clock = state.clock
+    if silent and not any(m.ranks for m in running):
+        # The ranks live on machines whose agents do not answer now: nothing can be said about the job.
+        return Health("unknown", f"the agents of the job's ranks do not answer ({len(silent)}): "
+                      f"{silent[0].error or 'no answer'}")
+    if clock is not None and not clock.running and state.awaiting_restart:
+        seen = f" since {fmt_time(clock.seen_mark)}" if clock.seen_mark is not None else ""
+        return Health("idle", f"no ranks running{seen}: the job restarts after the eviction")
+    if clock is not None:
+        clocked = _clock_health(clock, hang_after_s)
+        if clocked is not None:
+            return clocked
+    elif running and not any(m.ranks for m in running):
         # Not a hang: nothing to wait for. The job ended, has not started, or is between a stop and a restart.
         return Health("idle", "no ranks running")
-    if len(state.progress_points) < 2:
-        # One reading says nothing about progress (a bundle of one capture, the first poll): not "healthy".
-        return Health("unknown", "progress unknown (one reading)")
-    last = state.progress_points[-1]
-    if last[1] == 0 and not state.comms:
-        return Health("unknown", "no counters (CCL plugin not loaded?)")
-    since = state.last_progress_wall
-    if since is not None and last[0] - since >= hang_after_s:
-        return Health("hung", f"hung since {fmt_time(since)} ({last[0] - since:.0f} s)")
+    else:
+        if len(state.progress_points) < 2:
+            # One reading says nothing about progress (a bundle of one capture, the first poll): not "healthy".
+            return Health("unknown", "progress unknown (one reading)")
+        last = state.progress_points[-1]
+        if last[1] == 0 and not state.comms:
+            return Health("unknown", "no counters (CCL plugin not loaded?)")
+        since = state.last_progress_wall
+        if since is not None and last[0] - since >= hang_after_s:
+            return Health("hung", f"hung since {fmt_time(since)} ({last[0] - since:.0f} s)")
     pts = state.step_points
     if len(pts) >= 6:
         # Rates over readings at least half a second apart: a capture's reading lands milliseconds after a

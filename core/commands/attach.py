@@ -96,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
         return tui_app.run_bundle(args.bundle, layout=layout, read_only=args.read_only, **options)
     from rankscope.tokens import Role
 
+    if args.hostfile is not None:
+        from rankscope.agents_spec import hostfile_members
+
+        # Followed while attached: agents added to it are asked, ones marked evicted are shown as such.
+        options["hostfile"] = args.hostfile
+        options["evicted"] = hostfile_members(args.hostfile, default_port=args.port)[1]
     role = Role.READ
     if not args.read_only and not args.slurm:
         # A session that may act sends a token of the 'act' role; with only a read token it still

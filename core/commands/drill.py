@@ -218,20 +218,36 @@ def _run_attached(config: Any, args: argparse.Namespace) -> int:
                                  f"read the agent logs in {s.run_dir / 'logs'}, or run with --headless")
         hint = pair_hint(s.run_dir, list(s.agents.values()), s.launcher.ensure_token(), config.layout)
         print(hint, file=sys.stderr, flush=True)
+        from rankscope.drill.control import HOSTFILE
+
         return int(run_attach(agents=list(s.agents.values()), token=s.token(), layout=config.layout.to_snapshot_layout(),
-                              read_only=False, pair_hint=hint) or 0)
+                              read_only=False, pair_hint=hint, hostfile=s.run_dir / HOSTFILE) or 0)
+
+
+PAIR_COMMAND = "pair-command.txt"
 
 
 def pair_hint(run_dir: Path, agents: list[str], token_file: Path, layout: Any) -> str:
     """Write the drill's agents to a hostfile; the command a second person runs to watch read-only."""
     import shlex
 
-    hostfile = run_dir / "agents.txt"
-    hostfile.write_text("".join(f"{a}\n" for a in agents))
-    argv = ["rankscope", "attach", "--hostfile", str(hostfile), "--token-file", str(token_file), "--read-only",
+    from rankscope.agents_spec import write_hostfile
+    from rankscope.drill.control import HOSTFILE
+
+    hostfile = run_dir / HOSTFILE
+    write_hostfile(hostfile, agents)
+    argv = [*running_rankscope(), "attach", "--hostfile", str(hostfile), "--token-file", str(token_file), "--read-only",
             "--tp", str(layout.tp), "--pp", str(layout.pp), "--dp", str(layout.dp),
             "--ranks-per-machine", str(layout.ranks_per_machine)]
-    return f"pair (read-only, e.g. in a second tmux pane): {shlex.join(argv)}"
+    command = shlex.join(argv)
+    (run_dir / PAIR_COMMAND).write_text(command + "\n")  # the same line, for a script or a pane to run
+    return f"pair (read-only, e.g. in a second tmux pane): {command}"
+
+
+def running_rankscope() -> list[str]:
+    """The command that runs this very rankscope, whatever the PATH of the one who pastes it."""
+    script = Path(sys.executable).parent / "rankscope"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "rankscope"]
 
 
 def report_lines(report: dict[str, Any]) -> list[str]:

@@ -65,7 +65,8 @@ def summary_lines(snap: JobSnapshot) -> list[str]:
                         lines.append(f"    rank {s.rank} pid {proc.pid} ({proc.role.value}): {proc.error.message}")
         else:
             err = m.error
-            lines.append(f"  {m.address}: UNREACHABLE: {err.message if err else 'no reason recorded'}")
+            # The error's own first words say which failure it is (token refused, nothing listening, ...).
+            lines.append(f"  {m.address}: {err.message if err else 'no answer, no reason recorded'}")
             if err and err.fix:
                 lines.append(f"    fix: {err.fix}")
     world = snap.world_size

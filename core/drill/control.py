@@ -206,22 +206,30 @@ class Recovery:
 
     def _main(self) -> None:
         # The restart runs on this thread, not in an executor thread that may end: the restarted
-        # processes get their parent-death signal when the thread that started them ends.
-        try:
-            while not self._stop.is_set():
-                addresses = dict(self.launcher.addresses())
-                if not addresses:
-                    self._stop.wait(0.2)
-                    continue
-                found = asyncio.run(self._follow(addresses))
-                if found is None:
-                    continue
-                if found.kind == ActionKind.EVICT:
-                    self._recover(found.action_id, found.machines)
-                else:
-                    self._restart_in_place(found)
-        except Exception as exc:  # the drill goes on; the error is shown with the report
-            self.errors.append(f"recovery stopped: {type(exc).__name__}: {exc}")
+        # processes get their parent-death signal when the thread that started them ends. So this thread
+        # must outlive every round: a round that fails is reported and the next one starts (it used to end
+        # the thread, and with it, silently, the whole restarted job and its agents).
+        while not self._stop.is_set():
+            try:
+                self._round()
+            except Exception as exc:
+                message = f"recovery round failed (it goes on): {type(exc).__name__}: {exc}"
+                self.errors.append(message)
+                self.on_event(message)
+                self._stop.wait(RETRY_S)
+
+    def _round(self) -> None:
+        addresses = dict(self.launcher.addresses())
+        if not addresses:
+            self._stop.wait(0.2)
+            return
+        found = asyncio.run(self._follow(addresses))
+        if found is None:
+            return
+        if found.kind == ActionKind.EVICT:
+            self._recover(found.action_id, found.machines)
+        else:
+            self._restart_in_place(found)
 
     async def _follow(self, addresses: dict[str, str]) -> _Finished | None:
         """Follow these agents until an eviction or a hot-update has finished everywhere (None: stopping)."""
@@ -318,6 +326,7 @@ class Recovery:
         from rankscope.drill.worker import latest_checkpoint
 
         seen, began_wall = time.monotonic(), time.time()
+        before = dict(self.launcher.addresses())  # the evicted machines' agents are stopped by the eviction
         blocked = blocked_machines(self.launcher)
         reason = block_reason(self.launcher, evicted[0]) if evicted else "evicted"
         self.on_event(f"eviction {action_id} of {' '.join(evicted)} finished: restarting with standbys")
@@ -330,11 +339,29 @@ class Recovery:
         event = RecoveryEvent(action_id, evicted, outcome.replacements,
                               self.launcher.machines() if outcome.ok else (), outcome.ok, outcome.message, seen,
                               time.monotonic(), began_wall, resume)
+        if outcome.ok:
+            mark_evicted_in_hostfile(self.launcher.run_dir / HOSTFILE, before, evicted)
         self.on_event(outcome.message)
         self._add(event)
 
 
+HOSTFILE = "agents.txt"  # the drill's hostfile, which the pairing command attaches with
+
+
+def mark_evicted_in_hostfile(path: Path, addresses: dict[str, str], evicted: tuple[str, ...]) -> None:
+    """Mark the evicted machines' agents in the hostfile, so every view, attached now or later, shows them evicted."""
+    from rankscope.agents_spec import hostfile_members, write_hostfile
+
+    if not path.exists():
+        return
+    with contextlib.suppress(RankscopeError, OSError):
+        members, gone = hostfile_members(path)
+        out = {addresses[m] for m in evicted if m in addresses}
+        write_hostfile(path, [a for a in members if a not in out], [*gone, *sorted(out)])
+
+
 WATCHED = frozenset({ActionKind.EVICT, ActionKind.HOT_UPDATE, ActionKind.ROLLBACK})
+RETRY_S = 1.0  # pause after a failed round of the recovery watcher
 SETTLE_S = 2.0  # quiet time after an action's last record before it is taken as complete (see _finished)
 
 

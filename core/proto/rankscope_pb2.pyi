@@ -567,6 +567,8 @@ class RankInfo(_message.Message):
     PROCESS_FIELD_NUMBER: _builtins.int
     SUBPROCESSES_FIELD_NUMBER: _builtins.int
     RANK_SOURCE_FIELD_NUMBER: _builtins.int
+    LAST_PROGRESS_WALL_FIELD_NUMBER: _builtins.int
+    STARTED_WALL_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     world_size: _builtins.int
@@ -579,6 +581,8 @@ class RankInfo(_message.Message):
     master_port: _builtins.int
     rank_source: _builtins.str
     """how a rank read from saved dumps got its number"""
+    last_progress_wall: _builtins.float
+    started_wall: _builtins.float
     @_builtins.property
     def process(self) -> Global___ProcessInfo: ...
     @_builtins.property
@@ -599,13 +603,17 @@ class RankInfo(_message.Message):
         process: Global___ProcessInfo | None = ...,
         subprocesses: _abc.Iterable[Global___ProcessInfo] | None = ...,
         rank_source: _builtins.str | None = ...,
+        last_progress_wall: _builtins.float | None = ...,
+        started_wall: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "group_rank", b"group_rank", "launcher_pid", b"launcher_pid", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "process", b"process", "rank_source", b"rank_source", "run_id", b"run_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_last_progress_wall", b"_last_progress_wall", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "_started_wall", b"_started_wall", "group_rank", b"group_rank", "last_progress_wall", b"last_progress_wall", "launcher_pid", b"launcher_pid", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "process", b"process", "rank_source", b"rank_source", "run_id", b"run_id", "started_wall", b"started_wall"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "group_rank", b"group_rank", "launcher_pid", b"launcher_pid", "local_rank", b"local_rank", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "pid", b"pid", "process", b"process", "rank", b"rank", "rank_source", b"rank_source", "run_id", b"run_id", "subprocesses", b"subprocesses", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_last_progress_wall", b"_last_progress_wall", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "_started_wall", b"_started_wall", "group_rank", b"group_rank", "last_progress_wall", b"last_progress_wall", "launcher_pid", b"launcher_pid", "local_rank", b"local_rank", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "pid", b"pid", "process", b"process", "rank", b"rank", "rank_source", b"rank_source", "run_id", b"run_id", "started_wall", b"started_wall", "subprocesses", b"subprocesses", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_rank: _TypeAlias = _typing.Literal["group_rank"]  # noqa: Y015
     _WhichOneofArgType__group_rank: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank"]  # noqa: Y015
+    _WhichOneofReturnType__last_progress_wall: _TypeAlias = _typing.Literal["last_progress_wall"]  # noqa: Y015
+    _WhichOneofArgType__last_progress_wall: _TypeAlias = _typing.Literal["_last_progress_wall", b"_last_progress_wall"]  # noqa: Y015
     _WhichOneofReturnType__launcher_pid: _TypeAlias = _typing.Literal["launcher_pid"]  # noqa: Y015
     _WhichOneofArgType__launcher_pid: _TypeAlias = _typing.Literal["_launcher_pid", b"_launcher_pid"]  # noqa: Y015
     _WhichOneofReturnType__local_world_size: _TypeAlias = _typing.Literal["local_world_size"]  # noqa: Y015
@@ -618,8 +626,12 @@ class RankInfo(_message.Message):
     _WhichOneofArgType__rank_source: _TypeAlias = _typing.Literal["_rank_source", b"_rank_source"]  # noqa: Y015
     _WhichOneofReturnType__run_id: _TypeAlias = _typing.Literal["run_id"]  # noqa: Y015
     _WhichOneofArgType__run_id: _TypeAlias = _typing.Literal["_run_id", b"_run_id"]  # noqa: Y015
+    _WhichOneofReturnType__started_wall: _TypeAlias = _typing.Literal["started_wall"]  # noqa: Y015
+    _WhichOneofArgType__started_wall: _TypeAlias = _typing.Literal["_started_wall", b"_started_wall"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__group_rank) -> _WhichOneofReturnType__group_rank | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__last_progress_wall) -> _WhichOneofReturnType__last_progress_wall | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__launcher_pid) -> _WhichOneofReturnType__launcher_pid | None: ...
     @_typing.overload
@@ -632,6 +644,8 @@ class RankInfo(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__rank_source) -> _WhichOneofReturnType__rank_source | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__run_id) -> _WhichOneofReturnType__run_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__started_wall) -> _WhichOneofReturnType__started_wall | None: ...
 
 Global___RankInfo: _TypeAlias = RankInfo  # noqa: Y015
 
@@ -993,6 +1007,7 @@ class RankCounters(_message.Message):
     STALE_FIELD_NUMBER: _builtins.int
     STALE_REASON_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    LAST_STEP_WALL_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     pid: _builtins.int
     world_size: _builtins.int
@@ -1003,6 +1018,7 @@ class RankCounters(_message.Message):
     stale: _builtins.bool
     stale_reason: _builtins.str
     error: _builtins.str
+    last_step_wall: _builtins.float
     @_builtins.property
     def communicators(self) -> _containers.RepeatedCompositeFieldContainer[Global___Communicator]: ...
     @_builtins.property
@@ -1022,10 +1038,11 @@ class RankCounters(_message.Message):
         stale: _builtins.bool = ...,
         stale_reason: _builtins.str | None = ...,
         error: _builtins.str | None = ...,
+        last_step_wall: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "pid", b"pid", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "pid", b"pid", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "communicators", b"communicators", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "ops", b"ops", "pid", b"pid", "rank", b"rank", "stale", b"stale", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "communicators", b"communicators", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "ops", b"ops", "pid", b"pid", "rank", b"rank", "stale", b"stale", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
     _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
@@ -1035,6 +1052,8 @@ class RankCounters(_message.Message):
     _WhichOneofArgType__job_id: _TypeAlias = _typing.Literal["_job_id", b"_job_id"]  # noqa: Y015
     _WhichOneofReturnType__last_step_duration_s: _TypeAlias = _typing.Literal["last_step_duration_s"]  # noqa: Y015
     _WhichOneofArgType__last_step_duration_s: _TypeAlias = _typing.Literal["_last_step_duration_s", b"_last_step_duration_s"]  # noqa: Y015
+    _WhichOneofReturnType__last_step_wall: _TypeAlias = _typing.Literal["last_step_wall"]  # noqa: Y015
+    _WhichOneofArgType__last_step_wall: _TypeAlias = _typing.Literal["_last_step_wall", b"_last_step_wall"]  # noqa: Y015
     _WhichOneofReturnType__pid: _TypeAlias = _typing.Literal["pid"]  # noqa: Y015
     _WhichOneofArgType__pid: _TypeAlias = _typing.Literal["_pid", b"_pid"]  # noqa: Y015
     _WhichOneofReturnType__stale_reason: _TypeAlias = _typing.Literal["stale_reason"]  # noqa: Y015
@@ -1051,6 +1070,8 @@ class RankCounters(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__job_id) -> _WhichOneofReturnType__job_id | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_step_duration_s) -> _WhichOneofReturnType__last_step_duration_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__last_step_wall) -> _WhichOneofReturnType__last_step_wall | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__pid) -> _WhichOneofReturnType__pid | None: ...
     @_typing.overload
@@ -1079,11 +1100,15 @@ class MachineSnapshot(_message.Message):
     GPUS_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    RANKS_SEEN_WALL_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
     machine: _builtins.str
     address: _builtins.str
     reachable: _builtins.bool
     hostname: _builtins.str
+    generation: _builtins.int
+    ranks_seen_wall: _builtins.float
     @_builtins.property
     def captured(self) -> Global___Instant: ...
     @_builtins.property
@@ -1114,15 +1139,26 @@ class MachineSnapshot(_message.Message):
         gpus: Global___GpuStatus | None = ...,
         counters: _abc.Iterable[Global___RankCounters] | None = ...,
         error: Global___CaptureError | None = ...,
+        generation: _builtins.int | None = ...,
+        ranks_seen_wall: _builtins.float | None = ...,
         samples: _abc.Iterable[Global___StackSampleWindow] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_hostname", b"_hostname", "captured", b"captured", "error", b"error", "gpus", b"gpus", "host", b"host", "hostname", b"hostname"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "captured", b"captured", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "ranks_seen_wall", b"ranks_seen_wall"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_hostname", b"_hostname", "address", b"address", "captured", b"captured", "counters", b"counters", "error", b"error", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "ranks", b"ranks", "reachable", b"reachable", "samples", b"samples", "stacks", b"stacks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "address", b"address", "captured", b"captured", "counters", b"counters", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "ranks", b"ranks", "ranks_seen_wall", b"ranks_seen_wall", "reachable", b"reachable", "samples", b"samples", "stacks", b"stacks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__generation: _TypeAlias = _typing.Literal["generation"]  # noqa: Y015
+    _WhichOneofArgType__generation: _TypeAlias = _typing.Literal["_generation", b"_generation"]  # noqa: Y015
     _WhichOneofReturnType__hostname: _TypeAlias = _typing.Literal["hostname"]  # noqa: Y015
     _WhichOneofArgType__hostname: _TypeAlias = _typing.Literal["_hostname", b"_hostname"]  # noqa: Y015
+    _WhichOneofReturnType__ranks_seen_wall: _TypeAlias = _typing.Literal["ranks_seen_wall"]  # noqa: Y015
+    _WhichOneofArgType__ranks_seen_wall: _TypeAlias = _typing.Literal["_ranks_seen_wall", b"_ranks_seen_wall"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__generation) -> _WhichOneofReturnType__generation | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__hostname) -> _WhichOneofReturnType__hostname | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ranks_seen_wall) -> _WhichOneofReturnType__ranks_seen_wall | None: ...
 
 Global___MachineSnapshot: _TypeAlias = MachineSnapshot  # noqa: Y015
 

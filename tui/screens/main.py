@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rankscope.tui.analysis import StackView
-from rankscope.tui.state import AppState, Filter, filter_summary, health
+from rankscope.tui.state import AppState, Filter, filter_summary, health, verdict_stale
 from rankscope.tui.widgets.audit import ActionsPanel
 from rankscope.tui.widgets.ccl import CclPanel
 from rankscope.tui.widgets.events import EventsPanel
@@ -48,7 +48,7 @@ class MainScreen(Screen[None]):
                 yield FailSlowPanel(id="failslow-panel")
         yield Input(placeholder="filter: rank (12, 8-15), machine name or frame text; enter applies, esc closes",
                     id="filter-input")
-        yield Footer()
+        yield Footer(compact=True)
 
     def __init__(self) -> None:
         super().__init__()
@@ -108,7 +108,8 @@ class MainScreen(Screen[None]):
         if view == "overview":
             room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)
             progressing = health(state, hang_after_s).kind == "healthy" and slow is None
-            self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing))
+            self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, verdict_stale(state),
+                                                    state.capture_wall))
             group_of = state.stacks.group_of_rank if state.stacks is not None else {}
             machines = [MapMachine(m.name, m.ranks, m.reachable, m.evicted) for m in state.machines]
             self.query_one("#rank-map", RankMapPanel).show(machines, group_of, flt)

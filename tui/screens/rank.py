@@ -54,7 +54,7 @@ class RankScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="rank-scroll"):
             yield Static(id="rank-stack")
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self._draw()

@@ -49,6 +49,17 @@ class MapMachine:
     evicted: bool = False  # taken out of the job: listed (struck through) so the pair sees where it went
 
 
+LABEL_MAX = 21  # the longest IPv4 address and port (255.255.255.255:65535): an agent's address is never cut
+
+
+def fit_label(name: str, width: int) -> str:
+    """A machine name in ``width`` cells; a longer one ends in an ellipsis, never silently cut (a port 59999
+    shown as 5999 is another agent)."""
+    if len(name) <= width:
+        return name.ljust(width)
+    return name[: max(0, width - 1)] + "…"
+
+
 class RankMapPanel(ScrollView, can_focus=True):
     """Cells per rank; arrows or h/j/k/l move a cursor, enter opens that rank's stack."""
 
@@ -108,7 +119,7 @@ class RankMapPanel(ScrollView, can_focus=True):
         self._strips.clear()
         width = max(10, self.size.width or 80)
         height = max(1, self.size.height or 10)
-        self._label_w = min(14, max((len(m.name) for m in self.machines), default=4))
+        self._label_w = min(LABEL_MAX, max((len(m.name) for m in self.machines), default=4))
         self._slot = max((len(m.ranks) for m in self.machines), default=1) or 1
         room = width - self._label_w - 1
         per_row = max(1, room // (self._slot + 1))
@@ -199,7 +210,7 @@ class RankMapPanel(ScrollView, can_focus=True):
         """One row of the map as runs of equal style (a few segments, not one per rank)."""
         members = self._rows[row]
         first = self.machines[members[0]]
-        label = first.name[: self._label_w].ljust(self._label_w) + " "
+        label = fit_label(first.name, self._label_w) + " "
         segs = [Segment(label, base + (EVICTED if first.evicted else Style(dim=True) if first.reachable else LOST))]
         cur_row, cur_col = self.cursor
         show_cursor = self.has_focus and row == cur_row

@@ -80,6 +80,11 @@ class StackTreePanel(Vertical):
         self._groups: list[GroupView] = []
         self._shown: tuple[object, object] = (None, None)
 
+    NARROW = 120  # columns below which the comparison goes under the tree instead of beside it
+
+    def on_resize(self) -> None:
+        self.query_one("#stack-lower").set_class(self.size.width < self.NARROW, "narrow")
+
     def compose(self) -> ComposeResult:
         yield LineTable(id="groups")
         with Horizontal(id="stack-lower"):

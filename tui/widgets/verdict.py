@@ -11,7 +11,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 HEALTH_STYLES = {"healthy": "bold green", "hung": "bold red", "slow": "bold yellow", "idle": "bold cyan",
-                 "unknown": "dim"}
+                 "starting": "bold cyan", "finished": "bold cyan", "unknown": "dim"}
 
 
 def layout_text(layout: Layout | None) -> str:
@@ -64,14 +64,22 @@ class JobHeader(Static):
     """Two lines: who the job is and how it is doing."""
 
 
-def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3, progressing: bool = False) -> Text:
-    """``progressing``: the job is making progress, so stacks that differ may only be caught at different moments."""
+def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3, progressing: bool = False,
+                      stale: str | None = None, taken: float | None = None) -> Text:
+    """``progressing``: the job is making progress, so stacks that differ may only be caught at different moments.
+
+    ``stale``: why the verdict no longer describes the job (``state.verdict_stale``); it is then shown as a
+    record of the capture taken at ``taken``, for reading, and no action aims at it.
+    """
     t = Text(no_wrap=True, overflow="ellipsis")
     if view is None:
         t.append("no capture yet — press s to capture stacks", "dim")
         return t
     v = view.verdict
-    if progressing and v.suspects:
+    if stale is not None:
+        t.append(f"verdict of {fmt_time(taken)} (stale: {stale}; s captures again): ", "bold")
+        t.append(v.summary, "dim")
+    elif progressing and v.suspects:
         # A capture of a running job finds ranks at different points of a step; that is not a hang.
         t.append("verdict (job is progressing: differences may be timing): ", "bold")
         t.append(v.summary, "yellow")

@@ -1,0 +1,185 @@
+"""One story of the incident: the job's state from the agents' memory, verdict staleness, membership after actions.
+
+The snapshots here carry what a real agent adds to each reading
+(rankscope.rank_progress: each rank's last progress and start, the
+machine's generation and when it last saw ranks), so these are the numbers
+every view, attached early or late, computes its header from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from rankscope.snapshot import (
+    Frame,
+    Instant,
+    JobSnapshot,
+    MachineSnapshot,
+    ProcessRole,
+    ProcessStack,
+    RankCounters,
+    RankInfo,
+    RankStacks,
+    ThreadStack,
+)
+from rankscope.tui import state as st
+from rankscope.tui.analysis import build_stack_view
+from rankscope.tui.widgets.verdict import header_text, verdict_text_rich
+
+pytestmark = pytest.mark.timeout(60)
+
+T0 = 1_700_000_000.0
+MACHINES = ("machine-0", "machine-1")
+
+
+def snap(wall: float, *, progress: float | None, started: float = T0 - 100, pids: int = 1000,
+         ranks: bool = True, seen: float | None = None, stacks: str | None = None,
+         unreachable: tuple[str, ...] = (), extra: tuple[MachineSnapshot, ...] = ()) -> JobSnapshot:
+    """Two machines of two ranks each; ``progress``: the ranks' last step per the agent (None: none yet)."""
+    ms = []
+    for i, name in enumerate(MACHINES):
+        address = f"127.0.0.1:{59990 + i}"
+        if name in unreachable:
+            ms.append(MachineSnapshot(name, address, False, None))
+            continue
+        infos = tuple(RankInfo(r, r % 2, 4, pids + r, last_progress_wall=progress, started_wall=started)
+                      for r in (2 * i, 2 * i + 1)) if ranks else ()
+        # The plugin's step counters: they tell a rank before its first step from one whose state is unknown.
+        counters = tuple(RankCounters(r.rank, r.pid, 4, None, None, steps=0 if progress is None else 9,
+                                      last_step_wall=progress) for r in infos)
+        st_ = ()
+        if stacks is not None and ranks:
+            st_ = tuple(RankStacks(r.rank, ProcessStack(r.pid, ProcessRole.MAIN, (ThreadStack(
+                1, (Frame("recv" if r.rank == 3 else stacks, "train.py", 5), Frame("main", "train.py", 1)),
+                "MainThread"),))) for r in infos)
+        ms.append(MachineSnapshot(name, address, True, Instant(wall, wall - T0), ranks=infos, stacks=st_,
+                                  counters=counters, generation=1, ranks_seen_wall=wall if ranks else seen))
+    return JobSnapshot(Instant(wall, wall - T0), (*ms, *extra))
+
+
+def fold(snaps: list[JobSnapshot], state: st.AppState | None = None) -> st.AppState:
+    s = state or st.AppState()
+    for x in snaps:
+        if x.all_stacks():
+            s = st.apply_capture(s, st.digest(x), build_stack_view(x, None), x.captured.wall)
+        else:
+            s = st.apply_snapshot(s, st.digest(x), x.captured.wall)
+    return s
+
+
+def header(s: st.AppState) -> str:
+    return header_text(s, "2 agents", False, 30.0).plain.splitlines()[0]
+
+
+def test_a_view_attached_late_says_what_the_view_that_watched_says_within_a_poll() -> None:
+    # Steps until T0+10, then nothing: the early view watched it all, the late one attaches at T0+190.
+    early = fold([snap(T0 + i, progress=T0 + min(i, 10)) for i in range(0, 191)])
+    late = fold([snap(T0 + 190, progress=T0 + 10)])
+    assert st.health(early) == st.health(late)  # from its first poll on
+    late = fold([snap(T0 + 191, progress=T0 + 10)], late)
+    early = fold([snap(T0 + 191, progress=T0 + 10)], early)
+    assert st.health(late).kind == "hung" and st.health(late).text == "hung since 22:13:30 (181 s)"
+    assert header(early) == header(late)
+    assert header(late).startswith("HUNG since 22:13:30")
+    # Before the hang passes --hang-after a late view reads "progressing" from the agents, not its own window.
+    assert st.health(fold([snap(T0 + 20, progress=T0 + 19)])).kind == "healthy"
+
+
+def test_ranks_before_their_first_step_are_starting_then_hung_if_they_never_step() -> None:
+    s = fold([snap(T0 + 5, progress=None, started=T0)])
+    assert st.health(s) == st.Health("starting", "starting: 4 ranks before their first step")
+    s = fold([snap(T0 + 45, progress=None, started=T0)])
+    assert st.health(s).kind == "hung" and "since its start at 22:13:20" in st.health(s).text
+
+
+def test_a_verdict_goes_stale_when_the_job_progresses_restarts_or_finishes() -> None:
+    hung = [snap(T0 + i, progress=T0 + 10) for i in range(40, 45)]
+    s = fold([*hung, snap(T0 + 45, progress=T0 + 10, stacks="send")])
+    assert s.stacks is not None and s.stacks.verdict.suspects
+    assert st.verdict_stale(s) is None  # a capture of the hang, nothing moved since
+    assert st.verdict_stale(fold([snap(T0 + 46, progress=T0 + 10)], s)) is None
+    # Progress after the capture: the verdict is a record, not a diagnosis.
+    moved = fold([snap(T0 + 50, progress=T0 + 49)], s)
+    assert st.verdict_stale(moved) == "the job progressed after it (last step 22:14:09)"
+    # A restart: new pids everywhere.
+    restarted = fold([snap(T0 + 60, progress=None, started=T0 + 55, pids=2000)], s)
+    assert restarted.restarts == 1
+    assert st.verdict_stale(restarted) == "the job restarted after this capture"
+    text = verdict_text_rich(restarted.stacks, st.NO_FILTER, stale=st.verdict_stale(restarted),
+                             taken=restarted.capture_wall).plain
+    assert text.startswith("verdict of 22:14:05 (stale: the job restarted after this capture; s captures again)")
+    # The job ends: no ranks on any machine.
+    ended = fold([snap(T0 + 70, progress=None, ranks=False, seen=T0 + 69)], s)
+    assert st.verdict_stale(ended) == "the job has no ranks running now"
+
+
+def test_a_capture_of_ranks_still_starting_is_never_a_steady_state_verdict() -> None:
+    s = fold([snap(T0 + 5, progress=None, started=T0), snap(T0 + 6, progress=None, started=T0, stacks="import")])
+    assert s.verdict is not None and s.verdict.starting == (0, 1, 2, 3)
+    assert st.verdict_stale(s) == "taken while ranks 0-3 were still starting"
+
+
+def test_without_counters_a_rank_that_never_stepped_is_unknown_unless_its_stack_shows_it_starting() -> None:
+    bare = snap(T0 + 5, progress=None, started=T0)
+    bare = replace(bare, machines=tuple(replace(m, counters=()) for m in bare.machines))
+    s = fold([bare])
+    assert st.health(s).kind == "unknown" and "no counters" in st.health(s).text
+    assert not any(e.kind == "hung" for e in fold([replace(bare, captured=Instant(T0 + 90, 90.0))]).events)
+    # Its stack in the import machinery says what the counters could not: a capture of it is no steady state.
+    importing = snap(T0 + 6, progress=None, started=T0, stacks="x")
+    frames = (Frame("_find_spec", "<frozen importlib._bootstrap>", 1), Frame("main", "train.py", 1))
+    importing = replace(importing, machines=tuple(replace(m, counters=(), stacks=tuple(
+        replace(rs, main=replace(rs.main, threads=(ThreadStack(1, frames, "MainThread"),))) for rs in m.stacks))
+        for m in importing.machines))
+    s = fold([importing], s)
+    assert s.verdict is not None and s.verdict.starting == (0, 1, 2, 3)
+    assert st.verdict_stale(s) == "taken while ranks 0-3 were still starting"
+
+
+def test_no_ranks_is_stopping_then_finished_and_a_late_view_agrees() -> None:
+    running = [snap(T0 + i, progress=T0 + i) for i in range(3)]
+    s = fold([*running, snap(T0 + 10, progress=None, ranks=False, seen=T0 + 2)])
+    assert st.health(s) == st.Health("idle", "no ranks running since 22:13:22 (stopping or restarting)")
+    s = fold([snap(T0 + 40, progress=None, ranks=False, seen=T0 + 2)], s)
+    assert st.health(s) == st.Health("finished", "finished: no ranks running since 22:13:22")
+    late = fold([snap(T0 + 40, progress=None, ranks=False, seen=T0 + 2)])
+    assert st.health(late) == st.health(s)
+    never = fold([snap(T0 + 40, progress=None, ranks=False, seen=None)])
+    assert st.health(never).text == "no ranks running: the agents answer but have seen none of the job's ranks"
+
+
+def test_evicted_machines_are_evicted_in_every_view_never_lost() -> None:
+    s = fold([snap(T0 + i, progress=T0 + i) for i in range(3)])
+    # The acting view learns it from the audit log (by machine name) ...
+    by_audit = st.apply_evicted(s, ["machine-1"], T0 + 3)
+    # ... a view attached later from the hostfile (by agent address); the agents are stopped either way.
+    by_hostfile = st.apply_evicted(fold([snap(T0 + 3, progress=T0 + 3)]), [], T0 + 3, ["127.0.0.1:59991"])
+    for view in (by_audit, by_hostfile):
+        view = fold([snap(T0 + 4, progress=T0 + 4, unreachable=("machine-1",))], view)
+        gone = next(m for m in view.machines if m.name == "machine-1")
+        assert gone.evicted and not gone.reachable and view.lost == ()
+        line = header(view)
+        assert "1/1 machines 1 evicted" in line and "lost" not in line, line
+        assert [e.kind for e in view.events if e.kind == "lost"] == []
+
+
+def test_agents_of_the_ranks_not_answering_is_not_a_job_without_ranks() -> None:
+    standby = MachineSnapshot("standby-0", "127.0.0.1:59999", True, Instant(T0 + 5, 5.0), generation=0)
+    s = fold([snap(T0 + i, progress=T0 + i, extra=(standby,)) for i in range(3)])
+    s = fold([snap(T0 + 5, progress=None, ranks=False, stacks=None, extra=(standby,),
+                   unreachable=MACHINES)], s)
+    h = st.health(s)
+    assert h.kind == "unknown" and h.text.startswith("the agents of the job's ranks do not answer (2)"), h
+    assert "no ranks running" not in h.text
+
+
+def test_between_an_eviction_and_the_restart_the_job_is_restarting_not_finished() -> None:
+    s = fold([snap(T0 + i, progress=T0 + i) for i in range(3)])
+    s = st.apply_evicted(s, ["machine-1"], T0 + 3)
+    s = fold([snap(T0 + 60, progress=None, ranks=False, seen=T0 + 4, unreachable=("machine-1",))], s)
+    assert st.health(s) == st.Health("idle", "no ranks running since 22:13:24: the job restarts after the eviction")
+    s = fold([snap(T0 + 70, progress=None, started=T0 + 65, pids=3000, unreachable=("machine-1",))], s)
+    assert s.restarts == 1 and not s.awaiting_restart
+    assert st.health(s).kind == "starting"
+
