@@ -339,8 +339,17 @@ def _drive_and_check(session: str, run_dir: Path,
     tmux("send-keys", "-t", session, "6")
     wait_screen(session, lambda t: len(re.findall(r"standby-[01]\s+backup\s+succeeded", t)) == 2, 120,
                 "the standbys' backup results")
-    tmux("send-keys", "-t", session, "u")
-    wait_screen(session, lambda t: "Hot-update the job's code" in t, 20, "the hot-update dialog")
+    # The two survivors' backups may still be running (an agent waits up to a minute for its shards): `u` then
+    # says the backup is still under way, as it should; press it again once the backup has ended.
+    deadline = time.monotonic() + 180
+    while True:
+        tmux("send-keys", "-t", session, "u")
+        text = wait_screen(session, lambda t: "Hot-update the job's code" in t or "still under way" in t, 20,
+                           "the hot-update dialog (or: the backup still under way)")
+        if "Hot-update the job's code" in text:
+            break
+        assert time.monotonic() < deadline, text
+        wait_until(lambda: "still under way" not in screen(session), 30, "the notice of the running backup")
     tmux("send-keys", "-t", session, "-l", "v2")
     for key in ("Tab", "Down", "Enter", "BTab", "Enter"):  # lazy: applied at the next restart, none comes
         time.sleep(0.5)
