@@ -469,27 +469,23 @@ def _desyncs(views: Mapping[int, RankView], groups: _Groups, lost: set[int]) -> 
         candidates.append(("world", groups.world))
     candidates.sort(key=lambda kg: (len(kg[1]), kg[1]))  # the smallest group that shows it
     taken: set[int] = set()
-    site_ranks: dict[str, set[int]] = {}  # call site -> the unexplained ranks of the whole job there
+    job_wide: dict[str, int] = {}  # call site -> how many unexplained ranks of the whole job are there
     for r in lost:
         v = views.get(r)
         if v is not None:
-            site_ranks.setdefault(v.site, set()).add(r)
-    job_wide = {site: len(ranks) for site, ranks in site_ranks.items()}
+            job_wide[v.site] = job_wide.get(v.site, 0) + 1
     for kind, group in candidates:
         if group in seen or taken & set(group) or len(group) < 2:
             continue
         seen.add(group)
         members = [views.get(m) for m in group]
-        # Ranks a step ahead may block in their pipeline send/recv rather than a collective.
-        if any(m is None or m.state not in (RankState.COLLECTIVE, RankState.P2P) or m.rank not in lost
-               for m in members):
+        if any(m is None or m.state is not RankState.COLLECTIVE or m.rank not in lost for m in members):
             continue
         by_site: dict[str, list[int]] = {}
         for m in members:
             assert m is not None
             by_site.setdefault(m.site, []).append(m.rank)
-        if len(by_site) < 2 or not all(_p2p_site_is_a_step_ahead(views, groups, site_ranks[site])
-                                       for site in by_site):
+        if len(by_site) < 2:
             continue
         # A site whose ranks complete a smaller group is a call on that group, not a mismatch on this one.
         if all(_complete_elsewhere(views, groups, kind, ranks, site) for site, ranks in by_site.items()):
@@ -527,24 +523,6 @@ def _merge_alike(desyncs: list[Desync]) -> list[Desync]:
                           victims=tuple(sorted({r for d in alike for r in d.victims})),
                           sites=sites, tie=any(d.tie for d in alike)))
     return out
-
-
-def _p2p_site_is_a_step_ahead(views: Mapping[int, RankView], groups: _Groups, ranks: set[int]) -> bool:
-    """Ranks blocked in send/recv count toward a desync only as whole groups that moved on together.
-
-    Ranks that run a step more than the rest block in that step's pipeline traffic, and they do it
-    as whole tensor/context/expert/data-parallel groups (their members execute in lockstep). A lone
-    rank in recv while its group peers are elsewhere is a pipeline wait (Fig. 7's shape), not a
-    desync: the layout score decides that one.
-    """
-    if not any((v := views.get(r)) is not None and v.state is RankState.P2P for r in ranks):
-        return True
-    at_site = ranks
-    for r in ranks:
-        whole = [g for k in groups.kinds if k != "pp" and len(g := groups.group(k, r)) >= 2 and set(g) <= at_site]
-        if not whole:
-            return False
-    return True
 
 
 def _complete_elsewhere(views: Mapping[int, RankView], groups: _Groups, kind: str, ranks: list[int],

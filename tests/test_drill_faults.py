@@ -147,10 +147,6 @@ def test_desync_drill_puts_its_group_one_step_ahead(tmp_path: Path) -> None:
         else:
             # The closing barrier, outside any step.
             assert names[0] == "barrier" and "train" in names and "train_step" not in names, (rank, names)
-    # The verdict: one desync naming exactly the pair ahead, led by it, with the advice that eviction won't cure it.
-    verdict = report["verdict"]
-    assert verdict["correct"], verdict["summary"]
-    assert verdict["summary"].startswith("desync: ranks 2-3"), verdict["summary"]
 
 
 @pytest.mark.drill
