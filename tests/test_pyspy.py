@@ -211,6 +211,11 @@ async def test_timeout_on_a_frozen_process_kills_py_spy(frozen: int) -> None:
 
 async def test_stopped_process_names_the_fix(target: subprocess.Popen[bytes]) -> None:
     os.kill(target.pid, signal.SIGSTOP)
+    # The signal is delivered asynchronously: on a loaded machine /proc can still say R for a moment.
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{target.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the target did not stop"
+        time.sleep(0.01)
     [captured] = await capture_stacks([RankInfo(rank=0, local_rank=0, world_size=1, pid=target.pid)], timeout_s=20)
     stack = captured.main
     assert stack.error is not None and stack.error.kind is CaptureErrorKind.FAILED
