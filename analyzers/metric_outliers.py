@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from rankscope.analyzers.series import METRICS, Direction, RunTracker, SeriesStore
+from rankscope.analyzers.series import METRICS, Direction, MetricSpec, RunTracker, SeriesStore
 
 # Metrics Aegis-style thresholds run on by default. Step time has its own
 # detector (step_time.py) and is left out here so it is not counted twice.
@@ -101,6 +101,50 @@ def peer_stats(window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean_t[-1], np.sqrt(var)
 
 
+def peer_scores(window: np.ndarray, spec: MetricSpec, rel_floor: float = 0.05) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per machine: λ, δ as used (after the floors) and the z-score of its newest value.
+
+    ``window`` is (time, machine) as in ``peer_stats``; a single row (one
+    snapshot) measures the peers' spread at that instant only.
+    """
+    lam, sd = peer_stats(window)
+    delta = np.maximum(np.maximum(sd, rel_floor * np.abs(lam)), spec.floor)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = (window[-1] - lam) / delta
+    return lam, delta, z
+
+
+def beyond(z: np.ndarray, spec: MetricSpec, k_sigma: float = 2.0) -> np.ndarray:
+    """Which z-scores are outliers: past k·δ on the side the metric says is suspect (``MetricSpec.direction``)."""
+    high = spec.direction in (Direction.HIGH, Direction.BOTH)
+    low = spec.direction in (Direction.LOW, Direction.BOTH)
+    zz = np.where(np.isfinite(z), z, 0.0)  # NaN (no peer) is never an outlier
+    out: np.ndarray = np.zeros(z.shape, dtype=bool)
+    if high:
+        out |= zz > k_sigma
+    if low:
+        out |= zz < -k_sigma
+    return out
+
+
+def snapshot_outliers(values: np.ndarray, specs: Sequence[MetricSpec], k_sigma: float = 2.0,
+                      rel_floor: float = 0.05) -> np.ndarray:
+    """Outliers in one snapshot: ``values`` is (row, metric), NaN where absent; True where a row is beyond its peers.
+
+    The same rule as the streaming detector (each row against the *other*
+    rows, δ floored), without the lasting window: a view of one moment
+    highlights, the detector alarms. With four machines and one hot GPU the
+    hot one is flagged, where a mean + 2σ over all rows never can be.
+    """
+    flags = np.zeros(values.shape, dtype=bool)
+    if values.shape[0] < 2:
+        return flags
+    for j, spec in enumerate(specs):
+        _, _, z = peer_scores(values[None, :, j], spec, rel_floor)
+        flags[:, j] = beyond(z, spec, k_sigma)
+    return flags
+
+
 class MetricOutlierDetector:
     """Streaming Aegis §5.1 detector over a ``SeriesStore``; call ``update`` after each ``store.add``."""
 
@@ -128,17 +172,10 @@ class MetricOutlierDetector:
             _, machines, values = store.matrix(metric, since=now - self.window_s)
             if values.shape[0] == 0 or len(machines) < 2:
                 continue
-            lam, sd = peer_stats(values)
+            lam, delta, z = peer_scores(values, spec, self.rel_floor)
             current = values[-1]
-            delta = np.maximum(np.maximum(sd, self.rel_floor * np.abs(lam)), spec.floor)
-            with np.errstate(invalid="ignore"):
-                z = (current - lam) / delta
-            high = spec.direction in (Direction.HIGH, Direction.BOTH)
-            low = spec.direction in (Direction.LOW, Direction.BOTH)
-            for j in np.flatnonzero(np.isfinite(z) & (np.abs(z) > self.k_sigma)):
+            for j in np.flatnonzero(beyond(z, spec, self.k_sigma)):
                 zj = float(z[j])
-                if (zj > 0 and not high) or (zj < 0 and not low):
-                    continue
                 side = Direction.HIGH if zj > 0 else Direction.LOW
                 scored[(metric, machines[j], side)] = (float(current[j]), float(lam[j]), float(delta[j]), zj)
         runs = self._runs.update(now, scored)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -279,3 +280,25 @@ def test_slow_is_measured_against_the_usual_pace_not_one_quick_reading() -> None
         s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=steps, hung=False)), T0 + i)
     h = st.health(s)
     assert h.kind == "slow" and h.text == "slow: 0.67 steps/s, usually 2.00", h
+
+
+def test_metric_outliers_fire_with_four_machines() -> None:
+    """The hot GPU of four one-GPU machines is flagged (a mean + 2σ over four rows never can be: z ≤ 1.5)."""
+    snap = job(T0, stacks=False, step=1, hung=False, hot_machine=2)
+    ms = tuple(replace(m, gpus=replace(m.gpus, gpus=m.gpus.gpus[1:])) if m.gpus is not None else m
+               for m in snap.machines[:4])
+    snap = JobSnapshot(snap.captured, ms, job_id=snap.job_id, layout=snap.layout)
+    flagged = [(r.machine, r.gpu, r.outliers) for r in st.digest(snap).metric_rows if r.outliers]
+    assert flagged == [("node02", 1, frozenset({"temp"}))]
+
+
+def test_metric_outliers_compare_a_host_reading_with_other_machines_only() -> None:
+    """A machine's GPU rows repeat its host reading: they are not its peers, so one busy host among four stands out."""
+    snap = job(T0, stacks=False, step=1, hung=False)
+    ms = list(snap.machines[:4])
+    host = ms[3].host
+    assert host is not None
+    ms = [replace(m, host=replace(m.host, cpu_percent=40.0)) if m.host is not None else m for m in ms]
+    ms[3] = replace(ms[3], host=replace(host, cpu_percent=97.0))
+    rows = st.digest(JobSnapshot(snap.captured, tuple(ms), job_id=snap.job_id, layout=snap.layout)).metric_rows
+    assert {(r.machine, r.gpu) for r in rows if "cpu" in r.outliers} == {("node03", 0), ("node03", 1)}

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import numpy as np
+from rankscope.analyzers.metric_outliers import snapshot_outliers
+from rankscope.analyzers.series import METRICS as SERIES_METRICS
 from rankscope.snapshot import GpuMetrics, HostMetrics, JobSnapshot, Layout, MachineSnapshot, RankStacks
 from rankscope.tui.analysis import StackView, format_ranks
 
@@ -99,7 +101,7 @@ class MetricRow:
     reachable: bool
     ranks: tuple[int, ...]
     values: tuple[float | None, ...]  # in METRICS order
-    outliers: frozenset[str]  # names from METRICS that stand out among all rows
+    outliers: frozenset[str]  # names from METRICS that stand out among their peers
 
 
 def _pct(used: int | None, total: int | None) -> float | None:
@@ -108,8 +110,19 @@ def _pct(used: int | None, total: int | None) -> float | None:
     return 100.0 * used / total
 
 
+# The series specs (direction, noise floor) of the columns, so the view flags what the detector would.
+_METRIC_SPECS = tuple(SERIES_METRICS[n] for n in ("host_cpu_percent", "host_mem_percent", "host_load_1m",
+                                                  "gpu_util_percent", "gpu_mem_used_percent", "gpu_temperature_c",
+                                                  "gpu_power_w"))
+_HOST_COLUMNS = 3  # cpu, mem, load: one reading per machine, compared machine with machine
+
+
 def metric_rows(machines: Sequence[MachineView]) -> tuple[MetricRow, ...]:
-    """Rows with their outliers (mean + 2 sd over all rows, Aegis §5.1), outliers first."""
+    """Rows with their outliers (beyond λ±2δ of their peers, Aegis §5.1: ``snapshot_outliers``), outliers first.
+
+    Host columns compare machines (a machine's GPU rows repeat its host
+    reading, which must not count as its own peers); GPU columns compare GPUs.
+    """
     raw: list[tuple[str, MachineView, int | None, tuple[float | None, ...]]] = []
     for m in machines:
         h = m.host
@@ -125,11 +138,16 @@ def metric_rows(machines: Sequence[MachineView]) -> tuple[MetricRow, ...]:
         return ()
     table = np.array([[np.nan if v is None else v for v in r[3]] for r in raw], dtype=float)
     flags = np.zeros(table.shape, dtype=bool)
-    for j in range(table.shape[1]):
-        col = table[:, j]
-        seen = col[~np.isnan(col)]
-        if len(seen) >= 3 and seen.std() > 0:
-            flags[:, j] = col > seen.mean() + 2 * seen.std()
+    first: dict[str, int] = {}  # machine name -> its first row
+    slot: dict[str, int] = {}  # machine name -> its place among the machines
+    for i, r in enumerate(raw):
+        if r[1].name not in first:
+            slot[r[1].name] = len(first)
+            first[r[1].name] = i
+    of_machine = np.fromiter((slot[r[1].name] for r in raw), dtype=np.intp, count=len(raw))
+    host_flags = snapshot_outliers(table[list(first.values()), :_HOST_COLUMNS], _METRIC_SPECS[:_HOST_COLUMNS])
+    flags[:, :_HOST_COLUMNS] = host_flags[of_machine]
+    flags[:, _HOST_COLUMNS:] = snapshot_outliers(table[:, _HOST_COLUMNS:], _METRIC_SPECS[_HOST_COLUMNS:])
     rows = [MetricRow(key, m.name, gi, m.reachable, m.ranks, vals,
                       frozenset(METRICS[j] for j in np.flatnonzero(flags[i])) if flags[i].any() else frozenset())
             for i, (key, m, gi, vals) in enumerate(raw)]

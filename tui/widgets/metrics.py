@@ -1,7 +1,9 @@
 """Metrics per machine and GPU, outliers highlighted, a trend per row.
 
-An outlier is a value more than two standard deviations above the mean of
-all machines (Aegis §5.1); it is drawn in bold red and sorted first so a
+An outlier is a value beyond λ±2δ of its peers, on the side its metric
+says is suspect (Aegis §5.1, ``analyzers.metric_outliers.snapshot_outliers``:
+the detector's rule, so a GPU flagged here is the one fail-slow would name,
+and it fires with four machines); it is drawn in bold red and sorted first so a
 thermal-throttled GPU on machine 1,733 is on the first screen.
 """
 
