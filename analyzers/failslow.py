@@ -8,7 +8,8 @@ its evidence to last before it counts, so bursts and spikes never alarm:
 - ``minder`` (minder.py): the most dissimilar machine on the first metric (by Minder's priority) for ``continuity_s``.
 - ``stacks`` (ByteRobust §5): stack-aggregation rounds, each flagging one parallel
   group; over the last ``rounds_needed`` rounds the most flagged group is the
-  degrader, once it holds a clear majority of them (``stack_majority``).
+  degrader, once it holds a clear majority of them (``rounds.tally``, the rule
+  ``rankscope analyze`` applies too).
 - ``ccl`` (Aegis §5.2): per-call CCL degradation findings (TD < α·mean: the
   late arriver computes slowly; N > β·mean: slow communication), kept over a
   rank's last calls on each communicator (it must be the one flagged in most
@@ -56,6 +57,7 @@ from rankscope.analyzers.degradation import P2P_OPS, degradation_findings, inver
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
 from rankscope.analyzers.minder import MinderDetector
+from rankscope.analyzers.rounds import DEFAULT_MAJORITY, required_flags, tally
 from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.stack_samples import SampledWaitDetector
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
@@ -85,7 +87,7 @@ class FailSlowConfig:
     alpha: float = 0.8  # Aegis §5.2 TD < α·mean: the late arriver (the plugin keeps N over the last L=5 requests)
     beta: float = 1.5  # Aegis §5.2 N > β·mean: a slow link
     rounds_needed: int = 5  # ByteRobust: rounds of stack aggregation before naming the degrader
-    stack_majority: float = 0.6  # the degrader must be flagged in more than this share of those rounds (4 of 5)
+    stack_majority: float = DEFAULT_MAJORITY  # the degrader is flagged in more than this share of the rounds (rounds.tally)
     ccl_rounds_needed: int = 3  # consecutive updates a caller-given CCL verdict must last
     ccl_calls_window: int = 20  # a rank's last collective calls (per communicator) that are tallied
     ccl_min_calls: int = 15  # calls seen before a rank can be blamed
@@ -360,7 +362,7 @@ class FailSlowDetector:
         self.minder = MinderDetector(window_points=c.minder_window_points, continuity_s=c.continuity_s,
                                      similarity_threshold=c.similarity_threshold, separation=c.separation)
         self.step_time = StepTimeDetector(window_s=c.step_window_s, ratio_threshold=c.step_ratio)
-        self._stack_rounds: deque[tuple[tuple[object, ...], Suspect] | None] = deque(maxlen=max(1, c.rounds_needed))
+        self._stack_rounds: deque[Suspect | None] = deque(maxlen=max(1, c.rounds_needed))
         self._ccl_runs = RunTracker()
         self._late: _CallTally[tuple[str, int]] = _CallTally(c.ccl_calls_window)
         self._links: _CallTally[tuple[str, int]] = _CallTally(c.ccl_calls_window)
@@ -443,32 +445,20 @@ class FailSlowDetector:
     def _stack_flags(self, round_verdict: Verdict | None) -> list[DetectorFlag]:
         needed = max(1, self.config.rounds_needed)
         if round_verdict is not None:
-            top = round_verdict.top
-            # Same rule as rounds.FailSlowRounds (a group is its kind and ranks), counted
-            # here so that a bare Verdict per round works too (replays, tests).
-            key: tuple[object, ...] | None = (str(top.kind), top.ranks) if top is not None else None
-            self._stack_rounds.append((key, top) if key is not None and top is not None else None)
-        rounds = list(self._stack_rounds)
+            # A bare Verdict per round works too (replays, tests): only its top suspect is counted.
+            self._stack_rounds.append(round_verdict.top)
         self._stack_degrader = None
-        if not rounds:
+        # The one rounds rule (rounds.tally), as `rankscope analyze` applies it to a recording.
+        t = tally(self._stack_rounds, needed, self.config.stack_majority)
+        if not t.counts:
             return []
-        counts = Counter(r[0] for r in rounds if r is not None)
-        if not counts:
-            return []
-        (best, n), *rest = counts.most_common()
-        suspect = next(r[1] for r in reversed(rounds) if r is not None and r[0] == best)
-        unique = not rest or rest[0][1] < n
-        # ByteRobust names the most flagged group (and starts the rounds only once
-        # the job has slowed down). Watching all the time, we ask for a clear
-        # majority of the rounds: in a healthy pipeline-parallel job the stages
-        # are caught at different points, and timing alone flags some group in
-        # two or three rounds of five.
-        alarmed = len(rounds) >= needed and n > self.config.stack_majority * len(rounds) and unique
+        suspect, n = t.counts[0]
+        alarmed = t.named
         self._stack_degrader = suspect if alarmed else None
         name = _group_name(suspect)
-        evidence = f"{name} flagged in {n} of the last {len(rounds)} stack rounds"
+        evidence = f"{name} flagged in {n} of the last {t.window} stack rounds"
         score = min(self._w("stacks") * n / needed, self._w("stacks"))
-        required = float(math.floor(self.config.stack_majority * needed) + 1)  # flags needed in a full window
+        required = float(required_flags(needed, self.config.stack_majority))  # flags needed in a full window
         out = []
         for m in suspect.machines or (None,):
             mine = suspect.ranks if m is None else tuple(r for r in suspect.ranks if r in self.store.ranks_of(m))

@@ -6,20 +6,34 @@ aggregation is therefore repeated (every 10 s by default); each round flags
 the parallel group that best explains that round's outliers, and after N
 rounds (5 by default) the group flagged most often is the degrader.
 
-This class is pure: whoever captures (the TUI, ``rankscope watch``) feeds it
-one analysis per round and paces the rounds with ``interval_s``.
+One rule (``tally``) decides, for ``rankscope analyze`` and for the
+fail-slow detector behind ``watch`` and the TUI, so a recording gets the same
+answer from all three: the most flagged group is named once N rounds are in,
+when it was flagged in more than ``DEFAULT_MAJORITY`` of them and more often
+than any other group. ByteRobust starts its rounds only once a job has slowed
+down; watching all the time, a clear majority is asked for, since in a
+healthy pipeline-parallel job the stages are caught at different points and
+timing alone flags some group in two or three rounds of five.
+
+This module is pure: whoever captures feeds it one analysis per round and
+paces the rounds with ``interval_s``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rankscope.analyzers.findings import Suspect
-from rankscope.analyzers.suspects import StackAnalysis
 from rankscope.analyzers.topology import compact_machines, compact_ranks
+
+if TYPE_CHECKING:  # the fail-slow detector uses the rule without the stack analysis
+    from rankscope.analyzers.suspects import StackAnalysis
 
 DEFAULT_INTERVAL_S = 10.0
 DEFAULT_ROUNDS = 5
+DEFAULT_MAJORITY = 0.6  # the degrader is flagged in more than this share of the rounds (4 of 5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,20 +46,60 @@ class RoundResult:
     summary: str
 
 
-def _key(s: Suspect) -> tuple[str, tuple[int, ...]]:
+def group_key(s: Suspect) -> tuple[str, tuple[int, ...]]:
+    """A flagged group is its kind and ranks (its score and evidence change from round to round)."""
     return (str(s.kind), s.ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """The rounds counted: each flagged group with its count, most flagged first."""
+
+    counts: tuple[tuple[Suspect, int], ...]  # the latest flag of each group, and how often it was flagged
+    window: int  # rounds counted (flagged or not)
+    named: bool  # the rule holds: the first group is the degrader
+
+    @property
+    def best(self) -> Suspect | None:
+        return self.counts[0][0] if self.counts else None
+
+
+def required_flags(rounds: int, majority: float = DEFAULT_MAJORITY) -> int:
+    """How many of ``rounds`` flags a group needs to be named."""
+    return int(majority * rounds) + 1
+
+
+def tally(flags: Sequence[Suspect | None], rounds: int, majority: float = DEFAULT_MAJORITY) -> Tally:
+    """The one rounds rule over the last ``rounds`` flags (None: a round with no outliers).
+
+    Most flagged first; equal counts by the higher summed score. Named once
+    ``rounds`` rounds are in, the first group was flagged in more than
+    ``majority`` of them, and strictly more often than the runner-up.
+    """
+    window = list(flags)[-rounds:]
+    groups: dict[tuple[str, tuple[int, ...]], list[Suspect]] = {}
+    for s in window:
+        if s is not None:
+            groups.setdefault(group_key(s), []).append(s)
+    ordered = sorted(groups.values(), key=lambda fl: (-len(fl), -sum(s.score for s in fl)))
+    counts = tuple((fl[-1], len(fl)) for fl in ordered)
+    named = (len(window) >= rounds and bool(counts) and counts[0][1] > majority * len(window)
+             and (len(counts) == 1 or counts[1][1] < counts[0][1]))
+    return Tally(counts, len(window), named)
 
 
 class FailSlowRounds:
     """Counts, round after round, which parallel group held the outliers."""
 
-    def __init__(self, rounds: int = DEFAULT_ROUNDS, interval_s: float = DEFAULT_INTERVAL_S) -> None:
+    def __init__(self, rounds: int = DEFAULT_ROUNDS, interval_s: float = DEFAULT_INTERVAL_S,
+                 majority: float = DEFAULT_MAJORITY) -> None:
         if rounds < 1:
             raise ValueError(f"fail-slow rounds must be at least 1, got {rounds}")
         if interval_s <= 0:
             raise ValueError(f"the interval between rounds must be positive, got {interval_s}")
         self.rounds = rounds
         self.interval_s = interval_s
+        self.majority = majority
         self._history: list[RoundResult] = []
 
     @property
@@ -68,23 +122,18 @@ class FailSlowRounds:
 
     def counts(self) -> list[tuple[Suspect, int]]:
         """Each group flagged in the last N rounds with its flag count, most flagged first."""
-        window = self._history[-self.rounds:]
-        tally: dict[tuple[str, tuple[int, ...]], list[Suspect]] = {}
-        for r in window:
-            if r.flagged is not None:
-                tally.setdefault(_key(r.flagged), []).append(r.flagged)
-        ordered = sorted(tally.values(), key=lambda flags: (-len(flags), -sum(s.score for s in flags)))
-        return [(flags[-1], len(flags)) for flags in ordered]
+        return list(self._tally().counts)
+
+    def _tally(self) -> Tally:
+        return tally([r.flagged for r in self._history], self.rounds, self.majority)
 
     def flagged(self) -> Suspect | None:
-        """The degrader once N rounds are in, else None (also None if no round had outliers)."""
-        if not self.done:
+        """The degrader once N rounds are in and the rule holds (``tally``), else None."""
+        t = self._tally()
+        if not t.named:
             return None
-        counts = self.counts()
-        if not counts:
-            return None
-        best, n = counts[0]
-        window = len(self._history[-self.rounds:])
+        best, n = t.counts[0]
+        counts, window = t.counts, t.window
         runner_up = f"; next: {counts[1][0].kind} ranks {compact_ranks(counts[1][0].ranks)} ({counts[1][1]})" \
             if len(counts) > 1 else ""
         evidence = (
