@@ -50,10 +50,9 @@ from rankscope.analyzers.stacks import (
     communication_kind,
     frame_text,
     is_wrapper,
-    main_thread,
 )
 from rankscope.analyzers.topology import DIMS, Topology, compact_ranks, group_ids
-from rankscope.snapshot import CaptureError, CaptureErrorKind, Frame, RankStacks
+from rankscope.snapshot import CaptureError, CaptureErrorKind, Frame, RankStacks, main_thread
 
 DESYNC_ADVICE = ("evicting machines will not cure it: a desync is usually a program mismatch (different data or "
                  "control flow on these ranks, e.g. an extra batch or a rank-dependent branch); fix the code or the "

@@ -61,6 +61,8 @@ from rankscope.analyzers.rounds import DEFAULT_MAJORITY, required_flags, tally
 from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.stack_samples import SampledWaitDetector
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
+from rankscope.analyzers.topology import compact_ranks
+from rankscope.analyzers.verdict import suspect_label
 from rankscope.snapshot import JobSnapshot, Layout, RankCounters
 
 DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl", "p2p_wait", "samples")
@@ -455,7 +457,7 @@ class FailSlowDetector:
         suspect, n = t.counts[0]
         alarmed = t.named
         self._stack_degrader = suspect if alarmed else None
-        name = _group_name(suspect)
+        name = suspect_label(suspect)
         evidence = f"{name} flagged in {n} of the last {t.window} stack rounds"
         score = min(self._w("stacks") * n / needed, self._w("stacks"))
         required = float(required_flags(needed, self.config.stack_majority))  # flags needed in a full window
@@ -717,7 +719,7 @@ class FailSlowDetector:
             top = suspects[0]
             lead = top.evidence[0] if top.evidence else ""
             where = "" if top.kind is SuspectKind.MACHINE else f" on {', '.join(top.machines)}"
-            return (f"fail-slow: {_group_name(top)}{where} — {lead}; "
+            return (f"fail-slow: {suspect_label(top)}{where} — {lead}; "
                     f"confidence {conf:.2f} from {'+'.join(top.sources)}")
         if flags:
             f = max(flags, key=lambda x: x.held / x.required if x.required else 0.0)
@@ -756,30 +758,6 @@ def replay(snapshots: Iterable[JobSnapshot], config: FailSlowConfig | None = Non
     return tuple(out)
 
 
-def _group_name(s: Suspect) -> str:
-    """'PP group 1 (ranks 4-7)', 'rank 5', 'machine m2 (ranks 4-5)'."""
-    ranks = _ranges(s.ranks)
-    if s.kind is SuspectKind.RANK:
-        return f"rank {ranks}"
-    if s.kind is SuspectKind.MACHINE:
-        return f"machine {','.join(s.machines)} (ranks {ranks})"
-    index = f" {s.group_index}" if s.group_index is not None else ""
-    label = "communicator" if s.kind is SuspectKind.COMM else f"{s.kind.value.upper()} group"
-    return f"{label}{index} (ranks {ranks})"
-
-
 def _ranges(ranks: Iterable[int]) -> str:
-    """1,2,3,5 -> '1-3,5'."""
-    rs = sorted(set(ranks))
-    if not rs:
-        return "-"
-    parts: list[str] = []
-    start = prev = rs[0]
-    for r in [*rs[1:], math.inf]:
-        if r == prev + 1:
-            prev = int(r)
-            continue
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if r != math.inf:
-            start = prev = int(r)
-    return ",".join(parts)
+    """1,2,3,5 -> '1-3,5'; '-' for none."""
+    return compact_ranks(ranks) or "-"

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from rankscope.snapshot import Frame, ProcessStack, RankStacks, ThreadStack
+from rankscope.snapshot import Frame, ProcessStack, RankStacks, main_thread
 
 # --------------------------------------------------------------------------
 # options and results
@@ -254,18 +254,6 @@ class _Interner:
         label, ids = self.lanes[lane_id]
         texts = self.frame_texts
         return label, tuple(texts[i] for i in reversed(ids))
-
-
-def main_thread(process: ProcessStack) -> ThreadStack | None:
-    """The thread py-spy names MainThread, else the one whose OS id is the pid, else the first."""
-    threads = process.threads or ()
-    for t in threads:
-        if t.thread_name == "MainThread":
-            return t
-    for t in threads:
-        if t.os_thread_id == process.pid:
-            return t
-    return threads[0] if threads else None
 
 
 def _rank_lanes(interner: _Interner, rs: RankStacks) -> tuple[int, ...]:

@@ -72,6 +72,7 @@ from rankscope.analyzers.topology import (
     natural_key,
     topology_for,
 )
+from rankscope.analyzers.verdict import headline
 from rankscope.snapshot import JobSnapshot, Layout, ProcessRole, RankStacks
 
 # Among equally good candidates, the kind ByteRobust evicts first.
@@ -663,8 +664,8 @@ def _summary(
         cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks) | set(named))
         if len(cover) > 1:
             notes.append(f"{len(cover)} separate outlier sets, each explained by its own suspect")
-            return f"{len(cover)} separate suspects: " + "; ".join(_headline(s) for s in cover)
-        return _headline(suspects[0])
+            return f"{len(cover)} separate suspects: " + "; ".join(headline(s, own_words=True) for s in cover)
+        return headline(suspects[0], own_words=True)
     if seen == 0:
         return "no verdict: no rank's stacks could be read"
     if len(grouping.groups) == 1:
@@ -676,21 +677,8 @@ def _summary(
     cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks))
     if len(cover) > 1:
         notes.append(f"{len(cover)} separate outlier sets, each explained by its own suspect")
-        return f"{len(cover)} separate suspects: " + "; ".join(_headline(s) for s in cover)
-    return _headline(suspects[0])
-
-
-def _headline(s: Suspect) -> str:
-    where = compact_machines(s.machines) or "unknown machines"
-    if s.kind is SuspectKind.DESYNC:
-        return s.evidence[0].split(" (ranks ", 1)[0]
-    if s.kind is SuspectKind.RANK and s.victims:
-        return f"rank {s.ranks[0]} on {where} ({s.state}; {len(s.victims)} ranks wait on it)"
-    if s.kind is SuspectKind.RANK:
-        return f"rank {s.ranks[0]} on {where}"
-    if s.kind is SuspectKind.MACHINE:
-        return f"machine {where}"
-    return s.evidence[0].split(": holds", 1)[0] if s.evidence else f"{s.kind} group on {where}"
+        return f"{len(cover)} separate suspects: " + "; ".join(headline(s, own_words=True) for s in cover)
+    return headline(suspects[0], own_words=True)
 
 
 def suspect_to_json(s: Suspect) -> dict[str, object]:

@@ -357,8 +357,11 @@ def compact_machines(names: Iterable[str]) -> str:
     return ", ".join(parts)
 
 
-def compact_ranks(ranks: Iterable[int]) -> str:
-    """``0,1,2,3,8`` -> ``0-3,8``."""
+def compact_ranks(ranks: Iterable[int], limit: int | None = None) -> str:
+    """``0,1,2,3,8`` -> ``0-3,8``; cut after ``limit`` runs with a count (``0-3,… (+5 runs)``).
+
+    The one rank-range format of the tool: verdicts, the CLI, the TUI.
+    """
     ordered = sorted(set(ranks))
     parts: list[str] = []
     i = 0
@@ -368,4 +371,6 @@ def compact_ranks(ranks: Iterable[int]) -> str:
             j += 1
         parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
         i = j + 1
+    if limit is not None and len(parts) > limit:
+        return ",".join(parts[:limit]) + f",… (+{len(parts) - limit} runs)"
     return ",".join(parts)

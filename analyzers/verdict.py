@@ -13,9 +13,10 @@ evidence and sources joined. On equal merged scores the suspect with more
 agreeing sources goes first, then the one with more ranks: ByteRobust
 over-evicts a whole group rather than gamble on one rank of it.
 
-``analyze_snapshot`` is the one call that runs every detector that has data
-in a snapshot (stacks; CCL counters when the plugin wrote any) and merges them:
-the drill's scorer and the headless tools use it.
+``analyze_snapshot`` is the verdict of ``analysis.analyze_job``, the one call
+that runs every detector that has data in a snapshot (stacks; CCL counters
+when the plugin wrote any) and merges them: the drill's scorer and the
+headless tools use it.
 """
 
 from __future__ import annotations
@@ -114,11 +115,37 @@ def merge_findings(*verdicts: Verdict) -> tuple[Finding, ...]:
     return tuple(out.values())
 
 
-def headline(s: Suspect) -> str:
-    """One line naming a suspect: ``rank 5 on machine-2``, ``PP group 3 (ranks 6,14) on machine-3, machine-7``."""
+def suspect_label(s: Suspect) -> str:
+    """A suspect's name without where it runs: ``PP group 1 (ranks 4-7)``, ``rank 5``, ``machine m2 (ranks 4-5)``.
+
+    The one way a suspect is named (verdict lines, fail-slow evidence, the
+    TUI's action titles and evict reasons).
+    """
+    ranks = compact_ranks(s.ranks) or "-"
+    kind = str(s.kind)
+    if kind == "rank":
+        return f"rank {ranks}"
+    if kind == "machine":
+        return f"machine {','.join(s.machines)} (ranks {ranks})"
+    index = f" {s.group_index}" if s.group_index is not None else ""
+    label = "communicator" if kind == "comm" else f"{kind.upper()} group"
+    return f"{label}{index} (ranks {ranks})"
+
+
+def headline(s: Suspect, *, own_words: bool = False) -> str:
+    """One line naming a suspect and its machines: ``rank 5 on machine-2``, ``PP group 3 (ranks 6,14) on m3, m7``.
+
+    ``own_words``: a group is named as its detector's first line of evidence
+    says (the stack aggregation's ``PP groups 6-7 on machine-12..15``, which
+    knows several groups share the suspects), as one detector's own verdict
+    does; a merged verdict names it by ``suspect_label``. A desync is named
+    by its evidence (which peers it differs from) either way.
+    """
     where = compact_machines(s.machines) or "unknown machines"
     kind = str(s.kind)
     if kind == "desync":
+        if s.evidence:
+            return s.evidence[0].split(" (ranks ", 1)[0]
         return f"desync: ranks {compact_ranks(s.ranks)} on {where} are in a different collective from their peers"
     if kind == "rank" and len(s.ranks) == 1 and s.victims:
         return f"rank {s.ranks[0]} on {where} ({s.state}; {len(s.victims)} ranks wait on it)"
@@ -126,25 +153,16 @@ def headline(s: Suspect) -> str:
         return f"rank {s.ranks[0]} on {where}"
     if kind == "machine":
         return f"machine {where}"
-    index = f" {s.group_index}" if s.group_index is not None else ""
-    return f"{kind.upper()} group{index} (ranks {compact_ranks(s.ranks)}) on {where}"
+    if own_words and s.evidence:
+        return s.evidence[0].split(": holds", 1)[0]
+    return f"{suspect_label(s)} on {where}"
 
 
 def analyze_snapshot(snapshot: JobSnapshot, layout: Layout | None = None) -> Verdict:
-    """Every detector with data in ``snapshot``, merged: stacks, plus CCL counters when present.
+    """Every detector with data in ``snapshot``, merged (``analysis.analyze_job``'s verdict).
 
     Raises ValueError (with the fix) when ``layout`` does not fit the job.
     """
-    from rankscope.analyzers.suspects import analyze_stacks
+    from rankscope.analyzers.analysis import analyze_job  # it imports this module
 
-    stacks = analyze_stacks(snapshot, layout).verdict
-    if not snapshot.all_counters():
-        return stacks
-    from rankscope.analyzers.ccl import analyze_counters
-
-    counters = analyze_counters(snapshot, layout)
-    if not counters.suspects:
-        return Verdict(stacks.suspects, stacks.summary, stacks.missing_ranks,
-                       (*stacks.notes, counters.summary, *counters.notes),
-                       findings=merge_findings(stacks, counters))
-    return merge_verdicts(stacks, counters)
+    return analyze_job(snapshot, layout).verdict

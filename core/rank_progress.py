@@ -28,7 +28,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from rankscope.snapshot import MachineSnapshot, RankCounters, RankInfo, RankStacks
+from rankscope.snapshot import MachineSnapshot, RankCounters, RankInfo, RankStacks, main_thread
 
 
 def counters_progress_wall(counters: RankCounters) -> float | None:
@@ -47,10 +47,9 @@ def counters_progress_wall(counters: RankCounters) -> float | None:
 
 def stack_signature(stacks: RankStacks) -> tuple[str, ...] | None:
     """The main process's main-thread frames (what 'the stack changed' compares); None without a stack."""
-    threads = stacks.main.threads
-    if not threads:
+    main = main_thread(stacks.main)
+    if main is None:
         return None
-    main = next((t for t in threads if t.thread_name == "MainThread"), threads[0])
     return tuple(f"{f.name} {f.filename}:{f.line}" for f in main.frames)
 
 

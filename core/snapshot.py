@@ -107,6 +107,22 @@ class ProcessStack:
     truncated: str | None = None
 
 
+def main_thread(process: ProcessStack) -> ThreadStack | None:
+    """The process's main thread: the one py-spy names MainThread, else the one whose OS id is the pid, else the first.
+
+    The one rule for "where is this process" (grouping, the TUI's paths, the
+    agents' progress memory, the drill's capture summary).
+    """
+    threads = process.threads or ()
+    for t in threads:
+        if t.thread_name == "MainThread":
+            return t
+    for t in threads:
+        if t.os_thread_id == process.pid:
+            return t
+    return threads[0] if threads else None
+
+
 @dataclass(frozen=True, slots=True)
 class RankStacks:
     """Everything captured for one rank: its main process and its children."""

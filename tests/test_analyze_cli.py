@@ -146,3 +146,28 @@ def test_the_installed_command_runs() -> None:
                            "--json"], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["suspects"][0]["machines"][0] == "machine-12"
+
+
+@pytest.mark.parametrize("counters", [True, False])
+def test_analyze_the_tui_and_the_drill_give_one_capture_one_verdict(
+        counters: bool, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """One analysis entry (analyzers.analysis.analyze_job): the same summary and suspects from every consumer."""
+    from dataclasses import replace
+
+    from rankscope.analyzers.verdict import analyze_snapshot
+    from rankscope.tui.analysis import build_stack_view
+    from tui_bundles import fig7_bundle
+
+    snap = fig7_bundle().latest  # stacks, and CCL counters in which rank 30 launched one send fewer
+    if not counters:
+        snap = replace(snap, machines=tuple(replace(m, counters=()) for m in snap.machines))
+    write_bundle(Bundle((snap,), snap.captured.wall), tmp_path / "b.json")
+    code, out, _ = _run(capsys, str(tmp_path / "b.json"), "--json")
+    assert code == 0
+    by_cli = json.loads(out)
+    by_drill = analyze_snapshot(snap)
+    by_tui = build_stack_view(snap).verdict
+    assert by_cli["summary"] == by_drill.summary == by_tui.summary
+    assert [s["ranks"] for s in by_cli["suspects"]] == [list(s.ranks) for s in by_drill.suspects] \
+        == [list(s.ranks) for s in by_tui.suspects]
+    assert ("stacks_summary" in by_cli) is counters  # the counters name rank 30: merged with the stacks

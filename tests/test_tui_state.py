@@ -8,9 +8,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from rankscope.analyzers.topology import compact_ranks
 from rankscope.snapshot import Frame, JobSnapshot, ProcessRole, ProcessStack, RankInfo, RankStacks, ThreadStack
 from rankscope.tui import state as st
-from rankscope.tui.analysis import build_stack_view, format_ranks, rank_stack_lines
+from rankscope.tui.analysis import build_stack_view, rank_stack_lines
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.sources import QueueSource, poll_loop
 from tui_bundles import T0, fig7_bundle, job, lost_series
@@ -82,7 +83,7 @@ def test_series_shifts_and_adds_keys() -> None:
     assert s2.get("a") == (1.0, 3.0) and s2.get("b") == (2.0, 4.0, 5.0) and s2.get("c") == (6.0,)
     assert s.get("b") == (2.0, 4.0)  # the older series is unchanged
     assert st.sparkline([0, 1, 2, 3, 4, 5, 6, 7]) == "▁▂▃▄▅▆▇█"
-    assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert compact_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
 
 async def test_poll_loop_never_overlaps_and_survives_a_failing_poll() -> None:

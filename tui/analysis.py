@@ -14,12 +14,13 @@ draws the same screen (snapshot tests rely on that).
 from __future__ import annotations
 
 import linecache
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rankscope.analyzers.findings import Verdict
-from rankscope.snapshot import Frame, JobSnapshot, Layout, ProcessStack, RankStacks
+from rankscope.analyzers.topology import compact_ranks
+from rankscope.snapshot import Frame, JobSnapshot, Layout, RankStacks, main_thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,46 +65,15 @@ class StackView:
 # --------------------------------------------------------------------------
 
 
-def format_ranks(ranks: Iterable[int], limit: int = 6) -> str:
-    """``0-11,14,16-19``: compact rank ranges, cut after ``limit`` runs with a count."""
-    ordered = sorted(set(ranks))
-    runs: list[tuple[int, int]] = []
-    for r in ordered:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], r)
-        else:
-            runs.append((r, r))
-    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit]]
-    text = ",".join(parts)
-    if len(runs) > limit:
-        text += f",… (+{len(runs) - limit} runs)"
-    return text
-
-
 def frame_label(frame: Frame) -> str:
     base = frame.filename.rsplit("/", 1)[-1]
     return f"{frame.name} ({base})"
 
 
-def _main_thread(stack: ProcessStack) -> Sequence[Frame]:
-    """The thread that tells where a process is: the GIL owner, else the first with frames."""
-    if not stack.threads:
-        return ()
-    for t in stack.threads:
-        if t.owns_gil and t.frames:
-            return t.frames
-    for t in stack.threads:
-        if (t.thread_name or "").lower() in ("mainthread", "main") and t.frames:
-            return t.frames
-    for t in stack.threads:
-        if t.frames:
-            return t.frames
-    return ()
-
-
 def rank_path(rs: RankStacks) -> tuple[str, ...]:
     """A rank's main call path, outermost first (py-spy reports innermost first)."""
-    return tuple(frame_label(f) for f in reversed(tuple(_main_thread(rs.main))))
+    main = main_thread(rs.main)
+    return tuple(frame_label(f) for f in reversed(main.frames)) if main is not None else ()
 
 
 def diverging_index(a: Sequence[str], b: Sequence[str]) -> int:
@@ -207,22 +177,11 @@ def _from_analyzers(
     snapshot: JobSnapshot, layout: Layout | None, paths: Mapping[int, tuple[str, ...]], missing: tuple[int, ...]
 ) -> StackView:
     from rankscope.analyzers import stacks as stack_analyzer
-    from rankscope.analyzers import suspects as suspect_analyzer
+    from rankscope.analyzers.analysis import analyze_job
 
-    analysis = suspect_analyzer.analyze_stacks(snapshot, layout or snapshot.layout)
-    verdict: Verdict = analysis.verdict
+    job = analyze_job(snapshot, layout or snapshot.layout)  # the verdict analyze and the drill give too
+    analysis, verdict = job.stacks, job.verdict
     notes: list[str] = []
-    try:  # counters, when there are any, sharpen the verdict (Aegis)
-        from rankscope.analyzers import ccl as ccl_analyzer
-        from rankscope.analyzers import verdict as verdict_merge
-
-        if snapshot.all_counters():
-            ccl_verdict = ccl_analyzer.analyze_counters(snapshot, layout or snapshot.layout)
-            verdict = verdict_merge.merge_verdicts(verdict, ccl_verdict)
-    except ImportError:
-        pass
-    except Exception as exc:
-        notes.append(f"CCL analyzer failed ({type(exc).__name__}: {exc}); verdict from stacks only")
     grouping = analysis.grouping
     # The healthy group(s) first, so "A" on the map always means "where most ranks are".
     order = [*grouping.dominant, *(i for i in range(len(grouping.groups)) if i not in grouping.dominant)]
@@ -256,21 +215,21 @@ def verdict_text(view: StackView | None) -> str:
     lines = [v.summary]
     for s in v.suspects:
         lines.append(f"- {s.kind.value} group {s.group_index if s.group_index is not None else ''}".rstrip()
-                     + f": ranks {format_ranks(s.ranks, 20)} on {', '.join(s.machines)} (score {s.score:.2f})")
+                     + f": ranks {compact_ranks(s.ranks, 20)} on {', '.join(s.machines)} (score {s.score:.2f})")
         lines.extend(f"    {e}" for e in s.evidence)
         if s.victims:
-            lines.append(f"    victims (wait on it, not suspects): ranks {format_ranks(s.victims, 20)}")
+            lines.append(f"    victims (wait on it, not suspects): ranks {compact_ranks(s.victims, 20)}")
         if s.diverging_frame:
             lines.append(f"    diverges at: {s.diverging_frame}")
     for f in v.findings:
-        lines.append(f"finding [{f.kind}] ranks {format_ranks(f.ranks, 20)}"
+        lines.append(f"finding [{f.kind}] ranks {compact_ranks(f.ranks, 20)}"
                      + (f" on {f.communicator}" if f.communicator else "") + f": {f.summary}")
         lines.extend(f"    {e}" for e in f.evidence)
         if f.advice:
             lines.append(f"    advice: {f.advice}")
     for ranks, why in view.unreadable:
-        lines.append(f"ranks {format_ranks(ranks, 20)}: {why}")
+        lines.append(f"ranks {compact_ranks(ranks, 20)}: {why}")
     if view.missing_ranks:
-        lines.append(f"missing ranks: {format_ranks(view.missing_ranks, 20)}")
+        lines.append(f"missing ranks: {compact_ranks(view.missing_ranks, 20)}")
     lines.extend(f"note: {n}" for n in (*v.notes, *view.notes))
     return "\n".join(lines)

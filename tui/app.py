@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rankscope.analyzers.failslow import FailSlowConfig
+from rankscope.analyzers.topology import compact_ranks
 from rankscope.bundle import Bundle, write_bundle
 from rankscope.errors import RankscopeError
 from rankscope.snapshot import JobSnapshot, Layout
 from rankscope.tui import state as st
 from rankscope.tui.actions import ActionController
-from rankscope.tui.analysis import StackView, build_stack_view, format_ranks, rank_stack_lines, verdict_text
+from rankscope.tui.analysis import StackView, build_stack_view, rank_stack_lines, verdict_text
 from rankscope.tui.failslow_state import FailSlowFeeder, FailSlowUpdated, FailSlowView
 from rankscope.tui.messages import AgentFound, AgentLost, CaptureAnalyzed, CaptureFailed, PollFailed, SnapshotReceived
 from rankscope.tui.screens.help import HelpScreen
@@ -383,7 +384,7 @@ class RankscopeApp(App[int]):
             if group is not None and group.ranks:
                 rs = stacks.get(group.ranks[0])
                 head = (f"group {group_glyph(group.index)}: {len(group.ranks)} ranks "
-                        f"({format_ranks(group.ranks, 20)})")
+                        f"({compact_ranks(group.ranks, 20)})")
                 body = rank_stack_lines(rs, with_source=False) if rs is not None else list(group.frames)
                 return "\n".join([head, *body])
         return verdict_text(self.state.stacks)

@@ -22,8 +22,17 @@ from datetime import UTC, datetime
 import numpy as np
 from rankscope.analyzers.metric_outliers import snapshot_outliers
 from rankscope.analyzers.series import METRICS as SERIES_METRICS
-from rankscope.snapshot import GpuMetrics, HostMetrics, JobSnapshot, Layout, MachineSnapshot, RankStacks
-from rankscope.tui.analysis import StackView, format_ranks
+from rankscope.analyzers.topology import compact_ranks
+from rankscope.snapshot import (
+    GpuMetrics,
+    HostMetrics,
+    JobSnapshot,
+    Layout,
+    MachineSnapshot,
+    RankStacks,
+    main_thread,
+)
+from rankscope.tui.analysis import StackView
 
 HISTORY = 60  # points kept for sparklines (one per poll, about a minute at 1 Hz)
 EVENTS_KEPT = 500
@@ -214,8 +223,7 @@ _STARTUP_FUNCTIONS = frozenset({"init_process_group", "rendezvous", "_store_base
 
 def starting_stack(stacks: RankStacks) -> bool:
     """Whether a rank's stack shows it still starting (not a steady state to compare with the others')."""
-    threads = stacks.main.threads or ()
-    main = next((t for t in threads if t.thread_name == "MainThread"), threads[0] if threads else None)
+    main = main_thread(stacks.main)
     if main is None:
         return False
     return any(f.filename.startswith(_STARTUP_FILES) or f.name in _STARTUP_FUNCTIONS for f in main.frames)
@@ -632,7 +640,7 @@ def verdict_stale(state: AppState) -> str | None:
     if job and not silent and not any(m.ranks for m in job):
         return "the job has no ranks running now"
     if mark.starting:
-        return f"taken while ranks {format_ranks(mark.starting, 4)} were still starting"
+        return f"taken while ranks {compact_ranks(mark.starting, 4)} were still starting"
     clock = state.clock
     if mark.clock_info and clock is not None:
         if clock.progress_mark is not None and (mark.progress_mark is None or clock.progress_mark > mark.progress_mark):
@@ -804,4 +812,4 @@ def compile_filter(text: str, state: AppState) -> Filter:
 def filter_summary(f: Filter) -> str:
     if not f.active:
         return ""
-    return f"filter '{f.text}': {len(f.ranks)} ranks ({format_ranks(f.ranks, 4) or 'none'})"
+    return f"filter '{f.text}': {len(f.ranks)} ranks ({compact_ranks(f.ranks, 4) or 'none'})"

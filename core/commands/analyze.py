@@ -83,7 +83,7 @@ def _layout(args: argparse.Namespace, base: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from rankscope.analyzers.stacks import SignatureOptions
-    from rankscope.analyzers.suspects import analyze_stacks, verdict_to_json
+    from rankscope.analyzers.suspects import verdict_to_json
 
     sources = [x for x in (args.bundle, args.pyspy_dir, args.flight_recorder, args.op_trace) if x is not None]
     if len(sources) != 1:
@@ -111,25 +111,21 @@ def run(args: argparse.Namespace) -> int:
         out.update(extra)
         _print(out, args.json)
         return 0
+    from rankscope.analyzers.analysis import analyze_job
+
     try:
-        analysis = analyze_stacks(snapshot, layout, options)
+        job = analyze_job(snapshot, layout, options, other_verdicts)  # the TUI's and the drill's analysis too
         rounds = _rounds(snapshots, layout, options) if len(snapshots) > 1 else None
     except ValueError as exc:
         raise RankscopeError(str(exc), _LAYOUT_FIX) from None
 
+    analysis = job.stacks
     out = verdict_to_json(analysis)
-    if snapshot.all_counters() and not other_verdicts:
-        from rankscope.analyzers.ccl import analyze_counters
-
-        counters = analyze_counters(snapshot, layout)
-        if counters.suspects:  # CCL counters recorded by the plugin: merge, agreement counts for more
-            other_verdicts = [counters]
-    if other_verdicts:
+    if job.merged_with:  # CCL counters or a flight recorder: merged, agreement counts for more
         from rankscope.analyzers.findings import finding_to_json
         from rankscope.analyzers.suspects import suspect_to_json
-        from rankscope.analyzers.verdict import merge_verdicts
 
-        merged = merge_verdicts(analysis.verdict, *other_verdicts)
+        merged = job.verdict
         out["stacks_summary"] = out["summary"]
         out["summary"] = merged.summary
         out["suspects"] = [suspect_to_json(s) for s in merged.suspects]
@@ -388,4 +384,4 @@ def _render_fr_wavefront(out: dict[str, Any]) -> list[str]:
 def _ranks(ranks: list[int]) -> str:
     from rankscope.analyzers.topology import compact_ranks
 
-    return compact_ranks(ranks)
+    return compact_ranks(ranks)  # imported here: `rankscope --help` does not load the analyzers

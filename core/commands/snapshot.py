@@ -69,6 +69,8 @@ def summary_lines(snap: JobSnapshot) -> list[str]:
             lines.append(f"  {m.address}: {err.message if err else 'no answer, no reason recorded'}")
             if err and err.fix:
                 lines.append(f"    fix: {err.fix}")
+    from rankscope.analyzers.topology import compact_ranks as _ranges
+
     world = snap.world_size
     seen = sorted(snap.rank_to_machine())
     if world is not None:
@@ -83,20 +85,6 @@ def summary_lines(snap: JobSnapshot) -> list[str]:
     return lines
 
 
-def _ranges(values: list[int]) -> str:
-    """[0,1,2,5] -> '0-2,5': thousands of ranks stay readable."""
-    out: list[str] = []
-    start = prev = None
-    for v in values:
-        if prev is not None and v == prev + 1:
-            prev = v
-            continue
-        if start is not None:
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = v
-    if start is not None:
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-    return ",".join(out)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan, GroundTrut
 from rankscope.drill.launcher import Launcher, TrainingOptions
 from rankscope.drill.progress import ProgressWatcher
 from rankscope.errors import RankscopeError
-from rankscope.snapshot import JobSnapshot, ProcessRole, ProcessStack, ThreadStack
+from rankscope.snapshot import JobSnapshot, ProcessRole, main_thread
 
 POLL_S = 0.1
 
@@ -615,12 +615,6 @@ def _pin_like(pid: int, others: list[int], cpus: set[int] | None = None) -> None
 # --------------------------------------------------------------------------
 # What was captured, against the ground truth
 # --------------------------------------------------------------------------
-
-
-def main_thread(proc: ProcessStack) -> ThreadStack | None:
-    """The process's main thread (py-spy names it MainThread), else its first thread."""
-    threads = proc.threads or ()
-    return next((t for t in threads if t.thread_name == "MainThread"), threads[0] if threads else None)
 
 
 def innermost(frames: Any, count: int = 4) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from rankscope.tui.analysis import format_ranks
+from rankscope.analyzers.topology import compact_ranks
 from rankscope.tui.state import AppState, CommView, Filter, deltas, sparkline
 from rankscope.tui.widgets.table import Cell, LineTable
 from rich.text import Text
@@ -100,10 +100,10 @@ class CclPanel(Vertical):
         table = self.query_one("#ccl-table", LineTable)
         title = self.query_one("#ccl-title", Static)
         rows: list[tuple[Cell, ...]] = []
-        head = Text(f"{comm.comm_id} {comm.description} [{comm.backend}] ranks {format_ranks(comm.ranks, 4)}", "bold")
+        head = Text(f"{comm.comm_id} {comm.description} [{comm.backend}] ranks {compact_ranks(comm.ranks, 4)}", "bold")
         head.append("  esc: back", "dim")
         if comm.missing:
-            head.append(f"  no counters from {format_ranks(comm.missing, 4)}", "yellow")
+            head.append(f"  no counters from {compact_ranks(comm.missing, 4)}", "yellow")
         title.update(head)
         for r in comm.rows:
             if self._filter is not None and r.rank not in self._filter.ranks:

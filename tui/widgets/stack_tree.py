@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from rankscope.tui.analysis import GroupView, StackView, TreeNode, diverging_index, format_ranks
+from rankscope.analyzers.topology import compact_ranks
+from rankscope.tui.analysis import GroupView, StackView, TreeNode, diverging_index
 from rankscope.tui.state import Filter
 from rankscope.tui.widgets.rank_map import group_glyph, group_style
 from rankscope.tui.widgets.table import Cell, LineTable
@@ -47,7 +48,7 @@ def compare_table(dominant: GroupView, other: GroupView, width: int) -> Group:
     table.add_column(Text(f"{group_glyph(dominant.index)} dominant ({len(dominant.ranks)} ranks)",
                           group_style(dominant.index)), ratio=1, no_wrap=True, overflow="ellipsis")
     table.add_column(Text(f"{group_glyph(other.index)} group {group_glyph(other.index)} ({len(other.ranks)} ranks:"
-                          f" {format_ranks(other.ranks, 3)})", group_style(other.index)),
+                          f" {compact_ranks(other.ranks, 3)})", group_style(other.index)),
                      ratio=1, no_wrap=True, overflow="ellipsis")
     start = max(0, cut - 2)  # a little shared context above the split
     if start:
@@ -115,7 +116,7 @@ class StackTreePanel(Vertical):
                     continue
                 self._groups.append(g)
                 rows.append((Text(group_glyph(g.index), group_style(g.index)), str(len(ranks)),
-                             format_ranks(ranks, 3), g.summary))
+                             compact_ranks(ranks, 3), g.summary))
         # The first outlier is what one came here for.
         table.set_rows(("grp", "ranks", "which", "where"), rows,
                        cursor=1 if len(rows) > 1 and self.filter is None else 0)
@@ -142,7 +143,7 @@ class StackTreePanel(Vertical):
                     continue
                 budget[0] -= 1
                 label = Text(child.frame)
-                label.append(f"  [{len(ranks)}: {format_ranks(ranks, 3)}]", "dim")
+                label.append(f"  [{len(ranks)}: {compact_ranks(ranks, 3)}]", "dim")
                 if child.children:
                     sub = parent.add(label, data=child, expand=True)
                     add(sub, child)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rankscope.analyzers.topology import compact_machines
+from rankscope.analyzers.topology import compact_machines, compact_ranks
 from rankscope.snapshot import Layout
-from rankscope.tui.analysis import StackView, format_ranks
+from rankscope.tui.analysis import StackView
 from rankscope.tui.state import AppState, Filter, Health, fmt_time, health, step_rate
 from rankscope.tui.widgets.rank_map import group_glyph, group_style
 from rich.text import Text
@@ -91,7 +91,7 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
         group = f" {s.group_index}" if s.group_index is not None else ""
         t.append(f"\n ▸ {s.kind.value.upper()}{group}", "bold yellow")
         t.append(f"  machines {compact_machines(s.machines)}", "bold")
-        t.append(f"  ranks {format_ranks(s.ranks, 4)}")
+        t.append(f"  ranks {compact_ranks(s.ranks, 4)}")
         if s.state and s.kind.value != "desync":
             t.append(f"  [{s.state}]", "bold red")
         if flt.active and not (set(s.ranks) & flt.ranks):
@@ -103,7 +103,7 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
         elif s.victims:
             # The root and the ranks waiting on it: one suspect, its victims are evidence.
             t.append(f"\n    root: {len(s.victims)} ranks wait on it (victims, not suspects): "
-                     f"{format_ranks(s.victims, 4)}")
+                     f"{compact_ranks(s.victims, 4)}")
         elif s.evidence:
             t.append(f"\n    {s.evidence[0]}", "italic")
         if s.ranks in advice:
@@ -119,9 +119,9 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
             t.append(f"\n ◆ {f.kind}: {f.summary}", "bold magenta")
     if view.unreadable:
         for ranks, why in view.unreadable[:2]:
-            t.append(f"\n no stack: ranks {format_ranks(ranks, 6)} — {why}", "yellow")
+            t.append(f"\n no stack: ranks {compact_ranks(ranks, 6)} — {why}", "yellow")
     elif view.missing_ranks:
-        t.append(f"\n missing stacks: ranks {format_ranks(view.missing_ranks, 6)}", "yellow")
+        t.append(f"\n missing stacks: ranks {compact_ranks(view.missing_ranks, 6)}", "yellow")
     for note in (*v.notes, *view.notes)[:2]:
         t.append(f"\n note: {note}", "dim")
     return t

@@ -1,0 +1,56 @@
+"""The one analysis entry: a snapshot's stacks and CCL counters, plus any other detector's verdict, merged.
+
+The TUI (``tui.analysis.build_stack_view``), ``rankscope analyze``, the
+drill's scorer (``verdict.analyze_snapshot``) and the headless tools call
+``analyze_job``, so one capture gets one verdict wherever it is looked at:
+
+- stacks (ByteRobust §5.1): grouping, prefix tree, hang chain and suspects;
+- CCL counters (Aegis §4.2, CL/WR/WC), when the plugin recorded any;
+- ``others``: verdicts a caller already has for the same capture (a flight
+  recorder dump's, a fail-slow round's degrader).
+
+A CCL verdict that names nobody is not merged (it would only re-word the
+stacks' headline); its summary and notes are kept as notes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rankscope.analyzers.ccl import analyze_counters
+from rankscope.analyzers.findings import Verdict
+from rankscope.analyzers.stacks import DEFAULT_OPTIONS, SignatureOptions
+from rankscope.analyzers.suspects import StackAnalysis, analyze_stacks
+from rankscope.analyzers.verdict import merge_findings, merge_verdicts
+from rankscope.snapshot import JobSnapshot, Layout
+
+
+@dataclass(frozen=True, slots=True)
+class JobAnalysis:
+    """What every view of a capture is drawn from."""
+
+    stacks: StackAnalysis
+    counters: Verdict | None  # the CCL verdict (None: no counters in the capture, or ``others`` given)
+    merged_with: tuple[Verdict, ...]  # the verdicts merged into the stacks' (empty: the stacks speak alone)
+    verdict: Verdict  # the one verdict: the stacks', merged with ``merged_with``
+
+
+def analyze_job(snapshot: JobSnapshot, layout: Layout | None = None, options: SignatureOptions = DEFAULT_OPTIONS,
+                others: Sequence[Verdict] = ()) -> JobAnalysis:
+    """Stacks + CCL counters (+ ``others``) → the merged verdict (see the module docstring).
+
+    Raises ValueError (with the fix) when ``layout`` does not fit the job.
+    """
+    stacks = analyze_stacks(snapshot, layout, options)
+    counters = analyze_counters(snapshot, layout) if snapshot.all_counters() and not others else None
+    merged_with = tuple(others) or ((counters,) if counters is not None and counters.suspects else ())
+    if merged_with:
+        verdict = merge_verdicts(stacks.verdict, *merged_with)
+    elif counters is not None:
+        v = stacks.verdict
+        verdict = Verdict(v.suspects, v.summary, v.missing_ranks, (*v.notes, counters.summary, *counters.notes),
+                          findings=merge_findings(v, counters))
+    else:
+        verdict = stacks.verdict
+    return JobAnalysis(stacks, counters, merged_with, verdict)
