@@ -47,6 +47,7 @@ from rankscope.actions.model import (
     ActionState,
     AuditRecord,
     Targets,
+    confirmation_matches,
     needs_typed_confirmation,
 )
 from rankscope.errors import RankscopeError
@@ -484,7 +485,7 @@ class JobClient:
                 "nothing was sent", "confirm exactly the targets the plan shows")
         if needs_typed_confirmation(request.kind) or any(p.typed_confirmation for p in plans):
             phrase = combined_phrase(request.kind, plans)
-            if " ".join(confirmation.typed.split()) != phrase:
+            if not confirmation_matches(plans, confirmation.typed):  # the agents apply the same rule
                 raise RankscopeError(f"the typed confirmation {confirmation.typed!r} is not {phrase!r}; nothing was sent",
                                      f"type exactly: {phrase}")
 

@@ -16,14 +16,12 @@ from rankscope.actions.model import (
     Targets,
     UpdateMode,
     VersionSource,
-    check_role,
     check_targets,
     confirm_phrase_for,
     confirmation_matches,
     needs_typed_confirmation,
 )
 from rankscope.errors import RankscopeError
-from rankscope.tokens import Role
 
 
 def _evict(machines: tuple[str, ...] = ("m12", "m13"), action_id: str = "a-1") -> ActionRequest:
@@ -84,6 +82,17 @@ def test_eviction_needs_the_typed_phrase_naming_every_machine() -> None:
     assert not confirmation_matches(plan, None)  # Cancel is the default
 
 
+def test_one_eviction_over_several_agents_is_confirmed_by_one_phrase_naming_all() -> None:
+    plans = [ActionPlan("a-1", ActionKind.EVICT, "evict", machines=("m12", "m13"), typed_confirmation=True,
+                        confirm_phrase="evict m12 m13"),
+             ActionPlan("a-1", ActionKind.EVICT, "evict", machines=("m14",), typed_confirmation=True,
+                        confirm_phrase="evict m14")]
+    assert confirmation_matches(plans, "evict m12 m13 m14")
+    assert not confirmation_matches(plans, "evict m12 m13")  # one agent's phrase is not the action's
+    assert not confirmation_matches(plans, True)
+    assert not confirmation_matches([], "evict")
+
+
 def test_other_actions_confirm_with_an_explicit_yes_only() -> None:
     assert not needs_typed_confirmation(ActionKind.HOT_UPDATE)
     plan = ActionPlan("u-1", ActionKind.HOT_UPDATE, "hot-update to v2", machines=("m0", "m1"))
@@ -102,10 +111,6 @@ def test_agent_refuses_targets_outside_its_job_and_read_only_tokens() -> None:
     backup = ActionRequest("b", ActionKind.BACKUP, Targets(ranks=(3, 40)), BackupArgs(), "x")
     with pytest.raises(RankscopeError, match="outside the job's 32 ranks"):
         check_targets(backup, job, world_size=32)
-    check_role(Role.ACT)
-    for role in (Role.READ, None):
-        with pytest.raises(RankscopeError, match="read-only"):
-            check_role(role)
 
 
 def test_result_state_and_json() -> None:

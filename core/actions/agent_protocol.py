@@ -28,6 +28,7 @@ from rankscope.actions.model import (
     ActionRequest,
     ActionResult,
     confirm_phrase_for,
+    confirmation_matches,
     needs_typed_confirmation,
 )
 
@@ -108,8 +109,8 @@ def confirmation_problem(plan: ActionPlan, request: ActionRequest, confirmation:
     if tuple(sorted(set(confirmation.ranks))) != planned_ranks(request):
         return (f"the confirmation names ranks {list(confirmation.ranks)} but the request targets "
                 f"{list(planned_ranks(request))}")
-    if needs_typed_confirmation(plan.kind) or plan.typed_confirmation:
-        typed = " ".join(confirmation.typed.split())
-        if typed != plan.confirm_phrase:
-            return f"the typed confirmation {confirmation.typed!r} is not {plan.confirm_phrase!r}"
+    typed = needs_typed_confirmation(plan.kind) or plan.typed_confirmation
+    # A confirmation that reached the agent is the person's yes; a typed one must also carry the phrase.
+    if not confirmation_matches(plan, confirmation.typed if typed else True):
+        return f"the typed confirmation {confirmation.typed!r} is not {plan.confirm_phrase!r}"
     return None

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from rankscope.actions.agent_protocol import Confirmation, confirmation_problem
-from rankscope.actions.audit import AuditLog, _append
+from rankscope.actions.audit import AuditLog
 from rankscope.actions.blocklist import Blocklist
 from rankscope.actions.evict_backends import (
     BACKENDS,
@@ -910,14 +910,8 @@ class ActionService:
         return f"{request.kind.value} {request.targets.describe()}"
 
     def _note(self, request: ActionRequest, plan: ActionPlan, message: str) -> None:
-        """Append one progress line to the audit log.
-
-        TODO(H8): uses the log's private ``_append``; swap for a public
-        ``AuditLog`` method for intermediate steps once it exists.
-        """
-        with self.audit._connect() as db:
-            _append(db, request.action_id, request.requested_by, self._clock(), request.kind, plan.summary,
-                    PROGRESS, message, plan.machines)
+        """Append one progress line to the audit log (the log's public ``note``, on the service's clock)."""
+        self.audit.note(request, plan.summary, message, plan.machines, PROGRESS)
 
     # ---- a pending lazy update: its window and the job's failures --------------------
 

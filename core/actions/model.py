@@ -14,13 +14,12 @@ and :func:`confirmation_matches` is the one place that decides.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from rankscope.errors import RankscopeError
-from rankscope.tokens import Role
 
 
 class ActionKind(StrEnum):
@@ -285,10 +284,24 @@ def confirm_phrase_for(kind: ActionKind, machines: tuple[str, ...]) -> str:
     return f"{kind.value} {' '.join(machines)}".strip()
 
 
-def confirmation_matches(plan: ActionPlan, answer: str | bool | None) -> bool:
-    """Whether a person's answer confirms ``plan``; anything unclear is Cancel."""
-    if plan.typed_confirmation:
-        return isinstance(answer, str) and " ".join(answer.split()) == plan.confirm_phrase
+def confirmation_matches(plans: ActionPlan | Sequence[ActionPlan], answer: str | bool | None) -> bool:
+    """Whether a person's answer confirms ``plans`` (one agent's, or every agent's of one action); else Cancel.
+
+    The one rule, used by the client before it sends anything and by each
+    agent before it acts: an eviction (or any plan asking for it) needs the
+    typed phrase naming every planned machine, white space aside; anything
+    else an explicit yes. Anything unclear is Cancel.
+    """
+    group = (plans,) if isinstance(plans, ActionPlan) else tuple(plans)
+    if not group:
+        return False
+    kind = group[0].kind
+    if needs_typed_confirmation(kind) or any(p.typed_confirmation for p in group):
+        if len(group) == 1 and group[0].confirm_phrase:
+            phrase = group[0].confirm_phrase
+        else:
+            phrase = confirm_phrase_for(kind, tuple(dict.fromkeys(m for p in group for m in p.machines)))
+        return isinstance(answer, str) and " ".join(answer.split()) == phrase
     return answer is True
 
 
@@ -363,18 +376,6 @@ def check_targets(request: ActionRequest, job_machines: tuple[str, ...] | frozen
         if bad:
             raise RankscopeError(f"refused: rank(s) {bad} are outside the job's {world_size} ranks",
                                  f"target ranks 0..{world_size - 1}")
-
-
-def check_role(role: Role | None) -> None:
-    """A read token watches; only an act token may change anything.
-
-    The agent's token interceptor already refuses unlisted (state-changing)
-    methods to read tokens; this is the same rule where an action is handled,
-    so a handler reached some other way cannot act on a read token either.
-    """
-    if role is not Role.ACT:
-        raise RankscopeError("refused: this token is read-only",
-                             "attach with an acting token (the agent's --token) to run actions")
 
 
 def _to_json(value: Any) -> Any:
