@@ -1,4 +1,4 @@
-"""The layer rules of the design notes, checked against what really gets imported.
+"""The layer rules of docs/architecture.md ("Layer rules"), checked against what really gets imported.
 
 Each module is imported in a fresh interpreter and the resulting
 ``sys.modules`` is inspected, so a rule broken through an indirect import is
@@ -121,3 +121,57 @@ def test_tui_reaches_agents_only_through_the_client(path: Path) -> None:
             continue
         for name in names:
             assert not name.startswith(("grpc", "rankscope.proto")), f"{path}:{node.lineno} imports {name}"
+
+
+def _tui_import_graph() -> dict[str, set[str]]:
+    """Which rankscope.tui modules each tui module imports: at the top, in functions and under TYPE_CHECKING alike."""
+    graph: dict[str, set[str]] = {}
+    for path, module in zip(_py_files("tui"), _modules("tui"), strict=True):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rankscope.tui"):
+                base = node.module or ""
+                for a in node.names:  # `from rankscope.tui import state` names a module too
+                    deps.add(f"{base}.{a.name}" if f"{base}.{a.name}" in graph or base == "rankscope.tui" else base)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("rankscope.tui")}
+        graph[module] = deps
+    known = set(graph)
+    return {m: {d for d in deps if d in known and d != m} for m, deps in graph.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                return [*path[path.index(d):], d]
+            if d not in state and (found := visit(d)) is not None:
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)) is not None:
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_tui_modules_import_no_circle() -> None:
+    """Screens and widgets depend on the state and the analysis, never back on the app (docs/architecture.md)."""
+    assert _cycle(_tui_import_graph()) is None, " -> ".join(_cycle(_tui_import_graph()) or [])
+
+
+def test_the_docs_these_rules_cite_are_in_the_repository() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert "## Layer rules" in text and "tests/test_layers.py" in text

@@ -25,9 +25,9 @@ import getpass
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from rankscope.actions.agent_protocol import (
     ActionError,
@@ -54,14 +54,12 @@ from rankscope.actions.model import (
     VersionSource,
 )
 from rankscope.analyzers.findings import Suspect
+from rankscope.analyzers.verdict import suspect_label
 from rankscope.errors import RankscopeError
 from rankscope.tui import state as st
-from rankscope.tui.analysis import StackView, format_ranks
+from rankscope.tui.analysis import StackView
 from rich.text import Text
 from textual.css.query import NoMatches
-
-if TYPE_CHECKING:
-    from rankscope.tui.app import RankscopeApp
 
 DAILY_FAILURE_RATE = 0.0012  # per machine and day: reproduces ByteRobust Table 5's pool sizes
 KIND_LABELS = {ActionKind.EVICT: "evict", ActionKind.HOT_UPDATE: "hot-update", ActionKind.BACKUP: "backup",
@@ -128,15 +126,10 @@ def _printable(text: str, limit: int = 300) -> str:
     return " ".join(clean.split())[:limit] or "-"
 
 
-def suspect_label(s: Suspect) -> str:
-    group = f" group {s.group_index}" if s.group_index is not None else ""
-    return f"{s.kind.value.upper()}{group}"
-
-
 def evict_request(suspect: Suspect, action_id: str, who: str, job_id: str | None = None) -> ActionRequest:
     """Over-evict the suspect group: every machine it touches (ByteRobust §5.3), named by machine."""
     evidence = suspect.evidence[0] if suspect.evidence else "named by the verdict"
-    reason = _printable(f"{suspect_label(suspect)} ranks {format_ranks(suspect.ranks, 8)}: {evidence}")
+    reason = _printable(f"{suspect_label(suspect)}: {evidence}")
     return ActionRequest(action_id, ActionKind.EVICT, Targets(tuple(suspect.machines)), EvictArgs(reason), who,
                          job_id)
 
@@ -304,10 +297,36 @@ def result_is_role_refusal(result: ActionResult) -> bool:
 # --------------------------------------------------------------------------
 
 
+class ActionHost(Protocol):
+    """What the controller uses of the app (``RankscopeApp``), named here so this module does not import the app.
+
+    (The app imports this module; an import back would close a circle, tests/test_layers.py.)
+    """
+
+    state: st.AppState
+    clock: Callable[[], float]
+
+    @property
+    def source(self) -> Any: ...
+
+    @property
+    def notify(self) -> Callable[..., None]: ...
+
+    @property
+    def push_screen(self) -> Callable[..., Any]: ...
+
+    @property
+    def run_worker(self) -> Callable[..., Any]: ...
+
+    def redraw(self) -> None: ...
+
+    def retire_machines(self, machines: Iterable[str]) -> None: ...
+
+
 class ActionController:
     """Drives the action keys of one app; holds what it has seen of the audit log."""
 
-    def __init__(self, app: RankscopeApp, who: Callable[[], str] = requester) -> None:
+    def __init__(self, app: ActionHost, who: Callable[[], str] = requester) -> None:
         self.app = app
         self.log = ActionLog()
         self.who = who
@@ -406,7 +425,7 @@ class ActionController:
             self.app.notify(f"planning failed: {type(exc).__name__}: {exc}", severity="error", timeout=8)
             return
         summary = summarize(request, answers)
-        modal = ConfirmModal(title, summary)
+        modal = ConfirmModal(title, summary, plan_text(summary))
 
         def answered(confirmed: bool | None) -> None:
             if not confirmed:

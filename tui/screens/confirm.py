@@ -15,7 +15,7 @@ mode (immediate, or lazy at the next restart), or a rollback.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 from rankscope.actions.model import UpdateMode
 from rich.text import Text
@@ -26,8 +26,21 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, RadioButton, RadioSet, Static
 
-if TYPE_CHECKING:
-    from rankscope.tui.actions import PlanSummary
+
+class PlanToConfirm(Protocol):
+    """What the modal needs of a plan (``tui.actions.PlanSummary``); the caller renders its text.
+
+    A protocol, so the screen does not import the action controller that opens it (no import circle).
+    """
+
+    @property
+    def runnable(self) -> bool: ...
+
+    @property
+    def machines(self) -> tuple[str, ...]: ...
+
+    @property
+    def phrase(self) -> str | None: ...
 
 
 class PlanScroll(VerticalScroll, can_focus=False):
@@ -44,10 +57,11 @@ class ConfirmModal(ModalScreen[bool]):
         Binding("pagedown", "scroll_plan(1)", "Scroll plan", show=False),
     ]
 
-    def __init__(self, title: str, summary: PlanSummary) -> None:
+    def __init__(self, title: str, summary: PlanToConfirm, plan: Text) -> None:
         super().__init__()
         self.title_text = title
         self.summary = summary
+        self.plan = plan
         self.typed = ""
 
     @property
@@ -55,14 +69,12 @@ class ConfirmModal(ModalScreen[bool]):
         return self.summary.phrase
 
     def compose(self) -> ComposeResult:
-        from rankscope.tui.actions import plan_text
-
         with Vertical(id="confirm-box"):
             yield Static(Text(self.title_text, "bold"), id="confirm-title")
             with Vertical(id="confirm-foot"):  # docked at the bottom: the prompt and buttons never scroll away
                 yield from self._foot()
             with PlanScroll(id="confirm-plan"):
-                yield Static(plan_text(self.summary), id="confirm-plan-text")
+                yield Static(self.plan, id="confirm-plan-text")
 
     def _foot(self) -> ComposeResult:
         if not self.summary.runnable:
