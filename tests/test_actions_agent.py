@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -108,15 +108,6 @@ def start_rank_tree(procs: Processes, rank: int, world_size: int, run_id: str, *
 
     wait_for(is_ready, 30, f"rank {rank} to start its child")
     return RankTree(proc, int(ready.read_text()), rank)
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Processes]:
-    p = Processes(tmp_path)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 @pytest.fixture

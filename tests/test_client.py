@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -20,15 +19,6 @@ from rankscope.client import JobClient, capture_once
 from rankscope.snapshot import CaptureErrorKind, JobSnapshot, MachineSnapshot
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Processes]:
-    p = Processes(tmp_path)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def by_address(snap: JobSnapshot) -> dict[str, MachineSnapshot]:

@@ -11,7 +11,6 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,6 @@ from rankscope.snapshot import Layout
 from test_failslow_detectors import SLOW_ALL, make_series
 
 WATCH_TIMEOUT_S = 60
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Processes]:
-    p = Processes(tmp_path)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def closed_port() -> int:
