@@ -11,7 +11,11 @@ in the same order, so their launch counts (CL) move together:
   with it, and a peer that has no open request back never posted its side.
 
 Both kinds become ``Suspect``s of kind RANK with source ``ccl``, so the
-verdict merge can rank them together with the stack verdict.
+verdict merge can rank them together with the stack verdict. A lagging side
+that is itself blocked in a call its partners never entered, waiting on the
+ranks that wait for it, is not computation side: the two sides are at
+different points of the program, one ``desync`` suspect and finding
+(``rankscope.analyzers.ccl_desync``).
 ``comm_tables`` gives the TUI one table per communicator with the mismatches
 flagged. Pure: no I/O, no clock.
 """
@@ -21,11 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+from rankscope.analyzers.ccl_desync import P2P_OPS, CrossedWait, comm_label, crossed_waits
+from rankscope.analyzers.chain import DESYNC_ADVICE
+from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
+from rankscope.analyzers.topology import compact_ranks
 from rankscope.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters
 
 SOURCE = "ccl"
-P2P_OPS = frozenset({"send", "recv"})
 # Scores on this detector's own scale (the merge rescales): a lagging rank
 # that others wait for is the strongest signal Aegis has.
 SCORE_CL_LAG = 1.0
@@ -104,8 +110,7 @@ def comm_tables(counters: Mapping[int, RankCounters]) -> tuple[CommTable, ...]:
     return tuple(tables)
 
 
-def _label(comm: Communicator) -> str:
-    return f"comm {comm.comm_id}" + (f" ({comm.description})" if comm.description else "")
+_label = comm_label
 
 
 def _ranks_word(ranks: list[int]) -> str:
@@ -116,9 +121,12 @@ def _machines(ranks: tuple[int, ...], placement: Mapping[int, str]) -> tuple[str
     return tuple(sorted({placement[r] for r in ranks if r in placement}))
 
 
-def counter_findings(counters: Mapping[int, RankCounters],
-                     placement: Mapping[int, str] | None = None) -> tuple[Suspect, ...]:
-    """The suspects the counters point at (computation side first)."""
+def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[int, str] | None = None,
+                     crossed: tuple[CrossedWait, ...] | None = None) -> tuple[Suspect, ...]:
+    """The suspects the counters point at (computation side first; a desync as one suspect).
+
+    ``crossed``: the counters' crossed waits when the caller has them already.
+    """
     placement = placement or {}
     live = {r: rc for r, rc in counters.items() if rc.error is None}
     comms = _communicators(live)
@@ -175,8 +183,47 @@ def counter_findings(counters: Mapping[int, RankCounters],
                             "launched (communication side)")
     suspects = [Suspect(SuspectKind.RANK, ranks, _machines(ranks, placement), score, tuple(lines), (SOURCE,))
                 for ranks, (score, lines) in found.items()]
+    suspects = _fold_desyncs(suspects, crossed_waits(live) if crossed is None else crossed, placement)
     suspects.sort(key=lambda s: (-s.score, len(s.ranks), s.ranks))
     return tuple(suspects)
+
+
+def desync_line(c: CrossedWait) -> str:
+    """The headline of a desync the counters show."""
+    return (f"desync: ranks {compact_ranks(c.ranks)} and the other {len(c.victims)} ranks of {c.communicator} "
+            "wait for each other at different calls")
+
+
+def _fold_desyncs(suspects: list[Suspect], crossed: tuple[CrossedWait, ...],
+                  placement: Mapping[int, str]) -> list[Suspect]:
+    """A crossed wait is one desync suspect: the lags and open requests inside it are its evidence, not suspects.
+
+    Read alone, the lagging side looks stuck in its own computation and each
+    unposted send/recv looks like a pair to evict; both are halves of one
+    program mismatch.
+    """
+    if not crossed:
+        return suspects
+    out: list[Suspect] = []
+    inside: list[tuple[set[int], list[str]]] = [(set(c.ranks) | set(c.victims), []) for c in crossed]
+    for s in suspects:
+        home = next((lines for ranks, lines in inside if set(s.ranks) <= ranks), None)
+        if home is None:
+            out.append(s)
+        else:
+            home.extend(s.evidence)
+    for c, (_, lines) in zip(crossed, inside, strict=True):
+        machines = _machines(c.ranks, placement)
+        evidence = (desync_line(c), *c.evidence, *(f"counters: {x}" for x in lines[:6]), f"advice: {DESYNC_ADVICE}")
+        out.append(Suspect(SuspectKind.DESYNC, c.ranks, machines, SCORE_CL_LAG, evidence, (SOURCE,),
+                           victims=c.victims, state="desync"))
+    return out
+
+
+def desync_finding(c: CrossedWait) -> Finding:
+    """A desync the counters show, as a finding (kind ``desync``, the advice that eviction will not cure it)."""
+    return Finding(kind="desync", ranks=c.ranks, summary=desync_line(c), evidence=c.evidence,
+                   communicator=c.communicator, advice=DESYNC_ADVICE)
 
 
 def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None) -> Verdict:
@@ -188,13 +235,15 @@ def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None) -> Ver
     notes += [f"rank {r}: counters stale ({rc.stale_reason})" for r, rc in sorted(counters.items()) if rc.stale]
     if not counters:
         return Verdict((), "no CCL counters (start the job with `rankscope run`)", missing, tuple(notes))
-    suspects = counter_findings({r: rc for r, rc in counters.items() if not rc.stale}, snapshot.rank_to_machine())
+    fresh = {r: rc for r, rc in counters.items() if not rc.stale}
+    crossed = crossed_waits(fresh)
+    suspects = counter_findings(fresh, snapshot.rank_to_machine(), crossed)
     if suspects:
         top = suspects[0]
         summary = f"CCL counters: {top.evidence[0]}"
     else:
         summary = "CCL counters: every communicator's members agree"
-    return Verdict(suspects, summary, missing, tuple(notes))
+    return Verdict(suspects, summary, missing, tuple(notes), findings=tuple(map(desync_finding, crossed)))
 
 
 def counter_rates(previous: RankCounters, current: RankCounters, seconds: float) -> dict[tuple[str, str], float]:

@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
+from rankscope.analyzers.ccl_desync import crossed_waits
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
     SignatureOptions,
@@ -52,7 +53,7 @@ from rankscope.analyzers.stacks import (
     is_wrapper,
 )
 from rankscope.analyzers.topology import DIMS, Topology, compact_ranks, group_ids
-from rankscope.snapshot import CaptureError, CaptureErrorKind, Frame, RankStacks, main_thread
+from rankscope.snapshot import CaptureError, CaptureErrorKind, Frame, RankCounters, RankStacks, main_thread
 
 DESYNC_ADVICE = ("evicting machines will not cure it: a desync is usually a program mismatch (different data or "
                  "control flow on these ranks, e.g. an extra batch or a rank-dependent branch); fix the code or the "
@@ -134,6 +135,8 @@ class Desync:
     victims: tuple[int, ...]
     sites: tuple[tuple[str, tuple[int, ...]], ...]  # call site -> ranks there, largest first
     tie: bool = False  # the two largest sites hold as many ranks: the odd ones out are a choice
+    communicator: str = ""  # the counters' communicator, when the counters told it (a crossed wait)
+    evidence: tuple[str, ...] = ()  # the counters' lines: the lag, and each side's wait on the other
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,8 +344,16 @@ class _Groups:
 _Key = tuple[RankState, str]
 
 
-def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: frozenset[int] = frozenset()) -> Chain:
+def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: frozenset[int] = frozenset(),
+                 counters: Mapping[int, RankCounters] | None = None) -> Chain:
     """Roots (ranks others wait on, with their victims), desyncs, and waiters explained by neither.
+
+    ``counters`` (CL/WR/WC per communicator, or a flight recorder's as
+    counters) tell desyncs the stacks cannot: ranks blocked in a send or recv
+    whose peers wait in a collective they never launched (see
+    ``rankscope.analyzers.ccl_desync``). Only such a crossed wait that no
+    root explains is a desync here; the stacks' send/recv states add the
+    waits the counters do not record.
 
     Searched backwards from the ranks that wait for nobody, except those of
     ``majority`` (the ranks of a stack group larger than any other): most of
@@ -378,7 +389,6 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: fr
     p2p_targets = {r: _p2p_peers(r, views[r], groups) for r in p2p}  # empty: no pipeline known, wait on all
     p2p_on_world = {r for r, t in p2p_targets.items() if not t}
     world_id = ("world", 0)
-
     def waiters_of(x: int, done: set[tuple[tuple[str, int], _Key]]) -> list[int]:
         """The ranks that wait on ``x``."""
         mine = at(x)
@@ -419,10 +429,46 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: fr
     roots.sort(key=lambda r: (-len(r.victims), r.rank))
     explained = {v for r in roots for v in r.victims}
     lost = {r for r in collective | p2p if r not in explained}
-    desyncs = _merge_alike(_desyncs(views, groups, lost))
+    crossed = _crossed(views, groups, counters, p2p_targets, explained, victims_from) if counters else []
+    in_crossed = {r for d in crossed for r in (*d.ranks, *d.victims)}
+    desyncs = crossed + _merge_alike(_desyncs(views, groups, lost - in_crossed))
     in_desync = {r for d in desyncs for r in (*d.ranks, *d.victims)}
     unexplained = tuple(sorted(r for r in lost if r not in in_desync))
     return Chain(views=views, roots=tuple(roots), desyncs=tuple(desyncs), unexplained=unexplained)
+
+
+def _crossed(views: Mapping[int, RankView], groups: _Groups, counters: Mapping[int, RankCounters],
+             p2p_targets: Mapping[int, set[int]], explained: set[int],
+             victims_from: Callable[[Sequence[int]], set[int]]) -> list[Desync]:
+    """The counters' crossed waits that no root explains, as desyncs with the chain's victims under them."""
+    extra: dict[int, dict[int, str]] = {}
+    for r, peers in p2p_targets.items():
+        for p in peers:
+            pv = views.get(p)
+            if pv is not None and pv.state is not RankState.P2P:
+                extra.setdefault(r, {})[p] = (f"rank {r} is in {views[r].site} toward rank {p}, which is not in a "
+                                              f"send/recv ({pv.describe()})")
+    out: list[Desync] = []
+    for c in crossed_waits(counters, extra):
+        named = set(c.ranks)
+        if named & explained or any(views[r].state in TERMINAL for r in named if r in views):
+            continue  # a root explains these ranks, or the stacks show them in their own work: not a desync
+        victims = {v for v in (set(c.victims) | victims_from(c.ranks)) - named
+                   if v not in views or views[v].state not in TERMINAL}
+        sides = []
+        for side in (tuple(sorted(victims)), c.ranks):
+            by_site: dict[str, list[int]] = {}
+            for r in side:
+                v = views.get(r)
+                by_site.setdefault(v.site if v is not None and v.site else "(no stack)", []).append(r)
+            sides += sorted(by_site.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
+        members = set(c.members)
+        kind = next((k for k in groups.kinds if set(groups.group(k, c.members[0])) == members),
+                    "world" if members >= set(groups.world) else "comm")
+        out.append(Desync(group_kind=kind, group=c.members, ranks=c.ranks, victims=tuple(sorted(victims)),
+                          sites=tuple((site, tuple(rs)) for site, rs in sides), tie=c.tie,
+                          communicator=c.communicator, evidence=c.evidence))
+    return out
 
 
 def _resolve_backward(views: dict[int, RankView], groups: _Groups) -> None:
@@ -539,14 +585,19 @@ def _complete_elsewhere(views: Mapping[int, RankView], groups: _Groups, kind: st
 
 
 def desync_summary(d: Desync) -> str:
-    where = "the job" if d.group_kind == "world" else f"their {d.group_kind.upper()} group"
+    where = ("the job" if d.group_kind == "world" else d.communicator if d.group_kind == "comm"
+             else f"their {d.group_kind.upper()} group")
+    if d.evidence:  # told by the counters: the odd ones out may wait in a send/recv, not a collective
+        return (f"desync: ranks {compact_ranks(d.ranks)} and the other {len(d.victims)} ranks of {where} "
+                "wait for each other at different calls")
     return (f"desync: ranks {compact_ranks(d.ranks)} are in a different collective from the other "
             f"{len(d.victims)} ranks of {where}")
 
 
 def desync_evidence(d: Desync) -> tuple[str, ...]:
     lines = [f"{len(ranks)} rank(s) {compact_ranks(ranks)} at {site}" for site, ranks in d.sites]
-    if d.tie:
+    lines += d.evidence
+    if d.tie and not d.evidence:
         lines.append(f"the two largest call sites tie at {len(d.sites[0][1])} ranks: ranks "
                      f"{compact_ranks(d.ranks)} named as the odd ones out by the rule (the site not in backward, "
                      "then the lowest rank, is taken as the majority); either side may be the one that strayed")

@@ -496,8 +496,8 @@ def _apply_chain(
     for d in chain.desyncs:
         ranks = set(d.ranks)
         machines = placement.machines(d.ranks)
-        comm = "the whole job" if d.group_kind == "world" else (
-            f"{d.group_kind.upper()} group {topology.group_index(d.group[0], d.group_kind)}")
+        comm = d.communicator or ("the whole job" if d.group_kind == "world" else (
+            f"{d.group_kind.upper()} group {topology.group_index(d.group[0], d.group_kind)}"))
         summary = desync_summary(d)
         evidence = desync_evidence(d)
         findings.append(Finding(kind="desync", ranks=d.ranks, summary=summary, evidence=evidence,
@@ -598,7 +598,8 @@ def analyze_stacks(
                 views[r] = RankView(r, state, frame=f"[{o.lane}] {o.frame}")
     sizes = [len(g.ranks) for g in grouping.groups]
     unique_majority = len(sizes) > 0 and sizes[0] > 1 and (len(sizes) == 1 or sizes[0] > sizes[1])
-    chain = follow_chain(views, topology, frozenset(grouping.groups[0].ranks) if unique_majority else frozenset())
+    chain = follow_chain(views, topology, frozenset(grouping.groups[0].ranks) if unique_majority else frozenset(),
+                         snapshot.all_counters())
     named = chain.root_ranks | {r for d in chain.desyncs for r in d.ranks}
 
     # When several groups tie for largest, no majority says which is healthy: the chain decides (a group

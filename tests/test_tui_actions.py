@@ -34,6 +34,8 @@ from rankscope.actions.model import (
     VersionSource,
     confirm_phrase_for,
 )
+from rankscope.analyzers.findings import SuspectKind
+from rankscope.bundle import Bundle
 from rankscope.tui.actions import ACT_TOKEN_FIX, ActionSource, pick_suspect, plan_text, summarize
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.screens.confirm import ConfirmModal, UpdateModal
@@ -56,8 +58,9 @@ def address_of(machine: str) -> str:
 class RecordingSource(BundleSource):
     """The Fig. 7 bundle plus the action passthroughs, answering like agents and recording every call."""
 
-    def __init__(self, act_problem: tuple[str, str] | None = None, result_message: str = "evicted") -> None:
-        super().__init__(fig7_bundle(), "bundle fig7")
+    def __init__(self, act_problem: tuple[str, str] | None = None, result_message: str = "evicted",
+                 bundle: Bundle | None = None) -> None:
+        super().__init__(bundle or fig7_bundle(), "bundle fig7" if bundle is None else "bundle")
         self.act_problem = act_problem
         self.result_message = result_message
         self.planned: list[ActionRequest] = []
@@ -188,6 +191,29 @@ async def test_evict_shows_the_plan_with_cancel_focused_and_enter_cancels_withou
         await until(pilot, lambda: not isinstance(app.screen, ConfirmModal), what="the modal to close")
         await pilot.pause()
         assert source.runs == []
+
+
+async def test_e_on_a_desync_plans_no_eviction_and_says_it_would_not_cure_it() -> None:
+    from tests.stack_fixtures import snapshot
+    from tests.test_ccl_desync import L8, drill_desync, with_counters
+
+    # the drill's desync: TP pair 2-3 ran a step ahead (the counters tell it); the verdict's top is a desync
+    stacks, counters = drill_desync((2, 3))
+    snap = with_counters(snapshot(stacks, 8, 2, L8), counters.files())
+    source = RecordingSource(bundle=Bundle(snapshots=(snap,), created_wall=snap.captured.wall))
+    app = RankscopeApp(source, AppOptions())
+    watched = Watched(app)
+    async with app.run_test(size=(140, 48)) as pilot:
+        await until(pilot, app.loaded.is_set, what="the bundle")
+        await until(pilot, lambda: app.state.stacks is not None, what="the verdict")
+        assert app.state.stacks is not None and app.state.stacks.verdict.top is not None
+        assert app.state.stacks.verdict.top.kind is SuspectKind.DESYNC
+        await pilot.press("e")
+        await until(pilot, lambda: watched.has("no eviction for a desync"), what="the desync notice")
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmModal) and source.planned == []
+        assert watched.has("ranks 2-3 are at another point of the program than the 6 ranks waiting for them")
+        assert watched.has("evicting machines will not cure it")
 
 
 async def test_a_wrong_phrase_runs_nothing_and_escape_cancels() -> None:

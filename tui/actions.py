@@ -53,7 +53,8 @@ from rankscope.actions.model import (
     UpdateMode,
     VersionSource,
 )
-from rankscope.analyzers.findings import Suspect
+from rankscope.analyzers.chain import DESYNC_ADVICE
+from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.verdict import suspect_label
 from rankscope.errors import RankscopeError
 from rankscope.tui import state as st
@@ -372,6 +373,12 @@ class ActionController:
         if suspect is None:
             self.app.notify("no suspect to evict: capture stacks (s) until the verdict names a group",
                             severity="warning", timeout=6)
+            return
+        if suspect.kind is SuspectKind.DESYNC:
+            # A program mismatch moves with the program: new machines would run the same code into the same wait.
+            self.app.notify(f"no eviction for a desync: ranks {format_ranks(suspect.ranks, 8)} are at another point "
+                            f"of the program than the {len(suspect.victims)} ranks waiting for them\n"
+                            f"fix: {DESYNC_ADVICE}", title="desync", severity="warning", timeout=12)
             return
         request = evict_request(suspect, new_action_id(ActionKind.EVICT, self.app.clock()), self.who(),
                                 self._job_id())

@@ -1,0 +1,232 @@
+"""Desync told by the counters: members of one communicator that wait for each other at different calls.
+
+Aegis' CL rule (``rankscope.analyzers.ccl``) reads a member whose launch
+count (CL) lags while its peers wait in the collective as stuck before the
+call, in its own computation. That holds when the laggard waits for nobody.
+When the laggard is itself blocked in a call its partners never entered (a
+send or recv whose peer never posted the matching op, or a collective it
+launched ahead of some members) and those waits lead back to the ranks that
+wait for it, the two sides wait for each other: neither is stuck in its own
+work, they are at different points of the program. That is a desync (an
+extra step or a rank-dependent branch on one side), which evicting machines
+will not cure.
+
+Who waits on whom, from the counters (``r -> p``: r cannot go on until p acts):
+
+- collective: a member with an open request on an op (WC < WR) after c
+  launches waits on every member of the communicator that launched that op
+  fewer than c times;
+- send/recv: a rank with an open send (recv) to peer p waits on p when p has
+  no open recv (send) back to it: p never posted its side.
+
+Callers may add waits from other evidence (the chain adds the stacks'
+send/recv states, for counters that do not record point-to-point ops).
+
+A *crossed wait* is a collective lag (the waiting side W launched the op, the
+lagging side G did not) where every rank of G, following these waits, comes
+back to a rank of W. The side named is the smaller one: the few ranks off the
+many's path. On a tie the laggards are named (they are not in the call the
+others wait in), and the tie is said. Lags whose named sides overlap are one
+mismatch, told once. Pure: the snapshot contract only; flight-recorder dumps
+become counters (sequence numbers as launches), so they are read the same way.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rankscope.analyzers.topology import compact_ranks
+from rankscope.snapshot import Communicator, OpCounters, RankCounters
+
+P2P_OPS = frozenset({"send", "recv"})
+_MAX_PATHS = 3  # laggards whose way back is spelled out; the rest are counted
+
+_Node = int | tuple[str, str, int]  # a rank, or "the members of comm C that launched op fewer than c times"
+
+
+@dataclass(frozen=True, slots=True)
+class CrossedWait:
+    """One desync the counters show: ``ranks`` are the side named, ``victims`` the side that waits for them."""
+
+    communicator: str  # "comm 0 (default_pg)": where the first lag was seen
+    members: tuple[int, ...]
+    op: str  # the collective the waiting side launched and the lagging side did not
+    waiting: tuple[int, ...]
+    lagging: tuple[int, ...]
+    ranks: tuple[int, ...]
+    victims: tuple[int, ...]
+    tie: bool
+    evidence: tuple[str, ...]
+
+
+def comm_label(comm: Communicator) -> str:
+    return f"comm {comm.comm_id}" + (f" ({comm.description})" if comm.description else "")
+
+
+def live_counters(counters: Mapping[int, RankCounters]) -> dict[int, RankCounters]:
+    """The counters that say something now: read without error and not stale."""
+    return {r: rc for r, rc in counters.items() if rc.error is None and not rc.stale}
+
+
+@dataclass(frozen=True, slots=True)
+class _Lag:
+    comm: Communicator
+    op: str
+    top: int
+    waiting: tuple[int, ...]
+    lagging: tuple[int, ...]
+    lag_cl: int
+
+
+class _Waits:
+    """The waits-for graph, with one line of evidence per edge out of a rank."""
+
+    def __init__(self) -> None:
+        self.out: dict[_Node, list[_Node]] = {}
+        self.why: dict[tuple[int, _Node], str] = {}
+
+    def add(self, a: _Node, b: _Node, why: str = "") -> None:
+        self.out.setdefault(a, []).append(b)
+        if why and isinstance(a, int):
+            self.why.setdefault((a, b), why)
+
+    def path(self, start: int, targets: set[int]) -> list[_Node] | None:
+        """The shortest way from ``start`` to any of ``targets`` (breadth first), or None."""
+        parent: dict[_Node, _Node | None] = {start: None}
+        todo: deque[_Node] = deque([start])
+        while todo:
+            n = todo.popleft()
+            for m in self.out.get(n, ()):
+                if m in parent:
+                    continue
+                parent[m] = n
+                if isinstance(m, int) and m in targets:
+                    way: list[_Node] = [m]
+                    back: _Node | None = n
+                    while back is not None:
+                        way.append(back)
+                        back = parent[back]
+                    return way[::-1]
+                todo.append(m)
+        return None
+
+
+def _graph(live: Mapping[int, RankCounters],
+           extra: Mapping[int, Mapping[int, str]]) -> tuple[_Waits, list[_Lag]]:
+    comms: dict[str, Communicator] = {}
+    ops_of: dict[int, dict[tuple[str, str], OpCounters]] = {}
+    for r, rc in live.items():
+        for c in rc.communicators:
+            comms.setdefault(c.comm_id, c)
+        ops_of[r] = {(o.comm_id, o.op): o for o in rc.ops}
+    g = _Waits()
+    lags: list[_Lag] = []
+    for cid, comm in comms.items():
+        members = [r for r in comm.ranks if r in live]
+        label = comm_label(comm)
+        op_names = sorted({op for r in members for (c, op) in ops_of[r] if c == cid})
+        for op in op_names:
+            rows = {r: ops_of[r].get((cid, op)) for r in members}
+            if op in P2P_OPS:
+                back = "send" if op == "recv" else "recv"
+                for r, o in rows.items():
+                    if o is None or o.wc >= o.wr:
+                        continue
+                    for p in o.open_peers:
+                        theirs = ops_of.get(p, {}).get((cid, back))
+                        if p in live and not (theirs is not None and r in theirs.open_peers):
+                            g.add(r, p, f"rank {r} waits in {op} {'to' if op == 'send' else 'from'} rank {p} on {label} "
+                                        f"(WC {o.wc} < WR {o.wr}); rank {p} never posted the matching {back}")
+                continue
+            cls = {r: (o.cl if o is not None else 0) for r, o in rows.items()}
+            levels = sorted(set(cls.values()))
+            for r, o in rows.items():
+                if o is None or o.wc >= o.wr or o.cl == levels[0]:
+                    continue
+                node = (cid, op, o.cl)
+                if node not in g.out:
+                    for m, launched in cls.items():
+                        if launched < o.cl:
+                            g.add(node, m)
+                g.add(r, node, f"rank {r} waits in {op} on {label} (its launch {o.cl}, which "
+                               f"{sum(1 for n in cls.values() if n < o.cl)} member(s) never launched)")
+            top = levels[-1]
+            waiting = tuple(r for r, o in rows.items() if o is not None and o.cl == top and o.wc < o.wr)
+            lagging = tuple(r for r, n in cls.items() if n < top)
+            if waiting and lagging:
+                lags.append(_Lag(comm, op, top, waiting, lagging, max(cls[r] for r in lagging)))
+    for r, peers in extra.items():
+        for p, why in peers.items():
+            if r in live and p in live and p not in g.out.get(r, ()):
+                g.add(r, p, why)
+    return g, lags
+
+
+def _describe(g: _Waits, way: list[_Node], op: str) -> str:
+    """``rank 2 waits in send to rank 6 ...; rank 6 waits in barrier for this side``."""
+    first = g.why.get((way[0], way[1]), f"rank {way[0]} waits") if isinstance(way[0], int) else ""
+    end = way[-1]
+    direct = len(way) == 2 or (len(way) == 3 and not isinstance(way[1], int))
+    return f"{first}; {'and' if direct else 'that leads back to'} rank {end}, which waits in {op} for this side"
+
+
+def crossed_waits(counters: Mapping[int, RankCounters],
+                  extra: Mapping[int, Mapping[int, str]] | None = None) -> tuple[CrossedWait, ...]:
+    """Desyncs the counters show (see the module docstring), largest waiting side first.
+
+    ``extra``: more waits, rank -> {peer: why}, from evidence beside the counters.
+    """
+    live = live_counters(counters)
+    if len(live) < 2:
+        return ()
+    g, lags = _graph(live, extra or {})
+    found: list[CrossedWait] = []
+    for lag in lags:
+        targets = set(lag.waiting)
+        ways = {r: g.path(r, targets) for r in lag.lagging}
+        if any(w is None for w in ways.values()):
+            continue  # some laggard waits for nobody (or for a rank outside): a computation-side lag, not a desync
+        label = comm_label(lag.comm)
+        tie = len(lag.lagging) == len(lag.waiting)
+        named, others = ((lag.lagging, lag.waiting) if len(lag.lagging) <= len(lag.waiting)
+                         else (lag.waiting, lag.lagging))
+        lines = [f"{lag.op} on {label}: ranks {compact_ranks(lag.waiting)} launched it (CL {lag.top}) and wait "
+                 f"in it; ranks {compact_ranks(lag.lagging)} never did (CL {lag.lag_cl} < {lag.top})"]
+        shown = sorted(lag.lagging)[:_MAX_PATHS]
+        for r in shown:
+            way = ways[r]
+            assert way is not None
+            lines.append(_describe(g, way, lag.op))
+        if len(lag.lagging) > len(shown):
+            lines.append(f"... and {len(lag.lagging) - len(shown)} more rank(s) of that side wait the same way")
+        lines.append("each side waits for the other, so neither is stuck in its own work (a rank stuck in its "
+                     "own work waits for nobody): they are at different points of the program")
+        if tie:
+            lines.append(f"both sides hold {len(named)} ranks: the ones that never launched {lag.op} are named; "
+                         "either side may be the one that strayed")
+        found.append(CrossedWait(label, tuple(lag.comm.ranks), lag.op, tuple(sorted(lag.waiting)),
+                                 tuple(sorted(lag.lagging)), tuple(sorted(named)), tuple(sorted(others)), tie,
+                                 tuple(lines)))
+    return _merge(found)
+
+
+def _merge(found: list[CrossedWait]) -> tuple[CrossedWait, ...]:
+    """Lags whose named sides share a rank are one mismatch (its two halves, or one lag per communicator)."""
+    found.sort(key=lambda c: (-len(c.victims), c.ranks))
+    out: list[CrossedWait] = []
+    for c in found:
+        same = next((i for i, o in enumerate(out) if set(o.ranks) & set(c.ranks)), None)
+        if same is None:
+            out.append(c)
+            continue
+        o = out[same]
+        ranks = set(o.ranks) | set(c.ranks)
+        out[same] = CrossedWait(o.communicator, o.members, o.op, o.waiting, o.lagging, tuple(sorted(ranks)),
+                                tuple(sorted((set(o.victims) | set(c.victims)) - ranks)), o.tie and c.tie,
+                                (*o.evidence, *(e for e in c.evidence if e not in o.evidence)))
+    return tuple(out)
+
+
+__all__ = ["P2P_OPS", "CrossedWait", "comm_label", "crossed_waits", "live_counters"]
