@@ -236,7 +236,7 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
             stack_round = args.stack_interval > 0 and tick >= next_stacks
             if stack_round:
                 next_stacks = tick + args.stack_interval
-                snap = await client.capture(timeout_s=args.timeout)
+                snap = await client.capture(timeout_s=args.timeout, sample_hz=args.sample_hz)  # keeps the sampling
             else:
                 snap = await client.poll(sample_hz=args.sample_hz)
             ever_answered = ever_answered or any(m.reachable for m in snap.machines)
