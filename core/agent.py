@@ -453,6 +453,12 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     same token check; a method not named in ``METHOD_ROLES`` needs the ``act`` role.
     """
     check_config(config)
+    # The probes and the sampler are imported before serving, not by the first call that needs them: on a loaded
+    # machine their imports take seconds (4-5 s at load 70 on 2 cores), spent with the event loop blocked, and
+    # that first call (a watch's first stack round) would miss its deadline.
+    import rankscope.probes.machine
+    import rankscope.probes.sampler  # noqa: F401
+
     server = grpc.aio.server(
         interceptors=[TokenInterceptor(config.tokens)],
         options=[
