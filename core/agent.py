@@ -267,7 +267,9 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         """One reading of this machine through the probes (imported here: only the agent needs them).
 
         ``sample_hz`` > 0 renews the stack sampler's lease on this machine's
-        ranks; while the sampler runs, every reply carries its windows.
+        ranks (a Describe or a Capture: a watching client's stack rounds keep
+        the lease as its polls do); while the sampler runs, every reply
+        carries its windows.
         """
         from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
 
@@ -277,15 +279,21 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             stacks=stacks, native=native, subprocesses=subprocesses, timeout_s=timeout_s,
             concurrency=self.config.capture_concurrency,
         )
-        reading = await capture_machine(self.config.machine_name, self.address, scope, options)
-        self.last_reading_mono = time.monotonic()
-        machine = self.progress.observe(reading)
-        if sample_hz > 0:
+
+        def sample(ranks: tuple[RankInfo, ...]) -> None:
+            # Demanded as soon as the ranks are known, before a capture's py-spy dumps: those can take longer
+            # than the lease on a loaded machine, and a client that samples must not see its sampling lapse
+            # (or start only after the dumps) while it waits for its reply.
             if self._sampler is None:
                 from rankscope.probes.sampler import StackSampler
 
                 self._sampler = StackSampler()
-            self._sampler.demand(machine.ranks, sample_hz)
+            self._sampler.demand(ranks, sample_hz)
+
+        reading = await capture_machine(self.config.machine_name, self.address, scope, options,
+                                        found=sample if sample_hz > 0 else None)
+        self.last_reading_mono = time.monotonic()
+        machine = self.progress.observe(reading)
         if self._sampler is not None:
             machine = dataclasses.replace(machine, samples=self._sampler.windows())
         return machine
@@ -328,7 +336,8 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         async with self._stack_lock:
             return await self._reply(
                 context,
-                self.capture(stacks=True, native=request.native, subprocesses=request.subprocesses, timeout_s=timeout_s),
+                self.capture(stacks=True, native=request.native, subprocesses=request.subprocesses, timeout_s=timeout_s,
+                             sample_hz=request.sample_hz),
             )
 
     async def StreamMetrics(
@@ -444,6 +453,12 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     same token check; a method not named in ``METHOD_ROLES`` needs the ``act`` role.
     """
     check_config(config)
+    # The probes and the sampler are imported before serving, not by the first call that needs them: on a loaded
+    # machine their imports take seconds (4-5 s at load 70 on 2 cores), spent with the event loop blocked, and
+    # that first call (a watch's first stack round) would miss its deadline.
+    import rankscope.probes.machine
+    import rankscope.probes.sampler  # noqa: F401
+
     server = grpc.aio.server(
         interceptors=[TokenInterceptor(config.tokens)],
         options=[

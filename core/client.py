@@ -260,9 +260,15 @@ class JobClient:
 
         return await self._fan_out(call, self.deadline_s)
 
-    async def capture(self, *, native: bool = False, subprocesses: bool = True, timeout_s: float = 5.0) -> JobSnapshot:
-        """Everything ``describe`` gives plus the stacks of every rank (py-spy on each machine)."""
-        request = pb.CaptureRequest(native=native, subprocesses=subprocesses, timeout_s=timeout_s)
+    async def capture(self, *, native: bool = False, subprocesses: bool = True, timeout_s: float = 5.0,
+                      sample_hz: float = 0.0) -> JobSnapshot:
+        """Everything ``describe`` gives plus the stacks of every rank (py-spy on each machine).
+
+        ``sample_hz`` as in ``poll``: a client that samples must say so in its
+        captures too, or a run of slow captures lets the agents' sampling lapse.
+        """
+        request = pb.CaptureRequest(native=native, subprocesses=subprocesses, timeout_s=timeout_s,
+                                    sample_hz=max(0.0, sample_hz))
 
         def call(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
             return stub.Capture(request, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]

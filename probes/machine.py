@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -66,14 +67,22 @@ def _refresh(rank: RankInfo) -> RankInfo:
     return replace(rank, process=main, subprocesses=subs)
 
 
-async def capture_machine(machine: str, address: str, scope: Scope, options: CaptureOptions) -> MachineSnapshot:
-    """Everything this machine can tell about its ranks right now."""
+async def capture_machine(machine: str, address: str, scope: Scope, options: CaptureOptions,
+                          found: Callable[[tuple[RankInfo, ...]], None] | None = None) -> MachineSnapshot:
+    """Everything this machine can tell about its ranks right now.
+
+    ``found`` is called with the ranks as soon as they are discovered, before
+    the stacks: the agent starts its sampler there, so sampling runs during a
+    capture's py-spy dumps (seconds on a loaded machine) rather than after them.
+    """
     captured = Instant(wall=time.time(), mono=time.monotonic())
     started = time.monotonic()
     await asyncio.to_thread(host.prime_cpu)
     ranks = await asyncio.to_thread(discover_ranks, launcher_pid=scope.launcher_pid, run_id=scope.run_id,
                                     slurm_job=scope.slurm_job, slurm_node=scope.slurm_node)
     await asyncio.to_thread(host.prime_cpu, _all_pids(ranks))
+    if found is not None:
+        found(ranks)
 
     stacks: tuple[RankStacks, ...] = ()
     if options.stacks and ranks:

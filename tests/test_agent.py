@@ -227,6 +227,39 @@ def test_agent_listens_on_loopback_only_by_default_and_stops_on_sigterm(procs: P
     assert "stopping" in agent.log_text() and "Traceback" not in agent.log_text()
 
 
+def test_captures_that_ask_for_sampling_start_it_and_bring_its_windows(procs: Processes, tmp_path: Path) -> None:
+    """A client that samples and takes stack rounds: its Captures carry sample_hz as its polls do.
+
+    The watch's stack rounds can follow each other for longer than the
+    sampler's lease on a loaded machine (each round's dumps taking about as
+    long as the interval); if only Describe renewed it, sampling lapsed there.
+    Here only Captures are sent: the first one without sample_hz starts
+    nothing, then captures alone start the sampler and bring its windows.
+    """
+    token, token_file = make_token_file(tmp_path)
+    rank = procs.rank(1, 2, threads=2, depth=3)
+    agent = procs.agent("s1", "--run-id", rank.run_id, token_file=token_file)
+
+    async def go() -> tuple[pb.MachineSnapshot, pb.MachineSnapshot, int]:
+        async with grpc.aio.insecure_channel(agent.address) as channel:
+            md = (("authorization", f"Bearer {token}"),)
+            plain = await _stub(channel).Capture(pb.CaptureRequest(timeout_s=20), metadata=md, timeout=60)
+            for calls in range(1, 61):  # a window ends every 5 s; under load, later
+                reply = await _stub(channel).Capture(pb.CaptureRequest(timeout_s=20, sample_hz=5), metadata=md,
+                                                     timeout=60)
+                if reply.samples:
+                    return plain, reply, calls
+                await asyncio.sleep(1)  # the next capture, as a watch's next round (not a synchronisation)
+            raise AssertionError("no sampled window in 60 captures that asked for sampling")
+
+    plain, reply, _ = asyncio.run(go())
+    assert not machine_from_proto(plain).samples
+    snap = machine_from_proto(reply)
+    assert snap.stacks and snap.stacks[0].main.error is None  # still a capture
+    w = snap.samples[0]
+    assert (w.rank, w.pid, w.error) == (1, rank.proc.pid, None) and w.samples > 0
+
+
 def test_agent_captures_a_real_ranks_stack(procs: Processes, tmp_path: Path) -> None:
     token, token_file = make_token_file(tmp_path)
     rank = procs.rank(3, 4, threads=2, depth=5)

@@ -220,7 +220,8 @@ class LiveSource:
         return True
 
     async def capture(self) -> JobSnapshot | None:
-        return await self._client.capture(native=self.native, subprocesses=True, timeout_s=self.capture_timeout_s)
+        return await self._client.capture(native=self.native, subprocesses=True, timeout_s=self.capture_timeout_s,
+                                          sample_hz=self.sample_hz)
 
     async def close(self) -> None:
         await self._client.close()

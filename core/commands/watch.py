@@ -54,7 +54,8 @@ seconds, and every rank's main thread sampled --sample-hz times a second
 line (events: start, verdict, error, end).
 
 Exit status: 0 when the watch ended without a confident fail-slow verdict, 1
-when it ended with one (the last verdict's confidence reached 0.7), 4 when no
+when it ended with one (the last verdict's confidence reached 0.7; with
+--until-confident it ends at the first such verdict), 4 when no
 agent ever answered, 2 on bad input, 130 on Ctrl-C. A suspect below that
 confidence is in the lines (and the "end" event) but does not fail the run.
 """
@@ -94,6 +95,8 @@ def register(sub: Any) -> None:
     p.add_argument("--record", type=Path, metavar="FILE",
                    help=f"also save every snapshot polled (the last {RECORD_LIMIT}) as a bundle, for "
                         "`rankscope attach --bundle`, a ticket or rankscope.analyzers.failslow.replay")
+    p.add_argument("--until-confident", action="store_true",
+                   help="end at the first confident verdict (exit 1) instead of watching on: for alerting and CI")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     add_tls_args(p)
     add_slurm_args(p)
@@ -236,7 +239,7 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
             stack_round = args.stack_interval > 0 and tick >= next_stacks
             if stack_round:
                 next_stacks = tick + args.stack_interval
-                snap = await client.capture(timeout_s=args.timeout)
+                snap = await client.capture(timeout_s=args.timeout, sample_hz=args.sample_hz)  # keeps the sampling
             else:
                 snap = await client.poll(sample_hz=args.sample_hz)
             ever_answered = ever_answered or any(m.reachable for m in snap.machines)
@@ -259,6 +262,8 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
                     emit(verdict_event(fs, snap, started))
                     last_key = key
                 last = fs
+                if args.until_confident and fs.confident:
+                    break
             wake = tick + args.interval
             if end is not None:
                 wake = min(wake, end)

@@ -324,7 +324,7 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
             stacks = config.stack_interval_s > 0 and tick >= next_stacks
             if stacks:
                 next_stacks = tick + config.stack_interval_s
-                snap = await client.capture(timeout_s=5.0)
+                snap = await client.capture(timeout_s=5.0, sample_hz=config.sample_hz)  # keeps the sampling
             else:
                 snap = await client.poll(sample_hz=config.sample_hz)
             polls += 1

@@ -196,22 +196,28 @@ class CaptureRequest(_message.Message):
     NATIVE_FIELD_NUMBER: _builtins.int
     SUBPROCESSES_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    SAMPLE_HZ_FIELD_NUMBER: _builtins.int
     native: _builtins.bool
     """include native (C/C++) frames"""
     subprocesses: _builtins.bool
     """also dump the ranks' worker subprocesses"""
     timeout_s: _builtins.float
     """limit per py-spy call; 0 = the agent's default"""
+    sample_hz: _builtins.float
+    """> 0: as DescribeRequest.sample_hz. A client that samples and also takes
+    stack rounds keeps the sampler's lease with every call, captures included.
+    """
     def __init__(
         self,
         *,
         native: _builtins.bool = ...,
         subprocesses: _builtins.bool = ...,
         timeout_s: _builtins.float = ...,
+        sample_hz: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["native", b"native", "subprocesses", b"subprocesses", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["native", b"native", "sample_hz", b"sample_hz", "subprocesses", b"subprocesses", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
