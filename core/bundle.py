@@ -86,11 +86,11 @@ def dumps(bundle: Bundle, indent: int | None = None) -> str:
     return json.dumps(bundle_to_dict(bundle), indent=indent, allow_nan=False)
 
 
-def write_bundle(bundle: Bundle, path: str | Path) -> Path:
-    """Write atomically: a reader never sees half a bundle."""
+def write_bundle(bundle: Bundle, path: str | Path, text: str | None = None) -> Path:
+    """Write atomically: a reader never sees half a bundle. ``text``: ``dumps(bundle)`` when the caller has it."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(dumps(bundle), encoding="utf-8")
+    tmp.write_text(dumps(bundle) if text is None else text, encoding="utf-8")
     tmp.replace(target)
     return target
 
