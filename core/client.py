@@ -198,8 +198,9 @@ def own_limit(address: str, details: str) -> MachineSnapshot:
         address, CaptureErrorKind.FAILED,
         f"not asked: this client ran out of file descriptors (open-file limit {soft}) before it reached "
         f"{address}; the agent itself may be fine ({details})",
-        f"raise this shell's limit (`ulimit -n {hard if hard != resource.RLIM_INFINITY else 65536}`) and retry, "
-        "or lower --max-channels; beyond a few thousand agents, let agents relay (`rankscope agent --relay-to`)",
+        f"raise the hard limit this client starts under (`ulimit -Hn`, now {hard}; e.g. `ulimit -n 65536` as root or in "
+        "/etc/security/limits.conf) and retry; beyond a few thousand agents, let agents relay "
+        "(`rankscope agent --relay-to`)",
     )
 
 

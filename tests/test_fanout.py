@@ -120,7 +120,8 @@ def test_running_out_of_descriptors_blames_the_limit_not_the_agent() -> None:
     machine = error_for_rpc("10.0.0.7:50051", exc, 10.0)
     assert machine.error is not None and machine.error.kind is CaptureErrorKind.FAILED
     assert machine.error.message.startswith("not asked: this client ran out of file descriptors")
-    assert "ulimit -n" in machine.error.fix and "start" not in machine.error.fix
+    assert "ulimit -n" in machine.error.fix
+    assert "start `rankscope agent`" not in machine.error.fix and "is `rankscope agent` running" not in machine.error.fix
 
 
 def test_the_client_raises_its_open_file_limit_to_the_hard_limit() -> None:
