@@ -220,14 +220,19 @@ def client(args: argparse.Namespace) -> None:
         """Bytes of one capture's and one poll's replies, read raw (not timed)."""
         import grpc
 
-        capture = poll = 0
-        for address in agents:
-            async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 30)]) as ch:
+        gate = asyncio.Semaphore(64)
+        md = (("authorization", f"Bearer {TOKEN}"),)
+
+        async def one(address: str) -> tuple[int, int]:
+            async with gate, grpc.aio.insecure_channel(
+                    address, options=[("grpc.max_receive_message_length", 1 << 30)]) as ch:
                 stub = pb_grpc.RankscopeAgentStub(ch)
-                md = (("authorization", f"Bearer {TOKEN}"),)
-                capture += (await stub.Capture(pb.CaptureRequest(subprocesses=True, timeout_s=5), metadata=md)).ByteSize()
-                poll += (await stub.Describe(pb.DescribeRequest(), metadata=md)).ByteSize()
-        return capture, poll
+                capture = await stub.Capture(pb.CaptureRequest(subprocesses=True, timeout_s=5), metadata=md)
+                poll = await stub.Describe(pb.DescribeRequest(), metadata=md)
+                return capture.ByteSize(), poll.ByteSize()
+
+        sizes = await asyncio.gather(*(one(a) for a in agents))
+        return sum(c for c, _ in sizes), sum(p for _, p in sizes)
 
     out["capture_bytes"], out["poll_bytes"] = asyncio.run(wire())
     print(json.dumps(out), flush=True)
