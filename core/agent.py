@@ -60,7 +60,7 @@ from rankscope.proto_convert import (
 )
 from rankscope.rank_progress import ProgressTracker
 from rankscope.snapshot import MachineSnapshot, RankInfo
-from rankscope.tls import ServerTLS, server_credentials
+from rankscope.tls import ClientTLS, ServerTLS, server_credentials
 from rankscope.tokens import MAKE_TOKEN, Role, TokenSet
 
 DEFAULT_PORT = 50051
@@ -107,6 +107,17 @@ class AgentConfig:
     slurm_job: str | None = None  # only ranks of this Slurm job (SLURM_JOB_ID)...
     slurm_node: str | None = None  # ...on this Slurm node (SLURMD_NODENAME)
     auto_name: bool = False  # True: machine_name is replaced at start by machine_identity (no --machine-name)
+    # Relaying (a two-level tree at scale): every Describe/Capture is also forwarded to these agents and their
+    # replies travel inside this one's, so a client talks to a few hundred relays instead of thousands of agents.
+    relay_to: tuple[str, ...] = ()
+    relay_token: str | None = None  # the token this agent presents to the agents it relays to
+    relay_tls: ClientTLS | None = None  # how it reaches them; None: plaintext
+
+
+# What an agent reads its machine with; the probes by default. Called with stacks=True for a capture.
+Source = Callable[[bool], Awaitable[MachineSnapshot]]
+# A relay leaves its children this much of the caller's deadline to answer in, to send the merged reply back.
+RELAY_MARGIN_S = 1.0
 
 
 def container_id(cgroup_text: str) -> str | None:
@@ -242,9 +253,15 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
     """The RPCs; each one is a capture of this machine with fixed options."""
 
-    def __init__(self, config: AgentConfig, address: str) -> None:
+    def __init__(self, config: AgentConfig, address: str, source: Source | None = None) -> None:
         self.config = config
         self.address = address
+        self.source = source
+        self.relay: Any = None  # a rankscope.client.JobClient over config.relay_to
+        if config.relay_to:
+            from rankscope.client import JobClient
+
+            self.relay = JobClient(config.relay_to, config.relay_token, tls=config.relay_tls)
         self._stack_lock = asyncio.Lock()
         self._sampler: Any = None  # a probes.sampler.StackSampler, made on the first request to sample
         self.progress = ProgressTracker()
@@ -271,6 +288,10 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         the lease as its polls do); while the sampler runs, every reply
         carries its windows.
         """
+        if self.source is not None:
+            reading = await self.source(stacks)
+            self.last_reading_mono = time.monotonic()
+            return self.progress.observe(reading)
         from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
 
         scope = Scope(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id, counter_dir=self.config.counter_dir,
@@ -301,6 +322,8 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
     async def close(self) -> None:
         if self._sampler is not None:
             await self._sampler.close()
+        if self.relay is not None:
+            await self.relay.close()
 
     async def watch(self, interval_s: float = WATCH_INTERVAL_S) -> None:
         """Read the ranks whenever no client did for ``interval_s``, so the progress memory stays current."""
@@ -317,9 +340,18 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
                 idle = 0.0
             await asyncio.sleep(max(0.05, interval_s - idle))
 
-    async def _reply(self, context: grpc.aio.ServicerContext, reading: Awaitable[MachineSnapshot]) -> pb.MachineSnapshot:
+    async def _reply(self, context: grpc.aio.ServicerContext, reading: Awaitable[MachineSnapshot],
+                     forward: Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]
+                     | None = None) -> pb.MachineSnapshot:
         try:
-            return machine_to_proto(await reading)
+            if self.relay is None or forward is None:
+                return machine_to_proto(await reading)
+            remaining = context.time_remaining()
+            budget = max(0.5, remaining - RELAY_MARGIN_S) if remaining is not None else self.relay.deadline_s
+            own, children = await asyncio.gather(reading, self.relay.forward(forward, budget))
+            msg = machine_to_proto(own)
+            msg.relayed.extend(children)
+            return msg
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the probes should mark failures in place; anything else is our bug
@@ -328,16 +360,23 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             raise  # unreachable: abort raises
 
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
-        return await self._reply(context, self.capture(stacks=False, sample_hz=request.sample_hz))
+        def forward(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
+            return stub.Describe(request, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
+
+        return await self._reply(context, self.capture(stacks=False, sample_hz=request.sample_hz), forward)
 
     async def Capture(self, request: pb.CaptureRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
         timeout_s = request.timeout_s if request.timeout_s > 0 else DEFAULT_PYSPY_TIMEOUT_S
         timeout_s = min(timeout_s, MAX_PYSPY_TIMEOUT_S)
+        def forward(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
+            return stub.Capture(request, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
+
         async with self._stack_lock:
             return await self._reply(
                 context,
                 self.capture(stacks=True, native=request.native, subprocesses=request.subprocesses, timeout_s=timeout_s,
                              sample_hz=request.sample_hz),
+                forward,
             )
 
     async def StreamMetrics(
@@ -445,12 +484,14 @@ class RunningAgent:
 ServiceRegistrar = Callable[[Any], None]
 
 
-async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRegistrar] = ()) -> RunningAgent:
+async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRegistrar] = (),
+                      source: Source | None = None) -> RunningAgent:
     """Check the config, bind and start serving; returns once the port is open.
 
     ``extra_services`` are called with the server before it starts, to add more
     handlers (``add_XServicer_to_server(servicer, server)``). They sit behind the
     same token check; a method not named in ``METHOD_ROLES`` needs the ``act`` role.
+    ``source``: read the machine with this instead of the probes (benchmarks serve synthetic ranks).
     """
     check_config(config)
     # The probes and the sampler are imported before serving, not by the first call that needs them: on a loaded
@@ -483,7 +524,7 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     address = f"{host}:{port}"
     if config.auto_name:
         config = dataclasses.replace(config, machine_name=await asyncio.to_thread(_identity, config, port))
-    service = AgentService(config, address)
+    service = AgentService(config, address, source)
     pb_grpc.add_RankscopeAgentServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     for register in extra_services:
         register(server)

@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rankscope.errors import RankscopeError
-from rankscope.snapshot import JobSnapshot
+from rankscope.snapshot import Communicator, Frame, JobSnapshot, RankCounters, ThreadStack
 
 FORMAT = "rankscope.bundle"
-VERSION = 1
+VERSION = 2  # what is written; 2 adds per-snapshot frame, stack and communicator tables (docs/bundle-format.md)
+READS = (1, 2)
 
 T = TypeVar("T")
 
@@ -58,39 +59,86 @@ class Bundle:
 # --------------------------------------------------------------------------
 
 
-def to_jsonable(value: Any) -> Any:
-    """Turn contract dataclasses (and containers of them) into plain JSON values."""
+Hooks = Mapping[type, typing.Callable[[Any], Any]]
+
+
+def to_jsonable(value: Any, hooks: Hooks | None = None) -> Any:
+    """Turn contract dataclasses (and containers of them) into plain JSON values.
+
+    ``hooks``: types written another way (the tables of version 2).
+    """
+    if hooks is not None and (hook := hooks.get(type(value))) is not None:
+        return hook(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: to_jsonable(getattr(value, f.name), hooks) for f in dataclasses.fields(value)}
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, (tuple, list)):
-        return [to_jsonable(v) for v in value]
+        return [to_jsonable(v, hooks) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
+        return {str(k): to_jsonable(v, hooks) for k, v in value.items()}
     return value
 
 
-def bundle_to_dict(bundle: Bundle) -> dict[str, Any]:
+class _Tables:
+    """One snapshot's distinct frames, stacks and communicators (version 2): ranks of a job share most of them."""
+
+    def __init__(self) -> None:
+        self.frames: dict[Frame, int] = {}
+        self.stacks: dict[tuple[Frame, ...], int] = {}
+        self.stack_by_id: dict[int, int] = {}
+        self.comms: dict[Communicator, int] = {}
+        self.hooks: Hooks = {ThreadStack: self.thread, RankCounters: self.counters}
+
+    def stack(self, frames: tuple[Frame, ...]) -> int:
+        i = self.stack_by_id.get(id(frames))
+        if i is None:
+            i = self.stacks.setdefault(frames, len(self.stacks))
+            self.stack_by_id[id(frames)] = i
+            for f in frames:
+                self.frames.setdefault(f, len(self.frames))
+        return i
+
+    def thread(self, t: ThreadStack) -> dict[str, Any]:
+        out = {f.name: to_jsonable(getattr(t, f.name)) for f in dataclasses.fields(t) if f.name != "frames"}
+        out["stack"] = self.stack(t.frames)
+        return out
+
+    def counters(self, c: RankCounters) -> dict[str, Any]:
+        out = {f.name: to_jsonable(getattr(c, f.name)) for f in dataclasses.fields(c) if f.name != "communicators"}
+        out["communicator_refs"] = [self.comms.setdefault(m, len(self.comms)) for m in c.communicators]
+        return out
+
+    def snapshot(self, snap: JobSnapshot) -> dict[str, Any]:
+        out: dict[str, Any] = to_jsonable(snap, self.hooks)
+        out["frame_table"] = [to_jsonable(f) for f in self.frames]
+        out["stack_table"] = [[self.frames[f] for f in frames] for frames in self.stacks]
+        out["communicator_table"] = [to_jsonable(c) for c in self.comms]
+        return out
+
+
+def bundle_to_dict(bundle: Bundle, *, compact: bool = False) -> dict[str, Any]:
+    """The bundle as JSON values: version 1 (every field in place, for tools that edit bundles), or with
+    ``compact`` version 2 (what ``dumps`` and ``write_bundle`` write: shared frames, stacks and groups once)."""
     return {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if compact else 1,
         "created_wall": bundle.created_wall,
         "ground_truth": to_jsonable(bundle.ground_truth) if bundle.ground_truth is not None else None,
         "meta": to_jsonable(bundle.meta),
-        "snapshots": [to_jsonable(s) for s in bundle.snapshots],
+        "snapshots": [_Tables().snapshot(s) if compact else to_jsonable(s) for s in bundle.snapshots],
     }
 
 
 def dumps(bundle: Bundle, indent: int | None = None) -> str:
-    return json.dumps(bundle_to_dict(bundle), indent=indent, allow_nan=False)
+    return json.dumps(bundle_to_dict(bundle, compact=True), indent=indent, allow_nan=False)
 
 
-def write_bundle(bundle: Bundle, path: str | Path) -> Path:
-    """Write atomically: a reader never sees half a bundle."""
+def write_bundle(bundle: Bundle, path: str | Path, text: str | None = None) -> Path:
+    """Write atomically: a reader never sees half a bundle. ``text``: ``dumps(bundle)`` when the caller has it."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(dumps(bundle), encoding="utf-8")
+    tmp.write_text(dumps(bundle) if text is None else text, encoding="utf-8")
     tmp.replace(target)
     return target
 
@@ -108,6 +156,7 @@ def from_jsonable(cls: type[T], data: Any, where: str = "$") -> T:
         raise BundleError(f"{where}{''.join(reversed(exc.path))}: {exc.problem}") from None
     finally:
         _MEMO.clear()
+        _SHARED.clear()
 
 
 # Decoding is compiled once per type into a closure: a 16k-rank bundle holds
@@ -127,6 +176,9 @@ class _FieldError(Exception):
 _DECODERS: dict[Any, Decoder] = {}
 # Decoded leaf objects of the bundle being read (see _dataclass_decoder); emptied after each read.
 _MEMO: dict[tuple[Any, ...], Any] = {}
+# Decoded values of JSON objects and lists that a version-2 table made shared (one stack referred to by
+# thousands of threads), by (decoder, id of the JSON value); emptied after each read, while the JSON lives.
+_SHARED: dict[tuple[int, int], Any] = {}
 
 
 def _is_scalar(tp: Any) -> bool:
@@ -197,8 +249,13 @@ def _tuple_decoder(tp: Any) -> Decoder:
         def decode_var(data: Any) -> Any:
             if not isinstance(data, list):
                 raise _FieldError(f"expected a list, got {type(data).__name__}")
+            key = (id(decode_var), id(data))
+            hit = _SHARED.get(key)
+            if hit is not None:
+                return hit
             try:
-                return tuple([item(v) for v in data])
+                made = _SHARED[key] = tuple([item(v) for v in data])
+                return made
             except _FieldError as exc:
                 for i, v in enumerate(data):  # find which item, only on the error path
                     try:
@@ -268,7 +325,11 @@ def _dataclass_decoder(cls: type) -> Decoder:
             with contextlib.suppress(TypeError):
                 _MEMO[key] = made
             return made
-        return build(data)
+        key = (id(decode), id(data))
+        hit = _SHARED.get(key)
+        if hit is None:
+            hit = _SHARED[key] = build(data)
+        return hit
 
     def build(data: dict[str, Any]) -> Any:
         if not decoders:
@@ -328,14 +389,17 @@ def bundle_from_dict(data: Any, source: str = "bundle") -> Bundle:
     if data.get("format") != FORMAT:
         raise BundleError(f"{source}: not a rankscope bundle (format is {data.get('format')!r}, expected {FORMAT!r})")
     version = data.get("version")
-    if version != VERSION:
+    if version not in READS or isinstance(version, bool):
         raise BundleError(
-            f"{source}: bundle version {version!r} is not supported by this rankscope (reads version {VERSION}); "
-            "upgrade rankscope or re-export the bundle"
+            f"{source}: bundle version {version!r} is not supported by this rankscope (reads versions "
+            f"{', '.join(map(str, READS))}); upgrade rankscope or re-export the bundle"
         )
     raw = data.get("snapshots")
     if not isinstance(raw, list) or not raw:
         raise BundleError(f"{source}: 'snapshots' must be a non-empty list")
+    if version == 2:
+        for i, s in enumerate(raw):
+            _resolve_tables(s, f"{source}: snapshots[{i}]")
     snaps = tuple(from_jsonable(JobSnapshot, s, f"snapshots[{i}]") for i, s in enumerate(raw))
     created = data.get("created_wall", snaps[-1].captured.wall)
     if isinstance(created, bool) or not isinstance(created, (int, float)):
@@ -347,6 +411,50 @@ def bundle_from_dict(data: Any, source: str = "bundle") -> Bundle:
     if not isinstance(meta, dict):
         raise BundleError(f"{source}: 'meta' must be an object")
     return Bundle(snapshots=snaps, created_wall=float(created), ground_truth=gt, meta=meta)
+
+
+def _resolve_tables(snap: Any, where: str) -> None:
+    """Put a version-2 snapshot's shared frames and groups back where they are referred to (the same JSON
+    value for every reference, so each is decoded once); a bad reference names its field."""
+    if not isinstance(snap, dict):
+        return  # the decoder says what is wrong
+    frames, stacks, comms = (snap.pop(k, []) for k in ("frame_table", "stack_table", "communicator_table"))
+    for name, table in (("frame_table", frames), ("stack_table", stacks), ("communicator_table", comms)):
+        if not isinstance(table, list):
+            raise BundleError(f"{where}.{name}: expected a list, got {type(table).__name__}")
+
+    def ref(table: list[Any], i: Any, at: str) -> Any:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(table):
+            raise BundleError(f"{where}{at}: {i!r} is not an index into a table of {len(table)}")
+        return table[i]
+
+    resolved = []
+    for s_i, stack in enumerate(stacks):
+        if not isinstance(stack, list):
+            raise BundleError(f"{where}.stack_table[{s_i}]: expected a list of frame indexes")
+        resolved.append([ref(frames, f, f".stack_table[{s_i}]") for f in stack])
+    machines = snap.get("machines")
+    for m_i, m in enumerate(machines if isinstance(machines, list) else ()):
+        if not isinstance(m, dict):
+            continue
+        for s_i, rank in enumerate(m.get("stacks") or ()):
+            if not isinstance(rank, dict):
+                continue
+            procs = [("main", rank.get("main"))] + [(f"subprocesses[{k}]", p)
+                                                    for k, p in enumerate(rank.get("subprocesses") or ())]
+            for p_name, proc in procs:
+                threads = proc.get("threads") if isinstance(proc, dict) else None
+                for t_i, t in enumerate(threads if isinstance(threads, list) else ()):
+                    if isinstance(t, dict) and "stack" in t:
+                        at = f".machines[{m_i}].stacks[{s_i}].{p_name}.threads[{t_i}].stack"
+                        t["frames"] = ref(resolved, t.pop("stack"), at)
+        for c_i, c in enumerate(m.get("counters") or ()):
+            if isinstance(c, dict) and "communicator_refs" in c:
+                refs = c.pop("communicator_refs")
+                at = f".machines[{m_i}].counters[{c_i}].communicator_refs"
+                if not isinstance(refs, list):
+                    raise BundleError(f"{where}{at}: expected a list of indexes")
+                c["communicators"] = [ref(comms, r, at) for r in refs]
 
 
 def loads(text: str, source: str = "bundle") -> Bundle:

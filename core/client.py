@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import resource
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
@@ -58,6 +59,8 @@ from rankscope.proto_convert import (
     confirmation_to_proto,
     event_from_proto,
     machine_from_proto,
+    machine_to_proto,
+    machines_from_proto,
     plan_from_proto,
     request_to_proto,
 )
@@ -77,6 +80,9 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 # A capture may take each py-spy call's full limit; the gRPC deadline leaves room for it.
 CAPTURE_MARGIN_S = 2.0
+
+# File descriptors this process keeps for everything but agent channels (logs, bundles, the TUI, gRPC's own).
+RESERVED_FDS = 128
 
 Call = Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]
 UNOWNED = "unowned"  # plan_action's key for targets no agent reports
@@ -121,6 +127,8 @@ def error_for_rpc(address: str, exc: grpc.aio.AioRpcError, timeout_s: float, *,
     details = (exc.details() or "").strip()
     host, _, port = address.rpartition(":")
     lowered = details.lower()
+    if out_of_descriptors(details):
+        return own_limit(address, details)
     if code == grpc.StatusCode.UNAVAILABLE and (tls := handshake_problem(details, using_tls=using_tls)) is not None:
         return unreachable(address, CaptureErrorKind.UNREACHABLE,
                            f"handshake failed with {address}: {tls[0]} ({details})", tls[1])
@@ -178,6 +186,47 @@ def error_for_rpc(address: str, exc: grpc.aio.AioRpcError, timeout_s: float, *,
     )
 
 
+def out_of_descriptors(text: str) -> bool:
+    """Whether a failure was this process running out of file descriptors (EMFILE), not the agent."""
+    lowered = text.lower()
+    return "too many open files" in lowered or "emfile" in lowered
+
+
+def own_limit(address: str, details: str) -> MachineSnapshot:
+    """The agent at ``address`` was not reached because of a limit of this client, and what to change here."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return unreachable(
+        address, CaptureErrorKind.FAILED,
+        f"not asked: this client ran out of file descriptors (open-file limit {soft}) before it reached "
+        f"{address}; the agent itself may be fine ({details})",
+        f"raise the hard limit this client starts under (`ulimit -Hn`, now {hard}; e.g. `ulimit -n 65536` as root or in "
+        "/etc/security/limits.conf) and retry; beyond a few thousand agents, let agents relay "
+        "(`rankscope agent --relay-to`)",
+    )
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (one channel per agent needs one each).
+
+    Returns the soft limit in force afterwards. Raising the soft limit up to the
+    hard one needs no privilege; a platform that refuses keeps what it had.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return int(soft) if soft != resource.RLIM_INFINITY else 1 << 30
+
+
+def channel_budget(soft_limit: int) -> int:
+    """How many agent channels may be open at once under an open-file limit of ``soft_limit``."""
+    return max(8, soft_limit - RESERVED_FDS)
+
+
 class _Agent:
     """One agent's channel and stub, created inside the event loop that uses them."""
 
@@ -199,7 +248,7 @@ class JobClient:
 
     def __init__(
         self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0, acting: bool = False,
-        tls: ClientTLS | None = None,
+        tls: ClientTLS | None = None, max_channels: int | None = None,
     ) -> None:
         """``acting``: this client may run actions (its token was loaded with ``role=Role.ACT``).
 
@@ -207,7 +256,18 @@ class JobClient:
 
         A read-only client (the default, and what ``--read-only`` gives) refuses
         ``run_action`` before anything is sent.
+
+        ``max_channels``: at most this many agent channels open at once (default:
+        what the open-file limit allows once raised to its hard limit). With more
+        agents than that, a fan-out opens a channel per call and closes it after,
+        so every agent is still asked.
         """
+        budget = channel_budget(raise_open_file_limit())
+        self.max_channels = min(max_channels, budget) if max_channels is not None else budget
+        self.peak_channels = 0  # the most channels open at once so far (what the limit bounds)
+        self._open = 0
+        self._gate_sem: asyncio.Semaphore | None = None
+        self._gate_loop: asyncio.AbstractEventLoop | None = None
         self.agents: tuple[str, ...] = tuple(dict.fromkeys(agents))
         # Agents taken out of the job (their machines evicted): no fan-out reaches them any more -- no plan,
         # run, backup, hot-update or audit stream -- and polls report them as evicted without asking.
@@ -497,6 +557,7 @@ class JobClient:
 
     async def close(self) -> None:
         conns, self._conns = list(self._conns.values()), {}
+        self._open -= len(conns)
         await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
 
     async def __aenter__(self) -> JobClient:
@@ -517,35 +578,85 @@ class JobClient:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             # grpc.aio channels belong to the loop that made them; a new loop needs new ones.
+            self._open -= len(self._conns)
             self._conns = {}
             self._loop = loop
         conn = self._conns.get(address)
         if conn is None:
             conn = self._conns[address] = _Agent(address, self.tls)
+            self._count_open(+1)
         return conn
 
-    async def _one(self, address: str, call: Call, timeout_s: float) -> MachineSnapshot:
+    async def _raw_one(self, address: str, call: Call, timeout_s: float) -> pb.MachineSnapshot | MachineSnapshot:
+        """One agent's reply as it came (not decoded), or the stand-in saying why there is none."""
+        persistent = len(self.members) <= self.max_channels
+        async with self._gate():
+            conn: _Agent | None = None
+            try:
+                conn = self._conn(address) if persistent else _Agent(address, self.tls)
+                self._count_open(+1 if not persistent else 0)
+                return await call(conn.stub, self._metadata, timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                return error_for_rpc(address, exc, timeout_s, using_tls=self.tls is not None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bad address, or this process out of descriptors: mark this machine
+                if out_of_descriptors(str(exc)):
+                    return own_limit(address, str(exc))
+                return unreachable(
+                    address, CaptureErrorKind.FAILED, f"agent at {address}: {type(exc).__name__}: {exc}",
+                    "check the address; run the same rankscope version on the agents and here",
+                )
+            finally:
+                if not persistent and conn is not None:
+                    await conn.close()
+                    self._count_open(-1)
+
+    async def _one(self, address: str, call: Call, timeout_s: float) -> list[MachineSnapshot]:
+        """One agent's machine, and the machines it relayed for (decoded once the channel is free again)."""
+        reply = await self._raw_one(address, call, timeout_s)
+        if isinstance(reply, MachineSnapshot):
+            return [reply]
         try:
-            conn = self._conn(address)
-            reply = await call(conn.stub, self._metadata, timeout_s)
-            machine = machine_from_proto(reply)
-        except grpc.aio.AioRpcError as exc:
-            return error_for_rpc(address, exc, timeout_s, using_tls=self.tls is not None)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bad address or a reply that does not fit: mark this machine, keep the rest
-            return unreachable(
+            machines = machines_from_proto(reply)
+        except Exception as exc:  # a reply that does not fit: mark this machine, keep the rest
+            return [unreachable(
                 address, CaptureErrorKind.FAILED, f"agent at {address}: {type(exc).__name__}: {exc}",
                 "check the address; run the same rankscope version on the agents and here",
-            )
+            )]
         # The address is the one this client used, whatever the agent thinks it is called.
-        return _with_address(machine, address)
+        return [_with_address(machines[0], address), *machines[1:]]
+
+    async def forward(self, call: Call, timeout_s: float) -> list[pb.MachineSnapshot]:
+        """Every member's reply as it came, for an agent that relays: a failed one as an encoded stand-in."""
+        replies = await asyncio.gather(*(self._raw_one(a, call, timeout_s) for a in self.members))
+        out: list[pb.MachineSnapshot] = []
+        for address, reply in zip(self.members, replies, strict=True):
+            if isinstance(reply, MachineSnapshot):
+                reply = machine_to_proto(self._named(reply))
+            else:
+                reply.address = address
+            out.append(reply)
+        return out
+
+    def _gate(self) -> asyncio.Semaphore:
+        """Bounds the calls in flight (so the channels open) to ``max_channels``."""
+        loop = asyncio.get_running_loop()
+        gate = self._gate_sem
+        if gate is None or self._gate_loop is not loop:
+            gate = self._gate_sem = asyncio.Semaphore(self.max_channels)
+            self._gate_loop = loop
+        return gate
+
+    def _count_open(self, delta: int) -> None:
+        self._open += delta
+        self.peak_channels = max(self.peak_channels, self._open)
 
     async def _fan_out(self, call: Call, timeout_s: float) -> JobSnapshot:
         started = Instant(wall=time.time(), mono=time.monotonic())
         asked = self.members
         answers = await asyncio.gather(*(self._one(a, call, timeout_s) for a in asked))
-        machines = [self._named(m) for m in answers]
+        machines = [self._named(m) for ms in answers for m in ms]
         machines += [self._named(evicted_stand_in(a)) for a in self.agents if a in self.retired]
         return JobSnapshot(captured=started, machines=tuple(machines), job_id=common_run_id(machines))
 
@@ -596,8 +707,13 @@ def capture_once(agents: Sequence[str], token: str | None, *, deadline_s: float 
                  **capture_kwargs: Any) -> JobSnapshot:
     """One capture from a synchronous caller (scripts, the CLI)."""
 
-    async def go() -> JobSnapshot:
-        async with JobClient(agents, token, deadline_s=deadline_s, tls=tls) as client:
-            return await client.capture(**capture_kwargs)
+    got: list[JobSnapshot] = []
 
-    return asyncio.run(go())
+    async def go() -> None:
+        # The snapshot leaves through `got`, not as the coroutine's result: asyncio.run on Python 3.11 formats
+        # a task's result into its repr on the way out, which at 16k ranks cost seconds and a gigabyte.
+        async with JobClient(agents, token, deadline_s=deadline_s, tls=tls) as client:
+            got.append(await client.capture(**capture_kwargs))
+
+    asyncio.run(go())
+    return got[0]

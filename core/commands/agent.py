@@ -93,6 +93,12 @@ def register(sub: Any) -> None:
                         "(%%n is replaced by the machine name)")
     p.add_argument("--actions-config", type=Path,
                    help="TOML (or .json) file naming the eviction backend, hot-update paths and layout (see above)")
+    p.add_argument("--relay-to", metavar="AGENTS",
+                   help="also forward every describe/capture to these agents (same forms as the client's --agents) "
+                        "and send their replies inside this one's: a two-level tree for thousands of machines")
+    p.add_argument("--relay-token-file", type=Path,
+                   help="token presented to the --relay-to agents; default: this agent's --token-file")
+    p.add_argument("--relay-tls-ca", type=Path, help="CA to verify the --relay-to agents' TLS with (default plaintext)")
     p.set_defaults(func=run)
 
 
@@ -152,5 +158,14 @@ def run(args: argparse.Namespace) -> int:
         slurm_job=slurm_job,
         slurm_node=slurm_node,
     )
+    if args.relay_to:
+        from rankscope.agents_spec import parse_agents
+        from rankscope.tls import client_tls
+        from rankscope.tokens import load_client_token
+
+        config = dataclasses.replace(
+            config, relay_to=tuple(parse_agents(args.relay_to)),
+            relay_token=load_client_token(args.relay_token_file or args.token_file),
+            relay_tls=client_tls(args.relay_tls_ca) if args.relay_tls_ca is not None else None)
     asyncio.run(serve(config, port_file=args.port_file, announce=args.announce))
     return 0

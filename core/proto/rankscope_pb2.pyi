@@ -363,14 +363,19 @@ class ThreadStack(_message.Message):
     OS_THREAD_ID_FIELD_NUMBER: _builtins.int
     ACTIVE_FIELD_NUMBER: _builtins.int
     OWNS_GIL_FIELD_NUMBER: _builtins.int
+    STACK_REF_FIELD_NUMBER: _builtins.int
     thread_id: _builtins.int
     thread_name: _builtins.str
     os_thread_id: _builtins.int
     active: _builtins.bool
     owns_gil: _builtins.bool
+    stack_ref: _builtins.int
+    """Wire only (compact form): the frames are stack number `stack_ref` of the
+    enclosing MachineSnapshot's stack_table.
+    """
     @_builtins.property
     def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___Frame]:
-        """innermost first"""
+        """innermost first; empty when stack_ref is set"""
 
     def __init__(
         self,
@@ -381,21 +386,86 @@ class ThreadStack(_message.Message):
         os_thread_id: _builtins.int | None = ...,
         active: _builtins.bool = ...,
         owns_gil: _builtins.bool = ...,
+        stack_ref: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_os_thread_id", b"_os_thread_id", "_thread_name", b"_thread_name", "os_thread_id", b"os_thread_id", "thread_name", b"thread_name"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_os_thread_id", b"_os_thread_id", "_stack_ref", b"_stack_ref", "_thread_name", b"_thread_name", "os_thread_id", b"os_thread_id", "stack_ref", b"stack_ref", "thread_name", b"thread_name"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_os_thread_id", b"_os_thread_id", "_thread_name", b"_thread_name", "active", b"active", "frames", b"frames", "os_thread_id", b"os_thread_id", "owns_gil", b"owns_gil", "thread_id", b"thread_id", "thread_name", b"thread_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_os_thread_id", b"_os_thread_id", "_stack_ref", b"_stack_ref", "_thread_name", b"_thread_name", "active", b"active", "frames", b"frames", "os_thread_id", b"os_thread_id", "owns_gil", b"owns_gil", "stack_ref", b"stack_ref", "thread_id", b"thread_id", "thread_name", b"thread_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__os_thread_id: _TypeAlias = _typing.Literal["os_thread_id"]  # noqa: Y015
     _WhichOneofArgType__os_thread_id: _TypeAlias = _typing.Literal["_os_thread_id", b"_os_thread_id"]  # noqa: Y015
+    _WhichOneofReturnType__stack_ref: _TypeAlias = _typing.Literal["stack_ref"]  # noqa: Y015
+    _WhichOneofArgType__stack_ref: _TypeAlias = _typing.Literal["_stack_ref", b"_stack_ref"]  # noqa: Y015
     _WhichOneofReturnType__thread_name: _TypeAlias = _typing.Literal["thread_name"]  # noqa: Y015
     _WhichOneofArgType__thread_name: _TypeAlias = _typing.Literal["_thread_name", b"_thread_name"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__os_thread_id) -> _WhichOneofReturnType__os_thread_id | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stack_ref) -> _WhichOneofReturnType__stack_ref | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__thread_name) -> _WhichOneofReturnType__thread_name | None: ...
 
 Global___ThreadStack: _TypeAlias = ThreadStack  # noqa: Y015
+
+@_typing.final
+class StackTable(_message.Message):
+    """Wire only: a machine's distinct frames and stacks, sent once however many
+    ranks share them. Frames are columns of equal length; strings are indexes
+    into `strings`. Stack i is frames stack_frames[start_i : start_i + stack_lengths[i]],
+    innermost first, where start_i is the sum of the lengths before it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STRINGS_FIELD_NUMBER: _builtins.int
+    FRAME_NAME_FIELD_NUMBER: _builtins.int
+    FRAME_FILENAME_FIELD_NUMBER: _builtins.int
+    FRAME_LINE_FIELD_NUMBER: _builtins.int
+    FRAME_MODULE_FIELD_NUMBER: _builtins.int
+    FRAME_FLAGS_FIELD_NUMBER: _builtins.int
+    STACK_FRAMES_FIELD_NUMBER: _builtins.int
+    STACK_LENGTHS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def strings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def frame_name(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def frame_filename(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def frame_line(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """0 when flag bit 2 says there is no line"""
+
+    @_builtins.property
+    def frame_module(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """string index + 1; 0 = no module"""
+
+    @_builtins.property
+    def frame_flags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """bit 0: native, bit 1: is_shim, bit 2: has a line"""
+
+    @_builtins.property
+    def stack_frames(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def stack_lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        strings: _abc.Iterable[_builtins.str] | None = ...,
+        frame_name: _abc.Iterable[_builtins.int] | None = ...,
+        frame_filename: _abc.Iterable[_builtins.int] | None = ...,
+        frame_line: _abc.Iterable[_builtins.int] | None = ...,
+        frame_module: _abc.Iterable[_builtins.int] | None = ...,
+        frame_flags: _abc.Iterable[_builtins.int] | None = ...,
+        stack_frames: _abc.Iterable[_builtins.int] | None = ...,
+        stack_lengths: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame_filename", b"frame_filename", "frame_flags", b"frame_flags", "frame_line", b"frame_line", "frame_module", b"frame_module", "frame_name", b"frame_name", "stack_frames", b"stack_frames", "stack_lengths", b"stack_lengths", "strings", b"strings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StackTable: _TypeAlias = StackTable  # noqa: Y015
 
 @_typing.final
 class ThreadList(_message.Message):
@@ -908,11 +978,19 @@ class Communicator(_message.Message):
     BACKEND_FIELD_NUMBER: _builtins.int
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
+    RANK_RUNS_FIELD_NUMBER: _builtins.int
     comm_id: _builtins.str
     backend: _builtins.str
     description: _builtins.str
     @_builtins.property
     def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def rank_runs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Wire only (compact form): the ranks as arithmetic runs, triples of
+        (first, step, count), used instead of `ranks` when `ranks` is empty.
+        A world group of 16,384 ranks is one triple.
+        """
+
     def __init__(
         self,
         *,
@@ -920,10 +998,11 @@ class Communicator(_message.Message):
         backend: _builtins.str = ...,
         description: _builtins.str = ...,
         ranks: _abc.Iterable[_builtins.int] | None = ...,
+        rank_runs: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "comm_id", b"comm_id", "description", b"description", "ranks", b"ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "comm_id", b"comm_id", "description", b"description", "rank_runs", b"rank_runs", "ranks", b"ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1014,6 +1093,7 @@ class RankCounters(_message.Message):
     STALE_REASON_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     LAST_STEP_WALL_FIELD_NUMBER: _builtins.int
+    COMMUNICATOR_REFS_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     pid: _builtins.int
     world_size: _builtins.int
@@ -1029,6 +1109,13 @@ class RankCounters(_message.Message):
     def communicators(self) -> _containers.RepeatedCompositeFieldContainer[Global___Communicator]: ...
     @_builtins.property
     def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___OpCounters]: ...
+    @_builtins.property
+    def communicator_refs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Wire only (compact form): indexes into the enclosing MachineSnapshot's
+        communicator_table, used instead of `communicators` (membership is then
+        sent once per machine, not once per rank).
+        """
+
     def __init__(
         self,
         *,
@@ -1045,10 +1132,11 @@ class RankCounters(_message.Message):
         stale_reason: _builtins.str | None = ...,
         error: _builtins.str | None = ...,
         last_step_wall: _builtins.float | None = ...,
+        communicator_refs: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "pid", b"pid", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "communicators", b"communicators", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "ops", b"ops", "pid", b"pid", "rank", b"rank", "stale", b"stale", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "communicator_refs", b"communicator_refs", "communicators", b"communicators", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "ops", b"ops", "pid", b"pid", "rank", b"rank", "stale", b"stale", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
     _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
@@ -1109,6 +1197,9 @@ class MachineSnapshot(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     RANKS_SEEN_WALL_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    STACK_TABLE_FIELD_NUMBER: _builtins.int
+    COMMUNICATOR_TABLE_FIELD_NUMBER: _builtins.int
+    RELAYED_FIELD_NUMBER: _builtins.int
     machine: _builtins.str
     address: _builtins.str
     reachable: _builtins.bool
@@ -1131,6 +1222,18 @@ class MachineSnapshot(_message.Message):
     def error(self) -> Global___CaptureError: ...
     @_builtins.property
     def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___StackSampleWindow]: ...
+    @_builtins.property
+    def stack_table(self) -> Global___StackTable:
+        """Wire only (compact form, see StackTable / RankCounters.communicator_refs)."""
+
+    @_builtins.property
+    def communicator_table(self) -> _containers.RepeatedCompositeFieldContainer[Global___Communicator]: ...
+    @_builtins.property
+    def relayed(self) -> _containers.RepeatedCompositeFieldContainer[Global___MachineSnapshot]:
+        """Wire only: a relaying agent's reply carries the replies of the agents it
+        forwarded to, each as that agent sent it (or an unreachable stand-in).
+        """
+
     def __init__(
         self,
         *,
@@ -1148,10 +1251,13 @@ class MachineSnapshot(_message.Message):
         generation: _builtins.int | None = ...,
         ranks_seen_wall: _builtins.float | None = ...,
         samples: _abc.Iterable[Global___StackSampleWindow] | None = ...,
+        stack_table: Global___StackTable | None = ...,
+        communicator_table: _abc.Iterable[Global___Communicator] | None = ...,
+        relayed: _abc.Iterable[Global___MachineSnapshot] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "captured", b"captured", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "ranks_seen_wall", b"ranks_seen_wall"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "captured", b"captured", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "ranks_seen_wall", b"ranks_seen_wall", "stack_table", b"stack_table"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "address", b"address", "captured", b"captured", "counters", b"counters", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "ranks", b"ranks", "ranks_seen_wall", b"ranks_seen_wall", "reachable", b"reachable", "samples", b"samples", "stacks", b"stacks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "address", b"address", "captured", b"captured", "communicator_table", b"communicator_table", "counters", b"counters", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "ranks", b"ranks", "ranks_seen_wall", b"ranks_seen_wall", "reachable", b"reachable", "relayed", b"relayed", "samples", b"samples", "stack_table", b"stack_table", "stacks", b"stacks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__generation: _TypeAlias = _typing.Literal["generation"]  # noqa: Y015
     _WhichOneofArgType__generation: _TypeAlias = _typing.Literal["_generation", b"_generation"]  # noqa: Y015

@@ -1,0 +1,379 @@
+"""Fan-out at scale: N real agent servers over synthetic ranks, the client timed beside the code before #16.
+
+    python benchmarks/bench_fanout.py [--sizes 16,64,256,2048] [--base-max 256] [--ranks-per-machine 8]
+                                      [--processes 8] [--relay-fanout 0] [--bundle]
+
+For each N, starts N real gRPC agent servers (``rankscope.agent.start_agent``)
+spread over ``--processes`` processes, each serving ``--ranks-per-machine``
+synthetic ranks of one job (benchmarks/fanout_source.py: ~40-frame stacks,
+two subprocesses per rank, six communicators per rank with the world group
+among them). Then, in a fresh client process each (so its peak RSS is its own):
+
+- ``new``: this checkout (compact wire form, compiled decoder);
+- ``base``: the code this branch started from (``git merge-base HEAD main``,
+  unpacked into a temporary folder), agents and client both, for N up to
+  ``--base-max`` (it needs minutes and gigabytes beyond that);
+
+and prints, per N: capture wall and client CPU seconds (one warm capture
+after a first one that opens the channels), client peak RSS, bytes of the
+replies, and a poll (describe) cycle's wall time (median of 3).
+``--relay-fanout K`` (new only): agents relay in groups of K, the client
+talks to N/K relays. ``--bundle``: at the largest N, also write the capture
+as a bundle and time opening it and ``rankscope analyze`` on it.
+
+The machine's load average is printed with the figures: on a shared machine
+they move with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+TOKEN = "b" * 32
+
+
+# ---- the base code (before #16) --------------------------------------------------------------
+
+
+def base_package(ref: str) -> Path:
+    """A folder whose ``rankscope`` package is ``core/`` at ``ref`` (put first on sys.path to import it)."""
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", ref], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    root = Path(tempfile.gettempdir()) / f"rankscope-bench-base-{sha[:12]}"
+    pkg = root / "pkg"
+    if not (pkg / "rankscope").exists():
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", sha, "core"],
+                                 capture_output=True, check=True).stdout
+        src = root / "src"
+        src.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile() as f:
+            f.write(archive)
+            f.seek(0)
+            with tarfile.open(fileobj=f) as tar:
+                tar.extractall(src, filter="data")
+        pkg.mkdir(parents=True, exist_ok=True)
+        (pkg / "rankscope").symlink_to(src / "core")
+    return pkg
+
+
+def use_impl(impl: str, base: str | None) -> None:
+    if impl == "base":
+        assert base is not None
+        sys.path.insert(0, base)
+    sys.path.insert(0, str(HERE))  # fanout_source
+
+
+# ---- agent servers (one process serves many) --------------------------------------------------
+
+
+async def serve_many(args: argparse.Namespace) -> None:
+    use_impl(args.impl, args.base)
+    import fanout_source
+    import rankscope.agent as agent_mod
+    from rankscope.agent import AgentConfig, start_agent
+    from rankscope.tokens import parse_tokens
+
+    tokens = parse_tokens(f"read:{TOKEN}\n", "bench")
+    world = args.world
+    cache: dict[tuple[int, bool], Any] = {}
+
+    def source_for(index: int) -> Any:
+        async def read(stacks: bool) -> Any:
+            key = (index, stacks)
+            if key not in cache:
+                cache[key] = fanout_source.machine(index, args.ranks_per_machine, world, stacks=stacks, now=time.time())
+            return cache[key]
+
+        return read
+
+    relays = json.loads(args.relays) if args.relays else {}
+    agents = []
+    for index in range(args.first, args.first + args.count):
+        config = AgentConfig(tokens=tokens, port=0, machine_name=f"node{index:05d}",
+                             relay_to=tuple(relays.get(str(index), ())), relay_token=TOKEN) \
+            if relays else AgentConfig(tokens=tokens, port=0, machine_name=f"node{index:05d}")
+        if args.impl == "base":
+            # The base agent has no source hook: its capture is replaced by the same synthetic reading.
+            read = source_for(index)
+
+            async def capture(self: Any, *, stacks: bool, _read: Any = read, **_: Any) -> Any:
+                return await _read(stacks)
+
+            service_cls = type(f"BenchService{index}", (agent_mod.AgentService,), {"capture": capture})
+            original = agent_mod.AgentService
+            agent_mod.AgentService = service_cls  # type: ignore[misc]
+            try:
+                running = await start_agent(config)
+            finally:
+                agent_mod.AgentService = original  # type: ignore[misc]
+        else:
+            running = await start_agent(config, source=source_for(index))
+        if running.watcher is not None:
+            running.watcher.cancel()  # no background readings: they would only add noise to the figures
+        agents.append(running)
+    print(json.dumps([a.address for a in agents]), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
+    for a in agents:
+        await a.stop(0)
+
+
+class Servers:
+    """``count`` agents in ``processes`` processes; addresses in agent order."""
+
+    def __init__(self, impl: str, base: str | None, count: int, processes: int, ranks: int,
+                 relays: dict[int, list[str]] | None = None, first: int = 0, world: int | None = None) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        per = -(-count // processes)
+        for start in range(first, first + count, per):
+            n = min(per, first + count - start)
+            cmd = [sys.executable, __file__, "serve", "--impl", impl, "--first", str(start), "--count", str(n),
+                   "--ranks-per-machine", str(ranks), "--world", str(world or count * ranks)]
+            if base:
+                cmd += ["--base-pkg", base]
+            if relays:
+                cmd += ["--relays", json.dumps({str(k): v for k, v in relays.items() if start <= k < start + n})]
+            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        self.addresses: list[str] = []
+        for p in self.procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            if not line:
+                raise SystemExit("an agent process failed to start")
+            self.addresses += json.loads(line)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# ---- the client, in a process of its own -------------------------------------------------------
+
+
+def client(args: argparse.Namespace) -> None:
+    use_impl(args.impl, args.base)
+    from rankscope.client import JobClient
+    from rankscope.proto import rankscope_pb2 as pb
+    from rankscope.proto import rankscope_pb2_grpc as pb_grpc
+
+    agents = json.loads(Path(args.agents_file).read_text())
+    out: dict[str, Any] = {}
+
+    async def go() -> Any:
+        async with JobClient(agents, TOKEN, deadline_s=args.deadline) as c:
+            await c.poll()  # opens the channels
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            snap = await c.capture()
+            out["capture_wall_s"] = time.perf_counter() - t0
+            out["capture_cpu_s"] = time.process_time() - cpu0
+            out["answered"] = sum(1 for m in snap.machines if m.reachable)
+            out["machines"] = len(snap.machines)
+            out["ranks"] = len(snap.all_stacks())
+            polls = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                await c.poll()
+                polls.append(time.perf_counter() - t0)
+            out["poll_wall_s"] = sorted(polls)[1]
+            return snap
+
+    asyncio.run(_keep(go()))
+    snap = _RESULT.pop()
+    import rankscope
+
+    out["code"] = str(Path(rankscope.__file__).parent)
+    out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.bundle:
+        from rankscope.bundle import Bundle, read_bundle, write_bundle
+
+        path = Path(args.bundle)
+        t0 = time.perf_counter()
+        write_bundle(Bundle(snapshots=(snap,), created_wall=time.time()), path)
+        out["bundle_write_s"] = time.perf_counter() - t0
+        out["bundle_mb"] = path.stat().st_size / 1e6
+        del snap
+        t0 = time.perf_counter()
+        read_bundle(path)
+        out["bundle_open_s"] = time.perf_counter() - t0
+    else:
+        del snap
+
+    async def wire() -> tuple[int, int]:
+        """Bytes of one capture's and one poll's replies, read raw (not timed)."""
+        import grpc
+
+        gate = asyncio.Semaphore(64)
+        md = (("authorization", f"Bearer {TOKEN}"),)
+
+        async def one(address: str) -> tuple[int, int]:
+            async with gate, grpc.aio.insecure_channel(
+                    address, options=[("grpc.max_receive_message_length", 1 << 30)]) as ch:
+                stub = pb_grpc.RankscopeAgentStub(ch)
+                capture = await stub.Capture(pb.CaptureRequest(subprocesses=True, timeout_s=5), metadata=md)
+                poll = await stub.Describe(pb.DescribeRequest(), metadata=md)
+                return capture.ByteSize(), poll.ByteSize()
+
+        sizes = await asyncio.gather(*(one(a) for a in agents))
+        return sum(c for c, _ in sizes), sum(p for _, p in sizes)
+
+    out["capture_bytes"], out["poll_bytes"] = asyncio.run(wire())
+    print(json.dumps(out), flush=True)
+
+
+async def _keep(coro: Any) -> None:
+    """Runs ``coro`` and keeps its result out of asyncio.run's return path (see rankscope.client.capture_once)."""
+    _RESULT.append(await coro)
+
+
+_RESULT: list[Any] = []
+
+
+def run_client(impl: str, base: str | None, agents: list[str], bundle: Path | None, deadline: float) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(agents, f)
+    cmd = [sys.executable, __file__, "client", "--impl", impl, "--agents-file", f.name, "--deadline", str(deadline)]
+    if base:
+        cmd += ["--base-pkg", base]
+    if bundle:
+        cmd += ["--bundle", str(bundle)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    os.unlink(f.name)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+# ---- the driver -----------------------------------------------------------------------------
+
+
+def measure(impl: str, base: str | None, n: int, args: argparse.Namespace, bundle: Path | None) -> dict[str, Any]:
+    ranks = args.ranks_per_machine
+    relay_k = args.relay_fanout if impl == "new" else 0
+    if relay_k and n > relay_k:
+        leaves = Servers(impl, base, n - n // relay_k, args.processes, ranks, first=n // relay_k, world=n * ranks)
+        groups: dict[int, list[str]] = {i: [] for i in range(n // relay_k)}
+        for j, address in enumerate(leaves.addresses):
+            groups[j % len(groups)].append(address)
+        relays = Servers(impl, base, len(groups), min(args.processes, len(groups)), ranks, relays=groups, first=0,
+                         world=n * ranks)
+        servers = [leaves, relays]
+        addresses = relays.addresses
+    else:
+        s = Servers(impl, base, n, args.processes, ranks)
+        servers, addresses = [s], s.addresses
+    try:
+        result = run_client(impl, base, addresses, bundle, args.deadline)
+    finally:
+        for s in servers:
+            s.stop()
+    if bundle is not None and "error" not in result:
+        t0 = time.perf_counter()
+        rc = subprocess.run([str(Path(sys.executable).parent / "rankscope"), "analyze", str(bundle)],
+                            capture_output=True, text=True, check=False).returncode
+        result["analyze_s"] = time.perf_counter() - t0
+        result["analyze_rc"] = rc
+    result["load_avg"] = os.getloadavg()[0]
+    return result
+
+
+def row(impl: str, n: int, ranks: int, r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{impl:<5} {n:>6} {n * ranks:>7}  failed: {r['error']}"
+    extra = ""
+    if "bundle_open_s" in r:
+        extra = (f"  bundle {r['bundle_mb']:.0f} MB: write {r['bundle_write_s']:.2f} s, open {r['bundle_open_s']:.2f} s,"
+                 f" analyze {r.get('analyze_s', float('nan')):.2f} s (rc {r.get('analyze_rc')})")
+    return (f"{impl:<5} {n:>6} {n * ranks:>7} {r['answered']:>5}/{r['machines']:<5} {r['capture_wall_s']:>8.2f} "
+            f"{r['capture_cpu_s']:>8.2f} {r['rss_mb']:>8.0f} {r['capture_bytes'] / 1e6:>9.1f} "
+            f"{r['poll_bytes'] / 1e6:>8.2f} {r['poll_wall_s']:>8.3f} {r['load_avg']:>6.1f}{extra}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    sub = ap.add_subparsers(dest="cmd")
+    s = sub.add_parser("serve")
+    s.add_argument("--impl", default="new")
+    s.add_argument("--base-pkg", dest="base")
+    s.add_argument("--first", type=int, required=True)
+    s.add_argument("--count", type=int, required=True)
+    s.add_argument("--ranks-per-machine", type=int, default=8)
+    s.add_argument("--world", type=int, required=True)
+    s.add_argument("--relays")
+    c = sub.add_parser("client")
+    c.add_argument("--impl", default="new")
+    c.add_argument("--base-pkg", dest="base")
+    c.add_argument("--agents-file", required=True)
+    c.add_argument("--bundle")
+    c.add_argument("--deadline", type=float, default=120.0)
+    ap.add_argument("--sizes", default="16,64,256")
+    ap.add_argument("--base-max", type=int, default=256, help="largest N to run the base code at")
+    ap.add_argument("--base-ref", default="", help="git ref of the base code (default: merge-base of HEAD and main)")
+    ap.add_argument("--ranks-per-machine", type=int, default=8)
+    ap.add_argument("--processes", type=int, default=8, help="processes the agent servers are spread over")
+    ap.add_argument("--relay-fanout", type=int, default=0, help="new code: agents relay in groups of this many")
+    ap.add_argument("--bundle", action="store_true", help="at the largest N: bundle write/open and analyze times")
+    ap.add_argument("--deadline", type=float, default=300.0)
+    args = ap.parse_args()
+    if args.cmd == "serve":
+        asyncio.run(serve_many(args))
+        return 0
+    if args.cmd == "client":
+        client(args)
+        return 0
+
+    sizes = [int(x) for x in args.sizes.split(",")]
+    ref = args.base_ref or subprocess.run(["git", "-C", str(REPO), "merge-base", "HEAD", "main"], capture_output=True,
+                                          text=True, check=True).stdout.strip()
+    base = str(base_package(ref)) if args.base_max > 0 else None
+    print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}; base = {ref[:12]}; "
+          f"{args.ranks_per_machine} ranks per agent; relay fan-out {args.relay_fanout or 'none'}", flush=True)
+    print(f"{'impl':<5} {'agents':>6} {'ranks':>7} {'answered':>11} {'wall s':>8} {'cpu s':>8} {'rss MB':>8} "
+          f"{'capt MB':>9} {'poll MB':>8} {'poll s':>8} {'load':>6}", flush=True)
+    results: dict[tuple[str, int], dict[str, Any]] = {}
+    for n in sizes:
+        impls = ["base", "new"] if base and n <= args.base_max else ["new"]
+        for impl in impls:
+            bundle = Path(tempfile.gettempdir()) / f"bench-fanout-{impl}-{n}.json" \
+                if args.bundle and n == max(sizes) else None
+            results[impl, n] = r = measure(impl, base, n, args, bundle)
+            print(row(impl, n, args.ranks_per_machine, r), flush=True)
+            if bundle is not None:
+                bundle.unlink(missing_ok=True)
+        b, w = results.get(("base", n)), results.get(("new", n))
+        if b and w and "error" not in b and "error" not in w:
+            print(f"      ratio base/new at {n}: wall {b['capture_wall_s'] / w['capture_wall_s']:.1f}x, "
+                  f"cpu {b['capture_cpu_s'] / w['capture_cpu_s']:.1f}x, rss {b['rss_mb'] / w['rss_mb']:.1f}x, "
+                  f"bytes {b['capture_bytes'] / w['capture_bytes']:.1f}x, "
+                  f"poll {b['poll_wall_s'] / w['poll_wall_s']:.1f}x", flush=True)
+    news = sorted((n, r) for (impl, n), r in results.items() if impl == "new" and "error" not in r)
+    if len(news) >= 2:
+        (n0, r0), (n1, r1) = news[-2], news[-1]
+        target = 100_000 / args.ranks_per_machine
+        for key in ("capture_wall_s", "capture_cpu_s", "rss_mb", "poll_wall_s"):
+            slope = (r1[key] - r0[key]) / (n1 - n0)
+            print(f"projection, linear from N={n0} and N={n1}, 100,000 ranks ({target:.0f} agents): "
+                  f"{key} ~ {r1[key] + slope * (target - n1):.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
