@@ -422,7 +422,8 @@ def _die_with_parent() -> None:
 
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """While inside: SIGTERM raises KeyboardInterrupt, so ``with`` blocks clean up as on Ctrl-C."""
+    """While inside: SIGTERM and SIGHUP (a closed terminal or tmux pane) raise KeyboardInterrupt, so ``with``
+    blocks clean up as on Ctrl-C."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -430,11 +431,12 @@ def sigterm_as_interrupt() -> Iterator[None]:
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, before in previous.items():
+            signal.signal(sig, before)
 
 
 def missing_lines(missing: Sequence[MissingNode]) -> list[str]:

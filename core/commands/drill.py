@@ -180,12 +180,15 @@ def _run_slurm(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    if attached:
-        report = run_slurm_drill_attached(config, on_event=say)
-        keys: tuple[str, ...] = ("job", "nodes", "drained", "restarts", "now_on", "steps", "resumed_from")
-    else:
-        report = run_slurm_drill(config, on_event=say)
-        keys = ("job", "nodes", "verdict", "evicted", "drained", "restarted_on", "resumed_from", "resumed")
+    from rankscope.slurm import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():  # a kill or a closed pane still stops the job and the cluster it started
+        if attached:
+            report = run_slurm_drill_attached(config, on_event=say)
+            keys: tuple[str, ...] = ("job", "nodes", "drained", "restarts", "now_on", "steps", "resumed_from")
+        else:
+            report = run_slurm_drill(config, on_event=say)
+            keys = ("job", "nodes", "verdict", "evicted", "drained", "restarted_on", "resumed_from", "resumed")
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

@@ -137,7 +137,10 @@ class SlurmDrillJob:
             self._cluster.stop()
 
     def agent_args(self) -> tuple[str, ...]:
-        return ("--slurm-standby-partition", self.config.standby_partition) if self.config.standbys else ()
+        counters = ("--counter-dir", str(self.run_dir / "counters"))
+        if self.config.standbys:
+            return (*counters, "--slurm-standby-partition", self.config.standby_partition)
+        return counters
 
     def state_dir(self) -> str:
         return str(self.run_dir / "state" / "%n")
@@ -211,6 +214,7 @@ def _submit(config: SlurmDrillConfig, run_dir: Path, env: dict[str, str], cluste
     script = run_dir / "drill-job.sh"
     script.write_text(batch_script(config, run_dir, free_port()), encoding="utf-8")
     job_env = dict(env, **{RUN_ID_ENV: "slurm-drill", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    job_env.update(_counter_env(run_dir))
     if config.plan.name != "none":
         job_env[FAULT_ENV] = config.plan.to_env()
     blockers: list[str] = []
@@ -231,6 +235,17 @@ def _submit(config: SlurmDrillConfig, run_dir: Path, env: dict[str, str], cluste
     for b in blockers:
         run_cli(["scancel", b], env=env)
     return job
+
+
+def _counter_env(run_dir: Path) -> dict[str, str]:
+    """The CCL counter plugin in every rank, as ``rankscope run`` and the local drill load it ({} without it)."""
+    try:
+        from rankscope.ccl_plugin import autoload
+
+        autoload.install_pth()
+        return autoload.ccl_env(run_dir / "counters", "slurm-drill")
+    except (ImportError, OSError):
+        return {}
 
 
 def _state(job: str, env: dict[str, str]) -> str:
