@@ -328,10 +328,12 @@ class SlurmBackend(_CommandBackend):
         for index, argv in enumerate(plan.commands):
             run = self._run(argv)
             runs.append(run)
-            overtaken = run.returncode < 0 or "pending execution" in run.stderr.lower()
-            # Our drain itself may be cut by the requeue of an agent that drained our nodes with its own.
-            if run.returncode != 0 and self.restart == "requeue" and overtaken \
-                    and (index > 0 or self._drained(plan.machines)) and self._already_pending():
+            # Slurm refuses a second requeue with "Job is pending execution" while the first is under way
+            # (the job may still read RUNNING until its steps end); a command killed by a signal was ended by
+            # that requeue -- our drain too, when an agent drained our nodes with its own.
+            refused = index > 0 and "pending execution" in run.stderr.lower()
+            killed = run.returncode < 0 and (index > 0 or self._drained(plan.machines)) and self._requeue_under_way()
+            if run.returncode != 0 and self.restart == "requeue" and (refused or killed):
                 return EvictionOutcome(True, plan.machines,
                                        f"drained {' '.join(plan.machines)}; job {self.job_id} was already requeued "
                                        "(by another node's agent)", tuple(runs), plan.standbys)
@@ -349,11 +351,13 @@ class SlurmBackend(_CommandBackend):
         states = dict(line.split(None, 1) for line in out.splitlines() if len(line.split()) == 2)
         return bool(machines) and all(states.get(m, "").startswith("drain") for m in machines)
 
-    def _already_pending(self) -> bool:
+    def _requeue_under_way(self) -> bool:
+        """The job is requeued, or still ending its run for a requeue (not cancelled, failed or done)."""
         try:
-            return self.job().get("JobState", "") in self.PENDING
+            job = self.job()
         except RankscopeError:
             return False
+        return job.get("JobState", "") in self.PENDING or job.get("JobState", "") == "RUNNING"
 
     def _success_message(self, plan: EvictionPlan) -> str:
         if self.restart == "requeue":
