@@ -262,7 +262,7 @@ def test_a_user_slurm_does_not_allow_into_the_job_is_told_so(
     env = {**cluster.env(), "PATH": f"{shim}:{os.environ['PATH']}"}
     with pytest.raises(RankscopeError, match=f"Slurm did not allow a step in job {torch_job.id}: .*permission denied") \
             as err:
-        SlurmAgents(torch_job.id, env=env, start_timeout_s=120).start()
+        SlurmAgents(torch_job.id, env=env, start_timeout_s=300).start()
     assert "job's owner" in err.value.fix
     assert agent_processes() == []
 
