@@ -112,6 +112,9 @@ class AgentConfig:
     relay_to: tuple[str, ...] = ()
     relay_token: str | None = None  # the token this agent presents to the agents it relays to
     relay_tls: ClientTLS | None = None  # how it reaches them; None: plaintext
+    # > 0: the agent stops by itself when no call with an accepted token came for this long (its client is
+    # gone: killed, or its machine lost). ``rankscope.client.keep_alive`` renews it while a client lives.
+    lease_s: float = 0.0
 
 
 # What an agent reads its machine with; the probes by default. Called with stacks=True for a capture.
@@ -213,21 +216,38 @@ def _denying_handler(handler: Any, code: grpc.StatusCode, message: str) -> Any:
     return grpc.unary_unary_rpc_method_handler(reject)
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Lets a call through only with a token whose role covers the method."""
+class Lease:
+    """When a client last called with an accepted token (any method, health checks included)."""
 
-    def __init__(self, tokens: TokenSet | None) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.renewed = clock()
+
+    def renew(self) -> None:
+        self.renewed = self.clock()
+
+    def idle_s(self) -> float:
+        return self.clock() - self.renewed
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Lets a call through only with a token whose role covers the method; an accepted token renews the lease."""
+
+    def __init__(self, tokens: TokenSet | None, lease: Lease | None = None) -> None:
         self.tokens = tokens
+        self.lease = lease
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
     ) -> Any:
         method: str = handler_call_details.method
+        presented = bearer_token(handler_call_details.invocation_metadata)
+        role = self.tokens.role_of(presented) if self.tokens is not None else None
+        if self.lease is not None and (self.tokens is None or role is not None):
+            self.lease.renew()
         if self.tokens is None or method.startswith(HEALTH_PREFIX):
             return await continuation(handler_call_details)
         needed = METHOD_ROLES.get(method, Role.ACT)
-        presented = bearer_token(handler_call_details.invocation_metadata)
-        role = self.tokens.role_of(presented)
         if role is not None and (role is Role.ACT or needed is Role.READ):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
@@ -466,6 +486,7 @@ class RunningAgent:
     service: AgentService | None = None
     supervisor: asyncio.Task[None] | None = None  # applies a pending lazy hot-update when it is due
     watcher: asyncio.Task[None] | None = None  # keeps the ranks' progress memory current (AgentService.watch)
+    lease: Lease | None = None  # set when the agent serves under a lease (AgentConfig.lease_s)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         for task in (self.supervisor, self.watcher):
@@ -500,8 +521,9 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     import rankscope.probes.machine
     import rankscope.probes.sampler  # noqa: F401
 
+    lease = Lease() if config.lease_s > 0 else None
     server = grpc.aio.server(
-        interceptors=[TokenInterceptor(config.tokens)],
+        interceptors=[TokenInterceptor(config.tokens, lease)],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -536,7 +558,7 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     supervisor = asyncio.create_task(supervise(service.actions)) if service.actions is not None else None
     watcher = asyncio.create_task(service.watch())
     return RunningAgent(server=server, port=port, address=address, health=health_servicer, service=service,
-                        supervisor=supervisor, watcher=watcher)
+                        supervisor=supervisor, watcher=watcher, lease=lease)
 
 
 def _identity(config: AgentConfig, port: int) -> str:
@@ -565,6 +587,12 @@ async def supervise(actions: ActionService, interval_s: float = SUPERVISE_INTERV
         except Exception as exc:
             log(f"hot-update supervision failed: {type(exc).__name__}: {exc}")
         await asyncio.sleep(interval_s)
+
+
+async def lease_expired(lease: Lease, lease_s: float) -> None:
+    """Returns once ``lease_s`` passed without an accepted call."""
+    while (idle := lease.idle_s()) < lease_s:
+        await asyncio.sleep(lease_s - idle)
 
 
 def write_port_file(path: Path, port: int) -> None:
@@ -606,8 +634,17 @@ async def serve(config: AgentConfig, *, port_file: Path | None = None, announce:
         if not is_loopback(config.bind) and config.tls is None:
             log("warning: listening beyond loopback without TLS (--insecure); the token and snapshots cross the "
                 "network unencrypted, so keep the agents' port on a trusted network")
-        await stop.wait()
-        log("stopping")
+        expiry = asyncio.create_task(lease_expired(agent.lease, config.lease_s)) if agent.lease is not None else None
+        waiting = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([t for t in (waiting, expiry) if t is not None],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        for task in (waiting, expiry):
+            if task is not None and task not in done:
+                task.cancel()
+        if expiry is not None and expiry in done:
+            log(f"stopping: no client called for {config.lease_s:g} s (--lease); its client is gone")
+        else:
+            log("stopping")
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

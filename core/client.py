@@ -23,6 +23,7 @@ with ``acting=True`` (and a token of the 'act' role) ever sends RunAction.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import resource
 import time
@@ -47,6 +48,7 @@ from rankscope.actions.model import (
     ActionResult,
     ActionState,
     AuditRecord,
+    EvictArgs,
     Targets,
     confirmation_matches,
     needs_typed_confirmation,
@@ -532,6 +534,13 @@ class JobClient:
             wanted_machines -= {m.machine, m.address}
             wanted_ranks -= set(ranks)
             parts[m.address] = dataclasses.replace(request, targets=Targets(machines, ranks))
+        if request.kind == ActionKind.EVICT and len(parts) > 1:
+            # Each agent learns which machines go with its own (a whole-job restart must take them all at once).
+            evicted = [m for part in parts.values() for m in part.targets.machines]
+            for address, part in parts.items():
+                assert isinstance(part.args, EvictArgs)
+                others = tuple(m for m in evicted if m not in part.targets.machines)
+                parts[address] = dataclasses.replace(part, args=dataclasses.replace(part.args, together=others))
         if wanted_machines or wanted_ranks:
             names = [f"machine {n}" for n in sorted(wanted_machines)] + [f"rank {r}" for r in sorted(wanted_ranks)]
             unreachable = f" (unreachable: {' '.join(m.address for m in lost)})" if lost else ""
@@ -717,3 +726,58 @@ def capture_once(agents: Sequence[str], token: str | None, *, deadline_s: float 
 
     asyncio.run(go())
     return got[0]
+
+
+class KeepAlive:
+    """Renews the lease of agents started with ``--lease`` while this client lives.
+
+    A thread sends each agent a health check with the session's token every
+    ``every_s`` seconds; an agent that hears from nobody for its lease stops by
+    itself, so agents outlive a client only by their lease however that client
+    ended (SIGKILL, a lost login node). ``agents`` is read at each round, so
+    agents that replace others (a requeued Slurm job) are kept too.
+    """
+
+    def __init__(self, agents: Callable[[], Sequence[str]], token: str | None, *, tls: ClientTLS | None = None,
+                 every_s: float = 5.0) -> None:
+        import threading
+
+        self.agents, self.token, self.tls, self.every_s = agents, token, tls, every_s
+        self.rounds = 0  # rounds completed (each agent asked once)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rankscope-keep-alive", daemon=True)
+        self._channels: dict[str, Any] = {}
+
+    def __enter__(self) -> KeepAlive:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _channel(self, address: str) -> Any:
+        if address not in self._channels:
+            if self.tls is not None:
+                self._channels[address] = grpc.secure_channel(
+                    address, channel_credentials(self.tls), options=CHANNEL_OPTIONS + channel_options(self.tls))
+            else:
+                self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return self._channels[address]
+
+    def _run(self) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            while not self._stop.is_set():
+                for address in list(self.agents()):
+                    stub = health_pb2_grpc.HealthStub(self._channel(address))  # type: ignore[no-untyped-call]
+                    # An agent that does not answer is the polls' business; keep renewing the others.
+                    with contextlib.suppress(grpc.RpcError):
+                        stub.Check(health_pb2.HealthCheckRequest(), metadata=auth_metadata(self.token),
+                                   timeout=self.every_s)
+                self.rounds += 1
+                self._stop.wait(self.every_s)
+        finally:
+            for channel in self._channels.values():
+                channel.close()

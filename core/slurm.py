@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
@@ -49,6 +49,13 @@ STOP_TIMEOUT_S = 15.0
 CLI_TIMEOUT_S = 30.0
 # srun's report of one task's end: "srun: error: node2: task 1: Exited with exit code 3"
 TASK_FAILED = re.compile(r"srun: error: (\S+): tasks? [0-9,\-]+: (?:Exited|Killed|Terminated|Aborted)")
+LEASE_S = 60.0  # the agents stop by themselves this long after their client was last heard from
+FOLLOW_POLL_S = 1.0  # how often a followed job's state is read while it is requeued
+FOLLOW_RETRY_S = 10.0
+ACTIVE_STATES = ("RUNNING", "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
+                 "RESIZING", "SUSPENDED")
+PR_SET_PDEATHSIG = 1
+DENIED_WORDS = ("access/permission denied", "not the owner", "permission denied", "access denied")
 SLURM_FIX = "run rankscope on a login node of the cluster (where squeue and srun work), or load Slurm (module load slurm)"
 
 
@@ -154,7 +161,15 @@ class MissingNode:
 
 @dataclass
 class SlurmAgents:
-    """One agent per node of a running job, for as long as the ``with`` block lasts."""
+    """One agent per node of a running job, for as long as the ``with`` block lasts.
+
+    ``follow()`` keeps it so across requeues: when the job's step of agents
+    ends (a requeue ends every step) and the job runs again, on a new
+    allocation, it starts agents there with the same token and certificates and
+    calls ``on_change``. The agents serve under a lease (``lease_s``) that the
+    client renews (``rankscope.client.KeepAlive``), and srun gets SIGTERM if
+    the process that started it dies, so a killed client leaves no step behind.
+    """
 
     job_id: str
     agent_command: Sequence[str] = (sys.executable, "-m", "rankscope", "agent")
@@ -162,6 +177,7 @@ class SlurmAgents:
     extra_agent_args: Sequence[str] = ()
     start_timeout_s: float = START_TIMEOUT_S
     env: Mapping[str, str] | None = None  # the Slurm commands' environment (SLURM_CONF); default: ours
+    lease_s: float = LEASE_S  # 0: agents without a lease
     # filled in by start()
     job: SlurmJob | None = None
     agents: dict[str, str] = field(default_factory=dict)  # node -> host:port
@@ -169,25 +185,27 @@ class SlurmAgents:
     step: str | None = None
     token: str = ""
     tls: ClientTLS | None = None
+    launches: int = 0  # agent steps started: 1 after start(), one more per requeue followed
     _srun: subprocess.Popen[str] | None = None
+    _srun_env: dict[str, str] = field(default_factory=dict, repr=False)
     _stderr: list[str] = field(default_factory=list)
     _ready: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (port, step)
     _failed: dict[str, str] = field(default_factory=dict)  # node -> srun's words about its task
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _changed: threading.Condition | None = None
+    _closing: threading.Event = field(default_factory=threading.Event)
+    _launch_lock: threading.Lock = field(default_factory=threading.Lock)
+    _follower: threading.Thread | None = None
 
     def _base_env(self) -> dict[str, str]:
         return dict(self.env if self.env is not None else os.environ)
 
     def start(self) -> SlurmAgents:
         require("srun")
-        job = self.job = job_info(self.job_id, self.env)
+        job = job_info(self.job_id, self.env)
         if job.state != "RUNNING":
             raise RankscopeError(f"job {self.job_id} is {job.state}, not RUNNING: its nodes have nothing to inspect",
                                  "attach once squeue shows it running (state R)")
-        if not job.nodes:
-            raise RankscopeError(f"job {self.job_id} has no nodes", "check it with scontrol show job")
-        addresses = node_addresses(job.nodes, self.env)
         session = make_session()
         self.token = secrets.token_hex(24)
         self.tls = session.client_tls(mutual=True)
@@ -196,33 +214,57 @@ class SlurmAgents:
         env["RANKSCOPE_TOKEN"] = f"act:{self.token}"
         for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_STEP_ID", "SLURM_NODELIST"):
             env.pop(name, None)  # started from inside another job, srun would aim at that one
+        self._srun_env = env
+        self._changed = threading.Condition(self._lock)
+        self._launch(job)
+        return self
+
+    def _argv(self, job: SlurmJob) -> list[str]:
         args = [*self.agent_command, "--slurm-scope", "--announce", "--bind", "0.0.0.0", "--port", "0"]
+        if self.lease_s > 0:
+            args += ["--lease", f"{self.lease_s:g}"]
         if self.state_dir:
             args += ["--state-dir", self.state_dir]
         args += list(self.extra_agent_args)
-        argv = ["srun", "--jobid", self.job_id, "--overlap", "-N", str(len(job.nodes)), "--ntasks-per-node=1",
+        return ["srun", "--jobid", self.job_id, "--overlap", "-N", str(len(job.nodes)), "--ntasks-per-node=1",
                 "-w", ",".join(job.nodes), "--job-name", "rankscope-agent", "--kill-on-bad-exit=0",
                 "--unbuffered", *args]
-        self._changed = threading.Condition(self._lock)
-        self._srun = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _launch(self, job: SlurmJob) -> None:
+        """Start the agent step on the job's current nodes and wait for their announcements."""
+        if not job.nodes:
+            raise RankscopeError(f"job {self.job_id} has no nodes", "check it with scontrol show job")
+        addresses = node_addresses(job.nodes, self.env)
+        with self._lock:
+            self._stderr, self._ready, self._failed = [], {}, {}
+            self.step = None
+        with self._launch_lock:  # stop() takes the same lock: a step started is a step it sees and ends
+            if self._closing.is_set():
+                raise RankscopeError("the session is closing", "nothing to do")
+            proc = subprocess.Popen(self._argv(job), env=self._srun_env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+            self._srun = proc
+        threading.Thread(target=self._read_stdout, args=(proc,), daemon=True).start()
+        threading.Thread(target=self._read_stderr, args=(proc,), daemon=True).start()
         try:
-            self._wait_ready(job.nodes)
+            self._wait_ready(proc, job.nodes)
         except BaseException:
-            self.stop()
+            self._end(proc)
             raise
+        agents: dict[str, str] = {}
+        missing: list[MissingNode] = []
         for node in job.nodes:
             if node in self._ready:
-                self.agents[node] = f"{addresses[node]}:{self._ready[node][0]}"
+                agents[node] = f"{addresses[node]}:{self._ready[node][0]}"
             else:
-                self.missing.append(MissingNode(node, self._why_missing(node)))
-        return self
+                missing.append(MissingNode(node, self._why_missing(node)))
+        self.job, self.agents, self.missing = job, agents, missing
+        self.launches += 1
 
-    def _read_stdout(self) -> None:
-        assert self._srun is not None and self._srun.stdout is not None and self._changed is not None
-        for line in self._srun.stdout:
+    def _read_stdout(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None and self._changed is not None
+        for line in proc.stdout:
             if ANNOUNCE_PREFIX not in line:
                 continue
             f = dict(w.split("=", 1) for w in line.split(ANNOUNCE_PREFIX, 1)[1].split() if "=" in w)
@@ -233,9 +275,9 @@ class SlurmAgents:
         with self._changed:
             self._changed.notify_all()
 
-    def _read_stderr(self) -> None:
-        assert self._srun is not None and self._srun.stderr is not None and self._changed is not None
-        for line in self._srun.stderr:
+    def _read_stderr(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None and self._changed is not None
+        for line in proc.stderr:
             with self._changed:
                 self._stderr.append(line.rstrip())
                 del self._stderr[:-40]
@@ -244,11 +286,11 @@ class SlurmAgents:
                     self._failed.setdefault(failed.group(1), line.strip())
                 self._changed.notify_all()
 
-    def _wait_ready(self, nodes: Sequence[str]) -> None:
-        assert self._srun is not None and self._changed is not None
+    def _wait_ready(self, proc: subprocess.Popen[str], nodes: Sequence[str]) -> None:
+        assert self._changed is not None
         deadline = time.monotonic() + self.start_timeout_s
         with self._changed:
-            while len(set(self._ready) | set(self._failed)) < len(nodes) and self._srun.poll() is None:
+            while len(set(self._ready) | set(self._failed)) < len(nodes) and proc.poll() is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -258,7 +300,7 @@ class SlurmAgents:
             self.step = next(iter(self._ready.values()))[1] or None
             return
         lowered = words.lower()
-        if "access/permission denied" in lowered or "not the owner" in lowered or "permission denied" in lowered:
+        if any(w in lowered for w in DENIED_WORDS):
             raise RankscopeError(f"Slurm did not allow a step in job {self.job_id}: {words}",
                                  "only the job's owner (or root/an operator) can start a step in it: run as that user")
         if "not found" in lowered and ("rankscope" in lowered or "python" in lowered or "no such file" in lowered):
@@ -278,15 +320,77 @@ class SlurmAgents:
             words = " | ".join(self._stderr[-4:])
         return f"its agent did not start within {self.start_timeout_s:g} s" + (f" (srun: {words})" if words else "")
 
+    # ---- following the job across requeues ---------------------------------------------------------------
+
+    def follow(self, on_change: Callable[[SlurmAgents, str], None]) -> None:
+        """From now on, re-launch the agents whenever their step ends while the job runs on (a requeue).
+
+        ``on_change(self, what)`` is called from a background thread after each
+        attempt: ``what`` says what happened in words (new agents, or why none).
+        """
+        self._follower = threading.Thread(target=self._follow, args=(on_change,), name="rankscope-slurm-follow",
+                                          daemon=True)
+        self._follower.start()
+
+    def _follow(self, on_change: Callable[[SlurmAgents, str], None]) -> None:
+        while not self._closing.is_set():
+            proc = self._srun
+            if proc is None:
+                return
+            proc.wait()  # the agent step ended: the job was requeued (or ended), or the agents died
+            if self._closing.is_set():
+                return
+            before = self.job.nodes if self.job is not None else ()
+            job = self._wait_running()
+            if job is None:
+                return
+            if self._closing.is_set():
+                return
+            try:
+                self._launch(job)
+            except RankscopeError as exc:
+                if self._closing.is_set():
+                    return
+                on_change(self, f"agents could not be started again in job {self.job_id}: {exc.message}")
+                if self._closing.wait(FOLLOW_RETRY_S):
+                    return
+                continue
+            moved = "" if tuple(job.nodes) == tuple(before) else f" (was {','.join(before)})"
+            on_change(self, f"job {self.job_id} runs again on {','.join(job.nodes)}{moved}: "
+                            f"{len(self.agents)} agents started there")
+
+    def _wait_running(self) -> SlurmJob | None:
+        """The job once it runs again; None when it ended or the session closes."""
+        while not self._closing.is_set():
+            try:
+                job = job_info(self.job_id, self.env)
+            except RankscopeError:
+                job = None
+            if job is not None and job.state == "RUNNING":
+                return job
+            if job is not None and job.state not in ACTIVE_STATES:
+                return None
+            self._closing.wait(FOLLOW_POLL_S)
+        return None
+
     def stop(self) -> None:
         """Cancel the agent step and make sure srun and the agents are gone."""
-        proc, self._srun = self._srun, None
-        if proc is None:
-            return
-        if self.step and "." in self.step:
-            run_cli(["scancel", self.step], env=self.env, timeout_s=STOP_TIMEOUT_S)
-        elif proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # srun forwards it to the agents
+        self._closing.set()
+        with self._launch_lock:
+            proc, self._srun = self._srun, None
+        if proc is not None:
+            self._end(proc)
+        follower = self._follower
+        if follower is not None and follower is not threading.current_thread():
+            follower.join(timeout=STOP_TIMEOUT_S)
+
+    def _end(self, proc: subprocess.Popen[str]) -> None:
+        """This agent step cancelled, its srun reaped."""
+        if proc.poll() is None:
+            if self.step and "." in self.step:
+                run_cli(["scancel", self.step], env=self.env, timeout_s=STOP_TIMEOUT_S)
+            else:
+                proc.send_signal(signal.SIGTERM)  # srun forwards it to the agents
         try:
             proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -304,9 +408,22 @@ class SlurmAgents:
         self.stop()
 
 
+def _die_with_parent() -> None:
+    """In srun, before exec: SIGTERM when the process that started it dies (Linux), so no step outlives a
+    killed client (srun forwards the signal to the agents). Elsewhere the agents' lease does the same, later."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """While inside: SIGTERM raises KeyboardInterrupt, so ``with`` blocks clean up as on Ctrl-C."""
+    """While inside: SIGTERM and SIGHUP (a closed terminal or tmux pane) raise KeyboardInterrupt, so ``with``
+    blocks clean up as on Ctrl-C."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -314,11 +431,12 @@ def sigterm_as_interrupt() -> Iterator[None]:
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, before in previous.items():
+            signal.signal(sig, before)
 
 
 def missing_lines(missing: Sequence[MissingNode]) -> list[str]:

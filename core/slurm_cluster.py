@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -61,24 +62,26 @@ def ensure_installed() -> str | None:
 
 
 def _free_port_block(count: int) -> int:
-    """A port P such that P..P+count look free (slurmctld, slurmd, one port per node)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + count >= 65000:
-            continue
-        ok = True
-        for port in range(base, base + count + 1):
-            with socket.socket() as t:
-                try:
-                    t.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+    """A port P such that P, P+1 (slurmctld, SlurmdPort) and P+101..P+count-1 (one slurmd per node) look free.
+
+    Bases are drawn below the kernel's ephemeral range, where a busy machine's
+    outgoing connections do not land, and only the ports used are checked.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(12000, 30000 - count)
+        if all(_port_free(p) for p in (base, base + 1, *range(base + 101, base + count))):
             return base
     raise RankscopeError("no free block of ports for the Slurm daemons", "free some ports, or pass a port")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as t:
+        try:
+            t.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,14 +20,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_helpers import PY, clean_env, wait_for
+from agent_helpers import PY, Processes, clean_env, make_token_file, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rankscope.actions.agent_protocol import Confirmation
+from rankscope.actions.agent_protocol import ActionError, Confirmation
 from rankscope.actions.audit import AuditLog
 from rankscope.actions.evict_backends import SlurmBackend
-from rankscope.actions.model import ActionKind, ActionPlan, ActionRequest, ActionResult, ActionState, EvictArgs, Targets
-from rankscope.client import JobClient, capture_once
+from rankscope.actions.model import (
+    ActionKind,
+    ActionPlan,
+    ActionRequest,
+    ActionResult,
+    ActionState,
+    EvictArgs,
+    Targets,
+)
+from rankscope.agents_spec import hostfile_members
+from rankscope.client import JobClient, KeepAlive, capture_once
+from rankscope.commands.target import slurm_target
 from rankscope.errors import RankscopeError
 from rankscope.slurm import SlurmAgents, job_info, parse_fields
 from rankscope.slurm_cluster import LocalSlurmCluster, ensure_installed
@@ -216,6 +227,65 @@ def test_any_scontrol_output_parses_without_raising(text: str) -> None:
     assert all("=" not in k for k in parsed)
 
 
+@slurm
+@pytest.mark.timeout(600)
+def test_a_killed_client_leaves_no_agent_step_behind(cluster: LocalSlurmCluster, torch_job: TorchJob) -> None:
+    proc = subprocess.Popen([str(RANKSCOPE), "watch", "--slurm", torch_job.id, "--json", "--stack-interval", "0",
+                             "--slurm-timeout", "180"], env={**clean_env(), **cluster.env()},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["event"] == "start"
+        assert len(agent_processes()) == 2
+        proc.kill()  # SIGKILL: no handler runs, nothing is cancelled by the client itself
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # srun learns its parent died (SIGTERM at the parent's death) and ends the step; the agents' lease
+    # would end them too, later, had srun been lost with a whole login node.
+    wait_for(lambda: not agent_processes() and not [s for s in cluster.steps(torch_job.id) if "rankscope" in s],
+             300, f"the agent step of job {torch_job.id} to end ({cluster.steps(torch_job.id)})")
+    assert cluster.job_field(torch_job.id, "%T") == "RUNNING"
+
+
+@slurm
+@pytest.mark.timeout(600)
+def test_a_user_slurm_does_not_allow_into_the_job_is_told_so(
+        cluster: LocalSlurmCluster, torch_job: TorchJob, tmp_path: Path) -> None:
+    # The real srun, run as another user (nobody) than the job's owner (root): Slurm itself refuses the step.
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    srun = shim / "srun"
+    srun.write_text(f"#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups {shutil.which('srun')} \"$@\"\n")
+    srun.chmod(0o755)
+    env = {**cluster.env(), "PATH": f"{shim}:{os.environ['PATH']}"}
+    with pytest.raises(RankscopeError, match=f"Slurm did not allow a step in job {torch_job.id}: .*permission denied") \
+            as err:
+        SlurmAgents(torch_job.id, env=env, start_timeout_s=300).start()
+    assert "job's owner" in err.value.fix
+    assert agent_processes() == []
+
+
+def test_an_agent_under_a_lease_lives_while_its_client_renews_it_and_stops_once_the_client_is_gone(
+        tmp_path: Path) -> None:
+    """The lease --slurm agents serve under: renewed by KeepAlive's token-bearing health checks, else it ends."""
+    token, token_file = make_token_file(tmp_path)
+    procs = Processes(tmp_path)
+    try:
+        agent = procs.agent("leased", "--lease", "5", token_file=token_file)
+        with KeepAlive(lambda: [agent.address], token, every_s=0.25) as keep:
+            # Renewed past two leases: the agent stays.
+            wait_for(lambda: keep.rounds >= 40 or agent.proc.poll() is not None, 300, "forty keep-alive rounds")
+            assert agent.proc.poll() is None, agent.log_text()
+        # A caller without the token does not count: only the client's own calls renew the lease.
+        with KeepAlive(lambda: [agent.address], "not-the-token", every_s=0.5):
+            assert agent.proc.wait(timeout=300) == 0
+        assert "no client called for 5 s (--lease)" in agent.log_text()
+    finally:
+        procs.close()
+
+
 # --------------------------------------------------------------------------
 # eviction through Slurm (last: it requeues the job)
 # --------------------------------------------------------------------------
@@ -226,6 +296,15 @@ def test_too_few_standbys_plan_a_shrink_and_nodes_outside_the_job_are_refused(
         cluster: LocalSlurmCluster, torch_job: TorchJob, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf))  # the backend runs scontrol as an agent in the job would
     j = torch_job.id
+    # Evicting node1 and node2 together, each agent drains and excludes both: the first requeue ends the
+    # other agent before it could act on its own node.
+    both = SlurmBackend(job_id=j, standby_partition="standby").joined(["node1"]).plan(["node2"], "hung PP group")
+    assert both.machines == ("node2",) and both.standbys == ("node3",)
+    assert both.commands == (
+        ("scontrol", "update", "nodename=node2,node1", "state=drain", "reason=hung PP group"),
+        ("scontrol", "requeue", j),
+        ("scontrol", "update", f"jobid={j}", "NumNodes=1", "NumTasks=1", "ExcNodeList=node2,node1"),
+    )
     backend = SlurmBackend(job_id=j)  # no standby partition: nothing replaces node2
     plan = backend.plan(["node2"], "slow NIC")
     assert plan.commands[1:] == (("scontrol", "requeue", j),
@@ -239,44 +318,62 @@ def test_too_few_standbys_plan_a_shrink_and_nodes_outside_the_job_are_refused(
 
 @slurm
 @pytest.mark.timeout(900)
-async def test_evicting_a_node_drains_it_and_the_job_restarts_on_the_standby(
+def test_evicting_a_node_drains_it_the_job_restarts_on_a_reserved_standby_and_attach_follows_it(
         cluster: LocalSlurmCluster, torch_job: TorchJob, tmp_path: Path) -> None:
+    j = torch_job.id
+    # The spare: node3, held in a reservation (a job may not run there until the eviction releases it).
+    cluster.run("scontrol", "create", "reservation", "ReservationName=spares", "Nodes=node3", "StartTime=now",
+                "Duration=60", "Users=root")
     state = tmp_path / "state" / "%n"
-    session = SlurmAgents(torch_job.id, env=cluster.env(), start_timeout_s=180, state_dir=str(state),
-                          extra_agent_args=("--slurm-standby-partition", "standby"))
-    await asyncio.to_thread(session.start)
-    try:
-        request = ActionRequest("evict-node2", ActionKind.EVICT, Targets(("node2",)),
-                                EvictArgs("rankscope test: PP group hung"), "alice")
-        async with JobClient(list(session.agents.values()), session.token, tls=session.tls, acting=True,
-                             deadline_s=120) as client:
-            plans = await client.plan_action(request)
-            (plan,) = plans.values()
-            assert isinstance(plan, ActionPlan), plan
-            j = torch_job.id
-            assert plan.commands == (
-                ("scontrol", "update", "nodename=node2", "state=drain", "reason=rankscope test: PP group hung"),
-                ("scontrol", "requeue", j),
-                ("scontrol", "update", f"jobid={j}", "ExcNodeList=node2"),
-            )
-            assert plan.standbys == ("node3",)
-            updates = [u async for u in client.run_action(request, Confirmation(("node2",), (), "evict node2"))]
-        results = [u.event for u in updates if isinstance(u.event, ActionResult)]
-    finally:
-        await asyncio.to_thread(session.stop)
-    # The agent was inside the job: the requeue ended its step, so its stream may have broken after the
-    # result was recorded. The audit log on the node is the record either way.
-    audit = AuditLog(Path(str(state).replace("%n", "node2")) / "audit.sqlite")
-    recorded = audit.result_of("evict-node2")
-    assert recorded is not None and recorded.state == ActionState.SUCCEEDED, (recorded, results)
-    assert any(d == f"exit 0: scontrol requeue {j}" for d in recorded.details), recorded.details
-    assert cluster.node_state("node2") in ("drained", "draining")
-    wait_for(lambda: cluster.job_field(j, "%T %N") == "RUNNING node[1,3]", 180,
-             f"job {j} running again on node1 and the standby node3 ({cluster.job_field(j, '%T %N %R')}; "
-             f"{cluster.run('scontrol', 'show', 'job', j).stdout})")
-    wait_for(lambda: "restart=1" in torch_job.output(), 60, f"the restarted batch script: {torch_job.output()}")
-    assert "start nodes=node[1,3] restart=1" in torch_job.output()
+    request = ActionRequest("evict-node2", ActionKind.EVICT, Targets(("node2",)),
+                            EvictArgs("rankscope test: PP group hung"), "alice")
+    # What `attach --slurm J` runs: agents in the job, their lease renewed, followed across the requeue.
+    with slurm_target(j, env=cluster.env(), state_dir=str(state), agent_args=("--slurm-standby-reservation", "spares"),
+                      start_timeout_s=180, follow=True) as target:
+        assert target.hostfile is not None
+        first = hostfile_members(target.hostfile)[0]
+        assert sorted(first) == sorted(target.agents) and len(first) == 2
+
+        async def evict() -> tuple[ActionPlan | ActionError, list[ActionResult]]:
+            async with JobClient(target.agents, target.token, tls=target.tls, acting=True,
+                                 deadline_s=120) as client:
+                (plan,) = (await client.plan_action(request)).values()
+                updates = [u async for u in client.run_action(request, Confirmation(("node2",), (), "evict node2"))]
+            return plan, [u.event for u in updates if isinstance(u.event, ActionResult)]
+
+        plan, results = asyncio.run(evict())
+        assert isinstance(plan, ActionPlan), plan
+        assert plan.commands == (
+            ("scontrol", "update", "nodename=node2", "state=drain", "reason=rankscope test: PP group hung"),
+            ("scontrol", "delete", "reservationname=spares"),
+            ("scontrol", "requeue", j),
+            ("scontrol", "update", f"jobid={j}", "ExcNodeList=node2"),
+        )
+        assert plan.standbys == ("node3",)
+        # The agent was inside the job: the requeue ended its step, so its stream may have broken after the
+        # result was recorded. The audit log on the node is the record either way.
+        audit = AuditLog(Path(str(state).replace("%n", "node2")) / "audit.sqlite")
+        recorded = audit.result_of("evict-node2")
+        assert recorded is not None and recorded.state == ActionState.SUCCEEDED, (recorded, results)
+        assert any(d == f"exit 0: scontrol requeue {j}" for d in recorded.details), recorded.details
+        assert cluster.node_state("node2") in ("drained", "draining")
+        wait_for(lambda: cluster.job_field(j, "%T %N") == "RUNNING node[1,3]", 180,
+                 f"job {j} running again on node1 and the standby node3 ({cluster.job_field(j, '%T %N %R')}; "
+                 f"{cluster.run('scontrol', 'show', 'job', j).stdout})")
+        wait_for(lambda: "restart=1" in torch_job.output(), 60, f"the restarted batch script: {torch_job.output()}")
+        assert "start nodes=node[1,3] restart=1" in torch_job.output()
+        # attach follows the job: agents started again on its new nodes, listed in the session's hostfile.
+        wait_for(lambda: sorted(hostfile_members(target.hostfile)[0]) != sorted(first)  # type: ignore[arg-type]
+                 and len(hostfile_members(target.hostfile)[0]) == 2, 300,  # type: ignore[arg-type]
+                 "the agents of the requeued job's new allocation")
+        wait_for(lambda: torch_job.ready() == 2 * RANKS_PER_NODE, READY_TIMEOUT_S, "the restarted job's 8 ranks")
+        followed = hostfile_members(target.hostfile)[0]
+        snap = capture_once(followed, target.token, tls=target.tls, deadline_s=120, timeout_s=60)
+        by_machine = {m.machine: sorted(r.rank for r in m.ranks) for m in snap.machines}
+        assert by_machine == {"node1": [0, 1, 2, 3], "node3": [4, 5, 6, 7]}
+        assert len([s for s in cluster.steps(j) if "rankscope" in s]) == 1  # the new agent step, only
     assert agent_processes() == []
+    assert [s for s in cluster.steps(j) if "rankscope" in s] == []
     cluster.run("scontrol", "update", "nodename=node2", "state=resume")
 
 

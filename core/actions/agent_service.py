@@ -584,7 +584,7 @@ class ActionService:
                 machines=machines, processes=processes, standbys=standbys, steps=steps, warnings=tuple(warnings),
                 typed_confirmation=True, confirm_phrase=confirm_phrase_for(ActionKind.EVICT, machines))
             return _Planned(plan, ranks, 3)
-        backend_plan = self.backend.plan(machines, request.args.reason)
+        backend_plan = self.backend.joined(request.args.together).plan(machines, request.args.reason)
         plan = ActionPlan(
             action_id=request.action_id, kind=ActionKind.EVICT,
             summary=f"evict {self.machine} via {self.backend.name} (ranks {rank_list})",
@@ -864,7 +864,7 @@ class ActionService:
                        report: Report) -> tuple[ActionState, str, tuple[str, ...]]:
         assert isinstance(request.args, EvictArgs) and self.backend is not None
         report(f"running {len(planned.plan.commands)} {self.backend.name} command(s)")
-        outcome = self.backend.evict(planned.plan.machines, request.args.reason)
+        outcome = self.backend.joined(request.args.together).evict(planned.plan.machines, request.args.reason)
         details = tuple(f"exit {run.returncode}: {' '.join(run.argv)}" for run in outcome.runs)
         if outcome.replacements:
             details += (f"replacements: {' '.join(outcome.replacements)}",)

@@ -39,6 +39,7 @@ stand-ins that record their argv).
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 from abc import ABC, abstractmethod
@@ -128,6 +129,14 @@ class EvictionBackend(ABC):
     def _success_message(self, plan: EvictionPlan) -> str:
         return f"evicted {' '.join(plan.machines)} via {self.name}"
 
+    def joined(self, together: Sequence[str]) -> EvictionBackend:
+        """This backend for an eviction that also takes ``together`` (other agents' machines) out.
+
+        Most backends act per machine and ignore them; one that restarts the
+        whole job must take them out in the same step (see SlurmBackend).
+        """
+        return self
+
 
 def _checked(machines: Sequence[str], reason: str) -> tuple[tuple[str, ...], str]:
     if not machines:
@@ -187,6 +196,7 @@ class SlurmBackend(_CommandBackend):
         self.sinfo = sinfo
         self.standby_partition = check_machine(standby_partition) if standby_partition else None
         self.standby_reservation = check_machine(standby_reservation) if standby_reservation else None
+        self.together: tuple[str, ...] = ()  # see joined()
 
     # ---- what Slurm says ---------------------------------------------------------
 
@@ -208,13 +218,18 @@ class SlurmBackend(_CommandBackend):
 
         return parse_fields(self._ask(self.scontrol, "show", "job", "-o", self.job_id).strip())
 
+    def _reserved(self) -> tuple[str, ...]:
+        from rankscope.slurm import parse_fields
+
+        if not self.standby_reservation:
+            return ()
+        fields = parse_fields(self._ask(self.scontrol, "show", "reservation", "-o", self.standby_reservation))
+        return self._hostnames(fields.get("Nodes", ""))
+
     def standbys(self) -> tuple[str, ...]:
         """Idle nodes of the standby partition or reservation, in Slurm's order."""
         if self.standby_reservation:
-            from rankscope.slurm import parse_fields
-
-            fields = parse_fields(self._ask(self.scontrol, "show", "reservation", "-o", self.standby_reservation))
-            members = self._hostnames(fields.get("Nodes", ""))
+            members = self._reserved()
             if not members:
                 return ()
             idle = self._ask(self.sinfo, "-h", "-N", "-t", "idle", "-n", ",".join(members), "-o", "%N").split()
@@ -226,15 +241,19 @@ class SlurmBackend(_CommandBackend):
 
     # ---- the plan ----------------------------------------------------------------
 
+    def joined(self, together: Sequence[str]) -> SlurmBackend:
+        """A requeue ends every step of the job, the other nodes' agents included, possibly before they
+        drained their nodes: so each agent drains and excludes the action's other nodes too (the first
+        to run does it all; draining twice is harmless)."""
+        other = copy.copy(self)
+        other.together = tuple(dict.fromkeys(check_machine(m) for m in together))
+        return other
+
     def plan(self, machines: Sequence[str], reason: str) -> EvictionPlan:
         names, reason = _checked(machines, reason)
-        joined = ",".join(names)
-        commands: list[tuple[str, ...]] = [
-            (self.scontrol, "update", f"nodename={joined}", "state=drain", f"reason={reason}"),
-        ]
-        steps = [f"drain {' '.join(names)} with reason {reason!r} (Slurm allocates them to no job until resumed)"]
-        chosen: tuple[str, ...] = ()
-        warnings: list[str] = []
+        together: tuple[str, ...] = ()
+        job: dict[str, str] = {}
+        nodes: tuple[str, ...] = ()
         if self.restart == "requeue":
             job = self.job()
             nodes = self._hostnames(job.get("NodeList", ""))
@@ -243,23 +262,45 @@ class SlurmBackend(_CommandBackend):
                 raise RankscopeError(f"{' '.join(outside)} are not nodes of job {self.job_id} "
                                      f"(it runs on {' '.join(nodes) or 'no nodes'})",
                                      "evict only the job's own nodes")
+            # The action's other nodes that are this job's: their agents would be ended by our requeue.
+            together = tuple(m for m in self.together if m in nodes and m not in names)
+        drained = (*names, *together)
+        joined = ",".join(drained)
+        commands: list[tuple[str, ...]] = [
+            (self.scontrol, "update", f"nodename={joined}", "state=drain", f"reason={reason}"),
+        ]
+        steps = [f"drain {' '.join(drained)} with reason {reason!r} (Slurm allocates them to no job until resumed)"
+                 + (f"; {' '.join(together)} {'is' if len(together) == 1 else 'are'} evicted in the same action, "
+                    "and the requeue would end their agents before they act" if together else "")]
+        chosen: tuple[str, ...] = ()
+        warnings: list[str] = []
+        if self.restart == "requeue":
+            names_all = drained
             num_nodes = len(nodes)
             num_tasks = _leading_int(job.get("NumTasks", "")) or num_nodes
-            remaining = tuple(n for n in nodes if n not in names)
-            chosen = tuple(n for n in self.standbys() if n not in nodes)[:len(names)]
+            remaining = tuple(n for n in nodes if n not in names_all)
+            chosen = tuple(n for n in self.standbys() if n not in nodes)[:len(names_all)]
             size = len(remaining) + len(chosen)
             if size == 0:
-                raise RankscopeError(f"evicting {' '.join(names)} leaves job {self.job_id} no node to run on",
+                raise RankscopeError(f"evicting {' '.join(names_all)} leaves job {self.job_id} no node to run on",
                                      "name a standby partition or reservation with idle nodes, or evict fewer nodes")
+            if self.standby_reservation and chosen:
+                # A job may not use reserved nodes: the chosen standbys leave the reservation first.
+                rest = [n for n in self._reserved() if n not in chosen]
+                commands.append((self.scontrol, "update", f"reservationname={self.standby_reservation}",
+                                 f"nodes={','.join(rest)}") if rest else
+                                (self.scontrol, "delete", f"reservationname={self.standby_reservation}"))
+                steps.append(f"take {' '.join(chosen)} out of reservation {self.standby_reservation} "
+                             "so the job may run there")
             commands.append((self.scontrol, "requeue", self.job_id))
             steps.append(f"requeue job {self.job_id}: its steps end and it waits to start again")
             # Keep what the job already excluded.
-            excluded = ",".join(dict.fromkeys((*self._hostnames(job.get("ExcNodeList", "")), *names)))
+            excluded = ",".join(dict.fromkeys((*self._hostnames(job.get("ExcNodeList", "")), *names_all)))
             update: tuple[str, ...] = (self.scontrol, "update", f"jobid={self.job_id}")
             if size < num_nodes:
                 tasks = max(1, num_tasks // num_nodes) * size
                 commands.append((*update, f"NumNodes={size}", f"NumTasks={tasks}", f"ExcNodeList={excluded}"))
-                warnings.append(f"only {len(chosen)} idle standby node(s) for {len(names)} evicted: job "
+                warnings.append(f"only {len(chosen)} idle standby node(s) for {len(names_all)} evicted: job "
                                 f"{self.job_id} shrinks from {num_nodes} to {size} nodes; its script must size "
                                 "itself from $SLURM_JOB_NUM_NODES")
             else:
@@ -287,9 +328,12 @@ class SlurmBackend(_CommandBackend):
         for index, argv in enumerate(plan.commands):
             run = self._run(argv)
             runs.append(run)
-            overtaken = run.returncode < 0 or "pending execution" in run.stderr.lower()
-            if run.returncode != 0 and index > 0 and self.restart == "requeue" and overtaken \
-                    and self._already_pending():
+            # Slurm refuses a second requeue with "Job is pending execution" while the first is under way
+            # (the job may still read RUNNING until its steps end); a command killed by a signal was ended by
+            # that requeue -- our drain too, when an agent drained our nodes with its own.
+            refused = index > 0 and "pending execution" in run.stderr.lower()
+            killed = run.returncode < 0 and (index > 0 or self._drained(plan.machines)) and self._requeue_under_way()
+            if run.returncode != 0 and self.restart == "requeue" and (refused or killed):
                 return EvictionOutcome(True, plan.machines,
                                        f"drained {' '.join(plan.machines)}; job {self.job_id} was already requeued "
                                        "(by another node's agent)", tuple(runs), plan.standbys)
@@ -299,11 +343,21 @@ class SlurmBackend(_CommandBackend):
                                        tuple(runs))
         return EvictionOutcome(True, plan.machines, self._success_message(plan), tuple(runs), plan.standbys)
 
-    def _already_pending(self) -> bool:
+    def _drained(self, machines: Sequence[str]) -> bool:
         try:
-            return self.job().get("JobState", "") in self.PENDING
+            out = self._ask(self.sinfo, "-h", "-N", "-n", ",".join(machines), "-o", "%N %T")
         except RankscopeError:
             return False
+        states = dict(line.split(None, 1) for line in out.splitlines() if len(line.split()) == 2)
+        return bool(machines) and all(states.get(m, "").startswith("drain") for m in machines)
+
+    def _requeue_under_way(self) -> bool:
+        """The job is requeued, or still ending its run for a requeue (not cancelled, failed or done)."""
+        try:
+            job = self.job()
+        except RankscopeError:
+            return False
+        return job.get("JobState", "") in self.PENDING or job.get("JobState", "") == "RUNNING"
 
     def _success_message(self, plan: EvictionPlan) -> str:
         if self.restart == "requeue":

@@ -118,9 +118,15 @@ class Targets:
 @dataclass(frozen=True, slots=True)
 class EvictArgs:
     reason: str
+    # The machines this one is evicted together with in the same action (filled in by the client for each
+    # agent's part): a backend that restarts the whole job (a Slurm requeue) must take them out in the same
+    # step, since its restart ends the other agents before they act.
+    together: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_text(self.reason, "eviction reason")
+        for m in self.together:
+            check_machine(m)
 
 
 @dataclass(frozen=True, slots=True)

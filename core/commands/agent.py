@@ -78,6 +78,9 @@ def register(sub: Any) -> None:
                    help="with --slurm-scope: evicted nodes are replaced by idle nodes of this partition")
     p.add_argument("--slurm-standby-reservation",
                    help="with --slurm-scope: evicted nodes are replaced by idle nodes of this reservation")
+    p.add_argument("--lease", type=float, default=0.0, metavar="SECONDS",
+                   help="stop by itself when no client called with an accepted token for this long (its client "
+                        "is gone); `attach/snapshot/watch --slurm` start agents with a lease and renew it")
     p.add_argument("--announce", action="store_true",
                    help="print 'RANKSCOPE_AGENT_READY machine=... host=... port=...' on stdout once listening")
     p.add_argument("--machine-name",
@@ -117,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.concurrency < 1:
         raise RankscopeError("--concurrency must be at least 1", "use the default, 8")
+    if args.lease < 0:
+        raise RankscopeError("--lease must be 0 (none) or a number of seconds", "e.g. --lease 60")
     tokens = load_tokens(args.token_file)
     if args.token_file is not None and args.token_file.stat().st_mode & 0o077:
         print(f"rankscope agent: warning: {args.token_file} can be read by other users; "
@@ -157,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         slurm_job=slurm_job,
         slurm_node=slurm_node,
+        lease_s=args.lease,
     )
     if args.relay_to:
         from rankscope.agents_spec import parse_agents

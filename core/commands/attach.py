@@ -125,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
         extra += ["--slurm-standby-partition", args.standby_partition]
     if args.standby_reservation:
         extra += ["--slurm-standby-reservation", args.standby_reservation]
-    with open_target(args, role=role, state_dir=state_dir, agent_args=extra) as target:
+    with open_target(args, role=role, state_dir=state_dir, agent_args=extra, follow=True) as target:
+        if target.hostfile is not None:
+            options["hostfile"] = target.hostfile  # the agents of the job's new nodes after a requeue
         if not target.agents:
             raise RankscopeError("no agents given", "pass --agents host:port[,...], --hostfile FILE, or --bundle FILE")
         from rankscope.slurm import missing_lines

@@ -78,7 +78,8 @@ def register(sub: Any) -> None:
     p.add_argument("--launcher", choices=("local", "slurm"), default="local",
                    help="local: torchrun nodes started here (default); slurm: a local multi-node Slurm cluster "
                         "(or the one $SLURM_CONF names) runs the job as one sbatch, and the incident is handled "
-                        "end to end: attach --slurm, evict the suspects (drain, requeue), resume (headless)")
+                        "end to end: attach --slurm (the TUI, or headless with --headless/--json), evict the suspects "
+                        "(drain, requeue), resume")
     p.add_argument("--json", action="store_true", help="print the report as JSON (with --headless or --suite)")
     p.add_argument("--suite", choices=("failslow",),
                    help="run the fail-slow scorecard instead of one drill: slow faults at seeded random ranks plus "
@@ -159,22 +160,41 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_slurm(args: argparse.Namespace) -> int:
-    from rankscope.drill.slurm_drill import SlurmDrillConfig, run_slurm_drill
+    from rankscope.drill.slurm_drill import SlurmDrillConfig, run_slurm_drill, run_slurm_drill_attached
 
-    args.headless = True
+    attached = not (args.headless or args.json)
+    if attached:
+        try:
+            import rankscope.tui.app  # noqa: F401
+        except ImportError:
+            print("rankscope drill: the TUI is not available here; running headless", file=sys.stderr)
+            attached = False
+    args.headless = not attached
     base = build_config(args)
     layout = base.layout
     standbys = args.standbys if args.standbys is not None else min(max(layout.pp, layout.dp), layout.machines)
     config = SlurmDrillConfig(layout=layout, plan=base.plan, training=base.training, run_dir=args.run_dir,
                               standbys=standbys, stall_seconds=args.stall_seconds,
                               start_timeout_s=max(args.start_timeout, 300.0), stall_timeout_s=args.stall_timeout)
-    report = run_slurm_drill(config, on_event=lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    from rankscope.slurm import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():  # a kill or a closed pane still stops the job and the cluster it started
+        if attached:
+            report = run_slurm_drill_attached(config, on_event=say)
+            keys: tuple[str, ...] = ("job", "nodes", "drained", "restarts", "now_on", "steps", "resumed_from")
+        else:
+            report = run_slurm_drill(config, on_event=say)
+            keys = ("job", "nodes", "verdict", "evicted", "drained", "restarted_on", "resumed_from", "resumed")
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
-        for key in ("job", "nodes", "verdict", "evicted", "drained", "restarted_on", "resumed_from", "resumed"):
+        for key in keys:
             print(f"{key}: {report.get(key)}")
-    return 0
+    return int(report.get("tui_exit", 0))
 
 
 def _run_suite(args: argparse.Namespace) -> int:

@@ -85,41 +85,77 @@ def _wait(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
                          "the machine may be overloaded: raise --start-timeout/--stall-timeout, or read the run dir")
 
 
-def run_slurm_drill(config: SlurmDrillConfig, on_event: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The whole incident on Slurm; returns the report (``rankscope drill --launcher slurm --json``)."""
-    from rankscope.slurm_cluster import LocalSlurmCluster
+@dataclass
+class SlurmDrillJob:
+    """The drill's cluster (or the one SLURM_CONF names) and its training job, while the ``with`` block lasts."""
 
+    config: SlurmDrillConfig
+    say: Callable[[str], None]
+    run_dir: Path = Path()
+    env: dict[str, str] | None = None
+    job: str = ""
+    report: dict[str, Any] | None = None
+    _cluster: Any = None
+
+    def __enter__(self) -> SlurmDrillJob:
+        config, layout = self.config, self.config.layout
+        self.run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix="rankscope-slurm-drill-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ)
+        self.report = {"launcher": "slurm", "run_dir": str(self.run_dir), "fault": config.plan.name,
+                       "world": layout.world}
+        try:
+            if os.environ.get("SLURM_CONF") is None:
+                from rankscope.slurm_cluster import LocalSlurmCluster
+
+                nodes = layout.machines + config.standbys
+                standby_numbers = tuple(range(layout.machines + 1, nodes + 1))
+                self._cluster = LocalSlurmCluster(
+                    self.run_dir / "slurm", nodes=nodes,
+                    partitions={config.standby_partition: standby_numbers} if standby_numbers else {})
+                self._cluster.start()
+                self.env = self._cluster.env()
+                self.say(f"local Slurm cluster: {nodes} nodes ({config.standbys} standby) under "
+                         f"{self.run_dir / 'slurm'}")
+            self.report["slurm_conf"] = self.env.get("SLURM_CONF")
+            self.job = _submit(config, self.run_dir, self.env, self._cluster)
+            self.report["job"] = self.job
+            self.say(f"job {self.job}: {layout.world} ranks on {layout.machines} nodes, fault {config.plan.name}")
+            _wait(lambda: _all_at(self.run_dir, layout.world, 1), config.start_timeout_s, "every rank's first step")
+            self.report["nodes"] = list(_job_nodes(self.job, self.env))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.job:
+            from rankscope.slurm import run_cli
+
+            run_cli(["scancel", self.job], env=self.env, timeout_s=30)
+        if self._cluster is not None:
+            self._cluster.stop()
+
+    def agent_args(self) -> tuple[str, ...]:
+        counters = ("--counter-dir", str(self.run_dir / "counters"))
+        if self.config.standbys:
+            return (*counters, "--slurm-standby-partition", self.config.standby_partition)
+        return counters
+
+    def state_dir(self) -> str:
+        return str(self.run_dir / "state" / "%n")
+
+
+def run_slurm_drill(config: SlurmDrillConfig, on_event: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The whole incident on Slurm, headless; returns the report (``rankscope drill --launcher slurm --json``)."""
     say = on_event or (lambda _m: None)
-    run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix="rankscope-slurm-drill-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    layout = config.layout
-    existing = os.environ.get("SLURM_CONF")
-    cluster: LocalSlurmCluster | None = None
-    env = dict(os.environ)
-    job = ""
-    report: dict[str, Any] = {"launcher": "slurm", "run_dir": str(run_dir), "fault": config.plan.name,
-                              "world": layout.world}
-    try:
-        if existing is None:
-            nodes = layout.machines + config.standbys
-            standby_numbers = tuple(range(layout.machines + 1, nodes + 1))
-            cluster = LocalSlurmCluster(run_dir / "slurm", nodes=nodes,
-                                        partitions={config.standby_partition: standby_numbers} if standby_numbers else {})
-            cluster.start()
-            env = cluster.env()
-            say(f"local Slurm cluster: {nodes} nodes ({config.standbys} standby) under {run_dir / 'slurm'}")
-        report["slurm_conf"] = env.get("SLURM_CONF")
-        job = _submit(config, run_dir, env, cluster)
-        report["job"] = job
-        say(f"job {job}: {layout.world} ranks on {layout.machines} nodes, fault {config.plan.name}")
-        world = layout.world
-        _wait(lambda: _all_at(run_dir, world, 1), config.start_timeout_s, "every rank's first step")
-        first_nodes = _job_nodes(job, env)
-        report["nodes"] = list(first_nodes)
+    with SlurmDrillJob(config, say) as d:
+        assert d.report is not None and d.env is not None
+        report, env, job, run_dir, world = d.report, d.env, d.job, d.run_dir, config.layout.world
         stall_step = _wait_stalled(run_dir, world, config)
         report["stalled_at_steps"] = stall_step
         say(f"progress stopped at steps {stall_step}")
-        report.update(_attach_and_evict(config, job, env, run_dir))
+        report.update(_attach_and_evict(config, d))
         say(f"evicted {' '.join(report['evicted'])}; waiting for Slurm to restart job {job}")
         requeued_wall = report["evicted_wall"]
         _wait(lambda: _state(job, env).startswith("RUNNING") and set(_job_nodes(job, env)).isdisjoint(
@@ -135,13 +171,41 @@ def run_slurm_drill(config: SlurmDrillConfig, on_event: Callable[[str], None] | 
         report["resumed_from"] = _resume_lines(run_dir)
         say(f"job {job} resumed on {' '.join(report['restarted_on'])}: {report['resumed_from'] or 'see logs'}")
         return report
-    finally:
-        if job:
-            from rankscope.slurm import run_cli
 
-            run_cli(["scancel", job], env=env, timeout_s=30)
-        if cluster is not None:
-            cluster.stop()
+
+def run_slurm_drill_attached(config: SlurmDrillConfig, on_event: Callable[[str], None] | None = None,
+                             **tui_options: Any) -> dict[str, Any]:
+    """The incident on Slurm with the TUI attached by job id, as `rankscope attach --slurm J` would.
+
+    The person at the keyboard sees the hang, presses `e`: the suspect nodes
+    are drained and the job requeued; the agents follow the job to its new
+    nodes and the TUI shows it resume. When the TUI quits the job is
+    cancelled and the cluster stopped; the report says what Slurm did.
+    """
+    from rankscope.commands.target import slurm_target
+    from rankscope.tui.app import run_attach
+
+    say = on_event or (lambda _m: None)
+    with SlurmDrillJob(config, say) as d:
+        assert d.report is not None and d.env is not None
+        say(f"attaching to job {d.job} with --slurm (agents inside the job, TLS) ...")
+        with slurm_target(d.job, env=d.env, state_dir=d.state_dir(), agent_args=d.agent_args(), follow=True,
+                          start_timeout_s=config.capture_timeout_s * 6) as target:
+            started = time.time()
+            code = run_attach(target.agents, target.token, layout=config.layout.to_snapshot_layout(),
+                              read_only=False, tls=target.tls, hostfile=target.hostfile,
+                              hang_after_s=config.stall_seconds, **tui_options)
+        report = d.report
+        report["tui_exit"] = int(code or 0)
+        info_nodes = _job_nodes(d.job, d.env) if _state(d.job, d.env).startswith("RUNNING") else ()
+        report["now_on"] = list(info_nodes)
+        report["restarts"] = _restarts(d.job, d.env)
+        drained = [n for n in report["nodes"] if _node_state(n, d.env).startswith("drain")]
+        report["drained"] = drained
+        progress = read_progress(d.run_dir)
+        report["steps"] = {r: p.step for r, p in sorted(progress.items()) if p.wall >= started}
+        report["resumed_from"] = _resume_lines(d.run_dir)
+        return report
 
 
 def _submit(config: SlurmDrillConfig, run_dir: Path, env: dict[str, str], cluster: Any) -> str:
@@ -150,6 +214,7 @@ def _submit(config: SlurmDrillConfig, run_dir: Path, env: dict[str, str], cluste
     script = run_dir / "drill-job.sh"
     script.write_text(batch_script(config, run_dir, free_port()), encoding="utf-8")
     job_env = dict(env, **{RUN_ID_ENV: "slurm-drill", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    job_env.update(_counter_env(run_dir))
     if config.plan.name != "none":
         job_env[FAULT_ENV] = config.plan.to_env()
     blockers: list[str] = []
@@ -172,6 +237,17 @@ def _submit(config: SlurmDrillConfig, run_dir: Path, env: dict[str, str], cluste
     return job
 
 
+def _counter_env(run_dir: Path) -> dict[str, str]:
+    """The CCL counter plugin in every rank, as ``rankscope run`` and the local drill load it ({} without it)."""
+    try:
+        from rankscope.ccl_plugin import autoload
+
+        autoload.install_pth()
+        return autoload.ccl_env(run_dir / "counters", "slurm-drill")
+    except (ImportError, OSError):
+        return {}
+
+
 def _state(job: str, env: dict[str, str]) -> str:
     from rankscope.slurm import run_cli
 
@@ -182,6 +258,12 @@ def _job_nodes(job: str, env: dict[str, str]) -> tuple[str, ...]:
     from rankscope.slurm import job_info
 
     return job_info(job, env).nodes
+
+
+def _restarts(job: str, env: dict[str, str]) -> int:
+    from rankscope.slurm import job_info
+
+    return int(job_info(job, env).fields.get("Restarts", "0") or 0)
 
 
 def _node_state(node: str, env: dict[str, str]) -> str:
@@ -210,17 +292,17 @@ def _wait_stalled(run_dir: Path, world: int, config: SlurmDrillConfig) -> dict[i
     raise RankscopeError(f"progress did not stop within {config.stall_timeout_s:g} s", "use a hang fault (hang-p2p)")
 
 
-def _attach_and_evict(config: SlurmDrillConfig, job: str, env: dict[str, str], run_dir: Path) -> dict[str, Any]:
+def _attach_and_evict(config: SlurmDrillConfig, d: SlurmDrillJob) -> dict[str, Any]:
     """What `rankscope attach --slurm J` and `e` do: capture, name the suspect machines, evict them."""
     from rankscope.client import capture_once
+    from rankscope.commands.target import slurm_target
     from rankscope.drill.control import evict_machines
-    from rankscope.slurm import SlurmAgents
 
     out: dict[str, Any] = {}
-    session = SlurmAgents(job, env=env, state_dir=str(run_dir / "state" / "%n"),
-                          extra_agent_args=("--slurm-standby-partition", config.standby_partition))
-    with session:
-        agents = list(session.agents.values())
+    run_dir = d.run_dir
+    with slurm_target(d.job, env=d.env, state_dir=d.state_dir(), agent_args=d.agent_args(),
+                      start_timeout_s=config.capture_timeout_s * 6) as session:
+        agents = session.agents
         snap = capture_once(agents, session.token, tls=session.tls, deadline_s=120, timeout_s=config.capture_timeout_s)
         out["captured_ranks"] = len(snap.rank_to_machine())
         out["agents_missing"] = [m.node for m in session.missing]
@@ -237,7 +319,7 @@ def _attach_and_evict(config: SlurmDrillConfig, job: str, env: dict[str, str], r
         machines = tuple(top.machines)
         out["evicted"] = list(machines)
         out["evicted_wall"] = time.time()
-        results = asyncio.run(evict_machines(agents, session.token, machines,
+        results = asyncio.run(evict_machines(agents, session.token or "", machines,
                                              f"rankscope drill: {verdict.summary}"[:200], tls=session.tls))
         out["eviction_results"] = [r.message for r in results]
     # The requeue ended the agent step: the audit logs on the nodes are the record.

@@ -1428,15 +1428,21 @@ class EvictArgs(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REASON_FIELD_NUMBER: _builtins.int
+    TOGETHER_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
+    @_builtins.property
+    def together(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the other machines evicted in the same action (a whole-job restart takes them too)"""
+
     def __init__(
         self,
         *,
         reason: _builtins.str = ...,
+        together: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "together", b"together"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
