@@ -123,7 +123,11 @@ def test_a_capture_of_ranks_still_starting_is_never_a_steady_state_verdict() -> 
 def test_without_counters_a_rank_that_never_stepped_is_unknown_unless_its_stack_shows_it_starting() -> None:
     bare = snap(T0 + 5, progress=None, started=T0)
     bare = replace(bare, machines=tuple(replace(m, counters=()) for m in bare.machines))
-    s = fold([bare])
+    # Processes 5 s old with no counter file yet (a restart's ranks importing torch): starting, not "no plugin".
+    assert st.health(fold([bare])) == st.Health("starting", "starting: 4 ranks before their first step")
+    old = replace(bare, captured=Instant(T0 + 45, 45.0),
+                  machines=tuple(replace(m, captured=Instant(T0 + 45, 45.0)) for m in bare.machines))
+    s = fold([old])
     assert st.health(s).kind == "unknown" and "no counters" in st.health(s).text
     assert not any(e.kind == "hung" for e in fold([replace(bare, captured=Instant(T0 + 90, 90.0))]).events)
     # Its stack in the import machinery says what the counters could not: a capture of it is no steady state.
@@ -135,6 +139,20 @@ def test_without_counters_a_rank_that_never_stepped_is_unknown_unless_its_stack_
     s = fold([importing], s)
     assert s.verdict is not None and s.verdict.starting == (0, 1, 2, 3)
     assert st.verdict_stale(s) == "taken while ranks 0-3 were still starting"
+
+
+def test_ranks_caught_importing_are_starting_however_long_their_imports_take() -> None:
+    # On a loaded host a restart's ranks imported for longer than --hang-after; a capture then named one of them
+    # "computing" in <module> (pstats.py) and, fresh, aimed `e` at its machine.
+    frames = (Frame("<module>", "pstats.py", 1), Frame("_call_with_frames_removed", "<frozen importlib._bootstrap>", 241),
+              Frame("main", "train.py", 1))
+    late = snap(T0 + 45, progress=None, started=T0, stacks="x")
+    late = replace(late, machines=tuple(replace(m, stacks=tuple(
+        replace(rs, main=replace(rs.main, threads=(ThreadStack(1, frames, "MainThread"),))) if rs.rank == 2 else rs
+        for rs in m.stacks)) for m in late.machines))
+    s = fold([late])
+    assert s.verdict is not None and 2 in s.verdict.starting
+    assert (st.verdict_stale(s) or "").startswith("taken while ranks"), st.verdict_stale(s)
 
 
 def test_no_ranks_is_stopping_then_finished_and_a_late_view_agrees() -> None:
@@ -179,6 +197,10 @@ def test_between_an_eviction_and_the_restart_the_job_is_restarting_not_finished(
     s = st.apply_evicted(s, ["machine-1"], T0 + 3)
     s = fold([snap(T0 + 60, progress=None, ranks=False, seen=T0 + 4, unreachable=("machine-1",))], s)
     assert st.health(s) == st.Health("idle", "no ranks running since 22:13:24: the job restarts after the eviction")
+    # The launcher restarts the remaining machines' agents with the job: for a while none answers. Not "lost".
+    down = fold([snap(T0 + 62, progress=None, unreachable=MACHINES)], s)
+    assert st.health(down) == st.Health("idle", "the job restarts after the eviction: its agents do not answer yet")
+    assert "1 restarting 1 evicted" in header(down) and "lost" not in header(down), header(down)
     s = fold([snap(T0 + 70, progress=None, started=T0 + 65, pids=3000, unreachable=("machine-1",))], s)
     assert s.restarts == 1 and not s.awaiting_restart
     assert st.health(s).kind == "starting"

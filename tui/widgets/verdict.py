@@ -43,7 +43,9 @@ def header_text(state: AppState, source: str, read_only: bool, hang_after_s: flo
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("HUNG" + h.text[4:] if h.kind == "hung" else h.text, HEALTH_STYLES[h.kind])
     t.append(f" │ {reachable}/{len(job)} machines")
-    if lost:
+    if lost and state.awaiting_restart:  # after an eviction the job's agents restart with it: not lost
+        t.append(f" {lost} restarting", "yellow")
+    elif lost:
         t.append(f" {lost} lost", "bold red")
     if evicted:
         t.append(f" {evicted} evicted", "yellow")
