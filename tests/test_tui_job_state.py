@@ -161,6 +161,7 @@ def test_no_ranks_is_stopping_then_finished_and_a_late_view_agrees() -> None:
     assert st.health(s) == st.Health("idle", "no ranks running since 22:13:22 (stopping or restarting)")
     s = fold([snap(T0 + 40, progress=None, ranks=False, seen=T0 + 2)], s)
     assert st.health(s) == st.Health("finished", "finished: no ranks running since 22:13:22")
+    assert "│ - steps/s" in header(s), header(s)  # the steps of the window are not a rate of a finished job
     late = fold([snap(T0 + 40, progress=None, ranks=False, seen=T0 + 2)])
     assert st.health(late) == st.health(s)
     never = fold([snap(T0 + 40, progress=None, ranks=False, seen=None)])
