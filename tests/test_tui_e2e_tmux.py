@@ -269,6 +269,15 @@ def _drive_and_check(session: str, run_dir: Path,
     assert since(header(text)) == hung_since, (header(text), hung_since)
     assert since(header(screen(session))) == hung_since
 
+    # `b` during the hang: the plan says first that no shard can come (a hung rank reaches no step boundary); a
+    # person reads it and cancels -- the backup taken while training is what the restart resumes from.
+    tmux("send-keys", "-t", session, "b")
+    text = wait_screen(session, lambda t: "Run this on" in t and "Confirm" in t, 90, "the backup plan during the hang")
+    assert "Checkpoint backup — the job is hung since" in text, text
+    time.sleep(2)  # as confirm_modal: keys typed while the modal settles could be lost
+    tmux("send-keys", "-t", session, "Escape")
+    wait_screen(session, lambda t: "Run this on" not in t, 30, "the backup plan to close")
+
     # Capture (`s`) until the verdict names the pipeline group's machines.
     deadline = time.monotonic() + 120
     text = screen(session)

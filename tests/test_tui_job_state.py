@@ -86,6 +86,15 @@ def test_a_view_attached_late_says_what_the_view_that_watched_says_within_a_poll
     assert st.health(fold([snap(T0 + 20, progress=T0 + 19)])).kind == "healthy"
 
 
+def test_the_backup_modal_of_a_hung_job_says_first_that_no_shard_will_come() -> None:
+    from rankscope.tui.actions import backup_title
+
+    assert backup_title(fold([snap(T0 + 20, progress=T0 + 19)]), 30.0) == "Checkpoint backup"
+    hung = backup_title(fold([snap(T0 + 190, progress=T0 + 10)]), 30.0)
+    assert hung.startswith("Checkpoint backup — the job is hung since 22:13:30 (180 s): no rank reaches a step "
+                           "boundary, so no shard will come"), hung
+
+
 def test_ranks_before_their_first_step_are_starting_then_hung_if_they_never_step() -> None:
     s = fold([snap(T0 + 5, progress=None, started=T0)])
     assert st.health(s) == st.Health("starting", "starting: 4 ranks before their first step")
