@@ -164,6 +164,30 @@ def test_ranks_caught_importing_are_starting_however_long_their_imports_take() -
     assert (st.verdict_stale(s) or "").startswith("taken while ranks"), st.verdict_stale(s)
 
 
+def test_an_agent_silent_at_a_views_first_poll_is_one_machine_once_it_answers() -> None:
+    # At load ~80 a read-only view's first poll got no answer from one agent (named by its address, the client
+    # knowing no name yet); the agent answered under its name later and the header read "5/7 machines 2 lost".
+    first = snap(T0, progress=T0)
+    first = replace(first, machines=(first.machines[0], MachineSnapshot("127.0.0.1:59991", "127.0.0.1:59991", False,
+                                                                        None)))
+    s = fold([first, snap(T0 + 1, progress=T0 + 1)])
+    assert sorted(m.name for m in s.machines) == ["machine-0", "machine-1"]
+    assert "2/2 machines" in header(s) and "lost" not in header(s), header(s)
+
+
+def test_a_capture_without_progress_marks_is_not_stale_by_the_hangs_last_step() -> None:
+    hung = [snap(T0 + i, progress=T0 + 10) for i in range(40, 45)]
+    s = fold(hung)
+    blind = snap(T0 + 45, progress=T0 + 10, stacks="send")
+    blind = replace(blind, machines=tuple(replace(m, ranks=tuple(replace(r, last_progress_wall=None) for r in m.ranks),
+                                                  counters=()) for m in blind.machines))
+    s = fold([blind, snap(T0 + 46, progress=T0 + 10)], s)
+    assert s.verdict is not None and s.verdict.progress_mark is None
+    assert st.verdict_stale(s) is None, st.verdict_stale(s)  # the last step (T0+10) came before the capture
+    assert st.verdict_stale(fold([snap(T0 + 50, progress=T0 + 49)], s)) == \
+        "the job progressed after it (last step 22:14:09)"
+
+
 def test_no_ranks_is_stopping_then_finished_and_a_late_view_agrees() -> None:
     running = [snap(T0 + i, progress=T0 + i) for i in range(3)]
     s = fold([*running, snap(T0 + 10, progress=None, ranks=False, seen=T0 + 2)])

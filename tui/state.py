@@ -459,8 +459,11 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
         for m in d.machines
     )
     names = {m.name for m in machines}
+    addresses = {m.address for m in machines}
+    # A machine missing from this poll is kept (lost), unless its agent now answers under its name: an agent that
+    # did not answer a view's first poll was known by its address, and that stand-in stayed as a 7th machine.
     machines += tuple(replace(m, reachable=False, error="missing from the last poll") for m in state.machines
-                      if m.name not in names)
+                      if m.name not in names and m.address not in addresses)
     machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
     restarted, rank_pids = _restarted(state.rank_pids, machines)
     if restarted:
@@ -627,7 +630,10 @@ def verdict_stale(state: AppState) -> str | None:
         return f"taken while ranks {format_ranks(mark.starting, 4)} were still starting"
     clock = state.clock
     if mark.clock_info and clock is not None:
-        if clock.progress_mark is not None and (mark.progress_mark is None or clock.progress_mark > mark.progress_mark):
+        # A capture that carried no progress mark (its readings had none) is dated by its own time: a hang's
+        # last step before it is no progress after it.
+        before = mark.progress_mark if mark.progress_mark is not None else mark.wall
+        if clock.progress_mark is not None and clock.progress_mark > before:
             return f"the job progressed after it (last step {fmt_time(clock.progress_mark)})"
     elif state.progress_points and state.progress_points[-1][1] != mark.progress_count:
         return "the job progressed after it"
