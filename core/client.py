@@ -88,6 +88,10 @@ RESERVED_FDS = 128
 
 Call = Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]
 UNOWNED = "unowned"  # plan_action's key for targets no agent reports
+# A plan is asked once, by a person who waits for it: the poll deadline (made for readings repeated every
+# second) must not fail it. An agent's first plan after it (re)started imports its planning code and scans
+# /proc; on a loaded machine that took over 10 s and every agent answered "no answer" (the e2e tmux test).
+PLAN_DEADLINE_S = 30.0
 # Codes after which reconnecting cannot help: the watch stops and says why.
 _FINAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
@@ -365,14 +369,15 @@ class JobClient:
         Planning changes nothing and needs only the 'read' role.
         """
         parts, answers = await self._split(request)
+        deadline_s = max(self.deadline_s, PLAN_DEADLINE_S)
 
         async def one(address: str, part: ActionRequest) -> tuple[str, ActionPlan | ActionError]:
             try:
                 reply = await self._conn(address).stub.PlanAction(
-                    request_to_proto(part), metadata=self._metadata, timeout=self.deadline_s)
+                    request_to_proto(part), metadata=self._metadata, timeout=deadline_s)
                 return address, plan_from_proto(reply)
             except grpc.aio.AioRpcError as exc:
-                return address, action_error(address, exc, self.deadline_s, using_tls=self.tls is not None)
+                return address, action_error(address, exc, deadline_s, using_tls=self.tls is not None)
 
         for address, answer in await asyncio.gather(*(one(a, p) for a, p in parts.items())):
             answers[address] = answer
@@ -508,8 +513,9 @@ class JobClient:
             await asyncio.gather(*tasks.values(), return_exceptions=True)
 
     async def _split(self, request: ActionRequest) -> tuple[dict[str, ActionRequest], dict[str, ActionPlan | ActionError]]:
-        """Each owning agent's part of ``request`` (from one describe), and errors for what has no owner."""
-        job = await self.describe()
+        """Each owning agent's part of ``request`` (from one describe, with a plan's deadline), and errors for what
+        has no owner."""
+        job = await self._fan_out(self._describe_call, max(self.deadline_s, PLAN_DEADLINE_S))
         parts: dict[str, ActionRequest] = {}
         errors: dict[str, ActionPlan | ActionError] = {}
         members = [m for m in job.machines if m.address not in self.retired]  # evicted machines take no part

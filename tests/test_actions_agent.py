@@ -456,6 +456,29 @@ async def test_backup_plans_the_peers_and_fails_when_no_rank_writes_a_shard(
     assert result.state == ActionState.FAILED and "rank(s) 2 3 on m1 wrote no backup" in result.message
 
 
+async def test_a_plan_slower_than_the_poll_deadline_still_arrives(
+        procs: Processes, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An agent's first plan after it (re)started imports its planning code and scans /proc: on a loaded machine
+    # it took longer than the poll deadline, and every agent of the restarted job read as "no answer" (#12).
+    start_rank_tree(procs, 0, 2, run_id)
+    config = ActionsConfig(tmp_path / "s", layout=Layout(tp=2, ranks_per_machine=2))
+    deadline_s = 1.0
+    async with serving("m1", run_id, config) as agent, \
+            JobClient([agent.address], ACT, acting=True, deadline_s=deadline_s) as client:
+        assert agent.service is not None and agent.service.actions is not None
+        planner = agent.service.actions.plan
+
+        async def slow_plan(request: ActionRequest) -> ActionPlan:
+            await asyncio.sleep(3 * deadline_s)  # the planning code of the real agent, late
+            return await planner(request)
+
+        monkeypatch.setattr(agent.service.actions, "plan", slow_plan)
+        request = ActionRequest("bk-slow", ActionKind.BACKUP, Targets(), BackupArgs(), "alice")
+        plan = (await client.plan_action(request))[agent.address]
+    assert isinstance(plan, ActionPlan), plan
+    assert plan.machines == ("m1",) and "ranks 0 " in plan.summary
+
+
 # ---- the CLI: rankscope agent --state-dir --actions-config ------------------------------------
 
 

@@ -86,6 +86,15 @@ def test_a_view_attached_late_says_what_the_view_that_watched_says_within_a_poll
     assert st.health(fold([snap(T0 + 20, progress=T0 + 19)])).kind == "healthy"
 
 
+def test_the_backup_modal_of_a_hung_job_says_first_that_no_shard_will_come() -> None:
+    from rankscope.tui.actions import backup_title
+
+    assert backup_title(fold([snap(T0 + 20, progress=T0 + 19)]), 30.0) == "Checkpoint backup"
+    hung = backup_title(fold([snap(T0 + 190, progress=T0 + 10)]), 30.0)
+    assert hung.startswith("Checkpoint backup — the job is hung since 22:13:30 (180 s): no rank reaches a step "
+                           "boundary, so no shard will come"), hung
+
+
 def test_ranks_before_their_first_step_are_starting_then_hung_if_they_never_step() -> None:
     s = fold([snap(T0 + 5, progress=None, started=T0)])
     assert st.health(s) == st.Health("starting", "starting: 4 ranks before their first step")
@@ -123,7 +132,11 @@ def test_a_capture_of_ranks_still_starting_is_never_a_steady_state_verdict() -> 
 def test_without_counters_a_rank_that_never_stepped_is_unknown_unless_its_stack_shows_it_starting() -> None:
     bare = snap(T0 + 5, progress=None, started=T0)
     bare = replace(bare, machines=tuple(replace(m, counters=()) for m in bare.machines))
-    s = fold([bare])
+    # Processes 5 s old with no counter file yet (a restart's ranks importing torch): starting, not "no plugin".
+    assert st.health(fold([bare])) == st.Health("starting", "starting: 4 ranks before their first step")
+    old = replace(bare, captured=Instant(T0 + 45, 45.0),
+                  machines=tuple(replace(m, captured=Instant(T0 + 45, 45.0)) for m in bare.machines))
+    s = fold([old])
     assert st.health(s).kind == "unknown" and "no counters" in st.health(s).text
     assert not any(e.kind == "hung" for e in fold([replace(bare, captured=Instant(T0 + 90, 90.0))]).events)
     # Its stack in the import machinery says what the counters could not: a capture of it is no steady state.
@@ -137,12 +150,51 @@ def test_without_counters_a_rank_that_never_stepped_is_unknown_unless_its_stack_
     assert st.verdict_stale(s) == "taken while ranks 0-3 were still starting"
 
 
+def test_ranks_caught_importing_are_starting_however_long_their_imports_take() -> None:
+    # On a loaded host a restart's ranks imported for longer than --hang-after; a capture then named one of them
+    # "computing" in <module> (pstats.py) and, fresh, aimed `e` at its machine.
+    frames = (Frame("<module>", "pstats.py", 1), Frame("_call_with_frames_removed", "<frozen importlib._bootstrap>", 241),
+              Frame("main", "train.py", 1))
+    late = snap(T0 + 45, progress=None, started=T0, stacks="x")
+    late = replace(late, machines=tuple(replace(m, stacks=tuple(
+        replace(rs, main=replace(rs.main, threads=(ThreadStack(1, frames, "MainThread"),))) if rs.rank == 2 else rs
+        for rs in m.stacks)) for m in late.machines))
+    s = fold([late])
+    assert s.verdict is not None and 2 in s.verdict.starting
+    assert (st.verdict_stale(s) or "").startswith("taken while ranks"), st.verdict_stale(s)
+
+
+def test_an_agent_silent_at_a_views_first_poll_is_one_machine_once_it_answers() -> None:
+    # At load ~80 a read-only view's first poll got no answer from one agent (named by its address, the client
+    # knowing no name yet); the agent answered under its name later and the header read "5/7 machines 2 lost".
+    first = snap(T0, progress=T0)
+    first = replace(first, machines=(first.machines[0], MachineSnapshot("127.0.0.1:59991", "127.0.0.1:59991", False,
+                                                                        None)))
+    s = fold([first, snap(T0 + 1, progress=T0 + 1)])
+    assert sorted(m.name for m in s.machines) == ["machine-0", "machine-1"]
+    assert "2/2 machines" in header(s) and "lost" not in header(s), header(s)
+
+
+def test_a_capture_without_progress_marks_is_not_stale_by_the_hangs_last_step() -> None:
+    hung = [snap(T0 + i, progress=T0 + 10) for i in range(40, 45)]
+    s = fold(hung)
+    blind = snap(T0 + 45, progress=T0 + 10, stacks="send")
+    blind = replace(blind, machines=tuple(replace(m, ranks=tuple(replace(r, last_progress_wall=None) for r in m.ranks),
+                                                  counters=()) for m in blind.machines))
+    s = fold([blind, snap(T0 + 46, progress=T0 + 10)], s)
+    assert s.verdict is not None and s.verdict.progress_mark is None
+    assert st.verdict_stale(s) is None, st.verdict_stale(s)  # the last step (T0+10) came before the capture
+    assert st.verdict_stale(fold([snap(T0 + 50, progress=T0 + 49)], s)) == \
+        "the job progressed after it (last step 22:14:09)"
+
+
 def test_no_ranks_is_stopping_then_finished_and_a_late_view_agrees() -> None:
     running = [snap(T0 + i, progress=T0 + i) for i in range(3)]
     s = fold([*running, snap(T0 + 10, progress=None, ranks=False, seen=T0 + 2)])
     assert st.health(s) == st.Health("idle", "no ranks running since 22:13:22 (stopping or restarting)")
     s = fold([snap(T0 + 40, progress=None, ranks=False, seen=T0 + 2)], s)
     assert st.health(s) == st.Health("finished", "finished: no ranks running since 22:13:22")
+    assert "│ - steps/s" in header(s), header(s)  # the steps of the window are not a rate of a finished job
     late = fold([snap(T0 + 40, progress=None, ranks=False, seen=T0 + 2)])
     assert st.health(late) == st.health(s)
     never = fold([snap(T0 + 40, progress=None, ranks=False, seen=None)])
@@ -179,6 +231,10 @@ def test_between_an_eviction_and_the_restart_the_job_is_restarting_not_finished(
     s = st.apply_evicted(s, ["machine-1"], T0 + 3)
     s = fold([snap(T0 + 60, progress=None, ranks=False, seen=T0 + 4, unreachable=("machine-1",))], s)
     assert st.health(s) == st.Health("idle", "no ranks running since 22:13:24: the job restarts after the eviction")
+    # The launcher restarts the remaining machines' agents with the job: for a while none answers. Not "lost".
+    down = fold([snap(T0 + 62, progress=None, unreachable=MACHINES)], s)
+    assert st.health(down) == st.Health("idle", "the job restarts after the eviction: its agents do not answer yet")
+    assert "1 restarting 1 evicted" in header(down) and "lost" not in header(down), header(down)
     s = fold([snap(T0 + 70, progress=None, started=T0 + 65, pids=3000, unreachable=("machine-1",))], s)
     assert s.restarts == 1 and not s.awaiting_restart
     assert st.health(s).kind == "starting"

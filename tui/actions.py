@@ -185,6 +185,16 @@ class PlanSummary:
         return confirmation_for(self.plans, self.request.targets.ranks, typed if self.phrase is not None else "")
 
 
+def backup_title(state: st.AppState, hang_after_s: float) -> str:
+    """The backup modal's title; on a hung job it says first that no shard will come (a rank snapshots its state
+    at a step boundary, and a hung rank reaches none), so a person at 3 a.m. does not wait a minute to learn it."""
+    h = st.health(state, hang_after_s)
+    if h.kind != "hung":
+        return "Checkpoint backup"
+    return (f"Checkpoint backup — the job is {h.text}: no rank reaches a step boundary, so no shard will come and "
+            "this backup fails after its wait; a restart resumes from the last backup or checkpoint")
+
+
 def summarize(request: ActionRequest, answers: Mapping[str, ActionPlan | ActionError]) -> PlanSummary:
     plans = tuple(a for a in answers.values() if isinstance(a, ActionPlan))
     errors = tuple(a for a in answers.values() if isinstance(a, ActionError))
@@ -412,7 +422,7 @@ class ActionController:
         if self._refuse_if_cannot_act():
             return
         request = backup_request(new_action_id(ActionKind.BACKUP, self.app.clock()), self.who(), self._job_id())
-        self._plan(request, "Checkpoint backup")
+        self._plan(request, backup_title(self.app.state, self.app.options.hang_after_s))
 
     # -- plan, confirm, run ---------------------------------------------------------
 

@@ -217,7 +217,7 @@ class RankscopeApp(App[int]):
             self._capture_after_start = True
         clock = self.state.clock
         if self._capture_after_start and not self._capturing and (
-                clock is None or (not clock.starting and (clock.progress_mark is not None or bool(clock.unknown)))):
+                clock is None or (not clock.starting and (clock.progress_mark is not None or self._unknown_for_long(clock)))):
             self._capture_after_start = False
             self.action_capture()
         for m in self.state.machines:
@@ -228,6 +228,13 @@ class RankscopeApp(App[int]):
         self.failslow.feed(message.digest.snapshot)
         self.redraw()
         self._maybe_capture()
+
+    def _unknown_for_long(self, clock: st.JobClock) -> bool:
+        """Ranks with no counters and no step for ``hang_after_s`` since they started: only stacks can tell more.
+
+        New processes have no counter files yet for a while (imports): capturing then caught them mid-import.
+        """
+        return bool(clock.unknown) and (clock.start_age_s is None or clock.start_age_s >= self.options.hang_after_s)
 
     def on_capture_analyzed(self, message: CaptureAnalyzed) -> None:
         self.state = st.apply_capture(self.state, message.digest, message.view, self._now(message.digest.wall),

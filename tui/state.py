@@ -229,6 +229,13 @@ def starting_stack(stacks: RankStacks) -> bool:
     return any(f.filename.startswith(_STARTUP_FILES) or f.name in _STARTUP_FUNCTIONS for f in main.frames)
 
 
+def importing_stack(stacks: RankStacks) -> bool:
+    """Whether a rank's main thread is importing modules (starting, however long imports take on a loaded host)."""
+    threads = stacks.main.threads or ()
+    main = next((t for t in threads if t.thread_name == "MainThread"), threads[0] if threads else None)
+    return main is not None and any(f.filename.startswith(_STARTUP_FILES) for f in main.frames)
+
+
 _KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
 
 
@@ -478,8 +485,11 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
         for m in d.machines
     )
     names = {m.name for m in machines}
+    addresses = {m.address for m in machines}
+    # A machine missing from this poll is kept (lost), unless its agent now answers under its name: an agent that
+    # did not answer a view's first poll was known by its address, and that stand-in stayed as a 7th machine.
     machines += tuple(replace(m, reachable=False, error="missing from the last poll") for m in state.machines
-                      if m.name not in names)
+                      if m.name not in names and m.address not in addresses)
     machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
     restarted, rank_pids = _restarted(state.rank_pids, machines)
     if restarted:
@@ -608,10 +618,13 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
                     f"{len(view.groups)} groups")]
     if state.stacks is None or state.stacks.verdict.summary != view.verdict.summary:
         events.append(Event(now_wall, "verdict", view.verdict.summary))
+    # Quiet ranks (no step yet in their process) caught importing are starting however long their imports take
+    # on a loaded host: a capture of them named a rank "computing" in <module> (pstats.py) and aimed `e` at it.
+    importing = {r for r, st in d.snapshot.all_stacks().items() if importing_stack(st)}
     starting = tuple(sorted(r for m in d.machines if m.reachable and m.start_age_s is not None
-                            and m.start_age_s < hang_after_s
                             and m.name not in s.evicted and m.address not in s.evicted_addresses
-                            for r in m.starting))
+                            for r in (*m.starting, *m.unknown)
+                            if m.start_age_s < hang_after_s or r in importing))
     clock = s.clock
     mark = VerdictMark(d.wall, s.restarts, clock.progress_mark if clock is not None else None, d.progress,
                        clock is not None, starting)
@@ -643,7 +656,10 @@ def verdict_stale(state: AppState) -> str | None:
         return f"taken while ranks {compact_ranks(mark.starting, 4)} were still starting"
     clock = state.clock
     if mark.clock_info and clock is not None:
-        if clock.progress_mark is not None and (mark.progress_mark is None or clock.progress_mark > mark.progress_mark):
+        # A capture that carried no progress mark (its readings had none) is dated by its own time: a hang's
+        # last step before it is no progress after it.
+        before = mark.progress_mark if mark.progress_mark is not None else mark.wall
+        if clock.progress_mark is not None and clock.progress_mark > before:
             return f"the job progressed after it (last step {fmt_time(clock.progress_mark)})"
     elif state.progress_points and state.progress_points[-1][1] != mark.progress_count:
         return "the job progressed after it"
@@ -688,6 +704,8 @@ def _clock_health(clock: JobClock, hang_after_s: float) -> Health | None:
     if clock.progress_mark is None or clock.progress_age_s is None:
         age = clock.start_age_s
         if not clock.starting:
+            if age is not None and age < hang_after_s:  # new processes (a restart) before their counters exist
+                return Health("starting", f"starting: {len(clock.unknown)} ranks before their first step")
             return Health("unknown", "progress unknown: no counters (CCL plugin not loaded?) and no stack "
                           "change between captures yet")
         if age is not None and age >= hang_after_s:
@@ -706,6 +724,8 @@ def health(state: AppState, hang_after_s: float = 30.0) -> Health:
     running = [m for m in job if m.reachable]
     if job and not running:
         first = next((m.error for m in job if m.error), None)
+        if state.awaiting_restart:  # the launcher restarts the remaining machines' agents with the job
+            return Health("idle", "the job restarts after the eviction: its agents do not answer yet")
         return Health("unknown", f"no agent answers: {first}" if first else "no agent of the job answers")
     silent = [m for m in job if not m.reachable and m.ranks]
     clock = state.clock

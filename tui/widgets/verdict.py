@@ -39,11 +39,14 @@ def header_text(state: AppState, source: str, read_only: bool, hang_after_s: flo
     reachable = sum(1 for m in job if m.reachable)
     lost = len(job) - reachable
     evicted = len(state.machines) - len(job)
-    rate = step_rate(state)
+    # No ranks running: the window's old steps are no rate of this moment ("finished │ 2.09 steps/s").
+    rate = step_rate(state) if h.kind not in ("finished", "idle") else None
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("HUNG" + h.text[4:] if h.kind == "hung" else h.text, HEALTH_STYLES[h.kind])
     t.append(f" │ {reachable}/{len(job)} machines")
-    if lost:
+    if lost and state.awaiting_restart:  # after an eviction the job's agents restart with it: not lost
+        t.append(f" {lost} restarting", "yellow")
+    elif lost:
         t.append(f" {lost} lost", "bold red")
     if evicted:
         t.append(f" {evicted} evicted", "yellow")
