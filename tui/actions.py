@@ -55,6 +55,7 @@ from rankscope.actions.model import (
 )
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import Suspect, SuspectKind
+from rankscope.analyzers.topology import compact_ranks
 from rankscope.analyzers.verdict import suspect_label
 from rankscope.errors import RankscopeError
 from rankscope.tui import state as st
@@ -308,6 +309,13 @@ def result_is_role_refusal(result: ActionResult) -> bool:
 # --------------------------------------------------------------------------
 
 
+class HostOptions(Protocol):
+    """The app's options this module reads (``AppOptions``)."""
+
+    @property
+    def hang_after_s(self) -> float: ...
+
+
 class ActionHost(Protocol):
     """What the controller uses of the app (``RankscopeApp``), named here so this module does not import the app.
 
@@ -319,6 +327,9 @@ class ActionHost(Protocol):
 
     @property
     def source(self) -> Any: ...
+
+    @property
+    def options(self) -> HostOptions: ...
 
     @property
     def notify(self) -> Callable[..., None]: ...
@@ -386,7 +397,7 @@ class ActionController:
             return
         if suspect.kind is SuspectKind.DESYNC:
             # A program mismatch moves with the program: new machines would run the same code into the same wait.
-            self.app.notify(f"no eviction for a desync: ranks {format_ranks(suspect.ranks, 8)} are at another point "
+            self.app.notify(f"no eviction for a desync: ranks {compact_ranks(suspect.ranks, 8)} are at another point "
                             f"of the program than the {len(suspect.victims)} ranks waiting for them\n"
                             f"fix: {DESYNC_ADVICE}", title="desync", severity="warning", timeout=12)
             return
