@@ -129,6 +129,17 @@ def test_a_capture_of_ranks_still_starting_is_never_a_steady_state_verdict() -> 
     assert st.verdict_stale(s) == "taken while ranks 0-3 were still starting"
 
 
+def test_a_young_job_without_counters_that_hangs_in_its_own_code_can_be_acted_on() -> None:
+    # Ranks 5 s old, no counters, caught in the pipeline (not importing, not at rendezvous): nothing says they
+    # are starting, so the verdict aims `e` (the TUI's real-agent eviction test hangs exactly like this).
+    young = snap(T0 + 5, progress=None, started=T0, stacks="send")
+    young = replace(young, machines=tuple(replace(m, counters=()) for m in young.machines))
+    s = fold([young])
+    assert s.stacks is not None and s.stacks.verdict.suspects
+    assert s.verdict is not None and s.verdict.starting == ()
+    assert st.verdict_stale(s) is None
+
+
 def test_without_counters_a_rank_that_never_stepped_is_unknown_unless_its_stack_shows_it_starting() -> None:
     bare = snap(T0 + 5, progress=None, started=T0)
     bare = replace(bare, machines=tuple(replace(m, counters=()) for m in bare.machines))

@@ -624,7 +624,9 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     starting = tuple(sorted(r for m in d.machines if m.reachable and m.start_age_s is not None
                             and m.name not in s.evicted and m.address not in s.evicted_addresses
                             for r in (*m.starting, *m.unknown)
-                            if m.start_age_s < hang_after_s or r in importing))
+                            # A rank with no counters and an ordinary stack is not known to be starting, however
+                            # young: were it, a job without counters that hangs early could never be acted on.
+                            if (r in m.starting and m.start_age_s < hang_after_s) or r in importing))
     clock = s.clock
     mark = VerdictMark(d.wall, s.restarts, clock.progress_mark if clock is not None else None, d.progress,
                        clock is not None, starting)
