@@ -49,6 +49,7 @@ class DrillConfig:
     capture_timeout_s: float = 5.0  # per py-spy call
     counters: bool = True  # CCL counters in the ranks (the plugin of rankscope.ccl_plugin)
     standbys: int = 0  # idle warm standbys; > 0 also turns on the agents' actions and the recovery (drill.control)
+    warm: bool = True  # with standbys: nodes are parked, pre-imported interpreters (rankscope.drill.warm)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class DrillSession:
         self.run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix="rankscope-drill-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.launcher = Launcher(self.run_dir, self.layout, config.training, counters=config.counters,
-                                 actions=config.standbys > 0)
+                                 actions=config.standbys > 0, warm=config.warm and config.standbys > 0)
         self.recovery: Recovery | None = None
         self._precheck: threading.Thread | None = None
         self.watcher = ProgressWatcher(self.run_dir, self.layout.world)
