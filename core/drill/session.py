@@ -34,6 +34,7 @@ from rankscope.errors import RankscopeError
 from rankscope.snapshot import JobSnapshot, ProcessRole, ProcessStack, ThreadStack
 
 POLL_S = 0.1
+PARK_WAIT_S = 600.0  # the standbys' self-checks wait this long at most for the parked nodes to finish importing
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,10 @@ class DrillSession:
                 if self.config.standbys > 0:
                     self.launcher.start_standbys([standby_name(i) for i in range(self.config.standbys)])
                     control = DrillMachines(self.launcher)
-                    self._precheck = control.precheck(tuple(self.launcher.standbys))
+                    standbys = tuple(self.launcher.standbys)
+                    slots = (*self.launcher.machines(), *standbys)
+                    parked = (lambda: self.launcher.wait_parked(slots, PARK_WAIT_S)) if self.launcher.warm else None
+                    self._precheck = control.precheck(standbys, after=parked)
                     self.recovery = Recovery(self.launcher, control, on_event=self.notes.append)
                     self.recovery.start()
         if self.plan.spec.by == "orchestrator":
