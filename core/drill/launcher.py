@@ -37,6 +37,7 @@ marker until nothing is left.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import queue
@@ -184,7 +185,7 @@ class Launcher:
         self._parker: threading.Thread | None = None
         self._parker_stop = threading.Event()
         self._park_dir: Path | None = None
-        self._park_seq = 0
+        self._park_ids = itertools.count(1)  # next() is atomic: the parker thread and a restart both park
         self._go: tuple[float, int] = (0.0, 0)  # (wall clock, start step) of the last start: parking waits for it
 
     @property
@@ -316,8 +317,7 @@ class Launcher:
 
         if self._park_dir is None:  # short: a Unix socket path has at most 107 bytes
             self._park_dir = Path(tempfile.mkdtemp(prefix="rs-park-"))
-        self._park_seq += 1
-        sock = self._park_dir / f"{self._park_seq}.sock"
+        sock = self._park_dir / f"{next(self._park_ids)}.sock"
         log = self.run_dir / "logs" / f"{label}.warm.log"
         argv = warm.node_argv(self.python, sock, self.layout.ranks_per_machine, self.preload or warm.DRILL_PRELOAD)
         return Parked(label, self._popen(argv, log, self.base_env()), sock, log, time.monotonic())
