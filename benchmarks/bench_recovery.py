@@ -151,7 +151,10 @@ def evict_with_standby(run_dir: Path) -> Run:
         slots = (*s.launcher.machines(), *s.launcher.standbys)
         if not s.launcher.wait_parked(slots, PARK_TIMEOUT_S):
             raise SystemExit("the parked nodes were not ready")
-        s.standbys_checked(120)  # the standbys are warm: checked while they waited
+        # The standbys are warm: checked while they waited. A check still running would be redone at join,
+        # in the measured path (its two processes import torch: minutes at load 80).
+        if not s.standbys_checked(PARK_TIMEOUT_S):
+            raise SystemExit("the standbys' self-checks did not finish")
         machines, detect = _suspects(s)
         confirm = time.time()
         request = ActionRequest(f"bench-evict-{time.time_ns()}", ActionKind.EVICT, Targets(machines),
