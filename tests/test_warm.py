@@ -26,9 +26,11 @@ SCRIPT = """
 import json, os, sys, time
 from pathlib import Path
 out = Path(os.environ["OUT_DIR"])
-(out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(
+tmp = out / f"rank{os.environ['RANK']}.tmp"
+tmp.write_text(json.dumps(
     {"name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(), "rank": os.environ["RANK"],
      "pad": os.environ.get("RANKSCOPE_PARKED_ENV"), "preloaded": "fractions" in sys.modules}))
+os.replace(tmp, out / f"rank{os.environ['RANK']}.json")  # whole, or not there: the test reads it at once
 while not (out / "release").exists():
     time.sleep(0.02)
 raise SystemExit(int(sys.argv[2]))
