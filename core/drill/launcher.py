@@ -303,7 +303,8 @@ class Launcher:
                 reply = warm.ask(parked.socket, {"op": "go", "ranks": specs})
                 break
             except warm.WarmError as exc:
-                if parked.proc.poll() is not None or time.monotonic() > deadline or parked.socket.exists():
+                if (not isinstance(exc, warm.NotListening) or parked.proc.poll() is not None
+                        or time.monotonic() > deadline):
                     kill_trees([parked.proc.pid])
                     raise RankscopeError(f"the parked node of {label} did not take its go: {exc} ({_tail(parked.log)})",
                                          f"read {parked.log}") from exc

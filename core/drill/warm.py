@@ -66,6 +66,10 @@ class WarmError(Exception):
     """A parked node that cannot do what it was told (the launcher turns it into a RankscopeError)."""
 
 
+class NotListening(WarmError):
+    """Nobody accepted the connection: a node started just now may not listen yet (bind comes before listen)."""
+
+
 # --------------------------------------------------------------------------
 # The rank's side
 # --------------------------------------------------------------------------
@@ -353,6 +357,8 @@ def ask(socket_path: Path, request: Mapping[str, Any], timeout_s: float = GO_TIM
             s.connect(str(socket_path))
             s.sendall(json.dumps(request).encode() + b"\n")
             line = _read_line(s)
+    except (FileNotFoundError, ConnectionRefusedError) as exc:
+        raise NotListening(f"the parked node at {socket_path} did not answer: {exc}") from exc
     except OSError as exc:
         raise WarmError(f"the parked node at {socket_path} did not answer: {exc}") from exc
     try:
