@@ -36,6 +36,7 @@ from rankscope.actions.model import (
     Targets,
 )
 from rankscope.agents_spec import hostfile_members
+from rankscope.bundle import bundle_to_dict, read_bundle
 from rankscope.client import JobClient, KeepAlive, capture_once
 from rankscope.commands.target import slurm_target
 from rankscope.errors import RankscopeError
@@ -129,7 +130,8 @@ def test_snapshot_by_job_id_gets_every_rank_with_its_stack_per_node_and_leaves_n
                            "--deadline", "120", "--timeout", "60", "--slurm-timeout", "180"],
                           env={**clean_env(), **cluster.env()}, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(bundle.read_text())
+    # Read as rankscope reads it (bundle version 2 keeps each distinct stack once), in the expanded form.
+    data = bundle_to_dict(read_bundle(bundle))
     (snap,) = data["snapshots"]
     machines = {m["machine"]: m for m in snap["machines"]}
     assert set(machines) == {"node1", "node2"}  # named after their Slurm nodes, though both are this host
