@@ -51,6 +51,8 @@ def register(sub: Any) -> None:
 
 def summary_lines(snap: JobSnapshot) -> list[str]:
     """What a person reads after a capture: who answered, who did not and why, what was captured."""
+    from rankscope.analyzers.topology import compact_ranks  # imported here, like the CLI's other heavy parts
+
     lines: list[str] = []
     reachable = [m for m in snap.machines if m.reachable]
     lines.append(f"machines: {len(reachable)} of {len(snap.machines)} answered")
@@ -69,22 +71,18 @@ def summary_lines(snap: JobSnapshot) -> list[str]:
             lines.append(f"  {m.address}: {err.message if err else 'no answer, no reason recorded'}")
             if err and err.fix:
                 lines.append(f"    fix: {err.fix}")
-    from rankscope.analyzers.topology import compact_ranks as _ranges
-
     world = snap.world_size
     seen = sorted(snap.rank_to_machine())
     if world is not None:
         missing = sorted(set(range(world)) - set(seen))
-        lines.append(f"ranks: {len(seen)} of {world} seen" + (f"; missing {_ranges(missing)}" if missing else ""))
+        lines.append(f"ranks: {len(seen)} of {world} seen" + (f"; missing {compact_ranks(missing)}" if missing else ""))
     else:
         lines.append(f"ranks: {len(seen)} seen")
     stacks = snap.all_stacks()
     failed = sorted(r for r, s in stacks.items() if s.main.threads is None)
     lines.append(f"stacks: {len(stacks) - len(failed)} captured, {len(failed)} failed"
-                 + (f" (ranks {_ranges(failed)})" if failed else ""))
+                 + (f" (ranks {compact_ranks(failed)})" if failed else ""))
     return lines
-
-
 
 
 def run(args: argparse.Namespace) -> int:
