@@ -620,7 +620,10 @@ async def serve(config: AgentConfig, *, port_file: Path | None = None, announce:
         if port_file is not None:
             write_port_file(port_file, agent.port)
         if announce:
-            print(announcement(agent, config), flush=True)
+            # One write for the whole line: srun interleaves its tasks' writes, and print() writes the text and
+            # its newline separately when stdout is unbuffered.
+            sys.stdout.write(announcement(agent, config) + "\n")
+            sys.stdout.flush()
         auth = "token required" if config.tokens is not None else "NO TOKEN (--insecure-no-token)"
         name = agent.service.config.machine_name if agent.service is not None else config.machine_name
         transport = ("mutual TLS" if config.tls.client_ca_pem else "TLS") if config.tls is not None else "plaintext"

@@ -143,6 +143,22 @@ def node_addresses(nodes: Sequence[str], env: Mapping[str, str] | None = None) -
     return out
 
 
+def parse_announcements(line: str) -> list[tuple[str, str, str]]:
+    """(machine, port, step) of every agent announcement in one line of srun's output.
+
+    srun --unbuffered passes on each task's writes as they come, so two agents
+    that announce at the same moment can share one line; each announcement is
+    read on its own, never one's fields over the other's.
+    """
+    found: list[tuple[str, str, str]] = []
+    for part in line.split(ANNOUNCE_PREFIX)[1:]:
+        fields = dict(w.split("=", 1) for w in part.split() if "=" in w)
+        machine, port = fields.get("machine", ""), fields.get("port", "")
+        if machine and port.isascii() and port.isdigit():
+            found.append((machine, port, fields.get("step", "")))
+    return found
+
+
 def _int(text: str) -> int:
     m = re.match(r"\d+", text)
     return int(m.group()) if m else 0
@@ -190,6 +206,7 @@ class SlurmAgents:
     _srun_env: dict[str, str] = field(default_factory=dict, repr=False)
     _stderr: list[str] = field(default_factory=list)
     _ready: dict[str, tuple[str, str]] = field(default_factory=dict)  # node -> (port, step)
+    _addresses: dict[str, str] = field(default_factory=dict)  # node -> host, for the launch under way
     _failed: dict[str, str] = field(default_factory=dict)  # node -> srun's words about its task
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _changed: threading.Condition | None = None
@@ -200,12 +217,14 @@ class SlurmAgents:
     def _base_env(self) -> dict[str, str]:
         return dict(self.env if self.env is not None else os.environ)
 
-    def start(self) -> SlurmAgents:
-        require("srun")
-        job = job_info(self.job_id, self.env)
-        if job.state != "RUNNING":
-            raise RankscopeError(f"job {self.job_id} is {job.state}, not RUNNING: its nodes have nothing to inspect",
-                                 "attach once squeue shows it running (state R)")
+    def prepare(self) -> SlurmAgents:
+        """Make the session's token and certificates (``start`` does it when not done yet).
+
+        Done apart from ``start`` so a client can begin renewing the agents'
+        lease (``ready_addresses``) while ``start`` still waits for slower nodes.
+        """
+        if self._srun_env:
+            return self
         session = make_session()
         self.token = secrets.token_hex(24)
         self.tls = session.client_tls(mutual=True)
@@ -216,8 +235,23 @@ class SlurmAgents:
             env.pop(name, None)  # started from inside another job, srun would aim at that one
         self._srun_env = env
         self._changed = threading.Condition(self._lock)
+        return self
+
+    def start(self) -> SlurmAgents:
+        require("srun")
+        job = job_info(self.job_id, self.env)
+        if job.state != "RUNNING":
+            raise RankscopeError(f"job {self.job_id} is {job.state}, not RUNNING: its nodes have nothing to inspect",
+                                 "attach once squeue shows it running (state R)")
+        self.prepare()
         self._launch(job)
         return self
+
+    def ready_addresses(self) -> list[str]:
+        """Every agent heard from so far, those of a launch still waiting for other nodes included."""
+        with self._lock:
+            return [f"{self._addresses[node]}:{port}" for node, (port, _) in self._ready.items()
+                    if node in self._addresses]
 
     def _argv(self, job: SlurmJob) -> list[str]:
         args = [*self.agent_command, "--slurm-scope", "--announce", "--bind", "0.0.0.0", "--port", "0"]
@@ -237,6 +271,7 @@ class SlurmAgents:
         addresses = node_addresses(job.nodes, self.env)
         with self._lock:
             self._stderr, self._ready, self._failed = [], {}, {}
+            self._addresses = addresses
             self.step = None
         with self._launch_lock:  # stop() takes the same lock: a step started is a step it sees and ends
             if self._closing.is_set():
@@ -265,12 +300,9 @@ class SlurmAgents:
     def _read_stdout(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None and self._changed is not None
         for line in proc.stdout:
-            if ANNOUNCE_PREFIX not in line:
-                continue
-            f = dict(w.split("=", 1) for w in line.split(ANNOUNCE_PREFIX, 1)[1].split() if "=" in w)
-            if "machine" in f and "port" in f:
+            for node, port, step in parse_announcements(line):
                 with self._changed:
-                    self._ready[f["machine"]] = (f["port"], f.get("step", ""))
+                    self._ready[node] = (port, step)
                     self._changed.notify_all()
         with self._changed:
             self._changed.notify_all()

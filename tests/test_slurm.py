@@ -40,7 +40,7 @@ from rankscope.bundle import bundle_to_dict, read_bundle
 from rankscope.client import JobClient, KeepAlive, capture_once
 from rankscope.commands.target import slurm_target
 from rankscope.errors import RankscopeError
-from rankscope.slurm import SlurmAgents, job_info, parse_fields
+from rankscope.slurm import SlurmAgents, job_info, parse_announcements, parse_fields
 from rankscope.slurm_cluster import LocalSlurmCluster, ensure_installed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,6 +148,30 @@ def test_snapshot_by_job_id_gets_every_rank_with_its_stack_per_node_and_leaves_n
     assert [s for s in cluster.steps(torch_job.id) if "rankscope" in s] == []
     assert agent_processes() == []
     assert cluster.job_field(torch_job.id, "%T") == "RUNNING"
+
+
+def _announce(node: str, port: int) -> str:
+    return f"RANKSCOPE_AGENT_READY machine={node} host=h port={port} step=7.1"
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.from_regex(r"node[0-9]{1,3}", fullmatch=True), st.integers(1, 65535)),
+                min_size=1, max_size=5, unique_by=lambda t: t[0]),
+       st.data())
+def test_announcements_of_agents_that_share_one_line_of_srun_output_are_each_read_on_their_own(
+        agents: list[tuple[str, int]], data: st.DataObject) -> None:
+    # srun --unbuffered passes on writes as they come: a CI run once saw node1's and node2's announcements on
+    # one line, and node2's fields overwrote node1's, so node1 was reported as never started.
+    lines = [_announce(n, p) for n, p in agents]
+    text = "".join(line + data.draw(st.sampled_from(["", " ", "\n", "\r\n"])) for line in lines)
+    got = [a for line in text.splitlines() for a in parse_announcements(line)]
+    assert got == [(n, str(p), "7.1") for n, p in agents]
+
+
+@given(st.text(max_size=300))
+def test_any_srun_output_line_parses_without_raising(text: str) -> None:
+    for machine, port, _ in parse_announcements(text):
+        assert machine and port.isdigit()
 
 
 @slurm

@@ -114,10 +114,13 @@ def slurm_target(job_id: str, *, env: Mapping[str, str] | None = None, state_dir
         session.agent_command = tuple(agent_command)
     with ExitStack() as stack:
         stack.enter_context(sigterm_as_interrupt())
-        stack.enter_context(session)
         if lease_s > 0:
-            stack.enter_context(KeepAlive(lambda: list(session.agents.values()), session.token, tls=session.tls,
+            # Renewing from the first announcement on: a node that starts slowly must not cost the others
+            # their lease while start() waits for it.
+            session.prepare()
+            stack.enter_context(KeepAlive(session.ready_addresses, session.token, tls=session.tls,
                                           every_s=max(1.0, lease_s / 6)))
+        stack.enter_context(session)
         hostfile = follow_into_hostfile(session, stack) if follow else None
         yield Target(list(session.agents.values()), session.token, session.tls, list(session.missing), job_id,
                      hostfile)
