@@ -21,7 +21,7 @@ headless tools use it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rankscope.analyzers.findings import Finding, Suspect, Verdict
 from rankscope.analyzers.topology import compact_machines, compact_ranks
@@ -71,6 +71,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
                     got.scaled, got.detector, got.suspect = sc, d, s
 
     merged: list[Suspect] = []
+    own_sources: dict[int, tuple[str, ...]] = {}  # id(merged suspect) -> the detectors that named it themselves
     for entry in entries.values():
         ranks = frozenset(entry.suspect.ranks)
         support = 0.0
@@ -87,14 +88,17 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
         if support > 0:
             evidence.append(f"agreement: {', '.join(sorted(set(agreeing)))} also point at these ranks")
         s = entry.suspect
+        own_sources[len(merged)] = tuple(entry.sources)
         merged.append(Suspect(
             kind=s.kind, ranks=s.ranks, machines=s.machines, score=round(entry.scaled * (1.0 + support), 6),
             evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index,
             diverging_frame=s.diverging_frame, victims=s.victims, state=s.state,
         ))
-    merged.sort(key=lambda s: (-s.score, -len(s.sources), -len(s.ranks),
-                               _KIND_ORDER.index(str(s.kind)) if str(s.kind) in _KIND_ORDER else 99,
-                               min(s.ranks, default=0)))
+    order = sorted(range(len(merged)), key=lambda i: (
+        -merged[i].score, -len(merged[i].sources), -len(merged[i].ranks),
+        _KIND_ORDER.index(str(merged[i].kind)) if str(merged[i].kind) in _KIND_ORDER else 99,
+        min(merged[i].ranks, default=0)))
+    merged = _fold_contained([(merged[i], own_sources[i]) for i in order])
     missing = tuple(sorted({r for v in verdicts for r in v.missing_ranks}))
     notes = tuple(dict.fromkeys(n for v in verdicts for n in v.notes))
     if merged:
@@ -104,6 +108,33 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
         summary = next((v.summary for v in verdicts if v.summary), "no verdict")
     return Verdict(suspects=tuple(merged), summary=summary, missing_ranks=missing, notes=notes,
                    findings=merge_findings(*verdicts))
+
+
+def _fold_contained(ranked: list[tuple[Suspect, tuple[str, ...]]]) -> list[Suspect]:
+    """Each suspect whose ranks all lie inside a higher-ranked suspect's becomes evidence of that one.
+
+    Two detectors often name one fault at two sizes (the stacks a PP group, the
+    counters its ranks 2 and 3): listed apart they read as separate faults, and
+    an engineer would evict twice for one chain. A desync is never folded into,
+    nor folds, a suspect of another kind: its remedy (fix the program) differs.
+    """
+    kept: list[Suspect] = []
+    for s, named_by in ranked:
+        inside = set(s.ranks)
+        host = next((i for i, k in enumerate(kept)
+                     if inside and inside <= set(k.ranks)
+                     and (str(s.kind) == "desync") == (str(k.kind) == "desync")), None)
+        if host is None:
+            kept.append(s)
+            continue
+        k = kept[host]
+        line = f"within it: {suspect_label(s)} named by {' + '.join(named_by) or 'another detector'}"
+        own = [f"  {e}" for e in s.evidence if e not in k.evidence and not e.startswith("agreement:")]
+        extra = [line, *own[:3]]
+        kept[host] = replace(k, evidence=(*k.evidence, *extra),
+                             sources=(*k.sources, *(x for x in s.sources if x not in k.sources)),
+                             victims=tuple(sorted(set(k.victims) | (set(s.victims) - set(k.ranks)))))
+    return kept
 
 
 def merge_findings(*verdicts: Verdict) -> tuple[Finding, ...]:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.stacks import SignatureOptions
 from rankscope.analyzers.suspects import analyze_stacks, verdict_to_json
@@ -229,13 +231,14 @@ def test_merge_agreement_outranks_one_sure_detector() -> None:
     ccl = Verdict((Suspect(SuspectKind.RANK, (5,), ("m2",), 1.0, ("rank 5 lags",), ("ccl",)),),
                   "rank 5", missing_ranks=(6,))
     merged = merge_verdicts(stacks, ccl)
-    first, second, third = merged.suspects
-    # the PP group and CCL's rank 5 agree; rank 3 has one detector only
-    assert {first.ranks, second.ranks} == {(1, 5), (5,)}
-    assert first.ranks == (1, 5)  # equal scores: the larger group first (over-eviction)
+    first, second = merged.suspects
+    # the PP group and CCL's rank 5 agree (equal scores: the larger group first, over-eviction), and rank 5
+    # lies inside the group, so it is the group's evidence, not a second suspect; rank 3 has one detector only
+    assert first.ranks == (1, 5)
     assert first.score == pytest.approx(2.0) and set(first.sources) == {"stacks", "ccl"}
     assert any(e.startswith("agreement: ccl") for e in first.evidence)
-    assert third.ranks == (3,) and third.score == pytest.approx(0.95)
+    assert "within it: rank 5 named by ccl" in first.evidence and "  rank 5 lags" in first.evidence
+    assert second.ranks == (3,) and second.score == pytest.approx(0.95)
     assert merged.missing_ranks == (6, 7) and merged.notes == ("n1",)
     assert merged.summary == "PP group 1 (ranks 1,5) on m0, m2 (stacks + ccl)"
     assert merge_verdicts(stacks) is stacks
@@ -254,6 +257,51 @@ def test_merge_folds_the_same_suspect_from_two_detectors() -> None:
     top = merged.suspects[0]
     assert top.evidence[:2] == ("stuck in compute", "CL lags") and set(top.sources) == {"stacks", "ccl"}
     assert top.score == pytest.approx(2.0)
+
+
+def test_ranks_the_counters_name_inside_the_hung_pp_group_are_its_evidence_not_separate_suspects() -> None:
+    # The README drill's shape, seen by hand: the stacks name PP group 1 (ranks 2,3,6,7), the counters name
+    # ranks 2 and 3 each (their CL lags), and a desync the counters saw on rank 3 stays its own claim.
+    from rankscope.analyzers.findings import Suspect, Verdict
+    from rankscope.analyzers.verdict import merge_verdicts
+
+    group = Suspect(SuspectKind.PP, (2, 3, 6, 7), ("m1", "m3"), 5.0, ("PP group 1 stuck",), ("stacks",),
+                    group_index=1, victims=(0, 1))
+    stacks = Verdict((group,), "PP group 1")
+    ccl = Verdict((Suspect(SuspectKind.RANK, (2,), ("m1",), 0.9, ("CL lags on rank 2",), ("ccl",), victims=(0, 4)),
+                   Suspect(SuspectKind.RANK, (3,), ("m1",), 0.8, ("CL lags on rank 3",), ("ccl",)),
+                   Suspect(SuspectKind.DESYNC, (3,), ("m1",), 0.1, ("rank 3 in another collective",), ("ccl",)),
+                   Suspect(SuspectKind.RANK, (5,), ("m2",), 0.2, ("rank 5 slow",), ("ccl",))), "ccl")
+    merged = merge_verdicts(stacks, ccl)
+    assert (str(merged.suspects[0].kind), merged.suspects[0].ranks) == ("pp", (2, 3, 6, 7))
+    assert sorted((str(s.kind), s.ranks) for s in merged.suspects[1:]) == [("desync", (3,)), ("rank", (5,))]
+    top = merged.suspects[0]
+    assert "within it: rank 2 named by ccl" in top.evidence and "within it: rank 3 named by ccl" in top.evidence
+    assert top.victims == (0, 1, 4)  # rank 2's victim 4 joins the group's; none of its own ranks is a victim
+    assert set(top.sources) == {"stacks", "ccl"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["pp", "dp", "rank", "desync"]),
+                          st.frozensets(st.integers(0, 7), min_size=1, max_size=4),
+                          st.floats(0.01, 5.0), st.integers(0, 2)), min_size=1, max_size=8))
+def test_no_merged_suspect_lies_inside_a_higher_ranked_one_of_the_same_remedy(
+        raw: list[tuple[str, frozenset[int], float, int]]) -> None:
+    from rankscope.analyzers.findings import Suspect, Verdict
+    from rankscope.analyzers.verdict import merge_verdicts
+
+    per: dict[int, list[Suspect]] = {0: [], 1: [], 2: []}
+    for kind, ranks, score, d in raw:
+        per[d].append(Suspect(SuspectKind(kind), tuple(sorted(ranks)), ("m",), score, (f"{kind} {sorted(ranks)}",),
+                              (f"d{d}",)))
+    verdicts = [Verdict(tuple(v), "x") for v in per.values() if v]
+    merged = merge_verdicts(*verdicts, Verdict((), "empty")).suspects
+    for i, s in enumerate(merged):
+        for k in merged[:i]:
+            same_remedy = (str(s.kind) == "desync") == (str(k.kind) == "desync")
+            assert not (same_remedy and set(s.ranks) <= set(k.ranks)), (s, k)
+    named = {r for _, ranks, _, _ in raw for r in ranks}
+    assert {r for s in merged for r in s.ranks} == named  # folding drops no rank from the verdict
 
 
 def test_recorded_communicators_decide_the_groups() -> None:
