@@ -113,28 +113,38 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
 def _fold_contained(ranked: list[tuple[Suspect, tuple[str, ...]]]) -> list[Suspect]:
     """Each suspect whose ranks all lie inside a higher-ranked suspect's becomes evidence of that one.
 
-    Two detectors often name one fault at two sizes (the stacks a PP group, the
-    counters its ranks 2 and 3): listed apart they read as separate faults, and
-    an engineer would evict twice for one chain. A desync is never folded into,
+    Detectors name one fault at several sizes (the stacks a PP group and its TP
+    groups and ranks; the counters ranks 2 and 3 of it): listed apart they read
+    as separate faults, and an engineer would evict twice for one chain. What
+    another detector pinpoints inside the suspect is kept as evidence ("within
+    it: rank 30 named by ccl" and its facts); finer cuts by the suspect's own
+    detectors add nothing and are only counted. A desync is never folded into,
     nor folds, a suspect of another kind: its remedy (fix the program) differs.
+    ``ranked``: each suspect, best first, with the detectors that named it themselves.
     """
-    kept: list[Suspect] = []
+    kept: list[tuple[Suspect, tuple[str, ...], int]] = []  # suspect, its own detectors, finer cuts folded quietly
     for s, named_by in ranked:
         inside = set(s.ranks)
-        host = next((i for i, k in enumerate(kept)
+        host = next((i for i, (k, _, _) in enumerate(kept)
                      if inside and inside <= set(k.ranks)
                      and (str(s.kind) == "desync") == (str(k.kind) == "desync")), None)
         if host is None:
-            kept.append(s)
+            kept.append((s, named_by, 0))
             continue
-        k = kept[host]
-        line = f"within it: {suspect_label(s)} named by {' + '.join(named_by) or 'another detector'}"
-        own = [f"  {e}" for e in s.evidence if e not in k.evidence and not e.startswith("agreement:")]
-        extra = [line, *own[:3]]
-        kept[host] = replace(k, evidence=(*k.evidence, *extra),
-                             sources=(*k.sources, *(x for x in s.sources if x not in k.sources)),
-                             victims=tuple(sorted(set(k.victims) | (set(s.victims) - set(k.ranks)))))
-    return kept
+        k, k_named_by, quiet = kept[host]
+        extra: list[str] = []
+        if set(named_by) - set(k_named_by):
+            own = [f"  {e}" for e in s.evidence if e not in k.evidence and not e.startswith("agreement:")]
+            extra = [f"within it: {suspect_label(s)} named by {' + '.join(named_by)}", *own[:3]]
+        else:
+            quiet += 1
+        kept[host] = (replace(k, evidence=(*k.evidence, *extra),
+                              sources=(*k.sources, *(x for x in s.sources if x not in k.sources)),
+                              victims=tuple(sorted(set(k.victims) | (set(s.victims) - set(k.ranks))))),
+                      k_named_by, quiet)
+    return [replace(k, evidence=(*k.evidence, f"{quiet} finer grouping{'s' if quiet > 1 else ''} of these ranks by "
+                                 f"{' + '.join(named_by)} folded in")) if quiet else k
+            for k, named_by, quiet in kept]
 
 
 def merge_findings(*verdicts: Verdict) -> tuple[Finding, ...]:

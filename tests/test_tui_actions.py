@@ -34,7 +34,7 @@ from rankscope.actions.model import (
     VersionSource,
     confirm_phrase_for,
 )
-from rankscope.analyzers.findings import SuspectKind
+from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.bundle import Bundle
 from rankscope.tui.actions import ACT_TOKEN_FIX, ActionSource, pick_suspect, plan_text, summarize
 from rankscope.tui.app import AppOptions, RankscopeApp
@@ -151,7 +151,10 @@ def test_the_eviction_aims_at_the_suspect_under_the_cursor_else_the_top_one() ->
     assert pick_suspect(view, selected_rank=3).machines == SUSPECT_MACHINES  # type: ignore[union-attr]
     assert pick_suspect(view, selected_rank=30).machines == SUSPECT_MACHINES  # type: ignore[union-attr]
     # pointing at an outlier rank picks the most likely suspect holding it; a healthy rank changes nothing
-    narrow = replace(view, verdict=replace(view.verdict, suspects=view.verdict.suspects[1:]))
+    top = view.verdict.suspects[0]
+    tp = Suspect(SuspectKind.TP, (24, 25), ("node12",), top.score / 2, ("TP group 12",), ("stacks",), group_index=12)
+    rank30 = Suspect(SuspectKind.RANK, (30,), ("node15",), top.score / 3, ("rank 30",), ("ccl",))
+    narrow = replace(view, verdict=replace(view.verdict, suspects=(rank30, tp)))
     assert pick_suspect(narrow, selected_rank=24).machines == ("node12",)  # type: ignore[union-attr]
     assert pick_suspect(narrow, selected_rank=0) == narrow.verdict.top
     assert pick_suspect(None) is None
