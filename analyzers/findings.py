@@ -40,10 +40,11 @@ class Suspect:
     score: float
     evidence: tuple[str, ...]
     sources: tuple[str, ...] = ()
-    group_index: int | None = None  # which group of that kind (e.g. the 3rd PP group)
+    group_index: int | None = None  # which group of that kind (e.g. the 3rd PP group); the first when several
     diverging_frame: str | None = None  # where the outliers leave the dominant stack path
     victims: tuple[int, ...] = ()  # ranks that only wait on this suspect: evidence, never suspects of their own
     state: str = ""  # what its root ranks are doing, e.g. "loading data", "unreadable (D, in nvidia_wait)"
+    groups: tuple[int, ...] = ()  # every group of that kind it spans, when more than one (PP groups 6-7)
 
 
 @dataclass(frozen=True, slots=True)

@@ -449,6 +449,7 @@ def _suspects_for(
             evidence=evidence,
             sources=("stacks",),
             group_index=c.group_index,
+            groups=c.groups if len(c.groups) > 1 else (),
             diverging_frame=div,
         ))
     return suspects, explains
@@ -691,6 +692,7 @@ def suspect_to_json(s: Suspect) -> dict[str, object]:
         "evidence": list(s.evidence),
         "sources": list(s.sources),
         "group_index": s.group_index,
+        "groups": list(s.groups),
         "diverging_frame": s.diverging_frame,
         "victims": list(s.victims),
         "state": s.state,

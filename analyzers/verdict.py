@@ -91,7 +91,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
         own_sources[len(merged)] = tuple(entry.sources)
         merged.append(Suspect(
             kind=s.kind, ranks=s.ranks, machines=s.machines, score=round(entry.scaled * (1.0 + support), 6),
-            evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index,
+            evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index, groups=s.groups,
             diverging_frame=s.diverging_frame, victims=s.victims, state=s.state,
         ))
     order = sorted(range(len(merged)), key=lambda i: (
@@ -168,9 +168,16 @@ def suspect_label(s: Suspect) -> str:
         return f"rank {ranks}"
     if kind == "machine":
         return f"machine {','.join(s.machines)} (ranks {ranks})"
-    index = f" {s.group_index}" if s.group_index is not None else ""
-    label = "communicator" if kind == "comm" else f"{kind.upper()} group"
-    return f"{label}{index} (ranks {ranks})"
+    label = "communicator" if kind == "comm" else f"{kind.upper()} group{'s' if len(s.groups) > 1 else ''}"
+    number = group_numbers(s)
+    return f"{label}{' ' + number if number else ''} (ranks {ranks})"
+
+
+def group_numbers(s: Suspect) -> str:
+    """Which groups of its kind a suspect is: ``6``, ``6-7`` when it spans several, empty when unknown."""
+    if len(s.groups) > 1:
+        return compact_ranks(s.groups)
+    return str(s.group_index) if s.group_index is not None else ""
 
 
 def headline(s: Suspect, *, own_words: bool = False) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 from rankscope.analyzers.findings import Verdict
 from rankscope.analyzers.topology import compact_ranks
+from rankscope.analyzers.verdict import suspect_label
 from rankscope.snapshot import Frame, JobSnapshot, Layout, RankStacks, main_thread
 
 
@@ -214,8 +215,7 @@ def verdict_text(view: StackView | None) -> str:
     v = view.verdict
     lines = [v.summary]
     for s in v.suspects:
-        lines.append(f"- {s.kind.value} group {s.group_index if s.group_index is not None else ''}".rstrip()
-                     + f": ranks {compact_ranks(s.ranks, 20)} on {', '.join(s.machines)} (score {s.score:.2f})")
+        lines.append(f"- {suspect_label(s)} on {', '.join(s.machines)} (score {s.score:.2f})")
         lines.extend(f"    {e}" for e in s.evidence)
         if s.victims:
             lines.append(f"    victims (wait on it, not suspects): ranks {compact_ranks(s.victims, 20)}")

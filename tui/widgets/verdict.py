@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rankscope.analyzers.topology import compact_machines, compact_ranks
+from rankscope.analyzers.verdict import group_numbers
 from rankscope.snapshot import Layout
 from rankscope.tui.analysis import StackView
 from rankscope.tui.state import AppState, Filter, Health, fmt_time, health, step_rate
@@ -91,8 +92,8 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
         t.append(v.summary, "bold red" if v.suspects else "bold")
     advice = {f.ranks: f.advice for f in v.findings if f.advice}
     for s in v.suspects[:max_suspects]:
-        group = f" {s.group_index}" if s.group_index is not None else ""
-        t.append(f"\n ▸ {s.kind.value.upper()}{group}", "bold yellow")
+        number = group_numbers(s)
+        t.append(f"\n ▸ {s.kind.value.upper()}{' ' + number if number else ''}", "bold yellow")
         t.append(f"  machines {compact_machines(s.machines)}", "bold")
         t.append(f"  ranks {compact_ranks(s.ranks, 4)}")
         if s.state and s.kind.value != "desync":
