@@ -1,6 +1,6 @@
 """What sampling every rank's stacks costs the job: step time with the sampler on and off, side by side.
 
-    python benchmarks/bench_sampling.py [--phase-s 20] [--pairs 4] [--rate 5] [--window-s 5]
+    python benchmarks/bench_sampling.py [--phase-s 20] [--pairs 4] [--rate 5] [--window-s 5] [--steady-window-s 10]
 
 Starts the drill's job the plain way (TP=2 PP=2 DP=2, 8 ranks over 2
 torchrun nodes, no counters, no fault), then alternates phases of
@@ -36,7 +36,7 @@ from rankscope.drill.launcher import TrainingOptions
 from rankscope.drill.progress import ProgressWatcher
 from rankscope.drill.session import DrillConfig, DrillSession
 from rankscope.probes.discovery import discover_ranks
-from rankscope.probes.sampler import DEFAULT_WINDOW_S, StackSampler
+from rankscope.probes.sampler import DEFAULT_WINDOW_S, STEADY_WINDOW_S, StackSampler
 
 
 def ranks_cpu(pids: list[tuple[int, int]]) -> float:
@@ -79,10 +79,10 @@ def pyspy_cpu() -> float:
 
 
 async def sampled_phase(pids: list[tuple[int, int]], rate: int, seconds: float, watcher: ProgressWatcher,
-                        window_s: int) -> tuple[float, int]:
+                        window_s: int, steady_window_s: int) -> tuple[float, int]:
     from rankscope.snapshot import RankInfo
 
-    sampler = StackSampler(window_s=window_s, lease_s=seconds + 5)
+    sampler = StackSampler(window_s=window_s, lease_s=seconds + 5, steady_window_s=steady_window_s)
     ranks = [RankInfo(rank=r, local_rank=0, world_size=len(pids), pid=p) for r, p in pids]
     sampler.demand(ranks, rate)
     await asyncio.sleep(1.0)  # the recorders start before the measurement begins
@@ -97,7 +97,8 @@ def main() -> int:
     p.add_argument("--phase-s", type=float, default=20.0)
     p.add_argument("--pairs", type=int, default=4, help="off/on pairs (even: whole ABBA blocks)")
     p.add_argument("--rate", type=int, default=5)
-    p.add_argument("--window-s", type=int, default=DEFAULT_WINDOW_S, help="seconds per py-spy recording")
+    p.add_argument("--window-s", type=int, default=DEFAULT_WINDOW_S, help="seconds of a rank's first py-spy recording")
+    p.add_argument("--steady-window-s", type=int, default=STEADY_WINDOW_S, help="seconds of each recording after it")
     args = p.parse_args()
     layout = DrillLayout(tp=2, pp=2, dp=2, machines=2)
     config = DrillConfig(layout=layout, plan=make_plan("none", layout, step=5), counters=False, agents=False,
@@ -109,14 +110,15 @@ def main() -> int:
         launchers = [n.proc.pid for n in s.launcher.nodes.values()]
         pids = sorted((r.rank, r.pid) for lp in launchers for r in discover_ranks(launcher_pid=lp))
         print(f"job: {len(pids)} ranks on {psutil.cpu_count()} cores, load {psutil.getloadavg()[0]:.1f}; phases of "
-              f"{args.phase_s:g} s, sampling at {args.rate} Hz in {args.window_s} s windows", flush=True)
+              f"{args.phase_s:g} s, sampling at {args.rate} Hz in windows of {args.window_s} s, then {args.steady_window_s} s", flush=True)
         cpu_sampling = cpu_ranks_on = 0.0
         sampled_s = 0.0
         order = [on for i in range(args.pairs) for on in ((False, True) if i % 2 == 0 else (True, False))]
         for on in order:
             if on:
                 before, ranks_before = pyspy_cpu(), ranks_cpu(pids)
-                t, samples = asyncio.run(sampled_phase(pids, args.rate, args.phase_s, watcher, args.window_s))
+                t, samples = asyncio.run(sampled_phase(pids, args.rate, args.phase_s, watcher, args.window_s,
+                                                                      args.steady_window_s))
                 cpu_sampling += pyspy_cpu() - before
                 cpu_ranks_on += ranks_cpu(pids) - ranks_before
                 sampled_s += args.phase_s + 1.0

@@ -261,6 +261,29 @@ def test_sampler_classifies_a_real_process_without_pausing_it(waiter: subprocess
     assert w.end_wall > w.start_wall
 
 
+def test_a_ranks_first_window_is_short_and_the_ones_after_it_longer() -> None:
+    # The first figures come within seconds; after that fewer py-spy starts (60 % of the cost at 5 s windows).
+    asked: list[int | None] = []
+    sampler = StackSampler(window_s=2, steady_window_s=7, binary=None)
+
+    async def fake_window(rank: int, pid: int, rate_hz: int, window_s: int | None = None) -> StackSampleWindow:
+        asked.append(window_s)
+        if len(asked) == 4:
+            sampler._demanded = -1e18  # the lease ends: the loop stops after this window
+        await asyncio.sleep(0)
+        return StackSampleWindow(rank, pid, 0.0, 1.0, compute=1)
+
+    async def go() -> None:
+        sampler.sample_once = fake_window  # type: ignore[method-assign]
+        sampler.demand([RankInfo(rank=0, local_rank=0, world_size=1, pid=4242)], 5)
+        await asyncio.gather(*sampler._tasks.values())
+        await sampler.close()
+
+    asyncio.run(go())
+    assert asked == [2, 7, 7, 7]
+    assert StackSampler(window_s=9, steady_window_s=3, binary=None).steady_window_s == 9  # never shorter
+
+
 def test_sampler_records_a_gone_process_as_an_error_window(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
