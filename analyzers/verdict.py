@@ -21,7 +21,7 @@ headless tools use it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from rankscope.analyzers.findings import Finding, Suspect, Verdict
 from rankscope.analyzers.topology import compact_machines, compact_ranks
@@ -110,41 +110,62 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
                    findings=merge_findings(*verdicts))
 
 
+@dataclass(slots=True)
+class _Kept:
+    """A suspect of the merged ranking while lower-ranked ones are folded into it."""
+
+    suspect: Suspect
+    named_by: tuple[str, ...]  # the detectors that named it themselves
+    finer: int = 0  # cuts of its own ranks by its own detectors, folded quietly
+    waiting: set[int] = field(default_factory=set)  # ranks of folded suspects that only wait on it
+
+
 def _fold_contained(ranked: list[tuple[Suspect, tuple[str, ...]]]) -> list[Suspect]:
-    """Each suspect whose ranks all lie inside a higher-ranked suspect's becomes evidence of that one.
+    """Each suspect whose ranks all lie inside a higher-ranked suspect, or among its victims, becomes its evidence.
 
     Detectors name one fault at several sizes (the stacks a PP group and its TP
-    groups and ranks; the counters ranks 2 and 3 of it): listed apart they read
-    as separate faults, and an engineer would evict twice for one chain. What
-    another detector pinpoints inside the suspect is kept as evidence ("within
-    it: rank 30 named by ccl" and its facts); finer cuts by the suspect's own
-    detectors add nothing and are only counted. A desync is never folded into,
+    groups and ranks; the counters ranks 2 and 3 of it), and the counters name
+    ranks that only wait on the root the chain found (rank 4 in a recv the root
+    never sent to): listed apart they read as separate faults, and an engineer
+    would evict twice for one chain. What another detector pinpoints inside the
+    suspect is kept as evidence ("within it: rank 30 named by ccl" and its
+    facts); cuts by the suspect's own detectors, and suspects made only of its
+    victims, add nothing and are only counted. A desync is never folded into,
     nor folds, a suspect of another kind: its remedy (fix the program) differs.
     ``ranked``: each suspect, best first, with the detectors that named it themselves.
     """
-    kept: list[tuple[Suspect, tuple[str, ...], int]] = []  # suspect, its own detectors, finer cuts folded quietly
+    kept: list[_Kept] = []
     for s, named_by in ranked:
-        inside = set(s.ranks)
-        host = next((i for i, (k, _, _) in enumerate(kept)
-                     if inside and inside <= set(k.ranks)
-                     and (str(s.kind) == "desync") == (str(k.kind) == "desync")), None)
+        ranks = set(s.ranks)
+        host = next((k for k in kept
+                     if ranks and ranks <= set(k.suspect.ranks) | set(k.suspect.victims)
+                     and (str(s.kind) == "desync") == (str(k.suspect.kind) == "desync")), None)
         if host is None:
-            kept.append((s, named_by, 0))
+            kept.append(_Kept(s, named_by))
             continue
-        k, k_named_by, quiet = kept[host]
+        k = host.suspect
         extra: list[str] = []
-        if set(named_by) - set(k_named_by):
+        if not ranks <= set(k.ranks):
+            host.waiting |= ranks - set(k.ranks)
+        elif set(named_by) - set(host.named_by):
             own = [f"  {e}" for e in s.evidence if e not in k.evidence and not e.startswith("agreement:")]
             extra = [f"within it: {suspect_label(s)} named by {' + '.join(named_by)}", *own[:3]]
         else:
-            quiet += 1
-        kept[host] = (replace(k, evidence=(*k.evidence, *extra),
-                              sources=(*k.sources, *(x for x in s.sources if x not in k.sources)),
-                              victims=tuple(sorted(set(k.victims) | (set(s.victims) - set(k.ranks))))),
-                      k_named_by, quiet)
-    return [replace(k, evidence=(*k.evidence, f"{quiet} finer grouping{'s' if quiet > 1 else ''} of these ranks by "
-                                 f"{' + '.join(named_by)} folded in")) if quiet else k
-            for k, named_by, quiet in kept]
+            host.finer += 1
+        # Its victims stay the chain's: widening them here could make a suspect kept above a victim too.
+        host.suspect = replace(k, evidence=(*k.evidence, *extra),
+                               sources=(*k.sources, *(x for x in s.sources if x not in k.sources)))
+    out: list[Suspect] = []
+    for folded in kept:
+        notes: list[str] = []
+        if folded.finer:
+            notes.append(f"{folded.finer} finer grouping{'s' if folded.finer > 1 else ''} of these ranks by "
+                         f"{' + '.join(folded.named_by)} folded in")
+        if folded.waiting:
+            notes.append("also named, folded in as its victims (they wait on it): "
+                         f"ranks {compact_ranks(folded.waiting)}")
+        out.append(replace(folded.suspect, evidence=(*folded.suspect.evidence, *notes)) if notes else folded.suspect)
+    return out
 
 
 def merge_findings(*verdicts: Verdict) -> tuple[Finding, ...]:

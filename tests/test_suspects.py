@@ -277,31 +277,56 @@ def test_ranks_the_counters_name_inside_the_hung_pp_group_are_its_evidence_not_s
     assert sorted((str(s.kind), s.ranks) for s in merged.suspects[1:]) == [("desync", (3,)), ("rank", (5,))]
     top = merged.suspects[0]
     assert "within it: rank 2 named by ccl" in top.evidence and "within it: rank 3 named by ccl" in top.evidence
-    assert top.victims == (0, 1, 4)  # rank 2's victim 4 joins the group's; none of its own ranks is a victim
+    assert top.victims == (0, 1)  # the chain's victims, as they were
     assert set(top.sources) == {"stacks", "ccl"}
+
+
+def test_ranks_the_counters_name_that_only_wait_on_the_chains_root_are_its_victims_not_suspects() -> None:
+    # The 16-drill scorecard's hang-compute shape: the chain finds rank 0 stuck in its own work with ranks 1-7
+    # waiting on it; the counters also name rank 4 (in a recv rank 0 never sent) and ranks 1 and 5 (late in a
+    # DP all_reduce because they wait on rank 0's TP all_reduce). One chain, one suspect.
+    from rankscope.analyzers.findings import Suspect, Verdict
+    from rankscope.analyzers.verdict import merge_verdicts
+
+    root = Suspect(SuspectKind.RANK, (0,), ("machine-0",), 2.0, ("rank 0 computing",), ("stacks",),
+                   victims=tuple(range(1, 8)), state="computing")
+    pp = Suspect(SuspectKind.PP, (0, 1, 4, 5), ("machine-0", "machine-2"), 1.6, ("PP groups 0-1",), ("stacks",),
+                 victims=(2, 3, 6, 7))
+    stacks = Verdict((root, pp), "rank 0")
+    ccl = Verdict((Suspect(SuspectKind.RANK, (0,), ("machine-0",), 1.0, ("rank 0: CL 82 < 83",), ("ccl",)),
+                   Suspect(SuspectKind.RANK, (4,), ("machine-2",), 0.95, ("rank 4: recv open",), ("ccl",)),
+                   Suspect(SuspectKind.RANK, (1,), ("machine-0",), 0.9, ("rank 1: CL 5 < 6",), ("ccl",))), "ccl")
+    merged = merge_verdicts(stacks, ccl)
+    assert [s.ranks for s in merged.suspects] == [(0,)]
+    top = merged.suspects[0]
+    assert top.victims == tuple(range(1, 8)) and top.state == "computing"
+    assert "also named, folded in as its victims (they wait on it): ranks 1,4-5" in top.evidence
+    assert "rank 0: CL 82 < 83" in top.evidence
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["pp", "dp", "rank", "desync"]),
                           st.frozensets(st.integers(0, 7), min_size=1, max_size=4),
-                          st.floats(0.01, 5.0), st.integers(0, 2)), min_size=1, max_size=8))
-def test_no_merged_suspect_lies_inside_a_higher_ranked_one_of_the_same_remedy(
-        raw: list[tuple[str, frozenset[int], float, int]]) -> None:
+                          st.floats(0.01, 5.0), st.integers(0, 2),
+                          st.frozensets(st.integers(0, 9), max_size=3)), min_size=1, max_size=8))
+def test_no_merged_suspect_lies_inside_or_among_the_victims_of_a_higher_ranked_one_of_the_same_remedy(
+        raw: list[tuple[str, frozenset[int], float, int, frozenset[int]]]) -> None:
     from rankscope.analyzers.findings import Suspect, Verdict
     from rankscope.analyzers.verdict import merge_verdicts
 
     per: dict[int, list[Suspect]] = {0: [], 1: [], 2: []}
-    for kind, ranks, score, d in raw:
+    for kind, ranks, score, d, victims in raw:
         per[d].append(Suspect(SuspectKind(kind), tuple(sorted(ranks)), ("m",), score, (f"{kind} {sorted(ranks)}",),
-                              (f"d{d}",)))
+                              (f"d{d}",), victims=tuple(sorted(victims - ranks))))
     verdicts = [Verdict(tuple(v), "x") for v in per.values() if v]
     merged = merge_verdicts(*verdicts, Verdict((), "empty")).suspects
     for i, s in enumerate(merged):
         for k in merged[:i]:
             same_remedy = (str(s.kind) == "desync") == (str(k.kind) == "desync")
-            assert not (same_remedy and set(s.ranks) <= set(k.ranks)), (s, k)
-    named = {r for _, ranks, _, _ in raw for r in ranks}
-    assert {r for s in merged for r in s.ranks} == named  # folding drops no rank from the verdict
+            assert not (same_remedy and set(s.ranks) <= set(k.ranks) | set(k.victims)), (s, k)
+    # folding drops no rank: each named rank is still a suspect's, or a victim of one
+    named = {r for _, ranks, _, _, _ in raw for r in ranks}
+    assert named <= {r for s in merged for r in (*s.ranks, *s.victims)}
 
 
 def test_recorded_communicators_decide_the_groups() -> None:
