@@ -323,7 +323,16 @@ class SlurmBackend(_CommandBackend):
         their command is killed by a signal. After a successful drain that is
         not a failure when Slurm shows the job requeued.
         """
-        plan = self.plan(machines, reason)
+        try:
+            plan = self.plan(machines, reason)
+        except RankscopeError:
+            # Planning again asks Slurm about the job, and that query is a child of this step: another node's
+            # agent's requeue ends it with a signal. Our nodes drained and the job requeued is the outcome asked.
+            names = _checked(machines, reason)[0]
+            if self.restart == "requeue" and self._drained(names) and self._requeue_under_way():
+                return EvictionOutcome(True, names, f"drained {' '.join(names)}; job {self.job_id} was already "
+                                       "requeued (by another node's agent)", ())
+            raise
         runs: list[CommandRun] = []
         for index, argv in enumerate(plan.commands):
             run = self._run(argv)
