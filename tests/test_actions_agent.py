@@ -31,9 +31,9 @@ from rankscope.actions.agent_protocol import (
     combined_phrase,
     confirmation_for,
 )
-from rankscope.actions.agent_service import ActionsConfig, EvictionSettings, HotUpdateSettings, load_actions_config
 from rankscope.actions.audit import AuditLog
 from rankscope.actions.blocklist import Blocklist
+from rankscope.actions.config import ActionsConfig, EvictionSettings, HotUpdateSettings, load_actions_config
 from rankscope.actions.history import HotUpdateHistory, UpdateState
 from rankscope.actions.model import (
     ActionKind,

@@ -350,6 +350,11 @@ class ActionResult:
         )
 
 
+# In a hot-update's audit records: the code link was switched and the launcher is to restart the ranks on it
+# (the agent never stops them itself); a launcher's recovery watches the audit stream for it.
+RESTART_REQUESTED = "restart requested"
+
+
 @dataclass(frozen=True, slots=True)
 class AuditRecord:
     """One line of the audit log: who did what, when, and how it ended (or 'started')."""
