@@ -374,21 +374,6 @@ class AuditRecord:
         return out
 
 
-def check_targets(request: ActionRequest, job_machines: tuple[str, ...] | frozenset[str],
-                  world_size: int | None) -> None:
-    """An agent refuses targets outside its job: unknown machines or ranks beyond the world size."""
-    known = set(job_machines)
-    outside = [m for m in request.targets.machines if m not in known]
-    if outside:
-        raise RankscopeError(f"refused: machine(s) {' '.join(outside)} are not part of this job",
-                             f"target only the job's machines: {' '.join(sorted(known)) or '(none known)'}")
-    if world_size is not None:
-        bad = [r for r in request.targets.ranks if r >= world_size]
-        if bad:
-            raise RankscopeError(f"refused: rank(s) {bad} are outside the job's {world_size} ranks",
-                                 f"target ranks 0..{world_size - 1}")
-
-
 def _to_json(value: Any) -> Any:
     if isinstance(value, StrEnum):
         return value.value
