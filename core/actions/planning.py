@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rankscope.actions.evict_backends import EvictionPlan
-from rankscope.actions.history import UpdateRecord, Version
+from rankscope.actions.history import UpdateRecord, Version, find_version
 from rankscope.actions.model import (
     DEFAULT_LAZY_WINDOW_S,
     ActionKind,
@@ -216,10 +216,9 @@ def rollback_target(args: RollbackArgs, machine: str, history: Sequence[UpdateRe
     """The version a rollback returns to: ``args.to_version`` (a label or path in ``history``), else
     ``previous`` (the version before the newest update not rolled back yet)."""
     if args.to_version:
-        for record in history:
-            for v in (record.to_version, record.from_version):
-                if v is not None and args.to_version in (v.label, v.path):
-                    return v
+        found = find_version(history, args.to_version)
+        if found is not None:
+            return found
         raise RankscopeError(f"refused: no version {args.to_version!r} in the hot-update history of {machine}",
                              "pick a version listed in the update history")
     if previous is None:
