@@ -325,7 +325,6 @@ class ActionService:
             await self._publish()
         return record
 
-
     def _supervise(self) -> UpdateRecord | None:
         if self.versions is None:
             return None
@@ -354,7 +353,6 @@ class ActionService:
 
         trigger = JobEventKind.FAILURE.value if died else "window"
         return apply_due(self.audit, self.history, self.machine, pending, trigger, apply, applied, self._clock)
-
 
     # ---- the audit stream -------------------------------------------------------------
 
