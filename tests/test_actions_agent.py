@@ -497,7 +497,7 @@ async def test_the_agent_cli_evicts_with_a_config_file(procs: Processes, run_id:
         (result,) = results(await collect(client, request, Confirmation(("cli-m0",), (), "evict cli-m0")))
     assert result.state == ActionState.SUCCEEDED, result.message
     assert tree.proc.wait(timeout=10) == -signal.SIGTERM
-    assert Blocklist(tmp_path / "cli-state" / "blocklist.sqlite").is_blocked("cli-m0")
+    assert [e.machine for e in Blocklist(tmp_path / "cli-state" / "blocklist.sqlite").blocked()] == ["cli-m0"]
     wait_for(lambda: "actions enabled (eviction: local" in agent.log_text(), 10, "the agent to log its actions")
 
 
