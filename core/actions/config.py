@@ -120,7 +120,9 @@ def load_actions_config(path: Path | None, state_dir: Path | None) -> ActionsCon
     if path is not None:
         data = _read_config(path)
     where = str(path) if path is not None else "--state-dir"
-    folder = state_dir if state_dir is not None else data.get("state_dir")
+    folder = state_dir
+    if folder is None and data.get("state_dir") is not None:
+        folder = Path(_path_text(data["state_dir"], f"{where}: state_dir"))
     if folder is None:
         if path is None:
             return None
@@ -131,13 +133,21 @@ def load_actions_config(path: Path | None, state_dir: Path | None) -> ActionsCon
     backup = data.get("backup", {})
     if not isinstance(backup, dict) or set(backup) - {"wait_s", "align_steps"}:
         raise RankscopeError(f"{where} [backup]: only wait_s and align_steps are known", CONFIG_FIX)
+    wait_s = backup.get("wait_s", BACKUP_WAIT_S)
+    if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not 0 < wait_s <= 24 * 3600:
+        raise RankscopeError(f"{where} [backup]: wait_s must be 0-86400 seconds (more than 0), got {wait_s!r}",
+                             f"use the default {BACKUP_WAIT_S:g}, or longer for ranks with slow steps")
+    align = backup.get("align_steps", 1)
+    if isinstance(align, bool) or not isinstance(align, int):
+        raise RankscopeError(f"{where} [backup]: align_steps must be a whole number of steps, got {align!r}",
+                             "use 1, or more than the steps that pass between the agents' requests")
     return ActionsConfig(
-        state_dir=Path(folder),
+        state_dir=folder,
         eviction=_eviction(data.get("eviction", {}), where),
         hot_update=_hot_update(data.get("hot_update"), where),
         layout=_layout(data.get("layout"), where),
-        backup_wait_s=float(backup.get("wait_s", BACKUP_WAIT_S)),
-        backup_align_steps=max(1, int(backup.get("align_steps", 1))),
+        backup_wait_s=float(wait_s),
+        backup_align_steps=max(1, align),
     )
 
 
@@ -161,6 +171,12 @@ def _no_unknown(section: Mapping[str, Any], known: set[str] | frozenset[str], wh
     if unknown:
         raise RankscopeError(f"{where}: unknown setting(s) {', '.join(unknown)}",
                              f"use only {', '.join(sorted(known)) or '(none)'}; {CONFIG_FIX}")
+
+
+def _path_text(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise RankscopeError(f"{where} must be a path, got {value!r}", f'write it as a quoted path; {CONFIG_FIX}')
+    return value
 
 
 def _table(value: Any, where: str) -> Mapping[str, Any]:
@@ -232,9 +248,12 @@ def _hot_update(value: Any, where: str) -> HotUpdateSettings | None:
     missing = [k for k in ("current", "versions_dir") if k not in section]
     if missing:
         raise RankscopeError(f"{where} [hot_update] needs {' and '.join(missing)}", CONFIG_FIX)
+    here = f"{where} [hot_update]"
     repo = section.get("repo")
-    return HotUpdateSettings(Path(section["current"]), Path(section["versions_dir"]),
-                             Path(repo) if repo else None, str(section.get("git", "git")))
+    return HotUpdateSettings(Path(_path_text(section["current"], f"{here} current")),
+                             Path(_path_text(section["versions_dir"], f"{here} versions_dir")),
+                             Path(_path_text(repo, f"{here} repo")) if repo else None,
+                             _path_text(section.get("git", "git"), f"{here} git"))
 
 
 def _layout(value: Any, where: str) -> Layout | None:
@@ -242,10 +261,16 @@ def _layout(value: Any, where: str) -> Layout | None:
         return None
     section = dict(_table(value, f"{where} [layout]"))
     _no_unknown(section, {"tp", "pp", "dp", "cp", "ep", "order", "ranks_per_machine"}, f"{where} [layout]")
-    try:
-        return Layout(**section)
-    except TypeError as exc:
-        raise RankscopeError(f"{where} [layout]: {exc}", CONFIG_FIX) from None
+    # The sizes' and the order's meaning is checked where the backup pairing is planned (a plan warning);
+    # here only their types, so a wrong one fails at start-up rather than deep inside the first plan.
+    for key, size in section.items():
+        if key != "order" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise RankscopeError(f"{where} [layout] {key} must be a whole number of at least 1, got {size!r}",
+                                 "leave a dimension out when the job does not use it (its size is 1)")
+    if not isinstance(section.get("order", ""), str):
+        raise RankscopeError(f"{where} [layout] order must be a string, got {section['order']!r}",
+                             'write it as order = "tp-cp-ep-dp-pp" (fastest varying first)')
+    return Layout(**section)
 
 
 def make_backend(settings: EvictionSettings) -> EvictionBackend | None:
