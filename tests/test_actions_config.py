@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankscope.actions.config import ActionsConfig, load_actions_config
 from rankscope.errors import RankscopeError
+from rankscope.snapshot import Layout
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -35,7 +36,7 @@ def _table(**fields: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 
 PATHS = st.sampled_from(["/srv/job/code", "/srv/job/versions", "/run/standbys.json", "relative/dir"])
 SECONDS = st.one_of(st.integers(-5, 700), st.floats(-1.0, 90000.0))
-SIZES = st.integers(-1, 8)
+SIZES = st.one_of(st.integers(-1, 8), st.none())
 EVICTION = _table(
     backend=st.sampled_from(["local", "slurm", "kubernetes", "command", "pbs"]),
     grace_s=SECONDS,
@@ -86,3 +87,13 @@ def test_a_setting_of_the_wrong_type_is_named_with_the_fix(tmp_path: Path, text:
     with pytest.raises(RankscopeError, match=needle) as err:
         load_actions_config(path, None if text.startswith("state_dir") else tmp_path / "state")
     assert err.value.fix
+
+
+def test_a_json_null_leaves_a_layout_setting_at_its_default(tmp_path: Path) -> None:
+    """The drill's launcher writes ``ranks_per_machine: null`` when the layout does not say."""
+    path = tmp_path / "actions.json"
+    path.write_text(json.dumps({"layout": {"tp": 2, "pp": 4, "dp": 1, "ranks_per_machine": None},
+                                "backup": {"align_steps": 16, "wait_s": 60}}))
+    config = load_actions_config(path, tmp_path / "state")
+    assert config is not None and config.layout == Layout(tp=2, pp=4, dp=1)
+    assert config.backup_align_steps == 16 and config.backup_wait_s == 60.0

@@ -261,6 +261,7 @@ def _layout(value: Any, where: str) -> Layout | None:
         return None
     section = dict(_table(value, f"{where} [layout]"))
     _no_unknown(section, {"tp", "pp", "dp", "cp", "ep", "order", "ranks_per_machine"}, f"{where} [layout]")
+    section = {k: v for k, v in section.items() if v is not None}  # JSON null: not given (the default)
     # The sizes' and the order's meaning is checked where the backup pairing is planned (a plan warning);
     # here only their types, so a wrong one fails at start-up rather than deep inside the first plan.
     for key, size in section.items():
