@@ -20,8 +20,9 @@ Stack captures are serialised: two engineers pressing "capture" at once must
 not make two py-spy processes ptrace the same rank (the second attach fails).
 
 Actions (PlanAction, RunAction, WatchAudit) are served when the agent was
-configured with them (``--state-dir`` / ``--actions-config``); the procedures
-live in ``rankscope.actions.agent_service``. Planning and watching the audit
+configured with them (``--state-dir`` / ``--actions-config``) and carried out
+by ``rankscope.actions.agent_service`` (plans from ``rankscope.actions.planning``,
+procedures in ``rankscope.actions.procedures``). Planning and watching the audit
 log need the ``read`` role; RunAction is not in ``METHOD_ROLES`` and so needs
 ``act``.
 """
@@ -46,7 +47,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rankscope.actions.agent_protocol import FIX_SEPARATOR
-from rankscope.actions.agent_service import SUPERVISE_INTERVAL_S, ActionsConfig, ActionService
+from rankscope.actions.agent_service import SUPERVISE_INTERVAL_S, ActionService
+from rankscope.actions.config import ActionsConfig
 from rankscope.errors import RankscopeError
 from rankscope.proto import rankscope_pb2 as pb
 from rankscope.proto import rankscope_pb2_grpc as pb_grpc

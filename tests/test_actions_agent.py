@@ -31,9 +31,9 @@ from rankscope.actions.agent_protocol import (
     combined_phrase,
     confirmation_for,
 )
-from rankscope.actions.agent_service import ActionsConfig, EvictionSettings, HotUpdateSettings, load_actions_config
 from rankscope.actions.audit import AuditLog
 from rankscope.actions.blocklist import Blocklist
+from rankscope.actions.config import ActionsConfig, EvictionSettings, HotUpdateSettings, load_actions_config
 from rankscope.actions.history import HotUpdateHistory, UpdateState
 from rankscope.actions.model import (
     ActionKind,
@@ -497,7 +497,7 @@ async def test_the_agent_cli_evicts_with_a_config_file(procs: Processes, run_id:
         (result,) = results(await collect(client, request, Confirmation(("cli-m0",), (), "evict cli-m0")))
     assert result.state == ActionState.SUCCEEDED, result.message
     assert tree.proc.wait(timeout=10) == -signal.SIGTERM
-    assert Blocklist(tmp_path / "cli-state" / "blocklist.sqlite").is_blocked("cli-m0")
+    assert [e.machine for e in Blocklist(tmp_path / "cli-state" / "blocklist.sqlite").blocked()] == ["cli-m0"]
     wait_for(lambda: "actions enabled (eviction: local" in agent.log_text(), 10, "the agent to log its actions")
 
 

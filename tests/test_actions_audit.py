@@ -35,19 +35,21 @@ def _evict(action_id: str = "a-1", reason: str = "PP group 3 hangs") -> ActionRe
     return ActionRequest(action_id, ActionKind.EVICT, Targets(("m12", "m13")), EvictArgs(reason), "alice")
 
 
-def test_a_repeated_action_id_returns_the_recorded_result_without_acting_twice(tmp_path: Path) -> None:
+def _finish(log: AuditLog, request: ActionRequest, state: ActionState, message: str,
+            machines: tuple[str, ...] = ()) -> None:
+    log.finish(request, ActionResult(request.action_id, request.kind, state, message, started=1.0), "evict m12 m13",
+               machines)
+
+
+def test_a_repeated_action_id_is_not_claimed_again_and_gets_the_recorded_result(tmp_path: Path) -> None:
     log = AuditLog(tmp_path / "audit.db", clock=Clock())
-    calls: list[str] = []
-
-    def act() -> ActionResult:
-        calls.append("acted")
-        return ActionResult("a-1", ActionKind.EVICT, ActionState.SUCCEEDED, "evicted m12 m13")
-
-    first = log.run_once(_evict(), "evict m12 m13", act, machines=("m12", "m13"))
-    again = AuditLog(tmp_path / "audit.db").run_once(_evict(), "evict m12 m13", act)  # after an agent restart
-    assert calls == ["acted"]
-    assert first.ok and not first.replayed and first.started is not None and first.finished is not None
-    assert again.replayed and again.state == ActionState.SUCCEEDED and again.message == "evicted m12 m13"
+    assert log.begin(_evict(), "evict m12 m13", ("m12", "m13")) is None  # claimed: the agent acts
+    _finish(log, _evict(), ActionState.SUCCEEDED, "evicted m12 m13", ("m12", "m13"))
+    again = AuditLog(tmp_path / "audit.db").begin(_evict(), "evict m12 m13")  # after an agent restart
+    assert again is not None and again.replayed and again.state == ActionState.SUCCEEDED
+    assert again.message == "evicted m12 m13" and again.started == 1.0 and again.finished is not None
+    recorded = log.result_of("a-1")
+    assert recorded is not None and recorded.ok and not recorded.replayed
     records = log.records()
     assert [(r.seq, r.action_id, r.who, r.result) for r in records] == [(1, "a-1", "alice", "started"),
                                                                         (2, "a-1", "alice", "succeeded")]
@@ -58,54 +60,45 @@ def test_a_repeated_action_id_returns_the_recorded_result_without_acting_twice(t
 
 def test_reusing_an_id_for_another_request_is_an_error(tmp_path: Path) -> None:
     log = AuditLog(tmp_path / "audit.db")
-    log.run_once(_evict(), "evict", lambda: ActionResult("a-1", ActionKind.EVICT, ActionState.SUCCEEDED, "ok"))
+    assert log.begin(_evict(), "evict") is None
+    _finish(log, _evict(), ActionState.SUCCEEDED, "ok")
     with pytest.raises(RankscopeError, match="already used for a different request"):
-        log.run_once(_evict(reason="something else"), "evict",
-                     lambda: ActionResult("a-1", ActionKind.EVICT, ActionState.SUCCEEDED, "ok"))
+        log.begin(_evict(reason="something else"), "evict")
 
 
-def test_a_failing_action_is_recorded_and_its_error_raised(tmp_path: Path) -> None:
+def test_a_failed_action_is_recorded_and_only_a_final_state_finishes_one(tmp_path: Path) -> None:
     log = AuditLog(tmp_path / "audit.db")
-
-    def act() -> ActionResult:
-        raise RankscopeError("scontrol failed: Invalid node name", "check the node names")
-
-    with pytest.raises(RankscopeError, match="Invalid node name"):
-        log.run_once(_evict(), "evict m12 m13", act)
+    assert log.begin(_evict(), "evict m12 m13") is None
+    with pytest.raises(RankscopeError, match="cannot finish a-1 in state running"):
+        _finish(log, _evict(), ActionState.RUNNING, "half way")
+    assert log.interrupted() == ("a-1",)
+    _finish(log, _evict(), ActionState.FAILED, "scontrol failed: Invalid node name")
     recorded = log.result_of("a-1")
     assert recorded is not None and recorded.state == ActionState.FAILED
-    assert "Invalid node name" in recorded.message
+    assert recorded.message == "scontrol failed: Invalid node name"
     assert [r.result for r in log.records()] == ["started", "failed"]
     assert log.interrupted() == ()
 
 
-def test_concurrent_requests_with_one_id_act_once(tmp_path: Path) -> None:
+def test_concurrent_requests_with_one_id_are_claimed_once(tmp_path: Path) -> None:
     path = tmp_path / "audit.db"
     AuditLog(path)
-    acted: list[int] = []
-    gate = threading.Event()
-    results: list[ActionResult] = []
+    start = threading.Barrier(4)
+    claims: list[ActionResult | None] = []
 
-    def worker(i: int) -> None:
-        def act() -> ActionResult:
-            acted.append(i)
-            gate.wait(5.0)
-            return ActionResult("a-1", ActionKind.EVICT, ActionState.SUCCEEDED, "ok")
-        results.append(AuditLog(path).run_once(_evict(), "evict", act))
+    def worker() -> None:
+        log = AuditLog(path)  # one log per thread, as agents' worker threads and a restarted agent would have
+        start.wait(10.0)
+        claims.append(log.begin(_evict(), "evict"))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=worker) for _ in range(4)]
     for t in threads:
         t.start()
-    deadline = threading.Event()
-    for _ in range(500):  # poll the real condition: three of four saw the claim and returned
-        if len(results) >= 3:
-            break
-        deadline.wait(0.01)
-    gate.set()
     for t in threads:
         t.join(10.0)
-    assert len(acted) == 1
-    assert sorted(r.state for r in results).count(ActionState.RUNNING) == 3
+    assert len(claims) == 4 and claims.count(None) == 1
+    assert [c.state for c in claims if c is not None] == [ActionState.RUNNING] * 3
+    assert all(c.replayed and "already running" in c.message for c in claims if c is not None)
 
 
 def test_an_action_cut_off_midway_shows_as_interrupted(tmp_path: Path) -> None:
@@ -150,7 +143,7 @@ def test_blocklist_persists_reasons_and_lifting_keeps_history(tmp_path: Path) ->
         ("m14", "again", "bob")]
     assert reopened.allowed(["m10", "m12", "m15", "m14"]) == ("m10", "m15")
     assert reopened.lift("m12", "carol") and not reopened.lift("m12", "carol")
-    assert not reopened.is_blocked("m12") and reopened.is_blocked("m13")
+    assert [e.machine for e in reopened.blocked()] == ["m13", "m14"]
     lifted = [e for e in reopened.entries() if e.machine == "m12"]
     assert len(lifted) == 1 and lifted[0].lifted_by == "carol" and not lifted[0].active
     with pytest.raises(RankscopeError):
@@ -183,11 +176,8 @@ def test_history_records_updates_supersedes_pending_and_walks_rollbacks_back(tmp
 def test_progress_notes_go_between_started_and_the_result(tmp_path: Path) -> None:
     log = AuditLog(tmp_path / "audit.db")
     req = _evict()
-
-    def act() -> ActionResult:
-        log.note(req, "evict m12 m13", "stopped ranks on m12", ("m12",))
-        return ActionResult("a-1", ActionKind.EVICT, ActionState.SUCCEEDED, "done")
-
-    log.run_once(req, "evict m12 m13", act)
+    assert log.begin(req, "evict m12 m13") is None
+    log.note(req, "evict m12 m13", "stopped ranks on m12", ("m12",))
+    _finish(log, req, ActionState.SUCCEEDED, "done")
     assert [(r.result, r.message) for r in log.records()] == [
         ("started", ""), ("progress", "stopped ranks on m12"), ("succeeded", "done")]

@@ -10,17 +10,15 @@ from pathlib import Path
 
 import pytest
 from rankscope.actions.agent_protocol import Confirmation
-from rankscope.actions.agent_service import (
-    RESTART_REQUESTED,
+from rankscope.actions.agent_service import ActionService
+from rankscope.actions.audit import AuditLog
+from rankscope.actions.config import (
     ActionsConfig,
-    ActionService,
     EvictionSettings,
     HotUpdateSettings,
-    apply_pending,
     load_actions_config,
     local_standbys,
 )
-from rankscope.actions.audit import AuditLog
 from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateRecord, UpdateState, Version
 from rankscope.actions.hot_update import (
     CodeVersions,
@@ -30,6 +28,7 @@ from rankscope.actions.hot_update import (
     lazy_update_due,
 )
 from rankscope.actions.model import (
+    RESTART_REQUESTED,
     ActionKind,
     ActionRequest,
     ActionResult,
@@ -41,6 +40,7 @@ from rankscope.actions.model import (
     UpdateMode,
     VersionSource,
 )
+from rankscope.actions.procedures.update import apply_pending
 from rankscope.errors import RankscopeError
 from rankscope.snapshot import RankInfo
 

@@ -1,4 +1,7 @@
-"""The action protocol's data: typed requests (never shell text), confirmation, scope and target checks."""
+"""The action protocol's data: typed requests (never shell text) and confirmation.
+
+An agent's refusal of targets outside its job is the planner's (`check_job`, test_actions_planning.py).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ from rankscope.actions.model import (
     Targets,
     UpdateMode,
     VersionSource,
-    check_targets,
     confirm_phrase_for,
     confirmation_matches,
     needs_typed_confirmation,
@@ -100,17 +102,6 @@ def test_other_actions_confirm_with_an_explicit_yes_only() -> None:
     assert not confirmation_matches(plan, False)
     assert not confirmation_matches(plan, None)
     assert not confirmation_matches(plan, "y")
-
-
-def test_agent_refuses_targets_outside_its_job_and_read_only_tokens() -> None:
-    job = ("m12", "m13", "m14", "m15")
-    check_targets(_evict(("m12", "m13")), job, world_size=32)
-    with pytest.raises(RankscopeError, match="not part of this job") as err:
-        check_targets(_evict(("m12", "db-server")), job, world_size=32)
-    assert "m12 m13 m14 m15" in err.value.fix
-    backup = ActionRequest("b", ActionKind.BACKUP, Targets(ranks=(3, 40)), BackupArgs(), "x")
-    with pytest.raises(RankscopeError, match="outside the job's 32 ranks"):
-        check_targets(backup, job, world_size=32)
 
 
 def test_result_state_and_json() -> None:

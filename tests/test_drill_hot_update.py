@@ -21,10 +21,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from rankscope.actions.agent_service import RESTART_REQUESTED, load_actions_config, local_standbys
 from rankscope.actions.audit import AuditLog
+from rankscope.actions.config import load_actions_config, local_standbys
 from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateState
-from rankscope.actions.model import ActionKind, ActionRequest, ActionResult, ActionState, AuditRecord, UpdateMode
+from rankscope.actions.model import (
+    RESTART_REQUESTED,
+    ActionKind,
+    ActionRequest,
+    ActionResult,
+    ActionState,
+    AuditRecord,
+    UpdateMode,
+)
 from rankscope.client import JobClient
 from rankscope.drill import user_code
 from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent, ranks_resumed

@@ -406,7 +406,7 @@ async def test_e_through_real_agents_stops_the_suspect_ranks_and_a_read_only_tui
 
     import psutil
     from agent_helpers import PY, Processes, clean_env, wait_for
-    from rankscope.actions.agent_service import ActionsConfig, EvictionSettings
+    from rankscope.actions.config import ActionsConfig, EvictionSettings
     from rankscope.agent import AgentConfig, start_agent
     from rankscope.snapshot import Layout
     from rankscope.tokens import parse_tokens

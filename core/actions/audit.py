@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Callable
 
 from rankscope.actions.model import (
     ActionKind,
@@ -120,30 +119,6 @@ class AuditLog(SqliteStore):
                 raise
         return AuditRecord(seq, request.action_id, request.requested_by, now, request.kind, what,
                            stored.state.value, stored.message, machines)
-
-    def run_once(self, request: ActionRequest, what: str, act: Callable[[], ActionResult],
-                 machines: tuple[str, ...] = ()) -> ActionResult:
-        """Carry out ``act`` at most once per action id and record the outcome.
-
-        An exception from ``act`` is recorded as a failed action (with its
-        message) and re-raised, so nothing is lost and nothing is hidden.
-        """
-        seen = self.begin(request, what, machines)
-        if seen is not None:
-            return seen
-        started = self._clock()
-        try:
-            result = act()
-        except BaseException as exc:
-            message = exc.message if isinstance(exc, RankscopeError) else f"{type(exc).__name__}: {exc}"
-            self.finish(request, ActionResult(request.action_id, request.kind, ActionState.FAILED, message,
-                                              started), what, machines)
-            raise
-        result = ActionResult(result.action_id, result.kind, result.state, result.message,
-                              result.started if result.started is not None else started, result.finished,
-                              result.details)
-        self.finish(request, result, what, machines)
-        return self.result_of(request.action_id) or result
 
     def note(self, request: ActionRequest, what: str, message: str, machines: tuple[str, ...] = (),
              result: str = "progress") -> AuditRecord:

@@ -82,11 +82,6 @@ class Blocklist(SqliteStore):
                              (who, self._clock(), machine))
         return cur.rowcount > 0
 
-    def is_blocked(self, machine: str) -> bool:
-        with self._connect() as db:
-            return db.execute("SELECT 1 FROM blocklist WHERE machine = ? AND lifted_at IS NULL",
-                              (machine,)).fetchone() is not None
-
     def blocked(self) -> tuple[BlockEntry, ...]:
         """Active entries, oldest first."""
         return tuple(e for e in self.entries() if e.active)

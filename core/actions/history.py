@@ -9,6 +9,7 @@ at a time (A -> B -> C, rollback gives B, rollback again gives A).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -177,6 +178,15 @@ class HotUpdateHistory(SqliteStore):
             else:
                 return record.from_version
         return None
+
+
+def find_version(entries: Iterable[UpdateRecord], wanted: str) -> Version | None:
+    """The version in ``entries`` (newest first) whose label or path is ``wanted``: what a rollback may name."""
+    for record in entries:
+        for v in (record.to_version, record.from_version):
+            if v is not None and wanted in (v.label, v.path):
+                return v
+    return None
 
 
 def _record(row: tuple[Any, ...]) -> UpdateRecord:

@@ -36,7 +36,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateRecord, UpdateState, Version
+from rankscope.actions.history import (
+    HotUpdateHistory,
+    UpdateKind,
+    UpdateRecord,
+    UpdateState,
+    Version,
+    find_version,
+)
 from rankscope.actions.model import HotUpdateArgs, RollbackArgs, UpdateMode, VersionSource, check_git_ref
 from rankscope.errors import RankscopeError
 
@@ -231,10 +238,9 @@ class HotUpdater:
 
     def _rollback_target(self, wanted: str) -> Version:
         if wanted:
-            for record in self.history.entries():
-                for v in (record.to_version, record.from_version):
-                    if v is not None and wanted in (v.label, v.path):
-                        return v
+            found = find_version(self.history.entries(), wanted)
+            if found is not None:
+                return found
             raise RankscopeError(f"no version {wanted!r} in the hot-update history",
                                  "pick a version listed in the TUI's update history")
         target = self.history.rollback_target()

@@ -350,6 +350,11 @@ class ActionResult:
         )
 
 
+# In a hot-update's audit records: the code link was switched and the launcher is to restart the ranks on it
+# (the agent never stops them itself); a launcher's recovery watches the audit stream for it.
+RESTART_REQUESTED = "restart requested"
+
+
 @dataclass(frozen=True, slots=True)
 class AuditRecord:
     """One line of the audit log: who did what, when, and how it ended (or 'started')."""
@@ -367,21 +372,6 @@ class AuditRecord:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = _to_json(self)
         return out
-
-
-def check_targets(request: ActionRequest, job_machines: tuple[str, ...] | frozenset[str],
-                  world_size: int | None) -> None:
-    """An agent refuses targets outside its job: unknown machines or ranks beyond the world size."""
-    known = set(job_machines)
-    outside = [m for m in request.targets.machines if m not in known]
-    if outside:
-        raise RankscopeError(f"refused: machine(s) {' '.join(outside)} are not part of this job",
-                             f"target only the job's machines: {' '.join(sorted(known)) or '(none known)'}")
-    if world_size is not None:
-        bad = [r for r in request.targets.ranks if r >= world_size]
-        if bad:
-            raise RankscopeError(f"refused: rank(s) {bad} are outside the job's {world_size} ranks",
-                                 f"target ranks 0..{world_size - 1}")
 
 
 def _to_json(value: Any) -> Any:

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     import socket
     import sys
 
-    from rankscope.actions.agent_service import EvictionSettings, load_actions_config
+    from rankscope.actions.config import EvictionSettings, load_actions_config
     from rankscope.agent import AgentConfig, serve
     from rankscope.errors import RankscopeError
     from rankscope.tls import server_tls

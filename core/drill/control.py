@@ -43,9 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rankscope.actions.agent_service import RESTART_REQUESTED
 from rankscope.actions.evict_backends import EvictionOutcome, LocalBackend, SelfCheck
-from rankscope.actions.model import ActionKind, ActionResult, ActionState, AuditRecord
+from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionResult, ActionState, AuditRecord
 from rankscope.drill.launcher import Launcher
 from rankscope.errors import RankscopeError
 

@@ -44,7 +44,7 @@ from rankscope.drill.faults import DrillLayout, machine_name
 from rankscope.errors import RankscopeError
 
 if TYPE_CHECKING:
-    from rankscope.actions.agent_service import ActionsConfig
+    from rankscope.actions.config import ActionsConfig
 
 RUN_ID_ENV = "RANKSCOPE_DRILL_RUN_ID"
 STORES_ENV = "RANKSCOPE_DRILL_BACKUP_STORES"  # JSON: the backup store of each machine of the job, by node rank
@@ -283,7 +283,7 @@ class Launcher:
         return {user_code.CODE_ENV: str(self.code_link(label)), user_code.MACHINE_ENV: label}
 
     def _hot_update_config(self, name: str) -> ActionsConfig:
-        from rankscope.actions.agent_service import ActionsConfig, HotUpdateSettings
+        from rankscope.actions.config import ActionsConfig, HotUpdateSettings
 
         return ActionsConfig(state_dir=self.state_dir(name),
                              hot_update=HotUpdateSettings(self.code_link(name), self.code_versions(name),
@@ -299,9 +299,9 @@ class Launcher:
         nodes), so it calls the agents' code (``apply_pending``) on each
         machine's history and link while nothing of that machine runs.
         """
-        from rankscope.actions.agent_service import apply_pending
         from rankscope.actions.history import UpdateState
         from rankscope.actions.hot_update import JobEvent, JobEventKind
+        from rankscope.actions.procedures.update import apply_pending
 
         done: list[str] = []
         if not self.hot_updates:
