@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from rankscope.analyzers.topology import compact_ranks
 from rankscope.tui.failslow_state import FailSlowView, HeatRow, RoundFlags, detectors_seen
 from rich.text import Text
 from textual.app import ComposeResult
@@ -143,20 +144,12 @@ def flags_text(view: FailSlowView) -> Text:
     for f in sorted(v.flags, key=lambda f: (not f.alarmed, -f.score)):
         mark = "●" if f.alarmed else "○"
         held = f" {f.held:.0f}/{f.required:.0f}" if f.required else ""
-        ranks = _ranks(f.ranks)
+        ranks = f"r{compact_ranks(f.ranks, 2)}" if f.ranks else "-"
         out.append(f"{mark} {f.detector:<9} {f.machine or '-':<10} {ranks:<9}{held:>8} ",
                    "bold red" if f.alarmed else "yellow")
         out.append(f"{f.evidence}\n")
     out.append("● alarmed (held long enough) ○ flagged, not yet held", "dim")
     return out
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    if not ranks:
-        return "-"
-    if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
-        return f"r{ranks[0]}-{ranks[-1]}"
-    return "r" + ",".join(str(r) for r in ranks[:3]) + ("…" if len(ranks) > 3 else "")
 
 
 def history_text(rounds: Sequence[RoundFlags], columns: int) -> Text:
