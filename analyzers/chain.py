@@ -389,22 +389,43 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: fr
     p2p_targets = {r: _p2p_peers(r, views[r], groups) for r in p2p}  # empty: no pipeline known, wait on all
     p2p_on_world = {r for r, t in p2p_targets.items() if not t}
     world_id = ("world", 0)
+    # Who waits on x through a send/recv toward it: inverted once, not searched in x's pipeline per step.
+    p2p_waiters: dict[int, list[int]] = {}
+    for m, targets in p2p_targets.items():
+        for t in targets:
+            p2p_waiters.setdefault(t, []).append(m)
+    # Per (group, call site) where ranks wait: the members that wait on the group's other ranks, and those that
+    # wait on the whole job (reached through the world scope); computed once per pair, however many ranks ask.
+    waits: dict[tuple[str, int], list[tuple[_Key, list[int]]]] = {}
+
+    def waiting_sites(gid: tuple[str, int]) -> list[tuple[_Key, list[int]]]:
+        got = waits.get(gid)
+        if got is None:
+            whole = gid == world_id
+            got = waits[gid] = []
+            for key, members in sites(gid).items():
+                if key[0] is RankState.COLLECTIVE:
+                    got.append((key, [m for m in members if (m in on_world) == whole]))
+                elif key[0] is RankState.P2P:
+                    got.append((key, [m for m in members if m in p2p_on_world] if whole else []))
+        return got
+
+    scopes: dict[int, tuple[tuple[str, int], ...]] = {}  # rank -> its groups' ids and the world's
+
     def waiters_of(x: int, done: set[tuple[tuple[str, int], _Key]]) -> list[int]:
         """The ranks that wait on ``x``."""
         mine = at(x)
         out: list[int] = []
-        scopes = [(groups.gid(k, x), False) for k in groups.kinds] + [(world_id, True)]
-        for gid, whole in scopes:
-            for key, members in sites(gid).items():
-                if key == mine or key[0] not in (RankState.COLLECTIVE, RankState.P2P) or (gid, key) in done:
+        mine_scopes = scopes.get(x)
+        if mine_scopes is None:
+            mine_scopes = scopes[x] = (*(groups.gid(k, x) for k in groups.kinds), world_id)
+        for gid in mine_scopes:
+            for key, members in waiting_sites(gid):
+                if key == mine or (gid, key) in done:
                     continue
                 done.add((gid, key))
-                if key[0] is RankState.COLLECTIVE:
-                    out.extend(m for m in members if (m in on_world) == whole)
-                elif whole:
-                    out.extend(m for m in members if m in p2p_on_world)
-        if "pp" in groups.kinds:
-            out.extend(m for m in groups.group("pp", x) if x in p2p_targets.get(m, ()))
+                out.extend(members)
+        out.extend(p2p_waiters.get(x, ()))
         return out
 
     def victims_from(starts: Sequence[int]) -> set[int]:
