@@ -300,10 +300,10 @@ async def dump_process(
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
     except TimeoutError:
-        await _kill(proc)
+        await kill_and_reap(proc)
         return failed(classify_pyspy_failure(None, "", pid))
     except asyncio.CancelledError:
-        await _kill(proc)
+        await kill_and_reap(proc)
         raise
     stderr = err.decode(errors="replace")
     if proc.returncode != 0:
@@ -318,7 +318,7 @@ async def dump_process(
                         name=stack.name, capture_seconds=time.monotonic() - started)
 
 
-async def _kill(proc: asyncio.subprocess.Process) -> None:
+async def kill_and_reap(proc: asyncio.subprocess.Process) -> None:
     """Kill a py-spy past its limit and reap it; the kernel detaches ptrace when it dies."""
     with contextlib.suppress(ProcessLookupError):
         proc.kill()

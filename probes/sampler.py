@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rankscope.analyzers.stack_samples import parse_collapsed
-from rankscope.probes.pyspy import FIX_FAILED, FIX_TOOL_MISSING, classify_pyspy_failure, pyspy_binary
+from rankscope.probes.pyspy import FIX_FAILED, FIX_TOOL_MISSING, classify_pyspy_failure, kill_and_reap, pyspy_binary
 from rankscope.snapshot import CaptureError, CaptureErrorKind, RankInfo, StackSampleWindow
 
 MIN_RATE_HZ, MAX_RATE_HZ = 1, 20
@@ -118,13 +118,12 @@ class StackSampler:
         try:
             _, err = await asyncio.wait_for(proc.communicate(), seconds + 15.0)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+            await kill_and_reap(proc)
             return failed(classify_pyspy_failure(None, "", pid))
         except asyncio.CancelledError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            # Reaped here, while the loop runs: a transport left to the garbage collector after the loop closed
+            # prints "Event loop is closed" tracebacks on the agent's way out.
+            await kill_and_reap(proc)
             raise
         if proc.returncode != 0 or not out.is_file():
             return failed(classify_pyspy_failure(proc.returncode, err.decode(errors="replace"), pid))
