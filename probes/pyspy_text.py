@@ -35,7 +35,7 @@ from rankscope.probes.pyspy import classify_pyspy_error
 from rankscope.snapshot import CaptureError, CaptureErrorKind, Frame, ProcessRole, ProcessStack, ThreadStack
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_PROCESS = re.compile(r"^\s*Process (\d+)(?::\s?(.*))?$")
+_PROCESS = re.compile(r"^\s*Process (\d+):\s?(.*)$")  # the colon: "Process 1" may be "Process 10:" cut short
 _PYTHON = re.compile(r"^\s*Python v(\S+)(?: \((.*)\))?$")
 _THREAD = re.compile(r'^\s*Thread (0[xX][0-9a-fA-F]+|\d+)(?: \(([a-z+]*)\))?(?::\s*"(.*)")?\s*$')
 _FRAME = re.compile(r"^(\s*)(.+?) \(([^()]*?)(?::(\d+))?\)$")

@@ -157,6 +157,13 @@ def test_a_dump_cut_mid_line_keeps_what_it_holds_and_is_flagged(captures: Captur
     assert proc.stack.truncated is not None and "hold_in_named_function" in proc.stack.truncated
 
 
+def test_a_header_cut_inside_its_pid_is_not_read_as_another_process() -> None:
+    # Found by hypothesis: "Process 10: python train.py" cut after "Process 1" read as a process with pid 1.
+    whole = 'Process 10: python train.py\nPython v3.11.7 (/usr/bin/python3.11)\n\nThread 10 (idle): "MainThread"\n'
+    assert [p.stack.pid for p in parse_pyspy_text(whole).processes] == [10]
+    assert [p.stack.pid for p in parse_pyspy_text(whole[:len("Process 1")]).processes] == []
+
+
 def test_stopped_process_is_a_gap_with_pyspys_words(targets: list[subprocess.Popen[bytes]]) -> None:
     pid = targets[2].pid
     os.kill(pid, signal.SIGSTOP)
