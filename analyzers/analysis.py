@@ -45,12 +45,11 @@ def analyze_job(snapshot: JobSnapshot, layout: Layout | None = None, options: Si
     stacks = analyze_stacks(snapshot, layout, options)
     counters = analyze_counters(snapshot, layout) if snapshot.all_counters() and not others else None
     merged_with = tuple(others) or ((counters,) if counters is not None and counters.suspects else ())
-    if merged_with:
-        verdict = merge_verdicts(stacks.verdict, *merged_with)
-    elif counters is not None:
-        v = stacks.verdict
+    # merge_verdicts also folds one detector's suspects: a rank, its TP group and its DP group holding one root
+    # are one suspect whether or not another detector spoke.
+    verdict = merge_verdicts(stacks.verdict, *merged_with)
+    if not merged_with and counters is not None:
+        v = verdict
         verdict = Verdict(v.suspects, v.summary, v.missing_ranks, (*v.notes, counters.summary, *counters.notes),
                           findings=merge_findings(v, counters))
-    else:
-        verdict = stacks.verdict
     return JobAnalysis(stacks, counters, merged_with, verdict)

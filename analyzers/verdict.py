@@ -52,7 +52,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
     if not verdicts:
         return Verdict(suspects=(), summary="no verdict: no detector ran")
     if len(verdicts) == 1:
-        return verdicts[0]
+        return _folded(verdicts[0])
     entries: dict[tuple[str, tuple[int, ...]], _Entry] = {}
     per_detector: list[list[tuple[frozenset[int], float]]] = []
     for d, verdict in enumerate(verdicts):
@@ -108,6 +108,22 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
         summary = next((v.summary for v in verdicts if v.summary), "no verdict")
     return Verdict(suspects=tuple(merged), summary=summary, missing_ranks=missing, notes=notes,
                    findings=merge_findings(*verdicts))
+
+
+def _folded(verdict: Verdict) -> Verdict:
+    """One detector's verdict with its suspects folded the same way (a stack verdict names a rank, its TP
+    group and its DP group, each holding the same root)."""
+    kept = _fold_contained([(s, s.sources) for s in verdict.suspects])
+    if len(kept) == len(verdict.suspects):
+        return verdict
+    summary = verdict.summary
+    if "separate suspects: " in summary:
+        # The summary named suspects now folded into another: name those that are left.
+        named = [s for s in kept if headline(s, own_words=True) in summary]
+        summary = (headline(named[0], own_words=True) if len(named) == 1 else
+                   f"{len(named)} separate suspects: " + "; ".join(headline(s, own_words=True) for s in named)
+                   if named else summary)
+    return replace(verdict, suspects=tuple(kept), summary=summary)
 
 
 @dataclass(slots=True)

@@ -121,17 +121,19 @@ def run(args: argparse.Namespace) -> int:
 
     analysis = job.stacks
     out = verdict_to_json(analysis)
-    if job.merged_with:  # CCL counters or a flight recorder: merged, agreement counts for more
-        from rankscope.analyzers.findings import finding_to_json
-        from rankscope.analyzers.suspects import suspect_to_json
+    # The one verdict (job.verdict): merged with CCL counters or a flight recorder where there are any, and
+    # its suspects folded (a root's own groups and its victims are its evidence) in every case.
+    from rankscope.analyzers.findings import finding_to_json
+    from rankscope.analyzers.suspects import suspect_to_json
 
-        merged = job.verdict
+    merged = job.verdict
+    if job.merged_with:
         out["stacks_summary"] = out["summary"]
-        out["summary"] = merged.summary
-        out["suspects"] = [suspect_to_json(s) for s in merged.suspects]
-        out["findings"] = [finding_to_json(f) for f in merged.findings]
-        out["missing_ranks"] = list(merged.missing_ranks)
-        out["notes"] = list(merged.notes)
+    out["summary"] = merged.summary
+    out["suspects"] = [suspect_to_json(s) for s in merged.suspects]
+    out["findings"] = [finding_to_json(f) for f in merged.findings]
+    out["missing_ranks"] = list(merged.missing_ranks)
+    out["notes"] = list(merged.notes)
     if analysis.chain is not None:
         from rankscope.analyzers.completeness import rank_evidence, rank_evidence_to_json
 
