@@ -86,6 +86,14 @@ def test_bloom_root_is_the_rank_waiting_for_data_and_everyone_else_is_its_victim
     assert not any(set(s.ranks) <= set(range(8, 16)) for s in v.suspects)
     assert any("tie for largest" in n and "chain of waits decides" in n for n in v.notes)
     assert v.findings == ()
+    # The one verdict every view draws (analyze_job): rank 4's TP and DP groups, which hold only it and its
+    # victims, are its evidence, not suspects 2 and 3.
+    from rankscope.analyzers.analysis import analyze_job
+
+    assert EXTERNAL is not None
+    job = analyze_job(load_pyspy_dir(EXTERNAL / BLOOM, BLOOM_LAYOUT), BLOOM_LAYOUT)
+    assert [s.ranks for s in job.verdict.suspects] == [(4,)]
+    assert job.verdict.summary == v.summary
 
 
 @needs_external
