@@ -250,3 +250,54 @@ def test_between_an_eviction_and_the_restart_the_job_is_restarting_not_finished(
     assert s.restarts == 1 and not s.awaiting_restart
     assert st.health(s).kind == "starting"
 
+
+
+async def test_after_a_restart_the_automatic_capture_waits_for_the_first_step() -> None:
+    # At load ~80 a restart's ranks imported and restored their backup for longer than --hang-after: a capture then
+    # (as a hang "since its start", or because their counter files did not exist yet) caught rendezvous and import
+    # stacks and drew a noisy verdict of three suspects. It must wait for the new launch's first step.
+    from rankscope.tui.app import AppOptions, RankscopeApp
+    from rankscope.tui.sources import QueueSource
+    from test_tui_pilot import until
+
+    source = QueueSource("2 agents", initial=(snap(T0 + 39, progress=T0 + 10),))
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, hang_after_s=30, capture_on_start=False),
+                       clock=lambda: T0 + 100)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        source.push_capture(snap(T0 + 41, progress=T0 + 10, stacks="send"))
+        source.push_poll(snap(T0 + 40, progress=T0 + 10))
+        await until(pilot, lambda: app.state.stacks is not None)  # the hang's capture
+        assert source.captures_started == 1
+        no_counter_files = snap(T0 + 100, progress=None, started=T0 + 55, pids=2000)
+        no_counter_files = replace(no_counter_files, machines=tuple(replace(m, counters=())
+                                                                    for m in no_counter_files.machines))
+        slow_start = snap(T0 + 101, progress=None, started=T0 + 55, pids=2000)  # counters, no step in 46 s
+        for reading in (no_counter_files, slow_start):
+            source.push_poll(reading)
+            await until(pilot, lambda r=reading: app.state.kept[-1] is r)  # type: ignore[misc]  # folded in
+            assert app.state.restarts == 1
+            assert not app._capturing and source.captures_started == 1, reading.captured.wall - T0
+        assert st.health(app.state).text.startswith("hung since its start")
+        source.push_capture(snap(T0 + 111, progress=T0 + 110, started=T0 + 55, pids=2000, stacks="step"))
+        source.push_poll(snap(T0 + 110, progress=T0 + 110, started=T0 + 55, pids=2000))
+        await until(pilot, lambda: app.state.capture_wall == T0 + 111)  # the first step: now it captures
+        assert source.captures_started == 2
+        assert st.verdict_stale(app.state) is None
+
+
+async def test_a_view_attached_while_the_job_starts_captures_at_its_first_step() -> None:
+    from rankscope.tui.app import AppOptions, RankscopeApp
+    from rankscope.tui.sources import QueueSource
+    from test_tui_pilot import until
+
+    source = QueueSource("2 agents", initial=(snap(T0 + 5, progress=None, started=T0),))
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, hang_after_s=30), clock=lambda: T0 + 5)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        assert st.health(app.state).kind == "starting"
+        assert not app._capturing and source.captures_started == 0  # not at attach: the ranks are importing
+        source.push_capture(snap(T0 + 9, progress=T0 + 8, started=T0, stacks="step"))
+        source.push_poll(snap(T0 + 8, progress=T0 + 8, started=T0))
+        await until(pilot, lambda: app.state.capture_wall == T0 + 9)
+        assert source.captures_started == 1 and st.verdict_stale(app.state) is None
