@@ -494,7 +494,8 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
     restarted, rank_pids = _restarted(state.rank_pids, machines)
     if restarted:
         on = ", ".join(m.name for m in machines if m.ranks and m.reachable)
-        events.append(Event(now_wall, "restarted", f"the job restarted: its ranks run under new pids on {on}"))
+        # The machines first: at the end of a long line a notification covered the standbys that joined.
+        events.append(Event(now_wall, "restarted", f"the job restarted on {on}: its ranks run under new pids"))
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
         state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False)
