@@ -86,6 +86,20 @@ def test_a_view_attached_late_says_what_the_view_that_watched_says_within_a_poll
     assert st.health(fold([snap(T0 + 20, progress=T0 + 19)])).kind == "healthy"
 
 
+def test_a_hung_job_makes_no_steps_per_second_in_any_view() -> None:
+    def stepping(wall: float, last_step: int) -> JobSnapshot:
+        got = snap(wall, progress=T0 + last_step)
+        return replace(got, machines=tuple(replace(m, counters=tuple(replace(c, steps=last_step) for c in m.counters))
+                                           for m in got.machines))
+
+    # The early view's window holds the steps before the hang; the late one's only the hang.
+    early = fold([stepping(T0 + i, min(i, 10)) for i in range(1, 46)])
+    late = fold([stepping(T0 + 44, 10), stepping(T0 + 45, 10)])
+    assert st.step_rate(early) is not None and st.step_rate(early) > 0.1  # type: ignore[operator]
+    assert header(early) == header(late)
+    assert header(late).startswith("HUNG since 22:13:30 (35 s) │ 2/2 machines │ 0.00 steps/s"), header(late)
+
+
 def test_the_backup_modal_of_a_hung_job_says_first_that_no_shard_will_come() -> None:
     from rankscope.tui.actions import backup_title
 
