@@ -25,6 +25,7 @@ from rankscope.snapshot import (
 )
 from rankscope.tui import state as st
 from rankscope.tui.analysis import build_stack_view
+from rankscope.tui.widgets.metrics import render_row
 from rankscope.tui.widgets.verdict import header_text, verdict_text_rich
 
 pytestmark = pytest.mark.timeout(60)
@@ -239,6 +240,18 @@ def test_evicted_machines_are_evicted_in_every_view_never_lost() -> None:
         line = header(view)
         assert "1/1 machines 1 evicted" in line and "lost" not in line, line
         assert [e.kind for e in view.events if e.kind == "lost"] == []
+        # The metrics view (4) listed it as "machine-1 lost" (the e2e test's run 4): evicted, and last.
+        labels = [render_row(r, view.metric_history)[0] for r in view.metric_rows]
+        assert [str(label) for label in labels] == ["machine-0", "machine-1 evicted"], labels
+    # The fail-slow view (7) keeps machines it saw in its window: the evicted one is not "lost" there either.
+    from rankscope.tui.failslow_state import EMPTY, HeatRow
+    from rankscope.tui.widgets.failslow import heat_text
+
+    rows = (HeatRow("machine-0", (0, 1), (1.0, 1.0), 1.0, 0.2, True),
+            HeatRow("machine-1", (2, 3), (None, None), None, None, False))
+    text = heat_text(replace(EMPTY, heat=rows), 100, 10, (), frozenset({"machine-1"})).plain
+    assert "machine-1" in text and " evicted" in text and "lost" not in text, text
+    assert " lost" in heat_text(replace(EMPTY, heat=rows), 100, 10).plain  # a machine that went away unasked
 
 
 def test_agents_of_the_ranks_not_answering_is_not_a_job_without_ranks() -> None:

@@ -111,6 +111,7 @@ class MetricRow:
     ranks: tuple[int, ...]
     values: tuple[float | None, ...]  # in METRICS order
     outliers: frozenset[str]  # names from METRICS that stand out among their peers
+    evicted: bool = False  # taken out of the job: its agent is stopped on purpose, not lost
 
 
 def _pct(used: int | None, total: int | None) -> float | None:
@@ -491,6 +492,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
     machines += tuple(replace(m, reachable=False, error="missing from the last poll") for m in state.machines
                       if m.name not in names and m.address not in addresses)
     machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
+    metric_rows = _mark_evicted_rows(d.metric_rows, frozenset(m.name for m in machines if m.evicted))
     restarted, rank_pids = _restarted(state.rank_pids, machines)
     if restarted:
         on = ", ".join(m.name for m in machines if m.ranks and m.reachable)
@@ -546,7 +548,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
         world_size=world,
         machines=machines,
         comms=comms,
-        metric_rows=d.metric_rows,
+        metric_rows=metric_rows,
         comm_history=comm_history,
         metric_history=metric_history,
         progress_points=progress_points,
@@ -572,6 +574,14 @@ def _mark_evicted(machines: tuple[MachineView, ...], evicted: frozenset[str],
     kept = tuple(m for m in machines if not (m.name in evicted or m.address in addresses))
     gone = tuple(replace(m, evicted=True, ranks=(), pids=(), starting=(), unknown=()) for m in out)
     return kept + gone
+
+
+def _mark_evicted_rows(rows: tuple[MetricRow, ...], evicted: frozenset[str]) -> tuple[MetricRow, ...]:
+    """The metrics view's rows of evicted machines say so and go last (their agents answer no more: not lost)."""
+    if not evicted or not any(r.machine in evicted for r in rows):
+        return rows
+    return (tuple(r for r in rows if r.machine not in evicted)
+            + tuple(replace(r, evicted=True, outliers=frozenset()) for r in rows if r.machine in evicted))
 
 
 def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tuple[bool, Mapping[int, int]]:

@@ -40,6 +40,9 @@ class PlanToConfirm(Protocol):
     def machines(self) -> tuple[str, ...]: ...
 
     @property
+    def shown_machines(self) -> tuple[str, ...]: ...
+
+    @property
     def phrase(self) -> str | None: ...
 
 

@@ -126,4 +126,5 @@ class MainScreen(Screen[None]):
             self.query_one("#actions-panel", ActionsPanel).show(state, actions.log, read_only)
         elif view == "failslow":
             panel = self.query_one("#failslow-panel", FailSlowPanel)
-            panel.show(getattr(self.app, "failslow_view", None), self.size.width, self.size.height)
+            panel.show(getattr(self.app, "failslow_view", None), self.size.width, self.size.height,
+                       frozenset(m.name for m in state.machines if m.evicted))
