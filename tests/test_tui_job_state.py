@@ -130,6 +130,9 @@ def test_a_verdict_goes_stale_when_the_job_progresses_restarts_or_finishes() -> 
     restarted = fold([snap(T0 + 60, progress=None, started=T0 + 55, pids=2000)], s)
     assert restarted.restarts == 1
     assert st.verdict_stale(restarted) == "the job restarted after this capture"
+    assert st.map_groups(s) == s.stacks.group_of_rank and set(st.map_groups(s)) == {0, 1, 2, 3}
+    assert st.map_groups(moved) is s.stacks.group_of_rank  # stale, but the same processes: still their groups
+    assert st.map_groups(restarted) == {}  # new processes: the old capture says nothing of them
     text = verdict_text_rich(restarted.stacks, st.NO_FILTER, stale=st.verdict_stale(restarted),
                              taken=restarted.capture_wall).plain
     assert text.startswith("verdict of 22:14:05 (stale: the job restarted after this capture; s captures again)")

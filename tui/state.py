@@ -679,6 +679,17 @@ def verdict_stale(state: AppState) -> str | None:
     return None
 
 
+def map_groups(state: AppState) -> Mapping[int, int]:
+    """The capture's stack group of each rank, for the rank map: none once the job restarted after the capture.
+
+    The new processes have their ranks on other machines (standbys): coloured by the old capture, a standby
+    showed the hung rank's group (the injected frame) while the restarted job was still starting.
+    """
+    if state.stacks is None or (state.verdict is not None and state.restarts > state.verdict.restarts):
+        return {}
+    return state.stacks.group_of_rank
+
+
 def apply_failure(state: AppState, what: str, message: str, now_wall: float) -> AppState:
     return replace(state, events=_with_events(state, [Event(now_wall, what, message)]))
 
