@@ -528,7 +528,9 @@ class JobClient:
             for m in lost:
                 error = m.error or CaptureError(CaptureErrorKind.UNREACHABLE, f"agent at {m.address} is lost")
                 errors[m.address] = ActionError(m.address, error.message, error.fix)
-        for m in reachable:
+        # In rank order, not the order the agents were listed in (the order they came up in): the plans, the
+        # phrase to type and the confirmation all follow it, and the drill's phrase read "machine-3 machine-1".
+        for m in sorted(reachable, key=lambda m: (min((i.rank for i in m.ranks), default=1 << 62), m.machine)):
             machines = tuple(n for n in request.targets.machines if n in (m.machine, m.address))
             ranks = tuple(r for r in request.targets.ranks if r in {i.rank for i in m.ranks})
             if not (whole_job or machines or ranks):

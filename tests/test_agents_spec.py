@@ -112,3 +112,14 @@ def test_a_live_source_follows_its_hostfile(tmp_path: Path) -> None:
     assert source.evicted_addresses == {"127.0.0.1:5001"}
     assert source._client.members == ("127.0.0.1:5002", "127.0.0.1:5009")  # the new agent is asked, the evicted not
     assert source.label == "2 agents"
+
+
+def test_a_live_source_names_the_agents_it_polls_after_an_eviction() -> None:
+    from rankscope.tui.sources import LiveSource
+
+    agents = [f"127.0.0.1:{5001 + i}" for i in range(6)]
+    assert LiveSource(agents, None).label == "6 agents"
+    assert LiveSource(agents, None, evicted=agents[:1]).label == "5 agents"
+    source = LiveSource(agents, None)
+    source.retire(agents[:2])  # the TUI saw the eviction succeed: the header counts the agents still polled
+    assert source.label == "4 agents"

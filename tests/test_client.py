@@ -262,3 +262,26 @@ async def test_each_way_of_not_reaching_an_agent_has_its_own_words_in_the_client
 
     view = build_stack_view(JobSnapshot(snap.captured, (by[empty.address],)), None)
     assert view.missing_ranks == ()
+
+
+async def test_an_action_is_split_over_its_agents_in_rank_order_whatever_order_they_were_listed_in() -> None:
+    # The drill listed its agents in the order they came up (machine-3 before machine-1): the phrase to type read
+    # "evict machine-3 machine-1" under plans shown machine-1 first.
+    from rankscope.actions.model import ActionKind, ActionRequest, EvictArgs, Targets
+    from rankscope.snapshot import Instant, RankInfo
+
+    def machine(name: str, port: int, ranks: tuple[int, ...]) -> MachineSnapshot:
+        return MachineSnapshot(name, f"127.0.0.1:{port}", True, Instant(1.0, 1.0),
+                               ranks=tuple(RankInfo(r, r % 2, 8, 100 + r) for r in ranks))
+
+    client = JobClient(["127.0.0.1:5003", "127.0.0.1:5001"], None)
+    listed = JobSnapshot(Instant(1.0, 1.0), (machine("machine-3", 5003, (6, 7)), machine("machine-1", 5001, (2, 3))))
+
+    async def describe(*_args: object) -> JobSnapshot:
+        return listed
+
+    client._fan_out = describe  # type: ignore[method-assign]
+    request = ActionRequest("evict-x", ActionKind.EVICT, Targets(("machine-3", "machine-1")), EvictArgs("hung"), "me")
+    parts, errors = await client._split(request)
+    assert errors == {}
+    assert [p.targets.machines for p in parts.values()] == [("machine-1",), ("machine-3",)]

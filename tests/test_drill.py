@@ -312,3 +312,29 @@ def test_the_checkpoint_writer_keeps_only_the_newest_checkpoints_of_its_rank(tmp
     assert sorted(p.name for p in out.iterdir()) == ["rank0-step100.pt", "rank0-step20.pt", "rank0-step25.pt",
                                                      "rank0-step30.pt", "rank1-step5.pt"]  # by step, not by name
     assert latest_checkpoint(tmp_path, 0) == 100
+
+
+def test_an_attached_drill_says_what_it_did_once_its_tui_quit(tmp_path: Path) -> None:
+    # After `q` the attached drill stopped its job and printed nothing: the screen was gone and with it the story.
+    from rankscope.commands.drill import attached_report_lines
+    from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent
+    from rankscope.drill.session import DrillConfig, DrillSession
+
+    layout = DrillLayout(tp=2, pp=2, dp=1, machines=2)
+    s = DrillSession(DrillConfig(layout=layout, run_dir=tmp_path, plan=make_plan("hang-p2p", layout, rank=3, step=6)))
+    for rank, step in ((0, 40), (1, 40), (2, 40), (3, 38)):
+        write_progress(tmp_path, rank, step)
+    s.recovery = Recovery(s.launcher, DrillMachines(s.launcher))
+    s.recovery.events.append(RecoveryEvent("a1", ("machine-1",), ("standby-0",), ("machine-0", "standby-0"), True, "",
+                                           0.0, 0.0, 0.0, 12))
+    s.recovery.events.append(RecoveryEvent("a2", ("machine-0",), (), (), False, "no standby left", 0.0, 0.0, 0.0, 0))
+    s.watcher.poll()
+    lines = attached_report_lines(s, 0)
+    assert lines[0].startswith(f"drill {s.launcher.run_id} stopped (the TUI quit); fault hang-p2p at rank 3, step 6")
+    assert lines[1] == f"steps: ranks 3 at step 38; ranks 0-2 at step 40 (of {s.config.training.steps})"
+    assert lines[2] == "evict machine-1: restarted on machine-0 standby-0, standby-0 joined, resumed from step 12"
+    assert lines[3] == "evict machine-0: not restarted: no standby left"
+    assert lines[4:] == ["every process the drill started has stopped", f"logs, losses and progress: {tmp_path}"]
+    s.leftovers = [123]
+    assert "stopped 1 leftover processes by force: 123" in attached_report_lines(s, 1)[-2]
+    assert "(the TUI ended with code 1)" in attached_report_lines(s, 1)[0]

@@ -173,6 +173,27 @@ async def test_plan_text_names_machines_processes_standbys_peers_and_argv() -> N
     assert summary.confirmation("evict node12 node13") == Confirmation(("node12", "node13"), (), "evict node12 node13")
 
 
+async def test_plans_are_shown_in_rank_order_whatever_order_the_agents_answered_in() -> None:
+    # The drill's agents came up as machine-1, 3, 2, 0: the backup plan of ranks 0-1 was shown last, below the
+    # modal's fold. Shown by rank; the phrase and the confirmation keep the order the client checks them in.
+    source = RecordingSource()
+    from rankscope.actions.model import BackupArgs
+
+    for kind, args in ((ActionKind.BACKUP, BackupArgs()), (ActionKind.EVICT, EvictArgs("hung"))):
+        request = ActionRequest(f"{kind.value}-x", kind, Targets(("node03", "node01", "node02", "node00")), args,
+                                "alice")
+        summary = summarize(request, await source.plan_action(request))
+        text = plan_text(summary).plain
+        heads = [line for line in text.splitlines() if line.startswith("▸ ")]
+        assert heads == [f"▸ {kind.value} node0{n}" for n in range(4)], heads
+        assert text.splitlines()[0].startswith(f"{kind.value} node00 node01 node02 node03"), text
+        assert summary.shown_machines == ("node00", "node01", "node02", "node03")
+        assert summary.machines == ("node03", "node01", "node02", "node00")
+        if kind == ActionKind.BACKUP:
+            assert text.index("0→10 1→11") < text.index("2→12 3→13")
+    assert summary.phrase == "evict node03 node01 node02 node00"
+
+
 # ---- e: plan, Cancel default, type-to-confirm ------------------------------------------------------
 
 

@@ -194,9 +194,9 @@ def all_done(run_dir: Path, world: int) -> bool:
 
 @pytest.mark.skipif(
     os.environ.get("RANKSCOPE_LONG_TESTS") != "1",
-    reason="long: a whole incident on a real drill with two TUIs takes 5-6 min on 2 quiet cores and 10-16 min at "
-           "load 50-90, beyond what the default suite can spend on one test; at load ~80 the drill's restart with "
-           "standbys once outran the test's 300 s (issue #12). Run with RANKSCOPE_LONG_TESTS=1.")
+    reason="long: a whole incident on a real drill with two TUIs takes 7-8 min on this 2-core VM at load 3-20 "
+           "(passed end to end 2026-11-24: 6 min 55 s and 7 min 26 s) and more at load 50-90, beyond what the "
+           "default suite can spend on one test. Run with RANKSCOPE_LONG_TESTS=1.")
 def test_a_whole_incident_in_tmux_told_the_same_by_a_late_read_only_view(
     drill_in_tmux: tuple[str, Path], tmp_path: Path,
 ) -> None:
@@ -347,7 +347,11 @@ def _drive_and_check(session: str, run_dir: Path,
     tmux("send-keys", "-t", session, "e")  # a stale verdict aims nothing
     wait_screen(session, lambda t: "nothing to evict now" in t, 20, "e saying why it has no target")
     tmux("send-keys", "-t", session, "4")
-    text = wait_screen(session, lambda t: "standby-0" in t, 10, "the metrics view")
+    # The metrics view's own column (the overview names standby-0 too: read before the switch, it passed).
+    text = wait_screen(session, lambda t: "cpu%" in t and "standby-0" in t, 10, "the metrics view")
+    assert "lost" not in text, text
+    tmux("send-keys", "-t", session, "7")  # the fail-slow view: the evicted machines are not "lost" there either
+    text = wait_screen(session, lambda t: "×med" in t or "no step times yet" in t, 10, "the fail-slow view")
     assert "lost" not in text, text
     tmux("send-keys", "-t", session, "1")
 

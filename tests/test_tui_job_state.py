@@ -25,6 +25,7 @@ from rankscope.snapshot import (
 )
 from rankscope.tui import state as st
 from rankscope.tui.analysis import build_stack_view
+from rankscope.tui.widgets.metrics import render_row
 from rankscope.tui.widgets.verdict import header_text, verdict_text_rich
 
 pytestmark = pytest.mark.timeout(60)
@@ -86,6 +87,20 @@ def test_a_view_attached_late_says_what_the_view_that_watched_says_within_a_poll
     assert st.health(fold([snap(T0 + 20, progress=T0 + 19)])).kind == "healthy"
 
 
+def test_a_hung_job_makes_no_steps_per_second_in_any_view() -> None:
+    def stepping(wall: float, last_step: int) -> JobSnapshot:
+        got = snap(wall, progress=T0 + last_step)
+        return replace(got, machines=tuple(replace(m, counters=tuple(replace(c, steps=last_step) for c in m.counters))
+                                           for m in got.machines))
+
+    # The early view's window holds the steps before the hang; the late one's only the hang.
+    early = fold([stepping(T0 + i, min(i, 10)) for i in range(1, 46)])
+    late = fold([stepping(T0 + 44, 10), stepping(T0 + 45, 10)])
+    assert st.step_rate(early) is not None and st.step_rate(early) > 0.1  # type: ignore[operator]
+    assert header(early) == header(late)
+    assert header(late).startswith("HUNG since 22:13:30 (35 s) │ 2/2 machines │ 0.00 steps/s"), header(late)
+
+
 def test_the_backup_modal_of_a_hung_job_says_first_that_no_shard_will_come() -> None:
     from rankscope.tui.actions import backup_title
 
@@ -115,6 +130,9 @@ def test_a_verdict_goes_stale_when_the_job_progresses_restarts_or_finishes() -> 
     restarted = fold([snap(T0 + 60, progress=None, started=T0 + 55, pids=2000)], s)
     assert restarted.restarts == 1
     assert st.verdict_stale(restarted) == "the job restarted after this capture"
+    assert st.map_groups(s) == s.stacks.group_of_rank and set(st.map_groups(s)) == {0, 1, 2, 3}
+    assert st.map_groups(moved) is s.stacks.group_of_rank  # stale, but the same processes: still their groups
+    assert st.map_groups(restarted) == {}  # new processes: the old capture says nothing of them
     text = verdict_text_rich(restarted.stacks, st.NO_FILTER, stale=st.verdict_stale(restarted),
                              taken=restarted.capture_wall).plain
     assert text.startswith("verdict of 22:14:05 (stale: the job restarted after this capture; s captures again)")
@@ -225,6 +243,18 @@ def test_evicted_machines_are_evicted_in_every_view_never_lost() -> None:
         line = header(view)
         assert "1/1 machines 1 evicted" in line and "lost" not in line, line
         assert [e.kind for e in view.events if e.kind == "lost"] == []
+        # The metrics view (4) listed it as "machine-1 lost" (the e2e test's run 4): evicted, and last.
+        labels = [render_row(r, view.metric_history)[0] for r in view.metric_rows]
+        assert [str(label) for label in labels] == ["machine-0", "machine-1 evicted"], labels
+    # The fail-slow view (7) keeps machines it saw in its window: the evicted one is not "lost" there either.
+    from rankscope.tui.failslow_state import EMPTY, HeatRow
+    from rankscope.tui.widgets.failslow import heat_text
+
+    rows = (HeatRow("machine-0", (0, 1), (1.0, 1.0), 1.0, 0.2, True),
+            HeatRow("machine-1", (2, 3), (None, None), None, None, False))
+    text = heat_text(replace(EMPTY, heat=rows), 100, 10, (), frozenset({"machine-1"})).plain
+    assert "machine-1" in text and " evicted" in text and "lost" not in text, text
+    assert " lost" in heat_text(replace(EMPTY, heat=rows), 100, 10).plain  # a machine that went away unasked
 
 
 def test_agents_of_the_ranks_not_answering_is_not_a_job_without_ranks() -> None:
@@ -250,3 +280,54 @@ def test_between_an_eviction_and_the_restart_the_job_is_restarting_not_finished(
     assert s.restarts == 1 and not s.awaiting_restart
     assert st.health(s).kind == "starting"
 
+
+
+async def test_after_a_restart_the_automatic_capture_waits_for_the_first_step() -> None:
+    # At load ~80 a restart's ranks imported and restored their backup for longer than --hang-after: a capture then
+    # (as a hang "since its start", or because their counter files did not exist yet) caught rendezvous and import
+    # stacks and drew a noisy verdict of three suspects. It must wait for the new launch's first step.
+    from rankscope.tui.app import AppOptions, RankscopeApp
+    from rankscope.tui.sources import QueueSource
+    from test_tui_pilot import until
+
+    source = QueueSource("2 agents", initial=(snap(T0 + 39, progress=T0 + 10),))
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, hang_after_s=30, capture_on_start=False),
+                       clock=lambda: T0 + 100)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        source.push_capture(snap(T0 + 41, progress=T0 + 10, stacks="send"))
+        source.push_poll(snap(T0 + 40, progress=T0 + 10))
+        await until(pilot, lambda: app.state.stacks is not None)  # the hang's capture
+        assert source.captures_started == 1
+        no_counter_files = snap(T0 + 100, progress=None, started=T0 + 55, pids=2000)
+        no_counter_files = replace(no_counter_files, machines=tuple(replace(m, counters=())
+                                                                    for m in no_counter_files.machines))
+        slow_start = snap(T0 + 101, progress=None, started=T0 + 55, pids=2000)  # counters, no step in 46 s
+        for reading in (no_counter_files, slow_start):
+            source.push_poll(reading)
+            await until(pilot, lambda r=reading: app.state.kept[-1] is r)  # type: ignore[misc]  # folded in
+            assert app.state.restarts == 1
+            assert not app._capturing and source.captures_started == 1, reading.captured.wall - T0
+        assert st.health(app.state).text.startswith("hung since its start")
+        source.push_capture(snap(T0 + 111, progress=T0 + 110, started=T0 + 55, pids=2000, stacks="step"))
+        source.push_poll(snap(T0 + 110, progress=T0 + 110, started=T0 + 55, pids=2000))
+        await until(pilot, lambda: app.state.capture_wall == T0 + 111)  # the first step: now it captures
+        assert source.captures_started == 2
+        assert st.verdict_stale(app.state) is None
+
+
+async def test_a_view_attached_while_the_job_starts_captures_at_its_first_step() -> None:
+    from rankscope.tui.app import AppOptions, RankscopeApp
+    from rankscope.tui.sources import QueueSource
+    from test_tui_pilot import until
+
+    source = QueueSource("2 agents", initial=(snap(T0 + 5, progress=None, started=T0),))
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, hang_after_s=30), clock=lambda: T0 + 5)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        assert st.health(app.state).kind == "starting"
+        assert not app._capturing and source.captures_started == 0  # not at attach: the ranks are importing
+        source.push_capture(snap(T0 + 9, progress=T0 + 8, started=T0, stacks="step"))
+        source.push_poll(snap(T0 + 8, progress=T0 + 8, started=T0))
+        await until(pilot, lambda: app.state.capture_wall == T0 + 9)
+        assert source.captures_started == 1 and st.verdict_stale(app.state) is None

@@ -175,6 +175,25 @@ class PlanSummary:
         return confirmation_for(self.plans).machines
 
     @property
+    def in_rank_order(self) -> tuple[ActionPlan, ...]:
+        """The plans as a person reads them: by the lowest rank each acts on, then machine.
+
+        The agents answer in the order the client lists them, which is the order they came up in: the backup
+        plan of ranks 0-1 was once last, below the modal's fold. The phrase and the confirmation keep the
+        client's order (``plans``), which is what it checks them against.
+        """
+        def key(plan: ActionPlan) -> tuple[int, tuple[str, ...]]:
+            ranks = [p.rank for p in plan.processes if p.rank is not None]
+            ranks += [rank for rank, _peer in plan.backup_peers]
+            return (min(ranks) if ranks else 1 << 62, plan.machines)
+        return tuple(sorted(self.plans, key=key))
+
+    @property
+    def shown_machines(self) -> tuple[str, ...]:
+        """The planned machines in the order the plans are shown."""
+        return confirmation_for(self.in_rank_order).machines
+
+    @property
     def phrase(self) -> str | None:
         """The phrase to type (eviction), or None when an explicit yes is enough."""
         if self.request.kind == ActionKind.EVICT or any(p.typed_confirmation for p in self.plans):
@@ -209,7 +228,7 @@ def plan_text(summary: PlanSummary, process_limit: int = 64) -> Text:
     t = Text()
     kind = KIND_LABELS[summary.request.kind]
     t.append(f"{kind} ", "bold")
-    t.append(" ".join(summary.machines) or "(no machine)", "bold red" if kind == "evict" else "bold")
+    t.append(" ".join(summary.shown_machines) or "(no machine)", "bold red" if kind == "evict" else "bold")
     t.append(f"   action {summary.request.action_id}\n", "dim")
     if summary.request.kind == ActionKind.EVICT:
         assert isinstance(summary.request.args, EvictArgs)
@@ -219,7 +238,7 @@ def plan_text(summary: PlanSummary, process_limit: int = 64) -> Text:
         if e.fix:
             t.append(f"  fix: {e.fix}\n", "yellow")
     shown = 0
-    for plan in summary.plans:
+    for plan in summary.in_rank_order:
         t.append(f"\n▸ {plan.summary}\n", "bold cyan")
         by_rank: dict[int | None, list[int]] = {}
         for p in plan.processes:

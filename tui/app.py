@@ -102,7 +102,10 @@ class RankscopeApp(App[int]):
         self.loaded = asyncio.Event()  # set once the initial snapshots are on screen
         self._capturing = False
         self._hang_captured_for: float | None = None
-        self._capture_after_start = False  # the job restarted: capture once its ranks have made their first step
+        # The job restarted (or was starting when attached): the automatic capture waits for its first step --
+        # ranks importing or at rendezvous are no steady state to compare, and no hang capture fires meanwhile.
+        self._capture_after_start = False
+        self._job_counts = False  # the job's ranks have shown counters: a rank with none yet is still starting
         self.actions = ActionController(self)  # the action keys and the agents' audit log
         if not self.options.read_only:
             for key, action, description in ACTION_KEYS:
@@ -179,7 +182,14 @@ class RankscopeApp(App[int]):
         if self.source.live:
             self._poll()
             if self.options.capture_on_start:
-                self.action_capture()
+                # Only ranks known to be before their first step (counters without one) wait: a young rank with
+                # no counters may be hung already, and its stack is all there is to tell.
+                clock = self.state.clock
+                if clock is not None and clock.starting and \
+                        st.health(self.state, self.options.hang_after_s).kind == "starting":
+                    self._capture_after_start = True
+                else:
+                    self.action_capture()
 
     @work(group="poll", exclusive=True)
     async def _poll(self) -> None:
@@ -215,6 +225,7 @@ class RankscopeApp(App[int]):
             # The stacks on screen are of processes that are gone: look at the new ones, but only once they
             # have made a step -- ranks importing or at rendezvous are no steady state to compare.
             self._capture_after_start = True
+        self._job_counts = self._job_counts or message.digest.steps is not None or bool(message.digest.comms)
         clock = self.state.clock
         if self._capture_after_start and not self._capturing and (
                 clock is None or (not clock.starting and (clock.progress_mark is not None or self._unknown_for_long(clock)))):
@@ -233,8 +244,11 @@ class RankscopeApp(App[int]):
         """Ranks with no counters and no step for ``hang_after_s`` since they started: only stacks can tell more.
 
         New processes have no counter files yet for a while (imports): capturing then caught them mid-import.
+        A job whose ranks have shown counters will show them again once the new ranks have imported: on a loaded
+        host that took longer than ``hang_after_s``, and a capture then caught a restart mid-import.
         """
-        return bool(clock.unknown) and (clock.start_age_s is None or clock.start_age_s >= self.options.hang_after_s)
+        return bool(clock.unknown) and not self._job_counts and (
+            clock.start_age_s is None or clock.start_age_s >= self.options.hang_after_s)
 
     def on_capture_analyzed(self, message: CaptureAnalyzed) -> None:
         self.state = st.apply_capture(self.state, message.digest, message.view, self._now(message.digest.wall),
@@ -268,7 +282,10 @@ class RankscopeApp(App[int]):
         if not self.source.live or self._capturing:
             return
         h = st.health(self.state, self.options.hang_after_s)
-        if h.kind == "hung" and self._hang_captured_for != self.state.last_progress_wall:
+        # After a restart, ranks slow to reach their first step (a loaded host, a backup being restored) are
+        # captured once they step, not as a hang: that capture caught rendezvous and restore stacks.
+        restarting = self._capture_after_start and self.state.restarts > 0
+        if h.kind == "hung" and not restarting and self._hang_captured_for != self.state.last_progress_wall:
             self._hang_captured_for = self.state.last_progress_wall
             self.action_capture()
             return

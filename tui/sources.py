@@ -173,7 +173,6 @@ class LiveSource:
         self.hostfile = hostfile
         self._hostfile_stamp = _stamp(hostfile)
         self.evicted_addresses: frozenset[str] = frozenset(evicted)
-        self.label = f"{len(self.agents)} agents"
         self.native = native
         self.capture_timeout_s = capture_timeout_s
         self.sample_hz = sample_hz  # > 0: each poll keeps the agents sampling stacks (the fail-slow view's test)
@@ -185,6 +184,7 @@ class LiveSource:
         self._client = JobClient(self.agents, token, deadline_s=deadline_s, acting=acting, tls=tls)
         if evicted:
             self._client.set_agents(self.agents, evicted)
+        self.label = self._members_label()
         self.act_problem = act_problem if acting else (
             "this session is read-only: it does not send actions",
             "attach without --read-only, with a token of the 'act' role (--token-file)")
@@ -200,6 +200,11 @@ class LiveSource:
         """These agents' machines were evicted: no call reaches them any more (``JobClient.retire``)."""
         self._client.retire(addresses)
         self.evicted_addresses = self.evicted_addresses | frozenset(addresses)
+        self.label = self._members_label()
+
+    def _members_label(self) -> str:
+        """The agents polled (evicted ones are not): the header read "6 agents" for 4 until the hostfile changed."""
+        return f"{len(self._client.members)} agents"
 
     def reread_hostfile(self) -> bool:
         """Follow the hostfile when it changed: new agents are asked, ones marked evicted are retired."""
@@ -216,7 +221,7 @@ class LiveSource:
         self._client.set_agents(members, evicted)
         self.evicted_addresses = self.evicted_addresses | frozenset(evicted)
         self.agents = tuple(self._client.agents)
-        self.label = f"{len(self._client.members)} agents"
+        self.label = self._members_label()
         return True
 
     async def capture(self) -> JobSnapshot | None:

@@ -111,6 +111,7 @@ class MetricRow:
     ranks: tuple[int, ...]
     values: tuple[float | None, ...]  # in METRICS order
     outliers: frozenset[str]  # names from METRICS that stand out among their peers
+    evicted: bool = False  # taken out of the job: its agent is stopped on purpose, not lost
 
 
 def _pct(used: int | None, total: int | None) -> float | None:
@@ -491,10 +492,12 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
     machines += tuple(replace(m, reachable=False, error="missing from the last poll") for m in state.machines
                       if m.name not in names and m.address not in addresses)
     machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
+    metric_rows = _mark_evicted_rows(d.metric_rows, frozenset(m.name for m in machines if m.evicted))
     restarted, rank_pids = _restarted(state.rank_pids, machines)
     if restarted:
         on = ", ".join(m.name for m in machines if m.ranks and m.reachable)
-        events.append(Event(now_wall, "restarted", f"the job restarted: its ranks run under new pids on {on}"))
+        # The machines first: at the end of a long line a notification covered the standbys that joined.
+        events.append(Event(now_wall, "restarted", f"the job restarted on {on}: its ranks run under new pids"))
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
         state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False)
@@ -545,7 +548,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
         world_size=world,
         machines=machines,
         comms=comms,
-        metric_rows=d.metric_rows,
+        metric_rows=metric_rows,
         comm_history=comm_history,
         metric_history=metric_history,
         progress_points=progress_points,
@@ -571,6 +574,14 @@ def _mark_evicted(machines: tuple[MachineView, ...], evicted: frozenset[str],
     kept = tuple(m for m in machines if not (m.name in evicted or m.address in addresses))
     gone = tuple(replace(m, evicted=True, ranks=(), pids=(), starting=(), unknown=()) for m in out)
     return kept + gone
+
+
+def _mark_evicted_rows(rows: tuple[MetricRow, ...], evicted: frozenset[str]) -> tuple[MetricRow, ...]:
+    """The metrics view's rows of evicted machines say so and go last (their agents answer no more: not lost)."""
+    if not evicted or not any(r.machine in evicted for r in rows):
+        return rows
+    return (tuple(r for r in rows if r.machine not in evicted)
+            + tuple(replace(r, evicted=True, outliers=frozenset()) for r in rows if r.machine in evicted))
 
 
 def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tuple[bool, Mapping[int, int]]:
@@ -666,6 +677,17 @@ def verdict_stale(state: AppState) -> str | None:
     elif state.progress_points and state.progress_points[-1][1] != mark.progress_count:
         return "the job progressed after it"
     return None
+
+
+def map_groups(state: AppState) -> Mapping[int, int]:
+    """The capture's stack group of each rank, for the rank map: none once the job restarted after the capture.
+
+    The new processes have their ranks on other machines (standbys): coloured by the old capture, a standby
+    showed the hung rank's group (the injected frame) while the restarted job was still starting.
+    """
+    if state.stacks is None or (state.verdict is not None and state.restarts > state.verdict.restarts):
+        return {}
+    return state.stacks.group_of_rank
 
 
 def apply_failure(state: AppState, what: str, message: str, now_wall: float) -> AppState:

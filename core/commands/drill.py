@@ -240,8 +240,43 @@ def _run_attached(config: Any, args: argparse.Namespace) -> int:
         print(hint, file=sys.stderr, flush=True)
         from rankscope.drill.control import HOSTFILE
 
-        return int(run_attach(agents=list(s.agents.values()), token=s.token(), layout=config.layout.to_snapshot_layout(),
+        code = int(run_attach(agents=list(s.agents.values()), token=s.token(), layout=config.layout.to_snapshot_layout(),
                               read_only=False, pair_hint=hint, hostfile=s.run_dir / HOSTFILE) or 0)
+    # The session has stopped everything it started: say what the drill did (the TUI's screen is gone).
+    s.watcher.poll()
+    print("\n".join(attached_report_lines(s, code)), flush=True)
+    return code
+
+
+def attached_report_lines(s: Any, tui_exit: int) -> list[str]:
+    """What an attached drill prints once its TUI quit and it stopped: steps, recoveries, leftovers, where to look."""
+    from rankscope.analyzers.topology import compact_ranks
+
+    quit_how = "the TUI quit" if tui_exit == 0 else f"the TUI ended with code {tui_exit}"
+    lines = [f"drill {s.launcher.run_id} stopped ({quit_how}); fault {s.plan.name} at rank {s.plan.rank}, "
+             f"step {s.plan.step}"]
+    by_step: dict[int, list[int]] = {}
+    for rank, step in s.steps().items():
+        by_step.setdefault(step, []).append(rank)
+    reached = "; ".join(f"ranks {compact_ranks(ranks, 8)} at step {step}" for step, ranks in sorted(by_step.items()))
+    lines.append(f"steps: {reached or 'no rank reported a step'} (of {s.config.training.steps})")
+    recovery = s.recovery
+    for event in recovery.events if recovery is not None else ():
+        what = " ".join(event.evicted) if event.evicted else "in place"
+        if event.ok:
+            joined = f", {' '.join(event.joined)} joined" if event.joined else ""
+            lines.append(f"{event.kind} {what}: restarted on {' '.join(event.machines)}{joined}, "
+                         f"resumed from step {event.resume_step}")
+        else:
+            lines.append(f"{event.kind} {what}: not restarted: {event.message}")
+    for error in recovery.errors if recovery is not None else ():
+        lines.append(f"recovery error: {error}")
+    if s.leftovers:
+        lines.append(f"stopped {len(s.leftovers)} leftover processes by force: {' '.join(map(str, s.leftovers))}")
+    else:
+        lines.append("every process the drill started has stopped")
+    lines.append(f"logs, losses and progress: {s.run_dir}")
+    return lines
 
 
 PAIR_COMMAND = "pair-command.txt"

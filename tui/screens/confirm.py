@@ -40,6 +40,9 @@ class PlanToConfirm(Protocol):
     def machines(self) -> tuple[str, ...]: ...
 
     @property
+    def shown_machines(self) -> tuple[str, ...]: ...
+
+    @property
     def phrase(self) -> str | None: ...
 
 
@@ -86,7 +89,7 @@ class ConfirmModal(ModalScreen[bool]):
                          id="confirm-prompt")
             yield Input(placeholder=self.phrase, id="confirm-phrase")
         else:
-            yield Static(Text.assemble("Run this on ", (" ".join(self.summary.machines), "bold"),
+            yield Static(Text.assemble("Run this on ", (" ".join(self.summary.shown_machines), "bold"),
                                        "? Cancel is the default; tab to the other button to confirm."),
                          id="confirm-prompt")
         with Horizontal(id="confirm-buttons"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rankscope.tui.analysis import StackView
-from rankscope.tui.state import AppState, Filter, filter_summary, health, verdict_stale
+from rankscope.tui.state import AppState, Filter, filter_summary, health, map_groups, verdict_stale
 from rankscope.tui.widgets.audit import ActionsPanel
 from rankscope.tui.widgets.ccl import CclPanel
 from rankscope.tui.widgets.events import EventsPanel
@@ -110,7 +110,7 @@ class MainScreen(Screen[None]):
             progressing = health(state, hang_after_s).kind == "healthy" and slow is None
             self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, verdict_stale(state),
                                                     state.capture_wall))
-            group_of = state.stacks.group_of_rank if state.stacks is not None else {}
+            group_of = map_groups(state)
             machines = [MapMachine(m.name, m.ranks, m.reachable, m.evicted) for m in state.machines]
             self.query_one("#rank-map", RankMapPanel).show(machines, group_of, flt)
             self._draw_legend(state.stacks)
@@ -126,4 +126,5 @@ class MainScreen(Screen[None]):
             self.query_one("#actions-panel", ActionsPanel).show(state, actions.log, read_only)
         elif view == "failslow":
             panel = self.query_one("#failslow-panel", FailSlowPanel)
-            panel.show(getattr(self.app, "failslow_view", None), self.size.width, self.size.height)
+            panel.show(getattr(self.app, "failslow_view", None), self.size.width, self.size.height,
+                       frozenset(m.name for m in state.machines if m.evicted))

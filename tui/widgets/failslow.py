@@ -16,7 +16,7 @@ so the screen reads the same without colour.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.tui.failslow_state import FailSlowView, HeatRow, RoundFlags, detectors_seen
@@ -85,7 +85,8 @@ def _pack(ratios: Sequence[float | None], cells: int) -> list[float | None]:
     return out
 
 
-def heat_text(view: FailSlowView, width: int, max_rows: int, suspects: Sequence[str] = ()) -> Text:
+def heat_text(view: FailSlowView, width: int, max_rows: int, suspects: Sequence[str] = (),
+              evicted: Collection[str] = ()) -> Text:
     rows = list(view.heat)
     out = Text()
     if not rows:
@@ -102,7 +103,7 @@ def heat_text(view: FailSlowView, width: int, max_rows: int, suspects: Sequence[
     out.append(f"{'machine':<{name_w}} {'×med':>5} {'step':>6}  ranks"
                + (f" ({per} per cell, slowest shown)" if per > 1 else "") + "\n", "bold")
     for h in rows:
-        _row(out, h, name_w, room, h.machine in suspects)
+        _row(out, h, name_w, room, h.machine in suspects, h.machine in evicted)
     if hidden:
         out.append(f"… {hidden} more machines, none slower than those shown\n", "dim")
     out.append("▲", "bold red")
@@ -119,7 +120,7 @@ def _worst(h: HeatRow) -> float:
     return max([h.ratio or 0.0, *(r for r in h.ratios if r is not None)])
 
 
-def _row(out: Text, h: HeatRow, name_w: int, room: int, suspect: bool) -> None:
+def _row(out: Text, h: HeatRow, name_w: int, room: int, suspect: bool, evicted: bool = False) -> None:
     name = h.machine[:name_w]
     out.append(f"{name:<{name_w}}", "bold red" if suspect else ("dim red" if not h.reachable else ""))
     ratio = f"{h.ratio:.2f}" if h.ratio is not None else "-"
@@ -130,7 +131,9 @@ def _row(out: Text, h: HeatRow, name_w: int, room: int, suspect: bool) -> None:
     for r in _pack(h.ratios, room):
         g, s = _cell(r)
         out.append(g, s)
-    if not h.reachable:
+    if evicted:  # its agent was stopped with it: out of the job, not lost
+        out.append(" evicted", "dim yellow")
+    elif not h.reachable:
         out.append(" lost", "dim red")
     out.append("\n")
 
@@ -246,18 +249,18 @@ class FailSlowPanel(VerticalScroll, can_focus=True):
         yield Static(id="fs-history")
         yield Static(id="fs-flags")
 
-    def show(self, view: FailSlowView | None, width: int, height: int) -> None:
+    def show(self, view: FailSlowView | None, width: int, height: int, evicted: frozenset[str] = frozenset()) -> None:
         from rankscope.tui.failslow_state import EMPTY
 
         view = view or EMPTY
-        key = (view, width, height)
+        key = (view, width, height, evicted)
         if self._shown is not None and self._shown[0] is view and self._shown[1:] == key[1:]:
             return
         self._shown = key
         width = max(40, width - 2)
         suspects = view.verdict.machines if view.verdict is not None else ()
         self.query_one("#fs-summary", Static).update(summary_text(view))
-        self.query_one("#fs-heat", Static).update(heat_text(view, width, max(4, height // 3), suspects))
+        self.query_one("#fs-heat", Static).update(heat_text(view, width, max(4, height // 3), suspects, evicted))
         self.query_one("#fs-spark", Static).update(spark_text(view, width))
         self.query_one("#fs-flags", Static).update(flags_text(view))
         self.query_one("#fs-history", Static).update(history_text(view.rounds, width - 12))

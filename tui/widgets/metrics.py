@@ -25,7 +25,8 @@ SPECS = (".0f", ".0f", ".1f", ".0f", ".0f", ".0f", ".0f")
 
 
 def render_row(row: MetricRow, history: Series) -> tuple[Cell, ...]:
-    label: Cell = row.machine if row.reachable else Text(row.machine + " lost", "dim red")
+    label: Cell = Text(row.machine + " evicted", "dim yellow") if row.evicted else \
+        row.machine if row.reachable else Text(row.machine + " lost", "dim red")
     cells: list[Cell] = [label, "-" if row.gpu is None else str(row.gpu)]
     for name, v, spec in zip(METRICS, row.values, SPECS, strict=True):
         text = _fmt(v, spec)
@@ -55,9 +56,12 @@ class MetricsPanel(Vertical):
         self.query_one("#metrics-table", LineTable).set_rows(
             ("machine", "gpu", "cpu%", "mem%", "load", "gpu%", "gmem%", "°C", "W", "trend"), rows,
             render=lambda r: render_row(r, history))
-        machines = {r.machine for r in rows}
+        machines = {r.machine for r in rows if not r.evicted}
+        evicted = {r.machine for r in rows if r.evicted}
         flagged = sum(1 for r in rows if r.outliers)
-        title = Text(f"{len(machines)} machines, {sum(1 for r in rows if r.gpu is not None)} GPUs")
+        title = Text(f"{len(machines)} machines, {sum(1 for r in rows if r.gpu is not None and not r.evicted)} GPUs")
+        if evicted:
+            title.append(f" ({len(evicted)} evicted)", "yellow")
         if flagged:
             title.append(f"  {flagged} outlier rows (red, listed first)", "bold red")
         notes = {m.gpu_note for m in state.machines if m.gpu_note and m.name in machines}

@@ -40,8 +40,9 @@ def header_text(state: AppState, source: str, read_only: bool, hang_after_s: flo
     reachable = sum(1 for m in job if m.reachable)
     lost = len(job) - reachable
     evicted = len(state.machines) - len(job)
-    # No ranks running: the window's old steps are no rate of this moment ("finished │ 2.09 steps/s").
-    rate = step_rate(state) if h.kind not in ("finished", "idle") else None
+    # No ranks running: the window's old steps are no rate of this moment ("finished │ 2.09 steps/s"). Nor of a
+    # hung job: the view that watched the hang begin read "HUNG … │ 1.53 steps/s", the late one "0.00".
+    rate = 0.0 if h.kind == "hung" else step_rate(state) if h.kind not in ("finished", "idle") else None
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("HUNG" + h.text[4:] if h.kind == "hung" else h.text, HEALTH_STYLES[h.kind])
     t.append(f" │ {reachable}/{len(job)} machines")
