@@ -346,8 +346,11 @@ class ActionService:
 
         def applied(record: UpdateRecord) -> str:
             if died:
+                # The agent cannot tell a failure from the job's normal end (the ranks are not its children):
+                # either way the code is switched for the next start, and the words must not say more.
                 return (f"{self.machine} now runs its code from {record.to_version.label}: its ranks ended (a "
-                        "failure), so the pending lazy update was applied for their restart")
+                        "failure, a restart or the job's end), so the pending lazy update was applied for their "
+                        "next start")
             return (f"{self.machine} now runs its code from {record.to_version.label}: the pending lazy "
                     f"update's window expired; {RESTART_REQUESTED} from the launcher")
 
