@@ -149,3 +149,12 @@ class Processes:
     def close(self) -> None:
         for proc in reversed(self.started):
             kill_group(proc)
+
+
+def ctrl_c_works() -> None:
+    """preexec_fn for a child a test interrupts with SIGINT: Python installs its KeyboardInterrupt handler only
+    when SIGINT is not ignored at start, and a suite started in the background of a non-interactive shell
+    (`pytest &`) has it ignored, which every child inherits: the test would then hang, not the product."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

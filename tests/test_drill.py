@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from agent_helpers import ctrl_c_works
 from drill_processes import processes_under
 from rankscope.cli import main as cli_main
 from rankscope.drill.faults import FAULTS, DrillLayout, FaultPlan, ground_truth, make_plan
@@ -218,7 +219,7 @@ def test_ctrl_c_stops_every_process_of_the_drill(tmp_path: Path) -> None:
         [sys.executable, "-m", "rankscope", "drill", "--headless", "--tp", "1", "--pp", "2", "--dp", "1",
          "--machines", "2", "--fault", "hang-compute", "--fault-rank", "1", "--fault-step", "3",
          "--stall-seconds", "600", "--stall-timeout", "600", "--no-agents", "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ctrl_c_works,
     )
     try:
         deadline = time.monotonic() + 150

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_helpers import PY, Processes, clean_env, make_token_file, wait_for
+from agent_helpers import PY, Processes, clean_env, ctrl_c_works, make_token_file, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankscope.actions.agent_protocol import ActionError, Confirmation
@@ -222,7 +222,7 @@ def test_interrupting_a_watch_by_job_id_stops_its_agents(
         cluster: LocalSlurmCluster, torch_job: TorchJob, sig: signal.Signals) -> None:
     proc = subprocess.Popen([str(RANKSCOPE), "watch", "--slurm", torch_job.id, "--json", "--stack-interval", "0",
                              "--slurm-timeout", "180"], env={**clean_env(), **cluster.env()},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_works)
     try:
         assert proc.stdout is not None
         first = json.loads(proc.stdout.readline())  # printed once the agents answer
@@ -258,7 +258,7 @@ def test_any_scontrol_output_parses_without_raising(text: str) -> None:
 def test_a_killed_client_leaves_no_agent_step_behind(cluster: LocalSlurmCluster, torch_job: TorchJob) -> None:
     proc = subprocess.Popen([str(RANKSCOPE), "watch", "--slurm", torch_job.id, "--json", "--stack-interval", "0",
                              "--slurm-timeout", "180"], env={**clean_env(), **cluster.env()},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_works)
     try:
         assert proc.stdout is not None
         assert json.loads(proc.stdout.readline())["event"] == "start"
