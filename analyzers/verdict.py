@@ -70,8 +70,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
                 if sc > got.scaled:
                     got.scaled, got.detector, got.suspect = sc, d, s
 
-    merged: list[Suspect] = []
-    own_sources: dict[int, tuple[str, ...]] = {}  # id(merged suspect) -> the detectors that named it themselves
+    merged: list[tuple[Suspect, tuple[str, ...]]] = []  # each with the detectors that named it themselves
     for entry in entries.values():
         ranks = frozenset(entry.suspect.ranks)
         support = 0.0
@@ -88,25 +87,23 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
         if support > 0:
             evidence.append(f"agreement: {', '.join(sorted(set(agreeing)))} also point at these ranks")
         s = entry.suspect
-        own_sources[len(merged)] = tuple(entry.sources)
-        merged.append(Suspect(
+        merged.append((Suspect(
             kind=s.kind, ranks=s.ranks, machines=s.machines, score=round(entry.scaled * (1.0 + support), 6),
             evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index, groups=s.groups,
             diverging_frame=s.diverging_frame, victims=s.victims, state=s.state,
-        ))
-    order = sorted(range(len(merged)), key=lambda i: (
-        -merged[i].score, -len(merged[i].sources), -len(merged[i].ranks),
-        _KIND_ORDER.index(str(merged[i].kind)) if str(merged[i].kind) in _KIND_ORDER else 99,
-        min(merged[i].ranks, default=0)))
-    merged = _fold_contained([(merged[i], own_sources[i]) for i in order])
+        ), tuple(entry.sources)))
+    merged.sort(key=lambda m: (-m[0].score, -len(m[0].sources), -len(m[0].ranks),
+                               _KIND_ORDER.index(str(m[0].kind)) if str(m[0].kind) in _KIND_ORDER else 99,
+                               min(m[0].ranks, default=0)))
+    folded = _fold_contained(merged)
     missing = tuple(sorted({r for v in verdicts for r in v.missing_ranks}))
     notes = tuple(dict.fromkeys(n for v in verdicts for n in v.notes))
-    if merged:
-        top = merged[0]
+    if folded:
+        top = folded[0]
         summary = f"{headline(top)} ({' + '.join(top.sources)})"
     else:
         summary = next((v.summary for v in verdicts if v.summary), "no verdict")
-    return Verdict(suspects=tuple(merged), summary=summary, missing_ranks=missing, notes=notes,
+    return Verdict(suspects=tuple(folded), summary=summary, missing_ranks=missing, notes=notes,
                    findings=merge_findings(*verdicts))
 
 
