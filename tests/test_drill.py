@@ -8,6 +8,7 @@ Ctrl-C cleanup, and bit-for-bit resume on another set of machines.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -209,6 +210,40 @@ def test_hang_p2p_drill_through_the_agents(tmp_path: Path) -> None:
     # Every process of the drill is gone.
     assert marked_processes(report["run_id"]) == []
     assert processes_under(tmp_path / "run") == []
+
+
+FORKER = """
+import subprocess, sys, time
+print("ready", flush=True)
+while True:  # a new child every millisecond or so, as an agent starts py-spy windows back to back
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    time.sleep(0.001)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_kill_trees_leaves_no_child_a_forking_process_starts_while_it_is_being_stopped(tmp_path: Path) -> None:
+    """The trees are frozen before anything is signalled: a child forked between the collection and the
+    SIGTERM would be re-parented to init, out of the tree, and only the run's sweep would find it."""
+    from rankscope.drill.launcher import kill_trees
+
+    run_id = f"forker-{os.getpid()}"
+    env = {**os.environ, RUN_ID_ENV: run_id}
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", FORKER], env=env, stdout=subprocess.PIPE)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+            while len(marked_processes(run_id)) < 10:  # a busy tree, forking as it is stopped
+                time.sleep(0.05)
+            kill_trees([proc.pid])
+            proc.wait(timeout=10)
+            assert marked_processes(run_id) == []
+        finally:
+            for pid in marked_processes(run_id):
+                with contextlib.suppress(psutil.Error):
+                    psutil.Process(pid).kill()
+            if proc.poll() is None:
+                proc.kill()
 
 
 @pytest.mark.drill

@@ -162,7 +162,8 @@ def test_slow_compute_burns_factor_minus_one_healthy_steps_and_is_steered_by_the
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Healthy steps of 0.2 s and 4 micro-batches; at 1.5x the rank first burns 0.1 s a step (0.025 s per
     micro-batch). Steps that still come out at 0.25 s (its peers caught up while it burned) make it burn
-    more; steps of 0.35 s make it burn less."""
+    more; steps of 0.35 s make it burn less, but never below the nominal 0.1 s (a slow device stays slow
+    when something else makes every step long)."""
     from rankscope.drill import worker
     from rankscope.drill.faults import FaultPlan
 
@@ -189,10 +190,13 @@ def test_slow_compute_burns_factor_minus_one_healthy_steps_and_is_steered_by_the
     assert sum(burns[4:8]) == pytest.approx(0.1 + 0.5 * (0.3 - 0.25))
     step(12, 0.3)  # step 11 took 0.35 s, past 1.5 x 0.2 s: step 12 burns less
     assert sum(burns[8:12]) == pytest.approx(sum(burns[4:8]) + 0.5 * (0.3 - 0.35))
+    step(13, 0.9)  # step 12 took 0.3 s; step 13 is made 3x long by something else (observers on a loaded host)
+    step(14, 0.9)
+    assert sum(burns[16:20]) == pytest.approx(0.1), "the burn never falls below the nominal (1.5 - 1) x 0.2 s"
     other = worker.Injector(FaultPlan(name="slow-compute", rank=3, step=10, factor=1.5), 2)
     other.step = 11
     other.after_compute()
-    assert len(burns) == 12, "only the faulty rank burns"
+    assert len(burns) == 20, "only the faulty rank burns"
 
 
 def test_thermal_stop_is_steered_to_factor_times_the_healthy_step() -> None:

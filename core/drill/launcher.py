@@ -567,26 +567,34 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
 def kill_trees(pids: Sequence[int], *, grace_s: float = 2.0) -> None:
     """SIGTERM each process with all its descendants, then SIGKILL what is left after ``grace_s``.
 
-    Descendants are collected before anything is signalled, since a killed
-    parent's children are re-parented and can no longer be found from it.
+    The trees are frozen (SIGSTOP) and collected again until no new process
+    shows up before anything is terminated: a process that forks between the
+    collection and its signal (an agent starting a py-spy, torchrun a worker)
+    would leave an orphan that only the run's final sweep could find, and a
+    killed parent's children are re-parented and can no longer be found from it.
     """
     import psutil
 
     procs: dict[int, psutil.Process] = {}
     for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            procs[pid] = root
-            for child in root.children(recursive=True):
-                procs[child.pid] = child
-        except psutil.Error:
-            continue
+        with contextlib.suppress(psutil.Error):
+            procs[pid] = psutil.Process(pid)
+    frozen: set[int] = set()
+    while pending := [p for pid, p in procs.items() if pid not in frozen]:
+        for p in pending:
+            frozen.add(p.pid)
+            with contextlib.suppress(psutil.Error):
+                p.suspend()
+        for p in pending:
+            with contextlib.suppress(psutil.Error):
+                for child in p.children(recursive=True):
+                    procs.setdefault(child.pid, child)
     if not procs:
         return
     for p in procs.values():
         with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGCONT)  # a process stopped by the thermal fault must run to die
-            p.terminate()
+            p.terminate()  # pending while stopped...
+            p.resume()  # ...delivered now (and a rank stopped by the thermal fault runs to die)
     _, alive = psutil.wait_procs(list(procs.values()), timeout=grace_s)
     for p in alive:
         with contextlib.suppress(psutil.Error):

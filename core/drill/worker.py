@@ -341,7 +341,8 @@ class Injector:
     would on a slower device. On a shared CPU the burn also slows the peers
     and they catch up while it burns, so the burn is steered by the faulty
     steps the rank really takes: longer while they fall short of ``factor``
-    healthy steps, shorter when they overshoot.
+    healthy steps, shorter when they overshoot, but never below the nominal
+    ``factor - 1`` healthy steps.
     """
 
     WARMUP_STEPS = 2  # the first steps pay for lazy set-up; not "healthy" timing
@@ -373,7 +374,11 @@ class Injector:
             elif self._burn_s is not None and self.plan.hits(self.rank, prev) and self.plan.name == "slow-compute":
                 healthy = self.healthy_step_s() or took
                 target = self.plan.factor * healthy
-                self._burn_s = min(3.0 * target, max(0.0, self._burn_s + self.GAIN * (target - took)))
+                # Never below the nominal burn: steps made long by something else (observers sampling every
+                # rank on a loaded machine) would steer it to nothing, and the fault would vanish, as a slow
+                # device's slowness does not.
+                nominal = (self.plan.factor - 1.0) * healthy
+                self._burn_s = min(3.0 * target, max(nominal, self._burn_s + self.GAIN * (target - took)))
         self._step_started = now
         self._calls = 0
         if self.mine() and self.plan.name == "crash" and self.step == self.plan.step:
