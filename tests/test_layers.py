@@ -176,6 +176,22 @@ def test_tui_modules_import_no_circle() -> None:
     assert _cycle(_tui_import_graph()) is None, " -> ".join(_cycle(_tui_import_graph()) or [])
 
 
+# What screens and widgets may use of ``self.app``: Textual's own App API, never the rankscope app's state.
+_TEXTUAL_APP_API = {"notify", "console", "push_screen", "pop_screen", "exit", "bell"}
+
+
+@pytest.mark.parametrize("path", [*_py_files("tui/screens"), *_py_files("tui/widgets")], ids=lambda p: p.name)
+def test_screens_and_widgets_draw_what_they_are_handed_never_reaching_back_into_the_app(path: Path) -> None:
+    """One store: the app hands each redraw its frame; a screen reading ``self.app.state`` would draw another."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"getattr", "hasattr"}:
+            target = node.args[0] if node.args else None
+            assert not (isinstance(target, ast.Attribute) and target.attr == "app"), \
+                f"{path}:{node.lineno} looks the app's attributes up by name"
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "app":
+            assert node.attr in _TEXTUAL_APP_API, f"{path}:{node.lineno} reads self.app.{node.attr}"
+
+
 def test_the_docs_these_rules_cite_are_in_the_repository() -> None:
     text = (ROOT / "docs" / "architecture.md").read_text()
     assert "## Layer rules" in text and "tests/test_layers.py" in text

@@ -33,7 +33,7 @@ from rankscope.tui.analysis import StackView, build_stack_view, rank_stack_lines
 from rankscope.tui.failslow_state import FailSlowFeeder, FailSlowUpdated, FailSlowView
 from rankscope.tui.messages import AgentFound, AgentLost, CaptureAnalyzed, CaptureFailed, PollFailed, SnapshotReceived
 from rankscope.tui.screens.help import HelpScreen
-from rankscope.tui.screens.main import VIEWS, MainScreen
+from rankscope.tui.screens.main import VIEWS, Frame, MainScreen
 from rankscope.tui.screens.rank import RankScreen
 from rankscope.tui.sources import BundleSource, LiveSource, Source, poll_loop
 from rankscope.tui.widgets.ccl import CclPanel
@@ -125,8 +125,9 @@ class RankscopeApp(App[int]):
         assert isinstance(screen, MainScreen)
         return screen
 
-    def main_ready(self) -> None:
-        """Called by MainScreen once its widgets exist: only then can data be drawn."""
+    @on(MainScreen.Ready)
+    def _main_ready(self) -> None:
+        """MainScreen's widgets exist: only now can data be drawn."""
         self.redraw()
         self._load()
 
@@ -303,7 +304,8 @@ class RankscopeApp(App[int]):
             return
         if not main.is_mounted:
             return
-        main.draw(self.state, self.filter, self.source.label, self.options.read_only, self.options.hang_after_s)
+        main.draw(Frame(self.state, self.filter, self.source.label, self.options.read_only, self.options.hang_after_s,
+                        self.failslow_view, self.actions.log))
 
     @on(TabbedContent.TabActivated)
     def _tab_changed(self) -> None:

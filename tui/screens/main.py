@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from rankscope.tui.actions import ActionLog
 from rankscope.tui.analysis import StackView
+from rankscope.tui.failslow_state import FailSlowView
 from rankscope.tui.state import AppState, Filter, filter_summary, health, map_groups, verdict_stale
 from rankscope.tui.widgets.audit import ActionsPanel
 from rankscope.tui.widgets.ccl import CclPanel
@@ -15,6 +19,7 @@ from rankscope.tui.widgets.verdict import JobHeader, VerdictPanel, header_text, 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static, TabbedContent, TabPane
 
@@ -24,8 +29,24 @@ FOCUS = {"overview": "#rank-map", "stacks": "#groups", "ccl": "#ccl-table", "met
          "events": "#events-panel", "actions": "#audit-table", "failslow": "#failslow-panel"}
 
 
+@dataclass(frozen=True)
+class Frame:
+    """Everything one redraw shows, handed down by the app: the screen keeps no reference back to it."""
+
+    state: AppState
+    flt: Filter
+    source: str
+    read_only: bool
+    hang_after_s: float
+    failslow: FailSlowView | None
+    actions: ActionLog
+
+
 class MainScreen(Screen[None]):
-    """Views draw from the app's state; only the visible one is redrawn on each update."""
+    """Views draw the frame the app hands them; only the visible one is redrawn on each update."""
+
+    class Ready(Message):
+        """The screen's widgets exist: only now can a frame be drawn."""
 
     def compose(self) -> ComposeResult:
         yield JobHeader(id="job-header")
@@ -54,6 +75,7 @@ class MainScreen(Screen[None]):
         super().__init__()
         self.cursor_note = ""  # which rank the map's cursor is on, shown above the legend
         self._shown_text: dict[str, Text] = {}
+        self._state: AppState | None = None  # the last frame's, for the cursor note
 
     def _set(self, selector: str, text: Text) -> None:
         """Update a text panel only when its text changed: an update re-lays out the screen."""
@@ -68,7 +90,7 @@ class MainScreen(Screen[None]):
         self.query_one(selector, Static).update(text, layout=not fixed)
 
     def on_rank_map_panel_cursor_moved(self, event: RankMapPanel.CursorMoved) -> None:
-        state = getattr(self.app, "state", None)
+        state = self._state
         if event.rank is None or state is None:
             self.cursor_note = ""
         else:
@@ -86,9 +108,7 @@ class MainScreen(Screen[None]):
         self._set("#legend", legend)
 
     def on_mount(self) -> None:
-        ready = getattr(self.app, "main_ready", None)
-        if callable(ready):
-            ready()
+        self.post_message(self.Ready())
 
     def focus_view(self) -> None:
         self.query_one(FOCUS[self.active_view]).focus()
@@ -97,17 +117,18 @@ class MainScreen(Screen[None]):
     def active_view(self) -> str:
         return self.query_one("#views", TabbedContent).active or "overview"
 
-    def draw(self, state: AppState, flt: Filter, source: str, read_only: bool, hang_after_s: float) -> None:
+    def draw(self, frame: Frame) -> None:
+        state, flt, read_only = frame.state, frame.flt, frame.read_only
+        self._state = state
         # The filter is shown in the header, not in a bar of its own: no relayout of the screen when it changes.
-        failslow = getattr(self.app, "failslow_view", None)
-        verdict = failslow.verdict if failslow is not None else None
+        verdict = frame.failslow.verdict if frame.failslow is not None else None
         slow = verdict.machine if verdict is not None and verdict.confident else None
         self._set("#job-header",
-            header_text(state, source, read_only, hang_after_s, filter_summary(flt), slow))
+            header_text(state, frame.source, read_only, frame.hang_after_s, filter_summary(flt), slow))
         view = self.active_view
         if view == "overview":
             room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)
-            progressing = health(state, hang_after_s).kind == "healthy" and slow is None
+            progressing = health(state, frame.hang_after_s).kind == "healthy" and slow is None
             self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, verdict_stale(state),
                                                     state.capture_wall))
             group_of = map_groups(state)
@@ -122,9 +143,9 @@ class MainScreen(Screen[None]):
             self.query_one("#metrics-panel", MetricsPanel).show(state, flt)
         elif view == "events":
             self.query_one("#events-panel", EventsPanel).show(state)
-        elif view == "actions" and (actions := getattr(self.app, "actions", None)) is not None:
-            self.query_one("#actions-panel", ActionsPanel).show(state, actions.log, read_only)
+        elif view == "actions":
+            self.query_one("#actions-panel", ActionsPanel).show(state, frame.actions, read_only)
         elif view == "failslow":
             panel = self.query_one("#failslow-panel", FailSlowPanel)
-            panel.show(getattr(self.app, "failslow_view", None), self.size.width, self.size.height,
+            panel.show(frame.failslow, self.size.width, self.size.height,
                        frozenset(m.name for m in state.machines if m.evicted))
