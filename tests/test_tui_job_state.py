@@ -133,9 +133,16 @@ def test_a_verdict_goes_stale_when_the_job_progresses_restarts_or_finishes() -> 
     assert st.map_groups(s) == s.stacks.group_of_rank and set(st.map_groups(s)) == {0, 1, 2, 3}
     assert st.map_groups(moved) is s.stacks.group_of_rank  # stale, but the same processes: still their groups
     assert st.map_groups(restarted) == {}  # new processes: the old capture says nothing of them
-    text = verdict_text_rich(restarted.stacks, st.NO_FILTER, stale=st.verdict_stale(restarted),
-                             taken=restarted.capture_wall).plain
+    rich_text = verdict_text_rich(restarted.stacks, st.NO_FILTER, stale=st.verdict_stale(restarted),
+                                  taken=restarted.capture_wall)
+    text = rich_text.plain
     assert text.startswith("verdict of 22:14:05 (stale: the job restarted after this capture; s captures again)")
+    # Its suspects are a record, drawn dim: no alarm colour on a job that has moved on.
+    first = text.index("\n")
+    assert "▸" in text[first:]
+    assert {str(span.style) for span in rich_text.spans if span.start >= first} == {"dim"}
+    live = verdict_text_rich(s.stacks, st.NO_FILTER, stale=None, taken=s.capture_wall)
+    assert "bold yellow" in {str(span.style) for span in live.spans}, "the live verdict keeps its colours"
     # The job ends: no ranks on any machine.
     ended = fold([snap(T0 + 70, progress=None, ranks=False, seen=T0 + 69)], s)
     assert st.verdict_stale(ended) == "the job has no ranks running now"

@@ -92,41 +92,46 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
         t.append("verdict: ", "bold")
         t.append(v.summary, "bold red" if v.suspects else "bold")
     advice = {f.ranks: f.advice for f in v.findings if f.advice}
+
+    def look(style: str) -> str:
+        # A stale verdict is a record of another time: its suspects are drawn dim, not in alarm colours.
+        return "dim" if stale is not None else style
+
     for s in v.suspects[:max_suspects]:
         number = group_numbers(s)
-        t.append(f"\n ▸ {s.kind.value.upper()}{' ' + number if number else ''}", "bold yellow")
-        t.append(f"  machines {compact_machines(s.machines)}", "bold")
-        t.append(f"  ranks {compact_ranks(s.ranks, 4)}")
+        t.append(f"\n ▸ {s.kind.value.upper()}{' ' + number if number else ''}", look("bold yellow"))
+        t.append(f"  machines {compact_machines(s.machines)}", look("bold"))
+        t.append(f"  ranks {compact_ranks(s.ranks, 4)}", look(""))
         if s.state and s.kind.value != "desync":
-            t.append(f"  [{s.state}]", "bold red")
+            t.append(f"  [{s.state}]", look("bold red"))
         if flt.active and not (set(s.ranks) & flt.ranks):
-            t.append("  (outside filter)", "dim")
+            t.append("  (outside filter)", look("dim"))
         if s.kind.value == "desync":
             # Where each side is: the call sites (the evidence lines after the headline).
             for line in s.evidence[1:3]:
-                t.append(f"\n    {line}", "italic")
+                t.append(f"\n    {line}", look("italic"))
         elif s.victims:
             # The root and the ranks waiting on it: one suspect, its victims are evidence.
             t.append(f"\n    root: {len(s.victims)} ranks wait on it (victims, not suspects): "
-                     f"{compact_ranks(s.victims, 4)}")
+                     f"{compact_ranks(s.victims, 4)}", look(""))
         elif s.evidence:
-            t.append(f"\n    {s.evidence[0]}", "italic")
+            t.append(f"\n    {s.evidence[0]}", look("italic"))
         if s.ranks in advice:
-            t.append(f"\n    {advice[s.ranks]}", "bold cyan")
+            t.append(f"\n    {advice[s.ranks]}", look("bold cyan"))
         if s.diverging_frame:
-            t.append("\n    diverges at ")
-            t.append(s.diverging_frame, "bold magenta")
+            t.append("\n    diverges at ", look(""))
+            t.append(s.diverging_frame, look("bold magenta"))
     if len(v.suspects) > max_suspects:
-        t.append(f"\n   … {len(v.suspects) - max_suspects} more suspects (y copies all)", "dim")
+        t.append(f"\n   … {len(v.suspects) - max_suspects} more suspects (y copies all)", look("dim"))
     shown = {f.ranks for f in v.findings if any(s.ranks == f.ranks for s in v.suspects[:max_suspects])}
     for f in v.findings:
         if f.ranks not in shown:
-            t.append(f"\n ◆ {f.kind}: {f.summary}", "bold magenta")
+            t.append(f"\n ◆ {f.kind}: {f.summary}", look("bold magenta"))
     if view.unreadable:
         for ranks, why in view.unreadable[:2]:
-            t.append(f"\n no stack: ranks {compact_ranks(ranks, 6)} — {why}", "yellow")
+            t.append(f"\n no stack: ranks {compact_ranks(ranks, 6)} — {why}", look("yellow"))
     elif view.missing_ranks:
-        t.append(f"\n missing stacks: ranks {compact_ranks(view.missing_ranks, 6)}", "yellow")
+        t.append(f"\n missing stacks: ranks {compact_ranks(view.missing_ranks, 6)}", look("yellow"))
     for note in (*v.notes, *view.notes)[:2]:
         t.append(f"\n note: {note}", "dim")
     return t
