@@ -264,10 +264,15 @@ def test_suspects_of_a_progressing_job_are_qualified() -> None:
     snap = fig7_bundle().latest
     view = build_stack_view(snap, snap.layout)
     assert view.verdict.suspects
-    hung = verdict_text_rich(view, st.Filter("", frozenset()), progressing=False).plain
-    running = verdict_text_rich(view, st.Filter("", frozenset()), progressing=True).plain
+    hung_text = verdict_text_rich(view, st.Filter("", frozenset()), progressing=False)
+    running_text = verdict_text_rich(view, st.Filter("", frozenset()), progressing=True)
+    hung, running = hung_text.plain, running_text.plain
     assert hung.startswith("verdict: ") and "differences may be timing" not in hung
     assert running.startswith("verdict (job is progressing: differences may be timing): ")
+    # A healthy job's first screen must not shout: its suspects are drawn dim, a hung job's in alarm colours.
+    first = running.index("\n")
+    assert {str(span.style) for span in running_text.spans if span.start >= first} == {"dim"}
+    assert "bold yellow" in {str(span.style) for span in hung_text.spans}
 
 
 def test_slow_is_measured_against_the_usual_pace_not_one_quick_reading() -> None:

@@ -94,8 +94,9 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
     advice = {f.ranks: f.advice for f in v.findings if f.advice}
 
     def look(style: str) -> str:
-        # A stale verdict is a record of another time: its suspects are drawn dim, not in alarm colours.
-        return "dim" if stale is not None else style
+        # A stale verdict is a record of another time, and a progressing job's differences are likely timing:
+        # their suspects are drawn dim, not in alarm colours.
+        return "dim" if stale is not None or progressing else style
 
     for s in v.suspects[:max_suspects]:
         number = group_numbers(s)
