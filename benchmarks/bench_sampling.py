@@ -118,7 +118,7 @@ def main() -> int:
             if on:
                 before, ranks_before = pyspy_cpu(), ranks_cpu(pids)
                 t, samples = asyncio.run(sampled_phase(pids, args.rate, args.phase_s, watcher, args.window_s,
-                                                                      args.steady_window_s))
+                                                       args.steady_window_s))
                 cpu_sampling += pyspy_cpu() - before
                 cpu_ranks_on += ranks_cpu(pids) - ranks_before
                 sampled_s += args.phase_s + 1.0

@@ -106,7 +106,7 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
         if s.state and s.kind.value != "desync":
             t.append(f"  [{s.state}]", look("bold red"))
         if flt.active and not (set(s.ranks) & flt.ranks):
-            t.append("  (outside filter)", look("dim"))
+            t.append("  (outside filter)", "dim")
         if s.kind.value == "desync":
             # Where each side is: the call sites (the evidence lines after the headline).
             for line in s.evidence[1:3]:
@@ -123,7 +123,7 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
             t.append("\n    diverges at ", look(""))
             t.append(s.diverging_frame, look("bold magenta"))
     if len(v.suspects) > max_suspects:
-        t.append(f"\n   … {len(v.suspects) - max_suspects} more suspects (y copies all)", look("dim"))
+        t.append(f"\n   … {len(v.suspects) - max_suspects} more suspects (y copies all)", "dim")
     shown = {f.ranks for f in v.findings if any(s.ranks == f.ranks for s in v.suspects[:max_suspects])}
     for f in v.findings:
         if f.ranks not in shown:
