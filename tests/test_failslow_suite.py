@@ -139,7 +139,9 @@ def test_live_drill_is_watched_from_its_onset_and_cleaned_up(tmp_path: Path) -> 
     assert d["machine"] == machine_name(DrillLayout().machine_of(d["rank"]))
     assert d["watched_after_onset_s"] is not None
     assert d["detected"] or d["watched_after_onset_s"] >= config.time_limit_s
-    assert d["polls"] >= 10 and d["stack_rounds"] >= 3, d
+    # Polls at about 1 Hz and stack rounds every 4 s while it watched; a confident verdict ends the watch early.
+    assert d["polls"] >= min(10, 0.5 * d["watched_after_onset_s"]) and d["stack_rounds"] >= 1, d
+    assert d["detected"] or d["stack_rounds"] >= 3, d
     assert not d["leftovers"], "the drill's own stop left nothing for the sweep"
     if d["detected"]:
         assert d["right_machine"] and d["outcome"] == "tp", d
