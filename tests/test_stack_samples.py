@@ -133,9 +133,9 @@ def test_wilson_lower_bound_is_below_the_share_and_tightens_with_n() -> None:
 
 
 def test_null_share_keeps_margin_in_odds_and_in_points() -> None:
-    assert null_share(0.97, 0.2, 0.25) == pytest.approx(0.72)  # 25 points below: odds would allow 0.866
-    assert null_share(0.4, 0.2, 0.25) == pytest.approx(0.1176, abs=1e-3)  # a fifth of the odds
-    assert null_share(0.0, 0.2, 0.25) == 0.0 and null_share(1.0, 0.2, 0.25) == 0.75
+    assert null_share(0.97, 0.25, 0.2) == pytest.approx(0.77)  # 20 points below: odds would allow 0.89
+    assert null_share(0.4, 0.25, 0.2) == pytest.approx(0.1429, abs=1e-3)  # a quarter of the odds
+    assert null_share(0.0, 0.25, 0.2) == 0.0 and null_share(1.0, 0.25, 0.2) == 0.8
 
 
 def windows(shares: dict[int, float], n_windows: int, per_window: int = 15, seed: int = 3, t0: float = 1000.0,
@@ -162,7 +162,19 @@ def test_a_straggler_is_named_with_confidence_that_grows_with_samples() -> None:
     assert p_values[0] > p_values[1] > p_values[2] and p_values[2] < 1e-6
 
 
+def test_a_rank_one_and_a_half_times_slow_is_named_within_a_minute_of_samples() -> None:
+    """Peers that waited 88 % of a healthy step wait 1 - 0.12/1.5 = 92 % once one rank takes 1.5x as long;
+    that rank waits 0.88/1.5 = 59 % (a 33-point gap, 1 - 1/1.5). 45 s of 5 Hz samples name it; the margins
+    before this change (a fifth of the odds, 25 points) needed about three times as many samples."""
+    waiting = {r: 207 for r in range(8)} | {2: 132}  # of 225 samples (45 s at 5 Hz): 92 % and 59 %
+    ws = [StackSampleWindow(r, 100 + r, 1000.0, 1045.0, collective=k, compute=225 - k) for r, k in waiting.items()]
+    found = find_stragglers(rank_waits(ws))
+    assert found and found[0].rank == 2 and found[0].p_value <= 0.001, [(s.rank, s.p_value) for s in found]
+    assert all(s.p_value > 0.5 for s in found[1:])
+
+
 @pytest.mark.parametrize("shares", [
+    {r: 0.93 for r in range(8)} | {3: 0.86, 1: 0.94},  # the drill healthy and watched: 86-94 %
     {r: 0.97 for r in range(8)} | {2: 0.9},  # a saturated machine: 90 % against 97 %
     {r: 0.4 if r % 4 < 2 else 0.3 for r in range(8)},  # two pipeline stages waiting 40 % and 30 %
     {r: 0.05 for r in range(8)},  # nobody waits: nothing to blame
