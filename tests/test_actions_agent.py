@@ -51,14 +51,14 @@ from rankscope.actions.model import (
     UpdateMode,
     VersionSource,
 )
-from rankscope.agent import AgentConfig, RunningAgent, start_agent
-from rankscope.client import UNOWNED, JobClient, auth_metadata
-from rankscope.errors import RankscopeError
-from rankscope.proto import rankscope_pb2 as pb
-from rankscope.proto import rankscope_pb2_grpc as pb_grpc
-from rankscope.proto_convert import confirmation_to_proto, event_from_proto, request_to_proto
-from rankscope.snapshot import Layout
-from rankscope.tokens import parse_tokens
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import Layout
+from rankscope.wire.agent import AgentConfig, RunningAgent, start_agent
+from rankscope.wire.client import UNOWNED, JobClient, auth_metadata
+from rankscope.wire.proto import rankscope_pb2 as pb
+from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
+from rankscope.wire.proto_convert import confirmation_to_proto, event_from_proto, request_to_proto
+from rankscope.wire.tokens import parse_tokens
 
 pytestmark = pytest.mark.timeout(120)
 

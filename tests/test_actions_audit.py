@@ -19,7 +19,7 @@ from rankscope.actions.model import (
     Targets,
     UpdateMode,
 )
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 
 class Clock:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankscope.actions.config import ActionsConfig, load_actions_config
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import Layout
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import Layout
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

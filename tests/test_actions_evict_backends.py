@@ -24,7 +24,7 @@ from rankscope.actions.evict_backends import (
     SlurmBackend,
     run_argv,
 )
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 
 def _standin(tmp_path: Path, name: str, stdout: str = "", exit_code: int = 0, stderr: str = "") -> tuple[str, Path]:

@@ -41,8 +41,8 @@ from rankscope.actions.model import (
     VersionSource,
 )
 from rankscope.actions.procedures.update import apply_pending
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import RankInfo
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import RankInfo
 
 
 def _git(repo: Path, *argv: str) -> str:

@@ -23,7 +23,7 @@ from rankscope.actions.model import (
     confirmation_matches,
     needs_typed_confirmation,
 )
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 
 def _evict(machines: tuple[str, ...] = ("m12", "m13"), action_id: str = "a-1") -> ActionRequest:

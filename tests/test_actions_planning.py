@@ -37,8 +37,8 @@ from rankscope.actions.planning import (
     plan_rollback,
     processes_of,
 )
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import Layout, ProcessInfo, ProcessRole, RankInfo
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import Layout, ProcessInfo, ProcessRole, RankInfo
 
 # machine-4 of a 16-rank job (TP 2, PP 4, DP 2), two ranks per machine; rank 8 started a data-loader worker.
 WORKER = ProcessInfo(pid=2008, ppid=1008, role=ProcessRole.DATALOADER, name="pt_data_worker")

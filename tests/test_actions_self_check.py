@@ -10,7 +10,7 @@ from rankscope.actions.self_check import (
     judge_host,
     self_check,
 )
-from rankscope.snapshot import GpuMetrics, GpuStatus, HostMetrics
+from rankscope.contract.snapshot import GpuMetrics, GpuStatus, HostMetrics
 
 
 def test_host_needs_cores_and_free_memory() -> None:

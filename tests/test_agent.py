@@ -16,13 +16,13 @@ import psutil
 import pytest
 from agent_helpers import RANK_FUNCTION, Processes, clean_env, make_token_file
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from rankscope.agent import AgentConfig, RunningAgent, bearer_token, check_config, is_loopback, start_agent
-from rankscope.errors import RankscopeError
-from rankscope.proto import rankscope_pb2 as pb
-from rankscope.proto import rankscope_pb2_grpc as pb_grpc
-from rankscope.proto_convert import machine_from_proto
-from rankscope.snapshot import ProcessRole
-from rankscope.tokens import Role, TokenSet, load_client_token, load_tokens, parse_tokens
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import ProcessRole
+from rankscope.wire.agent import AgentConfig, RunningAgent, bearer_token, check_config, is_loopback, start_agent
+from rankscope.wire.proto import rankscope_pb2 as pb
+from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
+from rankscope.wire.proto_convert import machine_from_proto
+from rankscope.wire.tokens import Role, TokenSet, load_client_token, load_tokens, parse_tokens
 
 pytestmark = pytest.mark.timeout(120)
 

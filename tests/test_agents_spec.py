@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rankscope.agents_spec import AgentSpecError, expand_hostlist, parse_agents, read_hostfile, resolve_agents
+from rankscope.wire.agents_spec import AgentSpecError, expand_hostlist, parse_agents, read_hostfile, resolve_agents
 
 
 def test_a_plain_comma_list_keeps_its_order() -> None:
@@ -86,8 +86,8 @@ def test_nothing_to_contact_is_an_error() -> None:
 
 
 def test_a_hostfile_marks_evicted_agents_and_the_drill_marks_them_after_an_eviction(tmp_path: Path) -> None:
-    from rankscope.agents_spec import hostfile_members, read_hostfile, write_hostfile
     from rankscope.drill.control import mark_evicted_in_hostfile
+    from rankscope.wire.agents_spec import hostfile_members, read_hostfile, write_hostfile
 
     path = tmp_path / "agents.txt"
     write_hostfile(path, ["127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003"])
@@ -100,8 +100,8 @@ def test_a_hostfile_marks_evicted_agents_and_the_drill_marks_them_after_an_evict
 
 
 def test_a_live_source_follows_its_hostfile(tmp_path: Path) -> None:
-    from rankscope.agents_spec import write_hostfile
     from rankscope.tui.sources import LiveSource
+    from rankscope.wire.agents_spec import write_hostfile
 
     path = tmp_path / "agents.txt"
     write_hostfile(path, ["127.0.0.1:5001", "127.0.0.1:5002"])

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from rankscope.bundle import Bundle, write_bundle
-from rankscope.cli import main
-from rankscope.snapshot import Layout
+from rankscope.cli.main import main
+from rankscope.contract.bundle import Bundle, write_bundle
+from rankscope.contract.snapshot import Layout
 
 from tests.stack_fixtures import COMPUTE, OPTIMIZER, RECV, rank_stacks, snapshot
 
@@ -115,14 +115,14 @@ def test_empty_pyspy_dir_says_how_to_fill_it(capsys: pytest.CaptureFixture[str],
 
 
 def _fr_entry(seq: int, retired: bool) -> dict[str, object]:
-    # One entry of PyTorch's flight-recorder dump (the fields rankscope.flight_recorder reads).
+    # One entry of PyTorch's flight-recorder dump (the fields rankscope.formats.flight_recorder reads).
     return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq,
             "p2p_seq_id": 0, "profiling_name": "nccl:all_reduce", "time_created_ns": 10**18 + seq,
             "input_sizes": [[4, 2]], "input_dtypes": ["Float"], "state": "completed" if retired else "scheduled",
             "retired": retired, "is_p2p": False, "time_discovered_completed_ns": 0}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("rankscope.flight_recorder") is None,
+@pytest.mark.skipif(importlib.util.find_spec("rankscope.formats.flight_recorder") is None,
                     reason="no flight-recorder reader in this tree")
 def test_flight_recorder_dumps_are_judged_by_their_counters(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from rankscope.analyzers.verdict import analyze_snapshot
-from rankscope.bundle import read_bundle
+from rankscope.contract.bundle import read_bundle
 from rankscope.drill.scoring import score_verdict
 
 SEED = 20251121

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rankscope.cli import main
+from rankscope.cli.main import main
 
 
 @pytest.fixture

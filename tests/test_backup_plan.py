@@ -7,9 +7,9 @@ import json
 
 import pytest
 from rankscope.analyzers.backup_plan import backup_plan, parse_order
-from rankscope.cli import main
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import Layout
+from rankscope.cli.main import main
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import Layout
 
 
 def _megatron_coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:

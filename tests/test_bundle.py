@@ -4,8 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
-from rankscope.bundle import Bundle, BundleError, loads, read_bundle, write_bundle
-from rankscope.snapshot import (
+from rankscope.contract.bundle import Bundle, BundleError, loads, read_bundle, write_bundle
+from rankscope.contract.snapshot import (
     CaptureError,
     CaptureErrorKind,
     Communicator,
@@ -70,7 +70,7 @@ def test_round_trip_keeps_every_value(tmp_path: Path) -> None:
     ],
 )
 def test_malformed_bundle_names_the_field(mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
-    from rankscope.bundle import bundle_to_dict
+    from rankscope.contract.bundle import bundle_to_dict
 
     data = bundle_to_dict(Bundle(snapshots=(_snapshot(),), created_wall=3.0))
     mutate(data)
@@ -91,7 +91,7 @@ def test_every_contract_field_is_documented() -> None:
     import dataclasses
     import re
 
-    import rankscope.snapshot as contract
+    import rankscope.contract.snapshot as contract
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "bundle-format.md").read_text()
     sections = dict(re.findall(r"^## (\w+)\n(.*?)(?=^## |\Z)", doc, flags=re.S | re.M))
@@ -105,7 +105,7 @@ def test_every_contract_field_is_documented() -> None:
 
 
 def test_identical_frames_are_shared_but_never_loosen_the_checks() -> None:
-    from rankscope.bundle import bundle_to_dict
+    from rankscope.contract.bundle import bundle_to_dict
 
     snap = _snapshot()
     data = bundle_to_dict(Bundle(snapshots=(snap, snap), created_wall=3.0))

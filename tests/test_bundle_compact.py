@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rankscope.bundle import Bundle, BundleError, bundle_to_dict, dumps, loads, read_bundle, write_bundle
-from rankscope.snapshot import Instant, JobSnapshot, MachineSnapshot
+from rankscope.contract.bundle import Bundle, BundleError, bundle_to_dict, dumps, loads, read_bundle, write_bundle
+from rankscope.contract.snapshot import Instant, JobSnapshot, MachineSnapshot
 
 from tests.test_proto import rich_job
 from tests.test_proto_compact import machines

@@ -6,7 +6,15 @@ from rankscope.analyzers.ccl import analyze_counters, comm_tables, counter_findi
 from rankscope.analyzers.degradation import analyze_degradation, degradation_findings
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.verdict import merge_verdicts
-from rankscope.snapshot import Communicator, Instant, JobSnapshot, MachineSnapshot, OpCounters, RankCounters, RankInfo
+from rankscope.contract.snapshot import (
+    Communicator,
+    Instant,
+    JobSnapshot,
+    MachineSnapshot,
+    OpCounters,
+    RankCounters,
+    RankInfo,
+)
 
 PP = Communicator("1", "gloo", "PIPELINE_MODEL_PARALLEL_GROUP", (0, 1, 2, 3))
 

@@ -20,8 +20,8 @@ from rankscope.analyzers.ccl_desync import crossed_waits
 from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.suspects import analyze_stacks
 from rankscope.analyzers.verdict import analyze_snapshot
+from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters, RankStacks
 from rankscope.drill.scoring import score_verdict
-from rankscope.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters, RankStacks
 
 from tests.stack_fixtures import COMPUTE, OPTIMIZER, RECV, SEND, TRAIN, rank_stacks, snapshot
 

@@ -13,8 +13,8 @@ import pytest
 from rankscope.ccl_plugin import layout as L
 from rankscope.ccl_plugin.build import BuildError, find_compiler
 from rankscope.ccl_plugin.writer import CounterWriter
+from rankscope.contract.snapshot import RankInfo
 from rankscope.probes.ccl_counters import list_counter_files, read_counter_file, read_counters
-from rankscope.snapshot import RankInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,8 @@ from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.suspects import analyze_stacks
 from rankscope.analyzers.topology import Topology
 from rankscope.analyzers.verdict import analyze_snapshot
-from rankscope.cli import main
-from rankscope.pyspy_dir import load_pyspy_dir
-from rankscope.snapshot import (
+from rankscope.cli.main import main
+from rankscope.contract.snapshot import (
     CaptureError,
     CaptureErrorKind,
     Layout,
@@ -30,6 +29,7 @@ from rankscope.snapshot import (
     ProcessStack,
     RankStacks,
 )
+from rankscope.formats.pyspy_dir import load_pyspy_dir
 
 from tests.stack_fixtures import OPTIMIZER, SEND, TRAIN, rank_stacks, snapshot
 

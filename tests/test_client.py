@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 from agent_helpers import RANK_FUNCTION, Processes, clean_env, make_token_file
-from rankscope.bundle import loads, read_bundle
-from rankscope.client import JobClient, capture_once
-from rankscope.snapshot import CaptureErrorKind, JobSnapshot, MachineSnapshot
+from rankscope.contract.bundle import loads, read_bundle
+from rankscope.contract.snapshot import CaptureErrorKind, JobSnapshot, MachineSnapshot
+from rankscope.wire.client import JobClient, capture_once
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -268,7 +268,7 @@ async def test_an_action_is_split_over_its_agents_in_rank_order_whatever_order_t
     # The drill listed its agents in the order they came up (machine-3 before machine-1): the phrase to type read
     # "evict machine-3 machine-1" under plans shown machine-1 first.
     from rankscope.actions.model import ActionKind, ActionRequest, EvictArgs, Targets
-    from rankscope.snapshot import Instant, RankInfo
+    from rankscope.contract.snapshot import Instant, RankInfo
 
     def machine(name: str, port: int, ranks: tuple[int, ...]) -> MachineSnapshot:
         return MachineSnapshot(name, f"127.0.0.1:{port}", True, Instant(1.0, 1.0),

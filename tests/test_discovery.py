@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from jobs.launch import Tree, process_tree_cmd, start, stop, torchrun_cmd, wait_ready
+from rankscope.contract.snapshot import ProcessRole, RankInfo
 from rankscope.probes.discovery import discover, discover_ranks, role_of
 from rankscope.probes.pyspy import capture_stacks
-from rankscope.snapshot import ProcessRole, RankInfo
 
 
 def _pids(ranks: tuple[RankInfo, ...]) -> dict[int, int]:

@@ -21,12 +21,12 @@ import psutil
 import pytest
 from agent_helpers import ctrl_c_works
 from drill_processes import processes_under
-from rankscope.cli import main as cli_main
+from rankscope.cli.main import main as cli_main
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import ProcessRole
 from rankscope.drill.faults import FAULTS, DrillLayout, FaultPlan, ground_truth, make_plan
 from rankscope.drill.launcher import RUN_ID_ENV, marked_processes
 from rankscope.drill.progress import ProgressWatcher, read_progress, write_progress
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import ProcessRole
 
 # --------------------------------------------------------------------------
 # layout
@@ -321,8 +321,8 @@ def test_after_a_crash_training_resumes_bit_for_bit_on_another_set_of_machines(t
 
 
 def test_standbys_default_to_a_pool_that_can_refill_a_group_with_the_tui_and_to_none_headless() -> None:
-    from rankscope.cli import build_parser
-    from rankscope.commands.drill import build_config
+    from rankscope.cli.commands.drill import build_config
+    from rankscope.cli.main import build_parser
     from rankscope.drill.control import default_standbys
 
     def standbys(*argv: str) -> int:
@@ -352,7 +352,7 @@ def test_the_checkpoint_writer_keeps_only_the_newest_checkpoints_of_its_rank(tmp
 
 def test_an_attached_drill_says_what_it_did_once_its_tui_quit(tmp_path: Path) -> None:
     # After `q` the attached drill stopped its job and printed nothing: the screen was gone and with it the story.
-    from rankscope.commands.drill import attached_report_lines
+    from rankscope.cli.commands.drill import attached_report_lines
     from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent
     from rankscope.drill.session import DrillConfig, DrillSession
 

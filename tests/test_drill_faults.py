@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 from drill_processes import processes_under
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
-from rankscope.cli import main as cli_main
+from rankscope.cli.main import main as cli_main
+from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import HANG_FAULTS, DrillLayout, ground_truth, make_plan
 from rankscope.drill.launcher import marked_processes
 from rankscope.drill.scoring import score_verdict
 from rankscope.drill.worker import desync_ranks
-from rankscope.errors import RankscopeError
 
 LAYOUT = DrillLayout(tp=2, pp=2, dp=2, machines=4)
 
@@ -189,6 +189,6 @@ def test_sigstop_drill_stops_the_rank_so_py_spy_cannot_read_it(tmp_path: Path) -
 
 
 def _read(report: dict[str, Any]) -> Any:
-    from rankscope.bundle import read_bundle
+    from rankscope.contract.bundle import read_bundle
 
     return read_bundle(Path(report["bundle"]))

@@ -33,13 +33,13 @@ from rankscope.actions.model import (
     AuditRecord,
     UpdateMode,
 )
-from rankscope.client import JobClient
 from rankscope.drill import user_code
 from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent, ranks_resumed
 from rankscope.drill.faults import DrillLayout
 from rankscope.drill.launcher import Launcher, TrainingOptions, marked_processes
 from rankscope.drill.progress import read_progress
 from rankscope.tui.actions import new_action_id, rollback_request, summarize, update_request
+from rankscope.wire.client import JobClient
 
 LAYOUT = DrillLayout(tp=1, pp=2, dp=1, machines=2)
 MACHINES = ("machine-0", "machine-1")
@@ -317,7 +317,7 @@ def test_each_drill_machine_gets_its_own_code_link_and_agent_config(tmp_path: Pa
 
 def test_a_drill_without_git_runs_without_code_links_and_says_why(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from rankscope.errors import RankscopeError
+    from rankscope.contract.errors import RankscopeError
 
     def no_git(repo: Path, *argv: str) -> str:
         raise RankscopeError("git failed while making the drill's code repository: not found", "install git")

@@ -53,7 +53,7 @@ def reference_losses(run_dir: Path, training: TrainingOptions = TRAINING) -> dic
 async def plan_eviction(agents: list[str], token: str, machines: tuple[str, ...]) -> list[ActionPlan]:
     """What the TUI shows before `e` is confirmed: every owning agent's plan (planning changes nothing)."""
     from rankscope.actions.model import ActionKind, ActionRequest, EvictArgs, Targets
-    from rankscope.client import JobClient
+    from rankscope.wire.client import JobClient
 
     request = ActionRequest("plan-evict", ActionKind.EVICT, Targets(machines), EvictArgs("hang-p2p"), "drill-test")
     async with JobClient(agents, token) as client:
@@ -162,7 +162,7 @@ def test_a_backup_taken_before_the_hang_is_restored_from_the_peers_after_evictio
     """No checkpoints at all: only the `b` backup (own + peer copies in the agents' stores) can save the steps."""
     from rankscope.actions.model import ActionKind, ActionRequest, BackupArgs, Targets
     from rankscope.actions.shard_store import ShardStore
-    from rankscope.client import JobClient
+    from rankscope.wire.client import JobClient
 
     # The backup must reach the ranks before they hang; a step of this tiny job takes tens of milliseconds.
     training = TrainingOptions(steps=54, checkpoint_every=0, micro_batches=2, loader_workers=0)

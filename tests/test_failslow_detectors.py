@@ -27,7 +27,7 @@ from rankscope.analyzers.metric_outliers import MetricOutlierDetector
 from rankscope.analyzers.minder import MinderDetector, denoise
 from rankscope.analyzers.series import SeriesStore
 from rankscope.analyzers.step_time import StepTimeDetector
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     CaptureError,
     CaptureErrorKind,
     Communicator,

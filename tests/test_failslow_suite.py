@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rankscope.bundle import read_bundle
+from rankscope.contract.bundle import read_bundle
 from rankscope.drill.faults import DrillLayout, machine_name
 from rankscope.drill.progress import ProgressWatcher, write_progress
 from rankscope.drill.suite import (

@@ -8,9 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
-from rankscope.agent import AgentConfig, RunningAgent, start_agent
-from rankscope.client import JobClient, error_for_rpc
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     CaptureErrorKind,
     Communicator,
     Frame,
@@ -23,7 +21,9 @@ from rankscope.snapshot import (
     RankStacks,
     ThreadStack,
 )
-from rankscope.tokens import TokenSet, parse_tokens
+from rankscope.wire.agent import AgentConfig, RunningAgent, start_agent
+from rankscope.wire.client import JobClient, error_for_rpc
+from rankscope.wire.tokens import TokenSet, parse_tokens
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "t" * 32
@@ -129,7 +129,7 @@ def test_the_client_raises_its_open_file_limit_to_the_hard_limit() -> None:
         "import resource\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
-        "from rankscope.client import JobClient, channel_budget\n"
+        "from rankscope.wire.client import JobClient, channel_budget\n"
         "c = JobClient(['127.0.0.1:1'], None)\n"
         "now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
         "print(now == hard or hard == resource.RLIM_INFINITY, c.max_channels == channel_budget(now), hard > 256)\n"

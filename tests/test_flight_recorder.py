@@ -10,8 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from rankscope.errors import RankscopeError
-from rankscope.flight_recorder import (
+from rankscope.contract.errors import RankscopeError
+from rankscope.formats.flight_recorder import (
     analyze_flight_recorder_dir,
     dumps_to_counters,
     load_dump,

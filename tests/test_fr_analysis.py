@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from rankscope.analyzers.findings import Finding, finding_to_json
 from rankscope.analyzers.flight_recorder import ADVICE, SERIOUS, FrAnalysis, analyze_dumps, wavefront_line
-from rankscope.cli import main
-from rankscope.errors import RankscopeError
-from rankscope.flight_recorder import read_flight_recorder_dir
+from rankscope.cli.main import main
+from rankscope.contract.errors import RankscopeError
+from rankscope.formats.flight_recorder import read_flight_recorder_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import psutil
 import pytest
+from rankscope.contract.snapshot import ProcessRole
 from rankscope.probes import host
 from rankscope.probes.gpu import GpuReader, gpu_status
-from rankscope.snapshot import ProcessRole
 
 # --------------------------------------------------------------------------
 # Host

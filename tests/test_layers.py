@@ -4,7 +4,7 @@ Each module is imported in a fresh interpreter and the resulting
 ``sys.modules`` is inspected, so a rule broken through an indirect import is
 caught too. A static pass checks the rules an import list cannot show
 (analyzers and the action planner read no clock and do no I/O; the TUI
-reaches agents only through rankscope.client).
+reaches agents only through rankscope.wire.client).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def test_analyzers_import_only_stdlib_numpy_and_the_contract(module: str) -> Non
     assert _third_party(mods) <= {"numpy", "rankscope"}, _third_party(mods)
     ours = {m for m in mods if m.startswith("rankscope")}
     allowed = ("rankscope.analyzers",)
-    extra = {m for m in ours if m not in {"rankscope", "rankscope.snapshot", "rankscope.errors"}
-             and not m.startswith(allowed)}
+    contract = {"rankscope", "rankscope.contract", "rankscope.contract.snapshot", "rankscope.contract.errors"}
+    extra = {m for m in ours if m not in contract and not m.startswith(allowed)}
     assert not extra, f"{module} pulls in {sorted(extra)}"
 
 
@@ -124,7 +124,7 @@ def test_tui_reaches_agents_only_through_the_client(path: Path) -> None:
         else:
             continue
         for name in names:
-            assert not name.startswith(("grpc", "rankscope.proto")), f"{path}:{node.lineno} imports {name}"
+            assert not name.startswith(("grpc", "rankscope.wire.proto")), f"{path}:{node.lineno} imports {name}"
 
 
 def _tui_import_graph() -> dict[str, set[str]]:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from jobs.launch import Tree, process_tree_cmd, start, stop, wait_ready
+from rankscope.contract.snapshot import CaptureErrorKind, ProcessRole, RankCounters, RankInfo
 from rankscope.probes import machine as machine_module
 from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
-from rankscope.snapshot import CaptureErrorKind, ProcessRole, RankCounters, RankInfo
 
 
 @pytest.fixture(scope="module")

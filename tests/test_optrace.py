@@ -39,8 +39,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankscope.analyzers.optrace import TraceError, analyze_trace
-from rankscope.errors import RankscopeError
-from rankscope.optrace_io import read_op_trace, read_trace_meta
+from rankscope.contract.errors import RankscopeError
+from rankscope.formats.optrace_io import read_op_trace, read_trace_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 

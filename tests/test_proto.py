@@ -26,29 +26,9 @@ from rankscope.actions.model import (
     UpdateMode,
     VersionSource,
 )
-from rankscope.bundle import Bundle, dumps, loads
-from rankscope.errors import RankscopeError
-from rankscope.proto import rankscope_pb2 as pb
-from rankscope.proto.generate import GENERATED, HERE, generate
-from rankscope.proto_convert import (
-    ENUMS,
-    MESSAGES,
-    WIRE_ONLY,
-    event_from_proto,
-    event_to_proto,
-    from_proto,
-    job_from_proto,
-    job_to_proto,
-    machine_from_proto,
-    machine_to_proto,
-    optional_inner,
-    plan_from_proto,
-    plan_to_proto,
-    request_from_proto,
-    request_to_proto,
-    to_proto,
-)
-from rankscope.snapshot import (
+from rankscope.contract.bundle import Bundle, dumps, loads
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import (
     CaptureError,
     CaptureErrorKind,
     Communicator,
@@ -69,6 +49,26 @@ from rankscope.snapshot import (
     RankStacks,
     ThreadStack,
 )
+from rankscope.wire.proto import rankscope_pb2 as pb
+from rankscope.wire.proto.generate import GENERATED, HERE, generate
+from rankscope.wire.proto_convert import (
+    ENUMS,
+    MESSAGES,
+    WIRE_ONLY,
+    event_from_proto,
+    event_to_proto,
+    from_proto,
+    job_from_proto,
+    job_to_proto,
+    machine_from_proto,
+    machine_to_proto,
+    optional_inner,
+    plan_from_proto,
+    plan_to_proto,
+    request_from_proto,
+    request_to_proto,
+    to_proto,
+)
 
 
 @pytest.mark.timeout(120)
@@ -76,8 +76,8 @@ def test_regenerating_changes_nothing(tmp_path: Path) -> None:
     fresh = generate(tmp_path)
     for name in GENERATED:
         committed = (HERE / name).read_bytes()
-        assert fresh[name] == committed, f"{name} differs from a fresh protoc run: run `python -m rankscope.proto.generate` and commit"
-    assert b"from rankscope.proto import rankscope_pb2" in fresh["rankscope_pb2_grpc.py"]
+        assert fresh[name] == committed, f"{name} differs from a fresh protoc run: run `python -m rankscope.wire.proto.generate` and commit"
+    assert b"from rankscope.wire.proto import rankscope_pb2" in fresh["rankscope_pb2_grpc.py"]
     assert b"\nimport rankscope_pb2" not in fresh["rankscope_pb2_grpc.py"]
 
 

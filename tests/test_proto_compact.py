@@ -8,17 +8,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rankscope.bundle import read_bundle
-from rankscope.proto import rankscope_pb2 as pb
-from rankscope.proto_convert import (
-    ProtoConversionError,
-    expand_runs,
-    machine_from_proto,
-    machine_to_proto,
-    machines_from_proto,
-    rank_runs,
-)
-from rankscope.snapshot import (
+from rankscope.contract.bundle import read_bundle
+from rankscope.contract.snapshot import (
     CaptureError,
     CaptureErrorKind,
     Communicator,
@@ -32,6 +23,15 @@ from rankscope.snapshot import (
     RankInfo,
     RankStacks,
     ThreadStack,
+)
+from rankscope.wire.proto import rankscope_pb2 as pb
+from rankscope.wire.proto_convert import (
+    ProtoConversionError,
+    expand_runs,
+    machine_from_proto,
+    machine_to_proto,
+    machines_from_proto,
+    rank_runs,
 )
 
 from tests.test_proto import rich_job

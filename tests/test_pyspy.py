@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from rankscope.contract.snapshot import CaptureErrorKind, ProcessInfo, ProcessRole, RankInfo
 from rankscope.probes import pyspy
 from rankscope.probes.pyspy import (
     capture_stacks,
@@ -32,7 +33,6 @@ from rankscope.probes.pyspy import (
     parse_pyspy_dump,
     pyspy_binary,
 )
-from rankscope.snapshot import CaptureErrorKind, ProcessInfo, ProcessRole, RankInfo
 
 TARGET = """
 import os, sys, threading, time

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from rankscope.cli import main
-from rankscope.errors import RankscopeError
+from rankscope.cli.main import main
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import CaptureErrorKind, JobSnapshot, ProcessRole, ProcessStack
+from rankscope.formats.pyspy_dir import load_pyspy_dir
 from rankscope.probes.pyspy import dump_process, pyspy_binary
 from rankscope.probes.pyspy_text import parse_pyspy_text
-from rankscope.pyspy_dir import load_pyspy_dir
-from rankscope.snapshot import CaptureErrorKind, JobSnapshot, ProcessRole, ProcessStack
 
 TARGET = """
 import os, sys, threading, time

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import Frame, ProcessRole, ProcessStack, ThreadStack
+from rankscope.formats.pyspy_dir import load_pyspy_dir
 from rankscope.probes.pyspy_text import format_pyspy_text, parse_pyspy_text
-from rankscope.pyspy_dir import load_pyspy_dir
-from rankscope.snapshot import Frame, ProcessRole, ProcessStack, ThreadStack
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

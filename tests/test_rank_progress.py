@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from rankscope.rank_progress import ProgressTracker, counters_progress_wall
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     Frame,
     Instant,
     MachineSnapshot,
@@ -15,6 +14,7 @@ from rankscope.snapshot import (
     RankStacks,
     ThreadStack,
 )
+from rankscope.wire.rank_progress import ProgressTracker, counters_progress_wall
 
 
 def ranks(pids: dict[int, int]) -> tuple[RankInfo, ...]:

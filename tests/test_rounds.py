@@ -9,7 +9,7 @@ from rankscope.analyzers.failslow import replay
 from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.rounds import FailSlowRounds
 from rankscope.analyzers.suspects import StackAnalysis, analyze_stacks
-from rankscope.snapshot import Instant, JobSnapshot, Layout
+from rankscope.contract.snapshot import Instant, JobSnapshot, Layout
 
 from tests.stack_fixtures import COMPUTE, NOW, OPTIMIZER, RECV, rank_stacks, snapshot
 

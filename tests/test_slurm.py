@@ -35,13 +35,13 @@ from rankscope.actions.model import (
     EvictArgs,
     Targets,
 )
-from rankscope.agents_spec import hostfile_members
-from rankscope.bundle import bundle_to_dict, read_bundle
-from rankscope.client import JobClient, KeepAlive, capture_once
-from rankscope.commands.target import slurm_target
-from rankscope.errors import RankscopeError
-from rankscope.slurm import SlurmAgents, job_info, parse_announcements, parse_fields
-from rankscope.slurm_cluster import LocalSlurmCluster, ensure_installed
+from rankscope.cli.commands.target import slurm_target
+from rankscope.contract.bundle import bundle_to_dict, read_bundle
+from rankscope.contract.errors import RankscopeError
+from rankscope.drill.slurm_cluster import LocalSlurmCluster, ensure_installed
+from rankscope.wire.agents_spec import hostfile_members
+from rankscope.wire.client import JobClient, KeepAlive, capture_once
+from rankscope.wire.slurm import SlurmAgents, job_info, parse_announcements, parse_fields
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "jobs" / "tiny_torchrun_job.py"

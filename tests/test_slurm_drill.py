@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from agent_helpers import clean_env
-from rankscope.slurm_cluster import ensure_installed
+from rankscope.drill.slurm_cluster import ensure_installed
 from test_slurm import agent_processes
 
 RANKSCOPE = Path(sys.executable).parent / "rankscope"

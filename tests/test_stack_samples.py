@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rankscope.agent import container_id, machine_identity
 from rankscope.analyzers.failslow import FailSlowDetector
 from rankscope.analyzers.stack_samples import (
     CLASSES,
@@ -32,8 +31,7 @@ from rankscope.analyzers.stack_samples import (
     rank_waits,
     wilson_lower,
 )
-from rankscope.probes.sampler import StackSampler
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     CaptureErrorKind,
     Instant,
     JobSnapshot,
@@ -42,6 +40,8 @@ from rankscope.snapshot import (
     RankInfo,
     StackSampleWindow,
 )
+from rankscope.probes.sampler import StackSampler
+from rankscope.wire.agent import container_id, machine_identity
 
 # ---- classification and parsing --------------------------------------------------
 
@@ -183,7 +183,7 @@ def test_detector_keeps_each_window_once_and_only_the_horizon() -> None:
 
 
 def test_error_windows_are_not_counted() -> None:
-    from rankscope.snapshot import CaptureError
+    from rankscope.contract.snapshot import CaptureError
 
     ws = [StackSampleWindow(0, 1, 0.0, 3.0, collective=5),
           StackSampleWindow(0, 1, 3.0, 6.0, error=CaptureError(CaptureErrorKind.GONE, "gone"))]

@@ -11,7 +11,7 @@ from rankscope.analyzers.stacks import (
     prefix_tree,
     rank_frames,
 )
-from rankscope.snapshot import CaptureErrorKind, Frame, ProcessRole, ProcessStack, RankStacks, ThreadStack
+from rankscope.contract.snapshot import CaptureErrorKind, Frame, ProcessRole, ProcessStack, RankStacks, ThreadStack
 
 from tests.stack_fixtures import (
     COMPUTE,

@@ -11,7 +11,7 @@ from rankscope.analyzers.standby import (
     size_standby_pool,
     window_failure_probability,
 )
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 
 def _direct_quantile(n: int, q: float, percentile: float) -> int:

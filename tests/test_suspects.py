@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.stacks import SignatureOptions
 from rankscope.analyzers.suspects import analyze_stacks, verdict_to_json
-from rankscope.pyspy_dir import load_pyspy_dir
-from rankscope.snapshot import CaptureErrorKind, JobSnapshot, Layout, MachineSnapshot
+from rankscope.contract.snapshot import CaptureErrorKind, JobSnapshot, Layout, MachineSnapshot
+from rankscope.formats.pyspy_dir import load_pyspy_dir
 
 from tests.stack_fixtures import (
     COMPUTE,
@@ -332,7 +332,7 @@ def test_no_merged_suspect_lies_inside_or_among_the_victims_of_a_higher_ranked_o
 def test_recorded_communicators_decide_the_groups() -> None:
     import dataclasses
 
-    from rankscope.snapshot import Communicator, RankCounters
+    from rankscope.contract.snapshot import Communicator, RankCounters
 
     # Sizes typed as tp=2, pp=2, dp=2 would pair ranks (0,4),(1,5),...; the job really built pipelines (r, 7-r).
     pipes = [Communicator(f"pp{r}", "gloo", "PIPELINE_MODEL_PARALLEL_GROUP", (r, 7 - r)) for r in range(4)]
@@ -356,7 +356,7 @@ def test_analyze_snapshot_merges_stacks_and_ccl_counters() -> None:
     import dataclasses
 
     from rankscope.analyzers.verdict import analyze_snapshot
-    from rankscope.snapshot import Communicator, OpCounters, RankCounters
+    from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters
 
     # Rank 5 stalls on its way into the TP all-reduce: the stacks name TP group {4,5}; the counters agree
     # (rank 5's all_reduce CL lags while rank 4 waits with an open request).

@@ -18,12 +18,12 @@ import pytest
 from agent_helpers import PY, clean_env
 from hypothesis import given
 from hypothesis import strategies as st
-from rankscope import tls
-from rankscope.agent import AgentConfig, RunningAgent, check_config, start_agent
-from rankscope.client import JobClient
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import MachineSnapshot
-from rankscope.tokens import parse_tokens
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import MachineSnapshot
+from rankscope.wire import tls
+from rankscope.wire.agent import AgentConfig, RunningAgent, check_config, start_agent
+from rankscope.wire.client import JobClient
+from rankscope.wire.tokens import parse_tokens
 
 TOKEN = "tls0123456789abcdef0123456789abcd"
 LONG_AGO = dt.datetime.now(dt.UTC) - dt.timedelta(days=30)

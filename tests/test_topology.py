@@ -12,7 +12,7 @@ from rankscope.analyzers.topology import (
     parse_order,
     topology_for,
 )
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     Communicator,
     Instant,
     JobSnapshot,

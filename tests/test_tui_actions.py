@@ -35,7 +35,7 @@ from rankscope.actions.model import (
     confirm_phrase_for,
 )
 from rankscope.analyzers.findings import Suspect, SuspectKind
-from rankscope.bundle import Bundle
+from rankscope.contract.bundle import Bundle
 from rankscope.tui.actions import ACT_TOKEN_FIX, ActionSource, pick_suspect, plan_text, summarize
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.screens.confirm import ConfirmModal, UpdateModal
@@ -428,10 +428,10 @@ async def test_e_through_real_agents_stops_the_suspect_ranks_and_a_read_only_tui
     import psutil
     from agent_helpers import PY, Processes, clean_env, wait_for
     from rankscope.actions.config import ActionsConfig, EvictionSettings
-    from rankscope.agent import AgentConfig, start_agent
-    from rankscope.snapshot import Layout
-    from rankscope.tokens import parse_tokens
+    from rankscope.contract.snapshot import Layout
     from rankscope.tui.sources import LiveSource
+    from rankscope.wire.agent import AgentConfig, start_agent
+    from rankscope.wire.tokens import parse_tokens
 
     read, act = "read" + uuid.uuid4().hex, "act0" + uuid.uuid4().hex
     tokens = parse_tokens(f"read:{read}\nact:{act}", "test")
@@ -558,7 +558,7 @@ async def test_on_a_small_terminal_the_phrase_box_and_buttons_stay_visible_and_p
 
 
 def test_the_actions_summary_sizes_the_pool_lists_standbys_on_hand_and_the_update_history() -> None:
-    from rankscope.snapshot import Layout
+    from rankscope.contract.snapshot import Layout
     from rankscope.tui.actions import ActionLog
     from rankscope.tui.state import AppState, MachineView
     from rankscope.tui.widgets.audit import summary_text

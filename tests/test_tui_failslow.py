@@ -14,8 +14,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from rankscope.bundle import Bundle
-from rankscope.snapshot import (
+from rankscope.contract.bundle import Bundle
+from rankscope.contract.snapshot import (
     GpuMetrics,
     GpuStatus,
     HostMetrics,

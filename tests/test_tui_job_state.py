@@ -1,7 +1,7 @@
 """One story of the incident: the job's state from the agents' memory, verdict staleness, membership after actions.
 
 The snapshots here carry what a real agent adds to each reading
-(rankscope.rank_progress: each rank's last progress and start, the
+(rankscope.wire.rank_progress: each rank's last progress and start, the
 machine's generation and when it last saw ranks), so these are the numbers
 every view, attached early or late, computes its header from.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     Frame,
     Instant,
     JobSnapshot,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from rankscope.bundle import read_bundle
+from rankscope.contract.bundle import read_bundle
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.screens.help import HelpScreen
 from rankscope.tui.screens.rank import RankScreen
@@ -274,7 +274,7 @@ async def test_command_palette_runs_a_capture() -> None:
 
 
 def test_attach_cli_names_the_fix_for_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from rankscope.cli import main as cli_main
+    from rankscope.cli.main import main as cli_main
 
     assert cli_main(["attach", "--bundle", str(tmp_path / "missing.json")]) == 2
     assert "no such file" in capsys.readouterr().err
@@ -289,7 +289,7 @@ def test_attach_cli_names_the_fix_for_bad_input(tmp_path: Path, capsys: pytest.C
 
 
 async def test_a_bundle_given_by_path_is_read_by_the_app_and_a_bad_one_exits_with_the_fix(tmp_path: Path) -> None:
-    from rankscope.bundle import write_bundle
+    from rankscope.contract.bundle import write_bundle
 
     path = write_bundle(fig7_bundle(), tmp_path / "fig7.json")
     source = BundleSource(label="bundle fig7.json", path=path)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.snapshot import Frame, JobSnapshot, ProcessRole, ProcessStack, RankInfo, RankStacks, ThreadStack
+from rankscope.contract.snapshot import Frame, JobSnapshot, ProcessRole, ProcessStack, RankInfo, RankStacks, ThreadStack
 from rankscope.tui import state as st
 from rankscope.tui.analysis import build_stack_view, rank_stack_lines
 from rankscope.tui.app import AppOptions, RankscopeApp

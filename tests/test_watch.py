@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from agent_helpers import Processes, clean_env, make_token_file
 from rankscope.analyzers.failslow import DETECTORS, FailSlowConfig, FailSlowDetector, replay
-from rankscope.bundle import read_bundle
-from rankscope.commands.watch import change_key, verdict_event
-from rankscope.snapshot import Layout
+from rankscope.cli.commands.watch import change_key, verdict_event
+from rankscope.contract.bundle import read_bundle
+from rankscope.contract.snapshot import Layout
 from test_failslow_detectors import SLOW_ALL, make_series
 
 WATCH_TIMEOUT_S = 60
