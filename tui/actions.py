@@ -338,7 +338,7 @@ class HostOptions(Protocol):
 class ActionHost(Protocol):
     """What the controller uses of the app (``RankscopeApp``), named here so this module does not import the app.
 
-    (The app imports this module; an import back would close a circle, tests/test_layers.py.)
+    (The app imports this module; an import back would close a circle, tests/integration/test_layers.py.)
     """
 
     state: st.AppState

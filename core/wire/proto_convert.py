@@ -4,7 +4,7 @@ The messages in ``rankscope.wire.proto`` mirror the dataclasses of
 ``rankscope.contract.snapshot`` name for name, so the conversion is driven by the
 dataclass fields instead of one hand-written function per type: a field added
 to the contract cannot be silently dropped on the wire, because
-tests/test_proto.py checks that every dataclass field has a proto field of the
+tests/integration/test_proto.py checks that every dataclass field has a proto field of the
 same name (and that every optional value has presence on the wire).
 
 ``None`` travels as an unset field (proto3 ``optional`` or an absent message),
@@ -331,7 +331,7 @@ Encoder = Callable[[Any, Any], None]  # (value, message to fill in place)
 Decoder = Callable[[Any], Any]
 
 # Proto fields that carry no contract field: the compact form's tables and the
-# relay's forwarded replies (tests/test_proto.py checks every other field).
+# relay's forwarded replies (tests/integration/test_proto.py checks every other field).
 WIRE_ONLY: dict[type, frozenset[str]] = {
     ThreadStack: frozenset({"stack_ref"}),
     Communicator: frozenset({"rank_runs"}),

@@ -2,6 +2,6 @@
 
 Only ``rankscope.wire.agent``, ``rankscope.wire.client`` and ``rankscope.wire.proto_convert``
 import this package; everything else speaks the snapshot contract. The
-generated modules are committed and checked by tests/test_proto.py; rebuild
+generated modules are committed and checked by tests/integration/test_proto.py; rebuild
 them with ``python -m rankscope.wire.proto.generate``.
 """

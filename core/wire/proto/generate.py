@@ -1,7 +1,7 @@
 """Regenerate the committed gRPC code from rankscope.proto.
 
 Run ``python -m rankscope.wire.proto.generate`` after editing the .proto. The same
-function is used by tests/test_proto.py to prove that the committed files are
+function is used by tests/integration/test_proto.py to prove that the committed files are
 exactly what regenerating gives, so the two can never drift apart.
 
 protoc writes ``import rankscope_pb2`` into the gRPC module, which only works

@@ -9,7 +9,7 @@ A value the agent could not read is left unset (proto3 `optional` or an
 absent message), never sent as zero, so "missing" survives the trip.
 
 Regenerate with `python -m rankscope.wire.proto.generate` (grpcio-tools 1.85.1
-and mypy-protobuf); tests/test_proto.py checks that the committed code is
+and mypy-protobuf); tests/integration/test_proto.py checks that the committed code is
 what regenerating gives.
 """
 

@@ -31,23 +31,10 @@ from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import (
     CaptureError,
     CaptureErrorKind,
-    Communicator,
-    Frame,
-    GpuMetrics,
-    GpuStatus,
-    HostMetrics,
     Instant,
     JobSnapshot,
-    Layout,
-    MachineSnapshot,
-    OpCounters,
-    ProcessInfo,
     ProcessRole,
     ProcessStack,
-    RankCounters,
-    RankInfo,
-    RankStacks,
-    ThreadStack,
 )
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto.generate import GENERATED, HERE, generate
@@ -69,6 +56,7 @@ from rankscope.wire.proto_convert import (
     request_to_proto,
     to_proto,
 )
+from snapshot_fixtures import rich_job
 
 
 @pytest.mark.timeout(120)
@@ -116,61 +104,6 @@ def test_every_enum_member_crosses_the_wire(enum_cls: type) -> None:
 def test_an_unknown_enum_value_from_a_newer_agent_falls_back() -> None:
     msg = pb.CaptureError(kind=99, message="new kind")  # type: ignore[arg-type]
     assert from_proto(CaptureError, msg) == CaptureError(CaptureErrorKind.FAILED, "new kind", "")
-
-
-def rich_job() -> JobSnapshot:
-    """A snapshot that sets every field, with None and empty values where they mean something."""
-    frames = (
-        Frame("recv", "torch/distributed/distributed_c10d.py", 1234, "torch.distributed", False, False),
-        Frame("ncclGroupEnd", "libnccl.so", None, None, True, False),
-        Frame("<module>", "train.py", 1, None, False, True),
-    )
-    thread = ThreadStack(thread_id=2**62 + 3, frames=frames, thread_name="MainThread", os_thread_id=4242, active=True, owns_gil=True)
-    main = ProcessStack(pid=100, role=ProcessRole.MAIN, threads=(thread, ThreadStack(7, ())), name="python", capture_seconds=0.125)
-    worker_gone = ProcessStack(
-        pid=101, role=ProcessRole.DATALOADER, threads=None,
-        error=CaptureError(CaptureErrorKind.GONE, "exited during the capture", "nothing to do", process_state="Z",
-                           wchan="do_exit"), name="pt_data_worker", truncated="ends mid-line",
-    )
-    empty = ProcessStack(pid=102, role=ProcessRole.CHECKPOINT, threads=())  # captured, no threads: not the same as None
-    pinfo = ProcessInfo(100, 99, ProcessRole.MAIN, "python", ("python", "train.py", "--lr", "0.1"), "S", 99.5, 2**33, 12)
-    sub = ProcessInfo(101, 100, ProcessRole.DATALOADER, "pt_data_worker")
-    rank = RankInfo(rank=5, local_rank=1, world_size=8, pid=100, group_rank=2, local_world_size=2, run_id="job-7",
-                    launcher_pid=99, master_addr="10.0.0.1", master_port=29500, process=pinfo, subprocesses=(sub,),
-                    rank_source="pid-order: pid 100 is #1 of 2 by ascending pid in node02.txt")
-    bare_rank = RankInfo(rank=4, local_rank=0, world_size=8, pid=98)
-    gpu = GpuMetrics(0, "H100", "GPU-abc", 97.0, 40.5, 10**10, 8 * 10**10, 71.0, 650.5, 1980.0, 2619.0, 1.5, 2.5,
-                     100.0, 200.0, 3, 0, 1, 2, (79, 48))
-    counters = RankCounters(
-        rank=5, pid=100, world_size=8, job_id="job-7", heartbeat_wall=1.7e9,
-        communicators=(Communicator("c1", "nccl", "PIPELINE_MODEL_PARALLEL_GROUP", (1, 5)),),
-        ops=(OpCounters("c1", "send", 10, 40, 39, 10, 9, 123456789, 0.25, (1e9, 2.5e9), 1.7e9 - 1, 1.7e9 - 0.5, (1,)),
-             OpCounters("c1", "all_reduce", 3, 3, 3)),
-        steps=42, last_step_duration_s=1.25, stale=True, stale_reason="heartbeat 12 s old", error=None,
-    )
-    corrupt = RankCounters(rank=4, pid=None, world_size=None, job_id=None, heartbeat_wall=None,
-                           error="truncated counter file")
-    machine = MachineSnapshot(
-        machine="node02", address="10.0.0.2:50051", reachable=True, captured=Instant(1.7e9, 12345.5),
-        hostname="node02.cluster", ranks=(bare_rank, rank),
-        stacks=(RankStacks(5, main, (worker_gone, empty)), RankStacks(4, ProcessStack(98, ProcessRole.OTHER, None))),
-        host=HostMetrics(55.5, 64, 2**40, 2**39, 3.5, None),
-        gpus=GpuStatus(True, (gpu, GpuMetrics(1)), None, "550.54"),
-        counters=(counters, corrupt),
-        error=CaptureError(CaptureErrorKind.TIMEOUT, "one py-spy call ran out of time", "raise --timeout"),
-    )
-    lost = MachineSnapshot(
-        machine="10.0.0.3:50051", address="10.0.0.3:50051", reachable=False, captured=None,
-        error=CaptureError(CaptureErrorKind.UNREACHABLE, "no agent answered", "start the agent"),
-    )
-    no_gpu = MachineSnapshot(machine="cpu", address="c:1", reachable=True, captured=Instant(1.0, 2.0),
-                             host=HostMetrics(None, None, None, None, error="psutil failed"),
-                             gpus=GpuStatus(False, reason="NVML not found"))
-    return JobSnapshot(
-        captured=Instant(1.7e9 + 0.5, 12345.0), machines=(machine, lost, no_gpu), job_id="job-7",
-        layout=Layout(tp=2, pp=4, dp=1, cp=1, ep=1, order="tp-cp-ep-pp-dp", ranks_per_machine=2),
-        notes=("first note", "second"),
-    )
 
 
 def test_a_rich_job_snapshot_survives_proto_bytes_and_back() -> None:

@@ -4,7 +4,6 @@ by one, damaged dumps, the laggard wavefront, and fuzzing of the reader and the 
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import tempfile
 from pathlib import Path
@@ -18,19 +17,9 @@ from rankscope.analyzers.flight_recorder import ADVICE, SERIOUS, FrAnalysis, ana
 from rankscope.cli.main import main
 from rankscope.contract.errors import RankscopeError
 from rankscope.formats.flight_recorder import read_flight_recorder_dir
+from repo_paths import shared
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _fixtures() -> Path | None:
-    # shared/ sits beside the clone (CI, /work/main) or beside the worktrees' folder
-    for base in (os.environ.get("RANKSCOPE_SHARED"), ROOT.parent / "shared", ROOT.parent.parent / "shared"):
-        if base and (Path(base) / "external" / "pytorch-fr-test-fixtures").is_dir():
-            return Path(base) / "external" / "pytorch-fr-test-fixtures"
-    return None
-
-
-FIXTURES = _fixtures()
+FIXTURES = shared("external", "pytorch-fr-test-fixtures")
 needs_fixtures = pytest.mark.skipif(FIXTURES is None, reason="shared/external/pytorch-fr-test-fixtures not found")
 
 

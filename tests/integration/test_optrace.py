@@ -29,7 +29,6 @@ data, per step, each worker against the median of its own pipeline stage):
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,18 +40,10 @@ from hypothesis import strategies as st
 from rankscope.analyzers.optrace import TraceError, analyze_trace
 from rankscope.contract.errors import RankscopeError
 from rankscope.formats.optrace_io import read_op_trace, read_trace_meta
+from repo_paths import shared
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def traces_dir() -> Path | None:
-    name = Path("external") / "bytedance-straggler-traces"
-    candidates = [Path(os.environ["RANKSCOPE_SHARED"]) / name] if "RANKSCOPE_SHARED" in os.environ else []
-    candidates += [ROOT.parent / "shared" / name, ROOT.parent.parent / "shared" / name]
-    return next((c for c in candidates if (c / "trace-AR.parquet").is_file()), None)
-
-
-TRACES = traces_dir()
+TRACES = shared("external", "bytedance-straggler-traces")
+TRACES = TRACES if TRACES is not None and (TRACES / "trace-AR.parquet").is_file() else None
 needs_traces = pytest.mark.skipif(TRACES is None, reason="the shared ByteDance traces are not here (set RANKSCOPE_SHARED)")
 
 

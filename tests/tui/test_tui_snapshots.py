@@ -2,7 +2,7 @@
 
 The bundle's own times are used for "now", so the screens are the same on
 every run. Update after a deliberate change with
-`pytest tests/test_tui_snapshots.py --snapshot-update` and look at the SVGs.
+`pytest tests/tui/test_tui_snapshots.py --snapshot-update` and look at the SVGs.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"analyzers": "rankscope.analyzers", "probes": "rankscope.probes",
             "ccl_plugin": "rankscope.ccl_plugin", "tui": "rankscope.tui"}
 
@@ -194,4 +194,4 @@ def test_screens_and_widgets_draw_what_they_are_handed_never_reaching_back_into_
 
 def test_the_docs_these_rules_cite_are_in_the_repository() -> None:
     text = (ROOT / "docs" / "architecture.md").read_text()
-    assert "## Layer rules" in text and "tests/test_layers.py" in text
+    assert "## Layer rules" in text and "tests/integration/test_layers.py" in text

@@ -10,9 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankscope.contract.bundle import Bundle, BundleError, bundle_to_dict, dumps, loads, read_bundle, write_bundle
 from rankscope.contract.snapshot import Instant, JobSnapshot, MachineSnapshot
-
-from tests.test_proto import rich_job
-from tests.test_proto_compact import machines
+from snapshot_fixtures import machines, rich_job
 
 
 def test_version_2_round_trips_and_shares_what_the_ranks_share(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from rankscope.analyzers.failslow import DETECTORS, FailSlowConfig, FailSlowDete
 from rankscope.cli.commands.watch import change_key, verdict_event
 from rankscope.contract.bundle import read_bundle
 from rankscope.contract.snapshot import Layout
-from test_failslow_detectors import SLOW_ALL, make_series
+from series_fixtures import SLOW_ALL, make_series
 
 WATCH_TIMEOUT_S = 60
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import tomllib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import ROOT
 
 
 def test_every_package_folder_is_listed_in_pyproject() -> None:

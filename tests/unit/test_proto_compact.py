@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankscope.contract.bundle import read_bundle
 from rankscope.contract.snapshot import (
-    CaptureError,
-    CaptureErrorKind,
     Communicator,
     Frame,
     Instant,
     MachineSnapshot,
-    OpCounters,
     ProcessRole,
     ProcessStack,
     RankCounters,
-    RankInfo,
     RankStacks,
     ThreadStack,
 )
@@ -33,51 +28,8 @@ from rankscope.wire.proto_convert import (
     machines_from_proto,
     rank_runs,
 )
-
-from tests.test_proto import rich_job
-
-INT64 = st.integers(-(2**63), 2**63 - 1)
-SMALL = st.integers(-5, 40)
-FLOAT = st.floats(allow_nan=False, allow_infinity=False)
-TEXT = st.text(max_size=12)
-# few distinct names, so random stacks share frames and stacks the way ranks of one job do
-NAMES = st.sampled_from(["forward", "recv", "all_reduce", "<module>", "wait", "ncclGroupEnd", "é✓"])
-
-frames = st.builds(Frame, NAMES, st.sampled_from(["train.py", "c10d.py", "libnccl.so", ""]),
-                   st.none() | st.integers(-3, 2**63 - 1), st.none() | st.sampled_from(["torch", "", "m"]),
-                   st.booleans(), st.booleans())
-stack_pool = st.lists(st.lists(frames, max_size=6).map(tuple), min_size=1, max_size=4)
-
-
-@st.composite
-def machines(draw: st.DrawFn) -> MachineSnapshot:
-    pool = draw(stack_pool)
-    pick = st.sampled_from(pool)
-    threads = st.builds(ThreadStack, INT64, pick, st.none() | TEXT, st.none() | INT64, st.booleans(), st.booleans())
-    error = st.none() | st.builds(CaptureError, st.sampled_from(list(CaptureErrorKind)), TEXT, TEXT,
-                                  st.none() | TEXT, st.none() | TEXT)
-    procs = st.builds(ProcessStack, INT64, st.sampled_from(list(ProcessRole)),
-                      st.none() | st.lists(threads, max_size=3).map(tuple), error, TEXT, st.none() | FLOAT,
-                      st.none() | TEXT)
-    rank_lists = st.lists(SMALL, max_size=8).map(tuple) | st.integers(0, 50).map(lambda n: tuple(range(n)))
-    comms = st.lists(st.builds(Communicator, st.sampled_from(["c0", "c1", "c2"]), st.just("nccl"), TEXT, rank_lists),
-                     min_size=1, max_size=3)
-    comm_pool = draw(comms)
-    ops = st.builds(OpCounters, st.sampled_from(["c0", "c1"]), st.sampled_from(["send", "all_reduce"]), INT64,
-                    INT64, INT64, INT64, INT64, INT64, st.none() | FLOAT, st.lists(FLOAT, max_size=3).map(tuple),
-                    st.none() | FLOAT, st.none() | FLOAT, st.lists(SMALL, max_size=3).map(tuple))
-    counters = st.builds(RankCounters, SMALL, st.none() | INT64, st.none() | INT64, st.none() | TEXT,
-                         st.none() | FLOAT, st.lists(st.sampled_from(comm_pool), max_size=4).map(tuple),
-                         st.lists(ops, max_size=3).map(tuple), st.none() | INT64, st.none() | FLOAT,
-                         st.none() | FLOAT, st.booleans(), st.none() | TEXT, st.none() | TEXT)
-    stacks = st.builds(RankStacks, SMALL, procs, st.lists(procs, max_size=2).map(tuple))
-    ranks = st.builds(RankInfo, SMALL, SMALL, SMALL, INT64)
-    return MachineSnapshot(
-        machine=draw(TEXT), address=draw(TEXT), reachable=draw(st.booleans()),
-        captured=draw(st.none() | st.builds(Instant, FLOAT, FLOAT)), hostname=draw(st.none() | TEXT),
-        ranks=tuple(draw(st.lists(ranks, max_size=2))), stacks=tuple(draw(st.lists(stacks, max_size=3))),
-        counters=tuple(draw(st.lists(counters, max_size=3))), generation=draw(st.none() | INT64),
-    )
+from repo_paths import DATA
+from snapshot_fixtures import machines, rich_job
 
 
 def trip(machine: MachineSnapshot, *, compact: bool) -> MachineSnapshot:
@@ -128,7 +80,7 @@ def test_a_machine_sent_in_the_plain_form_by_an_older_agent_still_decodes() -> N
 
 
 def test_a_bundle_written_before_the_compact_form_still_opens() -> None:
-    bundle = read_bundle(Path(__file__).parent / "data" / "bundles" / "v1-before-compact.json")
+    bundle = read_bundle(DATA / "bundles" / "v1-before-compact.json")
     assert bundle.latest == rich_job()
 
 

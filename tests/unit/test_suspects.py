@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +12,7 @@ from rankscope.analyzers.stacks import SignatureOptions
 from rankscope.analyzers.suspects import analyze_stacks, verdict_to_json
 from rankscope.contract.snapshot import CaptureErrorKind, JobSnapshot, Layout, MachineSnapshot
 from rankscope.formats.pyspy_dir import load_pyspy_dir
+from repo_paths import FIG7
 
 from tests.stack_fixtures import (
     COMPUTE,
@@ -27,7 +27,6 @@ from tests.stack_fixtures import (
     unreadable,
 )
 
-FIG7 = Path(__file__).parent / "data" / "fig7"
 FIG7_LAYOUT = Layout(tp=2, pp=4, dp=4, order="tp-pp-dp", ranks_per_machine=2)
 # TP=2, PP=2, DP=4 in Megatron's default order: rank = tp + 2*(dp + 4*pp); two ranks per machine.
 L16 = Layout(tp=2, pp=2, dp=4, ranks_per_machine=2)

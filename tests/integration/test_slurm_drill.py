@@ -27,7 +27,7 @@ RANKSCOPE = Path(sys.executable).parent / "rankscope"
 @pytest.mark.timeout(1500)
 @pytest.mark.skipif(os.environ.get("RANKSCOPE_LONG_TESTS") != "1",
                     reason="4-6 min on 2 cores, beyond what the default suite's 20 min budget has left "
-                           "(tests/test_slurm.py covers attach, eviction and follow on the real cluster in the "
+                           "(tests/integration/test_slurm.py covers attach, eviction and follow on the real cluster in the "
                            "default run). Run with RANKSCOPE_LONG_TESTS=1.")
 def test_slurm_drill_hang_evict_drain_requeue_resume(tmp_path: Path) -> None:
     why = ensure_installed()

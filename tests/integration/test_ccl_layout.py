@@ -15,8 +15,7 @@ from rankscope.ccl_plugin.build import BuildError, find_compiler
 from rankscope.ccl_plugin.writer import CounterWriter
 from rankscope.contract.snapshot import RankInfo
 from rankscope.probes.ccl_counters import list_counter_files, read_counter_file, read_counters
-
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import ROOT
 
 
 def test_shipped_c_header_is_generated_from_layout() -> None:

@@ -17,9 +17,9 @@ from rankscope.analyzers.ccl import analyze_counters, comm_tables
 from rankscope.ccl_plugin import autoload
 from rankscope.contract.snapshot import Instant, JobSnapshot, MachineSnapshot, RankCounters, RankInfo
 from rankscope.probes.ccl_counters import list_counter_files, read_counters
+from repo_paths import JOBS, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = ROOT / "tests" / "jobs" / "ccl_job.py"
+JOB = JOBS / "ccl_job.py"
 RANKSCOPE = Path(sys.executable).parent / "rankscope"
 
 

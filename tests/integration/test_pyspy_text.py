@@ -29,6 +29,7 @@ from rankscope.contract.snapshot import CaptureErrorKind, JobSnapshot, ProcessRo
 from rankscope.formats.pyspy_dir import load_pyspy_dir
 from rankscope.probes.pyspy import dump_process, pyspy_binary
 from rankscope.probes.pyspy_text import parse_pyspy_text
+from repo_paths import FIG7, external
 
 TARGET = """
 import os, sys, threading, time
@@ -242,8 +243,7 @@ def test_garbage_lines_are_quoted_not_dropped() -> None:
 # --------------------------------------------------------------------------
 
 # The public incidents sit in ../shared/external beside the repository (a worktree: a level further up).
-EXTERNAL = next((p / "shared" / "external" for p in Path(__file__).resolve().parents[1].parents
-                 if (p / "shared" / "external").is_dir()), Path("../shared/external"))
+EXTERNAL = external() or Path("../shared/external")
 
 
 def _ranks(snapshot: JobSnapshot) -> dict[int, tuple[str, int, str | None]]:
@@ -283,7 +283,7 @@ def test_headerless_paste_goes_by_file_order(tmp_path: Path) -> None:
 
 def test_mixed_folder_json_and_text_garbage_named(captures: Captures, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    for f in (Path(__file__).parent / "data" / "fig7").glob("rank*.json"):
+    for f in FIG7.glob("rank*.json"):
         shutil.copy(f, tmp_path / f.name)
     (tmp_path / "rank5.json").unlink()
     (tmp_path / "rank5.txt").write_text(captures.text["plain"])

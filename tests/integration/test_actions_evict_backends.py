@@ -3,7 +3,7 @@
 kubectl and a site script are replaced by small executables that append
 their argv to a file and answer as configured; the backends run them for
 real with subprocess (no shell). The Slurm backend runs against a real Slurm
-cluster in tests/test_slurm.py. The local backend is driven through the
+cluster in tests/integration/test_slurm.py. The local backend is driven through the
 drill's interface by a recording control object (the real drill control comes
 with the drill's restart support).
 """

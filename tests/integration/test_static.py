@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import ROOT
 
 
 def test_ruff_and_mypy_are_clean() -> None:

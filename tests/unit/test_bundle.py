@@ -22,6 +22,7 @@ from rankscope.contract.snapshot import (
     RankStacks,
     ThreadStack,
 )
+from repo_paths import ROOT
 
 
 def _snapshot() -> JobSnapshot:
@@ -93,7 +94,7 @@ def test_every_contract_field_is_documented() -> None:
 
     import rankscope.contract.snapshot as contract
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "bundle-format.md").read_text()
+    doc = (ROOT / "docs" / "bundle-format.md").read_text()
     sections = dict(re.findall(r"^## (\w+)\n(.*?)(?=^## |\Z)", doc, flags=re.S | re.M))
     for name in dir(contract):
         cls = getattr(contract, name)

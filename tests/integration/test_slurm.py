@@ -42,9 +42,9 @@ from rankscope.drill.slurm_cluster import LocalSlurmCluster, ensure_installed
 from rankscope.wire.agents_spec import hostfile_members
 from rankscope.wire.client import JobClient, KeepAlive, capture_once
 from rankscope.wire.slurm import SlurmAgents, job_info, parse_announcements, parse_fields
+from repo_paths import JOBS
 
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "tests" / "jobs" / "tiny_torchrun_job.py"
+JOB = JOBS / "tiny_torchrun_job.py"
 RANKSCOPE = Path(sys.executable).parent / "rankscope"
 RANKS_PER_NODE = 4
 READY_TIMEOUT_S = 400.0  # eight torch ranks importing torch on a loaded 2-core machine

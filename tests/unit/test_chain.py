@@ -9,8 +9,6 @@ through others) is the root, the rest are its victims, never suspects of their o
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,20 +28,11 @@ from rankscope.contract.snapshot import (
     RankStacks,
 )
 from rankscope.formats.pyspy_dir import load_pyspy_dir
+from repo_paths import external
 
 from tests.stack_fixtures import OPTIMIZER, SEND, TRAIN, rank_stacks, snapshot
 
-
-def _external() -> Path | None:
-    here = Path(__file__).resolve().parents[1]
-    for candidate in (os.environ.get("RANKSCOPE_EXTERNAL"), here.parent / "shared" / "external",
-                      here.parents[1] / "shared" / "external"):
-        if candidate and Path(candidate).is_dir():
-            return Path(candidate)
-    return None
-
-
-EXTERNAL = _external()
+EXTERNAL = external()
 needs_external = pytest.mark.skipif(EXTERNAL is None, reason="public incident dumps (../shared/external) not here")
 
 BLOOM = "bloom176b-eval-hang-2022-04-30"
