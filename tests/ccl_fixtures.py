@@ -11,8 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters, RankStacks
-
-from tests.stack_fixtures import RECV, SEND, TRAIN, rank_stacks
+from stack_fixtures import RECV, SEND, TRAIN, rank_stacks
 
 BARRIER = [*TRAIN[:2], "barrier distributed_c10d.py"]
 L8 = Layout(tp=2, pp=2, dp=2, ranks_per_machine=2)  # tp-cp-ep-dp-pp: TP (0,1), DP (0,2), PP (0,4)

@@ -14,8 +14,7 @@ from rankscope.cli.main import main
 from rankscope.contract.bundle import Bundle, write_bundle
 from rankscope.contract.snapshot import Layout
 from repo_paths import FIG7
-
-from tests.stack_fixtures import COMPUTE, OPTIMIZER, RECV, rank_stacks, snapshot
+from stack_fixtures import COMPUTE, OPTIMIZER, RECV, rank_stacks, snapshot
 
 FIG7_FLAGS = ["--tp", "2", "--pp", "4", "--dp", "4", "--order", "tp-pp-dp", "--ranks-per-machine", "2"]
 

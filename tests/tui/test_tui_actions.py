@@ -219,8 +219,7 @@ async def test_evict_shows_the_plan_with_cancel_focused_and_enter_cancels_withou
 
 async def test_e_on_a_desync_plans_no_eviction_and_says_it_would_not_cure_it() -> None:
     from ccl_fixtures import L8, drill_desync, with_counters
-
-    from tests.stack_fixtures import snapshot
+    from stack_fixtures import snapshot
 
     # the drill's desync: TP pair 2-3 ran a step ahead (the counters tell it); the verdict's top is a desync
     stacks, counters = drill_desync((2, 3))

@@ -20,8 +20,7 @@ from rankscope.analyzers.suspects import analyze_stacks
 from rankscope.analyzers.verdict import analyze_snapshot
 from rankscope.contract.snapshot import Communicator, Layout, OpCounters, RankCounters
 from rankscope.drill.scoring import score_verdict
-
-from tests.stack_fixtures import COMPUTE, OPTIMIZER, RECV, rank_stacks, snapshot
+from stack_fixtures import COMPUTE, OPTIMIZER, RECV, rank_stacks, snapshot
 
 
 @pytest.mark.parametrize("ahead", [(2, 3), (6, 7)])

@@ -29,8 +29,7 @@ from rankscope.contract.snapshot import (
 )
 from rankscope.formats.pyspy_dir import load_pyspy_dir
 from repo_paths import external
-
-from tests.stack_fixtures import OPTIMIZER, SEND, TRAIN, rank_stacks, snapshot
+from stack_fixtures import OPTIMIZER, SEND, TRAIN, rank_stacks, snapshot
 
 EXTERNAL = external()
 needs_external = pytest.mark.skipif(EXTERNAL is None, reason="public incident dumps (../shared/external) not here")
@@ -336,7 +335,7 @@ def test_panel_shows_a_desync_with_its_call_sites_and_the_advice() -> None:
 
 
 def test_a_rank_with_a_stuck_worker_is_a_root_of_its_own_beside_a_computing_one() -> None:
-    from tests.stack_fixtures import COMPUTE, WORKER_IDLE, WORKER_STUCK
+    from stack_fixtures import COMPUTE, WORKER_IDLE, WORKER_STUCK
 
     # rank 6's main thread waits with everyone, but its DataLoader worker is stuck in its own work; rank 2
     # computes. Two roots, two suspects: the worker's rank is not swallowed as a victim of rank 2.

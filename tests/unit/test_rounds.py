@@ -10,8 +10,7 @@ from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.rounds import FailSlowRounds
 from rankscope.analyzers.suspects import StackAnalysis, analyze_stacks
 from rankscope.contract.snapshot import Instant, JobSnapshot, Layout
-
-from tests.stack_fixtures import COMPUTE, NOW, OPTIMIZER, RECV, rank_stacks, snapshot
+from stack_fixtures import COMPUTE, NOW, OPTIMIZER, RECV, rank_stacks, snapshot
 
 LAYOUT = Layout(tp=2, pp=2, dp=4, ranks_per_machine=2)  # rank = tp + 2*(dp + 4*pp)
 

@@ -12,8 +12,7 @@ from rankscope.analyzers.stacks import (
     rank_frames,
 )
 from rankscope.contract.snapshot import CaptureErrorKind, Frame, ProcessRole, ProcessStack, RankStacks, ThreadStack
-
-from tests.stack_fixtures import (
+from stack_fixtures import (
     COMPUTE,
     OPTIMIZER,
     RECV,

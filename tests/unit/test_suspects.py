@@ -13,8 +13,7 @@ from rankscope.analyzers.suspects import analyze_stacks, verdict_to_json
 from rankscope.contract.snapshot import CaptureErrorKind, JobSnapshot, Layout, MachineSnapshot
 from rankscope.formats.pyspy_dir import load_pyspy_dir
 from repo_paths import FIG7
-
-from tests.stack_fixtures import (
+from stack_fixtures import (
     COMPUTE,
     OPTIMIZER,
     RECV,
