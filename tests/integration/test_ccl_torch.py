@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from agent_helpers import wait_for
 from rankscope.analyzers.ccl import analyze_counters, comm_tables
 from rankscope.ccl_plugin import autoload
 from rankscope.contract.snapshot import Instant, JobSnapshot, MachineSnapshot, RankCounters, RankInfo
@@ -21,14 +22,6 @@ from repo_paths import JOBS, ROOT
 
 JOB = JOBS / "ccl_job.py"
 RANKSCOPE = Path(sys.executable).parent / "rankscope"
-
-
-def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 class Job:
@@ -90,8 +83,8 @@ def _ops(c: RankCounters) -> dict[tuple[str, str], tuple[int, int, int]]:
 def test_rankscope_run_counts_every_call_exactly(start_job: Callable[[dict[str, str]], Job]) -> None:
     steps = 3
     job = start_job({"CCL_JOB_STEPS": str(steps)})
-    _wait_for(lambda: all((job.dir / f"ready.rank{r}").exists() for r in (0, 1)) or job.proc.poll() is not None,
-              "both ranks to finish their steps")
+    wait_for(lambda: all((job.dir / f"ready.rank{r}").exists() for r in (0, 1)) or job.proc.poll() is not None,
+             90, "both ranks to finish their steps", interval_s=0.1)
     assert job.proc.poll() is None, job.output()
     pids = {r: job.pid_of(f"ready.rank{r}") for r in (0, 1)}
     got = job.counters_of(pids)
@@ -136,12 +129,14 @@ def _open(c: RankCounters, op: str) -> bool:
 @pytest.mark.drill
 def test_hang_in_compute_with_the_gil_held_shows_as_a_cl_lag(start_job: Callable[[dict[str, str]], Job]) -> None:
     job = start_job({"CCL_JOB_HANG": "compute", "CCL_JOB_HANG_RANK": "1", "CCL_JOB_HANG_STEP": "1"})
-    _wait_for(lambda: (job.dir / "hung.rank1").exists() or job.proc.poll() is not None, "rank 1 to hang")
+    wait_for(lambda: (job.dir / "hung.rank1").exists() or job.proc.poll() is not None, 90, "rank 1 to hang",
+             interval_s=0.1)
     assert job.proc.poll() is None, job.output()
     files = {f.counters.rank: f.counters.pid for f in list_counter_files(job.counters)}
     pids = {0: files[0] or 0, 1: job.pid_of("hung.rank1")}
     # rank 0 goes on into the step's first all_reduce and waits there for rank 1
-    _wait_for(lambda: _open(job.counters_of(pids)[0], "all_reduce"), "rank 0 to wait in all_reduce")
+    wait_for(lambda: _open(job.counters_of(pids)[0], "all_reduce"), 90, "rank 0 to wait in all_reduce",
+             interval_s=0.1)
     got = job.counters_of(pids)  # read while rank 1 sleeps in C holding its GIL
     ar = {r: next(o for o in c.ops if o.op == "all_reduce") for r, c in got.items()}
     assert (ar[0].cl, ar[0].wc, ar[1].cl, ar[1].wc) == (4, 3, 3, 3)
@@ -153,8 +148,8 @@ def test_hang_in_compute_with_the_gil_held_shows_as_a_cl_lag(start_job: Callable
 @pytest.mark.drill
 def test_hang_in_p2p_shows_the_open_request_on_the_right_pair(start_job: Callable[[dict[str, str]], Job]) -> None:
     job = start_job({"CCL_JOB_HANG": "p2p", "CCL_JOB_HANG_RANK": "0", "CCL_JOB_HANG_STEP": "1"})
-    _wait_for(lambda: ((job.dir / "hung.rank0").exists() and (job.dir / "waiting.rank1").exists())
-              or job.proc.poll() is not None, "rank 1 to wait on rank 0")
+    wait_for(lambda: ((job.dir / "hung.rank0").exists() and (job.dir / "waiting.rank1").exists())
+             or job.proc.poll() is not None, 90, "rank 1 to wait on rank 0", interval_s=0.1)
     assert job.proc.poll() is None, job.output()
     pids = {0: job.pid_of("hung.rank0"), 1: job.pid_of("waiting.rank1")}
     got = job.counters_of(pids)

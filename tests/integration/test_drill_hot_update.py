@@ -17,10 +17,11 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agent_helpers import wait_for
 from rankscope.actions.audit import AuditLog
 from rankscope.actions.config import load_actions_config, local_standbys
 from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateState
@@ -46,14 +47,6 @@ MACHINES = ("machine-0", "machine-1")
 # Far more steps than the test lasts: the job must still be running at every update (it is stopped at the end).
 TRAINING = TrainingOptions(steps=100_000, checkpoint_every=5, micro_batches=2, loader_workers=0)
 LAST_STAGE_RANK = 1
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
 
 
 def version_of(link: Path) -> str:
@@ -103,7 +96,7 @@ def drill(tmp_path: Path) -> Iterator[tuple[Launcher, Recovery]]:
 
 def resumed_on(launcher: Launcher, event: RecoveryEvent, version: str, runs_before: dict[int, int]) -> None:
     """Every rank restarted once more, on its own machine, on ``version``, and completed a step after the restart."""
-    wait_for(lambda: ranks_resumed(launcher.run_dir, LAYOUT.world, event), 120, "every rank to resume")
+    wait_for(lambda: ranks_resumed(launcher.run_dir, LAYOUT.world, event), 120, "every rank to resume", interval_s=0.1)
     for rank in range(LAYOUT.world):
         runs = user_code.read_runs(launcher.run_dir, rank)
         assert len(runs) == runs_before[rank] + 1, runs
@@ -120,7 +113,7 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     launcher, recovery = drill
     run_dir = launcher.run_dir
     links = {m: launcher.code_link(m) for m in MACHINES}
-    wait_for(lambda: steps_done(run_dir) >= 3, 120, "the job's first steps")
+    wait_for(lambda: steps_done(run_dir) >= 3, 120, "the job's first steps", interval_s=0.1)
     assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v1")
     assert [r.version for rank in range(LAYOUT.world) for r in user_code.read_runs(run_dir, rank)] == ["v1", "v1"]
     # Each agent's config names its own machine's link, and the repository the git refs come from.
@@ -145,7 +138,7 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     v2_trees = {m: os.path.realpath(link) for m, link in links.items()}
     assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v2")
     # The losses say which code computed each step: v1 up to the restart, v2 from the checkpoint on.
-    wait_for(lambda: loss_records(run_dir)[-1]["code"] == "v2", 60, "a loss computed by v2")
+    wait_for(lambda: loss_records(run_dir)[-1]["code"] == "v2", 60, "a loss computed by v2", interval_s=0.1)
     logged = loss_records(run_dir)
     first_v2 = next(i for i, x in enumerate(logged) if x["code"] == "v2")
     assert all(x["code"] == "v1" for x in logged[:first_v2])
@@ -159,7 +152,7 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
     assert all("pending on" in r.message for r in results)
     at = steps_done(run_dir)
-    wait_for(lambda: steps_done(run_dir) >= at + 10, 60, "ten more steps on v2")
+    wait_for(lambda: steps_done(run_dir) >= at + 10, 60, "ten more steps on v2", interval_s=0.1)
     assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v2")
     assert [len(user_code.read_runs(run_dir, rank)) for rank in range(LAYOUT.world)] == [2, 2]  # no restart
     assert len(recovery.events) == 1 and loss_records(run_dir)[-1]["code"] == "v2"

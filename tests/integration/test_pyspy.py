@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from agent_helpers import wait_ready_file
 from rankscope.contract.snapshot import CaptureErrorKind, ProcessInfo, ProcessRole, RankInfo
 from rankscope.probes import pyspy
 from rankscope.probes.pyspy import (
@@ -60,21 +61,13 @@ STOPPED_STDERR = (
 )
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert proc.poll() is None, "target exited early"
-        assert time.monotonic() < deadline, "target never became ready"
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """A live Python process parked in `hold_in_named_function`, with a named helper thread."""
     ready = tmp_path / "ready"
     proc = subprocess.Popen([sys.executable, "-c", TARGET, str(tmp_path / "release"), str(ready)])
     try:
-        _wait_for(ready, proc)
+        wait_ready_file(ready, proc, 30)
         yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):

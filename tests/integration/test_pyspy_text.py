@@ -17,12 +17,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from agent_helpers import wait_ready_file
 from rankscope.cli.main import main
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import CaptureErrorKind, JobSnapshot, ProcessRole, ProcessStack
@@ -60,14 +60,6 @@ def _spy(*args: str) -> subprocess.CompletedProcess[str]:
                           env=dict(os.environ, RUST_BACKTRACE="0"))
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        assert proc.poll() is None, "target exited early"
-        assert time.monotonic() < deadline, "target never became ready"
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Three parked Python processes whose command lines carry --local_rank 2, 0, 1."""
@@ -79,7 +71,7 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[subproces
             proc = subprocess.Popen([sys.executable, "-c", TARGET, str(tmp / "release"), str(ready),
                                      f"--local_rank={local}"])
             procs.append(proc)
-            _wait_for(ready, proc)
+            wait_ready_file(ready, proc, 60)
         yield procs
     finally:
         for proc in procs:

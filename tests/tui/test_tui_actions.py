@@ -12,7 +12,7 @@ sees the audit records arrive.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -43,7 +43,7 @@ from rankscope.tui.screens.help import HelpScreen
 from rankscope.tui.sources import BundleSource
 from textual.widgets import Button, Input, RadioButton
 from tui_bundles import fig7_bundle
-from tui_screen import screen_text
+from tui_screen import screen_text, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,15 +111,6 @@ class Watched:
 
     def has(self, text: str) -> bool:
         return any(text in line for line in self.lines)
-
-
-async def until(pilot: Any, cond: Callable[[], bool], timeout: float = 10.0, what: str = "the condition") -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.02)
 
 
 async def open_confirm(pilot: Any, app: RankscopeApp, key: str) -> ConfirmModal:

@@ -295,7 +295,7 @@ async def test_after_a_restart_the_automatic_capture_waits_for_the_first_step() 
     # stacks and drew a noisy verdict of three suspects. It must wait for the new launch's first step.
     from rankscope.tui.app import AppOptions, RankscopeApp
     from rankscope.tui.sources import QueueSource
-    from test_tui_pilot import until
+    from tui_screen import until
 
     source = QueueSource("2 agents", initial=(snap(T0 + 39, progress=T0 + 10),))
     app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, hang_after_s=30, capture_on_start=False),
@@ -326,7 +326,7 @@ async def test_after_a_restart_the_automatic_capture_waits_for_the_first_step() 
 async def test_a_view_attached_while_the_job_starts_captures_at_its_first_step() -> None:
     from rankscope.tui.app import AppOptions, RankscopeApp
     from rankscope.tui.sources import QueueSource
-    from test_tui_pilot import until
+    from tui_screen import until
 
     source = QueueSource("2 agents", initial=(snap(T0 + 5, progress=None, started=T0),))
     app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, hang_after_s=30), clock=lambda: T0 + 5)

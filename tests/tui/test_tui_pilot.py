@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,23 +12,13 @@ from rankscope.tui.screens.rank import RankScreen
 from rankscope.tui.sources import BundleSource, QueueSource
 from rankscope.tui.state import AppState
 from tui_bundles import FIG7_LAYOUT, T0, fig7_bundle, job, lost_series
-from tui_screen import screen_text
+from tui_screen import screen_text, until
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def fig7_app(**options: object) -> RankscopeApp:
     return RankscopeApp(BundleSource(fig7_bundle(), "bundle fig7"), AppOptions(**options))  # type: ignore[arg-type]
-
-
-async def until(pilot: object, cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Let the app run until ``cond`` holds; fail with a clear message at the deadline."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError("condition not reached before the deadline")
-        await pilot.pause(0.02)  # type: ignore[attr-defined]
 
 
 async def test_bundle_opens_on_the_verdict_with_suspect_machines_and_diverging_frame() -> None:
