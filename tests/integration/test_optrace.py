@@ -42,8 +42,8 @@ from rankscope.contract.errors import RankscopeError
 from rankscope.formats.optrace_io import read_op_trace, read_trace_meta
 from repo_paths import shared
 
-TRACES = shared("external", "bytedance-straggler-traces")
-TRACES = TRACES if TRACES is not None and (TRACES / "trace-AR.parquet").is_file() else None
+_FIRST_TRACE = shared("external", "bytedance-straggler-traces", "trace-AR.parquet")
+TRACES = _FIRST_TRACE.parent if _FIRST_TRACE is not None else None
 needs_traces = pytest.mark.skipif(TRACES is None, reason="the shared ByteDance traces are not here (set RANKSCOPE_SHARED)")
 
 
