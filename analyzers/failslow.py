@@ -63,7 +63,7 @@ from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitD
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.analyzers.verdict import suspect_label
-from rankscope.snapshot import JobSnapshot, Layout, RankCounters
+from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 
 DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl", "p2p_wait", "samples")
 
