@@ -20,13 +20,13 @@ Nothing here imports grpc: the source's passthroughs reach the client.
 
 from __future__ import annotations
 
-import contextlib
 import getpass
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 from rankscope.actions.agent_protocol import (
@@ -43,7 +43,6 @@ from rankscope.actions.model import (
     ActionProgress,
     ActionRequest,
     ActionResult,
-    ActionState,
     AuditRecord,
     BackupArgs,
     EvictArgs,
@@ -59,14 +58,14 @@ from rankscope.analyzers.topology import compact_ranks
 from rankscope.analyzers.verdict import suspect_label
 from rankscope.contract.errors import RankscopeError
 from rankscope.tui import state as st
+from rankscope.tui import state_actions as sa
 from rankscope.tui.analysis import StackView
+from rankscope.tui.messages import ActionChanged, AuditNoted, AuditReceived
+from rankscope.tui.state_actions import KIND_LABELS, printable
 from rich.text import Text
-from textual.css.query import NoMatches
+from textual.message import Message
 
 DAILY_FAILURE_RATE = 0.0012  # per machine and day: reproduces ByteRobust Table 5's pool sizes
-KIND_LABELS = {ActionKind.EVICT: "evict", ActionKind.HOT_UPDATE: "hot-update", ActionKind.BACKUP: "backup",
-               ActionKind.ROLLBACK: "rollback"}
-FINAL_RESULTS = frozenset(s.value for s in ActionState if s.final)
 # What the agent's interceptor says when a read token asks to act (see rankscope.wire.agent).
 _ROLE_REFUSAL = ("needs a token with the 'act' role", "does not allow this call with this token")
 ACT_TOKEN_FIX = ("attach with --token-file naming a token the agents accept with the 'act' role "
@@ -120,18 +119,13 @@ def requester() -> str:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = "unknown"
-    return _printable(f"{user}@{socket.gethostname()} (rankscope attach)")
-
-
-def _printable(text: str, limit: int = 300) -> str:
-    clean = "".join(ch if ch.isprintable() else " " for ch in text)
-    return " ".join(clean.split())[:limit] or "-"
+    return printable(f"{user}@{socket.gethostname()} (rankscope attach)")
 
 
 def evict_request(suspect: Suspect, action_id: str, who: str, job_id: str | None = None) -> ActionRequest:
     """Over-evict the suspect group: every machine it touches (ByteRobust §5.3), named by machine."""
     evidence = suspect.evidence[0] if suspect.evidence else "named by the verdict"
-    reason = _printable(f"{suspect_label(suspect)}: {evidence}")
+    reason = printable(f"{suspect_label(suspect)}: {evidence}")
     return ActionRequest(action_id, ActionKind.EVICT, Targets(tuple(suspect.machines)), EvictArgs(reason), who,
                          job_id)
 
@@ -268,57 +262,6 @@ def plan_text(summary: PlanSummary, process_limit: int = 64) -> Text:
     return t
 
 
-# --------------------------------------------------------------------------
-# the audit log as this TUI has seen it
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class AuditLine:
-    address: str
-    record: AuditRecord
-
-
-@dataclass
-class ActionLog:
-    """Audit records from every agent (deduplicated by agent and seq) and notes about the streams."""
-
-    lines: list[AuditLine] = field(default_factory=list)
-    notes: dict[str, str] = field(default_factory=dict)  # agent address -> why its stream is missing
-    version: int = 0  # bumped on every change, so the panel redraws only when needed
-    _seen: set[tuple[str, int]] = field(default_factory=set)
-
-    def add(self, address: str, record: AuditRecord) -> bool:
-        key = (address, record.seq)
-        if key in self._seen:
-            return False
-        self._seen.add(key)
-        self.lines.append(AuditLine(address, record))
-        self.notes.pop(address, None)
-        self.version += 1
-        return True
-
-    def note(self, address: str, text: str) -> None:
-        self.notes[address] = text
-        self.version += 1
-
-    def history(self) -> list[AuditRecord]:
-        """The hot-update history: updates and rollbacks with how each ended, oldest first."""
-        return [x.record for x in self.lines if x.record.kind in (ActionKind.HOT_UPDATE, ActionKind.ROLLBACK)
-                and x.record.result in FINAL_RESULTS]
-
-    def records_of(self, action_id: str) -> list[AuditRecord]:
-        return [x.record for x in self.lines if x.record.action_id == action_id]
-
-
-def audit_line_text(record: AuditRecord) -> str:
-    """One line for the Events view and notifications."""
-    machines = " ".join(record.machines) or "-"
-    what = record.message if record.result == "progress" else record.what
-    return _printable(f"{KIND_LABELS.get(record.kind, record.kind)} {record.result} on {machines} "
-                      f"by {record.who}: {what}", 400)
-
-
 def result_is_role_refusal(result: ActionResult) -> bool:
     return any(m in result.message for m in _ROLE_REFUSAL)
 
@@ -359,19 +302,20 @@ class ActionHost(Protocol):
     @property
     def run_worker(self) -> Callable[..., Any]: ...
 
-    def redraw(self) -> None: ...
-
-    def retire_machines(self, machines: Iterable[str]) -> None: ...
+    def post_message(self, message: Message) -> bool: ...
 
 
 class ActionController:
-    """Drives the action keys of one app; holds what it has seen of the audit log."""
+    """Drives the action keys of one app: talks to the agents and posts what happens as messages.
+
+    What is drawn (the audit log, the plan being confirmed, the action under
+    way) is in the app's ``AppState.actions``, changed by the app's handlers
+    of these messages; the controller keeps only its working state.
+    """
 
     def __init__(self, app: ActionHost, who: Callable[[], str] = requester) -> None:
         self.app = app
-        self.log = ActionLog()
         self.who = who
-        self.running: str | None = None  # the action id under way from this TUI (one at a time)
         self.last_result: dict[str, ActionResult] = {}  # agent address -> result of the latest run here
         self.watching = False
 
@@ -382,8 +326,9 @@ class ActionController:
     def _problem(self) -> tuple[str, str] | None:
         if not isinstance(self.source, ActionSource):
             return ("this source cannot act", "attach to a live job's agents")
-        if self.running is not None:
-            return (f"action {self.running} is still under way", "wait for its result (Actions view, 6)")
+        running = self.app.state.actions.running
+        if running is not None:
+            return (f"action {running} is still under way", "wait for its result (Actions view, 6)")
         return self.source.act_problem
 
     def _refuse_if_cannot_act(self) -> bool:
@@ -475,12 +420,14 @@ class ActionController:
         modal = ConfirmModal(title, summary, plan_text(summary))
 
         def answered(confirmed: bool | None) -> None:
+            self.app.post_message(ActionChanged(partial(sa.answer_confirm, action_id=request.action_id,
+                                                        confirmed=bool(confirmed))))
             if not confirmed:
                 self.app.notify(f"{KIND_LABELS[request.kind]} cancelled: nothing was sent", timeout=4)
                 return
-            self.running = request.action_id
             self.app.run_worker(self._run(summary, modal.typed), group="action-run")
 
+        self.app.post_message(ActionChanged(partial(sa.begin_confirm, action_id=request.action_id)))
         self.app.push_screen(modal, answered)
 
     async def _run(self, summary: PlanSummary, typed: str) -> None:
@@ -500,13 +447,7 @@ class ActionController:
         except Exception as exc:
             self.app.notify(f"{kind} failed: {type(exc).__name__}: {exc}", severity="error", timeout=10)
         finally:
-            self.running = None
-            self._redraw()
-
-    def _redraw(self) -> None:
-        # A result or record may arrive while the app is closing and its widgets are already gone.
-        with contextlib.suppress(NoMatches):
-            self.app.redraw()
+            self.app.post_message(ActionChanged(partial(sa.end_action, action_id=request.action_id)))
 
     def _show_result(self, address: str, result: ActionResult) -> None:
         kind = KIND_LABELS[result.kind]
@@ -533,12 +474,7 @@ class ActionController:
                 note = f"audit of {item.address}: {item.message}"
                 if item.fix:
                     note += f" (fix: {item.fix})"
-                self.log.note(item.address, note + (" — reconnecting" if item.retrying else ""))
+                self.app.post_message(AuditNoted(item.address, note + (" — reconnecting" if item.retrying else "")))
             else:
                 address, record = item
-                if self.log.add(address, record):
-                    self.app.state = st.apply_failure(self.app.state, "action", audit_line_text(record), record.when)
-                    if record.kind == ActionKind.EVICT and record.result == ActionState.SUCCEEDED.value:
-                        self.app.state = st.apply_evicted(self.app.state, record.machines, record.when)
-                        self.app.retire_machines(record.machines)
-            self._redraw()
+                self.app.post_message(AuditReceived(address, record))

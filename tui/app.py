@@ -6,8 +6,12 @@ How data flows (and why nothing here can freeze the screen):
   so polls never overlap and a lost agent only delays the next one;
 - captures (`s`, a stop in progress, or every 10 s in fail-slow mode) run
   in their own worker; the stack analysis runs in a thread;
-- every message is folded into an immutable ``AppState`` by the reducers of
-  ``rankscope.tui.state``, and the visible view is redrawn from that state.
+- every message is folded into the one immutable ``AppState`` by the reducers
+  of ``rankscope.tui.state``, and the visible view is redrawn from that state
+  alone. The services (the fail-slow feeder, the action controller) keep only
+  their working state and post messages; what the screens draw -- the filter,
+  the fail-slow view, the audit log, what is being confirmed, whether a capture
+  runs -- is in the state.
 """
 
 from __future__ import annotations
@@ -30,10 +34,20 @@ from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui import state as st
 from rankscope.tui.actions import ActionController
 from rankscope.tui.analysis import StackView, build_stack_view, rank_stack_lines, verdict_text
-from rankscope.tui.failslow_state import FailSlowFeeder, FailSlowUpdated, FailSlowView
-from rankscope.tui.messages import AgentFound, AgentLost, CaptureAnalyzed, CaptureFailed, PollFailed, SnapshotReceived
+from rankscope.tui.failslow_state import FailSlowFeeder, FailSlowUpdated
+from rankscope.tui.messages import (
+    ActionChanged,
+    AgentFound,
+    AgentLost,
+    AuditNoted,
+    AuditReceived,
+    CaptureAnalyzed,
+    CaptureFailed,
+    PollFailed,
+    SnapshotReceived,
+)
 from rankscope.tui.screens.help import HelpScreen
-from rankscope.tui.screens.main import VIEWS, Frame, MainScreen
+from rankscope.tui.screens.main import VIEWS, MainScreen
 from rankscope.tui.screens.rank import RankScreen
 from rankscope.tui.sources import BundleSource, LiveSource, Source, poll_loop
 from rankscope.tui.widgets.ccl import CclPanel
@@ -42,6 +56,7 @@ from rankscope.tui.widgets.stack_tree import StackTreePanel
 from textual import on, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Input, TabbedContent
 
@@ -95,24 +110,18 @@ class RankscopeApp(App[int]):
         self.source = source
         self.options = options or AppOptions()
         self.clock = clock
-        self.state = st.AppState(layout=self.options.layout)
-        self.filter = st.NO_FILTER
+        # The one store: everything the screens draw; changed only by the reducers of rankscope.tui.state.
+        self.state = st.AppState(layout=self.options.layout, source_label=source.label,
+                                 read_only=self.options.read_only, hang_after_s=self.options.hang_after_s)
         self.last_copied: str | None = None
         self.last_written: Path | None = None
         self.loaded = asyncio.Event()  # set once the initial snapshots are on screen
-        self._capturing = False
-        self._hang_captured_for: float | None = None
-        # The job restarted (or was starting when attached): the automatic capture waits for its first step --
-        # ranks importing or at rendezvous are no steady state to compare, and no hang capture fires meanwhile.
-        self._capture_after_start = False
-        self._job_counts = False  # the job's ranks have shown counters: a rank with none yet is still starting
-        self.actions = ActionController(self)  # the action keys and the agents' audit log
+        self.actions = ActionController(self)  # the action keys and the agents' audit streams (posts messages)
         if not self.options.read_only:
             for key, action, description in ACTION_KEYS:
                 self.bind(key, action, description=description)
-        # Fail-slow detectors, fed every snapshot off the UI thread (view 7); the latest view they produced.
+        # Fail-slow detectors, fed every snapshot off the UI thread (view 7); their views come as messages.
         self.failslow = FailSlowFeeder(self, self.options.failslow_config)
-        self.failslow_view: FailSlowView | None = None
 
     # -- setup --------------------------------------------------------------
 
@@ -188,7 +197,7 @@ class RankscopeApp(App[int]):
                 clock = self.state.clock
                 if clock is not None and clock.starting and \
                         st.health(self.state, self.options.hang_after_s).kind == "starting":
-                    self._capture_after_start = True
+                    self.state = st.apply_await_start(self.state)
                 else:
                     self.action_capture()
 
@@ -225,12 +234,10 @@ class RankscopeApp(App[int]):
         if self.state.restarts != restarts and self.source.live:
             # The stacks on screen are of processes that are gone: look at the new ones, but only once they
             # have made a step -- ranks importing or at rendezvous are no steady state to compare.
-            self._capture_after_start = True
-        self._job_counts = self._job_counts or message.digest.steps is not None or bool(message.digest.comms)
-        clock = self.state.clock
-        if self._capture_after_start and not self._capturing and (
-                clock is None or (not clock.starting and (clock.progress_mark is not None or self._unknown_for_long(clock)))):
-            self._capture_after_start = False
+            self.state = st.apply_await_start(self.state)
+        self.state = st.apply_counters_seen(self.state, message.digest)
+        if st.started_capture_due(self.state):
+            self.state = st.apply_started_captured(self.state)
             self.action_capture()
         for m in self.state.machines:
             if before.get(m.name) is True and not m.reachable and not m.evicted:
@@ -241,36 +248,40 @@ class RankscopeApp(App[int]):
         self.redraw()
         self._maybe_capture()
 
-    def _unknown_for_long(self, clock: st.JobClock) -> bool:
-        """Ranks with no counters and no step for ``hang_after_s`` since they started: only stacks can tell more.
-
-        New processes have no counter files yet for a while (imports): capturing then caught them mid-import.
-        A job whose ranks have shown counters will show them again once the new ranks have imported: on a loaded
-        host that took longer than ``hang_after_s``, and a capture then caught a restart mid-import.
-        """
-        return bool(clock.unknown) and not self._job_counts and (
-            clock.start_age_s is None or clock.start_age_s >= self.options.hang_after_s)
-
     def on_capture_analyzed(self, message: CaptureAnalyzed) -> None:
-        self.state = st.apply_capture(self.state, message.digest, message.view, self._now(message.digest.wall),
-                                      self.options.hang_after_s)
-        if self.filter.active:
-            self.filter = st.compile_filter(self.filter.text, self.state)
+        self.state = st.apply_capture(st.apply_capture_ended(self.state), message.digest, message.view,
+                                      self._now(message.digest.wall), self.options.hang_after_s)
         self.failslow.feed(message.digest.snapshot, message.view)  # a capture is also a stack-aggregation round
         self.redraw()
 
     def on_fail_slow_updated(self, message: FailSlowUpdated) -> None:
-        self.failslow_view = message.view
+        self.state = st.apply_failslow(self.state, message.view)
         self.redraw()
 
     def on_capture_failed(self, message: CaptureFailed) -> None:
-        self.state = st.apply_failure(self.state, "capture-failed", message.error, message.received_wall)
+        self.state = st.apply_failure(st.apply_capture_ended(self.state), "capture-failed", message.error,
+                                      message.received_wall)
         self.notify(f"capture failed: {message.error}", severity="error", timeout=6)
         self.redraw()
 
     def on_poll_failed(self, message: PollFailed) -> None:
         self.state = st.apply_failure(self.state, "poll-failed", message.error, message.received_wall)
         self.redraw()
+
+    def on_audit_received(self, message: AuditReceived) -> None:
+        before = self.state.evicted
+        self.state = st.apply_audit(self.state, message.address, message.record)
+        if self.state.evicted != before:
+            self.retire_machines(self.state.evicted - before)
+        self._redraw_if_mounted()
+
+    def on_audit_noted(self, message: AuditNoted) -> None:
+        self.state = st.apply_audit_note(self.state, message.address, message.text)
+        self._redraw_if_mounted()
+
+    def on_action_changed(self, message: ActionChanged) -> None:
+        self.state = st.apply_actions(self.state, message.change(self.state.actions))
+        self._redraw_if_mounted()
 
     def on_agent_lost(self, message: AgentLost) -> None:
         self.notify(f"agent {message.machine} lost", severity="warning", timeout=4)
@@ -280,14 +291,10 @@ class RankscopeApp(App[int]):
 
     def _maybe_capture(self) -> None:
         """Capture when progress stopped (once per stop) and every 10 s in fail-slow mode."""
-        if not self.source.live or self._capturing:
+        if not self.source.live or self.state.capturing:
             return
-        h = st.health(self.state, self.options.hang_after_s)
-        # After a restart, ranks slow to reach their first step (a loaded host, a backup being restored) are
-        # captured once they step, not as a hang: that capture caught rendezvous and restore stacks.
-        restarting = self._capture_after_start and self.state.restarts > 0
-        if h.kind == "hung" and not restarting and self._hang_captured_for != self.state.last_progress_wall:
-            self._hang_captured_for = self.state.last_progress_wall
+        if st.hang_capture_due(self.state):
+            self.state = st.apply_hang_captured(self.state)
             self.action_capture()
             return
         if self.options.fail_slow:
@@ -304,8 +311,12 @@ class RankscopeApp(App[int]):
             return
         if not main.is_mounted:
             return
-        main.draw(Frame(self.state, self.filter, self.source.label, self.options.read_only, self.options.hang_after_s,
-                        self.failslow_view, self.actions.log))
+        main.draw(self.state)
+
+    def _redraw_if_mounted(self) -> None:
+        # A record or result may arrive while the app is closing and its widgets are already gone.
+        with contextlib.suppress(NoMatches):
+            self.redraw()
 
     @on(TabbedContent.TabActivated)
     def _tab_changed(self) -> None:
@@ -341,10 +352,10 @@ class RankscopeApp(App[int]):
         return None
 
     def action_capture(self) -> None:
-        if self._capturing:
+        if self.state.capturing:
             self.notify("a capture is already running", timeout=2)
             return
-        self._capturing = True
+        self.state = st.apply_capture_begun(self.state)
         self._capture()
 
     @work(group="capture")
@@ -359,13 +370,12 @@ class RankscopeApp(App[int]):
             self.post_message(CaptureAnalyzed(d, view, self.clock()))
         except Exception as exc:  # one failed capture is an event, not the end of the session
             self.post_message(CaptureFailed(f"{type(exc).__name__}: {exc}", self.clock()))
-        finally:
-            self._capturing = False
+        # Either message ends the capture in the state (apply_capture_ended): no flag is set behind the store's back.
 
     def action_filter(self) -> None:
         box = self.main.query_one("#filter-input", Input)
         box.display = True
-        box.value = self.filter.text
+        box.value = self.state.filter.text
         # Focus now, not at the next idle: keys typed right after `/` (a paste, tmux send-keys) belong to the box.
         self.main.set_focus(box)
 
@@ -376,7 +386,7 @@ class RankscopeApp(App[int]):
         self.main.focus_view()
 
     def set_filter(self, text: str) -> None:
-        self.filter = st.compile_filter(text, self.state)
+        self.state = st.apply_filter(self.state, text)
         self.redraw()
 
     def action_go_back(self) -> None:
@@ -387,7 +397,7 @@ class RankscopeApp(App[int]):
             return
         if self.main.active_view == "ccl" and self.main.query_one("#ccl-panel", CclPanel).back():
             return
-        if self.filter.active:
+        if self.state.filter.active:
             self.set_filter("")
 
     def action_help(self) -> None:
@@ -449,8 +459,9 @@ class RankscopeApp(App[int]):
     @on(StackTreePanel.GroupChosen)
     def _group_chosen(self, event: StackTreePanel.GroupChosen) -> None:
         ranks = event.group.ranks
-        if self.filter.active:
-            ranks = tuple(r for r in ranks if r in self.filter.ranks) or ranks
+        flt = self.state.filter
+        if flt.active:
+            ranks = tuple(r for r in ranks if r in flt.ranks) or ranks
         self.open_rank(ranks[0])
 
     def open_rank(self, rank: int) -> None:

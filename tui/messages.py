@@ -8,8 +8,12 @@ the screen shows the latest state, never a backlog.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from rankscope.actions.model import AuditRecord
 from rankscope.tui.analysis import StackView
 from rankscope.tui.state import PollDigest
+from rankscope.tui.state_actions import ActionsState
 from textual.message import Message
 
 
@@ -68,3 +72,33 @@ class AgentFound(Message):
     def __init__(self, machine: str) -> None:
         super().__init__()
         self.machine = machine
+
+
+class AuditReceived(Message):
+    """An agent's audit stream delivered a record (the action controller's watch posts it)."""
+
+    def __init__(self, address: str, record: AuditRecord) -> None:
+        super().__init__()
+        self.address = address
+        self.record = record
+
+
+class AuditNoted(Message):
+    """An agent's audit stream is missing, and why (it reconnects)."""
+
+    def __init__(self, address: str, text: str) -> None:
+        super().__init__()
+        self.address = address
+        self.text = text
+
+
+class ActionChanged(Message):
+    """The action controller began or answered a confirmation, or a run ended.
+
+    ``change`` is one of the pure reducers of ``rankscope.tui.state_actions``
+    with its arguments bound (``functools.partial``); the app applies it.
+    """
+
+    def __init__(self, change: Callable[[ActionsState], ActionsState]) -> None:
+        super().__init__()
+        self.change = change

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import numpy as np
+from rankscope.actions.model import ActionKind, ActionState, AuditRecord
 from rankscope.analyzers.metric_outliers import snapshot_outliers
 from rankscope.analyzers.series import METRICS as SERIES_METRICS
 from rankscope.analyzers.topology import compact_ranks
@@ -33,6 +34,8 @@ from rankscope.contract.snapshot import (
     main_thread,
 )
 from rankscope.tui.analysis import StackView
+from rankscope.tui.failslow_state import FailSlowView
+from rankscope.tui.state_actions import ActionsState, audit_line_text, log_note, log_record
 
 HISTORY = 60  # points kept for sparklines (one per poll, about a minute at 1 Hz)
 EVENTS_KEPT = 500
@@ -414,6 +417,29 @@ class Event:
     text: str
 
 
+# --------------------------------------------------------------------------
+# filter
+# --------------------------------------------------------------------------
+
+_RANKS = re.compile(r"^\s*r?(\d+)(?:\s*-\s*(\d+))?\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """What `/` selects: ranks by number or range, machines by name, or ranks whose stacks contain the text."""
+
+    text: str
+    ranks: frozenset[int]
+
+    @property
+    def active(self) -> bool:
+        return bool(self.text)
+
+
+NO_FILTER = Filter("", frozenset())
+
+
+
 @dataclass(frozen=True, slots=True)
 class AppState:
     now_wall: float = 0.0
@@ -441,6 +467,20 @@ class AppState:
     verdict: VerdictMark | None = None  # what the job was doing when ``stacks`` was captured
     evicted_addresses: frozenset[str] = frozenset()  # agents taken out of the job (hostfile, audit)
     awaiting_restart: bool = False  # an eviction succeeded and the job has not come back yet: not "finished"
+    # What the session is (fixed at start): drawn in the header and deciding what the screens offer.
+    source_label: str = ""
+    read_only: bool = False
+    hang_after_s: float = 30.0
+    # What the person and the services set (apply_filter, apply_failslow, apply_audit, ...).
+    filter: Filter = NO_FILTER
+    failslow: FailSlowView | None = None  # the fail-slow detectors' latest view (view 7)
+    actions: ActionsState = field(default_factory=ActionsState)
+    # Capture scheduling (see ``capture_due``): a capture is running; the automatic capture waits for the job's
+    # first step; the job's ranks have shown counters; the progress mark whose stop was captured already.
+    capturing: bool = False
+    capture_after_start: bool = False
+    job_counts: bool = False
+    hang_captured_for: float | None = None
 
     @property
     def lost(self) -> tuple[str, ...]:
@@ -641,7 +681,9 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     clock = s.clock
     mark = VerdictMark(d.wall, s.restarts, clock.progress_mark if clock is not None else None, d.progress,
                        clock is not None, starting)
-    return replace(s, stacks=view, capture_wall=d.wall, verdict=mark, events=_with_events(s, events))
+    s = replace(s, stacks=view, capture_wall=d.wall, verdict=mark, events=_with_events(s, events))
+    # A text filter matches frames: against the new capture's groups it selects other ranks.
+    return apply_filter(s, s.filter.text) if s.filter.active else s
 
 
 def verdict_stale(state: AppState) -> str | None:
@@ -808,28 +850,6 @@ def deltas(values: Sequence[float]) -> list[float]:
     return [float(b - a) for a, b in itertools.pairwise(values)]
 
 
-# --------------------------------------------------------------------------
-# filter
-# --------------------------------------------------------------------------
-
-_RANKS = re.compile(r"^\s*r?(\d+)(?:\s*-\s*(\d+))?\s*$")
-
-
-@dataclass(frozen=True, slots=True)
-class Filter:
-    """What `/` selects: ranks by number or range, machines by name, or ranks whose stacks contain the text."""
-
-    text: str
-    ranks: frozenset[int]
-
-    @property
-    def active(self) -> bool:
-        return bool(self.text)
-
-
-NO_FILTER = Filter("", frozenset())
-
-
 def compile_filter(text: str, state: AppState) -> Filter:
     text = text.strip()
     if not text:
@@ -857,3 +877,107 @@ def filter_summary(f: Filter) -> str:
     if not f.active:
         return ""
     return f"filter '{f.text}': {len(f.ranks)} ranks ({compact_ranks(f.ranks, 4) or 'none'})"
+
+
+def apply_filter(state: AppState, text: str) -> AppState:
+    """The person typed a filter (`/`); the empty text clears it."""
+    return replace(state, filter=compile_filter(text, state))
+
+
+# --------------------------------------------------------------------------
+# what the services post: fail-slow views, audit records, action progress
+# --------------------------------------------------------------------------
+
+
+def apply_failslow(state: AppState, view: FailSlowView) -> AppState:
+    """The fail-slow detectors produced a newer view (they compute off the UI thread and post it)."""
+    return replace(state, failslow=view)
+
+
+def apply_audit(state: AppState, address: str, record: AuditRecord) -> AppState:
+    """An agent's audit record: a line of the Actions view and an event; a succeeded eviction marks its machines.
+
+    A record seen before (a resumed stream replays from the start) changes nothing.
+    """
+    log = log_record(state.actions.log, address, record)
+    if log is state.actions.log:
+        return state
+    s = replace(state, actions=replace(state.actions, log=log))
+    s = apply_failure(s, "action", audit_line_text(record), record.when)
+    if record.kind == ActionKind.EVICT and record.result == ActionState.SUCCEEDED.value:
+        s = apply_evicted(s, record.machines, record.when)
+    return s
+
+
+def apply_audit_note(state: AppState, address: str, text: str) -> AppState:
+    """Why an agent's audit stream is missing (shown under the Actions summary)."""
+    return replace(state, actions=replace(state.actions, log=log_note(state.actions.log, address, text)))
+
+
+def apply_actions(state: AppState, actions: ActionsState) -> AppState:
+    """The actions part replaced (``rankscope.tui.state_actions``: a confirm begun or answered, a run ended)."""
+    return replace(state, actions=actions)
+
+
+# --------------------------------------------------------------------------
+# capture scheduling: when the app captures by itself
+# --------------------------------------------------------------------------
+
+
+def apply_capture_begun(state: AppState) -> AppState:
+    return replace(state, capturing=True)
+
+
+def apply_capture_ended(state: AppState) -> AppState:
+    """A capture was analyzed or failed: another may start."""
+    return replace(state, capturing=False)
+
+
+def apply_await_start(state: AppState) -> AppState:
+    """The job restarted (or was starting when attached): the automatic capture waits for its first step --
+    ranks importing or at rendezvous are no steady state to compare, and no hang capture fires meanwhile."""
+    return replace(state, capture_after_start=True)
+
+
+def apply_counters_seen(state: AppState, d: PollDigest) -> AppState:
+    """A poll: once the job's ranks have shown counters, a rank with none yet is still starting."""
+    counts = state.job_counts or d.steps is not None or bool(d.comms)
+    return state if counts == state.job_counts else replace(state, job_counts=counts)
+
+
+def _unknown_for_long(state: AppState, clock: JobClock) -> bool:
+    """Ranks with no counters and no step for ``hang_after_s`` since they started: only stacks can tell more.
+
+    New processes have no counter files yet for a while (imports): capturing then caught them mid-import.
+    A job whose ranks have shown counters will show them again once the new ranks have imported: on a loaded
+    host that took longer than ``hang_after_s``, and a capture then caught a restart mid-import.
+    """
+    return bool(clock.unknown) and not state.job_counts and (
+        clock.start_age_s is None or clock.start_age_s >= state.hang_after_s)
+
+
+def started_capture_due(state: AppState) -> bool:
+    """The capture waiting for the job's first step may go now (it stepped, or only stacks can tell more)."""
+    clock = state.clock
+    return state.capture_after_start and not state.capturing and (
+        clock is None or (not clock.starting and (clock.progress_mark is not None or _unknown_for_long(state, clock))))
+
+
+def apply_started_captured(state: AppState) -> AppState:
+    return replace(state, capture_after_start=False)
+
+
+def hang_capture_due(state: AppState) -> bool:
+    """Progress stopped and this stop was not captured yet.
+
+    After a restart, ranks slow to reach their first step (a loaded host, a backup being restored) are
+    captured once they step, not as a hang: that capture caught rendezvous and restore stacks.
+    """
+    restarting = state.capture_after_start and state.restarts > 0
+    return health(state, state.hang_after_s).kind == "hung" and not restarting and \
+        state.hang_captured_for != state.last_progress_wall
+
+
+def apply_hang_captured(state: AppState) -> AppState:
+    """The current stop is being captured: no second capture for it."""
+    return replace(state, hang_captured_for=state.last_progress_wall)

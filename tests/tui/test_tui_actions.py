@@ -273,7 +273,7 @@ async def test_the_right_phrase_runs_with_the_exact_confirmation_and_progress_an
                 seq, request.action_id, "alice@desk", 1700000000.0 + seq, ActionKind.EVICT,
                 "evict node12: stop ranks 24 25 and block it", result, "blocked node12" if seq == 2 else "",
                 ("node12",))))
-        await until(pilot, lambda: len(app.actions.log.lines) == 2, what="the audit records")
+        await until(pilot, lambda: len(app.state.actions.log.lines) == 2, what="the audit records")
         await pilot.press("6")
         await pilot.pause()
         text = screen_text(app)
@@ -490,7 +490,7 @@ async def test_e_through_real_agents_stops_the_suspect_ranks_and_a_read_only_tui
             await until(pilot, lambda: notes.has("succeeded"), 30, "the result in the acting TUI")
 
             def audited(app: RankscopeApp) -> set[tuple[str, str]]:
-                return {(m, x.record.result) for x in app.actions.log.lines for m in x.record.machines
+                return {(m, x.record.result) for x in app.state.actions.log.lines for m in x.record.machines
                         if x.record.kind == ActionKind.EVICT}
 
             want = {("m1", "started"), ("m1", "succeeded"), ("m3", "started"), ("m3", "succeeded")}
@@ -550,7 +550,7 @@ async def test_on_a_small_terminal_the_phrase_box_and_buttons_stay_visible_and_p
 
 def test_the_actions_summary_sizes_the_pool_lists_standbys_on_hand_and_the_update_history() -> None:
     from rankscope.contract.snapshot import Layout
-    from rankscope.tui.actions import ActionLog
+    from rankscope.tui.state_actions import ActionLog, log_note, log_record
     from rankscope.tui.state import AppState, MachineView
     from rankscope.tui.widgets.audit import summary_text
 
@@ -566,10 +566,12 @@ def test_the_actions_summary_sizes_the_pool_lists_standbys_on_hand_and_the_updat
             (ActionKind.HOT_UPDATE, "started", "hot-update m0 to git:v2 (lazy)"),
             (ActionKind.HOT_UPDATE, "succeeded", "hot-update m0 to git:v2 (lazy)"),
             (ActionKind.ROLLBACK, "failed", "roll back m0 to git:v1 (immediate)")], start=1):
-        assert log.add("m0:50051", AuditRecord(seq, f"a{seq}", "alice", 1700000000.0 + seq, kind, what, result, "",
-                                               ("m0",)))
-    assert not log.add("m0:50051", AuditRecord(1, "a1", "alice", 0.0, ActionKind.HOT_UPDATE, "x", "started"))
-    log.note("m5:50051", "audit of m5:50051: no agent answered — reconnecting")
+        before = log
+        log = log_record(log, "m0:50051", AuditRecord(seq, f"a{seq}", "alice", 1700000000.0 + seq, kind, what, result,
+                                                      "", ("m0",)))
+        assert log is not before
+    assert log_record(log, "m0:50051", AuditRecord(1, "a1", "alice", 0.0, ActionKind.HOT_UPDATE, "x", "started")) is log
+    log = log_note(log, "m5:50051", "audit of m5:50051: no agent answered — reconnecting")
     text = summary_text(state, log, read_only=False, daily_failure_rate=0.0012).plain
     assert "warm standbys (P99, 24 h): 2 for 128 machines" in text
     assert "on hand (agents without ranks): spare-0 spare-1" in text

@@ -172,7 +172,7 @@ async def test_key_7_shows_the_slow_machine_of_a_recorded_series() -> None:
         await pilot.pause()
         assert app.main.active_view == "failslow"
         assert isinstance(app.focused, FailSlowPanel)
-        view = app.failslow_view
+        view = app.state.failslow
         assert view is not None and view.verdict is not None and view.verdict.confident
         assert view.verdict.machine == "m2"
         summary = _text(app, "#fs-summary")
@@ -196,7 +196,7 @@ async def test_healthy_series_shows_no_confident_flag() -> None:
         await _replayed(pilot)
         await pilot.press("7")
         await pilot.pause()
-        view = app.failslow_view
+        view = app.state.failslow
         assert view is not None and view.verdict is not None and not view.verdict.confident
         summary = _text(app, "#fs-summary")
         assert summary.startswith("no fail-slow") and "slow since" not in summary
@@ -223,7 +223,7 @@ async def test_live_polls_feed_the_detectors_until_the_slow_machine_is_named() -
                 pytest.fail(f"poll at {s.captured.mono} never reached the detectors")
         await app.failslow.idle.wait()
         await pilot.pause()
-        view = app.failslow_view
+        view = app.state.failslow
         # the first snapshot, alone at the start, is not judged (one point says nothing of slowness)
         assert view is not None and view.updates == 49 and view.skipped == 0
         assert view.verdict is not None and view.verdict.confident and view.verdict.machine == "m2"
@@ -254,7 +254,7 @@ async def test_a_one_snapshot_bundle_says_the_detectors_need_a_series() -> None:
         await _replayed(pilot)
         await pilot.press("7")
         await pilot.pause()
-        assert app.failslow_view is None and app.failslow.tracker.detector.latest is None
+        assert app.state.failslow is None and app.failslow.tracker.detector.latest is None
         assert "need a series of snapshots" in _text(app, "#fs-summary")
         assert "no step times yet" in _text(app, "#fs-heat")
 

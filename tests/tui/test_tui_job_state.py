@@ -314,7 +314,7 @@ async def test_after_a_restart_the_automatic_capture_waits_for_the_first_step() 
             source.push_poll(reading)
             await until(pilot, lambda r=reading: app.state.kept[-1] is r)  # type: ignore[misc]  # folded in
             assert app.state.restarts == 1
-            assert not app._capturing and source.captures_started == 1, reading.captured.wall - T0
+            assert not app.state.capturing and source.captures_started == 1, reading.captured.wall - T0
         assert st.health(app.state).text.startswith("hung since its start")
         source.push_capture(snap(T0 + 111, progress=T0 + 110, started=T0 + 55, pids=2000, stacks="step"))
         source.push_poll(snap(T0 + 110, progress=T0 + 110, started=T0 + 55, pids=2000))
@@ -333,7 +333,7 @@ async def test_a_view_attached_while_the_job_starts_captures_at_its_first_step()
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, app.loaded.is_set)
         assert st.health(app.state).kind == "starting"
-        assert not app._capturing and source.captures_started == 0  # not at attach: the ranks are importing
+        assert not app.state.capturing and source.captures_started == 0  # not at attach: the ranks are importing
         source.push_capture(snap(T0 + 9, progress=T0 + 8, started=T0, stacks="step"))
         source.push_poll(snap(T0 + 8, progress=T0 + 8, started=T0))
         await until(pilot, lambda: app.state.capture_wall == T0 + 9)

@@ -101,7 +101,7 @@ async def test_filter_by_machine_rank_range_and_frame_text() -> None:
         await pilot.press(*"node15")
         await pilot.press("enter")
         await pilot.pause()
-        assert app.filter.ranks == frozenset({30, 31})
+        assert app.state.filter.ranks == frozenset({30, 31})
         text = screen_text(app)
         assert "filter 'node15': 2 ranks (30-31)" in text
         assert "node00 ··" in text  # ranks outside the filter are dimmed dots
@@ -111,12 +111,12 @@ async def test_filter_by_machine_rank_range_and_frame_text() -> None:
         assert "all_gather_into_tensor" in text
         assert "_single_tensor_adam" not in text.split("all ranks")[0]  # the healthy group is filtered out
         app.set_filter("isend")
-        assert app.filter.ranks == frozenset({28, 29})
+        assert app.state.filter.ranks == frozenset({28, 29})
         app.set_filter("8-11, 30")
-        assert app.filter.ranks == frozenset({8, 9, 10, 11, 30})
+        assert app.state.filter.ranks == frozenset({8, 9, 10, 11, 30})
         await pilot.press("escape")
         await pilot.pause()
-        assert not app.filter.active
+        assert not app.state.filter.active
 
 
 async def test_copy_verdict_and_rank_stack_and_write_a_bundle(tmp_path: Path) -> None:

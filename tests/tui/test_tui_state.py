@@ -168,7 +168,7 @@ async def test_fail_slow_mode_captures_every_ten_seconds() -> None:
             while not any(p[0] == wall for p in app.state.progress_points):  # this poll is folded in
                 await pilot.pause(0.02)
             # every capture started so far has been folded into the state
-            while app._capturing or sum(e.kind == "capture" for e in app.state.events) < source.captures_started:
+            while app.state.capturing or sum(e.kind == "capture" for e in app.state.events) < source.captures_started:
                 await pilot.pause(0.02)
         # At the first poll (none before), at T0+12 (10.5 s after the capture of T0+1.5), not at T0+15,
         # then at T0+23 (10.5 s after T0+12.5).

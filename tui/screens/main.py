@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from rankscope.tui.actions import ActionLog
 from rankscope.tui.analysis import StackView
-from rankscope.tui.failslow_state import FailSlowView
-from rankscope.tui.state import AppState, Filter, filter_summary, health, map_groups, verdict_stale
+from rankscope.tui.state import AppState, filter_summary, health, map_groups, verdict_stale
 from rankscope.tui.widgets.audit import ActionsPanel
 from rankscope.tui.widgets.ccl import CclPanel
 from rankscope.tui.widgets.events import EventsPanel
@@ -29,24 +25,11 @@ FOCUS = {"overview": "#rank-map", "stacks": "#groups", "ccl": "#ccl-table", "met
          "events": "#events-panel", "actions": "#audit-table", "failslow": "#failslow-panel"}
 
 
-@dataclass(frozen=True)
-class Frame:
-    """Everything one redraw shows, handed down by the app: the screen keeps no reference back to it."""
-
-    state: AppState
-    flt: Filter
-    source: str
-    read_only: bool
-    hang_after_s: float
-    failslow: FailSlowView | None
-    actions: ActionLog
-
-
 class MainScreen(Screen[None]):
-    """Views draw the frame the app hands them; only the visible one is redrawn on each update."""
+    """Views draw the state the app hands them (its one store); only the visible one is redrawn on each update."""
 
     class Ready(Message):
-        """The screen's widgets exist: only now can a frame be drawn."""
+        """The screen's widgets exist: only now can the state be drawn."""
 
     def compose(self) -> ComposeResult:
         yield JobHeader(id="job-header")
@@ -75,7 +58,7 @@ class MainScreen(Screen[None]):
         super().__init__()
         self.cursor_note = ""  # which rank the map's cursor is on, shown above the legend
         self._shown_text: dict[str, Text] = {}
-        self._state: AppState | None = None  # the last frame's, for the cursor note
+        self._state: AppState | None = None  # the last drawn, for the cursor note
 
     def _set(self, selector: str, text: Text) -> None:
         """Update a text panel only when its text changed: an update re-lays out the screen."""
@@ -117,18 +100,18 @@ class MainScreen(Screen[None]):
     def active_view(self) -> str:
         return self.query_one("#views", TabbedContent).active or "overview"
 
-    def draw(self, frame: Frame) -> None:
-        state, flt, read_only = frame.state, frame.flt, frame.read_only
+    def draw(self, state: AppState) -> None:
+        flt, read_only, hang_after_s = state.filter, state.read_only, state.hang_after_s
         self._state = state
         # The filter is shown in the header, not in a bar of its own: no relayout of the screen when it changes.
-        verdict = frame.failslow.verdict if frame.failslow is not None else None
+        verdict = state.failslow.verdict if state.failslow is not None else None
         slow = verdict.machine if verdict is not None and verdict.confident else None
         self._set("#job-header",
-            header_text(state, frame.source, read_only, frame.hang_after_s, filter_summary(flt), slow))
+            header_text(state, state.source_label, read_only, hang_after_s, filter_summary(flt), slow))
         view = self.active_view
         if view == "overview":
             room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)
-            progressing = health(state, frame.hang_after_s).kind == "healthy" and slow is None
+            progressing = health(state, hang_after_s).kind == "healthy" and slow is None
             self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, verdict_stale(state),
                                                     state.capture_wall))
             group_of = map_groups(state)
@@ -144,8 +127,8 @@ class MainScreen(Screen[None]):
         elif view == "events":
             self.query_one("#events-panel", EventsPanel).show(state)
         elif view == "actions":
-            self.query_one("#actions-panel", ActionsPanel).show(state, frame.actions, read_only)
+            self.query_one("#actions-panel", ActionsPanel).show(state, state.actions.log, read_only)
         elif view == "failslow":
             panel = self.query_one("#failslow-panel", FailSlowPanel)
-            panel.show(frame.failslow, self.size.width, self.size.height,
+            panel.show(state.failslow, self.size.width, self.size.height,
                        frozenset(m.name for m in state.machines if m.evicted))

@@ -10,8 +10,8 @@ layout allows (§6.3, peers outside the rank's groups).
 
 from __future__ import annotations
 
-from rankscope.tui.actions import KIND_LABELS, ActionLog
 from rankscope.tui.state import AppState, fmt_time
+from rankscope.tui.state_actions import KIND_LABELS, ActionLog
 from rankscope.tui.widgets.table import LineTable
 from rich.text import Text
 from textual.app import ComposeResult
@@ -101,7 +101,7 @@ def summary_text(state: AppState, log: ActionLog, read_only: bool, daily_failure
     t.append_text(backup_line(state))
     t.append("\n")
     t.append_text(history_text(log))
-    for note in log.notes.values():
+    for _address, note in log.notes:
         t.append(f"\n{note}", "yellow")
     return t
 
