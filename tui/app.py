@@ -311,6 +311,10 @@ class RankscopeApp(App[int]):
             return
         if not main.is_mounted:
             return
+        if self.state.source_label != self.source.label:
+            # The source names what it reaches (a bundle once read, the agents left after a hostfile change or an
+            # eviction): the store takes the name in before the header draws it.
+            self.state = st.apply_source_label(self.state, self.source.label)
         main.draw(self.state)
 
     def _redraw_if_mounted(self) -> None:

@@ -879,6 +879,11 @@ def filter_summary(f: Filter) -> str:
     return f"filter '{f.text}': {len(f.ranks)} ranks ({compact_ranks(f.ranks, 4) or 'none'})"
 
 
+def apply_source_label(state: AppState, label: str) -> AppState:
+    """What the source reaches, as the header names it ("4 agents", "bundle x.json")."""
+    return replace(state, source_label=label)
+
+
 def apply_filter(state: AppState, text: str) -> AppState:
     """The person typed a filter (`/`); the empty text clears it."""
     return replace(state, filter=compile_filter(text, state))
