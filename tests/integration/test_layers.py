@@ -182,7 +182,7 @@ _TEXTUAL_APP_API = {"notify", "console", "push_screen", "pop_screen", "exit", "b
 
 @pytest.mark.parametrize("path", [*_py_files("tui/screens"), *_py_files("tui/widgets")], ids=lambda p: p.name)
 def test_screens_and_widgets_draw_what_they_are_handed_never_reaching_back_into_the_app(path: Path) -> None:
-    """One store: the app hands each redraw its frame; a screen reading ``self.app.state`` would draw another."""
+    """One store: the app hands each redraw its state; a screen reading the app's attributes would draw another."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"getattr", "hasattr"}:
             target = node.args[0] if node.args else None
@@ -190,6 +190,29 @@ def test_screens_and_widgets_draw_what_they_are_handed_never_reaching_back_into_
                 f"{path}:{node.lineno} looks the app's attributes up by name"
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "app":
             assert node.attr in _TEXTUAL_APP_API, f"{path}:{node.lineno} reads self.app.{node.attr}"
+
+
+# What the app may set on itself after __init__: the one store, and the last copy/write (told, never drawn).
+_APP_SETS = {"state", "last_copied", "last_written"}
+
+
+def test_the_app_changes_nothing_drawn_outside_its_one_store() -> None:
+    """After __init__, tui/app.py assigns only ``self.state`` (through a reducer) of what the screens draw."""
+    path = ROOT / "tui" / "app.py"
+    for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) or fn.name == "__init__":
+            continue
+        for node in ast.walk(fn):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    assert t.attr in _APP_SETS, f"{path}:{node.lineno} keeps self.{t.attr} beside AppState"
+                    if t.attr == "state":
+                        call = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+                        assert isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and \
+                            isinstance(call.func.value, ast.Name) and call.func.value.id == "st", \
+                            f"{path}:{node.lineno} sets the state other than by a reducer of rankscope.tui.state"
 
 
 def test_the_docs_these_rules_cite_are_in_the_repository() -> None:
