@@ -67,10 +67,10 @@ class Spawner:
     Linux sends a child its parent-death signal (the shim's PR_SET_PDEATHSIG) when the *thread* that
     started it ends, not when its process does. A restart runs on the recovery thread (and helpers on
     others), so every process it started -- the restarted job and its agents -- got SIGTERM whenever that
-    thread ended: after a round that raised (until the watcher was made to go on), or by a BaseException
-    such as the CancelledError that grpc.aio raises for a call it cancelled itself. The drill then "shut
-    itself down" with no message (#12). Started from this thread, they get SIGTERM only when the drill's
-    process itself ends (killed, crashed): what the signal is for.
+    thread ended: it did after any round that raised until the watcher was made to go on, and still could
+    by a BaseException (grpc.aio raises CancelledError, which is no Exception, for a call it cancelled
+    itself). The drill then "shut itself down" with no message (#12). Started from this thread, they get
+    SIGTERM only when the drill's process itself ends (killed, crashed): what the signal is for.
     """
 
     def __init__(self) -> None:
