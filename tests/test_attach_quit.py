@@ -6,8 +6,9 @@ the read-only view: four of them, each in a terminal of its own (a pseudo-termin
 terminal as in a tmux pane), attached to a real agent serving a real rank process while another client --
 the main view's stand-in -- polls, streams metrics and follows the audit log. Each view then ends a
 different way: `q`, SIGINT, SIGTERM, and the terminal hung up (what tmux kill-pane and a closed window
-do). Afterwards the agent and the rank still run, the agent said nothing of stopping, and the other
-client's metrics stream and audit stream go on unbroken.
+do). Afterwards the agent and the rank still run, the agent said nothing of stopping, the other
+client's metrics stream and audit stream go on unbroken, and the views wrote nothing beside the hostfile
+and token they read.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from rankscope.snapshot import MachineSnapshot
 
 ANSI = re.compile(r"\x1b(?:\[[0-9;?<>=]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[()][0-9A-Za-z]|[=>78cDEHMNOZ])")
 ATTACHED = "1/1 machines"  # the header once the view has drawn the agent's first answer
-WAIT_S = 120.0  # bounds on real events (a view starting, quitting), generous for a loaded 2-core host
+WAIT_S = 300.0  # bounds on real events (a view starting, quitting), generous for a loaded 2-core host
 
 
 def _controlling_terminal() -> None:
@@ -107,6 +108,19 @@ def test_read_only_views_that_quit_leave_the_agent_its_rank_and_other_clients_ru
     printed = shlex.split((tmp_path / PAIR_COMMAND).read_text())
     assert "--read-only" in printed
 
+    def shared_files() -> dict[str, int]:
+        """The run dir's files but the agent's own (its log and state): what the views could touch."""
+        return {str(f.relative_to(tmp_path)): f.stat().st_mtime_ns for f in tmp_path.rglob("*")
+                if f.is_file() and f != agent.log and "state" not in f.relative_to(tmp_path).parts}
+
+    before = shared_files()
+
+    def ended(how: str, view: View) -> int:
+        try:
+            return view.proc.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the view did not end on {how}:\n{view.text()[-2000:]}") from None
+
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         readings: asyncio.Queue[MachineSnapshot] = asyncio.Queue()
@@ -132,7 +146,7 @@ def test_read_only_views_that_quit_leave_the_agent_its_rank_and_other_clients_ru
                         raise AssertionError(f"the view to quit by {how} did not attach:\n{view.text()[-2000:]}") from None
                 for how, view in views.items():
                     QUITS[how](view)
-                codes = {how: await asyncio.to_thread(view.proc.wait, WAIT_S) for how, view in views.items()}
+                codes = {how: await asyncio.to_thread(ended, how, view) for how, view in views.items()}
                 # Each ended the way it was told to: q and SIGINT (Textual ends the app) cleanly, the others by the
                 # signal (a hung-up terminal sends SIGHUP).
                 assert codes["q"] == 0 and codes["SIGINT"] in (0, 130), (codes, views["q"].text()[-2000:])
@@ -158,3 +172,4 @@ def test_read_only_views_that_quit_leave_the_agent_its_rank_and_other_clients_ru
     assert agent.proc.poll() is None, agent.log_text()
     assert rank.proc.poll() is None
     assert "stopping" not in agent.log_text(), agent.log_text()
+    assert shared_files() == before  # the views wrote nothing where the drill keeps its hostfile and token
