@@ -23,7 +23,7 @@ from rankscope.analyzers.findings import Verdict
 from rankscope.analyzers.stacks import DEFAULT_OPTIONS, SignatureOptions
 from rankscope.analyzers.suspects import StackAnalysis, analyze_stacks
 from rankscope.analyzers.verdict import merge_findings, merge_verdicts
-from rankscope.snapshot import JobSnapshot, Layout
+from rankscope.contract.snapshot import JobSnapshot, Layout
 
 
 @dataclass(frozen=True, slots=True)

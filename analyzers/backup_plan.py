@@ -47,8 +47,8 @@ from dataclasses import dataclass
 
 from rankscope.analyzers.topology import DIMS, Topology
 from rankscope.analyzers.topology import parse_order as _topology_parse_order
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import Layout
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import Layout
 
 DIMENSIONS: tuple[str, ...] = DIMS
 # Shifted first when building the mirror; the rest join only if two coordinates do not differ yet.
@@ -127,7 +127,7 @@ def backup_plan(
 ) -> BackupPlan:
     """Pair every rank with the peer that keeps its checkpoint backup.
 
-    ``layout`` is the job's :class:`~rankscope.snapshot.Layout`, or its
+    ``layout`` is the job's :class:`~rankscope.contract.snapshot.Layout`, or its
     :class:`~rankscope.analyzers.topology.Topology` -- then the group
     membership the CCL plugin recorded decides which machines a group spans.
     Machines are consecutive blocks of ``ranks_per_machine`` ranks (named

@@ -29,7 +29,7 @@ from rankscope.analyzers.ccl_desync import P2P_OPS, CrossedWait, comm_label, cro
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters
+from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters
 
 SOURCE = "ccl"
 # Scores on this detector's own scale (the merge rescales): a lagging rank

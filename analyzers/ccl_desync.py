@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.snapshot import Communicator, OpCounters, RankCounters
+from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters
 
 P2P_OPS = frozenset({"send", "recv"})
 _MAX_PATHS = 3  # laggards whose way back is spelled out; the rest are counted

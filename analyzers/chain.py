@@ -53,7 +53,7 @@ from rankscope.analyzers.stacks import (
     is_wrapper,
 )
 from rankscope.analyzers.topology import DIMS, Topology, compact_ranks, group_ids
-from rankscope.snapshot import CaptureError, CaptureErrorKind, Frame, RankCounters, RankStacks, main_thread
+from rankscope.contract.snapshot import CaptureError, CaptureErrorKind, Frame, RankCounters, RankStacks, main_thread
 
 DESYNC_ADVICE = ("evicting machines will not cure it: a desync is usually a program mismatch (different data or "
                  "control flow on these ranks, e.g. an extra batch or a rank-dependent branch); fix the code or the "

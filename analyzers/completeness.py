@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankscope.analyzers.chain import Chain, RankState, unreadable_reason
-from rankscope.snapshot import JobSnapshot
+from rankscope.contract.snapshot import JobSnapshot
 
 
 @dataclass(frozen=True, slots=True)

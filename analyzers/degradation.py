@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
-from rankscope.snapshot import JobSnapshot, RankCounters
+from rankscope.contract.snapshot import JobSnapshot, RankCounters
 
 ALPHA = 0.8
 BETA = 1.5

@@ -59,11 +59,11 @@ from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFi
 from rankscope.analyzers.minder import MinderDetector
 from rankscope.analyzers.rounds import DEFAULT_MAJORITY, required_flags, tally
 from rankscope.analyzers.series import RunTracker, SeriesStore
-from rankscope.analyzers.stack_samples import SampledWaitDetector
+from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitDetector
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.analyzers.verdict import suspect_label
-from rankscope.snapshot import JobSnapshot, Layout, RankCounters
+from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 
 DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl", "p2p_wait", "samples")
 
@@ -102,8 +102,8 @@ class FailSlowConfig:
     p2p_ratio: float = 2.5  # ...and this many times as often as on its data-parallel peers
     p2p_hold_s: float = 10.0  # how long that must last before it alarms (one flickering poll must not)
     samples_horizon_s: float = 45.0  # sampled windows kept for the wait test (the agents' clocks)
-    samples_odds_margin: float = 0.2  # the null: a rank's odds of waiting at least this share of its peers'...
-    samples_min_gap: float = 0.25  # ...and its waiting share no more than this far below theirs
+    samples_odds_margin: float = ODDS_MARGIN  # the null: a rank's odds of waiting at least this share of its peers'...
+    samples_min_gap: float = MIN_GAP  # ...and its waiting share no more than this far below theirs
     samples_min: int = 20  # samples of a rank before it is tested
     samples_alarm_p: float = 0.001  # corrected p-value below which the wait test alarms
     confident_at: float = 0.7

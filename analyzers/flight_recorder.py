@@ -30,7 +30,7 @@ PyTorch's own analyzer (``fr_trace``) checks, re-derived rather than copied:
   record gaps, entries with unreadable fields, ranks with no dump at all,
   differing format versions.
 
-Everything here is pure: the caller (``rankscope.flight_recorder``) reads the
+Everything here is pure: the caller (``rankscope.formats.flight_recorder``) reads the
 files and passes the decoded dicts; malformed content becomes a finding,
 never an exception.
 """

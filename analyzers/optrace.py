@@ -24,7 +24,7 @@ worker, or this stage, were as fast as its peers?):
   work varies per micro-batch and how often the slowest worker changes, the
   two things that rule out one bad machine.
 
-Pure: the caller reads the file (``rankscope.optrace_io``) and hands the
+Pure: the caller reads the file (``rankscope.formats.optrace_io``) and hands the
 columns in as sequences of equal length.
 """
 

@@ -27,7 +27,7 @@ from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
-from rankscope.snapshot import GpuMetrics, JobSnapshot, MachineSnapshot
+from rankscope.contract.snapshot import GpuMetrics, JobSnapshot, MachineSnapshot
 
 FloatArray = npt.NDArray[np.float64]
 

@@ -13,15 +13,22 @@ The test. For rank r with ``k`` waiting samples out of ``n``, and its peers
 (every other sampled rank: the whole job meets in the data-parallel
 all-reduce, so all of them end up waiting for it) with pooled waiting share
 ``p``, the null hypothesis is that r waits at least ``p0`` of its time, where
-``p0`` is the share whose odds are a fifth of the peers' odds but no more
-than 25 points below the peers' share (``null_share``; ``p`` is taken at its
+``p0`` is the share whose odds are a quarter of the peers' odds but no more
+than 20 points below the peers' share (``null_share``; ``p`` is taken at its
 Wilson lower bound). The one-sided binomial p-value ``P[X ≤ k]`` for
 ``X ~ Bin(n, p0)`` is Bonferroni-corrected for the number of ranks tested,
 and ``1 − p`` is the confidence. Building the margin into the null keeps the
 systematic differences of a healthy job (a pipeline stage that waits 30 % of
 the time against its neighbour's 40 %, or 90 % against 97 % on a saturated
 machine) from ever becoming "significant" however many samples pile up,
-while a real straggler's confidence grows with every window. Samples within a few seconds are not
+while a real straggler's confidence grows with every window. The 20 points
+follow from the smallest slowdown worth naming: if a healthy rank waits a
+share ``w`` of a step and one rank takes ``f`` times as long, every step
+takes ``f`` times as long; the peers then wait ``1 − (1 − w)/f`` of their
+time and the slow rank ``w/f``, a gap of ``1 − 1/f`` whatever ``w`` is. A
+20-point margin never names a rank less than 1.25× slow, while a 1.5× one
+(a 33-point gap) is named within a minute at 5 Hz; healthy ranks of the
+drill differ from their pooled peers by 8 points or less. Samples within a few seconds are not
 independent draws; a window of a few Hz over steps of tens of milliseconds
 spreads them over many steps, and the margin absorbs the rest.
 
@@ -36,7 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rankscope.analyzers.stacks import communication_kind
-from rankscope.snapshot import StackSampleWindow
+from rankscope.contract.snapshot import StackSampleWindow
 
 CLASSES: tuple[str, ...] = ("collective", "p2p", "compute", "data", "other")
 
@@ -209,6 +216,11 @@ def rank_waits(windows: Iterable[StackSampleWindow]) -> dict[int, RankWaits]:
     return out
 
 
+# The null's margins (see the module docstring): a quarter of the peers' odds of waiting, 20 points below them.
+ODDS_MARGIN = 0.25
+MIN_GAP = 0.2
+
+
 def null_share(peer_share: float, odds_margin: float, min_gap: float) -> float:
     """The least waiting share a rank is assumed to have under the null, given its peers'.
 
@@ -225,7 +237,7 @@ def null_share(peer_share: float, odds_margin: float, min_gap: float) -> float:
     return max(0.0, min(odds / (1.0 + odds), peer_share - min_gap))
 
 
-def find_stragglers(waits: Mapping[int, RankWaits], *, odds_margin: float = 0.2, min_gap: float = 0.25,
+def find_stragglers(waits: Mapping[int, RankWaits], *, odds_margin: float = ODDS_MARGIN, min_gap: float = MIN_GAP,
                     min_samples: int = 20,
                     min_peer_share: float = 0.1, peers_of: Mapping[int, Sequence[int]] | None = None,
                     ) -> list[Straggler]:
@@ -263,7 +275,7 @@ class SampledWaitDetector:
     agent, so machines' clock offsets do not matter.
     """
 
-    def __init__(self, horizon_s: float = 45.0, odds_margin: float = 0.2, min_gap: float = 0.25,
+    def __init__(self, horizon_s: float = 45.0, odds_margin: float = ODDS_MARGIN, min_gap: float = MIN_GAP,
                  min_samples: int = 20, min_peer_share: float = 0.1) -> None:
         self.horizon_s = horizon_s
         self.odds_margin = odds_margin

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from rankscope.snapshot import Frame, ProcessStack, RankStacks, main_thread
+from rankscope.contract.snapshot import Frame, ProcessStack, RankStacks, main_thread
 
 # --------------------------------------------------------------------------
 # options and results

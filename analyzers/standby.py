@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 DEFAULT_PERCENTILE = 0.99
 DEFAULT_WINDOW_HOURS = 24.0

@@ -73,7 +73,7 @@ from rankscope.analyzers.topology import (
     topology_for,
 )
 from rankscope.analyzers.verdict import headline
-from rankscope.snapshot import JobSnapshot, Layout, ProcessRole, RankStacks
+from rankscope.contract.snapshot import JobSnapshot, Layout, ProcessRole, RankStacks
 
 # Among equally good candidates, the kind ByteRobust evicts first.
 _KIND_PREFERENCE: tuple[str, ...] = ("pp", "dp", "tp", "cp", "ep", "machine", "rank")

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from rankscope.snapshot import JobSnapshot, Layout
+from rankscope.contract.snapshot import JobSnapshot, Layout
 
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 """Every parallel dimension, in Megatron's default order (fastest first)."""

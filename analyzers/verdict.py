@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from rankscope.analyzers.findings import Finding, Suspect, Verdict
 from rankscope.analyzers.topology import compact_machines, compact_ranks
-from rankscope.snapshot import JobSnapshot, Layout
+from rankscope.contract.snapshot import JobSnapshot, Layout
 
 # Among equal merged scores, sources and sizes: this kind order.
 _KIND_ORDER = ("desync", "pp", "dp", "tp", "cp", "ep", "machine", "rank", "comm")

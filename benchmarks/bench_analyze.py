@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 
 from rankscope.analyzers.stacks import group_stacks
 from rankscope.analyzers.suspects import analyze_stacks
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     Frame,
     Instant,
     JobSnapshot,

@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rankscope.contract.snapshot import JobSnapshot
 from rankscope.drill.faults import DrillLayout, make_plan
 from rankscope.drill.launcher import TrainingOptions
 from rankscope.drill.session import DrillConfig, DrillSession
-from rankscope.snapshot import JobSnapshot
 
 
 def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
@@ -84,7 +84,7 @@ def main() -> int:
             print(f"drill did not reach a steady hang ({stall.reason}; agents {s.agents}); notes: {s.notes}",
                   file=sys.stderr)
             return 1
-        from rankscope.client import capture_once
+        from rankscope.wire.client import capture_once
 
         agents, token = list(s.agents.values()), s.token()
         capture_once(agents, token)  # warm: the first call also opens the channels

@@ -3,7 +3,7 @@
     python benchmarks/bench_fanout.py [--sizes 16,64,256,2048] [--base-max 256] [--ranks-per-machine 8]
                                       [--processes 8] [--relay-fanout 0] [--bundle]
 
-For each N, starts N real gRPC agent servers (``rankscope.agent.start_agent``)
+For each N, starts N real gRPC agent servers (``rankscope.wire.agent.start_agent``)
 spread over ``--processes`` processes, each serving ``--ranks-per-machine``
 synthetic ranks of one job (benchmarks/fanout_source.py: ~40-frame stacks,
 two subprocesses per rank, six communicators per rank with the world group
@@ -82,9 +82,9 @@ def use_impl(impl: str, base: str | None) -> None:
 async def serve_many(args: argparse.Namespace) -> None:
     use_impl(args.impl, args.base)
     import fanout_source
-    import rankscope.agent as agent_mod
-    from rankscope.agent import AgentConfig, start_agent
-    from rankscope.tokens import parse_tokens
+    import rankscope.wire.agent as agent_mod
+    from rankscope.wire.agent import AgentConfig, start_agent
+    from rankscope.wire.tokens import parse_tokens
 
     tokens = parse_tokens(f"read:{TOKEN}\n", "bench")
     world = args.world
@@ -170,9 +170,9 @@ class Servers:
 
 def client(args: argparse.Namespace) -> None:
     use_impl(args.impl, args.base)
-    from rankscope.client import JobClient
-    from rankscope.proto import rankscope_pb2 as pb
-    from rankscope.proto import rankscope_pb2_grpc as pb_grpc
+    from rankscope.wire.client import JobClient
+    from rankscope.wire.proto import rankscope_pb2 as pb
+    from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
 
     agents = json.loads(Path(args.agents_file).read_text())
     out: dict[str, Any] = {}
@@ -202,7 +202,7 @@ def client(args: argparse.Namespace) -> None:
     out["code"] = str(Path(rankscope.__file__).parent)
     out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.bundle:
-        from rankscope.bundle import Bundle, read_bundle, write_bundle
+        from rankscope.contract.bundle import Bundle, read_bundle, write_bundle
 
         path = Path(args.bundle)
         t0 = time.perf_counter()
@@ -239,7 +239,7 @@ def client(args: argparse.Namespace) -> None:
 
 
 async def _keep(coro: Any) -> None:
-    """Runs ``coro`` and keeps its result out of asyncio.run's return path (see rankscope.client.capture_once)."""
+    """Runs ``coro`` and keeps its result out of asyncio.run's return path (see rankscope.wire.client.capture_once)."""
     _RESULT.append(await coro)
 
 

@@ -49,13 +49,13 @@ from rankscope.actions.model import (
     VersionSource,
 )
 from rankscope.analyzers.verdict import analyze_snapshot
+from rankscope.contract.errors import RankscopeError
 from rankscope.drill.control import DrillMachines, Recovery, evict_machines
 from rankscope.drill.faults import DrillLayout, make_plan
 from rankscope.drill.launcher import Launcher, TrainingOptions
 from rankscope.drill.progress import read_progress
 from rankscope.drill.session import DrillConfig, DrillSession
 from rankscope.drill.worker import latest_checkpoint
-from rankscope.errors import RankscopeError
 
 LAYOUT = DrillLayout(tp=1, pp=2, dp=2, machines=4)
 TRAINING = TrainingOptions(steps=40, checkpoint_every=4, micro_batches=2, loader_workers=0)
@@ -155,7 +155,7 @@ async def _hot_update(launcher: Launcher, version: str) -> list[ActionResult]:
     """Plan, confirm (a yes naming every machine) and run ``u`` to ``version``, as the TUI sends it."""
     from rankscope.actions.agent_protocol import confirmation_for
     from rankscope.actions.model import ActionPlan
-    from rankscope.client import JobClient
+    from rankscope.wire.client import JobClient
 
     request = ActionRequest(f"bench-hu-{time.time_ns()}", ActionKind.HOT_UPDATE, Targets(),
                             HotUpdateArgs(VersionSource.GIT, version, UpdateMode.IMMEDIATE), "bench")

@@ -80,7 +80,7 @@ def pyspy_cpu() -> float:
 
 async def sampled_phase(pids: list[tuple[int, int]], rate: int, seconds: float, watcher: ProgressWatcher,
                         window_s: int, steady_window_s: int) -> tuple[float, int]:
-    from rankscope.snapshot import RankInfo
+    from rankscope.contract.snapshot import RankInfo
 
     sampler = StackSampler(window_s=window_s, lease_s=seconds + 5, steady_window_s=steady_window_s)
     ranks = [RankInfo(rank=r, local_rank=0, world_size=len(pids), pid=p) for r, p in pids]

@@ -29,9 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_analyze import WORLD, build_snapshot
+from rankscope.contract.snapshot import ProcessStack
+from rankscope.formats.pyspy_dir import load_pyspy_dir
 from rankscope.probes.pyspy_text import format_pyspy_text
-from rankscope.pyspy_dir import load_pyspy_dir
-from rankscope.snapshot import ProcessStack
 
 FLAGS = ["--tp", "8", "--pp", "16", "--dp", "128", "--order", "tp-pp-dp", "--ranks-per-machine", "8"]
 

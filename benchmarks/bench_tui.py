@@ -36,8 +36,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from rankscope.bundle import Bundle, write_bundle
-from rankscope.snapshot import JobSnapshot
+from rankscope.contract.bundle import Bundle, write_bundle
+from rankscope.contract.snapshot import JobSnapshot
 from rankscope.tui import state as st
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.sources import BundleSource

@@ -32,7 +32,7 @@ from typing import Any
 
 from rankscope.analyzers import ccl, suspects
 from rankscope.analyzers.verdict import analyze_snapshot
-from rankscope.bundle import read_bundle
+from rankscope.contract.bundle import read_bundle
 from rankscope.drill import faults
 from rankscope.drill.scoring import score_verdict
 

@@ -1,7 +1,7 @@
 """Synthetic ranks for bench_fanout.py: what the probes of one machine of a big Megatron-like job would read.
 
 Lives with the benchmarks on purpose: the agent serves it through its ``source``
-hook (``rankscope.agent.start_agent(..., source=...)``), so the agent server,
+hook (``rankscope.wire.agent.start_agent(..., source=...)``), so the agent server,
 the wire and the client are the real ones and only /proc and py-spy are not.
 
 Each machine: ``ranks_per_machine`` ranks, each a main process with two
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     Communicator,
     Frame,
     HostMetrics,

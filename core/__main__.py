@@ -1,3 +1,3 @@
-from rankscope.cli import main
+from rankscope.cli.main import main
 
 raise SystemExit(main())

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rankscope.ccl_plugin import layout as L
 from rankscope.ccl_plugin.writer import process_start_ticks
-from rankscope.snapshot import Communicator, OpCounters, RankCounters, RankInfo
+from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters, RankInfo
 
 SEQLOCK_RETRIES = 200
 # Under a busy writer a record can be mid-update on many reads in a row; keep

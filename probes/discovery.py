@@ -42,8 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import psutil
+from rankscope.contract.snapshot import ProcessInfo, ProcessRole, RankInfo
 from rankscope.probes.host import forget_dead, process_info
-from rankscope.snapshot import ProcessInfo, ProcessRole, RankInfo
 
 # Processes that only wrap the real training interpreter.
 WRAPPER_NAMES = frozenset(

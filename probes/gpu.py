@@ -23,7 +23,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
-from rankscope.snapshot import GpuMetrics, GpuStatus
+from rankscope.contract.snapshot import GpuMetrics, GpuStatus
 
 T = TypeVar("T")
 

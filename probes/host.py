@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import psutil
-from rankscope.snapshot import HostMetrics, ProcessInfo, ProcessRole
+from rankscope.contract.snapshot import HostMetrics, ProcessInfo, ProcessRole
 
 T = TypeVar("T")
 

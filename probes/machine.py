@@ -15,12 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rankscope.probes import host
-from rankscope.probes.ccl_counters import read_counters
-from rankscope.probes.discovery import discover_ranks
-from rankscope.probes.gpu import gpu_status
-from rankscope.probes.pyspy import capture_stacks
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     CaptureError,
     CaptureErrorKind,
     Instant,
@@ -30,6 +25,11 @@ from rankscope.snapshot import (
     RankInfo,
     RankStacks,
 )
+from rankscope.probes import host
+from rankscope.probes.ccl_counters import read_counters
+from rankscope.probes.discovery import discover_ranks
+from rankscope.probes.gpu import gpu_status
+from rankscope.probes.pyspy import capture_stacks
 
 # Shortest window over which CPU percentages are measured when the capture
 # itself is quicker (stacks off): a rate over a few milliseconds is noise.

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     CaptureError,
     CaptureErrorKind,
     Frame,

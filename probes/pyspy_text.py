@@ -31,8 +31,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from rankscope.contract.snapshot import CaptureError, CaptureErrorKind, Frame, ProcessRole, ProcessStack, ThreadStack
 from rankscope.probes.pyspy import classify_pyspy_error
-from rankscope.snapshot import CaptureError, CaptureErrorKind, Frame, ProcessRole, ProcessStack, ThreadStack
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _PROCESS = re.compile(r"^\s*Process (\d+):\s?(.*)$")  # the colon: "Process 1" may be "Process 10:" cut short

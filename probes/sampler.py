@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rankscope.analyzers.stack_samples import parse_collapsed
+from rankscope.contract.snapshot import CaptureError, CaptureErrorKind, RankInfo, StackSampleWindow
 from rankscope.probes.pyspy import FIX_FAILED, FIX_TOOL_MISSING, classify_pyspy_failure, kill_and_reap, pyspy_binary
-from rankscope.snapshot import CaptureError, CaptureErrorKind, RankInfo, StackSampleWindow
 
 MIN_RATE_HZ, MAX_RATE_HZ = 1, 20
 DEFAULT_WINDOW_S = 5  # each window is one py-spy start (~60 ms of CPU): longer windows, fewer starts

@@ -46,14 +46,26 @@ while True:
 RANK_FUNCTION = "parked_in_rankscope_test"
 
 
-def wait_for(condition: object, timeout_s: float, what: str) -> None:
-    """Poll a real condition until it holds, or fail naming what never happened."""
+def wait_for(condition: object, timeout_s: float, what: str, interval_s: float = 0.02) -> None:
+    """Poll a real condition until it holds, or fail naming what never happened.
+
+    ``interval_s``: a condition that reads logs of a running job polls less often, to leave it the CPU.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():  # type: ignore[operator]
             return
-        time.sleep(0.02)
+        time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def wait_ready_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Wait until a started target writes its ready file; fail at once if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, "target exited early"
+        assert time.monotonic() < deadline, "target never became ready"
+        time.sleep(0.02)
 
 
 def make_token_file(folder: Path, name: str = "token") -> tuple[str, Path]:

@@ -1,4 +1,10 @@
-"""Fixtures shared by the test files (pytest finds them here; import nothing from this file)."""
+"""Fixtures shared by the test files in unit/, integration/ and tui/ (pytest finds them here; import nothing from this file).
+
+A test file goes to ``unit/`` when none of its tests starts a process or opens a socket, to ``integration/`` when
+one does (agents, py-spy, torch jobs, drills, Slurm, git, compilers, ruff and mypy, fresh interpreters), and to
+``tui/`` when it tests the Textual app (state, pilot, SVG snapshots, tmux). Helpers that tests of several folders
+import (``agent_helpers``, ``stack_fixtures``, ``repo_paths``, ...) live here in tests/, which pytest puts on the path.
+"""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     CaptureError,
     CaptureErrorKind,
     Frame,

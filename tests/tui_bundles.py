@@ -9,8 +9,8 @@ the same on every run.
 
 from __future__ import annotations
 
-from rankscope.bundle import Bundle
-from rankscope.snapshot import (
+from rankscope.contract.bundle import Bundle
+from rankscope.contract.snapshot import (
     Communicator,
     Frame,
     GpuMetrics,
@@ -95,7 +95,7 @@ def machine(index: int, wall: float, *, stacks: bool, step: int, hung: bool, wor
     name = f"node{index:02d}"
     address = f"127.0.0.1:{50100 + index}"
     if not reachable:
-        from rankscope.snapshot import CaptureError, CaptureErrorKind
+        from rankscope.contract.snapshot import CaptureError, CaptureErrorKind
 
         return MachineSnapshot(name, address, False, None,
                                error=CaptureError(CaptureErrorKind.UNREACHABLE, "connection refused", "start the agent"))

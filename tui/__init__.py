@@ -1,1 +1,1 @@
-"""The Textual app. Talks to agents only through rankscope.client."""
+"""The Textual app. Talks to agents only through rankscope.wire.client."""

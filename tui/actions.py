@@ -57,7 +57,7 @@ from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.analyzers.verdict import suspect_label
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 from rankscope.tui import state as st
 from rankscope.tui.analysis import StackView
 from rich.text import Text
@@ -67,7 +67,7 @@ DAILY_FAILURE_RATE = 0.0012  # per machine and day: reproduces ByteRobust Table 
 KIND_LABELS = {ActionKind.EVICT: "evict", ActionKind.HOT_UPDATE: "hot-update", ActionKind.BACKUP: "backup",
                ActionKind.ROLLBACK: "rollback"}
 FINAL_RESULTS = frozenset(s.value for s in ActionState if s.final)
-# What the agent's interceptor says when a read token asks to act (see rankscope.agent).
+# What the agent's interceptor says when a read token asks to act (see rankscope.wire.agent).
 _ROLE_REFUSAL = ("needs a token with the 'act' role", "does not allow this call with this token")
 ACT_TOKEN_FIX = ("attach with --token-file naming a token the agents accept with the 'act' role "
                  "(a line 'act:<token>' in the agents' token file)")
@@ -338,7 +338,7 @@ class HostOptions(Protocol):
 class ActionHost(Protocol):
     """What the controller uses of the app (``RankscopeApp``), named here so this module does not import the app.
 
-    (The app imports this module; an import back would close a circle, tests/test_layers.py.)
+    (The app imports this module; an import back would close a circle, tests/integration/test_layers.py.)
     """
 
     state: st.AppState

@@ -21,7 +21,7 @@ from typing import Any
 from rankscope.analyzers.findings import Verdict
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.analyzers.verdict import suspect_label
-from rankscope.snapshot import Frame, JobSnapshot, Layout, RankStacks, main_thread
+from rankscope.contract.snapshot import Frame, JobSnapshot, Layout, RankStacks, main_thread
 
 
 @dataclass(frozen=True, slots=True)

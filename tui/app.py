@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 
 from rankscope.analyzers.failslow import FailSlowConfig
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.bundle import Bundle, write_bundle
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import JobSnapshot, Layout
+from rankscope.contract.bundle import Bundle, write_bundle
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui import state as st
 from rankscope.tui.actions import ActionController
 from rankscope.tui.analysis import StackView, build_stack_view, rank_stack_lines, verdict_text
@@ -519,7 +519,7 @@ def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None =
     py-spy call), ``native`` (native frames in captures), ``sample_hz`` (the agents sample every rank's
     main thread at this rate while polled; 0: off), ``act_problem`` ((message, fix) when the
     token is known not to have the 'act' role: the action keys then say so instead of failing later),
-    ``tls`` (a ``rankscope.tls.ClientTLS``: reach the agents over TLS), ``hostfile`` (re-read while
+    ``tls`` (a ``rankscope.wire.tls.ClientTLS``: reach the agents over TLS), ``hostfile`` (re-read while
     attached) and ``evicted`` (agents it marks evicted).
     """
     deadline_s = float(options.pop("deadline_s", 10.0))
@@ -542,7 +542,7 @@ def run_bundle(path: str | Path, layout: Layout | None = None, read_only: bool =
     A small bundle is read here, so a wrong file fails like any CLI error;
     a big one is read inside the app, which shows that it is loading.
     """
-    from rankscope.bundle import BundleError, read_bundle
+    from rankscope.contract.bundle import BundleError, read_bundle
 
     p = Path(path)
     try:

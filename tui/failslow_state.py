@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from rankscope.analyzers.failslow import DETECTORS, FailSlowConfig, FailSlowDetector, FailSlowVerdict
-from rankscope.snapshot import JobSnapshot
+from rankscope.contract.snapshot import JobSnapshot
 from textual.app import App
 from textual.message import Message
 

@@ -6,7 +6,7 @@ for a poll to finish before it sleeps and polls again (dolphie's rule), so a
 slow or lost agent can delay the next poll but never stack polls up; the
 client's own deadline bounds each poll.
 
-The TUI reaches agents only through ``rankscope.client`` (imported lazily,
+The TUI reaches agents only through ``rankscope.wire.client`` (imported lazily,
 so ``--bundle`` works on a machine without grpc).
 """
 
@@ -18,14 +18,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from rankscope.bundle import Bundle
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import JobSnapshot
+from rankscope.contract.bundle import Bundle
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import JobSnapshot
 
 if TYPE_CHECKING:
     from rankscope.actions.agent_protocol import ActionError, ActionUpdate, AgentLost, Confirmation
     from rankscope.actions.model import ActionPlan, ActionRequest, AuditRecord
-    from rankscope.tls import ClientTLS
+    from rankscope.wire.tls import ClientTLS
 
 NEEDS_LIVE_JOB = RankscopeError(
     "actions need a live job: this is a saved bundle",
@@ -75,7 +75,7 @@ class BundleSource:
 
     async def initial(self) -> Sequence[JobSnapshot]:
         if self.bundle is None:
-            from rankscope.bundle import read_bundle
+            from rankscope.contract.bundle import read_bundle
 
             assert self.path is not None
             self.bundle = await asyncio.to_thread(read_bundle, self.path)
@@ -151,7 +151,7 @@ class QueueSource:
 
 
 class LiveSource:
-    """A job's agents, through ``rankscope.client.JobClient``.
+    """A job's agents, through ``rankscope.wire.client.JobClient``.
 
     ``acting``: this session may run actions (not ``--read-only``); the
     client then sends RunAction, which the agents allow only to a token of
@@ -177,7 +177,7 @@ class LiveSource:
         self.capture_timeout_s = capture_timeout_s
         self.sample_hz = sample_hz  # > 0: each poll keeps the agents sampling stacks (the fail-slow view's test)
         try:
-            from rankscope.client import JobClient
+            from rankscope.wire.client import JobClient
         except ImportError as exc:
             raise RankscopeError(f"the agent client is not available ({exc})",
                                  "install rankscope[tui] (grpcio) on this machine") from None
@@ -211,7 +211,7 @@ class LiveSource:
         stamp = _stamp(self.hostfile)
         if self.hostfile is None or stamp == self._hostfile_stamp:
             return False
-        from rankscope.agents_spec import hostfile_members
+        from rankscope.wire.agents_spec import hostfile_members
 
         try:
             members, evicted = hostfile_members(self.hostfile)

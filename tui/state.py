@@ -23,7 +23,7 @@ import numpy as np
 from rankscope.analyzers.metric_outliers import snapshot_outliers
 from rankscope.analyzers.series import METRICS as SERIES_METRICS
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.snapshot import (
+from rankscope.contract.snapshot import (
     GpuMetrics,
     HostMetrics,
     JobSnapshot,
@@ -57,7 +57,7 @@ class MachineView:
     gpu_note: str | None
     pids: tuple[int, ...] = ()  # the ranks' main pids: new pids for the same ranks mean the job restarted
     evicted: bool = False  # an eviction of this machine succeeded: it runs none of the job's ranks any more
-    # The agent's memory of the job (rankscope.rank_progress), in the agent's clock; ages are measured on the
+    # The agent's memory of the job (rankscope.wire.rank_progress), in the agent's clock; ages are measured on the
     # agent's own clock too (its reading's time minus the mark), so no two machines' clocks are compared.
     clock_info: bool = False  # the agent reports these at all (older agents and bundles do not)
     progress_mark: float | None = None  # the latest progress of any of its ranks

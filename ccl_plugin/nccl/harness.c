@@ -1,7 +1,7 @@
 /* Drives the rankscope NCCL profiler plugin the way NCCL does, with no NCCL.
  *
  *   harness LIB counts  : a scripted set of collectives, p2p and proxy steps
- *                         (see tests/test_ccl_nccl_plugin.py for the expected
+ *                         (see tests/integration/test_ccl_nccl_plugin.py for the expected
  *                         counters), prints "ready", waits for a line on stdin
  *                         so a reader can check the live file, then finalizes;
  *   harness LIB bench N : N rounds of one collective with one proxy step,

@@ -1,5 +1,5 @@
 /* Generated from rankscope/ccl_plugin/layout.py by c_header(); do not edit.
- * tests/test_ccl_layout.py checks this file matches the Python layout.
+ * tests/integration/test_ccl_layout.py checks this file matches the Python layout.
  * Seqlock: writer makes seq odd, stores fields, makes seq even; readers retry
  * while seq is odd or changed across their copy. */
 #ifndef RANKSCOPE_LAYOUT_H

@@ -3,7 +3,7 @@
 The model (:mod:`rankscope.actions.model`) says what an action is. This
 module holds the few shapes the wire and the TUI need on top of it, without
 importing grpc, so the TUI can build a confirmation and read events while it
-reaches the agents only through ``rankscope.client``:
+reaches the agents only through ``rankscope.wire.client``:
 
 - :class:`Confirmation`: what the person confirmed -- the exact machines and
   ranks the plan named and, for eviction, the phrase they typed. An agent

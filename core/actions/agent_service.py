@@ -24,7 +24,7 @@ disconnects mid-way does not stop it half done. A pending lazy hot-update is
 applied by :meth:`ActionService.supervise_once`, which the agent calls every
 :data:`SUPERVISE_INTERVAL_S`.
 
-No grpc here: ``rankscope.agent`` wraps this service in the RPCs.
+No grpc here: ``rankscope.wire.agent`` wraps this service in the RPCs.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ from rankscope.actions.procedures.backup import back_up
 from rankscope.actions.procedures.evict import evict_locally, evict_with_backend
 from rankscope.actions.procedures.update import apply_due, switch_code
 from rankscope.ccl_plugin.backup import REQUEST_FILE
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import RankInfo
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import RankInfo
 
 SUBSCRIBER_QUEUE = 256  # records a watcher may lag behind before it re-reads the log
 SUPERVISE_INTERVAL_S = 5.0  # how often the agent checks a pending lazy update's window and its ranks

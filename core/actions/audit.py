@@ -28,7 +28,7 @@ from rankscope.actions.model import (
     AuditRecord,
 )
 from rankscope.actions.sqlite_store import SqliteStore
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (

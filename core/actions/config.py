@@ -25,8 +25,8 @@ from rankscope.actions.evict_backends import (
 )
 from rankscope.actions.hot_update import CodeVersions
 from rankscope.actions.model import check_machine
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import Layout
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import Layout
 
 DEFAULT_GRACE_S = 10.0
 BACKUP_WAIT_S = 60.0  # for every rank to reach a step boundary and write its shard

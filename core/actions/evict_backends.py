@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rankscope.actions.model import check_machine, check_text
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -214,12 +214,12 @@ class SlurmBackend(_CommandBackend):
         return tuple(w for w in self._ask(self.scontrol, "show", "hostnames", hostlist).split() if w)
 
     def job(self) -> dict[str, str]:
-        from rankscope.slurm import parse_fields
+        from rankscope.wire.slurm import parse_fields
 
         return parse_fields(self._ask(self.scontrol, "show", "job", "-o", self.job_id).strip())
 
     def _reserved(self) -> tuple[str, ...]:
-        from rankscope.slurm import parse_fields
+        from rankscope.wire.slurm import parse_fields
 
         if not self.standby_reservation:
             return ()

@@ -16,7 +16,7 @@ from typing import Any
 
 from rankscope.actions.model import UpdateMode, check_text
 from rankscope.actions.sqlite_store import SqliteStore
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 
 class UpdateKind(StrEnum):

@@ -45,7 +45,7 @@ from rankscope.actions.history import (
     find_version,
 )
 from rankscope.actions.model import HotUpdateArgs, RollbackArgs, UpdateMode, VersionSource, check_git_ref
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 # The agent's part: restart the training processes on this machine where they are, on ``version``.
 RestartCallback = Callable[[Version, str], None]

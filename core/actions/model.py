@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 
 class ActionKind(StrEnum):

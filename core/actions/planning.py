@@ -7,7 +7,7 @@ argv its eviction backend would run, where the code link points, the
 hot-update history -- and hands them to these functions, which do no I/O
 and run nothing. So the tests give them facts directly and check the exact
 targets, processes, argv, standbys and refusals the agent shows, on the same
-path production takes. A refusal is a :class:`~rankscope.errors.RankscopeError`
+path production takes. A refusal is a :class:`~rankscope.contract.errors.RankscopeError`
 whose message starts with "refused:" and whose fix says what to do instead.
 """
 
@@ -32,8 +32,8 @@ from rankscope.actions.model import (
     VersionSource,
     confirm_phrase_for,
 )
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import Layout, RankInfo
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import Layout, RankInfo
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 
 from rankscope.actions.evict_backends import SelfCheck
-from rankscope.snapshot import GpuStatus, HostMetrics
+from rankscope.contract.snapshot import GpuStatus, HostMetrics
 
 Check = tuple[str, bool, str]
 

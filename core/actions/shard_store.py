@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rankscope.ccl_plugin.backup import shard_path, stored_steps, write_shard_files
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 ORIGINS = ("own", "peer")
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 
 class SqliteStore:

@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING
 
 from rankscope.actions.evict_backends import EvictionOutcome, LocalBackend, SelfCheck
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionResult, ActionState, AuditRecord
+from rankscope.contract.errors import RankscopeError
 from rankscope.drill.launcher import Launcher
-from rankscope.errors import RankscopeError
 
 if TYPE_CHECKING:
-    from rankscope.tls import ClientTLS
+    from rankscope.wire.tls import ClientTLS
 
 FINAL = frozenset({ActionState.SUCCEEDED.value, ActionState.FAILED.value, ActionState.CANCELLED.value,
                    ActionState.REFUSED.value})
@@ -234,7 +234,7 @@ class Recovery:
     async def _follow(self, addresses: dict[str, str]) -> _Finished | None:
         """Follow these agents until an eviction or a hot-update has finished everywhere (None: stopping)."""
         from rankscope.actions.agent_protocol import AgentLost
-        from rankscope.client import JobClient
+        from rankscope.wire.client import JobClient
 
         machine_of = {address: name for name, address in addresses.items()}
         seen: dict[str, _Seen] = {}
@@ -350,7 +350,7 @@ HOSTFILE = "agents.txt"  # the drill's hostfile, which the pairing command attac
 
 def mark_evicted_in_hostfile(path: Path, addresses: dict[str, str], evicted: tuple[str, ...]) -> None:
     """Mark the evicted machines' agents in the hostfile, so every view, attached now or later, shows them evicted."""
-    from rankscope.agents_spec import hostfile_members, write_hostfile
+    from rankscope.wire.agents_spec import hostfile_members, write_hostfile
 
     if not path.exists():
         return
@@ -414,7 +414,7 @@ async def evict_machines(agents: list[str], token: str, machines: tuple[str, ...
 
     from rankscope.actions.agent_protocol import combined_phrase, confirmation_for
     from rankscope.actions.model import ActionPlan, ActionRequest, EvictArgs, Targets
-    from rankscope.client import JobClient
+    from rankscope.wire.client import JobClient
 
     request = ActionRequest(action_id=f"evict-{uuid.uuid4().hex[:12]}", kind=ActionKind.EVICT,
                             targets=Targets(machines=machines), args=EvictArgs(reason=reason),

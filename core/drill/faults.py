@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import Layout
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import Layout
 
 FAULT_ENV = "RANKSCOPE_DRILL_FAULT"
 GROUPS = ("tp", "pp", "dp")

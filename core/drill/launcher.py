@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import DrillLayout, machine_name
-from rankscope.errors import RankscopeError
 
 if TYPE_CHECKING:
     from rankscope.actions.config import ActionsConfig

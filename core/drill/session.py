@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import JobSnapshot, ProcessRole, main_thread
 from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent, ranks_resumed, standby_name
 from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan, GroundTruth, ground_truth, machine_name
 from rankscope.drill.launcher import Launcher, TrainingOptions
 from rankscope.drill.progress import ProgressWatcher
-from rankscope.errors import RankscopeError
-from rankscope.snapshot import JobSnapshot, ProcessRole, main_thread
 
 POLL_S = 0.1
 
@@ -291,7 +291,7 @@ class DrillSession:
 
     def _capture(self, *, native: bool, subprocesses: bool, timeout_s: float, started: float) -> JobSnapshot:
         if self.agents:
-            from rankscope.client import capture_once
+            from rankscope.wire.client import capture_once
 
             snap = capture_once(list(self.agents.values()), self.token(), native=native, subprocesses=subprocesses,
                                 timeout_s=timeout_s)
@@ -305,8 +305,8 @@ class DrillSession:
         return snap
 
     async def _capture_in_process(self, *, native: bool, subprocesses: bool, timeout_s: float) -> JobSnapshot:
+        from rankscope.contract.snapshot import Instant
         from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
-        from rankscope.snapshot import Instant
 
         options = CaptureOptions(native=native, subprocesses=subprocesses, timeout_s=timeout_s)
         started = Instant(wall=time.time(), mono=time.monotonic())
@@ -713,7 +713,7 @@ def _seconds(times: dict[str, float], a: str, b: str) -> float | None:
 def run_headless(config: DrillConfig, *, bundle_path: Path | None = None,
                  on_event: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Start, inject, wait until progress stops (or the capture step for slow faults), capture, write the bundle."""
-    from rankscope.bundle import Bundle, write_bundle
+    from rankscope.contract.bundle import Bundle, write_bundle
 
     say = on_event or (lambda _msg: None)
     with DrillSession(config) as s:

@@ -1,7 +1,7 @@
 """The drill on Slurm: the README's incident (hang -> `e` -> drain, requeue, resume) on a real Slurm cluster.
 
 ``run_slurm_drill`` starts a local multi-node Slurm cluster
-(``rankscope.slurm_cluster``: one slurmd per node on this host, plus idle
+(``rankscope.drill.slurm_cluster``: one slurmd per node on this host, plus idle
 standby nodes in a ``standby`` partition), or uses the one ``SLURM_CONF``
 names, and runs the drill's training job as one ``sbatch``: one torchrun per
 node (``srun -N$SLURM_JOB_NUM_NODES``), node rank ``$SLURM_NODEID``. The
@@ -10,7 +10,7 @@ requeued run (``SLURM_RESTART_COUNT`` > 0) starts with ``--resume`` and no fault
 
 Then what an on-call engineer does with ``rankscope attach --slurm J``, minus
 the keyboard: wait until progress stops, start the agents inside the job
-(``rankscope.slurm.SlurmAgents``: TLS, a session token), capture, let the
+(``rankscope.wire.slurm.SlurmAgents``: TLS, a session token), capture, let the
 analyzers name the suspect machines, plan and confirm their eviction (what
 `e` sends), and watch Slurm drain them, requeue the job and restart it on
 the remaining nodes plus standbys, until every rank has trained past the step
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan, ground_truth
 from rankscope.drill.launcher import RUN_ID_ENV, TrainingOptions, free_port
 from rankscope.drill.progress import read_progress
-from rankscope.errors import RankscopeError
 
 STANDBY_PARTITION = "standby"
 POLL_S = 0.5
@@ -106,7 +106,7 @@ class SlurmDrillJob:
                        "world": layout.world}
         try:
             if os.environ.get("SLURM_CONF") is None:
-                from rankscope.slurm_cluster import LocalSlurmCluster
+                from rankscope.drill.slurm_cluster import LocalSlurmCluster
 
                 nodes = layout.machines + config.standbys
                 standby_numbers = tuple(range(layout.machines + 1, nodes + 1))
@@ -130,7 +130,7 @@ class SlurmDrillJob:
 
     def __exit__(self, *exc: object) -> None:
         if self.job:
-            from rankscope.slurm import run_cli
+            from rankscope.wire.slurm import run_cli
 
             run_cli(["scancel", self.job], env=self.env, timeout_s=30)
         if self._cluster is not None:
@@ -182,7 +182,7 @@ def run_slurm_drill_attached(config: SlurmDrillConfig, on_event: Callable[[str],
     nodes and the TUI shows it resume. When the TUI quits the job is
     cancelled and the cluster stopped; the report says what Slurm did.
     """
-    from rankscope.commands.target import slurm_target
+    from rankscope.cli.commands.target import slurm_target
     from rankscope.tui.app import run_attach
 
     say = on_event or (lambda _m: None)
@@ -209,7 +209,7 @@ def run_slurm_drill_attached(config: SlurmDrillConfig, on_event: Callable[[str],
 
 
 def _submit(config: SlurmDrillConfig, run_dir: Path, env: dict[str, str], cluster: Any) -> str:
-    from rankscope.slurm import run_cli
+    from rankscope.wire.slurm import run_cli
 
     script = run_dir / "drill-job.sh"
     script.write_text(batch_script(config, run_dir, free_port()), encoding="utf-8")
@@ -249,25 +249,25 @@ def _counter_env(run_dir: Path) -> dict[str, str]:
 
 
 def _state(job: str, env: dict[str, str]) -> str:
-    from rankscope.slurm import run_cli
+    from rankscope.wire.slurm import run_cli
 
     return run_cli(["squeue", "-h", "-j", job, "-o", "%T"], env=env).stdout.strip()
 
 
 def _job_nodes(job: str, env: dict[str, str]) -> tuple[str, ...]:
-    from rankscope.slurm import job_info
+    from rankscope.wire.slurm import job_info
 
     return job_info(job, env).nodes
 
 
 def _restarts(job: str, env: dict[str, str]) -> int:
-    from rankscope.slurm import job_info
+    from rankscope.wire.slurm import job_info
 
     return int(job_info(job, env).fields.get("Restarts", "0") or 0)
 
 
 def _node_state(node: str, env: dict[str, str]) -> str:
-    from rankscope.slurm import run_cli
+    from rankscope.wire.slurm import run_cli
 
     return run_cli(["sinfo", "-h", "-n", node, "-o", "%T"], env=env).stdout.strip()
 
@@ -294,9 +294,9 @@ def _wait_stalled(run_dir: Path, world: int, config: SlurmDrillConfig) -> dict[i
 
 def _attach_and_evict(config: SlurmDrillConfig, d: SlurmDrillJob) -> dict[str, Any]:
     """What `rankscope attach --slurm J` and `e` do: capture, name the suspect machines, evict them."""
-    from rankscope.client import capture_once
-    from rankscope.commands.target import slurm_target
+    from rankscope.cli.commands.target import slurm_target
     from rankscope.drill.control import evict_machines
+    from rankscope.wire.client import capture_once
 
     out: dict[str, Any] = {}
     run_dir = d.run_dir

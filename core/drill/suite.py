@@ -288,7 +288,7 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
                  say: Callable[[str], None]) -> dict[str, Any]:
     """Poll, capture and detect until a confident verdict or the time limit after onset."""
     from rankscope.analyzers.failslow import FailSlowConfig, FailSlowDetector
-    from rankscope.client import JobClient
+    from rankscope.wire.client import JobClient
 
     layout = session.layout.to_snapshot_layout()
     detector = FailSlowDetector(FailSlowConfig(window_s=config.window_s, continuity_s=config.continuity_s,
@@ -303,7 +303,7 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
         flags = tuple(f"{f.detector}@{f.machine}{' ALARM' if f.alarmed else ''} {f.score:.2f}: {f.evidence}"
                       for f in (fs.flags if fs is not None else ()))
         if config.record and series:
-            from rankscope.bundle import Bundle, write_bundle
+            from rankscope.contract.bundle import Bundle, write_bundle
 
             write_bundle(Bundle(snapshots=tuple(series), created_wall=time.time(), ground_truth=truth.to_dict(),
                                 meta={"command": "drill --suite", "onset_mono": onset.onset_mono}),
@@ -351,9 +351,9 @@ def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None
 
     ``unprepared``: the job runs without the CCL counters (plain torchrun).
     """
+    from rankscope.contract.errors import RankscopeError
     from rankscope.drill.faults import ground_truth
     from rankscope.drill.session import DrillConfig, DrillSession
-    from rankscope.errors import RankscopeError
 
     plan = item.plan
     layout = config.layout

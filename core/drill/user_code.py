@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 CODE_ENV = "RANKSCOPE_DRILL_CODE"  # the node's code link; unset: the worker runs as it always did
 MACHINE_ENV = "RANKSCOPE_DRILL_MACHINE"  # the label of the node's machine, for the records

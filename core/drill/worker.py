@@ -338,16 +338,23 @@ class Injector:
     time (the median of its steps before the fault) and burns ``factor - 1``
     times that much CPU per faulty step, spread over its micro-batches'
     compute. Its peers then wait on it in their next communication, as they
-    would on a slower device. On a shared CPU the burn also slows the peers
-    and they catch up while it burns, so the burn is steered by the faulty
-    steps the rank really takes: longer while they fall short of ``factor``
-    healthy steps, shorter when they overshoot, but never below the nominal
-    ``factor - 1`` healthy steps.
+    would on a slower device.
+
+    Steps do not keep their healthy length: observers sampling every rank on a
+    loaded machine make every step longer, and a burn fixed from the steps
+    before the watch shrinks to a varying sliver of the step being watched
+    (the 1.5× case was then missed one run in four). So the burn follows the
+    steps the rank takes now: each faulty step's length less what it burned
+    is what the step would have taken without the fault, and the rank burns
+    ``factor - 1`` times the median of the last few of those, never less than
+    the nominal ``factor - 1`` healthy steps (a slow device stays slow) and
+    never more than ``3 × factor`` healthy steps (a burn that slows its peers
+    on a shared CPU must not feed on itself).
     """
 
     WARMUP_STEPS = 2  # the first steps pay for lazy set-up; not "healthy" timing
     HEALTHY_STEPS = 15  # how many healthy steps the median is taken over
-    GAIN = 0.5  # how much of a faulty step's shortfall the next step's burn makes up
+    RECENT_STEPS = 7  # how many faulty steps' unfaulted lengths the burn follows
 
     def __init__(self, plan: FaultPlan, rank: int) -> None:
         self.plan = plan
@@ -358,7 +365,9 @@ class Injector:
         self._healthy: list[float] = []  # durations of the rank's steps before the fault
         self._calls = 0  # compute-hook calls in the current step
         self._calls_per_step = 1
-        self._burn_s: float | None = None  # CPU burned per faulty step
+        self._burn_s: float | None = None  # CPU to burn per faulty step
+        self._burned = 0.0  # CPU burned in the current step
+        self._unfaulted: list[float] = []  # recent faulty steps' lengths less their burn
 
     def mine(self) -> bool:
         return self.plan.hits(self.rank, self.step)
@@ -373,14 +382,14 @@ class Injector:
                 self._calls_per_step = max(1, self._calls)
             elif self._burn_s is not None and self.plan.hits(self.rank, prev) and self.plan.name == "slow-compute":
                 healthy = self.healthy_step_s() or took
-                target = self.plan.factor * healthy
-                # Never below the nominal burn: steps made long by something else (observers sampling every
-                # rank on a loaded machine) would steer it to nothing, and the fault would vanish, as a slow
-                # device's slowness does not.
+                self._unfaulted = [*self._unfaulted, max(0.0, took - self._burned)][-self.RECENT_STEPS:]
+                unfaulted = sorted(self._unfaulted)[len(self._unfaulted) // 2]
                 nominal = (self.plan.factor - 1.0) * healthy
-                self._burn_s = min(3.0 * target, max(nominal, self._burn_s + self.GAIN * (target - took)))
+                self._burn_s = min(3.0 * self.plan.factor * healthy,
+                                   max(nominal, (self.plan.factor - 1.0) * unfaulted))
         self._step_started = now
         self._calls = 0
+        self._burned = 0.0
         if self.mine() and self.plan.name == "crash" and self.step == self.plan.step:
             drill_injected_crash(self.rank, self.step)
 
@@ -408,6 +417,7 @@ class Injector:
                 seconds = self._burn_s / self._calls_per_step
             else:  # no healthy step seen (fault from the first steps): scale the forward, ~1/3 of compute
                 seconds = 3.0 * (time.perf_counter() - self.compute_started) * (self.plan.factor - 1.0)
+            self._burned += seconds
             drill_injected_slow_compute(seconds)
 
     def before_comm(self, kind: str, op: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from rankscope.snapshot import RankStacks
+from rankscope.contract.snapshot import RankStacks
 from rankscope.tui.analysis import rank_stack_lines
 from rich.text import Text
 from textual.app import ComposeResult

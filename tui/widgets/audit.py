@@ -25,7 +25,7 @@ RESULT_STYLES = {"succeeded": "bold green", "failed": "bold red", "refused": "re
 def standby_line(machines: int, daily_failure_rate: float) -> Text:
     """'warm standbys (P99): 2 for 128 machines at 0.12 %/machine/day' (or why it cannot be sized)."""
     from rankscope.analyzers.standby import size_standby_pool
-    from rankscope.errors import RankscopeError
+    from rankscope.contract.errors import RankscopeError
 
     t = Text()
     if machines <= 0:
@@ -44,7 +44,7 @@ def standby_line(machines: int, daily_failure_rate: float) -> Text:
 def backup_line(state: AppState) -> Text:
     """The backup rule for the job's layout (peers outside the rank's groups), or why it is unknown."""
     from rankscope.analyzers.backup_plan import backup_plan
-    from rankscope.errors import RankscopeError
+    from rankscope.contract.errors import RankscopeError
 
     t = Text()
     if state.layout is None:

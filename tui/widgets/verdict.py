@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rankscope.analyzers.topology import compact_machines, compact_ranks
 from rankscope.analyzers.verdict import group_numbers
-from rankscope.snapshot import Layout
+from rankscope.contract.snapshot import Layout
 from rankscope.tui.analysis import StackView
 from rankscope.tui.state import AppState, Filter, Health, fmt_time, health, step_rate
 from rankscope.tui.widgets.rank_map import group_glyph, group_style

@@ -38,7 +38,7 @@ from rankscope.actions.model import (
     VersionSource,
 )
 from rankscope.actions.procedures import Outcome, Report
-from rankscope.errors import RankscopeError
+from rankscope.contract.errors import RankscopeError
 
 
 def switch_code(request: ActionRequest, report: Report, machine: str, versions: CodeVersions,

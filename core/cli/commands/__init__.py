@@ -1,0 +1,1 @@
+"""One module per CLI verb; see rankscope.cli.main for the conventions."""

@@ -1,0 +1,389 @@
+"""`rankscope analyze`: the stack-aggregation verdict for a bundle or a folder of py-spy dumps.
+
+    rankscope analyze incident.json --tp 2 --pp 4 --dp 4 --order tp-pp-dp --ranks-per-machine 2
+    rankscope analyze --pyspy-dir dumps/ --tp 2 --pp 4 --dp 4 --order tp-pp-dp --ranks-per-machine 2 --json
+    rankscope analyze --flight-recorder traces/ --tp 2 --pp 2 --dp 2
+
+Sizes typed here override the layout recorded in the bundle; communicator
+membership recorded by the CCL plugin overrides both. When the snapshot
+carries CCL counters their verdict is merged with the stacks' (agreement
+counts for more; ``stacks_summary`` keeps the stacks' own headline). A
+bundle holding a series of snapshots is also read as fail-slow rounds (one
+round each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rankscope.contract.errors import RankscopeError
+
+_LAYOUT_FIX = "pass sizes whose product is the job's world size, e.g. --tp 2 --pp 4 --dp 4, and --order tp-pp-dp"
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "analyze",
+        help="group ranks' stacks and name the suspect parallel group and machines",
+        description="Group every rank's stacks (ByteRobust-style aggregation) and rank the parallel groups "
+                    "that explain the outliers, with their machines and the evidence.",
+    )
+    p.add_argument("bundle", nargs="?", type=Path, help="a bundle written by `rankscope snapshot -o` or the TUI")
+    src = p.add_argument_group("other sources (instead of a bundle)")
+    src.add_argument("--dumps", "--pyspy-dir", dest="pyspy_dir", type=Path, metavar="PATH",
+                     help="a folder or one pasted file of saved py-spy dumps, text as printed or --json: "
+                          "rank<R>.txt|json per rank (rank<R>.<name>.* for a subprocess), or one file per node "
+                          "holding several `py-spy dump` outputs one after another")
+    src.add_argument("--node-order", metavar="A,B,...",
+                     help="the order of per-node dump files (file names or stems) when ranks are numbered "
+                          "node by node (default: file-name order)")
+    src.add_argument("--flight-recorder", type=Path, metavar="DIR",
+                     help="folder of PyTorch NCCL flight-recorder dumps")
+    src.add_argument("--op-trace", type=Path, metavar="FILE",
+                     help="a per-operation timing trace (parquet in the ByteDance StragglerAnalysis schema, or CSV): "
+                          "which worker is slow and in which op, which stage is slow, or that nobody is")
+    src.add_argument("--trace-meta", type=Path, metavar="FILE",
+                     help="the trace's job metadata (meta-*.yaml: dp_size, pp_size, tp_size, world_size)")
+    lay = p.add_argument_group("parallel layout (overrides the bundle's)")
+    for dim, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"), ("cp", "context"), ("ep", "expert")):
+        lay.add_argument(f"--{dim}", type=int, metavar="N", help=f"{what}-parallel size")
+    lay.add_argument("--order", help="rank order, fastest-varying first: tp-cp-ep-dp-pp (Megatron's default), "
+                                     "tp-cp-ep-pp-dp, tp-pp-dp, ...")
+    lay.add_argument("--ranks-per-machine", type=int, metavar="N", help="consecutive ranks per machine")
+    sig = p.add_argument_group("signatures")
+    sig.add_argument("--keep-lines", action="store_true", help="keep line numbers in signatures")
+    sig.add_argument("--no-fold", action="store_true", help="keep wrapper frames (torch, functools, threading)")
+    sig.add_argument("--no-subprocesses", action="store_true", help="main processes only")
+    sig.add_argument("--idle-threads", action="store_true", help="include parked threads (queue/lock waits)")
+    p.add_argument("--snapshot", type=int, default=-1, metavar="I",
+                   help="which snapshot of a bundle series to judge (default: the last)")
+    p.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    p.set_defaults(func=run)
+
+
+def _layout(args: argparse.Namespace, base: Any) -> Any:
+    from rankscope.contract.snapshot import Layout
+
+    given = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "ep", "order", "ranks_per_machine")
+             if getattr(args, k) is not None}
+    if not given:
+        return base
+    start = base if base is not None else Layout()
+    fields = {k: getattr(start, k) for k in ("tp", "pp", "dp", "cp", "ep", "order", "ranks_per_machine")}
+    fields.update(given)
+    for k in ("tp", "pp", "dp", "cp", "ep", "ranks_per_machine"):
+        if fields[k] is not None and fields[k] < 1:
+            raise RankscopeError(f"--{k.replace('_', '-')} must be at least 1, got {fields[k]}", _LAYOUT_FIX)
+    return Layout(**fields)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rankscope.analyzers.stacks import SignatureOptions
+    from rankscope.analyzers.suspects import verdict_to_json
+
+    sources = [x for x in (args.bundle, args.pyspy_dir, args.flight_recorder, args.op_trace) if x is not None]
+    if len(sources) != 1:
+        raise RankscopeError(
+            "give exactly one of BUNDLE, --dumps PATH, --flight-recorder DIR or --op-trace FILE",
+            "e.g. `rankscope analyze incident.json` or `rankscope analyze --dumps dumps/ --tp 2 --pp 4 --dp 4`",
+        )
+    if args.op_trace is not None:
+        return _op_trace(args)
+    if args.bundle is not None and _is_dumps(args.bundle):
+        args.pyspy_dir, args.bundle = args.bundle, None  # a folder or a pasted dump given where a bundle goes
+    options = SignatureOptions(keep_lines=args.keep_lines, fold_wrappers=not args.no_fold,
+                               include_subprocesses=not args.no_subprocesses,
+                               include_idle_threads=args.idle_threads)
+    snapshots, other_verdicts, extra = _load(args)
+    index = args.snapshot
+    if not -len(snapshots) <= index < len(snapshots):
+        raise RankscopeError(f"--snapshot {index} is out of range: the bundle holds {len(snapshots)} snapshot(s)",
+                             f"pass a number from 0 to {len(snapshots) - 1}, or -1 for the last")
+    snapshot = snapshots[index]
+    layout = _layout(args, snapshot.layout)
+    if other_verdicts and not any(m.stacks for m in snapshot.machines):
+        # Nothing to group (flight-recorder dumps carry counters only): the other detectors speak alone.
+        out = _verdict_only(other_verdicts, snapshot, layout)
+        out.update(extra)
+        _print(out, args.json)
+        return 0
+    from rankscope.analyzers.analysis import analyze_job
+
+    try:
+        job = analyze_job(snapshot, layout, options, other_verdicts)  # the TUI's and the drill's analysis too
+        rounds = _rounds(snapshots, layout, options) if len(snapshots) > 1 else None
+    except ValueError as exc:
+        raise RankscopeError(str(exc), _LAYOUT_FIX) from None
+
+    analysis = job.stacks
+    out = verdict_to_json(analysis)
+    # The one verdict (job.verdict): merged with CCL counters or a flight recorder where there are any, and
+    # its suspects folded (a root's own groups and its victims are its evidence) in every case.
+    from rankscope.analyzers.findings import finding_to_json
+    from rankscope.analyzers.suspects import suspect_to_json
+
+    merged = job.verdict
+    if job.merged_with:
+        out["stacks_summary"] = out["summary"]
+    out["summary"] = merged.summary
+    out["suspects"] = [suspect_to_json(s) for s in merged.suspects]
+    out["findings"] = [finding_to_json(f) for f in merged.findings]
+    out["missing_ranks"] = list(merged.missing_ranks)
+    out["notes"] = list(merged.notes)
+    if analysis.chain is not None:
+        from rankscope.analyzers.completeness import rank_evidence, rank_evidence_to_json
+
+        out["rank_evidence"] = [rank_evidence_to_json(e) for e in rank_evidence(snapshot, analysis.chain)]
+    if rounds is not None:
+        out["fail_slow"] = rounds
+    if snapshot.notes:
+        out["notes"] = [*snapshot.notes, *out["notes"]]  # type: ignore[misc]
+    assignment = rank_assignment(snapshot)
+    if assignment:
+        out["rank_assignment"] = assignment
+    _print(out, args.json)
+    return 0
+
+
+def _is_dumps(path: Path) -> bool:
+    """A folder, or a file that is not a bundle (a bundle is a JSON object), is read as saved dumps."""
+    if path.is_dir():
+        return True
+    try:
+        with path.open("rb") as f:
+            head = f.read(256).lstrip()
+    except OSError:
+        return False
+    return not head.startswith(b"{")
+
+
+def rank_assignment(snapshot: Any) -> list[dict[str, Any]]:
+    """How each rank read from saved dumps got its number: rank, machine, pid, rule, and where from."""
+    out = []
+    for m in snapshot.machines:
+        for r in m.ranks:
+            if r.rank_source is not None:
+                rule, _, detail = r.rank_source.partition(": ")
+                out.append({"rank": r.rank, "machine": m.machine, "pid": r.pid, "rule": rule, "source": detail})
+    return sorted(out, key=lambda a: a["rank"])
+def _op_trace(args: argparse.Namespace) -> int:
+    """``--op-trace``: the trace's verdict (analyzers.optrace), as text or JSON."""
+    import dataclasses
+
+    from rankscope.analyzers.optrace import TraceError, analyze_trace
+    from rankscope.formats.optrace_io import read_op_trace, read_trace_meta
+
+    columns = read_op_trace(args.op_trace)
+    meta = read_trace_meta(args.trace_meta) if args.trace_meta is not None else {}
+    try:
+        verdict = analyze_trace(columns)
+    except TraceError as exc:
+        raise RankscopeError(f"--op-trace {args.op_trace}: {exc}",
+                             "pass a trace with dp_rank, stage, rank, step, optype and duration columns") from None
+    out = dataclasses.asdict(verdict)
+    out["no_single_worker"] = verdict.no_single_worker
+    out["meta"] = meta
+    if args.json:
+        json.dump(out, sys.stdout, indent=1, default=str)
+        sys.stdout.write("\n")
+        return 0
+    job = ", ".join(f"{k} {meta[k]}" for k in ("dp_size", "pp_size", "tp_size", "world_size") if k in meta)
+    sys.stdout.write(f"{args.op_trace.name}: {verdict.workers} workers over {verdict.stages} stages, "
+                     f"{verdict.steps} steps{f' ({job})' if job else ''}\n{verdict.summary}\n")
+    return 0
+
+
+def _print(out: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        json.dump(out, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_text(out))
+
+
+def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, Any]:
+    """The --json shape for a source without stacks: no groups, the detectors' suspects."""
+    from rankscope.analyzers.findings import finding_to_json
+    from rankscope.analyzers.suspects import suspect_to_json
+    from rankscope.analyzers.verdict import merge_verdicts
+
+    verdict = merge_verdicts(*verdicts)
+    lay = layout
+    sizes = {d: getattr(lay, d) if lay is not None else 1 for d in ("tp", "pp", "dp", "cp", "ep")}
+    return {
+        "summary": verdict.summary,
+        "world_size": snapshot.world_size,
+        "layout": {**sizes, "order": lay.order if lay is not None else "tp-cp-ep-dp-pp",
+                   "ranks_per_machine": lay.ranks_per_machine if lay is not None else None,
+                   "from_communicators": [], "assumed": lay is None},
+        "groups": [],
+        "dominant": [],
+        "outliers": [],
+        "suspects": [suspect_to_json(s) for s in verdict.suspects],
+        "findings": [finding_to_json(f) for f in verdict.findings],
+        "chain": None,
+        "rank_evidence": [],
+        "missing_ranks": list(verdict.missing_ranks),
+        "notes": [*snapshot.notes, *(n for n in verdict.notes if n not in snapshot.notes)],
+    }
+
+
+def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    """The snapshots to judge, verdicts from other detectors (the flight recorder's), extra --json keys."""
+    if args.bundle is not None:
+        from rankscope.contract.bundle import read_bundle
+
+        bundle = read_bundle(args.bundle)
+        if not bundle.snapshots:
+            raise RankscopeError(f"{args.bundle} holds no snapshots", "capture one with `rankscope snapshot -o FILE`")
+        return list(bundle.snapshots), [], {}
+    if args.pyspy_dir is not None:
+        from rankscope.formats.pyspy_dir import load_pyspy_dir
+
+        order = [n.strip() for n in args.node_order.split(",") if n.strip()] if args.node_order else None
+        return [load_pyspy_dir(args.pyspy_dir, _layout(args, None), order)], [], {}
+    try:
+        from rankscope.formats.flight_recorder import read_flight_recorder_dir  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        raise RankscopeError(
+            "this rankscope has no flight-recorder reader (rankscope.formats.flight_recorder is missing)",
+            "analyze a bundle or a --pyspy-dir instead, or install a rankscope release that has it",
+        ) from None
+    from rankscope.analyzers.flight_recorder import wavefront_to_json
+
+    report = read_flight_recorder_dir(args.flight_recorder, _layout(args, None))
+    return [report.snapshot], [report.verdict], {"fr_wavefront": [wavefront_to_json(w)
+                                                                  for w in report.analysis.wavefront]}
+
+
+def _rounds(snapshots: list[Any], layout: Any, options: Any) -> dict[str, object]:
+    from rankscope.analyzers.rounds import FailSlowRounds
+    from rankscope.analyzers.suspects import analyze_stacks, suspect_to_json
+
+    rounds = FailSlowRounds(rounds=len(snapshots))
+    for snap in snapshots:
+        rounds.add_round(analyze_stacks(snap, layout if layout is not None else snap.layout, options))
+    degrader = rounds.flagged()
+    return {
+        "rounds": [{"index": r.index, "outliers": r.outliers, "summary": r.summary,
+                    "flagged": suspect_to_json(r.flagged) if r.flagged else None} for r in rounds.history],
+        "degrader": suspect_to_json(degrader) if degrader else None,
+    }
+
+
+def render_text(out: dict[str, Any]) -> str:
+    """The verdict for a person: headline, layout, groups, suspects with evidence, gaps."""
+    lines = [f"verdict: {out['summary']}"]
+    lay = out["layout"]
+    dims = " ".join(f"{d}={lay[d]}" for d in ("tp", "pp", "dp", "cp", "ep") if lay[d] > 1) or "no parallel sizes"
+    rpm = f", {lay['ranks_per_machine']} ranks/machine" if lay.get("ranks_per_machine") else ""
+    lines.append(f"layout: {dims} (order {lay['order']}), world {out['world_size']}{rpm}"
+                 + (" [assumed]" if lay.get("assumed") else ""))
+    lines.append("")
+    lines.append(f"stack groups ({len(out['groups'])}):")
+    for g in out["groups"][:20]:
+        tag = "healthy" if g["healthy"] else "outlier" if out["dominant"] else "group"
+        div = f"\n      leaves the healthy path at {g['diverging_frame']}" if g.get("diverging_frame") else ""
+        lines.append(f"  [{tag}] {g['size']} rank(s) {_ranks(g['ranks'])}: {g['summary']}{div}")
+    if len(out["groups"]) > 20:
+        lines.append(f"  ... {len(out['groups']) - 20} more groups (use --json)")
+    lines.append("")
+    if out["suspects"]:
+        lines.append("suspects (most likely first):")
+        for i, s in enumerate(out["suspects"][:5], 1):
+            state = f"  [{s['state']}]" if s.get("state") else ""
+            lines.append(f"  {i}. [{s['kind']}] score {s['score']:.2f}  machines: {', '.join(s['machines']) or '?'}"
+                         + state)
+            lines.extend(f"       {e}" for e in s["evidence"])
+            if s.get("victims"):
+                lines.append(f"       victims (wait on it, not suspects): ranks {_ranks(s['victims'])}")
+    else:
+        lines.append("suspects: none")
+    if out.get("findings"):
+        lines.append("")
+        lines.append("findings:")
+        for f in out["findings"]:
+            comm = f" on {f['communicator']}" if f.get("communicator") else ""
+            lines.append(f"  [{f['kind']}] ranks {_ranks(f['ranks'])}{comm}: {f['summary']}")
+            lines.extend(f"       {e}" for e in f["evidence"])
+            if f.get("advice"):
+                lines.append(f"       advice: {f['advice']}")
+    gaps = [e for e in out.get("rank_evidence", []) if not e["complete"]]
+    if gaps:
+        lines.append("")
+        lines.append(f"incomplete evidence ({len(gaps)} of {len(out['rank_evidence'])} ranks; --json: rank_evidence):")
+        alike: dict[tuple[str, str], list[int]] = {}
+        for e in gaps:  # ranks that lack the same thing for the same reason share a line
+            what = "; ".join(e["failed"]) or (f"stack cut short: {e['truncated']}" if e["truncated"] else e["detail"])
+            alike.setdefault((e["state"], what), []).append(e["rank"])
+        for (state, what), ranks in list(alike.items())[:10]:
+            lines.append(f"  {'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)} [{state}]: {what}")
+        if len(alike) > 10:
+            lines.append(f"  ... {len(alike) - 10} more kinds of gap")
+    lines.extend(_render_fr_wavefront(out))
+    fs = out.get("fail_slow")
+    if fs:
+        lines.append("")
+        lines.append(f"fail-slow rounds ({len(fs['rounds'])}):")
+        for r in fs["rounds"]:
+            lines.append(f"  round {r['index']}: {r['summary']}")
+        deg = fs["degrader"]
+        lines.append(f"  degrader: {deg['evidence'][0] if deg else 'none'}")
+    if out.get("rank_assignment"):
+        lines.append("")
+        lines.extend(_assignment_lines(out["rank_assignment"]))
+    if out["missing_ranks"]:
+        lines.append("")
+        lines.append(f"could not see ranks: {_ranks(out['missing_ranks'])}")
+    if out["notes"]:
+        lines.append("")
+        lines.extend(f"note: {n}" for n in out["notes"])
+    return "\n".join(lines) + "\n"
+
+
+def _assignment_lines(assignment: list[dict[str, Any]], limit: int = 20) -> list[str]:
+    """Rank numbers and the rule that gave each, runs of one rule on one machine on one line."""
+    runs: list[tuple[tuple[str, str], list[dict[str, Any]]]] = []
+    for a in assignment:
+        # A rank named by its own file needs no machine to be told apart; the others are per node.
+        key = (a["rule"], "" if a["rule"] == "file-name" else a["machine"])
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(a)
+        else:
+            runs.append((key, [a]))
+    lines = ["rank numbers (rule: how each was told):"]
+    for (rule, machine), items in runs[:limit]:
+        first = items[0]
+        where = f" on {machine}" if machine else ""
+        more = f"; {len(items) - 1} more alike" if len(items) > 1 else ""
+        lines.append(f"  rank(s) {_ranks([a['rank'] for a in items])}{where}: {rule}"
+                     f" (rank {first['rank']}, pid {first['pid']}: {first['source']}{more})")
+    if len(runs) > limit:
+        lines.append(f"  ... {len(runs) - limit} more runs (use --json)")
+    return lines
+
+
+def _render_fr_wavefront(out: dict[str, Any]) -> list[str]:
+    """The flight recorder's wavefront: per group, the least-progressed ranks first."""
+    waves = out.get("fr_wavefront")
+    if waves is None:
+        return []
+    from rankscope.analyzers.flight_recorder import wavefront_line
+
+    lines = ["", "flight-recorder wavefront (laggards first):"]
+    lines.extend(f"  {wavefront_line(w)}" for w in waves[:20])
+    if not waves:
+        lines.append("  no collective recorded")
+    if len(waves) > 20:
+        lines.append(f"  ... {len(waves) - 20} more groups (use --json)")
+    return lines
+
+
+def _ranks(ranks: list[int]) -> str:
+    from rankscope.analyzers.topology import compact_ranks
+
+    return compact_ranks(ranks)  # imported here: `rankscope --help` does not load the analyzers

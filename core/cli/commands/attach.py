@@ -1,0 +1,139 @@
+"""`rankscope attach`: the live TUI on a job's agents, or a saved bundle offline.
+
+    rankscope attach --agents 'node[01-16]:50051' --token-file ~/.rankscope/token --tp 2 --pp 4 --dp 4
+    rankscope attach --hostfile agents.txt --read-only
+    rankscope attach --bundle incident.json
+    rankscope attach --slurm 12345 --tp 2 --pp 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from rankscope.cli.commands.target import add_slurm_args, add_tls_args, open_target
+from rankscope.contract.errors import RankscopeError
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "attach", help="inspect a job live in the terminal UI (or a saved bundle with --bundle)",
+        description="Attach the terminal UI to a job's agents, or open a saved bundle offline with the same views.",
+    )
+    src = p.add_argument_group("what to open")
+    src.add_argument("--agents", help="comma-separated host:port list, Slurm-style range (node[01-16]:50051) or @hostfile")
+    src.add_argument("--hostfile", type=Path, help="file with one agent (host:port or range) per line")
+    src.add_argument("--port", type=int, default=None, help="port for entries written without one")
+    src.add_argument("--bundle", type=Path, help="open a saved bundle or recorded series offline")
+    p.add_argument("--token-file", type=Path, help="file with the token to send; default: $RANKSCOPE_TOKEN")
+    p.add_argument("--read-only", action="store_true", help="no actions that change the job (evict, update, backup)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between polls of metrics and counters (default 1)")
+    p.add_argument("--deadline", type=float, default=5.0, help="seconds each agent has to answer (default 5)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds each py-spy call may take (default 5)")
+    p.add_argument("--native", action="store_true", help="include native frames in stack captures")
+    p.add_argument("--hang-after", type=float, default=30.0,
+                   help="capture stacks automatically when progress stops this long (default 30 s)")
+    p.add_argument("--fail-slow", action="store_true",
+                   help="capture stacks every 10 s (fail-slow rounds) and sample every rank's main thread "
+                        "--sample-hz times a second (the sampled-stack straggler test; no counters needed)")
+    p.add_argument("--sample-hz", type=float, default=5.0,
+                   help="fail-slow: non-blocking stack samples per second per rank (default 5; 0 turns them off)")
+    p.add_argument("--window", type=float, default=30.0,
+                   help="fail-slow: Aegis window T in seconds (default 30; production uses 600)")
+    p.add_argument("--continuity", type=float, default=20.0,
+                   help="fail-slow: Minder continuity in seconds (default 20; production uses 240)")
+    p.add_argument("--rounds", type=int, default=5, help="fail-slow: stack rounds before naming the degrader (default 5)")
+    p.add_argument("--no-initial-capture", action="store_true", help="do not capture stacks on attach")
+    p.add_argument("--bundle-dir", type=Path, default=Path("."), help="where `w` writes bundles (default: here)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (to name parallel groups)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size")
+    p.add_argument("--dp", type=int, help="data-parallel size")
+    p.add_argument("--order", default="tp-cp-ep-dp-pp", help="rank order of the parallel dimensions")
+    p.add_argument("--ranks-per-machine", type=int, help="ranks on each machine")
+    p.add_argument("--slurm-state-dir", default="~/.rankscope/slurm/%j/%n",
+                   help="with --slurm: where each node's agent keeps its audit log and blocklist "
+                        "(%%j: job id, %%n: node; default ~/.rankscope/slurm/%%j/%%n)")
+    p.add_argument("--standby-partition",
+                   help="with --slurm: evicted nodes are replaced by idle nodes of this partition")
+    p.add_argument("--standby-reservation",
+                   help="with --slurm: evicted nodes are replaced by idle nodes of this reservation")
+    add_tls_args(p)
+    add_slurm_args(p)
+    p.set_defaults(func=run)
+
+
+def _layout(args: argparse.Namespace) -> Any:
+    from rankscope.contract.snapshot import Layout
+
+    if not any(x is not None for x in (args.tp, args.pp, args.dp, args.ranks_per_machine)):
+        return None
+    return Layout(tp=args.tp or 1, pp=args.pp or 1, dp=args.dp or 1, order=args.order,
+                  ranks_per_machine=args.ranks_per_machine)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from rankscope.tui import app as tui_app
+    except ImportError as exc:
+        raise RankscopeError(f"the terminal UI is not installed ({exc})", "pip install 'rankscope[tui]'") from None
+    layout = _layout(args)
+    if args.window <= 0 or args.continuity <= 0 or args.rounds < 1:
+        raise RankscopeError("--window and --continuity must be positive and --rounds at least 1",
+                             "e.g. --window 30 --continuity 20 --rounds 5 (production: 600, 240, 5)")
+    from rankscope.analyzers.failslow import config_for
+
+    options: dict[str, Any] = {
+        "poll_interval_s": args.interval, "hang_after_s": args.hang_after, "fail_slow": args.fail_slow,
+        "capture_on_start": not args.no_initial_capture, "bundle_dir": args.bundle_dir,
+        "failslow_config": config_for(args.window, args.continuity, args.rounds),
+    }
+    if args.bundle is not None:
+        if args.agents or args.hostfile or args.slurm:
+            raise RankscopeError("--bundle opens a saved file; it cannot be combined with --agents/--hostfile/--slurm",
+                                 "drop --bundle to attach live, or drop --agents to open the bundle")
+        return tui_app.run_bundle(args.bundle, layout=layout, read_only=args.read_only, **options)
+    from rankscope.wire.tokens import Role
+
+    if args.hostfile is not None:
+        from rankscope.wire.agents_spec import hostfile_members
+
+        # Followed while attached: agents added to it are asked, ones marked evicted are shown as such.
+        options["hostfile"] = args.hostfile
+        options["evicted"] = hostfile_members(args.hostfile, default_port=args.port)[1]
+    role = Role.READ
+    if not args.read_only and not args.slurm:
+        # A session that may act sends a token of the 'act' role; with only a read token it still
+        # attaches, and the action keys say why they cannot act instead of failing at the agents.
+        from rankscope.wire.tokens import load_client_token
+
+        try:
+            load_client_token(args.token_file, role=Role.ACT)
+            role = Role.ACT
+        except RankscopeError as exc:
+            options["act_problem"] = (exc.message, exc.fix)
+    if not 0 <= args.sample_hz <= 20:
+        raise RankscopeError("--sample-hz must be between 0 (off) and 20", "e.g. --sample-hz 5")
+    state_dir = None
+    if args.slurm and not args.read_only:
+        state_dir = str(args.slurm_state_dir).replace("%j", str(args.slurm))
+        if state_dir.startswith("~"):
+            state_dir = str(Path(state_dir).expanduser())
+    extra: list[str] = []
+    if args.standby_partition:
+        extra += ["--slurm-standby-partition", args.standby_partition]
+    if args.standby_reservation:
+        extra += ["--slurm-standby-reservation", args.standby_reservation]
+    with open_target(args, role=role, state_dir=state_dir, agent_args=extra, follow=True) as target:
+        if target.hostfile is not None:
+            options["hostfile"] = target.hostfile  # the agents of the job's new nodes after a requeue
+        if not target.agents:
+            raise RankscopeError("no agents given", "pass --agents host:port[,...], --hostfile FILE, or --bundle FILE")
+        from rankscope.wire.slurm import missing_lines
+
+        for line in missing_lines(target.missing):
+            print(f"rankscope attach: {line.strip()}", file=sys.stderr)
+        return tui_app.run_attach(target.agents, target.token, layout=layout, read_only=args.read_only,
+                                  deadline_s=args.deadline, capture_timeout_s=args.timeout, native=args.native,
+                                  tls=target.tls, sample_hz=args.sample_hz if args.fail_slow else 0.0, **options)

@@ -1,1 +1,0 @@
-"""One module per CLI verb; see rankscope.cli for the conventions."""

@@ -1,7 +1,0 @@
-"""Generated gRPC code for the agent protocol (source: rankscope.proto).
-
-Only ``rankscope.agent``, ``rankscope.client`` and ``rankscope.proto_convert``
-import this package; everything else speaks the snapshot contract. The
-generated modules are committed and checked by tests/test_proto.py; rebuild
-them with ``python -m rankscope.proto.generate``.
-"""

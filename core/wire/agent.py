@@ -1,0 +1,656 @@
+"""The node agent: one gRPC server per machine, answering for its ranks.
+
+The agent is the only part of rankscope that touches a machine's processes.
+It finds the ranks, captures their stacks and reads metrics and counters
+through ``rankscope.probes`` and ships them as snapshots (converted in
+``rankscope.wire.proto_convert``). It never runs anything a client sends: every
+call names a fixed procedure.
+
+Safe by default:
+- it listens on 127.0.0.1 unless ``--bind`` names another address, and
+  off loopback it serves TLS (``--tls-cert/--tls-key``, mutual TLS with
+  ``--tls-client-ca``) or refuses to start unless ``--insecure`` says so;
+- every call except the standard health check needs a bearer token, checked
+  in one interceptor before any handler runs. Each method names the role it
+  needs (``METHOD_ROLES``); a method not listed there needs the ``act`` role,
+  so a state-changing RPC added later is protected even if nobody remembers
+  to list it.
+
+Stack captures are serialised: two engineers pressing "capture" at once must
+not make two py-spy processes ptrace the same rank (the second attach fails).
+
+Actions (PlanAction, RunAction, WatchAudit) are served when the agent was
+configured with them (``--state-dir`` / ``--actions-config``) and carried out
+by ``rankscope.actions.agent_service`` (plans from ``rankscope.actions.planning``,
+procedures in ``rankscope.actions.procedures``). Planning and watching the audit
+log need the ``read`` role; RunAction is not in ``METHOD_ROLES`` and so needs
+``act``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from rankscope.actions.agent_protocol import FIX_SEPARATOR
+from rankscope.actions.agent_service import SUPERVISE_INTERVAL_S, ActionService
+from rankscope.actions.config import ActionsConfig
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import MachineSnapshot, RankInfo
+from rankscope.wire.proto import rankscope_pb2 as pb
+from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
+from rankscope.wire.proto_convert import (
+    audit_to_proto,
+    confirmation_from_proto,
+    event_to_proto,
+    machine_to_proto,
+    plan_to_proto,
+    request_from_proto,
+)
+from rankscope.wire.rank_progress import ProgressTracker
+from rankscope.wire.tls import ClientTLS, ServerTLS, server_credentials
+from rankscope.wire.tokens import MAKE_TOKEN, Role, TokenSet
+
+DEFAULT_PORT = 50051
+SERVICE = "rankscope.v1.RankscopeAgent"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# What each call needs. Anything of the agent service not listed needs ACT.
+METHOD_ROLES: dict[str, Role] = {
+    f"/{SERVICE}/Describe": Role.READ,
+    f"/{SERVICE}/Capture": Role.READ,
+    f"/{SERVICE}/StreamMetrics": Role.READ,
+    f"/{SERVICE}/PlanAction": Role.READ,  # planning changes nothing
+    f"/{SERVICE}/WatchAudit": Role.READ,  # a read-only TUI sees actions live
+    # RunAction is deliberately absent: it needs ACT.
+}
+MIN_STREAM_INTERVAL_S = 0.2  # a client cannot make the agent spin
+MAX_PYSPY_TIMEOUT_S = 60.0
+DEFAULT_PYSPY_TIMEOUT_S = 5.0
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+ANNOUNCE_PREFIX = "RANKSCOPE_AGENT_READY"
+# The agent reads its ranks at least this often on its own, so a client that attaches later finds its memory
+# current (rankscope.wire.rank_progress): new pids, when ranks were last seen. Progress itself carries the
+# plugin's own timestamps, so this need not be frequent; a client's polls count as readings.
+WATCH_INTERVAL_S = 10.0
+BIND_FIX = ("another process (an agent?) may hold the port: pick another --port, or --port 0 for a free one; "
+            "or --bind names an address this machine does not have (see `ip addr`)")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """How one agent runs; ``rankscope agent``'s options map onto these fields."""
+
+    tokens: TokenSet | None
+    bind: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    machine_name: str = field(default_factory=socket.gethostname)
+    launcher_pid: int | None = None
+    run_id: str | None = None
+    counter_dir: Path | None = None
+    insecure_no_token: bool = False
+    capture_concurrency: int = 8
+    actions: ActionsConfig | None = None  # None: this agent plans and runs no actions
+    tls: ServerTLS | None = None  # None: plaintext (loopback, or off loopback with ``insecure``)
+    insecure: bool = False  # serve plaintext beyond loopback: only when a person said so explicitly
+    slurm_job: str | None = None  # only ranks of this Slurm job (SLURM_JOB_ID)...
+    slurm_node: str | None = None  # ...on this Slurm node (SLURMD_NODENAME)
+    auto_name: bool = False  # True: machine_name is replaced at start by machine_identity (no --machine-name)
+    # Relaying (a two-level tree at scale): every Describe/Capture is also forwarded to these agents and their
+    # replies travel inside this one's, so a client talks to a few hundred relays instead of thousands of agents.
+    relay_to: tuple[str, ...] = ()
+    relay_token: str | None = None  # the token this agent presents to the agents it relays to
+    relay_tls: ClientTLS | None = None  # how it reaches them; None: plaintext
+    # > 0: the agent stops by itself when no call with an accepted token came for this long (its client is
+    # gone: killed, or its machine lost). ``rankscope.wire.client.keep_alive`` renews it while a client lives.
+    lease_s: float = 0.0
+
+
+# What an agent reads its machine with; the probes by default. Called with stacks=True for a capture.
+Source = Callable[[bool], Awaitable[MachineSnapshot]]
+# A relay leaves its children this much of the caller's deadline to answer in, to send the merged reply back.
+RELAY_MARGIN_S = 1.0
+
+
+def container_id(cgroup_text: str) -> str | None:
+    """The container's id (12 hex digits) from /proc/self/cgroup text, or None outside a container."""
+    import re
+
+    found = re.search(r"(?:docker|containerd|cri-containerd|crio|libpod)[-/]([0-9a-f]{64})", cgroup_text)
+    return found.group(1)[:12] if found else None
+
+
+def machine_identity(hostname: str, ranks: Sequence[RankInfo], container: str | None, port: int) -> str:
+    """A machine name that no other agent on this host reports, and that survives a restart of the agent.
+
+    Several agents can share a host (containers with the host's network,
+    tests, one agent per torchrun node of a job spread over one big host);
+    the hostname alone would merge them into one machine for every per-machine
+    detector. In order: the torchrun node rank its ranks share (stable across
+    restarts of the agent and of the job), the container's id, the port it
+    listens on (stable when given with --port).
+    """
+    nodes = {r.group_rank for r in ranks if r.group_rank is not None}
+    if len(nodes) == 1:
+        return f"{hostname}-node{nodes.pop()}"
+    if container is not None and container not in hostname:
+        return f"{hostname}-{container}"
+    if container is not None:
+        return hostname  # a container's own hostname is its id already
+    return f"{hostname}-{port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_config(config: AgentConfig) -> None:
+    """Refuse unsafe or impossible setups before anything listens."""
+    if config.tokens is None and not config.insecure_no_token:
+        raise RankscopeError(
+            "no token configured: the agent refuses to serve without one",
+            f"make a token file and pass it with --token-file (or set RANKSCOPE_TOKEN): {MAKE_TOKEN}",
+        )
+    if config.tokens is None and not is_loopback(config.bind):
+        raise RankscopeError(
+            f"--insecure-no-token is only allowed on a loopback address, not {config.bind}",
+            "use --token-file, or drop --bind so the agent listens on 127.0.0.1",
+        )
+    if config.tls is None and not config.insecure and not is_loopback(config.bind):
+        raise RankscopeError(
+            f"refusing to listen on {config.bind} without TLS: the token and the snapshots would cross the network "
+            "in plaintext",
+            "give --tls-cert and --tls-key (and clients --tls-ca); or, on a trusted network only, add --insecure",
+        )
+    if not 0 <= config.port < 65536:
+        raise RankscopeError(f"--port {config.port} is not a port number", "use 1-65535, or 0 to pick a free port")
+
+
+# --------------------------------------------------------------------------
+# the token check
+# --------------------------------------------------------------------------
+
+
+def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip() or None
+    return None
+
+
+def _denying_handler(handler: Any, code: grpc.StatusCode, message: str) -> Any:
+    """A handler of the same shape as ``handler`` that only rejects the call."""
+
+    async def reject(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    async def reject_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(code, message)
+        yield  # pragma: no cover - abort raises; this only makes it a generator
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(reject_stream)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(reject)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(reject_stream)
+    return grpc.unary_unary_rpc_method_handler(reject)
+
+
+class Lease:
+    """When a client last called with an accepted token (any method, health checks included)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.renewed = clock()
+
+    def renew(self) -> None:
+        self.renewed = self.clock()
+
+    def idle_s(self) -> float:
+        return self.clock() - self.renewed
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Lets a call through only with a token whose role covers the method; an accepted token renews the lease."""
+
+    def __init__(self, tokens: TokenSet | None, lease: Lease | None = None) -> None:
+        self.tokens = tokens
+        self.lease = lease
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
+    ) -> Any:
+        method: str = handler_call_details.method
+        presented = bearer_token(handler_call_details.invocation_metadata)
+        role = self.tokens.role_of(presented) if self.tokens is not None else None
+        if self.lease is not None and (self.tokens is None or role is not None):
+            self.lease.renew()
+        if self.tokens is None or method.startswith(HEALTH_PREFIX):
+            return await continuation(handler_call_details)
+        needed = METHOD_ROLES.get(method, Role.ACT)
+        if role is not None and (role is Role.ACT or needed is Role.READ):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None  # unknown method: gRPC answers UNIMPLEMENTED
+        if presented is None:
+            return _denying_handler(
+                handler, grpc.StatusCode.UNAUTHENTICATED,
+                "no token sent: this agent needs 'authorization: Bearer <token>'",
+            )
+        if role is None:
+            return _denying_handler(handler, grpc.StatusCode.UNAUTHENTICATED, "the token was not accepted")
+        return _denying_handler(
+            handler, grpc.StatusCode.PERMISSION_DENIED, f"{method} needs a token with the '{needed.value}' role"
+        )
+
+
+# --------------------------------------------------------------------------
+# the service
+# --------------------------------------------------------------------------
+
+
+class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
+    """The RPCs; each one is a capture of this machine with fixed options."""
+
+    def __init__(self, config: AgentConfig, address: str, source: Source | None = None) -> None:
+        self.config = config
+        self.address = address
+        self.source = source
+        self.relay: Any = None  # a rankscope.wire.client.JobClient over config.relay_to
+        if config.relay_to:
+            from rankscope.wire.client import JobClient
+
+            self.relay = JobClient(config.relay_to, config.relay_token, tls=config.relay_tls)
+        self._stack_lock = asyncio.Lock()
+        self._sampler: Any = None  # a probes.sampler.StackSampler, made on the first request to sample
+        self.progress = ProgressTracker()
+        self.last_reading_mono = 0.0
+        self.actions: ActionService | None = None
+        if config.actions is not None:
+            self.actions = ActionService(config.actions, config.machine_name, self.ranks)
+
+    def ranks(self) -> tuple[RankInfo, ...]:
+        """This machine's ranks, in the agent's scope (blocking: discovery scans /proc)."""
+        from rankscope.probes.discovery import discover_ranks
+
+        return discover_ranks(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id,
+                              slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node)
+
+    async def capture(
+        self, *, stacks: bool, native: bool = False, subprocesses: bool = True, timeout_s: float = DEFAULT_PYSPY_TIMEOUT_S,
+        sample_hz: float = 0.0,
+    ) -> MachineSnapshot:
+        """One reading of this machine through the probes (imported here: only the agent needs them).
+
+        ``sample_hz`` > 0 renews the stack sampler's lease on this machine's
+        ranks (a Describe or a Capture: a watching client's stack rounds keep
+        the lease as its polls do); while the sampler runs, every reply
+        carries its windows.
+        """
+        if self.source is not None:
+            reading = await self.source(stacks)
+            self.last_reading_mono = time.monotonic()
+            return self.progress.observe(reading)
+        from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
+
+        scope = Scope(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id, counter_dir=self.config.counter_dir,
+                      slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node)
+        options = CaptureOptions(
+            stacks=stacks, native=native, subprocesses=subprocesses, timeout_s=timeout_s,
+            concurrency=self.config.capture_concurrency,
+        )
+
+        def sample(ranks: tuple[RankInfo, ...]) -> None:
+            # Demanded as soon as the ranks are known, before a capture's py-spy dumps: those can take longer
+            # than the lease on a loaded machine, and a client that samples must not see its sampling lapse
+            # (or start only after the dumps) while it waits for its reply.
+            if self._sampler is None:
+                from rankscope.probes.sampler import StackSampler
+
+                self._sampler = StackSampler()
+            self._sampler.demand(ranks, sample_hz)
+
+        reading = await capture_machine(self.config.machine_name, self.address, scope, options,
+                                        found=sample if sample_hz > 0 else None)
+        self.last_reading_mono = time.monotonic()
+        machine = self.progress.observe(reading)
+        if self._sampler is not None:
+            machine = dataclasses.replace(machine, samples=self._sampler.windows())
+        return machine
+
+    async def close(self) -> None:
+        if self._sampler is not None:
+            await self._sampler.close()
+        if self.relay is not None:
+            await self.relay.close()
+
+    async def watch(self, interval_s: float = WATCH_INTERVAL_S) -> None:
+        """Read the ranks whenever no client did for ``interval_s``, so the progress memory stays current."""
+        while True:
+            idle = time.monotonic() - self.last_reading_mono
+            # Not while a capture runs: its py-spy calls hold the worker threads, and it is a reading itself.
+            if idle >= interval_s and not self._stack_lock.locked():
+                try:
+                    await self.capture(stacks=False)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the next reading tries again; clients' calls report their own failures
+                    log(f"background reading failed: {type(exc).__name__}: {exc}")
+                idle = 0.0
+            await asyncio.sleep(max(0.05, interval_s - idle))
+
+    async def _reply(self, context: grpc.aio.ServicerContext, reading: Awaitable[MachineSnapshot],
+                     forward: Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]
+                     | None = None) -> pb.MachineSnapshot:
+        try:
+            if self.relay is None or forward is None:
+                return machine_to_proto(await reading)
+            remaining = context.time_remaining()
+            budget = max(0.5, remaining - RELAY_MARGIN_S) if remaining is not None else self.relay.deadline_s
+            own, children = await asyncio.gather(reading, self.relay.forward(forward, budget))
+            msg = machine_to_proto(own)
+            msg.relayed.extend(children)
+            return msg
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the probes should mark failures in place; anything else is our bug
+            log(f"capture failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"the agent's capture failed: {type(exc).__name__}: {exc}")
+            raise  # unreachable: abort raises
+
+    async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
+        def forward(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
+            return stub.Describe(request, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
+
+        return await self._reply(context, self.capture(stacks=False, sample_hz=request.sample_hz), forward)
+
+    async def Capture(self, request: pb.CaptureRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
+        timeout_s = request.timeout_s if request.timeout_s > 0 else DEFAULT_PYSPY_TIMEOUT_S
+        timeout_s = min(timeout_s, MAX_PYSPY_TIMEOUT_S)
+        def forward(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
+            return stub.Capture(request, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
+
+        async with self._stack_lock:
+            return await self._reply(
+                context,
+                self.capture(stacks=True, native=request.native, subprocesses=request.subprocesses, timeout_s=timeout_s,
+                             sample_hz=request.sample_hz),
+                forward,
+            )
+
+    async def StreamMetrics(
+        self, request: pb.StreamMetricsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.MachineSnapshot]:
+        # The next reading starts one interval after the previous one started, or right
+        # after it ended if it took longer: readings never overlap and never pile up.
+        interval = max(request.interval_s, MIN_STREAM_INTERVAL_S)
+        sent = 0
+        while True:
+            started = time.monotonic()
+            yield await self._reply(context, self.capture(stacks=False))
+            sent += 1
+            if request.max_count and sent >= request.max_count:
+                return
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+
+    # ---- actions ------------------------------------------------------------------
+
+    async def _actions(self, context: grpc.aio.ServicerContext) -> ActionService:
+        if self.actions is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the agent on {self.config.machine_name} has no actions configured"
+                f"{FIX_SEPARATOR}start it with --state-dir DIR (and --actions-config FILE for the procedures)",
+            )
+        assert self.actions is not None
+        return self.actions
+
+    @staticmethod
+    async def _refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, exc: RankscopeError) -> None:
+        await context.abort(code, f"{exc.message}{FIX_SEPARATOR}{exc.fix}" if exc.fix else exc.message)
+
+    async def PlanAction(self, request: pb.ActionRequest, context: grpc.aio.ServicerContext) -> pb.ActionPlan:
+        actions = await self._actions(context)
+        try:
+            decoded = request_from_proto(request)
+        except RankscopeError as exc:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+            raise  # unreachable: abort raises
+        try:
+            return plan_to_proto(await actions.plan(decoded))
+        except RankscopeError as exc:
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, exc)
+            raise
+
+    async def RunAction(
+        self, request: pb.RunActionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ActionEvent]:
+        actions = await self._actions(context)
+        try:
+            decoded = request_from_proto(request.request)
+            confirmation = confirmation_from_proto(request.confirmation)
+        except RankscopeError as exc:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+            raise
+        async for event in actions.run(decoded, confirmation):
+            yield event_to_proto(event)
+
+    async def WatchAudit(
+        self, request: pb.WatchAuditRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.AuditRecord]:
+        actions = await self._actions(context)
+        after = request.after_seq if request.HasField("after_seq") else None
+        async for record in actions.watch(after):
+            yield audit_to_proto(record)
+
+
+# --------------------------------------------------------------------------
+# running it
+# --------------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    print(f"rankscope agent: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(slots=True)
+class RunningAgent:
+    """A started agent: its server, the port it got and its health servicer."""
+
+    server: Any
+    port: int
+    address: str
+    health: Any
+    service: AgentService | None = None
+    supervisor: asyncio.Task[None] | None = None  # applies a pending lazy hot-update when it is due
+    watcher: asyncio.Task[None] | None = None  # keeps the ranks' progress memory current (AgentService.watch)
+    lease: Lease | None = None  # set when the agent serves under a lease (AgentConfig.lease_s)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        for task in (self.supervisor, self.watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        if self.service is not None:
+            await self.service.close()  # the sampling loops and their py-spy processes end with the agent
+        if self.service is not None and self.service.actions is not None:
+            await self.service.actions.close()  # a running action ends and is recorded, never cut half way
+
+
+ServiceRegistrar = Callable[[Any], None]
+
+
+async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRegistrar] = (),
+                      source: Source | None = None) -> RunningAgent:
+    """Check the config, bind and start serving; returns once the port is open.
+
+    ``extra_services`` are called with the server before it starts, to add more
+    handlers (``add_XServicer_to_server(servicer, server)``). They sit behind the
+    same token check; a method not named in ``METHOD_ROLES`` needs the ``act`` role.
+    ``source``: read the machine with this instead of the probes (benchmarks serve synthetic ranks).
+    """
+    check_config(config)
+    # The probes and the sampler are imported before serving, not by the first call that needs them: on a loaded
+    # machine their imports take seconds (4-5 s at load 70 on 2 cores), spent with the event loop blocked, and
+    # that first call (a watch's first stack round) would miss its deadline.
+    import rankscope.probes.machine
+    import rankscope.probes.sampler  # noqa: F401
+
+    lease = Lease() if config.lease_s > 0 else None
+    server = grpc.aio.server(
+        interceptors=[TokenInterceptor(config.tokens, lease)],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),  # a second agent on the same port must fail, not share it
+        ],
+    )
+    host = f"[{config.bind}]" if ":" in config.bind and not config.bind.startswith("[") else config.bind
+    try:
+        if config.tls is not None:
+            port = server.add_secure_port(f"{host}:{config.port}", server_credentials(config.tls))
+        else:
+            port = server.add_insecure_port(f"{host}:{config.port}")
+    except RuntimeError as exc:
+        raise RankscopeError(
+            f"cannot listen on {host}:{config.port} ({exc})",
+            BIND_FIX,
+        ) from None
+    if port == 0:
+        raise RankscopeError(f"cannot listen on {host}:{config.port}", BIND_FIX)
+    address = f"{host}:{port}"
+    if config.auto_name:
+        config = dataclasses.replace(config, machine_name=await asyncio.to_thread(_identity, config, port))
+    service = AgentService(config, address, source)
+    pb_grpc.add_RankscopeAgentServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    for register in extra_services:
+        register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    supervisor = asyncio.create_task(supervise(service.actions)) if service.actions is not None else None
+    watcher = asyncio.create_task(service.watch())
+    return RunningAgent(server=server, port=port, address=address, health=health_servicer, service=service,
+                        supervisor=supervisor, watcher=watcher, lease=lease)
+
+
+def _identity(config: AgentConfig, port: int) -> str:
+    from rankscope.probes.discovery import discover_ranks
+
+    try:
+        cgroup = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        cgroup = ""
+    ranks = discover_ranks(launcher_pid=config.launcher_pid, run_id=config.run_id)
+    return machine_identity(socket.gethostname(), ranks, container_id(cgroup), port)
+
+
+async def supervise(actions: ActionService, interval_s: float = SUPERVISE_INTERVAL_S) -> None:
+    """Every ``interval_s``: apply a pending lazy hot-update whose window expired or whose ranks died.
+
+    A failed round is logged and the next one tried: the agent's other work
+    must not end because one check did (the history and audit log say what
+    happened to the update itself).
+    """
+    while True:
+        try:
+            await actions.supervise_once()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log(f"hot-update supervision failed: {type(exc).__name__}: {exc}")
+        await asyncio.sleep(interval_s)
+
+
+async def lease_expired(lease: Lease, lease_s: float) -> None:
+    """Returns once ``lease_s`` passed without an accepted call."""
+    while (idle := lease.idle_s()) < lease_s:
+        await asyncio.sleep(lease_s - idle)
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Atomically, so a script polling for the file never reads half a number."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def announcement(agent: RunningAgent, config: AgentConfig) -> str:
+    """The line ``--announce`` prints on stdout once listening: how a launcher (``--slurm``) learns the address."""
+    fields = {"machine": config.machine_name, "host": socket.gethostname(), "port": str(agent.port),
+              "step": f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}".strip(".")}
+    return ANNOUNCE_PREFIX + " " + " ".join(f"{k}={v}" for k, v in fields.items() if v)
+
+
+async def serve(config: AgentConfig, *, port_file: Path | None = None, announce: bool = False) -> None:
+    """Run until SIGTERM or SIGINT, then stop cleanly."""
+    agent = await start_agent(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if port_file is not None:
+            write_port_file(port_file, agent.port)
+        if announce:
+            # One write for the whole line: srun interleaves its tasks' writes, and print() writes the text and
+            # its newline separately when stdout is unbuffered.
+            sys.stdout.write(announcement(agent, config) + "\n")
+            sys.stdout.flush()
+        auth = "token required" if config.tokens is not None else "NO TOKEN (--insecure-no-token)"
+        name = agent.service.config.machine_name if agent.service is not None else config.machine_name
+        transport = ("mutual TLS" if config.tls.client_ca_pem else "TLS") if config.tls is not None else "plaintext"
+        log(f"listening on {agent.address} as machine {name!r}, {auth}, {transport}")
+        actions = agent.service.actions if agent.service is not None else None
+        if actions is not None:
+            log(f"actions enabled (eviction: {actions.config.eviction.backend}; state in {actions.config.state_dir})")
+            for action_id in actions.interrupted():
+                log(f"warning: action {action_id} was started by an earlier run and never finished: "
+                    "check this machine by hand")
+        if not is_loopback(config.bind) and config.tls is None:
+            log("warning: listening beyond loopback without TLS (--insecure); the token and snapshots cross the "
+                "network unencrypted, so keep the agents' port on a trusted network")
+        expiry = asyncio.create_task(lease_expired(agent.lease, config.lease_s)) if agent.lease is not None else None
+        waiting = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([t for t in (waiting, expiry) if t is not None],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        for task in (waiting, expiry):
+            if task is not None and task not in done:
+                task.cancel()
+        if expiry is not None and expiry in done:
+            log(f"stopping: no client called for {config.lease_s:g} s (--lease); its client is gone")
+        else:
+            log("stopping")
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await agent.stop()

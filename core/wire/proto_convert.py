@@ -1,0 +1,853 @@
+"""Snapshot contract <-> protobuf: the one place where the two meet.
+
+The messages in ``rankscope.wire.proto`` mirror the dataclasses of
+``rankscope.contract.snapshot`` name for name, so the conversion is driven by the
+dataclass fields instead of one hand-written function per type: a field added
+to the contract cannot be silently dropped on the wire, because
+tests/integration/test_proto.py checks that every dataclass field has a proto field of the
+same name (and that every optional value has presence on the wire).
+
+``None`` travels as an unset field (proto3 ``optional`` or an absent message),
+never as zero, so a missing reading stays missing after the trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+import threading
+import types
+import typing
+from collections.abc import Callable, Sequence
+from enum import Enum
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message
+from rankscope.actions.agent_protocol import Confirmation
+from rankscope.actions.model import (
+    ActionKind,
+    ActionPlan,
+    ActionProgress,
+    ActionRequest,
+    ActionResult,
+    ActionState,
+    AuditRecord,
+    BackupArgs,
+    EvictArgs,
+    HotUpdateArgs,
+    ProcessRef,
+    RollbackArgs,
+    Targets,
+    UpdateMode,
+    VersionSource,
+)
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import (
+    CaptureError,
+    CaptureErrorKind,
+    Communicator,
+    Frame,
+    GpuMetrics,
+    GpuStatus,
+    HostMetrics,
+    Instant,
+    JobSnapshot,
+    Layout,
+    MachineSnapshot,
+    OpCounters,
+    ProcessInfo,
+    ProcessRole,
+    ProcessStack,
+    RankCounters,
+    RankInfo,
+    RankStacks,
+    StackSampleWindow,
+    ThreadStack,
+)
+from rankscope.wire.proto import rankscope_pb2 as pb
+
+T = TypeVar("T")
+
+# Which message carries which dataclass.
+MESSAGES: dict[type, type[Message]] = {
+    Instant: pb.Instant,
+    CaptureError: pb.CaptureError,
+    Frame: pb.Frame,
+    ThreadStack: pb.ThreadStack,
+    ProcessStack: pb.ProcessStack,
+    RankStacks: pb.RankStacks,
+    ProcessInfo: pb.ProcessInfo,
+    RankInfo: pb.RankInfo,
+    HostMetrics: pb.HostMetrics,
+    GpuMetrics: pb.GpuMetrics,
+    GpuStatus: pb.GpuStatus,
+    Communicator: pb.Communicator,
+    OpCounters: pb.OpCounters,
+    RankCounters: pb.RankCounters,
+    StackSampleWindow: pb.StackSampleWindow,
+    MachineSnapshot: pb.MachineSnapshot,
+    Layout: pb.Layout,
+    JobSnapshot: pb.JobSnapshot,
+    # the action protocol (rankscope.actions.model); ActionRequest and ActionPlan
+    # have hand-written conversions below (a oneof, and nested tuples)
+    Targets: pb.Targets,
+    EvictArgs: pb.EvictArgs,
+    HotUpdateArgs: pb.HotUpdateArgs,
+    BackupArgs: pb.BackupArgs,
+    RollbackArgs: pb.RollbackArgs,
+    ProcessRef: pb.ProcessRef,
+    ActionProgress: pb.ActionProgress,
+    ActionResult: pb.ActionResult,
+    AuditRecord: pb.AuditRecord,
+    Confirmation: pb.Confirmation,
+}
+
+# Proto enum value names are the contract member names with a prefix
+# (ProcessRole.MAIN <-> PROCESS_ROLE_MAIN). A value this side does not know
+# (sent by a newer agent) decodes to the fallback instead of failing the snapshot.
+# A fallback of None means there is no safe guess: an unknown or unset value is
+# an error (an agent must never run a different action kind or mode than asked).
+ENUMS: dict[type[Enum], tuple[str, Enum | None]] = {
+    ProcessRole: ("PROCESS_ROLE_", ProcessRole.OTHER),
+    CaptureErrorKind: ("CAPTURE_ERROR_KIND_", CaptureErrorKind.FAILED),
+    ActionKind: ("ACTION_KIND_", None),
+    ActionState: ("ACTION_STATE_", ActionState.FAILED),
+    UpdateMode: ("UPDATE_MODE_", None),
+    VersionSource: ("VERSION_SOURCE_", None),
+}
+
+# Fields whose Optional tuple is wrapped in a message so that "absent" (None)
+# differs from "empty": (dataclass, field) -> the wrapper's repeated field.
+WRAPPED: dict[tuple[type, str], str] = {
+    (ProcessStack, "threads"): "threads",
+}
+
+
+class ProtoConversionError(RankscopeError):
+    """A message from an agent did not fit the snapshot contract."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "run the same rankscope version on the agents and on this machine")
+
+
+# --------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------
+
+
+def machine_to_proto(machine: MachineSnapshot, *, compact: bool = True) -> pb.MachineSnapshot:
+    """``compact``: stacks and communicators as per-machine tables (see ``rankscope.proto``'s StackTable).
+
+    A client decodes both forms; the plain form is what agents sent before the tables existed.
+    """
+    msg = pb.MachineSnapshot()
+    if not compact:
+        _encoder(MachineSnapshot)(machine, msg)
+        return msg
+    tables = _WireTables()
+    _ENCODING.tables = tables
+    try:
+        _encoder(MachineSnapshot)(machine, msg)
+    finally:
+        _ENCODING.tables = None
+    tables.write(msg)
+    return msg
+
+
+def machine_from_proto(msg: pb.MachineSnapshot) -> MachineSnapshot:
+    """One agent's own reply (without what it relayed: ``machines_from_proto`` gives those too)."""
+    return _decode_machine(msg, "MachineSnapshot")
+
+
+def machines_from_proto(msg: pb.MachineSnapshot) -> list[MachineSnapshot]:
+    """An agent's reply and, for a relaying agent, the replies it forwarded (its own first, depth first)."""
+    out = [_decode_machine(msg, "MachineSnapshot")]
+    for i, child in enumerate(msg.relayed):
+        out.extend(machines_from_proto_at(child, f"MachineSnapshot.relayed[{i}]"))
+    return out
+
+
+def machines_from_proto_at(msg: pb.MachineSnapshot, where: str) -> list[MachineSnapshot]:
+    out = [_decode_machine(msg, where)]
+    for i, child in enumerate(msg.relayed):
+        out.extend(machines_from_proto_at(child, f"{where}.relayed[{i}]"))
+    return out
+
+
+def _decode_machine(msg: pb.MachineSnapshot, where: str) -> MachineSnapshot:
+    try:
+        return typing.cast(MachineSnapshot, _decoder(MachineSnapshot)(msg))
+    except _WireError as exc:
+        raise ProtoConversionError(f"agent sent a {where} that does not fit the contract: "
+                                   f"{where}{''.join(reversed(exc.path))}: {exc.problem}") from None
+
+
+def job_to_proto(job: JobSnapshot) -> pb.JobSnapshot:
+    return typing.cast(pb.JobSnapshot, to_proto(job))
+
+
+def job_from_proto(msg: pb.JobSnapshot) -> JobSnapshot:
+    return from_proto(JobSnapshot, msg)
+
+
+# ---- the action protocol ------------------------------------------------------
+
+# ActionRequest.args is a oneof: which member carries which kind's arguments.
+_ARGS_FIELD: dict[ActionKind, str] = {
+    ActionKind.EVICT: "evict",
+    ActionKind.HOT_UPDATE: "hot_update",
+    ActionKind.BACKUP: "backup",
+    ActionKind.ROLLBACK: "rollback",
+}
+_ARGS_CLASS: dict[str, type] = {"evict": EvictArgs, "hot_update": HotUpdateArgs, "backup": BackupArgs,
+                                "rollback": RollbackArgs}
+
+
+class ActionDecodeError(RankscopeError):
+    """An action message that does not make a valid request (refused before anything runs)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "send a request built by rankscope's client from the same rankscope version")
+
+
+def request_to_proto(request: ActionRequest) -> pb.ActionRequest:
+    msg = pb.ActionRequest(action_id=request.action_id, kind=_enum_to_proto(request.kind),  # type: ignore[arg-type]
+                           requested_by=request.requested_by)
+    msg.targets.CopyFrom(typing.cast(pb.Targets, to_proto(request.targets)))
+    getattr(msg, _ARGS_FIELD[request.kind]).CopyFrom(to_proto(request.args))
+    if request.job_id is not None:
+        msg.job_id = request.job_id
+    return msg
+
+
+def request_from_proto(msg: pb.ActionRequest) -> ActionRequest:
+    """A client's request -> ActionRequest; the model's own checks run (ids, refs, reasons)."""
+    try:
+        kind = typing.cast(ActionKind, _enum_from_proto(ActionKind, int(msg.kind)))
+        which = msg.WhichOneof("args")
+        if which is None:
+            raise ValueError(f"a {kind.value} request carries no arguments")
+        if which != _ARGS_FIELD[kind]:
+            raise ValueError(f"a {kind.value} request carries {which} arguments")
+        args = _decode_message(_ARGS_CLASS[which], getattr(msg, which), f"ActionRequest.{which}")
+        targets = _decode_message(Targets, msg.targets, "ActionRequest.targets")
+    except (TypeError, ValueError) as exc:
+        raise ActionDecodeError(f"malformed action request: {exc}") from None
+    return ActionRequest(
+        action_id=msg.action_id, kind=kind, targets=targets, args=args, requested_by=msg.requested_by,
+        job_id=msg.job_id if msg.HasField("job_id") else None,
+    )
+
+
+def plan_to_proto(plan: ActionPlan) -> pb.ActionPlan:
+    msg = pb.ActionPlan(
+        action_id=plan.action_id, kind=_enum_to_proto(plan.kind), summary=plan.summary,  # type: ignore[arg-type]
+        machines=plan.machines, standbys=plan.standbys, steps=plan.steps, warnings=plan.warnings,
+        typed_confirmation=plan.typed_confirmation, confirm_phrase=plan.confirm_phrase,
+    )
+    msg.processes.extend(typing.cast(pb.ProcessRef, to_proto(p)) for p in plan.processes)
+    msg.backup_peers.extend(pb.BackupPeer(rank=r, peer=p) for r, p in plan.backup_peers)
+    msg.commands.extend(pb.Argv(argv=argv) for argv in plan.commands)
+    return msg
+
+
+def plan_from_proto(msg: pb.ActionPlan) -> ActionPlan:
+    try:
+        return ActionPlan(
+            action_id=msg.action_id, kind=typing.cast(ActionKind, _enum_from_proto(ActionKind, int(msg.kind))),
+            summary=msg.summary, machines=tuple(msg.machines),
+            processes=tuple(_decode_message(ProcessRef, p, "ActionPlan.processes") for p in msg.processes),
+            standbys=tuple(msg.standbys),
+            backup_peers=tuple((int(b.rank), int(b.peer)) for b in msg.backup_peers),
+            commands=tuple(tuple(c.argv) for c in msg.commands),
+            steps=tuple(msg.steps), warnings=tuple(msg.warnings),
+            typed_confirmation=msg.typed_confirmation, confirm_phrase=msg.confirm_phrase,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ProtoConversionError(f"agent sent an ActionPlan that does not fit the contract: {exc}") from None
+
+
+def event_to_proto(event: ActionProgress | ActionResult) -> pb.ActionEvent:
+    if isinstance(event, ActionResult):
+        return pb.ActionEvent(result=typing.cast(pb.ActionResult, to_proto(event)))
+    return pb.ActionEvent(progress=typing.cast(pb.ActionProgress, to_proto(event)))
+
+
+def event_from_proto(msg: pb.ActionEvent) -> ActionProgress | ActionResult:
+    which = msg.WhichOneof("event")
+    if which == "result":
+        return from_proto(ActionResult, msg.result)
+    if which == "progress":
+        return from_proto(ActionProgress, msg.progress)
+    raise ProtoConversionError("agent sent an ActionEvent with neither progress nor result")
+
+
+def confirmation_to_proto(confirmation: Confirmation) -> pb.Confirmation:
+    return typing.cast(pb.Confirmation, to_proto(confirmation))
+
+
+def confirmation_from_proto(msg: pb.Confirmation) -> Confirmation:
+    return from_proto(Confirmation, msg)
+
+
+def audit_to_proto(record: AuditRecord) -> pb.AuditRecord:
+    return typing.cast(pb.AuditRecord, to_proto(record))
+
+
+def audit_from_proto(msg: pb.AuditRecord) -> AuditRecord:
+    return from_proto(AuditRecord, msg)
+
+
+def to_proto(obj: Any) -> Message:
+    """Any contract dataclass -> its message (plain form: no tables)."""
+    cls = type(obj)
+    msg_cls = MESSAGES.get(cls)
+    if msg_cls is None:
+        raise TypeError(f"{cls.__name__} has no proto message")
+    msg = msg_cls()
+    _encoder(cls)(obj, msg)
+    return msg
+
+
+def from_proto(cls: type[T], msg: Message) -> T:
+    """A message -> the contract dataclass ``cls``."""
+    try:
+        return typing.cast(T, _decode_message(cls, msg, cls.__name__))
+    except (TypeError, ValueError) as exc:
+        raise ProtoConversionError(f"agent sent a {cls.__name__} that does not fit the contract: {exc}") from None
+
+
+# --------------------------------------------------------------------------
+# the codec: compiled once per type
+# --------------------------------------------------------------------------
+#
+# A 2,048-agent capture holds millions of values. Looking up type hints and
+# dispatching on them for each value cost three quarters of the client's CPU,
+# so each dataclass gets one encoder and one decoder, built on first use from
+# its fields; per value only the work the field's type needs is left.
+
+Encoder = Callable[[Any, Any], None]  # (value, message to fill in place)
+Decoder = Callable[[Any], Any]
+
+# Proto fields that carry no contract field: the compact form's tables and the
+# relay's forwarded replies (tests/integration/test_proto.py checks every other field).
+WIRE_ONLY: dict[type, frozenset[str]] = {
+    ThreadStack: frozenset({"stack_ref"}),
+    Communicator: frozenset({"rank_runs"}),
+    RankCounters: frozenset({"communicator_refs"}),
+    MachineSnapshot: frozenset({"stack_table", "communicator_table", "relayed"}),
+}
+
+_HINTS: dict[type, dict[str, Any]] = {}
+_ENCODERS: dict[type, Encoder] = {}
+_DECODERS: dict[type, Decoder] = {}
+
+
+class _WireError(Exception):
+    """A value that does not fit, with the field path built on the way out (innermost part first)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.path: list[str] = []
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = hints
+    return hints
+
+
+def optional_inner(tp: Any) -> Any | None:
+    """X for ``X | None``, else None (also used by the tests)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _encoder(cls: type) -> Encoder:
+    enc = _ENCODERS.get(cls)
+    if enc is None:
+        enc = _ENCODERS[cls] = _build_encoder(cls)
+    return enc
+
+
+def _decoder(cls: type) -> Decoder:
+    dec = _DECODERS.get(cls)
+    if dec is None:
+        dec = _DECODERS[cls] = _build_decoder(cls)
+    return dec
+
+
+def _decode_message(cls: type, msg: Message, where: str) -> Any:
+    try:
+        return _decoder(cls)(msg)
+    except _WireError as exc:
+        raise ValueError(f"{where}{''.join(reversed(exc.path))}: {exc.problem}") from None
+
+
+# ---- encoding -------------------------------------------------------------------
+
+
+def _build_encoder(cls: type) -> Encoder:
+    steps: list[Encoder] = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        tp = optional_inner(tp) or tp
+        steps.append(_field_encoder(cls, f.name, tp))
+    special = _SPECIAL_ENCODERS.get(cls)
+
+    def encode(obj: Any, msg: Any) -> None:
+        for step in steps:
+            step(obj, msg)
+        if special is not None:
+            special(obj, msg)
+
+    return encode
+
+
+def _field_encoder(cls: type, name: str, tp: Any) -> Encoder:
+    getter = operator.attrgetter(name)
+    if (cls, name) in _TABLED:
+        return lambda obj, msg: None  # written by the type's special encoder (plain form or table reference)
+    wrapped = WRAPPED.get((cls, name))
+    if wrapped is not None:
+        (item_tp, _) = typing.get_args(tp)
+        item_enc = _encoder(item_tp)
+
+        def enc_wrapped(obj: Any, msg: Any) -> None:
+            value = getter(obj)
+            if value is not None:
+                holder = getattr(msg, name)
+                holder.SetInParent()  # present even when the tuple is empty
+                rep = getattr(holder, wrapped)
+                for v in value:
+                    item_enc(v, rep.add())
+
+        return enc_wrapped
+    if typing.get_origin(tp) is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if _is_dataclass_type(item_tp):
+            item_enc = _encoder(item_tp)
+
+            def enc_messages(obj: Any, msg: Any) -> None:
+                value = getter(obj)
+                if value:
+                    rep = getattr(msg, name)
+                    for v in value:
+                        item_enc(v, rep.add())
+
+            return enc_messages
+
+        def enc_scalars(obj: Any, msg: Any) -> None:
+            value = getter(obj)
+            if value:
+                getattr(msg, name).extend(value)
+
+        return enc_scalars
+    if _is_dataclass_type(tp):
+        sub = _encoder(tp)
+
+        def enc_message(obj: Any, msg: Any) -> None:
+            value = getter(obj)
+            if value is not None:
+                holder = getattr(msg, name)
+                holder.SetInParent()
+                sub(value, holder)
+
+        return enc_message
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        numbers = {m: _enum_to_proto(m) for m in tp}
+
+        def enc_enum(obj: Any, msg: Any) -> None:
+            value = getter(obj)
+            if value is not None:
+                setattr(msg, name, numbers[value])
+
+        return enc_enum
+
+    def enc_scalar(obj: Any, msg: Any) -> None:
+        value = getter(obj)
+        if value is not None:
+            setattr(msg, name, value)
+
+    return enc_scalar
+
+
+# ---- decoding -------------------------------------------------------------------
+
+
+def _build_decoder(cls: type) -> Decoder:
+    plan: list[tuple[str, bool, Decoder | None]] = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        inner = optional_inner(tp)
+        plan.append((f.name, inner is not None, _field_decoder(cls, f.name, inner or tp)))
+    special = _SPECIAL_DECODERS.get(cls)
+    if cls is MachineSnapshot:
+        return _with_tables(_plain_decoder(cls, plan, special))
+    return _plain_decoder(cls, plan, special)
+
+
+def _plain_decoder(cls: type, plan: list[tuple[str, bool, Decoder | None]],
+                   special: Callable[[Any, list[Any]], list[Any]] | None) -> Decoder:
+    def decode(msg: Any) -> Any:
+        values: list[Any] = []
+        name = ""
+        try:
+            for name, optional, conv in plan:
+                if optional and not msg.HasField(name):
+                    values.append(None)
+                elif conv is None:
+                    values.append(getattr(msg, name))
+                else:
+                    values.append(conv(getattr(msg, name)))
+            if special is not None:
+                name = ""
+                values = special(msg, values)
+        except _WireError as exc:
+            if name:
+                exc.path.append(f".{name}")
+            raise
+        return cls(*values)
+
+    return decode
+
+
+def _with_tables(decode: Decoder) -> Decoder:
+    """A machine's decoder: its replies' tables are what its threads and counters point into."""
+
+    def decode_machine(msg: Any) -> Any:
+        tables = _ReadTables(msg) if msg.HasField("stack_table") or len(msg.communicator_table) else None
+        previous, _DECODING.tables = getattr(_DECODING, "tables", None), tables
+        try:
+            return decode(msg)
+        finally:
+            _DECODING.tables = previous
+
+    return decode_machine
+
+
+def _field_decoder(cls: type, name: str, tp: Any) -> Decoder | None:
+    """How to turn the message's field into the contract value; None: protobuf's own value is it."""
+    if (cls, name) in _TABLED:
+        return _nothing  # filled by the type's special decoder (plain list or table references)
+    wrapped = WRAPPED.get((cls, name))
+    if wrapped is not None:
+        (item_tp, _) = typing.get_args(tp)
+        item_dec = _decoder(item_tp)
+        return lambda holder: tuple([item_dec(v) for v in getattr(holder, wrapped)])
+    if typing.get_origin(tp) is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if _is_dataclass_type(item_tp):
+            item_dec = _decoder(item_tp)
+            return lambda raw: tuple([item_dec(v) for v in raw])
+        if isinstance(item_tp, type) and issubclass(item_tp, Enum):
+            raise TypeError(f"{cls.__name__}.{name}: tuples of enums have no wire form")
+        return tuple
+    if _is_dataclass_type(tp):
+        return _decoder(tp)
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        enum_cls = tp
+
+        def dec_enum(raw: int) -> Enum:
+            try:
+                return _enum_from_proto(enum_cls, raw)
+            except ValueError as exc:
+                raise _WireError(str(exc)) from None
+
+        return dec_enum
+    if tp in (int, float, str, bool):
+        return None  # protobuf hands back exactly these types for int64, double, string and bool fields
+    raise TypeError(f"{cls.__name__}.{name}: cannot decode type {tp!r}")
+
+
+# ---- the compact form: per-machine tables ---------------------------------------
+#
+# Ranks of one job run the same code, so most of a machine's stacks are the
+# same frames; and every rank of a group names the same members. The agent
+# sends each distinct frame, stack and communicator once per machine and the
+# ranks point into the tables. The client keeps one object per distinct
+# frame, stack and communicator across all machines of a reply (``_INTERNED``),
+# so identical stacks of thousands of ranks are one tuple in memory.
+
+# Contract fields written through a table in the compact form (by the type's special encoder).
+_TABLED: frozenset[tuple[type, str]] = frozenset({(ThreadStack, "frames"), (RankCounters, "communicators")})
+_ENCODING = threading.local()
+_DECODING = threading.local()
+# Distinct frames, stacks and communicators already made (shared frozen objects); emptied when it grows past
+# _INTERN_LIMIT so a long-running TUI does not keep every stack it ever saw.
+_INTERNED: dict[Any, Any] = {}
+_INTERN_LIMIT = 200_000
+_NATIVE, _SHIM, _HAS_LINE = 1, 2, 4
+
+
+def _intern(key: Any, make: Callable[[], Any]) -> Any:
+    hit = _INTERNED.get(key)
+    if hit is None:
+        if len(_INTERNED) >= _INTERN_LIMIT:
+            _INTERNED.clear()
+        hit = _INTERNED[key] = make()
+    return hit
+
+
+def rank_runs(ranks: Sequence[int]) -> list[int]:
+    """``ranks`` as (first, step, count) triples, greedily; expands back to exactly ``ranks``."""
+    out: list[int] = []
+    i, n = 0, len(ranks)
+    while i < n:
+        first = ranks[i]
+        if i + 1 == n:
+            out += [first, 1, 1]
+            break
+        step = ranks[i + 1] - first
+        j = i + 1
+        while j + 1 < n and ranks[j + 1] - ranks[j] == step:
+            j += 1
+        out += [first, step, j - i + 1]
+        i = j + 1
+    return out
+
+
+def expand_runs(runs: Sequence[int]) -> tuple[int, ...]:
+    if len(runs) % 3:
+        raise _WireError(f"rank_runs holds {len(runs)} numbers, not whole (first, step, count) triples")
+    out: list[int] = []
+    for k in range(0, len(runs), 3):
+        first, step, count = runs[k], runs[k + 1], runs[k + 2]
+        if count < 0 or count > 1 << 24:
+            raise _WireError(f"rank_runs has a run of {count} ranks")
+        out.extend(range(first, first + step * count, step) if step else [first] * count)
+    return tuple(out)
+
+
+class _WireTables:
+    """What one machine's compact reply shares: strings, frames, stacks and communicators."""
+
+    def __init__(self) -> None:
+        self.strings: dict[str, int] = {}
+        self.frames: dict[Frame, int] = {}
+        self.stacks: dict[tuple[Frame, ...], int] = {}
+        self.stack_by_id: dict[int, int] = {}  # id(frames tuple) -> stack index: shared tuples cost one lookup
+        self.comms: dict[Communicator, int] = {}
+        self.table = pb.StackTable()
+
+    def string(self, text: str) -> int:
+        i = self.strings.get(text)
+        if i is None:
+            i = self.strings[text] = len(self.strings)
+        return i
+
+    def stack(self, frames: tuple[Frame, ...]) -> int:
+        i = self.stack_by_id.get(id(frames))
+        if i is not None:
+            return i
+        i = self.stacks.get(frames)
+        if i is None:
+            i = self.stacks[frames] = len(self.stacks)
+            refs = []
+            for frame in frames:
+                f = self.frames.get(frame)
+                if f is None:
+                    f = self.frames[frame] = len(self.frames)
+                    t = self.table
+                    t.frame_name.append(self.string(frame.name))
+                    t.frame_filename.append(self.string(frame.filename))
+                    t.frame_line.append(0 if frame.line is None else frame.line)
+                    t.frame_module.append(0 if frame.module is None else self.string(frame.module) + 1)
+                    t.frame_flags.append((_NATIVE if frame.native else 0) | (_SHIM if frame.is_shim else 0)
+                                         | (0 if frame.line is None else _HAS_LINE))
+                refs.append(f)
+            self.table.stack_frames.extend(refs)
+            self.table.stack_lengths.append(len(refs))
+        self.stack_by_id[id(frames)] = i
+        return i
+
+    def communicator(self, comm: Communicator) -> int:
+        i = self.comms.get(comm)
+        if i is None:
+            i = self.comms[comm] = len(self.comms)
+        return i
+
+    def write(self, msg: pb.MachineSnapshot) -> None:
+        if self.stacks:
+            self.table.strings.extend(self.strings)
+            msg.stack_table.CopyFrom(self.table)
+        for comm in self.comms:
+            c = msg.communicator_table.add(comm_id=comm.comm_id, backend=comm.backend, description=comm.description)
+            runs = rank_runs(comm.ranks)
+            if len(runs) < len(comm.ranks):
+                c.rank_runs.extend(runs)
+            else:
+                c.ranks.extend(comm.ranks)
+
+
+class _ReadTables:
+    """One compact reply's tables, decoded into shared objects as they are first used."""
+
+    def __init__(self, msg: pb.MachineSnapshot) -> None:
+        t = msg.stack_table
+        self.strings = list(t.strings)
+        names, files, lines = list(t.frame_name), list(t.frame_filename), list(t.frame_line)
+        modules, flags = list(t.frame_module), list(t.frame_flags)
+        count = len(names)
+        if not count == len(files) == len(lines) == len(modules) == len(flags):
+            raise _WireError("stack_table's frame columns differ in length")
+        self.frame_count = count
+        self.columns = (names, files, lines, modules, flags)
+        self.frames: list[Frame | None] = [None] * count
+        lengths = list(t.stack_lengths)
+        refs = list(t.stack_frames)
+        if sum(lengths) != len(refs):
+            raise _WireError("stack_table's stack lengths do not add up to its frame references")
+        self.refs = refs
+        self.starts = list(itertools.accumulate(lengths, initial=0))
+        self.stacks: list[tuple[Frame, ...] | None] = [None] * len(lengths)
+        self.comm_msgs = list(msg.communicator_table)
+        self.comms: list[Communicator | None] = [None] * len(self.comm_msgs)
+
+    def _string(self, i: int) -> str:
+        if not 0 <= i < len(self.strings):
+            raise _WireError(f"string {i} is not in stack_table (it holds {len(self.strings)})")
+        return self.strings[i]
+
+    def frame(self, i: int) -> Frame:
+        if not 0 <= i < self.frame_count:
+            raise _WireError(f"frame {i} is not in stack_table (it holds {self.frame_count})")
+        made = self.frames[i]
+        if made is None:
+            names, files, lines, modules, flags = self.columns
+            key = (self._string(names[i]), self._string(files[i]), lines[i] if flags[i] & _HAS_LINE else None,
+                   self._string(modules[i] - 1) if modules[i] else None, bool(flags[i] & _NATIVE),
+                   bool(flags[i] & _SHIM))
+            made = self.frames[i] = _intern(("frame", *key), lambda: Frame(*key))
+        return made
+
+    def stack(self, i: int) -> tuple[Frame, ...]:
+        if not 0 <= i < len(self.stacks):
+            raise _WireError(f"stack {i} is not in stack_table (it holds {len(self.stacks)})")
+        made = self.stacks[i]
+        if made is None:
+            frames = tuple([self.frame(r) for r in self.refs[self.starts[i]:self.starts[i + 1]]])
+            made = self.stacks[i] = _intern(("stack", frames), lambda: frames)
+        return made
+
+    def communicator(self, i: int) -> Communicator:
+        if not 0 <= i < len(self.comms):
+            raise _WireError(f"communicator {i} is not in communicator_table (it holds {len(self.comms)})")
+        made = self.comms[i]
+        if made is None:
+            made = self.comms[i] = _communicator(self.comm_msgs[i])
+        return made
+
+
+def _communicator(c: pb.Communicator) -> Communicator:
+    runs = tuple(c.rank_runs)
+    if runs and len(c.ranks):
+        raise _WireError("a communicator carries both ranks and rank_runs")
+    key = ("comm", c.comm_id, c.backend, c.description, runs or tuple(c.ranks))
+    return typing.cast(Communicator, _intern(key, lambda: Communicator(
+        c.comm_id, c.backend, c.description, expand_runs(runs) if runs else tuple(c.ranks))))
+
+
+def _encode_thread(obj: ThreadStack, msg: Any) -> None:
+    tables: _WireTables | None = getattr(_ENCODING, "tables", None)
+    if tables is None:
+        rep = msg.frames
+        frame_enc = _encoder(Frame)
+        for frame in obj.frames:
+            frame_enc(frame, rep.add())
+    else:
+        msg.stack_ref = tables.stack(obj.frames)
+
+
+def _decode_thread(msg: Any, values: list[Any]) -> list[Any]:
+    if msg.HasField("stack_ref"):
+        tables: _ReadTables | None = getattr(_DECODING, "tables", None)
+        if tables is None:
+            raise _WireError("a thread points into a stack table but its machine sent none")
+        try:
+            values[1] = tables.stack(msg.stack_ref)
+        except _WireError as exc:
+            exc.path.append(".stack_ref")
+            raise
+    else:
+        values[1] = tuple([_FRAME_DECODER(f) for f in msg.frames])
+    return values
+
+
+def _encode_counters(obj: RankCounters, msg: Any) -> None:
+    tables: _WireTables | None = getattr(_ENCODING, "tables", None)
+    if tables is None:
+        rep = msg.communicators
+        comm_enc = _encoder(Communicator)
+        for comm in obj.communicators:
+            comm_enc(comm, rep.add())
+    elif obj.communicators:
+        msg.communicator_refs.extend([tables.communicator(c) for c in obj.communicators])
+
+
+def _decode_counters(msg: Any, values: list[Any]) -> list[Any]:
+    refs = msg.communicator_refs
+    if len(refs):
+        tables: _ReadTables | None = getattr(_DECODING, "tables", None)
+        if tables is None:
+            raise _WireError("counters point into a communicator table but their machine sent none")
+        values[_COMMS_AT] = tuple([tables.communicator(r) for r in refs])
+    else:
+        values[_COMMS_AT] = tuple([_communicator(c) for c in msg.communicators])
+    return values
+
+
+def _nothing(raw: Any) -> None:
+    return None
+
+
+def _decode_frame(msg: Any) -> Frame:
+    key = (msg.name, msg.filename, msg.line if msg.HasField("line") else None,
+           msg.module if msg.HasField("module") else None, msg.native, msg.is_shim)
+    return typing.cast(Frame, _intern(("frame", *key), lambda: Frame(*key)))
+
+
+_FRAME_DECODER: Decoder = _decode_frame
+_COMMS_AT = [f.name for f in dataclasses.fields(RankCounters)].index("communicators")
+_SPECIAL_ENCODERS: dict[type, Encoder] = {ThreadStack: _encode_thread, RankCounters: _encode_counters}
+_SPECIAL_DECODERS: dict[type, Callable[[Any, list[Any]], list[Any]]] = {
+    ThreadStack: _decode_thread, RankCounters: _decode_counters,
+}
+
+
+# --------------------------------------------------------------------------
+# enums
+# --------------------------------------------------------------------------
+
+
+def _enum_descriptor(enum_cls: type[Enum]) -> Any:
+    return pb.DESCRIPTOR.enum_types_by_name[enum_cls.__name__]
+
+
+def _enum_to_proto(value: Enum) -> int:
+    prefix, _fallback = ENUMS[type(value)]
+    return int(_enum_descriptor(type(value)).values_by_name[prefix + value.name].number)
+
+
+def _enum_from_proto(enum_cls: type[Enum], number: int) -> Enum:
+    prefix, fallback = ENUMS[enum_cls]
+    value = _enum_descriptor(enum_cls).values_by_number.get(number)
+    member = None
+    if value is not None and value.name.startswith(prefix):
+        member = enum_cls.__members__.get(value.name[len(prefix):])
+    if member is not None:
+        return member
+    if fallback is None:
+        raise ValueError(f"{enum_cls.__name__} value {number} is unset or unknown here")
+    return fallback

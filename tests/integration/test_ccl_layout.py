@@ -1,0 +1,174 @@
+"""The counter file's layout: one definition shared by writers and reader, seqlock, stale and corrupt files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from rankscope.ccl_plugin import layout as L
+from rankscope.ccl_plugin.build import BuildError, find_compiler
+from rankscope.ccl_plugin.writer import CounterWriter
+from rankscope.contract.snapshot import RankInfo
+from rankscope.probes.ccl_counters import list_counter_files, read_counter_file, read_counters
+from repo_paths import ROOT
+
+
+def test_shipped_c_header_is_generated_from_layout() -> None:
+    assert (ROOT / "ccl_plugin" / "nccl" / "rankscope_layout.h").read_text() == L.c_header()
+
+
+@pytest.mark.skipif(find_compiler() is None, reason="no C compiler")
+def test_c_compiler_agrees_with_python_offsets(tmp_path: Path) -> None:
+    checks = "".join(
+        f'  printf("{struct} {name} %zu\\n", offsetof({struct}, {name}));\n'
+        for struct, fields in (("rs_header", L.HEADER_FIELDS), ("rs_comm", L.COMM_FIELDS), ("rs_op", L.OP_FIELDS))
+        for name, _, _ in fields)
+    src = tmp_path / "off.c"
+    src.write_text(f'#include <stdio.h>\n#include <stddef.h>\n#include "rankscope_layout.h"\nint main(void) {{\n{checks}  return 0;\n}}\n')
+    exe = tmp_path / "off"
+    cc = find_compiler()
+    assert cc is not None
+    subprocess.run([cc, "-std=c11", "-I", str(ROOT / "ccl_plugin" / "nccl"), "-o", str(exe), str(src)], check=True)
+    got = {tuple(line.split()[:2]): int(line.split()[2]) for line in subprocess.run(
+        [str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()}
+    want = {**{("rs_header", k): v for k, v in L.HEADER_OFFSETS.items()},
+            **{("rs_comm", k): v for k, v in L.COMM_OFFSETS.items()},
+            **{("rs_op", k): v for k, v in L.OP_OFFSETS.items()}}
+    assert got == want
+
+
+def test_round_trip_of_every_field(tmp_path: Path) -> None:
+    w = CounterWriter(tmp_path, rank=5, world_size=8, job_id="jobA")
+    c = w.comm("7", "gloo", "PIPELINE_MODEL_PARALLEL_GROUP", (1, 5, 9, 13))
+    ar = w.slot(c, "all_reduce")
+    for _ in range(3):
+        w.complete(w.launch(ar, 1000))
+    open_req = w.launch(ar, 1000)
+    send = w.slot(c, "send")
+    w.launch(send, 64, peer=9)
+    w.step()
+    w.step()
+    got = read_counter_file(w.path).counters
+    assert (got.rank, got.pid, got.world_size, got.job_id, got.steps) == (5, os.getpid(), 8, "jobA", 2)
+    assert got.last_step_duration_s is not None and got.last_step_duration_s > 0
+    assert not got.stale and got.error is None
+    assert [(x.comm_id, x.backend, x.description, x.ranks) for x in got.communicators] == [
+        ("7", "gloo", "PIPELINE_MODEL_PARALLEL_GROUP", (1, 5, 9, 13))]
+    ops = {o.op: o for o in got.ops}
+    a = ops["all_reduce"]
+    assert (a.cl, a.wr, a.wc, a.bytes_total, a.last_launched_seq, a.last_completed_seq) == (4, 4, 3, 4000, 4, 3)
+    assert len(a.recent_throughput) == 3 and all(t > 0 for t in a.recent_throughput)
+    assert a.last_duration_s is not None and a.open_peers == ()
+    s = ops["send"]
+    assert (s.cl, s.wr, s.wc, s.open_peers, s.last_launched_seq) == (1, 1, 0, (9,), 5)
+    w.complete(open_req)
+    assert {o.op: o.wc for o in read_counter_file(w.path).counters.ops}["all_reduce"] == 4
+    w.close()
+    assert not w.path.exists()
+
+
+def test_ring_keeps_the_last_five_oldest_first(tmp_path: Path) -> None:
+    w = CounterWriter(tmp_path, rank=0, world_size=1, job_id="ring")
+    s = w.slot(w.comm("0", "gloo", "", (0,)), "all_reduce")
+    for _ in range(7):
+        w.complete(w.launch(s, 100))
+    want = [x for x in s.ring[s.ring_next:] + s.ring[:s.ring_next]]
+    assert list(read_counter_file(w.path).counters.ops[0].recent_throughput) == want
+    w.close()
+
+
+HAMMER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from rankscope.ccl_plugin.writer import CounterWriter
+    w = CounterWriter(Path(sys.argv[1]), rank=0, world_size=2, job_id="hammer")
+    s = w.slot(w.comm("0", "gloo", "world", (0, 1)), "all_reduce")
+    print("ready", flush=True)
+    i = 0
+    while True:  # every store keeps the invariants wc == wr == cl and bytes == 8 * cl
+        w.complete(w.launch(s, 8))
+        i += 1
+""")
+
+
+def test_reader_in_another_process_never_sees_a_torn_slot(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", HAMMER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        path = tmp_path / L.file_name("hammer", 0)
+        seen = set()
+        deadline = time.monotonic() + 30
+        reads = 0
+        while reads < 2000 and time.monotonic() < deadline:
+            got = read_counter_file(path).counters
+            assert got.error is None, got.error
+            (op,) = got.ops
+            # a torn read would mix fields of two updates: launch and completion differ by at most one
+            assert op.cl == op.wr and op.wc in (op.cl, op.cl - 1) and op.bytes_total == 8 * op.cl, op
+            seen.add(op.cl)
+            reads += 1
+        assert reads == 2000 and len(seen) > 10  # the writer really moved while we read
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_dead_writer_is_stale_and_pid_reuse_is_caught(tmp_path: Path) -> None:
+    code = ("import sys; from pathlib import Path; from rankscope.ccl_plugin.writer import CounterWriter;"
+            "CounterWriter(Path(sys.argv[1]), rank=3, world_size=4, job_id='dead')")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60)
+    (f,) = list_counter_files(tmp_path)
+    assert f.counters.rank == 3 and f.counters.stale and "gone" in (f.counters.stale_reason or "")
+    # the same file, pointed at a live pid with another start time: reused pid
+    w = CounterWriter(tmp_path, rank=1, world_size=4, job_id="reuse")
+    raw = bytearray(w.path.read_bytes())
+    raw[L.HEADER_OFFSETS["pid_start_ticks"]:L.HEADER_OFFSETS["pid_start_ticks"] + 8] = (12345).to_bytes(8, "little")
+    w.path.write_bytes(bytes(raw))
+    got = read_counter_file(w.path).counters
+    assert got.stale and "another process" in (got.stale_reason or "")
+
+
+def test_corrupt_and_truncated_files_are_reported(tmp_path: Path) -> None:
+    w = CounterWriter(tmp_path, rank=2, world_size=4, job_id="bad")
+    w.comm("0", "gloo", "", (0, 1, 2, 3))
+    full = w.path.read_bytes()
+    cases = {
+        "short.rank0.ccl": full[:100],
+        "half.rank1.ccl": full[: len(full) // 2],
+        "magic.rank2.ccl": b"XXXXXXXX" + full[8:],
+        "version.rank3.ccl": full[:8] + (99).to_bytes(4, "little") + full[12:],
+        "tables.rank4.ccl": full[:L.HEADER_OFFSETS["n_comms"]] + (10**6).to_bytes(4, "little")
+        + full[L.HEADER_OFFSETS["n_comms"] + 4:],
+    }
+    w.close()
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    got = {f.path.name: f.counters for f in list_counter_files(tmp_path)}
+    assert set(got) == set(cases)
+    for name, c in got.items():
+        assert c.error is not None and "unreadable" in c.error, name
+        assert c.rank == int(name.split(".rank")[1].split(".")[0])
+    assert "truncated" in (got["short.rank0.ccl"].error or "") and "truncated" in (got["half.rank1.ccl"].error or "")
+    assert "magic" in (got["magic.rank2.ccl"].error or "") and "version 99" in (got["version.rank3.ccl"].error or "")
+
+
+def test_read_counters_matches_files_to_ranks_by_pid(tmp_path: Path) -> None:
+    me = os.getpid()
+    w = CounterWriter(tmp_path, rank=4, world_size=8, job_id="match")
+    s = w.slot(w.comm("0", "gloo", "", tuple(range(8))), "barrier")
+    w.complete(w.launch(s, 0))
+    infos = [RankInfo(rank=4, local_rank=0, world_size=8, pid=me), RankInfo(rank=5, local_rank=1, world_size=8, pid=1)]
+    (got,) = read_counters(infos, tmp_path)
+    assert got.rank == 4 and got.pid == me and got.ops[0].cl == 1
+    assert read_counters(infos, tmp_path / "absent") == ()
+    w.close()
+
+
+def test_build_error_carries_a_fix() -> None:
+    err = BuildError("no C compiler found", "install gcc")
+    assert err.fix == "install gcc" and "no C compiler" in err.message

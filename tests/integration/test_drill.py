@@ -1,0 +1,376 @@
+"""The drill: layout math, fault registry and ground truth (no processes), then real drills.
+
+The real drills start torchrun nodes, ranks with dataloader workers and
+checkpoint writers, and agents, so they are marked ``drill`` and kept few:
+the hang-p2p acceptance drill through the agents (with the cleanup check),
+Ctrl-C cleanup, and bit-for-bit resume on another set of machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from agent_helpers import ctrl_c_works
+from drill_processes import processes_under
+from rankscope.cli.main import main as cli_main
+from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import ProcessRole
+from rankscope.drill.faults import FAULTS, DrillLayout, FaultPlan, ground_truth, make_plan
+from rankscope.drill.launcher import RUN_ID_ENV, marked_processes
+from rankscope.drill.progress import ProgressWatcher, read_progress, write_progress
+
+# --------------------------------------------------------------------------
+# layout
+# --------------------------------------------------------------------------
+
+
+def test_rank_order_is_tp_then_dp_then_pp() -> None:
+    layout = DrillLayout(tp=2, pp=2, dp=2, machines=4)
+    assert [layout.coords(r) for r in range(8)] == [
+        (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
+    assert all(layout.rank_of(*layout.coords(r)) == r for r in range(8))
+    assert layout.group_of("tp", 5) == (4, 5)
+    assert layout.group_of("dp", 5) == (5, 7)
+    assert layout.group_of("pp", 5) == (1, 5)
+    assert layout.ranks_on(2) == (4, 5)
+    assert layout.machine_of(7) == 3
+
+
+def test_groups_partition_the_world_in_the_same_order_for_everyone() -> None:
+    layout = DrillLayout(tp=2, pp=4, dp=4, machines=16)
+    for kind, size in (("tp", 2), ("pp", 4), ("dp", 4)):
+        groups = layout.groups(kind)
+        assert sorted(r for g in groups for r in g) == list(range(32))
+        assert {len(g) for g in groups} == {size}
+    # ByteRobust Fig. 7 has pp before dp; in Megatron's default order a PP group strides by TP*DP.
+    assert layout.group_of("pp", 0) == (0, 8, 16, 24)
+
+
+def test_ranks_that_do_not_split_over_the_machines_name_the_divisors() -> None:
+    with pytest.raises(RankscopeError) as err:
+        DrillLayout(tp=2, pp=2, dp=2, machines=3)
+    assert "1, 2, 4, 8" in err.value.fix
+
+
+# --------------------------------------------------------------------------
+# faults and ground truth
+# --------------------------------------------------------------------------
+
+
+def test_hang_p2p_ground_truth_names_the_pipeline_group_and_its_machines() -> None:
+    layout = DrillLayout()
+    truth = ground_truth(make_plan("hang-p2p", layout, rank=5, step=20), layout)
+    assert truth.suspect_kind == "pp"
+    assert truth.suspect_ranks == (1, 5)
+    assert truth.suspect_machines == ("machine-0", "machine-2")
+    assert truth.machine == "machine-2"
+    assert truth.frame == "drill_injected_hang_p2p"
+    assert dict(truth.coords) == {"tp": 1, "dp": 0, "pp": 1}
+
+
+def test_group_faults_default_to_a_group_that_exists() -> None:
+    assert make_plan("hang-collective", DrillLayout(), rank=3).group == "tp"
+    assert make_plan("hang-collective", DrillLayout(tp=1, pp=2, dp=2, machines=2), rank=3).group == "dp"
+    truth = ground_truth(make_plan("hang-collective", DrillLayout(), rank=3, group="dp"), DrillLayout())
+    assert (truth.suspect_kind, truth.suspect_ranks) == ("dp", (1, 3))
+    with pytest.raises(RankscopeError):
+        make_plan("hang-p2p", DrillLayout(tp=2, pp=1, dp=2, machines=2), rank=0)
+    with pytest.raises(RankscopeError):
+        make_plan("hang-compute", DrillLayout(), rank=0, group="tp")
+
+
+def test_a_random_rank_is_reproducible_and_stays_on_the_chosen_machine() -> None:
+    layout = DrillLayout()
+    picks = {make_plan("crash", layout, seed=s).rank for s in range(20)}
+    assert len(picks) > 1
+    assert make_plan("crash", layout, seed=7).rank == make_plan("crash", layout, seed=7).rank
+    assert {make_plan("crash", layout, machine=3, seed=s).rank for s in range(20)} <= {6, 7}
+    with pytest.raises(RankscopeError):
+        make_plan("crash", layout, rank=0, machine=3)
+    with pytest.raises(RankscopeError):
+        make_plan("crash", layout, rank=8)
+    with pytest.raises(RankscopeError):
+        make_plan("no-such-fault", layout)
+
+
+def test_machine_and_checkpoint_faults() -> None:
+    layout = DrillLayout()
+    contention = ground_truth(make_plan("cpu-contention", layout, machine=1, seed=0), layout)
+    assert (contention.suspect_kind, contention.suspect_ranks, contention.suspect_machines) == (
+        "machine", (2, 3), ("machine-1",))
+    assert contention.injected_by == "orchestrator"
+    stall = ground_truth(make_plan("checkpoint-stall", layout, rank=2, step=12), layout, checkpoint_every=5)
+    assert (stall.step, stall.role, stall.suspect_ranks) == (15, "checkpoint", (2,))
+
+
+def test_plan_travels_through_the_environment_and_intermittent_faults_toggle() -> None:
+    plan = make_plan("slow-compute", DrillLayout(), rank=4, step=10, factor=1.5, on_steps=3, off_steps=2)
+    again = FaultPlan.from_env(plan.to_env())
+    assert again == plan
+    assert [again.active(s) for s in range(8, 20)] == [
+        False, False, True, True, True, False, False, True, True, True, False, False]
+    assert FaultPlan.from_env(None).name == "none"
+    assert not FaultPlan.from_env(None).hits(0, 100)
+
+
+def test_every_fault_has_a_category_and_a_suspect() -> None:
+    assert {f.category for f in FAULTS.values()} == {"none", "hang", "slow"}
+    for spec in FAULTS.values():
+        assert spec.suspect in {"none", "rank", "machine", "group", "pp", "desync"}
+        if spec.by == "rank" and spec.name != "none":
+            assert spec.frame is not None and spec.frame.startswith("drill_injected_")
+
+
+def test_bad_drill_flags_exit_2_with_a_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["drill", "--headless", "--fault", "melt", "--no-agents"]) == 2
+    assert "choose one of" in capsys.readouterr().err
+    assert cli_main(["drill", "--headless", "--machines", "3"]) == 2
+    assert cli_main(["drill", "--headless", "--fault", "hang-p2p", "--fault-step", "30", "--steps", "20"]) == 2
+
+
+# --------------------------------------------------------------------------
+# progress
+# --------------------------------------------------------------------------
+
+
+def test_progress_stops_when_no_rank_advances(tmp_path: Path) -> None:
+    now = [100.0]
+    (tmp_path / "progress").mkdir()
+    watcher = ProgressWatcher(tmp_path, world=2, clock=lambda: now[0])
+    write_progress(tmp_path, 0, 3)
+    write_progress(tmp_path, 1, 3)
+    watcher.poll()
+    assert watcher.min_step() == 3
+    now[0] += 4.0
+    write_progress(tmp_path, 1, 4)
+    watcher.poll()
+    assert watcher.idle_seconds() == 0.0
+    now[0] += 6.0
+    watcher.poll()
+    assert watcher.idle_seconds() == 6.0
+    assert watcher.min_step() == 3 and watcher.max_step() == 4
+    assert read_progress(tmp_path)[1].pid == os.getpid()
+
+
+# --------------------------------------------------------------------------
+# real drills
+# --------------------------------------------------------------------------
+
+
+def _innermost_names(frames: list[str]) -> str:
+    return " ".join(frames)
+
+
+@pytest.mark.drill
+@pytest.mark.timeout(240)
+def test_hang_p2p_drill_through_the_agents(tmp_path: Path) -> None:
+    from rankscope.drill.launcher import TrainingOptions
+    from rankscope.drill.session import DrillConfig, run_headless
+
+    layout = DrillLayout(tp=2, pp=2, dp=2, machines=4)
+    plan = make_plan("hang-p2p", layout, rank=5, step=6)
+    config = DrillConfig(layout=layout, plan=plan, training=TrainingOptions(steps=40, checkpoint_every=5),
+                         run_dir=tmp_path / "run", stall_seconds=3.0)
+    report = run_headless(config)
+
+    assert report["stall"]["reason"] == "stalled"
+    cap = report["captured"]
+    machines = {m["machine"]: m for m in cap["machines"]}
+    assert sorted(machines) == ["machine-0", "machine-1", "machine-2", "machine-3"]
+    for i, name in enumerate(sorted(machines)):
+        m = machines[name]
+        assert m["reachable"], m["error"]
+        assert m["ranks_seen"] == [2 * i, 2 * i + 1]
+    assert cap["ranks_with_stacks"] == list(range(8))
+    # The faulty rank shows the injected frame, in its main process.
+    assert cap["injected_frame_at_faulty_rank"] is True
+    assert {f["rank"] for f in cap["injected_frame_found_in"]} == {5}
+    ranks = {int(r): v for m in machines.values() for r, v in m["ranks"].items()}
+    # Rank 1 is rank 5's pipeline peer: it waits for the gradient rank 5 never sends.
+    assert "recv_backward" in _innermost_names(ranks[1]["main"])
+    for rank, r in ranks.items():
+        if rank == 5:
+            continue
+        text = _innermost_names(r["main"])
+        assert any(op in text for op in ("recv", "send", "all_reduce", "barrier")), (rank, r["main"])
+        roles = sorted(sp["role"] for sp in r["subprocesses"])
+        assert roles == [ProcessRole.CHECKPOINT.value, ProcessRole.DATALOADER.value], (rank, r["subprocesses"])
+    # The bundle holds the same snapshot and the ground truth.
+    bundle = json.loads(Path(report["bundle"]).read_text())
+    assert bundle["ground_truth"]["rank"] == 5 and bundle["ground_truth"]["suspect_ranks"] == [1, 5]
+    # Every process of the drill is gone.
+    assert marked_processes(report["run_id"]) == []
+    assert processes_under(tmp_path / "run") == []
+
+
+FORKER = """
+import subprocess, sys, time
+print("ready", flush=True)
+while True:  # a new child every millisecond or so, as an agent starts py-spy windows back to back
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    time.sleep(0.001)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_kill_trees_leaves_no_child_a_forking_process_starts_while_it_is_being_stopped(tmp_path: Path) -> None:
+    """The trees are frozen before anything is signalled: a child forked between the collection and the
+    SIGTERM would be re-parented to init, out of the tree, and only the run's sweep would find it."""
+    from rankscope.drill.launcher import kill_trees
+
+    run_id = f"forker-{os.getpid()}"
+    env = {**os.environ, RUN_ID_ENV: run_id}
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", FORKER], env=env, stdout=subprocess.PIPE)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+            while len(marked_processes(run_id)) < 10:  # a busy tree, forking as it is stopped
+                time.sleep(0.05)
+            kill_trees([proc.pid])
+            proc.wait(timeout=10)
+            assert marked_processes(run_id) == []
+        finally:
+            for pid in marked_processes(run_id):
+                with contextlib.suppress(psutil.Error):
+                    psutil.Process(pid).kill()
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.mark.drill
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_every_process_of_the_drill(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rankscope", "drill", "--headless", "--tp", "1", "--pp", "2", "--dp", "1",
+         "--machines", "2", "--fault", "hang-compute", "--fault-rank", "1", "--fault-step", "3",
+         "--stall-seconds", "600", "--stall-timeout", "600", "--no-agents", "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ctrl_c_works,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        ranks: dict[int, int] = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            progress = read_progress(run_dir)
+            ranks = {r: p.step for r, p in progress.items()}
+            if len(ranks) == 2 and min(ranks.values()) >= 3:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1]
+        assert len(ranks) == 2, ranks
+        run_id = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                      if RUN_ID_ENV in p.environ()).environ()[RUN_ID_ENV]
+        assert len(marked_processes(run_id)) >= 6  # 2 torchrun, 2 ranks, their writers and loader workers
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert marked_processes(run_id) == []
+        assert processes_under(run_dir) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.drill
+@pytest.mark.timeout(300)
+def test_after_a_crash_training_resumes_bit_for_bit_on_another_set_of_machines(tmp_path: Path) -> None:
+    from rankscope.drill.faults import FAULT_ENV
+    from rankscope.drill.launcher import Launcher, TrainingOptions
+
+    layout = DrillLayout(tp=1, pp=2, dp=1, machines=2)
+    training = TrainingOptions(steps=10, checkpoint_every=5, micro_batches=2)
+
+    def wait_for(launcher: Launcher) -> dict[str, int | None]:
+        for node in launcher.nodes.values():
+            node.proc.wait(timeout=150)
+        return launcher.node_exit_codes()
+
+    def losses(run_dir: Path) -> list[tuple[int, str]]:
+        lines = (run_dir / "loss" / "rank1.jsonl").read_text().splitlines()
+        return [(json.loads(x)["step"], json.loads(x)["loss"]) for x in lines]
+
+    crash = make_plan("crash", layout, rank=1, step=8)
+    job = Launcher(tmp_path / "b", layout, training)
+    try:
+        job.start_nodes(["machine-0", "machine-1"], env={FAULT_ENV: crash.to_env()})
+        assert 0 not in set(wait_for(job).values())
+        before = dict(losses(tmp_path / "b"))
+        assert sorted(before) == list(range(1, 9))
+        # machine-1 is "evicted": the job comes back on machine-0 and a standby, from the step-5 checkpoint.
+        job.restart(["machine-0", "machine-4"], resume=True, env={FAULT_ENV: ""}, agents=False)
+        assert [n.name for n in sorted(job.nodes.values(), key=lambda n: n.node_rank)] == ["machine-0", "machine-4"]
+        assert set(wait_for(job).values()) == {0}
+    finally:
+        job.stop()
+    after = losses(tmp_path / "b")
+    assert [s for s, _ in after] == [*range(1, 9), *range(6, 11)]
+    # Bit for bit: steps 6-8, computed again from the step-5 checkpoint on other
+    # machines, give the same losses (as float hex) as before the crash.
+    resumed = dict(after[8:])
+    assert {s: resumed[s] for s in (6, 7, 8)} == {s: before[s] for s in (6, 7, 8)}
+
+
+def test_standbys_default_to_a_pool_that_can_refill_a_group_with_the_tui_and_to_none_headless() -> None:
+    from rankscope.cli.commands.drill import build_config
+    from rankscope.cli.main import build_parser
+    from rankscope.drill.control import default_standbys
+
+    def standbys(*argv: str) -> int:
+        return int(build_config(build_parser().parse_args(["drill", *argv])).standbys)
+
+    assert standbys() == max(default_standbys(4), 2)  # a PP group of the default layout spans 2 machines
+    assert standbys("--pp", "4", "--dp", "1", "--machines", "4") == 4
+    assert standbys("--headless") == 0
+    assert standbys("--headless", "--standbys", "2") == 2
+    with pytest.raises(RankscopeError, match="negative"):
+        standbys("--standbys", "-1")
+
+
+def test_the_checkpoint_writer_keeps_only_the_newest_checkpoints_of_its_rank(tmp_path: Path) -> None:
+    from rankscope.drill.worker import CHECKPOINTS_KEPT, latest_checkpoint, prune_checkpoints
+
+    out = tmp_path / "checkpoints"
+    out.mkdir()
+    for step in (5, 10, 15, 20, 25, 30, 100):
+        (out / f"rank0-step{step}.pt").write_bytes(b"x")
+    (out / "rank1-step5.pt").write_bytes(b"x")  # another rank's files are not this writer's to delete
+    prune_checkpoints(out, 0, CHECKPOINTS_KEPT)
+    assert sorted(p.name for p in out.iterdir()) == ["rank0-step100.pt", "rank0-step20.pt", "rank0-step25.pt",
+                                                     "rank0-step30.pt", "rank1-step5.pt"]  # by step, not by name
+    assert latest_checkpoint(tmp_path, 0) == 100
+
+
+def test_an_attached_drill_says_what_it_did_once_its_tui_quit(tmp_path: Path) -> None:
+    # After `q` the attached drill stopped its job and printed nothing: the screen was gone and with it the story.
+    from rankscope.cli.commands.drill import attached_report_lines
+    from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent
+    from rankscope.drill.session import DrillConfig, DrillSession
+
+    layout = DrillLayout(tp=2, pp=2, dp=1, machines=2)
+    s = DrillSession(DrillConfig(layout=layout, run_dir=tmp_path, plan=make_plan("hang-p2p", layout, rank=3, step=6)))
+    for rank, step in ((0, 40), (1, 40), (2, 40), (3, 38)):
+        write_progress(tmp_path, rank, step)
+    s.recovery = Recovery(s.launcher, DrillMachines(s.launcher))
+    s.recovery.events.append(RecoveryEvent("a1", ("machine-1",), ("standby-0",), ("machine-0", "standby-0"), True, "",
+                                           0.0, 0.0, 0.0, 12))
+    s.recovery.events.append(RecoveryEvent("a2", ("machine-0",), (), (), False, "no standby left", 0.0, 0.0, 0.0, 0))
+    s.watcher.poll()
+    lines = attached_report_lines(s, 0)
+    assert lines[0].startswith(f"drill {s.launcher.run_id} stopped (the TUI quit); fault hang-p2p at rank 3, step 6")
+    assert lines[1] == f"steps: ranks 3 at step 38; ranks 0-2 at step 40 (of {s.config.training.steps})"
+    assert lines[2] == "evict machine-1: restarted on machine-0 standby-0, standby-0 joined, resumed from step 12"
+    assert lines[3] == "evict machine-0: not restarted: no standby left"
+    assert lines[4:] == ["every process the drill started has stopped", f"logs, losses and progress: {tmp_path}"]
+    s.leftovers = [123]
+    assert "stopped 1 leftover processes by force: 123" in attached_report_lines(s, 1)[-2]
+    assert "(the TUI ended with code 1)" in attached_report_lines(s, 1)[0]

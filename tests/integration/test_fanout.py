@@ -1,0 +1,140 @@
+"""Fan-out at scale (#16): real agent servers on loopback, a relaying agent, the client's own limits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import pytest
+from rankscope.contract.snapshot import (
+    CaptureErrorKind,
+    Communicator,
+    Frame,
+    Instant,
+    MachineSnapshot,
+    ProcessRole,
+    ProcessStack,
+    RankCounters,
+    RankInfo,
+    RankStacks,
+    ThreadStack,
+)
+from rankscope.wire.agent import AgentConfig, RunningAgent, start_agent
+from rankscope.wire.client import JobClient, error_for_rpc
+from rankscope.wire.tokens import TokenSet, parse_tokens
+
+pytestmark = pytest.mark.timeout(120)
+TOKEN = "t" * 32
+RANKS_PER_MACHINE = 2
+WORLD = Communicator("w", "nccl", "WORLD", tuple(range(64)))
+FRAMES = tuple(Frame(f"layer{i}", "model.py", 10 + i) for i in range(12))
+
+
+def tokens() -> TokenSet:
+    return parse_tokens(f"read:{TOKEN}\n", "test")
+
+
+def source_for(machine: int) -> Callable[[bool], Awaitable[MachineSnapshot]]:
+    """Machine ``machine``'s ranks, as the probes would read them (the agent server and wire are the real ones)."""
+    ranks = [machine * RANKS_PER_MACHINE + i for i in range(RANKS_PER_MACHINE)]
+
+    async def read(stacks: bool) -> MachineSnapshot:
+        return MachineSnapshot(
+            machine=f"m{machine}", address="", reachable=True, captured=Instant(1.0, 2.0),
+            ranks=tuple(RankInfo(r, r % RANKS_PER_MACHINE, 64, 1000 + r) for r in ranks),
+            stacks=tuple(RankStacks(r, ProcessStack(1000 + r, ProcessRole.MAIN, (ThreadStack(1, (
+                *FRAMES, Frame("recv" if r == 5 else "all_reduce", "c10d.py", 1))),))) for r in ranks) if stacks else (),
+            counters=tuple(RankCounters(r, 1000 + r, 64, "job", 1.0, (WORLD,)) for r in ranks),
+        )
+
+    return read
+
+
+async def serve(machine: int, *, relay_to: tuple[str, ...] = ()) -> RunningAgent:
+    config = AgentConfig(tokens=tokens(), port=0, machine_name=f"m{machine}", relay_to=relay_to, relay_token=TOKEN)
+    return await start_agent(config, source=source_for(machine))
+
+
+@pytest.fixture
+async def leaves() -> AsyncIterator[list[RunningAgent]]:
+    agents = [await serve(m) for m in range(1, 9)]
+    try:
+        yield agents
+    finally:
+        for a in agents:
+            await a.stop(0)
+
+
+def check_machines(machines: list[MachineSnapshot], expected: list[int]) -> None:
+    assert sorted(m.machine for m in machines) == sorted(f"m{i}" for i in expected)
+    assert all(m.reachable for m in machines)
+    stacks = {s.rank: s for m in machines for s in m.stacks}
+    assert sorted(stacks) == sorted(i * RANKS_PER_MACHINE + k for i in expected for k in range(RANKS_PER_MACHINE))
+    inner = {r: s.main.threads[0].frames[-1].name for r, s in stacks.items() if s.main.threads}
+    assert inner[5] == "recv" and {n for r, n in inner.items() if r != 5} == {"all_reduce"}
+    assert all(c.communicators == (WORLD,) for m in machines for c in m.counters)
+
+
+async def test_a_relaying_agent_merges_the_replies_of_the_agents_below_it(leaves: list[RunningAgent]) -> None:
+    half = len(leaves) // 2
+    relay_a = await serve(0, relay_to=tuple(a.address for a in leaves[:half]))
+    relay_b = await serve(9, relay_to=(*(a.address for a in leaves[half:]), "127.0.0.1:1"))
+    try:
+        async with JobClient([relay_a.address, relay_b.address], TOKEN, deadline_s=30) as client:
+            snap = await client.capture()
+            poll = await client.poll()
+        machines = {m.address: m for m in snap.machines}
+        lost = machines.pop("127.0.0.1:1")  # a child the relay could not reach: said so, by its address
+        assert not lost.reachable and lost.error is not None and "nothing listening" in lost.error.message
+        check_machines(list(machines.values()), list(range(10)))
+        assert machines[relay_a.address].machine == "m0"
+        assert {m.address for m in machines.values()} == {relay_a.address, relay_b.address} | {a.address for a in leaves}
+        # the frames of ranks on different machines, sent in different tables, are one object on the client
+        frames = {id(s.main.threads[0].frames[0]) for m in snap.machines for s in m.stacks if s.main.threads}
+        assert len(frames) == 1
+        assert sorted(m.machine for m in poll.machines if m.reachable) == sorted(f"m{i}" for i in range(10))
+        assert all(not m.stacks for m in poll.machines)
+    finally:
+        await relay_a.stop(0)
+        await relay_b.stop(0)
+
+
+async def test_more_agents_than_channels_are_all_asked_with_the_channels_bounded(leaves: list[RunningAgent]) -> None:
+    async with JobClient([a.address for a in leaves], TOKEN, deadline_s=30, max_channels=3) as client:
+        assert client.max_channels == 3
+        for _ in range(2):
+            snap = await client.capture()
+            check_machines(list(snap.machines), list(range(1, 9)))
+        assert 1 <= client.peak_channels <= 3
+    async with JobClient([a.address for a in leaves], TOKEN, deadline_s=30) as roomy:
+        await roomy.poll()
+        assert roomy.peak_channels == len(leaves)  # within the limit, channels stay open for the next poll
+
+
+def test_running_out_of_descriptors_blames_the_limit_not_the_agent() -> None:
+    exc = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                               "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.7:50051: "
+                               "Too many open files")
+    machine = error_for_rpc("10.0.0.7:50051", exc, 10.0)
+    assert machine.error is not None and machine.error.kind is CaptureErrorKind.FAILED
+    assert machine.error.message.startswith("not asked: this client ran out of file descriptors")
+    assert "ulimit -n" in machine.error.fix
+    assert "start `rankscope agent`" not in machine.error.fix and "is `rankscope agent` running" not in machine.error.fix
+
+
+def test_the_client_raises_its_open_file_limit_to_the_hard_limit() -> None:
+    code = (
+        "import resource\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "from rankscope.wire.client import JobClient, channel_budget\n"
+        "c = JobClient(['127.0.0.1:1'], None)\n"
+        "now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+        "print(now == hard or hard == resource.RLIM_INFINITY, c.max_channels == channel_budget(now), hard > 256)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    if out[2] == "False":
+        pytest.skip("this machine's hard open-file limit is 256 or less: nothing to raise")
+    assert out[:2] == ["True", "True"]

@@ -1,0 +1,340 @@
+"""One story of the incident: the job's state from the agents' memory, verdict staleness, membership after actions.
+
+The snapshots here carry what a real agent adds to each reading
+(rankscope.wire.rank_progress: each rank's last progress and start, the
+machine's generation and when it last saw ranks), so these are the numbers
+every view, attached early or late, computes its header from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from rankscope.contract.snapshot import (
+    Frame,
+    Instant,
+    JobSnapshot,
+    MachineSnapshot,
+    ProcessRole,
+    ProcessStack,
+    RankCounters,
+    RankInfo,
+    RankStacks,
+    ThreadStack,
+)
+from rankscope.tui import state as st
+from rankscope.tui.analysis import build_stack_view
+from rankscope.tui.widgets.metrics import render_row
+from rankscope.tui.widgets.verdict import header_text, verdict_text_rich
+
+pytestmark = pytest.mark.timeout(60)
+
+T0 = 1_700_000_000.0
+MACHINES = ("machine-0", "machine-1")
+
+
+def snap(wall: float, *, progress: float | None, started: float = T0 - 100, pids: int = 1000,
+         ranks: bool = True, seen: float | None = None, stacks: str | None = None,
+         unreachable: tuple[str, ...] = (), extra: tuple[MachineSnapshot, ...] = ()) -> JobSnapshot:
+    """Two machines of two ranks each; ``progress``: the ranks' last step per the agent (None: none yet)."""
+    ms = []
+    for i, name in enumerate(MACHINES):
+        address = f"127.0.0.1:{59990 + i}"
+        if name in unreachable:
+            ms.append(MachineSnapshot(name, address, False, None))
+            continue
+        infos = tuple(RankInfo(r, r % 2, 4, pids + r, last_progress_wall=progress, started_wall=started)
+                      for r in (2 * i, 2 * i + 1)) if ranks else ()
+        # The plugin's step counters: they tell a rank before its first step from one whose state is unknown.
+        counters = tuple(RankCounters(r.rank, r.pid, 4, None, None, steps=0 if progress is None else 9,
+                                      last_step_wall=progress) for r in infos)
+        st_ = ()
+        if stacks is not None and ranks:
+            st_ = tuple(RankStacks(r.rank, ProcessStack(r.pid, ProcessRole.MAIN, (ThreadStack(
+                1, (Frame("recv" if r.rank == 3 else stacks, "train.py", 5), Frame("main", "train.py", 1)),
+                "MainThread"),))) for r in infos)
+        ms.append(MachineSnapshot(name, address, True, Instant(wall, wall - T0), ranks=infos, stacks=st_,
+                                  counters=counters, generation=1, ranks_seen_wall=wall if ranks else seen))
+    return JobSnapshot(Instant(wall, wall - T0), (*ms, *extra))
+
+
+def fold(snaps: list[JobSnapshot], state: st.AppState | None = None) -> st.AppState:
+    s = state or st.AppState()
+    for x in snaps:
+        if x.all_stacks():
+            s = st.apply_capture(s, st.digest(x), build_stack_view(x, None), x.captured.wall)
+        else:
+            s = st.apply_snapshot(s, st.digest(x), x.captured.wall)
+    return s
+
+
+def header(s: st.AppState) -> str:
+    return header_text(s, "2 agents", False, 30.0).plain.splitlines()[0]
+
+
+def test_a_view_attached_late_says_what_the_view_that_watched_says_within_a_poll() -> None:
+    # Steps until T0+10, then nothing: the early view watched it all, the late one attaches at T0+190.
+    early = fold([snap(T0 + i, progress=T0 + min(i, 10)) for i in range(0, 191)])
+    late = fold([snap(T0 + 190, progress=T0 + 10)])
+    assert st.health(early) == st.health(late)  # from its first poll on
+    late = fold([snap(T0 + 191, progress=T0 + 10)], late)
+    early = fold([snap(T0 + 191, progress=T0 + 10)], early)
+    assert st.health(late).kind == "hung" and st.health(late).text == "hung since 22:13:30 (181 s)"
+    assert header(early) == header(late)
+    assert header(late).startswith("HUNG since 22:13:30")
+    # Before the hang passes --hang-after a late view reads "progressing" from the agents, not its own window.
+    assert st.health(fold([snap(T0 + 20, progress=T0 + 19)])).kind == "healthy"
+
+
+def test_a_hung_job_makes_no_steps_per_second_in_any_view() -> None:
+    def stepping(wall: float, last_step: int) -> JobSnapshot:
+        got = snap(wall, progress=T0 + last_step)
+        return replace(got, machines=tuple(replace(m, counters=tuple(replace(c, steps=last_step) for c in m.counters))
+                                           for m in got.machines))
+
+    # The early view's window holds the steps before the hang; the late one's only the hang.
+    early = fold([stepping(T0 + i, min(i, 10)) for i in range(1, 46)])
+    late = fold([stepping(T0 + 44, 10), stepping(T0 + 45, 10)])
+    assert st.step_rate(early) is not None and st.step_rate(early) > 0.1  # type: ignore[operator]
+    assert header(early) == header(late)
+    assert header(late).startswith("HUNG since 22:13:30 (35 s) │ 2/2 machines │ 0.00 steps/s"), header(late)
+
+
+def test_the_backup_modal_of_a_hung_job_says_first_that_no_shard_will_come() -> None:
+    from rankscope.tui.actions import backup_title
+
+    assert backup_title(fold([snap(T0 + 20, progress=T0 + 19)]), 30.0) == "Checkpoint backup"
+    hung = backup_title(fold([snap(T0 + 190, progress=T0 + 10)]), 30.0)
+    assert hung.startswith("Checkpoint backup — the job is hung since 22:13:30 (180 s): no rank reaches a step "
+                           "boundary, so no shard will come"), hung
+
+
+def test_ranks_before_their_first_step_are_starting_then_hung_if_they_never_step() -> None:
+    s = fold([snap(T0 + 5, progress=None, started=T0)])
+    assert st.health(s) == st.Health("starting", "starting: 4 ranks before their first step")
+    s = fold([snap(T0 + 45, progress=None, started=T0)])
+    assert st.health(s).kind == "hung" and "since its start at 22:13:20" in st.health(s).text
+
+
+def test_a_verdict_goes_stale_when_the_job_progresses_restarts_or_finishes() -> None:
+    hung = [snap(T0 + i, progress=T0 + 10) for i in range(40, 45)]
+    s = fold([*hung, snap(T0 + 45, progress=T0 + 10, stacks="send")])
+    assert s.stacks is not None and s.stacks.verdict.suspects
+    assert st.verdict_stale(s) is None  # a capture of the hang, nothing moved since
+    assert st.verdict_stale(fold([snap(T0 + 46, progress=T0 + 10)], s)) is None
+    # Progress after the capture: the verdict is a record, not a diagnosis.
+    moved = fold([snap(T0 + 50, progress=T0 + 49)], s)
+    assert st.verdict_stale(moved) == "the job progressed after it (last step 22:14:09)"
+    # A restart: new pids everywhere.
+    restarted = fold([snap(T0 + 60, progress=None, started=T0 + 55, pids=2000)], s)
+    assert restarted.restarts == 1
+    assert st.verdict_stale(restarted) == "the job restarted after this capture"
+    assert st.map_groups(s) == s.stacks.group_of_rank and set(st.map_groups(s)) == {0, 1, 2, 3}
+    assert st.map_groups(moved) is s.stacks.group_of_rank  # stale, but the same processes: still their groups
+    assert st.map_groups(restarted) == {}  # new processes: the old capture says nothing of them
+    rich_text = verdict_text_rich(restarted.stacks, st.NO_FILTER, stale=st.verdict_stale(restarted),
+                                  taken=restarted.capture_wall)
+    text = rich_text.plain
+    assert text.startswith("verdict of 22:14:05 (stale: the job restarted after this capture; s captures again)")
+    # Its suspects are a record, drawn dim: no alarm colour on a job that has moved on.
+    first = text.index("\n")
+    assert "▸" in text[first:]
+    assert {str(span.style) for span in rich_text.spans if span.start >= first} == {"dim"}
+    live = verdict_text_rich(s.stacks, st.NO_FILTER, stale=None, taken=s.capture_wall)
+    assert "bold yellow" in {str(span.style) for span in live.spans}, "the live verdict keeps its colours"
+    # The job ends: no ranks on any machine.
+    ended = fold([snap(T0 + 70, progress=None, ranks=False, seen=T0 + 69)], s)
+    assert st.verdict_stale(ended) == "the job has no ranks running now"
+
+
+def test_a_capture_of_ranks_still_starting_is_never_a_steady_state_verdict() -> None:
+    s = fold([snap(T0 + 5, progress=None, started=T0), snap(T0 + 6, progress=None, started=T0, stacks="import")])
+    assert s.verdict is not None and s.verdict.starting == (0, 1, 2, 3)
+    assert st.verdict_stale(s) == "taken while ranks 0-3 were still starting"
+
+
+def test_a_young_job_without_counters_that_hangs_in_its_own_code_can_be_acted_on() -> None:
+    # Ranks 5 s old, no counters, caught in the pipeline (not importing, not at rendezvous): nothing says they
+    # are starting, so the verdict aims `e` (the TUI's real-agent eviction test hangs exactly like this).
+    young = snap(T0 + 5, progress=None, started=T0, stacks="send")
+    young = replace(young, machines=tuple(replace(m, counters=()) for m in young.machines))
+    s = fold([young])
+    assert s.stacks is not None and s.stacks.verdict.suspects
+    assert s.verdict is not None and s.verdict.starting == ()
+    assert st.verdict_stale(s) is None
+
+
+def test_without_counters_a_rank_that_never_stepped_is_unknown_unless_its_stack_shows_it_starting() -> None:
+    bare = snap(T0 + 5, progress=None, started=T0)
+    bare = replace(bare, machines=tuple(replace(m, counters=()) for m in bare.machines))
+    # Processes 5 s old with no counter file yet (a restart's ranks importing torch): starting, not "no plugin".
+    assert st.health(fold([bare])) == st.Health("starting", "starting: 4 ranks before their first step")
+    old = replace(bare, captured=Instant(T0 + 45, 45.0),
+                  machines=tuple(replace(m, captured=Instant(T0 + 45, 45.0)) for m in bare.machines))
+    s = fold([old])
+    assert st.health(s).kind == "unknown" and "no counters" in st.health(s).text
+    assert not any(e.kind == "hung" for e in fold([replace(bare, captured=Instant(T0 + 90, 90.0))]).events)
+    # Its stack in the import machinery says what the counters could not: a capture of it is no steady state.
+    importing = snap(T0 + 6, progress=None, started=T0, stacks="x")
+    frames = (Frame("_find_spec", "<frozen importlib._bootstrap>", 1), Frame("main", "train.py", 1))
+    importing = replace(importing, machines=tuple(replace(m, counters=(), stacks=tuple(
+        replace(rs, main=replace(rs.main, threads=(ThreadStack(1, frames, "MainThread"),))) for rs in m.stacks))
+        for m in importing.machines))
+    s = fold([importing], s)
+    assert s.verdict is not None and s.verdict.starting == (0, 1, 2, 3)
+    assert st.verdict_stale(s) == "taken while ranks 0-3 were still starting"
+
+
+def test_ranks_caught_importing_are_starting_however_long_their_imports_take() -> None:
+    # On a loaded host a restart's ranks imported for longer than --hang-after; a capture then named one of them
+    # "computing" in <module> (pstats.py) and, fresh, aimed `e` at its machine.
+    frames = (Frame("<module>", "pstats.py", 1), Frame("_call_with_frames_removed", "<frozen importlib._bootstrap>", 241),
+              Frame("main", "train.py", 1))
+    late = snap(T0 + 45, progress=None, started=T0, stacks="x")
+    late = replace(late, machines=tuple(replace(m, stacks=tuple(
+        replace(rs, main=replace(rs.main, threads=(ThreadStack(1, frames, "MainThread"),))) if rs.rank == 2 else rs
+        for rs in m.stacks)) for m in late.machines))
+    s = fold([late])
+    assert s.verdict is not None and 2 in s.verdict.starting
+    assert (st.verdict_stale(s) or "").startswith("taken while ranks"), st.verdict_stale(s)
+
+
+def test_an_agent_silent_at_a_views_first_poll_is_one_machine_once_it_answers() -> None:
+    # At load ~80 a read-only view's first poll got no answer from one agent (named by its address, the client
+    # knowing no name yet); the agent answered under its name later and the header read "5/7 machines 2 lost".
+    first = snap(T0, progress=T0)
+    first = replace(first, machines=(first.machines[0], MachineSnapshot("127.0.0.1:59991", "127.0.0.1:59991", False,
+                                                                        None)))
+    s = fold([first, snap(T0 + 1, progress=T0 + 1)])
+    assert sorted(m.name for m in s.machines) == ["machine-0", "machine-1"]
+    assert "2/2 machines" in header(s) and "lost" not in header(s), header(s)
+
+
+def test_a_capture_without_progress_marks_is_not_stale_by_the_hangs_last_step() -> None:
+    hung = [snap(T0 + i, progress=T0 + 10) for i in range(40, 45)]
+    s = fold(hung)
+    blind = snap(T0 + 45, progress=T0 + 10, stacks="send")
+    blind = replace(blind, machines=tuple(replace(m, ranks=tuple(replace(r, last_progress_wall=None) for r in m.ranks),
+                                                  counters=()) for m in blind.machines))
+    s = fold([blind, snap(T0 + 46, progress=T0 + 10)], s)
+    assert s.verdict is not None and s.verdict.progress_mark is None
+    assert st.verdict_stale(s) is None, st.verdict_stale(s)  # the last step (T0+10) came before the capture
+    assert st.verdict_stale(fold([snap(T0 + 50, progress=T0 + 49)], s)) == \
+        "the job progressed after it (last step 22:14:09)"
+
+
+def test_no_ranks_is_stopping_then_finished_and_a_late_view_agrees() -> None:
+    running = [snap(T0 + i, progress=T0 + i) for i in range(3)]
+    s = fold([*running, snap(T0 + 10, progress=None, ranks=False, seen=T0 + 2)])
+    assert st.health(s) == st.Health("idle", "no ranks running since 22:13:22 (stopping or restarting)")
+    s = fold([snap(T0 + 40, progress=None, ranks=False, seen=T0 + 2)], s)
+    assert st.health(s) == st.Health("finished", "finished: no ranks running since 22:13:22")
+    assert "│ - steps/s" in header(s), header(s)  # the steps of the window are not a rate of a finished job
+    late = fold([snap(T0 + 40, progress=None, ranks=False, seen=T0 + 2)])
+    assert st.health(late) == st.health(s)
+    never = fold([snap(T0 + 40, progress=None, ranks=False, seen=None)])
+    assert st.health(never).text == "no ranks running: the agents answer but have seen none of the job's ranks"
+
+
+def test_evicted_machines_are_evicted_in_every_view_never_lost() -> None:
+    s = fold([snap(T0 + i, progress=T0 + i) for i in range(3)])
+    # The acting view learns it from the audit log (by machine name) ...
+    by_audit = st.apply_evicted(s, ["machine-1"], T0 + 3)
+    # ... a view attached later from the hostfile (by agent address); the agents are stopped either way.
+    by_hostfile = st.apply_evicted(fold([snap(T0 + 3, progress=T0 + 3)]), [], T0 + 3, ["127.0.0.1:59991"])
+    for view in (by_audit, by_hostfile):
+        view = fold([snap(T0 + 4, progress=T0 + 4, unreachable=("machine-1",))], view)
+        gone = next(m for m in view.machines if m.name == "machine-1")
+        assert gone.evicted and not gone.reachable and view.lost == ()
+        line = header(view)
+        assert "1/1 machines 1 evicted" in line and "lost" not in line, line
+        assert [e.kind for e in view.events if e.kind == "lost"] == []
+        # The metrics view (4) listed it as "machine-1 lost" (the e2e test's run 4): evicted, and last.
+        labels = [render_row(r, view.metric_history)[0] for r in view.metric_rows]
+        assert [str(label) for label in labels] == ["machine-0", "machine-1 evicted"], labels
+    # The fail-slow view (7) keeps machines it saw in its window: the evicted one is not "lost" there either.
+    from rankscope.tui.failslow_state import EMPTY, HeatRow
+    from rankscope.tui.widgets.failslow import heat_text
+
+    rows = (HeatRow("machine-0", (0, 1), (1.0, 1.0), 1.0, 0.2, True),
+            HeatRow("machine-1", (2, 3), (None, None), None, None, False))
+    text = heat_text(replace(EMPTY, heat=rows), 100, 10, (), frozenset({"machine-1"})).plain
+    assert "machine-1" in text and " evicted" in text and "lost" not in text, text
+    assert " lost" in heat_text(replace(EMPTY, heat=rows), 100, 10).plain  # a machine that went away unasked
+
+
+def test_agents_of_the_ranks_not_answering_is_not_a_job_without_ranks() -> None:
+    standby = MachineSnapshot("standby-0", "127.0.0.1:59999", True, Instant(T0 + 5, 5.0), generation=0)
+    s = fold([snap(T0 + i, progress=T0 + i, extra=(standby,)) for i in range(3)])
+    s = fold([snap(T0 + 5, progress=None, ranks=False, stacks=None, extra=(standby,),
+                   unreachable=MACHINES)], s)
+    h = st.health(s)
+    assert h.kind == "unknown" and h.text.startswith("the agents of the job's ranks do not answer (2)"), h
+    assert "no ranks running" not in h.text
+
+
+def test_between_an_eviction_and_the_restart_the_job_is_restarting_not_finished() -> None:
+    s = fold([snap(T0 + i, progress=T0 + i) for i in range(3)])
+    s = st.apply_evicted(s, ["machine-1"], T0 + 3)
+    s = fold([snap(T0 + 60, progress=None, ranks=False, seen=T0 + 4, unreachable=("machine-1",))], s)
+    assert st.health(s) == st.Health("idle", "no ranks running since 22:13:24: the job restarts after the eviction")
+    # The launcher restarts the remaining machines' agents with the job: for a while none answers. Not "lost".
+    down = fold([snap(T0 + 62, progress=None, unreachable=MACHINES)], s)
+    assert st.health(down) == st.Health("idle", "the job restarts after the eviction: its agents do not answer yet")
+    assert "1 restarting 1 evicted" in header(down) and "lost" not in header(down), header(down)
+    s = fold([snap(T0 + 70, progress=None, started=T0 + 65, pids=3000, unreachable=("machine-1",))], s)
+    assert s.restarts == 1 and not s.awaiting_restart
+    assert st.health(s).kind == "starting"
+
+
+
+async def test_after_a_restart_the_automatic_capture_waits_for_the_first_step() -> None:
+    # At load ~80 a restart's ranks imported and restored their backup for longer than --hang-after: a capture then
+    # (as a hang "since its start", or because their counter files did not exist yet) caught rendezvous and import
+    # stacks and drew a noisy verdict of three suspects. It must wait for the new launch's first step.
+    from rankscope.tui.app import AppOptions, RankscopeApp
+    from rankscope.tui.sources import QueueSource
+    from tui_screen import until
+
+    source = QueueSource("2 agents", initial=(snap(T0 + 39, progress=T0 + 10),))
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, hang_after_s=30, capture_on_start=False),
+                       clock=lambda: T0 + 100)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        source.push_capture(snap(T0 + 41, progress=T0 + 10, stacks="send"))
+        source.push_poll(snap(T0 + 40, progress=T0 + 10))
+        await until(pilot, lambda: app.state.stacks is not None)  # the hang's capture
+        assert source.captures_started == 1
+        no_counter_files = snap(T0 + 100, progress=None, started=T0 + 55, pids=2000)
+        no_counter_files = replace(no_counter_files, machines=tuple(replace(m, counters=())
+                                                                    for m in no_counter_files.machines))
+        slow_start = snap(T0 + 101, progress=None, started=T0 + 55, pids=2000)  # counters, no step in 46 s
+        for reading in (no_counter_files, slow_start):
+            source.push_poll(reading)
+            await until(pilot, lambda r=reading: app.state.kept[-1] is r)  # type: ignore[misc]  # folded in
+            assert app.state.restarts == 1
+            assert not app._capturing and source.captures_started == 1, reading.captured.wall - T0
+        assert st.health(app.state).text.startswith("hung since its start")
+        source.push_capture(snap(T0 + 111, progress=T0 + 110, started=T0 + 55, pids=2000, stacks="step"))
+        source.push_poll(snap(T0 + 110, progress=T0 + 110, started=T0 + 55, pids=2000))
+        await until(pilot, lambda: app.state.capture_wall == T0 + 111)  # the first step: now it captures
+        assert source.captures_started == 2
+        assert st.verdict_stale(app.state) is None
+
+
+async def test_a_view_attached_while_the_job_starts_captures_at_its_first_step() -> None:
+    from rankscope.tui.app import AppOptions, RankscopeApp
+    from rankscope.tui.sources import QueueSource
+    from tui_screen import until
+
+    source = QueueSource("2 agents", initial=(snap(T0 + 5, progress=None, started=T0),))
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, hang_after_s=30), clock=lambda: T0 + 5)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        assert st.health(app.state).kind == "starting"
+        assert not app._capturing and source.captures_started == 0  # not at attach: the ranks are importing
+        source.push_capture(snap(T0 + 9, progress=T0 + 8, started=T0, stacks="step"))
+        source.push_poll(snap(T0 + 8, progress=T0 + 8, started=T0))
+        await until(pilot, lambda: app.state.capture_wall == T0 + 9)
+        assert source.captures_started == 1 and st.verdict_stale(app.state) is None

@@ -1,0 +1,296 @@
+"""Pilot tests of the TUI on recorded bundles: verdict, navigation, filter, copy, write, lost agents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rankscope.contract.bundle import read_bundle
+from rankscope.tui.app import AppOptions, RankscopeApp
+from rankscope.tui.screens.help import HelpScreen
+from rankscope.tui.screens.rank import RankScreen
+from rankscope.tui.sources import BundleSource, QueueSource
+from rankscope.tui.state import AppState
+from tui_bundles import FIG7_LAYOUT, T0, fig7_bundle, job, lost_series
+from tui_screen import screen_text, until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def fig7_app(**options: object) -> RankscopeApp:
+    return RankscopeApp(BundleSource(fig7_bundle(), "bundle fig7"), AppOptions(**options))  # type: ignore[arg-type]
+
+
+async def test_bundle_opens_on_the_verdict_with_suspect_machines_and_diverging_frame() -> None:
+    app = fig7_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.pause()
+        text = screen_text(app)
+        assert "HUNG since" in text
+        assert "16/16 machines" in text
+        assert "TP2 PP4 DP4" in text
+        # The PP group of ranks 24-31 on machines 12-15 is named, and where it leaves the healthy path.
+        assert "node12..15" in text
+        assert "ranks 24-31" in text
+        assert "diverges at forward_step" in text
+        view = app.state.stacks
+        assert view is not None
+        assert [len(g.ranks) for g in view.groups] == [24, 4, 2, 2]
+        assert view.groups[0].ranks == tuple(range(24))
+        # The rank map: dominant A on machines 0-11, outlier letters on 12-15.
+        assert "node00 AA" in text
+        assert "node12 BB" in text
+        assert "node15 DD" in text
+        pp = [s for s in view.verdict.suspects if s.kind.value == "pp"]
+        assert pp and set(pp[0].machines) == {"node12", "node13", "node14", "node15"}
+
+
+async def test_views_switch_with_number_keys_and_enter_opens_a_rank() -> None:
+    app = fig7_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.press("2")
+        await pilot.pause()
+        assert app.main.active_view == "stacks"
+        text = screen_text(app)
+        assert "irecv" in text and "24-27" in text
+        # The first outlier group is selected: the comparison marks where it diverges.
+        assert "group B diverges at forward_step" in text
+        await pilot.press("down")  # group C (isend, ranks 28-29)
+        await pilot.pause()
+        assert "28-29" in screen_text(app)
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, RankScreen))
+        await pilot.pause()
+        text = screen_text(app)
+        assert "rank 28" in text and "node14" in text
+        assert "isend" in text and "dataloader" in text  # the subprocess is shown too
+        await pilot.press("n")
+        await pilot.pause()
+        assert "rank 29" in screen_text(app)
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, RankScreen))
+        for key, view in (("3", "ccl"), ("4", "metrics"), ("5", "events"), ("1", "overview")):
+            await pilot.press(key)
+            await pilot.pause()
+            assert app.main.active_view == view
+
+
+async def test_rank_map_cursor_moves_with_vim_keys_and_opens_the_rank_under_it() -> None:
+    app = fig7_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        app.main.query_one("#rank-map").focus()
+        for key in ("j",) * 12 + ("l",):
+            await pilot.press(key)
+        await pilot.pause()
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, RankScreen))
+        screen = app.screen
+        assert isinstance(screen, RankScreen)
+        assert screen.rank == 25  # machine 12, second slot
+        assert "irecv" in screen.text
+
+
+async def test_filter_by_machine_rank_range_and_frame_text() -> None:
+    app = fig7_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.press("slash")
+        await pilot.press(*"node15")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.filter.ranks == frozenset({30, 31})
+        text = screen_text(app)
+        assert "filter 'node15': 2 ranks (30-31)" in text
+        assert "node00 ··" in text  # ranks outside the filter are dimmed dots
+        await pilot.press("2")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "all_gather_into_tensor" in text
+        assert "_single_tensor_adam" not in text.split("all ranks")[0]  # the healthy group is filtered out
+        app.set_filter("isend")
+        assert app.filter.ranks == frozenset({28, 29})
+        app.set_filter("8-11, 30")
+        assert app.filter.ranks == frozenset({8, 9, 10, 11, 30})
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not app.filter.active
+
+
+async def test_copy_verdict_and_rank_stack_and_write_a_bundle(tmp_path: Path) -> None:
+    app = fig7_app(bundle_dir=tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.press("y")
+        await pilot.pause()
+        assert app.last_copied is not None
+        assert app.clipboard == app.last_copied
+        assert "ranks 24-31" in app.last_copied and "node12" in app.last_copied
+        assert "diverges at: forward_step" in app.last_copied
+        await pilot.press("2", "enter")
+        await until(pilot, lambda: isinstance(app.screen, RankScreen))
+        await pilot.press("y")
+        await pilot.pause()
+        assert app.last_copied.startswith("rank 24")
+        assert "recv_forward" in app.last_copied
+        await pilot.press("escape", "w")
+        await until(pilot, lambda: app.last_written is not None)
+        assert app.last_written is not None
+        saved = read_bundle(app.last_written)
+        assert len(saved.snapshots) == len(fig7_bundle().snapshots)
+        assert saved.latest.all_stacks()[30].main.threads is not None
+
+
+async def test_ccl_view_opens_a_communicator_and_marks_the_laggard() -> None:
+    app = fig7_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.press("3")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "1 with mismatches" in text
+        assert text.index("pp24") < text.index("pp0 ")  # mismatched communicators sort first
+        app.main.query_one("#ccl-table").focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "CL lags" in text  # rank 30 never launched its last send
+        assert "2 open" not in text or "1 open" in text
+        rows = [line for line in text.splitlines() if line.strip().startswith("30 ")]
+        assert rows and "CL lags" in rows[0]
+        await pilot.press("o")
+        await pilot.press("escape")
+        await pilot.pause()
+        assert "communicators" in screen_text(app)
+
+
+async def test_help_lists_keys_and_read_only_has_no_action_keys() -> None:
+    app = fig7_app(read_only=True)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        assert "[read-only]" in screen_text(app)
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        text = screen_text(app)
+        assert "capture stacks now" in text and "read-only: no keys change the job" in text
+        assert "evict the suspect" not in text
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        bound = {key for b in app.BINDINGS for key in getattr(b, "key", "").split(",")}
+        assert not bound & {"e", "u", "b"}  # bound per app, only when the session may act
+        assert not set(app.active_bindings) & {"e", "u", "b"}
+
+
+async def test_agent_lost_then_regained_shows_and_logs_both() -> None:
+    first, lost, back = lost_series()
+    source = QueueSource("script", initial=(first,))
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, capture_on_start=False), clock=lambda: T0 + 5)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        assert app.state.lost == ()
+        source.push_poll(lost)
+        await until(pilot, lambda: app.state.lost == ("node05",))
+        await pilot.pause()
+        text = screen_text(app)
+        assert "15/16 machines 1 lost" in text
+        assert "node05 ××" in text  # its ranks stay on the map, marked lost
+        source.push_poll(back)
+        await until(pilot, lambda: app.state.lost == ())
+        await pilot.press("5")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "agent node05 (127.0.0.1:50105) lost" in text
+        assert "agent node05 (127.0.0.1:50105) is back" in text
+        kinds = [e.kind for e in app.state.events]
+        assert kinds.index("lost") < kinds.index("found")
+
+
+async def test_stopped_progress_triggers_one_automatic_capture() -> None:
+    source = QueueSource("script", initial=(job(T0, stacks=False, step=5, hung=False),))
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, hang_after_s=10, capture_on_start=False),
+                       clock=lambda: T0)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        source.push_capture(job(T0 + 20, stacks=True, step=5, hung=True))
+        source.push_poll(job(T0 + 5, stacks=False, step=5, hung=False))
+        await until(pilot, lambda: app.state.polls == 2)
+        assert source.captures_started == 0  # stopped 5 s: not yet
+        source.push_poll(job(T0 + 15, stacks=False, step=5, hung=False))
+        await until(pilot, lambda: app.state.stacks is not None)
+        assert source.captures_started == 1
+        source.push_poll(job(T0 + 16, stacks=False, step=5, hung=False))
+        await until(pilot, lambda: app.state.polls >= 5)
+        assert source.captures_started == 1  # once per stop, not on every poll
+
+
+async def test_an_empty_state_draws_without_data() -> None:
+    source = QueueSource("script")
+    app = RankscopeApp(source, AppOptions(capture_on_start=False))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.pause()
+        text = screen_text(app)
+        assert "waiting for the first poll" in text
+        assert "no capture yet" in text
+        assert isinstance(app.state, AppState)
+        for key in ("2", "3", "4", "5", "y"):
+            await pilot.press(key)
+        await pilot.pause()
+        assert app.last_copied == "no capture yet"
+
+
+def test_fig7_layout_is_the_papers() -> None:
+    assert (FIG7_LAYOUT.tp, FIG7_LAYOUT.pp, FIG7_LAYOUT.dp, FIG7_LAYOUT.ranks_per_machine) == (2, 4, 4, 2)
+
+
+async def test_command_palette_runs_a_capture() -> None:
+    source = QueueSource("script", initial=(job(T0, stacks=False, step=5, hung=False),))
+    source.push_capture(job(T0 + 1, stacks=True, step=5, hung=True))
+    app = RankscopeApp(source, AppOptions(capture_on_start=False, poll_interval_s=3600), clock=lambda: T0 + 1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"Capture stacks")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await until(pilot, lambda: app.state.stacks is not None)
+        assert source.captures_started == 1
+        assert "node12..15" in screen_text(app)
+
+
+def test_attach_cli_names_the_fix_for_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rankscope.cli.main import main as cli_main
+
+    assert cli_main(["attach", "--bundle", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert cli_main(["attach", "--bundle", str(bad)]) == 2
+    assert "not a rankscope bundle" in capsys.readouterr().err
+    assert cli_main(["attach", "--bundle", str(bad), "--agents", "127.0.0.1:1"]) == 2
+    assert "cannot be combined" in capsys.readouterr().err
+    assert cli_main(["attach"]) == 2
+    assert "fix:" in capsys.readouterr().err
+
+
+async def test_a_bundle_given_by_path_is_read_by_the_app_and_a_bad_one_exits_with_the_fix(tmp_path: Path) -> None:
+    from rankscope.contract.bundle import write_bundle
+
+    path = write_bundle(fig7_bundle(), tmp_path / "fig7.json")
+    source = BundleSource(label="bundle fig7.json", path=path)
+    assert source.label.startswith("loading")
+    app = RankscopeApp(source, AppOptions())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.pause()
+        assert "bundle fig7.json │" in screen_text(app)
+        assert app.state.stacks is not None and len(app.state.stacks.groups) == 4
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "rankscope.bundle", "version": 99}')
+    app = RankscopeApp(BundleSource(label="bad", path=bad), AppOptions())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.return_code is not None)
+    assert app.return_code == 2

@@ -1,0 +1,311 @@
+"""The TUI's pure parts: the state fold, the filter, the history arrays, the poll loop, stack text."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.snapshot import Frame, JobSnapshot, ProcessRole, ProcessStack, RankInfo, RankStacks, ThreadStack
+from rankscope.tui import state as st
+from rankscope.tui.analysis import build_stack_view, rank_stack_lines
+from rankscope.tui.app import AppOptions, RankscopeApp
+from rankscope.tui.sources import QueueSource, poll_loop
+from tui_bundles import T0, fig7_bundle, job, lost_series
+from tui_screen import screen_text
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def fold(snaps: tuple[JobSnapshot, ...], hang_after_s: float = 30.0) -> st.AppState:
+    s = st.AppState()
+    for snap in snaps:
+        s = st.apply_snapshot(s, st.digest(snap), snap.captured.wall, hang_after_s)
+    return s
+
+
+def test_the_state_is_a_function_of_the_snapshots() -> None:
+    snaps = fig7_bundle().snapshots
+    a, b = fold(snaps), fold(snaps)
+    assert a.machines == b.machines and a.comms == b.comms and a.events == b.events
+    assert a.metric_history.get("node09/gpu1") == b.metric_history.get("node09/gpu1")
+    h = st.health(a)
+    assert h.kind == "hung" and "46 s" in h.text  # progress stopped at T0+2, the last snapshot is T0+48
+    assert [e.kind for e in a.events] == ["hung"]
+
+
+def test_lost_and_found_machines_keep_their_ranks_and_are_logged() -> None:
+    first, lost, back = lost_series()
+    s = fold((first, lost))
+    node05 = next(m for m in s.machines if m.name == "node05")
+    assert not node05.reachable and node05.ranks == (10, 11)  # the map keeps its shape
+    assert s.lost == ("node05",)
+    s = st.apply_snapshot(s, st.digest(back), back.captured.wall)
+    assert s.lost == ()
+    assert [e.kind for e in s.events] == ["lost", "found"]
+
+
+def test_ccl_digest_marks_the_laggard_and_open_requests() -> None:
+    d = st.digest(fig7_bundle().latest)
+    pp24 = next(c for c in d.comms if c.comm_id == "pp24")
+    assert pp24.mismatch
+    rows = {r.rank: r for r in pp24.rows}
+    assert rows[30].lags and not rows[24].lags
+    assert rows[26].open_requests and rows[28].open_requests and not rows[24].open_requests
+    assert not next(c for c in d.comms if c.comm_id == "pp0").mismatch
+
+
+def test_metric_outliers_are_flagged_and_listed_first() -> None:
+    d = st.digest(fig7_bundle().latest)
+    first = d.metric_rows[0]
+    assert (first.machine, first.gpu, first.outliers) == ("node09", 1, frozenset({"temp"}))
+    assert sum(1 for r in d.metric_rows if r.outliers) == 1
+
+
+def test_filter_by_rank_range_machine_and_frame_text() -> None:
+    snap = fig7_bundle().latest
+    s = st.apply_capture(fold((snap,)), st.digest(snap), build_stack_view(snap), snap.captured.wall)
+    assert st.compile_filter("24-27", s).ranks == frozenset(range(24, 28))
+    assert st.compile_filter("r3", s).ranks == frozenset({3})
+    assert st.compile_filter("node12", s).ranks == frozenset({24, 25})
+    assert st.compile_filter("all_gather", s).ranks == frozenset({30, 31})
+    assert st.compile_filter("nothing-like-this", s).ranks == frozenset()
+    assert not st.compile_filter("  ", s).active
+
+
+def test_series_shifts_and_adds_keys() -> None:
+    s = st.Series().pushed(("a", "b"), (1.0, 2.0)).pushed(("a", "b"), (3.0, 4.0))
+    assert s.get("a") == (1.0, 3.0) and s.get("b") == (2.0, 4.0)
+    s2 = s.pushed(("b", "c"), (5.0, 6.0))
+    assert s2.get("a") == (1.0, 3.0) and s2.get("b") == (2.0, 4.0, 5.0) and s2.get("c") == (6.0,)
+    assert s.get("b") == (2.0, 4.0)  # the older series is unchanged
+    assert st.sparkline([0, 1, 2, 3, 4, 5, 6, 7]) == "▁▂▃▄▅▆▇█"
+    assert compact_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+async def test_poll_loop_never_overlaps_and_survives_a_failing_poll() -> None:
+    class SlowSource(QueueSource):
+        def __init__(self) -> None:
+            super().__init__("slow")
+            self.running = 0
+            self.most = 0
+            self.calls = 0
+
+        async def poll(self) -> JobSnapshot | None:
+            self.calls += 1
+            self.running += 1
+            self.most = max(self.most, self.running)
+            try:
+                await asyncio.sleep(0.03)  # slower than the interval
+                if self.calls == 2:
+                    raise ConnectionError("agent went away")
+                return job(T0 + self.calls, stacks=False, step=self.calls, hung=False)
+            finally:
+                self.running -= 1
+
+    source = SlowSource()
+    got: list[JobSnapshot] = []
+    errors: list[BaseException] = []
+
+    async def deliver(snap: JobSnapshot) -> None:
+        got.append(snap)
+
+    task = asyncio.create_task(poll_loop(source, deliver, 0.001, errors.append))
+    deadline = asyncio.get_running_loop().time() + 10
+    while len(got) < 4 and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert source.most == 1
+    assert len(got) >= 4 and [type(e) for e in errors] == [ConnectionError]
+    assert [s.captured.wall for s in got[:3]] == [T0 + 1, T0 + 3, T0 + 4]
+
+
+def test_rank_stack_text_has_threads_subprocesses_and_readable_source_lines() -> None:
+    here = Path(inspect.getsourcefile(test_rank_stack_text_has_threads_subprocesses_and_readable_source_lines) or "")
+    line = inspect.getsourcelines(test_rank_stack_text_has_threads_subprocesses_and_readable_source_lines)[1]
+    main = ProcessStack(7, ProcessRole.MAIN, (ThreadStack(1, (Frame("test_fn", str(here), line + 1),), "MainThread"),
+                                               ThreadStack(2, (Frame("poll", "/nowhere.py", 3),), "pin_memory")))
+    worker = ProcessStack(8, ProcessRole.DATALOADER, None, name="worker")
+    text = "\n".join(rank_stack_lines(RankStacks(3, main, (worker,))))
+    assert "thread MainThread" in text and "thread pin_memory" in text
+    assert "here = Path(inspect.getsourcefile" in text  # the line of the frame, read from the file
+    assert "process 8 [dataloader] worker" in text
+
+
+async def test_two_tuis_fed_the_same_snapshots_draw_the_same_screen() -> None:
+    screens = []
+    for _ in range(2):
+        first, lost, _back = lost_series()
+        source = QueueSource("agents", initial=(first,))
+        app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, capture_on_start=False), clock=lambda: T0 + 9)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await app.loaded.wait()
+            source.push_poll(lost)
+            while app.state.polls < 2:
+                await pilot.pause(0.02)
+            await pilot.pause()
+            screens.append(screen_text(app))
+    assert screens[0] == screens[1]
+    assert "1 lost" in screens[0]
+
+
+async def test_fail_slow_mode_captures_every_ten_seconds() -> None:
+    source = QueueSource("agents", initial=(job(T0, stacks=False, step=1, hung=False),))
+    clock = [T0]
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, capture_on_start=False, fail_slow=True),
+                       clock=lambda: clock[0])
+    async with app.run_test(size=(100, 30)) as pilot:
+        await app.loaded.wait()
+        for i, wall in enumerate((T0 + 1, T0 + 12, T0 + 15, T0 + 23)):
+            clock[0] = wall
+            source.push_capture(job(wall + 0.5, stacks=True, step=i + 2, hung=False))
+            source.push_poll(job(wall, stacks=False, step=i + 2, hung=False))
+            while not any(p[0] == wall for p in app.state.progress_points):  # this poll is folded in
+                await pilot.pause(0.02)
+            # every capture started so far has been folded into the state
+            while app._capturing or sum(e.kind == "capture" for e in app.state.events) < source.captures_started:
+                await pilot.pause(0.02)
+        # At the first poll (none before), at T0+12 (10.5 s after the capture of T0+1.5), not at T0+15,
+        # then at T0+23 (10.5 s after T0+12.5).
+        assert source.captures_started == 3, [(e.wall - T0, e.kind) for e in app.state.events]
+
+
+def _restarted_on_standby(wall: float, step: int) -> JobSnapshot:
+    """The job after node05 was evicted: its ranks 10-11 run on standby-0, every rank under a new pid."""
+    from dataclasses import replace
+
+    snap = job(wall, stacks=False, step=step, hung=False, lost=(5,))
+    machines = []
+    for m in snap.machines:
+        ranks = tuple(replace(r, pid=r.pid + 50_000) for r in m.ranks)
+        if m.machine == "node05":
+            machines.append(replace(m, ranks=()))
+            machines.append(replace(m, machine="standby-0", address="standby-0:50051", reachable=True, error=None,
+                                    ranks=tuple(RankInfo(r, r % 2, 32, 60_000 + r) for r in (10, 11))))
+        else:
+            machines.append(replace(m, ranks=ranks))
+    return replace(snap, machines=tuple(machines))
+
+
+def test_an_evicted_machine_is_out_of_the_job_and_the_restart_is_seen() -> None:
+    from dataclasses import replace
+
+    first = job(T0, stacks=False, step=100, hung=False)
+    s = fold((first,))
+    s = st.apply_evicted(s, ["node05"], T0 + 1)
+    node05 = next(m for m in s.machines if m.name == "node05")
+    assert node05.evicted and node05.ranks == () and s.machines[-1] is node05  # listed last, holding no ranks
+    assert len(s.job_machines) == 15 and s.lost == ()
+    assert st.apply_evicted(s, ["node05"], T0 + 2) is s  # the same record seen again changes nothing
+
+    # Every agent is restarted with the job (the drill's agents are scoped to a torchrun pid): unreachable a while.
+    gone = job(T0 + 30, stacks=False, step=100, hung=False, lost=tuple(range(16)))
+    s = st.apply_snapshot(s, st.digest(gone), T0 + 30)
+    assert s.restarts == 0 and len(s.lost) == 15
+    # They answer again before the new ranks exist: no ranks seen is not yet a restart.
+    between = replace(job(T0 + 35, stacks=False, step=0, hung=False, lost=(5,)),
+                      machines=tuple(replace(m, ranks=()) for m in gone.machines))
+    between = replace(between, machines=tuple(replace(m, reachable=m.machine != "node05") for m in between.machines))
+    s = st.apply_snapshot(s, st.digest(between), T0 + 35)
+    assert s.restarts == 0
+    # node05's agent stays gone; the job runs again with a standby, every rank under a new pid.
+    s = st.apply_snapshot(s, st.digest(_restarted_on_standby(T0 + 40, 96)), T0 + 40)
+    assert s.restarts == 1 and s.lost == ()
+    assert [e.kind for e in s.events][-2:] == ["found", "restarted"]
+    assert "standby-0" in s.events[-1].text and "node05" not in s.events[-1].text
+    assert s.events[-1].text.startswith("the job restarted on node00, node01,")
+    assert s.progress_points == ((T0 + 40, s.progress_points[0][1]),)  # counters start again in new processes
+    assert st.health(s).kind != "hung"  # 40 s without the old counters moving is not a hang
+    assert next(m for m in s.machines if m.name == "node05").evicted
+    # The same pids again is the same job, not another restart.
+    s = st.apply_snapshot(s, st.digest(_restarted_on_standby(T0 + 41, 97)), T0 + 41)
+    assert s.restarts == 1
+
+
+def test_no_ranks_anywhere_is_idle_not_hung() -> None:
+    from dataclasses import replace
+
+    first = job(T0, stacks=False, step=100, hung=False)
+    ended = replace(first, captured=replace(first.captured, wall=T0 + 60),
+                    machines=tuple(replace(m, ranks=(), counters=()) for m in first.machines))
+    s = fold((first, ended))
+    assert st.health(s).kind == "idle" and st.health(s).text == "no ranks running"
+
+
+def test_one_reading_is_not_called_healthy_and_a_confident_slow_machine_is_in_the_header() -> None:
+    from rankscope.tui.widgets.verdict import header_text
+
+    s = fold((job(T0, stacks=False, step=100, hung=False),))
+    assert st.health(s).kind == "unknown"  # one reading: nothing is known about progress yet
+    s = fold(lost_series())
+    assert st.health(s).kind == "healthy"
+    line = header_text(s, "16 agents", False, 30.0, slow_machine="node09").plain.splitlines()[0]
+    assert line.startswith("slow: node09 (fail-slow detectors, key 7) │ 16/16 machines")
+
+
+def test_a_capture_a_few_milliseconds_after_a_poll_is_no_step_rate() -> None:
+    s = st.AppState()
+    for i in range(8):  # 1 step/s, one poll a second; a capture 5 ms after the last poll has moved 3 steps on
+        snap = job(T0 + i, stacks=False, step=100 + i, hung=False)
+        s = st.apply_snapshot(s, st.digest(snap), T0 + i)
+    capture = job(T0 + 7.005, stacks=False, step=110, hung=False)
+    s = st.apply_snapshot(s, st.digest(capture), T0 + 7.005)
+    assert st.health(s).kind == "healthy", st.health(s)  # not "slow: 1 steps/s, was 600"
+
+
+def test_suspects_of_a_progressing_job_are_qualified() -> None:
+    from rankscope.tui.widgets.verdict import verdict_text_rich
+
+    snap = fig7_bundle().latest
+    view = build_stack_view(snap, snap.layout)
+    assert view.verdict.suspects
+    hung_text = verdict_text_rich(view, st.Filter("", frozenset()), progressing=False)
+    running_text = verdict_text_rich(view, st.Filter("", frozenset()), progressing=True)
+    hung, running = hung_text.plain, running_text.plain
+    assert hung.startswith("verdict: ") and "differences may be timing" not in hung
+    assert running.startswith("verdict (job is progressing: differences may be timing): ")
+    # A healthy job's first screen must not shout: its suspects are drawn dim, a hung job's in alarm colours.
+    first = running.index("\n")
+    assert {str(span.style) for span in running_text.spans if span.start >= first} == {"dim"}
+    assert "bold yellow" in {str(span.style) for span in hung_text.spans}
+
+
+def test_slow_is_measured_against_the_usual_pace_not_one_quick_reading() -> None:
+    s = st.AppState()
+    steps = 100
+    for i in range(12):  # a steady 2 steps/s with one quick pair (6 steps in a second) early on
+        steps += 6 if i == 2 else 2
+        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=steps, hung=False)), T0 + i)
+    assert st.health(s).kind == "healthy", st.health(s)
+    for i in range(12, 16):  # then a step every other second: a quarter of the usual pace
+        steps += 1 if i % 2 else 0
+        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=steps, hung=False)), T0 + i)
+    h = st.health(s)
+    assert h.kind == "slow" and h.text == "slow: 0.67 steps/s, usually 2.00", h
+
+
+def test_metric_outliers_fire_with_four_machines() -> None:
+    """The hot GPU of four one-GPU machines is flagged (a mean + 2σ over four rows never can be: z ≤ 1.5)."""
+    snap = job(T0, stacks=False, step=1, hung=False, hot_machine=2)
+    ms = tuple(replace(m, gpus=replace(m.gpus, gpus=m.gpus.gpus[1:])) if m.gpus is not None else m
+               for m in snap.machines[:4])
+    snap = JobSnapshot(snap.captured, ms, job_id=snap.job_id, layout=snap.layout)
+    flagged = [(r.machine, r.gpu, r.outliers) for r in st.digest(snap).metric_rows if r.outliers]
+    assert flagged == [("node02", 1, frozenset({"temp"}))]
+
+
+def test_metric_outliers_compare_a_host_reading_with_other_machines_only() -> None:
+    """A machine's GPU rows repeat its host reading: they are not its peers, so one busy host among four stands out."""
+    snap = job(T0, stacks=False, step=1, hung=False)
+    ms = list(snap.machines[:4])
+    host = ms[3].host
+    assert host is not None
+    ms = [replace(m, host=replace(m.host, cpu_percent=40.0)) if m.host is not None else m for m in ms]
+    ms[3] = replace(ms[3], host=replace(host, cpu_percent=97.0))
+    rows = st.digest(JobSnapshot(snap.captured, tuple(ms), job_id=snap.job_id, layout=snap.layout)).metric_rows
+    assert {(r.machine, r.gpu) for r in rows if "cpu" in r.outliers} == {("node03", 0), ("node03", 1)}

@@ -1,0 +1,65 @@
+"""`rankscope attach` picks the token a session needs: 'act' when it may act, else 'read'."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rankscope.cli.main import main
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    import rankscope.tui.app as tui_app
+
+    seen: list[dict[str, Any]] = []
+
+    def fake_run_attach(agents: Any, token: Any, **kwargs: Any) -> int:
+        seen.append({"agents": list(agents), "token": token, **kwargs})
+        return 0
+
+    monkeypatch.setattr(tui_app, "run_attach", fake_run_attach)
+    return seen
+
+
+def _tokens(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "token"
+    path.write_text(text)
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_an_acting_session_sends_the_act_token(tmp_path: Path, calls: list[dict[str, Any]]) -> None:
+    f = _tokens(tmp_path, "read:" + "r" * 32 + "\nact:" + "a" * 32 + "\n")
+    assert main(["attach", "--agents", "127.0.0.1:1", "--token-file", f]) == 0
+    assert calls[0]["token"] == "a" * 32
+    assert "act_problem" not in calls[0]
+
+
+def test_a_read_token_attaches_and_names_why_it_cannot_act(tmp_path: Path, calls: list[dict[str, Any]]) -> None:
+    f = _tokens(tmp_path, "read:" + "r" * 32 + "\n")
+    assert main(["attach", "--agents", "127.0.0.1:1", "--token-file", f]) == 0
+    assert calls[0]["token"] == "r" * 32
+    message, fix = calls[0]["act_problem"]
+    assert "'act' role" in message and "act:" in fix
+
+
+def test_a_read_only_session_sends_the_read_token(tmp_path: Path, calls: list[dict[str, Any]]) -> None:
+    f = _tokens(tmp_path, "read:" + "r" * 32 + "\nact:" + "a" * 32 + "\n")
+    assert main(["attach", "--agents", "127.0.0.1:1", "--token-file", f, "--read-only"]) == 0
+    assert calls[0]["token"] == "r" * 32 and calls[0]["read_only"] is True
+
+
+def test_the_fail_slow_windows_reach_the_detectors(tmp_path: Path, calls: list[dict[str, Any]],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from rankscope.tui.app import AppOptions
+
+    f = _tokens(tmp_path, "read:" + "r" * 32 + "\n")
+    assert main(["attach", "--agents", "127.0.0.1:1", "--token-file", f, "--read-only", "--fail-slow",
+                 "--window", "600", "--continuity", "240", "--rounds", "7"]) == 0
+    config = calls[0]["failslow_config"]
+    assert (config.window_s, config.continuity_s, config.step_window_s, config.rounds_needed) == (600, 240, 240, 7)
+    assert AppOptions(failslow_config=config).failslow_config is config  # an AppOptions field, passed as is
+    assert main(["attach", "--agents", "127.0.0.1:1", "--token-file", f, "--rounds", "0"]) == 2
+    assert "--rounds at least 1" in capsys.readouterr().err

@@ -1,0 +1,126 @@
+"""The compiled codec and the compact wire form (#16): random snapshots survive the trip, bad tables are refused."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rankscope.contract.bundle import read_bundle
+from rankscope.contract.snapshot import (
+    Communicator,
+    Frame,
+    Instant,
+    MachineSnapshot,
+    ProcessRole,
+    ProcessStack,
+    RankCounters,
+    RankStacks,
+    ThreadStack,
+)
+from rankscope.wire.proto import rankscope_pb2 as pb
+from rankscope.wire.proto_convert import (
+    ProtoConversionError,
+    expand_runs,
+    machine_from_proto,
+    machine_to_proto,
+    machines_from_proto,
+    rank_runs,
+)
+from repo_paths import DATA
+from snapshot_fixtures import machines, rich_job
+
+
+def trip(machine: MachineSnapshot, *, compact: bool) -> MachineSnapshot:
+    wire = machine_to_proto(machine, compact=compact).SerializeToString()
+    return machine_from_proto(pb.MachineSnapshot.FromString(wire))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(machines())
+def test_random_machines_round_trip_in_both_forms(machine: MachineSnapshot) -> None:
+    assert trip(machine, compact=True) == machine
+    assert trip(machine, compact=False) == machine
+
+
+@settings(max_examples=50)
+@given(st.lists(st.integers(-10, 10), max_size=30))
+def test_rank_runs_expand_back_to_the_same_ranks(ranks: list[int]) -> None:
+    assert expand_runs(rank_runs(ranks)) == tuple(ranks)
+
+
+def test_a_world_group_is_one_run_and_shared_stacks_are_sent_once() -> None:
+    world = Communicator("w", "nccl", "WORLD", tuple(range(16384)))
+    frames = tuple(Frame(f"f{i}", "model.py", i) for i in range(40))
+    ranks = []
+    for r in range(8):
+        thread = ThreadStack(1, frames)
+        ranks.append(RankStacks(r, ProcessStack(100 + r, ProcessRole.MAIN, (thread,))))
+    machine = MachineSnapshot("m", "a:1", True, Instant(1.0, 2.0), stacks=tuple(ranks),
+                              counters=tuple(RankCounters(r, 1, 16384, "j", 1.0, (world,)) for r in range(8)))
+    msg = machine_to_proto(machine)
+    assert list(msg.stack_table.stack_lengths) == [40] and len(msg.stack_table.frame_name) == 40
+    assert [list(c.rank_runs) for c in msg.communicator_table] == [[0, 1, 16384]]
+    assert all(list(c.communicator_refs) == [0] and not c.communicators for c in msg.counters)
+    plain = machine_to_proto(machine, compact=False).ByteSize()
+    assert msg.ByteSize() * 20 < plain  # the plain form lists the world group 8 times and the frames 8 times
+    back = machine_from_proto(msg)
+    assert back == machine
+    # every rank's identical stack is one tuple on the client, and the group one object
+    assert len({id(s.main.threads[0].frames) for s in back.stacks if s.main.threads}) == 1
+    assert len({id(c.communicators[0]) for c in back.counters}) == 1
+
+
+def test_a_machine_sent_in_the_plain_form_by_an_older_agent_still_decodes() -> None:
+    machine = rich_job().machines[0]
+    plain = machine_to_proto(machine, compact=False)
+    assert not plain.HasField("stack_table") and not plain.communicator_table
+    assert machine_from_proto(pb.MachineSnapshot.FromString(plain.SerializeToString())) == machine
+
+
+def test_a_bundle_written_before_the_compact_form_still_opens() -> None:
+    bundle = read_bundle(DATA / "bundles" / "v1-before-compact.json")
+    assert bundle.latest == rich_job()
+
+
+def _bad(mutate: object) -> pb.MachineSnapshot:
+    machine = rich_job().machines[0]
+    msg = machine_to_proto(machine)
+    mutate(msg)  # type: ignore[operator]
+    return msg
+
+
+@pytest.mark.parametrize(("mutate", "needle"), [
+    (lambda m: m.stacks[0].main.threads.threads[0].__setattr__("stack_ref", 99), "stack 99 is not in stack_table"),
+    (lambda m: m.stack_table.stack_lengths.append(5), "do not add up"),
+    (lambda m: m.stack_table.frame_flags.append(1), "columns differ"),
+    (lambda m: m.stack_table.frame_name.__setitem__(0, 1000), "string 1000 is not in stack_table"),
+    (lambda m: m.counters[0].communicator_refs.append(7), "communicator 7 is not in communicator_table"),
+    (lambda m: (m.communicator_table[0].ClearField("ranks"), m.communicator_table[0].rank_runs.extend([1, 2])),
+     "not whole"),
+    (lambda m: m.ClearField("stack_table"), "stack 0 is not in stack_table"),
+    (lambda m: (m.ClearField("stack_table"), m.ClearField("communicator_table")), "sent none"),
+])
+def test_bad_tables_are_refused_with_the_field_named(mutate: object, needle: str) -> None:
+    with pytest.raises(ProtoConversionError, match=needle) as info:
+        machine_from_proto(_bad(mutate))
+    assert "MachineSnapshot" in info.value.message and info.value.fix
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.binary(max_size=300))
+def test_random_bytes_either_decode_or_raise_a_conversion_error(data: bytes) -> None:
+    try:
+        msg = pb.MachineSnapshot.FromString(data)
+    except Exception:  # not a message at all: protobuf's own refusal
+        return
+    with contextlib.suppress(ProtoConversionError):
+        machines_from_proto(msg)
+
+
+def test_a_relayed_reply_expands_into_each_machine() -> None:
+    a, b = rich_job().machines[0], rich_job().machines[2]
+    msg = machine_to_proto(b)
+    msg.relayed.add().CopyFrom(machine_to_proto(a))
+    assert machines_from_proto(pb.MachineSnapshot.FromString(msg.SerializeToString())) == [b, a]
