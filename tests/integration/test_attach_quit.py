@@ -26,10 +26,10 @@ from pathlib import Path
 
 from agent_helpers import Processes, clean_env, make_token_file
 from rankscope.actions.agent_protocol import AgentLost
-from rankscope.client import JobClient
-from rankscope.commands.drill import PAIR_COMMAND, pair_hint
+from rankscope.cli.commands.drill import PAIR_COMMAND, pair_hint
+from rankscope.contract.snapshot import MachineSnapshot
 from rankscope.drill.faults import DrillLayout
-from rankscope.snapshot import MachineSnapshot
+from rankscope.wire.client import JobClient
 
 ANSI = re.compile(r"\x1b(?:\[[0-9;?<>=]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[()][0-9A-Za-z]|[=>78cDEHMNOZ])")
 ATTACHED = "1/1 machines"  # the header once the view has drawn the agent's first answer
@@ -56,6 +56,7 @@ class View:
         os.close(slave)
         self.output = bytearray()
         self.attached = asyncio.Event()
+        self.closed = asyncio.Event()  # the view closed its side of the terminal: it ended
         os.set_blocking(self.master, False)
         loop.add_reader(self.master, self._read)
 
@@ -66,6 +67,7 @@ class View:
             chunk = b""
         if not chunk:
             self.loop.remove_reader(self.master)
+            self.closed.set()
             return
         self.output.extend(chunk)
         if ATTACHED in self.text():
@@ -140,10 +142,11 @@ def test_read_only_views_that_quit_leave_the_agent_its_rank_and_other_clients_ru
             views = {how: View(printed, loop) for how in QUITS}
             try:
                 for how, view in views.items():
-                    try:
-                        await asyncio.wait_for(view.attached.wait(), WAIT_S)
-                    except TimeoutError:
-                        raise AssertionError(f"the view to quit by {how} did not attach:\n{view.text()[-2000:]}") from None
+                    waits = [asyncio.create_task(view.attached.wait()), asyncio.create_task(view.closed.wait())]
+                    await asyncio.wait(waits, timeout=WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+                    for waiting in waits:
+                        waiting.cancel()
+                    assert view.attached.is_set(), f"the view to quit by {how} did not attach:\n{view.text()[-2000:]}"
                 for how, view in views.items():
                     QUITS[how](view)
                 codes = {how: await asyncio.to_thread(ended, how, view) for how, view in views.items()}
