@@ -204,14 +204,15 @@ class Recovery:
     # ---- the watcher ----------------------------------------------------------------
 
     def _main(self) -> None:
-        # The restart runs on this thread, not in an executor thread that may end: the restarted
-        # processes get their parent-death signal when the thread that started them ends. So this thread
-        # must outlive every round: a round that fails is reported and the next one starts (it used to end
-        # the thread, and with it, silently, the whole restarted job and its agents).
+        # This thread must outlive every round: a round that fails is reported and the next one starts. Its
+        # end used to take the whole restarted job and its agents with it, silently (their parent-death
+        # signal followed the thread that started them; they are now started by the launcher's spawner
+        # thread), and even now it would end the recovery unseen. grpc.aio raises CancelledError, which is no
+        # Exception, for a call it cancelled itself: that is a failed round too.
         while not self._stop.is_set():
             try:
                 self._round()
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:
                 message = f"recovery round failed (it goes on): {type(exc).__name__}: {exc}"
                 self.errors.append(message)
                 self.on_event(message)

@@ -29,13 +29,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,12 +52,67 @@ RUN_ID_ENV = "RANKSCOPE_DRILL_RUN_ID"
 STORES_ENV = "RANKSCOPE_DRILL_BACKUP_STORES"  # JSON: the backup store of each machine of the job, by node rank
 AGENT_START_TIMEOUT_S = 30.0
 
-# Runs in the child in place of a preexec_fn: ask for SIGTERM when the starting thread dies, then exec.
+# Runs in the child in place of a preexec_fn: ask for SIGTERM when the thread that started it ends (the
+# spawner's, which ends with the drill's process: see Spawner), then exec.
 _DEATHSIG_SHIM = (
     "import ctypes, os, signal, sys\n"
     "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGTERM)\nexcept Exception:\n    pass\n"
     "os.execvp(sys.argv[1], sys.argv[1:])\n"
 )
+
+
+class Spawner:
+    """One thread that lives as long as this process and starts every process of every drill.
+
+    Linux sends a child its parent-death signal (the shim's PR_SET_PDEATHSIG) when the *thread* that
+    started it ends, not when its process does. A restart runs on the recovery thread (and helpers on
+    others), so every process it started -- the restarted job and its agents -- got SIGTERM whenever that
+    thread ended: it did after any round that raised until the watcher was made to go on, and still could
+    by a BaseException (grpc.aio raises CancelledError, which is no Exception, for a call it cancelled
+    itself). The drill then "shut itself down" with no message (#12). Started from this thread, they get
+    SIGTERM only when the drill's process itself ends (killed, crashed): what the signal is for.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[_SpawnJob] = queue.SimpleQueue()
+
+    def run(self, start: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+        """``start()`` called on the spawner thread; its process, or what it raised."""
+        with self._lock:
+            # Not alive in a child forked from this process (fork copies only the forking thread): start one.
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name="drill-spawner", daemon=True)
+                self._thread.start()
+        job = _SpawnJob(start)
+        self._jobs.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.proc is not None
+        return job.proc
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job.proc = job.start()
+            except BaseException as exc:  # handed to the caller: this thread must never end
+                job.error = exc
+            finally:
+                job.done.set()
+
+
+@dataclass
+class _SpawnJob:
+    start: Callable[[], subprocess.Popen[bytes]]
+    proc: subprocess.Popen[bytes] | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+SPAWNER = Spawner()
 
 
 def free_port() -> int:
@@ -169,13 +226,16 @@ class Launcher:
     def _popen(self, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
         # No preexec_fn: Python then starts the child with vfork, which runs no fork handlers. A restart
         # is started from a process whose gRPC client threads are live, and gRPC's fork handlers can kill
-        # a plain fork()ed child before it execs. The parent-death signal is set by a tiny shim instead.
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                [self.python, "-S", "-c", _DEATHSIG_SHIM, *argv], stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, env=dict(env), start_new_session=True, cwd=str(self.run_dir),
-            )
-        return proc
+        # a plain fork()ed child before it execs. The parent-death signal is set by a tiny shim instead,
+        # and the child is started by the spawner thread, so that signal means "the drill's process ended".
+        def start() -> subprocess.Popen[bytes]:
+            with open(log, "ab") as out:
+                return subprocess.Popen(
+                    [self.python, "-S", "-c", _DEATHSIG_SHIM, *argv], stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=subprocess.STDOUT, env=dict(env), start_new_session=True, cwd=str(self.run_dir),
+                )
+
+        return SPAWNER.run(start)
 
     # ---- nodes ----------------------------------------------------------------
 

@@ -230,8 +230,11 @@ def test_a_backup_taken_before_the_hang_is_restored_from_the_peers_after_evictio
         assert dict(after) == {s: reference[rank][s] for s, _ in after}
 
 
+@pytest.mark.parametrize("error", [RuntimeError("an audit stream broke in a way the client did not expect"),
+                                   asyncio.CancelledError("grpc.aio cancelled a call itself")],
+                         ids=["Exception", "CancelledError"])
 def test_a_failing_round_of_the_recovery_watcher_leaves_it_and_the_processes_it_started_running(
-        tmp_path: Path) -> None:
+        tmp_path: Path, error: BaseException) -> None:
     """The watcher's thread is the parent (PR_SET_PDEATHSIG) of the restarted job and agents: it must not end.
 
     A round that raised used to end the thread, which sent SIGTERM to every process it had restarted: the
@@ -263,7 +266,7 @@ def test_a_failing_round_of_the_recovery_watcher_leaves_it_and_the_processes_it_
             children.append(subprocess.Popen([sys.executable, "-c", _DEATHSIG_SHIM, "sleep", "60"]))
             return None
         if len(rounds) == 2:
-            raise RuntimeError("an audit stream broke in a way the client did not expect")
+            raise error
         third.set()
         recovery._stop.wait(0.05)
         return None
@@ -274,10 +277,69 @@ def test_a_failing_round_of_the_recovery_watcher_leaves_it_and_the_processes_it_
         assert third.wait(30), f"the watcher did not go on after a failed round: {recovery.errors}"
         assert recovery._thread is not None and recovery._thread.is_alive()
         assert children[0].poll() is None, "the restarted processes were killed with the watcher's thread"
-        assert notes == ["recovery round failed (it goes on): RuntimeError: an audit stream broke in a way the "
-                         "client did not expect"]
+        assert notes == [f"recovery round failed (it goes on): {type(error).__name__}: {error}"]
     finally:
         recovery.stop()
         for child in children:
             child.kill()
             child.wait()
+
+
+# A drill process that records whether a SIGTERM was ever sent to it: it blocks SIGTERM, so a sent one stays
+# pending (read in /proc) instead of racing the test, then says it is ready.
+TERM_BLOCKING = """
+import signal, sys, time
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+open(sys.argv[1], "w").close()
+while True:
+    time.sleep(60)
+"""
+
+
+def _sigterm_sent(pid: int) -> bool:
+    """Whether SIGTERM is pending at ``pid`` (shared or thread-private pending set, /proc/PID/status)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return any(int(fields[key].strip(), 16) & (1 << (15 - 1)) for key in ("ShdPnd", "SigPnd"))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread ends by raising
+@pytest.mark.parametrize("how", ["returns", "raises CancelledError"])
+def test_a_drill_process_outlives_the_thread_that_started_it(tmp_path: Path, how: str) -> None:
+    """The restarted job and its agents are started by the recovery thread; the thread's end must not stop them.
+
+    Linux sends the parent-death signal (the drill's children ask for SIGTERM) when the *thread* that
+    started a child ends. Started from the recovery thread, the restarted job and its agents got SIGTERM
+    when that thread ended: the drill "shut itself down" with no message (#12). A real launcher process
+    started from a thread that then ends (normally, or by a BaseException grpc.aio raises) must get no
+    SIGTERM, and still be stopped by the launcher.
+    """
+    import os
+    import sys
+    import threading
+
+    from agent_helpers import wait_for
+
+    launcher = Launcher(tmp_path, DrillLayout(), counters=False)
+    ready = tmp_path / "ready"
+    started: list[int] = []
+    native: list[int] = []
+
+    def restart() -> None:
+        native.append(threading.get_native_id())
+        started.append(launcher.start_helper([sys.executable, "-c", TERM_BLOCKING, str(ready)], "helper.log").pid)
+        wait_for(ready.exists, 60, "the helper to block SIGTERM (its death signal is set before that)")
+        if how != "returns":
+            raise asyncio.CancelledError()
+
+    thread = threading.Thread(target=restart, name="recovery-like")
+    thread.start()
+    thread.join()
+    # The death signal is sent as the thread's task exits in the kernel, a little after join() returns.
+    wait_for(lambda: not Path(f"/proc/self/task/{native[0]}").exists(), 30, "the thread's task to be gone")
+    try:
+        assert not _sigterm_sent(started[0]), "the drill process got SIGTERM when the thread that started it ended"
+        assert started[0] in marked_processes(launcher.run_id)
+    finally:
+        os.kill(started[0], 9)  # it blocks SIGTERM: the launcher's stop would wait its grace period
+        launcher.stop()
+    assert marked_processes(launcher.run_id) == []
