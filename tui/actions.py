@@ -354,6 +354,13 @@ class ActionController:
                             "fix: if the job is stuck again, capture (s) and evict from the new verdict",
                             title="no suspect", severity="warning", timeout=8)
             return
+        mark = self.app.state.verdict
+        if mark is not None and mark.running:
+            # Ranks caught mid-step differ by timing: no machine is to blame for that.
+            self.app.notify("nothing to evict now: the capture on screen was taken while the job was making "
+                            "progress, so it names no suspect\nfix: if the job stops, capture (s) and evict from "
+                            "the new verdict", title="no suspect", severity="warning", timeout=8)
+            return
         suspect = pick_suspect(self.app.state.stacks, selected_rank)
         if suspect is None:
             self.app.notify("no suspect to evict: capture stacks (s) until the verdict names a group",

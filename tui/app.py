@@ -273,15 +273,15 @@ class RankscopeApp(App[int]):
         self.state = st.apply_audit(self.state, message.address, message.record)
         if self.state.evicted != before:
             self.retire_machines(self.state.evicted - before)
-        self._redraw_if_mounted()
+        self.redraw()
 
     def on_audit_noted(self, message: AuditNoted) -> None:
         self.state = st.apply_audit_note(self.state, message.address, message.text)
-        self._redraw_if_mounted()
+        self.redraw()
 
     def on_action_changed(self, message: ActionChanged) -> None:
         self.state = st.apply_actions(self.state, message.change(self.state.actions))
-        self._redraw_if_mounted()
+        self.redraw()
 
     def on_agent_lost(self, message: AgentLost) -> None:
         self.notify(f"agent {message.machine} lost", severity="warning", timeout=4)
@@ -315,12 +315,10 @@ class RankscopeApp(App[int]):
             # The source names what it reaches (a bundle once read, the agents left after a hostfile change or an
             # eviction): the store takes the name in before the header draws it.
             self.state = st.apply_source_label(self.state, self.source.label)
-        main.draw(self.state)
-
-    def _redraw_if_mounted(self) -> None:
-        # A record or result may arrive while the app is closing and its widgets are already gone.
+        # A poll, record or result may arrive while the app is closing and the screen's widgets are already gone
+        # (seen with polls every 10 ms in a pilot test): nothing is left to draw on.
         with contextlib.suppress(NoMatches):
-            self.redraw()
+            main.draw(self.state)
 
     @on(TabbedContent.TabActivated)
     def _tab_changed(self) -> None:

@@ -408,6 +408,9 @@ class VerdictMark:
     progress_count: int  # the summed counters then (without)
     clock_info: bool
     starting: tuple[int, ...] = ()  # ranks caught before their first step
+    # The job was making steps when captured: ranks caught at different points of a step differ by timing, so
+    # the capture names no suspect (a restart's first step, a view attached to a healthy job, `s` on one).
+    running: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -665,9 +668,12 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     ``hang_after_s`` (then never reaching a step is the problem).
     """
     s = apply_snapshot(state, d, now_wall, hang_after_s)
+    running = health(s, hang_after_s).kind in ("healthy", "slow") and making_steps(s)
     events = [Event(now_wall, "capture", f"captured {len(d.snapshot.all_stacks())} ranks' stacks, "
                     f"{len(view.groups)} groups")]
-    if state.stacks is None or state.stacks.verdict.summary != view.verdict.summary:
+    if running:
+        events.append(Event(now_wall, "verdict", running_capture_text(view)))
+    elif state.stacks is None or state.stacks.verdict.summary != view.verdict.summary:
         events.append(Event(now_wall, "verdict", view.verdict.summary))
     # Quiet ranks (no step yet in their process) caught importing are starting however long their imports take
     # on a loaded host: a capture of them named a rank "computing" in <module> (pstats.py) and aimed `e` at it.
@@ -680,10 +686,48 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
                             if (r in m.starting and m.start_age_s < hang_after_s) or r in importing))
     clock = s.clock
     mark = VerdictMark(d.wall, s.restarts, clock.progress_mark if clock is not None else None, d.progress,
-                       clock is not None, starting)
+                       clock is not None, starting, running)
     s = replace(s, stacks=view, capture_wall=d.wall, verdict=mark, events=_with_events(s, events))
     # A text filter matches frames: against the new capture's groups it selects other ranks.
     return apply_filter(s, s.filter.text) if s.filter.active else s
+
+
+# A job that stepped this recently (or within two of its own step times) is caught mid-step by a capture.
+MID_STEP_S = 3.0
+
+
+def making_steps(state: AppState) -> bool:
+    """The job stepped within the last ``MID_STEP_S`` seconds or two of its step times, per its agents (or, without
+    their memory, by the readings' progress counts): a capture now finds its ranks mid-step, not stuck.
+
+    Not the same as "healthy": for ``hang_after_s`` after a job stops it still reads healthy, and a capture then
+    (``s`` in the first seconds of a hang) must keep its suspects.
+    """
+    pts = state.progress_points
+    if not pts:
+        return False
+    rate = step_rate(state)
+    window = max(MID_STEP_S, 2.0 / rate) if rate else MID_STEP_S
+    clock = state.clock
+    if clock is not None:
+        return clock.progress_mark is not None and clock.progress_age_s is not None and clock.progress_age_s <= window
+    # Steps where the job counts them (its operations move within a step, and a rank stalling mid-step still
+    # moved them a moment ago), else the summed operation counters.
+    if len(state.step_points) >= 2:
+        pts = state.step_points
+    now, count = pts[-1]
+    earlier = [c for wall, c in pts[:-1] if now - wall <= window]
+    return bool(earlier) and earlier[0] != count
+
+
+def running_capture_text(view: StackView) -> str:
+    """What a capture of a job making steps says instead of suspects."""
+    n = len(view.verdict.suspects)
+    if not n:
+        return "no verdict: the job was making progress and every rank's stack agrees"
+    what = "the one stack difference between its ranks" if n == 1 else f"the {n} stack differences between its ranks"
+    return (f"no verdict: the job was making progress, so {what} (caught at different points of a step) "
+            f"{'is' if n == 1 else 'are'} timing, not a fault")
 
 
 def verdict_stale(state: AppState) -> str | None:

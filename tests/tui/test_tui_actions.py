@@ -42,7 +42,7 @@ from rankscope.tui.screens.confirm import ConfirmModal, UpdateModal
 from rankscope.tui.screens.help import HelpScreen
 from rankscope.tui.sources import BundleSource
 from textual.widgets import Button, Input, RadioButton
-from tui_bundles import fig7_bundle
+from tui_bundles import T0, fig7_bundle, job
 from tui_screen import screen_text, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -598,3 +598,22 @@ async def test_at_80x24_the_footer_keeps_every_action_key_and_the_stack_tree_its
         # The tree has the whole width (the comparison went under it): a deep frame is not cut to "└── ▼ _fi".
         assert "└── ▼ train_step (train.py)  [32: 0-31]" in text, text
         assert "group B diverges at forward_step (schedules.py)" in text
+
+
+async def test_e_names_no_target_in_a_capture_taken_while_the_job_made_steps() -> None:
+    # After a restart the automatic capture runs at the first step, and a view attached to a healthy job captures
+    # at once: ranks caught mid-step. Before the next poll marked it stale, `e` aimed at its "suspects".
+    steps = [job(T0 + i, stacks=False, step=100 + i, hung=False) for i in range(5)]
+    mid_step = job(T0 + 5, stacks=True, step=105, hung=True)  # stacks that differ, steps still moving
+    source = RecordingSource(bundle=Bundle((*steps, mid_step), T0 + 5))
+    app = RankscopeApp(source, AppOptions())
+    watched = Watched(app)
+    async with app.run_test(size=(140, 48)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        assert app.state.stacks is not None and app.state.stacks.verdict.suspects
+        assert app.state.verdict is not None and app.state.verdict.running
+        assert "no verdict: the job was making progress" in screen_text(app)
+        await pilot.press("e")
+        await pilot.pause()
+        assert source.planned == [] and not isinstance(app.screen, ConfirmModal)
+        assert watched.has("nothing to evict now: the capture on screen was taken while the job was making progress")

@@ -258,21 +258,52 @@ def test_a_capture_a_few_milliseconds_after_a_poll_is_no_step_rate() -> None:
     assert st.health(s).kind == "healthy", st.health(s)  # not "slow: 1 steps/s, was 600"
 
 
-def test_suspects_of_a_progressing_job_are_qualified() -> None:
+def test_a_capture_of_a_job_making_steps_names_no_suspect() -> None:
+    # A view attached to a healthy job, and a restart's first step, captured ranks mid-step and listed "DESYNC ...
+    # evicting machines will not cure it" and eight more suspects for a job running at 5 steps/s.
     from rankscope.tui.widgets.verdict import verdict_text_rich
 
     snap = fig7_bundle().latest
     view = build_stack_view(snap, snap.layout)
-    assert view.verdict.suspects
-    hung_text = verdict_text_rich(view, st.Filter("", frozenset()), progressing=False)
-    running_text = verdict_text_rich(view, st.Filter("", frozenset()), progressing=True)
+    n = len(view.verdict.suspects)
+    assert n >= 1
+    hung_text = verdict_text_rich(view, st.Filter("", frozenset()), progressing=False, taken=T0 + 48)
+    running_text = verdict_text_rich(view, st.Filter("", frozenset()), progressing=True, taken=T0 + 48)
     hung, running = hung_text.plain, running_text.plain
-    assert hung.startswith("verdict: ") and "differences may be timing" not in hung
-    assert running.startswith("verdict (job is progressing: differences may be timing): ")
-    # A healthy job's first screen must not shout: its suspects are drawn dim, a hung job's in alarm colours.
-    first = running.index("\n")
-    assert {str(span.style) for span in running_text.spans if span.start >= first} == {"dim"}
+    assert hung.startswith("verdict: ") and "▸" in hung and "node12" in hung
+    differences = "the one stack difference" if n == 1 else f"the {n} stack differences"
+    assert running.startswith(f"capture of {st.fmt_time(T0 + 48)}: no verdict: the job was making progress, so "
+                              f"{differences} between its ranks"), running
+    assert "timing, not a fault (y copies them)" in running
+    assert "▸" not in running and "node12" not in running, "no suspect of a running job is drawn"
+    assert {str(span.style) for span in running_text.spans if span.start > running.index(":")} == {"dim"}
     assert "bold yellow" in {str(span.style) for span in hung_text.spans}
+    stale = verdict_text_rich(view, st.NO_FILTER, progressing=True, stale="the job progressed after it",
+                              taken=T0 + 48).plain
+    assert stale.startswith(f"verdict of {st.fmt_time(T0 + 48)} (stale: the job progressed after it; s captures again): "
+                            "no verdict"), stale
+
+
+def test_a_capture_is_of_a_running_job_only_while_it_steps() -> None:
+    """The mark follows the job's own steps: the first seconds of a hang (still "healthy" until --hang-after)
+    keep their suspects; a capture one second after a step names none; so does the Events line."""
+    polls = [job(T0 + i, stacks=False, step=100 + i, hung=False) for i in range(6)]
+    s = st.AppState()
+    for p in polls:
+        s = st.apply_snapshot(s, st.digest(p), p.captured.wall)
+    assert st.making_steps(s)
+    capture = job(T0 + 6, stacks=True, step=106, hung=True)
+    running = st.apply_capture(s, st.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
+    assert running.verdict is not None and running.verdict.running
+    assert running.events[-1].kind == "verdict" and running.events[-1].text.startswith("no verdict: the job was")
+    # Ten seconds without a step: health still says healthy (hang_after_s is 30 s), but the job is not stepping.
+    for i in range(6, 16):
+        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=105, hung=True)), T0 + i)
+    assert st.health(s).kind == "healthy" and not st.making_steps(s)
+    capture = job(T0 + 16, stacks=True, step=105, hung=True)
+    stuck = st.apply_capture(s, st.digest(capture), build_stack_view(capture, capture.layout), T0 + 16)
+    assert stuck.verdict is not None and not stuck.verdict.running
+    assert stuck.stacks is not None and stuck.events[-1].text == stuck.stacks.verdict.summary
 
 
 def test_slow_is_measured_against_the_usual_pace_not_one_quick_reading() -> None:

@@ -6,7 +6,7 @@ from rankscope.analyzers.topology import compact_machines, compact_ranks
 from rankscope.analyzers.verdict import group_numbers
 from rankscope.contract.snapshot import Layout
 from rankscope.tui.analysis import StackView
-from rankscope.tui.state import AppState, Filter, Health, fmt_time, health, step_rate
+from rankscope.tui.state import AppState, Filter, Health, fmt_time, health, running_capture_text, step_rate
 from rankscope.tui.widgets.rank_map import group_glyph, group_style
 from rich.text import Text
 from textual.widgets import Static
@@ -71,7 +71,9 @@ class JobHeader(Static):
 
 def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3, progressing: bool = False,
                       stale: str | None = None, taken: float | None = None) -> Text:
-    """``progressing``: the job is making progress, so stacks that differ may only be caught at different moments.
+    """``progressing``: the capture is of a job making steps (or the job is, and the capture carries no progress
+    mark): ranks caught at different points of a step differ by timing alone, so no suspect is drawn, only how
+    many differences there were (``y`` copies them).
 
     ``stale``: why the verdict no longer describes the job (``state.verdict_stale``); it is then shown as a
     record of the capture taken at ``taken``, for reading, and no action aims at it.
@@ -81,22 +83,28 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
         t.append("no capture yet — press s to capture stacks", "dim")
         return t
     v = view.verdict
+    if progressing and v.suspects:
+        # A capture of a running job finds ranks at different points of a step; that is not a hang, and listing
+        # its "suspects" (a desync, a rank in compute) told an engineer a healthy job was broken.
+        if stale is not None:
+            t.append(f"verdict of {fmt_time(taken)} (stale: {stale}; s captures again): ", "bold")
+        else:
+            t.append(f"capture of {fmt_time(taken)}: ", "bold")
+        t.append(f"{running_capture_text(view)} (y copies them)", "dim")
+        for note in view.notes[:1]:
+            t.append(f"\n note: {note}", "dim")
+        return t
     if stale is not None:
         t.append(f"verdict of {fmt_time(taken)} (stale: {stale}; s captures again): ", "bold")
         t.append(v.summary, "dim")
-    elif progressing and v.suspects:
-        # A capture of a running job finds ranks at different points of a step; that is not a hang.
-        t.append("verdict (job is progressing: differences may be timing): ", "bold")
-        t.append(v.summary, "yellow")
     else:
         t.append("verdict: ", "bold")
         t.append(v.summary, "bold red" if v.suspects else "bold")
     advice = {f.ranks: f.advice for f in v.findings if f.advice}
 
     def look(style: str) -> str:
-        # A stale verdict is a record of another time, and a progressing job's differences are likely timing:
-        # their suspects are drawn dim, not in alarm colours.
-        return "dim" if stale is not None or progressing else style
+        # A stale verdict is a record of another time: its suspects are drawn dim, not in alarm colours.
+        return "dim" if stale is not None else style
 
     for s in v.suspects[:max_suspects]:
         number = group_numbers(s)
