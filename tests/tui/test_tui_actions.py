@@ -612,8 +612,8 @@ async def test_e_names_no_target_in_a_capture_taken_while_the_job_made_steps() -
         await until(pilot, app.loaded.is_set)
         assert app.state.stacks is not None and app.state.stacks.verdict.suspects
         assert app.state.verdict is not None and app.state.verdict.running
-        assert "no verdict: the job was making progress" in screen_text(app)
+        await until(pilot, lambda: "no verdict: the job was making progress" in screen_text(app), 10, "the verdict")
         await pilot.press("e")
-        await pilot.pause()
+        await until(pilot, lambda: watched.has("nothing to evict now: the capture on screen was taken while the job "
+                                               "was making progress"), 10, "e to say why it has no target")
         assert source.planned == [] and not isinstance(app.screen, ConfirmModal)
-        assert watched.has("nothing to evict now: the capture on screen was taken while the job was making progress")

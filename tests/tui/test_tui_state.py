@@ -272,7 +272,7 @@ def test_a_capture_of_a_job_making_steps_names_no_suspect() -> None:
     hung, running = hung_text.plain, running_text.plain
     assert hung.startswith("verdict: ") and "▸" in hung and "node12" in hung
     differences = "the one stack difference" if n == 1 else f"the {n} stack differences"
-    assert running.startswith(f"capture of {st.fmt_time(T0 + 48)}: no verdict: the job was making progress, so "
+    assert running.startswith(f"capture of {st.fmt_time(T0 + 48)}:\n no verdict: the job was making progress, so "
                               f"{differences} between its ranks"), running
     assert "timing, not a fault (y copies them)" in running
     assert "▸" not in running and "node12" not in running, "no suspect of a running job is drawn"
@@ -280,8 +280,8 @@ def test_a_capture_of_a_job_making_steps_names_no_suspect() -> None:
     assert "bold yellow" in {str(span.style) for span in hung_text.spans}
     stale = verdict_text_rich(view, st.NO_FILTER, progressing=True, stale="the job progressed after it",
                               taken=T0 + 48).plain
-    assert stale.startswith(f"verdict of {st.fmt_time(T0 + 48)} (stale: the job progressed after it; s captures again): "
-                            "no verdict"), stale
+    assert stale.startswith(f"verdict of {st.fmt_time(T0 + 48)} (stale: the job progressed after it; s captures again):"
+                            "\n no verdict"), stale
 
 
 def test_a_capture_is_of_a_running_job_only_while_it_steps() -> None:
