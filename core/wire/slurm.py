@@ -380,10 +380,14 @@ class SlurmAgents:
                 return
             try:
                 self._launch(job)
-            except RankscopeError as exc:
+            except Exception as exc:  # this thread must outlive any one attempt (see below)
+                # The srun this thread starts asks for SIGTERM when the *thread* that started it ends, not the
+                # process: were this thread to end on an error, the agents of the next requeue it had started
+                # would stop with no word (the drill's recovery thread did exactly that, #12). Say it, go on.
                 if self._closing.is_set():
                     return
-                on_change(self, f"agents could not be started again in job {self.job_id}: {exc.message}")
+                why = exc.message if isinstance(exc, RankscopeError) else f"{type(exc).__name__}: {exc}"
+                on_change(self, f"agents could not be started again in job {self.job_id}: {why}")
                 if self._closing.wait(FOLLOW_RETRY_S):
                     return
                 continue

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -427,3 +428,45 @@ def test_stopping_the_cluster_leaves_no_process_even_with_a_job_running(tmp_path
             left.append((proc.name, (proc / "comm").read_text().strip()))
     assert left == []
     assert subprocess.run(["pgrep", "-f", f"{base}/slurm.conf"], capture_output=True).stdout == b""
+
+
+def test_following_a_requeue_survives_an_unexpected_error_in_a_relaunch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The follower thread starts srun with a parent-death signal bound to the thread: if an unexpected error ended
+    it, the agents it had started would stop silently. It reports the error and starts the agents again."""
+    from rankscope.wire import slurm as slurm_mod
+
+    monkeypatch.setattr(slurm_mod, "FOLLOW_RETRY_S", 0.01)
+    agents = slurm_mod.SlurmAgents("42")
+    agents._srun = subprocess.Popen(["true"], text=True)  # the first agent step, ended by a requeue
+    job = slurm_mod.SlurmJob("42", "RUNNING", ("n1",), 1, 1, "debug", "root")
+    monkeypatch.setattr(agents, "_wait_running", lambda: job)
+    attempts: list[int] = []
+
+    def launch(j: slurm_mod.SlurmJob) -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise ValueError("a malformed announcement")
+        agents._srun = subprocess.Popen(["sleep", "60"], text=True)  # agents up again until the session ends
+
+    monkeypatch.setattr(agents, "_launch", launch)
+    told: list[str] = []
+    relaunched = threading.Event()
+
+    def on_change(_: slurm_mod.SlurmAgents, what: str) -> None:
+        told.append(what)
+        if "runs again" in what:
+            relaunched.set()
+
+    agents.follow(on_change)
+    try:
+        assert relaunched.wait(60), told
+        assert told[0] == "agents could not be started again in job 42: ValueError: a malformed announcement", told
+        assert len(attempts) == 2 and agents._follower is not None and agents._follower.is_alive()
+    finally:
+        agents._closing.set()
+        srun = agents._srun
+        if srun is not None:
+            srun.kill()
+            srun.wait()
+        if agents._follower is not None:
+            agents._follower.join(10)
