@@ -442,7 +442,6 @@ class Filter:
 NO_FILTER = Filter("", frozenset())
 
 
-
 @dataclass(frozen=True, slots=True)
 class AppState:
     now_wall: float = 0.0

@@ -328,6 +328,11 @@ def restore_backup(rank: int, world: int, checkpoint_step: int, optimizer: Any) 
 # --------------------------------------------------------------------------
 
 
+def _median(values: list[float]) -> float:
+    """The middle value (the upper one of an even count): step lengths, robust to one odd step."""
+    return sorted(values)[len(values) // 2]
+
+
 class Injector:
     """Carries out the plan inside the rank's main process.
 
@@ -383,7 +388,7 @@ class Injector:
             elif self._burn_s is not None and self.plan.hits(self.rank, prev) and self.plan.name == "slow-compute":
                 healthy = self.healthy_step_s() or took
                 self._unfaulted = [*self._unfaulted, max(0.0, took - self._burned)][-self.RECENT_STEPS:]
-                unfaulted = sorted(self._unfaulted)[len(self._unfaulted) // 2]
+                unfaulted = _median(self._unfaulted)
                 nominal = (self.plan.factor - 1.0) * healthy
                 self._burn_s = min(3.0 * self.plan.factor * healthy,
                                    max(nominal, (self.plan.factor - 1.0) * unfaulted))
@@ -395,10 +400,7 @@ class Injector:
 
     def healthy_step_s(self) -> float | None:
         """The median of the rank's healthy step durations (None before any)."""
-        if not self._healthy:
-            return None
-        ordered = sorted(self._healthy)
-        return ordered[len(ordered) // 2]
+        return _median(self._healthy) if self._healthy else None
 
     def before_compute(self) -> None:
         self.compute_started = time.perf_counter()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rankscope.tui.analysis import StackView
-from rankscope.tui.state import AppState, filter_summary, health, making_steps, map_groups, verdict_stale
+from rankscope.tui.state import AppState, filter_summary, map_groups, verdict_stale
 from rankscope.tui.widgets.audit import ActionsPanel
 from rankscope.tui.widgets.ccl import CclPanel
 from rankscope.tui.widgets.events import EventsPanel
@@ -111,13 +111,11 @@ class MainScreen(Screen[None]):
         view = self.active_view
         if view == "overview":
             room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)
-            stale = verdict_stale(state)
-            # Timing, not a fault: a capture taken while the job made steps, or a fresh one of a job making them.
-            # A hang's capture gone stale since keeps its suspects, dim, for reading.
-            progressing = (state.verdict is not None and state.verdict.running) or (
-                stale is None and health(state, hang_after_s).kind == "healthy" and slow is None
-                and making_steps(state))
-            self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, stale, state.capture_wall))
+            # Timing, not a fault: a capture taken while the job made steps (apply_capture decided it). A hang's
+            # capture gone stale since keeps its suspects, dim, for reading.
+            progressing = state.verdict is not None and state.verdict.running
+            self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, verdict_stale(state),
+                                                    state.capture_wall))
             group_of = map_groups(state)
             machines = [MapMachine(m.name, m.ranks, m.reachable, m.evicted) for m in state.machines]
             self.query_one("#rank-map", RankMapPanel).show(machines, group_of, flt)
