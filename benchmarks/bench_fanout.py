@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import resource
@@ -55,7 +56,7 @@ def base_package(ref: str) -> Path:
     root = Path(tempfile.gettempdir()) / f"rankscope-bench-base-{sha[:12]}"
     pkg = root / "pkg"
     if not (pkg / "rankscope").exists():
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", sha, "core"],
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", sha, *BASE_TREES],
                                  capture_output=True, check=True).stdout
         src = root / "src"
         src.mkdir(parents=True, exist_ok=True)
@@ -66,14 +67,32 @@ def base_package(ref: str) -> Path:
                 tar.extractall(src, filter="data")
         pkg.mkdir(parents=True, exist_ok=True)
         (pkg / "rankscope").symlink_to(src / "core")
+        for tree in BASE_TREES[1:]:
+            (pkg / tree).symlink_to(src / tree)
     return pkg
 
 
+# The base code is a whole tree (its analyzers and probes match its core); its core had one flat package, so the
+# modules this benchmark uses had other names there (#15 split core/ by role).
+BASE_TREES = ("core", "analyzers", "probes", "ccl_plugin")
+BASE_NAMES = {"rankscope.wire.agent": "rankscope.agent", "rankscope.wire.tokens": "rankscope.tokens",
+              "rankscope.wire.client": "rankscope.client", "rankscope.wire.proto": "rankscope.proto",
+              "rankscope.contract.snapshot": "rankscope.snapshot", "rankscope.contract.bundle": "rankscope.bundle"}
+IMPL = "new"
+
+
 def use_impl(impl: str, base: str | None) -> None:
+    global IMPL
+    IMPL = impl
     if impl == "base":
         assert base is not None
         sys.path.insert(0, base)
     sys.path.insert(0, str(HERE))  # fanout_source
+
+
+def module(name: str) -> Any:
+    """The module ``name`` of the code under test (its base-code name when that is the one running)."""
+    return importlib.import_module(BASE_NAMES.get(name, name) if IMPL == "base" else name)
 
 
 # ---- agent servers (one process serves many) --------------------------------------------------
@@ -82,9 +101,10 @@ def use_impl(impl: str, base: str | None) -> None:
 async def serve_many(args: argparse.Namespace) -> None:
     use_impl(args.impl, args.base)
     import fanout_source
-    import rankscope.wire.agent as agent_mod
-    from rankscope.wire.agent import AgentConfig, start_agent
-    from rankscope.wire.tokens import parse_tokens
+
+    agent_mod = module("rankscope.wire.agent")
+    AgentConfig, start_agent = agent_mod.AgentConfig, agent_mod.start_agent
+    parse_tokens = module("rankscope.wire.tokens").parse_tokens
 
     tokens = parse_tokens(f"read:{TOKEN}\n", "bench")
     world = args.world
@@ -170,9 +190,10 @@ class Servers:
 
 def client(args: argparse.Namespace) -> None:
     use_impl(args.impl, args.base)
-    from rankscope.wire.client import JobClient
-    from rankscope.wire.proto import rankscope_pb2 as pb
-    from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
+    JobClient = module("rankscope.wire.client").JobClient
+    proto = module("rankscope.wire.proto").__name__
+    pb = importlib.import_module(f"{proto}.rankscope_pb2")
+    pb_grpc = importlib.import_module(f"{proto}.rankscope_pb2_grpc")
 
     agents = json.loads(Path(args.agents_file).read_text())
     out: dict[str, Any] = {}
@@ -202,7 +223,8 @@ def client(args: argparse.Namespace) -> None:
     out["code"] = str(Path(rankscope.__file__).parent)
     out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.bundle:
-        from rankscope.contract.bundle import Bundle, read_bundle, write_bundle
+        bundle_mod = module("rankscope.contract.bundle")
+        Bundle, read_bundle, write_bundle = bundle_mod.Bundle, bundle_mod.read_bundle, bundle_mod.write_bundle
 
         path = Path(args.bundle)
         t0 = time.perf_counter()
