@@ -126,12 +126,20 @@ class DrillMachines:
             return self.check(machine)
         from rankscope.actions.self_check import SelfCheckConfig, self_check
 
-        return self_check(machine, SelfCheckConfig(min_free_memory_bytes=256 << 20))
+        # The drill's standbys share one loaded host with the job and its parked nodes: the check's two
+        # processes import torch, which took 77-95 s at load 45 (past the default 60 s + 30 s).
+        return self_check(machine, SelfCheckConfig(min_free_memory_bytes=256 << 20, collective_timeout_s=300.0))
 
-    def precheck(self, machines: tuple[str, ...]) -> threading.Thread:
-        """Self-check idle standbys in the background, one after the other (the host has few cores)."""
+    def precheck(self, machines: tuple[str, ...], after: Callable[[], object] | None = None) -> threading.Thread:
+        """Self-check idle standbys in the background, one after the other (the host has few cores).
+
+        ``after`` runs first (waiting for the parked nodes to finish importing: both import torch).
+        """
 
         def run() -> None:
+            if after is not None:
+                with contextlib.suppress(Exception):
+                    after()
             for m in machines:
                 with contextlib.suppress(Exception):  # a failed check is checked again at join time
                     self.self_check(m)
