@@ -71,7 +71,7 @@ async def act(launcher: Launcher, request: ActionRequest) -> list[ActionResult]:
     """Plan, confirm as the TUI does (yes to the named machines) and run; every agent's final result."""
     async with JobClient(list(launcher.addresses().values()), launcher.token(), acting=True) as client:
         summary = summarize(request, await client.plan_action(request))
-        assert summary.runnable, summary.errors
+        assert summary.runnable, (summary.errors, launcher.notes)
         assert summary.phrase is None  # a hot-update needs a yes, not a typed phrase
         return [u.event async for u in client.run_action(request, summary.confirmation())
                 if isinstance(u.event, ActionResult)]
