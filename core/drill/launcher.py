@@ -845,11 +845,37 @@ def kill_trees(pids: Sequence[int], *, grace_s: float = 2.0) -> None:
         with contextlib.suppress(psutil.Error):
             p.terminate()  # pending while stopped...
             p.resume()  # ...delivered now (and a rank stopped by the thermal fault runs to die)
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace_s)
+    alive = _wait_dead(list(procs.values()), grace_s)
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    psutil.wait_procs(alive, timeout=grace_s)
+    _wait_dead(alive, grace_s)
+
+
+def _wait_dead(procs: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Wait until every one of ``procs`` (psutil) has died or ``timeout_s`` passed; those still running.
+
+    A zombie counts as dead: a rank's child whose parent died first is left to
+    PID 1 to reap, and a container's init may do that only every second or so
+    (psutil.wait_procs counts it as alive until then: 1.2 s of each restart).
+    """
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(procs)
+    while True:
+        still = []
+        for p in pending:
+            with contextlib.suppress(psutil.Error):  # gone: NoSuchProcess
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    still.append(p)
+                    continue
+                with contextlib.suppress(psutil.Error, ChildProcessError):
+                    p.wait(0)  # our own child: reap it now
+        pending = still
+        if not pending or time.monotonic() >= deadline:
+            return pending
+        time.sleep(0.02)
 
 
 def marked_processes(run_id: str) -> list[int]:
