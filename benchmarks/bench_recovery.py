@@ -113,10 +113,15 @@ def _wait_resumed(run_dir: Path, since_wall: float, step: int, what: str) -> flo
 
 
 def _breakdown(run: Run, run_dir: Path, confirm: float, planned: float, began: float, resumed: float) -> Run:
-    """Fill ``run`` from wall clocks: confirm, plans in, restart begun, resumed; joined/loaded from the ranks."""
+    """Fill ``run`` from wall clocks: confirm, plans in, restart begun; joined/loaded/stepped from the ranks."""
     phases = read_phases(run_dir, began)
     joined = max(phases.get("joined", {}).values(), default=began)
     loaded = max(phases.get("loaded", {}).values(), default=joined)
+    # When the ranks did it, not when this process looked: a drill's restart returns only once the new agents
+    # are up, which may be after the job resumed.
+    stepped = phases.get("stepped", {})
+    if len(stepped) >= LAYOUT.world:
+        resumed = max(stepped.values())
     run.total = resumed - confirm
     run.parts = {"plan": planned - confirm, "stop": began - planned, "join": joined - began, "load": loaded - joined,
                  "first step": resumed - loaded}

@@ -48,7 +48,8 @@ PHASES_DIR = "phases"
 
 def write_phase(run_dir: Path, rank: int, phase: str) -> None:
     """Append that ``rank`` reached ``phase`` ("entered": the script runs, "joined": the rendezvous is done,
-    "loaded": the checkpoint is in), with the wall clock: where a start's time goes."""
+    "loaded": the checkpoint is in, "stepped": its first step is done), with the wall clock: where a start's time
+    goes, read afterwards (a watcher polling the progress files sees a step only when it looks)."""
     folder = run_dir / PHASES_DIR
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8") as f:

@@ -538,6 +538,9 @@ def train(args: argparse.Namespace) -> int:
             torch.save({"step": done, "model": model.state_dict(), "optim": optimizer.state_dict()}, buf)
             writer.save(done, buf.getvalue())
         write_progress(run_dir, rank, done, "running")
+        if done == first_done:
+            write_phase(run_dir, rank, "stepped")
+    first_done = start + 1
     try:
         for step in range(start, args.steps):
             if step == plan.step and desync:
