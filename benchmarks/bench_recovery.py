@@ -1,48 +1,51 @@
 """Recovery time on the drill: `python benchmarks/bench_recovery.py [--repeat 1]`.
 
-Side by side, on the same small job (TP=1, PP=2, DP=2 over 4 local machines,
-checkpoints every 4 steps), the time from the confirm to training resumed
-(every rank has completed a step after the restart). First an eviction
-(hang-p2p in one pipeline):
+Three paths, in one run, on the same small job (TP=1, PP=2, DP=2 over 4 local
+machines, checkpoints every 4 steps), each timed from the confirm to training
+resumed (every rank has completed a step after the restart):
 
-- **evict + warm standby**: ``e`` through the agents (each stops its ranks and
-  blocks its machine), the drill's recovery restarts the job on the remaining
-  machines plus standbys that passed their self-check while they waited;
-- **stop and relaunch** (the baseline, what one does without rankscope's
-  actions): stop the whole drill -- every node and agent -- and launch it
-  again from the checkpoint on the surviving machines plus spare ones,
-  agents included.
+- **cold relaunch** (the baseline, what users do today): a pipeline hangs
+  (hang-p2p), the analysis names it; stop the whole drill -- every node and
+  agent -- and launch it again with torchrun from the checkpoint on the
+  surviving machines plus spare ones: torchrun and every rank import torch,
+  meet, load;
+- **evict + warm standby**: the same hang; ``e`` through the agents (each stops
+  its ranks and blocks its machine), the drill's recovery restarts the job on
+  the survivors plus standbys that passed their self-check while they waited,
+  every node from its parked interpreters (``rankscope.drill.warm``: torch
+  already imported);
+- **hot-update in place**: no fault, ``u`` to git tag ``v2`` (immediate)
+  through the agents, as the TUI sends it; the recovery restarts the job on
+  the same machines from their parked interpreters, on the new code.
 
-Then a code change (no fault, the job running):
-
-- **hot-update in place**: ``u`` to git tag ``v2`` (immediate) through the
-  agents, as the TUI sends it (each switches its machine's code link and asks
-  for a restart); the drill's recovery restarts the job on the same machines;
-- **stop and relaunch** (the baseline): stop the whole drill, switch every
-  machine's code to ``v2`` by hand (the same worktree checkout), launch it
-  again from the checkpoint, agents included.
-
-Both pairs resume from the same checkpoint step. The analysis before the
-confirm is not timed. ByteRobust (§8, Fig. 12 and Table 7) reports 10.87x
-for eviction with warm standbys and 11.04x for hot-update against a full
-requeue on a cluster, where a requeue waits for the scheduler and for fresh
-pods; on one host there is no scheduler to wait for, so the figures here
-show what is left: process start-up and the agents' round trip.
+Each is broken down from the ranks' own phase records (``phases/``) and the
+orchestrator's clocks: detect (last progress -> verdict; before the confirm,
+not in the total), plan (the agents' plans), stop (confirm -> the old
+processes gone and the restart begun), join (-> every rank through the
+rendezvous; for the cold path this holds torchrun's and the ranks' imports),
+load (-> every rank loaded its checkpoint), first step (-> every rank
+completed a step). ByteRobust (§8, Fig. 12 and Table 7) reports 10.87x for
+eviction with warm standbys and 11.04x for hot-update against a full requeue
+on a cluster, where a requeue also waits for the scheduler and fresh pods.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankscope.actions.model import (
     ActionKind,
+    ActionPlan,
     ActionRequest,
     ActionResult,
+    EvictArgs,
     HotUpdateArgs,
     Targets,
     UpdateMode,
@@ -50,19 +53,31 @@ from rankscope.actions.model import (
 )
 from rankscope.analyzers.verdict import analyze_snapshot
 from rankscope.contract.errors import RankscopeError
-from rankscope.drill.control import DrillMachines, Recovery, evict_machines
+from rankscope.drill.control import DrillMachines, Recovery
 from rankscope.drill.faults import DrillLayout, make_plan
 from rankscope.drill.launcher import Launcher, TrainingOptions
-from rankscope.drill.progress import read_progress
+from rankscope.drill.progress import read_phases, read_progress
 from rankscope.drill.session import DrillConfig, DrillSession
 from rankscope.drill.worker import latest_checkpoint
 
 LAYOUT = DrillLayout(tp=1, pp=2, dp=2, machines=4)
 TRAINING = TrainingOptions(steps=40, checkpoint_every=4, micro_batches=2, loader_workers=0)
 FAULT_STEP = 6
-# The hot-update pair runs a job that outlasts the measurement (it is stopped afterwards).
+# The hot-update runs a job that outlasts the measurement (it is stopped afterwards).
 LONG_TRAINING = TrainingOptions(steps=100_000, checkpoint_every=4, micro_batches=2, loader_workers=0)
 WARM_STEPS = 8  # steps done before the update is confirmed
+PARK_TIMEOUT_S = 600.0
+PHASES = ("plan", "stop", "join", "load", "first step")
+
+
+@dataclass
+class Run:
+    """One path's figures (seconds): confirm -> resumed, and where the time went."""
+
+    total: float = 0.0
+    detect: float | None = None  # before the confirm: not in the total
+    parts: dict[str, float] = field(default_factory=dict)
+    warm: str = ""  # how many ranks started from an interpreter that had already imported torch
 
 
 def _config(run_dir: Path, standbys: int) -> DrillConfig:
@@ -70,15 +85,16 @@ def _config(run_dir: Path, standbys: int) -> DrillConfig:
                        run_dir=run_dir, stall_seconds=3.0, standbys=standbys)
 
 
-def _suspects(s: DrillSession) -> tuple[str, ...]:
-    s.wait_for_steps(1, 300)
+def _suspects(s: DrillSession) -> tuple[tuple[str, ...], float]:
+    """The suspect machines of the hang, and detect: seconds from the last progress to the verdict."""
     stall = s.wait_until_stalled()
     if stall.reason != "stalled":
         raise SystemExit(f"the drill did not stall: {stall}")
+    last_progress = s.watcher.last_change
     top = analyze_snapshot(s.capture()).top
     if top is None:
         raise SystemExit("no suspect named")
-    return top.machines
+    return top.machines, time.monotonic() - last_progress
 
 
 def _resumed(run_dir: Path, since_wall: float, step: int) -> bool:
@@ -87,168 +103,159 @@ def _resumed(run_dir: Path, since_wall: float, step: int) -> bool:
 
 
 def _wait_resumed(run_dir: Path, since_wall: float, step: int, what: str) -> float:
-    """Block until every rank completed a step after ``step`` since ``since_wall``; the monotonic time then."""
-    deadline = time.monotonic() + 300
+    """Block until every rank completed a step after ``step`` since ``since_wall``; the wall clock then."""
+    deadline = time.monotonic() + 600
     while not _resumed(run_dir, since_wall, step):
         if time.monotonic() > deadline:
             raise SystemExit(f"the {what} job did not resume")
-        time.sleep(0.1)
-    return time.monotonic()
+        time.sleep(0.05)
+    return time.time()
 
 
-def _relaunch(launcher: Launcher, machines: list[str] | tuple[str, ...], since_wall: float) -> tuple[float, float]:
-    """Start the job again from the newest common checkpoint; (nodes+agents up, resumed), monotonic."""
-    resume = min(latest_checkpoint(launcher.run_dir, r) for r in range(LAYOUT.world))
-    launcher.start_nodes(machines, resume=True)
-    launcher.start_agents()
-    relaunched = time.monotonic()
-    return relaunched, _wait_resumed(launcher.run_dir, since_wall, resume, "relaunched")
+def _breakdown(run: Run, run_dir: Path, confirm: float, planned: float, began: float, resumed: float) -> Run:
+    """Fill ``run`` from wall clocks: confirm, plans in, restart begun; joined/loaded/stepped from the ranks."""
+    phases = read_phases(run_dir, began)
+    joined = max(phases.get("joined", {}).values(), default=began)
+    loaded = max(phases.get("loaded", {}).values(), default=joined)
+    # When the ranks did it, not when this process looked: a drill's restart returns only once the new agents
+    # are up, which may be after the job resumed.
+    stepped = phases.get("stepped", {})
+    if len(stepped) >= LAYOUT.world:
+        resumed = max(stepped.values())
+    run.total = resumed - confirm
+    run.parts = {"plan": planned - confirm, "stop": began - planned, "join": joined - began, "load": loaded - joined,
+                 "first step": resumed - loaded}
+    return run
 
 
-def evict_with_standby(run_dir: Path) -> tuple[float, dict[str, float]]:
+async def _act(addresses: list[str], token: str, request: ActionRequest) -> tuple[float, list[ActionResult]]:
+    """Plan and confirm ``request`` as the TUI sends it; (wall clock when the plans were in, final results)."""
+    from rankscope.actions.agent_protocol import combined_phrase, confirmation_for
+    from rankscope.wire.client import JobClient
+
+    async with JobClient(addresses, token, acting=True) as client:
+        plans = [p for p in (await client.plan_action(request)).values() if isinstance(p, ActionPlan)]
+        planned = time.time()
+        typed = combined_phrase(request.kind, plans) if request.kind == ActionKind.EVICT else None
+        confirmation = confirmation_for(plans, typed=typed or "")
+        results = [u.event async for u in client.run_action(request, confirmation) if isinstance(u.event, ActionResult)]
+    if not results or not all(r.state == "succeeded" for r in results):
+        raise SystemExit(f"{request.kind.value} failed: {[r.message for r in results]}")
+    return planned, results
+
+
+def _warm_of(launcher: Launcher, machines: tuple[str, ...]) -> str:
+    starts = launcher.warm_starts[-len(machines):]
+    ranks = [w for s in starts for w in s.warm]
+    return f"{sum(ranks)}/{len(ranks)} ranks warm"
+
+
+def evict_with_standby(run_dir: Path) -> Run:
     with DrillSession(_config(run_dir, standbys=2)) as s:
-        machines = _suspects(s)
-        s.standbys_checked(120)  # the standbys are warm: checked while they waited
-        started = time.monotonic()
-        results = asyncio.run(evict_machines(list(s.agents.values()), s.token(), machines, "bench: hang-p2p"))
-        if not all(r.state == "succeeded" for r in results):
-            raise SystemExit(f"eviction failed: {[r.message for r in results]}")
-        agents_done = time.monotonic()
-        event = s.wait_for_recovery(1, 300)
+        s.wait_for_steps(1, 600)
+        slots = (*s.launcher.machines(), *s.launcher.standbys)
+        if not s.launcher.wait_parked(slots, PARK_TIMEOUT_S):
+            raise SystemExit("the parked nodes were not ready")
+        # The standbys are warm: checked while they waited. A check still running would be redone at join,
+        # in the measured path (its two processes import torch: minutes at load 80).
+        if not s.standbys_checked(PARK_TIMEOUT_S):
+            raise SystemExit("the standbys' self-checks did not finish")
+        machines, detect = _suspects(s)
+        confirm = time.time()
+        request = ActionRequest(f"bench-evict-{time.time_ns()}", ActionKind.EVICT, Targets(machines),
+                                EvictArgs("bench: hang-p2p"), "bench")
+        planned, _ = asyncio.run(_act(list(s.agents.values()), s.token(), request))
+        event = s.wait_for_recovery(1, 600)
         if not event.ok:
             raise SystemExit(f"recovery failed: {event.message}")
-        s.wait_until_resumed(event, 300)
-        ended = time.monotonic()
-        return ended - started, {"agents stop+block": agents_done - started,
-                                 "seen -> restarted (nodes+agents up)": event.restarted_mono - event.evicted_mono,
-                                 "restarted -> resumed": ended - event.restarted_mono}
+        began = s.launcher.last_restart[0] if s.launcher.last_restart else event.restart_began_wall
+        resumed = _wait_resumed(run_dir, began, event.resume_step, "evicted")
+        return _breakdown(Run(detect=detect, warm=_warm_of(s.launcher, event.machines)), run_dir, confirm, planned,
+                          began, resumed)
 
 
-def stop_and_relaunch(run_dir: Path) -> tuple[float, dict[str, float]]:
+def cold_relaunch(run_dir: Path) -> Run:
     with DrillSession(_config(run_dir, standbys=0)) as s:
-        machines = _suspects(s)
-        started, started_wall = time.monotonic(), time.time()
+        s.wait_for_steps(1, 600)
+        machines, detect = _suspects(s)
+        confirm = time.time()
         launcher = s.launcher
         survivors = [m for m in launcher.machines() if m not in machines]
         launcher.stop()  # every node and agent
-        stopped = time.monotonic()
-        relaunched, ended = _relaunch(launcher, [*survivors, *(f"spare-{i}" for i in range(len(machines)))],
-                                      started_wall)
-        return ended - started, {"stop everything": stopped - started,
-                                 "relaunch (nodes+agents up)": relaunched - stopped, "relaunched -> resumed": ended - relaunched}
+        began = time.time()
+        resume = min(latest_checkpoint(run_dir, r) for r in range(LAYOUT.world))
+        launcher.start_nodes([*survivors, *(f"spare-{i}" for i in range(len(machines)))], resume=True)
+        launcher.start_agents()
+        resumed = _wait_resumed(run_dir, began, resume, "relaunched")
+        return _breakdown(Run(detect=detect, warm="torchrun: 0 ranks warm"), run_dir, confirm, confirm, began, resumed)
 
 
-def _running_job(run_dir: Path) -> Launcher:
-    """The job with agents serving actions (every machine runs its code from its own link, at v1)."""
-    launcher = Launcher(run_dir, LAYOUT, LONG_TRAINING, counters=False, actions=True)
-    launcher.start_nodes()
-    launcher.start_agents()
-    deadline = time.monotonic() + 300
-    while not _resumed(run_dir, 0.0, WARM_STEPS - 1):
-        if time.monotonic() > deadline:
-            raise SystemExit("the job did not start")
-        time.sleep(0.1)
-    return launcher
-
-
-async def _hot_update(launcher: Launcher, version: str) -> list[ActionResult]:
-    """Plan, confirm (a yes naming every machine) and run ``u`` to ``version``, as the TUI sends it."""
-    from rankscope.actions.agent_protocol import confirmation_for
-    from rankscope.actions.model import ActionPlan
-    from rankscope.wire.client import JobClient
-
-    request = ActionRequest(f"bench-hu-{time.time_ns()}", ActionKind.HOT_UPDATE, Targets(),
-                            HotUpdateArgs(VersionSource.GIT, version, UpdateMode.IMMEDIATE), "bench")
-    async with JobClient(list(launcher.addresses().values()), launcher.token(), acting=True) as client:
-        plans = [p for p in (await client.plan_action(request)).values() if isinstance(p, ActionPlan)]
-        return [u.event async for u in client.run_action(request, confirmation_for(plans))
-                if isinstance(u.event, ActionResult)]
-
-
-def hot_update_in_place(run_dir: Path) -> tuple[float, dict[str, float]]:
-    launcher = _running_job(run_dir)
+def hot_update_in_place(run_dir: Path) -> Run:
+    launcher = Launcher(run_dir, LAYOUT, LONG_TRAINING, counters=False, actions=True, warm=True)
     recovery = Recovery(launcher, DrillMachines(launcher))
-    recovery.start()
     try:
-        started = time.monotonic()
-        results = _check(asyncio.run(_hot_update(launcher, "v2")))
-        agents_done = time.monotonic()
-        event = recovery.wait(1, 300)
-        if not event.ok:
-            raise SystemExit(f"the restart failed: {event.message}")
-        ended = _wait_resumed(run_dir, event.restart_began_wall, event.resume_step, "hot-updated")
+        launcher.start_nodes()
+        launcher.start_agents()
+        deadline = time.monotonic() + 600
+        while not _resumed(run_dir, 0.0, WARM_STEPS - 1):
+            if time.monotonic() > deadline:
+                raise SystemExit("the job did not start")
+            time.sleep(0.1)
+        if not launcher.wait_parked(launcher.machines(), PARK_TIMEOUT_S):
+            raise SystemExit("the parked nodes were not ready")
+        recovery.start()
+        confirm = time.time()
+        request = ActionRequest(f"bench-hu-{time.time_ns()}", ActionKind.HOT_UPDATE, Targets(),
+                                HotUpdateArgs(VersionSource.GIT, "v2", UpdateMode.IMMEDIATE), "bench")
+        planned, results = asyncio.run(_act(list(launcher.addresses().values()), launcher.token(), request))
         if len(results) != LAYOUT.machines:
             raise SystemExit(f"{len(results)} agents answered, not {LAYOUT.machines}")
-        seen_wall = time.time() - (time.monotonic() - event.evicted_mono)
-        stopped = event.restart_began_wall - seen_wall  # the launcher notes when the old processes were gone
-        return ended - started, {"agents switch code": agents_done - started,
-                                 "agents done -> seen": event.evicted_mono - agents_done,
-                                 "stop old processes": stopped,
-                                 "start nodes+agents": event.restarted_mono - event.evicted_mono - stopped,
-                                 "restarted -> resumed": ended - event.restarted_mono}
+        event = recovery.wait(1, 600)
+        if not event.ok:
+            raise SystemExit(f"the restart failed: {event.message}")
+        resumed = _wait_resumed(run_dir, event.restart_began_wall, event.resume_step, "hot-updated")
+        return _breakdown(Run(warm=_warm_of(launcher, event.machines)), run_dir, confirm, planned,
+                          event.restart_began_wall, resumed)
     finally:
         recovery.stop()
         launcher.stop()
 
 
-def relaunch_with_new_code(run_dir: Path) -> tuple[float, dict[str, float]]:
-    from rankscope.actions.hot_update import CodeVersions
-
-    launcher = _running_job(run_dir)
-    try:
-        machines = launcher.machines()
-        started = time.monotonic()
-        launcher.stop()  # every node and agent
-        stopped, stopped_wall = time.monotonic(), time.time()
-        for m in machines:  # what a person does by hand: check out the new version on every machine
-            versions = CodeVersions(launcher.code_link(m), launcher.code_versions(m), launcher.code_repo)
-            versions.switch(versions.checkout("v2"))
-        switched = time.monotonic()
-        relaunched, ended = _relaunch(launcher, machines, stopped_wall)
-        return ended - started, {"stop everything": stopped - started, "check out v2": switched - stopped,
-                                 "relaunch (nodes+agents up)": relaunched - switched,
-                                 "relaunched -> resumed": ended - relaunched}
-    finally:
-        launcher.stop()
+CASES = (("cold relaunch", cold_relaunch), ("evict + warm standby", evict_with_standby),
+         ("hot-update in place", hot_update_in_place))
 
 
-def _check(results: list[ActionResult]) -> list[ActionResult]:
-    if not results or not all(r.state == "succeeded" for r in results):
-        raise SystemExit(f"the hot-update failed: {[r.message for r in results]}")
-    return results
-
-
-def _parts(parts: dict[str, float]) -> str:
-    return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items())
+def _cell(values: list[float | None]) -> str:
+    got = [v for v in values if v is not None]
+    return f"{statistics.median(got):6.2f}" if got else "     -"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each (default 1; each is a real drill)")
-    parser.add_argument("--only", choices=("evict", "hot-update"), help="run one pair only")
     args = parser.parse_args()
-    cases = CASES if args.only is None else CASES[:2] if args.only == "evict" else CASES[2:]
-    runs: dict[str, list[float]] = {name: [] for name, _ in cases}
+    runs: dict[str, list[Run]] = {name: [] for name, _ in CASES}
+    loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="rankscope-bench-recovery-") as tmp:
         for i in range(args.repeat):  # interleaved, so load on the shared host hits all alike
-            for name, case in cases:
-                total, parts = case(Path(tmp) / f"{name.replace(' ', '-')}-{i}")
-                runs[name].append(total)
-                print(f"run {i + 1}: {name} {total:.2f} s ({_parts(parts)})", flush=True)
-    m = {name: statistics.median(times) for name, times in runs.items()}
-    print(f"confirm -> training resumed (median of {args.repeat}, {LAYOUT.world} ranks on {LAYOUT.machines} machines):")
-    for name, _ in cases:
-        print(f"  {name:28s}: {m[name]:7.2f} s")
-    if "evict+standby" in m:
-        print(f"  ratio (relaunch / evict+standby): {m['stop+relaunch (evict)'] / m['evict+standby']:.2f}x"
-              "   (ByteRobust: 10.87x against a requeue)")
-    if "hot-update" in m:
-        print(f"  ratio (relaunch / hot-update)   : {m['stop+relaunch (new code)'] / m['hot-update']:.2f}x"
-              "   (ByteRobust: 11.04x against a requeue)")
-
-
-CASES = (("evict+standby", evict_with_standby), ("stop+relaunch (evict)", stop_and_relaunch),
-         ("hot-update", hot_update_in_place), ("stop+relaunch (new code)", relaunch_with_new_code))
+            for name, case in CASES:
+                run = case(Path(tmp) / f"{name.replace(' ', '-')}-{i}")
+                runs[name].append(run)
+                loads.append(os.getloadavg()[0])
+                parts = ", ".join(f"{k} {v:.2f} s" for k, v in run.parts.items())
+                print(f"run {i + 1}: {name}: {run.total:.2f} s ({parts}; {run.warm}; load {loads[-1]:.1f})",
+                      flush=True)
+    print(f"\nconfirm -> training resumed, seconds (median of {args.repeat}; {LAYOUT.world} ranks on "
+          f"{LAYOUT.machines} machines; {os.cpu_count()} CPUs, 1-min load average {min(loads):.1f}-{max(loads):.1f})")
+    print(f"  {'path':22s} {'total':>6s} | {'detect':>6s} | " + " | ".join(f"{p:>6s}" for p in PHASES))
+    for name, _ in CASES:
+        rs = runs[name]
+        cells = " | ".join(_cell([r.parts.get(p) for r in rs]) for p in PHASES)
+        print(f"  {name:22s} {_cell([r.total for r in rs])} | {_cell([r.detect for r in rs])} | {cells}")
+    cold = statistics.median(r.total for r in runs["cold relaunch"])
+    for name, paper in (("evict + warm standby", 10.87), ("hot-update in place", 11.04)):
+        print(f"  cold relaunch / {name}: {cold / statistics.median(r.total for r in runs[name]):.2f}x"
+              f"   (ByteRobust: {paper}x against a requeue)")
 
 
 if __name__ == "__main__":

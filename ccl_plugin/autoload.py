@@ -77,6 +77,24 @@ def activate() -> None:
             print(f"rankscope: CCL counters not loaded: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
+def environment_changed() -> None:
+    """Read again what depends on the environment (never raises).
+
+    For an interpreter whose rank environment was set after start-up: a
+    parked rank (``rankscope.drill.warm``) imported torch, and so ran
+    :func:`_install_now`, before it knew its machine's backup request file.
+    """
+    if not _activated:
+        return
+    try:
+        from rankscope.ccl_plugin import backup
+        if os.environ.get(backup.ENV_REQUEST):
+            backup.install()
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            print(f"rankscope: checkpoint backup not loaded: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
 # ---- installing the .pth -----------------------------------------------
 
 

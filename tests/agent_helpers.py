@@ -124,6 +124,7 @@ class Processes:
     def agent(self, name: str, *args: str, token_file: Path | None = None, env: dict[str, str] | None = None) -> AgentProcess:
         port_file = self.folder / f"{name}.port"
         log = self.folder / f"{name}.log"
+        port_file.unlink(missing_ok=True)  # an agent restarted under the same name: wait for the new one's file
         cmd = [PY, "-m", "rankscope", "agent", "--port", "0", "--port-file", str(port_file), "--machine-name", name, *args]
         if token_file is not None:
             cmd += ["--token-file", str(token_file)]

@@ -537,7 +537,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s
     metric_rows = _mark_evicted_rows(d.metric_rows, frozenset(m.name for m in machines if m.evicted))
     restarted, rank_pids = _restarted(state.rank_pids, machines)
     if restarted:
-        on = ", ".join(m.name for m in machines if m.ranks and m.reachable)
+        # A warm restart resumes the job before every machine's agent is back: those are named too, in place.
+        on = ", ".join(m.name if m.reachable else f"{m.name} (agent not back yet)" for m in machines
+                       if not m.evicted and (m.ranks or not m.reachable))
         # The machines first: at the end of a long line a notification covered the standbys that joined.
         events.append(Event(now_wall, "restarted", f"the job restarted on {on}: its ranks run under new pids"))
         # Counters start again in the new processes: the old progress and step points would read as a

@@ -126,12 +126,20 @@ class DrillMachines:
             return self.check(machine)
         from rankscope.actions.self_check import SelfCheckConfig, self_check
 
-        return self_check(machine, SelfCheckConfig(min_free_memory_bytes=256 << 20))
+        # The drill's standbys share one loaded host with the job and its parked nodes: the check's two
+        # processes import torch, which took 77-95 s at load 45 (past the default 60 s + 30 s).
+        return self_check(machine, SelfCheckConfig(min_free_memory_bytes=256 << 20, collective_timeout_s=300.0))
 
-    def precheck(self, machines: tuple[str, ...]) -> threading.Thread:
-        """Self-check idle standbys in the background, one after the other (the host has few cores)."""
+    def precheck(self, machines: tuple[str, ...], after: Callable[[], object] | None = None) -> threading.Thread:
+        """Self-check idle standbys in the background, one after the other (the host has few cores).
+
+        ``after`` runs first (waiting for the parked nodes to finish importing: both import torch).
+        """
 
         def run() -> None:
+            if after is not None:
+                with contextlib.suppress(Exception):
+                    after()
             for m in machines:
                 with contextlib.suppress(Exception):  # a failed check is checked again at join time
                     self.self_check(m)
@@ -323,19 +331,19 @@ class Recovery:
             self._changed.notify_all()
 
     def _recover(self, action_id: str, evicted: tuple[str, ...]) -> None:
-        from rankscope.drill.worker import latest_checkpoint
-
         seen, began_wall = time.monotonic(), time.time()
         before = dict(self.launcher.addresses())  # the evicted machines' agents are stopped by the eviction
         blocked = blocked_machines(self.launcher)
         reason = block_reason(self.launcher, evicted[0]) if evicted else "evicted"
         self.on_event(f"eviction {action_id} of {' '.join(evicted)} finished: restarting with standbys")
+        self.launcher.last_restart = None  # set again by the restart once the old processes are gone
         try:
             outcome = LocalBackend(self.control, lambda: blocked).evict(evicted, reason)
         except RankscopeError as exc:
             outcome = EvictionOutcome(False, evicted, exc.message)
-        world = self.launcher.layout.world
-        resume = min((latest_checkpoint(self.launcher.run_dir, r) for r in range(world)), default=0)
+        # The step the restart resumed from, read by the restart itself: read here, after it, the checkpoints
+        # are those of the *new* job too (a warm restart of a short job may have finished it by now).
+        began_wall, resume = self.launcher.last_restart or (began_wall, 0)
         event = RecoveryEvent(action_id, evicted, outcome.replacements,
                               self.launcher.machines() if outcome.ok else (), outcome.ok, outcome.message, seen,
                               time.monotonic(), began_wall, resume)

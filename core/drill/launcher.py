@@ -16,6 +16,16 @@ that link and the warm standbys the drill would bring in. The restart path
 (:meth:`Launcher.restart`) applies each machine's pending lazy hot-update
 before its processes start again.
 
+With ``warm`` on, a machine's node is not torchrun but a parked node
+(``rankscope.drill.warm``): a supervisor whose interpreters have already
+imported torch and the job's modules; the launcher tells it over a local
+socket which ranks to become, with torchrun's environment, and they run the
+worker as ``python -m`` would. Every machine and idle standby keeps one
+parked node ready; one that was used is replaced by a fresh one once the
+job has resumed (parking imports torch: not while the restart needs the
+cores). A restart (eviction or hot-update) so costs the rendezvous and the
+checkpoint load, not the imports.
+
 Cleanup must not depend on the job behaving: torchrun starts every rank in
 a session of its own, and dataloader workers and checkpoint writers hang off
 the ranks. So every process started here carries a marker in its
@@ -27,14 +37,17 @@ marker until nothing is left.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +64,7 @@ if TYPE_CHECKING:
 RUN_ID_ENV = "RANKSCOPE_DRILL_RUN_ID"
 STORES_ENV = "RANKSCOPE_DRILL_BACKUP_STORES"  # JSON: the backup store of each machine of the job, by node rank
 AGENT_START_TIMEOUT_S = 30.0
+PARK_AFTER_S = 300.0  # the longest a fresh parked node waits for the restarted job to resume before it starts
 
 # Runs in the child in place of a preexec_fn: ask for SIGTERM when the thread that started it ends (the
 # spawner's, which ends with the drill's process: see Spawner), then exec.
@@ -158,6 +172,27 @@ class Node:
 
 
 @dataclass
+class Parked:
+    """A parked node waiting for its go (``rankscope.drill.warm``): its supervisor and its socket."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    socket: Path
+    log: Path
+    started_mono: float
+
+
+@dataclass(frozen=True, slots=True)
+class WarmStart:
+    """One go: the machine, its ranks' pids (the parked interpreters), whether each had finished importing."""
+
+    name: str
+    pids: tuple[int, ...]
+    warm: tuple[bool, ...]
+    parked_for_s: float  # how long the node had been parked when told to go
+
+
+@dataclass
 class Agent:
     """One machine's agent and the address it listens on."""
 
@@ -186,6 +221,10 @@ class Launcher:
     actions: bool = False  # agents serve actions (state under run_dir/state/<machine>, eviction backend local)
     code: bool = True  # with actions: ranks run the drill's user code from a hot-updatable link per machine
     standbys: list[str] = field(default_factory=list)  # idle warm standbys: an agent each, no ranks
+    warm: bool = False  # nodes are parked interpreters told to become ranks (rankscope.drill.warm), not torchrun
+    preload: tuple[str, ...] = ()  # what parked interpreters import while they wait (default: DRILL_PRELOAD)
+    parked: dict[str, Parked] = field(default_factory=dict)  # machine -> its parked node, ready for the next go
+    warm_starts: list[WarmStart] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     # Set by restart() once the old processes are gone: (wall clock, the step the ranks resume from).
     last_restart: tuple[float, int] | None = None
@@ -196,6 +235,13 @@ class Launcher:
         self._ccl_env: dict[str, str] = {}
         if self.counters:
             self._ccl_env = self._counter_env()
+        self._park_lock = threading.Lock()
+        self._park_requests: queue.Queue[str] = queue.Queue()
+        self._parker: threading.Thread | None = None
+        self._parker_stop = threading.Event()
+        self._park_dir: Path | None = None
+        self._park_ids = itertools.count(1)  # next() is atomic: the parker thread and a restart both park
+        self._go: tuple[float, int] = (0.0, 0)  # (wall clock, start step) of the last start: parking waits for it
 
     @property
     def counter_dir(self) -> Path:
@@ -258,10 +304,20 @@ class Launcher:
             node_env.update(env)
         worker = self.training.worker_args(self.layout, self.run_dir, resume=resume)
         started = []
+        if self.warm:
+            from rankscope.drill.worker import latest_checkpoint
+
+            start = min((latest_checkpoint(self.run_dir, r) for r in range(self.layout.world)), default=0)
+            self._go = (time.time(), start if resume else 0)
         for node_rank, label in enumerate(labels):
             per_node = dict(node_env, **self._backup_env(labels, node_rank)) if self.actions else node_env
             if self.hot_updates:
                 per_node = dict(per_node, **self._code_env(label))
+            if self.warm:
+                node = self._go_node(label, node_rank, per_node, worker)
+                self.nodes[label] = node
+                started.append(node)
+                continue
             argv = [
                 self.python, "-m", "torch.distributed.run",
                 "--nnodes", str(self.layout.machines), "--node-rank", str(node_rank),
@@ -275,7 +331,129 @@ class Launcher:
             node = Node(name=label, node_rank=node_rank, proc=self._popen(argv, log, per_node), log=log)
             self.nodes[label] = node
             started.append(node)
+        if self.warm:
+            self.request_parks(labels)
         return started
+
+    # ---- warm nodes (rankscope.drill.warm) ----------------------------------------
+
+    def _go_node(self, label: str, node_rank: int, env: Mapping[str, str], worker: Sequence[str]) -> Node:
+        """Tell ``label``'s parked node to become node ``node_rank`` (one parked now if none is: a cold start)."""
+        from rankscope.drill import warm
+
+        with self._park_lock:
+            parked = self.parked.pop(label, None)
+        if parked is None or parked.proc.poll() is not None:
+            parked = self._park(label)
+        base = self.base_env()
+        added = {k: v for k, v in env.items() if base.get(k) != v}
+        per = self.layout.ranks_per_machine
+        specs = []
+        for local in range(per):
+            rank_env = warm.rank_env(rank=node_rank * per + local, local_rank=local, world=self.layout.world,
+                                     local_world=per, node_rank=node_rank, nodes=self.layout.machines,
+                                     master_addr="127.0.0.1", master_port=self.master_port, run_id=self.run_id)
+            specs.append(warm.RankSpec({**added, **rank_env}, ["rankscope.drill.worker", "train", *worker],
+                                       module=True, cwd=str(self.run_dir)).to_json())
+        deadline = time.monotonic() + AGENT_START_TIMEOUT_S
+        while True:  # a node parked just now may not listen yet
+            try:
+                reply = warm.ask(parked.socket, {"op": "go", "ranks": specs})
+                break
+            except warm.WarmError as exc:
+                if (not isinstance(exc, warm.NotListening) or parked.proc.poll() is not None
+                        or time.monotonic() > deadline):
+                    kill_trees([parked.proc.pid])
+                    raise RankscopeError(f"the parked node of {label} did not take its go: {exc} ({_tail(parked.log)})",
+                                         f"read {parked.log}") from exc
+                time.sleep(0.05)
+        self.warm_starts.append(WarmStart(label, tuple(int(p) for p in reply["pids"]),
+                                          tuple(bool(w) for w in reply["warm"]), time.monotonic() - parked.started_mono))
+        return Node(name=label, node_rank=node_rank, proc=parked.proc, log=parked.log)
+
+    def _park(self, label: str) -> Parked:
+        from rankscope.drill import warm
+
+        if self._park_dir is None:  # short: a Unix socket path has at most 107 bytes
+            self._park_dir = Path(tempfile.mkdtemp(prefix="rs-park-"))
+        sock = self._park_dir / f"{next(self._park_ids)}.sock"
+        log = self.run_dir / "logs" / f"{label}.warm.log"
+        argv = warm.node_argv(self.python, sock, self.layout.ranks_per_machine, self.preload or warm.DRILL_PRELOAD)
+        return Parked(label, self._popen(argv, log, self.base_env()), sock, log, time.monotonic())
+
+    def request_parks(self, labels: Sequence[str]) -> None:
+        """Park a node for each of ``labels`` that has none, once the job has resumed from its last start.
+
+        Parking imports torch: done while a restarted job loads and takes its
+        first step, it would take the cores the restart is measured on. The
+        parks are done by one thread that lives as long as the launcher: the
+        parked processes get their parent-death signal when the thread that
+        started them ends.
+        """
+        for label in labels:
+            self._park_requests.put(label)
+        if self._parker is None:
+            self._parker_stop.clear()
+            self._parker = threading.Thread(target=self._parking, name="drill-parker", daemon=True)
+            self._parker.start()
+
+    def _parking(self) -> None:
+        while not self._parker_stop.is_set():
+            try:
+                label = self._park_requests.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            deadline = time.monotonic() + PARK_AFTER_S
+            while not self._parker_stop.is_set() and not self._resumed() and time.monotonic() < deadline:
+                self._parker_stop.wait(0.5)
+            with self._park_lock:
+                wanted = (label in self.nodes or label in self.standbys) and not self._parker_stop.is_set()
+                if wanted and (label not in self.parked or self.parked[label].proc.poll() is not None):
+                    self.parked[label] = self._park(label)
+
+    def _resumed(self) -> bool:
+        """Every rank of the job has done a step since its last start (or the job is not running)."""
+        from rankscope.drill.progress import read_progress
+
+        if not self.nodes or not all(self.nodes_alive().values()):
+            return True
+        since, step = self._go
+        progress = read_progress(self.run_dir)
+        return len(progress) >= self.layout.world and all(p.wall >= since and p.step > step
+                                                          for r, p in progress.items() if r < self.layout.world)
+
+    def parked_ready(self, names: Sequence[str]) -> bool:
+        """Every one of ``names`` has a parked node whose interpreters have finished importing."""
+        from rankscope.drill import warm
+
+        for name in names:
+            with self._park_lock:
+                parked = self.parked.get(name)
+            if parked is None or parked.proc.poll() is not None:
+                return False
+            try:
+                status = warm.ask(parked.socket, {"op": "status"})
+            except warm.WarmError:
+                return False
+            if status.get("went") or None in status.get("ready", [None]):
+                return False
+        return True
+
+    def wait_parked(self, names: Sequence[str], timeout_s: float) -> bool:
+        """Block until :meth:`parked_ready` (True) or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.parked_ready(names):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+    def _unpark(self, names: Sequence[str]) -> None:
+        with self._park_lock:
+            gone = [self.parked.pop(n) for n in names if n in self.parked]
+        kill_trees([p.proc.pid for p in gone])
+        for p in gone:
+            _reap(p.proc)
 
     def _backup_env(self, labels: Sequence[str], node_rank: int) -> dict[str, str]:
         """Where this node's ranks find a backup request and put their shards (``rankscope.ccl_plugin.backup``).
@@ -535,7 +713,10 @@ class Launcher:
             if name in self.nodes or name in self.standbys:
                 raise RankscopeError(f"{name} is already a machine of this drill", "give each standby its own name")
             self.standbys.append(name)
-        return self.start_agents(timeout_s=timeout_s)
+        addresses = self.start_agents(timeout_s=timeout_s)
+        if self.warm:
+            self.request_parks(names)
+        return addresses
 
     def addresses(self) -> dict[str, str]:
         return {name: a.address for name, a in self.agents.items()}
@@ -563,6 +744,7 @@ class Launcher:
         if self.actions:
             self.write_standbys()
         leaving = [self.agents.pop(name) for name in list(self.agents) if name not in self.standbys]
+        self._unpark([name for name in list(self.parked) if name not in machines and name not in self.standbys])
         # Agents first: an agent that saw its ranks end in this restart would take it for a failure of the job
         # and apply a pending lazy update itself (trigger "failure"), racing the launcher's own application below.
         # A short grace: a watched agent's graceful stop waits for its open streams (the TUI's) for 2 s.
@@ -593,6 +775,14 @@ class Launcher:
 
     def stop(self) -> list[int]:
         """Stop every process of this run; returns the pids the final sweep still had to kill."""
+        self._parker_stop.set()
+        if self._parker is not None:
+            self._parker.join(timeout=30)
+            self._parker = None
+        self._unpark(list(self.parked))
+        if self._park_dir is not None:
+            shutil.rmtree(self._park_dir, ignore_errors=True)
+            self._park_dir = None
         roots = [n.proc.pid for n in self.nodes.values()] + [a.proc.pid for a in self.agents.values()]
         roots += [h.pid for h in self.helpers]
         kill_trees(roots)
@@ -655,11 +845,37 @@ def kill_trees(pids: Sequence[int], *, grace_s: float = 2.0) -> None:
         with contextlib.suppress(psutil.Error):
             p.terminate()  # pending while stopped...
             p.resume()  # ...delivered now (and a rank stopped by the thermal fault runs to die)
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace_s)
+    alive = _wait_dead(list(procs.values()), grace_s)
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    psutil.wait_procs(alive, timeout=grace_s)
+    _wait_dead(alive, grace_s)
+
+
+def _wait_dead(procs: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Wait until every one of ``procs`` (psutil) has died or ``timeout_s`` passed; those still running.
+
+    A zombie counts as dead: a rank's child whose parent died first is left to
+    PID 1 to reap, and a container's init may do that only every second or so
+    (psutil.wait_procs counts it as alive until then: 1.2 s of each restart).
+    """
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(procs)
+    while True:
+        still = []
+        for p in pending:
+            with contextlib.suppress(psutil.Error):  # gone: NoSuchProcess
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    still.append(p)
+                    continue
+                with contextlib.suppress(psutil.Error, ChildProcessError):
+                    p.wait(0)  # our own child: reap it now
+        pending = still
+        if not pending or time.monotonic() >= deadline:
+            return pending
+        time.sleep(0.02)
 
 
 def marked_processes(run_id: str) -> list[int]:

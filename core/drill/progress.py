@@ -43,6 +43,34 @@ def write_progress(run_dir: Path, rank: int, step: int, state: str = "running") 
     os.replace(tmp, target)
 
 
+PHASES_DIR = "phases"
+
+
+def write_phase(run_dir: Path, rank: int, phase: str) -> None:
+    """Append that ``rank`` reached ``phase`` ("entered": the script runs, "joined": the rendezvous is done,
+    "loaded": the checkpoint is in, "stepped": its first step is done), with the wall clock: where a start's time
+    goes, read afterwards (a watcher polling the progress files sees a step only when it looks)."""
+    folder = run_dir / PHASES_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"rank": rank, "pid": os.getpid(), "phase": phase, "wall": time.time()}) + "\n")
+
+
+def read_phases(run_dir: Path, since_wall: float = 0.0) -> dict[str, dict[int, float]]:
+    """phase -> rank -> the wall clock of the rank's first report of it at or after ``since_wall``."""
+    out: dict[str, dict[int, float]] = {}
+    for path in sorted((run_dir / PHASES_DIR).glob("rank*.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                data = json.loads(line)
+                rank, phase, wall = int(data["rank"]), str(data["phase"]), float(data["wall"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line being written right now
+            if wall >= since_wall:
+                out.setdefault(phase, {}).setdefault(rank, wall)
+    return out
+
+
 def read_progress(run_dir: Path) -> dict[int, RankProgress]:
     """Every rank's latest report; a file being replaced right now is skipped this round."""
     out: dict[int, RankProgress] = {}

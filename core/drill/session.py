@@ -34,6 +34,7 @@ from rankscope.drill.launcher import Launcher, TrainingOptions
 from rankscope.drill.progress import ProgressWatcher
 
 POLL_S = 0.1
+PARK_WAIT_S = 600.0  # the standbys' self-checks wait this long at most for the parked nodes to finish importing
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,7 @@ class DrillConfig:
     capture_timeout_s: float = 5.0  # per py-spy call
     counters: bool = True  # CCL counters in the ranks (the plugin of rankscope.ccl_plugin)
     standbys: int = 0  # idle warm standbys; > 0 also turns on the agents' actions and the recovery (drill.control)
+    warm: bool = True  # with standbys: nodes are parked, pre-imported interpreters (rankscope.drill.warm)
 
 
 @dataclass
@@ -78,7 +80,7 @@ class DrillSession:
         self.run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix="rankscope-drill-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.launcher = Launcher(self.run_dir, self.layout, config.training, counters=config.counters,
-                                 actions=config.standbys > 0)
+                                 actions=config.standbys > 0, warm=config.warm and config.standbys > 0)
         self.recovery: Recovery | None = None
         self._precheck: threading.Thread | None = None
         self.watcher = ProgressWatcher(self.run_dir, self.layout.world)
@@ -125,7 +127,10 @@ class DrillSession:
                 if self.config.standbys > 0:
                     self.launcher.start_standbys([standby_name(i) for i in range(self.config.standbys)])
                     control = DrillMachines(self.launcher)
-                    self._precheck = control.precheck(tuple(self.launcher.standbys))
+                    standbys = tuple(self.launcher.standbys)
+                    slots = (*self.launcher.machines(), *standbys)
+                    parked = (lambda: self.launcher.wait_parked(slots, PARK_WAIT_S)) if self.launcher.warm else None
+                    self._precheck = control.precheck(standbys, after=parked)
                     self.recovery = Recovery(self.launcher, control, on_event=self.notes.append)
                     self.recovery.start()
         if self.plan.spec.by == "orchestrator":

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan
-from rankscope.drill.progress import write_progress
+from rankscope.drill.progress import write_phase, write_progress
 
 FEATURES = 16
 
@@ -455,6 +455,7 @@ def train(args: argparse.Namespace) -> int:
         backup.install()
     (run_dir / "progress").mkdir(parents=True, exist_ok=True)
     write_progress(run_dir, rank, 0, "starting")
+    write_phase(run_dir, rank, "entered")
     _, dp_rank, _pp_rank = layout.coords(rank)
 
     # Processes before threads: the writer and the dataloader workers start
@@ -475,6 +476,7 @@ def train(args: argparse.Namespace) -> int:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     groups = m.make_groups(layout, rank)
+    write_phase(run_dir, rank, "joined")
     model = m.Stage(groups, hidden=args.hidden, features=FEATURES, layers_per_stage=args.layers_per_stage, seed=args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
@@ -497,6 +499,7 @@ def train(args: argparse.Namespace) -> int:
             state = torch.load(checkpoint_dir(run_dir) / f"rank{rank}-step{start}.pt", weights_only=True)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optim"])
+    write_phase(run_dir, rank, "loaded")
     backup.set_step(start)  # shards carry the job's step numbers (the hook counts optimizer steps from here)
     # ---- hot-update hook: the user code of the node's code link (none: training exactly as without it) ----
     from rankscope.drill import user_code
@@ -535,6 +538,9 @@ def train(args: argparse.Namespace) -> int:
             torch.save({"step": done, "model": model.state_dict(), "optim": optimizer.state_dict()}, buf)
             writer.save(done, buf.getvalue())
         write_progress(run_dir, rank, done, "running")
+        if done == first_done:
+            write_phase(run_dir, rank, "stepped")
+    first_done = start + 1
     try:
         for step in range(start, args.steps):
             if step == plan.step and desync:

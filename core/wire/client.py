@@ -79,6 +79,10 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     # gRPC also uses it as the connect timeout, and a slow handshake must still connect.)
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 3000),
+    # By default every channel of a process to one address shares one connection (gRPC's global subchannel
+    # pool), back-off included: a client opened just after an agent restarted (the action that follows a warm
+    # restart, back in about a second) would fail at once with the old client's "connection refused".
+    ("grpc.use_local_subchannel_pool", 1),
 )
 # A capture may take each py-spy call's full limit; the gRPC deadline leaves room for it.
 CAPTURE_MARGIN_S = 2.0

@@ -85,8 +85,15 @@ async def test_a_dead_agent_is_marked_and_comes_back_when_restarted(procs: Proce
         assert lost.machine == "machine-b"  # the name it last gave, so a restart is not a new machine
         assert parked_threads(by_address(second)[a.address], 0) == 2
 
-        # The same client (same channels) sees machine B again once an agent listens there.
+        # A client opened once the agent is back reaches it at its first call, though this client's channel to
+        # the same address is still in its reconnect back-off (a warm restart is back within that back-off, and
+        # the action that follows it opens a new client: its channels must not inherit the old one's failure).
         procs.agent("machine-b", "--run-id", rank_b.run_id, "--port", str(b.port), token_file=token_file)
+        async with JobClient([b.address], token, deadline_s=30) as fresh:
+            back = await fresh.describe()
+            assert back.machines[0].reachable, back.machines[0].error
+            assert back.rank_to_machine() == {1: "machine-b"}
+        # The same client (same channels) sees machine B again once an agent listens there.
         deadline = time.monotonic() + 60
         while not (polled := await client.poll()).machines[1].reachable:
             assert time.monotonic() < deadline, polled.machines[1].error

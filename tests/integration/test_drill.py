@@ -334,6 +334,9 @@ def test_standbys_default_to_a_pool_that_can_refill_a_group_with_the_tui_and_to_
     assert standbys("--headless", "--standbys", "2") == 2
     with pytest.raises(RankscopeError, match="negative"):
         standbys("--standbys", "-1")
+    # Restarts are warm (parked interpreters) unless asked otherwise.
+    assert build_config(build_parser().parse_args(["drill"])).warm is True
+    assert build_config(build_parser().parse_args(["drill", "--cold-restarts"])).warm is False
 
 
 def test_the_checkpoint_writer_keeps_only_the_newest_checkpoints_of_its_rank(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from rankscope.actions.model import (
     AuditRecord,
     UpdateMode,
 )
-from rankscope.drill import user_code
+from rankscope.drill import user_code, warm
 from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent, ranks_resumed
 from rankscope.drill.faults import DrillLayout
 from rankscope.drill.launcher import Launcher, TrainingOptions, marked_processes
@@ -71,7 +71,7 @@ async def act(launcher: Launcher, request: ActionRequest) -> list[ActionResult]:
     """Plan, confirm as the TUI does (yes to the named machines) and run; every agent's final result."""
     async with JobClient(list(launcher.addresses().values()), launcher.token(), acting=True) as client:
         summary = summarize(request, await client.plan_action(request))
-        assert summary.runnable, summary.errors
+        assert summary.runnable, (summary.errors, launcher.notes)
         assert summary.phrase is None  # a hot-update needs a yes, not a typed phrase
         return [u.event async for u in client.run_action(request, summary.confirmation())
                 if isinstance(u.event, ActionResult)]
@@ -79,7 +79,7 @@ async def act(launcher: Launcher, request: ActionRequest) -> list[ActionResult]:
 
 @pytest.fixture
 def drill(tmp_path: Path) -> Iterator[tuple[Launcher, Recovery]]:
-    launcher = Launcher(tmp_path / "run", LAYOUT, TRAINING, counters=False, actions=True)
+    launcher = Launcher(tmp_path / "run", LAYOUT, TRAINING, counters=False, actions=True, warm=True)
     recovery: Recovery | None = None
     try:
         launcher.start_nodes()
@@ -107,7 +107,7 @@ def resumed_on(launcher: Launcher, event: RecoveryEvent, version: str, runs_befo
 
 
 @pytest.mark.drill
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
         drill: tuple[Launcher, Recovery]) -> None:
     launcher, recovery = drill
@@ -124,6 +124,9 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
         assert local_standbys(config.eviction) == ()  # this drill has no warm standbys
 
     # ---- immediate: v2 (a git tag), as the TUI's `u` sends it ---------------------------------------------
+    # Each machine has a parked node (torch imported, v1 not: the code comes from the link after the go).
+    wait_for(lambda: launcher.parked_ready(MACHINES), 400, "the machines' parked nodes")
+    parked = {m: tuple(warm.ask(launcher.parked[m].socket, {"op": "status"})["pids"]) for m in MACHINES}
     runs = {rank: len(user_code.read_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
     now = time.time()
     results = asyncio.run(act(launcher, update_request("v2", UpdateMode.IMMEDIATE,
@@ -135,6 +138,9 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     assert event.machines == MACHINES and event.evicted == () and event.joined == ()
     assert launcher.machines() == MACHINES
     resumed_on(launcher, event, "v2", runs)
+    # The restart in place went through the parked nodes: the parked processes became the ranks, warm.
+    assert [(w.name, w.pids, w.warm) for w in launcher.warm_starts[-2:]] == [(m, parked[m], (True,)) for m in MACHINES]
+    assert [user_code.read_runs(run_dir, r)[-1].pid for r in range(LAYOUT.world)] == [parked[m][0] for m in MACHINES]
     v2_trees = {m: os.path.realpath(link) for m, link in links.items()}
     assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v2")
     # The losses say which code computed each step: v1 up to the restart, v2 from the checkpoint on.

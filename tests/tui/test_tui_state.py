@@ -227,6 +227,22 @@ def test_an_evicted_machine_is_out_of_the_job_and_the_restart_is_seen() -> None:
     assert s.restarts == 1
 
 
+def test_a_restart_seen_before_every_agent_is_back_names_the_silent_machines() -> None:
+    from dataclasses import replace
+
+    s = fold((job(T0, stacks=False, step=100, hung=False),))
+    s = st.apply_evicted(s, ["node05"], T0 + 1)
+    # A warm restart: the ranks run again before node07's agent answers (agents restart after the nodes).
+    back = _restarted_on_standby(T0 + 10, 96)
+    back = replace(back, machines=tuple(replace(m, reachable=False, ranks=()) if m.machine == "node07" else m
+                                        for m in back.machines))
+    s = st.apply_snapshot(s, st.digest(back), T0 + 10)
+    assert s.restarts == 1 and s.events[-1].kind == "restarted"
+    text = s.events[-1].text
+    assert "standby-0, node06, node08" in text and "node07 (agent not back yet)" in text
+    assert "node05" not in text  # evicted: not waited for
+
+
 def test_no_ranks_anywhere_is_idle_not_hung() -> None:
     from dataclasses import replace
 

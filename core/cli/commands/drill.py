@@ -70,6 +70,9 @@ def register(sub: Any) -> None:
                    help="idle warm standby machines that join when `e` evicts (default with the TUI: the P99 "
                         "binomial pool, and at least enough to replace one pipeline or data-parallel group; "
                         "headless: 0, no recovery)")
+    p.add_argument("--cold-restarts", action="store_true",
+                   help="with standbys: start every node with torchrun, importing torch at each restart, instead of "
+                        "from parked interpreters that already did (what a job without warm standbys pays)")
     p.add_argument("--no-counters", action="store_true", help="do not load the CCL counter plugin in the ranks")
     p.add_argument("--no-agents", action="store_true", help="capture in this process with the probes instead of agents")
     p.add_argument("--run-dir", type=Path, help="folder for logs, progress, checkpoints and the bundle (default: a temp dir)")
@@ -135,7 +138,8 @@ def build_config(args: argparse.Namespace) -> Any:
         standbys = max(default_standbys(layout.machines), min(max(layout.pp, layout.dp), layout.machines))
     return DrillConfig(layout=layout, plan=plan, training=training, run_dir=args.run_dir, agents=not args.no_agents,
                        stall_seconds=args.stall_seconds, start_timeout_s=args.start_timeout,
-                       stall_timeout_s=args.stall_timeout, counters=not args.no_counters, standbys=standbys)
+                       stall_timeout_s=args.stall_timeout, counters=not args.no_counters, standbys=standbys,
+                       warm=not args.cold_restarts)
 
 
 def run(args: argparse.Namespace) -> int:
