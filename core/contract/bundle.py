@@ -146,7 +146,19 @@ def bundle_to_dict(bundle: Bundle, *, compact: bool = False, version: int | None
 
 
 def dumps(bundle: Bundle, indent: int | None = None, *, version: int = VERSION) -> str:
-    return json.dumps(bundle_to_dict(bundle, version=version), indent=indent, allow_nan=False)
+    with _no_cyclic_gc():  # as in ``loads``: many containers made, none in a cycle
+        return json.dumps(bundle_to_dict(bundle, version=version), indent=indent, allow_nan=False)
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> typing.Iterator[None]:
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def write_bundle(bundle: Bundle, path: str | Path, text: str | None = None) -> Path:
@@ -481,17 +493,12 @@ def _resolve_tables(snap: Any, where: str) -> None:
 def loads(text: str, source: str = "bundle") -> Bundle:
     # Reading makes hundreds of thousands of objects that all live on, none of them in a cycle: the cyclic
     # collector would only walk them again and again as they pile up (a third of the time at 16k ranks).
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with _no_cyclic_gc():
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise BundleError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
         return bundle_from_dict(data, source)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def read_bundle(path: str | Path) -> Bundle:
