@@ -26,9 +26,10 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import gc
 import resource
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -707,7 +708,8 @@ class JobClient:
     async def _fan_out(self, call_for: CallFor, timeout_s: float) -> JobSnapshot:
         started = Instant(wall=time.time(), mono=time.monotonic())
         asked = self.members
-        answers = await asyncio.gather(*(self._one(a, call_for(a), timeout_s) for a in asked))
+        with _collector_paused():
+            answers = await asyncio.gather(*(self._one(a, call_for(a), timeout_s) for a in asked))
         machines = [self._named(m) for ms in answers for m in ms]
         machines += [self._named(evicted_stand_in(a)) for a in self.agents if a in self.retired]
         return JobSnapshot(captured=started, machines=tuple(machines), job_id=common_run_id(machines))
@@ -743,6 +745,29 @@ def lost_result(request: ActionRequest, address: str, reason: str) -> ActionResu
         request.action_id, request.kind, ActionState.FAILED,
         f"{reason}; the outcome on {address} is unknown: the agent records it in its audit log",
         None, now, (f"send the same action id {request.action_id} again to get the recorded result",))
+
+
+_PAUSED = [0, False]  # fan-outs under way that paused the cyclic collector; whether it ran before the first
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection while replies are decoded.
+
+    A capture of 2,048 agents makes ~400,000 objects that all live on and form no cycle; the collector walked
+    them again and again as they piled up (30 % of the client's CPU). Overlapping fan-outs share the pause;
+    the last one to end restores the collector as the first found it.
+    """
+    if _PAUSED[0] == 0:
+        _PAUSED[1] = gc.isenabled()
+        gc.disable()
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
+        if _PAUSED[0] == 0 and _PAUSED[1]:
+            gc.enable()
 
 
 def _with_address(machine: MachineSnapshot, address: str) -> MachineSnapshot:

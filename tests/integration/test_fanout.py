@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import gc
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -132,6 +134,19 @@ async def test_polls_carry_only_what_changed_through_relays_too(leaves: list[Run
     finally:
         LAUNCHES.clear()
         await relay.stop(0)
+
+
+async def test_overlapping_fan_outs_leave_the_garbage_collector_as_they_found_it(leaves: list[RunningAgent]) -> None:
+    async with JobClient([a.address for a in leaves], TOKEN, deadline_s=30) as client:
+        assert gc.isenabled()
+        polls = await asyncio.gather(client.poll(), client.capture(), client.poll())  # the pause is shared
+        assert gc.isenabled() and all(len(p.machines) == len(leaves) for p in polls)
+        gc.disable()
+        try:
+            await client.poll()
+            assert not gc.isenabled()  # a caller that turned it off keeps it off
+        finally:
+            gc.enable()
 
 
 async def test_more_agents_than_channels_are_all_asked_with_the_channels_bounded(leaves: list[RunningAgent]) -> None:
