@@ -233,14 +233,14 @@ def client(args: argparse.Namespace) -> None:
         Bundle, read_bundle, write_bundle = bundle_mod.Bundle, bundle_mod.read_bundle, bundle_mod.write_bundle
 
         path = Path(args.bundle)
-        t0 = time.perf_counter()
+        cpu0, t0 = time.process_time(), time.perf_counter()
         write_bundle(Bundle(snapshots=(snap,), created_wall=time.time()), path)
-        out["bundle_write_s"] = time.perf_counter() - t0
+        out["bundle_write_s"], out["bundle_write_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
         out["bundle_mb"] = path.stat().st_size / 1e6
         del snap
-        t0 = time.perf_counter()
+        cpu0, t0 = time.process_time(), time.perf_counter()
         read_bundle(path)
-        out["bundle_open_s"] = time.perf_counter() - t0
+        out["bundle_open_s"], out["bundle_open_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
     else:
         del snap
 
@@ -317,9 +317,12 @@ def measure(impl: str, base: str | None, n: int, args: argparse.Namespace, bundl
             s.stop()
     if bundle is not None and "error" not in result:
         t0 = time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         rc = subprocess.run([str(Path(sys.executable).parent / "rankscope"), "analyze", str(bundle)],
                             capture_output=True, text=True, check=False).returncode
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         result["analyze_s"] = time.perf_counter() - t0
+        result["analyze_cpu_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         result["analyze_rc"] = rc
     result["load_avg"] = os.getloadavg()[0]
     return result
@@ -330,8 +333,11 @@ def row(impl: str, n: int, ranks: int, r: dict[str, Any]) -> str:
         return f"{impl:<5} {n:>6} {n * ranks:>7}  failed: {r['error']}"
     extra = ""
     if "bundle_open_s" in r:
-        extra = (f"  bundle {r['bundle_mb']:.0f} MB: write {r['bundle_write_s']:.2f} s, open {r['bundle_open_s']:.2f} s,"
-                 f" analyze {r.get('analyze_s', float('nan')):.2f} s (rc {r.get('analyze_rc')})")
+        nan = float("nan")
+        extra = (f"  bundle {r['bundle_mb']:.0f} MB: write {r['bundle_write_s']:.2f} s "
+                 f"(cpu {r.get('bundle_write_cpu_s', nan):.2f}), open {r['bundle_open_s']:.2f} s "
+                 f"(cpu {r.get('bundle_open_cpu_s', nan):.2f}), analyze {r.get('analyze_s', nan):.2f} s "
+                 f"(cpu {r.get('analyze_cpu_s', nan):.2f}, rc {r.get('analyze_rc')})")
     return (f"{impl:<5} {n:>6} {n * ranks:>7} {r['answered']:>5}/{r['machines']:<5} {r['capture_wall_s']:>8.2f} "
             f"{r['capture_cpu_s']:>8.2f} {r['rss_mb']:>8.0f} {r['capture_bytes'] / 1e6:>9.1f} "
             f"{r['poll_bytes'] / 1e6:>8.2f} {r['steady_poll_bytes'] / 1e6:>8.2f} {r['poll_first_s']:>8.3f} "
