@@ -262,21 +262,26 @@ def _read_column(f: _Field, col: list[Any], where: str, built: dict[type, list[A
             raise ColumnError(f"{where}[{k}]: {bad!r} is not one of {', '.join(map(str, by_value))}") from None
     allowed = _ALLOWED[f.target]
     if kind == _SCALARS:
-        out: list[Any] = []
-        for k, v in enumerate(col):
-            if v is None:
-                out.append(None)
-                continue
-            if type(v) is not list or not {type(x) for x in v} <= allowed:
-                raise ColumnError(f"{where}[{k}]: expected a list of {f.target.__name__} values")
-            out.append(tuple([float(x) for x in v]) if f.target is float else tuple(v))
-        return _no_nulls(f, out, col, where)
-    if not {type(v) for v in col} <= allowed | {type(None)}:  # a whole column at once
+        # The whole column's lists and their items checked in two passes, not list by list.
+        if {type(v) for v in col} <= {list, type(None)} and (
+                found := {type(x) for v in col if v is not None for x in v}) <= allowed:
+            if f.target is float and int in found:
+                out = [None if v is None else tuple([float(x) for x in v]) for v in col]
+            else:
+                out = [None if v is None else tuple(v) for v in col]
+            return _no_nulls(f, out, col, where)
+        k = next(k for k, v in enumerate(col)
+                 if v is not None and (type(v) is not list or not {type(x) for x in v} <= allowed))
+        raise ColumnError(f"{where}[{k}]: expected a list of {f.target.__name__} values")
+    found = {type(v) for v in col}  # a whole column at once
+    if not found <= allowed | {type(None)}:
         k, bad = next((k, v) for k, v in enumerate(col) if v is not None and type(v) not in allowed)
         raise ColumnError(f"{where}[{k}]: expected {f.target.__name__}, got {type(bad).__name__}")
-    if kind == _FLOAT:
+    if kind == _FLOAT and int in found:  # JSON wrote a whole number of seconds without its ".0"
         col = [v if v is None or type(v) is float else float(v) for v in col]
-    return _no_nulls(f, col, col, where)
+    if not f.optional and type(None) in found:
+        raise ColumnError(f"{where}[{col.index(None)}]: value is missing (null) but is required")
+    return col
 
 
 def _no_nulls(f: _Field, out: list[Any], col: list[Any], where: str) -> list[Any]:

@@ -153,3 +153,13 @@ def test_any_value_anywhere_in_the_tables_either_reads_or_is_refused_as_a_bundle
     container[key] = data.draw(JSON_VALUES)
     with contextlib.suppress(BundleError):
         loads(json.dumps(bundle))
+
+
+def test_whole_seconds_written_without_a_point_read_as_floats() -> None:
+    data = _v3()
+    data["tables"]["Instant"]["columns"]["wall"] = [int(w) for w in data["tables"]["Instant"]["columns"]["wall"]]
+    data["tables"]["OpCounters"]["columns"]["recent_throughput"][0] = [1, 2.5]
+    back = loads(json.dumps(data)).latest
+    assert type(back.captured.wall) is float and back.captured.wall == int(rich_job().captured.wall)
+    ops = [op for m in back.machines for c in m.counters for op in c.ops]
+    assert any(op.recent_throughput == (1.0, 2.5) and all(type(x) is float for x in op.recent_throughput) for op in ops)
