@@ -687,7 +687,8 @@ _INTERN_LIMIT = 200_000
 _TableState = tuple[list[str], int, tuple[list[int], ...], list[Frame | None], list[int], list[int],
                     list[tuple[Frame, ...] | None]]
 _STACK_TABLES: dict[bytes, _TableState] = {}
-_STACK_TABLE_LIMIT = 1024
+_STACK_TABLE_BYTES = [0]  # the bytes of the tables kept; emptied past _STACK_TABLE_LIMIT (their decoded forms are larger)
+_STACK_TABLE_LIMIT = 16 << 20
 _NATIVE, _SHIM, _HAS_LINE = 1, 2, 4
 
 
@@ -827,8 +828,10 @@ class _ReadTables:
         self.starts = list(itertools.accumulate(lengths, initial=0))
         self.stacks = [None] * len(lengths)
         if key:
-            if len(_STACK_TABLES) >= _STACK_TABLE_LIMIT:
+            if _STACK_TABLE_BYTES[0] + len(key) > _STACK_TABLE_LIMIT:
                 _STACK_TABLES.clear()
+                _STACK_TABLE_BYTES[0] = 0
+            _STACK_TABLE_BYTES[0] += len(key)
             _STACK_TABLES[key] = (self.strings, self.frame_count, self.columns, self.frames, self.refs, self.starts,
                                   self.stacks)
 
