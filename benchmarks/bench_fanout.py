@@ -15,8 +15,11 @@ among them). Then, in a fresh client process each (so its peak RSS is its own):
   ``--base-max`` (it needs minutes and gigabytes beyond that);
 
 and prints, per N: capture wall and client CPU seconds (one warm capture
-after a first one that opens the channels), client peak RSS, bytes of the
-replies, and a poll (describe) cycle's wall time (median of 3).
+after a poll that opens the channels), client peak RSS, bytes of the
+replies (a capture, a whole poll, a steady poll: a delta against the last
+one where the code has deltas), the wall time of the first poll after the
+capture (sent whole) and the wall and client CPU time of a steady poll
+cycle of the unchanged job (median of 3).
 ``--relay-fanout K`` (new only): agents relay in groups of K, the client
 talks to N/K relays. ``--bundle``: at the largest N, also write the capture
 as a bundle and time opening it and ``rankscope analyze`` on it.
@@ -208,12 +211,15 @@ def client(args: argparse.Namespace) -> None:
             out["answered"] = sum(1 for m in snap.machines if m.reachable)
             out["machines"] = len(snap.machines)
             out["ranks"] = len(snap.all_stacks())
+            t0 = time.perf_counter()
+            await c.poll()  # what the capture held is not what a poll reads: this one is sent whole
+            out["poll_first_s"] = time.perf_counter() - t0
             polls = []
-            for _ in range(3):
-                t0 = time.perf_counter()
+            for _ in range(3):  # a steady poll of a job whose state did not change (deltas, where the code has them)
+                cpu0, t0 = time.process_time(), time.perf_counter()
                 await c.poll()
-                polls.append(time.perf_counter() - t0)
-            out["poll_wall_s"] = sorted(polls)[1]
+                polls.append((time.perf_counter() - t0, time.process_time() - cpu0))
+            out["poll_wall_s"], out["poll_cpu_s"] = sorted(polls)[1]
             return snap
 
     asyncio.run(_keep(go()))
@@ -227,36 +233,39 @@ def client(args: argparse.Namespace) -> None:
         Bundle, read_bundle, write_bundle = bundle_mod.Bundle, bundle_mod.read_bundle, bundle_mod.write_bundle
 
         path = Path(args.bundle)
-        t0 = time.perf_counter()
+        cpu0, t0 = time.process_time(), time.perf_counter()
         write_bundle(Bundle(snapshots=(snap,), created_wall=time.time()), path)
-        out["bundle_write_s"] = time.perf_counter() - t0
+        out["bundle_write_s"], out["bundle_write_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
         out["bundle_mb"] = path.stat().st_size / 1e6
         del snap
-        t0 = time.perf_counter()
+        cpu0, t0 = time.process_time(), time.perf_counter()
         read_bundle(path)
-        out["bundle_open_s"] = time.perf_counter() - t0
+        out["bundle_open_s"], out["bundle_open_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
     else:
         del snap
 
-    async def wire() -> tuple[int, int]:
-        """Bytes of one capture's and one poll's replies, read raw (not timed)."""
+    deltas = "version" in pb.MachineSnapshot.DESCRIPTOR.fields_by_name
+
+    async def wire() -> tuple[int, int, int]:
+        """Bytes of one capture's, one whole poll's and one steady (delta) poll's replies, read raw (not timed)."""
         import grpc
 
         gate = asyncio.Semaphore(64)
         md = (("authorization", f"Bearer {TOKEN}"),)
 
-        async def one(address: str) -> tuple[int, int]:
+        async def one(address: str) -> tuple[int, int, int]:
             async with gate, grpc.aio.insecure_channel(
                     address, options=[("grpc.max_receive_message_length", 1 << 30)]) as ch:
                 stub = pb_grpc.RankscopeAgentStub(ch)
                 capture = await stub.Capture(pb.CaptureRequest(subprocesses=True, timeout_s=5), metadata=md)
                 poll = await stub.Describe(pb.DescribeRequest(), metadata=md)
-                return capture.ByteSize(), poll.ByteSize()
+                steady = await stub.Describe(pb.DescribeRequest(since=poll.version), metadata=md) if deltas else poll
+                return capture.ByteSize(), poll.ByteSize(), steady.ByteSize()
 
         sizes = await asyncio.gather(*(one(a) for a in agents))
-        return sum(c for c, _ in sizes), sum(p for _, p in sizes)
+        return sum(c for c, _, _ in sizes), sum(p for _, p, _ in sizes), sum(d for _, _, d in sizes)
 
-    out["capture_bytes"], out["poll_bytes"] = asyncio.run(wire())
+    out["capture_bytes"], out["poll_bytes"], out["steady_poll_bytes"] = asyncio.run(wire())
     print(json.dumps(out), flush=True)
 
 
@@ -308,9 +317,12 @@ def measure(impl: str, base: str | None, n: int, args: argparse.Namespace, bundl
             s.stop()
     if bundle is not None and "error" not in result:
         t0 = time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         rc = subprocess.run([str(Path(sys.executable).parent / "rankscope"), "analyze", str(bundle)],
                             capture_output=True, text=True, check=False).returncode
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         result["analyze_s"] = time.perf_counter() - t0
+        result["analyze_cpu_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         result["analyze_rc"] = rc
     result["load_avg"] = os.getloadavg()[0]
     return result
@@ -321,11 +333,15 @@ def row(impl: str, n: int, ranks: int, r: dict[str, Any]) -> str:
         return f"{impl:<5} {n:>6} {n * ranks:>7}  failed: {r['error']}"
     extra = ""
     if "bundle_open_s" in r:
-        extra = (f"  bundle {r['bundle_mb']:.0f} MB: write {r['bundle_write_s']:.2f} s, open {r['bundle_open_s']:.2f} s,"
-                 f" analyze {r.get('analyze_s', float('nan')):.2f} s (rc {r.get('analyze_rc')})")
+        nan = float("nan")
+        extra = (f"  bundle {r['bundle_mb']:.0f} MB: write {r['bundle_write_s']:.2f} s "
+                 f"(cpu {r.get('bundle_write_cpu_s', nan):.2f}), open {r['bundle_open_s']:.2f} s "
+                 f"(cpu {r.get('bundle_open_cpu_s', nan):.2f}), analyze {r.get('analyze_s', nan):.2f} s "
+                 f"(cpu {r.get('analyze_cpu_s', nan):.2f}, rc {r.get('analyze_rc')})")
     return (f"{impl:<5} {n:>6} {n * ranks:>7} {r['answered']:>5}/{r['machines']:<5} {r['capture_wall_s']:>8.2f} "
             f"{r['capture_cpu_s']:>8.2f} {r['rss_mb']:>8.0f} {r['capture_bytes'] / 1e6:>9.1f} "
-            f"{r['poll_bytes'] / 1e6:>8.2f} {r['poll_wall_s']:>8.3f} {r['load_avg']:>6.1f}{extra}")
+            f"{r['poll_bytes'] / 1e6:>8.2f} {r['steady_poll_bytes'] / 1e6:>8.2f} {r['poll_first_s']:>8.3f} "
+            f"{r['poll_wall_s']:>8.3f} {r['poll_cpu_s']:>8.3f} {r['load_avg']:>6.1f}{extra}")
 
 
 def main() -> int:
@@ -369,7 +385,8 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}; base = {ref[:12]}; "
           f"{args.ranks_per_machine} ranks per agent; relay fan-out {args.relay_fanout or 'none'}", flush=True)
     print(f"{'impl':<5} {'agents':>6} {'ranks':>7} {'answered':>11} {'wall s':>8} {'cpu s':>8} {'rss MB':>8} "
-          f"{'capt MB':>9} {'poll MB':>8} {'poll s':>8} {'load':>6}", flush=True)
+          f"{'capt MB':>9} {'poll MB':>8} {'Δpoll MB':>8} {'poll1 s':>8} {'poll s':>8} {'poll cpu':>8} {'load':>6}",
+          flush=True)
     results: dict[tuple[str, int], dict[str, Any]] = {}
     for n in sizes:
         impls = ["base", "new"] if base and n <= args.base_max else ["new"]
@@ -390,7 +407,7 @@ def main() -> int:
     if len(news) >= 2:
         (n0, r0), (n1, r1) = news[-2], news[-1]
         target = 100_000 / args.ranks_per_machine
-        for key in ("capture_wall_s", "capture_cpu_s", "rss_mb", "poll_wall_s"):
+        for key in ("capture_wall_s", "capture_cpu_s", "rss_mb", "poll_wall_s", "poll_cpu_s"):
             slope = (r1[key] - r0[key]) / (n1 - n0)
             print(f"projection, linear from N={n0} and N={n1}, 100,000 ranks ({target:.0f} agents): "
                   f"{key} ~ {r1[key] + slope * (target - n1):.2f}", flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import types
 import typing
@@ -23,12 +24,15 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rankscope.contract.bundle_columns import ColumnError, ColumnWriter, read_columns
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import Communicator, Frame, JobSnapshot, RankCounters, ThreadStack
 
 FORMAT = "rankscope.bundle"
-VERSION = 2  # what is written; 2 adds per-snapshot frame, stack and communicator tables (docs/bundle-format.md)
-READS = (1, 2)
+# What is written: 2 added per-snapshot frame, stack and communicator tables; 3 writes every contract type as
+# columns of distinct values (rankscope.contract.bundle_columns; docs/bundle-format.md).
+VERSION = 3
+READS = (1, 2, 3)
 
 T = TypeVar("T")
 
@@ -117,21 +121,44 @@ class _Tables:
         return out
 
 
-def bundle_to_dict(bundle: Bundle, *, compact: bool = False) -> dict[str, Any]:
+def bundle_to_dict(bundle: Bundle, *, compact: bool = False, version: int | None = None) -> dict[str, Any]:
     """The bundle as JSON values: version 1 (every field in place, for tools that edit bundles), or with
-    ``compact`` version 2 (what ``dumps`` and ``write_bundle`` write: shared frames, stacks and groups once)."""
-    return {
+    ``compact`` the newest (what ``dumps`` and ``write_bundle`` write); ``version`` picks one of READS."""
+    version = version if version is not None else (VERSION if compact else 1)
+    out: dict[str, Any] = {
         "format": FORMAT,
-        "version": VERSION if compact else 1,
+        "version": version,
         "created_wall": bundle.created_wall,
         "ground_truth": to_jsonable(bundle.ground_truth) if bundle.ground_truth is not None else None,
         "meta": to_jsonable(bundle.meta),
-        "snapshots": [_Tables().snapshot(s) if compact else to_jsonable(s) for s in bundle.snapshots],
     }
+    if version == 3:
+        writer = ColumnWriter()
+        out["snapshots"] = [writer.add(s) for s in bundle.snapshots]
+        out.update(writer.jsonable())
+    elif version == 2:
+        out["snapshots"] = [_Tables().snapshot(s) for s in bundle.snapshots]
+    elif version == 1:
+        out["snapshots"] = [to_jsonable(s) for s in bundle.snapshots]
+    else:
+        raise ValueError(f"bundle version {version} is not one this rankscope writes ({READS})")
+    return out
 
 
-def dumps(bundle: Bundle, indent: int | None = None) -> str:
-    return json.dumps(bundle_to_dict(bundle, compact=True), indent=indent, allow_nan=False)
+def dumps(bundle: Bundle, indent: int | None = None, *, version: int = VERSION) -> str:
+    with _no_cyclic_gc():  # as in ``loads``: many containers made, none in a cycle
+        return json.dumps(bundle_to_dict(bundle, version=version), indent=indent, allow_nan=False)
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> typing.Iterator[None]:
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def write_bundle(bundle: Bundle, path: str | Path, text: str | None = None) -> Path:
@@ -397,10 +424,16 @@ def bundle_from_dict(data: Any, source: str = "bundle") -> Bundle:
     raw = data.get("snapshots")
     if not isinstance(raw, list) or not raw:
         raise BundleError(f"{source}: 'snapshots' must be a non-empty list")
-    if version == 2:
-        for i, s in enumerate(raw):
-            _resolve_tables(s, f"{source}: snapshots[{i}]")
-    snaps = tuple(from_jsonable(JobSnapshot, s, f"snapshots[{i}]") for i, s in enumerate(raw))
+    if version == 3:
+        try:
+            snaps = tuple(read_columns(data, raw))
+        except ColumnError as exc:
+            raise BundleError(f"{source}: {exc}") from None
+    else:
+        if version == 2:
+            for i, s in enumerate(raw):
+                _resolve_tables(s, f"{source}: snapshots[{i}]")
+        snaps = tuple(from_jsonable(JobSnapshot, s, f"snapshots[{i}]") for i, s in enumerate(raw))
     created = data.get("created_wall", snaps[-1].captured.wall)
     if isinstance(created, bool) or not isinstance(created, (int, float)):
         raise BundleError(f"{source}: 'created_wall' must be a number")
@@ -458,11 +491,14 @@ def _resolve_tables(snap: Any, where: str) -> None:
 
 
 def loads(text: str, source: str = "bundle") -> Bundle:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
-    return bundle_from_dict(data, source)
+    # Reading makes hundreds of thousands of objects that all live on, none of them in a cycle: the cyclic
+    # collector would only walk them again and again as they pile up (a third of the time at 16k ranks).
+    with _no_cyclic_gc():
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BundleError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+        return bundle_from_dict(data, source)
 
 
 def read_bundle(path: str | Path) -> Bundle:

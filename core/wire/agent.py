@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import ipaddress
 import os
@@ -54,6 +55,7 @@ from rankscope.contract.snapshot import MachineSnapshot, RankInfo
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
 from rankscope.wire.proto_convert import (
+    ReadingVersions,
     audit_to_proto,
     confirmation_from_proto,
     event_to_proto,
@@ -287,6 +289,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         self._stack_lock = asyncio.Lock()
         self._sampler: Any = None  # a probes.sampler.StackSampler, made on the first request to sample
         self.progress = ProgressTracker()
+        self.versions = ReadingVersions()
         self.last_reading_mono = 0.0
         self.actions: ActionService | None = None
         if config.actions is not None:
@@ -363,15 +366,23 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             await asyncio.sleep(max(0.05, interval_s - idle))
 
     async def _reply(self, context: grpc.aio.ServicerContext, reading: Awaitable[MachineSnapshot],
-                     forward: Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]
-                     | None = None) -> pb.MachineSnapshot:
+                     forward: Callable[[str], Callable[[Any, Sequence[tuple[str, str]], float],
+                                                       Awaitable[pb.MachineSnapshot]]] | None = None,
+                     since: int | None = None) -> pb.MachineSnapshot:
+        """``forward(address)``: the call a relay makes to the agent at ``address``.
+
+        ``since``: the version of this agent's reply the caller holds; the reply is then a delta against it.
+        """
         try:
             if self.relay is None or forward is None:
-                return machine_to_proto(await reading)
+                msg = machine_to_proto(await reading)
+                self.versions.stamp(msg, since)
+                return msg
             remaining = context.time_remaining()
             budget = max(0.5, remaining - RELAY_MARGIN_S) if remaining is not None else self.relay.deadline_s
             own, children = await asyncio.gather(reading, self.relay.forward(forward, budget))
             msg = machine_to_proto(own)
+            self.versions.stamp(msg, since)
             msg.relayed.extend(children)
             return msg
         except asyncio.CancelledError:
@@ -382,23 +393,18 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             raise  # unreachable: abort raises
 
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
-        def forward(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
-            return stub.Describe(request, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
-
-        return await self._reply(context, self.capture(stacks=False, sample_hz=request.sample_hz), forward)
+        return await self._reply(context, self.capture(stacks=False, sample_hz=request.sample_hz),
+                                 _relaying(request, "Describe"), _since(request))
 
     async def Capture(self, request: pb.CaptureRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
         timeout_s = request.timeout_s if request.timeout_s > 0 else DEFAULT_PYSPY_TIMEOUT_S
         timeout_s = min(timeout_s, MAX_PYSPY_TIMEOUT_S)
-        def forward(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
-            return stub.Capture(request, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
-
         async with self._stack_lock:
             return await self._reply(
                 context,
                 self.capture(stacks=True, native=request.native, subprocesses=request.subprocesses, timeout_s=timeout_s,
                              sample_hz=request.sample_hz),
-                forward,
+                _relaying(request, "Capture"), _since(request),
             )
 
     async def StreamMetrics(
@@ -466,6 +472,30 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         after = request.after_seq if request.HasField("after_seq") else None
         async for record in actions.watch(after):
             yield audit_to_proto(record)
+
+
+def _since(request: pb.DescribeRequest | pb.CaptureRequest) -> int | None:
+    return request.since if request.HasField("since") else None
+
+
+def _relaying(request: pb.DescribeRequest | pb.CaptureRequest, method: str) -> Callable[
+        [str], Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]]:
+    """The call a relay forwards to the agent at an address: the client's request, with the version the client
+    holds of that agent's reply (``relayed_since``) as its own ``since``."""
+
+    def forward_to(address: str) -> Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]:
+        child = copy.deepcopy(request)
+        child.ClearField("relayed_since")
+        child.ClearField("since")
+        if address in request.relayed_since:
+            child.since = request.relayed_since[address]
+
+        def call(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
+            return getattr(stub, method)(child, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
+
+        return call
+
+    return forward_to
 
 
 # --------------------------------------------------------------------------

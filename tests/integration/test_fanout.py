@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import gc
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -14,6 +17,7 @@ from rankscope.contract.snapshot import (
     Frame,
     Instant,
     MachineSnapshot,
+    OpCounters,
     ProcessRole,
     ProcessStack,
     RankCounters,
@@ -30,6 +34,7 @@ TOKEN = "t" * 32
 RANKS_PER_MACHINE = 2
 WORLD = Communicator("w", "nccl", "WORLD", tuple(range(64)))
 FRAMES = tuple(Frame(f"layer{i}", "model.py", 10 + i) for i in range(12))
+LAUNCHES: dict[int, int] = {}  # machine -> its ranks' all-reduce count (a test moves one machine on)
 
 
 def tokens() -> TokenSet:
@@ -46,7 +51,9 @@ def source_for(machine: int) -> Callable[[bool], Awaitable[MachineSnapshot]]:
             ranks=tuple(RankInfo(r, r % RANKS_PER_MACHINE, 64, 1000 + r) for r in ranks),
             stacks=tuple(RankStacks(r, ProcessStack(1000 + r, ProcessRole.MAIN, (ThreadStack(1, (
                 *FRAMES, Frame("recv" if r == 5 else "all_reduce", "c10d.py", 1))),))) for r in ranks) if stacks else (),
-            counters=tuple(RankCounters(r, 1000 + r, 64, "job", 1.0, (WORLD,)) for r in ranks),
+            counters=tuple(RankCounters(r, 1000 + r, 64, "job", 1.0, (WORLD,), (OpCounters(
+                "w", "all_reduce", LAUNCHES.get(machine, 1), LAUNCHES.get(machine, 1), LAUNCHES.get(machine, 1)),))
+                for r in ranks),
         )
 
     return read
@@ -99,6 +106,47 @@ async def test_a_relaying_agent_merges_the_replies_of_the_agents_below_it(leaves
     finally:
         await relay_a.stop(0)
         await relay_b.stop(0)
+
+
+async def test_polls_carry_only_what_changed_through_relays_too(leaves: list[RunningAgent]) -> None:
+    relay = await serve(0, relay_to=tuple(a.address for a in leaves[:4]))
+    try:
+        async with JobClient([relay.address, *(a.address for a in leaves[4:])], TOKEN, deadline_s=30) as client:
+            first = {m.machine: m for m in (await client.poll()).machines}
+            second = {m.machine: m for m in (await client.poll()).machines}
+            assert sorted(second) == sorted(f"m{i}" for i in range(9)) and all(m.reachable for m in second.values())
+            for name, m in second.items():  # nothing changed: every rank and counter list is the one already held
+                assert m == dataclasses.replace(first[name], captured=m.captured, ranks_seen_wall=m.ranks_seen_wall)
+                assert all(a is b for a, b in zip(m.ranks, first[name].ranks, strict=True)) and m.ranks
+                assert all(a.ops is b.ops for a, b in zip(m.counters, first[name].counters, strict=True))
+            LAUNCHES.update({2: 7, 6: 9})  # one machine behind the relay moves on, and one asked directly
+            third = {m.machine: m for m in (await client.poll()).machines}
+            for name, m in third.items():
+                launches = {"m2": 7, "m6": 9}.get(name, 1)
+                assert {op.cl for c in m.counters for op in c.ops} == {launches}
+                assert all(a.ops is b.ops for a, b in zip(m.counters, second[name].counters, strict=True)) \
+                    == (launches == 1)
+                assert all(a is b for a, b in zip(m.ranks, second[name].ranks, strict=True))
+        async with JobClient([relay.address, *(a.address for a in leaves[4:])], TOKEN, deadline_s=30) as fresh:
+            whole = {m.machine: m for m in (await fresh.poll()).machines}  # a new client: whole readings
+        assert {n: (m.ranks, m.counters) for n, m in whole.items()} == \
+            {n: (m.ranks, m.counters) for n, m in third.items()}
+    finally:
+        LAUNCHES.clear()
+        await relay.stop(0)
+
+
+async def test_overlapping_fan_outs_leave_the_garbage_collector_as_they_found_it(leaves: list[RunningAgent]) -> None:
+    async with JobClient([a.address for a in leaves], TOKEN, deadline_s=30) as client:
+        assert gc.isenabled()
+        polls = await asyncio.gather(client.poll(), client.capture(), client.poll())  # the pause is shared
+        assert gc.isenabled() and all(len(p.machines) == len(leaves) for p in polls)
+        gc.disable()
+        try:
+            await client.poll()
+            assert not gc.isenabled()  # a caller that turned it off keeps it off
+        finally:
+            gc.enable()
 
 
 async def test_more_agents_than_channels_are_all_asked_with_the_channels_bounded(leaves: list[RunningAgent]) -> None:

@@ -1,21 +1,27 @@
-"""Bundle version 2 (#16): shared frames, stacks and groups written once; version 1 still reads."""
+"""Bundle versions 2 and 3 (#16): shared frames, stacks and groups written once, then every type as columns of
+distinct values; bundles of versions 1 and 2 still read."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankscope.contract.bundle import Bundle, BundleError, bundle_to_dict, dumps, loads, read_bundle, write_bundle
 from rankscope.contract.snapshot import Instant, JobSnapshot, MachineSnapshot
+from repo_paths import DATA
 from snapshot_fixtures import machines, rich_job
 
 
 def test_version_2_round_trips_and_shares_what_the_ranks_share(tmp_path: Path) -> None:
     job = rich_job()
-    back = read_bundle(write_bundle(Bundle((job, job), 5.0, meta={"k": "v"}), tmp_path / "b.json"))
+    path = tmp_path / "b.json"
+    path.write_text(dumps(Bundle((job, job), 5.0, meta={"k": "v"}), version=2))
+    back = read_bundle(path)
     assert back.snapshots == (job, job) and back.meta == {"k": "v"}
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["version"] == 2
@@ -37,13 +43,14 @@ def test_identical_stacks_of_many_ranks_are_one_tuple_after_reading() -> None:
     job = rich_job()
     machine = job.machines[0]
     many = tuple(MachineSnapshot(f"m{i}", f"a{i}", True, Instant(1.0, 2.0), stacks=machine.stacks) for i in range(50))
-    back = loads(dumps(Bundle((JobSnapshot(Instant(1.0, 2.0), many),), 1.0))).latest
-    frames = {id(m.stacks[0].main.threads[0].frames) for m in back.machines}  # type: ignore[index]
-    assert len(frames) == 1 and back.machines == many
+    for version in (2, 3):
+        back = loads(dumps(Bundle((JobSnapshot(Instant(1.0, 2.0), many),), 1.0), version=version)).latest
+        frames = {id(m.stacks[0].main.threads[0].frames) for m in back.machines}  # type: ignore[index]
+        assert len(frames) == 1 and back.machines == many
 
 
 def _v2() -> dict:  # type: ignore[type-arg]
-    return json.loads(dumps(Bundle((rich_job(),), 5.0)))  # type: ignore[no-any-return]
+    return json.loads(dumps(Bundle((rich_job(),), 5.0), version=2))  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize(("mutate", "needle"), [
@@ -54,7 +61,7 @@ def _v2() -> dict:  # type: ignore[type-arg]
      r"counters\[0\]\.communicator_refs: True is not an index"),
     (lambda d: d["snapshots"][0].update(frame_table={}), r"frame_table: expected a list"),
     (lambda d: d["snapshots"][0]["frame_table"][0].update(line="x"), r"frames\[0\]\.line: expected an integer"),
-    (lambda d: d.update(version=3), "reads versions 1, 2"),
+    (lambda d: d.update(version=4), "reads versions 1, 2, 3"),
 ])
 def test_bad_tables_are_refused_with_the_field_named(mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
     data = _v2()
@@ -65,6 +72,94 @@ def test_bad_tables_are_refused_with_the_field_named(mutate, needle: str) -> Non
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(machines(), min_size=1, max_size=3))
-def test_random_snapshots_round_trip_through_version_2(ms: list[MachineSnapshot]) -> None:
+def test_random_snapshots_round_trip_through_versions_2_and_3(ms: list[MachineSnapshot]) -> None:
     job = JobSnapshot(Instant(1.0, 2.0), tuple(ms))
-    assert loads(dumps(Bundle((job, job), 1.0))).snapshots == (job, job)
+    for version in (2, 3):
+        assert loads(dumps(Bundle((job, job), 1.0), version=version)).snapshots == (job, job)
+
+
+# ---- version 3: columns of distinct values ----------------------------------------------------------------------
+
+
+def test_version_3_is_written_and_keeps_each_distinct_object_once(tmp_path: Path) -> None:
+    job = rich_job()
+    back = read_bundle(write_bundle(Bundle((job, job), 5.0, ground_truth={"fault": "x"}), tmp_path / "b.json"))
+    assert back.snapshots == (job, job) and back.ground_truth == {"fault": "x"}
+    assert back.snapshots[0] is back.snapshots[1]  # the same snapshot twice is one row
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["version"] == 3 and data["snapshots"] == [0, 0]
+    frames = data["tables"]["Frame"]
+    assert frames["rows"] == 3 and frames["columns"]["name"] == [f.name for f in job.machines[0].stacks[0].main.threads[0].frames]  # type: ignore[index]
+    assert data["tables"]["MachineSnapshot"]["rows"] == len(job.machines)
+
+
+def test_bundles_written_before_version_3_still_open() -> None:
+    assert read_bundle(DATA / "bundles" / "v2-before-columns.json").latest == rich_job()
+    assert read_bundle(DATA / "bundles" / "v1-before-compact.json").latest == rich_job()
+
+
+def _v3() -> dict:  # type: ignore[type-arg]
+    return json.loads(dumps(Bundle((rich_job(),), 5.0)))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("mutate", "needle"), [
+    (lambda d: d["tables"]["RankInfo"]["columns"]["rank"].__setitem__(0, "one"),
+     r"tables\.RankInfo\.columns\.rank\[0\]: expected int, got str"),
+    (lambda d: d["tables"]["RankInfo"]["columns"]["rank"].__setitem__(0, True), r"rank\[0\]: expected int, got bool"),
+    (lambda d: d["tables"]["Frame"]["columns"]["name"].append("x"), r"Frame\.columns\.name: expected a list of 3"),
+    (lambda d: d["tables"]["MachineSnapshot"]["columns"].pop("reachable"), r"reachable: the column is missing"),
+    (lambda d: d["tables"]["MachineSnapshot"]["columns"]["reachable"].__setitem__(0, None), r"null"),
+    (lambda d: d["tables"]["ProcessStack"]["columns"]["role"].__setitem__(0, "wizard"), r"'wizard' is not one of"),
+    (lambda d: d["tables"]["RankStacks"]["columns"]["main"].__setitem__(0, 99), r"main\[0\]: 99 is not a row"),
+    (lambda d: d["tuples"]["Frame"][0].append(-1), r"tuples\.Frame\[0\]: -1 is not a row of Frame"),
+    (lambda d: d["tables"]["ThreadStack"]["columns"]["frames"].__setitem__(0, 50), r"tuples\.Frame"),
+    (lambda d: d["tables"]["OpCounters"]["columns"]["recent_throughput"].__setitem__(0, ["x"]), "list of float"),
+    (lambda d: d.update(snapshots=[7]), r"snapshots\[0\]: 7 is not a row of JobSnapshot"),
+    (lambda d: d.update(tables=[]), "per-type tables"),
+    (lambda d: d["tables"]["Instant"].update(rows=-1), "rows"),
+])
+def test_bad_columns_are_refused_with_the_table_column_and_row_named(mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
+    data = _v3()
+    mutate(data)
+    with pytest.raises(BundleError, match=needle) as info:
+        loads(json.dumps(data), "b.json")
+    assert info.value.message.startswith("b.json: ") and info.value.fix
+
+
+def _places(data: Any) -> list[tuple[Any, Any]]:
+    """Every (container, key) of a parsed bundle's tables, where a fuzzed value can go."""
+    out: list[tuple[Any, Any]] = []
+
+    def walk(v: Any) -> None:
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        for k, child in items:
+            out.append((v, k))
+            walk(child)
+
+    walk({"tables": data["tables"], "tuples": data["tuples"], "snapshots": data["snapshots"]})
+    return out
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-3, 300) | st.floats(allow_nan=False) | st.text(max_size=3),
+                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=2),
+                           max_leaves=5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_any_value_anywhere_in_the_tables_either_reads_or_is_refused_as_a_bundle_error(data: st.DataObject) -> None:
+    bundle = _v3()
+    container, key = data.draw(st.sampled_from(_places(bundle)))
+    container[key] = data.draw(JSON_VALUES)
+    with contextlib.suppress(BundleError):
+        loads(json.dumps(bundle))
+
+
+def test_whole_seconds_written_without_a_point_read_as_floats() -> None:
+    data = _v3()
+    data["tables"]["Instant"]["columns"]["wall"] = [int(w) for w in data["tables"]["Instant"]["columns"]["wall"]]
+    data["tables"]["OpCounters"]["columns"]["recent_throughput"][0] = [1, 2.5]
+    back = loads(json.dumps(data)).latest
+    assert type(back.captured.wall) is float and back.captured.wall == int(rich_job().captured.wall)
+    ops = [op for m in back.machines for c in m.counters for op in c.ops]
+    assert any(op.recent_throughput == (1.0, 2.5) and all(type(x) is float for x in op.recent_throughput) for op in ops)

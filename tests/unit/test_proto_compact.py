@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import typing
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,8 +24,11 @@ from rankscope.contract.snapshot import (
 )
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto_convert import (
+    Held,
     ProtoConversionError,
+    ReadingVersions,
     expand_runs,
+    held_from_proto,
     machine_from_proto,
     machine_to_proto,
     machines_from_proto,
@@ -124,3 +130,113 @@ def test_a_relayed_reply_expands_into_each_machine() -> None:
     msg = machine_to_proto(b)
     msg.relayed.add().CopyFrom(machine_to_proto(a))
     assert machines_from_proto(pb.MachineSnapshot.FromString(msg.SerializeToString())) == [b, a]
+
+
+# ---- the delta form (DescribeRequest.since): what did not change is a mark, and the client keeps its objects ----
+
+
+def _reply(versions: ReadingVersions, machine: MachineSnapshot, since: int | None) -> pb.MachineSnapshot:
+    msg = machine_to_proto(machine)
+    versions.stamp(msg, since)
+    return pb.MachineSnapshot.FromString(msg.SerializeToString())
+
+
+def _decode(msg: pb.MachineSnapshot, held: Held | None) -> Held:
+    [(address, machine, version)] = held_from_proto(msg, "a:1", lambda a: held if a == "a:1" else None)
+    assert address == "a:1"
+    return machine, version
+
+
+@st.composite
+def reading_pairs(draw: st.DrawFn) -> tuple[MachineSnapshot, MachineSnapshot]:
+    """A reading and a later one that keeps some of its ranks' descriptions and counters and changes others."""
+    first, other = draw(machines()), draw(machines())
+    keep = st.lists(st.booleans(), min_size=8, max_size=8)
+    ranks, counters = draw(keep), draw(keep)
+    return first, dataclasses.replace(
+        first, captured=other.captured,
+        ranks=tuple(r if ranks[i] else dataclasses.replace(o, rank=r.rank)
+                    for i, (r, o) in enumerate(zip(first.ranks, other.ranks * 4, strict=False))) + other.ranks[:1],
+        counters=tuple(c if counters[i] else dataclasses.replace(o, rank=c.rank)
+                       for i, (c, o) in enumerate(zip(first.counters, other.counters * 4, strict=False))))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(reading_pairs())
+def test_a_delta_against_the_held_reading_decodes_to_the_new_reading_reusing_what_did_not_change(
+        pair: tuple[MachineSnapshot, MachineSnapshot]) -> None:
+    first, second = pair
+    versions = ReadingVersions()
+    held = _decode(_reply(versions, first, None), None)
+    assert held[0] == first and held[1] is not None
+    msg = _reply(versions, second, held[1])
+    assert msg.since == held[1]
+    got, version = _decode(msg, held)
+    assert got == second and version not in (None, held[1])
+    before_ranks = {r.rank: r for r in held[0].ranks}
+    before_ops = {c.rank: c.ops for c in held[0].counters}
+    unique = {r for r in before_ranks if [x.rank for x in first.ranks].count(r) == 1}
+    for r, sent in zip(got.ranks, msg.ranks, strict=True):
+        assert sent.same == (r.rank in unique and [x.rank for x in second.ranks].count(r.rank) == 1
+                             and r == before_ranks[r.rank])
+        if sent.same:
+            assert r is before_ranks[r.rank]  # the client's own object, not a copy
+    for c, sent in zip(got.counters, msg.counters, strict=True):
+        if sent.ops_same:
+            assert c.ops is before_ops[c.rank] and not sent.ops
+    # a client that never held a reading (or an older one, which ignores `version`) gets it whole
+    assert _decode(_reply(versions, second, None), None)[0] == second
+    assert machine_from_proto(_reply(versions, second, None)) == second
+
+
+def test_an_unchanged_reading_costs_a_mark_per_rank_and_changes_are_sent() -> None:
+    machine = dataclasses.replace(rich_job().machines[0], stacks=())  # what a poll reads
+    versions = ReadingVersions()
+    whole = _reply(versions, machine, None)
+    held = _decode(whole, None)
+    again = _reply(versions, machine, held[1])
+    assert all(r.same for r in again.ranks) and all(c.ops_same for c in again.counters) and machine.counters
+    assert again.ByteSize() < whole.ByteSize() and not len(again.communicator_table)
+    assert all(r.ByteSize() <= 8 for r in again.ranks)  # a rank number and the mark
+    assert not any(len(c.ops) or len(c.communicator_refs) for c in again.counters)
+    got, version = _decode(again, held)
+    assert got == machine and version not in (None, held[1])
+    assert all(a is b for a, b in zip(got.ranks, held[0].ranks, strict=True)) and got.ranks
+    # a version the agent no longer remembers (or never gave): the whole reading, never a guess
+    assert not any(r.same for r in _reply(versions, machine, 12345).ranks)
+    for _ in range(versions.keep + 1):
+        _reply(versions, machine, None)
+    assert not _reply(versions, machine, held[1]).HasField("since")
+
+
+@pytest.mark.parametrize(("mutate", "needle"), [
+    (lambda m: m.__setattr__("since", m.since + 1), "does not hold"),
+    (lambda m: m.ranks.add(rank=99, same=True), "same for rank 99"),
+    (lambda m: m.counters.add(rank=99, ops_same=True), "ops_same for rank 99"),
+])
+def test_a_delta_that_does_not_fit_the_held_reading_is_refused(mutate: Callable[[pb.MachineSnapshot], object],
+                                                                needle: str) -> None:
+    machine = rich_job().machines[0]
+    versions = ReadingVersions()
+    held = _decode(_reply(versions, machine, None), None)
+    msg = _reply(versions, machine, held[1])
+    mutate(msg)
+    with pytest.raises(ProtoConversionError, match=needle):
+        _decode(msg, held)
+    with pytest.raises(ProtoConversionError):  # nor does a client that holds nothing take marks for data
+        machines_from_proto(msg)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=300))
+def test_random_bytes_as_a_delta_either_decode_or_raise_a_conversion_error(data: bytes) -> None:
+    machine = rich_job().machines[0]
+    versions = ReadingVersions()
+    held = _decode(_reply(versions, machine, None), None)
+    try:
+        msg = pb.MachineSnapshot.FromString(data)
+    except Exception:
+        return
+    msg.since = typing.cast(int, held[1])
+    with contextlib.suppress(ProtoConversionError):
+        _decode(msg, held)

@@ -171,21 +171,59 @@ Global___VersionSource: _TypeAlias = VersionSource  # noqa: Y015
 class DescribeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RelayedSinceEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SAMPLE_HZ_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    RELAYED_SINCE_FIELD_NUMBER: _builtins.int
     sample_hz: _builtins.float
     """> 0: keep sampling every rank's main thread (py-spy --nonblocking) at this
     rate while polls keep asking, and send the sampled windows with the reply.
     """
+    since: _builtins.int
+    """The `version` of this agent's reply the client holds (decoded) from its
+    previous call: the agent may then send a delta against it (see
+    MachineSnapshot.since). Unset, or a version the agent no longer
+    remembers: the whole reading is sent.
+    """
+    @_builtins.property
+    def relayed_since(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """For a relaying agent: the versions the client holds of the agents it
+        relays to, by the address the relay reported them under.
+        """
+
     def __init__(
         self,
         *,
         sample_hz: _builtins.float = ...,
+        since: _builtins.int | None = ...,
+        relayed_since: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_since", b"_since", "since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sample_hz", b"sample_hz"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_since", b"_since", "relayed_since", b"relayed_since", "sample_hz", b"sample_hz", "since", b"since"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__since: _TypeAlias = _typing.Literal["since"]  # noqa: Y015
+    _WhichOneofArgType__since: _TypeAlias = _typing.Literal["_since", b"_since"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__since) -> _WhichOneofReturnType__since | None: ...
 
 Global___DescribeRequest: _TypeAlias = DescribeRequest  # noqa: Y015
 
@@ -193,10 +231,32 @@ Global___DescribeRequest: _TypeAlias = DescribeRequest  # noqa: Y015
 class CaptureRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RelayedSinceEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NATIVE_FIELD_NUMBER: _builtins.int
     SUBPROCESSES_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     SAMPLE_HZ_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    RELAYED_SINCE_FIELD_NUMBER: _builtins.int
     native: _builtins.bool
     """include native (C/C++) frames"""
     subprocesses: _builtins.bool
@@ -207,6 +267,12 @@ class CaptureRequest(_message.Message):
     """> 0: as DescribeRequest.sample_hz. A client that samples and also takes
     stack rounds keeps the sampler's lease with every call, captures included.
     """
+    since: _builtins.int
+    """as DescribeRequest.since"""
+    @_builtins.property
+    def relayed_since(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """as DescribeRequest.relayed_since"""
+
     def __init__(
         self,
         *,
@@ -214,12 +280,16 @@ class CaptureRequest(_message.Message):
         subprocesses: _builtins.bool = ...,
         timeout_s: _builtins.float = ...,
         sample_hz: _builtins.float = ...,
+        since: _builtins.int | None = ...,
+        relayed_since: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_since", b"_since", "since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["native", b"native", "sample_hz", b"sample_hz", "subprocesses", b"subprocesses", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_since", b"_since", "native", b"native", "relayed_since", b"relayed_since", "sample_hz", b"sample_hz", "since", b"since", "subprocesses", b"subprocesses", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__since: _TypeAlias = _typing.Literal["since"]  # noqa: Y015
+    _WhichOneofArgType__since: _TypeAlias = _typing.Literal["_since", b"_since"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__since) -> _WhichOneofReturnType__since | None: ...
 
 Global___CaptureRequest: _TypeAlias = CaptureRequest  # noqa: Y015
 
@@ -645,6 +715,7 @@ class RankInfo(_message.Message):
     RANK_SOURCE_FIELD_NUMBER: _builtins.int
     LAST_PROGRESS_WALL_FIELD_NUMBER: _builtins.int
     STARTED_WALL_FIELD_NUMBER: _builtins.int
+    SAME_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     world_size: _builtins.int
@@ -659,6 +730,10 @@ class RankInfo(_message.Message):
     """how a rank read from saved dumps got its number"""
     last_progress_wall: _builtins.float
     started_wall: _builtins.float
+    same: _builtins.bool
+    """Wire only (delta form, MachineSnapshot.since): every field but `rank` is
+    that of the same rank in the reading `since`, and is not sent again.
+    """
     @_builtins.property
     def process(self) -> Global___ProcessInfo: ...
     @_builtins.property
@@ -681,10 +756,11 @@ class RankInfo(_message.Message):
         rank_source: _builtins.str | None = ...,
         last_progress_wall: _builtins.float | None = ...,
         started_wall: _builtins.float | None = ...,
+        same: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_last_progress_wall", b"_last_progress_wall", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "_started_wall", b"_started_wall", "group_rank", b"group_rank", "last_progress_wall", b"last_progress_wall", "launcher_pid", b"launcher_pid", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "process", b"process", "rank_source", b"rank_source", "run_id", b"run_id", "started_wall", b"started_wall"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_last_progress_wall", b"_last_progress_wall", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "_started_wall", b"_started_wall", "group_rank", b"group_rank", "last_progress_wall", b"last_progress_wall", "launcher_pid", b"launcher_pid", "local_rank", b"local_rank", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "pid", b"pid", "process", b"process", "rank", b"rank", "rank_source", b"rank_source", "run_id", b"run_id", "started_wall", b"started_wall", "subprocesses", b"subprocesses", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_last_progress_wall", b"_last_progress_wall", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "_started_wall", b"_started_wall", "group_rank", b"group_rank", "last_progress_wall", b"last_progress_wall", "launcher_pid", b"launcher_pid", "local_rank", b"local_rank", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "pid", b"pid", "process", b"process", "rank", b"rank", "rank_source", b"rank_source", "run_id", b"run_id", "same", b"same", "started_wall", b"started_wall", "subprocesses", b"subprocesses", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_rank: _TypeAlias = _typing.Literal["group_rank"]  # noqa: Y015
     _WhichOneofArgType__group_rank: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank"]  # noqa: Y015
@@ -1094,6 +1170,7 @@ class RankCounters(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     LAST_STEP_WALL_FIELD_NUMBER: _builtins.int
     COMMUNICATOR_REFS_FIELD_NUMBER: _builtins.int
+    OPS_SAME_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     pid: _builtins.int
     world_size: _builtins.int
@@ -1105,6 +1182,11 @@ class RankCounters(_message.Message):
     stale_reason: _builtins.str
     error: _builtins.str
     last_step_wall: _builtins.float
+    ops_same: _builtins.bool
+    """Wire only (delta form, MachineSnapshot.since): `ops` and the
+    communicators are those of the same rank in the reading `since` and are
+    not sent again; the other fields are.
+    """
     @_builtins.property
     def communicators(self) -> _containers.RepeatedCompositeFieldContainer[Global___Communicator]: ...
     @_builtins.property
@@ -1133,10 +1215,11 @@ class RankCounters(_message.Message):
         error: _builtins.str | None = ...,
         last_step_wall: _builtins.float | None = ...,
         communicator_refs: _abc.Iterable[_builtins.int] | None = ...,
+        ops_same: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "pid", b"pid", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "communicator_refs", b"communicator_refs", "communicators", b"communicators", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "ops", b"ops", "pid", b"pid", "rank", b"rank", "stale", b"stale", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "communicator_refs", b"communicator_refs", "communicators", b"communicators", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "ops", b"ops", "ops_same", b"ops_same", "pid", b"pid", "rank", b"rank", "stale", b"stale", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
     _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
@@ -1200,12 +1283,20 @@ class MachineSnapshot(_message.Message):
     STACK_TABLE_FIELD_NUMBER: _builtins.int
     COMMUNICATOR_TABLE_FIELD_NUMBER: _builtins.int
     RELAYED_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
     machine: _builtins.str
     address: _builtins.str
     reachable: _builtins.bool
     hostname: _builtins.str
     generation: _builtins.int
     ranks_seen_wall: _builtins.float
+    version: _builtins.int
+    """Wire only: this reading's version (a client sends it back as `since`)."""
+    since: _builtins.int
+    """Wire only: set when this reply is a delta against the reading of that
+    version (RankInfo.same, RankCounters.ops_same mark what it leaves out).
+    """
     @_builtins.property
     def captured(self) -> Global___Instant: ...
     @_builtins.property
@@ -1254,10 +1345,12 @@ class MachineSnapshot(_message.Message):
         stack_table: Global___StackTable | None = ...,
         communicator_table: _abc.Iterable[Global___Communicator] | None = ...,
         relayed: _abc.Iterable[Global___MachineSnapshot] | None = ...,
+        version: _builtins.int | None = ...,
+        since: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "captured", b"captured", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "ranks_seen_wall", b"ranks_seen_wall", "stack_table", b"stack_table"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "captured", b"captured", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "ranks_seen_wall", b"ranks_seen_wall", "since", b"since", "stack_table", b"stack_table", "version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "address", b"address", "captured", b"captured", "communicator_table", b"communicator_table", "counters", b"counters", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "ranks", b"ranks", "ranks_seen_wall", b"ranks_seen_wall", "reachable", b"reachable", "relayed", b"relayed", "samples", b"samples", "stack_table", b"stack_table", "stacks", b"stacks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "address", b"address", "captured", b"captured", "communicator_table", b"communicator_table", "counters", b"counters", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "ranks", b"ranks", "ranks_seen_wall", b"ranks_seen_wall", "reachable", b"reachable", "relayed", b"relayed", "samples", b"samples", "since", b"since", "stack_table", b"stack_table", "stacks", b"stacks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__generation: _TypeAlias = _typing.Literal["generation"]  # noqa: Y015
     _WhichOneofArgType__generation: _TypeAlias = _typing.Literal["_generation", b"_generation"]  # noqa: Y015
@@ -1265,12 +1358,20 @@ class MachineSnapshot(_message.Message):
     _WhichOneofArgType__hostname: _TypeAlias = _typing.Literal["_hostname", b"_hostname"]  # noqa: Y015
     _WhichOneofReturnType__ranks_seen_wall: _TypeAlias = _typing.Literal["ranks_seen_wall"]  # noqa: Y015
     _WhichOneofArgType__ranks_seen_wall: _TypeAlias = _typing.Literal["_ranks_seen_wall", b"_ranks_seen_wall"]  # noqa: Y015
+    _WhichOneofReturnType__since: _TypeAlias = _typing.Literal["since"]  # noqa: Y015
+    _WhichOneofArgType__since: _TypeAlias = _typing.Literal["_since", b"_since"]  # noqa: Y015
+    _WhichOneofReturnType__version: _TypeAlias = _typing.Literal["version"]  # noqa: Y015
+    _WhichOneofArgType__version: _TypeAlias = _typing.Literal["_version", b"_version"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__generation) -> _WhichOneofReturnType__generation | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__hostname) -> _WhichOneofReturnType__hostname | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ranks_seen_wall) -> _WhichOneofReturnType__ranks_seen_wall | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__since) -> _WhichOneofReturnType__since | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__version) -> _WhichOneofReturnType__version | None: ...
 
 Global___MachineSnapshot: _TypeAlias = MachineSnapshot  # noqa: Y015
 
