@@ -60,7 +60,6 @@ from rankscope.contract.snapshot import CaptureError, CaptureErrorKind, Instant,
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
 from rankscope.wire.proto_convert import (
-    Held,
     audit_from_proto,
     confirmation_to_proto,
     event_from_proto,
@@ -74,6 +73,9 @@ from rankscope.wire.tls import ClientTLS, channel_credentials, channel_options, 
 
 # Room for many ranks' stacks in one reply (gRPC's default is 4 MiB).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Readings kept per agent to decode deltas against: one per call that may be out at once (the TUI's poll, its
+# capture, a watcher's), and a spare.
+HELD_READINGS = 4
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -292,9 +294,11 @@ class JobClient:
         self._metadata = auth_metadata(token)
         self._conns: dict[str, _Agent] = {}
         self._names: dict[str, str] = {}  # address -> the machine name its agent last reported
-        # address -> the last reading decoded from that agent and its version: a poll asks for what changed since
-        # (DescribeRequest.since); a relay's children are held under the addresses the relay reported.
-        self._held: dict[str, Held] = {}
+        # address -> the last readings decoded from that agent, by version, oldest first: a call asks for what
+        # changed since the newest (DescribeRequest.since), and its reply may come after another call's (a TUI
+        # polls while a capture is out), so a few are kept. A relay's children are held under the addresses the
+        # relay reported.
+        self._held: dict[str, dict[int, MachineSnapshot]] = {}
         self._relayed: dict[str, tuple[str, ...]] = {}  # a relay's address -> the addresses it relayed for
         self._members_key: tuple[tuple[str, ...], frozenset[str]] | None = None
         self._members_len = 0
@@ -598,14 +602,13 @@ class JobClient:
         the reading this client holds of it."""
 
         def call_for(address: str) -> Call:
-            had = self._held.get(address)
-            relayed = [(a, h[1]) for a in self._relayed.get(address, ())
-                       if (h := self._held.get(a)) is not None and h[1] is not None]
+            had = self._newest(address)
+            relayed = [(a, v) for a in self._relayed.get(address, ()) if (v := self._newest(a)) is not None]
             req = request
-            if (had is not None and had[1] is not None) or relayed:
+            if had is not None or relayed:
                 req = copy.deepcopy(request)
-                if had is not None and had[1] is not None:
-                    req.since = had[1]
+                if had is not None:
+                    req.since = had
                 for child, version in relayed:
                     req.relayed_since[child] = version
 
@@ -615,6 +618,21 @@ class JobClient:
             return call
 
         return call_for
+
+    def _newest(self, address: str) -> int | None:
+        """The version of the newest reading held of the agent at ``address``."""
+        readings = self._held.get(address)
+        return next(reversed(readings)) if readings else None
+
+    def _hold(self, address: str, machine: MachineSnapshot, version: int | None) -> None:
+        if version is None:  # an agent that does not version its readings: nothing to ask a delta against
+            self._held.pop(address, None)
+            return
+        readings = self._held.setdefault(address, {})
+        readings.pop(version, None)  # the same reading again is the newest one
+        readings[version] = machine
+        while len(readings) > HELD_READINGS:
+            del readings[next(iter(readings))]
 
     def _conn(self, address: str) -> _Agent:
         loop = asyncio.get_running_loop()
@@ -660,7 +678,7 @@ class JobClient:
         if isinstance(reply, MachineSnapshot):
             return [reply]
         try:
-            held = held_from_proto(reply, address, self._held.get)
+            held = held_from_proto(reply, address, lambda at, version: self._held.get(at, {}).get(version))
         except Exception as exc:  # a reply that does not fit: mark this machine, keep the rest
             for child in self._relayed.pop(address, ()):
                 self._held.pop(child, None)
@@ -670,7 +688,7 @@ class JobClient:
                 "check the address; run the same rankscope version on the agents and here",
             )]
         for held_at, machine, version in held:
-            self._held[held_at] = (machine, version)
+            self._hold(held_at, machine, version)
         self._relayed[address] = tuple(a for a, _, _ in held[1:])
         machines = [m for _, m, _ in held]
         # The address is the one this client used, whatever the agent thinks it is called.

@@ -178,17 +178,19 @@ def machines_from_proto_at(msg: pb.MachineSnapshot, where: str) -> list[MachineS
     return out
 
 
-# A reading a client holds: the decoded machine and the version its agent gave it (None: an agent that gives none).
-Held = tuple[MachineSnapshot, int | None]
+# The reading a client holds of the agent at an address, by the version its agent gave it (None: not held).
+Holding = Callable[[str, int], MachineSnapshot | None]
 
 
 def held_from_proto(msg: pb.MachineSnapshot, address: str,
-                    held: Callable[[str], Held | None]) -> list[tuple[str, MachineSnapshot, int | None]]:
+                    held: Holding) -> list[tuple[str, MachineSnapshot, int | None]]:
     """Like ``machines_from_proto``, for a reply that may be a delta (``MachineSnapshot.since``).
 
-    ``held(address)``: the reading this client holds of the agent at that
-    address (``address`` for the agent asked, the address a relay reported
-    for the ones it relayed). What a delta leaves out is taken from it, the
+    ``held(address, version)``: the reading of that version this client holds
+    of the agent at that address (``address`` for the agent asked, the address
+    a relay reported for the ones it relayed): a delta names the reading its
+    request named, which need not be the newest one when requests overlap.
+    What a delta leaves out is taken from it, the
     same objects, so an unchanged rank costs nothing to decode. Returns each
     machine with the address it is held under and its version.
     """
@@ -197,16 +199,14 @@ def held_from_proto(msg: pb.MachineSnapshot, address: str,
     return out
 
 
-def _held_at(msg: pb.MachineSnapshot, address: str, held: Callable[[str], Held | None], where: str,
+def _held_at(msg: pb.MachineSnapshot, address: str, held: Holding, where: str,
              out: list[tuple[str, MachineSnapshot, int | None]]) -> None:
     previous: MachineSnapshot | None = None
     if msg.HasField("since"):
-        had = held(address)
-        if had is None or had[1] != msg.since:
+        previous = held(address, msg.since)
+        if previous is None:
             raise ProtoConversionError(
-                f"agent at {address} sent a delta against reading {msg.since:#x}, which this client does not hold "
-                f"({'none' if had is None or had[1] is None else f'{had[1]:#x}'})")
-        previous = had[0]
+                f"agent at {address} sent a delta against reading {msg.since:#x}, which this client does not hold")
     out.append((address, _decode_machine(msg, where, previous), msg.version if msg.HasField("version") else None))
     for i, child in enumerate(msg.relayed):
         _held_at(child, child.address, held, f"{where}.relayed[{i}]", out)

@@ -149,6 +149,24 @@ async def test_overlapping_fan_outs_leave_the_garbage_collector_as_they_found_it
             gc.enable()
 
 
+async def test_overlapping_calls_each_decode_their_delta_against_the_reading_they_named(
+        leaves: list[RunningAgent]) -> None:
+    # A TUI polls while its capture is out: both ask for what changed since the same reading, and the reply that
+    # comes second is a delta against a reading that is no longer the newest one held.
+    async with JobClient([a.address for a in leaves], TOKEN, deadline_s=30) as client:
+        await client.poll()
+        for launches in (3, 4):
+            LAUNCHES.update(dict.fromkeys(range(1, 9), launches))  # every machine moves on: every reply is new
+            try:
+                polled, captured, again = await asyncio.gather(client.poll(), client.capture(), client.poll())
+            finally:
+                LAUNCHES.clear()
+            for snap in (polled, captured, again):
+                assert all(m.reachable for m in snap.machines), [m.error for m in snap.machines if not m.reachable]
+                assert {op.cl for m in snap.machines for c in m.counters for op in c.ops} == {launches}
+            check_machines(list(captured.machines), list(range(1, 9)))
+
+
 async def test_more_agents_than_channels_are_all_asked_with_the_channels_bounded(leaves: list[RunningAgent]) -> None:
     async with JobClient([a.address for a in leaves], TOKEN, deadline_s=30, max_channels=3) as client:
         assert client.max_channels == 3

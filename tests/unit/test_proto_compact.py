@@ -24,7 +24,6 @@ from rankscope.contract.snapshot import (
 )
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto_convert import (
-    Held,
     ProtoConversionError,
     ReadingVersions,
     expand_runs,
@@ -141,8 +140,12 @@ def _reply(versions: ReadingVersions, machine: MachineSnapshot, since: int | Non
     return pb.MachineSnapshot.FromString(msg.SerializeToString())
 
 
+Held = tuple[MachineSnapshot, int | None]  # a decoded reading and its version, as the client keeps them
+
+
 def _decode(msg: pb.MachineSnapshot, held: Held | None) -> Held:
-    [(address, machine, version)] = held_from_proto(msg, "a:1", lambda a: held if a == "a:1" else None)
+    [(address, machine, version)] = held_from_proto(
+        msg, "a:1", lambda a, v: held[0] if held is not None and a == "a:1" and held[1] == v else None)
     assert address == "a:1"
     return machine, version
 
