@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 RUN_ID_ENV = "RANKSCOPE_DRILL_RUN_ID"
 STORES_ENV = "RANKSCOPE_DRILL_BACKUP_STORES"  # JSON: the backup store of each machine of the job, by node rank
 AGENT_START_TIMEOUT_S = 30.0
+# A node's log (its ranks' output): torchrun's, or a parked node's (warm restarts).
+NODE_LOG_SUFFIXES = (".torchrun.log", ".warm.log")
 PARK_AFTER_S = 300.0  # the longest a fresh parked node waits for the restarted job to resume before it starts
 
 # Runs in the child in place of a preexec_fn: ask for SIGTERM when the thread that started it ends (the
@@ -327,7 +329,7 @@ class Launcher:
                 "--max-restarts", "0", "--monitor-interval", "0.5",
                 "-m", "rankscope.drill.worker", "train", *worker,
             ]
-            log = self.run_dir / "logs" / f"{label}.torchrun.log"
+            log = self.run_dir / "logs" / f"{label}{NODE_LOG_SUFFIXES[0]}"
             node = Node(name=label, node_rank=node_rank, proc=self._popen(argv, log, per_node), log=log)
             self.nodes[label] = node
             started.append(node)
@@ -377,7 +379,7 @@ class Launcher:
         if self._park_dir is None:  # short: a Unix socket path has at most 107 bytes
             self._park_dir = Path(tempfile.mkdtemp(prefix="rs-park-"))
         sock = self._park_dir / f"{next(self._park_ids)}.sock"
-        log = self.run_dir / "logs" / f"{label}.warm.log"
+        log = self.run_dir / "logs" / f"{label}{NODE_LOG_SUFFIXES[1]}"
         argv = warm.node_argv(self.python, sock, self.layout.ranks_per_machine, self.preload or warm.DRILL_PRELOAD)
         return Parked(label, self._popen(argv, log, self.base_env()), sock, log, time.monotonic())
 
@@ -812,6 +814,11 @@ def _tail(path: Path, lines: int = 3) -> str:
 def _reap(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
+
+
+def node_logs(run_dir: Path) -> list[Path]:
+    """Every node log of a drill's run folder, torchrun's and parked nodes' alike, by name."""
+    return sorted(p for p in (run_dir / "logs").glob("*.log") if p.name.endswith(NODE_LOG_SUFFIXES))
 
 
 def kill_trees(pids: Sequence[int], *, grace_s: float = 2.0) -> None:

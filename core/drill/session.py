@@ -30,7 +30,7 @@ from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import JobSnapshot, ProcessRole, main_thread
 from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent, ranks_resumed, standby_name
 from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan, GroundTruth, ground_truth, machine_name
-from rankscope.drill.launcher import Launcher, TrainingOptions
+from rankscope.drill.launcher import Launcher, TrainingOptions, node_logs
 from rankscope.drill.progress import ProgressWatcher
 
 POLL_S = 0.1
@@ -775,9 +775,9 @@ def run_headless(config: DrillConfig, *, bundle_path: Path | None = None,
 
 
 def log_errors(run_dir: Path, limit: int = 3) -> dict[str, list[str]]:
-    """The error lines of each node's torchrun log: what a crash left behind."""
+    """The error lines of each node's log: what a crash left behind."""
     out: dict[str, list[str]] = {}
-    for log in sorted((run_dir / "logs").glob("*.torchrun.log")):
+    for log in node_logs(run_dir):
         lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
                  if "Error:" in ln or "exitcode" in ln]
         if lines:

@@ -377,3 +377,15 @@ def test_an_attached_drill_says_what_it_did_once_its_tui_quit(tmp_path: Path) ->
     s.leftovers = [123]
     assert "stopped 1 leftover processes by force: 123" in attached_report_lines(s, 1)[-2]
     assert "(the TUI ended with code 1)" in attached_report_lines(s, 1)[0]
+
+
+def test_a_crash_report_reads_the_logs_of_parked_nodes_and_torchrun_nodes_alike(tmp_path: Path) -> None:
+    from rankscope.drill.session import log_errors
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "machine-0.torchrun.log").write_text("step 3\nRuntimeError: boom on rank 0\n")
+    (logs / "machine-1.warm.log").write_text("rankscope warm: go\nValueError: boom on rank 1\n")
+    (logs / "machine-1.agent.log").write_text("rankscope agent: RuntimeError: not a node's\n")
+    assert log_errors(tmp_path) == {"machine-0": ["RuntimeError: boom on rank 0"],
+                                    "machine-1": ["ValueError: boom on rank 1"]}

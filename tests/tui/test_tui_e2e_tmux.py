@@ -178,9 +178,11 @@ def rank_progress(run_dir: Path, rank: int) -> int:
 
 
 def restored_steps(run_dir: Path) -> set[int]:
-    """The steps the restarted ranks say they restored from the backups (their torchrun logs)."""
+    """The steps the restarted ranks say they restored from the backups (their nodes' logs)."""
+    from rankscope.drill.launcher import node_logs
+
     found: set[int] = set()
-    for log in (run_dir / "logs").glob("*.torchrun.log"):
+    for log in node_logs(run_dir):
         found.update(int(m) for m in re.findall(r"restored step (\d+) from the backup", log.read_text()))
     return found
 
