@@ -76,26 +76,24 @@ def base_package(ref: str) -> Path:
 
 
 # The base code is a whole tree (its analyzers and probes match its core); its core had one flat package, so the
-# modules this benchmark uses had other names there (#15 split core/ by role).
+# modules this benchmark (and fanout_source) use had other names there (#15 split core/ by role).
 BASE_TREES = ("core", "analyzers", "probes", "ccl_plugin")
-BASE_NAMES = {"rankscope.wire.agent": "rankscope.agent", "rankscope.wire.tokens": "rankscope.tokens",
+BASE_NAMES = {"rankscope.contract.snapshot": "rankscope.snapshot", "rankscope.contract.bundle": "rankscope.bundle",
+              "rankscope.wire.tokens": "rankscope.tokens", "rankscope.wire.agent": "rankscope.agent",
               "rankscope.wire.client": "rankscope.client", "rankscope.wire.proto": "rankscope.proto",
-              "rankscope.contract.snapshot": "rankscope.snapshot", "rankscope.contract.bundle": "rankscope.bundle"}
-IMPL = "new"
+              "rankscope.wire.proto.rankscope_pb2": "rankscope.proto.rankscope_pb2",
+              "rankscope.wire.proto.rankscope_pb2_grpc": "rankscope.proto.rankscope_pb2_grpc"}
 
 
 def use_impl(impl: str, base: str | None) -> None:
-    global IMPL
-    IMPL = impl
     if impl == "base":
         assert base is not None
         sys.path.insert(0, base)
+        # The base's modules under this checkout's names, so the code below imports one set of names. (Looking
+        # them up by the new names would not fail: the editable install's finder serves this checkout's.)
+        for name, base_name in BASE_NAMES.items():
+            sys.modules[name] = importlib.import_module(base_name)
     sys.path.insert(0, str(HERE))  # fanout_source
-
-
-def module(name: str) -> Any:
-    """The module ``name`` of the code under test (its base-code name when that is the one running)."""
-    return importlib.import_module(BASE_NAMES.get(name, name) if IMPL == "base" else name)
 
 
 # ---- agent servers (one process serves many) --------------------------------------------------
@@ -104,10 +102,10 @@ def module(name: str) -> Any:
 async def serve_many(args: argparse.Namespace) -> None:
     use_impl(args.impl, args.base)
     import fanout_source
+    from rankscope.wire.agent import AgentConfig, start_agent
+    from rankscope.wire.tokens import parse_tokens
 
-    agent_mod = module("rankscope.wire.agent")
-    AgentConfig, start_agent = agent_mod.AgentConfig, agent_mod.start_agent
-    parse_tokens = module("rankscope.wire.tokens").parse_tokens
+    agent_mod = importlib.import_module("rankscope.wire.agent")  # (not `import a.b as m`: it walks the attributes)
 
     tokens = parse_tokens(f"read:{TOKEN}\n", "bench")
     world = args.world
@@ -193,10 +191,9 @@ class Servers:
 
 def client(args: argparse.Namespace) -> None:
     use_impl(args.impl, args.base)
-    JobClient = module("rankscope.wire.client").JobClient
-    proto = module("rankscope.wire.proto").__name__
-    pb = importlib.import_module(f"{proto}.rankscope_pb2")
-    pb_grpc = importlib.import_module(f"{proto}.rankscope_pb2_grpc")
+    from rankscope.wire.client import JobClient
+    from rankscope.wire.proto import rankscope_pb2 as pb
+    from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
 
     agents = json.loads(Path(args.agents_file).read_text())
     out: dict[str, Any] = {}
@@ -229,8 +226,7 @@ def client(args: argparse.Namespace) -> None:
     out["code"] = str(Path(rankscope.__file__).parent)
     out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.bundle:
-        bundle_mod = module("rankscope.contract.bundle")
-        Bundle, read_bundle, write_bundle = bundle_mod.Bundle, bundle_mod.read_bundle, bundle_mod.write_bundle
+        from rankscope.contract.bundle import Bundle, read_bundle, write_bundle
 
         path = Path(args.bundle)
         cpu0, t0 = time.process_time(), time.perf_counter()

@@ -15,42 +15,21 @@ a stack; one rank is stuck in a different frame, the way a hang looks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
-import rankscope
-
-if not (Path(rankscope.__file__).parent / "snapshot.py").exists():
-    from rankscope.contract.snapshot import (
-        Communicator,
-        Frame,
-        HostMetrics,
-        Instant,
-        MachineSnapshot,
-        OpCounters,
-        ProcessInfo,
-        ProcessRole,
-        ProcessStack,
-        RankCounters,
-        RankInfo,
-        RankStacks,
-        ThreadStack,
-)
-else:  # the base code bench_fanout.py runs beside: one flat package before #15 (the editable install's finder
-    # would still serve the new layout's submodules, so the test is on the package's files, not on an ImportError)
-    from rankscope.snapshot import (  # type: ignore[no-redef]
-        Communicator,
-        Frame,
-        HostMetrics,
-        Instant,
-        MachineSnapshot,
-        OpCounters,
-        ProcessInfo,
-        ProcessRole,
-        ProcessStack,
-        RankCounters,
-        RankInfo,
-        RankStacks,
-        ThreadStack,
+from rankscope.contract.snapshot import (
+    Communicator,
+    Frame,
+    HostMetrics,
+    Instant,
+    MachineSnapshot,
+    OpCounters,
+    ProcessInfo,
+    ProcessRole,
+    ProcessStack,
+    RankCounters,
+    RankInfo,
+    RankStacks,
+    ThreadStack,
 )
 
 TP, PP = 8, 4
