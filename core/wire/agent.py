@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import ipaddress
 import os
@@ -43,7 +42,7 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -66,6 +65,9 @@ from rankscope.wire.proto_convert import (
 from rankscope.wire.rank_progress import ProgressTracker
 from rankscope.wire.tls import ClientTLS, ServerTLS, server_credentials
 from rankscope.wire.tokens import MAKE_TOKEN, Role, TokenSet
+
+if TYPE_CHECKING:
+    from rankscope.wire.client import Call, CallFor
 
 DEFAULT_PORT = 50051
 SERVICE = "rankscope.v1.RankscopeAgent"
@@ -366,8 +368,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             await asyncio.sleep(max(0.05, interval_s - idle))
 
     async def _reply(self, context: grpc.aio.ServicerContext, reading: Awaitable[MachineSnapshot],
-                     forward: Callable[[str], Callable[[Any, Sequence[tuple[str, str]], float],
-                                                       Awaitable[pb.MachineSnapshot]]] | None = None,
+                     forward: CallFor | None = None,
                      since: int | None = None) -> pb.MachineSnapshot:
         """``forward(address)``: the call a relay makes to the agent at ``address``.
 
@@ -478,22 +479,13 @@ def _since(request: pb.DescribeRequest | pb.CaptureRequest) -> int | None:
     return request.since if request.HasField("since") else None
 
 
-def _relaying(request: pb.DescribeRequest | pb.CaptureRequest, method: str) -> Callable[
-        [str], Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]]:
+def _relaying(request: pb.DescribeRequest | pb.CaptureRequest, method: str) -> CallFor:
     """The call a relay forwards to the agent at an address: the client's request, with the version the client
     holds of that agent's reply (``relayed_since``) as its own ``since``."""
+    from rankscope.wire.client import versioned_call
 
-    def forward_to(address: str) -> Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]:
-        child = copy.deepcopy(request)
-        child.ClearField("relayed_since")
-        child.ClearField("since")
-        if address in request.relayed_since:
-            child.since = request.relayed_since[address]
-
-        def call(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
-            return getattr(stub, method)(child, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
-
-        return call
+    def forward_to(address: str) -> Call:
+        return versioned_call(method, request, request.relayed_since.get(address))
 
     return forward_to
 

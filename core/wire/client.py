@@ -97,6 +97,26 @@ RESERVED_FDS = 128
 
 Call = Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]
 CallFor = Callable[[str], Call]  # the call to make to the agent at an address
+
+
+def versioned_call(method: str, request: pb.DescribeRequest | pb.CaptureRequest, since: int | None,
+                   relayed_since: Sequence[tuple[str, int]] = ()) -> Call:
+    """``method`` with ``request`` as a call, asking for what changed since reading ``since`` of the agent called
+    (and ``relayed_since``: of each agent it relays for); no versions: the request as it is."""
+    req = request
+    if since is not None or relayed_since or request.HasField("since") or request.relayed_since:
+        req = copy.deepcopy(request)
+        req.ClearField("since")
+        req.ClearField("relayed_since")
+        if since is not None:
+            req.since = since
+        for child, version in relayed_since:
+            req.relayed_since[child] = version
+
+    def call(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
+        return getattr(stub, method)(req, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
+
+    return call
 UNOWNED = "unowned"  # plan_action's key for targets no agent reports
 # A plan is asked once, by a person who waits for it: the poll deadline (made for readings repeated every
 # second) must not fail it. An agent's first plan after it (re)started imports its planning code and scans
@@ -602,20 +622,8 @@ class JobClient:
         the reading this client holds of it."""
 
         def call_for(address: str) -> Call:
-            had = self._newest(address)
             relayed = [(a, v) for a in self._relayed.get(address, ()) if (v := self._newest(a)) is not None]
-            req = request
-            if had is not None or relayed:
-                req = copy.deepcopy(request)
-                if had is not None:
-                    req.since = had
-                for child, version in relayed:
-                    req.relayed_since[child] = version
-
-            def call(stub: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> Awaitable[pb.MachineSnapshot]:
-                return getattr(stub, method)(req, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
-
-            return call
+            return versioned_call(method, request, self._newest(address), relayed)
 
         return call_for
 
