@@ -387,10 +387,9 @@ class Launcher:
         """Park a node for each of ``labels`` that has none, once the job has resumed from its last start.
 
         Parking imports torch: done while a restarted job loads and takes its
-        first step, it would take the cores the restart is measured on. The
-        parks are done by one thread that lives as long as the launcher: the
-        parked processes get their parent-death signal when the thread that
-        started them ends.
+        first step, it would take the cores the restart is measured on. So one
+        thread of the launcher waits for that and parks (through the spawner,
+        like every process of the drill), and the restart is not held up.
         """
         for label in labels:
             self._park_requests.put(label)
@@ -865,6 +864,7 @@ def _wait_dead(procs: Sequence[Any], timeout_s: float) -> list[Any]:
     A zombie counts as dead: a rank's child whose parent died first is left to
     PID 1 to reap, and a container's init may do that only every second or so
     (psutil.wait_procs counts it as alive until then: 1.2 s of each restart).
+    Our own children are left for their Popen to reap, with their exit status.
     """
     import psutil
 
@@ -876,9 +876,6 @@ def _wait_dead(procs: Sequence[Any], timeout_s: float) -> list[Any]:
             with contextlib.suppress(psutil.Error):  # gone: NoSuchProcess
                 if p.status() != psutil.STATUS_ZOMBIE:
                     still.append(p)
-                    continue
-                with contextlib.suppress(psutil.Error, ChildProcessError):
-                    p.wait(0)  # our own child: reap it now
         pending = still
         if not pending or time.monotonic() >= deadline:
             return pending
