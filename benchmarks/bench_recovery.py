@@ -56,7 +56,7 @@ from rankscope.contract.errors import RankscopeError
 from rankscope.drill.control import DrillMachines, Recovery
 from rankscope.drill.faults import DrillLayout, make_plan
 from rankscope.drill.launcher import Launcher, TrainingOptions
-from rankscope.drill.progress import read_phases, read_progress
+from rankscope.drill.progress import read_phases, stepped_past
 from rankscope.drill.session import DrillConfig, DrillSession
 from rankscope.drill.worker import latest_checkpoint
 
@@ -97,15 +97,10 @@ def _suspects(s: DrillSession) -> tuple[tuple[str, ...], float]:
     return top.machines, time.monotonic() - last_progress
 
 
-def _resumed(run_dir: Path, since_wall: float, step: int) -> bool:
-    progress = read_progress(run_dir)
-    return len(progress) >= LAYOUT.world and all(p.wall >= since_wall and p.step > step for p in progress.values())
-
-
 def _wait_resumed(run_dir: Path, since_wall: float, step: int, what: str) -> float:
     """Block until every rank completed a step after ``step`` since ``since_wall``; the wall clock then."""
     deadline = time.monotonic() + 600
-    while not _resumed(run_dir, since_wall, step):
+    while not stepped_past(run_dir, LAYOUT.world, since_wall, step):
         if time.monotonic() > deadline:
             raise SystemExit(f"the {what} job did not resume")
         time.sleep(0.05)
@@ -197,7 +192,7 @@ def hot_update_in_place(run_dir: Path) -> Run:
         launcher.start_nodes()
         launcher.start_agents()
         deadline = time.monotonic() + 600
-        while not _resumed(run_dir, 0.0, WARM_STEPS - 1):
+        while not stepped_past(run_dir, LAYOUT.world, 0.0, WARM_STEPS - 1):
             if time.monotonic() > deadline:
                 raise SystemExit("the job did not start")
             time.sleep(0.1)

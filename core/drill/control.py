@@ -403,12 +403,9 @@ class _Finished:
 
 def ranks_resumed(run_dir: Path, world: int, event: RecoveryEvent) -> bool:
     """Every rank of the restarted job has completed a step after the restart."""
-    from rankscope.drill.progress import read_progress
+    from rankscope.drill.progress import stepped_past
 
-    progress = read_progress(run_dir)
-    return len(progress) >= world and all(
-        p.wall >= event.restart_began_wall and p.step > event.resume_step and p.state in ("running", "done")
-        for r, p in progress.items() if r < world)
+    return stepped_past(run_dir, world, event.restart_began_wall, event.resume_step)
 
 
 async def evict_machines(agents: list[str], token: str, machines: tuple[str, ...], reason: str,

@@ -414,14 +414,12 @@ class Launcher:
 
     def _resumed(self) -> bool:
         """Every rank of the job has done a step since its last start (or the job is not running)."""
-        from rankscope.drill.progress import read_progress
+        from rankscope.drill.progress import stepped_past
 
         if not self.nodes or not all(self.nodes_alive().values()):
             return True
         since, step = self._go
-        progress = read_progress(self.run_dir)
-        return len(progress) >= self.layout.world and all(p.wall >= since and p.step > step
-                                                          for r, p in progress.items() if r < self.layout.world)
+        return stepped_past(self.run_dir, self.layout.world, since, step)
 
     def parked_ready(self, names: Sequence[str]) -> bool:
         """Every one of ``names`` has a parked node whose interpreters have finished importing."""

@@ -142,3 +142,11 @@ class ProgressWatcher:
         if len(steps) < 2:
             return None
         return (seen[steps[-1]] - seen[steps[0]]) / (steps[-1] - steps[0])
+
+
+def stepped_past(run_dir: Path, world: int, since_wall: float, step: int) -> bool:
+    """Every rank 0..world-1 reported, at or after ``since_wall``, that it runs (or ran to the end) past ``step``:
+    a (re)started job has resumed."""
+    progress = read_progress(run_dir)
+    return all((p := progress.get(r)) is not None and p.wall >= since_wall and p.step > step
+               and p.state in ("running", "done") for r in range(world))

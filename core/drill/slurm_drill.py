@@ -34,7 +34,7 @@ from typing import Any
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan, ground_truth
 from rankscope.drill.launcher import RUN_ID_ENV, TrainingOptions, free_port
-from rankscope.drill.progress import read_progress
+from rankscope.drill.progress import read_progress, stepped_past
 
 STANDBY_PARTITION = "standby"
 POLL_S = 0.5
@@ -163,7 +163,7 @@ def run_slurm_drill(config: SlurmDrillConfig, on_event: Callable[[str], None] | 
         report["restarted_on"] = list(_job_nodes(job, env))
         report["drained"] = {n: _node_state(n, env) for n in report["evicted"]}
         hung_at = max(stall_step.values()) if stall_step else 0
-        _wait(lambda: _resumed(run_dir, world, requeued_wall, hung_at), config.restart_timeout_s,
+        _wait(lambda: stepped_past(run_dir, world, requeued_wall, hung_at), config.restart_timeout_s,
               f"every rank of the restarted job to train past step {hung_at}, where it hung")
         progress = read_progress(run_dir)
         report["resumed"] = True
@@ -332,14 +332,6 @@ def _attach_and_evict(config: SlurmDrillConfig, d: SlurmDrillJob) -> dict[str, A
             records = AuditLog(path).records()
             out["audit"][node] = [f"{r.result}: {r.message}" for r in records][-2:]
     return out
-
-
-def _resumed(run_dir: Path, world: int, since_wall: float, hung_at: int) -> bool:
-    """Every rank reported after the eviction, past the step where the job hung."""
-    progress = read_progress(run_dir)
-    return len(progress) >= world and all(
-        p.wall >= since_wall and p.state in ("running", "done") and p.step > hung_at
-        for r, p in progress.items() if r < world)
 
 
 def _resume_lines(run_dir: Path) -> list[str]:

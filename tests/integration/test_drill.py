@@ -389,3 +389,21 @@ def test_a_crash_report_reads_the_logs_of_parked_nodes_and_torchrun_nodes_alike(
     (logs / "machine-1.agent.log").write_text("rankscope agent: RuntimeError: not a node's\n")
     assert log_errors(tmp_path) == {"machine-0": ["RuntimeError: boom on rank 0"],
                                     "machine-1": ["ValueError: boom on rank 1"]}
+
+
+def test_a_job_has_resumed_once_every_rank_reported_a_step_past_the_restart(tmp_path: Path) -> None:
+    import time
+
+    from rankscope.drill.progress import stepped_past, write_progress
+
+    (tmp_path / "progress").mkdir()  # made by each rank as it starts
+    since = time.time()
+    write_progress(tmp_path, 0, 9)
+    write_progress(tmp_path, 1, 8)  # still at the restart's step
+    assert not stepped_past(tmp_path, 2, since, 8)
+    write_progress(tmp_path, 1, 9, "starting")  # a start record is not a step done
+    assert not stepped_past(tmp_path, 2, since, 8)
+    write_progress(tmp_path, 1, 12, "done")
+    assert stepped_past(tmp_path, 2, since, 8)
+    assert not stepped_past(tmp_path, 3, since, 8)  # rank 2 never reported
+    assert not stepped_past(tmp_path, 2, time.time() + 60, 8)  # reports from before the restart do not count
