@@ -59,7 +59,7 @@ from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFi
 from rankscope.analyzers.minder import MinderDetector
 from rankscope.analyzers.rounds import DEFAULT_MAJORITY, required_flags, tally
 from rankscope.analyzers.series import RunTracker, SeriesStore
-from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitDetector
+from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitDetector, sampling_problems
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.analyzers.verdict import suspect_label
@@ -404,7 +404,7 @@ class FailSlowDetector:
         flags += self._stack_flags(_as_verdict(stack_analysis))
         flags += self._ccl_flags(snapshot, degradation, notes)
         flags += self._p2p_flags(snapshot)
-        flags += self._sample_flags(snapshot)
+        flags += self._sample_flags(snapshot, notes)
         verdict = self._combine(flags, notes, now)
         self._history.append(verdict)
         self._last = verdict
@@ -617,10 +617,11 @@ class FailSlowDetector:
             return ""
         return f" ({', '.join(names)})" if names else ""
 
-    def _sample_flags(self, snapshot: JobSnapshot) -> list[DetectorFlag]:
+    def _sample_flags(self, snapshot: JobSnapshot, notes: list[str]) -> list[DetectorFlag]:
         windows = snapshot.all_samples()
         if windows:
             self.samples.add(windows)
+            notes += sampling_problems(windows)  # the ranks the wait test cannot speak for, and why
         result = self.samples.result()
         cfg = self.config
         rank_machine = self.store.rank_machine()

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rankscope.analyzers.stacks import communication_kind
+from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.snapshot import StackSampleWindow
 
 CLASSES: tuple[str, ...] = ("collective", "p2p", "compute", "data", "other")
@@ -214,6 +215,26 @@ def rank_waits(windows: Iterable[StackSampleWindow]) -> dict[int, RankWaits]:
         total = sum(s.values())
         out[r] = RankWaits(r, total, s["collective"] + s["p2p"], tuple(s.items()))
     return out
+
+
+def sampling_problems(windows: Iterable[StackSampleWindow]) -> tuple[str, ...]:
+    """One line per distinct failure among each rank's newest window: which ranks, what failed, the fix.
+
+    A failed window carries no samples, so the wait test is silent about its
+    rank; this says why. Only the newest window of a rank counts: one that
+    failed a minute ago and has been sampled since is not a problem now.
+    """
+    newest: dict[int, StackSampleWindow] = {}
+    for w in windows:
+        if w.rank not in newest or w.end_wall > newest[w.rank].end_wall:
+            newest[w.rank] = w
+    failed: dict[tuple[str, str], list[int]] = {}
+    for w in newest.values():
+        if w.error is not None:
+            failed.setdefault((w.error.message, w.error.fix), []).append(w.rank)
+    return tuple(f"sampling failed on rank{'s' if len(ranks) > 1 else ''} {compact_ranks(ranks, limit=8)}: {message}"
+                 + (f" (fix: {fix})" if fix else "")
+                 for (message, fix), ranks in sorted(failed.items(), key=lambda kv: min(kv[1])))
 
 
 # The null's margins (see the module docstring): a quarter of the peers' odds of waiting, 20 points below them.

@@ -29,6 +29,7 @@ from rankscope.analyzers.stack_samples import (
     null_share,
     parse_collapsed,
     rank_waits,
+    sampling_problems,
     wilson_lower,
 )
 from rankscope.contract.snapshot import (
@@ -202,6 +203,21 @@ def test_error_windows_are_not_counted() -> None:
     assert rank_waits(ws)[0].samples == 5
 
 
+def test_sampling_problems_name_the_ranks_whose_newest_window_failed_with_the_fix() -> None:
+    from rankscope.contract.snapshot import CaptureError
+
+    refused = CaptureError(CaptureErrorKind.PERMISSION, "ptrace refused for pid 7", "run the agent as root")
+    gone = CaptureError(CaptureErrorKind.GONE, "pid 9 is gone")
+    ws = [StackSampleWindow(0, 1, 0.0, 3.0, error=refused), StackSampleWindow(0, 1, 3.0, 6.0, collective=5),  # recovered
+          StackSampleWindow(1, 2, 3.0, 6.0, error=refused), StackSampleWindow(2, 3, 0.0, 3.0, compute=4),
+          StackSampleWindow(2, 3, 3.0, 6.0, error=refused), StackSampleWindow(3, 4, 3.0, 6.0, error=gone)]
+    assert sampling_problems(ws) == (
+        "sampling failed on ranks 1-2: ptrace refused for pid 7 (fix: run the agent as root)",
+        "sampling failed on rank 3: pid 9 is gone",
+    )
+    assert sampling_problems(ws[:2]) == ()
+
+
 def _snap(t: float, ws: list[StackSampleWindow]) -> JobSnapshot:
     machines = []
     for m in range(2):
@@ -222,6 +238,18 @@ def test_failslow_detector_is_confident_on_samples_alone_and_names_rank_groups_a
     assert flag.alarmed and flag.ranks == (5,)
     assert "rank 5 waited" in flag.evidence and "TP group 2" in flag.evidence and "PP group 1" in flag.evidence
     assert last.confidence > verdicts[3].confidence or verdicts[3].confident
+
+
+def test_failslow_verdict_says_which_ranks_could_not_be_sampled() -> None:
+    from rankscope.contract.snapshot import CaptureError
+
+    det = FailSlowDetector()
+    ws = windows({r: 0.9 for r in range(8)}, 8)
+    refused = CaptureError(CaptureErrorKind.PERMISSION, "ptrace refused", "run the agent as root")
+    failed = [StackSampleWindow(6, 106, 1e9, 1e9 + 3, error=refused), StackSampleWindow(7, 107, 1e9, 1e9 + 3, error=refused)]
+    fs = det.update(_snap(1000.0, ws + failed))
+    assert "sampling failed on ranks 6-7: ptrace refused (fix: run the agent as root)" in fs.verdict.notes
+    assert not any("sampling failed" in n for n in det.update(_snap(1003.0, ws)).verdict.notes)
 
 
 def test_failslow_detector_stays_quiet_on_a_healthy_sampled_job() -> None:

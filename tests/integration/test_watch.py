@@ -98,6 +98,34 @@ def test_watch_runs_stack_rounds_on_real_ranks(procs: Processes, tmp_path: Path)
     assert not [f for e in events if e["event"] == "verdict" for f in e["flags"] if f["detector"] == "stacks"]
 
 
+def test_watch_says_which_rank_could_not_be_sampled_and_why(procs: Processes, tmp_path: Path) -> None:
+    """A rank that dies under the watch: its sampling fails, and an error line names the rank, not silence."""
+    from agent_helpers import kill_group
+
+    _, token_file = make_token_file(tmp_path)
+    r0 = procs.rank(0, 2)
+    r1 = procs.rank(1, 2, run_id=r0.run_id)
+    agent = procs.agent("w3", "--run-id", r0.run_id, token_file=token_file)
+    proc = subprocess.Popen([sys.executable, "-m", "rankscope", "watch", "--agents", agent.address, "--token-file",
+                             str(token_file), "--duration", "40", "--stack-interval", "0", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=clean_env())
+    events: list[dict[str, Any]] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # read as the watch prints: the rank dies once the agent has answered
+            events.append(json.loads(line))
+            if events[-1]["event"] == "verdict" and r1.proc.poll() is None:
+                kill_group(r1.proc)
+            if events[-1]["event"] == "error" or events[-1]["event"] == "end":
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    errors = [e["message"] for e in events if e["event"] == "error"]
+    assert errors and errors[0].startswith("sampling failed on rank 1: "), events[-3:]
+    assert "rank 0" not in errors[0] and "fix: " in errors[0], errors[0]
+
+
 def test_watch_rejects_bad_input_with_the_fix(tmp_path: Path) -> None:
     code, _, err = watch("--agents", "127.0.0.1:1", "--interval", "0", "--duration", "1")
     assert code == 2 and "--interval" in err and "fix:" in err

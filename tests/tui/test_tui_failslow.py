@@ -205,6 +205,25 @@ async def test_healthy_series_shows_no_confident_flag() -> None:
         assert len(rows) == 4 and all("▲" not in row and row.rstrip().endswith("■■") for row in rows)
 
 
+async def test_ranks_whose_sampling_failed_are_named_with_the_fix() -> None:
+    from rankscope.contract.snapshot import CaptureError, CaptureErrorKind, StackSampleWindow
+
+    refused = CaptureError(CaptureErrorKind.PERMISSION, "ptrace refused", "run the agent as root")
+    snaps = fs_series(12, slow=None)
+    last = snaps[-1]
+    m3 = replace(last.machines[3], samples=tuple(StackSampleWindow(r, 1000 + r, WALL0 + 8, WALL0 + 11, error=refused)
+                                                 for r in (6, 7)))
+    snaps[-1] = replace(last, machines=(*last.machines[:3], m3))
+    app = RankscopeApp(BundleSource(Bundle(tuple(snaps), WALL0 + 12), "bundle sampling"), AppOptions())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _replayed(pilot)
+        await pilot.press("7")
+        await pilot.pause()
+        summary = _text(app, "#fs-summary")
+        assert "sampling failed on ranks 6-7: ptrace refused (fix: run the agent as root)" in summary, summary
+        assert "step time" not in summary.split("\n", 2)[-1], "the trend note is not repeated under the job step"
+
+
 async def test_live_polls_feed_the_detectors_until_the_slow_machine_is_named() -> None:
     snaps = fs_series(50)  # confident from about 40 s of the series on
     source = QueueSource("live", initial=snaps[:1])

@@ -70,6 +70,10 @@ def summary_text(view: FailSlowView) -> Text:
         out.append(f" · {view.skipped} polls skipped while the detectors were busy", "yellow")
     for e in view.errors:
         out.append(f"\n{e}", "red")
+    trend_line = v.trend.evidence() if v.trend is not None else None
+    for note in v.verdict.notes:  # what the detectors could not see, and why (unreachable agents, failed sampling)
+        if note != trend_line:  # the job step is on the line above
+            out.append(f"\n{note}", "yellow")
     return out
 
 

@@ -18,7 +18,7 @@ The JSON lines (``--json``), one object each:
   (every detector's ``DetectorFlag``: detector, machine, ranks, metric, score, evidence,
   alarmed, held, required), trend (the job's step time: step_s, baseline_s, ratio, slope),
   machines (those that answered), unreachable (address, error, fix), missing_ranks, notes.
-- ``error``: message, fix (each distinct problem once: a stack round that failed, ...).
+- ``error``: message, fix (each distinct problem once: a stack round that failed, ranks whose sampling failed, ...).
 - ``end``: rounds, summary, machine, suspect_machines, confident, confidence, stack_rounds, exit.
 
 Polls never overlap: the next one starts an interval after the previous one
@@ -208,6 +208,7 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
     import time
 
     from rankscope.analyzers.failslow import FailSlowDetector, config_for
+    from rankscope.analyzers.stack_samples import sampling_problems
     from rankscope.wire.client import JobClient
 
     config = config_for(args.window, args.continuity, args.rounds)
@@ -256,6 +257,8 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
             except Exception as exc:  # an analyzer bug must cost this poll, not the watch
                 error(f"fail-slow analysis failed: {type(exc).__name__}: {exc}", "report this as a rankscope bug")
                 fs = None
+            for problem in sampling_problems(snap.all_samples()):  # ranks the wait test cannot speak for
+                error(problem)
             if fs is not None:
                 key = change_key(fs, snap)
                 if key != last_key:
