@@ -25,11 +25,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rankscope.analyzers.ccl_desync import P2P_OPS, CrossedWait, comm_label, crossed_waits
+from rankscope.analyzers.ccl_desync import P2P_OPS, CrossedWait, comm_label, crossed_waits, op_table
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters
+from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 
 SOURCE = "ccl"
 # Scores on this detector's own scale (the merge rescales): a lagging rank
@@ -67,36 +67,21 @@ class CommTable:
         return any(r.cl_lags or r.incomplete for r in self.rows)
 
 
-def _communicators(counters: Mapping[int, RankCounters]) -> dict[str, Communicator]:
-    out: dict[str, Communicator] = {}
-    for rc in counters.values():
-        for c in rc.communicators:
-            out.setdefault(c.comm_id, c)
-    return out
-
-
-def _ops_by_comm(rc: RankCounters) -> dict[str, list[OpCounters]]:
-    out: dict[str, list[OpCounters]] = {}
-    for o in rc.ops:
-        out.setdefault(o.comm_id, []).append(o)
-    return out
-
-
 def comm_tables(counters: Mapping[int, RankCounters]) -> tuple[CommTable, ...]:
     """One table per communicator: each member's CL/WR/WC and what does not match."""
     tables: list[CommTable] = []
-    by_rank_ops = {r: _ops_by_comm(rc) for r, rc in counters.items()}
-    for cid, comm in _communicators(counters).items():
+    table = op_table(counters)
+    for cid, comm in table.comms.items():
+        by_op = table.of(cid)
         totals: dict[int, tuple[int, int, int, tuple[int, ...], tuple[tuple[str, int, int, int], ...]]] = {}
         for r in comm.ranks:
-            ops = by_rank_ops.get(r, {}).get(cid)
             if r not in counters:
                 continue
-            ops = ops or []
+            ops = [by_rank[r] for _, by_rank in sorted(by_op.items()) if r in by_rank]
             cl = sum(o.cl for o in ops if o.op not in P2P_OPS)
             peers = tuple(sorted({p for o in ops for p in o.open_peers}))
             totals[r] = (cl, sum(o.wr for o in ops), sum(o.wc for o in ops), peers,
-                         tuple((o.op, o.cl, o.wr, o.wc) for o in sorted(ops, key=lambda o: o.op)))
+                         tuple((o.op, o.cl, o.wr, o.wc) for o in ops))
         top = max((t[0] for t in totals.values()), default=0)
         rows = []
         for r in comm.ranks:
@@ -129,8 +114,7 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
     """
     placement = placement or {}
     live = {r: rc for r, rc in counters.items() if rc.error is None}
-    comms = _communicators(live)
-    ops_of = {r: _ops_by_comm(rc) for r, rc in live.items()}
+    table = op_table(live)
     found: dict[tuple[int, ...], tuple[float, list[str]]] = {}
 
     def add(ranks: tuple[int, ...], score: float, line: str) -> None:
@@ -141,12 +125,33 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
         else:
             found[key] = (max(old[0], score), [*old[1], line])
 
-    for cid, comm in comms.items():
+    for cid, comm in table.comms.items():
         members = [r for r in comm.ranks if r in live]
-        # computation side: per collective op, CL behind members that wait in it
-        op_names = sorted({o.op for r in members for o in ops_of[r].get(cid, []) if o.op not in P2P_OPS})
-        for op in op_names:
-            row = {r: next((o for o in ops_of[r].get(cid, []) if o.op == op), None) for r in members}
+        by_op = table.of(cid)
+        for op in sorted(by_op):
+            by_rank = by_op[op]
+            row = {r: by_rank.get(r) for r in members}
+            if not any(o is not None for o in row.values()):
+                continue
+            if op in P2P_OPS:
+                # communication side: open point-to-point requests, and whether the peer posted its side
+                back = "send" if op == "recv" else "recv"
+                backs = by_op.get(back, {})
+                for r, o in row.items():
+                    if o is None or o.wc >= o.wr:
+                        continue
+                    for peer in o.open_peers or ():
+                        theirs = backs.get(peer)
+                        posted = theirs is not None and r in theirs.open_peers
+                        line = (f"rank {r}: {op} on {_label(comm)} WC {o.wc} < WR {o.wr}, open with rank {peer}"
+                                + ("" if posted or peer not in live else f"; rank {peer} has no open {back} to rank {r}"))
+                        score = SCORE_OPEN_REQUEST if posted or peer not in live else SCORE_P2P_UNPOSTED
+                        add((r, peer), score, line + " (communication side)")
+                    if not o.open_peers:
+                        add((r,), SCORE_OPEN_REQUEST * 0.5,
+                            f"rank {r}: {op} on {_label(comm)} WC {o.wc} < WR {o.wr}, peer unknown")
+                continue
+            # computation side: CL behind members that wait in it
             cls = {r: (o.cl if o else 0) for r, o in row.items()}
             top = max(cls.values(), default=0)
             leaders = [r for r, c in cls.items() if c == top]
@@ -157,29 +162,13 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                     f"rank {', '.join(map(str, laggards))}: {op} CL {min(cls[r] for r in laggards)} < {top} on "
                     f"{_label(comm)}; {_ranks_word(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in it "
                     "(computation side)")
-        # communication side: open requests
-        for r in members:
-            for o in ops_of[r].get(cid, []):
-                if o.wc >= o.wr:
-                    continue
-                if o.op in P2P_OPS:
-                    for peer in o.open_peers or ():
-                        back = "send" if o.op == "recv" else "recv"
-                        peer_ops = ops_of.get(peer, {}).get(cid, [])
-                        posted = any(po.op == back and r in po.open_peers for po in peer_ops)
-                        line = (f"rank {r}: {o.op} on {_label(comm)} WC {o.wc} < WR {o.wr}, open with rank {peer}"
-                                + ("" if posted or peer not in live else f"; rank {peer} has no open {back} to rank {r}"))
-                        score = SCORE_OPEN_REQUEST if posted or peer not in live else SCORE_P2P_UNPOSTED
-                        add((r, peer), score, line + " (communication side)")
-                    if not o.open_peers:
-                        add((r,), SCORE_OPEN_REQUEST * 0.5,
-                            f"rank {r}: {o.op} on {_label(comm)} WC {o.wc} < WR {o.wr}, peer unknown")
-                else:
-                    launched = [x.cl for m in members for x in ops_of[m].get(cid, []) if x.op == o.op]
-                    if launched and min(launched) == max(launched) and len(launched) == len(members):
-                        # every member launched it, yet this one's request never completed
+            # communication side: every member launched it, yet a request never completed
+            launched = [o.cl for o in row.values() if o is not None]
+            if len(launched) == len(members) and min(launched) == max(launched):
+                for r, o in row.items():
+                    if o is not None and o.wc < o.wr:
                         add((r,), SCORE_OPEN_REQUEST,
-                            f"rank {r}: {o.op} on {_label(comm)} WC {o.wc} < WR {o.wr} with every member "
+                            f"rank {r}: {op} on {_label(comm)} WC {o.wc} < WR {o.wr} with every member "
                             "launched (communication side)")
     suspects = [Suspect(SuspectKind.RANK, ranks, _machines(ranks, placement), score, tuple(lines), (SOURCE,))
                 for ranks, (score, lines) in found.items()]
