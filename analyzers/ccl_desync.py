@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.analyzers.topology import compact_ranks, distinct_communicators
 from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters
 
 P2P_OPS = frozenset({"send", "recv"})
@@ -83,14 +83,11 @@ class OpTable:
 
 
 def op_table(counters: Mapping[int, RankCounters]) -> OpTable:
-    comms: dict[str, Communicator] = {}
     ops: dict[str, dict[str, dict[int, OpCounters]]] = {}
     for r, rc in counters.items():
-        for c in rc.communicators:
-            comms.setdefault(c.comm_id, c)
         for o in rc.ops:
             ops.setdefault(o.comm_id, {}).setdefault(o.op, {}).setdefault(r, o)
-    return OpTable(comms, ops)
+    return OpTable(distinct_communicators(counters), ops)
 
 
 def live_counters(counters: Mapping[int, RankCounters]) -> dict[int, RankCounters]:

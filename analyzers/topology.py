@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from rankscope.contract.snapshot import JobSnapshot, Layout
+from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, RankCounters
 
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 """Every parallel dimension, in Megatron's default order (fastest first)."""
@@ -84,6 +84,7 @@ _WORDS: tuple[tuple[str, str], ...] = (
 )
 
 
+@functools.lru_cache(maxsize=1024)  # a job has a handful of distinct descriptions, on thousands of communicators
 def kind_of_description(description: str) -> str | None:
     """The layout dimension a communicator stands for, or None if it is another group.
 
@@ -242,15 +243,28 @@ def _check_kind(kind: str) -> str:
     return kind
 
 
+def distinct_communicators(counters: Mapping[int, RankCounters]) -> dict[str, Communicator]:
+    """Every communicator the ranks' counters name, once per id (the first rank's record of it).
+
+    Each member lists its groups, so a group of n ranks is seen n times; the
+    analyzers look at each once.
+    """
+    out: dict[str, Communicator] = {}
+    for rc in counters.values():
+        for c in rc.communicators:
+            if c.comm_id not in out:
+                out[c.comm_id] = c
+    return out
+
+
 def communicator_groups(snapshot: JobSnapshot) -> dict[str, tuple[tuple[int, ...], ...]]:
     """Per kind, the distinct groups recorded by the CCL plugin on any rank."""
     found: dict[str, set[tuple[int, ...]]] = {}
-    for counters in snapshot.all_counters().values():
-        for comm in counters.communicators:
-            kind = kind_of_description(comm.description)
-            if kind is None or not comm.ranks:
-                continue
-            found.setdefault(kind, set()).add(tuple(comm.ranks))
+    for comm in distinct_communicators(snapshot.all_counters()).values():
+        kind = kind_of_description(comm.description)
+        if kind is None or not comm.ranks:
+            continue
+        found.setdefault(kind, set()).add(tuple(comm.ranks))
     return {k: tuple(sorted(v, key=lambda g: (min(g), g))) for k, v in found.items()}
 
 
