@@ -25,7 +25,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rankscope.analyzers.ccl_desync import P2P_OPS, CrossedWait, comm_label, crossed_waits, op_table
+from rankscope.analyzers.ccl_desync import (
+    P2P_OPS,
+    CrossedWait,
+    OpTable,
+    comm_label,
+    crossed_waits,
+    live_counters,
+    op_table,
+)
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
 from rankscope.analyzers.topology import compact_ranks
@@ -107,14 +115,17 @@ def _machines(ranks: tuple[int, ...], placement: Mapping[int, str]) -> tuple[str
 
 
 def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[int, str] | None = None,
-                     crossed: tuple[CrossedWait, ...] | None = None) -> tuple[Suspect, ...]:
+                     crossed: tuple[CrossedWait, ...] | None = None, table: OpTable | None = None,
+                     ) -> tuple[Suspect, ...]:
     """The suspects the counters point at (computation side first; a desync as one suspect).
 
-    ``crossed``: the counters' crossed waits when the caller has them already.
+    ``crossed``: the counters' crossed waits when the caller has them already;
+    ``table``: ``op_table`` of the counters read without error, likewise.
     """
     placement = placement or {}
     live = {r: rc for r, rc in counters.items() if rc.error is None}
-    table = op_table(live)
+    if table is None:
+        table = op_table(live)
     found: dict[tuple[int, ...], tuple[float, list[str]]] = {}
 
     def add(ranks: tuple[int, ...], score: float, line: str) -> None:
@@ -224,9 +235,10 @@ def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None) -> Ver
     notes += [f"rank {r}: counters stale ({rc.stale_reason})" for r, rc in sorted(counters.items()) if rc.stale]
     if not counters:
         return Verdict((), "no CCL counters (start the job with `rankscope run`)", missing, tuple(notes))
-    fresh = {r: rc for r, rc in counters.items() if not rc.stale}
-    crossed = crossed_waits(fresh)
-    suspects = counter_findings(fresh, snapshot.rank_to_machine(), crossed)
+    live = live_counters(counters)  # read without error, and not stale
+    table = op_table(live)  # one index of the counters for both rules
+    crossed = crossed_waits(live, table=table)
+    suspects = counter_findings(live, snapshot.rank_to_machine(), crossed, table)
     if suspects:
         top = suspects[0]
         summary = f"CCL counters: {top.evidence[0]}"

@@ -138,9 +138,8 @@ class _Waits:
         return None
 
 
-def _graph(live: Mapping[int, RankCounters],
-           extra: Mapping[int, Mapping[int, str]]) -> tuple[_Waits, list[_Lag]]:
-    table = op_table(live)
+def _graph(live: Mapping[int, RankCounters], extra: Mapping[int, Mapping[int, str]],
+           table: OpTable) -> tuple[_Waits, list[_Lag]]:
     g = _Waits()
     lags: list[_Lag] = []
     for cid, comm in table.comms.items():
@@ -196,16 +195,17 @@ def _describe(g: _Waits, way: list[_Node], op: str) -> str:
     return f"{first}; {'and' if direct else 'that leads back to'} rank {end}, which waits in {op} for this side"
 
 
-def crossed_waits(counters: Mapping[int, RankCounters],
-                  extra: Mapping[int, Mapping[int, str]] | None = None) -> tuple[CrossedWait, ...]:
+def crossed_waits(counters: Mapping[int, RankCounters], extra: Mapping[int, Mapping[int, str]] | None = None,
+                  table: OpTable | None = None) -> tuple[CrossedWait, ...]:
     """Desyncs the counters show (see the module docstring), largest waiting side first.
 
     ``extra``: more waits, rank -> {peer: why}, from evidence beside the counters.
+    ``table``: ``op_table(live_counters(counters))``, when the caller has built it already.
     """
     live = live_counters(counters)
     if len(live) < 2:
         return ()
-    g, lags = _graph(live, extra or {})
+    g, lags = _graph(live, extra or {}, table if table is not None else op_table(live))
     found: list[CrossedWait] = []
     for lag in lags:
         targets = set(lag.waiting)
