@@ -602,6 +602,7 @@ def analyze_stacks(
     chain = follow_chain(views, topology, frozenset(grouping.groups[0].ranks) if unique_majority else frozenset(),
                          snapshot.all_counters())
     named = chain.root_ranks | {r for d in chain.desyncs for r in d.ranks}
+    chosen: tuple[list[Suspect], list[set[int]]] | None = None  # the suspects of the grouping a tie settled on
 
     # When several groups tie for largest, no majority says which is healthy: the chain decides (a group
     # holding a root or a desync is never the healthy one), then the choice whose outliers are best explained
@@ -614,10 +615,10 @@ def analyze_stacks(
             best, best_score = grouping, -1.0
             for t in free:
                 trial = with_dominant(grouping, (t,))
-                found, _ = _suspects_for(trial, topology, placement, missing)
+                found, found_explains = _suspects_for(trial, topology, placement, missing)
                 score = found[0].score if found else 0.0
                 if score > best_score + 1e-9:
-                    best, best_score = trial, score
+                    best, best_score, chosen = trial, score, (found, found_explains)
             if named:
                 notes = [n for n in notes if not n.startswith(f"{len(tied)} groups of {top} ranks tie")]
                 notes.append(f"{len(tied)} groups of {top} ranks tie for largest, so no majority says which is "
@@ -628,7 +629,7 @@ def analyze_stacks(
                              "better by one parallel group")
             grouping = best
 
-    suspects, explains = _suspects_for(grouping, topology, placement, missing)
+    suspects, explains = chosen if chosen is not None else _suspects_for(grouping, topology, placement, missing)
     suspects, explains, findings = _apply_chain(suspects, explains, chain, placement, topology, grouping)
     tree = tree_from_grouping(grouping)
     missing_ranks = tuple(sorted(missing))
