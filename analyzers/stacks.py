@@ -184,6 +184,7 @@ class _Interner:
     """
 
     __slots__ = (
+        "_by_object",
         "_frame_ids",
         "_get",
         "_idle_ids",
@@ -205,6 +206,9 @@ class _Interner:
         self.frame_texts: list[str] = []
         self._idle_ids: set[int] = set()
         self._raw: dict[str, dict[tuple[int | None, ...], int]] = {}
+        # A capture's decoder and a bundle's reader share one tuple object between the ranks whose stacks are
+        # identical: its lane is found by identity, with no frame looked at (the tuple is kept, so its id holds).
+        self._by_object: dict[tuple[str, int], tuple[tuple[Frame, ...], int]] = {}
         self._lane_ids: dict[tuple[str, tuple[int, ...]], int] = {}
         self._lane_idle: list[bool] = []
         self.lanes: list[tuple[str, tuple[int, ...]]] = []
@@ -224,6 +228,14 @@ class _Interner:
 
     def thread_lane(self, label: str, frames: tuple[Frame, ...]) -> int:
         """The lane id of one thread's stack under ``label``."""
+        seen = self._by_object.get((label, id(frames)))
+        if seen is not None and seen[0] is frames:
+            return seen[1]
+        lid = self._thread_lane(label, frames)
+        self._by_object[(label, id(frames))] = (frames, lid)
+        return lid
+
+    def _thread_lane(self, label: str, frames: tuple[Frame, ...]) -> int:
         raw: tuple[int | None, ...] = tuple(map(self._get, map(self._key, frames)))
         by_raw = self._raw.get(label)
         if by_raw is None:

@@ -185,3 +185,22 @@ def test_rankscope_plugin_frames_are_invisible() -> None:
     g = group_stacks({0: plain, 1: hooked}, SignatureOptions(fold_wrappers=False))
     assert [grp.ranks for grp in g.groups] == [(0, 1)]
     assert g.groups[0].frames[-1] == "all_reduce (distributed_c10d.py)"
+
+
+def test_stacks_sharing_one_tuple_group_as_their_copies_do() -> None:
+    """A decoder hands identical stacks over as one shared tuple; the grouping must not depend on that."""
+    shared_main, shared_recv = frames(OPTIMIZER), frames(RECV)
+
+    def build(share: bool) -> dict[int, RankStacks]:
+        out = {}
+        for r in range(8):
+            main = (shared_recv if share else frames(RECV)) if r in (5, 6) else (shared_main if share else frames(OPTIMIZER))
+            # rank 3's dataloader worker shows the very tuple the main threads show: another lane all the same
+            worker = ProcessStack(9000 + r, ProcessRole.DATALOADER, (ThreadStack(1, shared_main if share else frames(OPTIMIZER)),))
+            subs = (worker,) if r == 3 else ()
+            out[r] = RankStacks(r, ProcessStack(1000 + r, ProcessRole.MAIN, (ThreadStack(10, main, "MainThread"),)), subs)
+        return out
+
+    shared, copied = group_stacks(build(True)), group_stacks(build(False))
+    assert [g.ranks for g in shared.groups] == [g.ranks for g in copied.groups] == [(0, 1, 2, 4, 7), (5, 6), (3,)]
+    assert [g.signature for g in shared.groups] == [g.signature for g in copied.groups]
