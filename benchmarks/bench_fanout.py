@@ -365,6 +365,8 @@ def main() -> int:
     ap.add_argument("--processes", type=int, default=8, help="processes the agent servers are spread over")
     ap.add_argument("--relay-fanout", type=int, default=0, help="new code: agents relay in groups of this many")
     ap.add_argument("--bundle", action="store_true", help="at the largest N: bundle write/open and analyze times")
+    ap.add_argument("--keep-bundle", action="store_true",
+                    help="leave that bundle in the temp folder (to profile `rankscope analyze` on it)")
     ap.add_argument("--deadline", type=float, default=300.0)
     args = ap.parse_args()
     if args.cmd == "serve":
@@ -391,7 +393,9 @@ def main() -> int:
                 if args.bundle and n == max(sizes) else None
             results[impl, n] = r = measure(impl, base, n, args, bundle)
             print(row(impl, n, args.ranks_per_machine, r), flush=True)
-            if bundle is not None:
+            if bundle is not None and args.keep_bundle:
+                print(f"      bundle kept: {bundle}", flush=True)
+            elif bundle is not None:
                 bundle.unlink(missing_ok=True)
         b, w = results.get(("base", n)), results.get(("new", n))
         if b and w and "error" not in b and "error" not in w:
