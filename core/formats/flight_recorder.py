@@ -76,6 +76,32 @@ def rank_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def looks_like_dump(path: Path) -> bool:
+    """Whether a file starts as a flight recorder dump does: a pickle, or a JSON object with its keys.
+
+    Only the first bytes are read: enough to tell a folder of these from
+    saved py-spy dumps (text, or a JSON list) and from a rankscope bundle.
+    """
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    if head[:1] == b"\x80":  # pickle protocol 2 or later: torch's default dump
+        return True
+    return (head.lstrip()[:1] == b"{" and b'"rankscope.bundle"' not in head
+            and any(key in head for key in (b'"entries"', b'"pg_config"', b'"pg_status"')))
+
+
+def holds_dumps(directory: Path) -> bool:
+    """A folder whose rank-named files (the first few) all look like flight recorder dumps."""
+    try:
+        named = [p for p in sorted(directory.iterdir()) if p.is_file() and rank_of(p) is not None][:8]
+    except OSError:
+        return False
+    return bool(named) and all(looks_like_dump(p) for p in named)
+
+
 def load_dir(directory: Path) -> tuple[dict[int, dict[str, Any]], list[str], dict[int, str]]:
     """Every readable dump in ``directory`` by rank, a note per file that was not, and why by rank."""
     if not directory.is_dir():

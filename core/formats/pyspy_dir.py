@@ -261,6 +261,11 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
         _attach_workers(workers, procs, locals_, start, name, subs, notes)
 
     if not mains and not subs:
+        from rankscope.formats.flight_recorder import holds_dumps
+
+        if root.is_dir() and holds_dumps(root):
+            raise RankscopeError(f"{root} holds PyTorch flight recorder dumps, not py-spy dumps",
+                                 f"rankscope analyze --flight-recorder {root} (or `rankscope analyze {root}`)")
         raise RankscopeError(f"no py-spy dumps in {root}" + (f" ({'; '.join(notes[:3])})" if notes else ""), _HOW)
     sizes = layout.tp * layout.pp * layout.dp * layout.cp * layout.ep if layout is not None else 0
     world = max(max(mains, default=-1) + 1, sizes, max(subs, default=-1) + 1)

@@ -79,6 +79,55 @@ def test_case4_size_mismatch_fails_the_second_broadcast_like_pytorch(capsys: pyt
 
 
 @needs_fixtures
+def test_a_folder_of_dumps_given_as_the_argument_is_read_as_flight_recorder_dumps(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """What a new user types first: `rankscope analyze DIR`. The folder is told by its files, not by a flag."""
+    assert FIXTURES is not None
+    folder = FIXTURES / "case4-size-mismatch"
+    assert main(["analyze", "--flight-recorder", str(folder), "--json"]) == 0
+    flagged = json.loads(capsys.readouterr().out)
+    assert main(["analyze", str(folder), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == flagged
+    # one rank's file: refused with the folder to pass, never "not a bundle"
+    assert main(["analyze", str(folder / "dump_file_rank_0.json")]) == 2
+    err = capsys.readouterr().err
+    assert "one rank's PyTorch flight recorder dump" in err and f"rankscope analyze {folder}" in err
+    # the folder given as py-spy dumps: named for what it is, with the flag to use
+    assert main(["analyze", "--dumps", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "holds PyTorch flight recorder dumps, not py-spy dumps" in err and f"--flight-recorder {folder}" in err
+
+
+def test_dump_sniffing_tells_pickles_and_json_objects_from_py_spy_and_bundles(tmp_path: Path) -> None:
+    from rankscope.formats.flight_recorder import holds_dumps, looks_like_dump
+
+    files = {"rank0": pickle.dumps({"entries": [], "version": "2.8", "pg_config": {}}),
+             "rank1.json": json.dumps({"version": "2.8", "pg_config": {}, "entries": []}).encode(),
+             "rank2.txt": b"Process 4242: python train.py\nPython v3.11.7 (/usr/bin/python3)\n\nThread 4242 (idle)\n",
+             "rank3.json": b'[{"pid": 4242, "thread_id": 1, "frames": []}]',
+             "bundle.json": b'{"format": "rankscope.bundle", "version": 3, "entries": []}'}
+    for name, raw in files.items():
+        (tmp_path / name).write_bytes(raw)
+    assert [n for n in files if looks_like_dump(tmp_path / n)] == ["rank0", "rank1.json"]
+    assert not looks_like_dump(tmp_path / "absent")
+    assert not holds_dumps(tmp_path)  # py-spy dumps among them: not a flight recorder folder
+    for name in ("rank2.txt", "rank3.json"):
+        (tmp_path / name).unlink()
+    assert holds_dumps(tmp_path) and not holds_dumps(tmp_path / "absent")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.binary(max_size=600), dump=st.dictionaries(st.text(max_size=8), st.integers(), max_size=4))
+def test_fuzz_dump_sniffing_never_raises_and_knows_every_pickle(tmp_path: Path, raw: bytes, dump: dict[str, int]) -> None:
+    from rankscope.formats.flight_recorder import looks_like_dump
+
+    (tmp_path / "any").write_bytes(raw)
+    assert looks_like_dump(tmp_path / "any") in (True, False)
+    (tmp_path / "pickled").write_bytes(pickle.dumps({"entries": [], **dump}))
+    assert looks_like_dump(tmp_path / "pickled")
+
+
+@needs_fixtures
 def test_case6_empty_coalesced_on_rank0_names_rank0_missing_like_pytorch(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert FIXTURES is not None

@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.op_trace is not None:
         return _op_trace(args)
+    if args.bundle is not None:
+        _route_flight_recorder(args)
     if args.bundle is not None and _is_dumps(args.bundle):
         args.pyspy_dir, args.bundle = args.bundle, None  # a folder or a pasted dump given where a bundle goes
     options = SignatureOptions(keep_lines=args.keep_lines, fold_wrappers=not args.no_fold,
@@ -147,6 +149,21 @@ def run(args: argparse.Namespace) -> int:
         out["rank_assignment"] = assignment
     _print(out, args.json)
     return 0
+
+
+def _route_flight_recorder(args: argparse.Namespace) -> None:
+    """A folder of flight recorder dumps given where a bundle goes is read as one; one rank's dump is refused
+    with the fix (the ranks are judged against each other, so the reader wants the whole folder)."""
+    try:
+        from rankscope.formats.flight_recorder import holds_dumps, looks_like_dump  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return
+    path: Path = args.bundle
+    if path.is_dir() and holds_dumps(path):
+        args.flight_recorder, args.bundle = path, None
+    elif path.is_file() and looks_like_dump(path):
+        raise RankscopeError(f"{path} is one rank's PyTorch flight recorder dump, not a rankscope bundle",
+                             f"pass the folder that holds every rank's dump: rankscope analyze {path.parent}")
 
 
 def _is_dumps(path: Path) -> bool:
