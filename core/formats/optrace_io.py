@@ -19,6 +19,19 @@ from rankscope.contract.errors import RankscopeError
 INSTALL_FIX = "install the optional extra: pip install 'rankscope[traces]' (or pip install pyarrow)"
 
 
+def looks_like_op_trace(path: Path) -> bool:
+    """A parquet file (its magic bytes), or a CSV whose header names the trace's columns: read as an op trace."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    if head[:4] == b"PAR1":
+        return True
+    header = head.split(b"\n", 1)[0].lower()
+    return path.suffix.lower() == ".csv" and b"optype" in header and b"duration" in header
+
+
 def read_op_trace(path: Path) -> dict[str, Any]:
     """The trace's columns by name (numpy arrays from parquet, lists of strings from CSV)."""
     if not path.is_file():

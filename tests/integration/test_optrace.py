@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,54 @@ def test_cli_prints_the_verdict_as_json() -> None:
     data = json.loads(out.stdout)
     assert data["no_single_worker"] and [s["stage"] for s in data["slow_stages"]] == [3]
     assert data["meta"]["pp_size"] == "4"
+
+
+@needs_traces
+def test_a_trace_given_where_a_bundle_goes_is_read_as_a_trace(tmp_path: Path) -> None:
+    """`rankscope analyze trace-AR.parquet` (no flag) gives the --op-trace verdict, told by the parquet bytes."""
+    assert TRACES is not None
+    pytest.importorskip("pyarrow")
+
+    def analyze(*args: str) -> dict[str, object]:
+        out = subprocess.run([sys.executable, "-m", "rankscope", "analyze", *args, "--json"], capture_output=True,
+                             text=True, check=True)
+        return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+    trace = str(TRACES / "trace-AR.parquet")
+    assert analyze(trace) == analyze("--op-trace", trace)
+    # a CSV with the trace's columns too (by its header), wherever it is
+    cols = synthetic(slow={(1, "forward-compute"): 2.0})
+    csv_path = tmp_path / "trace.csv"
+    names = list(cols)
+    csv_path.write_text("\n".join([",".join(names)] + [",".join(str(cols[n][i]) for n in names)
+                                                      for i in range(len(cols["rank"]))]) + "\n")
+    slow = analyze(str(csv_path))["slow_workers"]
+    assert isinstance(slow, list) and {(w["rank"], w["op"]) for w in slow} == {(1, "forward-compute")}
+
+
+def test_op_trace_sniffing_never_raises_and_needs_the_magic_or_the_columns(tmp_path: Path) -> None:
+    from rankscope.formats.optrace_io import looks_like_op_trace
+
+    cases = {"a.parquet": b"PAR1rest", "b.csv": b"dp_rank,stage,rank,step,optype,duration\n0,0,0,0,x,1\n",
+             "c.csv": b"rank,value\n1,2\n", "d.txt": b"optype,duration\n", "e.json": b"{}", "f": b""}
+    for name, raw in cases.items():
+        (tmp_path / name).write_bytes(raw)
+    assert [n for n in cases if looks_like_op_trace(tmp_path / n)] == ["a.parquet", "b.csv"]
+    assert not looks_like_op_trace(tmp_path / "absent")
+
+
+@settings(max_examples=150, deadline=None)
+@given(raw=st.binary(max_size=300), suffix=st.sampled_from(["", ".csv", ".parquet", ".txt"]))
+def test_fuzz_op_trace_sniffing_is_a_yes_or_no_for_any_bytes(raw: bytes, suffix: str) -> None:
+    from rankscope.formats.optrace_io import looks_like_op_trace
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"t{suffix}"
+        path.write_bytes(raw)
+        found = looks_like_op_trace(path)
+        assert found in (True, False)
+        assert found or not raw.startswith(b"PAR1")  # parquet's magic is always enough
+        assert not found or raw.startswith(b"PAR1") or suffix == ".csv"  # else only a CSV, by its header
 
 
 # ---- constructed traces --------------------------------------------------------

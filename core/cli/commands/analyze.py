@@ -91,10 +91,10 @@ def run(args: argparse.Namespace) -> int:
             "give exactly one of BUNDLE, --dumps PATH, --flight-recorder DIR or --op-trace FILE",
             "e.g. `rankscope analyze incident.json` or `rankscope analyze --dumps dumps/ --tp 2 --pp 4 --dp 4`",
         )
+    if args.bundle is not None:
+        _route_by_content(args)
     if args.op_trace is not None:
         return _op_trace(args)
-    if args.bundle is not None:
-        _route_flight_recorder(args)
     if args.bundle is not None and _is_dumps(args.bundle):
         args.pyspy_dir, args.bundle = args.bundle, None  # a folder or a pasted dump given where a bundle goes
     options = SignatureOptions(keep_lines=args.keep_lines, fold_wrappers=not args.no_fold,
@@ -151,14 +151,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _route_flight_recorder(args: argparse.Namespace) -> None:
-    """A folder of flight recorder dumps given where a bundle goes is read as one; one rank's dump is refused
+def _route_by_content(args: argparse.Namespace) -> None:
+    """What is given where a bundle goes is told by its content: an op trace (parquet, or a CSV with its
+    columns) or a folder of flight recorder dumps is read as one; one rank's flight recorder dump is refused
     with the fix (the ranks are judged against each other, so the reader wants the whole folder)."""
+    from rankscope.formats.optrace_io import looks_like_op_trace
+
+    path: Path = args.bundle
+    if path.is_file() and looks_like_op_trace(path):
+        args.op_trace, args.bundle = path, None
+        return
     try:
         from rankscope.formats.flight_recorder import holds_dumps, looks_like_dump  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return
-    path: Path = args.bundle
     if path.is_dir() and holds_dumps(path):
         args.flight_recorder, args.bundle = path, None
     elif path.is_file() and looks_like_dump(path):
