@@ -262,10 +262,15 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
 
     if not mains and not subs:
         from rankscope.formats.flight_recorder import holds_dumps
+        from rankscope.formats.optrace_io import looks_like_op_trace
 
         if root.is_dir() and holds_dumps(root):
             raise RankscopeError(f"{root} holds PyTorch flight recorder dumps, not py-spy dumps",
                                  f"rankscope analyze --flight-recorder {root} (or `rankscope analyze {root}`)")
+        traces = sorted(p for p in root.iterdir() if p.is_file() and looks_like_op_trace(p)) if root.is_dir() else []
+        if traces:
+            raise RankscopeError(f"no py-spy dumps in {root}; it holds op trace(s): {', '.join(p.name for p in traces)}",
+                                 f"rankscope analyze {traces[0]} (one trace at a time; --trace-meta for its meta-*.yaml)")
         raise RankscopeError(f"no py-spy dumps in {root}" + (f" ({'; '.join(notes[:3])})" if notes else ""), _HOW)
     sizes = layout.tp * layout.pp * layout.dp * layout.cp * layout.ep if layout is not None else 0
     world = max(max(mains, default=-1) + 1, sizes, max(subs, default=-1) + 1)

@@ -129,6 +129,10 @@ def test_a_trace_given_where_a_bundle_goes_is_read_as_a_trace(tmp_path: Path) ->
                                                       for i in range(len(cols["rank"]))]) + "\n")
     slow = analyze(str(csv_path))["slow_workers"]
     assert isinstance(slow, list) and {(w["rank"], w["op"]) for w in slow} == {(1, "forward-compute")}
+    # the traces' folder itself: named for what it holds, with a command that reads one
+    out = subprocess.run([sys.executable, "-m", "rankscope", "analyze", str(TRACES)], capture_output=True, text=True)
+    assert out.returncode == 2 and "it holds op trace(s): trace-AR.parquet, trace-SE.parquet, trace-ST.parquet" \
+        in out.stderr and f"rankscope analyze {trace}" in out.stderr, out.stderr
 
 
 def test_op_trace_sniffing_never_raises_and_needs_the_magic_or_the_columns(tmp_path: Path) -> None:
