@@ -564,7 +564,12 @@ def run_bundle(path: str | Path, layout: Layout | None = None, read_only: bool =
         raise BundleError(f"{p}: no such file; check the path given to --bundle") from None
     name = f"bundle {p.name}"
     if size < SMALL_BUNDLE_BYTES:
-        source = BundleSource(read_bundle(p), label=name)
-    else:
-        source = BundleSource(label=f"{name} ({size / 2**20:.0f} MB)", path=p)
+        return run_loaded(read_bundle(p), name, layout, read_only, **options)
+    source = BundleSource(label=f"{name} ({size / 2**20:.0f} MB)", path=p)
     return run_app(source, AppOptions(layout=layout, read_only=read_only, **options))
+
+
+def run_loaded(bundle: Bundle, label: str, layout: Layout | None = None, read_only: bool = False,
+               **options: Any) -> int:
+    """Show a bundle already in memory (a small saved one, or saved py-spy dumps read by the CLI) offline."""
+    return run_app(BundleSource(bundle, label=label), AppOptions(layout=layout, read_only=read_only, **options))

@@ -175,6 +175,18 @@ def _ordered_nodes(nodes: dict[str, list[_Process]], node_order: Sequence[str] |
     return ordered + rest, "--node-order"
 
 
+def is_dumps(path: Path) -> bool:
+    """A folder, or a file that is not a bundle (a bundle is a JSON object), is read as saved dumps."""
+    if path.is_dir():
+        return True
+    try:
+        with path.open("rb") as f:
+            head = f.read(256).lstrip()
+    except OSError:
+        return False
+    return not head.startswith(b"{")
+
+
 def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
                    node_order: Sequence[str] | None = None) -> JobSnapshot:
     """Read a folder (or one file) of py-spy dumps, text or JSON, into a JobSnapshot."""

@@ -84,6 +84,7 @@ def _layout(args: argparse.Namespace, base: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     from rankscope.analyzers.stacks import SignatureOptions
     from rankscope.analyzers.suspects import verdict_to_json
+    from rankscope.formats.pyspy_dir import is_dumps
 
     sources = [x for x in (args.bundle, args.pyspy_dir, args.flight_recorder, args.op_trace) if x is not None]
     if len(sources) != 1:
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         _route_by_content(args)
     if args.op_trace is not None:
         return _op_trace(args)
-    if args.bundle is not None and _is_dumps(args.bundle):
+    if args.bundle is not None and is_dumps(args.bundle):
         args.pyspy_dir, args.bundle = args.bundle, None  # a folder or a pasted dump given where a bundle goes
     options = SignatureOptions(keep_lines=args.keep_lines, fold_wrappers=not args.no_fold,
                                include_subprocesses=not args.no_subprocesses,
@@ -170,18 +171,6 @@ def _route_by_content(args: argparse.Namespace) -> None:
     elif path.is_file() and looks_like_dump(path):
         raise RankscopeError(f"{path} is one rank's PyTorch flight recorder dump, not a rankscope bundle",
                              f"pass the folder that holds every rank's dump: rankscope analyze {path.parent}")
-
-
-def _is_dumps(path: Path) -> bool:
-    """A folder, or a file that is not a bundle (a bundle is a JSON object), is read as saved dumps."""
-    if path.is_dir():
-        return True
-    try:
-        with path.open("rb") as f:
-            head = f.read(256).lstrip()
-    except OSError:
-        return False
-    return not head.startswith(b"{")
 
 
 def rank_assignment(snapshot: Any) -> list[dict[str, Any]]:

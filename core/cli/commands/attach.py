@@ -26,7 +26,9 @@ def register(sub: Any) -> None:
     src.add_argument("--agents", help="comma-separated host:port list, Slurm-style range (node[01-16]:50051) or @hostfile")
     src.add_argument("--hostfile", type=Path, help="file with one agent (host:port or range) per line")
     src.add_argument("--port", type=int, default=None, help="port for entries written without one")
-    src.add_argument("--bundle", type=Path, help="open a saved bundle or recorded series offline")
+    src.add_argument("--bundle", type=Path,
+                     help="open a saved bundle or recorded series offline, or the py-spy dumps saved in an incident "
+                          "(a folder of rank<R>.txt|json or per-node files, as `rankscope analyze DUMPS` reads them)")
     p.add_argument("--token-file", type=Path, help="file with the token to send; default: $RANKSCOPE_TOKEN")
     p.add_argument("--read-only", action="store_true", help="no actions that change the job (evict, update, backup)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between polls of metrics and counters (default 1)")
@@ -73,6 +75,24 @@ def _layout(args: argparse.Namespace) -> Any:
                   ranks_per_machine=args.ranks_per_machine)
 
 
+def saved_dumps(path: Path, layout: Any) -> Any:
+    """py-spy dumps saved during an incident (a folder, or one pasted file) as a one-capture bundle; None for a
+    bundle. An op trace or flight recorder dumps are refused with the command that reads them."""
+    from rankscope.contract.bundle import Bundle
+    from rankscope.formats.flight_recorder import holds_dumps
+    from rankscope.formats.optrace_io import looks_like_op_trace
+    from rankscope.formats.pyspy_dir import is_dumps, load_pyspy_dir
+
+    if not path.exists() or not is_dumps(path):
+        return None
+    if (path.is_file() and looks_like_op_trace(path)) or (path.is_dir() and holds_dumps(path)):
+        what = "an op trace" if path.is_file() else "PyTorch flight recorder dumps"
+        raise RankscopeError(f"{path} holds {what}, which the terminal UI does not show",
+                             f"rankscope analyze {path}")
+    snapshot = load_pyspy_dir(path, layout)
+    return Bundle((snapshot,), created_wall=snapshot.captured.wall, meta={"source": "py-spy dumps", "path": str(path)})
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         from rankscope.tui import app as tui_app
@@ -93,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
         if args.agents or args.hostfile or args.slurm:
             raise RankscopeError("--bundle opens a saved file; it cannot be combined with --agents/--hostfile/--slurm",
                                  "drop --bundle to attach live, or drop --agents to open the bundle")
+        dumps = saved_dumps(args.bundle, layout)
+        if dumps is not None:
+            return tui_app.run_loaded(dumps, f"dumps {args.bundle.name}", layout=layout, read_only=args.read_only,
+                                      **options)
         return tui_app.run_bundle(args.bundle, layout=layout, read_only=args.read_only, **options)
     from rankscope.wire.tokens import Role
 
