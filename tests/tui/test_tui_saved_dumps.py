@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from rankscope.cli.commands.attach import saved_dumps
+from rankscope.contract.errors import RankscopeError
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.sources import BundleSource
 from repo_paths import shared
@@ -49,3 +50,7 @@ def test_incident_data_the_tui_does_not_show_is_refused_with_the_command_that_re
                          text=True, stdin=subprocess.DEVNULL, timeout=60)
     assert out.returncode == 2, out.stderr
     assert "which the terminal UI does not show" in out.stderr and f"fix: rankscope analyze {path}" in out.stderr
+    if path == FR:  # one rank's dump alone: the folder is what reads
+        with pytest.raises(RankscopeError) as err:
+            saved_dumps(path / "dump_file_rank_0.json", None)
+        assert err.value.fix == f"rankscope analyze {path}"
