@@ -228,13 +228,21 @@ def sampling_problems(windows: Iterable[StackSampleWindow]) -> tuple[str, ...]:
     for w in windows:
         if w.rank not in newest or w.end_wall > newest[w.rank].end_wall:
             newest[w.rank] = w
-    failed: dict[tuple[str, str], list[int]] = {}
-    for w in newest.values():
+    # By kind of failure, not by message: each message names its own pid, and a restart of 1,000 ranks is
+    # one line (the lowest rank's message stands for the others).
+    failed: dict[tuple[str, str], list[StackSampleWindow]] = {}
+    for w in sorted(newest.values(), key=lambda w: w.rank):
         if w.error is not None:
-            failed.setdefault((w.error.message, w.error.fix), []).append(w.rank)
-    return tuple(f"sampling failed on rank{'s' if len(ranks) > 1 else ''} {compact_ranks(ranks, limit=8)}: {message}"
-                 + (f" (fix: {fix})" if fix else "")
-                 for (message, fix), ranks in sorted(failed.items(), key=lambda kv: min(kv[1])))
+            failed.setdefault((str(w.error.kind), w.error.fix), []).append(w)
+    lines = []
+    for (_, fix), ws in sorted(failed.items(), key=lambda kv: kv[1][0].rank):
+        ranks = [w.rank for w in ws]
+        first = ws[0].error
+        assert first is not None
+        lines.append(f"sampling failed on rank{'s' if len(ranks) > 1 else ''} {compact_ranks(ranks, limit=8)}: "
+                     f"{first.message}" + (f" (and {len(ranks) - 1} more alike)" if len(ranks) > 1 else "")
+                     + (f" (fix: {fix})" if fix else ""))
+    return tuple(lines)
 
 
 # The null's margins (see the module docstring): a quarter of the peers' odds of waiting, 20 points below them.

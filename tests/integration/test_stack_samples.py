@@ -206,13 +206,16 @@ def test_error_windows_are_not_counted() -> None:
 def test_sampling_problems_name_the_ranks_whose_newest_window_failed_with_the_fix() -> None:
     from rankscope.contract.snapshot import CaptureError
 
-    refused = CaptureError(CaptureErrorKind.PERMISSION, "ptrace refused for pid 7", "run the agent as root")
+    def refused(pid: int) -> CaptureError:
+        return CaptureError(CaptureErrorKind.PERMISSION, f"ptrace refused for pid {pid}", "run the agent as root")
+
     gone = CaptureError(CaptureErrorKind.GONE, "pid 9 is gone")
-    ws = [StackSampleWindow(0, 1, 0.0, 3.0, error=refused), StackSampleWindow(0, 1, 3.0, 6.0, collective=5),  # recovered
-          StackSampleWindow(1, 2, 3.0, 6.0, error=refused), StackSampleWindow(2, 3, 0.0, 3.0, compute=4),
-          StackSampleWindow(2, 3, 3.0, 6.0, error=refused), StackSampleWindow(3, 4, 3.0, 6.0, error=gone)]
+    ws = [StackSampleWindow(0, 1, 0.0, 3.0, error=refused(1)), StackSampleWindow(0, 1, 3.0, 6.0, collective=5),  # recovered
+          StackSampleWindow(2, 3, 3.0, 6.0, error=refused(3)), StackSampleWindow(1, 2, 0.0, 3.0, compute=4),
+          StackSampleWindow(1, 2, 3.0, 6.0, error=refused(2)), StackSampleWindow(3, 4, 3.0, 6.0, error=gone)]
+    # one line per kind of failure (each message names its own pid): the lowest rank's message, the others counted
     assert sampling_problems(ws) == (
-        "sampling failed on ranks 1-2: ptrace refused for pid 7 (fix: run the agent as root)",
+        "sampling failed on ranks 1-2: ptrace refused for pid 2 (and 1 more alike) (fix: run the agent as root)",
         "sampling failed on rank 3: pid 9 is gone",
     )
     assert sampling_problems(ws[:2]) == ()
@@ -248,7 +251,7 @@ def test_failslow_verdict_says_which_ranks_could_not_be_sampled() -> None:
     refused = CaptureError(CaptureErrorKind.PERMISSION, "ptrace refused", "run the agent as root")
     failed = [StackSampleWindow(6, 106, 1e9, 1e9 + 3, error=refused), StackSampleWindow(7, 107, 1e9, 1e9 + 3, error=refused)]
     fs = det.update(_snap(1000.0, ws + failed))
-    assert "sampling failed on ranks 6-7: ptrace refused (fix: run the agent as root)" in fs.verdict.notes
+    assert "sampling failed on ranks 6-7: ptrace refused (and 1 more alike) (fix: run the agent as root)" in fs.verdict.notes
     assert not any("sampling failed" in n for n in det.update(_snap(1003.0, ws)).verdict.notes)
 
 

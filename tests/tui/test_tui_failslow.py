@@ -220,7 +220,8 @@ async def test_ranks_whose_sampling_failed_are_named_with_the_fix() -> None:
         await pilot.press("7")
         await pilot.pause()
         summary = _text(app, "#fs-summary")
-        assert "sampling failed on ranks 6-7: ptrace refused (fix: run the agent as root)" in summary, summary
+        assert "sampling failed on ranks 6-7: ptrace refused (and 1 more alike) (fix: run the agent as root)" in summary, \
+            summary
         assert "step time" not in summary.split("\n", 2)[-1], "the trend note is not repeated under the job step"
 
 
