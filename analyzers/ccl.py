@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rankscope.analyzers.ccl_desync import (
+    MATCHING,
     P2P_OPS,
     CrossedWait,
     OpTable,
@@ -146,16 +147,14 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                 continue
             if op in P2P_OPS:
                 # communication side: open point-to-point requests, and whether the peer posted its side
-                back = "send" if op == "recv" else "recv"
-                backs = by_op.get(back, {})
                 for r, o in row.items():
                     if o is None or o.wc >= o.wr:
                         continue
                     for peer in o.open_peers or ():
-                        theirs = backs.get(peer)
-                        posted = theirs is not None and r in theirs.open_peers
+                        posted = table.posted_back(cid, op, r, peer)
                         line = (f"rank {r}: {op} on {_label(comm)} WC {o.wc} < WR {o.wr}, open with rank {peer}"
-                                + ("" if posted or peer not in live else f"; rank {peer} has no open {back} to rank {r}"))
+                                + ("" if posted or peer not in live
+                                   else f"; rank {peer} has no open {MATCHING[op]} to rank {r}"))
                         score = SCORE_OPEN_REQUEST if posted or peer not in live else SCORE_P2P_UNPOSTED
                         add((r, peer), score, line + " (communication side)")
                     if not o.open_peers:

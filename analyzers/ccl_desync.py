@@ -41,6 +41,7 @@ from rankscope.analyzers.topology import compact_ranks, distinct_communicators
 from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters
 
 P2P_OPS = frozenset({"send", "recv"})
+MATCHING = {"send": "recv", "recv": "send"}  # the op that completes a point-to-point op on the peer
 _MAX_PATHS = 3  # laggards whose way back is spelled out; the rest are counted
 
 _Node = int | tuple[str, str, int]  # a rank, or "the members of comm C that launched op fewer than c times"
@@ -80,6 +81,11 @@ class OpTable:
 
     def of(self, comm_id: str) -> dict[str, dict[int, OpCounters]]:
         return self.ops.get(comm_id, {})
+
+    def posted_back(self, comm_id: str, op: str, rank: int, peer: int) -> bool:
+        """Whether ``peer`` has the matching side of ``rank``'s open send/recv: its recv/send open toward ``rank``."""
+        theirs = self.of(comm_id).get(MATCHING[op], {}).get(peer)
+        return theirs is not None and rank in theirs.open_peers
 
 
 def op_table(counters: Mapping[int, RankCounters]) -> OpTable:
@@ -152,16 +158,13 @@ def _graph(live: Mapping[int, RankCounters], extra: Mapping[int, Mapping[int, st
             by_rank = by_op[op]
             rows = {r: by_rank.get(r) for r in members}
             if op in P2P_OPS:
-                back = "send" if op == "recv" else "recv"
-                backs = by_op.get(back, {})
                 for r, o in rows.items():
                     if o is None or o.wc >= o.wr:
                         continue
                     for p in o.open_peers:
-                        theirs = backs.get(p)
-                        if p in live and not (theirs is not None and r in theirs.open_peers):
+                        if p in live and not table.posted_back(cid, op, r, p):
                             g.add(r, p, f"rank {r} waits in {op} {'to' if op == 'send' else 'from'} rank {p} on {label} "
-                                        f"(WC {o.wc} < WR {o.wr}); rank {p} never posted the matching {back}")
+                                        f"(WC {o.wc} < WR {o.wr}); rank {p} never posted the matching {MATCHING[op]}")
                 continue
             cls = {r: (o.cl if o is not None else 0) for r, o in rows.items()}
             levels = sorted(set(cls.values()))
@@ -253,4 +256,4 @@ def _merge(found: list[CrossedWait]) -> tuple[CrossedWait, ...]:
     return tuple(out)
 
 
-__all__ = ["P2P_OPS", "CrossedWait", "OpTable", "comm_label", "crossed_waits", "live_counters", "op_table"]
+__all__ = ["MATCHING", "P2P_OPS", "CrossedWait", "OpTable", "comm_label", "crossed_waits", "live_counters", "op_table"]
