@@ -378,6 +378,7 @@ class FailSlowDetector:
         self._trend: StepTrend | None = None
         self._stack_degrader: Suspect | None = None  # the group the stack rounds name, once alarmed
         self._confidence: dict[str, tuple[float, float]] = {}  # machine -> (confidence, at), for the hysteresis
+        self.sampling_problems: tuple[str, ...] = ()  # the last update's ranks whose sampling failed, with the fix
 
     @property
     def history(self) -> tuple[FailSlowVerdict, ...]:
@@ -619,9 +620,11 @@ class FailSlowDetector:
 
     def _sample_flags(self, snapshot: JobSnapshot, notes: list[str]) -> list[DetectorFlag]:
         windows = snapshot.all_samples()
+        # The ranks the wait test cannot speak for, and why: a note here, an error line of the watch.
+        self.sampling_problems = sampling_problems(windows)
+        notes += self.sampling_problems
         if windows:
             self.samples.add(windows)
-            notes += sampling_problems(windows)  # the ranks the wait test cannot speak for, and why
         result = self.samples.result()
         cfg = self.config
         rank_machine = self.store.rank_machine()

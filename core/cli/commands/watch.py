@@ -208,7 +208,6 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
     import time
 
     from rankscope.analyzers.failslow import FailSlowDetector, config_for
-    from rankscope.analyzers.stack_samples import sampling_problems
     from rankscope.wire.client import JobClient
 
     config = config_for(args.window, args.continuity, args.rounds)
@@ -257,7 +256,7 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
             except Exception as exc:  # an analyzer bug must cost this poll, not the watch
                 error(f"fail-slow analysis failed: {type(exc).__name__}: {exc}", "report this as a rankscope bug")
                 fs = None
-            for problem in sampling_problems(snap.all_samples()):  # ranks the wait test cannot speak for
+            for problem in detector.sampling_problems:  # ranks the wait test cannot speak for
                 error(problem)
             if fs is not None:
                 key = change_key(fs, snap)
