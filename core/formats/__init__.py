@@ -3,5 +3,5 @@
 ``pyspy_dir`` reads saved py-spy dumps, ``flight_recorder`` PyTorch flight
 recorder dumps, ``optrace_io`` per-operation timing traces; each hands the
 pure analyzers contract types or plain rows and turns bad input into a
-``RankscopeError`` naming the fix.
+``RankscopeError`` naming the fix. ``sniff`` tells which of them a path holds.
 """

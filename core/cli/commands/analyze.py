@@ -84,7 +84,6 @@ def _layout(args: argparse.Namespace, base: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     from rankscope.analyzers.stacks import SignatureOptions
     from rankscope.analyzers.suspects import verdict_to_json
-    from rankscope.formats.pyspy_dir import is_dumps
 
     sources = [x for x in (args.bundle, args.pyspy_dir, args.flight_recorder, args.op_trace) if x is not None]
     if len(sources) != 1:
@@ -96,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
         _route_by_content(args)
     if args.op_trace is not None:
         return _op_trace(args)
-    if args.bundle is not None and is_dumps(args.bundle):
-        args.pyspy_dir, args.bundle = args.bundle, None  # a folder or a pasted dump given where a bundle goes
     options = SignatureOptions(keep_lines=args.keep_lines, fold_wrappers=not args.no_fold,
                                include_subprocesses=not args.no_subprocesses,
                                include_idle_threads=args.idle_threads)
@@ -153,24 +150,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _route_by_content(args: argparse.Namespace) -> None:
-    """What is given where a bundle goes is told by its content: an op trace (parquet, or a CSV with its
-    columns) or a folder of flight recorder dumps is read as one; one rank's flight recorder dump is refused
-    with the fix (the ranks are judged against each other, so the reader wants the whole folder)."""
-    from rankscope.formats.optrace_io import looks_like_op_trace
+    """What is given where a bundle goes is read as what its content says it is (``formats.sniff``); one rank's
+    flight recorder dump is refused with the fix (the ranks are judged against each other: the reader wants the
+    whole folder)."""
+    from rankscope.formats import sniff
 
     path: Path = args.bundle
-    if path.is_file() and looks_like_op_trace(path):
-        args.op_trace, args.bundle = path, None
-        return
-    try:
-        from rankscope.formats.flight_recorder import holds_dumps, looks_like_dump  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return
-    if path.is_dir() and holds_dumps(path):
-        args.flight_recorder, args.bundle = path, None
-    elif path.is_file() and looks_like_dump(path):
+    kind = sniff.what_is(path)
+    if kind == sniff.FLIGHT_RECORDER_RANK:
         raise RankscopeError(f"{path} is one rank's PyTorch flight recorder dump, not a rankscope bundle",
                              f"pass the folder that holds every rank's dump: rankscope analyze {path.parent}")
+    source = {sniff.OP_TRACE: "op_trace", sniff.FLIGHT_RECORDER: "flight_recorder", sniff.PYSPY: "pyspy_dir"}.get(kind)
+    if source is not None:
+        setattr(args, source, path)
+        args.bundle = None
 
 
 def rank_assignment(snapshot: Any) -> list[dict[str, Any]]:
@@ -182,6 +175,8 @@ def rank_assignment(snapshot: Any) -> list[dict[str, Any]]:
                 rule, _, detail = r.rank_source.partition(": ")
                 out.append({"rank": r.rank, "machine": m.machine, "pid": r.pid, "rule": rule, "source": detail})
     return sorted(out, key=lambda a: a["rank"])
+
+
 def _op_trace(args: argparse.Namespace) -> int:
     """``--op-trace``: the trace's verdict (analyzers.optrace), as text or JSON."""
     import dataclasses

@@ -79,17 +79,17 @@ def saved_dumps(path: Path, layout: Any) -> Any:
     """py-spy dumps saved during an incident (a folder, or one pasted file) as a one-capture bundle; None for a
     bundle. An op trace or flight recorder dumps are refused with the command that reads them."""
     from rankscope.contract.bundle import Bundle
-    from rankscope.formats.flight_recorder import holds_dumps, looks_like_dump
-    from rankscope.formats.optrace_io import looks_like_op_trace
-    from rankscope.formats.pyspy_dir import is_dumps, load_pyspy_dir
+    from rankscope.formats import sniff
+    from rankscope.formats.pyspy_dir import load_pyspy_dir
 
-    if path.is_file() and looks_like_dump(path):
+    kind = sniff.what_is(path)
+    if kind == sniff.BUNDLE:
+        return None
+    if kind == sniff.FLIGHT_RECORDER_RANK:
         raise RankscopeError(f"{path} is one rank's PyTorch flight recorder dump, which the terminal UI does not show",
                              f"rankscope analyze {path.parent}")
-    if not path.exists() or not is_dumps(path):
-        return None
-    if (path.is_file() and looks_like_op_trace(path)) or (path.is_dir() and holds_dumps(path)):
-        what = "an op trace" if path.is_file() else "PyTorch flight recorder dumps"
+    if kind != sniff.PYSPY:
+        what = "an op trace" if kind == sniff.OP_TRACE else "PyTorch flight recorder dumps"
         raise RankscopeError(f"{path} holds {what}, which the terminal UI does not show",
                              f"rankscope analyze {path}")
     snapshot = load_pyspy_dir(path, layout)

@@ -1,0 +1,32 @@
+"""What a path given for an incident holds, told by its content: the argument needs no flag.
+
+``rankscope analyze PATH`` reads whatever it is, and ``rankscope attach
+--bundle PATH`` opens what the TUI can show and names the command for the
+rest. Only first bytes are read (a few files of a folder), never a whole dump.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rankscope.formats.flight_recorder import holds_dumps, looks_like_dump
+from rankscope.formats.optrace_io import looks_like_op_trace
+from rankscope.formats.pyspy_dir import is_dumps
+
+BUNDLE = "bundle"  # a JSON object, or a path that is not there (the bundle reader says so)
+PYSPY = "py-spy dumps"  # a folder, or a file that is not a JSON object: saved `py-spy dump` output
+FLIGHT_RECORDER = "flight recorder dumps"  # a folder of every rank's PyTorch flight recorder dump
+FLIGHT_RECORDER_RANK = "one rank's flight recorder dump"
+OP_TRACE = "op trace"  # a per-operation timing trace (parquet, or a CSV with its columns)
+
+
+def what_is(path: Path) -> str:
+    """One of the kinds above."""
+    if path.is_file():
+        if looks_like_op_trace(path):
+            return OP_TRACE
+        if looks_like_dump(path):
+            return FLIGHT_RECORDER_RANK
+    elif path.is_dir() and holds_dumps(path):
+        return FLIGHT_RECORDER
+    return PYSPY if is_dumps(path) else BUNDLE
