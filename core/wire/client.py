@@ -97,6 +97,14 @@ RESERVED_FDS = 128
 
 Call = Callable[[Any, Sequence[tuple[str, str]], float], Awaitable[pb.MachineSnapshot]]
 CallFor = Callable[[str], Call]  # the call to make to the agent at an address
+UNOWNED = "unowned"  # plan_action's key for targets no agent reports
+# A plan is asked once, by a person who waits for it: the poll deadline (made for readings repeated every
+# second) must not fail it. An agent's first plan after it (re)started imports its planning code and scans
+# /proc; on a loaded machine that took over 10 s and every agent answered "no answer" (the e2e tmux test).
+PLAN_DEADLINE_S = 30.0
+# Codes after which reconnecting cannot help: the watch stops and says why.
+_FINAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
 
 
 def versioned_call(method: str, request: pb.DescribeRequest | pb.CaptureRequest, since: int | None,
@@ -117,14 +125,6 @@ def versioned_call(method: str, request: pb.DescribeRequest | pb.CaptureRequest,
         return getattr(stub, method)(req, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
 
     return call
-UNOWNED = "unowned"  # plan_action's key for targets no agent reports
-# A plan is asked once, by a person who waits for it: the poll deadline (made for readings repeated every
-# second) must not fail it. An agent's first plan after it (re)started imports its planning code and scans
-# /proc; on a loaded machine that took over 10 s and every agent answered "no answer" (the e2e tmux test).
-PLAN_DEADLINE_S = 30.0
-# Codes after which reconnecting cannot help: the watch stops and says why.
-_FINAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
