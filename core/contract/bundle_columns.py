@@ -21,10 +21,10 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
+from rankscope.contract.fast_make import maker
 from rankscope.contract.snapshot import JobSnapshot
 
 # How a field is written: its kind and, for objects and tuples of objects, the type it refers to.
@@ -238,7 +238,7 @@ def _read_table(cls: type, table: Any, built: dict[type, list[Any]],
         if not isinstance(col, list) or len(col) != rows:
             raise ColumnError(f"{where}: expected a list of {rows} values")
         values.append(_read_column(f, col, where, built, built_tuples))
-    make = _maker(cls)
+    make = maker(cls)
     return [make(*row) for row in zip(*values, strict=True)] if values else [cls() for _ in range(rows)]
 
 
@@ -294,26 +294,3 @@ def _no_nulls(f: _Field, out: list[Any], col: list[Any], where: str) -> list[Any
 _ALLOWED: dict[type, frozenset[type]] = {
     int: frozenset({int}), float: frozenset({float, int}), str: frozenset({str}), bool: frozenset({bool}),
 }
-_MAKERS: dict[type, Callable[..., Any]] = {}
-
-
-def _maker(cls: type) -> Callable[..., Any]:
-    """The fastest way to make a ``cls`` from its field values in order (see proto_convert's decoders)."""
-    make = _MAKERS.get(cls)
-    if make is None:
-        fields = dataclasses.fields(cls)
-        plain = (not hasattr(cls, "__slots__") or hasattr(cls, "__post_init__") or not all(f.init for f in fields)
-                 or not all(type(cls.__dict__.get(f.name)).__name__ == "member_descriptor" for f in fields))
-        if plain:
-            make = cls
-        else:
-            namespace: dict[str, Any] = {"new": object.__new__, "cls": cls}
-            names = [f"v{i}" for i in range(len(fields))]
-            for i, f in enumerate(fields):
-                namespace[f"s{i}"] = cls.__dict__[f.name].__set__
-            source = (f"def make({', '.join(names)}):\n    o = new(cls)\n"
-                      + "".join(f"    s{i}(o, v{i})\n" for i in range(len(fields))) + "    return o\n")
-            exec(compile(source, f"<bundle maker of {cls.__name__}>", "exec"), namespace)  # from the fields only
-            make = namespace["make"]
-        _MAKERS[cls] = make
-    return make

@@ -46,6 +46,7 @@ from rankscope.actions.model import (
     VersionSource,
 )
 from rankscope.contract.errors import RankscopeError
+from rankscope.contract.fast_make import slot_setters, slots_only
 from rankscope.contract.snapshot import (
     CaptureError,
     CaptureErrorKind,
@@ -556,12 +557,12 @@ def _fast_decoder(cls: type, plan: list[tuple[str, bool, Decoder | None]],
         if conv is not None:
             namespace[f"c{i}"] = conv
         args.append(f"({value} if msg.HasField({name!r}) else None)" if optional else value)
-    if _slots_only(cls):
+    if slots_only(cls):
         # Frozen dataclasses set each field through object.__setattr__ in __init__ (3/4 of a decode's time);
         # a class without __post_init__ is filled through its slots directly: the same object, 3x sooner.
         namespace["new"] = object.__new__
-        for i, f in enumerate(dataclasses.fields(cls)):
-            namespace[f"s{i}"] = cls.__dict__[f.name].__set__
+        for i, setter in enumerate(slot_setters(cls)):
+            namespace[f"s{i}"] = setter
         if special is not None:
             values = [f"v[{i}]" for i in range(len(args))]
             lines = [f"v = special(msg, [{', '.join(args)}])"]
@@ -575,14 +576,6 @@ def _fast_decoder(cls: type, plan: list[tuple[str, bool, Decoder | None]],
         + "    except _WireError:\n        return plain(msg)\n"
     exec(compile(source, f"<decoder of {cls.__name__}>", "exec"), namespace)  # generated from the fields only
     return typing.cast(Decoder, namespace["decode"])
-
-
-def _slots_only(cls: type) -> bool:
-    """Whether an instance of ``cls`` is exactly its fields in slots: nothing runs on construction but storing them."""
-    fields = dataclasses.fields(cls)
-    return (hasattr(cls, "__slots__") and not hasattr(cls, "__post_init__")
-            and all(f.init for f in fields)
-            and all(type(cls.__dict__.get(f.name)).__name__ == "member_descriptor" for f in fields))
 
 
 def _plain_decoder(cls: type, plan: list[tuple[str, bool, Decoder | None]],
