@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rankscope.analyzers.ccl import analyze_counters
+from rankscope.analyzers.ccl_desync import counter_waits
 from rankscope.analyzers.findings import Verdict
 from rankscope.analyzers.stacks import DEFAULT_OPTIONS, SignatureOptions
 from rankscope.analyzers.suspects import StackAnalysis, analyze_stacks
@@ -42,8 +43,10 @@ def analyze_job(snapshot: JobSnapshot, layout: Layout | None = None, options: Si
 
     Raises ValueError (with the fix) when ``layout`` does not fit the job.
     """
-    stacks = analyze_stacks(snapshot, layout, options)
-    counters = analyze_counters(snapshot, layout) if snapshot.all_counters() and not others else None
+    all_counters = snapshot.all_counters()
+    waits = counter_waits(all_counters) if all_counters else None  # built once for the chain and the CL rule
+    stacks = analyze_stacks(snapshot, layout, options, waits)
+    counters = analyze_counters(snapshot, layout, waits) if all_counters and not others else None
     merged_with = tuple(others) or ((counters,) if counters is not None and counters.suspects else ())
     # merge_verdicts also folds one detector's suspects: a rank, its TP group and its DP group holding one root
     # are one suspect whether or not another detector spoke.

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from rankscope.analyzers.ccl_desync import (
     MATCHING,
     P2P_OPS,
+    CounterWaits,
     CrossedWait,
     OpTable,
     comm_label,
+    counter_waits,
     crossed_waits,
-    live_counters,
     op_table,
 )
 from rankscope.analyzers.chain import DESYNC_ADVICE
@@ -225,8 +226,11 @@ def desync_finding(c: CrossedWait) -> Finding:
                    communicator=c.communicator, advice=DESYNC_ADVICE)
 
 
-def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None) -> Verdict:
-    """The CCL verdict for one snapshot (``layout`` is accepted for symmetry; membership comes from the files)."""
+def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None, waits: CounterWaits | None = None) -> Verdict:
+    """The CCL verdict for one snapshot (``layout`` is accepted for symmetry; membership comes from the files).
+
+    ``waits``: ``counter_waits(snapshot.all_counters())``, when the caller has built it already.
+    """
     counters = snapshot.all_counters()
     seen_ranks = {r.rank for m in snapshot.machines for r in m.ranks}
     missing = tuple(sorted(seen_ranks - set(counters)))
@@ -234,10 +238,10 @@ def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None) -> Ver
     notes += [f"rank {r}: counters stale ({rc.stale_reason})" for r, rc in sorted(counters.items()) if rc.stale]
     if not counters:
         return Verdict((), "no CCL counters (start the job with `rankscope run`)", missing, tuple(notes))
-    live = live_counters(counters)  # read without error, and not stale
-    table = op_table(live)  # one index of the counters for both rules
-    crossed = crossed_waits(live, table=table)
-    suspects = counter_findings(live, snapshot.rank_to_machine(), crossed, table)
+    if waits is None:
+        waits = counter_waits(counters)  # one index and wait graph of the counters for both rules
+    crossed = crossed_waits(counters, waits=waits)
+    suspects = counter_findings(waits.live, snapshot.rank_to_machine(), crossed, waits.table)
     if suspects:
         top = suspects[0]
         summary = f"CCL counters: {top.evidence[0]}"

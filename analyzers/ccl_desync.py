@@ -118,6 +118,17 @@ class _Waits:
         self.out: dict[_Node, list[_Node]] = {}
         self.why: dict[tuple[int, _Node], str] = {}
 
+    def with_extra(self, live: Mapping[int, RankCounters], extra: Mapping[int, Mapping[int, str]]) -> _Waits:
+        """A copy with the ``extra`` waits (rank -> {peer: why}) between live ranks added where not already there."""
+        g = _Waits()
+        g.out = {n: list(targets) for n, targets in self.out.items()}
+        g.why = dict(self.why)
+        for r, peers in extra.items():
+            for p, why in peers.items():
+                if r in live and p in live and p not in g.out.get(r, ()):
+                    g.add(r, p, why)
+        return g
+
     def add(self, a: _Node, b: _Node, why: str = "") -> None:
         self.out.setdefault(a, []).append(b)
         if why and isinstance(a, int):
@@ -144,8 +155,25 @@ class _Waits:
         return None
 
 
-def _graph(live: Mapping[int, RankCounters], extra: Mapping[int, Mapping[int, str]],
-           table: OpTable) -> tuple[_Waits, list[_Lag]]:
+@dataclass(frozen=True, slots=True)
+class CounterWaits:
+    """Who waits on whom by the counters alone: built once per capture for the CL rule, the desync check and
+    the chain of waits (which adds the stacks' send/recv waits to a copy)."""
+
+    live: Mapping[int, RankCounters]  # read without error and not stale
+    table: OpTable
+    graph: _Waits
+    lags: tuple[_Lag, ...]
+
+
+def counter_waits(counters: Mapping[int, RankCounters]) -> CounterWaits:
+    live = live_counters(counters)
+    table = op_table(live)
+    graph, lags = _graph(live, table)
+    return CounterWaits(live, table, graph, tuple(lags))
+
+
+def _graph(live: Mapping[int, RankCounters], table: OpTable) -> tuple[_Waits, list[_Lag]]:
     g = _Waits()
     lags: list[_Lag] = []
     for cid, comm in table.comms.items():
@@ -183,10 +211,6 @@ def _graph(live: Mapping[int, RankCounters], extra: Mapping[int, Mapping[int, st
             lagging = tuple(r for r, n in cls.items() if n < top)
             if waiting and lagging:
                 lags.append(_Lag(comm, op, top, waiting, lagging, max(cls[r] for r in lagging)))
-    for r, peers in extra.items():
-        for p, why in peers.items():
-            if r in live and p in live and p not in g.out.get(r, ()):
-                g.add(r, p, why)
     return g, lags
 
 
@@ -199,18 +223,19 @@ def _describe(g: _Waits, way: list[_Node], op: str) -> str:
 
 
 def crossed_waits(counters: Mapping[int, RankCounters], extra: Mapping[int, Mapping[int, str]] | None = None,
-                  table: OpTable | None = None) -> tuple[CrossedWait, ...]:
+                  waits: CounterWaits | None = None) -> tuple[CrossedWait, ...]:
     """Desyncs the counters show (see the module docstring), largest waiting side first.
 
     ``extra``: more waits, rank -> {peer: why}, from evidence beside the counters.
-    ``table``: ``op_table(live_counters(counters))``, when the caller has built it already.
+    ``waits``: ``counter_waits(counters)``, when the caller has built it already.
     """
-    live = live_counters(counters)
-    if len(live) < 2:
+    if waits is None:
+        waits = counter_waits(counters)
+    if len(waits.live) < 2:
         return ()
-    g, lags = _graph(live, extra or {}, table if table is not None else op_table(live))
+    g = waits.graph.with_extra(waits.live, extra) if extra else waits.graph
     found: list[CrossedWait] = []
-    for lag in lags:
+    for lag in waits.lags:
         targets = set(lag.waiting)
         ways = {r: g.path(r, targets) for r in lag.lagging}
         if any(w is None for w in ways.values()):
@@ -256,4 +281,5 @@ def _merge(found: list[CrossedWait]) -> tuple[CrossedWait, ...]:
     return tuple(out)
 
 
-__all__ = ["MATCHING", "P2P_OPS", "CrossedWait", "OpTable", "comm_label", "crossed_waits", "live_counters", "op_table"]
+__all__ = ["MATCHING", "P2P_OPS", "CounterWaits", "CrossedWait", "OpTable", "comm_label", "counter_waits",
+           "crossed_waits", "live_counters", "op_table"]

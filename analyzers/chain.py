@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
-from rankscope.analyzers.ccl_desync import crossed_waits
+from rankscope.analyzers.ccl_desync import CounterWaits, crossed_waits
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
     SignatureOptions,
@@ -345,13 +345,14 @@ _Key = tuple[RankState, str]
 
 
 def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: frozenset[int] = frozenset(),
-                 counters: Mapping[int, RankCounters] | None = None) -> Chain:
+                 counters: Mapping[int, RankCounters] | None = None, waits: CounterWaits | None = None) -> Chain:
     """Roots (ranks others wait on, with their victims), desyncs, and waiters explained by neither.
 
     ``counters`` (CL/WR/WC per communicator, or a flight recorder's as
     counters) tell desyncs the stacks cannot: ranks blocked in a send or recv
     whose peers wait in a collective they never launched (see
-    ``rankscope.analyzers.ccl_desync``). Only such a crossed wait that no
+    ``rankscope.analyzers.ccl_desync``; ``waits``: their ``counter_waits``
+    when the caller has built it already). Only such a crossed wait that no
     root explains is a desync here; the stacks' send/recv states add the
     waits the counters do not record.
 
@@ -383,9 +384,16 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: fr
     collective = {r for r, v in views.items() if v.state is RankState.COLLECTIVE}
     p2p = {r for r, v in views.items() if v.state is RankState.P2P}
     # A collective waiter whose layout groups are all complete at its site waits on the whole job.
-    on_world = {r for r in collective
-                if all(len(sites(groups.gid(k, r)).get(at(r), ())) == len(groups.group(k, r))
-                       for k in groups.kinds)}
+    # (Decided once per group and call site: all the ranks at one site of one group get the same answer.)
+    complete: dict[tuple[tuple[str, int], _Key], bool] = {}
+
+    def whole_group_at(gid: tuple[str, int], key: _Key) -> bool:
+        hit = complete.get((gid, key))
+        if hit is None:
+            hit = complete[(gid, key)] = len(sites(gid).get(key, ())) == len(groups.of_id(gid))
+        return hit
+
+    on_world = {r for r in collective if all(whole_group_at(groups.gid(k, r), at(r)) for k in groups.kinds)}
     p2p_targets = {r: _p2p_peers(r, views[r], groups) for r in p2p}  # empty: no pipeline known, wait on all
     p2p_on_world = {r for r, t in p2p_targets.items() if not t}
     world_id = ("world", 0)
@@ -396,13 +404,13 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: fr
             p2p_waiters.setdefault(t, []).append(m)
     # Per (group, call site) where ranks wait: the members that wait on the group's other ranks, and those that
     # wait on the whole job (reached through the world scope); computed once per pair, however many ranks ask.
-    waits: dict[tuple[str, int], list[tuple[_Key, list[int]]]] = {}
+    waiting_by_group: dict[tuple[str, int], list[tuple[_Key, list[int]]]] = {}
 
     def waiting_sites(gid: tuple[str, int]) -> list[tuple[_Key, list[int]]]:
-        got = waits.get(gid)
+        got = waiting_by_group.get(gid)
         if got is None:
             whole = gid == world_id
-            got = waits[gid] = []
+            got = waiting_by_group[gid] = []
             for key, members in sites(gid).items():
                 if key[0] is RankState.COLLECTIVE:
                     got.append((key, [m for m in members if (m in on_world) == whole]))
@@ -450,7 +458,7 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: fr
     roots.sort(key=lambda r: (-len(r.victims), r.rank))
     explained = {v for r in roots for v in r.victims}
     lost = {r for r in collective | p2p if r not in explained}
-    crossed = _crossed(views, groups, counters, p2p_targets, explained, victims_from) if counters else []
+    crossed = _crossed(views, groups, counters, waits, p2p_targets, explained, victims_from) if counters else []
     in_crossed = {r for d in crossed for r in (*d.ranks, *d.victims)}
     desyncs = crossed + _merge_alike(_desyncs(views, groups, lost - in_crossed))
     in_desync = {r for d in desyncs for r in (*d.ranks, *d.victims)}
@@ -459,7 +467,7 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: fr
 
 
 def _crossed(views: Mapping[int, RankView], groups: _Groups, counters: Mapping[int, RankCounters],
-             p2p_targets: Mapping[int, set[int]], explained: set[int],
+             waits: CounterWaits | None, p2p_targets: Mapping[int, set[int]], explained: set[int],
              victims_from: Callable[[Sequence[int]], set[int]]) -> list[Desync]:
     """The counters' crossed waits that no root explains, as desyncs with the chain's victims under them."""
     extra: dict[int, dict[int, str]] = {}
@@ -470,7 +478,7 @@ def _crossed(views: Mapping[int, RankView], groups: _Groups, counters: Mapping[i
                 extra.setdefault(r, {})[p] = (f"rank {r} is in {views[r].site} toward rank {p}, which is not in a "
                                               f"send/recv ({pv.describe()})")
     out: list[Desync] = []
-    for c in crossed_waits(counters, extra):
+    for c in crossed_waits(counters, extra, waits):
         named = set(c.ranks)
         if named & explained or any(views[r].state in TERMINAL for r in named if r in views):
             continue  # a root explains these ranks, or the stacks show them in their own work: not a desync

@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+from rankscope.analyzers.ccl_desync import CounterWaits
 from rankscope.analyzers.chain import (
     DESYNC_ADVICE,
     TERMINAL,
@@ -572,9 +573,12 @@ def _independent_cover(suspects: list[Suspect], explains: list[set[int]], outlie
 
 
 def analyze_stacks(
-    snapshot: JobSnapshot, layout: Layout | None = None, options: SignatureOptions = DEFAULT_OPTIONS
+    snapshot: JobSnapshot, layout: Layout | None = None, options: SignatureOptions = DEFAULT_OPTIONS,
+    waits: CounterWaits | None = None,
 ) -> StackAnalysis:
     """Group the snapshot's stacks and rank the parallel groups that explain the outliers.
+
+    ``waits``: ``counter_waits(snapshot.all_counters())``, when the caller has built it already.
 
     Raises ValueError (with the fix in its message) when the layout does not
     fit the job.
@@ -600,7 +604,7 @@ def analyze_stacks(
     sizes = [len(g.ranks) for g in grouping.groups]
     unique_majority = len(sizes) > 0 and sizes[0] > 1 and (len(sizes) == 1 or sizes[0] > sizes[1])
     chain = follow_chain(views, topology, frozenset(grouping.groups[0].ranks) if unique_majority else frozenset(),
-                         snapshot.all_counters())
+                         snapshot.all_counters(), waits)
     named = chain.root_ranks | {r for d in chain.desyncs for r in d.ranks}
     chosen: tuple[list[Suspect], list[set[int]]] | None = None  # the suspects of the grouping a tie settled on
 
