@@ -19,7 +19,9 @@ after a poll that opens the channels), client peak RSS, bytes of the
 replies (a capture, a whole poll, a steady poll: a delta against the last
 one where the code has deltas), the wall time of the first poll after the
 capture (sent whole) and the wall and client CPU time of a steady poll
-cycle of the unchanged job (median of 3).
+cycle of the unchanged job (median of 3), and beside it ``bare cpu``: the
+client CPU of the same poll's gRPC calls made bare (replies not decoded),
+the least any direct poll from one Python process costs.
 ``--relay-fanout K`` (new only): agents relay in groups of K, the client
 talks to N/K relays. ``--bundle``: at the largest N, also write the capture
 as a bundle and time opening it and ``rankscope analyze`` on it.
@@ -262,6 +264,34 @@ def client(args: argparse.Namespace) -> None:
         return sum(c for c, _, _ in sizes), sum(p for _, p, _ in sizes), sum(d for _, _, d in sizes)
 
     out["capture_bytes"], out["poll_bytes"], out["steady_poll_bytes"] = asyncio.run(wire())
+
+    async def floor() -> float:
+        """Client CPU of one steady poll's calls made bare (same channels kept open, replies not decoded),
+        median of 3: what gRPC itself costs this process, the least a direct poll can cost."""
+        import grpc
+
+        md = (("authorization", f"Bearer {TOKEN}"),)
+        channels = [grpc.aio.insecure_channel(a, options=[("grpc.max_receive_message_length", 1 << 30)])
+                    for a in agents]
+        stubs = [pb_grpc.RankscopeAgentStub(ch) for ch in channels]
+        gate = asyncio.Semaphore(256)
+
+        async def one(stub: Any, since: int | None) -> Any:
+            async with gate:
+                request = pb.DescribeRequest(since=since) if since is not None else pb.DescribeRequest()
+                return await stub.Describe(request, metadata=md, timeout=args.deadline)
+
+        whole = await asyncio.gather(*(one(s, None) for s in stubs))
+        cpus = []
+        for _ in range(3):
+            cpu0 = time.process_time()
+            await asyncio.gather(*(one(s, w.version if deltas else None) for s, w in zip(stubs, whole, strict=True)))
+            cpus.append(time.process_time() - cpu0)
+        for ch in channels:
+            await ch.close()
+        return sorted(cpus)[1]
+
+    out["floor_poll_cpu_s"] = asyncio.run(floor())
     print(json.dumps(out), flush=True)
 
 
@@ -337,7 +367,8 @@ def row(impl: str, n: int, ranks: int, r: dict[str, Any]) -> str:
     return (f"{impl:<5} {n:>6} {n * ranks:>7} {r['answered']:>5}/{r['machines']:<5} {r['capture_wall_s']:>8.2f} "
             f"{r['capture_cpu_s']:>8.2f} {r['rss_mb']:>8.0f} {r['capture_bytes'] / 1e6:>9.1f} "
             f"{r['poll_bytes'] / 1e6:>8.2f} {r['steady_poll_bytes'] / 1e6:>8.2f} {r['poll_first_s']:>8.3f} "
-            f"{r['poll_wall_s']:>8.3f} {r['poll_cpu_s']:>8.3f} {r['load_avg']:>6.1f}{extra}")
+            f"{r['poll_wall_s']:>8.3f} {r['poll_cpu_s']:>8.3f} {r.get('floor_poll_cpu_s', float('nan')):>8.3f} "
+            f"{r['load_avg']:>6.1f}{extra}")
 
 
 def main() -> int:
@@ -383,7 +414,8 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}; base = {ref[:12]}; "
           f"{args.ranks_per_machine} ranks per agent; relay fan-out {args.relay_fanout or 'none'}", flush=True)
     print(f"{'impl':<5} {'agents':>6} {'ranks':>7} {'answered':>11} {'wall s':>8} {'cpu s':>8} {'rss MB':>8} "
-          f"{'capt MB':>9} {'poll MB':>8} {'Δpoll MB':>8} {'poll1 s':>8} {'poll s':>8} {'poll cpu':>8} {'load':>6}",
+          f"{'capt MB':>9} {'poll MB':>8} {'Δpoll MB':>8} {'poll1 s':>8} {'poll s':>8} {'poll cpu':>8} {'bare cpu':>8} "
+          f"{'load':>6}",
           flush=True)
     results: dict[tuple[str, int], dict[str, Any]] = {}
     for n in sizes:
