@@ -14,7 +14,7 @@ from ccl_fixtures import BARRIER, DP8, L8, TP8, Counters, drill_desync, pipeline
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankscope.analyzers.ccl import analyze_counters
-from rankscope.analyzers.ccl_desync import crossed_waits
+from rankscope.analyzers.ccl_desync import counter_waits, crossed_waits
 from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.suspects import analyze_stacks
 from rankscope.analyzers.verdict import analyze_snapshot
@@ -192,3 +192,32 @@ def test_any_counters_give_disjoint_sides_and_never_raise(files: dict[int, tuple
         assert cw.ranks and not set(cw.ranks) & set(cw.victims)
         assert set(cw.ranks) | set(cw.victims) <= set(counters)
     analyze_counters(with_counters(snapshot({}, 8, 8), counters))  # the CCL detector around it takes them too
+
+
+@settings(max_examples=100, deadline=None)
+@given(files=st.dictionaries(st.integers(0, 7), st.tuples(st.lists(_comm, max_size=3), st.lists(_op, max_size=6)),
+                             max_size=8),
+       extra=st.dictionaries(st.integers(0, 7), st.dictionaries(st.integers(0, 7), st.just("stack wait"), max_size=2),
+                             max_size=4))
+def test_one_wait_graph_shared_by_the_chain_and_the_cl_rule_answers_as_fresh_ones_do(
+        files: dict[int, tuple[list[Communicator], list[OpCounters]]], extra: dict[int, dict[int, str]]) -> None:
+    # analyze_job builds the counters' graph once; the chain adds the stacks' waits to a copy, never to the shared one
+    counters = {r: RankCounters(rank=r, pid=None, world_size=8, job_id=None, heartbeat_wall=None,
+                                communicators=tuple(cs), ops=tuple(ops)) for r, (cs, ops) in files.items()}
+    shared = counter_waits(counters)
+    assert crossed_waits(counters, extra, shared) == crossed_waits(counters, extra)
+    assert crossed_waits(counters, waits=shared) == crossed_waits(counters)
+
+
+def test_the_stacks_send_waits_added_for_the_chain_do_not_reach_the_counters_verdict() -> None:
+    # rank 0 waits in a barrier nobody else launched; ranks 1-7 are idle by the counters. A stack-side wait of
+    # rank 1 on rank 0 makes rank 0's lag a crossed wait for the chain only.
+    c = Counters(8)
+    world = c.comm("0", "world", range(8))
+    c.op(0, world, "barrier", 1, 0)
+    for r in range(1, 8):
+        c.op(r, world, "barrier", 0, 0)
+    shared = counter_waits(c.files())
+    assert crossed_waits(c.files(), waits=shared) == ()
+    assert crossed_waits(c.files(), {r: {0: "stack wait"} for r in range(1, 8)}, shared) != ()
+    assert crossed_waits(c.files(), waits=shared) == ()
