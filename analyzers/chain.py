@@ -223,14 +223,35 @@ def describe_process_state(state: str) -> str:
     return words.get(state, state)
 
 
-def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
-              options: SignatureOptions = DEFAULT_OPTIONS,
-              cache: dict[tuple[object, ...], RankView] | None = None) -> RankView:
-    """One rank's state from its main thread, or why there is none.
+class _ViewCache:
+    """The views of the stacks read so far: ranks of a large job share a few stacks, so each is read once.
 
-    ``cache`` maps a main thread's frames to the view they give: ranks of a
-    large job share a few stacks, so each is read once.
+    A capture's decoder and a bundle's reader share one tuple object between
+    ranks whose stacks are identical: such a tuple is found by identity, with
+    no frame looked at (the tuple is kept, so its id holds).
     """
+
+    __slots__ = ("by_frames", "by_object")
+
+    def __init__(self) -> None:
+        self.by_object: dict[int, tuple[tuple[Frame, ...], RankView]] = {}
+        self.by_frames: dict[tuple[object, ...], RankView] = {}
+
+    def view(self, frames: tuple[Frame, ...], options: SignatureOptions) -> RankView:
+        seen = self.by_object.get(id(frames))
+        if seen is not None and seen[0] is frames:
+            return seen[1]
+        key = tuple(map(_FRAME_KEY, frames))  # strings hash once each; frames would hash field by field
+        got = self.by_frames.get(key)
+        if got is None:
+            got = self.by_frames[key] = _stack_view(0, frames, options)
+        self.by_object[id(frames)] = (frames, got)
+        return got
+
+
+def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
+              options: SignatureOptions = DEFAULT_OPTIONS, cache: _ViewCache | None = None) -> RankView:
+    """One rank's state from its main thread, or why there is none (``cache``: the views of stacks read so far)."""
     if rs is None:
         # Absence is evidence only when something tried to read the rank: an unreachable machine says so;
         # a file missing from a folder of dumps says nothing about the rank.
@@ -247,10 +268,7 @@ def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
             what = RankState.UNKNOWN
         return RankView(rank, what, reason=text, process_state=state, wchan=wchan)
     if cache is not None:
-        key = tuple(map(_FRAME_KEY, main.frames))  # strings hash once each; frames would hash field by field
-        got = cache.get(key)
-        if got is None:
-            got = cache[key] = _stack_view(0, main.frames, options)
+        got = cache.view(main.frames, options)
         return RankView(rank, got.state, got.frame, got.site, got.direction)
     return _stack_view(rank, main.frames, options)
 
@@ -290,7 +308,7 @@ def rank_views(stacks: Mapping[int, RankStacks], world: int, missing: Mapping[in
                options: SignatureOptions = DEFAULT_OPTIONS) -> dict[int, RankView]:
     """Every rank of the job, read or not."""
     out: dict[int, RankView] = {}
-    cache: dict[tuple[object, ...], RankView] = {}
+    cache = _ViewCache()
     for rank in range(world):
         out[rank] = rank_view(rank, stacks.get(rank), missing.get(rank, ""), options, cache)
     for rank, rs in stacks.items():  # ranks beyond the layout's world still get a view
