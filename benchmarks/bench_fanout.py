@@ -257,7 +257,11 @@ def client(args: argparse.Namespace) -> None:
                 stub = pb_grpc.RankscopeAgentStub(ch)
                 capture = await stub.Capture(pb.CaptureRequest(subprocesses=True, timeout_s=5), metadata=md)
                 poll = await stub.Describe(pb.DescribeRequest(), metadata=md)
-                steady = await stub.Describe(pb.DescribeRequest(since=poll.version), metadata=md) if deltas else poll
+                # A relay is asked with the versions of its children too, as the client asks it.
+                steady = await stub.Describe(
+                    pb.DescribeRequest(since=poll.version,
+                                       relayed_since={c.address: c.version for c in poll.relayed if c.HasField("version")}),
+                    metadata=md) if deltas else poll
                 return capture.ByteSize(), poll.ByteSize(), steady.ByteSize()
 
         sizes = await asyncio.gather(*(one(a) for a in agents))
@@ -339,7 +343,7 @@ def measure(impl: str, base: str | None, n: int, args: argparse.Namespace, bundl
     try:
         result = run_client(impl, base, addresses, bundle, args.deadline)
     finally:
-        for s in servers:
+        for s in reversed(servers):  # relays first: a leaf gone before its relay only adds noise to the log
             s.stop()
     if bundle is not None and "error" not in result:
         t0 = time.perf_counter()

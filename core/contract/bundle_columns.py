@@ -22,6 +22,7 @@ import dataclasses
 import types
 import typing
 from enum import Enum
+from itertools import chain
 from typing import Any
 
 from rankscope.contract.fast_make import maker
@@ -204,8 +205,8 @@ def _read_tuples(cls: type, raw: Any, rows: list[Any]) -> list[tuple[Any, ...]]:
     if not isinstance(raw, list):
         raise ColumnError(f"{where}: expected a list of lists of row numbers")
     n = len(rows)
-    if all(type(e) is list for e in raw) and {type(i) for e in raw for i in e} <= {int} \
-            and all(0 <= i < n for e in raw for i in e):
+    if set(map(type, raw)) <= {list} and set(map(type, items := list(chain.from_iterable(raw)))) <= {int} \
+            and _in_range(items, n):
         return [tuple([rows[i] for i in e]) for e in raw]
     for k, entry in enumerate(raw):
         if type(entry) is not list:
@@ -248,7 +249,8 @@ def _read_column(f: _Field, col: list[Any], where: str, built: dict[type, list[A
     if kind in (_REF, _REFS):
         target = built[f.target] if kind == _REF else built_tuples[f.target]
         n = len(target)
-        if {type(i) for i in col} <= {int, type(None)} and all(0 <= i < n for i in col if i is not None):
+        found = set(map(type, col))
+        if found <= {int, type(None)} and _in_range([i for i in col if i is not None] if type(None) in found else col, n):
             return _no_nulls(f, [None if i is None else target[i] for i in col], col, where)
         k, bad = next((k, i) for k, i in enumerate(col) if i is not None and (type(i) is not int or not 0 <= i < n))
         what = f.target.__name__ if kind == _REF else f"tuples.{f.target.__name__}"
@@ -263,8 +265,8 @@ def _read_column(f: _Field, col: list[Any], where: str, built: dict[type, list[A
     allowed = _ALLOWED[f.target]
     if kind == _SCALARS:
         # The whole column's lists and their items checked in two passes, not list by list.
-        if {type(v) for v in col} <= {list, type(None)} and (
-                found := {type(x) for v in col if v is not None for x in v}) <= allowed:
+        if (lists := set(map(type, col))) <= {list, type(None)} and (found := set(map(type, chain.from_iterable(
+                [v for v in col if v is not None] if type(None) in lists else col)))) <= allowed:
             if f.target is float and int in found:
                 out = [None if v is None else tuple([float(x) for x in v]) for v in col]
             else:
@@ -273,7 +275,7 @@ def _read_column(f: _Field, col: list[Any], where: str, built: dict[type, list[A
         k = next(k for k, v in enumerate(col)
                  if v is not None and (type(v) is not list or not {type(x) for x in v} <= allowed))
         raise ColumnError(f"{where}[{k}]: expected a list of {f.target.__name__} values")
-    found = {type(v) for v in col}  # a whole column at once
+    found = set(map(type, col))  # a whole column at once
     if not found <= allowed | {type(None)}:
         k, bad = next((k, v) for k, v in enumerate(col) if v is not None and type(v) not in allowed)
         raise ColumnError(f"{where}[{k}]: expected {f.target.__name__}, got {type(bad).__name__}")
@@ -282,6 +284,11 @@ def _read_column(f: _Field, col: list[Any], where: str, built: dict[type, list[A
     if not f.optional and type(None) in found:
         raise ColumnError(f"{where}[{col.index(None)}]: value is missing (null) but is required")
     return col
+
+
+def _in_range(rows: list[int], n: int) -> bool:
+    """Whether every row number (all ints) is a row of a table of ``n``."""
+    return not rows or (min(rows) >= 0 and max(rows) < n)
 
 
 def _no_nulls(f: _Field, out: list[Any], col: list[Any], where: str) -> list[Any]:
