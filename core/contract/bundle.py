@@ -30,9 +30,10 @@ from rankscope.contract.snapshot import Communicator, Frame, JobSnapshot, RankCo
 
 FORMAT = "rankscope.bundle"
 # What is written: 2 added per-snapshot frame, stack and communicator tables; 3 writes every contract type as
-# columns of distinct values (rankscope.contract.bundle_columns; docs/bundle-format.md).
-VERSION = 3
-READS = (1, 2, 3)
+# columns of distinct values (rankscope.contract.bundle_columns; docs/bundle-format.md); 4 packs its number
+# columns (rankscope.contract.packed).
+VERSION = 4
+READS = (1, 2, 3, 4)
 
 T = TypeVar("T")
 
@@ -132,10 +133,10 @@ def bundle_to_dict(bundle: Bundle, *, compact: bool = False, version: int | None
         "ground_truth": to_jsonable(bundle.ground_truth) if bundle.ground_truth is not None else None,
         "meta": to_jsonable(bundle.meta),
     }
-    if version == 3:
+    if version in (3, 4):
         writer = ColumnWriter()
         out["snapshots"] = [writer.add(s) for s in bundle.snapshots]
-        out.update(writer.jsonable())
+        out.update(writer.jsonable(packed=version == 4))
     elif version == 2:
         out["snapshots"] = [_Tables().snapshot(s) for s in bundle.snapshots]
     elif version == 1:
@@ -424,7 +425,7 @@ def bundle_from_dict(data: Any, source: str = "bundle") -> Bundle:
     raw = data.get("snapshots")
     if not isinstance(raw, list) or not raw:
         raise BundleError(f"{source}: 'snapshots' must be a non-empty list")
-    if version == 3:
+    if version in (3, 4):
         try:
             snaps = tuple(read_columns(data, raw))
         except ColumnError as exc:

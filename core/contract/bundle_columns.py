@@ -26,6 +26,7 @@ from itertools import chain
 from typing import Any
 
 from rankscope.contract.fast_make import maker
+from rankscope.contract.packed import PackError, is_packed, pack_lists, pack_numbers, unpack
 from rankscope.contract.snapshot import JobSnapshot
 
 # How a field is written: its kind and, for objects and tuples of objects, the type it refers to.
@@ -164,11 +165,24 @@ class ColumnWriter:
             self.by_id[id(objs)] = number
         return number
 
-    def jsonable(self) -> dict[str, Any]:
+    def jsonable(self, *, packed: bool = False) -> dict[str, Any]:
+        """The tables and tuples as JSON values; ``packed`` (version 4): number columns as ``rankscope.contract.packed``
+        forms where they fit one."""
+        def column(f: _Field, values: list[Any]) -> Any:
+            if not packed:
+                return values
+            if f.kind in (_INT, _FLOAT, _REF, _REFS):
+                return pack_numbers(values) or values
+            if f.kind == _SCALARS and f.target in (int, float):
+                return pack_lists(values) or values
+            return values
+
         return {
-            "tables": {cls.__name__: {"rows": len(self.rows[cls]), "columns": self.columns[cls]}
+            "tables": {cls.__name__: {"rows": len(self.rows[cls]),
+                                      "columns": {f.name: column(f, self.columns[cls][f.name]) for f in _FIELDS[cls]}}
                        for cls in TYPES if self.rows[cls]},
-            "tuples": {cls.__name__: self.tuples[cls] for cls in TYPES if self.tuples[cls]},
+            "tuples": {cls.__name__: (packed and pack_lists(self.tuples[cls])) or self.tuples[cls]
+                       for cls in TYPES if self.tuples[cls]},
         }
 
 
@@ -176,7 +190,7 @@ class ColumnWriter:
 
 
 def read_columns(data: dict[str, Any], snapshot_rows: Any) -> list[JobSnapshot]:
-    """The snapshots whose JobSnapshot rows are ``snapshot_rows``, from a version-3 bundle's tables."""
+    """The snapshots whose JobSnapshot rows are ``snapshot_rows``, from a version-3 or -4 bundle's tables."""
     tables, tuples = data.get("tables"), data.get("tuples", {})
     if not isinstance(tables, dict):
         raise ColumnError("tables: expected an object of per-type tables")
@@ -202,9 +216,15 @@ def _index(table: list[Any], i: Any, where: str, name: str) -> Any:
 
 def _read_tuples(cls: type, raw: Any, rows: list[Any]) -> list[tuple[Any, ...]]:
     where = f"tuples.{cls.__name__}"
+    n = len(rows)
+    if is_packed(raw):
+        items, lists = _unpack_ints(raw, where, lists=True)
+        if not _in_range(items, n):
+            bad = next(i for i in items if not 0 <= i < n)
+            raise ColumnError(f"{where}: {bad} is not a row of {cls.__name__} (it has {n})")
+        return [tuple([rows[i] for i in e]) for e in lists]
     if not isinstance(raw, list):
         raise ColumnError(f"{where}: expected a list of lists of row numbers")
-    n = len(rows)
     if set(map(type, raw)) <= {list} and set(map(type, items := list(chain.from_iterable(raw)))) <= {int} \
             and _in_range(items, n):
         return [tuple([rows[i] for i in e]) for e in raw]
@@ -235,6 +255,9 @@ def _read_table(cls: type, table: Any, built: dict[type, list[Any]],
             if f.required:
                 raise ColumnError(f"{where}: the column is missing but {name}.{f.name} has no default")
             values.append([f.default] * rows)
+            continue
+        if is_packed(col):
+            values.append(_read_packed(f, col, rows, where, built, built_tuples))
             continue
         if not isinstance(col, list) or len(col) != rows:
             raise ColumnError(f"{where}: expected a list of {rows} values")
@@ -284,6 +307,66 @@ def _read_column(f: _Field, col: list[Any], where: str, built: dict[type, list[A
     if not f.optional and type(None) in found:
         raise ColumnError(f"{where}[{col.index(None)}]: value is missing (null) but is required")
     return col
+
+
+def _read_packed(f: _Field, packed: Any, rows: int, where: str, built: dict[type, list[Any]],
+                 built_tuples: dict[type, list[tuple[Any, ...]]]) -> list[Any]:
+    """A packed column (version 4): its numbers' types are known, so only counts and row numbers are checked."""
+    kind = f.kind
+    if kind == _SCALARS and f.target in (int, float):
+        values, number, lists = _unpack(packed, where)
+        if lists is None:
+            raise ColumnError(f"{where}: a column of lists needs its lengths")
+        if number is not f.target and f.target is int:
+            raise ColumnError(f"{where}: expected int values, got float64")
+        if len(lists) != rows:
+            raise ColumnError(f"{where}: expected {rows} lists, got {len(lists)}")
+        if number is not f.target:  # whole numbers packed for a float field
+            return [tuple([float(x) for x in v]) for v in lists]
+        return [tuple(v) for v in lists]
+    if kind not in (_INT, _FLOAT, _REF, _REFS):
+        raise ColumnError(f"{where}: a column of {f.target.__name__} values cannot be packed")
+    if kind == _FLOAT:
+        values, number, lists = _unpack(packed, where)
+        if lists is not None:
+            raise ColumnError(f"{where}: a column of single values has no lengths")
+        if len(values) != rows:
+            raise ColumnError(f"{where}: expected {rows} values, got {len(values)}")
+        return values if number is float else [float(v) for v in values]
+    values, _ = _unpack_ints(packed, where, lists=False)
+    if len(values) != rows:
+        raise ColumnError(f"{where}: expected {rows} values, got {len(values)}")
+    if kind == _INT:
+        return values
+    target = built[f.target] if kind == _REF else built_tuples[f.target]
+    n = len(target)
+    if not _in_range(values, n):
+        k, bad = next((k, i) for k, i in enumerate(values) if not 0 <= i < n)
+        what = f.target.__name__ if kind == _REF else f"tuples.{f.target.__name__}"
+        raise ColumnError(f"{where}[{k}]: {bad!r} is not a row of {what} (it has {n})")
+    return [target[i] for i in values]
+
+
+def _unpack(packed: Any, where: str) -> tuple[list[Any], type, list[list[Any]] | None]:
+    try:
+        return unpack(packed)
+    except PackError as exc:
+        raise ColumnError(f"{where}: {exc}") from None
+
+
+@typing.overload
+def _unpack_ints(packed: Any, where: str, *, lists: typing.Literal[True]) -> tuple[list[int], list[list[int]]]: ...
+@typing.overload
+def _unpack_ints(packed: Any, where: str, *, lists: typing.Literal[False]) -> tuple[list[int], None]: ...
+def _unpack_ints(packed: Any, where: str, *, lists: bool) -> tuple[list[int], list[list[int]] | None]:
+    values, number, split = _unpack(packed, where)
+    if number is not int:
+        raise ColumnError(f"{where}: expected whole numbers, got float64")
+    if lists and split is None:
+        raise ColumnError(f"{where}: a packed list of lists needs its lengths")
+    if not lists and split is not None:
+        raise ColumnError(f"{where}: a column of single values has no lengths")
+    return values, split
 
 
 def _in_range(rows: list[int], n: int) -> bool:

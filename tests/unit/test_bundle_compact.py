@@ -1,9 +1,11 @@
-"""Bundle versions 2 and 3 (#16): shared frames, stacks and groups written once, then every type as columns of
-distinct values; bundles of versions 1 and 2 still read."""
+"""Bundle versions 2, 3 and 4 (#16): shared frames, stacks and groups written once, then every type as columns of
+distinct values, then number columns packed; bundles of versions 1, 2 and 3 still read."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankscope.contract.bundle import Bundle, BundleError, bundle_to_dict, dumps, loads, read_bundle, write_bundle
+from rankscope.contract.packed import PackError, pack_lists, pack_numbers, unpack
 from rankscope.contract.snapshot import Instant, JobSnapshot, MachineSnapshot
 from repo_paths import DATA
 from snapshot_fixtures import machines, rich_job
@@ -61,7 +64,7 @@ def _v2() -> dict:  # type: ignore[type-arg]
      r"counters\[0\]\.communicator_refs: True is not an index"),
     (lambda d: d["snapshots"][0].update(frame_table={}), r"frame_table: expected a list"),
     (lambda d: d["snapshots"][0]["frame_table"][0].update(line="x"), r"frames\[0\]\.line: expected an integer"),
-    (lambda d: d.update(version=4), "reads versions 1, 2, 3"),
+    (lambda d: d.update(version=5), "reads versions 1, 2, 3, 4"),
 ])
 def test_bad_tables_are_refused_with_the_field_named(mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
     data = _v2()
@@ -81,9 +84,10 @@ def test_random_snapshots_round_trip_through_versions_2_and_3(ms: list[MachineSn
 # ---- version 3: columns of distinct values ----------------------------------------------------------------------
 
 
-def test_version_3_is_written_and_keeps_each_distinct_object_once(tmp_path: Path) -> None:
+def test_version_3_keeps_each_distinct_object_once(tmp_path: Path) -> None:
     job = rich_job()
-    back = read_bundle(write_bundle(Bundle((job, job), 5.0, ground_truth={"fault": "x"}), tmp_path / "b.json"))
+    (tmp_path / "b.json").write_text(dumps(Bundle((job, job), 5.0, ground_truth={"fault": "x"}), version=3))
+    back = read_bundle(tmp_path / "b.json")
     assert back.snapshots == (job, job) and back.ground_truth == {"fault": "x"}
     assert back.snapshots[0] is back.snapshots[1]  # the same snapshot twice is one row
     data = json.loads((tmp_path / "b.json").read_text())
@@ -93,13 +97,14 @@ def test_version_3_is_written_and_keeps_each_distinct_object_once(tmp_path: Path
     assert data["tables"]["MachineSnapshot"]["rows"] == len(job.machines)
 
 
-def test_bundles_written_before_version_3_still_open() -> None:
+def test_bundles_written_before_version_4_still_open() -> None:
+    assert read_bundle(DATA / "bundles" / "v3-before-packed.json").latest == rich_job()
     assert read_bundle(DATA / "bundles" / "v2-before-columns.json").latest == rich_job()
     assert read_bundle(DATA / "bundles" / "v1-before-compact.json").latest == rich_job()
 
 
 def _v3() -> dict:  # type: ignore[type-arg]
-    return json.loads(dumps(Bundle((rich_job(),), 5.0)))  # type: ignore[no-any-return]
+    return json.loads(dumps(Bundle((rich_job(),), 5.0), version=3))  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize(("mutate", "needle"), [
@@ -148,7 +153,7 @@ JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-3, 300) | st
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_any_value_anywhere_in_the_tables_either_reads_or_is_refused_as_a_bundle_error(data: st.DataObject) -> None:
-    bundle = _v3()
+    bundle = data.draw(st.sampled_from([_v3, _v4]))()
     container, key = data.draw(st.sampled_from(_places(bundle)))
     container[key] = data.draw(JSON_VALUES)
     with contextlib.suppress(BundleError):
@@ -163,3 +168,88 @@ def test_whole_seconds_written_without_a_point_read_as_floats() -> None:
     assert type(back.captured.wall) is float and back.captured.wall == int(rich_job().captured.wall)
     ops = [op for m in back.machines for c in m.counters for op in c.ops]
     assert any(op.recent_throughput == (1.0, 2.5) and all(type(x) is float for x in op.recent_throughput) for op in ops)
+
+
+# ---- version 4: number columns packed ---------------------------------------------------------------------------
+
+
+def _v4() -> dict:  # type: ignore[type-arg]
+    return json.loads(dumps(Bundle((rich_job(),), 5.0)))  # type: ignore[no-any-return]
+
+
+def test_version_4_is_written_with_number_columns_packed_and_reads_back_the_same(tmp_path: Path) -> None:
+    job = rich_job()
+    back = read_bundle(write_bundle(Bundle((job, job), 5.0), tmp_path / "b.json"))
+    assert back.snapshots == (job, job) and back.snapshots[0] is back.snapshots[1]
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["version"] == 4
+    cols = data["tables"]["RankInfo"]["columns"]
+    assert set(cols["rank"]) == {"int8"} and cols["run_id"] == [r.run_id for m in job.machines for r in m.ranks]
+    assert set(data["tables"]["Instant"]["columns"]["wall"]) == {"float64"}
+    assert set(data["tuples"]["Frame"]) == {"int8", "lengths"}
+    # many ranks: the packed form is also the smaller one
+    many = tuple(dataclasses.replace(job.machines[0], machine=f"m{i}") for i in range(300))
+    big = Bundle((dataclasses.replace(job, machines=many),), 5.0)
+    assert len(dumps(big)) < len(dumps(big, version=3)) and loads(dumps(big)) == big
+
+
+@pytest.mark.parametrize(("mutate", "needle"), [
+    (lambda d: d["tables"]["RankInfo"]["columns"]["rank"].update(int8="***"), r"RankInfo\.columns\.rank: int8: not base64"),
+    (lambda d: d["tables"]["RankInfo"]["columns"]["rank"].update(int8=42), "expected a base64 string"),
+    (lambda d: d["tables"]["RankInfo"]["columns"]["rank"].update(int8="AAAA"), r"rank: expected 2 values, got 3"),
+    (lambda d: d["tables"]["RankInfo"]["columns"].update(rank={"int16": "AAAA"}), "3 bytes is not a whole number of 2-byte"),
+    (lambda d: d["tables"]["RankInfo"]["columns"].update(rank={"int9": "AA=="}), "as the packed column's key"),
+    (lambda d: d["tables"]["RankInfo"]["columns"].update(rank={"float64": "AAAAAAAA8D8AAAAAAADwPw=="}),
+     "expected whole numbers"),
+    (lambda d: d["tables"]["Instant"]["columns"].update(wall={"float64": "AAAAAAAA+H8AAAAAAAD4fwAAAAAAAPh/"}),
+     "not finite"),
+    (lambda d: d["tables"]["Frame"]["columns"].update(name={"int8": "AAE="}), "str values cannot be packed"),
+    (lambda d: d["tables"]["RankStacks"]["columns"]["main"].update(int8="AGM="), r"main\[1\]: 99 is not a row"),
+    (lambda d: d["tuples"]["Frame"].update(int8="AAH/"), r"tuples\.Frame: -1 is not a row of Frame"),
+    (lambda d: d["tuples"]["Frame"]["lengths"].update(int8="BAA="), "lengths add up to 4 but 3 numbers"),
+    (lambda d: d["tuples"]["Frame"]["lengths"].update(int8="/wQ="), "negative length"),
+    (lambda d: d["tuples"]["Frame"].pop("lengths"), "needs its lengths"),
+    (lambda d: d["tables"]["Communicator"]["columns"]["ranks"].pop("lengths"), "needs its lengths"),
+    (lambda d: d["tables"]["OpCounters"]["columns"]["cl"].update(lengths={"int8": "Ag=="}), "has no lengths"),
+])
+def test_bad_packed_columns_are_refused_with_the_table_and_column_named(mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
+    data = _v4()
+    mutate(data)
+    with pytest.raises(BundleError, match=needle) as info:
+        loads(json.dumps(data), "b.json")
+    assert info.value.message.startswith("b.json: ") and info.value.fix
+
+
+_NUMBERS = st.one_of(st.lists(st.integers(-(1 << 63), (1 << 63) - 1), min_size=1, max_size=40),
+                     st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=1, max_size=40))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_NUMBERS)
+def test_numbers_come_back_exactly_from_their_packed_form(values: list[Any]) -> None:
+    packed = pack_numbers(values)
+    assert packed is not None
+    back, kind, lists = unpack(json.loads(json.dumps(packed)))
+    assert back == values and all(type(v) is kind for v in back) and lists is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(-1000, 1 << 40), max_size=6), min_size=1, max_size=10))
+def test_lists_of_numbers_come_back_exactly_from_their_packed_form(lists: list[list[int]]) -> None:
+    packed = pack_lists(lists)
+    assert packed is not None
+    assert unpack(json.loads(json.dumps(packed)))[2] == lists
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["int8", "int16", "int32", "int64", "float64", "lengths", "x"]),
+                       st.one_of(st.text(max_size=12), st.binary(max_size=12).map(lambda b: base64.b64encode(b).decode()),
+                                 st.integers(), st.dictionaries(st.sampled_from(["int8", "int64", "float64"]),
+                                                                st.binary(max_size=9).map(
+                                                                    lambda b: base64.b64encode(b).decode()))),
+                       max_size=3))
+def test_any_packed_value_either_unpacks_or_is_refused_as_a_pack_error(packed: dict[str, Any]) -> None:
+    with contextlib.suppress(PackError):
+        values, kind, lists = unpack(packed)
+        assert all(type(v) is kind for v in values)
+        assert lists is None or [x for part in lists for x in part] == values

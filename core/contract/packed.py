@@ -1,0 +1,126 @@
+"""Packed number columns: a list of numbers as one base64 string (bundle version 4, docs/bundle-format.md).
+
+A 16,384-rank bundle holds about a million counters, row numbers and
+timestamps. As JSON numbers each is a token the parser reads and a value
+the reader checks one by one; packed, a column is one string that the
+standard library turns back into numbers in C. The form is a JSON object:
+
+- ``{"int8" | "int16" | "int32" | "int64" | "float64": "<base64>"}``: the
+  numbers, little-endian, the narrowest integer type that holds them all;
+- the same with ``"lengths": {"int8" ...: "<base64>"}``: a list of lists of
+  numbers, its lists' lengths in order and all their numbers one after the
+  other.
+
+Reading is strict: bad base64, a byte count that is not whole numbers, a
+length that does not add up, or a float that is not finite raise
+``PackError`` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import sys
+from array import array
+from itertools import accumulate, chain
+from typing import Any
+
+
+class PackError(Exception):
+    """A packed column that does not decode; the reader names the column."""
+
+
+def _typecode(kind: str, size: int) -> str:
+    code = next((c for c in ("b", "h", "i", "l", "q") if array(c).itemsize == size), None) if kind == "i" else "d"
+    if code is None or array(code).itemsize != size:
+        raise ImportError(f"this platform's array module has no {size}-byte {'integer' if kind == 'i' else 'float'}")
+    return code
+
+
+# name -> (array typecode, smallest value, one past the largest); integers narrowest first.
+_INTS: dict[str, tuple[str, int, int]] = {
+    f"int{bits}": (_typecode("i", bits // 8), -(1 << (bits - 1)), 1 << (bits - 1)) for bits in (8, 16, 32, 64)}
+_FLOAT = "float64"
+_CODES = {**{name: code for name, (code, _, _) in _INTS.items()}, _FLOAT: _typecode("f", 8)}
+_SWAP = sys.byteorder != "little"
+
+
+def _encode(name: str, values: list[Any]) -> dict[str, Any]:
+    a = array(_CODES[name], values)
+    if _SWAP:
+        a.byteswap()
+    return {name: base64.b64encode(a.tobytes()).decode("ascii")}
+
+
+def pack_numbers(values: list[Any]) -> dict[str, Any] | None:
+    """``values`` packed, or None when they are not all ints that fit 64 bits or all finite floats."""
+    if not values:
+        return None
+    kinds = set(map(type, values))
+    if kinds == {int}:
+        lo, hi = min(values), max(values)
+        name = next((n for n, (_, low, high) in _INTS.items() if low <= lo and hi < high), None)
+        return _encode(name, values) if name is not None else None
+    if kinds == {float} and all(map(math.isfinite, values)):
+        return _encode(_FLOAT, values)
+    return None
+
+
+def pack_lists(lists: list[Any]) -> dict[str, Any] | None:
+    """A list of lists of numbers packed, or None when one is not a list or its numbers do not pack."""
+    if not lists or set(map(type, lists)) != {list}:
+        return None
+    flat = list(chain.from_iterable(lists))
+    numbers = pack_numbers(flat) if flat else {"int8": ""}
+    lengths = pack_numbers(list(map(len, lists)))
+    if numbers is None or lengths is None:
+        return None
+    return {**numbers, "lengths": lengths}
+
+
+def is_packed(value: Any) -> bool:
+    return type(value) is dict
+
+
+def unpack(packed: Any) -> tuple[list[Any], type, list[list[Any]] | None]:
+    """The numbers, their type (int or float) and, when ``packed`` has lengths, the numbers as lists."""
+    if not isinstance(packed, dict):
+        raise PackError("expected a packed column (an object)")
+    names = [k for k in packed if k != "lengths"]
+    if len(names) != 1 or names[0] not in _CODES:
+        raise PackError(f"expected one of {', '.join(_CODES)} as the packed column's key, got {sorted(packed)}")
+    (name,) = names
+    values = _decode(name, packed[name])
+    kind: type = float if name == _FLOAT else int
+    if kind is float and not all(map(math.isfinite, values)):
+        raise PackError("holds a float that is not finite (NaN or infinity)")
+    if "lengths" not in packed:
+        return values, kind, None
+    raw_lengths = packed["lengths"]
+    if not isinstance(raw_lengths, dict) or len(raw_lengths) != 1 or next(iter(raw_lengths)) not in _INTS:
+        raise PackError(f"lengths: expected one of {', '.join(_INTS)} as its key")
+    ((lname, text),) = raw_lengths.items()
+    lengths = _decode(lname, text)
+    if lengths and min(lengths) < 0:
+        raise PackError("lengths: a list cannot have a negative length")
+    if sum(lengths) != len(values):
+        raise PackError(f"lengths add up to {sum(lengths)} but {len(values)} numbers are packed")
+    ends = list(accumulate(lengths))
+    return values, kind, [values[end - n:end] for n, end in zip(lengths, ends, strict=True)]
+
+
+def _decode(name: str, text: Any) -> list[Any]:
+    if not isinstance(text, str):
+        raise PackError(f"{name}: expected a base64 string")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise PackError(f"{name}: not base64 ({exc})") from None
+    a = array(_CODES[name])
+    if len(data) % a.itemsize:
+        raise PackError(f"{name}: {len(data)} bytes is not a whole number of {a.itemsize}-byte values")
+    a.frombytes(data)
+    if _SWAP:
+        a.byteswap()
+    return a.tolist()
