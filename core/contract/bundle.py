@@ -147,12 +147,14 @@ def bundle_to_dict(bundle: Bundle, *, compact: bool = False, version: int | None
 
 
 def dumps(bundle: Bundle, indent: int | None = None, *, version: int = VERSION) -> str:
-    with _no_cyclic_gc():  # as in ``loads``: many containers made, none in a cycle
+    with no_cyclic_gc():  # as in ``loads``: many containers made, none in a cycle
         return json.dumps(bundle_to_dict(bundle, version=version), indent=indent, allow_nan=False)
 
 
 @contextlib.contextmanager
-def _no_cyclic_gc() -> typing.Iterator[None]:
+def no_cyclic_gc() -> typing.Iterator[None]:
+    """The cyclic collector paused: for work that makes hundreds of thousands of objects and no cycles (reading
+    or writing a bundle, analysing a 16k-rank capture), which it would otherwise walk again and again."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -494,7 +496,7 @@ def _resolve_tables(snap: Any, where: str) -> None:
 def loads(text: str, source: str = "bundle") -> Bundle:
     # Reading makes hundreds of thousands of objects that all live on, none of them in a cycle: the cyclic
     # collector would only walk them again and again as they pile up (a third of the time at 16k ranks).
-    with _no_cyclic_gc():
+    with no_cyclic_gc():
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

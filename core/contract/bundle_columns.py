@@ -26,7 +26,7 @@ from itertools import chain
 from typing import Any
 
 from rankscope.contract.fast_make import maker
-from rankscope.contract.packed import PackError, is_packed, pack_lists, pack_numbers, unpack
+from rankscope.contract.packed import PackError, is_packed, pack_lists, pack_numbers, split, unpack
 from rankscope.contract.snapshot import JobSnapshot
 
 # How a field is written: its kind and, for objects and tuples of objects, the type it refers to.
@@ -218,11 +218,11 @@ def _read_tuples(cls: type, raw: Any, rows: list[Any]) -> list[tuple[Any, ...]]:
     where = f"tuples.{cls.__name__}"
     n = len(rows)
     if is_packed(raw):
-        items, lists = _unpack_ints(raw, where, lists=True)
+        items, lengths = _unpack_ints(raw, where, lists=True)
         if not _in_range(items, n):
             bad = next(i for i in items if not 0 <= i < n)
             raise ColumnError(f"{where}: {bad} is not a row of {cls.__name__} (it has {n})")
-        return [tuple([rows[i] for i in e]) for e in lists]
+        return split(tuple([rows[i] for i in items]), lengths)
     if not isinstance(raw, list):
         raise ColumnError(f"{where}: expected a list of lists of row numbers")
     if set(map(type, raw)) <= {list} and set(map(type, items := list(chain.from_iterable(raw)))) <= {int} \
@@ -314,21 +314,20 @@ def _read_packed(f: _Field, packed: Any, rows: int, where: str, built: dict[type
     """A packed column (version 4): its numbers' types are known, so only counts and row numbers are checked."""
     kind = f.kind
     if kind == _SCALARS and f.target in (int, float):
-        values, number, lists = _unpack(packed, where)
-        if lists is None:
+        values, number, lengths = _unpack(packed, where)
+        if lengths is None:
             raise ColumnError(f"{where}: a column of lists needs its lengths")
         if number is not f.target and f.target is int:
             raise ColumnError(f"{where}: expected int values, got float64")
-        if len(lists) != rows:
-            raise ColumnError(f"{where}: expected {rows} lists, got {len(lists)}")
-        if number is not f.target:  # whole numbers packed for a float field
-            return [tuple([float(x) for x in v]) for v in lists]
-        return [tuple(v) for v in lists]
+        if len(lengths) != rows:
+            raise ColumnError(f"{where}: expected {rows} lists, got {len(lengths)}")
+        # whole numbers packed for a float field are read as floats
+        return split(tuple(values) if number is f.target else tuple(map(float, values)), lengths)
     if kind not in (_INT, _FLOAT, _REF, _REFS):
         raise ColumnError(f"{where}: a column of {f.target.__name__} values cannot be packed")
     if kind == _FLOAT:
-        values, number, lists = _unpack(packed, where)
-        if lists is not None:
+        values, number, lengths = _unpack(packed, where)
+        if lengths is not None:
             raise ColumnError(f"{where}: a column of single values has no lengths")
         if len(values) != rows:
             raise ColumnError(f"{where}: expected {rows} values, got {len(values)}")
@@ -347,7 +346,7 @@ def _read_packed(f: _Field, packed: Any, rows: int, where: str, built: dict[type
     return [target[i] for i in values]
 
 
-def _unpack(packed: Any, where: str) -> tuple[list[Any], type, list[list[Any]] | None]:
+def _unpack(packed: Any, where: str) -> tuple[list[Any], type, list[int] | None]:
     try:
         return unpack(packed)
     except PackError as exc:
@@ -355,10 +354,11 @@ def _unpack(packed: Any, where: str) -> tuple[list[Any], type, list[list[Any]] |
 
 
 @typing.overload
-def _unpack_ints(packed: Any, where: str, *, lists: typing.Literal[True]) -> tuple[list[int], list[list[int]]]: ...
+def _unpack_ints(packed: Any, where: str, *, lists: typing.Literal[True]) -> tuple[list[int], list[int]]: ...
 @typing.overload
 def _unpack_ints(packed: Any, where: str, *, lists: typing.Literal[False]) -> tuple[list[int], None]: ...
-def _unpack_ints(packed: Any, where: str, *, lists: bool) -> tuple[list[int], list[list[int]] | None]:
+def _unpack_ints(packed: Any, where: str, *, lists: bool) -> tuple[list[int], list[int] | None]:
+    """The whole numbers of a packed column and, with ``lists``, its lengths (required then, refused otherwise)."""
     values, number, split = _unpack(packed, where)
     if number is not int:
         raise ColumnError(f"{where}: expected whole numbers, got float64")

@@ -83,8 +83,9 @@ def is_packed(value: Any) -> bool:
     return type(value) is dict
 
 
-def unpack(packed: Any) -> tuple[list[Any], type, list[list[Any]] | None]:
-    """The numbers, their type (int or float) and, when ``packed`` has lengths, the numbers as lists."""
+def unpack(packed: Any) -> tuple[list[Any], type, list[int] | None]:
+    """The numbers, their type (int or float) and, when ``packed`` has them, the lengths of its lists (checked to
+    add up to the numbers: ``split`` makes the lists)."""
     if not isinstance(packed, dict):
         raise PackError("expected a packed column (an object)")
     names = [k for k in packed if k != "lengths"]
@@ -106,8 +107,12 @@ def unpack(packed: Any) -> tuple[list[Any], type, list[list[Any]] | None]:
         raise PackError("lengths: a list cannot have a negative length")
     if sum(lengths) != len(values):
         raise PackError(f"lengths add up to {sum(lengths)} but {len(values)} numbers are packed")
-    ends = list(accumulate(lengths))
-    return values, kind, [values[end - n:end] for n, end in zip(lengths, ends, strict=True)]
+    return values, kind, lengths
+
+
+def split(items: tuple[Any, ...], lengths: list[int]) -> list[tuple[Any, ...]]:
+    """``items`` cut into consecutive tuples of ``lengths`` (which add up to ``len(items)``)."""
+    return [items[end - n:end] for n, end in zip(lengths, accumulate(lengths), strict=True)]
 
 
 def _decode(name: str, text: Any) -> list[Any]:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankscope.contract.bundle import Bundle, BundleError, bundle_to_dict, dumps, loads, read_bundle, write_bundle
-from rankscope.contract.packed import PackError, pack_lists, pack_numbers, unpack
+from rankscope.contract.packed import PackError, pack_lists, pack_numbers, split, unpack
 from rankscope.contract.snapshot import Instant, JobSnapshot, MachineSnapshot
 from repo_paths import DATA
 from snapshot_fixtures import machines, rich_job
@@ -46,7 +46,7 @@ def test_identical_stacks_of_many_ranks_are_one_tuple_after_reading() -> None:
     job = rich_job()
     machine = job.machines[0]
     many = tuple(MachineSnapshot(f"m{i}", f"a{i}", True, Instant(1.0, 2.0), stacks=machine.stacks) for i in range(50))
-    for version in (2, 3):
+    for version in (2, 3, 4):
         back = loads(dumps(Bundle((JobSnapshot(Instant(1.0, 2.0), many),), 1.0), version=version)).latest
         frames = {id(m.stacks[0].main.threads[0].frames) for m in back.machines}  # type: ignore[index]
         assert len(frames) == 1 and back.machines == many
@@ -75,9 +75,9 @@ def test_bad_tables_are_refused_with_the_field_named(mutate, needle: str) -> Non
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(machines(), min_size=1, max_size=3))
-def test_random_snapshots_round_trip_through_versions_2_and_3(ms: list[MachineSnapshot]) -> None:
+def test_random_snapshots_round_trip_through_versions_2_3_and_4(ms: list[MachineSnapshot]) -> None:
     job = JobSnapshot(Instant(1.0, 2.0), tuple(ms))
-    for version in (2, 3):
+    for version in (2, 3, 4):
         assert loads(dumps(Bundle((job, job), 1.0), version=version)).snapshots == (job, job)
 
 
@@ -238,7 +238,8 @@ def test_numbers_come_back_exactly_from_their_packed_form(values: list[Any]) -> 
 def test_lists_of_numbers_come_back_exactly_from_their_packed_form(lists: list[list[int]]) -> None:
     packed = pack_lists(lists)
     assert packed is not None
-    assert unpack(json.loads(json.dumps(packed)))[2] == lists
+    values, _, lengths = unpack(json.loads(json.dumps(packed)))
+    assert lengths is not None and split(tuple(values), lengths) == [tuple(x) for x in lists]
 
 
 @settings(max_examples=300, deadline=None)
@@ -250,6 +251,6 @@ def test_lists_of_numbers_come_back_exactly_from_their_packed_form(lists: list[l
                        max_size=3))
 def test_any_packed_value_either_unpacks_or_is_refused_as_a_pack_error(packed: dict[str, Any]) -> None:
     with contextlib.suppress(PackError):
-        values, kind, lists = unpack(packed)
+        values, kind, lengths = unpack(packed)
         assert all(type(v) is kind for v in values)
-        assert lists is None or [x for part in lists for x in part] == values
+        assert lengths is None or [x for part in split(tuple(values), lengths) for x in part] == values
