@@ -24,7 +24,8 @@ client CPU of the same poll's gRPC calls made bare (replies not decoded),
 the least any direct poll from one Python process costs.
 ``--relay-fanout K`` (new only): agents relay in groups of K, the client
 talks to N/K relays. ``--bundle``: at the largest N, also write the capture
-as a bundle and time opening it and ``rankscope analyze`` on it.
+as a bundle and time opening it (beside the same capture as a version-3
+bundle, whose number columns are JSON lists) and ``rankscope analyze`` on it.
 
 The machine's load average is printed with the figures: on a shared machine
 they move with it.
@@ -235,10 +236,20 @@ def client(args: argparse.Namespace) -> None:
         write_bundle(Bundle(snapshots=(snap,), created_wall=time.time()), path)
         out["bundle_write_s"], out["bundle_write_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
         out["bundle_mb"] = path.stat().st_size / 1e6
+        # The same capture as version 3 (number columns as JSON lists), opened beside it as the baseline.
+        from rankscope.contract.bundle import dumps
+
+        old = path.with_name(path.stem + ".v3.json")
+        old.write_text(dumps(Bundle(snapshots=(snap,), created_wall=time.time()), version=3))
+        out["bundle_v3_mb"] = old.stat().st_size / 1e6
         del snap
         cpu0, t0 = time.process_time(), time.perf_counter()
         read_bundle(path)
         out["bundle_open_s"], out["bundle_open_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
+        cpu0 = time.process_time()
+        read_bundle(old)
+        out["bundle_v3_open_cpu_s"] = time.process_time() - cpu0
+        old.unlink()
     else:
         del snap
 
@@ -366,7 +377,8 @@ def row(impl: str, n: int, ranks: int, r: dict[str, Any]) -> str:
         nan = float("nan")
         extra = (f"  bundle {r['bundle_mb']:.0f} MB: write {r['bundle_write_s']:.2f} s "
                  f"(cpu {r.get('bundle_write_cpu_s', nan):.2f}), open {r['bundle_open_s']:.2f} s "
-                 f"(cpu {r.get('bundle_open_cpu_s', nan):.2f}), analyze {r.get('analyze_s', nan):.2f} s "
+                 f"(cpu {r.get('bundle_open_cpu_s', nan):.2f}; as version 3: {r.get('bundle_v3_mb', nan):.0f} MB, "
+                 f"open cpu {r.get('bundle_v3_open_cpu_s', nan):.2f}), analyze {r.get('analyze_s', nan):.2f} s "
                  f"(cpu {r.get('analyze_cpu_s', nan):.2f}, rc {r.get('analyze_rc')})")
     return (f"{impl:<5} {n:>6} {n * ranks:>7} {r['answered']:>5}/{r['machines']:<5} {r['capture_wall_s']:>8.2f} "
             f"{r['capture_cpu_s']:>8.2f} {r['rss_mb']:>8.0f} {r['capture_bytes'] / 1e6:>9.1f} "
