@@ -22,6 +22,10 @@ capture (sent whole) and the wall and client CPU time of a steady poll
 cycle of the unchanged job (median of 3), and beside it ``bare cpu``: the
 client CPU of the same poll's gRPC calls made bare (replies not decoded),
 the least any direct poll from one Python process costs.
+``--hung``: the agents read the same ranks and counters every time, as in a
+hung job, so a capture after a poll is a delta whose only new part is the
+stacks (the incident case); by default every reading differs from the last
+(a job whose every counter moved), so a capture is decoded whole.
 ``--relay-fanout K`` (new only): agents relay in groups of K, the client
 talks to N/K relays. ``--bundle``: at the largest N, also write the capture
 as a bundle and time opening it (beside the same capture as a version-3
@@ -118,11 +122,15 @@ async def serve_many(args: argparse.Namespace) -> None:
         async def read(stacks: bool) -> Any:
             key = (index, stacks)
             if key not in cache:
-                cache[key] = fanout_source.machine(index, args.ranks_per_machine, world, stacks=stacks, now=time.time())
+                # A hung job reads the same ranks and counters every time (a capture adds only the stacks);
+                # otherwise every reading differs from the last, as in a job whose every counter moved.
+                now = started if args.hung else time.time()
+                cache[key] = fanout_source.machine(index, args.ranks_per_machine, world, stacks=stacks, now=now)
             return cache[key]
 
         return read
 
+    started = time.time()
     relays = json.loads(args.relays) if args.relays else {}
     agents = []
     for index in range(args.first, args.first + args.count):
@@ -158,7 +166,8 @@ class Servers:
     """``count`` agents in ``processes`` processes; addresses in agent order."""
 
     def __init__(self, impl: str, base: str | None, count: int, processes: int, ranks: int,
-                 relays: dict[int, list[str]] | None = None, first: int = 0, world: int | None = None) -> None:
+                 relays: dict[int, list[str]] | None = None, first: int = 0, world: int | None = None,
+                 hung: bool = False) -> None:
         self.procs: list[subprocess.Popen[str]] = []
         per = -(-count // processes)
         for start in range(first, first + count, per):
@@ -167,6 +176,8 @@ class Servers:
                    "--ranks-per-machine", str(ranks), "--world", str(world or count * ranks)]
             if base:
                 cmd += ["--base-pkg", base]
+            if hung:
+                cmd.append("--hung")
             if relays:
                 cmd += ["--relays", json.dumps({str(k): v for k, v in relays.items() if start <= k < start + n})]
             self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
@@ -340,16 +351,17 @@ def measure(impl: str, base: str | None, n: int, args: argparse.Namespace, bundl
     ranks = args.ranks_per_machine
     relay_k = args.relay_fanout if impl == "new" else 0
     if relay_k and n > relay_k:
-        leaves = Servers(impl, base, n - n // relay_k, args.processes, ranks, first=n // relay_k, world=n * ranks)
+        leaves = Servers(impl, base, n - n // relay_k, args.processes, ranks, first=n // relay_k, world=n * ranks,
+                         hung=args.hung)
         groups: dict[int, list[str]] = {i: [] for i in range(n // relay_k)}
         for j, address in enumerate(leaves.addresses):
             groups[j % len(groups)].append(address)
         relays = Servers(impl, base, len(groups), min(args.processes, len(groups)), ranks, relays=groups, first=0,
-                         world=n * ranks)
+                         world=n * ranks, hung=args.hung)
         servers = [leaves, relays]
         addresses = relays.addresses
     else:
-        s = Servers(impl, base, n, args.processes, ranks)
+        s = Servers(impl, base, n, args.processes, ranks, hung=args.hung)
         servers, addresses = [s], s.addresses
     try:
         result = run_client(impl, base, addresses, bundle, args.deadline)
@@ -398,6 +410,7 @@ def main() -> int:
     s.add_argument("--count", type=int, required=True)
     s.add_argument("--ranks-per-machine", type=int, default=8)
     s.add_argument("--world", type=int, required=True)
+    s.add_argument("--hung", action="store_true")
     s.add_argument("--relays")
     c = sub.add_parser("client")
     c.add_argument("--impl", default="new")
@@ -412,6 +425,9 @@ def main() -> int:
     ap.add_argument("--processes", type=int, default=8, help="processes the agent servers are spread over")
     ap.add_argument("--relay-fanout", type=int, default=0, help="new code: agents relay in groups of this many")
     ap.add_argument("--bundle", action="store_true", help="at the largest N: bundle write/open and analyze times")
+    ap.add_argument("--hung", action="store_true",
+                    help="a hung job: polls and captures read the same ranks and counters, a capture adds only the "
+                         "stacks (the incident case); default: every reading differs from the last")
     ap.add_argument("--keep-bundle", action="store_true",
                     help="leave that bundle in the temp folder (to profile `rankscope analyze` on it)")
     ap.add_argument("--deadline", type=float, default=300.0)
@@ -428,7 +444,8 @@ def main() -> int:
                                           text=True, check=True).stdout.strip()
     base = str(base_package(ref)) if args.base_max > 0 else None
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}; base = {ref[:12]}; "
-          f"{args.ranks_per_machine} ranks per agent; relay fan-out {args.relay_fanout or 'none'}", flush=True)
+          f"{args.ranks_per_machine} ranks per agent; relay fan-out {args.relay_fanout or 'none'}; "
+          f"{'a hung job (captures add only stacks)' if args.hung else 'every reading changes'}", flush=True)
     print(f"{'impl':<5} {'agents':>6} {'ranks':>7} {'answered':>11} {'wall s':>8} {'cpu s':>8} {'rss MB':>8} "
           f"{'capt MB':>9} {'poll MB':>8} {'Δpoll MB':>8} {'poll1 s':>8} {'poll s':>8} {'poll cpu':>8} {'bare cpu':>8} "
           f"{'load':>6}",
