@@ -164,10 +164,12 @@ class Processes:
             kill_group(proc)
 
 
-def ctrl_c_works() -> None:
-    """preexec_fn for a child a test interrupts with SIGINT: Python installs its KeyboardInterrupt handler only
+def ctrl_c_works(argv: list[str]) -> list[str]:
+    """``argv`` for a child a test interrupts with SIGINT: Python installs its KeyboardInterrupt handler only
     when SIGINT is not ignored at start, and a suite started in the background of a non-interactive shell
-    (`pytest &`) has it ignored, which every child inherits: the test would then hang, not the product."""
-    import signal
+    (`pytest &`) has it ignored, which every child inherits: the test would then hang, not the product.
 
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    A shim restores SIGINT and execs the command (not a preexec_fn: this process's gRPC threads may be live,
+    see rankscope.wire.spawn)."""
+    shim = "import os, signal, sys\nsignal.signal(signal.SIGINT, signal.SIG_DFL)\nos.execvp(sys.argv[1], sys.argv[1:])\n"
+    return [sys.executable, "-S", "-c", shim, *argv]

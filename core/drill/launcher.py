@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import DrillLayout, machine_name
+from rankscope.wire.spawn import with_parent_death_signal
 
 if TYPE_CHECKING:
     from rankscope.actions.config import ActionsConfig
@@ -68,13 +69,6 @@ AGENT_START_TIMEOUT_S = 30.0
 NODE_LOG_SUFFIXES = (".torchrun.log", ".warm.log")
 PARK_AFTER_S = 300.0  # the longest a fresh parked node waits for the restarted job to resume before it starts
 
-# Runs in the child in place of a preexec_fn: ask for SIGTERM when the thread that started it ends (the
-# spawner's, which ends with the drill's process: see Spawner), then exec.
-_DEATHSIG_SHIM = (
-    "import ctypes, os, signal, sys\n"
-    "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGTERM)\nexcept Exception:\n    pass\n"
-    "os.execvp(sys.argv[1], sys.argv[1:])\n"
-)
 
 
 class Spawner:
@@ -272,14 +266,13 @@ class Launcher:
         return env
 
     def _popen(self, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-        # No preexec_fn: Python then starts the child with vfork, which runs no fork handlers. A restart
-        # is started from a process whose gRPC client threads are live, and gRPC's fork handlers can kill
-        # a plain fork()ed child before it execs. The parent-death signal is set by a tiny shim instead,
-        # and the child is started by the spawner thread, so that signal means "the drill's process ended".
+        # A restart is started from a process whose gRPC client threads are live: no preexec_fn (see
+        # rankscope.wire.spawn). The child is started by the spawner thread, so its parent-death signal means
+        # "the drill's process ended".
         def start() -> subprocess.Popen[bytes]:
             with open(log, "ab") as out:
                 return subprocess.Popen(
-                    [self.python, "-S", "-c", _DEATHSIG_SHIM, *argv], stdin=subprocess.DEVNULL, stdout=out,
+                    with_parent_death_signal(argv, self.python), stdin=subprocess.DEVNULL, stdout=out,
                     stderr=subprocess.STDOUT, env=dict(env), start_new_session=True, cwd=str(self.run_dir),
                 )
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 
 from rankscope.contract.errors import RankscopeError
+from rankscope.wire.spawn import with_parent_death_signal
 from rankscope.wire.tls import ClientTLS, make_session
 
 ANNOUNCE_PREFIX = "RANKSCOPE_AGENT_READY"  # rankscope.wire.agent prints it; not imported, to keep grpc out of here
@@ -54,7 +55,6 @@ FOLLOW_POLL_S = 1.0  # how often a followed job's state is read while it is requ
 FOLLOW_RETRY_S = 10.0
 ACTIVE_STATES = ("RUNNING", "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
                  "RESIZING", "SUSPENDED")
-PR_SET_PDEATHSIG = 1
 DENIED_WORDS = ("access/permission denied", "not the owner", "permission denied", "access denied")
 SLURM_FIX = "run rankscope on a login node of the cluster (where squeue and srun work), or load Slurm (module load slurm)"
 
@@ -276,9 +276,13 @@ class SlurmAgents:
         with self._launch_lock:  # stop() takes the same lock: a step started is a step it sees and ends
             if self._closing.is_set():
                 raise RankscopeError("the session is closing", "nothing to do")
-            proc = subprocess.Popen(self._argv(job), env=self._srun_env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+            # SIGTERM to srun when the thread that starts it ends, so no step outlives a killed client (srun
+            # forwards it to the agents; elsewhere the agents' lease does the same, later). No preexec_fn: a
+            # requeue is followed while this client's gRPC threads are live (see rankscope.wire.spawn).
+            require("srun")  # said here: through the shim, a missing srun would only be a traceback on its stderr
+            proc = subprocess.Popen(with_parent_death_signal(self._argv(job)), env=self._srun_env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
             self._srun = proc
         threading.Thread(target=self._read_stdout, args=(proc,), daemon=True).start()
         threading.Thread(target=self._read_stderr, args=(proc,), daemon=True).start()
@@ -442,18 +446,6 @@ class SlurmAgents:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
-
-
-def _die_with_parent() -> None:
-    """In srun, before exec: SIGTERM when the process that started it dies (Linux), so no step outlives a
-    killed client (srun forwards the signal to the agents). Elsewhere the agents' lease does the same, later."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 @contextmanager

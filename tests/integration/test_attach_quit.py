@@ -14,13 +14,12 @@ and token they read.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import re
 import shlex
 import signal
 import subprocess
-import termios
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,9 +35,10 @@ ATTACHED = "1/1 machines"  # the header once the view has drawn the agent's firs
 WAIT_S = 300.0  # bounds on real events (a view starting, quitting), generous for a loaded 2-core host
 
 
-def _controlling_terminal() -> None:
-    """In the view's new session: its pty becomes its controlling terminal, as a tmux pane's is."""
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+# In the view's new session its pty becomes its controlling terminal, as a tmux pane's is; then the view runs. A
+# shim, not a preexec_fn: this process's gRPC threads are live (see rankscope.wire.spawn).
+_CONTROLLING_TERMINAL = ("import fcntl, os, sys, termios\nfcntl.ioctl(0, termios.TIOCSCTTY, 0)\n"
+                         "os.execvp(sys.argv[1], sys.argv[1:])\n")
 
 
 class View:
@@ -51,8 +51,8 @@ class View:
         env["TERM"] = "xterm-256color"
         for name in ("COLUMNS", "LINES"):  # the test's own terminal size would override the pty's
             env.pop(name, None)
-        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
-                                     preexec_fn=_controlling_terminal)
+        self.proc = subprocess.Popen([sys.executable, "-S", "-c", _CONTROLLING_TERMINAL, *argv], stdin=slave,
+                                     stdout=slave, stderr=slave, env=env, start_new_session=True)
         os.close(slave)
         self.output = bytearray()
         self.attached = asyncio.Event()

@@ -251,10 +251,10 @@ def test_kill_trees_leaves_no_child_a_forking_process_starts_while_it_is_being_s
 def test_ctrl_c_stops_every_process_of_the_drill(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rankscope", "drill", "--headless", "--tp", "1", "--pp", "2", "--dp", "1",
-         "--machines", "2", "--fault", "hang-compute", "--fault-rank", "1", "--fault-step", "3",
-         "--stall-seconds", "600", "--stall-timeout", "600", "--no-agents", "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ctrl_c_works,
+        ctrl_c_works([sys.executable, "-m", "rankscope", "drill", "--headless", "--tp", "1", "--pp", "2", "--dp", "1",
+                      "--machines", "2", "--fault", "hang-compute", "--fault-rank", "1", "--fault-step", "3",
+                      "--stall-seconds", "600", "--stall-timeout", "600", "--no-agents", "--run-dir", str(run_dir)]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     try:
         deadline = time.monotonic() + 150

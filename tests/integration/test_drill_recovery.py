@@ -267,11 +267,10 @@ def test_a_failing_round_of_the_recovery_watcher_leaves_it_and_the_processes_it_
     a failed round, and the failure must be said.
     """
     import subprocess
-    import sys
     import threading
 
     from rankscope.drill.control import Recovery
-    from rankscope.drill.launcher import _DEATHSIG_SHIM
+    from rankscope.wire.spawn import with_parent_death_signal
 
     class OneMachine:
         run_dir = tmp_path
@@ -288,7 +287,7 @@ def test_a_failing_round_of_the_recovery_watcher_leaves_it_and_the_processes_it_
     async def follow(addresses: dict[str, str]) -> None:
         rounds.append(len(rounds))
         if len(rounds) == 1:  # a restart happens on this thread: its processes die with the thread
-            children.append(subprocess.Popen([sys.executable, "-c", _DEATHSIG_SHIM, "sleep", "60"]))
+            children.append(subprocess.Popen(with_parent_death_signal(["sleep", "60"])))
             return None
         if len(rounds) == 2:
             raise error

@@ -221,9 +221,10 @@ def test_clear_errors_for_a_job_that_is_not_running_unknown_or_without_slurm(
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupting_a_watch_by_job_id_stops_its_agents(
         cluster: LocalSlurmCluster, torch_job: TorchJob, sig: signal.Signals) -> None:
-    proc = subprocess.Popen([str(RANKSCOPE), "watch", "--slurm", torch_job.id, "--json", "--stack-interval", "0",
-                             "--slurm-timeout", "180"], env={**clean_env(), **cluster.env()},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_works)
+    proc = subprocess.Popen(ctrl_c_works([str(RANKSCOPE), "watch", "--slurm", torch_job.id, "--json",
+                                          "--stack-interval", "0", "--slurm-timeout", "180"]),
+                            env={**clean_env(), **cluster.env()}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         assert proc.stdout is not None
         first = json.loads(proc.stdout.readline())  # printed once the agents answer
@@ -257,9 +258,10 @@ def test_any_scontrol_output_parses_without_raising(text: str) -> None:
 @slurm
 @pytest.mark.timeout(600)
 def test_a_killed_client_leaves_no_agent_step_behind(cluster: LocalSlurmCluster, torch_job: TorchJob) -> None:
-    proc = subprocess.Popen([str(RANKSCOPE), "watch", "--slurm", torch_job.id, "--json", "--stack-interval", "0",
-                             "--slurm-timeout", "180"], env={**clean_env(), **cluster.env()},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_works)
+    proc = subprocess.Popen(ctrl_c_works([str(RANKSCOPE), "watch", "--slurm", torch_job.id, "--json",
+                                          "--stack-interval", "0", "--slurm-timeout", "180"]),
+                            env={**clean_env(), **cluster.env()}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         assert proc.stdout is not None
         assert json.loads(proc.stdout.readline())["event"] == "start"
