@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 import numpy as np
 from rankscope.actions.model import ActionKind, ActionState, AuditRecord
 from rankscope.analyzers.metric_outliers import snapshot_outliers
+from rankscope.analyzers.progress import MID_STEP_S
 from rankscope.analyzers.series import METRICS as SERIES_METRICS
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.snapshot import (
@@ -691,10 +692,6 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     s = replace(s, stacks=view, capture_wall=d.wall, verdict=mark, events=_with_events(s, events))
     # A text filter matches frames: against the new capture's groups it selects other ranks.
     return apply_filter(s, s.filter.text) if s.filter.active else s
-
-
-# A job that stepped this recently (or within two of its own step times) is caught mid-step by a capture.
-MID_STEP_S = 3.0
 
 
 def making_steps(state: AppState) -> bool:

@@ -1,0 +1,56 @@
+"""Was the job making steps when a snapshot was taken? Told by the snapshot itself.
+
+A snapshot of a running job catches its ranks at different points of a
+step: some wait in a collective the others have not launched yet, stacks
+stand at different calls. In a hang those differences are the evidence; in
+a job making steps they are timing, and naming a suspect from them would
+send an engineer to evict a healthy machine. The agents remember when each
+rank last progressed (``RankInfo.last_progress_wall``): a snapshot taken
+within a step or two of that caught a running job. Snapshots without that
+memory (py-spy dumps, flight recorder dumps, older bundles) say nothing here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rankscope.analyzers.findings import Verdict
+from rankscope.contract.snapshot import JobSnapshot
+
+# A job that stepped this recently (or within two of its own step times) is caught mid-step by a snapshot.
+MID_STEP_S = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressAtCapture:
+    age_s: float  # how long before the snapshot the job last progressed
+    window_s: float  # within this, a snapshot finds the ranks mid-step
+
+    @property
+    def running(self) -> bool:
+        return self.age_s <= self.window_s
+
+
+def progress_at_capture(snapshot: JobSnapshot) -> ProgressAtCapture | None:
+    """How long before ``snapshot`` its job last progressed, per its agents; None when they did not say."""
+    marks = [r.last_progress_wall for m in snapshot.machines if m.reachable for r in m.ranks
+             if r.last_progress_wall is not None]
+    if not marks:
+        return None
+    steps = sorted(c.last_step_duration_s for m in snapshot.machines for c in m.counters
+                   if c.last_step_duration_s is not None and c.last_step_duration_s > 0)
+    window = max(MID_STEP_S, 2.0 * steps[len(steps) // 2]) if steps else MID_STEP_S
+    return ProgressAtCapture(max(0.0, snapshot.captured.wall - max(marks)), window)
+
+
+def timing_not_fault(verdict: Verdict, progress: ProgressAtCapture) -> Verdict:
+    """The verdict of a snapshot taken while the job made steps: no suspects, and what was set aside, said."""
+    if not verdict.suspects and not verdict.findings:
+        return verdict
+    summary = (f"no verdict: the job was making steps when this snapshot was taken (it last progressed "
+               f"{progress.age_s:.1f} s before, within {progress.window_s:.0f} s), so the differences between its "
+               "ranks are timing, not a fault")
+    return Verdict((), summary, verdict.missing_ranks, (*verdict.notes, f"set aside as timing: {verdict.summary}"))
+
+
+__all__ = ["MID_STEP_S", "ProgressAtCapture", "progress_at_capture", "timing_not_fault"]
