@@ -70,7 +70,6 @@ NODE_LOG_SUFFIXES = (".torchrun.log", ".warm.log")
 PARK_AFTER_S = 300.0  # the longest a fresh parked node waits for the restarted job to resume before it starts
 
 
-
 class Spawner:
     """One thread that lives as long as this process and starts every process of every drill.
 

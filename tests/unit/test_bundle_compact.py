@@ -7,6 +7,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,12 @@ def _v3() -> dict:  # type: ignore[type-arg]
     (lambda d: d["tables"]["Instant"].update(rows=-1), "rows"),
 ])
 def test_bad_columns_are_refused_with_the_table_column_and_row_named(mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
-    data = _v3()
+    _assert_refused(_v3(), mutate, needle)
+
+
+def _assert_refused(data: dict, mutate: Callable[[dict], object], needle: str) -> None:  # type: ignore[type-arg]
+    """``data`` changed by ``mutate`` is refused with a BundleError that names the file, matches ``needle`` and
+    gives a fix."""
     mutate(data)
     with pytest.raises(BundleError, match=needle) as info:
         loads(json.dumps(data), "b.json")
@@ -213,11 +219,7 @@ def test_version_4_is_written_with_number_columns_packed_and_reads_back_the_same
     (lambda d: d["tables"]["OpCounters"]["columns"]["cl"].update(lengths={"int8": "Ag=="}), "has no lengths"),
 ])
 def test_bad_packed_columns_are_refused_with_the_table_and_column_named(mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
-    data = _v4()
-    mutate(data)
-    with pytest.raises(BundleError, match=needle) as info:
-        loads(json.dumps(data), "b.json")
-    assert info.value.message.startswith("b.json: ") and info.value.fix
+    _assert_refused(_v4(), mutate, needle)
 
 
 _NUMBERS = st.one_of(st.lists(st.integers(-(1 << 63), (1 << 63) - 1), min_size=1, max_size=40),
