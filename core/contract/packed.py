@@ -31,18 +31,19 @@ class PackError(Exception):
     """A packed column that does not decode; the reader names the column."""
 
 
-def _typecode(kind: str, size: int) -> str:
-    code = next((c for c in ("b", "h", "i", "l", "q") if array(c).itemsize == size), None) if kind == "i" else "d"
-    if code is None or array(code).itemsize != size:
-        raise ImportError(f"this platform's array module has no {size}-byte {'integer' if kind == 'i' else 'float'}")
+def _int_code(size: int) -> str:
+    """The array typecode of a ``size``-byte integer on this platform."""
+    code = next((c for c in ("b", "h", "i", "l", "q") if array(c).itemsize == size), None)
+    if code is None:
+        raise ImportError(f"this platform's array module has no {size}-byte integer")
     return code
 
 
 # name -> (array typecode, smallest value, one past the largest); integers narrowest first.
 _INTS: dict[str, tuple[str, int, int]] = {
-    f"int{bits}": (_typecode("i", bits // 8), -(1 << (bits - 1)), 1 << (bits - 1)) for bits in (8, 16, 32, 64)}
+    f"int{bits}": (_int_code(bits // 8), -(1 << (bits - 1)), 1 << (bits - 1)) for bits in (8, 16, 32, 64)}
 _FLOAT = "float64"
-_CODES = {**{name: code for name, (code, _, _) in _INTS.items()}, _FLOAT: _typecode("f", 8)}
+_CODES = {**{name: code for name, (code, _, _) in _INTS.items()}, _FLOAT: "d"}  # "d": a C double, IEEE binary64
 _SWAP = sys.byteorder != "little"
 
 

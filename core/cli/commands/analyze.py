@@ -121,18 +121,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise RankscopeError(str(exc), _LAYOUT_FIX) from None
 
-    analysis = job.stacks
-    out = verdict_to_json(analysis)
-    from rankscope.analyzers.progress import progress_at_capture, timing_not_fault
-
-    # A snapshot of a job making steps shows its ranks mid-step: differences, not a fault (see analyzers.progress).
-    progress = progress_at_capture(snapshot)
-    merged = job.verdict if progress is None or not progress.running else timing_not_fault(job.verdict, progress)
-    # The one verdict (job.verdict): merged with CCL counters or a flight recorder where there are any, and
-    # its suspects folded (a root's own groups and its victims are its evidence) in every case.
     from rankscope.analyzers.findings import finding_to_json
+    from rankscope.analyzers.progress import progress_at_capture, timing_not_fault
     from rankscope.analyzers.suspects import suspect_to_json
 
+    analysis = job.stacks
+    out = verdict_to_json(analysis)
+    # The one verdict (job.verdict): merged with CCL counters or a flight recorder where there are any, and
+    # its suspects folded (a root's own groups and its victims are its evidence) in every case; set aside as
+    # timing when the snapshot caught a job making steps, its ranks mid-step (see analyzers.progress).
+    progress = progress_at_capture(snapshot)
+    merged = job.verdict if progress is None or not progress.running else timing_not_fault(job.verdict, progress)
     if job.merged_with:
         out["stacks_summary"] = out["summary"]
     out["summary"] = merged.summary
