@@ -170,3 +170,17 @@ def test_analyze_the_tui_and_the_drill_give_one_capture_one_verdict(
     assert [s["ranks"] for s in by_cli["suspects"]] == [list(s.ranks) for s in by_drill.suspects] \
         == [list(s.ranks) for s in by_tui.suspects]
     assert ("stacks_summary" in by_cli) is counters  # the counters name rank 30: merged with the stacks
+
+
+def test_text_names_a_large_jobs_strided_groups_exactly_in_one_line(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # 256 ranks, tp 2 pp 4 dp 32: one pipeline stage (ranks 6-7 of every 8) is 32 runs, too many to list
+    layout = Layout(tp=2, pp=4, dp=32, order="tp-pp-dp", ranks_per_machine=2)
+    stacks = {r: rank_stacks(r, RECV if r % 8 >= 6 else OPTIMIZER) for r in range(256)}
+    path = write_bundle(Bundle(snapshots=(snapshot(stacks, 256, 2, layout),), created_wall=1.0), tmp_path / "b.json")
+    code, out, _ = _run(capsys, str(path))
+    assert code == 0
+    assert "[healthy] 192 rank(s) 0-5,8-13,…,248-253 (32 runs of 6, one every 8):" in out
+    assert "[outlier] 64 rank(s) 6-7,14-15,…,254-255 (32 runs of 2, one every 8):" in out
+    code, out, _ = _run(capsys, str(path), "--json")
+    assert [len(g["ranks"]) for g in json.loads(out)["groups"]] == [192, 64]  # --json keeps every rank

@@ -125,5 +125,16 @@ def test_machines_from_agents_then_ranks_per_machine() -> None:
 
 def test_compact_forms() -> None:
     assert compact_ranks([3, 0, 1, 2, 8, 10, 11]) == "0-3,8,10-11"
+    assert compact_ranks([3, 0, 1, 2, 8, 10, 11], limit=3) == "0-3,8,10-11"  # within the limit: whole
+
+
+def test_compact_ranks_of_a_large_job_stay_exact_when_strided() -> None:
+    pipeline_stage = [r for r in range(16384) if r % 32 // 8 == 1]  # tp 8, pp 4: stage 1 of every replica
+    assert compact_ranks(pipeline_stage, 12) == "8-15,40-47,…,16360-16367 (512 runs of 8, one every 32)"
+    assert compact_ranks(range(3, 64, 4), 4) == "3,7,…,63 (16 ranks, one every 4)"
+    # one rank off the pattern: no pattern is claimed, the set is cut with a count
+    assert compact_ranks([r for r in pipeline_stage if r != 40], 2) == "8-15,41-47,… (+510 runs)"
+    assert compact_ranks([0, 1, 2, 5, 7, 8], 2) == "0-2,5,… (+1 run)"
+    assert compact_ranks([0, 1, 4, 5, 8, 9, 13], 2) == "0-1,4-5,… (+2 runs)"  # the last run is off the stride
     assert compact_machines(["machine-13", "machine-12", "machine-15", "machine-14", "x"]) == "machine-12..15, x"
     assert compact_machines(["machine-2", "machine-10"]) == "machine-2, machine-10"
