@@ -139,9 +139,12 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
             found[key] = (max(old[0], score), [*old[1], line])
 
     for cid, comm in table.comms.items():
+        open_ops = table.open_of(cid)  # each line below reads a request open (a waiting leader, WC < WR)
+        if not open_ops:
+            continue
         members = [r for r in comm.ranks if r in live]
         by_op = table.of(cid)
-        for op in sorted(by_op):
+        for op in open_ops:
             by_rank = by_op[op]
             row = {r: by_rank.get(r) for r in members}
             if not any(o is not None for o in row.values()):

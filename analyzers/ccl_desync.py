@@ -74,13 +74,23 @@ class OpTable:
     op by op; indexing each rank's list of ops per communicator instead costs
     members x ops of every member for each communicator, seconds at 16k ranks.
     A rank with two rows for one (communicator, op) keeps its first.
+
+    ``open_ops``: the (communicator, op) pairs where some rank has a request
+    open (WC < WR). Every wait, lag and open request either rule reports
+    starts at one, so both skip the rest: in a running or a hung job most
+    communicators have nothing open, and at 16k ranks they are thousands.
     """
 
     comms: dict[str, Communicator]
     ops: dict[str, dict[str, dict[int, OpCounters]]]  # comm_id -> op -> rank -> its counters
+    open_ops: frozenset[tuple[str, str]] = frozenset()
 
     def of(self, comm_id: str) -> dict[str, dict[int, OpCounters]]:
         return self.ops.get(comm_id, {})
+
+    def open_of(self, comm_id: str) -> list[str]:
+        """The ops of ``comm_id`` with a request open on some rank, in name order."""
+        return sorted(op for op in self.of(comm_id) if (comm_id, op) in self.open_ops)
 
     def posted_back(self, comm_id: str, op: str, rank: int, peer: int) -> bool:
         """Whether ``peer`` has the matching side of ``rank``'s open send/recv: its recv/send open toward ``rank``."""
@@ -90,10 +100,13 @@ class OpTable:
 
 def op_table(counters: Mapping[int, RankCounters]) -> OpTable:
     ops: dict[str, dict[str, dict[int, OpCounters]]] = {}
+    open_ops: set[tuple[str, str]] = set()
     for r, rc in counters.items():
         for o in rc.ops:
             ops.setdefault(o.comm_id, {}).setdefault(o.op, {}).setdefault(r, o)
-    return OpTable(distinct_communicators(counters), ops)
+            if o.wc < o.wr:
+                open_ops.add((o.comm_id, o.op))
+    return OpTable(distinct_communicators(counters), ops, frozenset(open_ops))
 
 
 def live_counters(counters: Mapping[int, RankCounters]) -> dict[int, RankCounters]:
@@ -177,12 +190,13 @@ def _graph(live: Mapping[int, RankCounters], table: OpTable) -> tuple[_Waits, li
     g = _Waits()
     lags: list[_Lag] = []
     for cid, comm in table.comms.items():
-        members = [r for r in comm.ranks if r in live]
+        open_ops = table.open_of(cid)  # a wait or a lag needs a request open on its (communicator, op)
+        members = [r for r in comm.ranks if r in live] if open_ops else []
         if not members:
             continue
         label = comm_label(comm)
         by_op = table.of(cid)
-        for op in sorted(by_op):
+        for op in open_ops:
             by_rank = by_op[op]
             rows = {r: by_rank.get(r) for r in members}
             if op in P2P_OPS:

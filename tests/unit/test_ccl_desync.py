@@ -13,8 +13,8 @@ import pytest
 from ccl_fixtures import BARRIER, DP8, L8, TP8, Counters, drill_desync, pipeline, steady, with_counters
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rankscope.analyzers.ccl import analyze_counters
-from rankscope.analyzers.ccl_desync import counter_waits, crossed_waits
+from rankscope.analyzers.ccl import analyze_counters, counter_findings
+from rankscope.analyzers.ccl_desync import OpTable, _graph, counter_waits, crossed_waits, live_counters, op_table
 from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.suspects import analyze_stacks
 from rankscope.analyzers.verdict import analyze_snapshot
@@ -207,6 +207,36 @@ def test_one_wait_graph_shared_by_the_chain_and_the_cl_rule_answers_as_fresh_one
     shared = counter_waits(counters)
     assert crossed_waits(counters, extra, shared) == crossed_waits(counters, extra)
     assert crossed_waits(counters, waits=shared) == crossed_waits(counters)
+
+
+@settings(max_examples=150, deadline=None)
+@given(files=st.dictionaries(st.integers(0, 7), st.tuples(st.lists(_comm, max_size=3), st.lists(_op, max_size=6)),
+                             max_size=8))
+def test_reading_only_ops_with_a_request_open_finds_what_reading_every_op_finds(
+        files: dict[int, tuple[list[Communicator], list[OpCounters]]]) -> None:
+    # both rules skip (communicator, op) pairs where no rank has WC < WR: the same waits, lags and suspects as
+    # when every pair is read, and the pairs kept are exactly those with a request open
+    counters = {r: RankCounters(rank=r, pid=None, world_size=8, job_id=None, heartbeat_wall=None,
+                                communicators=tuple(cs), ops=tuple(ops)) for r, (cs, ops) in files.items()}
+    live = live_counters(counters)
+    table = op_table(live)
+    assert table.open_ops == {(o.comm_id, o.op) for rc in live.values() for o in rc.ops if o.wc < o.wr}
+    every = OpTable(table.comms, table.ops, frozenset((c, op) for c, by_op in table.ops.items() for op in by_op))
+    (g, lags), (g_all, lags_all) = _graph(live, table), _graph(live, every)
+    assert (g.out, g.why, lags) == (g_all.out, g_all.why, lags_all)
+    assert counter_findings(live, {}, (), table) == counter_findings(live, {}, (), every)
+
+
+def test_a_launch_skew_with_nothing_open_is_no_suspect() -> None:
+    # rank 1 launched one all-reduce fewer, but nobody waits in it (all requests done): a poll between steps
+    c = Counters(4)
+    world = c.comm("0", "world", range(4))
+    for r in range(4):
+        c.op(r, world, "all_reduce", 4 if r == 1 else 5)
+    assert op_table(c.files()).open_ops == frozenset()
+    assert counter_findings(c.files()) == ()
+    c.op(0, c.comm("1", "dp", (0, 1)), "all_reduce", 3, 2)  # one open request: its pair, and only it, is read
+    assert op_table(c.files()).open_ops == {("1", "all_reduce")}
 
 
 def test_the_stacks_send_waits_added_for_the_chain_do_not_reach_the_counters_verdict() -> None:
