@@ -262,8 +262,8 @@ def _read_table(cls: type, table: Any, built: dict[type, list[Any]],
         if not isinstance(col, list) or len(col) != rows:
             raise ColumnError(f"{where}: expected a list of {rows} values")
         values.append(_read_column(f, col, where, built, built_tuples))
-    make = maker(cls)
-    return [make(*row) for row in zip(*values, strict=True)] if values else [cls() for _ in range(rows)]
+    # Every column holds ``rows`` values (checked above), so map walks them in step without zip's tuples.
+    return list(map(maker(cls), *values)) if values else [cls() for _ in range(rows)]
 
 
 def _read_column(f: _Field, col: list[Any], where: str, built: dict[type, list[Any]],

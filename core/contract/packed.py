@@ -113,6 +113,9 @@ def unpack(packed: Any) -> tuple[list[Any], type, list[int] | None]:
 
 def split(items: tuple[Any, ...], lengths: list[int]) -> list[tuple[Any, ...]]:
     """``items`` cut into consecutive tuples of ``lengths`` (which add up to ``len(items)``)."""
+    if len(set(lengths)) == 1:  # most columns: every rank has as many (ops, threads, ranks per machine)
+        n = lengths[0]
+        return [()] * len(lengths) if n == 0 else list(zip(*[iter(items)] * n, strict=True))
     return [items[end - n:end] for n, end in zip(lengths, accumulate(lengths), strict=True)]
 
 

@@ -244,6 +244,17 @@ def test_lists_of_numbers_come_back_exactly_from_their_packed_form(lists: list[l
     assert lengths is not None and split(tuple(values), lengths) == [tuple(x) for x in lists]
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 5), st.integers(1, 12), st.data())
+def test_lists_all_of_one_length_come_back_exactly(n: int, count: int, data: st.DataObject) -> None:
+    # the common column (every rank has as many ops, threads, ranks per machine) is cut without slicing
+    lists = [data.draw(st.lists(st.integers(-5, 5), min_size=n, max_size=n)) for _ in range(count)]
+    packed = pack_lists(lists)
+    assert packed is not None
+    values, _, lengths = unpack(json.loads(json.dumps(packed)))
+    assert lengths is not None and split(tuple(values), lengths) == [tuple(x) for x in lists]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["int8", "int16", "int32", "int64", "float64", "lengths", "x"]),
                        st.one_of(st.text(max_size=12), st.binary(max_size=12).map(lambda b: base64.b64encode(b).decode()),
