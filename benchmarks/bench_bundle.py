@@ -7,7 +7,8 @@ Each run is a fresh process (a user's command: imports, reading, analysis,
 printing, exit), alternating this checkout and the code at ``--base-ref``
 (``git archive`` of it, unpacked once into the temp folder, put first on
 ``sys.path`` with its subpackages inside it, as the install maps them), so load on this machine weighs on both alike. Prints, per
-side: the open alone (``read_bundle`` in-process CPU, imports excluded) and
+side: the open alone (``read_bundle`` in-process CPU, imports excluded), writing
+it again (``write_bundle``, version 4, in-process CPU) and
 the whole ``rankscope analyze BUNDLE`` command (CPU of the child and wall),
 min and median of ``--runs``, and the ratio of the medians; then whether
 both sides give the same verdict (``--json``: summary, suspects, findings,
@@ -30,14 +31,20 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_fanout import base_package  # noqa: E402 (the benchmarks folder is not a package)
 
-# Run in the child: time read_bundle alone, after the imports it needs.
-_OPEN = """
-import resource, sys, time
-from rankscope.contract.bundle import no_cyclic_gc, read_bundle
-t = time.process_time()
+# Run in the child: time read_bundle alone, after the imports it needs, then writing what it read again
+# (version 4, to a temporary file): what the TUI's `w` and `snapshot -o` cost.
+_OPEN_WRITE = """
+import os, sys, tempfile, time
+from rankscope.contract.bundle import no_cyclic_gc, read_bundle, write_bundle
 with no_cyclic_gc():
+    t = time.process_time()
     b = read_bundle(sys.argv[1])
-print(time.process_time() - t)
+    opened = time.process_time() - t
+    with tempfile.TemporaryDirectory() as d:
+        t = time.process_time()
+        write_bundle(b, os.path.join(d, "b.json"))
+        written = time.process_time() - t
+print(opened, written)
 """
 # The console script's body, so the base side runs its own main() from its own tree.
 _ANALYZE = "import sys\nfrom rankscope.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
@@ -104,27 +111,31 @@ def main() -> int:
     for env in sides.values():  # warm: bytecode written, file in the page cache
         _child(_ANALYZE, ["analyze", str(args.bundle)], env)
     opened: dict[str, list[float]] = {s: [] for s in sides}
+    written: dict[str, list[float]] = {s: [] for s in sides}
     cpu: dict[str, list[float]] = {s: [] for s in sides}
     wall: dict[str, list[float]] = {s: [] for s in sides}
     for _ in range(args.runs):
         for side, env in sides.items():
-            opened[side].append(float(_child(_OPEN, [str(args.bundle)], env)[2]))
+            o, w = map(float, _child(_OPEN_WRITE, [str(args.bundle)], env)[2].split())
+            opened[side].append(o)
+            written[side].append(w)
             c, w, _ = _child(_ANALYZE, ["analyze", str(args.bundle)], env)
             cpu[side].append(c)
             wall[side].append(w)
     print(f"bundle {args.bundle} ({args.bundle.stat().st_size / 1e6:.0f} MB); base {args.base_ref}; "
           f"{args.runs} runs each, alternating; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     for side in sides:
-        print(f"{side:<5} open cpu {_stats(opened[side])}   analyze cpu {_stats(cpu[side])}   "
+        print(f"{side:<5} open cpu {_stats(opened[side])}   write cpu {_stats(written[side])}   analyze cpu {_stats(cpu[side])}   "
               f"wall {_stats(wall[side])}")
     keys = ("summary", "suspects", "findings", "groups", "notes")
     verdicts = [{k: v for k, v in json.loads(_child(_ANALYZE, ["analyze", "--json", str(args.bundle)], env)[2]).items()
                  if k in keys} for env in sides.values()]
     ratio = statistics.median(cpu["base"]) / statistics.median(cpu["new"])
     open_ratio = statistics.median(opened["base"]) / statistics.median(opened["new"])
-    print(f"base / new (medians): open {open_ratio:.2f}x, analyze {ratio:.2f}x; "
+    write_ratio = statistics.median(written["base"]) / statistics.median(written["new"])
+    print(f"base / new (medians): open {open_ratio:.2f}x, write {write_ratio:.2f}x, analyze {ratio:.2f}x; "
           f"same verdict (--json): {'yes' if verdicts[0] == verdicts[1] else 'NO'}")
-    print(json.dumps({"open_cpu_s": opened, "analyze_cpu_s": cpu, "analyze_wall_s": wall}))
+    print(json.dumps({"open_cpu_s": opened, "write_cpu_s": written, "analyze_cpu_s": cpu, "analyze_wall_s": wall}))
     return 0
 
 
