@@ -533,7 +533,7 @@ def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None =
     main thread at this rate while polled; 0: off), ``act_problem`` ((message, fix) when the
     token is known not to have the 'act' role: the action keys then say so instead of failing later),
     ``tls`` (a ``rankscope.wire.tls.ClientTLS``: reach the agents over TLS), ``hostfile`` (re-read while
-    attached) and ``evicted`` (agents it marks evicted).
+    attached), ``evicted`` (agents it marks evicted) and ``machine_names`` (their machines' names, where it says).
     """
     deadline_s = float(options.pop("deadline_s", 10.0))
     capture_timeout_s = float(options.pop("capture_timeout_s", 5.0))
@@ -543,9 +543,10 @@ def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None =
     sample_hz = float(options.pop("sample_hz", 0.0))
     hostfile = options.pop("hostfile", None)
     evicted = options.pop("evicted", ())
+    machine_names = options.pop("machine_names", {})
     source = LiveSource(agents, token, deadline_s=deadline_s, native=native, capture_timeout_s=capture_timeout_s,
                         acting=not read_only, act_problem=act_problem, tls=tls, sample_hz=sample_hz,
-                        hostfile=hostfile, evicted=evicted)
+                        hostfile=hostfile, evicted=evicted, machine_names=machine_names)
     return run_app(source, AppOptions(layout=layout, read_only=read_only, **options))
 
 

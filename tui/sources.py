@@ -165,7 +165,8 @@ class LiveSource:
     def __init__(self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0,
                  native: bool = False, capture_timeout_s: float = 5.0, acting: bool = False,
                  act_problem: tuple[str, str] | None = None, tls: ClientTLS | None = None,
-                 sample_hz: float = 0.0, hostfile: Path | None = None, evicted: Sequence[str] = ()) -> None:
+                 sample_hz: float = 0.0, hostfile: Path | None = None, evicted: Sequence[str] = (),
+                 machine_names: Mapping[str, str] | None = None) -> None:
         if not agents:
             raise RankscopeError("no agents to attach to", "pass --agents host:port[,host:port...] or a hostfile")
         self.agents = tuple(agents)
@@ -184,6 +185,8 @@ class LiveSource:
         self._client = JobClient(self.agents, token, deadline_s=deadline_s, acting=acting, tls=tls)
         if evicted:
             self._client.set_agents(self.agents, evicted)
+        # An agent evicted before this view attached was never polled: the hostfile names its machine.
+        self._client.know_names(machine_names or {})
         self.label = self._members_label()
         self.act_problem = act_problem if acting else (
             "this session is read-only: it does not send actions",
@@ -214,11 +217,12 @@ class LiveSource:
         from rankscope.wire.agents_spec import hostfile_members
 
         try:
-            members, evicted = hostfile_members(self.hostfile)
+            members, evicted, names = hostfile_members(self.hostfile)
         except RankscopeError:
             return False  # being rewritten, or gone: keep the agents known until it reads again
         self._hostfile_stamp = stamp
         self._client.set_agents(members, evicted)
+        self._client.know_names(names)
         self.evicted_addresses = self.evicted_addresses | frozenset(evicted)
         self.agents = tuple(self._client.agents)
         self.label = self._members_label()

@@ -363,9 +363,9 @@ def mark_evicted_in_hostfile(path: Path, addresses: dict[str, str], evicted: tup
     if not path.exists():
         return
     with contextlib.suppress(RankscopeError, OSError):
-        members, gone = hostfile_members(path)
-        out = {addresses[m] for m in evicted if m in addresses}
-        write_hostfile(path, [a for a in members if a not in out], [*gone, *sorted(out)])
+        members, gone, names = hostfile_members(path)
+        out = {addresses[m]: m for m in evicted if m in addresses}  # address -> machine name
+        write_hostfile(path, [a for a in members if a not in out], [*gone, *sorted(out)], {**names, **out})
 
 
 WATCHED = frozenset({ActionKind.EVICT, ActionKind.HOT_UPDATE, ActionKind.ROLLBACK})

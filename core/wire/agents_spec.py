@@ -11,7 +11,8 @@ Accepted forms (mixed freely, comma-separated):
   ignored; only the first word of a line is used, so MPI-style
   ``node01 slots=8`` lines work). A line whose later words include
   ``evicted`` names an agent taken out of the job (``127.0.0.1:50053
-  evicted``): it is not contacted, and the TUI shows its machine as evicted
+  evicted``, with ``machine=NAME`` when its machine's name is known): it is
+  not contacted, and the TUI shows its machine as evicted, by that name
   (``hostfile_members``). The TUI re-reads its hostfile while attached, so
   adding or marking a line changes whom it asks.
 
@@ -21,13 +22,15 @@ the order the user wrote.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from rankscope.contract.errors import RankscopeError
 
 DEFAULT_PORT = 50051
 EVICTED_MARK = "evicted"  # a hostfile line's later word: this agent's machine was taken out of the job
+MACHINE_WORD = "machine="  # on an evicted line, the machine's name (a view that attaches later has never polled it)
 MAX_EXPANSION = 65536  # a typo like node[1-9999999] must not eat the memory
 _FORMS = "write agents as host:port, node[01-04]:50051 or @hostfile (comma-separated)"
 
@@ -157,8 +160,14 @@ def read_hostfile(path: str | Path, *, default_port: int | None = None) -> list[
     return hostfile_members(path, default_port=default_port)[0]
 
 
-def hostfile_members(path: str | Path, *, default_port: int | None = None) -> tuple[list[str], list[str]]:
-    """(the agents to contact, the agents marked ``evicted``) of a hostfile."""
+class Hostfile(NamedTuple):
+    members: list[str]  # the agents to contact, in order
+    evicted: list[str]  # the agents marked evicted
+    names: dict[str, str]  # an evicted agent's machine name, where its line gives one
+
+
+def hostfile_members(path: str | Path, *, default_port: int | None = None) -> Hostfile:
+    """The agents to contact, the agents marked ``evicted`` and those machines' names, of a hostfile."""
     p = Path(path)
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
@@ -168,24 +177,41 @@ def hostfile_members(path: str | Path, *, default_port: int | None = None) -> tu
         raise AgentSpecError(f"cannot read hostfile {p}: {exc}", "check the path and its permissions") from None
     out: list[str] = []
     evicted: list[str] = []
+    names: dict[str, str] = {}
     for number, line in enumerate(lines, start=1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
-        into = evicted if EVICTED_MARK in words[1:] else out
+        gone = EVICTED_MARK in words[1:]
+        into = evicted if gone else out
         try:
-            for item in split_outside_brackets(words[0]):
-                into.extend(parse_entry(item, default_port=default_port))
+            entries = [a for item in split_outside_brackets(words[0]) for a in parse_entry(item, default_port=default_port)]
         except AgentSpecError as exc:
             raise AgentSpecError(f"{p}:{number}: {exc.message}", exc.fix) from None
-    return out, evicted
+        into.extend(entries)
+        name = next((w[len(MACHINE_WORD):] for w in words[1:] if w.startswith(MACHINE_WORD)), "")
+        if gone and name and len(entries) == 1:  # a name belongs to one agent, not to a range
+            names[entries[0]] = name
+    return Hostfile(out, evicted, names)
 
 
-def write_hostfile(path: str | Path, agents: Iterable[str], evicted: Iterable[str] = ()) -> None:
-    """One agent per line, evicted ones marked; replaced atomically so a reader never sees half a file."""
+def write_hostfile(path: str | Path, agents: Iterable[str], evicted: Iterable[str] = (),
+                   names: Mapping[str, str] | None = None) -> None:
+    """One agent per line, evicted ones marked (with their machine's name from ``names``); replaced atomically so
+    a reader never sees half a file."""
     p = Path(path)
     gone = set(evicted)
-    text = "".join(f"{a} {EVICTED_MARK}\n" if a in gone else f"{a}\n" for a in dedupe([*agents, *evicted]))
+    names = names or {}
+
+    def line(a: str) -> str:
+        if a not in gone:
+            return f"{a}\n"
+        name = names.get(a, "")
+        # one word the reader gives back as it was: no blank or comment sign in it (else the line goes unnamed)
+        named = name.isprintable() and not any(c.isspace() or c == "#" for c in name) and name
+        return f"{a} {EVICTED_MARK} {MACHINE_WORD}{name}\n" if named else f"{a} {EVICTED_MARK}\n"
+
+    text = "".join(line(a) for a in dedupe([*agents, *evicted]))
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(p)

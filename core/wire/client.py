@@ -29,7 +29,7 @@ import dataclasses
 import gc
 import resource
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -341,6 +341,12 @@ class JobClient:
         """A new list of agents (a re-read hostfile): new ones are asked from the next call on."""
         self.agents = tuple(dict.fromkeys([*agents, *retired]))
         self.retired = self.retired | frozenset(retired)
+
+    def know_names(self, names: Mapping[str, str]) -> None:
+        """Machine names of agents (address -> name) this client may never hear from itself (a hostfile's
+        evicted lines): their stand-ins carry the name, not the address. A name an agent gave wins."""
+        for address, name in names.items():
+            self._names.setdefault(address, name)
 
     # ---- public calls ---------------------------------------------------
 

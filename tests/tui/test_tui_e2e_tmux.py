@@ -345,6 +345,15 @@ def _drive_and_check(session: str, run_dir: Path,
     # A capture right after the first step is fresh until the next poll sees the job move on: then stale.
     both(session, pair, lambda t: re.search(r"verdict of \d\d:\d\d:\d\d \(stale: ", t) is not None, 30,
          "the verdict marked stale")
+    # A second pair attaching only now never polled the evicted agents: the hostfile names their machines.
+    late = f"{session}:late"
+    started = tmux("new-window", "-d", "-t", session, "-n", "late", f"env -u COLUMNS -u LINES {printed}")
+    assert started.returncode == 0, started.stderr
+    text = wait_screen(late, lambda t: "[read-only]" in t and "4/4 machines 2 evicted" in header(t), 90,
+                       "the read-only TUI attached after the eviction")
+    assert re.search(r"^ machine-0\b", text, re.M) and re.search(r"^ machine-2\b", text, re.M), text
+    assert "127.0.0.1:" not in text, text  # the evicted machines by name, not by their agents' addresses
+    tmux("send-keys", "-t", late, "q")
     wait_until(lambda: rank_progress(run_dir, 5) > FAULT_STEP, 900, "the restarted job did not pass the fault step")
     tmux("send-keys", "-t", session, "e")  # a stale verdict aims nothing
     wait_screen(session, lambda t: "nothing to evict now" in t, 20, "e saying why it has no target")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rankscope.wire.agents_spec import AgentSpecError, expand_hostlist, parse_agents, read_hostfile, resolve_agents
 
 
@@ -91,12 +93,22 @@ def test_a_hostfile_marks_evicted_agents_and_the_drill_marks_them_after_an_evict
 
     path = tmp_path / "agents.txt"
     write_hostfile(path, ["127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003"])
-    mark_evicted_in_hostfile(path, {"machine-0": "127.0.0.1:5001", "machine-1": "127.0.0.1:5002"}, ("machine-0",))
-    assert path.read_text() == "127.0.0.1:5002\n127.0.0.1:5003\n127.0.0.1:5001 evicted\n"
-    assert hostfile_members(path) == (["127.0.0.1:5002", "127.0.0.1:5003"], ["127.0.0.1:5001"])
+    machines = {"machine-0": "127.0.0.1:5001", "machine-1": "127.0.0.1:5002"}
+    mark_evicted_in_hostfile(path, machines, ("machine-0",))
+    # the evicted line names its machine: a view attached later never polled that agent
+    assert path.read_text() == "127.0.0.1:5002\n127.0.0.1:5003\n127.0.0.1:5001 evicted machine=machine-0\n"
+    assert hostfile_members(path) == (["127.0.0.1:5002", "127.0.0.1:5003"], ["127.0.0.1:5001"],
+                                      {"127.0.0.1:5001": "machine-0"})
     assert read_hostfile(path) == ["127.0.0.1:5002", "127.0.0.1:5003"]  # an evicted agent is not contacted
-    path.write_text("node01:50051 slots=8\nnode02:50051 evicted  # taken out at 03:12\n")
-    assert hostfile_members(path) == (["node01:50051"], ["node02:50051"])
+    mark_evicted_in_hostfile(path, machines, ("machine-1",))  # a second eviction keeps the first one's name
+    assert hostfile_members(path).names == {"127.0.0.1:5001": "machine-0", "127.0.0.1:5002": "machine-1"}
+    path.write_text("node01:50051 slots=8\nnode02:50051 evicted  # taken out at 03:12\n"
+                    "node[03-04]:50051 evicted machine=gpu3\nnode01:50052 machine=gpu9\n")
+    # no name without the mark, none for a range (one name cannot be two machines'), none given: none kept
+    assert hostfile_members(path) == (["node01:50051", "node01:50052"], ["node02:50051", "node03:50051", "node04:50051"],
+                                      {})
+    write_hostfile(path, ["a:1"], ["b:1", "c:1"], {"b:1": "rack 2 gpu", "c:1": "gpu-7"})
+    assert path.read_text() == "a:1\nb:1 evicted\nc:1 evicted machine=gpu-7\n"  # a name with a space is not written
 
 
 def test_a_live_source_follows_its_hostfile(tmp_path: Path) -> None:
@@ -114,6 +126,26 @@ def test_a_live_source_follows_its_hostfile(tmp_path: Path) -> None:
     assert source.label == "2 agents"
 
 
+def test_a_view_attached_after_an_eviction_shows_the_evicted_machine_by_its_name(tmp_path: Path) -> None:
+    import asyncio
+
+    from rankscope.drill.control import mark_evicted_in_hostfile
+    from rankscope.tui.sources import LiveSource
+    from rankscope.wire.agents_spec import hostfile_members, write_hostfile
+
+    path = tmp_path / "agents.txt"
+    agents = ["127.0.0.1:5001", "127.0.0.1:5002"]
+    write_hostfile(path, agents)
+    mark_evicted_in_hostfile(path, {"machine-0": agents[0], "machine-1": agents[1]}, ("machine-0", "machine-1"))
+    members, evicted, names = hostfile_members(path)  # as `rankscope attach --hostfile` reads it
+    source = LiveSource(agents, None, hostfile=path, evicted=evicted, machine_names=names, deadline_s=2.0)
+    snapshot = asyncio.run(source.poll())  # every agent evicted: nobody is asked, the stand-ins say why
+    assert snapshot is not None and members == []
+    assert [(m.machine, m.address, m.reachable) for m in snapshot.machines] == [
+        ("machine-0", agents[0], False), ("machine-1", agents[1], False)]
+    assert all("was evicted" in (m.error.message if m.error else "") for m in snapshot.machines)
+
+
 def test_a_live_source_names_the_agents_it_polls_after_an_eviction() -> None:
     from rankscope.tui.sources import LiveSource
 
@@ -123,3 +155,44 @@ def test_a_live_source_names_the_agents_it_polls_after_an_eviction() -> None:
     source = LiveSource(agents, None)
     source.retire(agents[:2])  # the TUI saw the eviction succeed: the header counts the agents still polled
     assert source.label == "4 agents"
+
+
+_ADDRESS = st.builds(lambda host, port: f"{host}:{port}", st.from_regex(r"[a-z][a-z0-9-]{0,8}", fullmatch=True),
+                     st.integers(1, 65535))
+
+
+@settings(max_examples=150, deadline=None)
+@given(agents=st.lists(_ADDRESS, max_size=6, unique=True), data=st.data())
+def test_a_written_hostfile_reads_back_with_its_evicted_machines_names(agents: list[str], data: st.DataObject) -> None:
+    import tempfile
+
+    from rankscope.wire.agents_spec import hostfile_members, write_hostfile
+
+    evicted = data.draw(st.lists(st.sampled_from(agents), unique=True) if agents else st.just([]), label="evicted")
+    names = {a: data.draw(st.text(min_size=1, max_size=12), label=f"name of {a}") for a in evicted}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "agents.txt"
+        write_hostfile(path, [a for a in agents if a not in evicted], evicted, names)
+        back = hostfile_members(path)
+    assert back.members == [a for a in agents if a not in evicted] and back.evicted == evicted
+    # every name that is one printable word comes back exactly; any other is left out, never mangled
+    assert back.names == {a: n for a, n in names.items()
+                          if n.isprintable() and not any(c.isspace() or c == "#" for c in n)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200))
+def test_any_hostfile_text_is_read_or_refused_with_the_line_named(text: str) -> None:
+    import tempfile
+
+    from rankscope.wire.agents_spec import hostfile_members
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "agents.txt"
+        path.write_text(text, encoding="utf-8")
+        try:
+            back = hostfile_members(path, default_port=50051)
+        except AgentSpecError as exc:
+            assert f"{path}:" in exc.message and exc.fix
+            return
+    assert set(back.names) <= set(back.evicted)

@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
 
         # Followed while attached: agents added to it are asked, ones marked evicted are shown as such.
         options["hostfile"] = args.hostfile
-        options["evicted"] = hostfile_members(args.hostfile, default_port=args.port)[1]
+        hostfile = hostfile_members(args.hostfile, default_port=args.port)
+        options["evicted"], options["machine_names"] = hostfile.evicted, hostfile.names
     role = Role.READ
     if not args.read_only and not args.slurm:
         # A session that may act sends a token of the 'act' role; with only a read token it still
