@@ -185,9 +185,8 @@ def _writer_code(cls: type) -> Any:
     appends = []
     for i, f in enumerate(fields):
         lines.append(f"    v{i} = obj.{f.name}")
-        convert = {_REF: f"add_{getattr(f.target, '__name__', '')}(v{i})",
-                   _REFS: f"tuple_{getattr(f.target, '__name__', '')}(v{i})",
-                   _SCALARS: f"tuple(v{i})", _ENUM: f"v{i}.value"}.get(f.kind)
+        convert = {_REF: f"add_{f.target.__name__}(v{i})", _REFS: f"tuple_{f.target.__name__}(v{i})",
+                   _SCALARS: f"tuple(v{i})", _ENUM: f"v{i}.value"}.get(f.kind)  # (every target is a class)
         if convert is not None:
             lines.append(f"    if v{i} is not None:")
             lines.append(f"        v{i} = {convert}")

@@ -207,9 +207,10 @@ def write_hostfile(path: str | Path, agents: Iterable[str], evicted: Iterable[st
         if a not in gone:
             return f"{a}\n"
         name = names.get(a, "")
-        # one word the reader gives back as it was: no blank or comment sign in it (else the line goes unnamed)
-        named = name.isprintable() and not any(c.isspace() or c == "#" for c in name) and name
-        return f"{a} {EVICTED_MARK} {MACHINE_WORD}{name}\n" if named else f"{a} {EVICTED_MARK}\n"
+        # Only a name the reader gives back as it was: one printable word, no comment sign (else the line is unnamed).
+        if name and name.isprintable() and not any(c.isspace() or c == "#" for c in name):
+            return f"{a} {EVICTED_MARK} {MACHINE_WORD}{name}\n"
+        return f"{a} {EVICTED_MARK}\n"
 
     text = "".join(line(a) for a in dedupe([*agents, *evicted]))
     tmp = p.with_name(p.name + ".tmp")
