@@ -396,6 +396,8 @@ def compact_ranks(ranks: Iterable[int], limit: int | None = None) -> str:
     stride = runs[1][0] - runs[0][0]
     width = runs[0][1] - runs[0][0]
     if all(b - a == width and a == runs[0][0] + k * stride for k, (a, b) in enumerate(runs)):
+        if len(runs) <= 3:  # the pattern would be longer than the runs themselves
+            return ",".join(parts)
         what = f"{len(runs)} ranks" if width == 0 else f"{len(runs)} runs of {width + 1}"
         return f"{parts[0]},{parts[1]},…,{parts[-1]} ({what}, one every {stride})"
     more = len(parts) - limit

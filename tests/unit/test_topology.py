@@ -136,5 +136,6 @@ def test_compact_ranks_of_a_large_job_stay_exact_when_strided() -> None:
     assert compact_ranks([r for r in pipeline_stage if r != 40], 2) == "8-15,41-47,… (+510 runs)"
     assert compact_ranks([0, 1, 2, 5, 7, 8], 2) == "0-2,5,… (+1 run)"
     assert compact_ranks([0, 1, 4, 5, 8, 9, 13], 2) == "0-1,4-5,… (+2 runs)"  # the last run is off the stride
+    assert compact_ranks([0, 4, 8], 1) == "0,4,8"  # three strided runs: shorter than their pattern
     assert compact_machines(["machine-13", "machine-12", "machine-15", "machine-14", "x"]) == "machine-12..15, x"
     assert compact_machines(["machine-2", "machine-10"]) == "machine-2, machine-10"
