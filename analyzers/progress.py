@@ -21,6 +21,15 @@ from rankscope.contract.snapshot import JobSnapshot
 MID_STEP_S = 3.0
 
 
+def mid_step_window(step_s: float | None) -> float:
+    """How long after its last progress a job taking ``step_s`` per step (None: unknown) is still mid-step.
+
+    The one rule for "was it making steps": ``rankscope analyze`` reads the step
+    time from the snapshot's counters, the TUI from the step rate of its polls.
+    """
+    return max(MID_STEP_S, 2.0 * step_s) if step_s is not None and step_s > 0 else MID_STEP_S
+
+
 @dataclass(frozen=True, slots=True)
 class ProgressAtCapture:
     age_s: float  # how long before the snapshot the job last progressed
@@ -39,7 +48,7 @@ def progress_at_capture(snapshot: JobSnapshot) -> ProgressAtCapture | None:
         return None
     steps = sorted(c.last_step_duration_s for m in snapshot.machines for c in m.counters
                    if c.last_step_duration_s is not None and c.last_step_duration_s > 0)
-    window = max(MID_STEP_S, 2.0 * steps[len(steps) // 2]) if steps else MID_STEP_S
+    window = mid_step_window(steps[len(steps) // 2] if steps else None)
     return ProgressAtCapture(max(0.0, snapshot.captured.wall - max(marks)), window)
 
 
@@ -53,4 +62,4 @@ def timing_not_fault(verdict: Verdict, progress: ProgressAtCapture) -> Verdict:
     return Verdict((), summary, verdict.missing_ranks, (*verdict.notes, f"set aside as timing: {verdict.summary}"))
 
 
-__all__ = ["MID_STEP_S", "ProgressAtCapture", "progress_at_capture", "timing_not_fault"]
+__all__ = ["MID_STEP_S", "ProgressAtCapture", "mid_step_window", "progress_at_capture", "timing_not_fault"]

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 import numpy as np
 from rankscope.actions.model import ActionKind, ActionState, AuditRecord
 from rankscope.analyzers.metric_outliers import snapshot_outliers
-from rankscope.analyzers.progress import MID_STEP_S
+from rankscope.analyzers.progress import mid_step_window
 from rankscope.analyzers.series import METRICS as SERIES_METRICS
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.snapshot import (
@@ -695,8 +695,8 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
 
 
 def making_steps(state: AppState) -> bool:
-    """The job stepped within the last ``MID_STEP_S`` seconds or two of its step times, per its agents (or, without
-    their memory, by the readings' progress counts): a capture now finds its ranks mid-step, not stuck.
+    """The job stepped within ``mid_step_window`` of its step time (``rankscope analyze``'s rule too), per its
+    agents (or, without their memory, by the readings' progress counts): a capture now finds its ranks mid-step.
 
     Not the same as "healthy": for ``hang_after_s`` after a job stops it still reads healthy, and a capture then
     (``s`` in the first seconds of a hang) must keep its suspects.
@@ -705,7 +705,7 @@ def making_steps(state: AppState) -> bool:
     if not pts:
         return False
     rate = step_rate(state)
-    window = max(MID_STEP_S, 2.0 / rate) if rate else MID_STEP_S
+    window = mid_step_window(1.0 / rate if rate else None)
     clock = state.clock
     if clock is not None:
         return clock.progress_mark is not None and clock.progress_age_s is not None and clock.progress_age_s <= window

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from ccl_fixtures import L8, drill_desync, with_counters
 from rankscope.analyzers.analysis import analyze_job
-from rankscope.analyzers.progress import MID_STEP_S, progress_at_capture, timing_not_fault
+from rankscope.analyzers.progress import MID_STEP_S, mid_step_window, progress_at_capture, timing_not_fault
 from rankscope.cli.main import main
 from rankscope.contract.bundle import Bundle, write_bundle
 from rankscope.contract.snapshot import JobSnapshot
@@ -67,3 +67,10 @@ def test_analyze_names_no_suspect_in_a_snapshot_of_a_job_making_steps(
         assert out["suspects"] == [] and out["findings"] == []
         assert out["summary"].startswith("no verdict: the job was making steps")
         assert any(n.startswith("set aside as timing: ") and "2" in n for n in out["notes"])
+
+
+def test_the_mid_step_window_is_two_step_times_and_never_under_three_seconds() -> None:
+    # one rule for the TUI (step time from its polls' rate) and analyze (from the snapshot's counters)
+    assert mid_step_window(None) == MID_STEP_S == 3.0
+    assert mid_step_window(0.0) == 3.0 and mid_step_window(0.2) == 3.0  # a fast job: the floor
+    assert mid_step_window(10.0) == 20.0  # a slow job's snapshot 15 s after a step still caught it mid-step
