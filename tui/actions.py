@@ -199,10 +199,10 @@ class PlanSummary:
         return confirmation_for(self.plans, self.request.targets.ranks, typed if self.phrase is not None else "")
 
 
-def backup_title(state: st.AppState, hang_after_s: float) -> str:
+def backup_title(state: st.AppState) -> str:
     """The backup modal's title; on a hung job it says first that no shard will come (a rank snapshots its state
     at a step boundary, and a hung rank reaches none), so a person at 3 a.m. does not wait a minute to learn it."""
-    h = st.health(state, hang_after_s)
+    h = st.health(state)
     if h.kind != "hung":
         return "Checkpoint backup"
     return (f"Checkpoint backup — the job is {h.text}: no rank reaches a step boundary, so no shard will come and "
@@ -271,13 +271,6 @@ def result_is_role_refusal(result: ActionResult) -> bool:
 # --------------------------------------------------------------------------
 
 
-class HostOptions(Protocol):
-    """The app's options this module reads (``AppOptions``)."""
-
-    @property
-    def hang_after_s(self) -> float: ...
-
-
 class ActionHost(Protocol):
     """What the controller uses of the app (``RankscopeApp``), named here so this module does not import the app.
 
@@ -289,9 +282,6 @@ class ActionHost(Protocol):
 
     @property
     def source(self) -> Any: ...
-
-    @property
-    def options(self) -> HostOptions: ...
 
     @property
     def notify(self) -> Callable[..., None]: ...
@@ -404,7 +394,7 @@ class ActionController:
         if self._refuse_if_cannot_act():
             return
         request = backup_request(new_action_id(ActionKind.BACKUP, self.app.clock()), self.who(), self._job_id())
-        self._plan(request, backup_title(self.app.state, self.app.options.hang_after_s))
+        self._plan(request, backup_title(self.app.state))
 
     # -- plan, confirm, run ---------------------------------------------------------
 

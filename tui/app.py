@@ -70,7 +70,7 @@ FAIL_SLOW_CAPTURE_S = 10.0  # ByteRobust's fail-slow rounds: aggregate every 10 
 @dataclass(frozen=True, slots=True)
 class AppOptions:
     poll_interval_s: float = 1.0
-    hang_after_s: float = 30.0  # capture automatically when progress stops this long
+    hang_after_s: float = 30.0  # capture automatically when progress stops this long (seeds AppState's)
     fail_slow: bool = False  # capture every 10 s
     capture_on_start: bool = True
     bundle_dir: Path = Path(".")
@@ -181,9 +181,9 @@ class RankscopeApp(App[int]):
         for d, view in steps:
             now = self._now(d.wall)
             if view is None:
-                self.state = st.apply_snapshot(self.state, d, now, self.options.hang_after_s)
+                self.state = st.apply_snapshot(self.state, d, now)
             else:
-                self.state = st.apply_capture(self.state, d, view, now, self.options.hang_after_s)
+                self.state = st.apply_capture(self.state, d, view, now)
         self.failslow.feed_series((d.snapshot, view) for d, view in steps)  # a recorded series replays through them
         self.redraw()
         self.main.focus_view()
@@ -196,7 +196,7 @@ class RankscopeApp(App[int]):
                 # no counters may be hung already, and its stack is all there is to tell.
                 clock = self.state.clock
                 if clock is not None and clock.starting and \
-                        st.health(self.state, self.options.hang_after_s).kind == "starting":
+                        st.health(self.state).kind == "starting":
                     self.state = st.apply_await_start(self.state)
                 else:
                     self.action_capture()
@@ -229,8 +229,7 @@ class RankscopeApp(App[int]):
             self.state = st.apply_evicted(self.state, (), self.clock(), evicted)
         before = {m.name: m.reachable for m in self.state.machines}
         restarts = self.state.restarts
-        self.state = st.apply_snapshot(self.state, message.digest, self._now(message.digest.wall),
-                                       self.options.hang_after_s)
+        self.state = st.apply_snapshot(self.state, message.digest, self._now(message.digest.wall))
         if self.state.restarts != restarts and self.source.live:
             # The stacks on screen are of processes that are gone: look at the new ones, but only once they
             # have made a step -- ranks importing or at rendezvous are no steady state to compare.
@@ -250,7 +249,7 @@ class RankscopeApp(App[int]):
 
     def on_capture_analyzed(self, message: CaptureAnalyzed) -> None:
         self.state = st.apply_capture(st.apply_capture_ended(self.state), message.digest, message.view,
-                                      self._now(message.digest.wall), self.options.hang_after_s)
+                                      self._now(message.digest.wall))
         self.failslow.feed(message.digest.snapshot, message.view)  # a capture is also a stack-aggregation round
         self.redraw()
 

@@ -473,7 +473,7 @@ class AppState:
     # What the session is (fixed at start): drawn in the header and deciding what the screens offer.
     source_label: str = ""
     read_only: bool = False
-    hang_after_s: float = 30.0
+    hang_after_s: float = 30.0  # no progress this long is a hang (the one setting: --hang-after)
     # What the person and the services set (apply_filter, apply_failslow, apply_audit, ...).
     filter: Filter = NO_FILTER
     failslow: FailSlowView | None = None  # the fail-slow detectors' latest view (view 7)
@@ -508,8 +508,9 @@ def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
     return (*state.events, *events)[-EVENTS_KEPT:]
 
 
-def apply_snapshot(state: AppState, d: PollDigest, now_wall: float, hang_after_s: float = 30.0) -> AppState:
+def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     """Fold one poll (or the counters and metrics of a capture) into the state."""
+    hang_after_s = state.hang_after_s
     events: list[Event] = []
     before = {m.name: m.reachable for m in state.machines}
     for m in d.machines:
@@ -660,7 +661,7 @@ def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float, add
                    events=_with_events(state, events), awaiting_restart=state.awaiting_restart or bool(new))
 
 
-def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: float, hang_after_s: float = 30.0) -> AppState:
+def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: float) -> AppState:
     """A capture carries stacks: fold its counters in, then its analysis, and log verdict changes.
 
     The verdict is marked with what the job was doing at the capture, so it
@@ -669,8 +670,9 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     steady state to compare, unless they have been starting for longer than
     ``hang_after_s`` (then never reaching a step is the problem).
     """
-    s = apply_snapshot(state, d, now_wall, hang_after_s)
-    running = health(s, hang_after_s).kind in ("healthy", "slow") and making_steps(s)
+    s = apply_snapshot(state, d, now_wall)
+    hang_after_s = s.hang_after_s
+    running = health(s).kind in ("healthy", "slow") and making_steps(s)
     events = [Event(now_wall, "capture", f"captured {len(d.snapshot.all_stacks())} ranks' stacks, "
                     f"{len(view.groups)} groups")]
     if running:
@@ -825,7 +827,9 @@ def _clock_health(clock: JobClock, hang_after_s: float) -> Health | None:
     return None
 
 
-def health(state: AppState, hang_after_s: float = 30.0) -> Health:
+def health(state: AppState) -> Health:
+    """What the job is doing now (hung after ``state.hang_after_s`` without progress), read from the state."""
+    hang_after_s = state.hang_after_s
     if not state.progress_points:
         return Health("unknown", "waiting for the first poll")
     job = state.job_machines
@@ -1021,7 +1025,7 @@ def hang_capture_due(state: AppState) -> bool:
     captured once they step, not as a hang: that capture caught rendezvous and restore stacks.
     """
     restarting = state.capture_after_start and state.restarts > 0
-    return health(state, state.hang_after_s).kind == "hung" and not restarting and \
+    return health(state).kind == "hung" and not restarting and \
         state.hang_captured_for != state.last_progress_wall
 
 

@@ -255,7 +255,7 @@ async def test_each_way_of_not_reaching_an_agent_has_its_own_words_in_the_client
     def header_of(machines: tuple[MachineSnapshot, ...]) -> str:
         one = JobSnapshot(snap.captured, machines)
         s = st.apply_snapshot(st.AppState(), st.digest(one), snap.captured.wall)
-        return header_text(s, "agents", True, 30.0).plain.splitlines()[0]
+        return header_text(s, "agents", True).plain.splitlines()[0]
 
     by = by_address(snap)
     # Only that agent: the header names what happened, not "no counters" or "healthy".

@@ -70,7 +70,7 @@ def fold(snaps: list[JobSnapshot], state: st.AppState | None = None) -> st.AppSt
 
 
 def header(s: st.AppState) -> str:
-    return header_text(s, "2 agents", False, 30.0).plain.splitlines()[0]
+    return header_text(s, "2 agents", False).plain.splitlines()[0]
 
 
 def test_a_view_attached_late_says_what_the_view_that_watched_says_within_a_poll() -> None:
@@ -104,8 +104,8 @@ def test_a_hung_job_makes_no_steps_per_second_in_any_view() -> None:
 def test_the_backup_modal_of_a_hung_job_says_first_that_no_shard_will_come() -> None:
     from rankscope.tui.actions import backup_title
 
-    assert backup_title(fold([snap(T0 + 20, progress=T0 + 19)]), 30.0) == "Checkpoint backup"
-    hung = backup_title(fold([snap(T0 + 190, progress=T0 + 10)]), 30.0)
+    assert backup_title(fold([snap(T0 + 20, progress=T0 + 19)])) == "Checkpoint backup"
+    hung = backup_title(fold([snap(T0 + 190, progress=T0 + 10)]))
     assert hung.startswith("Checkpoint backup — the job is hung since 22:13:30 (180 s): no rank reaches a step "
                            "boundary, so no shard will come"), hung
 

@@ -21,9 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def fold(snaps: tuple[JobSnapshot, ...], hang_after_s: float = 30.0) -> st.AppState:
-    s = st.AppState()
+    s = st.AppState(hang_after_s=hang_after_s)
     for snap in snaps:
-        s = st.apply_snapshot(s, st.digest(snap), snap.captured.wall, hang_after_s)
+        s = st.apply_snapshot(s, st.digest(snap), snap.captured.wall)
     return s
 
 
@@ -260,7 +260,7 @@ def test_one_reading_is_not_called_healthy_and_a_confident_slow_machine_is_in_th
     assert st.health(s).kind == "unknown"  # one reading: nothing is known about progress yet
     s = fold(lost_series())
     assert st.health(s).kind == "healthy"
-    line = header_text(s, "16 agents", False, 30.0, slow_machine="node09").plain.splitlines()[0]
+    line = header_text(s, "16 agents", False, slow_machine="node09").plain.splitlines()[0]
     assert line.startswith("slow: node09 (fail-slow detectors, key 7) │ 16/16 machines")
 
 

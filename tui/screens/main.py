@@ -101,13 +101,13 @@ class MainScreen(Screen[None]):
         return self.query_one("#views", TabbedContent).active or "overview"
 
     def draw(self, state: AppState) -> None:
-        flt, read_only, hang_after_s = state.filter, state.read_only, state.hang_after_s
+        flt, read_only = state.filter, state.read_only
         self._state = state
         # The filter is shown in the header, not in a bar of its own: no relayout of the screen when it changes.
         verdict = state.failslow.verdict if state.failslow is not None else None
         slow = verdict.machine if verdict is not None and verdict.confident else None
         self._set("#job-header",
-            header_text(state, state.source_label, read_only, hang_after_s, filter_summary(flt), slow))
+            header_text(state, state.source_label, read_only, filter_summary(flt), slow))
         view = self.active_view
         if view == "overview":
             room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)

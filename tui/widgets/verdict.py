@@ -26,14 +26,14 @@ def layout_text(layout: Layout | None) -> str:
     return text
 
 
-def header_text(state: AppState, source: str, read_only: bool, hang_after_s: float, filter_line: str = "",
+def header_text(state: AppState, source: str, read_only: bool, filter_line: str = "",
                 slow_machine: str | None = None) -> Text:
     """Line 1: the state first (what matters at 3 a.m.), then the job; line 2: where the data is from.
 
     ``slow_machine``: the fail-slow detectors' confident suspect. A job that
     is merely slower than it was can look "healthy" by its step rate alone.
     """
-    h = health(state, hang_after_s)
+    h = health(state)
     if slow_machine and h.kind in ("healthy", "slow", "unknown"):
         h = Health("slow", f"slow: {slow_machine} (fail-slow detectors, key 7)")
     job = state.job_machines
