@@ -178,12 +178,21 @@ class RankscopeApp(App[int]):
             self.state = st.apply_info(self.state, self.options.pair_hint, self.clock())
         self._settle_heap()
         steps = await asyncio.to_thread(_digest_series, initial, layout)
+        # Agents the hostfile marks evicted (before this view attached) are evicted from the first reading on,
+        # never "lost": the first poll's stand-ins for them read as agents that stopped answering.
+        evicted: frozenset[str] = getattr(self.source, "evicted_addresses", frozenset())
+        if evicted:
+            self.state = st.apply_evicted(self.state, (), self.clock(), evicted)
         for d, view in steps:
             now = self._now(d.wall)
             if view is None:
                 self.state = st.apply_snapshot(self.state, d, now)
             else:
                 self.state = st.apply_capture(self.state, d, view, now)
+        before = sorted(m.name for m in self.state.machines if m.evicted)
+        if before:
+            self.state = st.apply_info(self.state, f"evicted before this view attached (the hostfile marks them): "
+                                                   f"{' '.join(before)}", self.clock())
         self.failslow.feed_series((d.snapshot, view) for d, view in steps)  # a recorded series replays through them
         self.redraw()
         self.main.focus_view()

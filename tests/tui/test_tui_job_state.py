@@ -338,3 +338,27 @@ async def test_a_view_attached_while_the_job_starts_captures_at_its_first_step()
         source.push_poll(snap(T0 + 8, progress=T0 + 8, started=T0))
         await until(pilot, lambda: app.state.capture_wall == T0 + 9)
         assert source.captures_started == 1 and st.verdict_stale(app.state) is None
+
+
+async def test_a_view_attached_after_an_eviction_logs_it_once_and_never_as_lost() -> None:
+    # The pair's late view (the hand-driven drill): its first reading has stand-ins for the agents the hostfile
+    # marks evicted, named by the hostfile. The Events view read "lost: agent machine-1 unreachable" for each.
+    from rankscope.tui.app import AppOptions, RankscopeApp
+    from rankscope.tui.sources import QueueSource
+    from rankscope.wire.client import evicted_stand_in
+    from tui_screen import until
+
+    gone = replace(evicted_stand_in("127.0.0.1:59991"), machine="machine-1")
+    first = snap(T0 + 5, progress=T0 + 5, unreachable=("machine-1",))
+    first = replace(first, machines=(first.machines[0], gone))
+    source = QueueSource("1 agents", initial=(first,))
+    source.evicted_addresses = frozenset({"127.0.0.1:59991"})  # type: ignore[attr-defined]  # as LiveSource has
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, capture_on_start=False), clock=lambda: T0 + 5)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        source.push_poll(first)
+        await until(pilot, lambda: len(app.state.kept) == 2)
+        kinds = [(e.kind, e.text) for e in app.state.events if "machine-1" in e.text]
+        assert kinds == [("info", "evicted before this view attached (the hostfile marks them): machine-1")], kinds
+        assert [m.name for m in app.state.machines if m.evicted] == ["machine-1"] and app.state.lost == ()
+        assert "1/1 machines 1 evicted" in header(app.state) and not app.state.awaiting_restart
