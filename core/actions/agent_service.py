@@ -245,7 +245,7 @@ class ActionService:
     async def _execute(self, execution: _Execution, planned: Planned) -> None:
         request, plan = execution.request, planned.plan
         try:
-            seen = await asyncio.to_thread(self.audit.begin, request, plan.summary, plan.machines)
+            seen = await asyncio.to_thread(self.audit.begin, request, plan.summary, _action_machines(request, plan))
             await self._publish()
             if seen is not None:
                 await execution.add(seen)
@@ -402,3 +402,12 @@ class ActionService:
         tasks = [e.task for e in self._executions.values() if e.task is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _action_machines(request: ActionRequest, plan: ActionPlan) -> tuple[str, ...]:
+    """The machines an action's "started" line names: this agent's part, and for an eviction also the machines
+    the other agents' parts take (``EvictArgs.together``), so whoever follows the audit logs (the drill's
+    recovery) knows when every part has ended instead of waiting for the logs to go quiet."""
+    if isinstance(request.args, EvictArgs):
+        return tuple(dict.fromkeys((*plan.machines, *request.args.together)))
+    return plan.machines

@@ -280,10 +280,12 @@ class Recovery:
             if action_id in self._handled or not s.began or not s.began <= set(s.finished):
                 continue
             if s.kind == ActionKind.EVICT:
-                # Each agent gets only its own machine's part, so none knows the whole set: an agent slowed down
-                # (a loaded host, a slow /proc scan) may record "started" after another finished. Wait until the
-                # action's agents have been quiet for SETTLE_S, so all of them are restarted around at once.
-                if time.monotonic() - s.last_mono < SETTLE_S:
+                # Each agent carries out only its own machine's part, and one slowed down (a loaded host, a slow
+                # /proc scan) may record "started" after another finished. Each "started" line names every machine
+                # the eviction takes (EvictArgs.together): once all of them have ended, all are restarted at once;
+                # without such a line, once the action's agents have been quiet for SETTLE_S.
+                every_part_ended = bool(s.named) and s.named <= set(s.finished)
+                if not every_part_ended and time.monotonic() - s.last_mono < SETTLE_S:
                     continue
                 if ActionState.SUCCEEDED.value in s.finished.values():
                     evicted = tuple(m for m in self.launcher.machines()
@@ -379,12 +381,15 @@ class _Seen:
 
     kind: ActionKind
     began: set[str] = field(default_factory=set)
+    named: set[str] = field(default_factory=set)  # the machines its "started" lines name (an eviction: all it takes)
     finished: dict[str, str] = field(default_factory=dict)  # machine -> final result
     restart_requested: tuple[str, ...] = ()  # machines whose agent asked the launcher for a restart
     last_mono: float = field(default_factory=time.monotonic)
 
     def add(self, machine: str, record: AuditRecord) -> None:
         self.began.add(machine)
+        if record.result == "started":
+            self.named.update(record.machines)
         self.last_mono = time.monotonic()
         if RESTART_REQUESTED in record.message and machine not in self.restart_requested:
             self.restart_requested = (*self.restart_requested, machine)

@@ -566,6 +566,11 @@ async def test_one_eviction_over_two_machines_goes_to_each_owner_with_its_part(
     finals = {(address, r.machines) for address, r in (w for w in watched if isinstance(w, tuple))
               if r.result == "succeeded"}
     assert finals == {(a0.address, ("m0",)), (a1.address, ("m1",))}
+    # each agent's "started" line names the whole eviction (its part first): a follower of the audit logs (the
+    # drill's recovery) knows when every part has ended
+    starts = {(address, r.machines) for address, r in (w for w in watched if isinstance(w, tuple))
+              if r.result == "started"}
+    assert starts == {(a0.address, ("m0", "m1")), (a1.address, ("m1", "m0"))}
 
 
 async def test_an_agent_lost_mid_action_gives_an_unknown_outcome_not_an_exception(

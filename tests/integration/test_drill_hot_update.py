@@ -204,8 +204,9 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
 # ---- without processes: the recovery's rule for restarting in place, the per-machine code set-up ----------
 
 
-def _record(seq: int, action_id: str, kind: ActionKind, result: str, message: str = "") -> AuditRecord:
-    return AuditRecord(seq, action_id, "alice", 1000.0 + seq, kind, "hot-update", result, message)
+def _record(seq: int, action_id: str, kind: ActionKind, result: str, message: str = "",
+            machines: tuple[str, ...] = ()) -> AuditRecord:
+    return AuditRecord(seq, action_id, "alice", 1000.0 + seq, kind, "hot-update", result, message, machines)
 
 
 def test_the_recovery_restarts_in_place_only_once_every_agent_switched_and_one_asked(tmp_path: Path) -> None:
@@ -257,6 +258,19 @@ def test_the_recovery_restarts_in_place_only_once_every_agent_switched_and_one_a
     seen["ev-1"].last_mono -= SETTLE_S
     found = recovery._finished(seen, agents)
     assert found is not None and found.kind == ActionKind.EVICT and found.machines == ()  # nothing runs here
+
+    # "started" lines that name the whole eviction (each agent's part and EvictArgs.together): complete the moment
+    # every machine named has ended, with no quiet time (an agent that never begins its part is still waited out).
+    seen.clear()
+    both = ("machine-1", "machine-0")
+    add("machine-1", _record(11, "ev-2", ActionKind.EVICT, "started", machines=both))
+    add("machine-1", _record(12, "ev-2", ActionKind.EVICT, "succeeded", machines=("machine-1",)))
+    assert recovery._finished(seen, agents) is None  # machine-0's part has not even begun
+    add("machine-0", _record(11, "ev-2", ActionKind.EVICT, "started", machines=("machine-0", "machine-1")))
+    assert recovery._finished(seen, agents) is None  # begun, not ended
+    add("machine-0", _record(12, "ev-2", ActionKind.EVICT, "succeeded", machines=("machine-0",)))
+    found = recovery._finished(seen, agents)  # at once: no SETTLE_S
+    assert found is not None and found.kind == ActionKind.EVICT and found.action_id == "ev-2"
 
     # One agent failed: the job is not restarted on mixed code; the event says so.
     seen.clear()
