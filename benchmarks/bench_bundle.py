@@ -51,26 +51,22 @@ _ANALYZE = "import sys\nfrom rankscope.cli.main import main\nsys.exit(main(sys.a
 
 
 def base_tree(ref: str) -> Path:
-    """A folder to put first on sys.path whose ``rankscope`` is the whole package at ``ref``.
+    """A folder to put first on sys.path whose ``rankscope`` is the package at ``ref``, its trees inside it.
 
     ``bench_fanout.base_package`` gives ``core/`` as ``rankscope`` with the other trees beside it, so
-    ``rankscope.analyzers`` falls through to this checkout's editable install; here each subpackage the
-    install maps (pyproject's package-dir) is linked inside it, so the base's own analyzers run.
+    ``rankscope.analyzers`` falls through to this checkout's editable install; here each tree it unpacked is
+    linked inside the package (as pyproject's package-dir maps them), so the base's own analyzers run. (The
+    TUI is not among them: neither opening a bundle nor ``rankscope analyze`` imports it.)
     """
+    from bench_fanout import BASE_TREES
+
     src = base_package(ref).parent / "src"
-    for tree in ("tui",):  # not needed by bench_fanout's base, needed to mirror the install's layout
-        if not (src / tree).exists():
-            sha = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", ref], capture_output=True, text=True,
-                                 check=True).stdout.strip()
-            archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", "--format=tar", sha, tree],
-                                     capture_output=True, check=True).stdout
-            subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     pkg = src.parent / "whole" / "rankscope"
     if not pkg.exists():
         pkg.mkdir(parents=True)
         for entry in (src / "core").iterdir():
             (pkg / entry.name).symlink_to(entry)
-        for tree in ("analyzers", "probes", "ccl_plugin", "tui"):
+        for tree in BASE_TREES[1:]:
             (pkg / tree).symlink_to(src / tree)
     return pkg.parent
 
