@@ -180,9 +180,7 @@ class RankscopeApp(App[int]):
         steps = await asyncio.to_thread(_digest_series, initial, layout)
         # Agents the hostfile marks evicted (before this view attached) are evicted from the first reading on,
         # never "lost": the first poll's stand-ins for them read as agents that stopped answering.
-        evicted: frozenset[str] = getattr(self.source, "evicted_addresses", frozenset())
-        if evicted:
-            self.state = st.apply_evicted(self.state, (), self.clock(), evicted)
+        self._fold_evicted_addresses()
         for d, view in steps:
             now = self._now(d.wall)
             if view is None:
@@ -232,10 +230,14 @@ class RankscopeApp(App[int]):
         if addresses and callable(retire):
             retire(addresses)
 
-    def on_snapshot_received(self, message: SnapshotReceived) -> None:
+    def _fold_evicted_addresses(self) -> None:
+        """The agents the source marks evicted (its hostfile, read at attach or re-read since) into the state."""
         evicted: frozenset[str] = getattr(self.source, "evicted_addresses", frozenset())
-        if evicted - self.state.evicted_addresses:  # a re-read hostfile marked agents evicted
+        if evicted - self.state.evicted_addresses:
             self.state = st.apply_evicted(self.state, (), self.clock(), evicted)
+
+    def on_snapshot_received(self, message: SnapshotReceived) -> None:
+        self._fold_evicted_addresses()  # a re-read hostfile may have marked agents evicted
         before = {m.name: m.reachable for m in self.state.machines}
         restarts = self.state.restarts
         self.state = st.apply_snapshot(self.state, message.digest, self._now(message.digest.wall))
