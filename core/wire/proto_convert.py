@@ -69,6 +69,7 @@ from rankscope.contract.snapshot import (
     StackSampleWindow,
     ThreadStack,
 )
+from rankscope.wire.columns import ColumnsError, field_values, make_objects, read_values, write_columns
 from rankscope.wire.proto import rankscope_pb2 as pb
 
 T = TypeVar("T")
@@ -377,8 +378,8 @@ WIRE_ONLY: dict[type, frozenset[str]] = {
     ThreadStack: frozenset({"stack_ref"}),
     Communicator: frozenset({"rank_runs"}),
     RankInfo: frozenset({"same"}),
-    RankCounters: frozenset({"communicator_refs", "ops_same"}),
-    MachineSnapshot: frozenset({"stack_table", "communicator_table", "relayed", "version", "since"}),
+    RankCounters: frozenset({"communicator_refs", "ops_same", "op_rows"}),
+    MachineSnapshot: frozenset({"stack_table", "communicator_table", "relayed", "version", "since", "op_columns"}),
 }
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -606,10 +607,14 @@ def _with_tables(decode: Decoder) -> Decoder:
     """A machine's decoder: its replies' tables are what its threads and counters point into."""
 
     def decode_machine(msg: Any) -> Any:
-        tables = _ReadTables(msg) if msg.HasField("stack_table") or len(msg.communicator_table) else None
+        tables = _ReadTables(msg) if msg.HasField("stack_table") or len(msg.communicator_table) \
+            or msg.HasField("op_columns") else None
         previous, _DECODING.tables = getattr(_DECODING, "tables", None), tables
         try:
-            return decode(msg)
+            machine = decode(msg)
+            if tables is not None:
+                tables.check_all_ops_taken()
+            return machine
         finally:
             _DECODING.tables = previous
 
@@ -668,7 +673,8 @@ def _field_decoder(cls: type, name: str, tp: Any) -> Decoder | None:
 # so identical stacks of thousands of ranks are one tuple in memory.
 
 # Contract fields written through a table in the compact form (by the type's special encoder).
-_TABLED: frozenset[tuple[type, str]] = frozenset({(ThreadStack, "frames"), (RankCounters, "communicators")})
+_TABLED: frozenset[tuple[type, str]] = frozenset({(ThreadStack, "frames"), (RankCounters, "communicators"),
+                                                  (RankCounters, "ops")})
 _ENCODING = threading.local()
 _DECODING = threading.local()
 # Distinct frames, stacks and communicators already made (shared frozen objects); emptied when it grows past
@@ -732,6 +738,7 @@ class _WireTables:
         self.stacks: dict[tuple[Frame, ...], int] = {}
         self.stack_by_id: dict[int, int] = {}  # id(frames tuple) -> stack index: shared tuples cost one lookup
         self.comms: dict[Communicator, int] = {}
+        self.ops: list[tuple[OpCounters, ...]] = []  # each rank's, in counters order: written as op_columns
         self.table = pb.StackTable()
 
     def string(self, text: str) -> int:
@@ -782,12 +789,18 @@ class _WireTables:
                 c.rank_runs.extend(runs)
             else:
                 c.ranks.extend(comm.ranks)
+        if self.ops:
+            write_columns(OpCounters, field_values(OpCounters, list(itertools.chain.from_iterable(self.ops))),
+                          msg.op_columns)
 
 
 class _ReadTables:
     """One compact reply's tables, decoded into shared objects as they are first used."""
 
     def __init__(self, msg: pb.MachineSnapshot) -> None:
+        self.op_columns = msg.op_columns if msg.HasField("op_columns") else None
+        self.ops: list[OpCounters] | None = None  # made from op_columns when the first counters take theirs
+        self.ops_taken = 0
         self.comm_msgs = list(msg.communicator_table)
         self.comms: list[Communicator | None] = [None] * len(self.comm_msgs)
         t = msg.stack_table
@@ -853,6 +866,29 @@ class _ReadTables:
             made = self.stacks[i] = _intern(("stack", frames), lambda: frames)
         return made
 
+    def take_ops(self, n: int) -> tuple[OpCounters, ...]:
+        """The next ``n`` rows of op_columns, as operation counters."""
+        ops = self.ops
+        if ops is None:
+            if self.op_columns is None:
+                raise _WireError("counters take rows of op_columns but their machine sent none")
+            try:
+                ops = self.ops = make_objects(OpCounters, read_values(OpCounters, self.op_columns))
+            except ColumnsError as exc:
+                raise _WireError(f"op_columns: {exc}") from None
+        start = self.ops_taken
+        if start + n > len(ops):
+            raise _WireError(f"takes rows {start}-{start + n - 1} of op_columns, which holds {len(ops)}")
+        self.ops_taken = start + n
+        return tuple(ops[start:start + n])
+
+    def check_all_ops_taken(self) -> None:
+        rows = self.op_columns.rows if self.op_columns is not None else 0
+        if self.ops_taken != rows:
+            exc = _WireError(f"op_columns holds {rows} rows but the counters take {self.ops_taken}")
+            exc.path.append(".op_columns")
+            raise exc
+
     def communicator(self, i: int) -> Communicator:
         if not 0 <= i < len(self.comms):
             raise _WireError(f"communicator {i} is not in communicator_table (it holds {len(self.comms)})")
@@ -907,8 +943,15 @@ def _encode_counters(obj: RankCounters, msg: Any) -> None:
         comm_enc = _encoder(Communicator)
         for comm in obj.communicators:
             comm_enc(comm, rep.add())
-    elif obj.communicators:
+        ops, op_enc = msg.ops, _encoder(OpCounters)
+        for op in obj.ops:
+            op_enc(op, ops.add())
+        return
+    if obj.communicators:
         msg.communicator_refs.extend([tables.communicator(c) for c in obj.communicators])
+    if obj.ops:
+        msg.op_rows = len(obj.ops)
+        tables.ops.append(obj.ops)
 
 
 def _decode_counters(msg: Any, values: list[Any]) -> list[Any]:
@@ -918,14 +961,23 @@ def _decode_counters(msg: Any, values: list[Any]) -> list[Any]:
             raise _WireError(f"ops_same for rank {msg.rank}, which the reading it refers to has no counters of")
         values[_OPS_AT], values[_COMMS_AT] = before.ops, before.communicators
         return values
+    tables: _ReadTables | None = getattr(_DECODING, "tables", None)
     refs = msg.communicator_refs
     if len(refs):
-        tables: _ReadTables | None = getattr(_DECODING, "tables", None)
         if tables is None:
             raise _WireError("counters point into a communicator table but their machine sent none")
         values[_COMMS_AT] = tuple([tables.communicator(r) for r in refs])
     else:
         values[_COMMS_AT] = tuple([_communicator(c) for c in msg.communicators])
+    if msg.HasField("op_rows"):
+        if len(msg.ops):
+            raise _WireError("counters carry both ops and op_rows")
+        if tables is None:
+            raise _WireError("counters take rows of op_columns but their machine sent none")
+        values[_OPS_AT] = tables.take_ops(msg.op_rows)
+    else:
+        op_dec = _decoder(OpCounters)
+        values[_OPS_AT] = tuple([op_dec(o) for o in msg.ops])
     return values
 
 
@@ -998,11 +1050,13 @@ class ReadingVersions:
         a delta against that reading."""
         ranks = _digests((r.rank, (r.SerializeToString(deterministic=True),)) for r in msg.ranks)
         table = msg.communicator_table
+        op_rows = _OpRows(msg)
         ops = _digests((c.rank, (*(o.SerializeToString(deterministic=True) for o in c.ops),
                                  *(table[r].SerializeToString(deterministic=True) for r in c.communicator_refs
                                    if r < len(table)),
-                                 *(m.SerializeToString(deterministic=True) for m in c.communicators)))
-                       for c in msg.counters)
+                                 *(m.SerializeToString(deterministic=True) for m in c.communicators),
+                                 *op_rows.parts(i)))
+                       for i, c in enumerate(msg.counters))
         version = int.from_bytes(os.urandom(8), "little")
         old = self._digests.get(since) if since is not None else None
         if old is not None:
@@ -1012,11 +1066,13 @@ class ReadingVersions:
                     rank = r.rank
                     r.Clear()
                     r.rank, r.same = rank, True
-            for c in msg.counters:
+            for i, c in enumerate(msg.counters):
                 if c.rank in ops and old_ops.get(c.rank) == ops[c.rank]:
-                    for name in ("ops", "communicator_refs", "communicators"):
+                    op_rows.drop(i)
+                    for name in ("ops", "communicator_refs", "communicators", "op_rows"):
                         c.ClearField(name)
                     c.ops_same = True
+            op_rows.write(msg)
             if all(c.ops_same for c in msg.counters):
                 msg.ClearField("communicator_table")
             msg.since = typing.cast(int, since)
@@ -1024,6 +1080,39 @@ class ReadingVersions:
         self._digests[version] = (ranks, ops)
         while len(self._digests) > self.keep:
             del self._digests[next(iter(self._digests))]
+
+
+class _OpRows:
+    """A compact reply's op_columns cut by the counters that own the rows: their digest parts, and the columns
+    again without the rows of counters a delta marks ``ops_same``."""
+
+    def __init__(self, msg: pb.MachineSnapshot) -> None:
+        self.values = read_values(OpCounters, msg.op_columns) if msg.HasField("op_columns") else []
+        self.rows: dict[int, range] = {}  # the position of a counters entry in msg.counters -> its rows
+        start = 0
+        for i, c in enumerate(msg.counters):
+            if c.HasField("op_rows"):
+                self.rows[i] = range(start, start + c.op_rows)
+                start += c.op_rows
+        self.dropped: set[int] = set()
+
+    def parts(self, at: int) -> tuple[bytes, ...]:
+        rows = self.rows.get(at)
+        if rows is None:
+            return ()
+        # repr of ints, floats (exact), strings and tuples of them: the rows' values, whatever their column order
+        return (repr([column[rows.start:rows.stop] for column in self.values]).encode(),)
+
+    def drop(self, at: int) -> None:
+        self.dropped.update(self.rows.get(at, ()))
+
+    def write(self, msg: pb.MachineSnapshot) -> None:
+        if not self.dropped:
+            return
+        keep = [i for i in range(len(self.values[0])) if i not in self.dropped]
+        msg.ClearField("op_columns")
+        if keep:
+            write_columns(OpCounters, [[column[i] for i in keep] for column in self.values], msg.op_columns)
 
 
 def _digests(items: Iterable[tuple[int, tuple[bytes, ...]]]) -> dict[int, bytes]:

@@ -89,6 +89,10 @@ def test_a_bundle_written_before_the_compact_form_still_opens() -> None:
     assert bundle.latest == rich_job()
 
 
+def _column(msg: pb.MachineSnapshot, field: str) -> pb.Column:
+    return next(c for c in msg.op_columns.columns if c.field == field)
+
+
 def _bad(mutate: object) -> pb.MachineSnapshot:
     machine = rich_job().machines[0]
     msg = machine_to_proto(machine)
@@ -105,7 +109,16 @@ def _bad(mutate: object) -> pb.MachineSnapshot:
     (lambda m: (m.communicator_table[0].ClearField("ranks"), m.communicator_table[0].rank_runs.extend([1, 2])),
      "not whole"),
     (lambda m: m.ClearField("stack_table"), "stack 0 is not in stack_table"),
-    (lambda m: (m.ClearField("stack_table"), m.ClearField("communicator_table")), "sent none"),
+    (lambda m: (m.ClearField("stack_table"), m.ClearField("communicator_table"), m.ClearField("op_columns")),
+     "sent none"),
+    (lambda m: m.ClearField("op_columns"), "take rows of op_columns but their machine sent none"),
+    (lambda m: m.counters[0].__setattr__("op_rows", 999), "takes rows 0-998 of op_columns, which holds"),
+    (lambda m: [c for c in m.counters if c.HasField("op_rows")][-1].ClearField("op_rows"), r"op_columns: op_columns holds \d+ rows but the counters take"),
+    (lambda m: m.counters[0].ops.add(comm_id="x", op="y"), "both ops and op_rows"),
+    (lambda m: m.op_columns.columns.remove(_column(m, "cl")), "column 'cl' is missing and OpCounters.cl has no default"),
+    (lambda m: _column(m, "comm_id").ints.__setitem__(0, 99), "column 'comm_id': indexes a string outside"),
+    (lambda m: _column(m, "wr").ints.append(5), r"column 'wr': has \d+ values for \d+ rows"),
+    (lambda m: _column(m, "wc").absent.append(0), "column 'wc': marks values absent but the field is not optional"),
 ])
 def test_bad_tables_are_refused_with_the_field_named(mutate: object, needle: str) -> None:
     with pytest.raises(ProtoConversionError, match=needle) as info:

@@ -1171,6 +1171,7 @@ class RankCounters(_message.Message):
     LAST_STEP_WALL_FIELD_NUMBER: _builtins.int
     COMMUNICATOR_REFS_FIELD_NUMBER: _builtins.int
     OPS_SAME_FIELD_NUMBER: _builtins.int
+    OP_ROWS_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     pid: _builtins.int
     world_size: _builtins.int
@@ -1186,6 +1187,10 @@ class RankCounters(_message.Message):
     """Wire only (delta form, MachineSnapshot.since): `ops` and the
     communicators are those of the same rank in the reading `since` and are
     not sent again; the other fields are.
+    """
+    op_rows: _builtins.int
+    """Wire only (compact form): `ops` are the next `op_rows` rows of the
+    enclosing MachineSnapshot's op_columns (counters in order), not sent here.
     """
     @_builtins.property
     def communicators(self) -> _containers.RepeatedCompositeFieldContainer[Global___Communicator]: ...
@@ -1216,10 +1221,11 @@ class RankCounters(_message.Message):
         last_step_wall: _builtins.float | None = ...,
         communicator_refs: _abc.Iterable[_builtins.int] | None = ...,
         ops_same: _builtins.bool = ...,
+        op_rows: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "pid", b"pid", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_op_rows", b"_op_rows", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "op_rows", b"op_rows", "pid", b"pid", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "communicator_refs", b"communicator_refs", "communicators", b"communicators", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "ops", b"ops", "ops_same", b"ops_same", "pid", b"pid", "rank", b"rank", "stale", b"stale", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_heartbeat_wall", b"_heartbeat_wall", "_job_id", b"_job_id", "_last_step_duration_s", b"_last_step_duration_s", "_last_step_wall", b"_last_step_wall", "_op_rows", b"_op_rows", "_pid", b"_pid", "_stale_reason", b"_stale_reason", "_steps", b"_steps", "_world_size", b"_world_size", "communicator_refs", b"communicator_refs", "communicators", b"communicators", "error", b"error", "heartbeat_wall", b"heartbeat_wall", "job_id", b"job_id", "last_step_duration_s", b"last_step_duration_s", "last_step_wall", b"last_step_wall", "op_rows", b"op_rows", "ops", b"ops", "ops_same", b"ops_same", "pid", b"pid", "rank", b"rank", "stale", b"stale", "stale_reason", b"stale_reason", "steps", b"steps", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
     _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
@@ -1231,6 +1237,8 @@ class RankCounters(_message.Message):
     _WhichOneofArgType__last_step_duration_s: _TypeAlias = _typing.Literal["_last_step_duration_s", b"_last_step_duration_s"]  # noqa: Y015
     _WhichOneofReturnType__last_step_wall: _TypeAlias = _typing.Literal["last_step_wall"]  # noqa: Y015
     _WhichOneofArgType__last_step_wall: _TypeAlias = _typing.Literal["_last_step_wall", b"_last_step_wall"]  # noqa: Y015
+    _WhichOneofReturnType__op_rows: _TypeAlias = _typing.Literal["op_rows"]  # noqa: Y015
+    _WhichOneofArgType__op_rows: _TypeAlias = _typing.Literal["_op_rows", b"_op_rows"]  # noqa: Y015
     _WhichOneofReturnType__pid: _TypeAlias = _typing.Literal["pid"]  # noqa: Y015
     _WhichOneofArgType__pid: _TypeAlias = _typing.Literal["_pid", b"_pid"]  # noqa: Y015
     _WhichOneofReturnType__stale_reason: _TypeAlias = _typing.Literal["stale_reason"]  # noqa: Y015
@@ -1250,6 +1258,8 @@ class RankCounters(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_step_wall) -> _WhichOneofReturnType__last_step_wall | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__op_rows) -> _WhichOneofReturnType__op_rows | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__pid) -> _WhichOneofReturnType__pid | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__stale_reason) -> _WhichOneofReturnType__stale_reason | None: ...
@@ -1259,6 +1269,84 @@ class RankCounters(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__world_size) -> _WhichOneofReturnType__world_size | None: ...
 
 Global___RankCounters: _TypeAlias = RankCounters  # noqa: Y015
+
+@_typing.final
+class Columns(_message.Message):
+    """Wire only (compact form): objects of one contract type as columns, one per
+    field, named (a receiver fills a field with no column from its default).
+    Decoding a column is one conversion of a packed list, instead of a message
+    read field by field for every object.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
+    STRINGS_FIELD_NUMBER: _builtins.int
+    rows: _builtins.int
+    @_builtins.property
+    def columns(self) -> _containers.RepeatedCompositeFieldContainer[Global___Column]: ...
+    @_builtins.property
+    def strings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """what the string columns' values index"""
+
+    def __init__(
+        self,
+        *,
+        rows: _builtins.int = ...,
+        columns: _abc.Iterable[Global___Column] | None = ...,
+        strings: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns", "rows", b"rows", "strings", b"strings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Columns: _TypeAlias = Columns  # noqa: Y015
+
+@_typing.final
+class Column(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIELD_FIELD_NUMBER: _builtins.int
+    INTS_FIELD_NUMBER: _builtins.int
+    FLOATS_FIELD_NUMBER: _builtins.int
+    ABSENT_FIELD_NUMBER: _builtins.int
+    LENGTHS_FIELD_NUMBER: _builtins.int
+    field: _builtins.str
+    @_builtins.property
+    def ints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """One value per row: int and bool fields, enum numbers, and for string
+        fields indexes into Columns.strings; double fields in `floats`. For a
+        tuple field the rows' values one after another, `lengths` saying how many
+        each row has.
+        """
+
+    @_builtins.property
+    def floats(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def absent(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """rows whose optional value is None (their slot holds 0), ascending"""
+
+    @_builtins.property
+    def lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        field: _builtins.str = ...,
+        ints: _abc.Iterable[_builtins.int] | None = ...,
+        floats: _abc.Iterable[_builtins.float] | None = ...,
+        absent: _abc.Iterable[_builtins.int] | None = ...,
+        lengths: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["absent", b"absent", "field", b"field", "floats", b"floats", "ints", b"ints", "lengths", b"lengths"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Column: _TypeAlias = Column  # noqa: Y015
 
 @_typing.final
 class MachineSnapshot(_message.Message):
@@ -1285,6 +1373,7 @@ class MachineSnapshot(_message.Message):
     RELAYED_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     SINCE_FIELD_NUMBER: _builtins.int
+    OP_COLUMNS_FIELD_NUMBER: _builtins.int
     machine: _builtins.str
     address: _builtins.str
     reachable: _builtins.bool
@@ -1325,6 +1414,12 @@ class MachineSnapshot(_message.Message):
         forwarded to, each as that agent sent it (or an unreachable stand-in).
         """
 
+    @_builtins.property
+    def op_columns(self) -> Global___Columns:
+        """Wire only (compact form): the operation counters of every RankCounters
+        with op_rows set, in the order of `counters`.
+        """
+
     def __init__(
         self,
         *,
@@ -1347,10 +1442,11 @@ class MachineSnapshot(_message.Message):
         relayed: _abc.Iterable[Global___MachineSnapshot] | None = ...,
         version: _builtins.int | None = ...,
         since: _builtins.int | None = ...,
+        op_columns: Global___Columns | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "captured", b"captured", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "ranks_seen_wall", b"ranks_seen_wall", "since", b"since", "stack_table", b"stack_table", "version", b"version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "captured", b"captured", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "op_columns", b"op_columns", "ranks_seen_wall", b"ranks_seen_wall", "since", b"since", "stack_table", b"stack_table", "version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "address", b"address", "captured", b"captured", "communicator_table", b"communicator_table", "counters", b"counters", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "ranks", b"ranks", "ranks_seen_wall", b"ranks_seen_wall", "reachable", b"reachable", "relayed", b"relayed", "samples", b"samples", "since", b"since", "stack_table", b"stack_table", "stacks", b"stacks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "address", b"address", "captured", b"captured", "communicator_table", b"communicator_table", "counters", b"counters", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "op_columns", b"op_columns", "ranks", b"ranks", "ranks_seen_wall", b"ranks_seen_wall", "reachable", b"reachable", "relayed", b"relayed", "samples", b"samples", "since", b"since", "stack_table", b"stack_table", "stacks", b"stacks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__generation: _TypeAlias = _typing.Literal["generation"]  # noqa: Y015
     _WhichOneofArgType__generation: _TypeAlias = _typing.Literal["_generation", b"_generation"]  # noqa: Y015
