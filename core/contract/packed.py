@@ -42,16 +42,44 @@ def _int_code(size: int) -> str:
 # name -> (array typecode, smallest value, one past the largest); integers narrowest first.
 _INTS: dict[str, tuple[str, int, int]] = {
     f"int{bits}": (_int_code(bits // 8), -(1 << (bits - 1)), 1 << (bits - 1)) for bits in (8, 16, 32, 64)}
-_FLOAT = "float64"
-_CODES = {**{name: code for name, (code, _, _) in _INTS.items()}, _FLOAT: "d"}  # "d": a C double, IEEE binary64
+FLOAT64 = "float64"
+_CODES = {**{name: code for name, (code, _, _) in _INTS.items()}, FLOAT64: "d"}  # "d": a C double, IEEE binary64
 _SWAP = sys.byteorder != "little"
 
 
-def _encode(name: str, values: list[Any]) -> dict[str, Any]:
+def to_bytes(name: str, values: list[Any]) -> bytes:
+    """``values`` as little-endian numbers of the type ``name`` (int8 ... int64, float64)."""
     a = array(_CODES[name], values)
     if _SWAP:
         a.byteswap()
-    return {name: base64.b64encode(a.tobytes()).decode("ascii")}
+    return a.tobytes()
+
+
+def from_bytes(name: Any, data: bytes) -> list[Any]:
+    """The numbers ``to_bytes`` wrote; ``PackError`` for a type it does not write or a byte count not whole."""
+    code = _CODES.get(name) if isinstance(name, str) else None
+    if code is None:
+        raise PackError(f"{name!r} is not a packed number type ({', '.join(_CODES)})")
+    a = array(code)
+    if len(data) % a.itemsize:
+        raise PackError(f"{name}: {len(data)} bytes is not a whole number of {a.itemsize}-byte values")
+    a.frombytes(data)
+    if _SWAP:
+        a.byteswap()
+    return a.tolist()
+
+
+def int_type(values: list[int]) -> str | None:
+    """The narrowest integer type that holds every one of ``values`` (int8 for none); None past 64 bits."""
+    if not values:
+        return "int8"
+    lo, hi = min(values), max(values)
+    return next((n for n, (_, low, high) in _INTS.items() if low <= lo and hi < high), None)
+
+
+
+def _encode(name: str, values: list[Any]) -> dict[str, Any]:
+    return {name: base64.b64encode(to_bytes(name, values)).decode("ascii")}
 
 
 def pack_numbers(values: list[Any]) -> dict[str, Any] | None:
@@ -60,11 +88,10 @@ def pack_numbers(values: list[Any]) -> dict[str, Any] | None:
         return None
     kinds = set(map(type, values))
     if kinds == {int}:
-        lo, hi = min(values), max(values)
-        name = next((n for n, (_, low, high) in _INTS.items() if low <= lo and hi < high), None)
+        name = int_type(values)
         return _encode(name, values) if name is not None else None
     if kinds == {float} and all(map(math.isfinite, values)):
-        return _encode(_FLOAT, values)
+        return _encode(FLOAT64, values)
     return None
 
 
@@ -94,7 +121,7 @@ def unpack(packed: Any) -> tuple[list[Any], type, list[int] | None]:
         raise PackError(f"expected one of {', '.join(_CODES)} as the packed column's key, got {sorted(packed)}")
     (name,) = names
     values = _decode(name, packed[name])
-    kind: type = float if name == _FLOAT else int
+    kind: type = float if name == FLOAT64 else int
     if kind is float and not all(map(math.isfinite, values)):
         raise PackError("holds a float that is not finite (NaN or infinity)")
     if "lengths" not in packed:
@@ -126,10 +153,4 @@ def _decode(name: str, text: Any) -> list[Any]:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise PackError(f"{name}: not base64 ({exc})") from None
-    a = array(_CODES[name])
-    if len(data) % a.itemsize:
-        raise PackError(f"{name}: {len(data)} bytes is not a whole number of {a.itemsize}-byte values")
-    a.frombytes(data)
-    if _SWAP:
-        a.byteswap()
-    return a.tolist()
+    return from_bytes(name, data)

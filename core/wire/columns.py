@@ -22,7 +22,7 @@ from itertools import chain
 from typing import Any
 
 from rankscope.contract.fast_make import maker
-from rankscope.contract.packed import split
+from rankscope.contract.packed import FLOAT64, PackError, from_bytes, int_type, split, to_bytes
 from rankscope.wire.proto import rankscope_pb2 as pb
 
 _INT, _FLOAT, _STR, _BOOL = int, float, str, bool
@@ -104,13 +104,15 @@ def write_columns(cls: type, values: list[list[Any]], msg: pb.Columns) -> None:
             col.lengths.extend(map(len, vals))
             vals = list(chain.from_iterable(vals))
         if c.kind is _FLOAT:
-            col.floats.extend(vals)
-        elif c.kind is _STR:
-            col.ints.extend(map(index, vals))
-        elif c.kind is _BOOL:
-            col.ints.extend(map(int, vals))  # protobuf takes no bools for an integer field
+            col.type = FLOAT64
         else:
-            col.ints.extend(vals)
+            if c.kind is not _INT:
+                vals = list(map(index, vals)) if c.kind is _STR else list(map(int, vals))  # bools as 0 and 1
+            name = int_type(vals)
+            if name is None:
+                raise ValueError(f"{cls.__name__}.{c.name}: a value does not fit 64 bits")
+            col.type = name
+        col.values = to_bytes(col.type, vals)
     msg.strings.extend(strings)
 
 
@@ -142,11 +144,12 @@ def read_values(cls: type, msg: pb.Columns) -> list[list[Any]]:
 
 
 def _read_column(c: _Col, col: Any, rows: int, strings: list[str]) -> list[Any]:
-    raw = col.floats if c.kind is _FLOAT else col.ints
-    other = col.ints if c.kind is _FLOAT else col.floats
-    if len(other):
-        raise ColumnsError(f"holds {'ints' if c.kind is _FLOAT else 'floats'} for a field of type {c.kind.__name__}")
-    values: list[Any] = list(raw)
+    if (col.type == FLOAT64) != (c.kind is _FLOAT):
+        raise ColumnsError(f"holds {col.type or 'no type'} values for a field of type {c.kind.__name__}")
+    try:
+        values: list[Any] = from_bytes(col.type, col.values)
+    except PackError as exc:
+        raise ColumnsError(str(exc)) from None
     if c.kind is _STR:
         if values and (min(values) < 0 or max(values) >= len(strings)):
             raise ColumnsError(f"indexes a string outside the {len(strings)} sent")

@@ -116,8 +116,9 @@ def _bad(mutate: object) -> pb.MachineSnapshot:
     (lambda m: [c for c in m.counters if c.HasField("op_rows")][-1].ClearField("op_rows"), r"op_columns: op_columns holds \d+ rows but the counters take"),
     (lambda m: m.counters[0].ops.add(comm_id="x", op="y"), "both ops and op_rows"),
     (lambda m: m.op_columns.columns.remove(_column(m, "cl")), "column 'cl' is missing and OpCounters.cl has no default"),
-    (lambda m: _column(m, "comm_id").ints.__setitem__(0, 99), "column 'comm_id': indexes a string outside"),
-    (lambda m: _column(m, "wr").ints.append(5), r"column 'wr': has \d+ values for \d+ rows"),
+    (lambda m: _column(m, "comm_id").__setattr__("values", b"\x63" * m.op_columns.rows),
+     "column 'comm_id': indexes a string outside"),
+    (lambda m: _column(m, "wr").__setattr__("values", _column(m, "wr").values * 2), r"column 'wr': has \d+ values for"),
     (lambda m: _column(m, "wc").absent.append(0), "column 'wc': marks values absent but the field is not optional"),
 ])
 def test_bad_tables_are_refused_with_the_field_named(mutate: object, needle: str) -> None:

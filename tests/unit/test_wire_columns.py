@@ -70,19 +70,23 @@ def test_a_column_of_defaults_is_not_sent_and_unknown_columns_are_ignored() -> N
     write_columns(EveryKind, field_values(EveryKind, objs), msg)
     assert [c.field for c in msg.columns] == ["name", "count", "ratio", "flag", "words"]
     assert list(msg.strings) == ["a", "b", "x"]  # strings are sent once, the columns index them
-    msg.columns.add(field="from_a_newer_sender", ints=[7, 7])
+    msg.columns.add(field="from_a_newer_sender", type="int8", values=b"\x07\x07")
     assert make_objects(EveryKind, read_values(EveryKind, msg)) == objs
 
 
 @pytest.mark.parametrize(("mutate", "needle"), [
-    (lambda m: m.columns.add(field="name", ints=[0, 0]), "column 'name' is sent twice"),
+    (lambda m: m.columns.add(field="name", type="int8", values=b"\0\0"), "column 'name' is sent twice"),
     (lambda m: m.columns.remove(m.columns[1]), "column 'count' is missing and EveryKind.count has no default"),
-    (lambda m: m.columns[1].ints.pop(), "column 'count': has 1 values for 2 rows"),
-    (lambda m: m.columns[0].ints.__setitem__(1, 5), "column 'name': indexes a string outside the 3 sent"),
-    (lambda m: m.columns[0].ints.__setitem__(1, -1), "column 'name': indexes a string outside"),
-    (lambda m: m.columns[2].ints.append(1), "column 'ratio': holds ints for a field of type float"),
+    (lambda m: m.columns[1].__setattr__("values", b"\1"), "column 'count': has 1 values for 2 rows"),
+    (lambda m: m.columns[0].__setattr__("values", b"\0\5"), "column 'name': indexes a string outside the 3 sent"),
+    (lambda m: m.columns[0].__setattr__("values", b"\0\xff"), "column 'name': indexes a string outside"),
+    (lambda m: m.columns[2].__setattr__("type", "int8"), "column 'ratio': holds int8 values for a field of type float"),
+    (lambda m: m.columns[1].__setattr__("type", "float64"), "column 'count': holds float64 values for a field of type"),
+    (lambda m: m.columns[1].__setattr__("type", "uint7"), "column 'count': 'uint7' is not a packed number type"),
+    (lambda m: m.columns[2].__setattr__("values", b"\0" * 9), "column 'ratio': float64: 9 bytes is not a whole"),
     (lambda m: m.columns[1].absent.append(0), "column 'count': marks values absent but the field is not optional"),
-    (lambda m: m.columns.add(field="note", ints=[0, 0], absent=[2]), "column 'note': marks a row absent outside"),
+    (lambda m: m.columns.add(field="note", type="int8", values=b"\0\0", absent=[2]),
+     "column 'note': marks a row absent outside"),
     (lambda m: m.columns[4].lengths.append(0), "column 'words': has 3 lengths for 2 rows"),
     (lambda m: m.columns[4].lengths.__setitem__(0, 2), "column 'words': lengths add up to 3 but 1 values"),
     (lambda m: m.columns[1].lengths.extend([1, 1]), "column 'count': has lengths but the field is not a tuple"),
@@ -98,7 +102,7 @@ def test_columns_that_do_not_fit_are_refused_naming_the_column(mutate: object, n
 
 column_msgs = st.builds(
     pb.Column, field=st.sampled_from([f.name for f in dataclasses.fields(EveryKind)] + ["other"]),
-    ints=st.lists(st.integers(-3, 3), max_size=5), floats=st.lists(st.floats(), max_size=3),
+    type=st.sampled_from(["int8", "int16", "int64", "float64", "", "x"]), values=st.binary(max_size=24),
     absent=st.lists(st.integers(0, 4), max_size=2), lengths=st.lists(st.integers(0, 3), max_size=4))
 
 

@@ -1310,21 +1310,21 @@ class Column(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FIELD_FIELD_NUMBER: _builtins.int
-    INTS_FIELD_NUMBER: _builtins.int
-    FLOATS_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
     ABSENT_FIELD_NUMBER: _builtins.int
     LENGTHS_FIELD_NUMBER: _builtins.int
     field: _builtins.str
-    @_builtins.property
-    def ints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """One value per row: int and bool fields, enum numbers, and for string
-        fields indexes into Columns.strings; double fields in `floats`. For a
-        tuple field the rows' values one after another, `lengths` saying how many
-        each row has.
-        """
-
-    @_builtins.property
-    def floats(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    type: _builtins.str
+    """One value per row, as little-endian numbers of the type `type` names
+    (int8, int16, int32, int64 or float64; see rankscope.contract.packed):
+    int and bool fields as integers, string fields as indexes into
+    Columns.strings, float fields as float64. For a tuple field the rows'
+    values one after another, `lengths` saying how many each row has.
+    (Bytes rather than repeated numbers: a reader turns them into a list in
+    one copy instead of one number at a time.)
+    """
+    values: _builtins.bytes
     @_builtins.property
     def absent(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """rows whose optional value is None (their slot holds 0), ascending"""
@@ -1335,14 +1335,14 @@ class Column(_message.Message):
         self,
         *,
         field: _builtins.str = ...,
-        ints: _abc.Iterable[_builtins.int] | None = ...,
-        floats: _abc.Iterable[_builtins.float] | None = ...,
+        type: _builtins.str = ...,
+        values: _builtins.bytes = ...,
         absent: _abc.Iterable[_builtins.int] | None = ...,
         lengths: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["absent", b"absent", "field", b"field", "floats", b"floats", "ints", b"ints", "lengths", b"lengths"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["absent", b"absent", "field", b"field", "lengths", b"lengths", "type", b"type", "values", b"values"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
