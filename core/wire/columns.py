@@ -7,7 +7,9 @@ machine's objects is one packed list that protobuf turns into a Python list in
 C, and the objects are made in one pass over the columns (``fast_make.maker``).
 
 Only flat types have a column form: fields that are int, float, str or bool,
-optional or not, and tuples of int, float or str. A column is named by its
+optional or not, and tuples of int, float or str; a field of another type
+travels as a column of ints that the caller codes (``coded``: a thread's
+frames as the number of its stack in the machine's stack table). A column is named by its
 field; a reader fills a field without a column from its default (a column all
 of whose values are the default is not sent), and ignores a column it does not
 know (a newer sender's field).
@@ -42,15 +44,17 @@ class _Col:
     default: Any  # dataclasses.MISSING: the field must have a column
 
 
-_PLANS: dict[type, list[_Col]] = {}
+_PLANS: dict[tuple[type, frozenset[str]], list[_Col]] = {}
+NOT_CODED: frozenset[str] = frozenset()
 
 
-def _plan(cls: type) -> list[_Col]:
-    plan = _PLANS.get(cls)
+def _plan(cls: type, coded: frozenset[str]) -> list[_Col]:
+    plan = _PLANS.get((cls, coded))
     if plan is None:
-        plan = _PLANS[cls] = [_column_of(cls, f, tp) for f, tp in
-                              zip(dataclasses.fields(cls), (typing.get_type_hints(cls)[f.name]
-                                                            for f in dataclasses.fields(cls)), strict=True)]
+        hints = typing.get_type_hints(cls)
+        plan = _PLANS[cls, coded] = [
+            _Col(f.name, _INT, False, False, dataclasses.MISSING) if f.name in coded else _column_of(cls, f, hints[f.name])
+            for f in dataclasses.fields(cls)]
     return plan
 
 
@@ -73,12 +77,12 @@ def _column_of(cls: type, f: dataclasses.Field[Any], tp: Any) -> _Col:
 
 def field_values(cls: type, objs: Sequence[Any]) -> list[list[Any]]:
     """Each field's values over ``objs``, in field order: what ``write_columns`` writes and ``read_values`` reads."""
-    return [[getattr(o, c.name) for o in objs] for c in _plan(cls)]
+    return [[getattr(o, f.name) for o in objs] for f in dataclasses.fields(cls)]
 
 
-def write_columns(cls: type, values: list[list[Any]], msg: pb.Columns) -> None:
-    """Fill ``msg`` (empty) with ``values`` (as ``field_values`` gives them)."""
-    plan = _plan(cls)
+def write_columns(cls: type, values: list[list[Any]], msg: pb.Columns, coded: frozenset[str] = NOT_CODED) -> None:
+    """Fill ``msg`` (empty) with ``values`` (as ``field_values`` gives them, the ``coded`` fields' values made ints)."""
+    plan = _plan(cls, coded)
     rows = len(values[0]) if values else 0
     msg.rows = rows
     strings: dict[str, int] = {}
@@ -119,8 +123,9 @@ def write_columns(cls: type, values: list[list[Any]], msg: pb.Columns) -> None:
 # ---- reading ----------------------------------------------------------------------
 
 
-def read_values(cls: type, msg: pb.Columns) -> list[list[Any]]:
-    """Each field's values, in field order, checked against the type; raises ``ColumnsError`` naming the column."""
+def read_values(cls: type, msg: pb.Columns, coded: frozenset[str] = NOT_CODED) -> list[list[Any]]:
+    """Each field's values, in field order, checked against the type (the ``coded`` fields' as the ints sent, for
+    the caller to turn into values); raises ``ColumnsError`` naming the column."""
     rows = msg.rows
     strings = list(msg.strings)
     given: dict[str, Any] = {}
@@ -129,7 +134,7 @@ def read_values(cls: type, msg: pb.Columns) -> list[list[Any]]:
             raise ColumnsError(f"column {col.field!r} is sent twice")
         given[col.field] = col
     out: list[list[Any]] = []
-    for c in _plan(cls):
+    for c in _plan(cls, coded):
         sent = given.get(c.name)
         if sent is None:
             if c.default is dataclasses.MISSING:

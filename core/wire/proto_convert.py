@@ -376,10 +376,12 @@ Decoder = Callable[[Any], Any]
 # relay's forwarded replies (tests/integration/test_proto.py checks every other field).
 WIRE_ONLY: dict[type, frozenset[str]] = {
     ThreadStack: frozenset({"stack_ref"}),
+    ProcessStack: frozenset({"thread_rows"}),
     Communicator: frozenset({"rank_runs"}),
     RankInfo: frozenset({"same"}),
     RankCounters: frozenset({"communicator_refs", "ops_same", "op_rows"}),
-    MachineSnapshot: frozenset({"stack_table", "communicator_table", "relayed", "version", "since", "op_columns"}),
+    MachineSnapshot: frozenset({"stack_table", "communicator_table", "relayed", "version", "since", "op_columns",
+                                  "thread_columns"}),
 }
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -572,8 +574,18 @@ def _fast_decoder(cls: type, plan: list[tuple[str, bool, Decoder | None]],
     else:
         body = f"[{', '.join(args)}]" if special is not None else ", ".join(args)
         lines = [f"return cls(*special(msg, {body}))" if special is not None else f"return cls({body})"]
-    source = "def decode(msg):\n    try:\n" + "".join(f"        {line}\n" for line in lines) \
-        + "    except _WireError:\n        return plain(msg)\n"
+    if cls in _TAKERS:
+        # ``plain`` decodes the message again to name the field: it must take the same rows of the reply's columns,
+        # so the rows this attempt took are given back first.
+        namespace["decoding"] = _DECODING
+        source = ("def decode(msg):\n    tables = getattr(decoding, 'tables', None)\n"
+                  "    at = tables.mark() if tables is not None else None\n    try:\n"
+                  + "".join(f"        {line}\n" for line in lines)
+                  + "    except _WireError:\n        if at is not None:\n            tables.rewind(at)\n"
+                  "        return plain(msg)\n")
+    else:
+        source = "def decode(msg):\n    try:\n" + "".join(f"        {line}\n" for line in lines) \
+            + "    except _WireError:\n        return plain(msg)\n"
     exec(compile(source, f"<decoder of {cls.__name__}>", "exec"), namespace)  # generated from the fields only
     return typing.cast(Decoder, namespace["decode"])
 
@@ -608,12 +620,13 @@ def _with_tables(decode: Decoder) -> Decoder:
 
     def decode_machine(msg: Any) -> Any:
         tables = _ReadTables(msg) if msg.HasField("stack_table") or len(msg.communicator_table) \
-            or msg.HasField("op_columns") else None
+            or msg.HasField("op_columns") or msg.HasField("thread_columns") else None
         previous, _DECODING.tables = getattr(_DECODING, "tables", None), tables
         try:
             machine = decode(msg)
             if tables is not None:
-                tables.check_all_ops_taken()
+                tables.ops.check_all_taken()
+                tables.threads.check_all_taken()
             return machine
         finally:
             _DECODING.tables = previous
@@ -674,7 +687,7 @@ def _field_decoder(cls: type, name: str, tp: Any) -> Decoder | None:
 
 # Contract fields written through a table in the compact form (by the type's special encoder).
 _TABLED: frozenset[tuple[type, str]] = frozenset({(ThreadStack, "frames"), (RankCounters, "communicators"),
-                                                  (RankCounters, "ops")})
+                                                  (RankCounters, "ops"), (ProcessStack, "threads")})
 _ENCODING = threading.local()
 _DECODING = threading.local()
 # Distinct frames, stacks and communicators already made (shared frozen objects); emptied when it grows past
@@ -739,6 +752,7 @@ class _WireTables:
         self.stack_by_id: dict[int, int] = {}  # id(frames tuple) -> stack index: shared tuples cost one lookup
         self.comms: dict[Communicator, int] = {}
         self.ops: list[tuple[OpCounters, ...]] = []  # each rank's, in counters order: written as op_columns
+        self.threads: list[tuple[ThreadStack, ...]] = []  # each process's, in order: written as thread_columns
         self.table = pb.StackTable()
 
     def string(self, text: str) -> int:
@@ -779,6 +793,11 @@ class _WireTables:
         return i
 
     def write(self, msg: pb.MachineSnapshot) -> None:
+        if self.threads:  # first: it adds the threads' stacks to the table
+            threads = list(itertools.chain.from_iterable(self.threads))
+            values = field_values(ThreadStack, threads)
+            values[_FRAMES_AT] = [self.stack(frames) for frames in values[_FRAMES_AT]]
+            write_columns(ThreadStack, values, msg.thread_columns, _CODED_FRAMES)
         if self.stacks:
             self.table.strings.extend(self.strings)
             msg.stack_table.CopyFrom(self.table)
@@ -798,9 +817,10 @@ class _ReadTables:
     """One compact reply's tables, decoded into shared objects as they are first used."""
 
     def __init__(self, msg: pb.MachineSnapshot) -> None:
-        self.op_columns = msg.op_columns if msg.HasField("op_columns") else None
-        self.ops: list[OpCounters] | None = None  # made from op_columns when the first counters take theirs
-        self.ops_taken = 0
+        self.ops = _TakenRows("op_columns", "counters", msg.op_columns if msg.HasField("op_columns") else None,
+                              lambda columns: make_objects(OpCounters, read_values(OpCounters, columns)))
+        self.threads = _TakenRows("thread_columns", "processes",
+                                  msg.thread_columns if msg.HasField("thread_columns") else None, self._threads)
         self.comm_msgs = list(msg.communicator_table)
         self.comms: list[Communicator | None] = [None] * len(self.comm_msgs)
         t = msg.stack_table
@@ -866,28 +886,16 @@ class _ReadTables:
             made = self.stacks[i] = _intern(("stack", frames), lambda: frames)
         return made
 
-    def take_ops(self, n: int) -> tuple[OpCounters, ...]:
-        """The next ``n`` rows of op_columns, as operation counters."""
-        ops = self.ops
-        if ops is None:
-            if self.op_columns is None:
-                raise _WireError("counters take rows of op_columns but their machine sent none")
-            try:
-                ops = self.ops = make_objects(OpCounters, read_values(OpCounters, self.op_columns))
-            except ColumnsError as exc:
-                raise _WireError(f"op_columns: {exc}") from None
-        start = self.ops_taken
-        if start + n > len(ops):
-            raise _WireError(f"takes rows {start}-{start + n - 1} of op_columns, which holds {len(ops)}")
-        self.ops_taken = start + n
-        return tuple(ops[start:start + n])
+    def mark(self) -> tuple[int, int]:
+        return self.ops.taken, self.threads.taken
 
-    def check_all_ops_taken(self) -> None:
-        rows = self.op_columns.rows if self.op_columns is not None else 0
-        if self.ops_taken != rows:
-            exc = _WireError(f"op_columns holds {rows} rows but the counters take {self.ops_taken}")
-            exc.path.append(".op_columns")
-            raise exc
+    def rewind(self, at: tuple[int, int]) -> None:
+        self.ops.taken, self.threads.taken = at
+
+    def _threads(self, columns: pb.Columns) -> list[ThreadStack]:
+        values = read_values(ThreadStack, columns, _CODED_FRAMES)
+        values[_FRAMES_AT] = [self.stack(i) for i in values[_FRAMES_AT]]
+        return make_objects(ThreadStack, values)
 
     def communicator(self, i: int) -> Communicator:
         if not 0 <= i < len(self.comms):
@@ -896,6 +904,38 @@ class _ReadTables:
         if made is None:
             made = self.comms[i] = _communicator(self.comm_msgs[i])
         return made
+
+
+class _TakenRows:
+    """The objects of one of a reply's Columns, taken in order by the messages that point into it (``take``)."""
+
+    def __init__(self, field: str, takers: str, columns: pb.Columns | None,
+                 make: Callable[[pb.Columns], list[Any]]) -> None:
+        self.field, self.takers, self.columns, self.make = field, takers, columns, make
+        self.made: list[Any] | None = None  # made when the first taker takes its rows
+        self.taken = 0
+
+    def take(self, n: int) -> tuple[Any, ...]:
+        made = self.made
+        if made is None:
+            if self.columns is None:
+                raise _WireError(f"{self.takers} take rows of {self.field} but their machine sent none")
+            try:
+                made = self.made = self.make(self.columns)
+            except ColumnsError as exc:
+                raise _WireError(f"{self.field}: {exc}") from None
+        start = self.taken
+        if start + n > len(made):
+            raise _WireError(f"takes rows {start}-{start + n - 1} of {self.field}, which holds {len(made)}")
+        self.taken = start + n
+        return tuple(made[start:start + n])
+
+    def check_all_taken(self) -> None:
+        rows = self.columns.rows if self.columns is not None else 0
+        if self.taken != rows:
+            exc = _WireError(f"{self.field} holds {rows} rows but the {self.takers} take {self.taken}")
+            exc.path.append(f".{self.field}")
+            raise exc
 
 
 def _communicator(c: pb.Communicator) -> Communicator:
@@ -974,10 +1014,43 @@ def _decode_counters(msg: Any, values: list[Any]) -> list[Any]:
             raise _WireError("counters carry both ops and op_rows")
         if tables is None:
             raise _WireError("counters take rows of op_columns but their machine sent none")
-        values[_OPS_AT] = tables.take_ops(msg.op_rows)
+        values[_OPS_AT] = tables.ops.take(msg.op_rows)
     else:
         op_dec = _decoder(OpCounters)
         values[_OPS_AT] = tuple([op_dec(o) for o in msg.ops])
+    return values
+
+
+def _encode_process(obj: ProcessStack, msg: Any) -> None:
+    if obj.threads is None:
+        return
+    tables: _WireTables | None = getattr(_ENCODING, "tables", None)
+    if tables is None:
+        holder = msg.threads
+        holder.SetInParent()  # present even when the tuple is empty
+        rep, thread_enc = holder.threads, _encoder(ThreadStack)
+        for thread in obj.threads:
+            thread_enc(thread, rep.add())
+    else:
+        msg.thread_rows = len(obj.threads)
+        tables.threads.append(obj.threads)
+
+
+def _decode_process(msg: Any, values: list[Any]) -> list[Any]:
+    if msg.HasField("thread_rows"):
+        tables: _ReadTables | None = getattr(_DECODING, "tables", None)
+        try:
+            if msg.HasField("threads"):
+                raise _WireError("a process carries both threads and thread_rows")
+            if tables is None:
+                raise _WireError("processes take rows of thread_columns but their machine sent none")
+            values[_THREADS_AT] = tables.threads.take(msg.thread_rows)
+        except _WireError as exc:
+            exc.path.append(".thread_rows")
+            raise
+    elif msg.HasField("threads"):
+        thread_dec = _decoder(ThreadStack)
+        values[_THREADS_AT] = tuple([thread_dec(t) for t in msg.threads.threads])
     return values
 
 
@@ -994,6 +1067,11 @@ def _decode_frame(msg: Any) -> Frame:
 _FRAME_DECODER: Decoder = _decode_frame
 _COMMS_AT = [f.name for f in dataclasses.fields(RankCounters)].index("communicators")
 _OPS_AT = [f.name for f in dataclasses.fields(RankCounters)].index("ops")
+_THREADS_AT = [f.name for f in dataclasses.fields(ProcessStack)].index("threads")
+_FRAMES_AT = [f.name for f in dataclasses.fields(ThreadStack)].index("frames")
+# Types whose messages take rows of a reply's columns, themselves or through what they hold.
+_TAKERS = frozenset({MachineSnapshot, RankStacks, ProcessStack, RankCounters})
+_CODED_FRAMES = frozenset({"frames"})  # thread_columns: a thread's frames as the number of its stack in stack_table
 
 
 # ---- the delta form: what did not change since the reading a client holds --------
@@ -1130,9 +1208,10 @@ def _digests(items: Iterable[tuple[int, tuple[bytes, ...]]]) -> dict[int, bytes]
     for rank in twice:
         del out[rank]
     return out
-_SPECIAL_ENCODERS: dict[type, Encoder] = {ThreadStack: _encode_thread, RankCounters: _encode_counters}
+_SPECIAL_ENCODERS: dict[type, Encoder] = {ThreadStack: _encode_thread, RankCounters: _encode_counters,
+                                           ProcessStack: _encode_process}
 _SPECIAL_DECODERS: dict[type, Callable[[Any, list[Any]], list[Any]]] = {
-    ThreadStack: _decode_thread, RankCounters: _decode_counters,
+    ThreadStack: _decode_thread, RankCounters: _decode_counters, ProcessStack: _decode_process,
 }
 
 

@@ -89,8 +89,8 @@ def test_a_bundle_written_before_the_compact_form_still_opens() -> None:
     assert bundle.latest == rich_job()
 
 
-def _column(msg: pb.MachineSnapshot, field: str) -> pb.Column:
-    return next(c for c in msg.op_columns.columns if c.field == field)
+def _column(msg: pb.MachineSnapshot, field: str, columns: str = "op_columns") -> pb.Column:
+    return next(c for c in getattr(msg, columns).columns if c.field == field)
 
 
 def _bad(mutate: object) -> pb.MachineSnapshot:
@@ -101,7 +101,12 @@ def _bad(mutate: object) -> pb.MachineSnapshot:
 
 
 @pytest.mark.parametrize(("mutate", "needle"), [
-    (lambda m: m.stacks[0].main.threads.threads[0].__setattr__("stack_ref", 99), "stack 99 is not in stack_table"),
+    (lambda m: _column(m, "frames", "thread_columns").__setattr__("values", b"\x63" * m.thread_columns.rows),
+     "stacks.main.thread_rows: stack 99 is not in stack_table"),
+    (lambda m: m.stacks[0].main.__setattr__("thread_rows", 999), "thread_rows: takes rows 0-998 of thread_columns"),
+    (lambda m: m.stacks[0].main.threads.threads.add(), "a process carries both threads and thread_rows"),
+    (lambda m: m.ClearField("thread_columns"), "processes take rows of thread_columns but their machine sent none"),
+    (lambda m: [s.main for s in m.stacks if s.main.thread_rows][-1].ClearField("thread_rows"), "thread_columns holds \\d+ rows but the processes take"),
     (lambda m: m.stack_table.stack_lengths.append(5), "do not add up"),
     (lambda m: m.stack_table.frame_flags.append(1), "columns differ"),
     (lambda m: m.stack_table.frame_name.__setitem__(0, 1000), "string 1000 is not in stack_table"),
@@ -109,7 +114,7 @@ def _bad(mutate: object) -> pb.MachineSnapshot:
     (lambda m: (m.communicator_table[0].ClearField("ranks"), m.communicator_table[0].rank_runs.extend([1, 2])),
      "not whole"),
     (lambda m: m.ClearField("stack_table"), "stack 0 is not in stack_table"),
-    (lambda m: (m.ClearField("stack_table"), m.ClearField("communicator_table"), m.ClearField("op_columns")),
+    (lambda m: [m.ClearField(f) for f in ("stack_table", "communicator_table", "op_columns", "thread_columns")],
      "sent none"),
     (lambda m: m.ClearField("op_columns"), "take rows of op_columns but their machine sent none"),
     (lambda m: m.counters[0].__setattr__("op_rows", 999), "takes rows 0-998 of op_columns, which holds"),
