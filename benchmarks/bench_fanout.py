@@ -1,7 +1,7 @@
 """Fan-out at scale: N real agent servers over synthetic ranks, the client timed beside the code before #16.
 
     python benchmarks/bench_fanout.py [--sizes 16,64,256,2048] [--base-max 256] [--ranks-per-machine 8]
-                                      [--processes 8] [--relay-fanout 0] [--bundle]
+                                      [--processes 8] [--relay-fanout 0] [--bundle] [--captures 1]
 
 For each N, starts N real gRPC agent servers (``rankscope.wire.agent.start_agent``)
 spread over ``--processes`` processes, each serving ``--ranks-per-machine``
@@ -116,15 +116,20 @@ async def serve_many(args: argparse.Namespace) -> None:
 
     tokens = parse_tokens(f"read:{TOKEN}\n", "bench")
     world = args.world
-    cache: dict[tuple[int, bool], Any] = {}
+    cache: dict[tuple[int, bool, int], Any] = {}
+    turns: dict[int, int] = {}
 
     def source_for(index: int) -> Any:
         async def read(stacks: bool) -> Any:
-            key = (index, stacks)
+            # A hung job reads the same ranks and counters every time (a capture adds only the stacks);
+            # otherwise every capture differs from the last (two readings taken apart, in turn), as in a job whose
+            # every counter moved. Polls read one reading each time (their steady cycle is the delta case).
+            turn = 0
+            if stacks and not args.hung:
+                turn = turns[index] = turns.get(index, -1) + 1
+            key = (index, stacks, turn % 2)
             if key not in cache:
-                # A hung job reads the same ranks and counters every time (a capture adds only the stacks);
-                # otherwise every reading differs from the last, as in a job whose every counter moved.
-                now = started if args.hung else time.time()
+                now = started if args.hung else time.time() + turn
                 cache[key] = fanout_source.machine(index, args.ranks_per_machine, world, stacks=stacks, now=now)
             return cache[key]
 
@@ -215,10 +220,13 @@ def client(args: argparse.Namespace) -> None:
     async def go() -> Any:
         async with JobClient(agents, TOKEN, deadline_s=args.deadline) as c:
             await c.poll()  # opens the channels
-            cpu0, t0 = time.process_time(), time.perf_counter()
-            snap = await c.capture()
-            out["capture_wall_s"] = time.perf_counter() - t0
-            out["capture_cpu_s"] = time.process_time() - cpu0
+            captures = []
+            for _ in range(args.captures):  # each one whole unless --hung (the agents read anew each time)
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                snap = await c.capture()
+                captures.append((time.process_time() - cpu0, time.perf_counter() - t0))
+            out["capture_cpus_s"] = sorted(cpu for cpu, _ in captures)
+            out["capture_cpu_s"], out["capture_wall_s"] = sorted(captures)[len(captures) // 2]
             out["answered"] = sum(1 for m in snap.machines if m.reachable)
             out["machines"] = len(snap.machines)
             out["ranks"] = len(snap.all_stacks())
@@ -329,10 +337,12 @@ async def _keep(coro: Any) -> None:
 _RESULT: list[Any] = []
 
 
-def run_client(impl: str, base: str | None, agents: list[str], bundle: Path | None, deadline: float) -> dict[str, Any]:
+def run_client(impl: str, base: str | None, agents: list[str], bundle: Path | None, deadline: float,
+               captures: int = 1) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(agents, f)
-    cmd = [sys.executable, __file__, "client", "--impl", impl, "--agents-file", f.name, "--deadline", str(deadline)]
+    cmd = [sys.executable, __file__, "client", "--impl", impl, "--agents-file", f.name, "--deadline", str(deadline),
+           "--captures", str(captures)]
     if base:
         cmd += ["--base-pkg", base]
     if bundle:
@@ -364,7 +374,7 @@ def measure(impl: str, base: str | None, n: int, args: argparse.Namespace, bundl
         s = Servers(impl, base, n, args.processes, ranks, hung=args.hung)
         servers, addresses = [s], s.addresses
     try:
-        result = run_client(impl, base, addresses, bundle, args.deadline)
+        result = run_client(impl, base, addresses, bundle, args.deadline, args.captures)
     finally:
         for s in reversed(servers):  # relays first: a leaf gone before its relay only adds noise to the log
             s.stop()
@@ -418,6 +428,7 @@ def main() -> int:
     c.add_argument("--agents-file", required=True)
     c.add_argument("--bundle")
     c.add_argument("--deadline", type=float, default=120.0)
+    c.add_argument("--captures", type=int, default=1)
     ap.add_argument("--sizes", default="16,64,256")
     ap.add_argument("--base-max", type=int, default=256, help="largest N to run the base code at")
     ap.add_argument("--base-ref", default="", help="git ref of the base code (default: merge-base of HEAD and main)")
@@ -431,6 +442,9 @@ def main() -> int:
     ap.add_argument("--keep-bundle", action="store_true",
                     help="leave that bundle in the temp folder (to profile `rankscope analyze` on it)")
     ap.add_argument("--deadline", type=float, default=300.0)
+    ap.add_argument("--captures", type=int, default=1,
+                    help="captures per client, one after another (the figures: the median one; its CPU range "
+                         "printed after the row)")
     args = ap.parse_args()
     if args.cmd == "serve":
         asyncio.run(serve_many(args))
@@ -458,6 +472,10 @@ def main() -> int:
                 if args.bundle and n == max(sizes) else None
             results[impl, n] = r = measure(impl, base, n, args, bundle)
             print(row(impl, n, args.ranks_per_machine, r), flush=True)
+            if len(r.get("capture_cpus_s", ())) > 1:
+                cpus = r["capture_cpus_s"]
+                print(f"      {len(cpus)} captures: client cpu {cpus[0]:.2f}-{cpus[-1]:.2f} s "
+                      f"(median {r['capture_cpu_s']:.2f})", flush=True)
             if bundle is not None and args.keep_bundle:
                 print(f"      bundle kept: {bundle}", flush=True)
             elif bundle is not None:

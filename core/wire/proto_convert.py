@@ -376,12 +376,12 @@ Decoder = Callable[[Any], Any]
 # relay's forwarded replies (tests/integration/test_proto.py checks every other field).
 WIRE_ONLY: dict[type, frozenset[str]] = {
     ThreadStack: frozenset({"stack_ref"}),
-    ProcessStack: frozenset({"thread_rows"}),
+    RankStacks: frozenset({"process_rows"}),
     Communicator: frozenset({"rank_runs"}),
     RankInfo: frozenset({"same"}),
     RankCounters: frozenset({"communicator_refs", "ops_same", "op_rows"}),
     MachineSnapshot: frozenset({"stack_table", "communicator_table", "relayed", "version", "since", "op_columns",
-                                  "thread_columns"}),
+                                  "thread_columns", "process_columns", "process_errors"}),
 }
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -620,13 +620,12 @@ def _with_tables(decode: Decoder) -> Decoder:
 
     def decode_machine(msg: Any) -> Any:
         tables = _ReadTables(msg) if msg.HasField("stack_table") or len(msg.communicator_table) \
-            or msg.HasField("op_columns") or msg.HasField("thread_columns") else None
+            or msg.HasField("op_columns") or msg.HasField("process_columns") else None
         previous, _DECODING.tables = getattr(_DECODING, "tables", None), tables
         try:
             machine = decode(msg)
             if tables is not None:
-                tables.ops.check_all_taken()
-                tables.threads.check_all_taken()
+                tables.check_all_taken()
             return machine
         finally:
             _DECODING.tables = previous
@@ -687,7 +686,8 @@ def _field_decoder(cls: type, name: str, tp: Any) -> Decoder | None:
 
 # Contract fields written through a table in the compact form (by the type's special encoder).
 _TABLED: frozenset[tuple[type, str]] = frozenset({(ThreadStack, "frames"), (RankCounters, "communicators"),
-                                                  (RankCounters, "ops"), (ProcessStack, "threads")})
+                                                  (RankCounters, "ops"), (RankStacks, "main"),
+                                                  (RankStacks, "subprocesses")})
 _ENCODING = threading.local()
 _DECODING = threading.local()
 # Distinct frames, stacks and communicators already made (shared frozen objects); emptied when it grows past
@@ -752,7 +752,7 @@ class _WireTables:
         self.stack_by_id: dict[int, int] = {}  # id(frames tuple) -> stack index: shared tuples cost one lookup
         self.comms: dict[Communicator, int] = {}
         self.ops: list[tuple[OpCounters, ...]] = []  # each rank's, in counters order: written as op_columns
-        self.threads: list[tuple[ThreadStack, ...]] = []  # each process's, in order: written as thread_columns
+        self.processes: list[tuple[ProcessStack, ...]] = []  # each rank's, main first: written as process_columns
         self.table = pb.StackTable()
 
     def string(self, text: str) -> int:
@@ -786,6 +786,27 @@ class _WireTables:
         self.stack_by_id[id(frames)] = i
         return i
 
+    def _write_processes(self, msg: pb.MachineSnapshot) -> None:
+        processes = list(itertools.chain.from_iterable(self.processes))
+        values = field_values(ProcessStack, processes)
+        values[_ROLE_AT] = [_ROLE_NUMBERS[role] for role in values[_ROLE_AT]]
+        threads = [t for t in values[_THREADS_AT] if t]
+        values[_THREADS_AT] = [-1 if t is None else len(t) for t in values[_THREADS_AT]]
+        errors: list[int] = []
+        error_enc = _encoder(CaptureError)
+        for error in values[_ERROR_AT]:
+            if error is None:
+                errors.append(-1)
+            else:
+                errors.append(len(msg.process_errors))
+                error_enc(error, msg.process_errors.add())
+        values[_ERROR_AT] = errors
+        write_columns(ProcessStack, values, msg.process_columns, _CODED_PROCESS)
+        if threads:
+            thread_values = field_values(ThreadStack, list(itertools.chain.from_iterable(threads)))
+            thread_values[_FRAMES_AT] = [self.stack(frames) for frames in thread_values[_FRAMES_AT]]
+            write_columns(ThreadStack, thread_values, msg.thread_columns, _CODED_FRAMES)
+
     def communicator(self, comm: Communicator) -> int:
         i = self.comms.get(comm)
         if i is None:
@@ -793,11 +814,8 @@ class _WireTables:
         return i
 
     def write(self, msg: pb.MachineSnapshot) -> None:
-        if self.threads:  # first: it adds the threads' stacks to the table
-            threads = list(itertools.chain.from_iterable(self.threads))
-            values = field_values(ThreadStack, threads)
-            values[_FRAMES_AT] = [self.stack(frames) for frames in values[_FRAMES_AT]]
-            write_columns(ThreadStack, values, msg.thread_columns, _CODED_FRAMES)
+        if self.processes:  # first: their threads add their stacks to the table
+            self._write_processes(msg)
         if self.stacks:
             self.table.strings.extend(self.strings)
             msg.stack_table.CopyFrom(self.table)
@@ -821,6 +839,9 @@ class _ReadTables:
                               lambda columns: make_objects(OpCounters, read_values(OpCounters, columns)))
         self.threads = _TakenRows("thread_columns", "processes",
                                   msg.thread_columns if msg.HasField("thread_columns") else None, self._threads)
+        self.processes = _TakenRows("process_columns", "ranks' stacks",
+                                    msg.process_columns if msg.HasField("process_columns") else None, self._processes)
+        self.errors = msg.process_errors
         self.comm_msgs = list(msg.communicator_table)
         self.comms: list[Communicator | None] = [None] * len(self.comm_msgs)
         t = msg.stack_table
@@ -886,11 +907,28 @@ class _ReadTables:
             made = self.stacks[i] = _intern(("stack", frames), lambda: frames)
         return made
 
-    def mark(self) -> tuple[int, int]:
-        return self.ops.taken, self.threads.taken
+    def mark(self) -> tuple[int, int, int]:
+        return self.ops.taken, self.processes.taken, self.threads.taken
 
-    def rewind(self, at: tuple[int, int]) -> None:
-        self.ops.taken, self.threads.taken = at
+    def rewind(self, at: tuple[int, int, int]) -> None:
+        self.ops.taken, self.processes.taken, self.threads.taken = at
+
+    def check_all_taken(self) -> None:
+        for rows in (self.ops, self.processes, self.threads):
+            rows.check_all_taken()
+
+    def _processes(self, columns: pb.Columns) -> list[ProcessStack]:
+        values = read_values(ProcessStack, columns, _CODED_PROCESS)
+        values[_ROLE_AT] = list(map(_ROLE_DECODER, values[_ROLE_AT]))
+        take = self.threads.take
+        if min(values[_THREADS_AT], default=0) < -1:
+            raise ColumnsError("column 'threads': holds a count below -1")
+        values[_THREADS_AT] = [None if n < 0 else take(n) for n in values[_THREADS_AT]]
+        errors, error_dec = self.errors, _decoder(CaptureError)
+        if values[_ERROR_AT] and not -1 <= min(values[_ERROR_AT]) <= max(values[_ERROR_AT]) < len(errors):
+            raise ColumnsError(f"column 'error': points outside the {len(errors)} process_errors sent")
+        values[_ERROR_AT] = [None if i < 0 else error_dec(errors[i]) for i in values[_ERROR_AT]]
+        return make_objects(ProcessStack, values)
 
     def _threads(self, columns: pb.Columns) -> list[ThreadStack]:
         values = read_values(ThreadStack, columns, _CODED_FRAMES)
@@ -916,6 +954,8 @@ class _TakenRows:
         self.taken = 0
 
     def take(self, n: int) -> tuple[Any, ...]:
+        if n == 0:
+            return ()  # (a process whose capture found no threads, in a reply that may have no thread rows at all)
         made = self.made
         if made is None:
             if self.columns is None:
@@ -1021,36 +1061,37 @@ def _decode_counters(msg: Any, values: list[Any]) -> list[Any]:
     return values
 
 
-def _encode_process(obj: ProcessStack, msg: Any) -> None:
-    if obj.threads is None:
-        return
+def _encode_rank_stacks(obj: RankStacks, msg: Any) -> None:
     tables: _WireTables | None = getattr(_ENCODING, "tables", None)
     if tables is None:
-        holder = msg.threads
-        holder.SetInParent()  # present even when the tuple is empty
-        rep, thread_enc = holder.threads, _encoder(ThreadStack)
-        for thread in obj.threads:
-            thread_enc(thread, rep.add())
+        process_enc = _encoder(ProcessStack)
+        process_enc(obj.main, msg.main)
+        for process in obj.subprocesses:
+            process_enc(process, msg.subprocesses.add())
     else:
-        msg.thread_rows = len(obj.threads)
-        tables.threads.append(obj.threads)
+        msg.process_rows = 1 + len(obj.subprocesses)
+        tables.processes.append((obj.main, *obj.subprocesses))
 
 
-def _decode_process(msg: Any, values: list[Any]) -> list[Any]:
-    if msg.HasField("thread_rows"):
+def _decode_rank_stacks(msg: Any, values: list[Any]) -> list[Any]:
+    if msg.HasField("process_rows"):
         tables: _ReadTables | None = getattr(_DECODING, "tables", None)
         try:
-            if msg.HasField("threads"):
-                raise _WireError("a process carries both threads and thread_rows")
+            if msg.HasField("main") or len(msg.subprocesses):
+                raise _WireError("a rank's stacks carry both processes and process_rows")
             if tables is None:
-                raise _WireError("processes take rows of thread_columns but their machine sent none")
-            values[_THREADS_AT] = tables.threads.take(msg.thread_rows)
+                raise _WireError("ranks' stacks take rows of process_columns but their machine sent none")
+            if msg.process_rows < 1:
+                raise _WireError("0 process rows: a rank's stacks have a main process")
+            processes = tables.processes.take(msg.process_rows)
         except _WireError as exc:
-            exc.path.append(".thread_rows")
+            exc.path.append(".process_rows")
             raise
-    elif msg.HasField("threads"):
-        thread_dec = _decoder(ThreadStack)
-        values[_THREADS_AT] = tuple([thread_dec(t) for t in msg.threads.threads])
+        values[_MAIN_AT], values[_SUBPROCESSES_AT] = processes[0], processes[1:]
+    else:
+        process_dec = _decoder(ProcessStack)
+        values[_MAIN_AT] = process_dec(msg.main)
+        values[_SUBPROCESSES_AT] = tuple([process_dec(p) for p in msg.subprocesses])
     return values
 
 
@@ -1068,9 +1109,15 @@ _FRAME_DECODER: Decoder = _decode_frame
 _COMMS_AT = [f.name for f in dataclasses.fields(RankCounters)].index("communicators")
 _OPS_AT = [f.name for f in dataclasses.fields(RankCounters)].index("ops")
 _THREADS_AT = [f.name for f in dataclasses.fields(ProcessStack)].index("threads")
+_ROLE_AT = [f.name for f in dataclasses.fields(ProcessStack)].index("role")
+_ERROR_AT = [f.name for f in dataclasses.fields(ProcessStack)].index("error")
+_MAIN_AT = [f.name for f in dataclasses.fields(RankStacks)].index("main")
+_SUBPROCESSES_AT = [f.name for f in dataclasses.fields(RankStacks)].index("subprocesses")
+# process_columns: a process's role as its proto number, its threads as a count of thread rows, its error as a number
+_CODED_PROCESS = frozenset({"role", "threads", "error"})
 _FRAMES_AT = [f.name for f in dataclasses.fields(ThreadStack)].index("frames")
 # Types whose messages take rows of a reply's columns, themselves or through what they hold.
-_TAKERS = frozenset({MachineSnapshot, RankStacks, ProcessStack, RankCounters})
+_TAKERS = frozenset({MachineSnapshot, RankStacks, RankCounters})
 _CODED_FRAMES = frozenset({"frames"})  # thread_columns: a thread's frames as the number of its stack in stack_table
 
 
@@ -1209,9 +1256,9 @@ def _digests(items: Iterable[tuple[int, tuple[bytes, ...]]]) -> dict[int, bytes]
         del out[rank]
     return out
 _SPECIAL_ENCODERS: dict[type, Encoder] = {ThreadStack: _encode_thread, RankCounters: _encode_counters,
-                                           ProcessStack: _encode_process}
+                                           RankStacks: _encode_rank_stacks}
 _SPECIAL_DECODERS: dict[type, Callable[[Any, list[Any]], list[Any]]] = {
-    ThreadStack: _decode_thread, RankCounters: _decode_counters, ProcessStack: _decode_process,
+    ThreadStack: _decode_thread, RankCounters: _decode_counters, RankStacks: _decode_rank_stacks,
 }
 
 
@@ -1240,3 +1287,8 @@ def _enum_from_proto(enum_cls: type[Enum], number: int) -> Enum:
     if fallback is None:
         raise ValueError(f"{enum_cls.__name__} value {number} is unset or unknown here")
     return fallback
+
+
+# process_columns' role column: the proto numbers of ProcessRole (an unknown one decodes to the enum's fallback).
+_ROLE_NUMBERS = {role: _enum_to_proto(role) for role in ProcessRole}
+_ROLE_DECODER = typing.cast(Decoder, _field_decoder(ProcessStack, "role", ProcessRole))

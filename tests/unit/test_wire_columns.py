@@ -8,7 +8,16 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rankscope.contract.snapshot import OpCounters
+from rankscope.contract.snapshot import (
+    CaptureError,
+    CaptureErrorKind,
+    Instant,
+    MachineSnapshot,
+    OpCounters,
+    ProcessRole,
+    ProcessStack,
+    RankStacks,
+)
 from rankscope.wire.columns import ColumnsError, field_values, make_objects, read_values, write_columns
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto_convert import machine_from_proto, machine_to_proto
@@ -128,3 +137,16 @@ def test_a_machines_counters_travel_as_one_set_of_columns() -> None:
     assert [c.op_rows for c in msg.counters if c.HasField("op_rows")] == [len(c.ops) for c in with_ops]
     assert msg.op_columns.rows == sum(len(c.ops) for c in machine.counters)
     assert machine_from_proto(pb.MachineSnapshot.FromString(msg.SerializeToString())) == machine
+
+
+def test_processes_without_threads_or_with_a_failed_capture_travel_as_columns() -> None:
+    failed = CaptureError(CaptureErrorKind.PERMISSION, "ptrace refused", "run as root", "S", "futex_wait")
+    stacks = (RankStacks(0, ProcessStack(10, ProcessRole.MAIN, ())),  # a capture that found no threads
+              RankStacks(1, ProcessStack(11, ProcessRole.MAIN, None, failed),
+                         (ProcessStack(12, ProcessRole.DATALOADER, None, failed),)))
+    machine = MachineSnapshot("m", "a:1", True, Instant(1.0, 2.0), stacks=stacks)
+    msg = machine_to_proto(machine)
+    assert [s.process_rows for s in msg.stacks] == [1, 2] and not msg.HasField("thread_columns")
+    assert len(msg.process_errors) == 2  # one each: the columns point at them
+    back = machine_from_proto(pb.MachineSnapshot.FromString(msg.SerializeToString()))
+    assert back == machine and back.stacks[0].main.threads == () and back.stacks[1].main.threads is None

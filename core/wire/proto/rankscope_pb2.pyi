@@ -570,18 +570,12 @@ class ProcessStack(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     CAPTURE_SECONDS_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
-    THREAD_ROWS_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     role: Global___ProcessRole.ValueType
     name: _builtins.str
     capture_seconds: _builtins.float
     truncated: _builtins.str
     """why the stacks are known to be incomplete"""
-    thread_rows: _builtins.int
-    """Wire only (compact form): `threads` are the next `thread_rows` rows of the
-    enclosing MachineSnapshot's thread_columns (processes in the order of
-    `stacks`, each rank's main process before its subprocesses), not sent here.
-    """
     @_builtins.property
     def threads(self) -> Global___ThreadList:
         """absent when the capture failed; see error"""
@@ -598,22 +592,17 @@ class ProcessStack(_message.Message):
         name: _builtins.str = ...,
         capture_seconds: _builtins.float | None = ...,
         truncated: _builtins.str | None = ...,
-        thread_rows: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_capture_seconds", b"_capture_seconds", "_thread_rows", b"_thread_rows", "_truncated", b"_truncated", "capture_seconds", b"capture_seconds", "error", b"error", "thread_rows", b"thread_rows", "threads", b"threads", "truncated", b"truncated"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_capture_seconds", b"_capture_seconds", "_truncated", b"_truncated", "capture_seconds", b"capture_seconds", "error", b"error", "threads", b"threads", "truncated", b"truncated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_capture_seconds", b"_capture_seconds", "_thread_rows", b"_thread_rows", "_truncated", b"_truncated", "capture_seconds", b"capture_seconds", "error", b"error", "name", b"name", "pid", b"pid", "role", b"role", "thread_rows", b"thread_rows", "threads", b"threads", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_capture_seconds", b"_capture_seconds", "_truncated", b"_truncated", "capture_seconds", b"capture_seconds", "error", b"error", "name", b"name", "pid", b"pid", "role", b"role", "threads", b"threads", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__capture_seconds: _TypeAlias = _typing.Literal["capture_seconds"]  # noqa: Y015
     _WhichOneofArgType__capture_seconds: _TypeAlias = _typing.Literal["_capture_seconds", b"_capture_seconds"]  # noqa: Y015
-    _WhichOneofReturnType__thread_rows: _TypeAlias = _typing.Literal["thread_rows"]  # noqa: Y015
-    _WhichOneofArgType__thread_rows: _TypeAlias = _typing.Literal["_thread_rows", b"_thread_rows"]  # noqa: Y015
     _WhichOneofReturnType__truncated: _TypeAlias = _typing.Literal["truncated"]  # noqa: Y015
     _WhichOneofArgType__truncated: _TypeAlias = _typing.Literal["_truncated", b"_truncated"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__capture_seconds) -> _WhichOneofReturnType__capture_seconds | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__thread_rows) -> _WhichOneofReturnType__thread_rows | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__truncated) -> _WhichOneofReturnType__truncated | None: ...
 
@@ -626,7 +615,13 @@ class RankStacks(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     MAIN_FIELD_NUMBER: _builtins.int
     SUBPROCESSES_FIELD_NUMBER: _builtins.int
+    PROCESS_ROWS_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
+    process_rows: _builtins.int
+    """Wire only (compact form): `main` and `subprocesses` are the next
+    `process_rows` rows of the enclosing MachineSnapshot's process_columns
+    (the first is `main`), not sent here.
+    """
     @_builtins.property
     def main(self) -> Global___ProcessStack: ...
     @_builtins.property
@@ -637,12 +632,15 @@ class RankStacks(_message.Message):
         rank: _builtins.int = ...,
         main: Global___ProcessStack | None = ...,
         subprocesses: _abc.Iterable[Global___ProcessStack] | None = ...,
+        process_rows: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["main", b"main"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_process_rows", b"_process_rows", "main", b"main", "process_rows", b"process_rows"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["main", b"main", "rank", b"rank", "subprocesses", b"subprocesses"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_process_rows", b"_process_rows", "main", b"main", "process_rows", b"process_rows", "rank", b"rank", "subprocesses", b"subprocesses"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__process_rows: _TypeAlias = _typing.Literal["process_rows"]  # noqa: Y015
+    _WhichOneofArgType__process_rows: _TypeAlias = _typing.Literal["_process_rows", b"_process_rows"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__process_rows) -> _WhichOneofReturnType__process_rows | None: ...
 
 Global___RankStacks: _TypeAlias = RankStacks  # noqa: Y015
 
@@ -1385,6 +1383,8 @@ class MachineSnapshot(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     SINCE_FIELD_NUMBER: _builtins.int
     OP_COLUMNS_FIELD_NUMBER: _builtins.int
+    PROCESS_COLUMNS_FIELD_NUMBER: _builtins.int
+    PROCESS_ERRORS_FIELD_NUMBER: _builtins.int
     THREAD_COLUMNS_FIELD_NUMBER: _builtins.int
     machine: _builtins.str
     address: _builtins.str
@@ -1433,9 +1433,20 @@ class MachineSnapshot(_message.Message):
         """
 
     @_builtins.property
+    def process_columns(self) -> Global___Columns:
+        """Wire only (compact form): the processes of every RankStacks with
+        process_rows set, in order. Three columns hold numbers the reader turns
+        into values: `role` the ProcessRole number, `threads` how many rows of
+        thread_columns the process's threads are (-1: none, the capture failed),
+        `error` the number of its CaptureError in process_errors (-1: none).
+        """
+
+    @_builtins.property
+    def process_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___CaptureError]: ...
+    @_builtins.property
     def thread_columns(self) -> Global___Columns:
-        """Wire only (compact form): the threads of every ProcessStack with
-        thread_rows set; the column `frames` holds stack numbers of stack_table.
+        """Wire only (compact form): the threads of those processes, in order; the
+        column `frames` holds the number of the thread's stack in stack_table.
         """
 
     def __init__(
@@ -1461,11 +1472,13 @@ class MachineSnapshot(_message.Message):
         version: _builtins.int | None = ...,
         since: _builtins.int | None = ...,
         op_columns: Global___Columns | None = ...,
+        process_columns: Global___Columns | None = ...,
+        process_errors: _abc.Iterable[Global___CaptureError] | None = ...,
         thread_columns: Global___Columns | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "captured", b"captured", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "op_columns", b"op_columns", "ranks_seen_wall", b"ranks_seen_wall", "since", b"since", "stack_table", b"stack_table", "thread_columns", b"thread_columns", "version", b"version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "captured", b"captured", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "op_columns", b"op_columns", "process_columns", b"process_columns", "ranks_seen_wall", b"ranks_seen_wall", "since", b"since", "stack_table", b"stack_table", "thread_columns", b"thread_columns", "version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "address", b"address", "captured", b"captured", "communicator_table", b"communicator_table", "counters", b"counters", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "op_columns", b"op_columns", "ranks", b"ranks", "ranks_seen_wall", b"ranks_seen_wall", "reachable", b"reachable", "relayed", b"relayed", "samples", b"samples", "since", b"since", "stack_table", b"stack_table", "stacks", b"stacks", "thread_columns", b"thread_columns", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "address", b"address", "captured", b"captured", "communicator_table", b"communicator_table", "counters", b"counters", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "op_columns", b"op_columns", "process_columns", b"process_columns", "process_errors", b"process_errors", "ranks", b"ranks", "ranks_seen_wall", b"ranks_seen_wall", "reachable", b"reachable", "relayed", b"relayed", "samples", b"samples", "since", b"since", "stack_table", b"stack_table", "stacks", b"stacks", "thread_columns", b"thread_columns", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__generation: _TypeAlias = _typing.Literal["generation"]  # noqa: Y015
     _WhichOneofArgType__generation: _TypeAlias = _typing.Literal["_generation", b"_generation"]  # noqa: Y015
