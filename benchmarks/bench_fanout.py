@@ -14,8 +14,9 @@ among them). Then, in a fresh client process each (so its peak RSS is its own):
   unpacked into a temporary folder), agents and client both, for N up to
   ``--base-max`` (it needs minutes and gigabytes beyond that);
 
-and prints, per N: capture wall and client CPU seconds (one warm capture
-after a poll that opens the channels), client peak RSS, bytes of the
+and prints, per N: capture wall and client CPU seconds (a capture after a
+poll that opens the channels; with ``--captures N``, N captures one after
+another, each whole, the median one and every one's CPU in order), client peak RSS, bytes of the
 replies (a capture, a whole poll, a steady poll: a delta against the last
 one where the code has deltas), the wall time of the first poll after the
 capture (sent whole) and the wall and client CPU time of a steady poll
