@@ -77,7 +77,6 @@ def int_type(values: list[int]) -> str | None:
     return next((n for n, (_, low, high) in _INTS.items() if low <= lo and hi < high), None)
 
 
-
 def _encode(name: str, values: list[Any]) -> dict[str, Any]:
     return {name: base64.b64encode(to_bytes(name, values)).decode("ascii")}
 

@@ -620,7 +620,8 @@ def _with_tables(decode: Decoder) -> Decoder:
 
     def decode_machine(msg: Any) -> Any:
         tables = _ReadTables(msg) if msg.HasField("stack_table") or len(msg.communicator_table) \
-            or msg.HasField("op_columns") or msg.HasField("process_columns") else None
+            or msg.HasField("op_columns") or msg.HasField("process_columns") or msg.HasField("thread_columns") \
+            else None
         previous, _DECODING.tables = getattr(_DECODING, "tables", None), tables
         try:
             machine = decode(msg)
@@ -991,14 +992,12 @@ def _communicator(c: pb.Communicator) -> Communicator:
 
 
 def _encode_thread(obj: ThreadStack, msg: Any) -> None:
-    tables: _WireTables | None = getattr(_ENCODING, "tables", None)
-    if tables is None:
-        rep = msg.frames
-        frame_enc = _encoder(Frame)
-        for frame in obj.frames:
-            frame_enc(frame, rep.add())
-    else:
-        msg.stack_ref = tables.stack(obj.frames)
+    # Only the plain form writes a thread as a message (the compact form's threads are thread_columns); a reply of
+    # the compact form before the columns, with threads pointing into stack_table by stack_ref, still decodes.
+    rep = msg.frames
+    frame_enc = _encoder(Frame)
+    for frame in obj.frames:
+        frame_enc(frame, rep.add())
 
 
 def _decode_thread(msg: Any, values: list[Any]) -> list[Any]:

@@ -84,6 +84,25 @@ def test_a_machine_sent_in_the_plain_form_by_an_older_agent_still_decodes() -> N
     assert machine_from_proto(pb.MachineSnapshot.FromString(plain.SerializeToString())) == machine
 
 
+def test_a_compact_reply_from_before_the_columns_still_decodes() -> None:
+    """Threads pointing into stack_table by stack_ref and operation counters as messages, as agents sent them
+    before a machine's processes, threads and counters became columns."""
+    frames = (Frame("step", "train.py", 7), Frame("main", "train.py", 1))
+    machine = MachineSnapshot("m", "a:1", True, Instant(1.0, 2.0), stacks=(
+        RankStacks(0, ProcessStack(10, ProcessRole.MAIN, (ThreadStack(10, frames, "MainThread"),))),))
+    msg = machine_to_proto(machine, compact=False)
+    thread = msg.stacks[0].main.threads.threads[0]
+    thread.ClearField("frames")
+    thread.stack_ref = 0
+    msg.stack_table.MergeFrom(pb.StackTable(
+        strings=["step", "train.py", "main"], frame_name=[0, 2], frame_filename=[1, 1], frame_line=[7, 1],
+        frame_module=[0, 0], frame_flags=[4, 4], stack_frames=[0, 1], stack_lengths=[2]))
+    assert machine_from_proto(pb.MachineSnapshot.FromString(msg.SerializeToString())) == machine
+    thread.stack_ref = 3
+    with pytest.raises(ProtoConversionError, match="stack_ref: stack 3 is not in stack_table"):
+        machine_from_proto(msg)
+
+
 def test_a_bundle_written_before_the_compact_form_still_opens() -> None:
     bundle = read_bundle(DATA / "bundles" / "v1-before-compact.json")
     assert bundle.latest == rich_job()
@@ -108,6 +127,10 @@ def _bad(mutate: object) -> pb.MachineSnapshot:
     (lambda m: m.stacks[0].subprocesses.add(), "a rank's stacks carry both processes and process_rows"),
     (lambda m: m.ClearField("thread_columns"), "processes take rows of thread_columns but their machine sent none"),
     (lambda m: m.stacks[-1].ClearField("process_rows"), "process_columns holds \\d+ rows but the ranks' stacks take"),
+    (lambda m: (m.ClearField("process_columns"), m.ClearField("process_errors"), m.ClearField("stack_table"),
+                m.ClearField("communicator_table"), m.ClearField("op_columns"), m.ClearField("stacks"),
+                [c.ClearField("op_rows") for c in m.counters], [c.ClearField("communicator_refs") for c in m.counters]),
+     "thread_columns holds \\d+ rows but the processes take 0"),
     (lambda m: _column(m, "threads", "process_columns").__setattr__("values", b"\xfe" * m.process_columns.rows),
      "column 'threads': holds a count below -1"),
     (lambda m: _column(m, "error", "process_columns").__setattr__("values", b"\x05" * m.process_columns.rows),
