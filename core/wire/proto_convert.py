@@ -630,6 +630,8 @@ def _with_tables(decode: Decoder) -> Decoder:
             return machine
         finally:
             _DECODING.tables = previous
+            if tables is not None:
+                tables.release()
 
     return decode_machine
 
@@ -918,6 +920,12 @@ class _ReadTables:
         for rows in (self.ops, self.processes, self.threads):
             rows.check_all_taken()
 
+    def release(self) -> None:
+        """Lets go of the reply: its rows' makers are methods of these tables (a cycle that held the whole parsed
+        reply, megabytes a machine, until the cyclic collector found it)."""
+        for rows in (self.ops, self.processes, self.threads):
+            rows.release()
+
     def _processes(self, columns: pb.Columns) -> list[ProcessStack]:
         values = read_values(ProcessStack, columns, _CODED_PROCESS)
         values[_ROLE_AT] = list(map(_ROLE_DECODER, values[_ROLE_AT]))
@@ -971,12 +979,20 @@ class _TakenRows:
         self.taken = start + n
         return tuple(made[start:start + n])
 
+    def release(self) -> None:
+        self.columns = self.made = None
+        self.make = _released
+
     def check_all_taken(self) -> None:
         rows = self.columns.rows if self.columns is not None else 0
         if self.taken != rows:
             exc = _WireError(f"{self.field} holds {rows} rows but the {self.takers} take {self.taken}")
             exc.path.append(f".{self.field}")
             raise exc
+
+
+def _released(columns: pb.Columns) -> list[Any]:
+    raise AssertionError("rows taken after their reply was decoded")
 
 
 def _communicator(c: pb.Communicator) -> Communicator:

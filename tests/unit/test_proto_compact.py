@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import typing
 from collections.abc import Callable
 
@@ -177,6 +178,28 @@ def test_a_relayed_reply_expands_into_each_machine() -> None:
     msg = machine_to_proto(b)
     msg.relayed.add().CopyFrom(machine_to_proto(a))
     assert machines_from_proto(pb.MachineSnapshot.FromString(msg.SerializeToString())) == [b, a]
+
+
+def test_decoding_a_reply_leaves_no_cycle_holding_the_parsed_reply() -> None:
+    # The client pauses the cyclic collector while it decodes and then sets what lives aside (gc.freeze): a cycle
+    # made while decoding would keep the whole parsed reply (megabytes a machine) until the process ends.
+    msg = pb.MachineSnapshot.FromString(machine_to_proto(rich_job().machines[0]).SerializeToString())
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        machines_from_proto(msg)
+        del msg
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [type(o).__qualname__ for o in gc.garbage
+                if getattr(type(o), "__module__", "").startswith(("rankscope.", "google."))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if collecting:
+            gc.enable()
+    assert left == []
 
 
 # ---- the delta form (DescribeRequest.since): what did not change is a mark, and the client keeps its objects ----
