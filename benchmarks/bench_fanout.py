@@ -10,9 +10,10 @@ two subprocesses per rank, six communicators per rank with the world group
 among them). Then, in a fresh client process each (so its peak RSS is its own):
 
 - ``new``: this checkout (compact wire form, compiled decoder);
-- ``base``: the code this branch started from (``git merge-base HEAD main``,
-  unpacked into a temporary folder), agents and client both, for N up to
-  ``--base-max`` (it needs minutes and gigabytes beyond that);
+- ``base``: the code at ``--base-ref`` (default: where this branch started,
+  ``git merge-base HEAD main``), unpacked into a temporary folder, agents and
+  client both, for N up to ``--base-max`` (the code before #16 needs minutes
+  and gigabytes beyond that);
 
 and prints, per N: capture wall and client CPU seconds (a capture after a
 poll that opens the channels; with ``--captures N``, N captures one after
@@ -27,7 +28,7 @@ the least any direct poll from one Python process costs.
 hung job, so a capture after a poll is a delta whose only new part is the
 stacks (the incident case); by default every reading differs from the last
 (a job whose every counter moved), so a capture is decoded whole.
-``--relay-fanout K`` (new only): agents relay in groups of K, the client
+``--relay-fanout K`` (new, and a base from after #15): agents relay in groups of K, the client
 talks to N/K relays. ``--bundle``: at the largest N, also write the capture
 as a bundle and time opening it (beside the same capture as a version-3
 bundle, whose number columns are JSON lists) and ``rankscope analyze`` on it.
@@ -93,14 +94,33 @@ BASE_NAMES = {"rankscope.contract.snapshot": "rankscope.snapshot", "rankscope.co
               "rankscope.wire.proto.rankscope_pb2_grpc": "rankscope.proto.rankscope_pb2_grpc"}
 
 
+def base_root(ref: str) -> Path:
+    """The folder to put first on sys.path to run the code at ``ref``: for a ref from after #15 split core/ by
+    role, its whole tree under this checkout's module names (``bench_bundle.base_tree``); before it, its flat
+    core (``base_package``, its modules renamed by ``use_impl``)."""
+    split = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{ref}:core/wire"], capture_output=True,
+                           check=False).returncode == 0
+    if split:
+        from bench_bundle import base_tree  # (imports this module: not at the top)
+
+        return base_tree(ref)
+    return base_package(ref)
+
+
+def same_names(base: str) -> bool:
+    """Whether the base code's modules have this checkout's names (a base from after #15: it relays too)."""
+    return (Path(base) / "rankscope" / "wire").is_dir()
+
+
 def use_impl(impl: str, base: str | None) -> None:
     if impl == "base":
         assert base is not None
         sys.path.insert(0, base)
-        # The base's modules under this checkout's names, so the code below imports one set of names. (Looking
-        # them up by the new names would not fail: the editable install's finder serves this checkout's.)
-        for name, base_name in BASE_NAMES.items():
-            sys.modules[name] = importlib.import_module(base_name)
+        if not same_names(base):
+            # The base's modules under this checkout's names, so the code below imports one set of names. (Looking
+            # them up by the new names would not fail: the editable install's finder serves this checkout's.)
+            for name, base_name in BASE_NAMES.items():
+                sys.modules[name] = importlib.import_module(base_name)
     sys.path.insert(0, str(HERE))  # fanout_source
 
 
@@ -360,7 +380,7 @@ def run_client(impl: str, base: str | None, agents: list[str], bundle: Path | No
 
 def measure(impl: str, base: str | None, n: int, args: argparse.Namespace, bundle: Path | None) -> dict[str, Any]:
     ranks = args.ranks_per_machine
-    relay_k = args.relay_fanout if impl == "new" else 0
+    relay_k = args.relay_fanout if impl == "new" or (base is not None and same_names(base)) else 0
     if relay_k and n > relay_k:
         leaves = Servers(impl, base, n - n // relay_k, args.processes, ranks, first=n // relay_k, world=n * ranks,
                          hung=args.hung)
@@ -457,7 +477,7 @@ def main() -> int:
     sizes = [int(x) for x in args.sizes.split(",")]
     ref = args.base_ref or subprocess.run(["git", "-C", str(REPO), "merge-base", "HEAD", "main"], capture_output=True,
                                           text=True, check=True).stdout.strip()
-    base = str(base_package(ref)) if args.base_max > 0 else None
+    base = str(base_root(ref)) if args.base_max > 0 else None
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}; base = {ref[:12]}; "
           f"{args.ranks_per_machine} ranks per agent; relay fan-out {args.relay_fanout or 'none'}; "
           f"{'a hung job (captures add only stacks)' if args.hung else 'every reading changes'}", flush=True)
