@@ -231,6 +231,12 @@ class Servers:
 
 def client(args: argparse.Namespace) -> None:
     use_impl(args.impl, args.base)
+    try:
+        from rankscope.contract.heap import settle_in_this_process
+    except ImportError:  # a base from before it
+        pass
+    else:
+        settle_in_this_process()  # as `rankscope snapshot` and the TUI run
     from rankscope.wire.client import JobClient
     from rankscope.wire.proto import rankscope_pb2 as pb
     from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc

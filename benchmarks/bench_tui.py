@@ -37,6 +37,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from rankscope.contract.bundle import Bundle, write_bundle
+from rankscope.contract.heap import settle_in_this_process
 from rankscope.contract.snapshot import JobSnapshot
 from rankscope.tui import state as st
 from rankscope.tui.app import AppOptions, RankscopeApp
@@ -61,7 +62,8 @@ async def measure(path: Path, filters: tuple[str, ...], rounds: int) -> dict[str
     """Open the bundle file as `rankscope attach --bundle` does, then refresh, filter and scroll."""
     out: dict[str, Any] = {}
     source = BundleSource(label=path.name, path=path)
-    app = RankscopeApp(source, AppOptions(capture_on_start=False, settle_heap=True))  # as `rankscope attach` runs
+    settle_in_this_process()  # as `rankscope attach` runs
+    app = RankscopeApp(source, AppOptions(capture_on_start=False))
     t0 = time.perf_counter()
     async with app.run_test(size=(160, 48)) as pilot:
         await app.loaded.wait()

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from rankscope.analyzers.failslow import FailSlowConfig
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.bundle import Bundle, write_bundle
 from rankscope.contract.errors import RankscopeError
+from rankscope.contract.heap import settle, settle_in_this_process
 from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui import state as st
 from rankscope.tui.actions import ActionController
@@ -76,7 +75,6 @@ class AppOptions:
     bundle_dir: Path = Path(".")
     layout: Layout | None = None
     read_only: bool = False
-    settle_heap: bool = False  # gc.freeze() after each snapshot; `rankscope attach` turns it on
     pair_hint: str = ""  # how a second person attaches read-only (the drill says it); logged as the first event
     failslow_config: FailSlowConfig | None = None  # the fail-slow detectors' windows (None: drill-sized defaults)
 
@@ -140,19 +138,6 @@ class RankscopeApp(App[int]):
         self.redraw()
         self._load()
 
-    def _settle_heap(self) -> None:
-        """Move what is alive now out of the cyclic collector's way (``AppOptions.settle_heap``).
-
-        A 16k-rank snapshot is millions of small objects; without this each
-        full collection walks them all again, holding the GIL for a second
-        (a stalled screen) and making a digest 5x slower. Snapshots hold no
-        cycles, so they are still freed by reference counting when the state
-        lets go of them. Off by default for apps embedded in other processes
-        (tests), where freezing would keep their cyclic garbage forever.
-        """
-        if self.options.settle_heap:
-            gc.freeze()
-
     def _now(self, snapshot_wall: float | None = None) -> float:
         # Offline, "now" is the bundle's own time, so a replay draws the same screen every time.
         if not self.source.live and snapshot_wall is not None:
@@ -176,7 +161,7 @@ class RankscopeApp(App[int]):
         layout = self.options.layout
         if self.options.pair_hint:
             self.state = st.apply_info(self.state, self.options.pair_hint, self.clock())
-        self._settle_heap()
+        settle()  # what the last snapshot made, out of the collector's way (rankscope.contract.heap)
         steps = await asyncio.to_thread(_digest_series, initial, layout)
         # Agents the hostfile marks evicted (before this view attached) are evicted from the first reading on,
         # never "lost": the first poll's stand-ins for them read as agents that stopped answering.
@@ -211,7 +196,7 @@ class RankscopeApp(App[int]):
     @work(group="poll", exclusive=True)
     async def _poll(self) -> None:
         async def deliver(snap: JobSnapshot) -> None:
-            self._settle_heap()
+            settle()
             d = await asyncio.to_thread(st.digest, snap)
             self.post_message(SnapshotReceived(d, self.clock()))
 
@@ -377,7 +362,7 @@ class RankscopeApp(App[int]):
             if snap is None:
                 self.post_message(CaptureFailed("no stacks to capture from this source", self.clock()))
                 return
-            self._settle_heap()
+            settle()
             d, view = await asyncio.to_thread(_digest_capture, snap, self.options.layout)
             self.post_message(CaptureAnalyzed(d, view, self.clock()))
         except Exception as exc:  # one failed capture is an event, not the end of the session
@@ -528,7 +513,8 @@ def _digest_series(snaps: Sequence[JobSnapshot], layout: Layout | None,
 
 
 def run_app(source: Source, options: AppOptions) -> int:
-    app = RankscopeApp(source, dataclasses.replace(options, settle_heap=True))  # this process is the TUI's
+    settle_in_this_process()  # this process is the TUI's: what it holds is set aside from the collector
+    app = RankscopeApp(source, options)
     result = app.run()
     return app.return_code or result or 0
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import types
 import typing
@@ -26,6 +25,7 @@ from typing import Any, TypeVar
 
 from rankscope.contract.bundle_columns import ColumnError, ColumnWriter, read_columns
 from rankscope.contract.errors import RankscopeError
+from rankscope.contract.heap import collector_paused
 from rankscope.contract.snapshot import Communicator, Frame, JobSnapshot, RankCounters, ThreadStack
 
 FORMAT = "rankscope.bundle"
@@ -147,21 +147,8 @@ def bundle_to_dict(bundle: Bundle, *, compact: bool = False, version: int | None
 
 
 def dumps(bundle: Bundle, indent: int | None = None, *, version: int = VERSION) -> str:
-    with no_cyclic_gc():  # as in ``loads``: many containers made, none in a cycle
+    with collector_paused():  # as in ``loads``: many containers made, none in a cycle
         return json.dumps(bundle_to_dict(bundle, version=version), indent=indent, allow_nan=False)
-
-
-@contextlib.contextmanager
-def no_cyclic_gc() -> typing.Iterator[None]:
-    """The cyclic collector paused: for work that makes hundreds of thousands of objects and no cycles (reading
-    or writing a bundle, analysing a 16k-rank capture), which it would otherwise walk again and again."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def write_bundle(bundle: Bundle, path: str | Path, text: str | None = None) -> Path:
@@ -496,7 +483,7 @@ def _resolve_tables(snap: Any, where: str) -> None:
 def loads(text: str, source: str = "bundle") -> Bundle:
     # Reading makes hundreds of thousands of objects that all live on, none of them in a cycle: the cyclic
     # collector would only walk them again and again as they pile up (a third of the time at 16k ranks).
-    with no_cyclic_gc():
+    with collector_paused():
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -26,10 +26,9 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
-import gc
 import resource
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -56,6 +55,7 @@ from rankscope.actions.model import (
     needs_typed_confirmation,
 )
 from rankscope.contract.errors import RankscopeError
+from rankscope.contract.heap import collector_paused
 from rankscope.contract.snapshot import CaptureError, CaptureErrorKind, Instant, JobSnapshot, MachineSnapshot
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
@@ -744,7 +744,7 @@ class JobClient:
     async def _fan_out(self, call_for: CallFor, timeout_s: float) -> JobSnapshot:
         started = Instant(wall=time.time(), mono=time.monotonic())
         asked = self.members
-        with _collector_paused():
+        with collector_paused():  # ~400,000 objects at 16,384 ranks, none in a cycle (rankscope.contract.heap)
             answers = await asyncio.gather(*(self._one(a, call_for(a), timeout_s) for a in asked))
         machines = [self._named(m) for ms in answers for m in ms]
         machines += [self._named(evicted_stand_in(a)) for a in self.agents if a in self.retired]
@@ -781,43 +781,6 @@ def lost_result(request: ActionRequest, address: str, reason: str) -> ActionResu
         request.action_id, request.kind, ActionState.FAILED,
         f"{reason}; the outcome on {address} is unknown: the agent records it in its audit log",
         None, now, (f"send the same action id {request.action_id} again to get the recorded result",))
-
-
-_PAUSED = [0, False]  # fan-outs under way that paused the cyclic collector; whether it ran before the first
-# After this many fan-outs whose survivors were set aside (gc.freeze), the next one gives them all back to the
-# collector instead, so a cycle among them that has since become garbage is not kept for the life of the process.
-SET_ASIDE_FAN_OUTS = 16
-_SET_ASIDE = [0]  # fan-outs since the collector last got everything back
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """No cyclic garbage collection while replies are decoded, nor over what they made afterwards.
-
-    A capture of 2,048 agents makes ~400,000 objects that all live on and form no cycle; the collector walked
-    them again and again as they piled up (30 % of the client's CPU). Overlapping fan-outs share the pause;
-    the last one to end restores the collector as the first found it. Once it ran again, those survivors made
-    its next collection of every generation (their number had grown by more than a quarter) walk every object
-    of the process: 0.25 s at 16,384 ranks, after every capture. So the last one to end sets everything that
-    lives at that moment aside (``gc.freeze``: reference counting still frees it, the collector skips it), and
-    every ``SET_ASIDE_FAN_OUTS``-th gives it all back to the collector.
-    """
-    if _PAUSED[0] == 0:
-        _PAUSED[1] = gc.isenabled()
-        gc.disable()
-    _PAUSED[0] += 1
-    try:
-        yield
-    finally:
-        _PAUSED[0] -= 1
-        if _PAUSED[0] == 0 and _PAUSED[1]:
-            _SET_ASIDE[0] += 1
-            if _SET_ASIDE[0] > SET_ASIDE_FAN_OUTS:
-                _SET_ASIDE[0] = 0
-                gc.unfreeze()
-            else:
-                gc.freeze()
-            gc.enable()
 
 
 def _with_address(machine: MachineSnapshot, address: str) -> MachineSnapshot:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
+from rankscope.contract.heap import settle_in_this_process
 from rankscope.contract.snapshot import (
     CaptureErrorKind,
     Communicator,
@@ -25,7 +26,6 @@ from rankscope.contract.snapshot import (
     RankStacks,
     ThreadStack,
 )
-from rankscope.wire import client as client_module
 from rankscope.wire.agent import AgentConfig, RunningAgent, start_agent
 from rankscope.wire.client import JobClient, error_for_rpc
 from rankscope.wire.tokens import TokenSet, parse_tokens
@@ -150,24 +150,22 @@ async def test_overlapping_fan_outs_leave_the_garbage_collector_as_they_found_it
             gc.enable()
 
 
-async def test_what_a_fan_out_made_is_set_aside_from_the_collector_and_given_back_in_turn(
-        leaves: list[RunningAgent], monkeypatch: pytest.MonkeyPatch) -> None:
-    # Set aside, the readings are not walked by every full collection (0.25 s a capture at 16,384 ranks); given
-    # back every SET_ASIDE_FAN_OUTS-th time, a cycle among them that became garbage is still collected.
-    monkeypatch.setattr(client_module, "SET_ASIDE_FAN_OUTS", 2)
-    monkeypatch.setattr(client_module, "_SET_ASIDE", [0])
+async def test_what_a_fan_out_made_is_set_aside_from_the_collector_in_a_process_that_asked(
+        leaves: list[RunningAgent]) -> None:
+    # Set aside, the readings are not walked by every full collection (0.25 s a capture at 16,384 ranks); a process
+    # that embeds the client (this one) keeps its own cyclic garbage collectable unless it asks.
     gc.unfreeze()
     try:
         async with JobClient([a.address for a in leaves], TOKEN, deadline_s=30) as client:
-            counts = []
-            for _ in range(4):
-                snap = await client.poll()
-                counts.append(gc.get_freeze_count())
-                assert gc.isenabled() and all(m.reachable for m in snap.machines)
+            await client.poll()
+            assert gc.get_freeze_count() == 0 and gc.isenabled()
+            settle_in_this_process()
+            snap = await client.poll()
+            assert gc.get_freeze_count() > 0 and gc.isenabled() and all(m.reachable for m in snap.machines)
             machine = snap.machines[0]
-            assert counts[0] > 0 and counts[1] > 0 and counts[2] == 0 and counts[3] > 0
             assert not any(o is machine for o in gc.get_objects())  # the newest reading is among what is set aside
     finally:
+        settle_in_this_process(False)
         gc.unfreeze()
 
 

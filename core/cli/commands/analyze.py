@@ -112,10 +112,10 @@ def run(args: argparse.Namespace) -> int:
         _print(out, args.json)
         return 0
     from rankscope.analyzers.analysis import analyze_job
-    from rankscope.contract.bundle import no_cyclic_gc
+    from rankscope.contract.heap import collector_paused
 
     try:
-        with no_cyclic_gc():  # the analysis adds ~1M objects to the capture's: a collection would walk them all
+        with collector_paused():  # the analysis adds ~1M objects to the capture's: a collection would walk them all
             job = analyze_job(snapshot, layout, options, other_verdicts)  # the TUI's and the drill's analysis too
             rounds = _rounds(snapshots, layout, options) if len(snapshots) > 1 else None
     except ValueError as exc:

@@ -89,11 +89,13 @@ def run(args: argparse.Namespace) -> int:
     from rankscope import __version__
     from rankscope.contract.bundle import Bundle, dumps, write_bundle
     from rankscope.contract.errors import RankscopeError
+    from rankscope.contract.heap import settle_in_this_process
     from rankscope.wire.client import capture_once
     from rankscope.wire.slurm import missing_lines
 
     if args.deadline <= 0 or args.timeout <= 0:
         raise RankscopeError("--deadline and --timeout must be positive", "e.g. --deadline 10 --timeout 5")
+    settle_in_this_process()  # the capture lives until the bundle is written: the collector need not walk it
     with open_target(args) as target:
         snap = capture_once(
             target.agents, target.token, deadline_s=args.deadline, tls=target.tls,
