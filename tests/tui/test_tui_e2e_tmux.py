@@ -415,11 +415,20 @@ def _drive_and_check(session: str, run_dir: Path,
     evicted = re.compile(r"\d\d:\d\d:\d\d\s+evicted\s+evicted machine-\d")
     text = wait_screen(session, lambda t: "nothing to evict now" not in t, 30, "the events, the notice of e gone")
     seen = text
-    if joined.search(text) is None or evicted.search(text) is None:
+    for _ in range(15):
+        if joined.search(seen) and evicted.search(seen) and "training runs again" in seen:
+            break
         # Newest first: what came after the recovery (the backup, the hot-update, and the lazy update the agents
-        # apply when the ranks end) can fill the screen; the eviction and the restart are further down.
-        tmux("send-keys", "-t", session, "G")
-        seen += wait_screen(session, lambda t: t != text, 30, "the oldest events (G)")
+        # apply when the ranks end) can fill a screen or more; the eviction and the restart are further down.
+        # Page down until they show or the list ends (the screen stops changing).
+        before = screen(session)
+        tmux("send-keys", "-t", session, "PageDown")
+        deadline = time.monotonic() + 5
+        while (after := screen(session)) == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if after == before:
+            break
+        seen += after
     assert joined.search(seen) and evicted.search(seen) and "training runs again" in seen, seen
 
     # Quitting the read-only view leaves the drill and the main view running.
