@@ -23,7 +23,7 @@ flagged. Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rankscope.analyzers.ccl_desync import (
     MATCHING,
@@ -129,6 +129,7 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
     if table is None:
         table = op_table(live)
     found: dict[tuple[int, ...], tuple[float, list[str]]] = {}
+    waits_on: dict[int, set[int]] = {}  # rank -> the ranks it waits for (a lag it waits in, a side never posted)
 
     def add(ranks: tuple[int, ...], score: float, line: str) -> None:
         key = tuple(sorted(set(ranks)))
@@ -160,6 +161,8 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                                 + ("" if posted or peer not in live
                                    else f"; rank {peer} has no open {MATCHING[op]} to rank {r}"))
                         score = SCORE_OPEN_REQUEST if posted or peer not in live else SCORE_P2P_UNPOSTED
+                        if score == SCORE_P2P_UNPOSTED:
+                            waits_on.setdefault(r, set()).add(peer)
                         add((r, peer), score, line + " (communication side)")
                     if not o.open_peers:
                         add((r,), SCORE_OPEN_REQUEST * 0.5,
@@ -172,6 +175,8 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
             waiting = [r for r in leaders if (o := row[r]) is not None and o.wc < o.wr]
             laggards = tuple(r for r, c in cls.items() if c < top)
             if laggards and waiting:
+                for w in waiting:
+                    waits_on.setdefault(w, set()).update(laggards)
                 add(laggards, SCORE_CL_LAG,
                     f"rank {', '.join(map(str, laggards))}: {op} CL {min(cls[r] for r in laggards)} < {top} on "
                     f"{_label(comm)}; {_ranks_word(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in it "
@@ -186,9 +191,62 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                             "launched (communication side)")
     suspects = [Suspect(SuspectKind.RANK, ranks, _machines(ranks, placement), score, tuple(lines), (SOURCE,))
                 for ranks, (score, lines) in found.items()]
+    suspects = _fold_victims(suspects, waits_on)
     suspects = _fold_desyncs(suspects, crossed_waits(live) if crossed is None else crossed, placement)
     suspects.sort(key=lambda s: (-s.score, len(s.ranks), s.ranks))
     return tuple(suspects)
+
+
+def _fold_victims(suspects: list[Suspect], waits_on: Mapping[int, set[int]]) -> list[Suspect]:
+    """Suspects that only wait, through the counters, on another suspect's rank become that root's victims.
+
+    One stuck rank makes its partners lag in the next collectives too: in a
+    pipeline hang every rank of the stalled stage is behind on its data-parallel
+    all-reduce, each at the same score as the rank that started it, and the
+    first of them in rank order was named (rank 2 on the wrong machine, when
+    rank 6 never posted the send rank 2 waits for). Following who waits for
+    whom to the ranks that wait for nobody (the roots) tells them apart; a
+    suspect all of whose ranks wait on someone is evidence under the best
+    suspect holding a root it leads to. Waits that go round (no root) fold nothing.
+    """
+    roots = {r for targets in waits_on.values() for r in targets if not waits_on.get(r)}
+    hosts = sorted((s for s in suspects if roots & set(s.ranks)), key=lambda s: (-s.score, len(s.ranks), s.ranks))
+    if not hosts:
+        return suspects
+
+    def leads_to(start: tuple[int, ...]) -> set[int]:
+        seen, todo = set(start), list(start)
+        while todo:
+            for nxt in waits_on.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    folded: dict[int, tuple[set[int], list[str]]] = {}  # id(host) -> the victims folded in, their lines
+    out: list[Suspect] = []
+    for s in suspects:
+        host = None
+        if s not in hosts and all(waits_on.get(r) for r in s.ranks):
+            reached = leads_to(s.ranks) & roots
+            host = next((h for h in hosts if reached & set(h.ranks)), None)
+        if host is None:
+            out.append(s)
+            continue
+        victims, lines = folded.setdefault(id(host), (set(), []))
+        victims.update(s.ranks)
+        lines.extend(f"  waits on it: {line}" for line in s.evidence)
+    result: list[Suspect] = []
+    for s in out:
+        got = folded.get(id(s))
+        if got is None:
+            result.append(s)
+            continue
+        victims = got[0] | {r for r in waits_on if set(s.ranks) & leads_to((r,))}
+        victims -= set(s.ranks)
+        result.append(replace(s, evidence=(*s.evidence, *got[1][:6]),
+                              victims=tuple(sorted(victims | set(s.victims)))))
+    return result
 
 
 def desync_line(c: CrossedWait) -> str:

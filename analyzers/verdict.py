@@ -230,7 +230,8 @@ def headline(s: Suspect, *, own_words: bool = False) -> str:
             return s.evidence[0].split(" (ranks ", 1)[0]
         return f"desync: ranks {compact_ranks(s.ranks)} on {where} are in a different collective from their peers"
     if kind == "rank" and len(s.ranks) == 1 and s.victims:
-        return f"rank {s.ranks[0]} on {where} ({s.state}; {len(s.victims)} ranks wait on it)"
+        state = f"{s.state}; " if s.state else ""  # (the counters tell who waits, not what the root does)
+        return f"rank {s.ranks[0]} on {where} ({state}{len(s.victims)} ranks wait on it)"
     if kind == "rank" and len(s.ranks) == 1:
         return f"rank {s.ranks[0]} on {where}"
     if kind == "machine":

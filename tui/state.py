@@ -36,7 +36,7 @@ from rankscope.contract.snapshot import (
 )
 from rankscope.tui.analysis import StackView
 from rankscope.tui.failslow_state import FailSlowView
-from rankscope.tui.state_actions import ActionsState, audit_line_text, log_note, log_record
+from rankscope.tui.state_actions import ActionsState, audit_line_text, drop_notes, log_note, log_record
 
 HISTORY = 60  # points kept for sparklines (one per poll, about a minute at 1 Hz)
 EVENTS_KEPT = 500
@@ -656,9 +656,11 @@ def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float, add
     names = sorted((new | {m.name for m in state.machines if m.address in new_addresses}) - state.evicted)
     events = [Event(now_wall, "evicted", f"evicted {' '.join(names)}: out of the job, its ranks restart elsewhere")] \
         if names else []
-    return replace(state, evicted=evicted, evicted_addresses=evicted_addresses,
-                   machines=_mark_evicted(state.machines, evicted, evicted_addresses),
-                   events=_with_events(state, events), awaiting_restart=state.awaiting_restart or bool(new))
+    s = replace(state, evicted=evicted, evicted_addresses=evicted_addresses,
+                machines=_mark_evicted(state.machines, evicted, evicted_addresses),
+                events=_with_events(state, events), awaiting_restart=state.awaiting_restart or bool(new))
+    # A note on an evicted machine's audit stream (its agent stopped as the eviction ran) is no longer news.
+    return replace(s, actions=replace(s.actions, log=drop_notes(s.actions.log, _evicted_addresses(s))))
 
 
 def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: float) -> AppState:
@@ -961,8 +963,16 @@ def apply_audit(state: AppState, address: str, record: AuditRecord) -> AppState:
 
 
 def apply_audit_note(state: AppState, address: str, text: str) -> AppState:
-    """Why an agent's audit stream is missing (shown under the Actions summary)."""
+    """Why an agent's audit stream is missing (shown under the Actions summary). Not for an evicted machine's
+    agent: its stream is no longer followed, and its agent stopping with it is no problem to show."""
+    if address in _evicted_addresses(state):
+        return state
     return replace(state, actions=replace(state.actions, log=log_note(state.actions.log, address, text)))
+
+
+def _evicted_addresses(state: AppState) -> frozenset[str]:
+    """The agents out of the job: marked evicted by address (hostfile), or speaking for an evicted machine."""
+    return state.evicted_addresses | {m.address for m in state.machines if m.name in state.evicted}
 
 
 def apply_actions(state: AppState, actions: ActionsState) -> AppState:

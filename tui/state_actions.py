@@ -74,6 +74,12 @@ def log_note(log: ActionLog, address: str, text: str) -> ActionLog:
     return replace(log, notes=tuple(notes), version=log.version + 1)
 
 
+def drop_notes(log: ActionLog, addresses: frozenset[str]) -> ActionLog:
+    """The log without the notes of ``addresses`` (agents out of the job: their streams are no longer followed)."""
+    notes = tuple(n for n in log.notes if n[0] not in addresses)
+    return log if len(notes) == len(log.notes) else replace(log, notes=notes, version=log.version + 1)
+
+
 @dataclass(frozen=True, slots=True)
 class ActionsState:
     """What the Actions view and the action keys know: the log, the plan being confirmed, the action under way."""

@@ -100,3 +100,41 @@ def test_short_td_marks_the_late_arriver_and_large_n_the_slow_link() -> None:
 
 def test_rates_between_two_reads() -> None:
     assert counter_rates(rc(0, [ar(10)]), rc(0, [ar(30)]), 2.0) == {("1", "all_reduce"): 10.0}
+
+
+def test_a_stalled_pipeline_stage_names_the_rank_that_started_it_and_its_lagging_partners_wait_on_it() -> None:
+    # The drill's hang-p2p at rank 6 (TP=2 PP=2 DP=2, two ranks a machine): rank 6 never posts the send rank 2
+    # waits for; its TP peer 7, rank 2's TP peer 3 and every DP peer then wait in all-reduces that ranks 2, 3, 6
+    # and 7 never launch, each lag scoring as high as rank 6's own. Only rank 6 waits for nobody.
+    comms = {name: Communicator(name, "gloo", desc, ranks) for name, desc, ranks in [
+        ("tp23", "TENSOR_MODEL_PARALLEL_GROUP", (2, 3)), ("tp67", "TENSOR_MODEL_PARALLEL_GROUP", (6, 7)),
+        ("dp02", "DATA_PARALLEL_GROUP", (0, 2)), ("dp13", "DATA_PARALLEL_GROUP", (1, 3)),
+        ("dp46", "DATA_PARALLEL_GROUP", (4, 6)), ("dp57", "DATA_PARALLEL_GROUP", (5, 7)),
+        ("pp26", "PIPELINE_MODEL_PARALLEL_GROUP", (2, 6))]}
+
+    def op(comm: str, name: str, cl: int, waiting: bool = False, peers: tuple[int, ...] = ()) -> OpCounters:
+        return OpCounters(comm, name, cl, cl, cl - 1 if waiting else cl, open_peers=peers)
+
+    ops: dict[int, list[OpCounters]] = {
+        0: [op("dp02", "all_reduce", 21, waiting=True)], 1: [op("dp13", "all_reduce", 21, waiting=True)],
+        4: [op("dp46", "all_reduce", 21, waiting=True)], 5: [op("dp57", "all_reduce", 21, waiting=True)],
+        2: [op("tp23", "all_reduce", 328), op("dp02", "all_reduce", 20), op("pp26", "recv", 81, True, (6,))],
+        3: [op("tp23", "all_reduce", 329, waiting=True), op("dp13", "all_reduce", 20)],
+        6: [op("tp67", "all_reduce", 330), op("dp46", "all_reduce", 20), op("pp26", "send", 80)],
+        7: [op("tp67", "all_reduce", 331, waiting=True), op("dp57", "all_reduce", 20)],
+    }
+    counters = {r: rc(r, o, tuple(c for c in comms.values() if r in c.ranks)) for r, o in ops.items()}
+    placement = {r: f"machine-{r // 2}" for r in range(8)}
+    top, *rest = counter_findings(counters, placement)
+    assert top.ranks == (6,) and top.machines == ("machine-3",)
+    assert top.victims == (0, 1, 2, 3, 4, 5, 7)
+    assert any("waits on it: rank 2: all_reduce CL 328 < 329" in e for e in top.evidence)
+    # what is left is rank 6 again (the pair of the unposted send), never a suspect made only of its victims
+    assert all(6 in s.ranks for s in rest), rest
+    machines = tuple(MachineSnapshot(f"machine-{m}", f"127.0.0.1:{m}", True, Instant(1.0, 1.0),
+                                     ranks=tuple(RankInfo(rank=r, local_rank=r % 2, world_size=8, pid=100 + r)
+                                                 for r in (2 * m, 2 * m + 1)),
+                                     counters=tuple(counters[r] for r in (2 * m, 2 * m + 1)))
+                     for m in range(4))
+    verdict = merge_verdicts(analyze_counters(JobSnapshot(Instant(1.0, 1.0), machines)))
+    assert verdict.suspects[0].ranks == (6,) and verdict.suspects[0].machines == ("machine-3",)

@@ -62,6 +62,23 @@ def test_an_audit_record_is_a_row_and_an_event_once_and_a_succeeded_eviction_mar
     assert s2.actions.log.version == 3
 
 
+def test_an_evicted_machines_audit_stream_ending_is_no_note_before_or_after_the_eviction_is_seen() -> None:
+    # Its agent stops as the eviction runs, often before the eviction's own record arrives from another agent.
+    s = fold((job(T0, stacks=False, step=1, hung=False),))
+    node05 = next(m.address for m in s.machines if m.name == "node05")
+    node06 = next(m.address for m in s.machines if m.name == "node06")
+    s = st.apply_audit_note(s, node05, "audit of node05: handshake failed (Server shutdown) — reconnecting")
+    s = st.apply_audit_note(s, node06, "audit of node06: no agent answered — reconnecting")
+    s = st.apply_audit(s, node06, record(1, ActionKind.EVICT, "succeeded", ("node05",)))
+    assert s.evicted == frozenset({"node05"})
+    assert s.actions.log.notes == ()  # node06's stream is back (its record came), node05 is out of the job
+    s = st.apply_audit_note(s, node06, "audit of node06: no agent answered — reconnecting")
+    assert st.apply_audit_note(s, node05, "audit of node05: no agent answered — reconnecting") is s
+    assert [a for a, _ in s.actions.log.notes] == [node06]
+    by_hostfile = st.apply_evicted(s, (), T0, frozenset({node06}))  # or marked evicted by the hostfile
+    assert by_hostfile.actions.log.notes == ()
+
+
 def test_a_note_replaces_the_agents_earlier_note_in_its_place() -> None:
     log = sa.log_note(sa.log_note(sa.ActionLog(), "a:1", "one"), "b:2", "two")
     log = sa.log_note(log, "a:1", "one again")
