@@ -33,6 +33,7 @@ from rankscope.actions.agent_protocol import (
     ActionError,
     ActionUpdate,
     AgentLost,
+    AuditResumed,
     Confirmation,
     combined_phrase,
     confirmation_for,
@@ -82,7 +83,7 @@ class ActionSource(Protocol):
 
     def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]: ...
 
-    def watch_audit(self, since: int | None = 0) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost]: ...
+    def watch_audit(self, since: int | None = 0) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost | AuditResumed]: ...
 
 
 # --------------------------------------------------------------------------
@@ -467,7 +468,9 @@ class ActionController:
 
     async def _watch(self) -> None:
         async for item in self.source.watch_audit(since=0):
-            if isinstance(item, AgentLost):
+            if isinstance(item, AuditResumed):
+                self.app.post_message(AuditNoted(item.address, ""))  # no note: its stream is open again
+            elif isinstance(item, AgentLost):
                 note = f"audit of {item.address}: {item.message}"
                 if item.fix:
                     note += f" (fix: {item.fix})"

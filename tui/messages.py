@@ -84,7 +84,7 @@ class AuditReceived(Message):
 
 
 class AuditNoted(Message):
-    """An agent's audit stream is missing, and why (it reconnects)."""
+    """An agent's audit stream is missing, and why (it reconnects); ``text`` empty: it is open again."""
 
     def __init__(self, address: str, text: str) -> None:
         super().__init__()

@@ -963,8 +963,11 @@ def apply_audit(state: AppState, address: str, record: AuditRecord) -> AppState:
 
 
 def apply_audit_note(state: AppState, address: str, text: str) -> AppState:
-    """Why an agent's audit stream is missing (shown under the Actions summary). Not for an evicted machine's
-    agent: its stream is no longer followed, and its agent stopping with it is no problem to show."""
+    """Why an agent's audit stream is missing (shown under the Actions summary; ``text`` empty: its stream is open
+    again). Not for an evicted machine's agent: its stream is no longer followed, and its agent stopping with it
+    is no problem to show."""
+    if not text:
+        return replace(state, actions=replace(state.actions, log=drop_notes(state.actions.log, frozenset({address}))))
     if address in _evicted_addresses(state):
         return state
     return replace(state, actions=replace(state.actions, log=log_note(state.actions.log, address, text)))

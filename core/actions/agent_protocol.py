@@ -82,6 +82,18 @@ class AgentLost:
     retrying: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class AuditResumed:
+    """A watched agent's audit stream is open again after an ``AgentLost`` (before any new record: an agent that
+    restarted may have none to send, and its lost note must not stay)."""
+
+    address: str
+
+
+# The initial metadata an agent sends once it accepted an audit stream, so that a client knows the stream is open.
+AUDIT_OPEN = ("rankscope-audit", "open")
+
+
 def planned_ranks(request: ActionRequest) -> tuple[int, ...]:
     """The ranks a confirmation must name: those the request targets, sorted."""
     return tuple(sorted(set(request.targets.ranks)))

@@ -241,7 +241,6 @@ class Recovery:
 
     async def _follow(self, addresses: dict[str, str]) -> _Finished | None:
         """Follow these agents until an eviction or a hot-update has finished everywhere (None: stopping)."""
-        from rankscope.actions.agent_protocol import AgentLost
         from rankscope.wire.client import JobClient
 
         machine_of = {address: name for name, address in addresses.items()}
@@ -251,7 +250,7 @@ class Recovery:
 
             async def pump() -> None:
                 async for item in client.watch_all_audit(since=0, retry_s=0.5):
-                    if not isinstance(item, AgentLost):
+                    if isinstance(item, tuple):  # (not an AgentLost or AuditResumed)
                         await queue.put(item)
 
             pumping = asyncio.create_task(pump())

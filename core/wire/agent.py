@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from rankscope.actions.agent_protocol import FIX_SEPARATOR
+from rankscope.actions.agent_protocol import AUDIT_OPEN, FIX_SEPARATOR
 from rankscope.actions.agent_service import SUPERVISE_INTERVAL_S, ActionService
 from rankscope.actions.config import ActionsConfig
 from rankscope.contract.errors import RankscopeError
@@ -470,6 +470,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         self, request: pb.WatchAuditRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AuditRecord]:
         actions = await self._actions(context)
+        await context.send_initial_metadata((AUDIT_OPEN,))  # the client's lost note can go before any record
         after = request.after_seq if request.HasField("after_seq") else None
         async for record in actions.watch(after):
             yield audit_to_proto(record)

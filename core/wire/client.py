@@ -34,9 +34,11 @@ from typing import Any
 
 import grpc
 from rankscope.actions.agent_protocol import (
+    AUDIT_OPEN,
     ActionError,
     ActionUpdate,
     AgentLost,
+    AuditResumed,
     Confirmation,
     combined_phrase,
     confirmation_for,
@@ -482,12 +484,13 @@ class JobClient:
 
     async def watch_audit(
         self, address: str, *, since: int | None = 0, retry_s: float = 1.0
-    ) -> AsyncIterator[AuditRecord | AgentLost]:
+    ) -> AsyncIterator[AuditRecord | AgentLost | AuditResumed]:
         """One agent's audit records (``seq`` > ``since``; None: only new ones), live, for as long as you iterate.
 
         A broken stream yields one AgentLost (``retrying=True``) and the client
         reconnects every ``retry_s``, resuming after the last record seen, so
-        nothing is missed or repeated. A refused token or an agent without
+        nothing is missed or repeated; once the agent accepts the stream again it
+        yields AuditResumed (agents from before it: the next record says so). A refused token or an agent without
         actions yields AgentLost with ``retrying=False`` and ends. Never raises
         for a lost agent.
         """
@@ -496,7 +499,11 @@ class JobClient:
         while True:
             request = pb.WatchAuditRequest() if last is None else pb.WatchAuditRequest(after_seq=last)
             try:
-                async for reply in self._conn(address).stub.WatchAudit(request, metadata=self._metadata):
+                call = self._conn(address).stub.WatchAudit(request, metadata=self._metadata)
+                if lost and AUDIT_OPEN in tuple(await call.initial_metadata() or ()):
+                    lost = False
+                    yield AuditResumed(address)
+                async for reply in call:
                     record = audit_from_proto(reply)
                     last, lost = record.seq, False
                     yield record
@@ -514,18 +521,18 @@ class JobClient:
 
     async def watch_all_audit(
         self, *, since: int | None = 0, retry_s: float = 1.0
-    ) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost]:
+    ) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost | AuditResumed]:
         """Every member agent's audit stream merged, each record with its agent's address (see ``watch_audit``).
 
         The set of streams follows the membership: a retired agent's stream is
         closed, an agent added by ``set_agents`` is followed from its start.
         """
-        queue: asyncio.Queue[tuple[str, AuditRecord] | AgentLost] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[str, AuditRecord] | AgentLost | AuditResumed] = asyncio.Queue()
         tasks: dict[str, asyncio.Task[None]] = {}
 
         async def one(address: str) -> None:
             async for item in self.watch_audit(address, since=since, retry_s=retry_s):
-                await queue.put(item if isinstance(item, AgentLost) else (address, item))
+                await queue.put((address, item) if isinstance(item, AuditRecord) else item)
 
         def follow() -> None:
             members = set(self.members)

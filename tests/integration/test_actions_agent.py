@@ -27,6 +27,7 @@ from rankscope.actions.agent_protocol import (
     ActionError,
     ActionUpdate,
     AgentLost,
+    AuditResumed,
     Confirmation,
     combined_phrase,
     confirmation_for,
@@ -386,7 +387,20 @@ async def test_watch_audit_resumes_after_the_last_record_and_marks_a_lost_agent(
             await agent.stop(0)
             lost = await asyncio.wait_for(anext(watch), 30)
             assert isinstance(lost, AgentLost) and lost.retrying
-            await watch.aclose()
+            # The agent comes back on its port with nothing new to tell: the stream says it is open again (the
+            # TUI drops its lost note), then goes on after the last record it gave.
+            port = int(agent.address.rsplit(":", 1)[1])
+            again = await start_agent(AgentConfig(tokens=TOKENS, port=port, machine_name="m0", run_id=run_id,
+                                                  actions=ActionsConfig(state)))
+            try:
+                resumed = await asyncio.wait_for(anext(watch), 30)
+                assert resumed == AuditResumed(agent.address)
+                await run_raw(again.address, ACT, evict("r3", "m0"), Confirmation())
+                after = await asyncio.wait_for(anext(watch), 30)
+                assert isinstance(after, AuditRecord) and after.action_id == "r3"  # r0-r2 not again
+            finally:
+                await watch.aclose()
+                await again.stop(0)
 
 
 # ---- scheduler backends, hot-update, rollback, backup --------------------------------------

@@ -75,6 +75,7 @@ def test_an_evicted_machines_audit_stream_ending_is_no_note_before_or_after_the_
     s = st.apply_audit_note(s, node06, "audit of node06: no agent answered — reconnecting")
     assert st.apply_audit_note(s, node05, "audit of node05: no agent answered — reconnecting") is s
     assert [a for a, _ in s.actions.log.notes] == [node06]
+    assert st.apply_audit_note(s, node06, "").actions.log.notes == ()  # its stream is open again (AuditResumed)
     by_hostfile = st.apply_evicted(s, (), T0, frozenset({node06}))  # or marked evicted by the hostfile
     assert by_hostfile.actions.log.notes == ()
 
