@@ -213,39 +213,42 @@ def _fold_victims(suspects: list[Suspect], waits_on: Mapping[int, set[int]]) -> 
     hosts = sorted((s for s in suspects if roots & set(s.ranks)), key=lambda s: (-s.score, len(s.ranks), s.ranks))
     if not hosts:
         return suspects
+    waited_by: dict[int, set[int]] = {}
+    for waiter, targets in waits_on.items():
+        for target in targets:
+            waited_by.setdefault(target, set()).add(waiter)
 
-    def leads_to(start: tuple[int, ...]) -> set[int]:
-        seen, todo = set(start), list(start)
+    def waiters(of: set[int]) -> set[int]:
+        """Every rank whose waits lead to one of ``of`` (one walk back over the edges, whatever the job's size)."""
+        seen: set[int] = set()
+        todo = list(of)
         while todo:
-            for nxt in waits_on.get(todo.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
+            for w in waited_by.get(todo.pop(), ()):
+                if w not in seen:
+                    seen.add(w)
+                    todo.append(w)
         return seen
 
-    folded: dict[int, tuple[set[int], list[str]]] = {}  # id(host) -> the victims folded in, their lines
+    leading = [waiters(roots & set(h.ranks)) for h in hosts]  # the ranks that lead to each host's roots
+    host_ids = {id(h) for h in hosts}
+    folded: dict[int, list[str]] = {}  # id(host) -> the lines of the suspects folded into it
     out: list[Suspect] = []
     for s in suspects:
-        host = None
-        if s not in hosts and all(waits_on.get(r) for r in s.ranks):
-            reached = leads_to(s.ranks) & roots
-            host = next((h for h in hosts if reached & set(h.ranks)), None)
-        if host is None:
+        at = None
+        if id(s) not in host_ids and all(waits_on.get(r) for r in s.ranks):
+            at = next((i for i, lead in enumerate(leading) if lead.intersection(s.ranks)), None)
+        if at is None:
             out.append(s)
-            continue
-        victims, lines = folded.setdefault(id(host), (set(), []))
-        victims.update(s.ranks)
-        lines.extend(f"  waits on it: {line}" for line in s.evidence)
+        else:
+            folded.setdefault(id(hosts[at]), []).extend(f"  waits on it: {line}" for line in s.evidence)
     result: list[Suspect] = []
     for s in out:
-        got = folded.get(id(s))
-        if got is None:
+        lines = folded.get(id(s))
+        if lines is None:
             result.append(s)
             continue
-        victims = got[0] | {r for r in waits_on if set(s.ranks) & leads_to((r,))}
-        victims -= set(s.ranks)
-        result.append(replace(s, evidence=(*s.evidence, *got[1][:6]),
-                              victims=tuple(sorted(victims | set(s.victims)))))
+        victims = (waiters(set(s.ranks)) | set(s.victims)) - set(s.ranks)
+        result.append(replace(s, evidence=(*s.evidence, *lines[:6]), victims=tuple(sorted(victims))))
     return result
 
 
