@@ -33,6 +33,7 @@ from rankscope.actions.agent_protocol import (
     ActionError,
     ActionUpdate,
     AgentLost,
+    AuditItem,
     AuditResumed,
     Confirmation,
     combined_phrase,
@@ -44,7 +45,6 @@ from rankscope.actions.model import (
     ActionProgress,
     ActionRequest,
     ActionResult,
-    AuditRecord,
     BackupArgs,
     EvictArgs,
     HotUpdateArgs,
@@ -83,7 +83,7 @@ class ActionSource(Protocol):
 
     def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]: ...
 
-    def watch_audit(self, since: int | None = 0) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost | AuditResumed]: ...
+    def watch_audit(self, since: int | None = 0) -> AsyncIterator[AuditItem]: ...
 
 
 # --------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import JobSnapshot
 
 if TYPE_CHECKING:
-    from rankscope.actions.agent_protocol import ActionError, ActionUpdate, AgentLost, AuditResumed, Confirmation
-    from rankscope.actions.model import ActionPlan, ActionRequest, AuditRecord
+    from rankscope.actions.agent_protocol import ActionError, ActionUpdate, AuditItem, Confirmation
+    from rankscope.actions.model import ActionPlan, ActionRequest
     from rankscope.wire.tls import ClientTLS
 
 NEEDS_LIVE_JOB = RankscopeError(
@@ -104,7 +104,7 @@ class BundleSource:
     def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]:
         raise NEEDS_LIVE_JOB
 
-    async def watch_audit(self, since: int | None = 0) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost | AuditResumed]:
+    async def watch_audit(self, since: int | None = 0) -> AsyncIterator[AuditItem]:
         """A bundle has no agents, so no audit stream: ends at once."""
         return
         yield
@@ -243,7 +243,7 @@ class LiveSource:
     def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]:
         return self._client.run_action(request, confirmation)
 
-    def watch_audit(self, since: int | None = 0) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost | AuditResumed]:
+    def watch_audit(self, since: int | None = 0) -> AsyncIterator[AuditItem]:
         """Every agent's audit records, live (read role is enough: a read-only pane sees actions happen)."""
         return self._client.watch_all_audit(since=since)
 

@@ -27,6 +27,7 @@ from rankscope.actions.model import (
     ActionProgress,
     ActionRequest,
     ActionResult,
+    AuditRecord,
     confirm_phrase_for,
     confirmation_matches,
     needs_typed_confirmation,
@@ -89,6 +90,9 @@ class AuditResumed:
 
     address: str
 
+
+# What a merged watch of every agent's audit stream yields: a record with its agent's address, or news of a stream.
+AuditItem = tuple[str, AuditRecord] | AgentLost | AuditResumed
 
 # The initial metadata an agent sends once it accepted an audit stream, so that a client knows the stream is open.
 AUDIT_OPEN = ("rankscope-audit", "open")

@@ -38,6 +38,7 @@ from rankscope.actions.agent_protocol import (
     ActionError,
     ActionUpdate,
     AgentLost,
+    AuditItem,
     AuditResumed,
     Confirmation,
     combined_phrase,
@@ -521,13 +522,13 @@ class JobClient:
 
     async def watch_all_audit(
         self, *, since: int | None = 0, retry_s: float = 1.0
-    ) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost | AuditResumed]:
+    ) -> AsyncIterator[AuditItem]:
         """Every member agent's audit stream merged, each record with its agent's address (see ``watch_audit``).
 
         The set of streams follows the membership: a retired agent's stream is
         closed, an agent added by ``set_agents`` is followed from its start.
         """
-        queue: asyncio.Queue[tuple[str, AuditRecord] | AgentLost | AuditResumed] = asyncio.Queue()
+        queue: asyncio.Queue[AuditItem] = asyncio.Queue()
         tasks: dict[str, asyncio.Task[None]] = {}
 
         async def one(address: str) -> None:
