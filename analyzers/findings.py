@@ -45,6 +45,11 @@ class Suspect:
     victims: tuple[int, ...] = ()  # ranks that only wait on this suspect: evidence, never suspects of their own
     state: str = ""  # what its root ranks are doing, e.g. "loading data", "unreadable (D, in nvidia_wait)"
     groups: tuple[int, ...] = ()  # every group of that kind it spans, when more than one (PP groups 6-7)
+    # The ranks the evidence pins as the cause (the rank the others wait on, a rank that never posted what its peers
+    # wait for, a rank stuck in its own code). Empty when the evidence cannot tell the group's members apart or points
+    # at the link between them; then the whole group is the precise answer. ``ranks`` stays the whole group, which is
+    # what ByteRobust's over-eviction takes.
+    roots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,12 @@ class Verdict:
     @property
     def top(self) -> Suspect | None:
         return self.suspects[0] if self.suspects else None
+
+
+# Finding.kind of the verdict "not a rank": every member of a communicator waits in the same collective at the same
+# call site, so no rank is to blame (the communication layer, the network or a driver is). A verdict carrying it has
+# no suspect picked by tie-break.
+NOT_A_RANK = "not-a-rank"
 
 
 def finding_to_json(f: Finding) -> dict[str, object]:
