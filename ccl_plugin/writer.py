@@ -121,7 +121,8 @@ class CounterWriter:
         self._closed = False
         # Events read one clock (perf_counter) and derive wall time from it.
         self._wall_offset = time.time() - time.perf_counter()
-        directory.mkdir(parents=True, exist_ok=True)
+        # 0700: the agent refuses a counter directory other users can write (or that another user made first).
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Build the file under a temporary name and rename it into place, so a
         # reader never finds a file whose header is not written yet.
         tmp = directory / f".{self.path.name}.{self.pid}.tmp"

@@ -9,13 +9,25 @@ hung with its GIL held is read like any other.
 A file that is truncated, corrupt or from another layout version comes back
 as a ``RankCounters`` with ``error`` set (and a fix in the text); a file left by
 a dead process comes back with ``stale`` set. Nothing here raises.
+
+The directory is shared memory other local users may reach, so nothing there is
+trusted by name: the directory must belong to the agent's or the job's user and
+be writable by no one else, and each file is opened without following a link
+and without blocking (a FIFO would hold ``open()`` for good), then accepted only
+when it is a regular file of one of those users that starts with the layout's
+magic number. A refusal is said once on stderr with its fix, never with the
+file's bytes.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
+import stat
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -31,6 +43,16 @@ SEQLOCK_RETRIES = 200
 SEQLOCK_PATIENCE_S = 0.2
 # A file without a writer pid is trusted while its heartbeat is this fresh.
 FRESH_HEARTBEAT_S = 30.0
+
+# O_NOFOLLOW: a link planted there would show another file's bytes to whoever reads the counters.
+# O_NONBLOCK: a FIFO would block open() for good (and with it the agent's reading thread).
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+DIR_MODE = 0o700  # how rankscope creates the directory when it is missing
+DIR_FIX = (f"remove it and let rankscope create it (mode {DIR_MODE:o}), or point {L.ENV_DIR} (rankscope run "
+           "--counter-dir, rankscope agent --counter-dir) at a directory only the job's user can write")
+_said: set[str] = set()
+_said_lock = threading.Lock()
 
 _NAME = re.compile(r"^(?P<job>.*)\.rank(?P<rank>\d+)(?:\.(?P<kind>[a-z]+))?\.ccl$")
 
@@ -50,6 +72,56 @@ class CounterFile:
 
 def default_directory() -> Path:
     return Path(os.environ.get(L.ENV_DIR) or L.DEFAULT_DIR)
+
+
+def say_once(message: str) -> None:
+    """A refusal on stderr, the first time only: the agent reads the directory every few seconds."""
+    with _said_lock:
+        if message in _said:
+            return
+        _said.add(message)
+    print(f"rankscope: {message}", file=sys.stderr, flush=True)
+
+
+def trusted_uids(ranks: Sequence[RankInfo] = ()) -> frozenset[int]:
+    """Whose counter files are read: this process's user, the ranks' users, and root."""
+    uids = {os.geteuid(), 0}
+    for info in ranks:
+        try:
+            uids.add(os.stat(f"/proc/{info.pid}").st_uid)
+        except OSError:
+            pass  # gone: its files are judged by the other users
+    return frozenset(uids)
+
+
+def ensure_directory(directory: Path | None = None) -> None:
+    """Create the counter directory (mode 0700) if it is missing, so another local user cannot create it first."""
+    base = default_directory() if directory is None else directory
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(base, DIR_MODE)
+    except OSError:
+        pass  # there already, or not ours to make: list_counter_files checks whoever made it
+
+
+def directory_problem(st: os.stat_result, owners: frozenset[int]) -> str | None:
+    """Why a counter directory is not to be trusted, or None."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid not in owners:
+        return f"belongs to uid {st.st_uid}, not to the job's user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"can be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def file_problem(st: os.stat_result, owners: frozenset[int]) -> str | None:
+    """Why an opened counter file is not to be read, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file (a FIFO, device or directory planted there?)"
+    if st.st_uid not in owners:
+        return f"belongs to uid {st.st_uid}, not to the job's user (uid {os.geteuid()})"
+    return None
 
 
 def _read_stable(mm: mmap.mmap, off: int, size: int, seq_off: int | None = None) -> bytes:
@@ -100,17 +172,44 @@ def _corrupt(path: Path, rank: int, why: str) -> CounterFile:
                                           heartbeat_wall=None, error=msg))
 
 
-def read_counter_file(path: Path, now: float | None = None) -> CounterFile:
-    """Parse one counter file; problems come back in ``counters.error``, never raised."""
+def _refused(path: Path, rank: int, why: str, fix: str) -> CounterFile:
+    """A file rankscope will not read: said once on stderr, and in the rank's counters (never its bytes)."""
+    msg = f"counter file {path} is refused: it {why}; {fix}"
+    say_once(msg)
+    return CounterFile(path, RankCounters(rank=rank, pid=None, world_size=None, job_id=None,
+                                          heartbeat_wall=None, error=msg))
+
+
+def read_counter_file(path: Path, now: float | None = None, *, owners: frozenset[int] | None = None,
+                      dir_fd: int | None = None) -> CounterFile:
+    """Parse one counter file; problems come back in ``counters.error``, never raised.
+
+    ``owners``: the users whose files are read (default: :func:`trusted_uids`). ``dir_fd``: the directory
+    already opened and checked (``path.name`` is opened in it).
+    """
     m = _NAME.match(path.name)
     name_rank = int(m.group("rank")) if m else -1
     now = time.time() if now is None else now
+    owners = trusted_uids() if owners is None else owners
     try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+        try:
+            fd = os.open(path.name if dir_fd is not None else path, _OPEN_FLAGS, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return _refused(path, name_rank, "is a symbolic link (counter files are never followed)",
+                                "delete it; the rank writes its own file there")
+            raise
+        with open(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            problem = file_problem(st, owners)
+            if problem is not None:
+                return _refused(path, name_rank, problem, "delete it; the rank writes its own file there")
+            size = st.st_size
             if size < L.HEADER_SIZE:
                 return _corrupt(path, name_rank, f"truncated ({size} bytes, the header alone is {L.HEADER_SIZE})")
             with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
+                if mm[:len(L.MAGIC)] != L.MAGIC:  # the magic is written once, before the file is published
+                    return _corrupt(path, name_rank, "no counter-file magic number, not a rankscope counter file")
                 return _parse(path, mm, size, name_rank, now)
     except _Torn as exc:
         return _corrupt(path, name_rank, str(exc))
@@ -121,7 +220,7 @@ def read_counter_file(path: Path, now: float | None = None) -> CounterFile:
 def _parse(path: Path, mm: mmap.mmap, size: int, name_rank: int, now: float) -> CounterFile:
     h = dict(zip((n for n, _, _ in L.HEADER_FIELDS), L.HEADER.unpack(_read_header(mm)), strict=True))
     if h["magic"] != L.MAGIC:
-        return _corrupt(path, name_rank, f"bad magic {h['magic']!r}, not a rankscope counter file")
+        return _corrupt(path, name_rank, "bad magic number, not a rankscope counter file")
     if h["version"] != L.VERSION:
         return _corrupt(path, name_rank, f"layout version {h['version']}, this rankscope reads {L.VERSION}")
     if h["file_size"] > size:
@@ -168,15 +267,30 @@ def _parse(path: Path, mm: mmap.mmap, size: int, name_rank: int, now: float) -> 
     return CounterFile(path, counters, h["pid_start_ticks"])
 
 
-def list_counter_files(directory: Path | None = None) -> tuple[CounterFile, ...]:
-    """Every counter file in the directory, parsed (missing directory: none)."""
+def list_counter_files(directory: Path | None = None, owners: frozenset[int] | None = None
+                       ) -> tuple[CounterFile, ...]:
+    """Every counter file in the directory, parsed (missing directory: none; untrusted directory: none, said once)."""
     base = default_directory() if directory is None else directory
+    owners = trusted_uids() if owners is None else owners
     try:
-        paths = sorted(p for p in base.iterdir() if p.name.endswith(L.FILE_SUFFIX) and not p.name.startswith("."))
+        dir_fd = os.open(base, _DIR_FLAGS)
+    except FileNotFoundError:
+        return ()
+    except OSError as exc:
+        say_once(f"counter directory {base} cannot be read ({exc.strerror}); {DIR_FIX}")
+        return ()
+    try:
+        problem = directory_problem(os.fstat(dir_fd), owners)
+        if problem is not None:
+            say_once(f"counter directory {base} is refused: it {problem}; {DIR_FIX}")
+            return ()
+        names = sorted(n for n in os.listdir(dir_fd) if n.endswith(L.FILE_SUFFIX) and not n.startswith("."))
+        now = time.time()
+        return tuple(read_counter_file(base / n, now, owners=owners, dir_fd=dir_fd) for n in names)
     except OSError:
         return ()
-    now = time.time()
-    return tuple(read_counter_file(p, now) for p in paths)
+    finally:
+        os.close(dir_fd)
 
 
 def _merge(files: Sequence[CounterFile]) -> RankCounters:
@@ -209,7 +323,7 @@ def read_counters(ranks: Sequence[RankInfo], directory: Path | None = None) -> t
     matches and it is not stale. Corrupt files whose name carries the rank are
     returned with ``error`` set so the gap is visible.
     """
-    files = list_counter_files(directory)
+    files = list_counter_files(directory, trusted_uids(ranks))
     by_pid: dict[int, list[CounterFile]] = {}
     by_rank: dict[int, list[CounterFile]] = {}
     for f in files:
