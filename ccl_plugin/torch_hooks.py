@@ -9,11 +9,24 @@ gets it when the autoload patches before user code runs).
 
 Per call: CL += 1 and one WR per request issued (a p2p call issues one;
 ``batch_isend_irecv`` counts each op it carries). WC when the request
-completes, learned without adding a wait: a synchronous call has completed
-when it returns; an async Work reports through its future where the backend
-has one, else when the user's own ``wait()`` / ``is_completed()`` says so,
-else through a background poll of ``is_completed()``. TD is launch to
-completion; N (bytes/TD) goes into the ring of the last five.
+completes, learned without adding a wait:
+
+- CPU tensors (gloo): a synchronous call has completed when it returns; an
+  async Work reports through its future where the backend has one, else when
+  the user's own ``wait()`` / ``is_completed()`` says so, else through a
+  background poll of ``is_completed()``.
+- CUDA tensors (NCCL): every call returns once its kernel is enqueued, and
+  even ``Work.wait()`` only orders the current stream after it; the Work's
+  future is marked complete at enqueue too (its callbacks run at once on
+  CUDA-aware futures). So a synchronous call records a CUDA event on the
+  current stream right after it returns (torch has ordered that stream after
+  the collective, or ran the collective on it) and an async Work is kept; the
+  background thread polls ``event.query()`` / ``work.is_completed()`` (both
+  are cudaEventQuery: no host synchronisation, never on the user's thread).
+  Under CUDA graph capture nothing runs at call time: such calls complete at
+  return.
+
+TD is launch to completion; N (bytes/TD) goes into the ring of the last five.
 
 Where torch offers ``ProcessGroup.register_pre_hook`` / ``register_post_hook``
 (2.14+), those are used as well, since they also see collectives issued from
@@ -26,6 +39,7 @@ torch is imported only inside functions (the plugin must import stdlib only).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -72,6 +86,7 @@ OP_ALIAS = {"_all_gather_base": "all_gather_into_tensor", "_reduce_scatter_base"
 
 ENV_KEEP = "RANKSCOPE_CCL_KEEP"  # "1": leave the file behind at exit (marked clean), for post-mortems
 POLL_INTERVAL_S = 0.005
+EVENT_POOL_MAX = 256  # completed CUDA events kept for reuse (creating one costs more than recording it)
 HEARTBEAT_INTERVAL_S = 1.0
 
 
@@ -95,6 +110,13 @@ class _State:
         self.pg_hooks = False
         self.work_patched = False  # Work.wait / is_completed wrapped (first future-less Work)  # torch offers ProcessGroup.register_pre_hook / register_post_hook
         self.c10d: Any = None
+        # Device completion (CUDA tensors): events recorded after synchronous calls, in launch order
+        # (one stream completes in order, so the poller looks at the oldest first), and async Works
+        # that only ``is_completed()`` may settle (their ``wait()`` returns before the device is done).
+        self.device_events: collections.deque[tuple[Any, list[Request]]] = collections.deque()
+        self.device_works: dict[int, tuple[Any, list[Request]]] = {}
+        self.event_pool: list[Any] = []
+        self.cuda: Any = None  # torch.cuda, once the first CUDA payload is seen
 
 
 STATE = _State()
@@ -176,8 +198,77 @@ def _complete_all(reqs: list[Request]) -> None:
         w.complete(r)
 
 
-def _watch(work: Any, reqs: list[Request]) -> None:
+def _on_cuda(payload: Any) -> bool:
+    """Whether a call's payload (a tensor or a list of them) lives on a CUDA device: one attribute read."""
+    if type(payload) in (list, tuple):
+        payload = payload[0] if payload else None
+    return getattr(payload, "is_cuda", False) is True
+
+
+def _complete_on_device(reqs: list[Request]) -> None:
+    """A synchronous call on CUDA tensors returned with its work only enqueued: WC when the device is done.
+
+    An event recorded now on the current stream completes after the
+    collective (torch ordered this stream after it before returning). The
+    background thread polls it; nothing here waits.
+    """
+    cuda = STATE.cuda
+    if cuda is None:
+        cuda = STATE.cuda = sys.modules["torch"].cuda
+    if cuda.is_current_stream_capturing():
+        _complete_all(reqs)  # captured into a CUDA graph: nothing was launched now
+        return
+    pool = STATE.event_pool
+    ev = pool.pop() if pool else cuda.Event()
+    ev.record()
+    q = STATE.device_events
+    q.append((ev, reqs))
+    if len(q) == 1:
+        STATE.wake.set()  # the poller may be in its one-second heartbeat sleep
+
+
+def _watch_on_device(work: Any, reqs: list[Request]) -> None:
+    """An async Work on CUDA tensors: settled only when ``is_completed()`` (the device) says so."""
+    with STATE.pending_lock:
+        STATE.device_works[id(work)] = (work, reqs)
+    STATE.wake.set()
+
+
+def _poll_device() -> None:
+    """WC for what the device has finished (background thread): event and Work queries, no waits."""
+    q = STATE.device_events
+    pool = STATE.event_pool
+    while q:
+        ev, reqs = q[0]
+        try:
+            done = bool(ev.query())
+        except Exception:  # a failed device (sticky error, aborted communicator) runs nothing any more
+            done = True
+        if not done:
+            break
+        q.popleft()
+        _complete_all(reqs)
+        if len(pool) < EVENT_POOL_MAX:
+            pool.append(ev)
+    if STATE.device_works:
+        with STATE.pending_lock:
+            items = list(STATE.device_works.items())
+        for key, (work, reqs) in items:
+            try:
+                finished = bool(work.is_completed())
+            except Exception:
+                finished = True
+            if finished:
+                with STATE.pending_lock:
+                    STATE.device_works.pop(key, None)
+                _complete_all(reqs)
+
+
+def _watch(work: Any, reqs: list[Request], on_device: bool = False) -> None:
     """Arrange for WC when ``work`` completes, without waiting on it."""
+    if on_device:
+        _watch_on_device(work, reqs)
+        return
     try:
         fut = work.get_future()
     except Exception:  # gloo p2p Work has no future: caught by wait()/is_completed()/the poller
@@ -221,14 +312,16 @@ def _poll_pending() -> None:
 
 
 def _background() -> None:
-    """Heartbeat every second; poll Works without a future while any are open."""
+    """Heartbeat every second; poll Works without a future and device work while any are open."""
     beat_every = int(HEARTBEAT_INTERVAL_S / POLL_INTERVAL_S)
     ticks = 0
     while True:
         try:
-            if STATE.pending:
+            if STATE.pending or STATE.device_events or STATE.device_works:
                 STATE.wake.wait(POLL_INTERVAL_S)
-                _poll_pending()
+                if STATE.pending:
+                    _poll_pending()
+                _poll_device()
                 ticks += 1
             else:
                 STATE.wake.wait(HEARTBEAT_INTERVAL_S)
@@ -333,6 +426,7 @@ def _make_coll_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any
             return orig(*args, **kwargs)
         req: Request | None = None
         is_async = adef
+        payload = None
         try:
             n = len(args)
             group = args[gi] if gi < n else gdef
@@ -365,8 +459,13 @@ def _make_coll_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any
             tls.depth = False
         if req is not None:
             try:
-                if not is_async or result is None:
-                    w.complete(req)  # a blocking call has finished when it returns
+                if _on_cuda(payload):
+                    if is_async and result is not None:
+                        _watch_on_device(result, [req])
+                    else:
+                        _complete_on_device([req])
+                elif not is_async or result is None:
+                    w.complete(req)  # a blocking call on the host has finished when it returns
                 else:
                     _watch(result, [req])
             except Exception as exc:
@@ -394,10 +493,13 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(*args, **kwargs)
         reqs: list[Request] | None = None
         is_async = False
+        on_device = False
         try:
             if kind == "batch":
                 reqs = []
-                for p in params.get(args, kwargs, "p2p_op_list") or ():
+                p2p_ops: Any = params.get(args, kwargs, "p2p_op_list") or ()
+                on_device = bool(p2p_ops) and _on_cuda(getattr(p2p_ops[0], "tensor", None))
+                for p in p2p_ops:
                     direction = "isend" if getattr(p.op, "__name__", "") == "isend" else "irecv"
                     peer_args = {"dst" if direction == "isend" else "src": getattr(p, "peer", None)}
                     op_name = OP_ALIAS[direction]
@@ -409,8 +511,9 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
                 if kind in _P2P_KINDS:
                     def get(param: str) -> Any:
                         return params.get(args, kwargs, param)
-                reqs = [_launch_one(op, kind, params.get(args, kwargs, "group"),
-                                    params.get(args, kwargs, payload_param) if payload_param else None, get, slots)]
+                payload = params.get(args, kwargs, payload_param) if payload_param else None
+                on_device = _on_cuda(payload)
+                reqs = [_launch_one(op, kind, params.get(args, kwargs, "group"), payload, get, slots)]
                 is_async = kind in ("isend", "irecv") or bool(params.get(args, kwargs, "async_op"))
         except Exception as exc:
             _disable(name, exc)
@@ -430,20 +533,23 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         if reqs:
             try:
                 if not is_async or result is None:
-                    _complete_all(reqs)  # a blocking call has finished when it returns
+                    if on_device:
+                        _complete_on_device(reqs)
+                    else:
+                        _complete_all(reqs)  # a blocking call on the host has finished when it returns
                 elif kind == "batch":
                     works = list(result)
                     if len(works) == len(reqs):
                         for wk, r in zip(works, reqs, strict=True):
-                            _watch(wk, [r])
+                            _watch(wk, [r], on_device)
                     elif works:  # coalesced: the batch completes as a whole with its last Work
                         for wk in works[:-1]:
-                            _watch(wk, [])
-                        _watch(works[-1], reqs)
+                            _watch(wk, [], on_device)
+                        _watch(works[-1], reqs, on_device)
                     else:
                         _complete_all(reqs)
                 else:
-                    _watch(result, reqs)
+                    _watch(result, reqs, on_device)
             except Exception as exc:
                 _disable(name, exc)
         return result

@@ -162,6 +162,23 @@ def test_hang_in_p2p_shows_the_open_request_on_the_right_pair(start_job: Callabl
     assert "rank 0 has no open send to rank 1" in verdict.top.evidence[0]
 
 
+@pytest.mark.drill
+def test_async_all_reduce_whose_peer_never_joins_stays_open(start_job: Callable[[dict[str, str]], Job]) -> None:
+    """WC when the work completes, not when the call returns: the async op of step 1 stays open on rank 0."""
+    job = start_job({"CCL_JOB_HANG": "async", "CCL_JOB_HANG_RANK": "1", "CCL_JOB_HANG_STEP": "1"})
+    wait_for(lambda: ((job.dir / "hung.rank1").exists() and (job.dir / "waiting.rank0").exists())
+             or job.proc.poll() is not None, 90, "rank 0 to issue the async all_reduce", interval_s=0.1)
+    assert job.proc.poll() is None, job.output()
+    pids = {0: job.pid_of("waiting.rank0"), 1: job.pid_of("hung.rank1")}
+    got = job.counters_of(pids)
+    ar = {r: next(o for o in c.ops if o.op == "all_reduce") for r, c in got.items()}
+    # step 0: 3 all_reduces; step 1: 2 gradient all_reduces on both, then rank 0's async one
+    assert (ar[0].cl, ar[0].wr, ar[0].wc) == (6, 6, 5)
+    assert (ar[1].cl, ar[1].wr, ar[1].wc) == (5, 5, 5)
+    verdict = analyze_counters(_snapshot(got, pids))
+    assert verdict.top is not None and verdict.top.ranks == (1,), verdict
+
+
 CHILD = textwrap.dedent("""
     import sys, tempfile, os
     import torch

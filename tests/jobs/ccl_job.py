@@ -7,12 +7,14 @@ that `rankscope run` sets up. Per step (world of 2):
   PP group (new_group, described PIPELINE_MODEL_PARALLEL_GROUP): broadcast,
          isend 0->1 / irecv on 1, batch_isend_irecv exchange (one send + one recv each)
   one optimizer step.
-Environment: CCL_JOB_STEPS (default 3); CCL_JOB_HANG=compute|p2p with
+Environment: CCL_JOB_STEPS (default 3); CCL_JOB_HANG=compute|p2p|async with
 CCL_JOB_HANG_RANK / CCL_JOB_HANG_STEP; CCL_JOB_DIR for marker files: the job
 writes ready.rank<R> at the end (or hung.rank<R> when hanging) and lingers
 until a file named `release` appears there, so a test can read the counters of
 live ranks. A hanging compute rank holds the GIL while it sleeps (libc sleep
-through ctypes.PyDLL), like a rank stuck in a C extension.
+through ctypes.PyDLL), like a rank stuck in a C extension. With ``async`` the
+hanging rank never joins the step's async all_reduce, and the others write
+waiting.rank<R> once theirs is issued, before they wait on it.
 """
 
 from __future__ import annotations
@@ -54,7 +56,12 @@ def main() -> None:
         for p in model.parameters():
             assert p.grad is not None
             dist.all_reduce(p.grad)
+        if hang == "async" and rank == hang_rank and step == hang_step:
+            linger(out / f"hung.rank{rank}", out / "release")
+            os._exit(3)
         w = dist.all_reduce(torch.ones(16), async_op=True)
+        if hang == "async" and step == hang_step:  # issued, not complete: the peer never joins
+            (out / f"waiting.rank{rank}").write_text(str(os.getpid()))
         w.wait()
         gathered = torch.empty(16 * world)
         all_gather_into_tensor(gathered, torch.ones(16))

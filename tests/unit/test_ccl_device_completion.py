@@ -1,0 +1,181 @@
+"""WC on CUDA tensors when the device finishes, not when the call returns (NCCL enqueues and returns).
+
+No CUDA here: the tensor, the CUDA event and the Work are stand-ins with the
+attributes the shim reads (``is_cuda``, ``Event().record/query``,
+``is_current_stream_capturing``, ``Work.is_completed``), behind the module the
+shim reaches (``STATE.cuda``), and the wrappers wrap plain functions with
+torch's signatures. The background thread is not started: the tests call its
+poll step themselves, so nothing waits on time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+from rankscope.ccl_plugin import torch_hooks
+from rankscope.ccl_plugin.torch_hooks import STATE
+from rankscope.ccl_plugin.writer import CounterWriter
+from rankscope.probes.ccl_counters import read_counter_file
+
+
+class Tensor:
+    def __init__(self, cuda: bool) -> None:
+        self.is_cuda = cuda
+        self.nbytes = 64
+
+
+class Event:
+    made: ClassVar[list[Event]] = []
+
+    def __init__(self) -> None:
+        self.done = False
+        self.records = 0
+        self.broken = False
+        Event.made.append(self)
+
+    def record(self) -> None:
+        self.records += 1
+        self.done = False
+
+    def query(self) -> bool:
+        if self.broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self.done
+
+
+class Cuda:
+    Event = Event
+    capturing = False
+
+    @classmethod
+    def is_current_stream_capturing(cls) -> bool:
+        return cls.capturing
+
+
+class Work:
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> bool:
+        self.waited = True  # NCCL: orders the current stream only; the device is not done
+        return True
+
+    def get_future(self) -> Any:
+        # a CUDA-aware future is complete at enqueue: its callbacks run at once
+        return SimpleNamespace(add_done_callback=lambda fn: fn(None))
+
+
+def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Work | None:
+    return Work() if async_op else None
+
+
+def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None) -> None:
+    return None
+
+
+def isend(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
+          group_dst: int | None = None) -> Work:
+    return Work()
+
+
+@pytest.fixture
+def shim(tmp_path: Path) -> Iterator[CounterWriter]:
+    world = object()
+    c10d = SimpleNamespace(GroupMember=SimpleNamespace(WORLD=world), get_process_group_ranks=lambda g: [0, 1],
+                           get_backend=lambda g: "nccl")
+    saved = {k: getattr(STATE, k) for k in ("writer", "c10d", "cuda", "disabled", "groups", "device_events",
+                                             "device_works", "event_pool")}
+    w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="dev")
+    STATE.writer, STATE.c10d, STATE.cuda, STATE.disabled = w, c10d, Cuda, False
+    STATE.groups, STATE.device_works, STATE.event_pool = {}, {}, []
+    STATE.device_events = type(STATE.device_events)()
+    Cuda.capturing = False
+    Event.made = []
+    try:
+        yield w
+    finally:
+        for k, v in saved.items():
+            setattr(STATE, k, v)
+        w.close()
+
+
+def counts(w: CounterWriter, op: str) -> tuple[int, int, int]:
+    o = next(o for o in read_counter_file(w.path).counters.ops if o.op == op)
+    return (o.cl, o.wr, o.wc)
+
+
+def test_a_synchronous_collective_on_cuda_stays_open_until_its_event_completes(shim: CounterWriter) -> None:
+    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped(Tensor(cuda=True))
+    torch_hooks._poll_device()
+    assert counts(shim, "all_reduce") == (1, 1, 0)  # returned, enqueued, not finished on the device
+    (ev,) = Event.made
+    assert ev.records == 1
+    ev.done = True
+    torch_hooks._poll_device()
+    assert counts(shim, "all_reduce") == (1, 1, 1)
+    wrapped(Tensor(cuda=True))
+    assert Event.made == [ev] and ev.records == 2  # the finished event is reused, not a new one per call
+    assert counts(shim, "all_reduce") == (2, 2, 1)
+
+
+def test_events_complete_in_launch_order_and_a_failed_device_closes_them(shim: CounterWriter) -> None:
+    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    for _ in range(3):
+        wrapped(Tensor(cuda=True))
+    first, second, third = Event.made
+    second.done = third.done = True
+    torch_hooks._poll_device()
+    assert counts(shim, "all_reduce") == (3, 3, 0)  # the oldest is still running on the stream
+    first.broken = True  # the query fails: nothing runs any more, the requests close, nothing raises
+    torch_hooks._poll_device()
+    assert counts(shim, "all_reduce") == (3, 3, 3)
+
+
+def test_an_async_collective_on_cuda_waits_for_is_completed_not_wait_or_its_future(shim: CounterWriter) -> None:
+    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    work = wrapped(Tensor(cuda=True), async_op=True)
+    assert isinstance(work, Work)
+    work.wait()
+    torch_hooks._poll_device()
+    assert counts(shim, "all_reduce") == (1, 1, 0)
+    work.done = True
+    torch_hooks._poll_device()
+    assert counts(shim, "all_reduce") == (1, 1, 1)
+    assert STATE.device_works == {}
+
+
+def test_p2p_on_cuda_keeps_its_peer_open_until_the_device_is_done(shim: CounterWriter) -> None:
+    torch_hooks._make_wrapper("send", send)(Tensor(cuda=True), 1)
+    work = torch_hooks._make_wrapper("isend", isend)(Tensor(cuda=True), dst=1)
+    torch_hooks._poll_device()
+    (o,) = read_counter_file(shim.path).counters.ops
+    assert (o.op, o.cl, o.wr, o.wc, o.open_peers) == ("send", 2, 2, 0, (1,))
+    Event.made[0].done = True
+    work.done = True
+    torch_hooks._poll_device()
+    (o,) = read_counter_file(shim.path).counters.ops
+    assert (o.wc, o.open_peers) == (2, ())
+
+
+def test_cpu_tensors_and_graph_capture_complete_at_return(shim: CounterWriter) -> None:
+    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped(Tensor(cuda=False))
+    assert counts(shim, "all_reduce") == (1, 1, 1)
+    Cuda.capturing = True  # captured into a CUDA graph: nothing was launched at the call
+    wrapped(Tensor(cuda=True))
+    assert counts(shim, "all_reduce") == (2, 2, 2)
+    assert Event.made == []
+
+
+def test_a_list_payload_on_cuda_counts_as_device_work(shim: CounterWriter) -> None:
+    assert torch_hooks._on_cuda([Tensor(cuda=True)]) and not torch_hooks._on_cuda([])
+    assert not torch_hooks._on_cuda(None) and not torch_hooks._on_cuda((Tensor(cuda=False),))
