@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rankscope.analyzers import ccl, suspects
+from rankscope.analyzers.topology import placement_of
 from rankscope.analyzers.verdict import analyze_snapshot
 from rankscope.contract.bundle import read_bundle
 from rankscope.drill import faults
@@ -98,7 +99,7 @@ def main() -> int:
         a0 = time.perf_counter()
         verdict = analyze_snapshot(bundle.latest)
         analysis_s = time.perf_counter() - a0
-        graded = score_verdict(verdict, bundle.ground_truth or {})
+        graded = score_verdict(verdict, bundle.ground_truth or {}, placement_of(bundle.latest))
         captured = (report.get("times_s") or {}).get("fault_to_captured")
         to_verdict = captured + analysis_s if isinstance(captured, (int, float)) else None
         top = graded["top"] or {}
@@ -108,6 +109,8 @@ def main() -> int:
                "top_machines": top.get("machines"),
                "kind_ok": graded["kind_ok"], "machine_ok": graded["machine_ok"], "correct": graded["correct"],
                "extra_machines": graded["extra_machines"], "truth_position": graded["truth_position"],
+               # The plan `e` executes (scoring.score_eviction): its default and the over-eviction of the group.
+               "eviction": graded["eviction"],
                "fault_to_verdict_s": to_verdict, "analysis_s": analysis_s, "drill_s": wall,
                "summary": verdict.summary}
         rows.append(row)
@@ -129,6 +132,14 @@ def main() -> int:
         print(f"right kind: {sum(r['kind_ok'] for r in done)}/{len(done)}; "
               f"faulty machine in top suspect: {sum(r['machine_ok'] for r in done)}/{len(done)}; "
               f"extra machines evicted (mean): {statistics.mean(r['extra_machines'] for r in done):.2f}")
+        plans = [r["eviction"] for r in done if r.get("eviction")]
+        if plans:
+            # What `e` takes, against the faulty machine: its default (precise where the evidence pins a rank)
+            # and ByteRobust's over-eviction of the whole group.
+            for scope, name in (("precise", "the default plan"), ("group", "over-eviction")):
+                print(f"{name}: faulty machine evicted {sum(e[scope]['right'] for e in plans)}/{len(plans)}, "
+                      f"extra machines (mean) {statistics.mean(e[scope]['extra_machines'] for e in plans):.2f}")
+            print(f"default is precise in {sum(e['default'] == 'precise' for e in plans)}/{len(plans)} drills")
         times = [r["fault_to_verdict_s"] for r in done if r["fault_to_verdict_s"] is not None]
         if times:
             print(f"fault -> verdict: median {statistics.median(times):.1f} s, max {max(times):.1f} s "

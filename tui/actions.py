@@ -54,6 +54,7 @@ from rankscope.actions.model import (
     VersionSource,
 )
 from rankscope.analyzers.chain import DESYNC_ADVICE
+from rankscope.analyzers.eviction_scope import GROUP, EvictionOption, EvictionScope, eviction_scope, option_line
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.analyzers.verdict import suspect_label
@@ -123,12 +124,50 @@ def requester() -> str:
     return printable(f"{user}@{socket.gethostname()} (rankscope attach)")
 
 
-def evict_request(suspect: Suspect, action_id: str, who: str, job_id: str | None = None) -> ActionRequest:
-    """Over-evict the suspect group: every machine it touches (ByteRobust §5.3), named by machine."""
+def evict_request(suspect: Suspect, action_id: str, who: str, job_id: str | None = None,
+                  option: EvictionOption | None = None) -> ActionRequest:
+    """Evict ``option``'s machines (default: every machine of the suspect group, ByteRobust §5.3), named by machine.
+
+    The controller passes the option of ``eviction_scope`` the person chose: the machines the evidence pins, or
+    the whole group.
+    """
     evidence = suspect.evidence[0] if suspect.evidence else "named by the verdict"
-    reason = printable(f"{suspect_label(suspect)}: {evidence}")
-    return ActionRequest(action_id, ActionKind.EVICT, Targets(tuple(suspect.machines)), EvictArgs(reason), who,
-                         job_id)
+    machines = option.machines if option is not None else tuple(suspect.machines)
+    scope = "" if option is None else (" (whole group)" if option.scope == GROUP else
+                                       f" (rank {compact_ranks(option.ranks, 8)})")
+    reason = printable(f"{suspect_label(suspect)}{scope}: {evidence}")
+    return ActionRequest(action_id, ActionKind.EVICT, Targets(tuple(machines)), EvictArgs(reason), who, job_id)
+
+
+def evict_title(suspect: Suspect, option: EvictionOption) -> str:
+    """The eviction dialog's title: what is evicted and why, in the words of ``eviction_scope``."""
+    if option.scope == GROUP:
+        return f"Evict {suspect_label(suspect)}: {option_line(option)}"
+    return f"Evict rank {compact_ranks(option.ranks, 8)} of {suspect_label(suspect)}: {option_line(option)}"
+
+
+def scope_text(scope: EvictionScope, chosen: EvictionOption) -> Text:
+    """Why this plan takes what it takes, and the other plan offered beside it (with its cost)."""
+    t = Text()
+    if chosen.scope == GROUP:
+        t.append("scope: the whole suspect group (ByteRobust's over-eviction)", "bold")
+    else:
+        t.append("scope: only what the evidence names", "bold")
+    default = " (the default)" if chosen == scope.default else ""
+    t.append(f"{default}; {scope.reason}\n")
+    other = scope.other if chosen == scope.default else scope.default
+    if other is not None:
+        what = "over-evict the whole group" if other.scope == GROUP else "evict only what the evidence names"
+        extra = f", {len(scope.extra_of_group)} more than the evidence names" if other.scope == GROUP else ""
+        t.append(f"other plan: {what}: {option_line(other)}{extra} — the '{other_label(other)}' button\n", "dim")
+    return t
+
+
+def other_label(option: EvictionOption) -> str:
+    """The dialog's button for the plan not shown (short: the plan text names its machines)."""
+    n = len(option.machines)
+    what = "Whole group" if option.scope == GROUP else "Only the evidence"
+    return f"{what} ({n} machine{'s' if n != 1 else ''})"
 
 
 def update_request(version: str, mode: UpdateMode, action_id: str, who: str,
@@ -363,9 +402,17 @@ class ActionController:
                             f"of the program than the {len(suspect.victims)} ranks waiting for them\n"
                             f"fix: {DESYNC_ADVICE}", title="desync", severity="warning", timeout=12)
             return
+        scope = eviction_scope(suspect, self.app.state.machine_of_rank())
+        self.evict_option(suspect, scope, scope.default)
+
+    def evict_option(self, suspect: Suspect, scope: EvictionScope, option: EvictionOption) -> None:
+        """Plan the eviction of ``option``; its dialog offers the scope's other option beside it."""
         request = evict_request(suspect, new_action_id(ActionKind.EVICT, self.app.clock()), self.who(),
-                                self._job_id())
-        self._plan(request, f"Evict {suspect_label(suspect)}")
+                                self._job_id(), option)
+        other = scope.other if option == scope.default else scope.default
+        alternative = None if other is None or other == option else (
+            partial(self.evict_option, suspect, scope, other), other_label(other))
+        self._plan(request, evict_title(suspect, option), scope_text(scope, option), alternative)
 
     def update(self) -> None:
         if self._refuse_if_cannot_act():
@@ -399,11 +446,14 @@ class ActionController:
 
     # -- plan, confirm, run ---------------------------------------------------------
 
-    def _plan(self, request: ActionRequest, title: str) -> None:
+    def _plan(self, request: ActionRequest, title: str, preface: Text | None = None,
+              alternative: tuple[Callable[[], None], str] | None = None) -> None:
         self.app.notify(f"planning {KIND_LABELS[request.kind]} with the agents …", timeout=3)
-        self.app.run_worker(self._plan_then_confirm(request, title), group="action-plan", exclusive=True)
+        self.app.run_worker(self._plan_then_confirm(request, title, preface, alternative), group="action-plan",
+                            exclusive=True)
 
-    async def _plan_then_confirm(self, request: ActionRequest, title: str) -> None:
+    async def _plan_then_confirm(self, request: ActionRequest, title: str, preface: Text | None = None,
+                                 alternative: tuple[Callable[[], None], str] | None = None) -> None:
         from rankscope.tui.screens.confirm import ConfirmModal
 
         try:
@@ -415,11 +465,17 @@ class ActionController:
             self.app.notify(f"planning failed: {type(exc).__name__}: {exc}", severity="error", timeout=8)
             return
         summary = summarize(request, answers)
-        modal = ConfirmModal(title, summary, plan_text(summary))
+        text = plan_text(summary)
+        if preface is not None:
+            text = Text.assemble(preface, "\n", text)
+        modal = ConfirmModal(title, summary, text, alternative[1] if alternative is not None else None)
 
         def answered(confirmed: bool | None) -> None:
             self.app.post_message(ActionChanged(partial(sa.answer_confirm, action_id=request.action_id,
                                                         confirmed=bool(confirmed))))
+            if not confirmed and modal.switched and alternative is not None:
+                alternative[0]()  # the other plan, asked of the agents afresh; nothing was sent for this one
+                return
             if not confirmed:
                 self.app.notify(f"{KIND_LABELS[request.kind]} cancelled: nothing was sent", timeout=4)
                 return

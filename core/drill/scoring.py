@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from rankscope.analyzers.eviction_scope import EvictionOption, eviction_scope
 from rankscope.analyzers.findings import Suspect, Verdict
 
 
@@ -30,12 +31,35 @@ def _suspect_json(s: Suspect) -> dict[str, Any]:
             "sources": list(s.sources), "headline": s.evidence[0] if s.evidence else ""}
 
 
-def score_verdict(verdict: Verdict, ground_truth: Any) -> dict[str, Any]:
+def score_eviction(top: Suspect | None, machine: str | None, placement: Mapping[int, str]) -> dict[str, Any] | None:
+    """What `e` would evict for ``top`` (``eviction_scope``, the plan the TUI executes), graded against the faulty
+    machine: the default (precise where the evidence pins a rank) and ByteRobust's over-eviction of the group.
+
+    ``right``: the faulty machine is evicted; ``extra_machines``: healthy machines evicted with it.
+    """
+    if top is None:
+        return None
+    scope = eviction_scope(top, placement)
+
+    def graded(option: EvictionOption) -> dict[str, Any]:
+        taken = set(option.machines)
+        return {"machines": list(option.machines), "standbys": option.standbys,
+                "right": machine is not None and machine in taken,
+                "extra_machines": len(taken - {machine}) if machine is not None else len(taken)}
+
+    return {"default": scope.default.scope, "reason": scope.reason, "precise": graded(scope.precise),
+            "group": graded(scope.group)}
+
+
+def score_verdict(verdict: Verdict, ground_truth: Any, placement: Mapping[int, str] | None = None) -> dict[str, Any]:
     """Grade ``verdict`` against the drill's ground truth.
 
     ``correct`` is the drill's pass mark: the top suspect is of the expected
     kind and holds the faulty machine. For the healthy baseline (fault
-    ``none``) a verdict is correct when it names nobody.
+    ``none``) a verdict is correct when it names nobody. ``eviction`` grades
+    the plan `e` executes for the top suspect (``score_eviction``); ``placement``
+    (rank -> machine, e.g. ``topology.placement_of(snapshot)``) places the
+    ranks the evidence pins.
     """
     kind = str(_field(ground_truth, "suspect_kind", "none"))
     fault = str(_field(ground_truth, "fault", "none"))
@@ -52,6 +76,7 @@ def score_verdict(verdict: Verdict, ground_truth: Any) -> dict[str, Any]:
         "top": _suspect_json(top) if top is not None else None,
         "suspects": len(verdict.suspects),
         "missing_ranks": list(verdict.missing_ranks),
+        "eviction": score_eviction(top, None if machine is None else str(machine), placement or {}),
     }
     if kind == "none":
         out.update(kind_ok=top is None, machine_ok=top is None, ranks_ok=top is None, machines_ok=top is None,

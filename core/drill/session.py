@@ -687,11 +687,12 @@ def score(snap: JobSnapshot, truth: GroundTruth) -> dict[str, Any] | None:
     analyze = _analyzer_entry()
     if analyze is None:
         return None
+    from rankscope.analyzers.topology import placement_of
     from rankscope.drill.scoring import score_verdict
 
     started = time.monotonic()
     verdict = analyze(snap)
-    graded = score_verdict(verdict, truth)
+    graded = score_verdict(verdict, truth, placement_of(snap))
     graded["analysis_s"] = round(time.monotonic() - started, 3)
     return graded
 

@@ -617,3 +617,32 @@ async def test_e_names_no_target_in_a_capture_taken_while_the_job_made_steps() -
         await until(pilot, lambda: watched.has("nothing to evict now: the capture on screen was taken while the job "
                                                "was making progress"), 10, "e to say why it has no target")
         assert source.planned == [] and not isinstance(app.screen, ConfirmModal)
+
+
+async def test_roots_make_e_evict_only_their_machine_and_the_dialog_offers_the_whole_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import rankscope.tui.actions as tui_actions
+
+    picked = tui_actions.pick_suspect
+
+    def with_root(*args: Any) -> Suspect | None:  # the evidence pins rank 26 (node13) of Fig. 7's PP group
+        s = picked(*args)
+        return None if s is None else replace(s, roots=(26,))
+
+    monkeypatch.setattr(tui_actions, "pick_suspect", with_root)
+    source = RecordingSource()
+    app = RankscopeApp(source, AppOptions())
+    async with app.run_test(size=(160, 48)) as pilot:
+        modal = await open_confirm(pilot, app, "e")
+        (request,) = source.planned
+        assert request.targets.machines == ("node13",), "the default evicts only what the evidence names"
+        text = screen_text(app)
+        assert "Type evict node13 to confirm" in text and "evict node12" not in text
+        assert "only what the evidence names (the default); the evidence pins rank 26" in text
+        assert "over-evict the whole group: node12 node13 node14 node15 (4 standbys), 3 more" in text
+        await pilot.click("#other-plan")
+        await until(pilot, lambda: len(source.planned) == 2 and isinstance(app.screen, ConfirmModal)
+                    and app.screen is not modal, what="the whole group's plan")
+        assert source.planned[1].targets.machines == SUSPECT_MACHINES
+        assert PHRASE in screen_text(app) and "ByteRobust's over-eviction" in screen_text(app)
+        assert source.runs == []

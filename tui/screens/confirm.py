@@ -60,12 +60,16 @@ class ConfirmModal(ModalScreen[bool]):
         Binding("pagedown", "scroll_plan(1)", "Scroll plan", show=False),
     ]
 
-    def __init__(self, title: str, summary: PlanToConfirm, plan: Text) -> None:
+    def __init__(self, title: str, summary: PlanToConfirm, plan: Text, alternative: str | None = None) -> None:
         super().__init__()
         self.title_text = title
         self.summary = summary
         self.plan = plan
         self.typed = ""
+        # The label of another plan of the same action (an eviction's whole group beside the machines the evidence
+        # names); pressing it answers False with ``switched`` set, and the caller plans that one.
+        self.alternative = alternative
+        self.switched = False
 
     @property
     def phrase(self) -> str | None:
@@ -87,7 +91,8 @@ class ConfirmModal(ModalScreen[bool]):
             yield Static(Text.assemble("Type ", (self.phrase, "bold red"), " to confirm (tab to the box), "
                                        "then enter. Cancel is the default; pgup/pgdn scroll the plan."),
                          id="confirm-prompt")
-            yield Input(placeholder=self.phrase, id="confirm-phrase")
+            # Not the phrase itself as the placeholder: in monochrome it looks typed already.
+            yield Input(placeholder="type the phrase above here", id="confirm-phrase")
         else:
             yield Static(Text.assemble("Run this on ", (" ".join(self.summary.shown_machines), "bold"),
                                        "? Cancel is the default; tab to the other button to confirm."),
@@ -97,6 +102,8 @@ class ConfirmModal(ModalScreen[bool]):
             label = "Evict" if self.phrase is not None else "Confirm"
             yield Button(label, id="confirm", variant="error",
                          disabled=not self.summary.runnable or self.phrase is not None)
+            if self.alternative is not None:
+                yield Button(self.alternative, id="other-plan")
 
     def action_scroll_plan(self, direction: int) -> None:
         plan = self.query_one("#confirm-plan", PlanScroll)
@@ -127,6 +134,11 @@ class ConfirmModal(ModalScreen[bool]):
                 return
             self.typed = " ".join(text.split())
         self.dismiss(True)
+
+    @on(Button.Pressed, "#other-plan")
+    def _other_plan(self) -> None:
+        self.switched = True
+        self.dismiss(False)
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:

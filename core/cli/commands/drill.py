@@ -309,6 +309,24 @@ def running_rankscope() -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "rankscope"]
 
 
+def eviction_lines(eviction: dict[str, Any] | None) -> list[str]:
+    """The plan `e` executes for the verdict (``scoring.score_eviction``): the default and the over-eviction."""
+    if not eviction:
+        return []
+    lines = []
+    for scope in ("precise", "group"):
+        e = eviction[scope]
+        name = "evict what the evidence names" if scope == "precise" else "over-evict the group (ByteRobust)"
+        default = " (default)" if eviction["default"] == scope else ""
+        lines.append(f"  {name}{default}: {' '.join(e['machines'])}: faulty machine "
+                     f"{'evicted' if e['right'] else 'NOT evicted'}, extra machines: {e['extra_machines']}, "
+                     f"standbys used: {e['standbys']}")
+        if eviction["precise"] == eviction["group"]:
+            break
+    lines.append(f"  why: {eviction['reason']}")
+    return lines
+
+
 def report_lines(report: dict[str, Any]) -> list[str]:
     truth = report["ground_truth"]
     cap = report["captured"]
@@ -332,5 +350,6 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         mark = "correct" if verdict.get("correct") else "WRONG"
         lines.append(f"verdict: {verdict.get('summary')}  [{mark}: expected {truth['suspect_kind']} "
                      f"on {', '.join(truth['suspect_machines']) or 'nobody'}]")
+        lines.extend(eviction_lines(verdict.get("eviction")))
     lines.append(f"times (s): {report['times_s']}")
     return lines
