@@ -240,10 +240,12 @@ class GpuStatus:
 class Communicator:
     """A process group as the CCL plugin recorded it when it was created."""
 
-    comm_id: str
+    comm_id: str  # the plugin's: NCCL's commHash in hex, the same on every member; the shim's: torch's group id
     backend: str
     description: str
-    ranks: tuple[int, ...]  # member global ranks, in group-rank order
+    ranks: tuple[int, ...]  # member global ranks, in group-rank order; () when the recorder did not know them
+    comm_nranks: int = 0  # the communicator's size as NCCL reported it (0: unknown)
+    comm_rank: int = -1  # this rank's place in it as NCCL reported it (-1: unknown)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1004,7 +1004,8 @@ def _communicator(c: pb.Communicator) -> Communicator:
     if runs and len(c.ranks):
         raise _WireError("a communicator carries both ranks and rank_runs")
     return typing.cast(Communicator, _intern(key, lambda: Communicator(
-        c.comm_id, c.backend, c.description, expand_runs(runs) if runs else tuple(c.ranks))))
+        c.comm_id, c.backend, c.description, expand_runs(runs) if runs else tuple(c.ranks),
+        c.comm_nranks, c.comm_rank if c.comm_nranks else -1)))  # no size: the place is unknown, not 0
 
 
 def _encode_thread(obj: ThreadStack, msg: Any) -> None:

@@ -1064,9 +1064,16 @@ class Communicator(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
     RANK_RUNS_FIELD_NUMBER: _builtins.int
+    COMM_NRANKS_FIELD_NUMBER: _builtins.int
+    COMM_RANK_FIELD_NUMBER: _builtins.int
     comm_id: _builtins.str
     backend: _builtins.str
     description: _builtins.str
+    comm_nranks: _builtins.int
+    """NCCL's own view (the CCL plugin's records): the communicator's size (0:
+    unknown) and this rank's place in it (meaningful only with a size).
+    """
+    comm_rank: _builtins.int
     @_builtins.property
     def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -1084,10 +1091,12 @@ class Communicator(_message.Message):
         description: _builtins.str = ...,
         ranks: _abc.Iterable[_builtins.int] | None = ...,
         rank_runs: _abc.Iterable[_builtins.int] | None = ...,
+        comm_nranks: _builtins.int = ...,
+        comm_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "comm_id", b"comm_id", "description", b"description", "rank_runs", b"rank_runs", "ranks", b"ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "comm_id", b"comm_id", "comm_nranks", b"comm_nranks", "comm_rank", b"comm_rank", "description", b"description", "rank_runs", b"rank_runs", "ranks", b"ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
