@@ -108,6 +108,7 @@ def _with_role(stack: ProcessStack, role: ProcessRole, name: str = "") -> Proces
 
 def _files(root: Path, notes: list[str]) -> list[Path]:
     from rankscope.analyzers.topology import natural_key
+    from rankscope.formats.incident_logs import holds_pyspy, log_kind
 
     if root.is_file():
         return [root]
@@ -120,7 +121,39 @@ def _files(root: Path, notes: list[str]) -> list[Path]:
         if path.is_dir():
             notes.append(f"{path.name}/: a folder, not read (dumps are read from {root} only)")
             continue
+        head = _head(path)
+        if log_kind(head) is not None and not holds_pyspy(head):
+            # NCCL/PyTorch logs beside the dumps are evidence of their own (formats.incident_logs).
+            notes.append(f"{path.name}: a log, not a dump: read by `rankscope analyze {root}` with the dumps")
+            continue
         out.append(path)
+    return out
+
+
+def _head(path: Path, size: int = 65536) -> str:
+    try:
+        with path.open("rb") as f:
+            return f.read(size).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+_FRAME_LINE = re.compile(r"(?m)^\s*(?:\.\.\.\s*)?\S+ \([^()\s]+:\d+\)")
+
+
+def dump_files(root: Path) -> list[Path]:
+    """The files of a folder whose content looks like py-spy output (text or JSON), logs and notes left out."""
+    from rankscope.formats.incident_logs import holds_pyspy
+
+    if not root.is_dir():
+        return []
+    out = []
+    for path in sorted(root.iterdir()):
+        if path.name.startswith(".") or not path.is_file() or path.suffix.lower() == ".md":
+            continue
+        head = _head(path, 8192)
+        if holds_pyspy(head) or '"frames"' in head or head.lstrip().startswith("Error:") or _FRAME_LINE.search(head):
+            out.append(path)
     return out
 
 

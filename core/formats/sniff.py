@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rankscope.formats.flight_recorder import holds_dumps, looks_like_dump
+from rankscope.formats.incident_logs import is_log_file, log_files
 from rankscope.formats.optrace_io import looks_like_op_trace
 from rankscope.formats.pyspy_dir import is_dumps
 
@@ -18,6 +19,7 @@ PYSPY = "py-spy dumps"  # a folder, or a file that is not a JSON object: saved `
 FLIGHT_RECORDER = "flight recorder dumps"  # a folder of every rank's PyTorch flight recorder dump
 FLIGHT_RECORDER_RANK = "one rank's flight recorder dump"
 OP_TRACE = "op trace"  # a per-operation timing trace (parquet, or a CSV with its columns)
+LOGS = "incident logs"  # NCCL RAS, ProcessGroupNCCL watchdog lines, fr_trace, DETAIL checks, NCCL Inspector
 
 
 def what_is(path: Path) -> str:
@@ -27,6 +29,10 @@ def what_is(path: Path) -> str:
             return OP_TRACE
         if looks_like_dump(path):
             return FLIGHT_RECORDER_RANK
+        if is_log_file(path):
+            return LOGS
     elif path.is_dir() and holds_dumps(path):
         return FLIGHT_RECORDER
+    elif path.is_dir() and log_files(path):
+        return LOGS  # with or without py-spy dumps beside them: `rankscope analyze` reads both
     return PYSPY if is_dumps(path) else BUNDLE

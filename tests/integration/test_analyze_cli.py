@@ -83,7 +83,7 @@ def test_bundle_with_layout_flags_and_rounds(capsys: pytest.CaptureFixture[str],
 
 
 @pytest.mark.parametrize("argv, message", [
-    ((), "give exactly one of BUNDLE, --dumps PATH, --flight-recorder DIR or --op-trace FILE"),
+    ((), "give exactly one of BUNDLE, --dumps PATH, --flight-recorder DIR, --op-trace FILE or --logs PATH"),
     (("--pyspy-dir", "/nonexistent/dumps"), "is neither a folder nor a file of py-spy dumps"),
     (("--pyspy-dir", str(FIG7), "--order", "tp-xx"), "unknown dimension"),
     (("--pyspy-dir", str(FIG7), "--tp", "0"), "--tp must be at least 1"),

@@ -3,6 +3,7 @@
     rankscope analyze incident.json --tp 2 --pp 4 --dp 4 --order tp-pp-dp --ranks-per-machine 2
     rankscope analyze --pyspy-dir dumps/ --tp 2 --pp 4 --dp 4 --order tp-pp-dp --ranks-per-machine 2 --json
     rankscope analyze --flight-recorder traces/ --tp 2 --pp 2 --dp 2
+    rankscope analyze incident/    # NCCL RAS, watchdog lines, fr_trace, DETAIL errors, Inspector (+ py-spy dumps)
 
 Sizes typed here override the layout recorded in the bundle; communicator
 membership recorded by the CCL plugin overrides both. When the snapshot
@@ -46,6 +47,11 @@ def register(sub: Any) -> None:
     src.add_argument("--op-trace", type=Path, metavar="FILE",
                      help="a per-operation timing trace (parquet in the ByteDance StragglerAnalysis schema, or CSV): "
                           "which worker is slow and in which op, which stage is slow, or that nobody is")
+    src.add_argument("--logs", type=Path, metavar="PATH",
+                     help="a folder or one pasted file of the logs NCCL and PyTorch print in a hang: NCCL RAS "
+                          "(text or JSON), ProcessGroupNCCL watchdog lines, fr_trace's report, "
+                          "TORCH_DISTRIBUTED_DEBUG=DETAIL mismatch errors, NCCL Inspector output; py-spy dumps in "
+                          "the same folder are read with them (a folder given as BUNDLE is sniffed the same way)")
     src.add_argument("--trace-meta", type=Path, metavar="FILE",
                      help="the trace's job metadata (meta-*.yaml: dp_size, pp_size, tp_size, world_size)")
     lay = p.add_argument_group("parallel layout (overrides the bundle's)")
@@ -85,16 +91,19 @@ def run(args: argparse.Namespace) -> int:
     from rankscope.analyzers.stacks import SignatureOptions
     from rankscope.analyzers.suspects import verdict_to_json
 
-    sources = [x for x in (args.bundle, args.pyspy_dir, args.flight_recorder, args.op_trace) if x is not None]
+    sources = [x for x in (args.bundle, args.pyspy_dir, args.flight_recorder, args.op_trace, args.logs)
+               if x is not None]
     if len(sources) != 1:
         raise RankscopeError(
-            "give exactly one of BUNDLE, --dumps PATH, --flight-recorder DIR or --op-trace FILE",
+            "give exactly one of BUNDLE, --dumps PATH, --flight-recorder DIR, --op-trace FILE or --logs PATH",
             "e.g. `rankscope analyze incident.json` or `rankscope analyze --dumps dumps/ --tp 2 --pp 4 --dp 4`",
         )
     if args.bundle is not None:
         _route_by_content(args)
     if args.op_trace is not None:
         return _op_trace(args)
+    if args.logs is not None:
+        _logs_with_dumps(args)
     options = SignatureOptions(keep_lines=args.keep_lines, fold_wrappers=not args.no_fold,
                                include_subprocesses=not args.no_subprocesses,
                                include_idle_threads=args.idle_threads)
@@ -105,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
                              f"pass a number from 0 to {len(snapshots) - 1}, or -1 for the last")
     snapshot = snapshots[index]
     layout = _layout(args, snapshot.layout)
+    log_verdict = _log_verdict(args, snapshot)
+    if log_verdict is not None:
+        other_verdicts = [*other_verdicts, log_verdict]
     if other_verdicts and not any(m.stacks for m in snapshot.machines):
         # Nothing to group (flight-recorder dumps carry counters only): the other detectors speak alone.
         out = _verdict_only(other_verdicts, snapshot, layout)
@@ -134,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     merged = job.verdict if progress is None or not progress.running else timing_not_fault(job.verdict, progress)
     if job.merged_with:
         out["stacks_summary"] = out["summary"]
-    out["summary"] = merged.summary
+    out["summary"] = _not_a_rank_summary(merged) or merged.summary
     out["suspects"] = [suspect_to_json(s) for s in merged.suspects]
     out["findings"] = [finding_to_json(f) for f in merged.findings]
     out["missing_ranks"] = list(merged.missing_ranks)
@@ -165,10 +177,51 @@ def _route_by_content(args: argparse.Namespace) -> None:
     if kind == sniff.FLIGHT_RECORDER_RANK:
         raise RankscopeError(f"{path} is one rank's PyTorch flight recorder dump, not a rankscope bundle",
                              f"pass the folder that holds every rank's dump: rankscope analyze {path.parent}")
-    source = {sniff.OP_TRACE: "op_trace", sniff.FLIGHT_RECORDER: "flight_recorder", sniff.PYSPY: "pyspy_dir"}.get(kind)
+    source = {sniff.OP_TRACE: "op_trace", sniff.FLIGHT_RECORDER: "flight_recorder", sniff.PYSPY: "pyspy_dir",
+              sniff.LOGS: "logs"}.get(kind)
     if source is not None:
         setattr(args, source, path)
         args.bundle = None
+
+
+def _logs_with_dumps(args: argparse.Namespace) -> None:
+    """A folder of logs may hold py-spy dumps too (and one pasted file both): read those as the stacks."""
+    from rankscope.formats.incident_logs import holds_pyspy, log_files
+    from rankscope.formats.pyspy_dir import dump_files
+
+    path: Path = args.logs
+    logs = set(log_files(path))
+    if not logs:
+        raise RankscopeError(f"no logs this reader knows in {path}",
+                             "pass NCCL RAS output, ProcessGroupNCCL watchdog lines, fr_trace's report, DETAIL "
+                             "mismatch errors or NCCL Inspector output (see `rankscope analyze --help`)")
+    args.log_files = sorted(logs)
+    if any(holds_pyspy(p.read_text(errors="replace")[:65536]) for p in logs) or any(
+            p not in logs for p in dump_files(path)):
+        args.pyspy_dir = path
+
+
+def _log_verdict(args: argparse.Namespace, snapshot: Any) -> Any:
+    """The logs' own verdict (``analyzers.log_evidence``), or None when no logs were given."""
+    files = getattr(args, "log_files", None)
+    if not files:
+        return None
+    from rankscope.analyzers.log_evidence import analyze_logs
+    from rankscope.formats.incident_logs import read_logs
+
+    evidence = read_logs(files)
+    if evidence.empty() and not evidence.notes:
+        return None
+    return analyze_logs(evidence, snapshot.world_size)
+
+
+def _not_a_rank_summary(verdict: Any) -> str | None:
+    """With no suspect left, a "not a rank" finding is the headline (never a tie-break's pick)."""
+    from rankscope.analyzers.findings import NOT_A_RANK
+
+    if verdict.suspects:
+        return None
+    return next((f.summary for f in verdict.findings if f.kind == NOT_A_RANK), None)
 
 
 def rank_assignment(snapshot: Any) -> list[dict[str, Any]]:
@@ -224,10 +277,11 @@ def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, 
     from rankscope.analyzers.verdict import merge_verdicts
 
     verdict = merge_verdicts(*verdicts)
+    summary = _not_a_rank_summary(verdict) or verdict.summary
     lay = layout
     sizes = {d: getattr(lay, d) if lay is not None else 1 for d in ("tp", "pp", "dp", "cp", "ep")}
     return {
-        "summary": verdict.summary,
+        "summary": summary,
         "world_size": snapshot.world_size,
         "layout": {**sizes, "order": lay.order if lay is not None else "tp-cp-ep-dp-pp",
                    "ranks_per_machine": lay.ranks_per_machine if lay is not None else None,
@@ -258,6 +312,9 @@ def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any], dict[str, Any
 
         order = [n.strip() for n in args.node_order.split(",") if n.strip()] if args.node_order else None
         return [load_pyspy_dir(args.pyspy_dir, _layout(args, None), order)], [], {}
+    if args.logs is not None:
+        # Logs alone: no stacks to group; an empty capture carries the logs' notes (analyzers.log_evidence speaks).
+        return [_empty_snapshot(args.logs)], [], {}
     try:
         from rankscope.formats.flight_recorder import read_flight_recorder_dir  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
@@ -270,6 +327,14 @@ def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any], dict[str, Any
     report = read_flight_recorder_dir(args.flight_recorder, _layout(args, None))
     return [report.snapshot], [report.verdict], {"fr_wavefront": [wavefront_to_json(w)
                                                                   for w in report.analysis.wavefront]}
+
+
+def _empty_snapshot(path: Path) -> Any:
+    import time
+
+    from rankscope.contract.snapshot import Instant, JobSnapshot
+
+    return JobSnapshot(captured=Instant(wall=time.time(), mono=time.monotonic()), machines=(), job_id=path.stem)
 
 
 def _rounds(snapshots: list[Any], layout: Any, options: Any) -> dict[str, object]:

@@ -1,0 +1,597 @@
+"""Verdicts from the logs engineers paste: NCCL RAS, ProcessGroupNCCL's watchdog, fr_trace, DETAIL checks, Inspector.
+
+The readers (``rankscope.formats.incident_logs`` and its siblings) turn each
+line into one of the records below, with where it came from; the rules here
+judge them. One rule holds for every kind of count: the ranks *behind* are
+the ones to look at, never the ranks a tool happened to list (NCCL RAS lists
+the minority, which may be ahead of the others; fr_trace's "culprit" is the
+rank that differs from the first one it read).
+
+- watchdog: per process group, the failing sequence number S is the work the
+  timed-out ranks wait in; a rank whose last enqueued work is below S never
+  issued it (behind: the suspect, the others its victims). Every rank at the
+  same S with S enqueued and nothing after S-1 completed is a symmetric stall:
+  "not a rank".
+- RAS: per communicator and operation, the ranks at the lowest count are
+  behind; ranks RAS has no data from (INCOMPLETE) or considers dead are
+  suspects by host and process. Every communicator RUNNING/OK while a watchdog
+  timed out: the ranks all launched the same operations, "not a rank".
+- fr_trace: ranks missing from a collective are behind; a state mismatch
+  blames the rank whose entry is less far along; a size/type mismatch is a
+  program mismatch (eviction does not cure it).
+- DETAIL fingerprint mismatch: the ranks run different collectives at one
+  sequence number: a desync finding, the odd rank out when there is one.
+- Inspector: a rank whose last completed collective on a communicator is
+  behind its peers'; with equal counts, the rank whose collectives are
+  consistently the shortest arrives last (the others wait for it).
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from rankscope.analyzers.chain import DESYNC_ADVICE
+from rankscope.analyzers.findings import NOT_A_RANK, Finding, Suspect, SuspectKind, Verdict
+from rankscope.analyzers.topology import compact_ranks
+
+SOURCE = "logs"
+SCORE_BEHIND = 1.0
+SCORE_MISSING = 0.9
+SCORE_DESYNC = 0.95
+SCORE_SLOW = 0.6
+
+# What tells the communication layer, the network and a driver apart when no rank is behind.
+NOT_A_RANK_ADVICE = (
+    "no rank is behind, so evicting one by tie-break would not help: look below the program. "
+    "NCCL's own log (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET) names transport errors and the peer they "
+    "came from; NCCL RAS (`ncclras`) names a process or node it cannot reach (INCOMPLETE, DEAD); on each "
+    "machine, `nvidia-smi -q` and the kernel log (`dmesg | grep -i -e xid -e aer -e nvlink`) show Xid, PCIe "
+    "AER and NVLink errors. Errors on one machine name that machine (driver or GPU); none on any machine, with "
+    "NCCL transport errors, point at the network fabric or its configuration")
+FIRST_OP_NOTE = (
+    "the stalled work is the group's first collective: its ranks never finished connecting, which points at "
+    "transport setup (NCCL_SOCKET_IFNAME / NCCL_IB_* settings, a firewall, a node's network interface) more "
+    "than at any rank's program")
+
+
+# --------------------------------------------------------------------------
+# Records the readers produce
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WatchdogRecord:
+    """One ProcessGroupNCCL line about a rank's collective progress.
+
+    ``rank`` is the global rank when the line or its file says it (``[rankN]:``
+    prefix, ``rank<N>`` file name, or the default group's rank), else None;
+    ``pg`` names the process group as the line does (``PG 0 (default_pg)``).
+    ``seq``: the work the watchdog flagged (``SeqNum=``, ``at work:``);
+    ``enqueued``/``completed``: the PG status the line gives.
+    """
+
+    where: str  # file:line
+    kind: str  # timeout | status | dump-signal | blocking-wait | stuck-watchdog
+    rank: int | None
+    rank_how: str
+    pg: str
+    pg_rank: int | None = None
+    seq: int | None = None
+    op: str | None = None
+    enqueued: int | None = None
+    completed: int | None = None
+    timeout_ms: int | None = None
+    signalled_by: int | None = None  # "a collective timeout from rank X"
+
+
+@dataclass(frozen=True, slots=True)
+class RasRank:
+    """A rank or process as NCCL RAS names it: communicator rank, GPU, process, node (any may be unknown)."""
+
+    comm_rank: int | None = None
+    gpu: str | None = None
+    pid: int | None = None
+    host: str | None = None
+    status: str | None = None
+
+    def label(self) -> str:
+        parts = [f"communicator rank {self.comm_rank}" if self.comm_rank is not None else "a process"]
+        if self.pid is not None:
+            parts.append(f"pid {self.pid}")
+        if self.host:
+            parts.append(f"on {self.host}")
+        if self.gpu is not None:
+            parts.append(f"GPU {self.gpu}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class RasCount:
+    """``N ranks have launched up to operation V`` (value None: not launched any), with the ranks RAS listed."""
+
+    op: str
+    value: int | None
+    count: int
+    listed: tuple[RasRank, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RasComm:
+    """One communicator block (``#G-C (hash) ERRORS``) or one JSON communicator."""
+
+    label: str
+    where: str
+    errors: tuple[str, ...] = ()
+    size: int | None = None
+    counts: tuple[RasCount, ...] = ()
+    missing: tuple[RasRank, ...] = ()
+    missing_count: int = 0
+    statuses: tuple[RasRank, ...] = ()  # ranks RAS lists with a different status (e.g. ABORTED)
+
+
+@dataclass(frozen=True, slots=True)
+class RasRow:
+    """One row of the communicators table: group, communicators in it, ranks per communicator, status, errors."""
+
+    group: int
+    comms: int
+    ranks_per_comm: int
+    status: str
+    errors: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RasReport:
+    where: str
+    processes: int | None = None  # job processes in total
+    rows: tuple[RasRow, ...] = ()
+    comms: tuple[RasComm, ...] = ()
+    missing_processes: tuple[RasRank, ...] = ()
+    missing_process_count: int = 0
+    dead_processes: tuple[RasRank, ...] = ()
+    dead_process_count: int = 0
+    complete: bool = True  # False: the report was cut off
+
+
+@dataclass(frozen=True, slots=True)
+class FrCollective:
+    """One record of fr_trace's text report."""
+
+    where: str
+    seq: int | None
+    pg: str | None = None
+    op: str | None = None
+    missing_ranks: tuple[int, ...] = ()
+    expected_ranks: tuple[int, ...] = ()
+    culprit: int | None = None
+    error_type: str | None = None
+    expected_state: str | None = None
+    found_state: str | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """What one rank runs, as a DETAIL mismatch error prints it."""
+
+    rank: int
+    seq: int | None
+    op: str | None
+    shape: str | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MismatchReport:
+    """``Detected mismatch between collectives on ranks``: two (or, in the old form, one) fingerprints."""
+
+    where: str
+    sides: tuple[Fingerprint, ...]
+    aspects: str = ""
+    reported_by: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InspectorRank:
+    """One rank's NCCL Inspector records on one communicator: how far it got and how long its calls took."""
+
+    comm: str
+    rank: int
+    n_ranks: int | None
+    host: str | None
+    pid: int | None
+    last_sn: int
+    calls: int
+    last_op: str
+    durations: tuple[tuple[int, float], ...] = ()  # (coll_sn, microseconds), the latest few hundred
+
+
+@dataclass(frozen=True, slots=True)
+class LogEvidence:
+    """Everything the readers found in an incident's logs, and what they could not read."""
+
+    watchdog: tuple[WatchdogRecord, ...] = ()
+    ras: tuple[RasReport, ...] = ()
+    fr: tuple[FrCollective, ...] = ()
+    mismatches: tuple[MismatchReport, ...] = ()
+    inspector: tuple[InspectorRank, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    def empty(self) -> bool:
+        return not (self.watchdog or self.ras or self.fr or self.mismatches or self.inspector)
+
+
+# --------------------------------------------------------------------------
+# Rules
+# --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Found:
+    suspects: list[Suspect] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    symmetric: list[str] = field(default_factory=list)  # reasons no rank is behind, one per source
+
+
+def _suspect(ranks: Iterable[int], score: float, evidence: Sequence[str], *, machines: Sequence[str] = (),
+             victims: Iterable[int] = (), kind: SuspectKind = SuspectKind.RANK, state: str = "",
+             roots: Iterable[int] | None = None) -> Suspect:
+    rs = tuple(sorted(set(ranks)))
+    return Suspect(kind, rs, tuple(sorted(set(machines))), score, tuple(evidence), (SOURCE,),
+                   victims=tuple(sorted(set(victims) - set(rs))), state=state,
+                   roots=tuple(sorted(set(roots))) if roots is not None else rs)
+
+
+@dataclass(slots=True)
+class _PgRank:
+    seq: int | None = None
+    op: str | None = None
+    enqueued: int | None = None
+    completed: int | None = None
+    timed_out: bool = False
+    where: str = ""
+
+
+def _watchdog(records: Sequence[WatchdogRecord], out: _Found) -> None:
+    groups: dict[str, dict[int, _PgRank]] = {}
+    untied: list[WatchdogRecord] = []
+    for r in records:
+        if r.rank is None:
+            untied.append(r)
+            continue
+        st = groups.setdefault(r.pg, {}).setdefault(r.rank, _PgRank(where=r.where))
+        if r.seq is not None and r.kind in ("timeout", "status", "blocking-wait"):
+            st.seq = r.seq if st.seq is None else max(st.seq, r.seq)
+            st.timed_out = True
+        st.op = r.op or st.op
+        if r.enqueued is not None:
+            st.enqueued = r.enqueued if st.enqueued is None else max(st.enqueued, r.enqueued)
+        if r.completed is not None:
+            st.completed = r.completed if st.completed is None else max(st.completed, r.completed)
+    if untied:
+        out.notes.append(f"{len(untied)} watchdog line(s) name no global rank (no [rankN]: prefix, no rank<N> "
+                         f"file name, not the default group), e.g. {untied[0].where}: not tied to a rank")
+    for pg, ranks in groups.items():
+        seqs = [s.seq for s in ranks.values() if s.seq is not None]
+        if not seqs:
+            continue
+        target = max(seqs)
+        op = next((s.op for s in ranks.values() if s.seq == target and s.op), None)
+        what = f"work {target}" + (f" ({op})" if op else "")
+        behind = {r: s for r, s in ranks.items() if s.enqueued is not None and s.enqueued < target}
+        waiting = [r for r, s in ranks.items() if s.seq == target]
+        if behind:
+            lines = [f"rank {r}: last enqueued work {s.enqueued} < {what} that {_ranks_word(waiting)} "
+                     f"{'times' if len(waiting) == 1 else 'time'} out in on {pg}: it never issued it "
+                     f"({s.where})" for r, s in sorted(behind.items())]
+            out.suspects.append(_suspect(behind, SCORE_BEHIND, lines, victims=waiting,
+                                         state="never issued the collective its group waits in"))
+            continue
+        early = {r: s for r, s in ranks.items() if s.seq is not None and s.seq < target}
+        if early:
+            lines = [f"rank {r}: timed out in work {s.seq} on {pg} while {_ranks_word(waiting)} got as far as "
+                     f"{target} ({s.where})" for r, s in sorted(early.items())]
+            out.suspects.append(_suspect(early, SCORE_BEHIND * 0.9, lines, victims=waiting,
+                                         state="stuck in an earlier collective than its group"))
+            continue
+        same = all(s.seq == target and (s.completed is None or s.completed < target) for s in ranks.values())
+        if not same:
+            continue
+        seen = sorted(ranks)
+        reason = (f"every rank of {pg} in the logs ({_ranks_word(seen)}) timed out in the same {what}, "
+                  "each with it enqueued and nothing after it completed")
+        if len(seen) == 1:
+            out.notes.append(f"only {_ranks_word(seen)}'s watchdog lines for {pg}: {reason.split(' (')[0]} cannot "
+                             "be judged from one rank; the other ranks' logs tell whether one never issued "
+                             f"{what} (its last enqueued work below {target})")
+            out.symmetric.append(f"rank {seen[0]}'s watchdog timed out in {what} on {pg}, which it had enqueued "
+                                 f"({ranks[seen[0]].where})")
+            continue
+        out.symmetric.append(reason)
+        if target <= 1:
+            out.notes.append(FIRST_OP_NOTE)
+
+
+def _ras(reports: Sequence[RasReport], out: _Found, world: int | None) -> bool:
+    """The RAS rules; True when some report shows every communicator RUNNING/OK."""
+    all_ok = False
+    for rep in reports:
+        processes = rep.processes or world
+        for proc in (*rep.missing_processes, *rep.dead_processes):
+            dead = proc in rep.dead_processes
+            line = (f"NCCL RAS has {'declared dead' if dead else 'no communicator data from'} {proc.label()} "
+                    f"({rep.where}): the process {'is unreachable' if dead else 'does not answer RAS'}; it is hung "
+                    "hard (a stuck driver call, a GPU fault) or gone")
+            out.suspects.append(_suspect((), SCORE_MISSING, [line], machines=[proc.host] if proc.host else (),
+                                         kind=SuspectKind.MACHINE, state="dead" if dead else "not answering RAS"))
+        unlisted_missing = rep.missing_process_count - len(rep.missing_processes)
+        if unlisted_missing > 0:
+            out.notes.append(f"NCCL RAS misses data from {rep.missing_process_count} process(es) but lists "
+                             f"{len(rep.missing_processes)} ({rep.where}): run `ncclras -v` for the full list")
+        for comm in rep.comms:
+            job_wide = comm.size is not None and processes is not None and comm.size == processes
+            _ras_comm(comm, out, job_wide)
+        if rep.rows and all(r.status == "RUNNING" and r.errors == ("OK",) for r in rep.rows) \
+                and not rep.missing_process_count and not rep.dead_process_count:
+            all_ok = True
+        if not rep.complete:
+            out.notes.append(f"the NCCL RAS report {rep.where} is cut off: read for what it holds")
+    return all_ok
+
+
+def _ras_comm(comm: RasComm, out: _Found, job_wide: bool) -> None:
+    def rank_of(r: RasRank) -> int | None:
+        return r.comm_rank if job_wide else None
+
+    numbering = "" if job_wide else " (communicator ranks, not global ranks: the communicator is not the whole job)"
+    for m in comm.missing:
+        line = (f"NCCL RAS has no data from {m.label()} in communicator {comm.label} ({comm.where}): not "
+                "answering (hung hard) or gone")
+        rank = rank_of(m)
+        out.suspects.append(_suspect(() if rank is None else (rank,), SCORE_MISSING, [line],
+                                     machines=[m.host] if m.host else (),
+                                     kind=SuspectKind.RANK if rank is not None else SuspectKind.MACHINE,
+                                     state="not answering RAS"))
+    if comm.missing_count > len(comm.missing):
+        out.notes.append(f"NCCL RAS misses data from {comm.missing_count} rank(s) of {comm.label} and names "
+                         f"{len(comm.missing)} ({comm.where}): the rest cannot be tied to a rank")
+    by_op: dict[str, list[RasCount]] = {}
+    for c in comm.counts:
+        by_op.setdefault(c.op, []).append(c)
+    for op, counts in by_op.items():
+        if len(counts) < 2:
+            continue
+        counts = sorted(counts, key=lambda c: -1 if c.value is None else c.value)
+        low, top = counts[0], counts[-1]
+        low_v = "no operation" if low.value is None else f"operation {low.value}"
+        ahead = [c for c in counts[1:]]
+        ahead_listed = [r for c in ahead for r in c.listed]
+        if low.listed:
+            behind = low.listed
+            how = "listed by RAS"
+        elif comm.size is not None and all(len(c.listed) == c.count for c in ahead):
+            # RAS listed only the minority, which is ahead: the behind ones are every other member.
+            named = {r.comm_rank for r in ahead_listed}
+            behind = tuple(RasRank(comm_rank=i) for i in range(comm.size) if i not in named)
+            how = "every member RAS did not list (it lists the minority, here the ranks ahead)"
+        else:
+            out.notes.append(f"NCCL RAS: {low.count} rank(s) of {comm.label} are behind at {low_v} of {op} but "
+                             f"RAS does not say which ({comm.where})")
+            continue
+        ranks = [r.comm_rank for r in behind if r.comm_rank is not None]
+        lines = [f"NCCL RAS, communicator {comm.label}: {low.count} rank(s) launched only up to {low_v} of {op} "
+                 f"while {sum(c.count for c in ahead)} got to operation {top.value} ({comm.where}); behind: "
+                 f"{how}{numbering}"]
+        if ahead_listed:
+            lines.append(f"ranks RAS lists as ahead, not to blame: "
+                         f"{compact_ranks([r.comm_rank for r in ahead_listed if r.comm_rank is not None])}")
+        lines.extend(f"  {r.label()}" for r in behind[:8] if r.pid is not None or r.host)
+        hosts = [r.host for r in behind if r.host]
+        if job_wide:
+            out.suspects.append(_suspect(ranks, SCORE_BEHIND, lines, machines=hosts,
+                                         victims=[r.comm_rank for r in ahead_listed if r.comm_rank is not None],
+                                         state=f"behind in {op}"))
+        elif hosts:
+            out.suspects.append(_suspect((), SCORE_BEHIND * 0.9, lines, machines=hosts, kind=SuspectKind.MACHINE,
+                                         state=f"behind in {op}"))
+        else:
+            out.notes.append(lines[0] + f": communicator rank(s) {compact_ranks(ranks)}, not tied to global ranks")
+    for s in comm.statuses:
+        out.notes.append(f"NCCL RAS, communicator {comm.label}: {s.label()} has status {s.status} ({comm.where})")
+
+
+_STATE_ORDER = {"scheduled": 0, "started": 1, "completed": 2}
+_PROGRAM_ERRORS = ("SIZE", "TYPE", "DTYPE", "SYNTAX")
+
+
+def _fr(records: Sequence[FrCollective], out: _Found) -> None:
+    for c in records:
+        what = f"collective {c.seq}" + (f" ({c.op}" + (f" on {c.pg})" if c.pg else ")") if c.op else "")
+        if c.missing_ranks:
+            present = [r for r in c.expected_ranks if r not in c.missing_ranks]
+            out.suspects.append(_suspect(c.missing_ranks, SCORE_BEHIND, [
+                f"fr_trace: {_ranks_word(list(c.missing_ranks))} never joined {what} that "
+                f"{_ranks_word(present) if present else 'the others'} entered ({c.where})"],
+                victims=present, state="never joined the collective"))
+            continue
+        if c.culprit is None or c.error_type is None:
+            continue
+        others = [r for r in c.expected_ranks if r != c.culprit]
+        if c.error_type.endswith("STATE_MISMATCH") and c.expected_state in _STATE_ORDER \
+                and c.found_state in _STATE_ORDER:
+            culprit_ahead = _STATE_ORDER[c.found_state] > _STATE_ORDER[c.expected_state]
+            behind = others if culprit_ahead else [c.culprit]
+            if not behind:
+                continue
+            out.suspects.append(_suspect(behind, SCORE_BEHIND * 0.7, [
+                f"fr_trace: {what}: {_ranks_word(behind)} at state '{c.expected_state if culprit_ahead else c.found_state}'"
+                f" while {'culprit ' if culprit_ahead else ''}rank {c.culprit if culprit_ahead else others[0] if others else '?'}"
+                f" is at '{c.found_state if culprit_ahead else c.expected_state}' ({c.where}): the rank less far "
+                "along is the one to look at; fr_trace's 'culprit' is only the rank that differs from the first "
+                "one it read"], victims=[c.culprit] if culprit_ahead else others, state="behind in the collective"))
+            continue
+        if any(k in c.error_type for k in _PROGRAM_ERRORS):
+            ranks = tuple(sorted({c.culprit, *others}))
+            roots = (c.culprit,) if len(others) >= 2 else ()
+            line = (f"fr_trace: {what}: {c.error_type} on rank {c.culprit}"
+                    + (f" against ranks {compact_ranks(others)}" if others else "") + f": {c.error} ({c.where})")
+            out.findings.append(Finding("log-collective-mismatch", ranks, line, (line,), c.pg, DESYNC_ADVICE))
+            out.suspects.append(_suspect(ranks, SCORE_DESYNC, [line], kind=SuspectKind.DESYNC, roots=roots,
+                                         state="program mismatch"))
+
+
+def _mismatches(reports: Sequence[MismatchReport], out: _Found) -> None:
+    by_seq: dict[int | None, dict[int, Fingerprint]] = {}
+    where: dict[int | None, list[str]] = {}
+    aspects: dict[int | None, str] = {}
+    for m in reports:
+        seq = next((s.seq for s in m.sides if s.seq is not None), None)
+        for s in m.sides:
+            by_seq.setdefault(seq, {}).setdefault(s.rank, s)
+        where.setdefault(seq, []).append(m.where)
+        if m.aspects:
+            aspects.setdefault(seq, m.aspects)
+    for seq, sides in by_seq.items():
+        if len(sides) < 2:
+            r = next(iter(sides))
+            out.notes.append(f"DETAIL check: rank {r} runs an inconsistent collective"
+                             + (f" at sequence {seq}" if seq is not None else "")
+                             + f" ({where[seq][0]}); the other side is not in the logs")
+            continue
+        kinds: dict[tuple[str | None, str | None, str | None], list[int]] = {}
+        for r, fp in sides.items():
+            kinds.setdefault((fp.op, fp.shape, fp.dtype), []).append(r)
+        ranks = tuple(sorted(sides))
+        desc = "; ".join(f"rank(s) {compact_ranks(rs)}: {k[0] or '?'}"
+                         + (f" shape [{k[1]}]" if k[1] else "") + (f" {k[2]}" if k[2] else "")
+                         for k, rs in kinds.items())
+        groups = sorted(kinds.values(), key=len)
+        roots: tuple[int, ...] = ()
+        if len(groups) >= 2 and len(groups[0]) < len(groups[1]):
+            roots = tuple(groups[0])
+        summary = (f"ranks {compact_ranks(ranks)} run different collectives at sequence number {seq}: {desc}"
+                   + (f" (differ in: {aspects[seq]})" if seq in aspects else ""))
+        ev = (summary, *(f"from {w}" for w in where[seq][:3]))
+        out.findings.append(Finding("log-collective-mismatch", ranks, summary, ev, None, DESYNC_ADVICE))
+        out.suspects.append(_suspect(ranks, SCORE_DESYNC, ev, kind=SuspectKind.DESYNC, roots=roots,
+                                     state="program mismatch"))
+
+
+def _inspector(records: Sequence[InspectorRank], out: _Found) -> None:
+    by_comm: dict[str, list[InspectorRank]] = {}
+    for r in records:
+        by_comm.setdefault(r.comm, []).append(r)
+    for comm, ranks in by_comm.items():
+        if len(ranks) < 2:
+            continue
+        top = max(r.last_sn for r in ranks)
+        behind = [r for r in ranks if r.last_sn < top]
+        hosts = {r.rank: r.host for r in ranks if r.host}
+        if behind and len(behind) < len(ranks):
+            lines = [f"NCCL Inspector, communicator {comm}: rank {r.rank} completed up to collective {r.last_sn} "
+                     f"while others reached {top}" for r in sorted(behind, key=lambda r: r.rank)]
+            out.suspects.append(_suspect([r.rank for r in behind], SCORE_BEHIND * 0.9, lines,
+                                         machines=[h for k, h in hosts.items() if k in {r.rank for r in behind}],
+                                         victims=[r.rank for r in ranks if r.last_sn == top],
+                                         state="behind in its collectives"))
+            continue
+        late = _last_arriver(ranks)
+        if late is not None:
+            rank, share, ratio = late
+            out.suspects.append(_suspect([rank], SCORE_SLOW, [
+                f"NCCL Inspector, communicator {comm}: rank {rank}'s collectives are the shortest in "
+                f"{share:.0%} of those every rank recorded, its peers' {ratio:.1f}x longer: it arrives last and "
+                "the others wait for it"], machines=[hosts[rank]] if rank in hosts else (), state="arrives last"))
+
+
+def _last_arriver(ranks: Sequence[InspectorRank]) -> tuple[int, float, float] | None:
+    """The rank whose duration is the shortest in most shared collectives, when its peers wait clearly longer."""
+    per_sn: dict[int, dict[int, float]] = {}
+    for r in ranks:
+        for sn, us in r.durations:
+            per_sn.setdefault(sn, {})[r.rank] = us
+    shared = [d for d in per_sn.values() if len(d) == len(ranks)]
+    if len(shared) < 3:
+        return None
+    wins: dict[int, int] = {}
+    ratios: dict[int, list[float]] = {}
+    for d in shared:
+        rank = min(d, key=lambda k: d[k])
+        wins[rank] = wins.get(rank, 0) + 1
+        others = sorted(v for k, v in d.items() if k != rank)
+        ratios.setdefault(rank, []).append(others[len(others) // 2] / max(d[rank], 1e-9))
+    rank, n = max(wins.items(), key=lambda kv: kv[1])
+    share = n / len(shared)
+    ratio = sorted(ratios[rank])[len(ratios[rank]) // 2]
+    return (rank, share, ratio) if share >= 0.6 and ratio >= 2.0 else None
+
+
+def _ranks_word(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + compact_ranks(list(ranks))
+
+
+def _fold_same_machine(suspects: list[Suspect]) -> list[Suspect]:
+    """Suspects named only by machine (RAS names processes by host) are one suspect per machine set."""
+    out: list[Suspect] = []
+    index: dict[tuple[str, ...], int] = {}
+    for s in suspects:
+        if s.ranks or s.kind is not SuspectKind.MACHINE:
+            out.append(s)
+            continue
+        at = index.get(s.machines)
+        if at is None:
+            index[s.machines] = len(out)
+            out.append(s)
+            continue
+        old = out[at]
+        out[at] = Suspect(old.kind, old.ranks, old.machines, max(old.score, s.score),
+                          (*old.evidence, *(e for e in s.evidence if e not in old.evidence)), old.sources,
+                          state=old.state)
+    return out
+
+
+def _headline(s: Suspect) -> str:
+    where = f" on {', '.join(s.machines)}" if s.machines else ""
+    state = f" ({s.state})" if s.state else ""
+    if s.kind is SuspectKind.DESYNC:
+        return s.evidence[0].split(" (from ", 1)[0]
+    if s.kind is SuspectKind.MACHINE or not s.ranks:
+        return f"machine {', '.join(s.machines) or '?'}{state}"
+    wait = f"; {_ranks_word(s.victims)} {'waits' if len(s.victims) == 1 else 'wait'} on it" if s.victims else ""
+    return f"{_ranks_word(s.ranks)}{where}{state[:-1] + wait + ')' if state else wait}"
+
+
+def analyze_logs(evidence: LogEvidence, world: int | None = None) -> Verdict:
+    """The logs' verdict: suspects behind their peers, program mismatches, or "not a rank" with the reason."""
+    out = _Found()
+    _watchdog(evidence.watchdog, out)
+    ras_ok = _ras(evidence.ras, out, world)
+    _fr(evidence.fr, out)
+    _mismatches(evidence.mismatches, out)
+    _inspector(evidence.inspector, out)
+    timed_out = any(r.kind in ("timeout", "status", "blocking-wait") for r in evidence.watchdog)
+    notes = [*evidence.notes, *out.notes]
+    suspects = sorted(out.suspects, key=lambda s: (-s.score, len(s.ranks), s.ranks))
+    findings = list(out.findings)
+    reasons = list(out.symmetric)
+    if ras_ok and timed_out:
+        reasons.insert(0, "NCCL RAS shows every communicator RUNNING with errors OK: every rank launched the same "
+                          "operations, so none is behind, while PyTorch's watchdog timed out")
+    multi_rank = [r for r in reasons if not r.startswith("rank ")]
+    if not suspects and (multi_rank or (ras_ok and timed_out)):
+        ranks = tuple(sorted({r.rank for r in evidence.watchdog if r.rank is not None}))
+        summary = "not a rank: " + reasons[0]
+        findings.insert(0, Finding(NOT_A_RANK, ranks, summary, tuple(reasons), None, NOT_A_RANK_ADVICE))
+        return Verdict((), summary, notes=tuple(notes), findings=tuple(findings))
+    if suspects:
+        suspects = _fold_same_machine(suspects)
+        summary = _headline(suspects[0])
+    elif evidence.empty():
+        summary = "no verdict: the logs hold no collective progress"
+    else:
+        summary = "no verdict: the logs name no rank behind its peers" + (f" ({reasons[0]})" if reasons else "")
+    return Verdict(tuple(suspects), summary, notes=tuple(notes), findings=tuple(findings))
