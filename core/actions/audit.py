@@ -85,8 +85,8 @@ class AuditLog(SqliteStore):
                     return _replay(request, body, row)
                 db.execute("INSERT INTO actions (action_id, request, who, what, state, started) "
                            "VALUES (?, ?, ?, ?, ?, ?)",
-                           (request.action_id, body, request.requested_by, what, ActionState.RUNNING.value, now))
-                _append(db, request.action_id, request.requested_by, now, request.kind, what, "started", "",
+                           (request.action_id, body, _who(request), what, ActionState.RUNNING.value, now))
+                _append(db, request.action_id, _who(request), now, request.kind, what, "started", "",
                         machines)
                 db.execute("COMMIT")
             except BaseException:
@@ -110,14 +110,14 @@ class AuditLog(SqliteStore):
             try:
                 db.execute("UPDATE actions SET state = ?, result = ? WHERE action_id = ?",
                            (stored.state.value, json.dumps(stored.to_json()), request.action_id))
-                seq = _append(db, request.action_id, request.requested_by, now, request.kind, what,
+                seq = _append(db, request.action_id, _who(request), now, request.kind, what,
                               stored.state.value, stored.message, machines)
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
-        return AuditRecord(seq, request.action_id, request.requested_by, now, request.kind, what,
+        return AuditRecord(seq, request.action_id, _who(request), now, request.kind, what,
                            stored.state.value, stored.message, machines)
 
     def note(self, request: ActionRequest, what: str, message: str, machines: tuple[str, ...] = (),
@@ -125,18 +125,18 @@ class AuditLog(SqliteStore):
         """Append an intermediate line (a step of a running action) so every watcher sees it."""
         now = self._clock()
         with self._connect() as db:
-            seq = _append(db, request.action_id, request.requested_by, now, request.kind, what, result, message,
+            seq = _append(db, request.action_id, _who(request), now, request.kind, what, result, message,
                           machines)
-        return AuditRecord(seq, request.action_id, request.requested_by, now, request.kind, what, result, message,
+        return AuditRecord(seq, request.action_id, _who(request), now, request.kind, what, result, message,
                            machines)
 
     def refuse(self, request: ActionRequest, what: str, message: str) -> AuditRecord:
         """Record a refused request (bad token, target outside the job) without claiming its id."""
         now = self._clock()
         with self._connect() as db:
-            seq = _append(db, request.action_id, request.requested_by, now, request.kind, what,
+            seq = _append(db, request.action_id, _who(request), now, request.kind, what,
                           ActionState.REFUSED.value, message, request.targets.machines)
-        return AuditRecord(seq, request.action_id, request.requested_by, now, request.kind, what,
+        return AuditRecord(seq, request.action_id, _who(request), now, request.kind, what,
                            ActionState.REFUSED.value, message, request.targets.machines)
 
     # ---- reading ------------------------------------------------------------------------
@@ -168,6 +168,11 @@ class AuditLog(SqliteStore):
             rows = db.execute("SELECT action_id FROM actions WHERE state = ? ORDER BY started",
                               (ActionState.RUNNING.value,)).fetchall()
         return tuple(r[0] for r in rows)
+
+
+def _who(request: ActionRequest) -> str:
+    """Who the client says acts, and the token the agent saw (``ActionRequest.caller``)."""
+    return f"{request.requested_by} ({request.caller})" if request.caller else request.requested_by
 
 
 def _canonical(request: ActionRequest) -> str:

@@ -48,9 +48,10 @@ class HotUpdateSettings:
     versions_dir: Path
     repo: Path | None = None
     git: str = "git"
+    prepared_roots: tuple[Path, ...] = ()  # where prepared directories may lie; empty: versions_dir only
 
     def code_versions(self) -> CodeVersions:
-        return CodeVersions(self.current, self.versions_dir, self.repo, self.git)
+        return CodeVersions(self.current, self.versions_dir, self.repo, self.git, self.prepared_roots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,7 @@ def load_actions_config(path: Path | None, state_dir: Path | None) -> ActionsCon
         current = "/srv/job/code"             # a symbolic link the job runs from
         versions_dir = "/srv/job/versions"
         repo = "/srv/job/repo"                # for git refs
+        prepared_roots = ["/srv/job/prepared"]  # prepared directories only under these (default: versions_dir)
         [backup]
         wait_s = 60                           # for every rank's shard
         align_steps = 1                       # snapshot at step multiples of this; more than the steps
@@ -244,16 +246,22 @@ def _hot_update(value: Any, where: str) -> HotUpdateSettings | None:
     if value is None:
         return None
     section = _table(value, f"{where} [hot_update]")
-    _no_unknown(section, {"current", "versions_dir", "repo", "git"}, f"{where} [hot_update]")
+    _no_unknown(section, {"current", "versions_dir", "repo", "git", "prepared_roots"}, f"{where} [hot_update]")
     missing = [k for k in ("current", "versions_dir") if k not in section]
     if missing:
         raise RankscopeError(f"{where} [hot_update] needs {' and '.join(missing)}", CONFIG_FIX)
     here = f"{where} [hot_update]"
     repo = section.get("repo")
+    roots = section.get("prepared_roots", [])
+    if not isinstance(roots, list) or not all(isinstance(r, str) and r.startswith("/") and ".." not in Path(r).parts
+                                              for r in roots):
+        raise RankscopeError(f"{here} prepared_roots must be a list of absolute paths without '..', got {roots!r}",
+                             'write it as prepared_roots = ["/srv/job/prepared"]')
     return HotUpdateSettings(Path(_path_text(section["current"], f"{here} current")),
                              Path(_path_text(section["versions_dir"], f"{here} versions_dir")),
                              Path(_path_text(repo, f"{here} repo")) if repo else None,
-                             _path_text(section.get("git", "git"), f"{here} git"))
+                             _path_text(section.get("git", "git"), f"{here} git"),
+                             tuple(Path(r) for r in roots))
 
 
 def _layout(value: Any, where: str) -> Layout | None:

@@ -7,7 +7,12 @@ link into a versions directory. Changing the code is switching that link:
   checked out once into ``<versions>/<commit>`` with ``git worktree add
   --detach`` (a detached worktree shares the repository's objects, so a
   version costs only its checked-out files);
-- a **prepared directory** (copied to every machine beforehand) is used as it is.
+- a **prepared directory** (copied to every machine beforehand) is used as it is,
+  when it lies under one of the configured roots (``prepared_roots``; the
+  versions directory by default) -- checked on the path as written (absolute,
+  no ``..``) before anything is looked up on disk, so a plan says nothing about
+  other paths, and again once resolved, so a link cannot lead out -- and no
+  other user can write it (the job runs whatever is there at its next start).
 
 The switch is atomic: a new link is made beside ``current`` and renamed over
 it, so a process starting at any moment sees either the old tree or the new
@@ -29,6 +34,7 @@ can pass as an option, and ``--end-of-options`` makes sure of it.
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -96,11 +102,13 @@ class CodeVersions:
     """The ``current`` link, the versions directory and (optionally) the git repository behind them."""
 
     def __init__(self, current: str | Path, versions_dir: str | Path, repo: str | Path | None = None,
-                 git: str = "git") -> None:
+                 git: str = "git", prepared_roots: tuple[str | Path, ...] = ()) -> None:
         self.current = Path(current)
         self.versions_dir = Path(versions_dir)
         self.repo = Path(repo) if repo is not None else None
         self.git = git
+        # Where prepared directories may lie: the versions directory unless the config names others.
+        self.prepared_roots = tuple(Path(r) for r in prepared_roots) or (self.versions_dir,)
 
     def resolve(self, source: VersionSource, version: str) -> Version:
         """Make ``version`` available on disk and name it; nothing is switched yet."""
@@ -132,11 +140,31 @@ class CodeVersions:
         return Version(label=f"git:{ref} ({commit[:12]})", path=str(path))
 
     def prepared(self, directory: str) -> Version:
+        """The prepared directory as a version; refused unless it lies under a prepared root (see the module doc)."""
         path = Path(directory)
-        if not path.is_absolute() or not path.is_dir():
+        roots = ", ".join(str(r) for r in self.prepared_roots)
+        outside = RankscopeError(
+            f"prepared directory {directory} is not under this agent's prepared roots ({roots})",
+            "copy the code to the same absolute path under one of them on every machine, or add its root to "
+            "[hot_update] prepared_roots in the agent's --actions-config")
+        # On the path as written first: nothing outside the roots is looked up, so a refusal tells nothing about it.
+        if not path.is_absolute() or ".." in path.parts or not _strictly_under(path, self.prepared_roots):
+            raise outside
+        real = path.resolve()
+        if not _strictly_under(real, tuple(r.resolve() for r in self.prepared_roots)):
+            raise outside  # a link under a root that leads out of them
+        try:
+            st = os.stat(real)
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISDIR(st.st_mode):
             raise RankscopeError(f"prepared directory {directory} does not exist on this machine",
                                  "copy the code to the same absolute path on every machine first")
-        real = path.resolve()
+        if st.st_mode & 0o022:
+            raise RankscopeError(
+                f"prepared directory {directory} can be written by other users (mode {stat.S_IMODE(st.st_mode):o}): "
+                "the job would run whatever they put there",
+                f"chmod go-w {real} (and check what is in it)")
         return Version(label=f"dir:{real}", path=str(real))
 
     def target(self) -> Path | None:
@@ -177,6 +205,10 @@ class CodeVersions:
             raise RankscopeError(f"git could not {what}: {detail[-1] if detail else ''}",
                                  f"check the ref exists in {self.repo} (git -C {self.repo} log --oneline)")
         return proc.stdout
+
+
+def _strictly_under(path: Path, roots: tuple[Path, ...]) -> bool:
+    return any(path != root and path.is_relative_to(root) for root in roots)
 
 
 class HotUpdater:

@@ -194,6 +194,9 @@ class ActionRequest:
     args: ActionArgs
     requested_by: str  # the person (or tool) acting, as the client names it; the audit log records it
     job_id: str | None = None
+    # The token the agent saw on the call (its role and fingerprint, never the secret), set by the agent: the
+    # audit log's "who" must not be only what the client claims. Not part of the request's identity.
+    caller: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         check_action_id(self.action_id)
@@ -381,6 +384,7 @@ def _to_json(value: Any) -> Any:
         out = {name: _to_json(getattr(value, name)) for name in value.__dataclass_fields__}
         if isinstance(value, ActionRequest):
             out["args"] = _to_json(value.args)
+            del out["caller"]  # the agent's note, not the client's request (the idempotency key compares these)
         return out
     if isinstance(value, tuple | list):
         return [_to_json(v) for v in value]

@@ -16,6 +16,13 @@ Safe by default:
   so a state-changing RPC added later is protected even if nobody remembers
   to list it.
 
+Limits hold before the token is checked (gRPC reads a whole request before
+any handler runs): a request may be at most ``MAX_REQUEST_BYTES``, the calls in
+flight, the streams of one connection and the connections are bounded, and a
+connection that does not finish its handshake in ``HANDSHAKE_TIMEOUT_S`` is
+closed (``server_options``; the README's "Hardening" section says why each).
+Every number a request carries is checked for range and finiteness before use.
+
 Stack captures are serialised: two engineers pressing "capture" at once must
 not make two py-spy processes ptrace the same rank (the second attach fails).
 
@@ -32,8 +39,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import ipaddress
+import math
 import os
+import resource
 import signal
 import socket
 import sys
@@ -82,9 +92,20 @@ METHOD_ROLES: dict[str, Role] = {
     # RunAction is deliberately absent: it needs ACT.
 }
 MIN_STREAM_INTERVAL_S = 0.2  # a client cannot make the agent spin
+MAX_STREAM_INTERVAL_S = 3600.0
 MAX_PYSPY_TIMEOUT_S = 60.0
 DEFAULT_PYSPY_TIMEOUT_S = 5.0
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_SAMPLE_HZ = 1000.0  # the sampler runs at most probes.sampler.MAX_RATE_HZ; above this a request is nonsense
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # replies: a whole machine's stacks
+# Requests (read before the token is checked). The largest real one is a relay's Describe naming the versions
+# it holds of 16,384 agents: 0.86 MB; a RunAction evicting a machine together with 16,384 others is 0.26 MB.
+MAX_REQUEST_BYTES = 1024 * 1024
+MAX_CONCURRENT_RPCS = 100  # calls in flight at once, all clients together (a TUI holds 3-4 per agent)
+MAX_STREAMS_PER_CONNECTION = 32  # calls in flight on one connection
+MAX_CONNECTIONS = 512  # also at most half the descriptors the agent may open (connection_limit)
+HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not finished TLS and the HTTP/2 settings by then is closed
+IDLE_CONNECTION_S = 300.0  # a connection with no call in flight for this long is closed (clients reconnect)
+STOP_TIMEOUT_S = 5.0  # SIGTERM: what is still running after this is left behind and the process exits
 ANNOUNCE_PREFIX = "RANKSCOPE_AGENT_READY"
 # The agent reads its ranks at least this often on its own, so a client that attaches later finds its memory
 # current (rankscope.wire.rank_progress): new pids, when ranks were last seen. Progress itself carries the
@@ -188,6 +209,45 @@ def check_config(config: AgentConfig) -> None:
         raise RankscopeError(f"--port {config.port} is not a port number", "use 1-65535, or 0 to pick a free port")
 
 
+def connection_limit(relays: int = 0) -> int:
+    """How many client connections the agent accepts: half the descriptors it may open, minus the connections it
+    makes itself (relaying), at most MAX_CONNECTIONS: the other half stays for py-spy's pipes, counter files and
+    the audit log, so idle connections cannot starve a capture."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(4, min(MAX_CONNECTIONS, soft // 2 - relays))
+
+
+def raise_descriptor_limit() -> None:
+    """Use the hard descriptor limit: the soft one (often 1024) is a default, not a decision."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def server_options(relays: int = 0) -> list[tuple[str, int]]:
+    """The gRPC server's limits (each one named, with why, in the README's "Hardening" section)."""
+    return [
+        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        ("grpc.max_allowed_incoming_connections", connection_limit(relays)),
+        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+        ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_S * 1000)),
+        ("grpc.so_reuseport", 0),  # a second agent on the same port must fail, not share it
+    ]
+
+
+def checked_number(value: float, name: str, low: float, high: float) -> float:
+    """``value`` if finite and within [low, high]; else a RankscopeError naming the field (INVALID_ARGUMENT)."""
+    if not math.isfinite(value) or not low <= value <= high:
+        raise RankscopeError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}",
+                             "send a finite number in that range (0 leaves the agent's default)")
+    return value
+
+
 # --------------------------------------------------------------------------
 # the token check
 # --------------------------------------------------------------------------
@@ -220,6 +280,22 @@ def _denying_handler(handler: Any, code: grpc.StatusCode, message: str) -> Any:
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(reject_stream)
     return grpc.unary_unary_rpc_method_handler(reject)
+
+
+def token_fingerprint(secret: str) -> str:
+    """Names a token in the audit log without revealing it: the first 8 hex digits of its SHA-256."""
+    return hashlib.sha256(secret.encode("utf-8", "replace")).hexdigest()[:8]
+
+
+def caller_of(tokens: TokenSet | None, metadata: Sequence[tuple[str, Any]] | None) -> str:
+    """The token a call came with, as the audit log records it: its role and fingerprint, never the secret."""
+    if tokens is None:
+        return "no token: --insecure-no-token"
+    presented = bearer_token(metadata)
+    role = tokens.role_of(presented)
+    if presented is None or role is None:
+        return "no accepted token"  # not reached: the interceptor refuses such calls first
+    return f"{role.value} token {token_fingerprint(presented)}"
 
 
 class Lease:
@@ -393,18 +469,28 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             await context.abort(grpc.StatusCode.INTERNAL, f"the agent's capture failed: {type(exc).__name__}: {exc}")
             raise  # unreachable: abort raises
 
+    @staticmethod
+    async def _number(context: grpc.aio.ServicerContext, value: float, name: str, low: float, high: float) -> float:
+        try:
+            return checked_number(value, name, low, high)
+        except RankscopeError as exc:
+            await AgentService._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+            raise  # unreachable: abort raises
+
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
-        return await self._reply(context, self.capture(stacks=False, sample_hz=request.sample_hz),
+        sample_hz = await self._number(context, request.sample_hz, "sample_hz", 0.0, MAX_SAMPLE_HZ)
+        return await self._reply(context, self.capture(stacks=False, sample_hz=sample_hz),
                                  _relaying(request, "Describe"), _since(request))
 
     async def Capture(self, request: pb.CaptureRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
-        timeout_s = request.timeout_s if request.timeout_s > 0 else DEFAULT_PYSPY_TIMEOUT_S
-        timeout_s = min(timeout_s, MAX_PYSPY_TIMEOUT_S)
+        sample_hz = await self._number(context, request.sample_hz, "sample_hz", 0.0, MAX_SAMPLE_HZ)
+        timeout_s = await self._number(context, request.timeout_s, "timeout_s", 0.0, 1e9)
+        timeout_s = min(timeout_s if timeout_s > 0 else DEFAULT_PYSPY_TIMEOUT_S, MAX_PYSPY_TIMEOUT_S)
         async with self._stack_lock:
             return await self._reply(
                 context,
                 self.capture(stacks=True, native=request.native, subprocesses=request.subprocesses, timeout_s=timeout_s,
-                             sample_hz=request.sample_hz),
+                             sample_hz=sample_hz),
                 _relaying(request, "Capture"), _since(request),
             )
 
@@ -413,7 +499,8 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
     ) -> AsyncIterator[pb.MachineSnapshot]:
         # The next reading starts one interval after the previous one started, or right
         # after it ended if it took longer: readings never overlap and never pile up.
-        interval = max(request.interval_s, MIN_STREAM_INTERVAL_S)
+        interval = max(await self._number(context, request.interval_s, "interval_s", 0.0, MAX_STREAM_INTERVAL_S),
+                       MIN_STREAM_INTERVAL_S)
         sent = 0
         while True:
             started = time.monotonic()
@@ -436,6 +523,9 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         assert self.actions is not None
         return self.actions
 
+    def _caller(self, context: grpc.aio.ServicerContext) -> str:
+        return caller_of(self.config.tokens, context.invocation_metadata())
+
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, exc: RankscopeError) -> None:
         await context.abort(code, f"{exc.message}{FIX_SEPARATOR}{exc.fix}" if exc.fix else exc.message)
@@ -447,6 +537,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         except RankscopeError as exc:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
             raise  # unreachable: abort raises
+        decoded = dataclasses.replace(decoded, caller=self._caller(context))
         try:
             return plan_to_proto(await actions.plan(decoded))
         except RankscopeError as exc:
@@ -463,6 +554,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         except RankscopeError as exc:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
             raise
+        decoded = dataclasses.replace(decoded, caller=self._caller(context))
         async for event in actions.run(decoded, confirmation):
             yield event_to_proto(event)
 
@@ -545,15 +637,16 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     # that first call (a watch's first stack round) would miss its deadline.
     import rankscope.probes.machine
     import rankscope.probes.sampler  # noqa: F401
+    from rankscope.probes.ccl_counters import ensure_directory
 
+    # Made now, mode 0700, so no other local user can make the shared default first (the reader refuses one
+    # that is theirs or that others can write).
+    await asyncio.to_thread(ensure_directory, config.counter_dir)
     lease = Lease() if config.lease_s > 0 else None
     server = grpc.aio.server(
         interceptors=[TokenInterceptor(config.tokens, lease)],
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),  # a second agent on the same port must fail, not share it
-        ],
+        options=server_options(len(config.relay_to)),
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
     )
     host = f"[{config.bind}]" if ":" in config.bind and not config.bind.startswith("[") else config.bind
     try:
@@ -635,7 +728,12 @@ def announcement(agent: RunningAgent, config: AgentConfig) -> str:
 
 
 async def serve(config: AgentConfig, *, port_file: Path | None = None, announce: bool = False) -> None:
-    """Run until SIGTERM or SIGINT, then stop cleanly."""
+    """Run until SIGTERM or SIGINT, then stop: cleanly when that takes under ``STOP_TIMEOUT_S``, else at once.
+
+    A worker thread can be stuck where no timeout reaches (a read of a file that never answers, a py-spy
+    attach), and Python waits for its worker threads at exit; the process then leaves without them, saying so.
+    """
+    raise_descriptor_limit()
     agent = await start_agent(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -676,4 +774,27 @@ async def serve(config: AgentConfig, *, port_file: Path | None = None, announce:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        await agent.stop()
+        await stop_within(agent, STOP_TIMEOUT_S)
+
+
+async def stop_within(agent: RunningAgent, timeout_s: float) -> None:
+    """Stop the agent; whatever still runs after ``timeout_s`` (a stuck worker, an action) is left behind: the
+    process exits at once (an action cut short is reported as interrupted at the next start)."""
+    try:
+        await asyncio.wait_for(agent.stop(), timeout_s)
+        # asyncio.run and the interpreter's exit wait for the worker threads without a bound; one stuck in a
+        # system call (a read that never answers, a py-spy attach) would hold the process for good.
+        await asyncio.wait_for(asyncio.get_running_loop().shutdown_default_executor(), timeout_s)
+    except TimeoutError:
+        log(f"stopping took longer than {timeout_s:g} s (a worker is stuck, or an action runs); "
+            "exiting without waiting for it")
+        _exit_now()
+    except Exception as exc:  # stopping must end the process whatever failed on the way
+        log(f"stopping failed: {type(exc).__name__}: {exc}")
+        _exit_now()
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -454,17 +454,21 @@ class JobClient:
             mine = Confirmation(plan.machines, tuple(sorted(set(part.targets.ranks))),
                                 plan.confirm_phrase if plan.typed_confirmation else "")
             message = pb.RunActionRequest(request=request_to_proto(part), confirmation=confirmation_to_proto(mine))
-            ended = False
+            ended = heard = False
             try:
                 async for reply in self._conn(address).stub.RunAction(message, metadata=self._metadata):
                     event = event_from_proto(reply)
-                    ended = isinstance(event, ActionResult)
+                    ended, heard = isinstance(event, ActionResult), True
                     await queue.put(ActionUpdate(address, event))
                     if ended:
                         return
                 reason = "the agent ended the stream without a result"
             except grpc.aio.AioRpcError as exc:
-                reason = action_error(address, exc, 0.0, using_tls=self.tls is not None).message
+                error = action_error(address, exc, 0.0, using_tls=self.tls is not None)
+                if not heard and exc.code() in REFUSED_BEFORE_ACTING:
+                    await queue.put(ActionUpdate(address, refused_result(request, error)))
+                    return
+                reason = error.message
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a reply that does not fit: say so, keep the other agents going
@@ -780,6 +784,19 @@ def action_error(address: str, exc: grpc.aio.AioRpcError, timeout_s: float, *, u
     error = error_for_rpc(address, exc, timeout_s, using_tls=using_tls).error
     assert error is not None
     return ActionError(address, error.message, error.fix)
+
+
+# Codes an agent answers before it does anything (the token's role, a malformed request, no actions configured):
+# such a run was refused, not lost.
+REFUSED_BEFORE_ACTING = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+                                   grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION})
+
+
+def refused_result(request: ActionRequest, error: ActionError) -> ActionResult:
+    """The result shown for an agent that refused the run before acting: nothing ran there."""
+    return ActionResult(request.action_id, request.kind, ActionState.REFUSED,
+                        f"refused: {error.message}; nothing was done", None, time.time(),
+                        (f"fix: {error.fix}",) if error.fix else ())
 
 
 def lost_result(request: ActionRequest, address: str, reason: str) -> ActionResult:

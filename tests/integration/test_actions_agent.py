@@ -54,7 +54,7 @@ from rankscope.actions.model import (
 )
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import Layout
-from rankscope.wire.agent import AgentConfig, RunningAgent, start_agent
+from rankscope.wire.agent import AgentConfig, RunningAgent, start_agent, token_fingerprint
 from rankscope.wire.client import UNOWNED, JobClient, auth_metadata
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
@@ -185,7 +185,8 @@ async def test_local_eviction_plans_then_stops_the_rank_tree_and_blocks_the_mach
     assert [(b.machine, b.reason, b.who, b.action_id) for b in blocked] == [
         ("m0", "hung in all_gather", "alice", "evict-1")]
     audit = [(r.action_id, r.who, r.result) for r in AuditLog(state / "audit.sqlite").records()]
-    assert audit[0] == ("evict-1", "alice", "started") and audit[-1] == ("evict-1", "alice", "succeeded")
+    who = f"alice (act token {token_fingerprint(ACT)})"  # the client's name and the token the agent saw
+    assert audit[0] == ("evict-1", who, "started") and audit[-1] == ("evict-1", who, "succeeded")
     assert {r for _, _, r in audit[1:-1]} == {"progress"}
 
 
@@ -369,7 +370,7 @@ async def test_a_second_client_sees_the_action_live_on_the_audit_stream(
     assert mine[0].result == "started" and mine[-1].result == "succeeded"
     assert [r.message for r in mine if r.result == "progress"] == \
         [u.event.message for u in updates if isinstance(u.event, ActionProgress)]
-    assert all(r.who == "alice" and r.machines == ("m0",) for r in mine)
+    assert all(r.who == f"alice (act token {token_fingerprint(ACT)})" and r.machines == ("m0",) for r in mine)
     assert [r.seq for r in seen] == sorted({r.seq for r in seen}), "records repeated or out of order"
     assert tree.proc.poll() is not None
 
@@ -422,7 +423,8 @@ async def test_hot_update_switches_the_code_and_requests_a_restart_then_rolls_ba
     tree = start_rank_tree(procs, 0, 1, run_id)
     v1, v2, current = code_link_at_v1(tmp_path)
     state = tmp_path / "state"
-    config = ActionsConfig(state, hot_update=HotUpdateSettings(current, tmp_path / "versions"))
+    config = ActionsConfig(state, hot_update=HotUpdateSettings(current, tmp_path / "versions",
+                                                                   prepared_roots=(tmp_path,)))
     async with serving("m0", run_id, config) as agent, JobClient([agent.address], ACT, acting=True) as client:
         update = ActionRequest("hu-1", ActionKind.HOT_UPDATE, Targets(), HotUpdateArgs(VersionSource.DIR, str(v2)),
                                "alice")
@@ -669,7 +671,8 @@ async def test_a_restarted_agent_still_replays_a_finished_action(run_id: str, tm
 async def test_the_running_agent_applies_a_lazy_update_when_its_window_expires(run_id: str, tmp_path: Path) -> None:
     """The agent's supervisor task (every SUPERVISE_INTERVAL_S) is what applies a due lazy update, unasked."""
     _v1, v2, current = code_link_at_v1(tmp_path)
-    config = ActionsConfig(tmp_path / "state", hot_update=HotUpdateSettings(current, tmp_path / "versions"))
+    config = ActionsConfig(tmp_path / "state", hot_update=HotUpdateSettings(current, tmp_path / "versions",
+                                                                   prepared_roots=(tmp_path,)))
     async with serving("m0", run_id, config) as agent, JobClient([agent.address], ACT, acting=True) as client:
         assert agent.supervisor is not None and not agent.supervisor.done()
         lazy = ActionRequest("hu-w", ActionKind.HOT_UPDATE, Targets(),

@@ -158,7 +158,7 @@ def test_prepared_directory_and_failed_restart_is_recorded(tmp_path: Path, repo:
     prepared = tmp_path / "exp7"
     prepared.mkdir()
     (prepared / "train.py").write_text("print('exp7')\n")
-    versions = CodeVersions(tmp_path / "job" / "code", tmp_path / "versions")
+    versions = CodeVersions(tmp_path / "job" / "code", tmp_path / "versions", prepared_roots=(tmp_path,))
 
     def restart(version: Version, why: str) -> None:
         raise RankscopeError("rank 3 did not come back", "look at machine m1")
