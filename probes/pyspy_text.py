@@ -40,6 +40,11 @@ _PYTHON = re.compile(r"^\s*Python v(\S+)(?: \((.*)\))?$")
 _THREAD = re.compile(r'^\s*Thread (0[xX][0-9a-fA-F]+|\d+)(?: \(([a-z+]*)\))?(?::\s*"(.*)")?\s*$')
 _FRAME = re.compile(r"^(\s*)(.+?) \(([^()]*?)(?::(\d+))?\)$")
 _ADDRESS = re.compile(r"^0[xX][0-9a-fA-F]+$")
+# Hand-abridged pastes: frames prefixed with "..." (the frames above were cut), a note after the frame
+# ("<- stuck here", in any language), or a line of dots alone where frames were left out.
+_ELIDED = re.compile(r"^(\s*)(?:\.\.\.|\u2026)\s*")
+_ANNOTATED = re.compile(r"^(\s*)(.+?) \(([^()\s]*?[./][^()\s]*?)(?::(\d+))?\)\s+\S.*$")
+_DOTS = re.compile(r"^\s*(?:\.\.\.|\u2026)+\s*(?:\(.*\)|\[.*\])?\s*$")
 _ERROR = re.compile(r"^\s*(Error|Permission Denied):")
 _ERROR_MORE = re.compile(r"^\s*(Caused by:|Reason:|\d+: )")
 _BACKTRACE = re.compile(r"^\s*Stack backtrace:")
@@ -149,12 +154,30 @@ def parse_pyspy_text(text: str, role: ProcessRole = ProcessRole.MAIN, cache: Fra
             recognised += 1
             continue
         in_locals = False
+        if frames is not None and _DOTS.match(line):
+            if cur is not None and cur.cut is None:
+                cur.cut = f"frames left out by hand at line {no} ({stripped[:40]!r})"
+            recognised += 1
+            continue
+        if cur is not None and (e := _ELIDED.match(line)) is not None:
+            rest = e.group(1) + line[e.end():]
+            if _FRAME.match(rest) or _ANNOTATED.match(rest):
+                line, stripped = rest, rest.lstrip()  # the frame after the dots is a frame like any other
+                if cur.cut is None:
+                    cur.cut = f"frames left out by hand before line {no}"
+        if frames is None and cur is not None and not cur.threads and not cur.error_lines \
+                and (_FRAME.match(line) or _ANNOTATED.match(line)) and not _is_header(stripped) \
+                and not _PYTHON.match(line):
+            # A header followed by frames with no `Thread` line: an abridged paste of the main thread.
+            frames = []
+            frame_indent = -1
+            cur.threads.append((cur.pid or 0, cur.pid, "MainThread", "", frames))
         if in_backtrace:
             if _BACKTRACE_LINE.match(line):
                 recognised += 1
                 continue
             in_backtrace = False
-        m = _FRAME.match(line) if frames is not None else None
+        m = (_FRAME.match(line) or _ANNOTATED.match(line)) if frames is not None else None
         if m is not None and (frame_indent < 0 or indent == frame_indent) and not _is_header(stripped):
             assert frames is not None
             frame_indent = indent

@@ -220,6 +220,35 @@ def is_dumps(path: Path) -> bool:
     return not head.startswith(b"{")
 
 
+_IDENTICAL = re.compile(r"(?:identical|the same|same stacks?)\s+(?:on|for|across|in)\s+(?:all|every)\s+(?:(\d+)\s+)?"
+                        r"(?:other\s+)?(?:ranks?|processes|workers|GPUs)", re.IGNORECASE)
+
+
+def _replicate(representative: dict[str, tuple[int | None, str]], nodes: dict[str, list[_Process]],
+               mains: dict[int, _Process], sources: dict[int, str], subs: dict[int, list[_Process]],
+               world: int, notes: list[str]) -> None:
+    """One pasted stack said to be "identical on all N ranks" stands for every rank, when the count is known."""
+    if len(representative) != 1 or mains or subs or len(nodes) != 1:
+        return
+    name, (count, words) = next(iter(representative.items()))
+    if name not in nodes:
+        return
+    count = count or world or None
+    if count is None or count < 2:
+        notes.append(f"{name}: one stack said to be {words!r}, but not how many ranks: read as one rank; pass "
+                     "the layout (--tp/--pp/--dp) to read it for every rank")
+        return
+    proc = nodes.pop(name)[0]
+    for rank in range(count):
+        pid = proc.stack.pid if rank == 0 else 0
+        stack = ProcessStack(pid=pid, role=ProcessRole.MAIN, threads=proc.stack.threads, error=proc.stack.error,
+                             name=proc.stack.name, truncated=proc.stack.truncated)
+        mains[rank] = _Process(stack, proc.cmdline, name)
+        sources[rank] = f"representative: {name} says {words!r}"
+    notes.append(f"{name}: one stack stands for all {count} ranks ({words!r}); the ranks' own pids are unknown, so "
+                 "the stacks cannot single out a rank")
+
+
 def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
                    node_order: Sequence[str] | None = None) -> JobSnapshot:
     """Read a folder (or one file) of py-spy dumps, text or JSON, into a JobSnapshot."""
@@ -233,6 +262,7 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
     nodes: dict[str, list[_Process]] = {}
     sources: dict[int, str] = {}
     cache: FrameCache = {}
+    representative: dict[str, tuple[int | None, str]] = {}  # file -> (ranks it stands for, the words saying so)
     for file in _files(root, notes):
         try:
             raw = file.read_bytes()
@@ -262,6 +292,9 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
                 continue
             notes.extend(f"{file.name}: {p}" for p in parsed.problems[:_MAX_NOTES_PER_FILE + 1])
             procs = [_Process(p.stack, p.cmdline, file.name) for p in parsed.processes]
+            said = _IDENTICAL.search(text)
+            if said is not None and len(procs) == 1:
+                representative[file.name] = (int(said.group(1)) if said.group(1) else None, said.group(0))
         if rank is None:
             nodes[file.name] = procs
             continue
@@ -277,6 +310,8 @@ def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
         subs.setdefault(rank, []).extend(
             _Process(_with_role(p.stack, _child_role(p.stack, p.cmdline)), p.cmdline, p.file) for p in procs[1:])
 
+    sizes_given = layout.tp * layout.pp * layout.dp * layout.cp * layout.ep if layout is not None else 0
+    _replicate(representative, nodes, mains, sources, subs, sizes_given, notes)
     rpm = layout.ranks_per_machine if layout is not None else None
     machine_of: dict[int, str] = {}
     local_of: dict[int, int] = {}
