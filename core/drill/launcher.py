@@ -143,6 +143,7 @@ class TrainingOptions:
     loader_workers: int = 1
     checkpoint_every: int = 5
     pg_timeout_s: float = 900.0
+    backend: str = "gloo"  # "nccl": ranks on GPUs (rankscope.drill.gpu)
 
     def worker_args(self, layout: DrillLayout, run_dir: Path, *, resume: bool) -> list[str]:
         args = [
@@ -153,6 +154,8 @@ class TrainingOptions:
             "--loader-workers", str(self.loader_workers), "--checkpoint-every", str(self.checkpoint_every),
             "--pg-timeout", str(self.pg_timeout_s),
         ]
+        if self.backend != "gloo":
+            args += ["--backend", self.backend]
         return [*args, "--resume"] if resume else args
 
 
@@ -248,10 +251,18 @@ class Launcher:
             from rankscope.ccl_plugin import autoload
 
             autoload.install_pth()
-            return autoload.ccl_env(self.counter_dir, self.run_id)
         except (ImportError, OSError) as exc:
             self.notes.append(f"CCL counters off: {exc}")
             return {}
+        plugin = None
+        if self.training.backend == "nccl":  # NCCL's profiler plugin beside the Python counters
+            from rankscope.ccl_plugin.build import BuildError, build_plugin
+
+            try:
+                plugin = build_plugin()
+            except BuildError as exc:
+                self.notes.append(f"NCCL profiler plugin not built ({exc.message}); Python counters only. {exc.fix}")
+        return autoload.ccl_env(self.counter_dir, self.run_id, plugin)
 
     # ---- environment ------------------------------------------------------
 

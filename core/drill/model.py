@@ -94,10 +94,15 @@ class _Comm:
     """The hook the worker installs; module level so autograd Functions reach it."""
 
     hook: CommHook = _no_hook
+    device: torch.device | None = None  # where receive buffers go (None: the CPU); a GPU with NCCL
 
 
 def set_comm_hook(hook: CommHook) -> None:
     _Comm.hook = hook
+
+
+def set_comm_device(device: torch.device) -> None:
+    _Comm.device = device
 
 
 def tp_all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -230,7 +235,7 @@ def send_forward(t: torch.Tensor, groups: Groups) -> None:
 
 
 def recv_forward(shape: tuple[int, ...], groups: Groups) -> torch.Tensor:
-    buf = torch.empty(shape)
+    buf = torch.empty(shape, device=_Comm.device)
     dist.recv(buf, src=groups.pp_peer(-1), group=groups.pp_group)
     return buf
 
@@ -241,7 +246,7 @@ def send_backward(t: torch.Tensor, groups: Groups) -> None:
 
 
 def recv_backward(shape: tuple[int, ...], groups: Groups) -> torch.Tensor:
-    buf = torch.empty(shape)
+    buf = torch.empty(shape, device=_Comm.device)
     dist.recv(buf, src=groups.pp_peer(+1), group=groups.pp_group)
     return buf
 

@@ -1,6 +1,10 @@
 """The training script every drill rank runs (``python -m rankscope.drill.worker train``).
 
-Plain torch and torch.distributed on gloo, launched by torchrun. It has the
+Plain torch and torch.distributed on gloo (CPU), or on NCCL with
+``--backend nccl`` (each rank on a GPU, see ``gpu.py``), launched by torchrun.
+On NCCL every collective and send/recv returns once enqueued, as in a real
+GPU job; each step ends at a host sync point (``.item()`` on a parameter, as a
+job logging a norm does), where a rank waits for a peer that stopped. It has the
 process tree of a real job: a DataLoader with worker processes and a separate
 checkpoint writer process. Training is deterministic and resumable bit for
 bit: the data of a step is a pure function of (seed, step, dp rank), the RNG
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan
+from rankscope.drill.gpu import BACKENDS, DEFAULT_BACKEND
 from rankscope.drill.progress import write_phase, write_progress
 
 FEATURES = 16
@@ -474,15 +479,24 @@ def train(args: argparse.Namespace) -> int:
 
     batches = make_batches(start)
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    timeout = datetime.timedelta(seconds=args.pg_timeout)
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        # after the dataloader workers and the writer started: they fork before CUDA is touched
+        device = use_gpu(rank, world)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
     groups = m.make_groups(layout, rank)
     write_phase(run_dir, rank, "joined")
     model = m.Stage(groups, hidden=args.hidden, features=FEATURES, layers_per_stage=args.layers_per_stage, seed=args.seed)
+    model.to(device)  # built on the CPU (its weights come from CPU generators), then moved
+    m.set_comm_device(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     if args.resume:
         # Every rank resumes from the newest step that all ranks have saved.
-        agreed = torch.tensor([start], dtype=torch.int64)
+        agreed = torch.tensor([start], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         agreed_start = int(agreed.item())
         if agreed_start != start:
@@ -496,7 +510,8 @@ def train(args: argparse.Namespace) -> int:
             start = restored
             batches = make_batches(start)
         elif start > 0:
-            state = torch.load(checkpoint_dir(run_dir) / f"rank{rank}-step{start}.pt", weights_only=True)
+            state = torch.load(checkpoint_dir(run_dir) / f"rank{rank}-step{start}.pt", weights_only=True,
+                               map_location=device)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optim"])
     write_phase(run_dir, rank, "loaded")
@@ -524,8 +539,12 @@ def train(args: argparse.Namespace) -> int:
             for group in optimizer.param_groups:
                 group["lr"] = code.lr(args.lr, step)
         x, y = next(batches)
+        if device.type != "cpu":
+            x, y = x.to(device), y.to(device)
         loss = m.train_step(model, optimizer, x, y, micro_batches=args.micro_batches, hidden=args.hidden,
                             compute_hook=injector.after_compute, before_compute=injector.before_compute)
+        if device.type != "cpu":
+            step_sync_point(model)
         done = step + 1
         if loss_log is not None and loss is not None:
             record: dict[str, Any] = {"step": done, "loss": loss.hex(), "value": loss}
@@ -557,6 +576,32 @@ def train(args: argparse.Namespace) -> int:
         writer.close()
     dist.destroy_process_group()
     return 0
+
+
+def use_gpu(rank: int, world: int) -> Any:
+    """Bind this rank to its GPU and give NCCL what sharing one needs (see ``gpu.py``); the device."""
+    import torch
+    from rankscope.drill import gpu
+    from rankscope.drill.launcher import RUN_ID_ENV
+
+    if not torch.cuda.is_available():
+        raise SystemExit("drill worker: --backend nccl needs CUDA: torch.cuda.is_available() is False here")
+    gpus = torch.cuda.device_count()
+    os.environ.update(gpu.not_set(os.environ, gpu.nccl_rank_env(rank, world, gpus, os.environ.get(RUN_ID_ENV, "drill"))))
+    index = gpu.rank_device(rank, gpus)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def step_sync_point(model: Any) -> float:
+    """The host waits for the step's GPU work here, as a job that logs a value each step does.
+
+    NCCL calls return once enqueued; without a sync the host would run ahead
+    of the device. A rank whose peer stopped waits here, in ``.item()``
+    (natively ``cudaStreamSynchronize``), not in the collective's Python call.
+    """
+    first = next(model.parameters())
+    return float(first.detach().norm().item())
 
 
 def desync_ranks(plan: FaultPlan, layout: DrillLayout) -> frozenset[int]:
@@ -591,6 +636,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, default=5)
     t.add_argument("--pg-timeout", type=float, default=900.0)
     t.add_argument("--resume", action="store_true")
+    t.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND,
+                   help="gloo: CPU tensors; nccl: each rank on a GPU (shared round-robin when there are fewer)")
     w = sub.add_parser("checkpoint-writer", help="the checkpoint writer process of one rank")
     w.add_argument("--run-dir", required=True)
     w.add_argument("--rank", type=int, required=True)

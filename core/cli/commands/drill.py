@@ -11,7 +11,7 @@ from typing import Any
 from rankscope.contract.errors import RankscopeError
 
 DESCRIPTION = """\
-Start a real PyTorch job (gloo on CPU) with tensor, pipeline and data
+Start a real PyTorch job (gloo on CPU; NCCL on GPUs with --backend nccl) with tensor, pipeline and data
 parallelism, spread over --machines local machines: one torchrun node and one
 rankscope agent each, on loopback. Inject a named fault at a rank (or a
 machine) and a step, and look at the job the way an on-call engineer would.
@@ -73,6 +73,9 @@ def register(sub: Any) -> None:
     p.add_argument("--cold-restarts", action="store_true",
                    help="with standbys: start every node with torchrun, importing torch at each restart, instead of "
                         "from parked interpreters that already did (what a job without warm standbys pays)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="gloo: CPU tensors (default); nccl: each rank on a GPU, round-robin; with fewer GPUs than "
+                        "ranks they share, each with its own NCCL_HOSTID, over sockets on loopback")
     p.add_argument("--no-counters", action="store_true", help="do not load the CCL counter plugin in the ranks")
     p.add_argument("--no-agents", action="store_true", help="capture in this process with the probes instead of agents")
     p.add_argument("--run-dir", type=Path, help="folder for logs, progress, checkpoints and the bundle (default: a temp dir)")
@@ -122,8 +125,13 @@ def build_config(args: argparse.Namespace) -> Any:
     if plan.spec.role == "dataloader" and args.loader_workers < 1:
         raise RankscopeError(f"{plan.name} acts in a dataloader worker process, and --loader-workers is 0",
                              "pass --loader-workers 1 or more")
+    backend = getattr(args, "backend", "gloo")
+    if backend == "nccl":
+        from rankscope.drill.gpu import check_cuda
+
+        check_cuda(layout.world)  # here, before any process starts: the error names the fix
     training = TrainingOptions(steps=steps, seed=args.seed, loader_workers=args.loader_workers,
-                               checkpoint_every=args.checkpoint_every)
+                               checkpoint_every=args.checkpoint_every, backend=backend)
     if args.standbys is not None and args.standbys < 0:
         raise RankscopeError(f"--standbys {args.standbys} is negative", "pass 0 (no recovery) or more")
     if args.standbys is not None:
@@ -143,6 +151,9 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.backend != "gloo" and (args.suite or args.launcher == "slurm"):
+        raise RankscopeError(f"--backend {args.backend} runs single drills with the local launcher only",
+                             "drop --suite / --launcher slurm, or run them on gloo")
     if args.suite:
         return _run_suite(args)
     if args.launcher == "slurm":
