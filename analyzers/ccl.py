@@ -38,7 +38,7 @@ from rankscope.analyzers.ccl_desync import (
 )
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.analyzers.topology import CommJoin, communicator_joins, compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 
 SOURCE = "ccl"
@@ -129,15 +129,17 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
     if table is None:
         table = op_table(live)
     found: dict[tuple[int, ...], tuple[float, list[str]]] = {}
+    pinned: dict[tuple[int, ...], set[int]] = {}  # suspect -> the ranks the counters pin (Suspect.roots)
     waits_on: dict[int, set[int]] = {}  # rank -> the ranks it waits for (a lag it waits in, a side never posted)
 
-    def add(ranks: tuple[int, ...], score: float, line: str) -> None:
+    def add(ranks: tuple[int, ...], score: float, line: str, roots: tuple[int, ...] = ()) -> None:
         key = tuple(sorted(set(ranks)))
         old = found.get(key)
         if old is None:
             found[key] = (score, [line])
         else:
             found[key] = (max(old[0], score), [*old[1], line])
+        pinned.setdefault(key, set()).update(roots)
 
     for cid, comm in table.comms.items():
         open_ops = table.open_of(cid)  # each line below reads a request open (a waiting leader, WC < WR)
@@ -163,7 +165,9 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                         score = SCORE_OPEN_REQUEST if posted or peer not in live else SCORE_P2P_UNPOSTED
                         if score == SCORE_P2P_UNPOSTED:
                             waits_on.setdefault(r, set()).add(peer)
-                        add((r, peer), score, line + " (communication side)")
+                        # The peer that never posted its side is the cause; both posted: the link between them.
+                        add((r, peer), score, line + " (communication side)",
+                            (peer,) if score == SCORE_P2P_UNPOSTED else ())
                     if not o.open_peers:
                         add((r,), SCORE_OPEN_REQUEST * 0.5,
                             f"rank {r}: {op} on {_label(comm)} WC {o.wc} < WR {o.wr}, peer unknown")
@@ -180,7 +184,7 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                 add(laggards, SCORE_CL_LAG,
                     f"rank {', '.join(map(str, laggards))}: {op} CL {min(cls[r] for r in laggards)} < {top} on "
                     f"{_label(comm)}; {_ranks_word(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in it "
-                    "(computation side)")
+                    "(computation side)", laggards)
             # communication side: every member launched it, yet a request never completed
             launched = [o.cl for o in row.values() if o is not None]
             if len(launched) == len(members) and min(launched) == max(launched):
@@ -189,7 +193,8 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                         add((r,), SCORE_OPEN_REQUEST,
                             f"rank {r}: {op} on {_label(comm)} WC {o.wc} < WR {o.wr} with every member "
                             "launched (communication side)")
-    suspects = [Suspect(SuspectKind.RANK, ranks, _machines(ranks, placement), score, tuple(lines), (SOURCE,))
+    suspects = [Suspect(SuspectKind.RANK, ranks, _machines(ranks, placement), score, tuple(lines), (SOURCE,),
+                        roots=tuple(sorted(pinned.get(ranks, ()))))
                 for ranks, (score, lines) in found.items()]
     suspects = _fold_victims(suspects, waits_on)
     suspects = _fold_desyncs(suspects, crossed_waits(live) if crossed is None else crossed, placement)
@@ -280,7 +285,7 @@ def _fold_desyncs(suspects: list[Suspect], crossed: tuple[CrossedWait, ...],
         machines = _machines(c.ranks, placement)
         evidence = (desync_line(c), *c.evidence, *(f"counters: {x}" for x in lines[:6]), f"advice: {DESYNC_ADVICE}")
         out.append(Suspect(SuspectKind.DESYNC, c.ranks, machines, SCORE_CL_LAG, evidence, (SOURCE,),
-                           victims=c.victims, state="desync"))
+                           victims=c.victims, state="desync", roots=() if c.tie else c.ranks))
     return out
 
 
@@ -288,6 +293,22 @@ def desync_finding(c: CrossedWait) -> Finding:
     """A desync the counters show, as a finding (kind ``desync``, the advice that eviction will not cure it)."""
     return Finding(kind="desync", ranks=c.ranks, summary=desync_line(c), evidence=c.evidence,
                    communicator=c.communicator, advice=DESYNC_ADVICE)
+
+
+def join_note(j: CommJoin) -> str:
+    """What a communicator known only by NCCL's id says of its members: who reports it, who never did."""
+    tied = f" = torch group {j.torch_group}" + (f" ({j.torch_description})" if j.torch_description else "")
+    head = f"comm {j.comm_id}{tied if j.torch_group else ''}"
+    if not j.missing_places and not j.missing_ranks:
+        return ""
+    if j.missing_ranks:
+        who = f"rank(s) {compact_ranks(j.missing_ranks)}"
+    else:
+        who = (f"NCCL rank(s) {compact_ranks(j.missing_places)} (global ranks unknown: no torch group has these "
+               "members)")
+    size = f"NCCL counts {j.nranks} ranks; " if j.nranks else ""
+    return (f"{head}: {size}{len(j.reporters)} report it ({compact_ranks(j.reporters)}); {who} never did "
+            "(no counter file, or the rank never created it): their counters cannot be compared")
 
 
 def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None, waits: CounterWaits | None = None) -> Verdict:
@@ -300,6 +321,7 @@ def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None, waits:
     missing = tuple(sorted(seen_ranks - set(counters)))
     notes = [f"rank {r}: {rc.error}" for r, rc in sorted(counters.items()) if rc.error]
     notes += [f"rank {r}: counters stale ({rc.stale_reason})" for r, rc in sorted(counters.items()) if rc.stale]
+    notes += [line for j in communicator_joins(counters) if (line := join_note(j))]
     if not counters:
         return Verdict((), "no CCL counters (start the job with `rankscope run`)", missing, tuple(notes))
     if waits is None:

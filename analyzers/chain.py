@@ -40,11 +40,11 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
-from rankscope.analyzers.ccl_desync import CounterWaits, crossed_waits
+from rankscope.analyzers.ccl_desync import P2P_OPS, CounterWaits, comm_label, crossed_waits
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
     SignatureOptions,
@@ -53,7 +53,15 @@ from rankscope.analyzers.stacks import (
     is_wrapper,
 )
 from rankscope.analyzers.topology import DIMS, Topology, compact_ranks, group_ids
-from rankscope.contract.snapshot import CaptureError, CaptureErrorKind, Frame, RankCounters, RankStacks, main_thread
+from rankscope.contract.snapshot import (
+    CaptureError,
+    CaptureErrorKind,
+    Frame,
+    OpCounters,
+    RankCounters,
+    RankStacks,
+    main_thread,
+)
 
 DESYNC_ADVICE = ("evicting machines will not cure it: a desync is usually a program mismatch (different data or "
                  "control flow on these ranks, e.g. an extra batch or a rank-dependent branch); fix the code or the "
@@ -94,6 +102,9 @@ class RankView:
     reason: str = ""
     process_state: str | None = None
     wchan: str | None = None
+    host_wait: str = ""  # the frame where the host waits on its GPU (.item(), cudaStreamSynchronize, ...)
+    peers: tuple[int, ...] = ()  # the ranks a send/recv waits on, when the counters name them (open_peers)
+    counted: str = ""  # what the counters say of a wait the stack cannot show (an asynchronous collective)
 
     def short(self) -> str:
         """A few words: "loading data", "unreadable: permission, process state D in nv_wait"."""
@@ -105,6 +116,8 @@ class RankView:
         return f"{self.state.value}: {', '.join(extra)}" if extra else self.state.value
 
     def describe(self) -> str:
+        if self.counted:
+            return f"{'in a collective' if self.state is RankState.COLLECTIVE else 'in send/recv'}: {self.counted}"
         if self.state is RankState.COLLECTIVE:
             return f"in a collective: {self.site}"
         if self.state is RankState.P2P:
@@ -170,6 +183,10 @@ _COMM_BASENAMES = frozenset({"distributed_c10d.py", "c10d_logger.py"})
 _AUTOGRAD_ENGINE = frozenset({("_engine_run_backward", "graph.py"), ("run_backward", "__init__.py"),
                               ("backward", "__init__.py"), ("backward", "_tensor.py")})
 _DATALOADER_FILES = frozenset({"dataloader.py", "fetch.py"})
+# Where a host waits on its GPU (host_wait_frame): the CUDA/HIP synchronisations, and the torch calls that make them.
+_NATIVE_SYNC = re.compile(r"^(cu|cuda|hip)(Stream|Event|Device|Ctx)Synchronize")
+_SYNC_NAMES = frozenset({"item", "cpu", "tolist", "synchronize", "_local_scalar_dense", "THPVariable_item",
+                         "THPVariable_cpu", "THPVariable_tolist", "stream_synchronize", "device_synchronize"})
 _PREV_WORDS = ("recv_forward", "recv_activation", "send_backward", "send_grad", "recv_prev", "send_prev")
 _NEXT_WORDS = ("recv_backward", "recv_grad", "send_forward", "send_activation", "recv_next", "send_next")
 
@@ -269,14 +286,41 @@ def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
         return RankView(rank, what, reason=text, process_state=state, wchan=wchan)
     if cache is not None:
         got = cache.view(main.frames, options)
-        return RankView(rank, got.state, got.frame, got.site, got.direction)
+        return RankView(rank, got.state, got.frame, got.site, got.direction, host_wait=got.host_wait)
     return _stack_view(rank, main.frames, options)
+
+
+def host_wait_frame(frames: Sequence[Frame]) -> str:
+    """The frame where the host waits on its GPU, from the innermost frames up to the first Python one; "" if none.
+
+    NCCL's collectives return once their kernel is queued: a rank waiting for
+    a peer shows where its host next synchronises (design §8), natively
+    ``cudaStreamSynchronize`` under ``_local_scalar_dense_cuda`` under
+    ``item`` (``py-spy --native``), in Python ``torch.cuda.synchronize``.
+    """
+    for f in frames:
+        name = f.name.split("(", 1)[0].strip()
+        short = name.rsplit("::", 1)[-1].rsplit(".", 1)[-1]
+        if f.native:
+            if (_NATIVE_SYNC.match(short) or short in _SYNC_NAMES or short.startswith("_local_scalar_dense")
+                    or (short in ("wait", "synchronize") and ("Work" in name or "Event" in name or "Stream" in name))):
+                return frame_text(f)
+            continue
+        if short in _SYNC_NAMES and "torch/" in f.filename.replace("\\", "/"):
+            return frame_text(f)
+        return ""
+    return ""
 
 
 def _stack_view(rank: int, stack: tuple[Frame, ...], options: SignatureOptions) -> RankView:
     frames = [f for f in stack if not is_wrapper(f, options)]  # innermost first
     if not frames:
         return RankView(rank, RankState.COMPUTING, frame="(only wrapper frames)")
+    host_wait = host_wait_frame(frames)
+    # A --native stack ends in native code (the CUDA runtime, libc, c10d): the state is read from its Python
+    # frames; the native ones below them only say whether the host waits on its GPU.
+    first_py = next((i for i, f in enumerate(frames) if not f.native), 0)
+    frames = frames[first_py:]
     inner_text = frame_text(frames[0])
     kind = communication_kind(inner_text)
     if kind is not None:
@@ -300,8 +344,84 @@ def _stack_view(rank: int, stack: tuple[Frame, ...], options: SignatureOptions) 
         return RankView(rank, RankState.LOADING, frame=f"{shown} (waits for a batch from its DataLoader)")
     if (_short(frames[0].name), _base(frames[0].filename)) in _AUTOGRAD_ENGINE:
         # Resolved in follow_chain: gradient reduction when its DP peers wait in a collective, else compute.
-        return RankView(rank, RankState.COMPUTING, frame=inner_text, site=BACKWARD_SITE)
-    return RankView(rank, RankState.COMPUTING, frame=inner_text)
+        return RankView(rank, RankState.COMPUTING, frame=inner_text, site=BACKWARD_SITE, host_wait=host_wait)
+    return RankView(rank, RankState.COMPUTING, frame=inner_text, host_wait=host_wait)
+
+
+def counted_waits(views: Mapping[int, RankView], waits: CounterWaits) -> dict[int, RankView]:
+    """The views, with ranks the stacks show in their own work that the counters show waiting made waiters.
+
+    NCCL returns from a collective (or an isend/irecv) once its kernel is
+    queued; the host waits later, where it next synchronises (design §8). So a
+    rank waiting for a peer shows ``<module>`` at the line calling ``.item()``,
+    or backward: "computing" to the stacks. Such a rank is a waiter in the
+    collective its counters show launched and unfinished (WC < WR) when
+    either its host waits on its GPU (``host_wait_frame``), or the counters
+    say whom it waits for (a member that never launched it: Aegis' CL rule; a
+    peer that never posted the matching send/recv), or every member launched
+    it (all wait in it together). Its site names the collective by its
+    communicator and launch count, so the members of one call share a site
+    whichever line each host synchronises at.
+    """
+    out = dict(views)
+    for r, v in views.items():
+        rc = waits.live.get(r)
+        if v.state is not RankState.COMPUTING or rc is None:
+            continue
+        open_ops = [o for o in rc.ops if o.wc < o.wr]
+        if not open_ops:
+            continue
+        host = v.host_wait or ("backward (DDP's gradient reduction waits on the GPU)" if v.site == BACKWARD_SITE
+                               else "")
+        where = f"; its host waits at {host}" if host else ""
+        edges = waits.graph.out.get(r, [])
+        lagged = sorted(n for n in edges if isinstance(n, tuple))
+        if lagged:
+            cid, op, cl = lagged[0]
+            never = sorted(m for m in waits.graph.out.get(lagged[0], []) if isinstance(m, int))
+            out[r] = _counted(v, RankState.COLLECTIVE, cid, op, cl, waits, rc,
+                              f"rank(s) {compact_ranks(never)} never launched it{where}")
+            continue
+        unposted = sorted(n for n in edges if isinstance(n, int))
+        p2p = [o for o in open_ops if o.op in P2P_OPS and o.open_peers]
+        if unposted or (host and p2p):
+            o = next((o for o in p2p if set(o.open_peers) & set(unposted)), p2p[0] if p2p else None)
+            if o is not None:
+                peers = tuple(sorted(set(unposted) & set(o.open_peers))) or o.open_peers
+                out[r] = replace(
+                    v, state=RankState.P2P, site=f"{o.op} on {_comm_name(waits, o.comm_id)} (queued, not finished)",
+                    direction="", peers=peers,
+                    counted=(f"{o.op} {'to' if o.op == 'send' else 'from'} rank(s) {compact_ranks(peers)} on "
+                             f"{_comm_name(waits, o.comm_id)} is open (WC {o.wc} < WR {o.wr}){where}"))
+                continue
+        for o in sorted((o for o in open_ops if o.op not in P2P_OPS), key=lambda o: (o.comm_id, o.op)):
+            if host or _everyone_launched(waits, o):
+                why = f"every member launched it{where}" if _everyone_launched(waits, o) else where[2:]
+                out[r] = _counted(v, RankState.COLLECTIVE, o.comm_id, o.op, o.cl, waits, rc, why)
+                break
+    return out
+
+
+def _comm_name(waits: CounterWaits, comm_id: str) -> str:
+    comm = waits.table.comms.get(comm_id)
+    return comm_label(comm) if comm is not None else f"comm {comm_id}"
+
+
+def _everyone_launched(waits: CounterWaits, o: OpCounters) -> bool:
+    """Whether every member of ``o``'s communicator that the counters show launched its op as often as ``o``'s rank."""
+    comm = waits.table.comms.get(o.comm_id)
+    by_rank = waits.table.of(o.comm_id).get(o.op, {})
+    members = [m for m in (comm.ranks if comm is not None else ()) if m in waits.live]
+    return len(members) > 1 and all((mo := by_rank.get(m)) is not None and mo.cl == o.cl for m in members)
+
+
+def _counted(v: RankView, state: RankState, cid: str, op: str, cl: int, waits: CounterWaits, rc: RankCounters,
+             why: str) -> RankView:
+    name = _comm_name(waits, cid)
+    mine = next((o for o in rc.ops if o.comm_id == cid and o.op == op), None)
+    counts = f" (WC {mine.wc} < WR {mine.wr})" if mine is not None else ""
+    return replace(v, state=state, site=f"{op} on {name}, launch {cl} (queued, not finished)",
+                   counted=f"{op} launch {cl} on {name} is open{counts}" + (f": {why}" if why else ""))
 
 
 def rank_views(stacks: Mapping[int, RankStacks], world: int, missing: Mapping[int, str],
@@ -535,6 +655,8 @@ def _resolve_backward(views: dict[int, RankView], groups: _Groups) -> None:
 
 
 def _p2p_peers(rank: int, v: RankView, groups: _Groups) -> set[int]:
+    if v.peers:  # the counters name them
+        return set(v.peers)
     if "pp" not in groups.kinds:
         return set()
     stages = groups.group("pp", rank)
@@ -664,10 +786,12 @@ __all__ = [
     "RankState",
     "RankView",
     "Root",
+    "counted_waits",
     "describe_process_state",
     "desync_evidence",
     "desync_summary",
     "follow_chain",
+    "host_wait_frame",
     "rank_view",
     "rank_views",
     "unreadable_reason",

@@ -38,13 +38,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from rankscope.analyzers.ccl_desync import CounterWaits
+from rankscope.analyzers.ccl_desync import CounterWaits, counter_waits
 from rankscope.analyzers.chain import (
     DESYNC_ADVICE,
     TERMINAL,
     Chain,
     RankState,
     RankView,
+    counted_waits,
     desync_evidence,
     desync_summary,
     follow_chain,
@@ -102,6 +103,7 @@ class _Candidate:
     groups: tuple[int, ...]  # group indices of that kind merged into this candidate
     bonus: float = 0.0  # 1.0 when the candidate is where the outliers' origin points (see _Origin)
     why: str = ""
+    roots: tuple[int, ...] = ()  # the origin ranks stuck in their own work inside it (Suspect.roots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +327,7 @@ def _apply_origins(
                 members = set(c.ranks.tolist())
                 if (c.kind == "rank" and members <= ranks) or (
                         c.kind == "machine" and members == ranks and len(machines) == 1):
-                    c.bonus, c.why = 1.0, why
+                    c.bonus, c.why, c.roots = 1.0, why, tuple(sorted(members))
             continue
         kinds = ["pp"] if o.side == "p2p" else [k for k in topology.kinds() if k != "pp"]
         fitting: list[str] = []
@@ -452,6 +454,7 @@ def _suspects_for(
             group_index=c.group_index,
             groups=c.groups if len(c.groups) > 1 else (),
             diverging_frame=div,
+            roots=c.roots,
         ))
     return suspects, explains
 
@@ -510,6 +513,7 @@ def _apply_chain(
             evidence=(f"{summary} (ranks {compact_ranks(d.ranks)} on {compact_machines(machines)}, {comm})",
                       *evidence, f"advice: {DESYNC_ADVICE}"),
             sources=("stacks",), victims=d.victims, state="desync",
+            roots=() if d.tie else d.ranks,  # on a tie either side may have strayed
         ), ranks | set(d.victims)))
     in_desync = {r for d in chain.desyncs for r in (*d.ranks, *d.victims)}
     held: set[int] = set()
@@ -524,7 +528,7 @@ def _apply_chain(
             own_victims = tuple(sorted({v for r in chain.roots if r.rank in mine for v in r.victims} - members))
             lines = _root_lines(chain, mine, placement)
             s = replace(s, evidence=(s.evidence[0], *lines, *s.evidence[1:]), victims=own_victims,
-                        state=_state_words(chain, mine))
+                        state=_state_words(chain, mine), roots=tuple(sorted(mine)))
             # The chain says who waits on whom; the layout's "mostly outliers around it" guess is not needed.
             explained = (members & set(grouping.outlier_ranks)) | set(own_victims) | mine
             held |= mine
@@ -543,7 +547,7 @@ def _apply_chain(
             evidence=(f"rank {root.rank} on {compact_machines(machines) or 'unknown machines'}: "
                       f"{root.view.state.value} while {len(root.victims)} rank(s) wait on it",
                       *_root_lines(chain, {root.rank}, placement)),
-            sources=("stacks",), victims=root.victims, state=_state_words(chain, {root.rank}),
+            sources=("stacks",), victims=root.victims, state=_state_words(chain, {root.rank}), roots=(root.rank,),
         ), {root.rank, *root.victims}))
         held.add(root.rank)
     out.sort(key=lambda se: -se[0].score)
@@ -601,10 +605,15 @@ def analyze_stacks(
             state = RankState.LOADING if o.lane.startswith(str(ProcessRole.DATALOADER)) else RankState.COMPUTING
             for r in o.ranks:
                 views[r] = RankView(r, state, frame=f"[{o.lane}] {o.frame}")
+    counters = snapshot.all_counters()
+    if counters and waits is None:
+        waits = counter_waits(counters)
+    if waits is not None:
+        views = counted_waits(views, waits)  # asynchronous collectives: a host syncing on its GPU waits in one
     sizes = [len(g.ranks) for g in grouping.groups]
     unique_majority = len(sizes) > 0 and sizes[0] > 1 and (len(sizes) == 1 or sizes[0] > sizes[1])
-    chain = follow_chain(views, topology, frozenset(grouping.groups[0].ranks) if unique_majority else frozenset(),
-                         snapshot.all_counters(), waits)
+    majority = frozenset(grouping.groups[0].ranks) if unique_majority else frozenset()
+    chain = follow_chain(views, topology, majority, counters, waits)
     named = chain.root_ranks | {r for d in chain.desyncs for r in d.ranks}
     chosen: tuple[list[Suspect], list[set[int]]] | None = None  # the suspects of the grouping a tie settled on
 
@@ -701,6 +710,7 @@ def suspect_to_json(s: Suspect) -> dict[str, object]:
         "diverging_frame": s.diverging_frame,
         "victims": list(s.victims),
         "state": s.state,
+        "roots": list(s.roots),
     }
 
 

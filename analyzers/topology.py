@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, RankCounters
@@ -247,13 +247,80 @@ def distinct_communicators(counters: Mapping[int, RankCounters]) -> dict[str, Co
     """Every communicator the ranks' counters name, once per id (the first rank's record of it).
 
     Each member lists its groups, so a group of n ranks is seen n times; the
-    analyzers look at each once.
+    analyzers look at each once. A record that does not know its members
+    (NCCL's profiler plugin knows its commHash, size and place, not the global
+    ranks) gets them from the records of that id: see ``communicator_joins``.
     """
     out: dict[str, Communicator] = {}
+    unknown = False
     for rc in counters.values():
         for c in rc.communicators:
             if c.comm_id not in out:
                 out[c.comm_id] = c
+                unknown = unknown or not c.ranks
+    if unknown:
+        for j in communicator_joins(counters, out):
+            out[j.comm_id] = replace(out[j.comm_id], ranks=j.members, comm_nranks=j.nranks,
+                                     description=out[j.comm_id].description or j.torch_description)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class CommJoin:
+    """One communicator known only by id (NCCL's commHash), joined from the ranks whose counters report it.
+
+    ``members``: the global ranks, in NCCL's rank order where reported; the
+    torch process group with the same members (``torch_group``, as the shim
+    recorded it) gives the whole list, those that never reported included.
+    ``missing_places``: NCCL ranks in it that no counter file reports (a
+    size larger than the reporters); ``missing_ranks`` their global ranks,
+    where the torch group says them.
+    """
+
+    comm_id: str
+    members: tuple[int, ...]
+    reporters: tuple[int, ...]
+    nranks: int
+    missing_places: tuple[int, ...]
+    missing_ranks: tuple[int, ...]
+    torch_group: str  # the torch group's id ("" when none matches)
+    torch_description: str
+
+
+def communicator_joins(counters: Mapping[int, RankCounters],
+                       known: Mapping[str, Communicator] | None = None) -> list[CommJoin]:
+    """The communicators whose records name no members, joined by id (see ``CommJoin``)."""
+    first: dict[str, Communicator] = {}
+    reported: dict[str, dict[int, int]] = {}  # comm_id -> global rank -> its NCCL rank (-1: not said)
+    nranks: dict[str, int] = {}
+    for rc in counters.values():
+        for c in rc.communicators:
+            first.setdefault(c.comm_id, c)
+            if not c.ranks:
+                reported.setdefault(c.comm_id, {})[rc.rank] = c.comm_rank
+                nranks[c.comm_id] = max(nranks.get(c.comm_id, 0), c.comm_nranks)
+    comms = known if known is not None else first
+    torch_groups = [c for c in comms.values() if c.ranks]
+    out: list[CommJoin] = []
+    for cid, places in reported.items():
+        if comms.get(cid, first[cid]).ranks:
+            continue  # some rank's record knew the members
+        size = nranks.get(cid, 0)
+        by_place = sorted(places.items(), key=lambda kv: (kv[1] < 0, kv[1], kv[0]))
+        reporters = tuple(g for g, _ in by_place)
+        # The torch group of this communicator: same members, or (when some never reported) one whose members
+        # sit at the places NCCL reported.
+        tied = [g for g in torch_groups if set(g.ranks) == set(reporters)] or [
+            g for g in torch_groups if size and len(g.ranks) == size
+            and all(0 <= p < size and g.ranks[p] == r for r, p in places.items())]
+        tied.sort(key=lambda g: (g.backend != first[cid].backend, g.comm_id))
+        group = tied[0] if tied else None
+        members = group.ranks if group is not None else reporters
+        missing_places = tuple(sorted(set(range(size)) - set(places.values()))) if size > len(places) else ()
+        missing_ranks = tuple(sorted(r for r in members if r not in places))
+        out.append(CommJoin(cid, members, reporters, size, missing_places, missing_ranks,
+                            group.comm_id if group is not None else "",
+                            group.description if group is not None else ""))
     return out
 
 

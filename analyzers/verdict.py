@@ -38,6 +38,7 @@ class _Entry:
     scaled: float
     sources: list[str]
     evidence: list[str]
+    roots: tuple[int, ...] = ()  # the first pinned by any detector naming these ranks
 
 
 def _scaled(verdict: Verdict) -> list[float]:
@@ -63,8 +64,9 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
             sources = list(s.sources) or [f"detector{d}"]
             got = entries.get(key)
             if got is None:
-                entries[key] = _Entry(s, d, sc, sources, list(s.evidence))
+                entries[key] = _Entry(s, d, sc, sources, list(s.evidence), s.roots)
             else:
+                got.roots = got.roots or s.roots
                 got.sources += [x for x in sources if x not in got.sources]
                 got.evidence += [e for e in s.evidence if e not in got.evidence]
                 if sc > got.scaled:
@@ -90,7 +92,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
         merged.append((Suspect(
             kind=s.kind, ranks=s.ranks, machines=s.machines, score=round(entry.scaled * (1.0 + support), 6),
             evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index, groups=s.groups,
-            diverging_frame=s.diverging_frame, victims=s.victims, state=s.state,
+            diverging_frame=s.diverging_frame, victims=s.victims, state=s.state, roots=entry.roots,
         ), tuple(entry.sources)))
     merged.sort(key=lambda m: (-m[0].score, -len(m[0].sources), -len(m[0].ranks),
                                _KIND_ORDER.index(str(m[0].kind)) if str(m[0].kind) in _KIND_ORDER else 99,
@@ -157,6 +159,8 @@ def _fold_contained(ranked: list[tuple[Suspect, tuple[str, ...]]]) -> list[Suspe
             kept.append(_Kept(s, named_by))
             continue
         k = host.suspect
+        if not k.roots and s.roots and ranks <= set(k.ranks):
+            k = replace(k, roots=s.roots)  # a finer cut inside it pins the cause: the group's precise answer
         extra: list[str] = []
         if not ranks <= set(k.ranks):
             host.waiting |= ranks - set(k.ranks)
@@ -231,7 +235,7 @@ def headline(s: Suspect, *, own_words: bool = False) -> str:
         return f"desync: ranks {compact_ranks(s.ranks)} on {where} are in a different collective from their peers"
     if kind == "rank" and len(s.ranks) == 1 and s.victims:
         state = f"{s.state}; " if s.state else ""  # (the counters tell who waits, not what the root does)
-        return f"rank {s.ranks[0]} on {where} ({state}{len(s.victims)} ranks wait on it)"
+        return f"rank {s.ranks[0]} on {where} ({state}{waiting_words(len(s.victims))} on it)"
     if kind == "rank" and len(s.ranks) == 1:
         return f"rank {s.ranks[0]} on {where}"
     if kind == "machine":
@@ -239,6 +243,11 @@ def headline(s: Suspect, *, own_words: bool = False) -> str:
     if own_words and s.evidence:
         return s.evidence[0].split(": holds", 1)[0]
     return f"{suspect_label(s)} on {where}"
+
+
+def waiting_words(n: int) -> str:
+    """``1 rank waits`` / ``7 ranks wait``."""
+    return f"{n} rank waits" if n == 1 else f"{n} ranks wait"
 
 
 def analyze_snapshot(snapshot: JobSnapshot, layout: Layout | None = None) -> Verdict:
