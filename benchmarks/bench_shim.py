@@ -1,0 +1,240 @@
+"""The CCL shim's (and NCCL profiler plugin's) cost per collective, beside a plain run, on gloo or NCCL.
+
+Run: python benchmarks/bench_shim.py [--backend gloo|nccl] [--world 1|2] [--calls 2000] [--rounds 3]
+                                     [--plugin] [--json]
+
+Each rank (started by torchrun) times blocks of ``--calls`` small all_reduce
+calls (1024 floats), synchronous and async (``async_op=True`` then
+``wait()``), through the original function (plain) and through the shim's
+wrapper, in interleaved blocks; best block of ``--rounds`` per figure (noise
+on a shared machine only ever adds time). On NCCL the blocks synchronise the
+device every 100 calls and at their end, so the host never runs far ahead and
+the figure is what a step pays, the device's own time included.
+
+After the timing the shim's counter file must settle: WC catches up with WR
+once the device is idle (the proof that completion is learned off the
+device, not at return), and the bench says so.
+
+``--plugin`` (NCCL, world >= 2: NCCL takes a shortcut with one rank and calls
+no plugin): the job runs twice, without and with ``NCCL_PROFILER_PLUGIN``
+(built from ccl_plugin/nccl), and the plugin's cost is the difference of the
+plain figures of the two runs. Each run reports how many collectives it made
+and whether every rank exited cleanly. Step time on gloo: bench_ccl.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK = "BENCH_SHIM "
+
+
+# ---- the rank side ---------------------------------------------------------------
+
+
+def _worker(args: argparse.Namespace) -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    import torch
+    import torch.distributed as dist
+
+    if args.backend == "nccl":
+        from rankscope.drill import gpu
+
+        gpus = torch.cuda.device_count()
+        os.environ.update(gpu.not_set(os.environ, gpu.nccl_rank_env(rank, world, gpus, "bench-shim")))
+        torch.cuda.set_device(gpu.rank_device(rank, gpus))
+        dev = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+    from rankscope.ccl_plugin import torch_hooks
+
+    if not torch_hooks.install(Path(args.counter_dir), "bench-shim"):
+        raise SystemExit("the shim did not install")
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+    shim = c10d.all_reduce
+    plain = shim.__rankscope_original__
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    x = torch.ones(1024, device=dev)
+    made = 0
+
+    def block(fn: Any, is_async: bool, n: int) -> float:
+        nonlocal made
+        sync()
+        t0 = time.perf_counter()
+        for i in range(n):
+            if is_async:
+                fn(x, async_op=True).wait()
+            else:
+                fn(x)
+            if dev.type == "cuda" and i % 100 == 99:
+                torch.cuda.synchronize()
+        sync()
+        made += n
+        return (time.perf_counter() - t0) / n
+
+    for fn in (plain, shim):  # warm-up: communicators, caches, the shim's first-call set-up
+        block(fn, False, 50)
+        block(fn, True, 50)
+    best: dict[str, float] = {}
+    for r in range(args.rounds):
+        order = [("plain", plain), ("shim", shim)]
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            for variant, is_async in (("sync", False), ("async", True)):
+                key = f"{variant}_{name}"
+                best[key] = min(best.get(key, float("inf")), block(fn, is_async, args.calls))
+    # the counters must settle once the device is idle: WC = WR, learned by the shim's poller
+    from rankscope.probes.ccl_counters import read_counter_file
+
+    writer = torch_hooks.STATE.writer
+    settled, counts = False, (0, 0, 0)
+    deadline = time.monotonic() + 10.0
+    while writer is not None and time.monotonic() < deadline:
+        ops = [o for o in read_counter_file(writer.path).counters.ops if o.op == "all_reduce"]
+        counts = (sum(o.cl for o in ops), sum(o.wr for o in ops), sum(o.wc for o in ops))
+        if counts[1] == counts[2]:
+            settled = True
+            break
+        time.sleep(0.02)
+    dist.barrier()
+    result = {"rank": rank, "us_per_call": {k: round(v * 1e6, 3) for k, v in best.items()}, "collectives": made,
+              "shim_counts": {"cl": counts[0], "wr": counts[1], "wc": counts[2]}, "settled": settled,
+              "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+              "torch": torch.__version__}
+    print(MARK + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+# ---- the launching side -----------------------------------------------------------
+
+
+def run_job(backend: str, world: int, calls: int, rounds: int, plugin: Path | None, tmp: Path,
+            timeout_s: float = 300.0) -> dict[str, Any]:
+    """One torchrun of the worker; every rank's figures, the exit code and whether every rank reported."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANKSCOPE_", "NCCL_PROFILER"))}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
+    if plugin is not None:
+        env["NCCL_PROFILER_PLUGIN"] = str(plugin)
+        env["RANKSCOPE_CCL_DIR"] = str(tmp / "plugin-counters")
+        env["RANKSCOPE_JOB_ID"] = "bench-plugin"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           str(Path(__file__).resolve()), "--worker", "--backend", backend, "--calls", str(calls),
+           "--rounds", str(rounds), "--counter-dir", str(tmp / "shim-counters")]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        out, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        code = None
+    ranks = [json.loads(ln[len(MARK):]) for ln in out.splitlines() if ln.startswith(MARK)]
+    return {"exit_code": code, "ranks": sorted(ranks, key=lambda r: r["rank"]), "all_ranks_reported": len(ranks) == world,
+            "tail": "" if code == 0 and len(ranks) == world else out[-3000:]}
+
+
+def summarize(job: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's figures, the shim's extra µs per call and its ratio to plain, per variant."""
+    if not job["ranks"]:
+        return {"error": f"no rank reported (exit code {job['exit_code']})", "tail": job["tail"]}
+    r0 = job["ranks"][0]
+    us = r0["us_per_call"]
+    out: dict[str, Any] = {"us_per_call": us, "device": r0["device"], "torch": r0["torch"],
+                           "collectives_per_rank": r0["collectives"], "exit_code": job["exit_code"],
+                           "all_ranks_reported": job["all_ranks_reported"],
+                           "counters_settled": all(r["settled"] for r in job["ranks"]),
+                           "shim_counts": r0["shim_counts"]}
+    for variant in ("sync", "async"):
+        p, s = us.get(f"{variant}_plain"), us.get(f"{variant}_shim")
+        if p and s:
+            out[f"{variant}_shim_extra_us"] = round(s - p, 3)
+            out[f"{variant}_shim_ratio"] = round(s / p, 4)
+    return out
+
+
+def bench(backend: str, world: int, calls: int, rounds: int, with_plugin: bool, tmp: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {"backend": backend, "world": world, "calls_per_block": calls, "rounds": rounds}
+    result["shim"] = summarize(run_job(backend, world, calls, rounds, None, tmp))
+    if with_plugin:
+        sys.path.insert(0, str(ROOT))
+        from rankscope.ccl_plugin.build import BuildError, build_plugin
+
+        try:
+            lib = build_plugin(tmp / "lib")
+        except BuildError as exc:
+            result["plugin"] = {"error": f"{exc.message} ({exc.fix})"}
+            return result
+        with_lib = summarize(run_job(backend, world, calls, rounds, lib, tmp))
+        result["plugin"] = with_lib
+        p0 = result["shim"].get("us_per_call", {}).get("sync_plain")
+        p1 = with_lib.get("us_per_call", {}).get("sync_plain")
+        if p0 and p1:
+            with_lib["plugin_extra_us"] = round(p1 - p0, 3)
+            with_lib["plugin_ratio"] = round(p1 / p0, 4)
+    return result
+
+
+def report_lines(result: dict[str, Any]) -> list[str]:
+    lines = [f"all_reduce of 1024 floats, {result['backend']}, world {result['world']}, "
+             f"best of {result['rounds']} blocks of {result['calls_per_block']} calls"]
+    for name in ("shim", "plugin"):
+        part = result.get(name)
+        if part is None:
+            continue
+        title = "shim (plain vs wrapper)" if name == "shim" else "with NCCL_PROFILER_PLUGIN"
+        if "error" in part:
+            lines.append(f"  {title}: ERROR {part['error']}")
+            continue
+        us = part["us_per_call"]
+        lines.append(f"  {title} on {part['device']} (torch {part['torch']}): exit {part['exit_code']}, "
+                     f"every rank reported: {part['all_ranks_reported']}, {part['collectives_per_rank']} "
+                     f"collectives per rank")
+        for variant in ("sync", "async"):
+            extra = part.get(f"{variant}_shim_extra_us")
+            lines.append(f"    {variant:5} plain {us.get(f'{variant}_plain', float('nan')):9.2f} µs   shim "
+                         f"{us.get(f'{variant}_shim', float('nan')):9.2f} µs   "
+                         + (f"+{extra:.2f} µs ({part[f'{variant}_shim_ratio']:.3f}x)" if extra is not None else ""))
+        c = part["shim_counts"]
+        lines.append(f"    shim counters after the run: CL {c['cl']} WR {c['wr']} WC {c['wc']} "
+                     f"({'settled: WC = WR' if part['counters_settled'] else 'NOT settled: WC < WR'})")
+        if name == "plugin" and "plugin_extra_us" in part:
+            lines.append(f"    plugin: plain call {part['plugin_extra_us']:+.2f} µs ({part['plugin_ratio']:.3f}x) "
+                         f"against the run without it")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--plugin", action="store_true", help="also run with the NCCL profiler plugin loaded")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--counter-dir", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    with tempfile.TemporaryDirectory(prefix="bench-shim-") as d:
+        result = bench(args.backend, args.world, args.calls, args.rounds, args.plugin, Path(d))
+    print(json.dumps(result, indent=2) if args.json else "\n".join(report_lines(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
