@@ -85,6 +85,7 @@ class WatchdogRecord:
     completed: int | None = None
     timeout_ms: int | None = None
     signalled_by: int | None = None  # "a collective timeout from rank X"
+    group_size: int | None = None  # told by the work's sizes (an all-gather's NumelOut / NumelIn)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,9 +255,11 @@ class _PgRank:
     completed: int | None = None
     timed_out: bool = False
     where: str = ""
+    group_size: int | None = None
+    pg_rank: int | None = None
 
 
-def _watchdog(records: Sequence[WatchdogRecord], out: _Found) -> None:
+def _watchdog(records: Sequence[WatchdogRecord], out: _Found, world: int | None) -> None:
     groups: dict[str, dict[int, _PgRank]] = {}
     untied: list[WatchdogRecord] = []
     for r in records:
@@ -268,6 +271,12 @@ def _watchdog(records: Sequence[WatchdogRecord], out: _Found) -> None:
             st.seq = r.seq if st.seq is None else max(st.seq, r.seq)
             st.timed_out = True
         st.op = r.op or st.op
+        st.group_size = r.group_size or st.group_size
+        st.pg_rank = r.pg_rank if r.pg_rank is not None else st.pg_rank
+        if r.seq is None and r.kind == "dump-signal" and r.enqueued is not None and r.completed is not None \
+                and r.enqueued > r.completed:
+            # A dump signal names no work, but a rank with work pending waits in the first one not completed.
+            st.seq = r.completed + 1 if st.seq is None else st.seq
         if r.enqueued is not None:
             st.enqueued = r.enqueued if st.enqueued is None else max(st.enqueued, r.enqueued)
         if r.completed is not None:
@@ -278,6 +287,9 @@ def _watchdog(records: Sequence[WatchdogRecord], out: _Found) -> None:
     for pg, ranks in groups.items():
         seqs = [s.seq for s in ranks.values() if s.seq is not None]
         if not seqs:
+            if any(r.kind in ("timeout", "blocking-wait") for r in records if r.pg == pg):
+                out.notes.append(f"the watchdog lines of {pg} name no sequence number (an old PyTorch): which "
+                                 "rank is behind cannot be told from them")
             continue
         target = max(seqs)
         op = next((s.op for s in ranks.values() if s.seq == target and s.op), None)
@@ -298,15 +310,38 @@ def _watchdog(records: Sequence[WatchdogRecord], out: _Found) -> None:
             out.suspects.append(_suspect(early, SCORE_BEHIND * 0.9, lines, victims=waiting,
                                          state="stuck in an earlier collective than its group"))
             continue
+        silent = {r: s for r, s in ranks.items() if s.seq is None and s.enqueued is None}
+        if silent and waiting:
+            # In the logs, yet no work pending: a rank that never issued the work times out on nothing.
+            lines = [f"rank {r} is in the logs of {pg} ({s.where}) but shows no pending work while "
+                     f"{_ranks_word(waiting)} time out in {what}: it likely never issued it"
+                     for r, s in sorted(silent.items())]
+            out.suspects.append(_suspect(silent, SCORE_BEHIND * 0.6, lines, victims=waiting,
+                                         state="no pending work while its group times out"))
+            continue
         same = all(s.seq == target and (s.completed is None or s.completed < target) for s in ranks.values())
         if not same:
             continue
         seen = sorted(ranks)
+        size = next((s.group_size for s in ranks.values() if s.group_size), None)
+        if size is None and world and ("default" in pg or pg.startswith("PG 0")):
+            size = world
+        # Who is absent is counted in the group's own numbering (a line's "[PG n Rank r]"), where every line has it.
+        places = [s.pg_rank for s in ranks.values()]
+        own = sorted({p for p in places if p is not None}) if None not in places else seen
+        absent = sorted(set(range(size or max(own) + 1)) - set(own))
+        if absent and len(seen) > 1:
+            numbering = "" if own is seen else " (group ranks)"
+            out.notes.append(f"{_ranks_word(seen)} of {pg} all wait in {what}; {_ranks_word(absent)}{numbering} "
+                             f"{'is' if len(absent) == 1 else 'are'} not in the logs: the rank behind may be among "
+                             "them (their logs would tell)")
+            continue
+        beyond = "" if size else f"; ranks above {max(seen)}, if any, are not in the logs"
         reason = (f"every rank of {pg} in the logs ({_ranks_word(seen)}) timed out in the same {what}, "
-                  "each with it enqueued and nothing after it completed")
+                  f"each with it enqueued and nothing after it completed{beyond}")
         if len(seen) == 1:
-            out.notes.append(f"only {_ranks_word(seen)}'s watchdog lines for {pg}: {reason.split(' (')[0]} cannot "
-                             "be judged from one rank; the other ranks' logs tell whether one never issued "
+            out.notes.append(f"only {_ranks_word(seen)}'s watchdog lines for {pg}: whether a rank is behind cannot be "
+                             "judged from one rank; the other ranks' logs tell whether one never issued "
                              f"{what} (its last enqueued work below {target})")
             out.symmetric.append(f"rank {seen[0]}'s watchdog timed out in {what} on {pg}, which it had enqueued "
                                  f"({ranks[seen[0]].where})")
@@ -568,7 +603,7 @@ def _headline(s: Suspect) -> str:
 def analyze_logs(evidence: LogEvidence, world: int | None = None) -> Verdict:
     """The logs' verdict: suspects behind their peers, program mismatches, or "not a rank" with the reason."""
     out = _Found()
-    _watchdog(evidence.watchdog, out)
+    _watchdog(evidence.watchdog, out, world)
     ras_ok = _ras(evidence.ras, out, world)
     _fr(evidence.fr, out)
     _mismatches(evidence.mismatches, out)

@@ -48,19 +48,20 @@ _MAX_NOTES_PER_FILE = 4
 _RANK_FILE = re.compile(r"(?:^|[^a-z])rank[_-]?(\d+)(?:[^0-9]|$)", re.IGNORECASE)
 
 # A marker in the first bytes of a file that makes it a log this module reads (checked before py-spy's).
-_LOG_MARKERS = ("WorkNCCL(SeqNum=", "ProcessGroupNCCL.cpp", "last enqueued NCCL work", "last enqueued work:",
+_LOG_MARKERS = ("WorkNCCL(SeqNum=", "Watchdog caught collective operation timeout", "ProcessGroupNCCL.cpp", "last enqueued NCCL work", "last enqueued work:",
                 "Detected mismatch between collectives", "Not all ranks joining collective",
                 "Collective sequence number:", "has errors\ninternal record id", "errors\ninternal record id")
 
 _PREFIX_RANK = re.compile(r"\[rank(\d+)\]:")
 _PG = re.compile(r"\[(?:PG (?:ID )?(\d+)(?: PG GUID (\S+?)(?:\(([^)]*)\))?)? )?Rank (\d+)\]")
-_WORK = re.compile(r"WorkNCCL\(SeqNum=(\d+),\s*OpType=(\w+)(?:,\s*NumelIn=(-?\d+),\s*NumelOut=(-?\d+))?"
+_WORK = re.compile(r"WorkNCCL\((?:SeqNum=(\d+),\s*)?OpType=(\w+)(?:,\s*NumelIn=(-?\d+),\s*NumelOut=(-?\d+))?"
                    r"(?:,\s*Timeout\(ms\)=(\d+))?")
 _STATUS_NEW = re.compile(r"failure detected by watchdog at work sequence id: (\d+)\s*PG status: "
                          r"last enqueued work: (-?\d+), last completed work: (-?\d+)")
 _STATUS_OLD = re.compile(r"(?:detected by watchdog at work|Timeout at NCCL work): (\d+), "
                          r"last enqueued NCCL work: (-?\d+), last completed NCCL work: (-?\d+)")
-_DUMP = re.compile(r"Received a dump signal (?:due to a collective timeout )?from\s+(?:this local rank|rank (\d+))")
+_DUMP = re.compile(r"(?:Received a dump signal (?:due to a collective timeout )?from\s+(?:this local rank|rank (\d+))"
+                   r"|Observed flight recorder dump signal)")
 _LAST = re.compile(r"[Ll]ast enqueued (?:NCCL )?work: (-?\d+), last completed (?:NCCL )?work: (-?\d+)")
 _MISMATCH = re.compile(r"Detected mismatch between collectives on ranks\. Rank (\d+) is running "
                        r"(?:inconsistent )?collective: ")
@@ -243,8 +244,11 @@ def _read_lines(text: str, name: str, acc: _Acc) -> None:
     if interleaved:
         acc.notes.append(f"{name}: {interleaved} line(s) hold two ranks' output interleaved; each piece was read "
                          "for what it holds")
-    if cut and len(acc.watchdog) > start_wd and acc.watchdog[-1].where == f"{name}:{len(lines)}":
-        acc.notes.append(f"{name}: the log ends mid-line (cut off): its last line was read for what it holds")
+    last = lines[-1] if lines else ""
+    if cut and (any(m in last for m in _LOG_MARKERS) or "ProcessGroupNCCL" in last or "WorkNCCL" in last):
+        read = len(acc.watchdog) > start_wd and acc.watchdog[-1].where == f"{name}:{len(lines)}"
+        acc.notes.append(f"{name}: the log ends mid-line (cut off) at line {len(lines)}: "
+                         + ("read for what it holds" if read else f"too short to read: {last.strip()[-120:]!r}"))
     _tie_pgs(acc.watchdog, start_wd)
 
 
@@ -254,17 +258,24 @@ def _tie_pgs(records: list[WatchdogRecord], start: int) -> None:
     for r in records[start:]:
         if r.pg:
             pg_of.setdefault((r.rank, r.seq), r.pg)
+    by_seq: dict[int | None, set[str]] = {}
+    for (_, seq), pg in pg_of.items():
+        by_seq.setdefault(seq, set()).add(pg)
     for i in range(start, len(records)):
         r = records[i]
         if not r.pg:
-            records[i] = WatchdogRecord(r.where, r.kind, r.rank, r.rank_how, pg_of.get((r.rank, r.seq), "its group"),
-                                        r.pg_rank, r.seq, r.op, r.enqueued, r.completed, r.timeout_ms, r.signalled_by)
+            # Else the one group whose other ranks fail at the same work, when there is one.
+            only = by_seq.get(r.seq, set())
+            pg = pg_of.get((r.rank, r.seq)) or (next(iter(only)) if len(only) == 1 and r.seq is not None else "")
+            records[i] = WatchdogRecord(r.where, r.kind, r.rank, r.rank_how, pg or "its group",
+                                        r.pg_rank, r.seq, r.op, r.enqueued, r.completed, r.timeout_ms, r.signalled_by,
+                                        r.group_size)
 
 
 def _read_line(line: str, where: str, file_rank: int | None, acc: _Acc, quote: object, no: int) -> None:
     has_work = "WorkNCCL(" in line
     has_last = "ast enqueued" in line
-    has_dump = "Received a dump signal" in line
+    has_dump = "Received a dump signal" in line or "dump signal from another rank" in line
     has_mm = "Detected mismatch between collectives" in line
     if not (has_work or has_last or has_dump or has_mm):
         return
@@ -292,11 +303,12 @@ def _read_line(line: str, where: str, file_rank: int | None, acc: _Acc, quote: o
         rank, how = pg_rank, "default group rank"
     else:
         rank, how = None, "not given"
-    seq = op = enq = comp = tmo = by = None
+    seq = op = enq = comp = tmo = by = size = None
     kind = ""
     if has_work and (w := _WORK.search(line)) is not None and ("timeout" in line or "timed out" in line):
-        seq, op = int(w.group(1)), w.group(2)
+        seq, op = int(w.group(1)) if w.group(1) else None, w.group(2)
         tmo = int(w.group(5)) if w.group(5) else None
+        size = _group_size(op, w.group(3), w.group(4))
         kind = "blocking-wait" if "blocking wait" in line.lower() else "timeout"
     if (s := _STATUS_NEW.search(line) or _STATUS_OLD.search(line)) is not None:
         seq, enq, comp = int(s.group(1)), int(s.group(2)), int(s.group(3))
@@ -317,7 +329,19 @@ def _read_line(line: str, where: str, file_rank: int | None, acc: _Acc, quote: o
         if has_work and ("timeout" in line or "timed out" in line):
             quote(no, line, "a watchdog line not in the known shape")  # type: ignore[operator]
         return
-    acc.watchdog.append(WatchdogRecord(where, kind, rank, how, pg, pg_rank, seq, op, enq, comp, tmo, by))
+    acc.watchdog.append(WatchdogRecord(where, kind, rank, how, pg, pg_rank, seq, op, enq, comp, tmo, by, size))
+
+
+def _group_size(op: str, numel_in: str | None, numel_out: str | None) -> int | None:
+    """An all-gather's output is its input times the group's size (a reduce-scatter's the other way round)."""
+    if numel_in is None or numel_out is None:
+        return None
+    a, b = int(numel_in), int(numel_out)
+    if "ALLGATHER" in op and a > 0 and b % a == 0 and b // a > 1:
+        return b // a
+    if "REDUCE_SCATTER" in op and b > 0 and a % b == 0 and a // b > 1:
+        return a // b
+    return None
 
 
 def _fingerprint(rank: int, text: str) -> Fingerprint:
