@@ -47,9 +47,11 @@ import resource
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -734,9 +736,12 @@ async def serve(config: AgentConfig, *, port_file: Path | None = None, announce:
     attach), and Python waits for its worker threads at exit; the process then leaves without them, saying so.
     """
     raise_descriptor_limit()
+    loop = asyncio.get_running_loop()
+    # The agent's own worker pool (asyncio.to_thread uses it), so that stopping can wait for it with a bound.
+    workers = ThreadPoolExecutor(thread_name_prefix="asyncio")
+    loop.set_default_executor(workers)
     agent = await start_agent(config)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
@@ -774,17 +779,17 @@ async def serve(config: AgentConfig, *, port_file: Path | None = None, announce:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        await stop_within(agent, STOP_TIMEOUT_S)
+        await stop_within(agent, workers, STOP_TIMEOUT_S)
 
 
-async def stop_within(agent: RunningAgent, timeout_s: float) -> None:
+async def stop_within(agent: RunningAgent, workers: ThreadPoolExecutor, timeout_s: float) -> None:
     """Stop the agent; whatever still runs after ``timeout_s`` (a stuck worker, an action) is left behind: the
     process exits at once (an action cut short is reported as interrupted at the next start)."""
     try:
         await asyncio.wait_for(agent.stop(), timeout_s)
         # asyncio.run and the interpreter's exit wait for the worker threads without a bound; one stuck in a
         # system call (a read that never answers, a py-spy attach) would hold the process for good.
-        await asyncio.wait_for(asyncio.get_running_loop().shutdown_default_executor(), timeout_s)
+        await asyncio.wait_for(_drained(workers), timeout_s)
     except TimeoutError:
         log(f"stopping took longer than {timeout_s:g} s (a worker is stuck, or an action runs); "
             "exiting without waiting for it")
@@ -792,6 +797,25 @@ async def stop_within(agent: RunningAgent, timeout_s: float) -> None:
     except Exception as exc:  # stopping must end the process whatever failed on the way
         log(f"stopping failed: {type(exc).__name__}: {exc}")
         _exit_now()
+
+
+async def _drained(workers: ThreadPoolExecutor) -> None:
+    """Returns once every worker thread has ended; the waiting happens in a daemon thread, so a caller that stops
+    waiting (a timeout) leaves nothing behind that the process must wait for."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def finished() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def shut_down() -> None:
+        workers.shutdown(wait=True)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(finished)
+
+    threading.Thread(target=shut_down, name="rankscope-stop", daemon=True).start()
+    await done
 
 
 def _exit_now() -> None:
