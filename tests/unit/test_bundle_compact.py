@@ -108,7 +108,13 @@ def test_the_writer_lays_out_rows_as_when_version_3_was_fixed() -> None:
     # the fixture was written by the first version-3 writer (a generic loop over fields); the per-type writers
     # that replaced it must give the same tables, rows in the same order, byte for byte
     fixture = (DATA / "bundles" / "v3-before-packed.json").read_text()
-    assert dumps(Bundle((rich_job(),), 5.0), version=3) == fixture
+    # columns of fields added since then (defaults when absent, so old files still read) are the only change
+    added_since = {"Communicator": ("comm_nranks", "comm_rank")}
+    data = json.loads(dumps(Bundle((rich_job(),), 5.0), version=3))
+    for table, columns in added_since.items():
+        for column in columns:
+            del data["tables"][table]["columns"][column]
+    assert data == json.loads(fixture)
 
 
 def _v3() -> dict:  # type: ignore[type-arg]
