@@ -14,7 +14,10 @@ steps, used counts), guarded by the header ``seq``.
 
 Communicator entry: written once when a process group is first seen (id,
 backend, description such as ``PIPELINE_MODEL_PARALLEL_GROUP``, member global
-ranks as a slice of the member pool).
+ranks as a slice of the member pool, and since version 2 the communicator's
+size and this rank's place in it as NCCL's init reported them: NCCL tells a
+plugin its commHash, nranks and rank, never the members' global ranks, so
+files that report one commHash are joined into one communicator by readers).
 
 Op slot: one per (communicator, operation): CL, WR, WC, sequence numbers,
 bytes, TD, the ring of the last ``RING_LEN`` throughputs (N), and the peers of
@@ -39,7 +42,10 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"RSCCLCTR"
-VERSION = 1
+VERSION = 2
+# Versions this reader still understands: 1 lacked the communicator's NCCL size and rank (its description
+# was 8 bytes longer); everything else is the same.
+READABLE_VERSIONS = (1, 2)
 FILE_SUFFIX = ".ccl"
 DEFAULT_DIR = "/dev/shm/rankscope"
 
@@ -51,7 +57,8 @@ ENV_JOB_ID = "RANKSCOPE_JOB_ID"  # job id written into the header and the file n
 JOB_ID_LEN = 64
 COMM_ID_LEN = 64
 BACKEND_LEN = 16
-DESC_LEN = 96
+DESC_LEN = 88
+DESC_LEN_V1 = 96
 OP_NAME_LEN = 32
 RING_LEN = 5  # Aegis §5.2: throughput of the last L=5 work requests
 MAX_OPEN_PEERS = 8
@@ -113,9 +120,14 @@ COMM_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("comm_id", f"{COMM_ID_LEN}s", f"char comm_id[{COMM_ID_LEN}]"),
     ("backend", f"{BACKEND_LEN}s", f"char backend[{BACKEND_LEN}]"),
     ("description", f"{DESC_LEN}s", f"char description[{DESC_LEN}]"),
+    ("comm_nranks", "i", "int32_t comm_nranks"),  # 0: unknown
+    ("comm_rank", "i", "int32_t comm_rank"),  # -1: unknown
 )
 COMM = struct.Struct("<" + "".join(f for _, f, _ in COMM_FIELDS))
 COMM_SIZE = COMM.size  # 192
+# Version 1's entry: the same size, no comm_nranks / comm_rank, a longer description.
+COMM_V1 = struct.Struct(f"<QII{COMM_ID_LEN}s{BACKEND_LEN}s{DESC_LEN_V1}s")
+assert COMM_V1.size == COMM_SIZE
 
 # ---- op slot -----------------------------------------------------------
 OP_FIELDS: tuple[tuple[str, str, str], ...] = (

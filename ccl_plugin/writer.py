@@ -181,6 +181,10 @@ class CounterWriter:
             idx = len(self._comms)
             if idx >= L.MAX_COMMS:
                 raise CounterFileFull(f"more than {L.MAX_COMMS} communicators")
+            # the group's size and this rank's place in it, as NCCL's init reports them to the profiler
+            # plugin: what a reader ties an NCCL communicator (plugin file) to this torch group by
+            nranks = len(members)
+            comm_rank = members.index(self.rank) if self.rank in members else -1
             members = members[: max(0, L.MEMBER_POOL - self._members_used)]
             first = self._members_used
             for i, r in enumerate(members):
@@ -188,7 +192,7 @@ class CounterWriter:
             self._members_used += len(members)
             off = L.comm_offset(idx)
             L.COMM.pack_into(self._mm, off, 0, first, len(members), L.encode(comm_id, L.COMM_ID_LEN),
-                             L.encode(backend, L.BACKEND_LEN), L.encode(description, L.DESC_LEN))
+                             L.encode(backend, L.BACKEND_LEN), L.encode(description, L.DESC_LEN), nranks, comm_rank)
             L.SEQ.pack_into(self._mm, off, 2)  # even: complete
             self._comms[comm_id] = idx
             self._comm_seq.append(0)

@@ -221,8 +221,9 @@ def _parse(path: Path, mm: mmap.mmap, size: int, name_rank: int, now: float) -> 
     h = dict(zip((n for n, _, _ in L.HEADER_FIELDS), L.HEADER.unpack(_read_header(mm)), strict=True))
     if h["magic"] != L.MAGIC:
         return _corrupt(path, name_rank, "bad magic number, not a rankscope counter file")
-    if h["version"] != L.VERSION:
-        return _corrupt(path, name_rank, f"layout version {h['version']}, this rankscope reads {L.VERSION}")
+    if h["version"] not in L.READABLE_VERSIONS:
+        readable = ", ".join(str(v) for v in L.READABLE_VERSIONS)
+        return _corrupt(path, name_rank, f"layout version {h['version']}, this rankscope reads {readable}")
     if h["file_size"] > size:
         return _corrupt(path, name_rank, f"truncated ({size} of {h['file_size']} bytes)")
     n_comms, n_ops = h["n_comms"], h["n_ops"]
@@ -234,12 +235,19 @@ def _parse(path: Path, mm: mmap.mmap, size: int, name_rank: int, now: float) -> 
     comms: list[Communicator] = []
     for i in range(n_comms):
         raw = _read_stable(mm, h["comm_table_offset"] + i * L.COMM_SIZE, L.COMM_SIZE)
-        _, first, count, cid, backend, desc = L.COMM.unpack(raw)
+        if h["version"] == 1:
+            _, first, count, cid, backend, desc = L.COMM_V1.unpack(raw)
+            nranks, comm_rank = 0, -1
+        else:
+            _, first, count, cid, backend, desc, nranks, comm_rank = L.COMM.unpack(raw)
+            if not -1 <= comm_rank < nranks:  # nonsense from a broken writer: unknown
+                nranks, comm_rank = 0, -1
         if first + count > h["member_pool_size"]:
             return _corrupt(path, name_rank, f"communicator {i} members lie outside the member pool")
         base = h["member_pool_offset"] + first * L.MEMBER.size
         members = tuple(v[0] for v in L.MEMBER.iter_unpack(mm[base:base + count * L.MEMBER.size]))
-        comms.append(Communicator(L.decode(cid), L.decode(backend), L.decode(desc), members))
+        comms.append(Communicator(L.decode(cid), L.decode(backend), L.decode(desc), members,
+                                  comm_nranks=nranks, comm_rank=comm_rank))
     ops: list[OpCounters] = []
     for i in range(n_ops):
         raw = _read_stable(mm, h["op_table_offset"] + i * L.OP_SIZE, L.OP_SIZE)
@@ -256,7 +264,7 @@ def _parse(path: Path, mm: mmap.mmap, size: int, name_rank: int, now: float) -> 
             comm_id=comms[comm_index].comm_id, op=op, cl=cl, wr=wr, wc=wc, last_launched_seq=lls,
             last_completed_seq=lcs, bytes_total=nbytes, last_duration_s=dur if wc else None,
             recent_throughput=recent, last_launch_wall=lw or None, last_complete_wall=cw or None,
-            open_peers=tuple(peers)))
+            open_peers=tuple(dict.fromkeys(peers))))  # the plugin keeps one entry per open request
     why = staleness(h["pid"], h["pid_start_ticks"], h["heartbeat_wall"], h["flags"], now)
     counters = RankCounters(
         rank=h["rank"], pid=h["pid"], world_size=h["world_size"], job_id=L.decode(h["job_id"]) or None,

@@ -6,83 +6,18 @@
  *                         so a reader can check the live file, then finalizes;
  *   harness LIB bench N : N rounds of one collective with one proxy step,
  *                         prints the cost per plugin call in ns.
- * RS_HARNESS_ABI=4 drives the ncclProfiler_v4 entry points instead of v5.
+ * RS_HARNESS_ABI=4 (or 6) drives the ncclProfiler_v4 (v6) entry points instead of v5.
  * Order of calls per NCCL: init per communicator; Coll/P2p start; ProxyOp
  * start (parent: the Coll/P2p); ProxyStep start (parent: the ProxyOp), its
  * state transitions, stop; ProxyOp stop; Coll/P2p stop; finalize. */
 #define _GNU_SOURCE
-#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
-#include "nccl_profiler_abi.h"
-
-static rs_nccl_profiler_v5* P;
-static rs_nccl_profiler_v4* P4; /* set when driving the v4 entry points */
-
-static void* start(void* ctx, rs_nccl_descr_v5 d) {
-  void* h = NULL;
-  if (P4) { /* what an older NCCL hands over: the same union behind a one-byte type */
-    rs_nccl_descr_v4 d4;
-    memset(&d4, 0xAB, sizeof(d4)); /* garbage in the padding, as a real caller may leave */
-    d4.type = (uint8_t)d.type;
-    d4.parentObj = d.parentObj;
-    d4.rank = d.rank;
-    d4.u = d.u;
-    P4->startEvent(ctx, &h, &d4);
-  } else {
-    P->startEvent(ctx, &h, &d);
-  }
-  return h;
-}
-
-static void init(void** ctx, uint64_t id, int* mask, const char* name, int nNodes, int nranks, int rank) {
-  if (P4) P4->init(ctx, mask, name, id, nNodes, nranks, rank, NULL);
-  else P->init(ctx, id, mask, name, nNodes, nranks, rank, NULL);
-}
-
-static void* coll(void* ctx, const char* func, uint64_t seq, size_t count) {
-  rs_nccl_descr_v5 d;
-  memset(&d, 0, sizeof(d));
-  d.type = RS_EV_COLL;
-  d.u.coll.func = func;
-  d.u.coll.seqNumber = seq;
-  d.u.coll.count = count;
-  d.u.coll.datatype = "ncclFloat32";
-  return start(ctx, d);
-}
-
-static void* p2p(void* ctx, const char* func, int peer, size_t count) {
-  rs_nccl_descr_v5 d;
-  memset(&d, 0, sizeof(d));
-  d.type = RS_EV_P2P;
-  d.u.p2p.func = func;
-  d.u.p2p.peer = peer;
-  d.u.p2p.count = count;
-  d.u.p2p.datatype = "ncclInt8";
-  return start(ctx, d);
-}
-
-static void* child(void* ctx, uint64_t type, void* parent, int is_send, int peer) {
-  rs_nccl_descr_v5 d;
-  memset(&d, 0, sizeof(d));
-  d.type = type;
-  d.parentObj = parent;
-  if (type == RS_EV_PROXY_OP) {
-    d.u.proxyOp.isSend = is_send;
-    d.u.proxyOp.peer = peer;
-  }
-  return start(ctx, d);
-}
-
-static void state(void* h, int st, size_t trans) {
-  rs_nccl_state_args_v5 a;
-  memset(&a, 0, sizeof(a));
-  a.proxyStep.transSize = trans;
-  P->recordEventState(h, st, &a);
-}
+#include "harness_common.h"
 
 /* one network step: request, (flush for receives), completion */
 static void step(void* ctx, void* op, int is_send, size_t trans, int finish) {
@@ -104,22 +39,8 @@ int main(int argc, char** argv) {
     fprintf(stderr, "usage: %s LIB counts|bench [N]\n", argv[0]);
     return 2;
   }
-  void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
-  if (!lib) {
-    fprintf(stderr, "dlopen: %s\n", dlerror());
-    return 2;
-  }
-  const char* version = getenv("RS_HARNESS_ABI");
-  P = (rs_nccl_profiler_v5*)dlsym(lib, "ncclProfiler_v5");
-  if (version && strcmp(version, "4") == 0) {
-    P4 = (rs_nccl_profiler_v4*)dlsym(lib, "ncclProfiler_v4");
-    /* stop/state/finalize have the same signatures in both versions */
-    P = P4 ? (rs_nccl_profiler_v5*)P4 : NULL;
-  }
-  if (!P) {
-    fprintf(stderr, "no ncclProfiler_v%s symbol\n", version ? version : "5");
-    return 2;
-  }
+  int rc = load_plugin(argv[1]);
+  if (rc) return rc;
   void *net = NULL, *local = NULL;
   int mask = 0;
   init(&net, 0xA1A1ULL, &mask, "PIPELINE_MODEL_PARALLEL_GROUP", 2, 4, 1);
@@ -148,7 +69,7 @@ int main(int argc, char** argv) {
   }
   /* comm A (two nodes): 5 AllReduce, each a send and a receive op of two steps */
   for (int i = 1; i <= 5; i++) {
-    void* c = coll(net, "AllReduce", (uint64_t)i, 1024);
+    void* c = coll(net, "AllReduce", (uint64_t)i - 1, 1024); /* NCCL's seqNumber counts from 0 */
     for (int is_send = 0; is_send < 2; is_send++) {
       void* op = child(net, RS_EV_PROXY_OP, c, is_send, is_send ? 2 : 0);
       step(net, op, is_send, 1 << 20, 1);
@@ -158,7 +79,7 @@ int main(int argc, char** argv) {
     P->stopEvent(c);
   }
   /* a sixth AllReduce whose receive never arrives */
-  void* stuck = coll(net, "AllReduce", 6, 1024);
+  void* stuck = coll(net, "AllReduce", 5, 1024);
   void* stuck_op = child(net, RS_EV_PROXY_OP, stuck, 0, 0);
   step(net, stuck_op, 0, 1 << 20, 0);
   /* p2p: three sends to rank 2, one receive from rank 3 left open */
@@ -174,7 +95,7 @@ int main(int argc, char** argv) {
   step(net, rop, 0, 256, 0);
   /* comm B (one node): two AllGather over two kernel channels each */
   for (int i = 1; i <= 2; i++) {
-    void* c = coll(local, "AllGather", (uint64_t)i, 64);
+    void* c = coll(local, "AllGather", (uint64_t)i - 1, 64);
     for (int ch = 0; ch < 2; ch++) {
       void* k = child(local, RS_EV_KERNEL_CH, c, 0, -1);
       P->recordEventState(k, RS_ST_KERNEL_CH_STOP, NULL);

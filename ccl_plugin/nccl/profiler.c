@@ -1,22 +1,34 @@
 /* rankscope's NCCL profiler plugin: Aegis Phase-2 CL/WR/WC from inside NCCL.
  *
- * NCCL loads this library through NCCL_PROFILER_PLUGIN and calls the entry
- * points of `ncclProfiler_v5` (or `ncclProfiler_v4` on older NCCL). Events are turned into the same counter file
- * the Python hooks write (layout in rankscope_layout.h, generated from
- * layout.py), named <job>.rank<R>.nccl.ccl so both writers can coexist:
- *   CL  Coll / P2p start, per (communicator id given to init, function);
- *   WR  a ProxyStep entering SendWait / RecvWait (a network work request);
- *   WC  ProxyStep stop for sends, RecvFlushWait (or stop) for receives;
- *   N   transSize / (completion - request) of each step, into the ring;
- *   TD  Coll / P2p start to stop;
- * on communicators with no network (nNodes == 1) the kernel channels are the
- * progress signal: KernelCh start is a WR, its stop a WC.
- * One process-wide mutex makes this the file's single writer; stores follow
- * the seqlock protocol so readers in other processes never see torn values. */
+ * NCCL loads this library through NCCL_PROFILER_PLUGIN and calls the entry points of ncclProfiler_v6
+ * (NCCL >= 2.29), ncclProfiler_v5 (2.28) or ncclProfiler_v4 (2.23-2.27). Events become the counter file the
+ * Python hooks also write (layout in rankscope_layout.h, generated from layout.py), named
+ * <job>.rank<R>.nccl.ccl so both writers coexist:
+ *   CL  Coll / P2p start, per (communicator, function);
+ *   WR  a work request posted: on a communicator that spans nodes, a ProxyStep reaching SendWait (isend
+ *       posted) or RecvWait (irecv posted); within a node (nNodes == 1), a KernelCh start (the GPU channel
+ *       began the collective's work);
+ *   WC  that request finished: a send step's stop, a receive step's RecvFlushWait (data arrived) or stop;
+ *       a kernel channel's KernelChStop state or stop;
+ *   N   bytes / (completion - request) of each finished request, into the ring (kernel channels: GPU time);
+ *   TD  Coll / P2p start to the moment it is stopped and its last started child has stopped.
+ * Init records per communicator NCCL's commHash (comm_id, hex), nranks and this rank's rank in it.
+ *
+ * Lifetimes. NCCL stops a Coll/P2p on the host right after posting its proxy work; the proxy thread then
+ * starts ProxyOps / KernelChs whose parentObj is that stopped handle, records states and stops them. So
+ * nothing NCCL hands over is a pointer: every handle is an encoded (pool, index, generation) triple into
+ * fixed pools allocated once, never freed while the library is loaded. A record carries one atomic word
+ * {generation, live children, state}: a child attaches to its parent with a compare-and-swap that also
+ * checks the generation, so a parent is reused only when it is stopped and has no live child, and a
+ * handle whose record was reused since (stale), one that is not ours (a PXN pointer from another process,
+ * garbage) or NULL is ignored. Task records are reused oldest first, so a stopped Coll stays attachable
+ * for the next TASK_POOL tasks. No malloc, no mutex, no syscall on NCCL's event path; op slots in the file
+ * are written under their seqlock, taken with a compare-and-swap because the user thread and proxy
+ * threads write the same slot; readers in other processes never see torn values. The mapping is never
+ * unmapped while the library is loaded, so a late event cannot fault. */
 #define _GNU_SOURCE
-#include <errno.h>
 #include <fcntl.h>
-#include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,32 +41,66 @@
 #include "rankscope_layout.h"
 
 #define EXPORT __attribute__((visibility("default")))
+/* one process-wide mask (NCCL keeps the last init's): both paths' events */
 #define MASK (RS_EV_COLL | RS_EV_P2P | RS_EV_PROXY_OP | RS_EV_PROXY_STEP | RS_EV_KERNEL_CH)
 
+_Static_assert(sizeof(void*) == 8, "handles encode 64 bits");
+
+#ifndef RS_TASK_POOL
+#define RS_TASK_POOL 8192 /* Coll/P2p records: a stopped task stays attachable this many tasks long */
+#endif
+#ifndef RS_CHILD_POOL
+#define RS_CHILD_POOL 32768 /* ProxyOp / ProxyStep / KernelCh records */
+#endif
+#define ALLOC_TRIES 256 /* records skipped (still in use) before an event is dropped */
+#define MAX_REFS 0xFFFF
+
+enum { P_TASK = 1, P_CHILD = 2, P_CTX = 3 };
+enum { K_COLL = 1, K_P2P, K_OP, K_STEP, K_KCH };
+/* S_STOPPED: stopped, children may still come; S_DONE: stopped and its last child stopped */
+enum { S_FREE = 0, S_INIT, S_OPEN, S_STOPPED, S_DONE };
+#define F_CHILDREN 0x100 /* state flag: a child attached once */
+enum { R_REQUESTED = 1, R_COMPLETED = 2 };
+#define H_MAGIC 0xA0u
+
+/* the atomic word: generation (32) | live children (16) | state (16) */
+#define W_GEN(w) ((uint32_t)((w) >> 32))
+#define W_REFS(w) ((uint32_t)(((w) >> 16) & 0xFFFF))
+#define W_STATE(w) ((uint32_t)((w) & 0xFF))
+#define W_FLAGS(w) ((uint32_t)((w) & 0xFF00))
+#define W_MAKE(g, r, s) (((uint64_t)(g) << 32) | ((uint64_t)(r) << 16) | (uint64_t)(s))
+
 typedef struct {
-  int comm_index;
-  int net; /* communicator spans nodes: proxy steps carry the requests */
+  uint64_t word;
+  uint64_t parent; /* child: its parent's handle */
+  uint64_t ctx;    /* its communicator's context handle: nothing counts once that is finalized */
+  uint64_t aux;    /* task: 1-based sequence number of the call; kernel channel: GPU start time (ns) */
+  double t0;       /* task: start; request: when it was posted (monotonic s) */
+  uint64_t bytes;  /* task: bytes of the call; request: bytes it moved (atomic) */
+  int32_t slot;    /* op slot in the file */
+  int32_t peer;    /* P2p / ProxyOp peer (rank in the communicator), -1 none */
+  uint8_t kind, is_send, net, n_channels;
+  uint32_t req; /* atomic R_* bits: each request counts one WR and one WC at most */
+} rs_rec;
+_Static_assert(sizeof(rs_rec) == 64, "one cache line per record");
+
+typedef struct {
+  uint64_t word;
+  uint64_t p2p_seq;
+  int32_t comm_index;
+  int32_t net;
+  uint64_t cache[8]; /* func name pointer << 16 | slot + 1: NCCL's names are constants */
 } rs_ctx;
 
-enum { K_COLL = 1, K_P2P, K_OP, K_STEP, K_KCH };
+static rs_rec tasks[RS_TASK_POOL];
+static rs_rec children[RS_CHILD_POOL];
+static rs_ctx ctxs[RS_MAX_COMMS];
+static uint64_t task_cursor, child_cursor;
 
-typedef struct rs_event {
-  int kind;
-  int slot;    /* op slot (coll/p2p/op/step/kch inherit their parent's) */
-  int is_send; /* proxy op/step direction */
-  int peer;
-  int requested; /* a WR was counted for this step/channel */
-  int completed; /* its WC was counted */
-  uint64_t seq;
-  uint64_t bytes;
-  double t0;  /* start (coll/p2p) or request time (step), monotonic seconds */
-  size_t trans;
-} rs_event;
-
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static unsigned char* base; /* the mapped file, NULL until the first init */
-static int n_comms, n_ops, refcount;
-static uint64_t comm_seq[RS_MAX_COMMS];
+static unsigned char* base; /* the mapped file, NULL until the first init; never unmapped while loaded */
+static int create_lock;     /* init, finalize and first sight of a (communicator, function) */
+static int n_comms, live_comms, n_ops_published;
+static pid_t my_pid;
 static char path[4096];
 static double wall_offset;
 
@@ -64,28 +110,113 @@ static double mono(void) {
   return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-static rs_header* hdr(void) { return (rs_header*)base; }
-static rs_comm* comm_at(int i) { return (rs_comm*)(base + RS_COMM_TABLE_OFFSET + (size_t)i * RS_COMM_SIZE); }
-static rs_op* op_at(int i) { return (rs_op*)(base + RS_OP_TABLE_OFFSET + (size_t)i * RS_OP_SIZE); }
+static unsigned char* file(void) { return __atomic_load_n(&base, __ATOMIC_ACQUIRE); }
+static rs_header* hdr(unsigned char* b) { return (rs_header*)b; }
+static rs_comm* comm_at(unsigned char* b, int i) {
+  return (rs_comm*)(b + RS_COMM_TABLE_OFFSET + (size_t)i * RS_COMM_SIZE);
+}
+static rs_op* op_at(unsigned char* b, int i) { return (rs_op*)(b + RS_OP_TABLE_OFFSET + (size_t)i * RS_OP_SIZE); }
 
-/* seqlock: odd, fence, fields..., fence, even */
+static void spin_pause(unsigned n) {
+  if (n > 64) sched_yield(); /* the holder was preempted: let it finish */
+}
+static void lock_create(void) {
+  for (unsigned n = 0; __atomic_exchange_n(&create_lock, 1, __ATOMIC_ACQUIRE); n++) spin_pause(n);
+}
+static void unlock_create(void) { __atomic_store_n(&create_lock, 0, __ATOMIC_RELEASE); }
+
+/* Seqlock with several writers: a writer takes the seq from even to odd with a compare-and-swap (which is
+ * also its lock), stores the fields, and makes it even again. */
 static void wbegin(uint64_t* seq) {
-  __atomic_store_n(seq, *seq + 1, __ATOMIC_RELAXED);
+  for (unsigned n = 0;; n++) {
+    uint64_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
+    if (!(s & 1) && __atomic_compare_exchange_n(seq, &s, s + 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) break;
+    spin_pause(n);
+  }
   __atomic_thread_fence(__ATOMIC_RELEASE);
 }
-static void wend(uint64_t* seq) {
-  __atomic_thread_fence(__ATOMIC_RELEASE);
-  __atomic_store_n(seq, *seq + 1, __ATOMIC_RELAXED);
+static void wend(uint64_t* seq) { __atomic_fetch_add(seq, 1, __ATOMIC_RELEASE); }
+
+/* ---- handles -------------------------------------------------------------------------------------- */
+
+static void* encode(unsigned pool, uint32_t index, uint32_t gen) {
+  return (void*)(uintptr_t)(((uint64_t)gen << 32) | ((uint64_t)(H_MAGIC | pool) << 24) | index);
 }
 
-static void publish_header(void) {
-  rs_header* h = hdr();
+/* the record a handle names and the generation it was issued for; NULL if it is not one of ours */
+static uint64_t* decode(const void* h, unsigned pool, uint32_t* gen, uint32_t* index) {
+  uint64_t v = (uint64_t)(uintptr_t)h;
+  if (((v >> 24) & 0xFF) != (H_MAGIC | pool) || W_GEN(v) == 0) return NULL;
+  uint32_t i = (uint32_t)(v & 0xFFFFFF);
+  *gen = W_GEN(v);
+  *index = i;
+  if (pool == P_TASK && i < RS_TASK_POOL) return &tasks[i].word;
+  if (pool == P_CHILD && i < RS_CHILD_POOL) return &children[i].word;
+  if (pool == P_CTX && i < RS_MAX_COMMS) return &ctxs[i].word;
+  return NULL;
+}
+
+static rs_rec* record(const void* h, uint32_t* gen, int* pool) {
+  uint32_t i;
+  uint64_t* w = decode(h, P_TASK, gen, &i);
+  *pool = P_TASK;
+  if (!w) {
+    w = decode(h, P_CHILD, gen, &i);
+    *pool = P_CHILD;
+  }
+  return w ? (rs_rec*)w : NULL;
+}
+
+static uint32_t next_gen(uint32_t g) { return g + 1 ? g + 1 : 1; }
+
+/* A record no one uses any more, in state S_INIT with a new generation; -1 when the pool is full. */
+static int alloc_rec(rs_rec* pool, uint32_t size, uint64_t* cursor, uint32_t* gen) {
+  for (int t = 0; t < ALLOC_TRIES; t++) {
+    uint32_t i = (uint32_t)(__atomic_fetch_add(cursor, 1, __ATOMIC_RELAXED) % size);
+    uint64_t w = __atomic_load_n(&pool[i].word, __ATOMIC_ACQUIRE);
+    uint32_t st = W_STATE(w);
+    if (!(st == S_FREE || st == S_DONE || (st == S_STOPPED && W_REFS(w) == 0))) continue;
+    uint32_t g = next_gen(W_GEN(w));
+    if (__atomic_compare_exchange_n(&pool[i].word, &w, W_MAKE(g, 0, S_INIT), 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_RELAXED)) {
+      *gen = g;
+      return (int)i;
+    }
+  }
+  return -1;
+}
+
+static void publish(rs_rec* r, uint32_t gen) { __atomic_store_n(&r->word, W_MAKE(gen, 0, S_OPEN), __ATOMIC_RELEASE); }
+
+/* Take a reference on a live record of this generation (open, stopped, or done: a late child reopens
+ * a done task). Returns the word before, 0 if the handle is stale. */
+static uint64_t attach(rs_rec* r, uint32_t gen) {
+  uint64_t w = __atomic_load_n(&r->word, __ATOMIC_ACQUIRE);
+  for (;;) {
+    uint32_t st = W_STATE(w);
+    if (W_GEN(w) != gen || st < S_OPEN || W_REFS(w) >= MAX_REFS) return 0;
+    uint64_t nw = W_MAKE(gen, W_REFS(w) + 1, (st == S_DONE ? S_STOPPED : st) | F_CHILDREN);
+    if (__atomic_compare_exchange_n(&r->word, &w, nw, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return w;
+  }
+}
+
+/* The record is live for this generation (the owner's own stop/state calls). */
+static int owned(rs_rec* r, uint32_t gen) {
+  uint64_t w = __atomic_load_n(&r->word, __ATOMIC_ACQUIRE);
+  return W_GEN(w) == gen && W_STATE(w) == S_OPEN;
+}
+
+
+/* ---- the file ------------------------------------------------------------------------------------- */
+
+static void publish_header(unsigned char* b) {
+  rs_header* h = hdr(b);
   wbegin(&h->seq);
   struct timespec t;
   clock_gettime(CLOCK_REALTIME, &t);
   h->heartbeat_wall = (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
   h->n_comms = (uint32_t)n_comms;
-  h->n_ops = (uint32_t)n_ops;
+  h->n_ops = (uint32_t)__atomic_load_n(&n_ops_published, __ATOMIC_RELAXED);
   wend(&h->seq);
 }
 
@@ -109,12 +240,11 @@ static uint64_t start_ticks(void) {
 static void copy_str(char* dst, size_t size, const char* src) {
   memset(dst, 0, size);
   if (!src) return;
-  size_t n = strlen(src);
-  if (n > size - 1) n = size - 1;
+  size_t n = strnlen(src, size - 1);
   memcpy(dst, src, n);
 }
 
-static int open_file(int comm_rank, int comm_size) {
+static unsigned char* open_file(int comm_rank, int comm_size) {
   const char* dir = getenv(RS_ENV_DIR);
   const char* job = getenv(RS_ENV_JOB_ID);
   const char* r = getenv("RANK");
@@ -128,14 +258,21 @@ static int open_file(int comm_rank, int comm_size) {
   char tmp[4200];
   snprintf(path, sizeof(path), "%s/%s.rank%d.nccl.ccl", dir, job, rank);
   snprintf(tmp, sizeof(tmp), "%s/.%s.rank%d.nccl.ccl.%d.tmp", dir, job, rank, (int)getpid());
-  int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) return -1;
-  if (ftruncate(fd, RS_FILE_SIZE) != 0) { close(fd); unlink(tmp); return -1; }
+  int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) return NULL;
+  if (ftruncate(fd, RS_FILE_SIZE) != 0) {
+    close(fd);
+    unlink(tmp);
+    return NULL;
+  }
   void* m = mmap(NULL, RS_FILE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
-  if (m == MAP_FAILED) { unlink(tmp); return -1; }
-  base = (unsigned char*)m;
-  rs_header* h = hdr();
+  if (m == MAP_FAILED) {
+    unlink(tmp);
+    return NULL;
+  }
+  unsigned char* b = (unsigned char*)m;
+  rs_header* h = hdr(b);
   struct timespec t;
   clock_gettime(CLOCK_REALTIME, &t);
   double now = (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
@@ -157,24 +294,64 @@ static int open_file(int comm_rank, int comm_size) {
   h->op_table_offset = RS_OP_TABLE_OFFSET;
   h->member_pool_offset = RS_MEMBER_POOL_OFFSET;
   copy_str(h->job_id, RS_JOB_ID_LEN, job);
-  if (rename(tmp, path) != 0) { munmap(m, RS_FILE_SIZE); base = NULL; unlink(tmp); return -1; }
-  return 0;
+  if (rename(tmp, path) != 0) {
+    munmap(m, RS_FILE_SIZE);
+    unlink(tmp);
+    return NULL;
+  }
+  return b;
 }
 
-static int slot_for(int comm_index, const char* op) {
-  for (int i = 0; i < n_ops; i++) {
-    rs_op* o = op_at(i);
+/* A file's mapping outlives every event; it goes when the library is unloaded (no thread is in it then). */
+static unsigned char* old_maps[8];
+static void keep_map(unsigned char* b) {
+  for (int i = 0; i < 8; i++)
+    if (!old_maps[i]) {
+      old_maps[i] = b;
+      return;
+    }
+}
+__attribute__((destructor)) static void unload(void) {
+  unsigned char* b = file();
+  if (b) munmap(b, RS_FILE_SIZE);
+  for (int i = 0; i < 8; i++)
+    if (old_maps[i] && old_maps[i] != b) munmap(old_maps[i], RS_FILE_SIZE);
+}
+
+static int find_slot(unsigned char* b, int comm_index, const char* op) {
+  int n = __atomic_load_n(&n_ops_published, __ATOMIC_ACQUIRE);
+  for (int i = 0; i < n; i++) {
+    rs_op* o = op_at(b, i);
     if ((int)o->comm_index == comm_index && strncmp(o->op, op, RS_OP_NAME_LEN) == 0) return i;
   }
-  if (n_ops >= RS_MAX_OPS) return -1;
-  rs_op* o = op_at(n_ops);
-  wbegin(&o->seq);
-  o->comm_index = (uint32_t)comm_index;
-  copy_str(o->op, RS_OP_NAME_LEN, op);
-  wend(&o->seq);
-  n_ops++;
-  publish_header();
-  return n_ops - 1;
+  return -1;
+}
+
+static int slot_for(unsigned char* b, rs_ctx* ctx, const char* func) {
+  const char* op = func ? func : "?";
+  uint64_t key = (uint64_t)(uintptr_t)op;
+  uint64_t* c = &ctx->cache[(key >> 3) & 7];
+  uint64_t e = __atomic_load_n(c, __ATOMIC_ACQUIRE);
+  if (e && (e >> 16) == key) return (int)(e & 0xFFFF) - 1;
+  int slot = find_slot(b, ctx->comm_index, op);
+  if (slot < 0) {
+    lock_create();
+    slot = find_slot(b, ctx->comm_index, op);
+    int n = __atomic_load_n(&n_ops_published, __ATOMIC_RELAXED);
+    if (slot < 0 && n < RS_MAX_OPS) {
+      rs_op* o = op_at(b, n);
+      wbegin(&o->seq);
+      o->comm_index = (uint32_t)ctx->comm_index;
+      copy_str(o->op, RS_OP_NAME_LEN, op);
+      wend(&o->seq);
+      __atomic_store_n(&n_ops_published, n + 1, __ATOMIC_RELEASE);
+      publish_header(b);
+      slot = n;
+    }
+    unlock_create();
+  }
+  if (slot >= 0 && key < (1ULL << 48)) __atomic_store_n(c, (key << 16) | (uint64_t)(slot + 1), __ATOMIC_RELEASE);
+  return slot;
 }
 
 static size_t type_size(const char* dt) {
@@ -187,36 +364,74 @@ static size_t type_size(const char* dt) {
   return 1;
 }
 
+/* open_peers holds one entry per open point-to-point call (so two open receives from one peer stay
+ * visible until both finish); the reader folds duplicates */
 static void open_peer(rs_op* o, int peer, int delta) {
   if (peer < 0) return;
-  for (uint32_t i = 0; i < o->n_open_peers; i++) {
-    if (o->open_peers[i] == peer) {
-      if (delta < 0) { /* drop it */
-        o->open_peers[i] = o->open_peers[o->n_open_peers - 1];
-        o->open_peers[--o->n_open_peers] = 0;
+  uint32_t n = o->n_open_peers < RS_MAX_OPEN_PEERS ? o->n_open_peers : RS_MAX_OPEN_PEERS;
+  if (delta > 0) {
+    if (n < RS_MAX_OPEN_PEERS) o->open_peers[n++] = peer;
+  } else {
+    for (uint32_t i = 0; i < n; i++)
+      if (o->open_peers[i] == peer) {
+        o->open_peers[i] = o->open_peers[n - 1];
+        o->open_peers[--n] = 0;
+        break;
       }
-      return;
-    }
   }
-  if (delta > 0 && o->n_open_peers < RS_MAX_OPEN_PEERS) o->open_peers[o->n_open_peers++] = peer;
+  o->n_open_peers = n;
 }
 
-/* ---- entry points ------------------------------------------------------- */
+static void ring_add(rs_op* o, double throughput) {
+  uint32_t at = o->ring_next < RS_RING_LEN ? o->ring_next : 0;
+  o->ring[at] = throughput;
+  o->ring_next = (at + 1) % RS_RING_LEN;
+  if (o->ring_count < RS_RING_LEN) o->ring_count++;
+}
+
+/* ---- contexts ------------------------------------------------------------------------------------- */
+
+static rs_ctx* context_of(const void* h) {
+  uint32_t gen, i;
+  uint64_t* w = decode(h, P_CTX, &gen, &i);
+  if (!w) return NULL;
+  uint64_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+  return W_GEN(v) == gen && W_STATE(v) == S_OPEN ? &ctxs[i] : NULL;
+}
 
 static ncclResult_t rs_init(void** context, uint64_t commId, int* mask, const char* commName, int nNodes, int nranks,
                             int rank, ncclDebugLogger_t logfn) {
   (void)logfn;
+  if (!context || !mask) return RS_NCCL_SUCCESS;
   *context = NULL;
   *mask = 0;
-  if (getenv(RS_ENV_ENABLE) && strcmp(getenv(RS_ENV_ENABLE), "0") == 0) return RS_NCCL_SUCCESS;
-  pthread_mutex_lock(&lock);
-  if (!base && open_file(rank, nranks) != 0) { pthread_mutex_unlock(&lock); return RS_NCCL_SUCCESS; }
-  if (n_comms >= RS_MAX_COMMS) { pthread_mutex_unlock(&lock); return RS_NCCL_SUCCESS; }
-  rs_ctx* ctx = calloc(1, sizeof(rs_ctx));
-  if (!ctx) { pthread_mutex_unlock(&lock); return RS_NCCL_SUCCESS; }
+  const char* enable = getenv(RS_ENV_ENABLE);
+  if (enable && strcmp(enable, "0") == 0) return RS_NCCL_SUCCESS;
+  lock_create();
+  unsigned char* b = file();
+  if (!b) {
+    if (!(b = open_file(rank, nranks))) {
+      unlock_create();
+      return RS_NCCL_SUCCESS;
+    }
+    my_pid = getpid();
+    keep_map(b);
+    __atomic_store_n(&base, b, __ATOMIC_RELEASE);
+  }
+  int slot = -1;
+  for (int i = 0; i < RS_MAX_COMMS && slot < 0; i++)
+    if (W_STATE(__atomic_load_n(&ctxs[i].word, __ATOMIC_ACQUIRE)) == S_FREE) slot = i;
+  if (slot < 0 || n_comms >= RS_MAX_COMMS) {
+    unlock_create();
+    return RS_NCCL_SUCCESS;
+  }
+  rs_ctx* ctx = &ctxs[slot];
+  uint32_t gen = next_gen(W_GEN(ctx->word));
   ctx->comm_index = n_comms;
   ctx->net = nNodes > 1;
-  rs_comm* c = comm_at(n_comms);
+  ctx->p2p_seq = 0;
+  memset(ctx->cache, 0, sizeof(ctx->cache));
+  rs_comm* c = comm_at(b, n_comms);
   char id[RS_COMM_ID_LEN];
   snprintf(id, sizeof(id), "%016llx", (unsigned long long)commId);
   wbegin(&c->seq);
@@ -225,82 +440,328 @@ static ncclResult_t rs_init(void** context, uint64_t commId, int* mask, const ch
   copy_str(c->description, RS_DESC_LEN, commName);
   c->member_offset = 0;
   c->n_members = 0; /* NCCL does not tell a plugin its members' global ranks */
+  c->comm_nranks = nranks > 0 ? nranks : 0;
+  c->comm_rank = nranks > 0 && rank >= 0 && rank < nranks ? rank : -1;
   wend(&c->seq);
   n_comms++;
-  refcount++;
-  publish_header();
-  pthread_mutex_unlock(&lock);
-  *context = ctx;
+  live_comms++;
+  publish_header(b);
+  __atomic_store_n(&ctx->word, W_MAKE(gen, 0, S_OPEN), __ATOMIC_RELEASE);
+  unlock_create();
+  *context = encode(P_CTX, (uint32_t)slot, gen);
   *mask = MASK;
   return RS_NCCL_SUCCESS;
 }
 
-static ncclResult_t rs_start_any(void* context, void** handle, uint64_t type, void* parent_obj,
-                                 const rs_nccl_descr_union* u) {
-  *handle = NULL;
-  rs_ctx* ctx = (rs_ctx*)context;
-  if (!ctx || !base) return RS_NCCL_SUCCESS;
-  rs_event* parent = (rs_event*)parent_obj;
-  rs_event* e = NULL;
-  double now = mono();
-  pthread_mutex_lock(&lock);
-  if (type == RS_EV_COLL || type == RS_EV_P2P) {
-    int is_coll = type == RS_EV_COLL;
-    const char* func = is_coll ? u->coll.func : u->p2p.func;
-    int slot = slot_for(ctx->comm_index, func ? func : "?");
-    if (slot >= 0 && (e = calloc(1, sizeof(rs_event)))) {
-      rs_op* o = op_at(slot);
-      e->kind = is_coll ? K_COLL : K_P2P;
-      e->slot = slot;
-      e->peer = is_coll ? -1 : u->p2p.peer;
-      e->bytes = (uint64_t)(is_coll ? u->coll.count * type_size(u->coll.datatype)
-                                    : u->p2p.count * type_size(u->p2p.datatype));
-      e->seq = is_coll ? u->coll.seqNumber : ++comm_seq[ctx->comm_index];
-      e->t0 = now;
-      wbegin(&o->seq);
-      o->cl++;
-      o->bytes_total += e->bytes;
-      o->last_launched_seq = e->seq;
-      o->last_launch_wall = now + wall_offset;
-      if (!is_coll) open_peer(o, e->peer, +1);
-      wend(&o->seq);
-    }
-  } else if ((type == RS_EV_PROXY_OP || type == RS_EV_PROXY_STEP || type == RS_EV_KERNEL_CH) && parent &&
-             parent->slot >= 0) {
-    if ((e = calloc(1, sizeof(rs_event)))) {
-      e->slot = parent->slot;
-      e->peer = parent->peer;
-      if (type == RS_EV_PROXY_OP) {
-        e->kind = K_OP;
-        e->is_send = u->proxyOp.isSend;
-        e->peer = u->proxyOp.peer;
-      } else if (type == RS_EV_PROXY_STEP) {
-        e->kind = K_STEP;
-        e->is_send = parent->is_send;
-      } else {
-        e->kind = K_KCH;
-        if (!ctx->net) { /* no network steps: the channel is the work request */
-          rs_op* o = op_at(e->slot);
-          wbegin(&o->seq);
-          o->wr++;
-          wend(&o->seq);
-          e->requested = 1;
-          e->t0 = now;
-        }
-      }
+static ncclResult_t rs_finalize(void* context) {
+  rs_ctx* ctx = context_of(context);
+  if (!ctx) return RS_NCCL_SUCCESS;
+  lock_create();
+  uint64_t w = __atomic_load_n(&ctx->word, __ATOMIC_ACQUIRE);
+  if (W_STATE(w) == S_OPEN) {
+    __atomic_store_n(&ctx->word, W_MAKE(W_GEN(w), 0, S_FREE), __ATOMIC_RELEASE);
+    unsigned char* b = file();
+    if (b && --live_comms <= 0) {
+      /* the last communicator: mark the file, unlink it unless kept; keep the mapping (see unload) */
+      const char* keep = getenv("RANKSCOPE_CCL_KEEP");
+      rs_header* h = hdr(b);
+      wbegin(&h->seq);
+      h->flags |= RS_FLAG_CLEAN_EXIT;
+      wend(&h->seq);
+      if (!keep || strcmp(keep, "1") != 0) unlink(path);
+      __atomic_store_n(&base, NULL, __ATOMIC_RELEASE);
+      n_comms = live_comms = 0;
+      __atomic_store_n(&n_ops_published, 0, __ATOMIC_RELEASE);
     }
   }
-  pthread_mutex_unlock(&lock);
-  *handle = e;
+  unlock_create();
   return RS_NCCL_SUCCESS;
 }
 
-static ncclResult_t rs_start(void* context, void** handle, rs_nccl_descr_v5* d) {
-  return rs_start_any(context, handle, d->type, d->parentObj, &d->u);
+/* ---- events --------------------------------------------------------------------------------------- */
+
+/* what a descriptor says, whatever its version */
+typedef struct {
+  uint64_t type;
+  void* parent;
+  const char* func;
+  const char* datatype;
+  size_t count;
+  uint64_t seq;
+  int peer, is_send, n_channels;
+  pid_t pid;
+  uint64_t ptimer;
+} rs_descr;
+
+static void count_launch(unsigned char* b, rs_rec* t, double now) {
+  rs_op* o = op_at(b, t->slot);
+  wbegin(&o->seq);
+  o->cl++;
+  o->bytes_total += t->bytes;
+  if (t->aux > o->last_launched_seq) o->last_launched_seq = t->aux;
+  o->last_launch_wall = now + wall_offset;
+  if (t->kind == K_P2P) open_peer(o, t->peer, +1);
+  wend(&o->seq);
 }
 
-static ncclResult_t rs_start_v4(void* context, void** handle, rs_nccl_descr_v4* d) {
-  return rs_start_any(context, handle, d->type, d->parentObj, &d->u);
+/* The task is stopped and its last child stopped: complete, until a late child reopens it. NCCL stops a
+ * task on the host before its proxy work starts, and with KernelCh subscribed every task gets children
+ * (one kernel channel per channel it runs on), so a task completes when its last child stops, never at
+ * its own stop. The caller copied the record before the compare-and-swap that let it go, since it may be
+ * reused from then on. */
+static void count_complete(const rs_rec* t, double now) {
+  unsigned char* b = file();
+  if (!b || !context_of((void*)(uintptr_t)t->ctx)) return;
+  rs_op* o = op_at(b, t->slot);
+  wbegin(&o->seq);
+  o->last_duration = now - t->t0;
+  o->last_complete_wall = now + wall_offset;
+  if (t->aux > o->last_completed_seq) o->last_completed_seq = t->aux;
+  if (t->kind == K_P2P) open_peer(o, t->peer, -1);
+  wend(&o->seq);
+}
+
+static void count_reopen(unsigned char* b, const rs_rec* t) {
+  if (t->kind != K_P2P) return;
+  rs_op* o = op_at(b, t->slot);
+  wbegin(&o->seq);
+  open_peer(o, t->peer, +1);
+  wend(&o->seq);
+}
+
+/* WR: once per request */
+static void request(rs_rec* e, double now) {
+  unsigned char* b = file();
+  if (!b || !context_of((void*)(uintptr_t)e->ctx)) return;
+  uint32_t r = 0;
+  if (!__atomic_compare_exchange_n(&e->req, &r, R_REQUESTED, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) return;
+  e->t0 = now;
+  rs_op* o = op_at(b, e->slot);
+  wbegin(&o->seq);
+  o->wr++;
+  wend(&o->seq);
+}
+
+/* WC: once per request, only for one that was counted as requested */
+static void complete(rs_rec* e, double seconds) {
+  unsigned char* b = file();
+  if (!b || !context_of((void*)(uintptr_t)e->ctx)) return;
+  uint32_t r = R_REQUESTED;
+  if (!__atomic_compare_exchange_n(&e->req, &r, R_REQUESTED | R_COMPLETED, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+    return;
+  uint64_t moved = __atomic_load_n(&e->bytes, __ATOMIC_RELAXED);
+  rs_op* o = op_at(b, e->slot);
+  wbegin(&o->seq);
+  o->wc++;
+  if (moved > 0 && seconds > 0) ring_add(o, (double)moved / seconds);
+  wend(&o->seq);
+}
+
+/* Drop one reference on a record. A stopped record with no reference left is done: a task completes;
+ * a proxy op is freed and lets go of its task. */
+static void release(uint64_t handle, double now) {
+  uint32_t gen;
+  int pool;
+  rs_rec* r = record((void*)(uintptr_t)handle, &gen, &pool);
+  if (!r) return;
+  rs_rec copy = *r; /* its fields do not change while we hold a reference */
+  uint64_t w = __atomic_load_n(&r->word, __ATOMIC_ACQUIRE);
+  int done;
+  for (;;) {
+    if (W_GEN(w) != gen || W_REFS(w) == 0) return;
+    uint64_t nw = w - (1u << 16);
+    done = W_STATE(w) == S_STOPPED && W_REFS(nw) == 0;
+    if (done) nw = pool == P_CHILD ? W_MAKE(gen, 0, S_FREE) : W_MAKE(gen, 0, S_DONE | W_FLAGS(w));
+    if (__atomic_compare_exchange_n(&r->word, &w, nw, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) break;
+  }
+  if (!done) return;
+  if (pool == P_TASK)
+    count_complete(&copy, now);
+  else
+    release(copy.parent, now);
+}
+
+static ncclResult_t rs_start_any(void* context, void** handle, const rs_descr* d) {
+  rs_ctx* ctx = context_of(context);
+  unsigned char* b = file();
+  if (!ctx || !b) return RS_NCCL_SUCCESS;
+  double now = mono();
+  uint32_t gen;
+  if (d->type == RS_EV_COLL || d->type == RS_EV_P2P) {
+    int slot = slot_for(b, ctx, d->func);
+    if (slot < 0) return RS_NCCL_SUCCESS;
+    int i = alloc_rec(tasks, RS_TASK_POOL, &task_cursor, &gen);
+    if (i < 0) return RS_NCCL_SUCCESS;
+    rs_rec* t = &tasks[i];
+    int is_coll = d->type == RS_EV_COLL;
+    t->kind = is_coll ? K_COLL : K_P2P;
+    t->slot = slot;
+    t->peer = is_coll ? -1 : d->peer;
+    t->parent = 0;
+    t->ctx = (uint64_t)(uintptr_t)context;
+    t->net = (uint8_t)ctx->net;
+    t->is_send = 0;
+    t->n_channels = (uint8_t)(d->n_channels > 0 ? d->n_channels : 1);
+    t->bytes = (uint64_t)d->count * type_size(d->datatype);
+    t->aux = is_coll ? d->seq + 1 : __atomic_add_fetch(&ctx->p2p_seq, 1, __ATOMIC_RELAXED);
+    t->t0 = now;
+    t->req = 0;
+    count_launch(b, t, now);
+    publish(t, gen);
+    *handle = encode(P_TASK, (uint32_t)i, gen);
+    return RS_NCCL_SUCCESS;
+  }
+  if (d->type != RS_EV_PROXY_OP && d->type != RS_EV_PROXY_STEP && d->type != RS_EV_KERNEL_CH) return RS_NCCL_SUCCESS;
+  /* with PXN a proxy op comes from another process: its parentObj is that process's handle */
+  if (d->type == RS_EV_PROXY_OP && d->pid != my_pid) return RS_NCCL_SUCCESS;
+  uint32_t pgen;
+  int ppool;
+  rs_rec* p = record(d->parent, &pgen, &ppool);
+  int want = d->type == RS_EV_PROXY_STEP ? P_CHILD : P_TASK;
+  if (!p || ppool != want) return RS_NCCL_SUCCESS;
+  uint64_t before = attach(p, pgen);
+  if (!before) return RS_NCCL_SUCCESS; /* stale: the parent's record was reused */
+  uint64_t parent = (uint64_t)(uintptr_t)d->parent;
+  if (want == P_CHILD && p->kind != K_OP) { /* a step's parent must be a proxy op */
+    release(parent, now);
+    return RS_NCCL_SUCCESS;
+  }
+  int i = alloc_rec(children, RS_CHILD_POOL, &child_cursor, &gen);
+  if (i < 0) {
+    release(parent, now);
+    return RS_NCCL_SUCCESS;
+  }
+  if (want == P_TASK && W_STATE(before) == S_DONE) count_reopen(b, p);
+  rs_rec* e = &children[i];
+  e->parent = parent;
+  e->ctx = p->ctx;
+  e->slot = p->slot;
+  e->net = p->net;
+  e->n_channels = p->n_channels;
+  e->aux = 0;
+  e->bytes = 0;
+  e->req = 0;
+  e->t0 = now;
+  if (d->type == RS_EV_PROXY_OP) {
+    e->kind = K_OP;
+    e->is_send = (uint8_t)(d->is_send != 0);
+    e->peer = d->peer;
+  } else if (d->type == RS_EV_PROXY_STEP) {
+    e->kind = K_STEP;
+    e->is_send = p->is_send;
+    e->peer = p->peer;
+  } else {
+    e->kind = K_KCH;
+    e->is_send = 0;
+    e->peer = p->peer;
+    e->aux = d->ptimer;
+    e->bytes = p->bytes / (p->n_channels ? p->n_channels : 1);
+  }
+  publish(e, gen);
+  if (e->kind == K_KCH && !e->net) request(e, now); /* within a node the channel is the request */
+  *handle = encode(P_CHILD, (uint32_t)i, gen);
+  return RS_NCCL_SUCCESS;
+}
+
+static ncclResult_t rs_state(void* handle, rs_nccl_state_t state, rs_nccl_state_args* args) {
+  uint32_t gen;
+  int pool;
+  rs_rec* e = record(handle, &gen, &pool);
+  if (!e || pool != P_CHILD || !owned(e, gen)) return RS_NCCL_SUCCESS;
+  double now = mono();
+  if (e->kind == K_STEP && e->net) {
+    if (args && args->proxyStep.transSize)
+      __atomic_store_n(&e->bytes, (uint64_t)args->proxyStep.transSize, __ATOMIC_RELAXED);
+    if (state == RS_ST_STEP_SEND_WAIT || state == RS_ST_STEP_RECV_WAIT)
+      request(e, now);
+    else if (state == RS_ST_STEP_RECV_FLUSH_WAIT)
+      complete(e, now - e->t0);
+  } else if (e->kind == K_KCH && !e->net && state == RS_ST_KERNEL_CH_STOP) {
+    uint64_t stop = args ? args->kernelCh.pTimer : 0;
+    double gpu = e->aux && stop > e->aux ? (double)(stop - e->aux) * 1e-9 : now - e->t0;
+    complete(e, gpu);
+  }
+  return RS_NCCL_SUCCESS;
+}
+
+static ncclResult_t rs_stop(void* handle) {
+  uint32_t gen;
+  int pool;
+  rs_rec* e = record(handle, &gen, &pool);
+  if (!e || !owned(e, gen)) return RS_NCCL_SUCCESS; /* not ours, stale, or stopped twice */
+  double now = mono();
+  rs_rec copy = *e;
+  /* a request still open at its stop finished now; counted while the record is surely ours */
+  if (copy.kind == K_STEP || copy.kind == K_KCH) complete(e, now - copy.t0);
+  uint64_t w = __atomic_load_n(&e->word, __ATOMIC_ACQUIRE);
+  int done;
+  for (;;) { /* open -> stopped; a child no one holds goes back to the pool; a task whose children all
+               * stopped already (they ran before the host stopped it) is done */
+    if (W_GEN(w) != gen || W_STATE(w) != S_OPEN) return RS_NCCL_SUCCESS;
+    uint64_t nw = W_MAKE(gen, W_REFS(w), S_STOPPED | W_FLAGS(w));
+    done = W_REFS(w) == 0 && (pool == P_CHILD || (W_FLAGS(w) & F_CHILDREN));
+    if (done) nw = pool == P_CHILD ? W_MAKE(gen, 0, S_FREE) : W_MAKE(gen, 0, S_DONE | W_FLAGS(w));
+    if (__atomic_compare_exchange_n(&e->word, &w, nw, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) break;
+  }
+  if (!done) return RS_NCCL_SUCCESS;
+  if (pool == P_TASK)
+    count_complete(&copy, now);
+  else
+    release(copy.parent, now);
+  return RS_NCCL_SUCCESS;
+}
+
+/* ---- version adapters ----------------------------------------------------------------------------- */
+
+/* v5 and v6 share the members read here (same union offsets) */
+#define FILL_V5(d, u)                                                                                               \
+  do {                                                                                                              \
+    if ((d).type == RS_EV_COLL) {                                                                                   \
+      (d).func = (u).coll.func;                                                                                     \
+      (d).datatype = (u).coll.datatype;                                                                             \
+      (d).count = (u).coll.count;                                                                                   \
+      (d).seq = (u).coll.seqNumber;                                                                                 \
+      (d).n_channels = (u).coll.nChannels;                                                                          \
+    } else if ((d).type == RS_EV_P2P) {                                                                             \
+      (d).func = (u).p2p.func;                                                                                      \
+      (d).datatype = (u).p2p.datatype;                                                                              \
+      (d).count = (u).p2p.count;                                                                                    \
+      (d).peer = (u).p2p.peer;                                                                                      \
+      (d).n_channels = (u).p2p.nChannels;                                                                           \
+    } else if ((d).type == RS_EV_PROXY_OP) {                                                                        \
+      (d).pid = (u).proxyOp.pid;                                                                                    \
+      (d).peer = (u).proxyOp.peer;                                                                                  \
+      (d).is_send = (u).proxyOp.isSend;                                                                             \
+    } else if ((d).type == RS_EV_KERNEL_CH) {                                                                       \
+      (d).ptimer = (u).kernelCh.pTimer;                                                                             \
+    }                                                                                                               \
+  } while (0)
+
+static ncclResult_t rs_start_v6(void* context, void** handle, rs_nccl_descr_v6* e) {
+  if (!handle) return RS_NCCL_SUCCESS;
+  *handle = NULL;
+  if (!e) return RS_NCCL_SUCCESS;
+  rs_descr d = {.type = e->type, .parent = e->parentObj, .peer = -1};
+  FILL_V5(d, e->u);
+  return rs_start_any(context, handle, &d);
+}
+
+static ncclResult_t rs_start_v5(void* context, void** handle, rs_nccl_descr_v5* e) {
+  if (!handle) return RS_NCCL_SUCCESS;
+  *handle = NULL;
+  if (!e) return RS_NCCL_SUCCESS;
+  rs_descr d = {.type = e->type, .parent = e->parentObj, .peer = -1};
+  FILL_V5(d, e->u);
+  return rs_start_any(context, handle, &d);
+}
+
+static ncclResult_t rs_start_v4(void* context, void** handle, rs_nccl_descr_v4* e) {
+  if (!handle) return RS_NCCL_SUCCESS;
+  *handle = NULL;
+  if (!e) return RS_NCCL_SUCCESS;
+  rs_descr d = {.type = e->type, .parent = e->parentObj, .peer = -1};
+  FILL_V5(d, e->u); /* the v4 members read here have the same names and order */
+  return rs_start_any(context, handle, &d);
 }
 
 static ncclResult_t rs_init_v4(void** context, int* mask, const char* commName, uint64_t commHash, int nNodes,
@@ -308,82 +769,6 @@ static ncclResult_t rs_init_v4(void** context, int* mask, const char* commName, 
   return rs_init(context, commHash, mask, commName, nNodes, nranks, rank, logfn);
 }
 
-static void complete_request(rs_event* e, double now) {
-  rs_op* o = op_at(e->slot);
-  double dt = now - e->t0;
-  wbegin(&o->seq);
-  o->wc++;
-  if (e->trans > 0 && dt > 0) {
-    o->ring[o->ring_next] = (double)e->trans / dt;
-    o->ring_next = (o->ring_next + 1) % RS_RING_LEN;
-    if (o->ring_count < RS_RING_LEN) o->ring_count++;
-  }
-  wend(&o->seq);
-  e->completed = 1;
-}
-
-static ncclResult_t rs_state(void* handle, rs_nccl_state_t state, rs_nccl_state_args_v5* args) {
-  rs_event* e = (rs_event*)handle;
-  if (!e || !base) return RS_NCCL_SUCCESS;
-  double now = mono();
-  pthread_mutex_lock(&lock);
-  if (e->kind == K_STEP) {
-    if (args) e->trans = args->proxyStep.transSize;
-    if ((state == RS_ST_STEP_SEND_WAIT || state == RS_ST_STEP_RECV_WAIT) && !e->requested) {
-      rs_op* o = op_at(e->slot);
-      wbegin(&o->seq);
-      o->wr++;
-      wend(&o->seq);
-      e->requested = 1;
-      e->t0 = now;
-    } else if (state == RS_ST_STEP_RECV_FLUSH_WAIT && e->requested && !e->completed) {
-      complete_request(e, now);
-    }
-  } else if (e->kind == K_KCH && state == RS_ST_KERNEL_CH_STOP && e->requested && !e->completed) {
-    complete_request(e, now);
-  }
-  pthread_mutex_unlock(&lock);
-  return RS_NCCL_SUCCESS;
-}
-
-static ncclResult_t rs_stop(void* handle) {
-  rs_event* e = (rs_event*)handle;
-  if (!e) return RS_NCCL_SUCCESS;
-  if (base) {
-    double now = mono();
-    pthread_mutex_lock(&lock);
-    if ((e->kind == K_STEP || e->kind == K_KCH) && e->requested && !e->completed) {
-      complete_request(e, now);
-    } else if (e->kind == K_COLL || e->kind == K_P2P) {
-      rs_op* o = op_at(e->slot);
-      wbegin(&o->seq);
-      o->last_duration = now - e->t0;
-      o->last_complete_wall = now + wall_offset;
-      if (e->seq > o->last_completed_seq) o->last_completed_seq = e->seq;
-      if (e->kind == K_P2P) open_peer(o, e->peer, -1);
-      wend(&o->seq);
-    }
-    pthread_mutex_unlock(&lock);
-  }
-  free(e);
-  return RS_NCCL_SUCCESS;
-}
-
-static ncclResult_t rs_finalize(void* context) {
-  free(context);
-  pthread_mutex_lock(&lock);
-  if (base && --refcount <= 0) {
-    const char* keep = getenv("RANKSCOPE_CCL_KEEP");
-    hdr()->flags |= RS_FLAG_CLEAN_EXIT;
-    munmap(base, RS_FILE_SIZE);
-    base = NULL;
-    n_comms = n_ops = 0;
-    if (!keep || strcmp(keep, "1") != 0) unlink(path);
-  }
-  pthread_mutex_unlock(&lock);
-  return RS_NCCL_SUCCESS;
-}
-
-EXPORT rs_nccl_profiler_v5 ncclProfiler_v5 = {"rankscope", rs_init, rs_start, rs_stop, rs_state, rs_finalize};
-/* NCCL 2.23-2.25 look for v4: same events and states, another init order and a one-byte type */
+EXPORT rs_nccl_profiler_v6 ncclProfiler_v6 = {"rankscope", rs_init, rs_start_v6, rs_stop, rs_state, rs_finalize};
+EXPORT rs_nccl_profiler_v5 ncclProfiler_v5 = {"rankscope", rs_init, rs_start_v5, rs_stop, rs_state, rs_finalize};
 EXPORT rs_nccl_profiler_v4 ncclProfiler_v4 = {"rankscope", rs_init_v4, rs_start_v4, rs_stop, rs_state, rs_finalize};

@@ -7,11 +7,11 @@
 #include <stdint.h>
 
 #define RS_MAGIC "RSCCLCTR"
-#define RS_VERSION 1
+#define RS_VERSION 2
 #define RS_JOB_ID_LEN 64
 #define RS_COMM_ID_LEN 64
 #define RS_BACKEND_LEN 16
-#define RS_DESC_LEN 96
+#define RS_DESC_LEN 88
 #define RS_OP_NAME_LEN 32
 #define RS_RING_LEN 5
 #define RS_MAX_OPEN_PEERS 8
@@ -70,7 +70,9 @@ typedef struct rs_comm {
   uint32_t n_members;
   char comm_id[64];
   char backend[16];
-  char description[96];
+  char description[88];
+  int32_t comm_nranks;
+  int32_t comm_rank;
 } rs_comm;
 _Static_assert(sizeof(rs_comm) == 192, "rs_comm size differs from layout.py");
 

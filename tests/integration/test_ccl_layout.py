@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from rankscope.ccl_plugin import layout as L
 from rankscope.ccl_plugin.build import BuildError, find_compiler
 from rankscope.ccl_plugin.writer import CounterWriter
@@ -172,3 +174,59 @@ def test_read_counters_matches_files_to_ranks_by_pid(tmp_path: Path) -> None:
 def test_build_error_carries_a_fix() -> None:
     err = BuildError("no C compiler found", "install gcc")
     assert err.fix == "install gcc" and "no C compiler" in err.message
+
+
+def test_communicator_identity_round_trips(tmp_path: Path) -> None:
+    w = CounterWriter(tmp_path, rank=5, world_size=8, job_id="ident")
+    w.comm("7", "gloo", "PIPELINE_MODEL_PARALLEL_GROUP", (1, 5, 9, 13))
+    w.comm("8", "gloo", "", (0, 2))  # not a member: its place is unknown
+    got = read_counter_file(w.path).counters.communicators
+    assert [(c.comm_nranks, c.comm_rank) for c in got] == [(4, 1), (2, -1)]
+    w.close()
+
+
+def _as_version_1(path: Path, description: str) -> None:
+    """Rewrite a version-2 file as the previous layout wrote it (same size; longer description, no identity)."""
+    raw = bytearray(path.read_bytes())
+    raw[L.HEADER_OFFSETS["version"]:L.HEADER_OFFSETS["version"] + 4] = (1).to_bytes(4, "little")
+    off = L.comm_offset(0)
+    _, first, count, cid, backend, _, _, _ = L.COMM.unpack_from(raw, off)
+    L.COMM_V1.pack_into(raw, off, 2, first, count, cid, backend, L.encode(description, L.DESC_LEN_V1))
+    path.write_bytes(bytes(raw))
+
+
+def test_version_1_files_are_still_read(tmp_path: Path) -> None:
+    w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="old")
+    s = w.slot(w.comm("3", "nccl", "x", (0, 1)), "all_reduce")
+    w.complete(w.launch(s, 8))
+    long_desc = "D" * (L.DESC_LEN_V1 - 1)  # longer than version 2 has room for
+    _as_version_1(w.path, long_desc)
+    got = read_counter_file(w.path).counters
+    assert got.error is None
+    (c,) = got.communicators
+    assert (c.comm_id, c.backend, c.description, c.ranks, c.comm_nranks, c.comm_rank) == (
+        "3", "nccl", long_desc, (0, 1), 0, -1)
+    assert [(o.op, o.cl, o.wc) for o in got.ops] == [("all_reduce", 1, 1)]
+    w.close()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(nranks=st.integers(-(2**31), 2**31 - 1), rank=st.integers(-(2**31), 2**31 - 1),
+       text=st.binary(min_size=L.COMM_ID_LEN + L.BACKEND_LEN + L.DESC_LEN,
+                      max_size=L.COMM_ID_LEN + L.BACKEND_LEN + L.DESC_LEN))
+def test_any_communicator_entry_reads_without_raising(tmp_path: Path, nranks: int, rank: int, text: bytes) -> None:
+    """A writer's bytes are outside input: identity numbers that make no sense read as unknown."""
+    w = CounterWriter(tmp_path, rank=0, world_size=1, job_id="fuzz")
+    w.comm("0", "nccl", "", ())
+    raw = bytearray(w.path.read_bytes())
+    w.close()
+    cid, backend, desc = (text[:L.COMM_ID_LEN], text[L.COMM_ID_LEN:L.COMM_ID_LEN + L.BACKEND_LEN],
+                          text[L.COMM_ID_LEN + L.BACKEND_LEN:])
+    L.COMM.pack_into(raw, L.comm_offset(0), 2, 0, 0, cid, backend, desc, nranks, rank)
+    path = tmp_path / "fuzz.rank0.ccl"
+    path.write_bytes(bytes(raw))
+    got = read_counter_file(path).counters
+    assert got.error is None
+    (c,) = got.communicators
+    sane = -1 <= rank < nranks  # a size with this rank's place in it, or with the place unknown
+    assert (c.comm_nranks, c.comm_rank) == ((nranks, rank) if sane else (0, -1))

@@ -1,17 +1,44 @@
-"""The NCCL profiler plugin, driven through its v5 and v4 entry points by a C harness (no NCCL, no GPU here)."""
+"""The NCCL profiler plugin, driven through its v6, v5 and v4 entry points by C drivers (no NCCL, no GPU here).
+
+``harness.c`` runs a small scripted set of events; ``replay.c`` replays NCCL's real event order (Coll/P2p
+stopped before their proxy ops, steps and kernel channels start, several proxy threads, thousands of
+events, bogus and stale handles) under AddressSanitizer and valgrind, and the counters it leaves are
+checked exactly here through the real reader.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from rankscope.ccl_plugin.build import BuildError, build_plugin, find_compiler, source_dir
+from rankscope.contract.snapshot import RankCounters
 from rankscope.probes.ccl_counters import list_counter_files, read_counter_file
+from repo_paths import ROOT
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler")
+
+SANITIZE = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g")
+# Small pools so a few thousand events reuse every record many times over (the code path is the same).
+SMALL_POOLS = ("-DRS_TASK_POOL=512", "-DRS_CHILD_POOL=1024")
+# The plugin as released before parents outlived their children (it freed a Coll at its stop).
+OLD_PLUGIN_COMMIT = "cc1e80ed864e8abce86655a68a6911ddc95202e5"
+SAN_ENV = {"ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1", "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
+
+
+def _compile_driver(out: Path, name: str, flags: tuple[str, ...] = ()) -> Path:
+    cc = find_compiler()
+    assert cc is not None
+    exe = out / name.removesuffix(".c")
+    subprocess.run([cc, "-O1", "-std=c11", "-Wall", "-Werror", *flags, "-I", str(source_dir()), "-o", str(exe),
+                    str(source_dir() / name), "-ldl", "-lpthread"], check=True)
+    return exe
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +57,10 @@ def test_plugin_exports_only_the_profiler_tables(built: tuple[Path, Path]) -> No
     lib, _ = built
     syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in syms.splitlines() if line.split()[-2] in {"D", "B", "T"}}
-    assert exported == {"ncclProfiler_v5", "ncclProfiler_v4"}
+    assert exported == {"ncclProfiler_v6", "ncclProfiler_v5", "ncclProfiler_v4"}
 
 
-@pytest.mark.parametrize("abi", ["5", "4"])
+@pytest.mark.parametrize("abi", ["6", "5", "4"])
 def test_harness_events_become_counters_in_the_shared_file(built: tuple[Path, Path], tmp_path: Path, abi: str) -> None:
     lib, harness = built
     env = {**os.environ, "RANKSCOPE_CCL_DIR": str(tmp_path), "RANKSCOPE_JOB_ID": "nc", "RANK": "5", "WORLD_SIZE": "8",
@@ -47,9 +74,10 @@ def test_harness_events_become_counters_in_the_shared_file(built: tuple[Path, Pa
         c = f.counters
         assert f.path.name == "nc.rank5.nccl.ccl"
         assert (c.rank, c.world_size, c.pid, c.job_id, c.stale, c.error) == (5, 8, proc.pid, "nc", False, None)
-        assert [(x.comm_id, x.backend, x.description) for x in c.communicators] == [
-            ("000000000000a1a1", "nccl", "PIPELINE_MODEL_PARALLEL_GROUP"),
-            ("000000000000b2b2", "nccl", "TENSOR_MODEL_PARALLEL_GROUP")]
+        assert [(x.comm_id, x.backend, x.description, x.ranks, x.comm_nranks, x.comm_rank)
+                for x in c.communicators] == [
+            ("000000000000a1a1", "nccl", "PIPELINE_MODEL_PARALLEL_GROUP", (), 4, 1),
+            ("000000000000b2b2", "nccl", "TENSOR_MODEL_PARALLEL_GROUP", (), 2, 0)]
         ops = {(o.comm_id[-4:], o.op): o for o in c.ops}
         ar = ops[("a1a1", "AllReduce")]
         # 5 complete collectives x (send + recv op) x 2 steps, plus the sixth's stuck receive
@@ -105,3 +133,118 @@ def test_c_writer_under_load_never_shows_a_torn_slot(built: tuple[Path, Path], t
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+# ---- the replay of NCCL's real event order ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Want:
+    cl: int
+    wr: int
+    wc: int
+    last_launched_seq: int
+    last_completed_seq: int
+    bytes_total: int
+    open_peers: tuple[int, ...] = ()
+
+
+def replay_expected(rounds: int) -> dict[tuple[str, str], Want]:
+    """What replay.c's events must leave (CHANNELS 2, STEPS 6 in replay.c), keyed by (comm_id, op)."""
+    a, b = "0123456789abcdef", "fedcba9876543210"
+    p2p = math.ceil(rounds / 4)  # one Send and one Recv every 4th round; P2p sequence numbers run per comm
+    return {
+        # every round: 2 channels x (send + receive op) x 6 steps; then one AllReduce whose receive hangs
+        (a, "AllReduce"): Want(rounds + 1, rounds * 24 + 1, rounds * 24, rounds + 1, rounds, (rounds + 1) * 4096),
+        (a, "Send"): Want(p2p, p2p, p2p, 2 * p2p - 1, 2 * p2p - 1, 256 * p2p),
+        (a, "Recv"): Want(p2p + 1, p2p + 1, p2p, 2 * p2p + 1, 2 * p2p, 256 * (p2p + 1), (3,)),
+        # its only proxy op came from another process (PXN) and was ignored: launched, never completed
+        (a, "Broadcast"): Want(1, 0, 0, 1, 0, 8),
+        # within a node: two kernel channels per AllGather are its requests
+        (b, "AllGather"): Want(rounds, 2 * rounds, 2 * rounds, rounds, rounds, 128 * rounds),
+    }
+
+
+def _replay(lib: Path, exe: Path, tmp: Path, rounds: int, abi: str = "5", wrap: tuple[str, ...] = (),
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    run_env = {**os.environ, **(env or {}), "RANKSCOPE_CCL_DIR": str(tmp), "RANKSCOPE_JOB_ID": "replay",
+               "RANK": "1", "WORLD_SIZE": "4", "RANKSCOPE_CCL_KEEP": "1", "RS_HARNESS_ABI": abi}
+    return subprocess.run([*wrap, str(exe), str(lib), str(rounds)], env=run_env, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def _check_replay(proc: subprocess.CompletedProcess[str], tmp: Path, rounds: int) -> RankCounters:
+    assert proc.returncode == 0 and "replayed" in proc.stdout, proc.stderr[-4000:]
+    assert "runtime error" not in proc.stderr, proc.stderr[-4000:]  # UBSan reports and goes on otherwise
+    (f,) = list_counter_files(tmp)
+    c = f.counters
+    assert c.error is None and c.stale  # finalized (kept for us to read): a clean exit
+    assert [(x.comm_id, x.description, x.ranks, x.comm_nranks, x.comm_rank) for x in c.communicators] == [
+        ("0123456789abcdef", "WORLD", (), 4, 1), ("fedcba9876543210", "TENSOR_MODEL_PARALLEL_GROUP", (), 2, 0)]
+    got = {(o.comm_id, o.op): Want(o.cl, o.wr, o.wc, o.last_launched_seq, o.last_completed_seq, o.bytes_total,
+                                   o.open_peers) for o in c.ops}
+    assert got == replay_expected(rounds)
+    ops = {(o.comm_id, o.op): o for o in c.ops}
+    ar = ops[("0123456789abcdef", "AllReduce")]
+    assert len(ar.recent_throughput) == 5 and all(t > 0 for t in ar.recent_throughput)
+    assert ar.last_duration_s is not None and ar.last_duration_s > 0
+    # a kernel channel's throughput is its share of the bytes over its GPU time: 128 / 2 bytes in 4 us
+    assert ops[("fedcba9876543210", "AllGather")].recent_throughput == pytest.approx((16e6,) * 5)
+    return c
+
+
+@pytest.fixture(scope="module")
+def sanitized(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    out = tmp_path_factory.mktemp("asan")
+    lib = build_plugin(out, extra_flags=(*SANITIZE, *SMALL_POOLS))
+    return lib, _compile_driver(out, "replay.c", SANITIZE)
+
+
+@pytest.mark.parametrize("abi", ["6", "5", "4"])
+def test_replay_of_nccl_event_order_under_asan_counts_exactly(
+        sanitized: tuple[Path, Path], tmp_path: Path, abi: str) -> None:
+    """Parents stopped before their children start; 4 proxy threads; every record reused many times."""
+    lib, exe = sanitized
+    _check_replay(_replay(lib, exe, tmp_path, 3000, abi, env=SAN_ENV), tmp_path, 3000)
+
+
+def test_replay_with_the_shipped_pool_sizes_counts_exactly(built: tuple[Path, Path], tmp_path: Path) -> None:
+    """5000 rounds start more tasks than the task pool holds, so stale handles are real ones."""
+    lib, _ = built
+    exe = _compile_driver(tmp_path, "replay.c")
+    out = tmp_path / "counters"
+    out.mkdir()
+    _check_replay(_replay(lib, exe, out, 5000), out, 5000)
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed (apt-get install valgrind)")
+def test_replay_under_valgrind_is_clean(tmp_path: Path) -> None:
+    lib = build_plugin(tmp_path, extra_flags=("-g", *SMALL_POOLS))
+    exe = _compile_driver(tmp_path, "replay.c", ("-g",))
+    out = tmp_path / "counters"
+    out.mkdir()
+    proc = _replay(lib, exe, out, 400, wrap=("valgrind", "-q", "--error-exitcode=9"))
+    _check_replay(proc, out, 400)
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                    reason="needs git and this repository's history (the released plugin is read from it)")
+def test_replay_catches_the_released_plugin_freeing_parents_early(tmp_path: Path) -> None:
+    """The replay is the test that would have caught the SIGSEGV on real NCCL: the old plugin fails it."""
+    for name in ("profiler.c", "nccl_profiler_abi.h", "rankscope_layout.h"):
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{OLD_PLUGIN_COMMIT}:ccl_plugin/nccl/{name}"],
+                              capture_output=True, text=True, check=False)
+        if text.returncode != 0:
+            pytest.skip(f"the released plugin ({OLD_PLUGIN_COMMIT[:8]}) is not in this clone's history")
+        (tmp_path / name).write_text(text.stdout)
+    cc = find_compiler()
+    assert cc is not None
+    lib = tmp_path / "old.so"
+    subprocess.run([cc, "-std=c11", "-fPIC", "-shared", "-O1", *SANITIZE, "-o", str(lib),
+                    str(tmp_path / "profiler.c"), "-lpthread"], check=True)
+    exe = _compile_driver(tmp_path, "replay.c", SANITIZE)
+    out = tmp_path / "counters"
+    out.mkdir()
+    proc = _replay(lib, exe, out, 200, env=SAN_ENV)
+    assert proc.returncode != 0
+    assert "heap-use-after-free" in proc.stderr
