@@ -28,6 +28,7 @@ two ranks' lines interleaved on one line are read for both and flagged.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -48,10 +49,13 @@ _MAX_NOTES_PER_FILE = 4
 _RANK_FILE = re.compile(r"(?:^|[^a-z])rank[_-]?(\d+)(?:[^0-9]|$)", re.IGNORECASE)
 
 # A marker in the first bytes of a file that makes it a log this module reads (checked before py-spy's).
-_LOG_MARKERS = ("WorkNCCL(SeqNum=", "Watchdog caught collective operation timeout", "ProcessGroupNCCL.cpp", "last enqueued NCCL work", "last enqueued work:",
+_LOG_MARKERS = ("WorkNCCL(SeqNum=", "Watchdog caught collective operation timeout", "ProcessGroupNCCL.cpp:",
+                "last enqueued NCCL work", "last enqueued work:",
                 "Detected mismatch between collectives", "Not all ranks joining collective",
                 "Collective sequence number:", "has errors\ninternal record id", "errors\ninternal record id")
 
+# A line is looked at only when it holds one of these (the shapes below all do).
+_LINE_KEYS = ("WorkNCCL", "nqueued", "dump signal", "Detected mismatch", "ranks joining", "Collective ")
 _PREFIX_RANK = re.compile(r"\[rank(\d+)\]:")
 _PG = re.compile(r"\[(?:PG (?:ID )?(\d+)(?: PG GUID (\S+?)(?:\(([^)]*)\))?)? )?Rank (\d+)\]")
 _WORK = re.compile(r"WorkNCCL\((?:SeqNum=(\d+),\s*)?OpType=(\w+)(?:,\s*NumelIn=(-?\d+),\s*NumelOut=(-?\d+))?"
@@ -91,30 +95,86 @@ def log_kind(head: str) -> str | None:
     from rankscope.formats.nccl_inspector import looks_like_inspector
     from rankscope.formats.nccl_ras import looks_like_ras_json, looks_like_ras_text
 
-    if looks_like_ras_json(head):
-        return "ras-json"
-    if looks_like_inspector(head):
+    if head.lstrip()[:1] == "{":
+        if looks_like_ras_json(head):
+            return "ras-json"
+        if looks_like_inspector(head):
+            return "inspector"
+    if "nccl_collective_exec_time_microseconds{" in head:
         return "inspector"
+    if any(m in head for m in _LOG_MARKERS):
+        return "log"  # a log with a RAS report pasted in it is read for both
     if looks_like_ras_text(head):
         return "ras"
-    if any(m in head for m in _LOG_MARKERS):
-        return "log"
     return None
 
 
 def _head(path: Path) -> str:
+    return _read_head(path)[0]
+
+
+def _read_head(path: Path) -> tuple[str, bool]:
+    """The first and the last bytes of a file (a rank's log holds the watchdog's lines at its end), and whether
+    that is the whole file."""
+    whole = True
     try:
         with path.open("rb") as f:
             raw = f.read(_HEAD_BYTES)
+            if len(raw) == _HEAD_BYTES:
+                f.seek(0, 2)
+                size = f.tell()
+                if size > _HEAD_BYTES:
+                    whole = False
+                    f.seek(max(_HEAD_BYTES, size - _HEAD_BYTES))
+                    raw += b"\n" + f.read(_HEAD_BYTES)
     except OSError:
-        return ""
+        return "", False
     if b"\0" in raw[:4096]:
-        return ""
-    return raw.decode("utf-8", errors="replace")
+        return "", False
+    return raw.decode("utf-8", errors="replace"), whole
 
 
 def is_log_file(path: Path) -> bool:
     return path.is_file() and log_kind(_head(path)) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Scanned:
+    """What one file of a folder holds, read once: a log kind (None: no log), py-spy output or not, and its whole
+    text when it was small enough to be read whole (else None: the reader reads it again)."""
+
+    path: Path
+    kind: str | None
+    pyspy: bool
+    text: str | None = None
+
+
+def _files_of(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        return []
+    with os.scandir(path) as it:  # the entries' types come with the listing: no stat per file
+        names = sorted(e.name for e in it if not e.name.startswith(".") and e.is_file())
+    return [path / n for n in names]
+
+
+def scan(path: Path) -> list[Scanned]:
+    """Every file of ``path`` (a file, or a folder not recursively), each read once at its ends."""
+    out = []
+    for p in _files_of(path):
+        head, whole = _read_head(p)
+        # Markdown beside the logs is someone's description of them (a README, a ticket), not output to judge.
+        kind = None if p.suffix.lower() == ".md" and p != path else log_kind(head)
+        out.append(Scanned(p, kind, holds_pyspy(head), head if whole and kind is not None else None))
+    return out
+
+
+def any_log_file(path: Path) -> bool:
+    """Whether a folder holds at least one log (stops at the first)."""
+    with os.scandir(path) as it:
+        return any(not e.name.startswith(".") and not e.name.lower().endswith(".md") and e.is_file()
+                   and log_kind(_head(Path(e.path))) is not None for e in it)
 
 
 def holds_pyspy(head: str) -> bool:
@@ -124,25 +184,22 @@ def holds_pyspy(head: str) -> bool:
 
 def log_files(path: Path) -> list[Path]:
     """The files of ``path`` (a file or a folder, not recursive) that hold logs this module reads."""
-    if path.is_file():
-        return [path] if is_log_file(path) else []
-    if not path.is_dir():
-        return []
-    # Markdown beside the logs is someone's description of them (a README, a ticket), not output to judge.
-    return sorted((p for p in path.iterdir() if not p.name.startswith(".") and p.suffix.lower() != ".md"
-                   and is_log_file(p)), key=lambda p: p.name)
+    return [s.path for s in scan(path) if s.kind is not None]
 
 
-def read_logs(paths: Iterable[Path]) -> LogEvidence:
+def read_logs(paths: Iterable[Path | Scanned]) -> LogEvidence:
     """Every log file given → one LogEvidence (what each line said, where, and what could not be read)."""
     acc = _Acc()
-    for path in paths:
-        try:
-            text = path.read_bytes().decode("utf-8", errors="replace")
-        except OSError as exc:
-            acc.notes.append(f"{path.name}: not readable ({exc.strerror or exc})")
-            continue
-        read_text(text, path.name, acc)
+    for item in paths:
+        path = item.path if isinstance(item, Scanned) else item
+        text = item.text if isinstance(item, Scanned) else None
+        if text is None:
+            try:
+                text = path.read_bytes().decode("utf-8", errors="replace")
+            except OSError as exc:
+                acc.notes.append(f"{path.name}: not readable ({exc.strerror or exc})")
+                continue
+        read_text(text, path.name, acc, item.kind if isinstance(item, Scanned) else None)
     return LogEvidence(tuple(acc.watchdog), tuple(acc.ras), tuple(acc.fr), tuple(acc.mismatches),
                        tuple(acc.inspector), tuple(acc.notes))
 
@@ -155,11 +212,12 @@ def read_log_text(text: str, name: str = "log") -> LogEvidence:
                        tuple(acc.inspector), tuple(acc.notes))
 
 
-def read_text(text: str, name: str, acc: _Acc) -> None:
+def read_text(text: str, name: str, acc: _Acc, kind: str | None = None) -> None:
+    """One file's text into ``acc``; ``kind`` when the caller has told it already (``scan``)."""
     from rankscope.formats.nccl_inspector import parse_inspector
     from rankscope.formats.nccl_ras import parse_ras_json, parse_ras_text
 
-    kind = log_kind(text[:_HEAD_BYTES])
+    kind = kind or log_kind(text[:_HEAD_BYTES] + text[-_HEAD_BYTES:])
     if kind == "ras-json":
         try:
             report, notes = parse_ras_json(text, name)
@@ -185,7 +243,7 @@ def read_text(text: str, name: str, acc: _Acc) -> None:
 
 
 def _file_rank(name: str) -> int | None:
-    m = _RANK_FILE.search(Path(name).stem)
+    m = _RANK_FILE.search(name.rsplit(".", 1)[0])
     return int(m.group(1)) if m else None
 
 
@@ -213,6 +271,8 @@ def _read_lines(text: str, name: str, acc: _Acc) -> None:
     for no, line in enumerate(lines, 1):
         if not line:
             continue
+        if fr is None and not any(k in line for k in _LINE_KEYS):
+            continue  # most of a rank's log: training output
         where = f"{name}:{no}"
         # fr_trace records: a start line, then `key: value` lines; anything else ends the record.
         stripped = line.strip()
@@ -254,6 +314,8 @@ def _read_lines(text: str, name: str, acc: _Acc) -> None:
 
 def _tie_pgs(records: list[WatchdogRecord], start: int) -> None:
     """A timeout line names no group; the same rank's status line for the same work does: take its group."""
+    if all(r.pg for r in records[start:]):
+        return
     pg_of: dict[tuple[int | None, int | None], str] = {}
     for r in records[start:]:
         if r.pg:

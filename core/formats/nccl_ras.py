@@ -194,7 +194,7 @@ def parse_ras_json(text: str, where: str) -> tuple[RasReport, list[str]]:
         label = f"#{i} ({c.get('hash', '?')})"
         values: dict[str, dict[int | None, list[RasRank]]] = {}
         statuses: list[RasRank] = []
-        for r in c.get("ranks") or ():
+        for r in _list(c.get("ranks")):
             if not isinstance(r, dict) or not isinstance(r.get("rank"), int):
                 continue
             rank = _json_rank(r)
@@ -209,9 +209,10 @@ def parse_ras_json(text: str, where: str) -> tuple[RasReport, list[str]]:
                         values.setdefault(str(op), {}).setdefault(v or None, []).append(rank)
         counts = [RasCount(op, v, len(rs), tuple(rs)) for op, by_v in values.items() if len(by_v) > 1
                   for v, rs in by_v.items()]
-        missing = [_json_rank(m) for m in c.get("missing_ranks") or () if isinstance(m, dict)]
-        dead = [m for m, raw in zip(missing, c.get("missing_ranks") or (), strict=False)
-                if isinstance(raw, dict) and isinstance(raw.get("status"), dict) and raw["status"].get("considered_dead")]
+        raw_missing = [m for m in _list(c.get("missing_ranks")) if isinstance(m, dict)]
+        missing = [_json_rank(m) for m in raw_missing]
+        dead = [m for m, raw in zip(missing, raw_missing, strict=True)
+                if isinstance(raw.get("status"), dict) and raw["status"].get("considered_dead")]
         for d in dead:
             notes.append(f"{where}: {d.label()} of {label} is considered dead by RAS")
         size = c.get("size") if isinstance(c.get("size"), int) else None
@@ -223,6 +224,10 @@ def parse_ras_json(text: str, where: str) -> tuple[RasReport, list[str]]:
     rows = tuple(RasRow(i, 1, c.size or 0, "RUNNING", c.errors) for i, c in enumerate(comms))
     sizes = [c.size for c in comms if c.size]
     return RasReport(where, max(sizes) if sizes else None, rows, tuple(comms)), notes
+
+
+def _list(x: object) -> list[object]:
+    return x if isinstance(x, list) else []
 
 
 def _json_rank(r: dict[str, object]) -> RasRank:

@@ -141,20 +141,13 @@ def _head(path: Path, size: int = 65536) -> str:
 _FRAME_LINE = re.compile(r"(?m)^\s*(?:\.\.\.\s*)?\S+ \([^()\s]+:\d+\)")
 
 
-def dump_files(root: Path) -> list[Path]:
-    """The files of a folder whose content looks like py-spy output (text or JSON), logs and notes left out."""
+def looks_like_pyspy(path: Path) -> bool:
+    """Whether a file's first bytes look like py-spy output, text or JSON."""
     from rankscope.formats.incident_logs import holds_pyspy
 
-    if not root.is_dir():
-        return []
-    out = []
-    for path in sorted(root.iterdir()):
-        if path.name.startswith(".") or not path.is_file() or path.suffix.lower() == ".md":
-            continue
-        head = _head(path, 8192)
-        if holds_pyspy(head) or '"frames"' in head or head.lstrip().startswith("Error:") or _FRAME_LINE.search(head):
-            out.append(path)
-    return out
+    head = _head(path, 8192)
+    return holds_pyspy(head) or '"frames"' in head or head.lstrip().startswith("Error:") or \
+        _FRAME_LINE.search(head) is not None
 
 
 def _node_rank_rule(procs: list[_Process]) -> tuple[list[int], list[str]]:

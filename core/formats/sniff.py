@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rankscope.formats.flight_recorder import holds_dumps, looks_like_dump
-from rankscope.formats.incident_logs import is_log_file, log_files
+from rankscope.formats.incident_logs import any_log_file, is_log_file
 from rankscope.formats.optrace_io import looks_like_op_trace
 from rankscope.formats.pyspy_dir import is_dumps
 
@@ -31,8 +31,8 @@ def what_is(path: Path) -> str:
             return FLIGHT_RECORDER_RANK
         if is_log_file(path):
             return LOGS
+    elif path.is_dir() and any_log_file(path):
+        return LOGS  # with or without py-spy dumps beside them: `rankscope analyze` reads both
     elif path.is_dir() and holds_dumps(path):
         return FLIGHT_RECORDER
-    elif path.is_dir() and log_files(path):
-        return LOGS  # with or without py-spy dumps beside them: `rankscope analyze` reads both
     return PYSPY if is_dumps(path) else BUNDLE

@@ -271,7 +271,7 @@ def test_readers_never_raise_on_mangled_logs(base: str, cut: int, junk: list[str
     analyze_logs(ev, world=8)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(doc=st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-5, 10**12), st.text(max_size=8)),
                         lambda kids: st.one_of(st.lists(kids, max_size=4),
                                                st.dictionaries(st.sampled_from(

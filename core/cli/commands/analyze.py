@@ -186,18 +186,18 @@ def _route_by_content(args: argparse.Namespace) -> None:
 
 def _logs_with_dumps(args: argparse.Namespace) -> None:
     """A folder of logs may hold py-spy dumps too (and one pasted file both): read those as the stacks."""
-    from rankscope.formats.incident_logs import holds_pyspy, log_files
-    from rankscope.formats.pyspy_dir import dump_files
+    from rankscope.formats.incident_logs import scan
+    from rankscope.formats.pyspy_dir import looks_like_pyspy
 
     path: Path = args.logs
-    logs = set(log_files(path))
-    if not logs:
+    files = scan(path)
+    args.log_files = [f for f in files if f.kind is not None]
+    if not args.log_files:
         raise RankscopeError(f"no logs this reader knows in {path}",
                              "pass NCCL RAS output, ProcessGroupNCCL watchdog lines, fr_trace's report, DETAIL "
                              "mismatch errors or NCCL Inspector output (see `rankscope analyze --help`)")
-    args.log_files = sorted(logs)
-    if any(holds_pyspy(p.read_text(errors="replace")[:65536]) for p in logs) or any(
-            p not in logs for p in dump_files(path)):
+    if any(f.pyspy or (f.kind is None and f.path.suffix.lower() != ".md" and looks_like_pyspy(f.path))
+           for f in files):
         args.pyspy_dir = path
 
 
