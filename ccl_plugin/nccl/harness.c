@@ -4,8 +4,8 @@
  *                         (see tests/integration/test_ccl_nccl_plugin.py for the expected
  *                         counters), prints "ready", waits for a line on stdin
  *                         so a reader can check the live file, then finalizes;
- *   harness LIB bench N : N rounds of one collective with one proxy step,
- *                         prints the cost per plugin call in ns.
+ *   harness LIB bench N : N rounds of one collective (its kernel channel, one proxy op
+ *                         with one step) in NCCL's order, prints the cost per plugin call in ns.
  * RS_HARNESS_ABI=4 (or 6) drives the ncclProfiler_v4 (v6) entry points instead of v5.
  * Order of calls per NCCL: init per communicator; Coll/P2p start; ProxyOp
  * start (parent: the Coll/P2p); ProxyStep start (parent: the ProxyOp), its
@@ -52,16 +52,19 @@ int main(int argc, char** argv) {
   if (strcmp(argv[2], "bench") == 0) {
     long n = argc > 3 ? atol(argv[3]) : 1000000;
     double t0 = now_ns();
-    for (long i = 0; i < n; i++) {
+    for (long i = 0; i < n; i++) { /* NCCL's order: the host stops the task before its proxy work starts */
       void* c = coll(net, "AllReduce", (uint64_t)i, 1024);
+      P->stopEvent(c);
+      void* k = child(net, RS_EV_KERNEL_CH, c, 0, -1);
       void* op = child(net, RS_EV_PROXY_OP, c, 1, 2);
       void* s = child(net, RS_EV_PROXY_STEP, op, 1, -1);
       state(s, RS_ST_STEP_SEND_WAIT, 4096);
       P->stopEvent(s);
       P->stopEvent(op);
-      P->stopEvent(c);
+      P->recordEventState(k, RS_ST_KERNEL_CH_STOP, NULL);
+      P->stopEvent(k);
     }
-    double per = (now_ns() - t0) / ((double)n * 7.0); /* 7 plugin calls per round */
+    double per = (now_ns() - t0) / ((double)n * 10.0); /* 10 plugin calls per round */
     printf("ns_per_call %.1f\n", per);
     P->finalize(net);
     P->finalize(local);

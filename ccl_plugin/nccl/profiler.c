@@ -509,9 +509,10 @@ static void count_launch(unsigned char* b, rs_rec* t, double now) {
  * (one kernel channel per channel it runs on), so a task completes when its last child stops, never at
  * its own stop. The caller copied the record before the compare-and-swap that let it go, since it may be
  * reused from then on. */
-static void count_complete(const rs_rec* t, double now) {
+static void count_complete(const rs_rec* t) {
   unsigned char* b = file();
   if (!b || !context_of((void*)(uintptr_t)t->ctx)) return;
+  double now = mono();
   rs_op* o = op_at(b, t->slot);
   wbegin(&o->seq);
   o->last_duration = now - t->t0;
@@ -530,25 +531,26 @@ static void count_reopen(unsigned char* b, const rs_rec* t) {
 }
 
 /* WR: once per request */
-static void request(rs_rec* e, double now) {
+static void request(rs_rec* e) {
   unsigned char* b = file();
   if (!b || !context_of((void*)(uintptr_t)e->ctx)) return;
   uint32_t r = 0;
   if (!__atomic_compare_exchange_n(&e->req, &r, R_REQUESTED, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) return;
-  e->t0 = now;
+  e->t0 = mono();
   rs_op* o = op_at(b, e->slot);
   wbegin(&o->seq);
   o->wr++;
   wend(&o->seq);
 }
 
-/* WC: once per request, only for one that was counted as requested */
+/* WC: once per request, only for one that was counted as requested; seconds < 0: since it was posted */
 static void complete(rs_rec* e, double seconds) {
   unsigned char* b = file();
   if (!b || !context_of((void*)(uintptr_t)e->ctx)) return;
   uint32_t r = R_REQUESTED;
   if (!__atomic_compare_exchange_n(&e->req, &r, R_REQUESTED | R_COMPLETED, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
     return;
+  if (seconds < 0) seconds = mono() - e->t0;
   uint64_t moved = __atomic_load_n(&e->bytes, __ATOMIC_RELAXED);
   rs_op* o = op_at(b, e->slot);
   wbegin(&o->seq);
@@ -559,7 +561,7 @@ static void complete(rs_rec* e, double seconds) {
 
 /* Drop one reference on a record. A stopped record with no reference left is done: a task completes;
  * a proxy op is freed and lets go of its task. */
-static void release(uint64_t handle, double now) {
+static void release(uint64_t handle) {
   uint32_t gen;
   int pool;
   rs_rec* r = record((void*)(uintptr_t)handle, &gen, &pool);
@@ -576,16 +578,15 @@ static void release(uint64_t handle, double now) {
   }
   if (!done) return;
   if (pool == P_TASK)
-    count_complete(&copy, now);
+    count_complete(&copy);
   else
-    release(copy.parent, now);
+    release(copy.parent);
 }
 
 static ncclResult_t rs_start_any(void* context, void** handle, const rs_descr* d) {
   rs_ctx* ctx = context_of(context);
   unsigned char* b = file();
   if (!ctx || !b) return RS_NCCL_SUCCESS;
-  double now = mono();
   uint32_t gen;
   if (d->type == RS_EV_COLL || d->type == RS_EV_P2P) {
     int slot = slot_for(b, ctx, d->func);
@@ -604,9 +605,9 @@ static ncclResult_t rs_start_any(void* context, void** handle, const rs_descr* d
     t->n_channels = (uint8_t)(d->n_channels > 0 ? d->n_channels : 1);
     t->bytes = (uint64_t)d->count * type_size(d->datatype);
     t->aux = is_coll ? d->seq + 1 : __atomic_add_fetch(&ctx->p2p_seq, 1, __ATOMIC_RELAXED);
-    t->t0 = now;
+    t->t0 = mono();
     t->req = 0;
-    count_launch(b, t, now);
+    count_launch(b, t, t->t0);
     publish(t, gen);
     *handle = encode(P_TASK, (uint32_t)i, gen);
     return RS_NCCL_SUCCESS;
@@ -623,12 +624,12 @@ static ncclResult_t rs_start_any(void* context, void** handle, const rs_descr* d
   if (!before) return RS_NCCL_SUCCESS; /* stale: the parent's record was reused */
   uint64_t parent = (uint64_t)(uintptr_t)d->parent;
   if (want == P_CHILD && p->kind != K_OP) { /* a step's parent must be a proxy op */
-    release(parent, now);
+    release(parent);
     return RS_NCCL_SUCCESS;
   }
   int i = alloc_rec(children, RS_CHILD_POOL, &child_cursor, &gen);
   if (i < 0) {
-    release(parent, now);
+    release(parent);
     return RS_NCCL_SUCCESS;
   }
   if (want == P_TASK && W_STATE(before) == S_DONE) count_reopen(b, p);
@@ -641,7 +642,7 @@ static ncclResult_t rs_start_any(void* context, void** handle, const rs_descr* d
   e->aux = 0;
   e->bytes = 0;
   e->req = 0;
-  e->t0 = now;
+  e->t0 = 0;
   if (d->type == RS_EV_PROXY_OP) {
     e->kind = K_OP;
     e->is_send = (uint8_t)(d->is_send != 0);
@@ -658,7 +659,7 @@ static ncclResult_t rs_start_any(void* context, void** handle, const rs_descr* d
     e->bytes = p->bytes / (p->n_channels ? p->n_channels : 1);
   }
   publish(e, gen);
-  if (e->kind == K_KCH && !e->net) request(e, now); /* within a node the channel is the request */
+  if (e->kind == K_KCH && !e->net) request(e); /* within a node the channel is the request */
   *handle = encode(P_CHILD, (uint32_t)i, gen);
   return RS_NCCL_SUCCESS;
 }
@@ -668,18 +669,16 @@ static ncclResult_t rs_state(void* handle, rs_nccl_state_t state, rs_nccl_state_
   int pool;
   rs_rec* e = record(handle, &gen, &pool);
   if (!e || pool != P_CHILD || !owned(e, gen)) return RS_NCCL_SUCCESS;
-  double now = mono();
   if (e->kind == K_STEP && e->net) {
     if (args && args->proxyStep.transSize)
       __atomic_store_n(&e->bytes, (uint64_t)args->proxyStep.transSize, __ATOMIC_RELAXED);
     if (state == RS_ST_STEP_SEND_WAIT || state == RS_ST_STEP_RECV_WAIT)
-      request(e, now);
+      request(e);
     else if (state == RS_ST_STEP_RECV_FLUSH_WAIT)
-      complete(e, now - e->t0);
+      complete(e, -1);
   } else if (e->kind == K_KCH && !e->net && state == RS_ST_KERNEL_CH_STOP) {
     uint64_t stop = args ? args->kernelCh.pTimer : 0;
-    double gpu = e->aux && stop > e->aux ? (double)(stop - e->aux) * 1e-9 : now - e->t0;
-    complete(e, gpu);
+    complete(e, e->aux && stop > e->aux ? (double)(stop - e->aux) * 1e-9 : -1);
   }
   return RS_NCCL_SUCCESS;
 }
@@ -689,10 +688,9 @@ static ncclResult_t rs_stop(void* handle) {
   int pool;
   rs_rec* e = record(handle, &gen, &pool);
   if (!e || !owned(e, gen)) return RS_NCCL_SUCCESS; /* not ours, stale, or stopped twice */
-  double now = mono();
   rs_rec copy = *e;
   /* a request still open at its stop finished now; counted while the record is surely ours */
-  if (copy.kind == K_STEP || copy.kind == K_KCH) complete(e, now - copy.t0);
+  if (copy.kind == K_STEP || copy.kind == K_KCH) complete(e, -1);
   uint64_t w = __atomic_load_n(&e->word, __ATOMIC_ACQUIRE);
   int done;
   for (;;) { /* open -> stopped; a child no one holds goes back to the pool; a task whose children all
@@ -705,9 +703,9 @@ static ncclResult_t rs_stop(void* handle) {
   }
   if (!done) return RS_NCCL_SUCCESS;
   if (pool == P_TASK)
-    count_complete(&copy, now);
+    count_complete(&copy);
   else
-    release(copy.parent, now);
+    release(copy.parent);
   return RS_NCCL_SUCCESS;
 }
 
