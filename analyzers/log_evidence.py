@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import NOT_A_RANK, Finding, Suspect, SuspectKind, Verdict
 from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters
 
 SOURCE = "logs"
 SCORE_BEHIND = 1.0
@@ -567,6 +568,36 @@ def _last_arriver(ranks: Sequence[InspectorRank]) -> tuple[int, float, float] | 
 
 def _ranks_word(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + compact_ranks(list(ranks))
+
+
+LOG_OP = "collectives"  # a process group's work of every kind: its sequence numbers count them all
+
+
+def watchdog_counters(records: Sequence[WatchdogRecord]) -> tuple[RankCounters, ...]:
+    """The watchdog's PG status as the CCL plugin's counters: per process group and rank, CL = WR = last enqueued
+    work, WC = last completed (sequence numbers start at 1). Members are the ranks the logs show in the group.
+
+    Only ranks tied to a global rank and with both numbers known count; the CCL rules and the stacks' chain then
+    read them like a live capture's counters.
+    """
+    status: dict[str, dict[int, tuple[int, int]]] = {}
+    for r in records:
+        if r.rank is None or r.enqueued is None or r.completed is None:
+            continue
+        old = status.setdefault(r.pg, {}).get(r.rank)
+        e, c = max(r.enqueued, 0), max(r.completed, 0)
+        status[r.pg][r.rank] = (max(e, old[0]), max(c, old[1])) if old else (e, c)
+    per_rank: dict[int, tuple[list[Communicator], list[OpCounters]]] = {}
+    for pg, ranks in status.items():
+        comm = Communicator(comm_id=f"log:{pg}", backend="nccl", description=f"{pg} (from the watchdog's lines)",
+                            ranks=tuple(sorted(ranks)))
+        for rank, (e, c) in ranks.items():
+            comms, ops = per_rank.setdefault(rank, ([], []))
+            comms.append(comm)
+            ops.append(OpCounters(comm.comm_id, LOG_OP, cl=e, wr=e, wc=min(c, e), last_launched_seq=e,
+                                  last_completed_seq=c))
+    return tuple(RankCounters(rank, None, None, None, None, tuple(comms), tuple(ops))
+                 for rank, (comms, ops) in sorted(per_rank.items()))
 
 
 def _fold_same_machine(suspects: list[Suspect]) -> list[Suspect]:

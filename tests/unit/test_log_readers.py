@@ -289,3 +289,22 @@ def test_json_readers_never_raise(doc: object) -> None:
     analyze_logs(LogEvidence(ras=(report,)))
     ranks, _ = parse_inspector(json.dumps({"header": doc, "coll_perf": doc}) + "\n{cut", "i.json")
     analyze_logs(LogEvidence(inspector=tuple(ranks)))
+
+
+def test_watchdog_status_becomes_counters_the_ccl_rules_read() -> None:
+    """The PG status as CL/WR/WC per group and rank: the existing CCL rule names the rank behind from them."""
+    import time
+
+    from rankscope.analyzers.ccl import analyze_counters
+    from rankscope.analyzers.log_evidence import watchdog_counters
+    from rankscope.contract.snapshot import Instant, JobSnapshot, MachineSnapshot
+
+    text = "".join(_watchdog_line(r, 78, 80, 77) for r in (0, 1, 3)) + _dump_line(2, 77, 77, 0)
+    counters = watchdog_counters(read_log_text(text).watchdog)
+    assert [(c.rank, c.ops[0].cl, c.ops[0].wc) for c in counters] == [(0, 80, 77), (1, 80, 77), (2, 77, 77),
+                                                                        (3, 80, 77)]
+    assert counters[0].communicators[0].ranks == (0, 1, 2, 3)
+    now = Instant(wall=time.time(), mono=time.monotonic())
+    snap = JobSnapshot(now, (MachineSnapshot("m0", "logs", True, now, counters=counters),))
+    v = analyze_counters(snap)
+    assert v.top is not None and v.top.ranks == (2,)

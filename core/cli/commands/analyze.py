@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                              f"pass a number from 0 to {len(snapshots) - 1}, or -1 for the last")
     snapshot = snapshots[index]
     layout = _layout(args, snapshot.layout)
-    log_verdict = _log_verdict(args, snapshot)
+    log_verdict, snapshot = _log_verdict(args, snapshot)
     if log_verdict is not None:
         other_verdicts = [*other_verdicts, log_verdict]
     if other_verdicts and not any(m.stacks for m in snapshot.machines):
@@ -201,18 +201,28 @@ def _logs_with_dumps(args: argparse.Namespace) -> None:
         args.pyspy_dir = path
 
 
-def _log_verdict(args: argparse.Namespace, snapshot: Any) -> Any:
-    """The logs' own verdict (``analyzers.log_evidence``), or None when no logs were given."""
+def _log_verdict(args: argparse.Namespace, snapshot: Any) -> tuple[Any, Any]:
+    """The logs' own verdict (``analyzers.log_evidence``; None when no logs were given), and the snapshot with the
+    watchdog's PG status added as counters, so the stacks' analysis reads them like a live capture's."""
     files = getattr(args, "log_files", None)
     if not files:
-        return None
-    from rankscope.analyzers.log_evidence import analyze_logs
+        return None, snapshot
+    import dataclasses
+
+    from rankscope.analyzers.log_evidence import analyze_logs, watchdog_counters
     from rankscope.formats.incident_logs import read_logs
 
     evidence = read_logs(files)
     if evidence.empty() and not evidence.notes:
-        return None
-    return analyze_logs(evidence, snapshot.world_size)
+        return None, snapshot
+    counters = watchdog_counters(evidence.watchdog)
+    if counters and any(m.stacks for m in snapshot.machines):
+        where = snapshot.rank_to_machine()
+        machines = [dataclasses.replace(m, counters=(*m.counters, *(c for c in counters
+                                                                     if where.get(c.rank) == m.machine)))
+                    for m in snapshot.machines]
+        snapshot = dataclasses.replace(snapshot, machines=tuple(machines))
+    return analyze_logs(evidence, snapshot.world_size), snapshot
 
 
 def _not_a_rank_summary(verdict: Any) -> str | None:
