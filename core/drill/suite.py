@@ -94,6 +94,7 @@ class SuiteConfig:
     # Which jobs each drill is run as: "prepared" (started with the CCL counters, as `rankscope run` does)
     # and/or "unprepared" (plain torchrun, no counters: a job already running when someone noticed).
     modes: tuple[str, ...] = ("prepared",)
+    backend: str = "gloo"  # "nccl": the drills' ranks on GPUs (rankscope.drill.gpu)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +362,8 @@ def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None
     suffix = "-unprepared" if unprepared else ""
     run_dir = config.run_root / f"drill-{item.index:02d}-{plan.name}{suffix}" if config.run_root is not None else None
     training = TrainingOptions(steps=1_000_000, seed=config.seed + item.index, loader_workers=item.loader_workers,
-                               checkpoint_every=0, hidden=config.hidden, micro_batch_size=config.micro_batch_size)  # runs until stopped; no checkpoint noise
+                               checkpoint_every=0, hidden=config.hidden, micro_batch_size=config.micro_batch_size,
+                               backend=config.backend)  # runs until stopped; no checkpoint noise
     dconfig = DrillConfig(layout=layout, plan=plan, training=training, run_dir=run_dir,
                           start_timeout_s=config.start_timeout_s, counters=not unprepared)
     base = DrillRecord(index=item.index, kind=plan.name, rank=truth.rank, machine=truth.machine,

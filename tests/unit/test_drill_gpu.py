@@ -86,9 +86,17 @@ def test_nccl_on_a_machine_without_cuda_says_why_and_the_fix() -> None:
         use_gpu(0, 2)  # a worker started anyway stops with the reason, not deep inside NCCL
 
 
-def test_suite_and_slurm_refuse_nccl_with_the_fix() -> None:
-    with pytest.raises(RankscopeError, match="single drills with the local launcher"):
-        drill_cli.run(_cli_args("--backend", "nccl", "--suite", "failslow"))
+def test_slurm_refuses_nccl_and_the_suite_passes_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(RankscopeError, match="local launcher only"):
+        drill_cli.run(_cli_args("--backend", "nccl", "--launcher", "slurm"))
+    from rankscope.drill import suite
+
+    seen: list[str] = []
+    monkeypatch.setattr(gpu, "check_cuda", lambda world: seen.append("checked"))
+    monkeypatch.setattr(suite, "run_suite", lambda config, say: seen.append(config.backend) or {})
+    monkeypatch.setattr(suite, "scorecard_lines", lambda result: [])
+    assert drill_cli.run(_cli_args("--backend", "nccl", "--suite", "failslow", "--suite-drills", "1")) == 0
+    assert seen == ["checked", "nccl"]
 
 
 def test_the_nccl_drill_loads_the_profiler_plugin_beside_the_python_counters(

@@ -151,9 +151,9 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.backend != "gloo" and (args.suite or args.launcher == "slurm"):
-        raise RankscopeError(f"--backend {args.backend} runs single drills with the local launcher only",
-                             "drop --suite / --launcher slurm, or run them on gloo")
+    if args.backend != "gloo" and args.launcher == "slurm":
+        raise RankscopeError(f"--backend {args.backend} runs with the local launcher only",
+                             "drop --launcher slurm, or run it on gloo")
     if args.suite:
         return _run_suite(args)
     if args.launcher == "slurm":
@@ -228,7 +228,12 @@ def _run_suite(args: argparse.Namespace) -> int:
     config = SuiteConfig(layout=DrillLayout(tp=args.tp, pp=args.pp, dp=args.dp, machines=args.machines), modes=modes,
                          faulty=args.suite_drills, baselines=args.suite_baselines, seed=args.seed,
                          fault_step=args.fault_step, stack_interval_s=args.stack_interval,
-                         time_limit_s=args.time_limit, start_timeout_s=args.start_timeout, run_root=args.run_dir)
+                         time_limit_s=args.time_limit, start_timeout_s=args.start_timeout, run_root=args.run_dir,
+                         backend=args.backend)
+    if args.backend == "nccl":
+        from rankscope.drill.gpu import check_cuda
+
+        check_cuda(config.layout.world)
     result = run_suite(config, say=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(json.dumps(result, indent=2, default=str) if args.json else "\n".join(scorecard_lines(result)))
     return 0
