@@ -99,10 +99,11 @@ MAX_PYSPY_TIMEOUT_S = 60.0
 DEFAULT_PYSPY_TIMEOUT_S = 5.0
 MAX_SAMPLE_HZ = 1000.0  # the sampler runs at most probes.sampler.MAX_RATE_HZ; above this a request is nonsense
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # replies: a whole machine's stacks
-# Requests (read before the token is checked). The largest real one is a relay's Describe naming the versions
-# it holds of 16,384 agents: 0.86 MB; a RunAction evicting a machine together with 16,384 others is 0.26 MB.
-MAX_REQUEST_BYTES = 1024 * 1024
-MAX_CONCURRENT_RPCS = 100  # calls in flight at once, all clients together (a TUI holds 3-4 per agent)
+# Requests (read before the token is checked). The largest real ones: a RunAction evicting a machine together with
+# the 16,383 others of a whole-job restart, 0.26 MB; a relay's Describe naming the versions it holds of 8,192
+# agents, 0.44 MB (relays have tens). Peak memory is about this times the calls in flight, times 3.
+MAX_REQUEST_BYTES = 512 * 1024
+MAX_CONCURRENT_RPCS = 64  # calls in flight at once, all clients together (a TUI holds 3-4 per agent)
 MAX_STREAMS_PER_CONNECTION = 32  # calls in flight on one connection
 MAX_CONNECTIONS = 512  # also at most half the descriptors the agent may open (connection_limit)
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not finished TLS and the HTTP/2 settings by then is closed

@@ -171,7 +171,7 @@ def test_a_counter_directory_of_another_user_is_refused(tmp_path: Path, capsys: 
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.binary(max_size=L.HEADER_SIZE * 2))
+@given(st.binary(max_size=64) | st.binary(min_size=L.HEADER_SIZE, max_size=L.HEADER_SIZE + 256))
 def test_any_bytes_in_a_counter_file_give_an_error_never_an_exception_or_the_bytes(tmp_path: Path,
                                                                                    data: bytes) -> None:
     path = tmp_path / "fuzz.rank3.ccl"
@@ -181,8 +181,7 @@ def test_any_bytes_in_a_counter_file_give_an_error_never_an_exception_or_the_byt
     if not data.startswith(L.MAGIC):
         assert got.error is not None and got.rank == 3
         assert time.monotonic() - started < ccl_counters.SEQLOCK_PATIENCE_S, "spun on a file that is not ours"
-        shown = data[:16].decode("latin-1")
-        assert len(data) < 16 or shown not in got.error
+        assert len(data) < 8 or repr(data[:8]) not in got.error, "the error echoed the file's first bytes"
 
 
 # ---- limits before the token check ------------------------------------------------------------------------
@@ -191,7 +190,8 @@ def test_any_bytes_in_a_counter_file_give_an_error_never_an_exception_or_the_byt
 async def test_tokenless_oversized_requests_in_parallel_leave_memory_bounded(world: World) -> None:
     pid = world.actions.proc.pid
     before = _rss_peak_kb(pid)
-    blob = pb.DescribeRequest(relayed_since={"x" * (20 * 1024 * 1024): 1}).SerializeToString()
+    size_mb = int(os.environ.get("RANKSCOPE_ABUSE_REQUEST_MB", "20"))  # the README's figure: 60
+    blob = pb.DescribeRequest(relayed_since={"x" * (size_mb * 1024 * 1024): 1}).SerializeToString()
     channel = grpc.aio.insecure_channel(world.actions.address, options=[("grpc.max_send_message_length", 64 << 20)])
     async with channel:
         describe = channel.unary_unary("/rankscope.v1.RankscopeAgent/Describe")  # bytes in, bytes out
@@ -204,20 +204,30 @@ async def test_tokenless_oversized_requests_in_parallel_leave_memory_bounded(wor
             return grpc.StatusCode.OK
 
         codes = await asyncio.gather(*(one() for _ in range(8)))
+    after = _rss_peak_kb(pid)
+    print(f"agent peak RSS {before / 1024:.0f} MB before, {after / 1024:.0f} MB after 8 parallel token-less "
+          f"{size_mb} MB requests")  # the README's figure (pytest -s)
     assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}, codes  # refused from its length, unread
-    grown_mb = (_rss_peak_kb(pid) - before) / 1024
+    grown_mb = (after - before) / 1024
     assert grown_mb < 64, f"the agent's peak RSS grew {grown_mb:.0f} MB for 8 refused requests"
     channel, stub = _stub(world.actions.address)
     async with channel:
         await stub.Describe(pb.DescribeRequest(), metadata=auth_metadata(READ), timeout=CALL_S)
 
 
-def test_the_request_limit_fits_the_largest_real_request() -> None:
-    """A relay's Describe naming 16,384 agents' versions: the limit must not refuse a real job."""
-    request = pb.DescribeRequest(sample_hz=2.0, since=2**63)
-    for i in range(16384):
-        request.relayed_since[f"gpu-node-{i:05d}.cluster.example.org:50051"] = 2**63
-    assert request.ByteSize() < MAX_REQUEST_BYTES
+def test_the_request_limit_fits_the_largest_real_requests() -> None:
+    """A whole-job eviction of 16,384 machines, and a relay's Describe naming 8,192 agents' versions (relays have
+    tens): the limit must not refuse a real job."""
+    names = [f"gpu-node-{i:05d}" for i in range(16384)]
+    evict = ActionRequest("evict-all", ActionKind.EVICT, Targets(names[:1], tuple(range(8))),
+                          EvictArgs("x" * 500, tuple(names[1:])), "someone@login-node-01")
+    run = pb.RunActionRequest(request=request_to_proto(evict),
+                              confirmation=confirmation_to_proto(Confirmation(tuple(names[:1]), tuple(range(8)),
+                                                                              "evict " + names[0])))
+    relayed = pb.DescribeRequest(sample_hz=2.0, since=2**63)
+    for i in range(8192):
+        relayed.relayed_since[f"{names[i]}.cluster.example.org:50051"] = 2**63
+    assert run.ByteSize() < MAX_REQUEST_BYTES and relayed.ByteSize() < MAX_REQUEST_BYTES
 
 
 async def test_idle_connections_under_a_low_descriptor_limit_do_not_lock_out_a_client(tmp_path: Path) -> None:
