@@ -159,7 +159,7 @@ def scope_text(scope: EvictionScope, chosen: EvictionOption) -> Text:
     if other is not None:
         what = "over-evict the whole group" if other.scope == GROUP else "evict only what the evidence names"
         extra = f", {len(scope.extra_of_group)} more than the evidence names" if other.scope == GROUP else ""
-        t.append(f"other plan: {what}: {option_line(other)}{extra} — the '{other_label(other)}' button\n", "dim")
+        t.append(f"other plan: {what}: {option_line(other)}{extra} — ctrl+o (the '{other_label(other)}' button)\n", "dim")
     return t
 
 

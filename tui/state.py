@@ -799,9 +799,47 @@ def step_rate(state: AppState) -> float | None:
     return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
 
 
+RATE_WINDOW_S = 10.0  # the header's step rate: over this recent window, never the kept minute's average
+QUIET_MIN_S = 5.0  # no progress this long (or three usual steps, if longer) is no longer "healthy"
+
+
+def recent_step_rate(state: AppState, window_s: float = RATE_WINDOW_S) -> float | None:
+    """Steps per second over the last ``window_s`` of readings (the last two when they are further apart).
+
+    A lifetime (or whole-minute) average hid a hang: 22 s into one the header still read 0.62 steps/s.
+    """
+    pts = state.step_points
+    if len(pts) < 2:
+        return None
+    end_wall, end = pts[-1]
+    start = next((p for p in pts if end_wall - p[0] <= window_s), pts[-2])
+    if start[0] >= end_wall:
+        start = pts[-2]
+    span = end_wall - start[0]
+    return (end - start[1]) / span if span > 0 else None
+
+
+def progress_age(state: AppState) -> float | None:
+    """Seconds since the job's last progress (a step, or collective progress), per its agents or the readings."""
+    clock = state.clock
+    if clock is not None:
+        return clock.progress_age_s if clock.running else None
+    if state.last_progress_wall is None or not state.progress_points:
+        return None
+    return max(0.0, state.progress_points[-1][0] - state.last_progress_wall)
+
+
+def quiet_after(state: AppState) -> float:
+    """No progress this long makes the job "stalled" (before it is hung): three usual steps, at least
+    ``QUIET_MIN_S``, always before the hang threshold."""
+    rate = step_rate(state)
+    usual = 3.0 / rate if rate else 0.0
+    return min(max(QUIET_MIN_S, usual), 0.8 * state.hang_after_s)
+
+
 @dataclass(frozen=True, slots=True)
 class Health:
-    kind: str  # healthy, hung, slow, starting, idle, finished, unknown
+    kind: str  # healthy, stalled, hung, slow, starting, idle, finished, unknown
     text: str
 
 
@@ -867,6 +905,10 @@ def health(state: AppState) -> Health:
         since = state.last_progress_wall
         if since is not None and last[0] - since >= hang_after_s:
             return Health("hung", f"hung since {fmt_time(since)} ({last[0] - since:.0f} s)")
+    age = progress_age(state)
+    if age is not None and age >= quiet_after(state):
+        # Between a quiet spell and the hang threshold: not "healthy" ("healthy │ 0.62 steps/s" 22 s into a hang).
+        return Health("stalled", f"no progress for {age:.0f} s")
     pts = state.step_points
     if len(pts) >= 6:
         # Rates over readings at least half a second apart: a capture's reading lands milliseconds after a
@@ -875,8 +917,8 @@ def health(state: AppState) -> Health:
         if rates:
             # Against the window's median, not its best: one quick pair of polls is not the job's pace.
             usual = float(np.median(rates))
-            recent = sum(rates[-3:]) / len(rates[-3:])
-            if usual > 0 and recent < 0.5 * usual:
+            recent = recent_step_rate(state)  # the header's rate: one number, not two that disagree
+            if usual > 0 and recent is not None and recent < 0.5 * usual:
                 return Health("slow", f"slow: {recent:.2f} steps/s, usually {usual:.2f}")
     return Health("healthy", "healthy")
 

@@ -49,6 +49,9 @@ pytestmark = pytest.mark.timeout(60)
 
 SUSPECT_MACHINES = ("node12", "node13", "node14", "node15")  # Fig. 7: the PP group on machines 12-15
 PHRASE = "evict node12 node13 node14 node15"
+# The evidence pins rank 30 (the rank the group waits on), so `e` evicts its machine by default.
+PINNED = ("node15",)
+PINNED_PHRASE = "evict node15"
 
 
 def address_of(machine: str) -> str:
@@ -194,13 +197,14 @@ async def test_evict_shows_the_plan_with_cancel_focused_and_enter_cancels_withou
     async with app.run_test(size=(140, 48)) as pilot:
         modal = await open_confirm(pilot, app, "e")
         (request,) = source.planned
-        assert request.kind == ActionKind.EVICT and request.targets.machines == SUSPECT_MACHINES
+        assert request.kind == ActionKind.EVICT and request.targets.machines == PINNED
         assert isinstance(app.focused, Button) and app.focused.id == "cancel"
         assert modal.query_one("#confirm", Button).disabled  # nothing typed yet
         text = screen_text(app)
-        assert PHRASE in text
-        for needle in ("processes (rank: pids): 24: 4024; 25: 4025", "standbys joining: spare-12",
-                       "scontrol update NodeName=node15 State=DRAIN"):
+        assert f"Type {PINNED_PHRASE} to confirm" in text
+        for needle in ("processes (rank: pids): 30: 4030; 31: 4031", "standbys joining: spare-15",
+                       "scontrol update NodeName=node15 State=DRAIN", "the evidence pins rank 30",
+                       "over-evict the whole group: node12 node13 node14 node15 (4 standbys), 3 more"):
             assert needle in text, needle
         await pilot.press("enter")  # the default answer
         await until(pilot, lambda: not isinstance(app.screen, ConfirmModal), what="the modal to close")
@@ -258,15 +262,15 @@ async def test_the_right_phrase_runs_with_the_exact_confirmation_and_progress_an
     async with app.run_test(size=(140, 48)) as pilot:
         await open_confirm(pilot, app, "e")
         await focus_phrase_box(pilot, app)
-        await pilot.press(*PHRASE)
+        await pilot.press(*PINNED_PHRASE)
         await pilot.press("enter")
         await until(pilot, lambda: bool(source.runs), what="the run")
         (request, confirmation), = source.runs
         assert request is source.planned[0]
-        assert confirmation == Confirmation(SUSPECT_MACHINES, (), PHRASE)
+        assert confirmation == Confirmation(PINNED, (), PINNED_PHRASE)
         await until(pilot, lambda: watched.has("succeeded: evicted node15"), what="the result")
-        assert watched.has("SIGTERM 2 processes on node12") and watched.has("evict 1/2")
-        assert all(watched.has(f"{address_of(m)}: succeeded: evicted {m}") for m in SUSPECT_MACHINES)
+        assert watched.has("SIGTERM 2 processes on node15") and watched.has("evict 1/2")
+        assert all(watched.has(f"{address_of(m)}: succeeded: evicted {m}") for m in PINNED)
         # the agents' audit stream: shown in the Actions view and the Events view
         for seq, result in enumerate(("started", "succeeded"), start=1):
             source.audit.put_nowait((address_of("node12"), AuditRecord(
@@ -387,7 +391,7 @@ async def test_a_token_without_the_act_role_is_named_with_the_fix() -> None:
     async with app.run_test(size=(140, 48)) as pilot:
         await open_confirm(pilot, app, "e")
         await focus_phrase_box(pilot, app)
-        await pilot.press(*PHRASE, "enter")
+        await pilot.press(*PINNED_PHRASE, "enter")
         await until(pilot, lambda: watched.has("this token may not act"), what="the refusal")
         assert watched.has(ACT_TOKEN_FIX)
 
@@ -537,9 +541,15 @@ async def test_on_a_small_terminal_the_phrase_box_and_buttons_stay_visible_and_p
     source = RecordingSource()
     app = RankscopeApp(source, AppOptions())
     async with app.run_test(size=(80, 24)) as pilot:
-        await open_confirm(pilot, app, "e")
+        first = await open_confirm(pilot, app, "e")
+        assert "^o Whole group (4 machines)" in screen_text(app)
+        await pilot.press("ctrl+o")  # the whole group's plan: four machines
+        await until(pilot, lambda: isinstance(app.screen, ConfirmModal) and app.screen is not first
+                    and app.focused is not None, what="the whole group's plan")
+        await pilot.pause()
         text = screen_text(app)
         assert "Cancel" in text and "Evict" in text and "Type evict node12" in text
+        assert "^o Only the evidence (1 machine)" in text
         plan = app.screen.query_one("#confirm-plan")
         assert plan.scroll_y == 0 and plan.max_scroll_y > 0  # 4 machines' plans do not fit in 24 rows
         await pilot.press("pagedown")

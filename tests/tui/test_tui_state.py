@@ -261,7 +261,8 @@ def test_one_reading_is_not_called_healthy_and_a_confident_slow_machine_is_in_th
     s = fold(lost_series())
     assert st.health(s).kind == "healthy"
     line = header_text(s, "16 agents", False, slow_machine="node09").plain.splitlines()[0]
-    assert line.startswith("slow: node09 (fail-slow detectors, key 7) │ 16/16 machines")
+    assert line.startswith("slow: node09 (fail-slow detectors, key 7) │ 1.00 steps/s (10 s) │ progress 0 s ago, "
+                           "hang at 30 s │ 16/16 machines"), line
 
 
 def test_a_capture_a_few_milliseconds_after_a_poll_is_no_step_rate() -> None:
@@ -312,10 +313,10 @@ def test_a_capture_is_of_a_running_job_only_while_it_steps() -> None:
     running = st.apply_capture(s, st.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
     assert running.verdict is not None and running.verdict.running
     assert running.events[-1].kind == "verdict" and running.events[-1].text.startswith("no verdict: the job was")
-    # Ten seconds without a step: health still says healthy (hang_after_s is 30 s), but the job is not stepping.
+    # Ten seconds without a step: not hung yet (hang_after_s is 30 s), nor "healthy": stalled, and not stepping.
     for i in range(6, 16):
         s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=105, hung=True)), T0 + i)
-    assert st.health(s).kind == "healthy" and not st.making_steps(s)
+    assert st.health(s) == st.Health("stalled", "no progress for 9 s") and not st.making_steps(s)
     capture = job(T0 + 16, stacks=True, step=105, hung=True)
     stuck = st.apply_capture(s, st.digest(capture), build_stack_view(capture, capture.layout), T0 + 16)
     assert stuck.verdict is not None and not stuck.verdict.running
@@ -329,11 +330,31 @@ def test_slow_is_measured_against_the_usual_pace_not_one_quick_reading() -> None
         steps += 6 if i == 2 else 2
         s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=steps, hung=False)), T0 + i)
     assert st.health(s).kind == "healthy", st.health(s)
-    for i in range(12, 16):  # then a step every other second: a quarter of the usual pace
+    for i in range(12, 23):  # then a step every other second: a quarter of the usual pace, over the header's window
         steps += 1 if i % 2 else 0
         s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=steps, hung=False)), T0 + i)
     h = st.health(s)
-    assert h.kind == "slow" and h.text == "slow: 0.67 steps/s, usually 2.00", h
+    assert h.kind == "slow" and h.text == "slow: 0.50 steps/s, usually 1.50", h
+    # The header's rate is the same number: "slow: 0.00 steps/s, usually 1.37 │ 2.81 steps/s" said two things.
+    from rankscope.tui.widgets.verdict import header_text
+    assert header_text(s, "x", False).plain.startswith("slow: 0.50 steps/s, usually 1.50 │ 0.50 steps/s (10 s)")
+
+
+def test_no_progress_counts_to_the_hang_threshold_and_the_capture_and_is_never_healthy() -> None:
+    from rankscope.tui.widgets.verdict import header_text
+
+    s = st.AppState()
+    for i in range(10):  # 1 step/s
+        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=100 + i, hung=False)), T0 + i)
+    assert st.health(s).kind == "healthy" and st.recent_step_rate(s) == 1.0
+    for i in range(10, 33):  # then no step at all: 22 s later it reads so, with the count to the capture
+        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=109, hung=True)), T0 + i)
+    line = header_text(s, "x", False).plain.splitlines()[0]
+    assert line.startswith("no progress for 22 s │ 0.00 steps/s (10 s) │ hang + capture in 8 s"), line
+    for i in range(33, 45):
+        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=109, hung=True)), T0 + i)
+    assert st.health(s).kind == "hung" and st.hang_capture_due(s)
+    assert "│ 0.00 steps/s (10 s) │ capture due" in header_text(s, "x", False).plain
 
 
 def test_metric_outliers_fire_with_four_machines() -> None:

@@ -58,6 +58,7 @@ class ConfirmModal(ModalScreen[bool]):
         Binding("escape", "cancel", "Cancel"),
         Binding("pageup", "scroll_plan(-1)", "Scroll plan", show=False),
         Binding("pagedown", "scroll_plan(1)", "Scroll plan", show=False),
+        Binding("ctrl+o", "other_plan", "Other plan", show=False),
     ]
 
     def __init__(self, title: str, summary: PlanToConfirm, plan: Text, alternative: str | None = None) -> None:
@@ -103,7 +104,10 @@ class ConfirmModal(ModalScreen[bool]):
             yield Button(label, id="confirm", variant="error",
                          disabled=not self.summary.runnable or self.phrase is not None)
             if self.alternative is not None:
-                yield Button(self.alternative, id="other-plan")
+                # Out of the tab order (tab goes Cancel -> phrase box, as without it); ctrl+o or a click.
+                other = Button(f"^o {self.alternative}", id="other-plan")
+                other.can_focus = False
+                yield other
 
     def action_scroll_plan(self, direction: int) -> None:
         plan = self.query_one("#confirm-plan", PlanScroll)
@@ -136,7 +140,9 @@ class ConfirmModal(ModalScreen[bool]):
         self.dismiss(True)
 
     @on(Button.Pressed, "#other-plan")
-    def _other_plan(self) -> None:
+    def action_other_plan(self) -> None:
+        if self.alternative is None:
+            return
         self.switched = True
         self.dismiss(False)
 

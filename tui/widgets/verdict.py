@@ -6,13 +6,24 @@ from rankscope.analyzers.topology import compact_machines, compact_ranks
 from rankscope.analyzers.verdict import group_numbers
 from rankscope.contract.snapshot import Layout
 from rankscope.tui.analysis import StackView
-from rankscope.tui.state import AppState, Filter, Health, fmt_time, health, running_capture_text, step_rate
+from rankscope.tui.state import (
+    RATE_WINDOW_S,
+    AppState,
+    Filter,
+    Health,
+    fmt_time,
+    hang_capture_due,
+    health,
+    progress_age,
+    recent_step_rate,
+    running_capture_text,
+)
 from rankscope.tui.widgets.rank_map import group_glyph, group_style
 from rich.text import Text
 from textual.widgets import Static
 
 HEALTH_STYLES = {"healthy": "bold green", "hung": "bold red", "slow": "bold yellow", "idle": "bold cyan",
-                 "starting": "bold cyan", "finished": "bold cyan", "unknown": "dim"}
+                 "starting": "bold cyan", "finished": "bold cyan", "unknown": "dim", "stalled": "bold yellow"}
 
 
 def layout_text(layout: Layout | None) -> str:
@@ -28,7 +39,7 @@ def layout_text(layout: Layout | None) -> str:
 
 def header_text(state: AppState, source: str, read_only: bool, filter_line: str = "",
                 slow_machine: str | None = None) -> Text:
-    """Line 1: the state first (what matters at 3 a.m.), then the job; line 2: where the data is from.
+    """Line 1: the state first (what matters at 3 a.m.), its time, the machines; line 2: the job, where the data is from.
 
     ``slow_machine``: the fail-slow detectors' confident suspect. A job that
     is merely slower than it was can look "healthy" by its step rate alone.
@@ -40,11 +51,9 @@ def header_text(state: AppState, source: str, read_only: bool, filter_line: str 
     reachable = sum(1 for m in job if m.reachable)
     lost = len(job) - reachable
     evicted = len(state.machines) - len(job)
-    # No ranks running: the window's old steps are no rate of this moment ("finished │ 2.09 steps/s"). Nor of a
-    # hung job: the view that watched the hang begin read "HUNG … │ 1.53 steps/s", the late one "0.00".
-    rate = 0.0 if h.kind == "hung" else step_rate(state) if h.kind not in ("finished", "idle") else None
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("HUNG" + h.text[4:] if h.kind == "hung" else h.text, HEALTH_STYLES[h.kind])
+    t.append_text(timing_text(state, h))
     t.append(f" │ {reachable}/{len(job)} machines")
     if lost and state.awaiting_restart:  # after an eviction the job's agents restart with it: not lost
         t.append(f" {lost} restarting", "yellow")
@@ -52,16 +61,44 @@ def header_text(state: AppState, source: str, read_only: bool, filter_line: str 
         t.append(f" {lost} lost", "bold red")
     if evicted:
         t.append(f" {evicted} evicted", "yellow")
-    t.append(f" │ {rate:.2f} steps/s" if rate is not None else " │ - steps/s")
-    t.append(f" │ world {state.world_size if state.world_size is not None else '?'} {layout_text(state.layout)}")
-    t.append(f" │ job {state.job_id or '?'}", "dim")
     t.append("\n")
+    # Who the job is leads the second line: at 80 columns the first line's end is cut.
+    t.append(f"job {state.job_id or '?'}", "bold")
+    t.append(f" │ world {state.world_size if state.world_size is not None else '?'} {layout_text(state.layout)} │ ")
     if read_only:
         t.append("[read-only] ", "bold cyan")
     if filter_line:
         t.append(filter_line + " │ ", "bold yellow")
     t.append(f"{source} │ polled {fmt_time(state.progress_points[-1][0] if state.progress_points else None)}"
              f" │ captured {fmt_time(state.capture_wall)} UTC", "dim")
+    return t
+
+
+def timing_text(state: AppState, h: Health) -> Text:
+    """The job's time: its recent step rate, seconds since its last progress, and the count to the hang threshold
+    (when the automatic capture runs); none of it for a job with no ranks running (an old rate is no rate now)."""
+    t = Text()
+    if h.kind in ("finished", "idle"):
+        t.append(" │ - steps/s")
+        return t
+    rate = 0.0 if h.kind == "hung" else recent_step_rate(state)
+    t.append(f" │ {rate:.2f} steps/s ({RATE_WINDOW_S:.0f} s)" if rate is not None else " │ - steps/s")
+    age = progress_age(state)
+    if age is None:
+        return t
+    left = state.hang_after_s - age
+    if h.kind == "hung":
+        mark = state.clock.progress_mark if state.clock is not None else state.last_progress_wall
+        if state.capturing:
+            t.append(" │ capturing", "bold red")
+        elif state.capture_wall is not None and (mark is None or state.capture_wall >= mark):
+            t.append(f" │ captured {fmt_time(state.capture_wall)}", "bold")
+        else:
+            t.append(" │ capture due" if hang_capture_due(state) else " │ not captured (s)", "bold red")
+    elif h.kind == "stalled":
+        t.append(f" │ hang + capture in {max(0.0, left):.0f} s", "bold yellow")
+    else:
+        t.append(f" │ progress {age:.0f} s ago, hang at {state.hang_after_s:.0f} s", "dim")
     return t
 
 
