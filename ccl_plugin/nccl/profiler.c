@@ -186,6 +186,20 @@ static int alloc_rec(rs_rec* pool, uint32_t size, uint64_t* cursor, uint32_t* ge
   return -1;
 }
 
+/* the fields that do not change while the record is held (never the atomic word or req) */
+static void copy_fields(rs_rec* dst, const rs_rec* src) {
+  dst->parent = src->parent;
+  dst->ctx = src->ctx;
+  dst->aux = src->aux;
+  dst->t0 = src->t0;
+  dst->slot = src->slot;
+  dst->peer = src->peer;
+  dst->kind = src->kind;
+  dst->is_send = src->is_send;
+  dst->net = src->net;
+  dst->n_channels = src->n_channels;
+}
+
 static void publish(rs_rec* r, uint32_t gen) { __atomic_store_n(&r->word, W_MAKE(gen, 0, S_OPEN), __ATOMIC_RELEASE); }
 
 /* Take a reference on a live record of this generation (open, stopped, or done: a late child reopens
@@ -318,11 +332,14 @@ __attribute__((destructor)) static void unload(void) {
     if (old_maps[i] && old_maps[i] != b) munmap(old_maps[i], RS_FILE_SIZE);
 }
 
+/* compared as stored: cut to the field, so a name too long for it still finds its one slot */
 static int find_slot(unsigned char* b, int comm_index, const char* op) {
+  char name[RS_OP_NAME_LEN];
+  copy_str(name, RS_OP_NAME_LEN, op);
   int n = __atomic_load_n(&n_ops_published, __ATOMIC_ACQUIRE);
   for (int i = 0; i < n; i++) {
     rs_op* o = op_at(b, i);
-    if ((int)o->comm_index == comm_index && strncmp(o->op, op, RS_OP_NAME_LEN) == 0) return i;
+    if ((int)o->comm_index == comm_index && memcmp(o->op, name, RS_OP_NAME_LEN) == 0) return i;
   }
   return -1;
 }
@@ -332,7 +349,10 @@ static int slot_for(unsigned char* b, rs_ctx* ctx, const char* func) {
   uint64_t key = (uint64_t)(uintptr_t)op;
   uint64_t* c = &ctx->cache[(key >> 3) & 7];
   uint64_t e = __atomic_load_n(c, __ATOMIC_ACQUIRE);
-  if (e && (e >> 16) == key) return (int)(e & 0xFFFF) - 1;
+  if (e && (e >> 16) == key) { /* the same pointer; a caller's reused buffer would hold another name */
+    int hit = (int)(e & 0xFFFF) - 1;
+    if (strncmp(op_at(b, hit)->op, op, RS_OP_NAME_LEN - 1) == 0) return hit;
+  }
   int slot = find_slot(b, ctx->comm_index, op);
   if (slot < 0) {
     lock_create();
@@ -566,7 +586,8 @@ static void release(uint64_t handle) {
   int pool;
   rs_rec* r = record((void*)(uintptr_t)handle, &gen, &pool);
   if (!r) return;
-  rs_rec copy = *r; /* its fields do not change while we hold a reference */
+  rs_rec copy;
+  copy_fields(&copy, r); /* while we hold a reference; the record may be reused once we let go */
   uint64_t w = __atomic_load_n(&r->word, __ATOMIC_ACQUIRE);
   int done;
   for (;;) {
@@ -688,7 +709,8 @@ static ncclResult_t rs_stop(void* handle) {
   int pool;
   rs_rec* e = record(handle, &gen, &pool);
   if (!e || !owned(e, gen)) return RS_NCCL_SUCCESS; /* not ours, stale, or stopped twice */
-  rs_rec copy = *e;
+  rs_rec copy;
+  copy_fields(&copy, e);
   /* a request still open at its stop finished now; counted while the record is surely ours */
   if (copy.kind == K_STEP || copy.kind == K_KCH) complete(e, -1);
   uint64_t w = __atomic_load_n(&e->word, __ATOMIC_ACQUIRE);

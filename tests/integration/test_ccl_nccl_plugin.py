@@ -217,6 +217,18 @@ def test_replay_with_the_shipped_pool_sizes_counts_exactly(built: tuple[Path, Pa
     _check_replay(_replay(lib, exe, out, 5000), out, 5000)
 
 
+def test_replay_under_thread_sanitizer_has_no_data_race(tmp_path: Path) -> None:
+    """The user thread and the proxy threads write the same slots and records: every access is ordered."""
+    tsan = ("-fsanitize=thread", "-g", "-Wno-tsan")  # TSan cannot model the seqlock's fences; CASes order it
+    lib = build_plugin(tmp_path, extra_flags=(*tsan, *SMALL_POOLS))
+    exe = _compile_driver(tmp_path, "replay.c", tsan)
+    out = tmp_path / "counters"
+    out.mkdir()
+    proc = _replay(lib, exe, out, 2000, env={"TSAN_OPTIONS": "halt_on_error=1"})
+    assert "ThreadSanitizer" not in proc.stderr, proc.stderr[-4000:]
+    _check_replay(proc, out, 2000)
+
+
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed (apt-get install valgrind)")
 def test_replay_under_valgrind_is_clean(tmp_path: Path) -> None:
     lib = build_plugin(tmp_path, extra_flags=("-g", *SMALL_POOLS))
