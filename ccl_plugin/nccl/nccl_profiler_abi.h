@@ -3,8 +3,8 @@
  * src/include/plugin/profiler/, the version adapters in src/plugin/profiler/ and plugins/profiler/README.md).
  *
  * What NCCL does with these (2.28 to 2.30):
- * - it dlsyms ncclProfiler_v6 first (NCCL >= 2.29), then v5 (2.28 loads v5 first), then v4, and adapts every
- *   event to the version it found; a newer NCCL calls a v5 table with v5 descriptors, an older one a v4 table;
+ * - it dlsyms ncclProfiler_v6 first (NCCL >= 2.29), then v5 (2.28 loads v5 first), then v4 (2.27), and
+ *   adapts every event to the version it found: a newer NCCL calls a v5 table with v5 descriptors;
  * - init's eActivationMask is ONE process-wide mask: the last communicator's init wins for all of them;
  * - handles are opaque to NCCL: it only hands them back (stop, state, and as a child's parentObj);
  * - Coll/P2p: parentObj is the CollApi/P2pApi handle (v5+; NULL when those are not subscribed), the Group

@@ -1,9 +1,9 @@
 /* rankscope's NCCL profiler plugin: Aegis Phase-2 CL/WR/WC from inside NCCL.
  *
  * NCCL loads this library through NCCL_PROFILER_PLUGIN and calls the entry points of ncclProfiler_v6
- * (NCCL >= 2.29), ncclProfiler_v5 (2.28) or ncclProfiler_v4 (2.23-2.27). Events become the counter file the
- * Python hooks also write (layout in rankscope_layout.h, generated from layout.py), named
- * <job>.rank<R>.nccl.ccl so both writers coexist:
+ * (NCCL >= 2.29), ncclProfiler_v5 (2.28) or ncclProfiler_v4 (2.27); an older NCCL (v1-v3) finds no table
+ * and runs without it. Events become the counter file the Python hooks also write (layout in
+ * rankscope_layout.h, generated from layout.py), named <job>.rank<R>.nccl.ccl so both writers coexist:
  *   CL  Coll / P2p start, per (communicator, function);
  *   WR  a work request posted: on a communicator that spans nodes, a ProxyStep reaching SendWait (isend
  *       posted) or RecvWait (irecv posted); within a node (nNodes == 1), a KernelCh start (the GPU channel

@@ -135,6 +135,12 @@ static void proxy_op(void* ctx, void* parent, int is_send, int peer, int steps, 
     P->stopEvent(s);
   }
   P->stopEvent(op);
+  /* NCCL never does this, but a stale handle must not count: the records may belong to another thread's
+   * events by now */
+  void* last = live[(steps - 1) % STEPS];
+  state(last, is_send ? RS_ST_STEP_SEND_WAIT : RS_ST_STEP_RECV_WAIT, trans);
+  P->stopEvent(last);
+  P->stopEvent(op);
 }
 
 static void* proxy_thread(void* arg) {
