@@ -196,9 +196,13 @@ def _logs_with_dumps(args: argparse.Namespace) -> None:
         raise RankscopeError(f"no logs this reader knows in {path}",
                              "pass NCCL RAS output, ProcessGroupNCCL watchdog lines, fr_trace's report, DETAIL "
                              "mismatch errors or NCCL Inspector output (see `rankscope analyze --help`)")
-    if any(f.pyspy or (f.kind is None and f.path.suffix.lower() != ".md" and looks_like_pyspy(f.path))
-           for f in files):
+    dumps = [f for f in files if f.pyspy or (f.kind is None and f.path.suffix.lower() != ".md"
+                                              and looks_like_pyspy(f.path))]
+    if dumps:
         args.pyspy_dir = path
+    # Nothing is dropped quietly: a file that is neither is named.
+    args.log_unread = [f"{f.path.name}: neither a log nor a py-spy dump this reader knows, not read"
+                       for f in files if f.kind is None and f not in dumps and f.path.suffix.lower() != ".md"]
 
 
 def _log_verdict(args: argparse.Namespace, snapshot: Any) -> tuple[Any, Any]:
@@ -215,6 +219,7 @@ def _log_verdict(args: argparse.Namespace, snapshot: Any) -> tuple[Any, Any]:
     evidence = read_logs(files)
     if evidence.empty() and not evidence.notes:
         return None, snapshot
+    evidence = dataclasses.replace(evidence, notes=(*evidence.notes, *getattr(args, "log_unread", ())))
     counters = watchdog_counters(evidence.watchdog)
     if counters and any(m.stacks for m in snapshot.machines):
         where = snapshot.rank_to_machine()
@@ -368,10 +373,12 @@ def render_text(out: dict[str, Any]) -> str:
     lay = out["layout"]
     dims = " ".join(f"{d}={lay[d]}" for d in ("tp", "pp", "dp", "cp", "ep") if lay[d] > 1) or "no parallel sizes"
     rpm = f", {lay['ranks_per_machine']} ranks/machine" if lay.get("ranks_per_machine") else ""
-    lines.append(f"layout: {dims} (order {lay['order']}), world {out['world_size']}{rpm}"
-                 + (" [assumed]" if lay.get("assumed") else ""))
+    stackless = not out["groups"] and out["world_size"] is None  # logs alone: no stacks, no layout to show
+    if not stackless:
+        lines.append(f"layout: {dims} (order {lay['order']}), world {out['world_size']}{rpm}"
+                     + (" [assumed]" if lay.get("assumed") else ""))
     lines.append("")
-    lines.append(f"stack groups ({len(out['groups'])}):")
+    lines.append(f"stack groups ({len(out['groups'])}):" if not stackless else "stack groups: none (logs only)")
     for g in out["groups"][:20]:
         tag = "healthy" if g["healthy"] else "outlier" if out["dominant"] else "group"
         div = f"\n      leaves the healthy path at {g['diverging_frame']}" if g.get("diverging_frame") else ""
