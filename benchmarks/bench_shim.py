@@ -25,8 +25,10 @@ and whether every rank exited cleanly. Step time on gloo: bench_ccl.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -123,12 +125,37 @@ def _worker(args: argparse.Namespace) -> int:
 # ---- the launching side -----------------------------------------------------------
 
 
+def run_session(code_or_args: list[str], env: dict[str, str], timeout_s: float) -> tuple[int | None, str]:
+    """A Python child in a session of its own; (exit code or None on timeout, its output).
+
+    On timeout the whole session gets SIGINT (the drill stops what it started), then SIGKILL: nothing it
+    started outlives the part.
+    """
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([sys.executable, *code_or_args], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, cwd=str(ROOT), start_new_session=True)
+        code: int | None
+        try:
+            code = proc.wait(timeout=max(1.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            code = None
+            for sig, grace in ((signal.SIGINT, 20.0), (signal.SIGKILL, 10.0)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(timeout=grace)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        out.seek(0)
+        return code, out.read()
+
+
 def run_job(backend: str, world: int, calls: int, rounds: int, plugin: Path | None, tmp: Path,
             timeout_s: float = 300.0) -> dict[str, Any]:
     """One torchrun of the worker; every rank's figures, the exit code and whether every rank reported."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANKSCOPE_", "NCCL_PROFILER"))}
     env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
     if plugin is not None:
         env["NCCL_PROFILER_PLUGIN"] = str(plugin)
         env["RANKSCOPE_CCL_DIR"] = str(tmp / "plugin-counters")
@@ -136,12 +163,7 @@ def run_job(backend: str, world: int, calls: int, rounds: int, plugin: Path | No
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            str(Path(__file__).resolve()), "--worker", "--backend", backend, "--calls", str(calls),
            "--rounds", str(rounds), "--counter-dir", str(tmp / "shim-counters")]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-        out, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        code = None
+    code, out = run_session(cmd[1:], env, timeout_s)
     ranks = [json.loads(ln[len(MARK):]) for ln in out.splitlines() if ln.startswith(MARK)]
     return {"exit_code": code, "ranks": sorted(ranks, key=lambda r: r["rank"]), "all_ranks_reported": len(ranks) == world,
             "tail": "" if code == 0 and len(ranks) == world else out[-3000:]}

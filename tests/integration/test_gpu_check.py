@@ -1,0 +1,65 @@
+"""benchmarks/gpu_check.py where no GPU is: it stops at once with the reason, and its pieces work without CUDA."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from repo_paths import ROOT
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+CHECK = ROOT / "benchmarks" / "gpu_check.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the check")
+def test_without_cuda_it_exits_at_once_with_the_reason() -> None:
+    t0 = time.monotonic()
+    text = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, timeout=120)
+    as_json = subprocess.run([sys.executable, str(CHECK), "--json", "--parts", "drills"], capture_output=True,
+                             text=True, timeout=120)
+    assert time.monotonic() - t0 < 60  # no part started: no build, no drill, no bench
+    assert text.returncode == 2 and as_json.returncode == 2, text.stderr + as_json.stderr
+    assert "torch.cuda.is_available() is False" in text.stdout and "CPU build" in text.stdout
+    assert "Traceback" not in text.stdout + text.stderr
+    report = json.loads(as_json.stdout)
+    assert list(report["parts"]) == ["env"] and "no CUDA here" in report["parts"]["env"]["error"]
+
+
+def test_unknown_parts_are_refused() -> None:
+    assert gpu_check.main(["--parts", "env,warp"]) == 2
+
+
+def test_the_working_tree_imports_as_rankscope_through_links(tmp_path: Path) -> None:
+    site = gpu_check.tree_site(tmp_path / "site")
+    code = ("import rankscope.drill.gpu, rankscope.ccl_plugin.torch_hooks, rankscope.probes.gpu;"
+            "print(rankscope.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], env=gpu_check.child_env(site), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(str(site))
+
+
+def test_the_report_says_what_failed_and_still_shows_the_rest() -> None:
+    drill = {"fault": "hang-compute", "seconds": 50.0, "truth": [3], "truth_machines": ["machine-1"],
+             "verdict": "rank 3 on machine-1 (computing; 3 ranks wait on it) (stacks + ccl)", "correct": True,
+             "named_ranks": [3], "stall": "stalled", "steps": {"0": 8}, "died": [], "leftovers": [],
+             "counters": {"0": ["TENSOR_MODEL_PARALLEL_GROUP[0/2] all_reduce 41/41/40 OPEN"]},
+             "nvml_during": [{"index": 0, "util_percent": 100.0, "power_w": 128.0}], "notes": []}
+    result = {"backend": "nccl", "budget_s": 470.0, "seconds": 300.0, "parts": {
+        "build": {"error": "RuntimeError: no C compiler found; fix: install one"},
+        "drills": {"data": {"hang-compute": drill,
+                            "hang-p2p": {"fault": "hang-p2p", "error": "drill exit 1 after 3 s", "tail": "boom"}}},
+    }}
+    text = "\n".join(gpu_check.report_lines(result))
+    assert "[build] FAILED: RuntimeError: no C compiler found" in text
+    assert "[drill hang-compute] RIGHT: verdict 'rank 3 on machine-1" in text
+    assert "r0: TENSOR_MODEL_PARALLEL_GROUP[0/2] all_reduce 41/41/40 OPEN" in text
+    assert "rank died: no" in text and "util 100.0 %, 128.0 W" in text
+    assert "[drill hang-p2p] ERROR drill exit 1 after 3 s" in text and "    boom" in text
