@@ -12,7 +12,8 @@
  *   the GPU timer and stops it.
  * Here PROXY_THREADS threads run communicator A's (two nodes) channels at once and one more runs B's (one
  * node) kernel channels, fed through bounded queues as NCCL's proxy ops pool bounds the host. Per round:
- * A: one AllReduce over CHANNELS channels, each a send and a receive op of STEPS steps; every 4th round a
+ * A: one AllReduce over CHANNELS channels, each a kernel channel (not a request across nodes) and a send
+ * and a receive op of STEPS steps; every 4th round a
  * Send to peer 2 and a Recv from peer 3 (one op, one step each); B: one AllGather over CHANNELS kernel
  * channels. Then, on the main thread: handles that are NULL, not the plugin's, stale (a parent whose record
  * was reused), of the wrong kind, a PXN proxy op from another process, stops of stopped handles, states
@@ -148,9 +149,12 @@ static void* proxy_thread(void* arg) {
   for (;;) {
     job j = get(q);
     if (j.kind == J_QUIT) return NULL;
-    if (j.kind == J_NET_COLL) {
+    if (j.kind == J_NET_COLL) { /* the mask is process-wide: kernel channels come on this path too */
+      void* k = kernel_ch(j.ctx, j.parent, j.channel, 1000);
       proxy_op(j.ctx, j.parent, 1, 2, STEPS, 1 << 16);
       proxy_op(j.ctx, j.parent, 0, 0, STEPS, 1 << 16);
+      P->recordEventState(k, RS_ST_KERNEL_CH_STOP, NULL);
+      P->stopEvent(k);
     } else if (j.kind == J_SEND || j.kind == J_RECV) {
       proxy_op(j.ctx, j.parent, j.kind == J_SEND, j.kind == J_SEND ? 2 : 3, 1, 256);
     } else {
