@@ -115,7 +115,7 @@ class MainScreen(Screen[None]):
             # capture gone stale since keeps its suspects, dim, for reading.
             progressing = state.verdict is not None and state.verdict.running
             self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, verdict_stale(state),
-                                                    state.capture_wall))
+                                                    state.capture_wall, state.machine_of_rank()))
             group_of = map_groups(state)
             machines = [MapMachine(m.name, m.ranks, m.reachable, m.evicted) for m in state.machines]
             self.query_one("#rank-map", RankMapPanel).show(machines, group_of, flt)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from rankscope.analyzers.eviction_scope import GROUP, eviction_scope, option_line
 from rankscope.analyzers.topology import compact_machines, compact_ranks
 from rankscope.analyzers.verdict import group_numbers
 from rankscope.contract.snapshot import Layout
@@ -107,13 +110,17 @@ class JobHeader(Static):
 
 
 def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3, progressing: bool = False,
-                      stale: str | None = None, taken: float | None = None) -> Text:
+                      stale: str | None = None, taken: float | None = None,
+                      placement: Mapping[int, str] | None = None) -> Text:
     """``progressing``: the capture is of a job making steps (or the job is, and the capture carries no progress
     mark): ranks caught at different points of a step differ by timing alone, so no suspect is drawn, only how
     many differences there were (``y`` copies them).
 
     ``stale``: why the verdict no longer describes the job (``state.verdict_stale``); it is then shown as a
     record of the capture taken at ``taken``, for reading, and no action aims at it.
+
+    ``placement`` (rank -> machine): with it the top suspect's line says what `e` evicts (``eviction_scope``, the
+    plan the dialog and the drill's scorer use), so the Overview and the dialog cannot disagree.
     """
     t = Text(no_wrap=True, overflow="ellipsis")
     if view is None:
@@ -159,12 +166,19 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
                 t.append(f"\n    {line}", look("italic"))
         elif s.victims:
             # The root and the ranks waiting on it: one suspect, its victims are evidence.
-            t.append(f"\n    root: {len(s.victims)} ranks wait on it (victims, not suspects): "
+            root = f"rank {compact_ranks(s.roots, 4)}; " if s.roots else ""
+            t.append(f"\n    root: {root}{len(s.victims)} ranks wait on it (victims, not suspects): "
                      f"{compact_ranks(s.victims, 4)}", look(""))
         elif s.evidence:
             t.append(f"\n    {s.evidence[0]}", look("italic"))
         if s.ranks in advice:
             t.append(f"\n    {advice[s.ranks]}", look("bold cyan"))
+        elif s is v.suspects[0] and placement is not None and stale is None:
+            scope = eviction_scope(s, placement)
+            t.append(f"\n    eviction (e): {option_line(scope.default)}: {scope.reason}", "bold")
+            if scope.other is not None:
+                what = "the whole group" if scope.other.scope == GROUP else "only the evidence"
+                t.append(f"; or {what}: {option_line(scope.other)}", "")
         if s.diverging_frame:
             t.append("\n    diverges at ", look(""))
             t.append(s.diverging_frame, look("bold magenta"))
