@@ -88,8 +88,13 @@ def saved_dumps(path: Path, layout: Any) -> Any:
     if kind == sniff.FLIGHT_RECORDER_RANK:
         raise RankscopeError(f"{path} is one rank's PyTorch flight recorder dump, which the terminal UI does not show",
                              f"rankscope analyze {path.parent}")
+    if kind == sniff.LOGS and path.is_dir():
+        from rankscope.formats.pyspy_dir import looks_like_pyspy
+
+        if any(looks_like_pyspy(p) for p in path.iterdir() if p.is_file()):
+            kind = sniff.PYSPY  # the dumps beside the logs are shown; `rankscope analyze` reads the logs too
     if kind != sniff.PYSPY:
-        what = "an op trace" if kind == sniff.OP_TRACE else "PyTorch flight recorder dumps"
+        what = {sniff.OP_TRACE: "an op trace", sniff.LOGS: "NCCL/PyTorch logs"}.get(kind, "PyTorch flight recorder dumps")
         raise RankscopeError(f"{path} holds {what}, which the terminal UI does not show",
                              f"rankscope analyze {path}")
     snapshot = load_pyspy_dir(path, layout)
