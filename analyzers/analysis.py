@@ -7,7 +7,10 @@ drill's scorer (``verdict.analyze_snapshot``) and the headless tools call
 - stacks (ByteRobust §5.1): grouping, prefix tree, hang chain and suspects;
 - CCL counters (Aegis §4.2, CL/WR/WC), when the plugin recorded any;
 - ``others``: verdicts a caller already has for the same capture (a flight
-  recorder dump's, a fail-slow round's degrader).
+  recorder dump's, a fail-slow round's degrader, what logs say).
+
+When every member of a communicator waits in the same call and no detector
+pins a rank, the verdict says "not a rank" (``rankscope.analyzers.not_a_rank``).
 
 A CCL verdict that names nobody is not merged (it would only re-word the
 stacks' headline); its summary and notes are kept as notes.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from rankscope.analyzers.ccl import analyze_counters
 from rankscope.analyzers.ccl_desync import counter_waits
 from rankscope.analyzers.findings import Verdict
+from rankscope.analyzers.not_a_rank import settle
 from rankscope.analyzers.stacks import DEFAULT_OPTIONS, SignatureOptions
 from rankscope.analyzers.suspects import StackAnalysis, analyze_stacks
 from rankscope.analyzers.verdict import merge_findings, merge_verdicts
@@ -55,4 +59,5 @@ def analyze_job(snapshot: JobSnapshot, layout: Layout | None = None, options: Si
         v = verdict
         verdict = Verdict(v.suspects, v.summary, v.missing_ranks, (*v.notes, counters.summary, *counters.notes),
                           findings=merge_findings(v, counters))
+    verdict = settle(verdict)  # "not a rank" when every member of a communicator waits in one call and none is pinned
     return JobAnalysis(stacks, counters, merged_with, verdict)

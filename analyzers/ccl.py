@@ -38,6 +38,7 @@ from rankscope.analyzers.ccl_desync import (
 )
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
+from rankscope.analyzers.not_a_rank import counter_stalls, table_stalls
 from rankscope.analyzers.topology import CommJoin, communicator_joins, compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 
@@ -141,6 +142,11 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
             found[key] = (max(old[0], score), [*old[1], line])
         pinned.setdefault(key, set()).update(roots)
 
+    # Members of a communicator that all wait in one call together (a symmetric stall) lag elsewhere because
+    # they are blocked there, not in their own work: a lag behind them leads to the stall, not to a rank.
+    stalls = table_stalls(table, live)
+    stalled = {r for st in stalls for r in st.ranks}
+    stalled_with = {r: set(st.ranks) for st in stalls for r in st.ranks}  # a member's own stall's members
     for cid, comm in table.comms.items():
         open_ops = table.open_of(cid)  # each line below reads a request open (a waiting leader, WC < WR)
         if not open_ops:
@@ -158,6 +164,8 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                     if o is None or o.wc >= o.wr:
                         continue
                     for peer in o.open_peers or ():
+                        if peer in stalled and peer not in (stalled_with.get(r) or ()):
+                            continue  # the peer is blocked in a symmetric stall: that stall is what r waits on
                         posted = table.posted_back(cid, op, r, peer)
                         line = (f"rank {r}: {op} on {_label(comm)} WC {o.wc} < WR {o.wr}, open with rank {peer}"
                                 + ("" if posted or peer not in live
@@ -178,6 +186,10 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
             leaders = [r for r, c in cls.items() if c == top]
             waiting = [r for r in leaders if (o := row[r]) is not None and o.wc < o.wr]
             laggards = tuple(r for r, c in cls.items() if c < top)
+            if laggards and waiting and set(laggards) <= stalled:
+                for w in waiting:  # they wait on a symmetric stall (its communicator's suspect and finding say so)
+                    waits_on.setdefault(w, set()).update(laggards)
+                continue
             if laggards and waiting:
                 for w in waiting:
                     waits_on.setdefault(w, set()).update(laggards)
@@ -187,14 +199,19 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                     "(computation side)", laggards)
             # communication side: every member launched it, yet a request never completed
             launched = [o.cl for o in row.values() if o is not None]
+            if len(members) == len(comm.ranks) > 1 and all(o is not None and o.wc < o.wr for o in row.values()) \
+                    and len(set(launched)) == 1:
+                continue  # every member waits in it together: no rank to name (rankscope.analyzers.not_a_rank)
             if len(launched) == len(members) and min(launched) == max(launched):
                 for r, o in row.items():
                     if o is not None and o.wc < o.wr:
                         add((r,), SCORE_OPEN_REQUEST,
                             f"rank {r}: {op} on {_label(comm)} WC {o.wc} < WR {o.wr} with every member "
                             "launched (communication side)")
+    # A rank is pinned only where the counters show it waiting for nobody: a peer that never posted its send
+    # because it waits in a collective itself is a link of the chain, not its end.
     suspects = [Suspect(SuspectKind.RANK, ranks, _machines(ranks, placement), score, tuple(lines), (SOURCE,),
-                        roots=tuple(sorted(pinned.get(ranks, ()))))
+                        roots=tuple(sorted(r for r in pinned.get(ranks, ()) if not waits_on.get(r))))
                 for ranks, (score, lines) in found.items()]
     suspects = _fold_victims(suspects, waits_on)
     suspects = _fold_desyncs(suspects, crossed_waits(live) if crossed is None else crossed, placement)
@@ -327,13 +344,23 @@ def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None, waits:
     if waits is None:
         waits = counter_waits(counters)  # one index and wait graph of the counters for both rules
     crossed = crossed_waits(counters, waits=waits)
-    suspects = counter_findings(waits.live, snapshot.rank_to_machine(), crossed, waits.table)
+    placement = snapshot.rank_to_machine()
+    suspects = counter_findings(waits.live, placement, crossed, waits.table)
+    world = range(snapshot.world_size) if snapshot.world_size else sorted(counters)
+    stalls = counter_stalls(waits, world)
+    # A communicator smaller than the job whose members all wait together is the group to look at (its links,
+    # its machines' GPUs), with no rank of it pinned; the whole job stalled that way has no group to name.
+    suspects += tuple(Suspect(SuspectKind.COMM, st.ranks, _machines(st.ranks, placement), SCORE_OPEN_REQUEST,
+                              (st.summary(), *st.evidence), (SOURCE,)) for st in stalls if not st.whole_job)
     if suspects:
         top = suspects[0]
         summary = f"CCL counters: {top.evidence[0]}"
+    elif stalls:
+        summary = stalls[0].summary()
     else:
         summary = "CCL counters: every communicator's members agree"
-    return Verdict(suspects, summary, missing, tuple(notes), findings=tuple(map(desync_finding, crossed)))
+    return Verdict(suspects, summary, missing, tuple(notes),
+                   findings=(*map(desync_finding, crossed), *(st.finding() for st in stalls)))
 
 
 def counter_rates(previous: RankCounters, current: RankCounters, seconds: float) -> dict[tuple[str, str], float]:

@@ -115,6 +115,45 @@ def live_counters(counters: Mapping[int, RankCounters]) -> dict[int, RankCounter
 
 
 @dataclass(frozen=True, slots=True)
+class Together:
+    """A communicator whose every member launched ``op`` ``cl`` times and has it open: they wait in it together."""
+
+    comm: Communicator
+    op: str
+    cl: int
+    rows: tuple[OpCounters, ...]  # each member's counters of that op, in member order
+
+
+def waiting_together(table: OpTable, live: Mapping[int, RankCounters]) -> list[Together]:
+    """Communicators whose members all wait in one collective together (a symmetric stall, by the counters).
+
+    Every member needs a live counter file (one without could be the rank the
+    others wait on), and NCCL's size, where known, must not count more
+    members than report the communicator.
+    """
+    out: list[Together] = []
+    for cid, comm in table.comms.items():
+        members = comm.ranks
+        if len(members) < 2 or any(m not in live for m in members):
+            continue
+        if comm.comm_nranks and comm.comm_nranks > len(members):
+            continue
+        for op in table.open_of(cid):
+            if op in P2P_OPS:
+                continue
+            by_rank = table.of(cid).get(op, {})
+            rows = [by_rank.get(m) for m in members]
+            if any(o is None or o.wc >= o.wr for o in rows):
+                continue
+            if len({o.cl for o in rows if o is not None}) != 1:
+                continue
+            out.append(Together(comm, op, rows[0].cl if rows[0] is not None else 0,
+                                tuple(o for o in rows if o is not None)))
+            break
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class _Lag:
     comm: Communicator
     op: str
@@ -284,10 +323,19 @@ def _merge(found: list[CrossedWait]) -> tuple[CrossedWait, ...]:
     out: list[CrossedWait] = []
     for c in found:
         same = next((i for i, o in enumerate(out) if set(o.ranks) & set(c.ranks)), None)
-        if same is None:
+        # A tie in a small communicator whose waiting side is the named side of a larger mismatch is that
+        # mismatch seen from inside one group (two ranks of different groups a step ahead each wait on a peer
+        # that never launched their call): its laggards are victims, not odd ones out.
+        ahead = next((i for i, o in enumerate(out) if c.tie and set(c.waiting) <= set(o.ranks)), None)
+        if same is None and ahead is None:
             out.append(c)
             continue
-        o = out[same]
+        o = out[same if same is not None else ahead]  # type: ignore[index]
+        if same is None:
+            out[ahead] = CrossedWait(o.communicator, o.members, o.op, o.waiting, o.lagging, o.ranks,  # type: ignore[index]
+                                     tuple(sorted((set(o.victims) | set(c.lagging)) - set(o.ranks))), o.tie,
+                                     (*o.evidence, *(e for e in c.evidence if e not in o.evidence)))
+            continue
         ranks = set(o.ranks) | set(c.ranks)
         out[same] = CrossedWait(o.communicator, o.members, o.op, o.waiting, o.lagging, tuple(sorted(ranks)),
                                 tuple(sorted((set(o.victims) | set(c.victims)) - ranks)), o.tie and c.tie,
@@ -295,5 +343,5 @@ def _merge(found: list[CrossedWait]) -> tuple[CrossedWait, ...]:
     return tuple(out)
 
 
-__all__ = ["MATCHING", "P2P_OPS", "CounterWaits", "CrossedWait", "OpTable", "comm_label", "counter_waits",
-           "crossed_waits", "live_counters", "op_table"]
+__all__ = ["MATCHING", "P2P_OPS", "CounterWaits", "CrossedWait", "OpTable", "Together", "comm_label",
+           "counter_waits", "crossed_waits", "live_counters", "op_table", "waiting_together"]

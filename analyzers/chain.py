@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
-from rankscope.analyzers.ccl_desync import P2P_OPS, CounterWaits, comm_label, crossed_waits
+from rankscope.analyzers.ccl_desync import P2P_OPS, CounterWaits, comm_label, crossed_waits, waiting_together
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
     SignatureOptions,
@@ -598,7 +598,11 @@ def follow_chain(views: Mapping[int, RankView], topology: Topology, majority: fr
     lost = {r for r in collective | p2p if r not in explained}
     crossed = _crossed(views, groups, counters, waits, p2p_targets, explained, victims_from) if counters else []
     in_crossed = {r for d in crossed for r in (*d.ranks, *d.victims)}
-    desyncs = crossed + _merge_alike(_desyncs(views, groups, lost - in_crossed))
+    # Communicators whose members all wait in one collective together (by the counters): a site of theirs is a
+    # call on that communicator, never a mismatch on a group it splits.
+    together = [frozenset(t.comm.ranks) for t in waiting_together(waits.table, waits.live)] if waits else []
+    desyncs = crossed + _merge_across_kinds(_merge_alike(_desyncs(views, groups, lost - in_crossed, together)), views,
+                                            groups)
     in_desync = {r for d in desyncs for r in (*d.ranks, *d.victims)}
     unexplained = tuple(sorted(r for r in lost if r not in in_desync))
     return Chain(views=views, roots=tuple(roots), desyncs=tuple(desyncs), unexplained=unexplained)
@@ -671,7 +675,8 @@ def _p2p_peers(rank: int, v: RankView, groups: _Groups) -> set[int]:
     return out
 
 
-def _desyncs(views: Mapping[int, RankView], groups: _Groups, lost: set[int]) -> list[Desync]:
+def _desyncs(views: Mapping[int, RankView], groups: _Groups, lost: set[int],
+             together: Sequence[frozenset[int]] = ()) -> list[Desync]:
     """Groups whose members all wait in collectives at two or more call sites, that no root explains."""
     out: list[Desync] = []
     seen: set[tuple[int, ...]] = set()
@@ -703,6 +708,11 @@ def _desyncs(views: Mapping[int, RankView], groups: _Groups, lost: set[int]) -> 
             continue
         # A site whose ranks complete a smaller group is a call on that group, not a mismatch on this one.
         if all(_complete_elsewhere(views, groups, kind, ranks, site) for site, ranks in by_site.items()):
+            continue
+        # Ranks held in a symmetric stall of another communicator (by the counters) are not off this group's
+        # path: they are blocked in that call, which is the finding (rankscope.analyzers.not_a_rank).
+        if any(set(ranks) <= t and all((v := views.get(m)) is not None and v.site == site for m in t)
+               for site, ranks in by_site.items() for t in together):
             continue
         # On a tie within a small group, the call site most unexplained ranks of the whole job share is
         # the majority's (two-rank groups split 1-1; the job as a whole says which side strayed).
@@ -736,6 +746,38 @@ def _merge_alike(desyncs: list[Desync]) -> list[Desync]:
                           ranks=tuple(sorted({r for d in alike for r in d.ranks})),
                           victims=tuple(sorted({r for d in alike for r in d.victims})),
                           sites=sites, tie=any(d.tie for d in alike)))
+    return out
+
+
+def _merge_across_kinds(desyncs: list[Desync], views: Mapping[int, RankView], groups: _Groups) -> list[Desync]:
+    """Desyncs of groups of different kinds whose odd ones out stray to one call, from one majority call of the
+    whole job, are one mismatch of the job.
+
+    Two ranks of different pipeline stages and TP groups, each a step ahead in the same TP all-reduce while
+    everyone else waits in the epoch-end barrier, split a TP group and a PP group: one extra step on two ranks,
+    named together (issue 29), not two suspects of which the first would be taken.
+    """
+    world = groups.world
+    if not desyncs:
+        return desyncs
+    by_sites: dict[tuple[str, ...], list[Desync]] = {}
+    for d in desyncs:
+        by_sites.setdefault(tuple(site for site, _ in d.sites), []).append(d)
+    out: list[Desync] = []
+    for names, alike in by_sites.items():
+        majority = names[0]
+        at_majority = tuple(sorted(r for r in world if (v := views.get(r)) is not None and v.site == majority))
+        odd = tuple(sorted({r for d in alike for r in d.ranks}))
+        # Several groups (of one kind or more) stray the same way, and with the majority's call they make the job.
+        several = len(alike) > 1 or any(d.group_kind in groups.kinds and len(d.group) > len(groups.group(
+            d.group_kind, d.group[0])) for d in alike)
+        if not several or set(at_majority) | set(odd) != set(world) or len(world) < 3:
+            out.extend(alike)
+            continue
+        sites = ((majority, at_majority),
+                 *((name, tuple(sorted({r for d in alike for r in dict(d.sites).get(name, ())}))) for name in names[1:]))
+        out.append(Desync(group_kind="world", group=tuple(sorted(world)), ranks=odd, victims=at_majority,
+                          sites=sites, tie=False))
     return out
 
 

@@ -52,6 +52,7 @@ from rankscope.analyzers.chain import (
     rank_views,
 )
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, finding_to_json
+from rankscope.analyzers.not_a_rank import stack_stall
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
     MAIN_LANE,
@@ -525,7 +526,8 @@ def _apply_chain(
         if not mine and (roots or in_desync) and (members & set(grouping.outlier_ranks)) <= victims | in_desync:
             continue  # only ranks that wait on a root: evidence under that root
         if mine:
-            own_victims = tuple(sorted({v for r in chain.roots if r.rank in mine for v in r.victims} - members))
+            # Every rank that waits on its roots, its own members included: they are why the group is named.
+            own_victims = tuple(sorted({v for r in chain.roots if r.rank in mine for v in r.victims} - mine))
             lines = _root_lines(chain, mine, placement)
             s = replace(s, evidence=(s.evidence[0], *lines, *s.evidence[1:]), victims=own_victims,
                         state=_state_words(chain, mine), roots=tuple(sorted(mine)))
@@ -658,6 +660,14 @@ def analyze_stacks(
                      "pass --tp/--pp/--dp (and --order) to name parallel groups")
     seen_count = sum(len(g.ranks) for g in grouping.groups)
     summary = _summary(grouping, suspects, explains, seen_count, notes, named)
+    stall = stack_stall(chain, range(topology.world_size), waits)
+    if stall is not None:
+        # Every rank in one call and none behind: the stack groups differ only above that call, so no suspect
+        # of theirs is more than a guess.
+        if suspects:
+            notes.append(f"set aside, every rank waits in the same call: {summary}")
+        suspects, summary = [], stall.summary()
+        findings.append(stall.finding())
     verdict = Verdict(suspects=tuple(suspects), summary=summary, missing_ranks=missing_ranks, notes=tuple(notes),
                       findings=tuple(findings))
     return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology, chain=chain)

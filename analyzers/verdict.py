@@ -238,11 +238,15 @@ def headline(s: Suspect, *, own_words: bool = False) -> str:
         return f"rank {s.ranks[0]} on {where} ({state}{waiting_words(len(s.victims))} on it)"
     if kind == "rank" and len(s.ranks) == 1:
         return f"rank {s.ranks[0]} on {where}"
+    root = ""
+    if len(s.roots) == 1 and s.victims and s.ranks != s.roots:
+        state = f"{s.state}; " if s.state else ""
+        root = f", root rank {s.roots[0]} ({state}{waiting_words(len(s.victims))} on it)"
     if kind == "machine":
-        return f"machine {where}"
+        return f"machine {where}{root}"
     if own_words and s.evidence:
-        return s.evidence[0].split(": holds", 1)[0]
-    return f"{suspect_label(s)} on {where}"
+        return s.evidence[0].split(": holds", 1)[0] + root
+    return f"{suspect_label(s)} on {where}{root}"
 
 
 def waiting_words(n: int) -> str:

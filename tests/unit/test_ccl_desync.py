@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankscope.analyzers.ccl import analyze_counters, counter_findings
 from rankscope.analyzers.ccl_desync import OpTable, _graph, counter_waits, crossed_waits, live_counters, op_table
-from rankscope.analyzers.findings import SuspectKind
+from rankscope.analyzers.findings import NOT_A_RANK, SuspectKind
 from rankscope.analyzers.suspects import analyze_stacks
 from rankscope.analyzers.verdict import analyze_snapshot
 from rankscope.contract.snapshot import Communicator, Layout, OpCounters, RankCounters
@@ -88,7 +88,10 @@ def test_a_whole_dp_group_in_recv_with_agreeing_counters_is_not_a_desync() -> No
         c.op(i, cid, "recv", 12 if i in dp_group else 11, 11, [i + 8] if i in dp_group else [])
         c.op(i + 8, cid, "send", 11)
     v = analyze_snapshot(with_counters(snapshot(stacks, 16, 2, L16), c.files()), L16)
-    assert v.findings == () and all(s.kind is not SuspectKind.DESYNC for s in v.suspects)
+    assert all(s.kind is not SuspectKind.DESYNC for s in v.suspects)
+    # (each other DP group's members all launched all-reduce 7 and none finished it: by the counters, a symmetric
+    # stall of that group, which rankscope.analyzers.not_a_rank reports; never a desync)
+    assert {f.kind for f in v.findings} <= {NOT_A_RANK}
     assert crossed_waits(c.files()) == ()
     stack_top = analyze_stacks(snapshot(stacks, 16, 2, L16)).verdict.top
     assert stack_top is not None and stack_top.kind is SuspectKind.DP and stack_top.ranks == dp_group

@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rankscope.analyzers.findings import SuspectKind
+from rankscope.analyzers.findings import NOT_A_RANK, SuspectKind
 from rankscope.analyzers.stacks import SignatureOptions
 from rankscope.analyzers.suspects import analyze_stacks, verdict_to_json
 from rankscope.contract.snapshot import CaptureErrorKind, JobSnapshot, Layout, MachineSnapshot
@@ -135,10 +135,13 @@ def test_anomaly_only_in_a_subprocess() -> None:
     assert top.machines == ("node3",)
     assert top.diverging_frame is not None and top.diverging_frame.startswith("[dataloader]")
     assert "read_shard" in analysis.grouping.groups[1].summary
-    # main processes alone are identical: no verdict, and it says so
+    # main processes alone are identical, every rank in the same all-reduce: no rank is picked, the symmetric
+    # stall is said (rankscope.analyzers.not_a_rank), and that no counters told the launch
     blind = analyze_stacks(snap, options=SignatureOptions(include_subprocesses=False))
     assert blind.verdict.suspects == ()
-    assert blind.verdict.summary == "no verdict: all 8 ranks show the same stacks"
+    assert blind.verdict.summary.startswith("not a rank: all 8 ranks of the job"), blind.verdict.summary
+    (stall,) = blind.verdict.findings
+    assert any("no counters" in e for e in stall.evidence)
 
 
 def test_several_independent_outlier_groups() -> None:
@@ -163,13 +166,29 @@ def test_independent_ranks_with_the_same_stack_are_still_told_apart() -> None:
     assert "2 separate suspects" in analysis.verdict.summary
 
 
-def test_all_ranks_identical_gives_no_verdict_and_says_so() -> None:
-    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(16)}
+def test_all_ranks_identical_in_their_own_work_gives_no_verdict_and_says_so() -> None:
+    stacks = {r: rank_stacks(r, COMPUTE) for r in range(16)}
     analysis = analyze_stacks(snapshot(stacks, 16, 2, L16))
-    assert analysis.verdict.suspects == ()
+    assert analysis.verdict.suspects == () and analysis.verdict.findings == ()
     assert analysis.verdict.top is None
     assert analysis.verdict.summary == "no verdict: all 16 ranks show the same stacks"
     assert analysis.grouping.outliers == ()
+
+
+def test_all_ranks_in_one_collective_is_not_a_rank() -> None:
+    """Every rank waits in the same all-reduce at the same line: no rank is picked, the stall is said (issue 29)."""
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(16)}
+    analysis = analyze_stacks(snapshot(stacks, 16, 2, L16))
+    v = analysis.verdict
+    assert v.suspects == () and v.top is None
+    assert v.summary.startswith("not a rank: all 16 ranks of the job (ranks 0-15) wait in the same call "
+                                "(all_reduce <- step (optimizer.py))"), v.summary
+    (stall,) = v.findings
+    assert stall.kind == NOT_A_RANK and stall.ranks == tuple(range(16))
+    assert "RAS" in stall.advice and "NCCL_DEBUG=INFO" in stall.advice and "Xid" in stall.advice
+    # one rank missing from the capture could be the one the others wait on: nothing is said about the call
+    del stacks[9]
+    assert not analyze_stacks(snapshot(stacks, 16, 2, L16)).verdict.summary.startswith("not a rank")
 
 
 def test_missing_ranks_are_reported_with_reasons() -> None:

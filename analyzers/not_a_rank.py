@@ -1,0 +1,143 @@
+"""The verdict "not a rank": every member of a communicator waits in the same call, so no rank is to blame.
+
+A hang whose waiters lead back to a rank (one stuck in its own work, one
+that never launched or posted what the others wait for) has a culprit. When
+instead every member of a communicator sits in the same collective at the
+same call site, and at the same launch where counters (or flight records,
+or logs read as counters) say so, each has done its part: the call itself
+does not complete. That points at what carries it, the communication layer
+(NCCL and its transport), the network between the machines, or a GPU or its
+driver on one of them, and picking one of the members by a tie-break would
+send an engineer to evict a healthy machine.
+
+Told apart from a culprit elsewhere: a symmetric stall is reported only when
+no detector pins a rank (``Suspect.roots``) and no desync is found; NCCL runs
+a rank's collectives in order on its stream, so one stuck communicator can
+hold the later calls of another on the same GPUs.
+
+Pure: stdlib and the snapshot contract; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from rankscope.analyzers.ccl_desync import CounterWaits, OpTable, comm_label, waiting_together
+from rankscope.analyzers.chain import Chain, RankState
+from rankscope.analyzers.findings import NOT_A_RANK, Finding, Verdict
+from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.snapshot import RankCounters
+
+PREFIX = "not a rank: "
+ADVICE = ("evicting one of these machines is a guess: every member did its part and the call itself does not "
+          "complete, which points at the communication layer (NCCL, its transport), the network between the "
+          "machines, or a GPU or its driver on one of them. What tells them apart: NCCL's RAS (`ncclras`, NCCL >= "
+          "2.24) for the communicator's state and any rank whose operation counts differ; NCCL's own log "
+          "(NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET) for transport errors, retries and timeouts; NVML on each "
+          "machine (`nvidia-smi -q -d ECC,PERFORMANCE`, the kernel log for Xid) for Xid errors and PCIe/NVLink "
+          "replay or error counters. Evict the machine one of them names; with nothing named, restart the job "
+          "from its last checkpoint")
+
+
+@dataclass(frozen=True, slots=True)
+class SymmetricStall:
+    """Every member of ``ranks`` waits in one call: ``where`` names the communicator, ``call`` the call."""
+
+    where: str  # "the whole job", "comm 3 (TENSOR_MODEL_PARALLEL_GROUP)"
+    ranks: tuple[int, ...]
+    call: str  # "all_reduce launch 41", a call site from the stacks
+    evidence: tuple[str, ...]
+    whole_job: bool
+
+    def summary(self) -> str:
+        members = "all " + (f"{len(self.ranks)} ranks of the job" if self.whole_job
+                            else f"{len(self.ranks)} members of {self.where}")
+        return (f"{PREFIX}{members} (ranks {compact_ranks(self.ranks, 8)}) wait in the same call ({self.call}): "
+                "a symmetric stall points at the communication layer, the network or a GPU driver, not at one rank")
+
+    def finding(self) -> Finding:
+        return Finding(kind=NOT_A_RANK, ranks=self.ranks, summary=self.summary(), evidence=self.evidence,
+                       communicator=self.where, advice=ADVICE)
+
+
+def stack_stall(chain: Chain, world: Sequence[int], waits: CounterWaits | None = None) -> SymmetricStall | None:
+    """Every rank of the job in one collective at one call site, no root and no desync: a symmetric stall.
+
+    ``world``: the job's ranks (one without a view, e.g. a file missing from a
+    dump folder, could be the one the others wait on: then nothing is said).
+    With counters, a lag anywhere (a member that never launched what others
+    wait in) means someone is behind: not symmetric.
+    """
+    if chain.roots or chain.desyncs or len(world) < 2:
+        return None
+    if waits is not None and waits.lags:
+        return None
+    views = [chain.views.get(r) for r in world]
+    if any(v is None or v.state is not RankState.COLLECTIVE for v in views):
+        return None
+    sites = {v.site for v in views if v is not None}
+    if len(sites) != 1:
+        return None
+    site = next(iter(sites))
+    counted = next((v.counted for v in views if v is not None and v.counted), "")
+    lines = [f"all {len(world)} ranks at {site}"]
+    if counted:
+        lines.append(f"counters: {counted}")
+    elif waits is None:
+        lines.append("no counters: the same call site, the launch unknown (one rank could be a call behind: "
+                     "the CCL counters, a flight recorder dump or the watchdog's SeqNum would tell)")
+    lines.append("no rank waits for nobody (none is computing, loading, stopped or unreadable) and none is in "
+                 "another call: there is no rank the others wait on")
+    return SymmetricStall("the whole job", tuple(sorted(world)), site, tuple(lines), True)
+
+
+def counter_stalls(waits: CounterWaits, world: Sequence[int] = ()) -> list[SymmetricStall]:
+    """``table_stalls`` of a capture's counter waits."""
+    return table_stalls(waits.table, waits.live, world)
+
+
+def table_stalls(table: OpTable, live: Mapping[int, RankCounters], world: Sequence[int] = ()) -> list[SymmetricStall]:
+    """Communicators whose every member launched the same collective as often and has it open (WC < WR).
+
+    (``ccl_desync.waiting_together``: every member must have a live counter
+    file, since a member without one could be the culprit.)
+    """
+    out: list[SymmetricStall] = []
+    for t in waiting_together(table, live):
+        members = t.comm.ranks
+        label = comm_label(t.comm)
+        counts = "; ".join(f"rank {m} WC {o.wc} < WR {o.wr}" for m, o in list(zip(members, t.rows, strict=False))[:4])
+        lines = (f"{t.op} on {label}: all {len(members)} members launched it {t.cl} times and each has a request "
+                 f"open ({counts}{'; ...' if len(members) > 4 else ''})",
+                 "no member lags (every CL equal) and none has a send/recv its peer never posted: no rank is "
+                 "behind the others")
+        whole = bool(world) and set(members) >= set(world)
+        out.append(SymmetricStall("the whole job" if whole else label, tuple(sorted(members)),
+                                  f"{t.op} launch {t.cl} on {label}", lines, whole))
+    return out
+
+
+def settle(verdict: Verdict) -> Verdict:
+    """The merged verdict with its "not a rank" findings weighed against the rest.
+
+    A rank pinned by any detector (``Suspect.roots``) or a desync explains a
+    symmetric stall downstream of it: the stall is set aside as a note. Else
+    the verdict says "not a rank" with the first stall's reason.
+    """
+    stalls = [f for f in verdict.findings if f.kind == NOT_A_RANK]
+    if not stalls:
+        return verdict
+    pinned = [s for s in verdict.suspects if s.roots]
+    if pinned or any(f.kind == "desync" for f in verdict.findings):
+        findings = tuple(f for f in verdict.findings if f.kind != NOT_A_RANK)
+        notes = (*verdict.notes, *(f"set aside, a rank the evidence pins explains it: {f.summary}" for f in stalls))
+        return replace(verdict, findings=findings, notes=notes)
+    if verdict.summary.startswith(PREFIX):
+        return verdict
+    notes = (*verdict.notes, verdict.summary) if verdict.summary and not verdict.summary.startswith(
+        "no verdict") else verdict.notes
+    return replace(verdict, summary=stalls[0].summary, notes=notes)
+
+
+__all__ = ["ADVICE", "PREFIX", "SymmetricStall", "counter_stalls", "settle", "stack_stall", "table_stalls"]
