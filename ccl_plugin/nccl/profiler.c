@@ -12,6 +12,7 @@
  *       a kernel channel's KernelChStop state or stop;
  *   N   bytes / (completion - request) of each finished request, into the ring (kernel channels: GPU time);
  *   TD  Coll / P2p start to the moment it is stopped and its last started child has stopped.
+ * A copy-engine collective (CeColl, v6) counts as a Coll whose own stop completes it (no children).
  * Init records per communicator NCCL's commHash (comm_id, hex), nranks and this rank's rank in it.
  *
  * Lifetimes. NCCL stops a Coll/P2p on the host right after posting its proxy work; the proxy thread then
@@ -42,7 +43,7 @@
 
 #define EXPORT __attribute__((visibility("default")))
 /* one process-wide mask (NCCL keeps the last init's): both paths' events */
-#define MASK (RS_EV_COLL | RS_EV_P2P | RS_EV_PROXY_OP | RS_EV_PROXY_STEP | RS_EV_KERNEL_CH)
+#define MASK (RS_EV_COLL | RS_EV_P2P | RS_EV_PROXY_OP | RS_EV_PROXY_STEP | RS_EV_KERNEL_CH | RS_EV_CE_COLL)
 
 _Static_assert(sizeof(void*) == 8, "handles encode 64 bits");
 
@@ -200,7 +201,9 @@ static void copy_fields(rs_rec* dst, const rs_rec* src) {
   dst->n_channels = src->n_channels;
 }
 
-static void publish(rs_rec* r, uint32_t gen) { __atomic_store_n(&r->word, W_MAKE(gen, 0, S_OPEN), __ATOMIC_RELEASE); }
+static void publish(rs_rec* r, uint32_t gen, uint32_t flags) {
+  __atomic_store_n(&r->word, W_MAKE(gen, 0, S_OPEN | flags), __ATOMIC_RELEASE);
+}
 
 /* Take a reference on a live record of this generation (open, stopped, or done: a late child reopens
  * a done task). Returns the word before, 0 if the handle is stale. */
@@ -509,6 +512,7 @@ typedef struct {
   size_t count;
   uint64_t seq;
   int peer, is_send, n_channels;
+  int ce; /* a copy-engine collective (v6): no kernel channel or proxy op follows, its stop completes it */
   pid_t pid;
   uint64_t ptimer;
 } rs_descr;
@@ -629,7 +633,7 @@ static ncclResult_t rs_start_any(void* context, void** handle, const rs_descr* d
     t->t0 = mono();
     t->req = 0;
     count_launch(b, t, t->t0);
-    publish(t, gen);
+    publish(t, gen, d->ce ? F_CHILDREN : 0);
     *handle = encode(P_TASK, (uint32_t)i, gen);
     return RS_NCCL_SUCCESS;
   }
@@ -679,7 +683,7 @@ static ncclResult_t rs_start_any(void* context, void** handle, const rs_descr* d
     e->aux = d->ptimer;
     e->bytes = p->bytes / (p->n_channels ? p->n_channels : 1);
   }
-  publish(e, gen);
+  publish(e, gen, 0);
   if (e->kind == K_KCH && !e->net) request(e); /* within a node the channel is the request */
   *handle = encode(P_CHILD, (uint32_t)i, gen);
   return RS_NCCL_SUCCESS;
@@ -763,6 +767,15 @@ static ncclResult_t rs_start_v6(void* context, void** handle, rs_nccl_descr_v6* 
   if (!e) return RS_NCCL_SUCCESS;
   rs_descr d = {.type = e->type, .parent = e->parentObj, .peer = -1};
   FILL_V5(d, e->u);
+  if (e->type == RS_EV_CE_COLL) { /* counted as the collective it is; NCCL >= 2.29 runs some on copy engines */
+    d.type = RS_EV_COLL;
+    d.ce = 1;
+    d.func = e->u.ceColl.func;
+    d.datatype = e->u.ceColl.datatype;
+    d.count = e->u.ceColl.count;
+    d.seq = e->u.ceColl.seqNumber;
+    d.n_channels = 1;
+  }
   return rs_start_any(context, handle, &d);
 }
 

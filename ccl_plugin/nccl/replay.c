@@ -15,7 +15,7 @@
  * A: one AllReduce over CHANNELS channels, each a kernel channel (not a request across nodes) and a send
  * and a receive op of STEPS steps; every 4th round a
  * Send to peer 2 and a Recv from peer 3 (one op, one step each); B: one AllGather over CHANNELS kernel
- * channels. Then, on the main thread: handles that are NULL, not the plugin's, stale (a parent whose record
+ * channels (and with v6 one copy-engine AlltoAll on B). Then, on the main thread: handles that are NULL, not the plugin's, stale (a parent whose record
  * was reused), of the wrong kind, a PXN proxy op from another process, stops of stopped handles, states
  * after stops; finally an AllReduce and a Recv whose receive never arrives. The counters the file must then
  * hold are asserted exactly by tests/integration/test_ccl_nccl_plugin.py; this program checks that the
@@ -252,6 +252,22 @@ int main(int argc, char** argv) {
   expect_refused(start(a, pxn), "a PXN proxy op from another process");
   expect_refused(child(a, RS_EV_PROXY_STEP, bc, 1, -1), "a step whose parent is a collective");
   P->stopEvent(bc); /* stopped twice */
+
+  if (P6) { /* NCCL >= 2.29: a collective on copy engines, started and stopped by the host, no children */
+    rs_nccl_descr_v6 ce;
+    memset(&ce, 0, sizeof(ce));
+    ce.type = RS_EV_CE_COLL;
+    ce.u.ceColl.func = "AlltoAll";
+    ce.u.ceColl.count = 32;
+    ce.u.ceColl.datatype = "ncclFloat32";
+    void* hc = NULL;
+    P6->startEvent(b, &hc, &ce);
+    if (!hc) {
+      fprintf(stderr, "the plugin refused a copy-engine collective\n");
+      failures++;
+    }
+    P->stopEvent(hc);
+  }
 
   /* the hang: an AllReduce and a Recv whose receives never arrive (posted, never flushed or stopped) */
   void* stuck = task(a, RS_EV_COLL, "AllReduce", (uint64_t)rounds, 1024, "ncclFloat32", -1, 1);

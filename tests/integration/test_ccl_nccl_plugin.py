@@ -149,11 +149,13 @@ class Want:
     open_peers: tuple[int, ...] = ()
 
 
-def replay_expected(rounds: int) -> dict[tuple[str, str], Want]:
+def replay_expected(rounds: int, abi: str = "5") -> dict[tuple[str, str], Want]:
     """What replay.c's events must leave (CHANNELS 2, STEPS 6 in replay.c), keyed by (comm_id, op)."""
     a, b = "0123456789abcdef", "fedcba9876543210"
     p2p = math.ceil(rounds / 4)  # one Send and one Recv every 4th round; P2p sequence numbers run per comm
-    return {
+    # v6 only: a copy-engine collective, complete at its own stop (it has no children)
+    copy_engine = {(b, "AlltoAll"): Want(1, 0, 0, 1, 1, 128)} if abi == "6" else {}
+    return copy_engine | {
         # every round: 2 channels x (send + receive op) x 6 steps; then one AllReduce whose receive hangs
         (a, "AllReduce"): Want(rounds + 1, rounds * 24 + 1, rounds * 24, rounds + 1, rounds, (rounds + 1) * 4096),
         (a, "Send"): Want(p2p, p2p, p2p, 2 * p2p - 1, 2 * p2p - 1, 256 * p2p),
@@ -173,7 +175,7 @@ def _replay(lib: Path, exe: Path, tmp: Path, rounds: int, abi: str = "5", wrap: 
                           timeout=120, check=False)
 
 
-def _check_replay(proc: subprocess.CompletedProcess[str], tmp: Path, rounds: int) -> RankCounters:
+def _check_replay(proc: subprocess.CompletedProcess[str], tmp: Path, rounds: int, abi: str = "5") -> RankCounters:
     assert proc.returncode == 0 and "replayed" in proc.stdout, proc.stderr[-4000:]
     assert "runtime error" not in proc.stderr, proc.stderr[-4000:]  # UBSan reports and goes on otherwise
     (f,) = list_counter_files(tmp)
@@ -183,7 +185,7 @@ def _check_replay(proc: subprocess.CompletedProcess[str], tmp: Path, rounds: int
         ("0123456789abcdef", "WORLD", (), 4, 1), ("fedcba9876543210", "TENSOR_MODEL_PARALLEL_GROUP", (), 2, 0)]
     got = {(o.comm_id, o.op): Want(o.cl, o.wr, o.wc, o.last_launched_seq, o.last_completed_seq, o.bytes_total,
                                    o.open_peers) for o in c.ops}
-    assert got == replay_expected(rounds)
+    assert got == replay_expected(rounds, abi)
     ops = {(o.comm_id, o.op): o for o in c.ops}
     ar = ops[("0123456789abcdef", "AllReduce")]
     assert len(ar.recent_throughput) == 5 and all(t > 0 for t in ar.recent_throughput)
@@ -205,7 +207,7 @@ def test_replay_of_nccl_event_order_under_asan_counts_exactly(
         sanitized: tuple[Path, Path], tmp_path: Path, abi: str) -> None:
     """Parents stopped before their children start; 4 proxy threads; every record reused many times."""
     lib, exe = sanitized
-    _check_replay(_replay(lib, exe, tmp_path, 3000, abi, env=SAN_ENV), tmp_path, 3000)
+    _check_replay(_replay(lib, exe, tmp_path, 3000, abi, env=SAN_ENV), tmp_path, 3000, abi)
 
 
 def test_replay_with_the_shipped_pool_sizes_counts_exactly(built: tuple[Path, Path], tmp_path: Path) -> None:
