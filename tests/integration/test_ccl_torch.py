@@ -93,8 +93,8 @@ def test_rankscope_run_counts_every_call_exactly(start_job: Callable[[dict[str, 
     for r in (0, 1):
         c = got[r]
         assert (c.pid, c.world_size, c.job_id, c.steps, c.stale, c.error) == (pids[r], 2, "cj", s, False, None)
-        assert [(x.comm_id, x.description, x.ranks) for x in c.communicators] == [
-            ("0", "default_pg", (0, 1)), ("1", "PIPELINE_MODEL_PARALLEL_GROUP", (0, 1))]
+        assert [(x.comm_id, x.description, x.ranks, x.comm_nranks, x.comm_rank) for x in c.communicators] == [
+            ("0", "default_pg", (0, 1), 2, r), ("1", "PIPELINE_MODEL_PARALLEL_GROUP", (0, 1), 2, r)]
         # per step: 2 grad all_reduces + 1 async, then one of each; the isend 0->1 and a batch exchange
         sends, recvs = (2 * s, s) if r == 0 else (s, 2 * s)
         assert _ops(c) == {

@@ -176,6 +176,12 @@ def test_cpu_tensors_and_graph_capture_complete_at_return(shim: CounterWriter) -
     assert Event.made == []
 
 
+def test_the_group_records_its_size_and_this_ranks_place_for_the_nccl_join(shim: CounterWriter) -> None:
+    torch_hooks._make_wrapper("all_reduce", all_reduce)(Tensor(cuda=True))
+    (comm,) = read_counter_file(shim.path).counters.communicators
+    assert (comm.backend, comm.ranks, comm.comm_nranks, comm.comm_rank) == ("nccl", (0, 1), 2, 0)
+
+
 def test_a_list_payload_on_cuda_counts_as_device_work(shim: CounterWriter) -> None:
     assert torch_hooks._on_cuda([Tensor(cuda=True)]) and not torch_hooks._on_cuda([])
     assert not torch_hooks._on_cuda(None) and not torch_hooks._on_cuda((Tensor(cuda=False),))
