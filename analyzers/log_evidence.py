@@ -313,26 +313,23 @@ def _watchdog(records: Sequence[WatchdogRecord], out: _Found, world: int | None)
             continue
         silent = {r: s for r, s in ranks.items() if s.seq is None and s.enqueued is None}
         if silent and waiting:
-            # In the logs, yet no work pending: a rank that never issued the work times out on nothing.
-            lines = [f"rank {r} is in the logs of {pg} ({s.where}) but shows no pending work while "
-                     f"{_ranks_word(waiting)} time out in {what}: it likely never issued it"
-                     for r, s in sorted(silent.items())]
-            out.suspects.append(_suspect(silent, SCORE_BEHIND * 0.6, lines, victims=waiting,
-                                         state="no pending work while its group times out"))
+            # In the logs with no work numbers: it may never have issued the work (then nothing of its own timed
+            # out), or the paste left its status lines out. Said, not blamed.
+            out.notes.append(f"{_ranks_word(sorted(silent))} of {pg} {'is' if len(silent) == 1 else 'are'} in the "
+                             f"logs ({next(iter(silent.values())).where}) with no work numbers while "
+                             f"{_ranks_word(waiting)} wait in {what}: if {'its' if len(silent) == 1 else 'their'} "
+                             "full log shows no timeout and no 'last enqueued' line, it never issued the work")
+            absent = _absent(pg, ranks, world)[1]
+            if absent:
+                out.notes.append(f"{_ranks_word(absent)}{_absent(pg, ranks, world)[2]} of {pg} "
+                                 f"{'is' if len(absent) == 1 else 'are'} not in the logs")
             continue
         same = all(s.seq == target and (s.completed is None or s.completed < target) for s in ranks.values())
         if not same:
             continue
         seen = sorted(ranks)
-        size = next((s.group_size for s in ranks.values() if s.group_size), None)
-        if size is None and world and ("default" in pg or pg.startswith("PG 0")):
-            size = world
-        # Who is absent is counted in the group's own numbering (a line's "[PG n Rank r]"), where every line has it.
-        places = [s.pg_rank for s in ranks.values()]
-        own = sorted({p for p in places if p is not None}) if None not in places else seen
-        absent = sorted(set(range(size or max(own) + 1)) - set(own))
+        size, absent, numbering = _absent(pg, ranks, world)
         if absent and len(seen) > 1:
-            numbering = "" if own is seen else " (group ranks)"
             out.notes.append(f"{_ranks_word(seen)} of {pg} all wait in {what}; {_ranks_word(absent)}{numbering} "
                              f"{'is' if len(absent) == 1 else 'are'} not in the logs: the rank behind may be among "
                              "them (their logs would tell)")
@@ -350,6 +347,21 @@ def _watchdog(records: Sequence[WatchdogRecord], out: _Found, world: int | None)
         out.symmetric.append(reason)
         if target <= 1:
             out.notes.append(FIRST_OP_NOTE)
+
+
+def _absent(pg: str, ranks: dict[int, _PgRank], world: int | None) -> tuple[int | None, list[int], str]:
+    """The group's size where known, its ranks absent from the logs, and the numbering they are in.
+
+    Counted in the group's own numbering (a line's "[PG n Rank r]") where every line has it, else in global ranks.
+    """
+    size = next((s.group_size for s in ranks.values() if s.group_size), None)
+    if size is None and world and ("default" in pg or pg.startswith("PG 0")):
+        size = world
+    places = [s.pg_rank for s in ranks.values()]
+    own = sorted({p for p in places if p is not None}) if None not in places else sorted(ranks)
+    default = "default" in pg or pg.startswith("PG 0")
+    numbering = "" if None in places or default else " (group ranks)"
+    return size, sorted(set(range(size or max(own) + 1)) - set(own)), numbering
 
 
 def _ras(reports: Sequence[RasReport], out: _Found, world: int | None) -> bool:

@@ -308,3 +308,23 @@ def test_watchdog_status_becomes_counters_the_ccl_rules_read() -> None:
     snap = JobSnapshot(now, (MachineSnapshot("m0", "logs", True, now, counters=counters),))
     v = analyze_counters(snap)
     assert v.top is not None and v.top.ranks == (2,)
+
+
+def test_dump_signals_without_a_timeout_of_their_own_are_read_not_blamed() -> None:
+    """OpenRLHF/OpenRLHF#1126: ranks 0, 1, 3 only "Observed flight recorder dump signal", ranks 2 and 5 "Received a
+    dump signal ... from rank 34 / 6" with work 460631 pending, rank 7 timed out in it. The paste holds no rank
+    behind and misses ranks 4 and 6: no suspect, no "not a rank", and both said."""
+    ev, v = _verdict("openrlhf-1126-dump-signals")
+    assert {(r.rank, r.signalled_by) for r in ev.watchdog if r.signalled_by is not None} == {(5, 34), (2, 6)}
+    assert not v.suspects and not v.findings
+    assert any(n.startswith("ranks 0-1,3 of PG 0 (default_pg) are in the logs") for n in v.notes)
+    assert any(n.startswith("ranks 4,6 of PG 0 (default_pg) are not in the logs") for n in v.notes)
+
+
+def test_old_detail_form_without_comma_is_one_desync() -> None:
+    """pytorch/pytorch#100207 (the message before the fix): `CollectiveFingerPrint(SequenceNumber=513876813OpType=
+    BROADCAST)` on rank 1 against rank 26's full fingerprint: both ranks in one desync finding."""
+    ev, v = _verdict("pytorch-100207-detail-old")
+    assert [(s.rank, s.seq, s.op) for s in ev.mismatches[0].sides] == [(26, 683057617, "BROADCAST"),
+                                                                        (1, 513876813, "BROADCAST")]
+    assert v.suspects[0].ranks == (1, 26) and v.suspects[0].kind is SuspectKind.DESYNC
