@@ -15,10 +15,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankscope.analyzers.findings import Verdict
-from rankscope.contract.snapshot import JobSnapshot
+from rankscope.contract.snapshot import JobSnapshot, RankCounters
 
 # A job that stepped this recently (or within two of its own step times) is caught mid-step by a snapshot.
 MID_STEP_S = 3.0
+
+
+def counters_progress_wall(counters: RankCounters, job_counts_steps: bool = False) -> float | None:
+    """When the CCL plugin last saw this rank make progress (None: none yet): the one rule agents and views use.
+
+    A job that makes optimizer steps progresses by them: the collectives of a
+    restart (rendezvous barriers, restoring a backup) are not training, and
+    counting them said "progress resumed" many seconds before any step did.
+    A job with no optimizer (its step count stays 0 while its collectives
+    advance: an inference or evaluation loop, a bare collective loop) and a
+    writer that counts no steps progress by their last completed collective;
+    such a job is never "hung since its start" while its collectives move.
+    ``job_counts_steps``: the job made optimizer steps before (an earlier
+    process of the rank, another rank): then a process at 0 steps has made no
+    progress until its first step, whatever its collectives do.
+    """
+    if counters.steps:
+        return counters.last_step_wall or None
+    if counters.steps is not None and job_counts_steps:
+        return None
+    marks = [op.last_complete_wall for op in counters.ops if op.last_complete_wall]
+    return max(marks) if marks else None
 
 
 def mid_step_window(step_s: float | None) -> float:
@@ -62,4 +84,5 @@ def timing_not_fault(verdict: Verdict, progress: ProgressAtCapture) -> Verdict:
     return Verdict((), summary, verdict.missing_ranks, (*verdict.notes, f"set aside as timing: {verdict.summary}"))
 
 
-__all__ = ["MID_STEP_S", "ProgressAtCapture", "mid_step_window", "progress_at_capture", "timing_not_fault"]
+__all__ = ["MID_STEP_S", "ProgressAtCapture", "counters_progress_wall", "mid_step_window", "progress_at_capture",
+           "timing_not_fault"]

@@ -11,8 +11,9 @@ numbers.
 
 Progress of one rank (one process: a new pid starts from nothing):
 - counters present: its last optimizer step (or, for a writer that counts
-  no steps, its last completed collective), as the plugin stamped it (exact,
-  even for an agent started late);
+  no steps or a job that makes none, its last completed collective), as the
+  plugin stamped it (exact, even for an agent started late;
+  ``rankscope.analyzers.progress.counters_progress_wall``);
 - no counters: when a capture finds the main-thread stack changed since the
   capture before, the time of that earlier capture (it moved after then;
   only captures carry stacks, so this moves at capture pace).
@@ -28,21 +29,8 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from rankscope.contract.snapshot import MachineSnapshot, RankCounters, RankInfo, RankStacks, main_thread
-
-
-def counters_progress_wall(counters: RankCounters) -> float | None:
-    """When the plugin last saw this rank make progress (None: none yet).
-
-    With a step counter, progress is a finished optimizer step: the
-    collectives of a restart (rendezvous barriers, restoring a backup) are
-    not training, and counting them said "progress resumed" many seconds
-    before any step did. Without one, the last completed collective.
-    """
-    if counters.steps is not None:
-        return counters.last_step_wall or None
-    marks = [op.last_complete_wall for op in counters.ops if op.last_complete_wall]
-    return max(marks) if marks else None
+from rankscope.analyzers.progress import counters_progress_wall
+from rankscope.contract.snapshot import MachineSnapshot, RankInfo, RankStacks, main_thread
 
 
 def stack_signature(stacks: RankStacks) -> tuple[str, ...] | None:
@@ -79,12 +67,14 @@ class ProgressTracker:
         self._started_of = started_of
         self.generation = 0
         self.ranks_seen_wall: float | None = None
+        self._counts_steps = False  # the job made optimizer steps: a restarted process progresses by its steps
 
     def observe(self, machine: MachineSnapshot) -> MachineSnapshot:
         if not machine.reachable or machine.captured is None:
             return machine
         now = machine.captured.wall
         counters = {c.rank: c for c in machine.counters if not c.error}
+        self._counts_steps = self._counts_steps or any(c.steps for c in counters.values())
         stacks = {s.rank: s for s in machine.stacks}
         seen_before = {r.rank for r in machine.ranks if r.rank in self._ranks}
         if machine.ranks and (self.generation == 0 or (
@@ -98,7 +88,7 @@ class ProgressTracker:
             c = counters.get(info.rank)
             counted = c is not None and c.pid in (None, info.pid)
             if c is not None and counted:
-                mark = counters_progress_wall(c)
+                mark = counters_progress_wall(c, self._counts_steps)
                 if mark is not None and (known.started_wall is None or mark >= known.started_wall):
                     known.progress_wall = max(known.progress_wall or mark, mark)
             s = stacks.get(info.rank)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rankscope.contract.snapshot import (
     Frame,
     Instant,
@@ -14,7 +16,8 @@ from rankscope.contract.snapshot import (
     RankStacks,
     ThreadStack,
 )
-from rankscope.wire.rank_progress import ProgressTracker, counters_progress_wall
+from rankscope.analyzers.progress import counters_progress_wall
+from rankscope.wire.rank_progress import ProgressTracker
 
 
 def ranks(pids: dict[int, int]) -> tuple[RankInfo, ...]:
@@ -45,6 +48,22 @@ def test_counters_progress_is_the_last_step_else_the_last_completion() -> None:
     assert counters_progress_wall(counters(0, 10, 150.0, 170.0)) == 150.0  # a restart's collectives are no step
     assert counters_progress_wall(counters(0, 10, None, 140.0)) == 140.0  # a writer that counts no steps
     assert counters_progress_wall(counters(0, 10, None, None)) is None
+
+
+def test_a_job_without_optimizer_steps_progresses_by_its_collectives() -> None:
+    """Issue 26: a job with no torch.optim (steps stay 0) whose collectives advanced is never 'hung since its
+    start'; once the job has made steps, a restarted process at 0 steps waits for its first step."""
+    no_optimizer = RankCounters(rank=0, pid=10, world_size=2, job_id=None, heartbeat_wall=None, steps=0,
+                                ops=(OpCounters("c0", "all_reduce", 60, 60, 60, last_complete_wall=170.0),))
+    assert counters_progress_wall(no_optimizer) == 170.0
+    assert counters_progress_wall(no_optimizer, job_counts_steps=True) is None
+    tracker = ProgressTracker(started)
+    got = tracker.observe(reading(400.0, {0: 10}, (no_optimizer,)))
+    assert got.ranks[0].last_progress_wall == 170.0
+    # the job made steps once: a new process of the rank at 0 steps has not progressed yet
+    tracker.observe(reading(410.0, {0: 10}, (counters(0, 10, 405.0, 406.0),)))
+    restarted = tracker.observe(reading(600.0, {0: 20}, (replace(no_optimizer, pid=20),)))
+    assert restarted.ranks[0].last_progress_wall is None
 
 
 def test_a_late_tracker_reads_the_same_last_progress_as_one_that_watched_from_the_start() -> None:
