@@ -221,7 +221,8 @@ def parse_ras_json(text: str, where: str) -> tuple[RasReport, list[str]]:
                              ("MISMATCH",) if counts else ("INCOMPLETE",) if missing else ("OK",), size,
                              tuple(counts), tuple(missing), mc if isinstance(mc, int) else len(missing),
                              tuple(statuses)))
-    rows = tuple(RasRow(i, 1, c.size or 0, "RUNNING", c.errors) for i, c in enumerate(comms))
+    # The JSON has no table: one row per communicator, ABORT where a rank aborted or has an async error.
+    rows = tuple(RasRow(i, 1, c.size or 0, "ABORT" if c.statuses else "RUNNING", c.errors) for i, c in enumerate(comms))
     sizes = [c.size for c in comms if c.size]
     return RasReport(where, max(sizes) if sizes else None, rows, tuple(comms)), notes
 

@@ -328,3 +328,37 @@ def test_old_detail_form_without_comma_is_one_desync() -> None:
     assert [(s.rank, s.seq, s.op) for s in ev.mismatches[0].sides] == [(26, 683057617, "BROADCAST"),
                                                                         (1, 513876813, "BROADCAST")]
     assert v.suspects[0].ranks == (1, 26) and v.suspects[0].kind is SuspectKind.DESYNC
+
+
+def _ras_text(n: int, value: int, minority: dict[int, int]) -> str:
+    """A `ncclras` MISMATCH block as NCCL prints it (src/ras/client_support.cc): groups by count, most frequent
+    first, the ranks of the small groups listed, a group of one on its own line."""
+    lines = ["Job summary", "===========", "", "  Nodes  Processes         GPUs  Processes     GPUs",
+             "(total)   per node  per process    (total)  (total)", f"      1  {n:9d}            1  {n:9d}  {n:7d}", "",
+             "Communicators... (0.00s)", "=============", "",
+             "Group     Comms     Nodes     Ranks     Ranks     Ranks    Status  Errors",
+             "    #  in group  per comm  per node  per comm  in group",
+             f"    0         1         1  {n:8d}  {n:8d}  {n:8d}   RUNNING  MISMATCH", "", "Errors", "======", "",
+             "#0-0 (fa93daea854b060b) MISMATCH", "  Communicator ranks have different AllReduce operation counts",
+             f"  {n - len(minority)} ranks have launched up to operation {value}"]
+    by_value: dict[int, list[int]] = {}
+    for r, v in minority.items():
+        by_value.setdefault(v, []).append(r)
+    for v, rs in sorted(by_value.items(), key=lambda kv: -len(kv[1])):
+        if len(rs) == 1:
+            lines.append(f"  Rank {rs[0]} has launched up to operation {v} -- GPU 0 managed by process {rs[0]} on node h")
+            continue
+        lines.append(f"  {len(rs)} ranks have launched up to operation {v}")
+        lines.extend(f"  Rank {r} -- GPU 0 managed by process {r} on node h" for r in sorted(rs))
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(4, 300), value=st.integers(2, 10**6), ahead=st.booleans(), data=st.data())
+def test_ras_blames_the_ranks_behind_whichever_side_it_lists(n: int, value: int, ahead: bool,
+                                                             data: st.DataObject) -> None:
+    listed = data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=max(1, n // 3)))
+    minority = {r: value + 1 if ahead else value - 1 for r in listed}
+    v = analyze_logs(read_log_text(_ras_text(n, value, minority), "ras.txt"))
+    behind = set(range(n)) - listed if ahead else listed
+    assert _suspect_ranks(v) == behind
