@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from ccl_fixtures import with_counters
 from rankscope.analyzers.analysis import analyze_job
 from rankscope.analyzers.ccl import analyze_counters
 from rankscope.analyzers.ccl_desync import counter_waits
@@ -28,7 +29,6 @@ from rankscope.contract.snapshot import (
     RankStacks,
     ThreadStack,
 )
-from ccl_fixtures import with_counters
 from stack_fixtures import snapshot
 
 SCRIPT = "/job/nccl_two_ranks.py"

@@ -11,13 +11,12 @@
 from __future__ import annotations
 
 import pytest
+from ccl_fixtures import BARRIER, DP8, L8, PP8, TP8, Counters, with_counters
 from rankscope.analyzers.analysis import analyze_job
 from rankscope.analyzers.findings import NOT_A_RANK, Finding, SuspectKind, Verdict
 from rankscope.analyzers.not_a_rank import PREFIX
-from ccl_fixtures import BARRIER, DP8, L8, PP8, TP8, Counters, with_counters
 from stack_fixtures import OPTIMIZER, RECV, SEND, TRAIN, rank_stacks, snapshot
 from test_async_waits import ITEM_LINE, _file, _op, _py, _rank
-
 
 # --------------------------------------------------------------------------
 # the drill's hang-p2p at rank 6, stacks and counters as the drill's bundle holds them

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from rankscope.analyzers.progress import counters_progress_wall
 from rankscope.contract.snapshot import (
     Frame,
     Instant,
@@ -16,7 +17,6 @@ from rankscope.contract.snapshot import (
     RankStacks,
     ThreadStack,
 )
-from rankscope.analyzers.progress import counters_progress_wall
 from rankscope.wire.rank_progress import ProgressTracker
 
 
