@@ -4,6 +4,7 @@
 #ifndef RANKSCOPE_HARNESS_COMMON_H
 #define RANKSCOPE_HARNESS_COMMON_H
 #include <dlfcn.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,9 +61,20 @@ RS_UNUSED static void* start(void* ctx, rs_nccl_descr_v5 d) {
   return h;
 }
 
+/* NCCL's logger, as the plugin sees it: one line on stderr per message */
+static void nccl_log(int level, unsigned long flags, const char* file, int line, const char* fmt, ...) {
+  (void)flags, (void)file, (void)line;
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "NCCL %s ", level == 2 ? "WARN" : "INFO");
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+}
+
 RS_UNUSED static void init(void** ctx, uint64_t id, int* mask, const char* name, int nNodes, int nranks, int rank) {
-  if (P4) P4->init(ctx, mask, name, id, nNodes, nranks, rank, NULL);
-  else P->init(ctx, id, mask, name, nNodes, nranks, rank, NULL);
+  if (P4) P4->init(ctx, mask, name, id, nNodes, nranks, rank, nccl_log);
+  else P->init(ctx, id, mask, name, nNodes, nranks, rank, nccl_log);
 }
 
 RS_UNUSED static void* coll(void* ctx, const char* func, uint64_t seq, size_t count) {

@@ -170,6 +170,22 @@ static rs_rec* record(const void* h, uint32_t* gen, int* pool) {
 
 static uint32_t next_gen(uint32_t g) { return g + 1 ? g + 1 : 1; }
 
+/* NCCL's logger (NCCL_DEBUG=WARN shows it): how a person learns the counters stopped being complete */
+static ncclDebugLogger_t nccl_log;
+static int warned_full;
+#define RS_LOG_WARN 2 /* NCCL_LOG_WARN */
+#define RS_LOG_INFO 3 /* NCCL_LOG_INFO */
+#define RS_LOG_INIT 1UL /* NCCL_INIT subsystem */
+
+static void warn_full(const char* what) {
+  ncclDebugLogger_t log = __atomic_load_n(&nccl_log, __ATOMIC_ACQUIRE);
+  if (!log || __atomic_exchange_n(&warned_full, 1, __ATOMIC_RELAXED)) return;
+  log(RS_LOG_WARN, ~0UL, __FILE__, __LINE__,
+      "rankscope profiler: no free %s record (more events in flight than its pool holds); events are dropped, "
+      "so this rank's CL/WR/WC undercount from now on. Rebuild with a larger -DRS_TASK_POOL / -DRS_CHILD_POOL, "
+      "or run without the plugin (rankscope run --no-nccl-plugin)", what);
+}
+
 /* A record no one uses any more, in state S_INIT with a new generation; -1 when the pool is full. */
 static int alloc_rec(rs_rec* pool, uint32_t size, uint64_t* cursor, uint32_t* gen) {
   for (int t = 0; t < ALLOC_TRIES; t++) {
@@ -424,7 +440,6 @@ static rs_ctx* context_of(const void* h) {
 
 static ncclResult_t rs_init(void** context, uint64_t commId, int* mask, const char* commName, int nNodes, int nranks,
                             int rank, ncclDebugLogger_t logfn) {
-  (void)logfn;
   if (!context || !mask) return RS_NCCL_SUCCESS;
   *context = NULL;
   *mask = 0;
@@ -473,6 +488,11 @@ static ncclResult_t rs_init(void** context, uint64_t commId, int* mask, const ch
   unlock_create();
   *context = encode(P_CTX, (uint32_t)slot, gen);
   *mask = MASK;
+  if (logfn) {
+    __atomic_store_n(&nccl_log, logfn, __ATOMIC_RELEASE);
+    logfn(RS_LOG_INFO, RS_LOG_INIT, __FILE__, __LINE__, "rankscope profiler: communicator %016llx (%d ranks, rank %d) "
+          "counted into %s", (unsigned long long)commId, nranks, rank, path);
+  }
   return RS_NCCL_SUCCESS;
 }
 
@@ -617,7 +637,10 @@ static ncclResult_t rs_start_any(void* context, void** handle, const rs_descr* d
     int slot = slot_for(b, ctx, d->func);
     if (slot < 0) return RS_NCCL_SUCCESS;
     int i = alloc_rec(tasks, RS_TASK_POOL, &task_cursor, &gen);
-    if (i < 0) return RS_NCCL_SUCCESS;
+    if (i < 0) {
+      warn_full("collective");
+      return RS_NCCL_SUCCESS;
+    }
     rs_rec* t = &tasks[i];
     int is_coll = d->type == RS_EV_COLL;
     t->kind = is_coll ? K_COLL : K_P2P;
@@ -654,6 +677,7 @@ static ncclResult_t rs_start_any(void* context, void** handle, const rs_descr* d
   }
   int i = alloc_rec(children, RS_CHILD_POOL, &child_cursor, &gen);
   if (i < 0) {
+    warn_full("proxy/kernel-channel");
     release(parent);
     return RS_NCCL_SUCCESS;
   }

@@ -231,6 +231,20 @@ def test_replay_under_thread_sanitizer_has_no_data_race(tmp_path: Path) -> None:
     _check_replay(proc, out, 2000)
 
 
+def test_a_full_pool_drops_events_with_a_warning_in_nccls_log(tmp_path: Path) -> None:
+    """More events in flight than records: dropped (never a fault), and NCCL_DEBUG=WARN says so with the fix."""
+    lib = build_plugin(tmp_path, extra_flags=(*SANITIZE, "-DRS_TASK_POOL=4", "-DRS_CHILD_POOL=4"))
+    exe = _compile_driver(tmp_path, "replay.c", SANITIZE)
+    out = tmp_path / "counters"
+    out.mkdir()
+    proc = _replay(lib, exe, out, 200, env=SAN_ENV)
+    assert "AddressSanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode in (0, 3), proc.stderr[-4000:]  # 3: the stuck receive's records were dropped too
+    assert "INFO rankscope profiler: communicator 0123456789abcdef (4 ranks, rank 1) counted into" in proc.stderr
+    assert proc.stderr.count("WARN rankscope profiler: no free") == 1  # once, not per event
+    assert "--no-nccl-plugin" in proc.stderr
+
+
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed (apt-get install valgrind)")
 def test_replay_under_valgrind_is_clean(tmp_path: Path) -> None:
     lib = build_plugin(tmp_path, extra_flags=("-g", *SMALL_POOLS))
