@@ -49,6 +49,8 @@ def test_nccl_1730_ras_ok_while_watchdog_timed_out_is_not_a_rank(capsys: pytest.
     data = _analyze(capsys, EXTERNAL / "nccl-1730-ras-ok-while-pytorch-timeout")
     assert data["suspects"] == [] and _finding_kinds(data)[0] == "not-a-rank"
     assert str(data["summary"]).startswith("not a rank: NCCL RAS shows every communicator RUNNING")
+    assert data["logs"] == {"files": ["excerpt.txt"], "watchdog_lines": 2, "ras_reports": 1, "fr_records": 0,
+                            "detail_mismatches": 0, "inspector_ranks": 0}
 
 
 @needs_external

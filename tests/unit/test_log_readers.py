@@ -257,7 +257,8 @@ _MARKERS = ["WorkNCCL(SeqNum=", "last enqueued work: ", "Rank 3 -- GPU 1 managed
             "Missing communicator data from 4 ranks\n", "#0-0 (ab) MISMATCH\n", "[rank7]:", "Culprit rank 9; ",
             "Not all ranks joining collective\n", "missing ranks: {1,\n", "Detected mismatch between collectives on "
             "ranks. Rank 1 is running collective: ", '{"header": {"rank": 1}, "coll_perf": {"coll_sn": 3}}',
-            "Job summary\n", "Communicators...\n", "    0   1   1   1   2   2   RUNNING  OK\n"]
+            "Job summary\n", "Communicators...\n", "    0   1   1   1   2   2   RUNNING  OK\n",
+            'nccl_collective_exec_time_microseconds{node="n",gpu="g"} 7\n']
 
 
 @settings(max_examples=150, deadline=None)

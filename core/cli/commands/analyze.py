@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         # Nothing to group (flight-recorder dumps carry counters only): the other detectors speak alone.
         out = _verdict_only(other_verdicts, snapshot, layout)
         out.update(extra)
+        out.update(_log_summary(args))
         _print(out, args.json)
         return 0
     from rankscope.analyzers.analysis import analyze_job
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         out["fail_slow"] = rounds
     if snapshot.notes:
         out["notes"] = [*snapshot.notes, *out["notes"]]  # type: ignore[misc]
+    out.update(_log_summary(args))
     assignment = rank_assignment(snapshot)
     if assignment:
         out["rank_assignment"] = assignment
@@ -220,6 +222,9 @@ def _log_verdict(args: argparse.Namespace, snapshot: Any) -> tuple[Any, Any]:
     if evidence.empty() and not evidence.notes:
         return None, snapshot
     evidence = dataclasses.replace(evidence, notes=(*evidence.notes, *getattr(args, "log_unread", ())))
+    args.log_read = {"files": [getattr(f, "path", f).name for f in files], "watchdog_lines": len(evidence.watchdog),
+                     "ras_reports": len(evidence.ras), "fr_records": len(evidence.fr),
+                     "detail_mismatches": len(evidence.mismatches), "inspector_ranks": len(evidence.inspector)}
     counters = watchdog_counters(evidence.watchdog)
     if counters and any(m.stacks for m in snapshot.machines):
         where = snapshot.rank_to_machine()
@@ -228,6 +233,12 @@ def _log_verdict(args: argparse.Namespace, snapshot: Any) -> tuple[Any, Any]:
                     for m in snapshot.machines]
         snapshot = dataclasses.replace(snapshot, machines=tuple(machines))
     return analyze_logs(evidence, snapshot.world_size), snapshot
+
+
+def _log_summary(args: argparse.Namespace) -> dict[str, Any]:
+    """``--json``'s ``logs``: the files read as logs and how many records of each kind they gave."""
+    read = getattr(args, "log_read", None)
+    return {"logs": read} if read else {}
 
 
 def _not_a_rank_summary(verdict: Any) -> str | None:
