@@ -112,7 +112,8 @@ info["cuda_available"] = torch.cuda.is_available()
 if info["cuda_available"]:
     info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     try:
-        info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        v = torch.cuda.nccl.version()
+        info["nccl"] = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
     except Exception as exc:
         info["nccl"] = f"unknown ({exc})"
 print(json.dumps(info))
