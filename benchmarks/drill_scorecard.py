@@ -45,11 +45,12 @@ WORLD = 8
 _PRELOADED = (ccl, suspects)  # imported up front so the timed analysis does not include imports
 
 
-def run_drill(fault: str, rank: int, workdir: Path, timeout_s: float) -> tuple[dict[str, Any] | None, Path, str]:
+def run_drill(fault: str, rank: int, workdir: Path, timeout_s: float,
+              backend: str = "gloo") -> tuple[dict[str, Any] | None, Path, str]:
     bundle = workdir / f"{fault}-r{rank}.json"
     cmd = [sys.executable, "-m", "rankscope", "drill", "--headless", "--json", "--fault", fault,
            "--fault-rank", str(rank), "--fault-step", "5", "--run-dir", str(workdir / f"run-{fault}-r{rank}"),
-           "-o", str(bundle)]
+           "-o", str(bundle), "--backend", backend]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -73,6 +74,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per drill")
     parser.add_argument("--keep", type=Path, help="keep bundles in this folder (default: a temporary one)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON lines too")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="the drills' backend (nccl: ranks on the machine's GPUs, see rankscope drill --backend)")
     args = parser.parse_args()
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     rng = random.Random(args.seed)
@@ -82,14 +85,14 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     header = (f"{'#':>2} {'fault':<17} {'rank':>4} {'machine':<10} {'expect':<6} {'named':<6} {'top machines':<22} "
               f"{'kind':<4} {'mach':<4} {'fault->verdict':>14} {'analysis':>9}  named ranks")
-    print(f"{args.drills} drills, TP=2 PP=2 DP=2 on 4 machines, seed {args.seed}, bundles in {workdir}")
+    print(f"{args.drills} drills on {args.backend}, TP=2 PP=2 DP=2 on 4 machines, seed {args.seed}, bundles in {workdir}")
     print(header)
     print("-" * len(header))
     for i in range(args.drills):
         fault = faults[i % len(faults)]
         rank = rng.randrange(WORLD)
         t0 = time.monotonic()
-        report, bundle_path, error = run_drill(fault, rank, workdir, args.timeout)
+        report, bundle_path, error = run_drill(fault, rank, workdir, args.timeout, args.backend)
         wall = time.monotonic() - t0
         if report is None:
             rows.append({"fault": fault, "rank": rank, "error": error, "correct": False, "drill_s": wall})
