@@ -17,16 +17,18 @@
  *
  * Lifetimes. NCCL stops a Coll/P2p on the host right after posting its proxy work; the proxy thread then
  * starts ProxyOps / KernelChs whose parentObj is that stopped handle, records states and stops them. So
- * nothing NCCL hands over is a pointer: every handle is an encoded (pool, index, generation) triple into
+ * no handle we give NCCL is a pointer: every handle is an encoded (pool, index, generation) triple into
  * fixed pools allocated once, never freed while the library is loaded. A record carries one atomic word
  * {generation, live children, state}: a child attaches to its parent with a compare-and-swap that also
  * checks the generation, so a parent is reused only when it is stopped and has no live child, and a
  * handle whose record was reused since (stale), one that is not ours (a PXN pointer from another process,
  * garbage) or NULL is ignored. Task records are reused oldest first, so a stopped Coll stays attachable
- * for the next TASK_POOL tasks. No malloc, no mutex, no syscall on NCCL's event path; op slots in the file
- * are written under their seqlock, taken with a compare-and-swap because the user thread and proxy
- * threads write the same slot; readers in other processes never see torn values. The mapping is never
- * unmapped while the library is loaded, so a late event cannot fault. */
+ * for the next RS_TASK_POOL tasks (a ProxyOp from another process, PXN, is recognised by its pid and
+ * ignored before its parentObj is looked at). No malloc, no mutex and no syscall on NCCL's event path
+ * (a writer that finds a slot busy for long yields); op slots in the file are written under their
+ * seqlock, taken with a compare-and-swap because the user thread and proxy threads write the same slot;
+ * readers in other processes never see torn values. A mapping is never unmapped while the library is
+ * loaded, so a late event cannot fault. */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <sched.h>
