@@ -167,7 +167,7 @@ def _group_entry(group: Any) -> tuple[Any, int, tuple[int, ...]]:
     entry = (group, writer.comm(name, backend, desc, members), members)
     STATE.groups[id(group)] = entry
     if STATE.pg_hooks:
-        _hook_group(group, entry[1])
+        _hook_group(group, entry[1], on_device="nccl" in backend)
     return entry
 
 
@@ -662,12 +662,14 @@ def _install_pg_hooks(dist: Any) -> bool:
     return STATE.pg_hooks
 
 
-def _hook_group(pg: Any, idx: int) -> None:
+def _hook_group(pg: Any, idx: int, on_device: bool = False) -> None:
     """Count what ``pg`` runs outside our Python wrappers, through its own hooks.
 
     Not exercised here: torch 2.13 has no such hooks. The hook arguments are
     read by duck typing (an op ``name`` and an ``op_id`` pairing pre and post),
     and any surprise disables the counters with one line on stderr.
+    ``on_device``: the group runs NCCL, whose Works' futures complete at
+    enqueue, so completion is polled through ``is_completed()``.
     """
     open_reqs: dict[Any, Request] = {}
     tls = STATE.tls
@@ -691,7 +693,7 @@ def _hook_group(pg: Any, idx: int) -> None:
                 return
             work = getattr(args, "work", None)
             if work is not None:
-                _watch(work, [req])
+                _watch(work, [req], on_device)
             else:
                 _complete_all([req])
         except Exception as exc:

@@ -185,3 +185,19 @@ def test_the_group_records_its_size_and_this_ranks_place_for_the_nccl_join(shim:
 def test_a_list_payload_on_cuda_counts_as_device_work(shim: CounterWriter) -> None:
     assert torch_hooks._on_cuda([Tensor(cuda=True)]) and not torch_hooks._on_cuda([])
     assert not torch_hooks._on_cuda(None) and not torch_hooks._on_cuda((Tensor(cuda=False),))
+
+
+def test_process_group_hooks_on_nccl_wait_for_the_device(shim: CounterWriter) -> None:
+    """torch >= 2.14's hooks see C++-issued collectives (DDP): their NCCL Work completes on the device, not at once."""
+    hooks: dict[str, Any] = {}
+    group = SimpleNamespace(register_pre_hook=lambda fn: hooks.setdefault("pre", fn),
+                            register_post_hook=lambda fn: hooks.setdefault("post", fn))
+    torch_hooks._hook_group(group, shim.comm("0", "nccl", "default_pg", (0, 1)), on_device=True)
+    work = Work()
+    hooks["pre"](SimpleNamespace(name="ALLREDUCE", op_id=7))
+    hooks["post"](SimpleNamespace(name="ALLREDUCE", op_id=7, work=work))
+    torch_hooks._poll_device()
+    assert counts(shim, "allreduce") == (1, 1, 0)
+    work.done = True
+    torch_hooks._poll_device()
+    assert counts(shim, "allreduce") == (1, 1, 1)
