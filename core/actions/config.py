@@ -10,6 +10,8 @@ agent runs.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from rankscope.contract.snapshot import Layout
 
 DEFAULT_GRACE_S = 10.0
 BACKUP_WAIT_S = 60.0  # for every rank to reach a step boundary and write its shard
+MAX_STANDBYS_FILE_BYTES = 4 * 1024 * 1024  # 16,384 names of 250 characters
 CONFIG_FIX = "see `rankscope agent --help` for the --actions-config format"
 
 
@@ -232,14 +235,29 @@ def local_standbys(settings: EvictionSettings) -> tuple[str, ...]:
     file = settings.options.get("standbys_file")
     if file is None:
         return names
+    fix = "the launcher writes it as a JSON list of machine names"
     try:
-        listed = json.loads(Path(file).read_text(encoding="utf-8"))
+        listed = json.loads(_read_regular(Path(file), MAX_STANDBYS_FILE_BYTES).decode("utf-8"))
     except FileNotFoundError:
         return names  # no pool written (yet): none on hand
+    except RecursionError:
+        raise RankscopeError(f"cannot read the standby list {file}: nested too deep for a list of names", fix) from None
     except (OSError, ValueError) as exc:
-        raise RankscopeError(f"cannot read the standby list {file}: {exc}",
-                             "the launcher writes it as a JSON list of machine names") from None
+        raise RankscopeError(f"cannot read the standby list {file}: {exc}", fix) from None
     return tuple(dict.fromkeys((*names, *_machine_list(listed, f"standby list {file}"))))
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """A small regular file's bytes, read without blocking: the agent reads this file on every plan (a read
+    token's call), and a FIFO in its place would hold a worker thread for good."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise OSError(f"{path} holds {st.st_size} bytes, more than a list of machine names ({limit})")
+        return fh.read(limit + 1)
 
 
 def _hot_update(value: Any, where: str) -> HotUpdateSettings | None:

@@ -392,8 +392,54 @@ def test_any_json_as_a_bundle_is_a_bundle_error_or_a_bundle(value: object) -> No
 # ---- SIGTERM while a worker is stuck -----------------------------------------------------------------------
 
 
-def test_sigterm_stops_the_agent_while_a_worker_is_stuck(tmp_path: Path) -> None:
-    """A worker thread blocked for good (here: planning reads a standby list that is a FIFO nobody writes)."""
+def test_sigterm_stops_the_agent_while_a_worker_is_busy(tmp_path: Path) -> None:
+    """A worker thread busy for minutes: an eviction whose site script takes ten (the old agent waited for it)."""
+    procs = Processes(tmp_path)
+    try:
+        started = tmp_path / "script-started"
+        script = tmp_path / "evict.sh"
+        script.write_text(f"#!/bin/sh\ntouch {started}\nsleep 600\n")
+        script.chmod(0o755)
+        config = tmp_path / "actions.toml"
+        config.write_text(f'[eviction]\nbackend = "command"\n[eviction.command]\nscript = "{script}"\n'
+                          "timeout_s = 600\n")
+        tokens = tmp_path / "tokens"
+        tokens.write_text(f"act:{ACT}\n")
+        tokens.chmod(0o600)
+        agent = procs.agent("busy", "--run-id", "nobody", "--counter-dir", str(tmp_path / "c"),
+                            "--state-dir", str(tmp_path / "state"), "--actions-config", str(config),
+                            token_file=tokens)
+        request = ActionRequest("busy-1", ActionKind.EVICT, Targets(("busy",)), EvictArgs("test"), "alice")
+
+        async def run_until_the_script_runs() -> None:
+            channel, stub = _stub(agent.address)
+            async with channel:
+                plan = await stub.PlanAction(request_to_proto(request), metadata=auth_metadata(ACT), timeout=CALL_S)
+                confirm = Confirmation(tuple(plan.machines), (), plan.confirm_phrase)
+                run = pb.RunActionRequest(request=request_to_proto(request),
+                                          confirmation=confirmation_to_proto(confirm))
+                stream = stub.RunAction(run, metadata=auth_metadata(ACT), timeout=CALL_S)
+                async for _ in stream:
+                    if started.exists():
+                        break
+                await asyncio.to_thread(wait_for, started.exists, CALL_S, "the site script to start")
+                stream.cancel()
+
+        asyncio.run(run_until_the_script_runs())
+        began = time.monotonic()
+        agent.proc.send_signal(signal.SIGTERM)
+        try:
+            agent.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the agent did not stop within 20 s of SIGTERM:\n{agent.log_text()}")
+        assert time.monotonic() - began < 20
+        assert "exiting without waiting" in agent.log_text()
+    finally:
+        procs.close()
+
+
+async def test_a_fifo_as_the_standby_list_refuses_the_plan_instead_of_stalling(tmp_path: Path) -> None:
+    """The standby list is read on every plan, a read token's call: a FIFO there held a worker for good."""
     procs = Processes(tmp_path)
     try:
         fifo = tmp_path / "standbys.json"
@@ -401,29 +447,17 @@ def test_sigterm_stops_the_agent_while_a_worker_is_stuck(tmp_path: Path) -> None
         config = tmp_path / "actions.toml"
         config.write_text(f'[eviction.local]\nstandbys_file = "{fifo}"\n')
         tokens = tmp_path / "tokens"
-        tokens.write_text(f"act:{ACT}\n")
+        tokens.write_text(f"read:{READ}\n")
         tokens.chmod(0o600)
-        agent = procs.agent("stuck", "--run-id", "nobody", "--counter-dir", str(tmp_path / "c"),
+        agent = procs.agent("fifo", "--run-id", "nobody", "--counter-dir", str(tmp_path / "c"),
                             "--state-dir", str(tmp_path / "state"), "--actions-config", str(config),
                             token_file=tokens)
-        request = ActionRequest("stuck-1", ActionKind.EVICT, Targets(("stuck",)), EvictArgs("test"), "alice")
-
-        async def plan() -> None:
-            channel, stub = _stub(agent.address)
-            async with channel:
-                with pytest.raises(grpc.aio.AioRpcError):  # the plan never comes: its worker is stuck
-                    await stub.PlanAction(request_to_proto(request), metadata=auth_metadata(ACT), timeout=1.0)
-
-        asyncio.run(plan())
+        request = ActionRequest("fifo-1", ActionKind.EVICT, Targets(("fifo",)), EvictArgs("test"), "alice")
+        channel, stub = _stub(agent.address)
+        async with channel:
+            plan = await stub.PlanAction(request_to_proto(request), metadata=auth_metadata(READ), timeout=CALL_S)
+        assert any("not a regular file" in w for w in plan.warnings), plan.warnings
         assert stat.S_ISFIFO(os.stat(fifo).st_mode)
-        started = time.monotonic()
-        agent.proc.send_signal(signal.SIGTERM)
-        try:
-            agent.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the agent did not stop within 20 s of SIGTERM:\n{agent.log_text()}")
-        assert time.monotonic() - started < 20
-        assert "exiting without waiting" in agent.log_text()
     finally:
         procs.close()
 
