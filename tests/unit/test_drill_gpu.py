@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,19 @@ def test_the_nccl_drill_loads_the_profiler_plugin_beside_the_python_counters(
     without = Launcher(tmp_path / "b", layout, TrainingOptions(backend="nccl"))
     assert without.base_env()["RANKSCOPE_CCL"] == "1"
     assert any("NCCL profiler plugin not built (no C compiler found)" in n for n in without.notes)
+
+
+def test_a_worker_sharing_one_gpu_binds_it_and_poses_as_its_own_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's set-up before NCCL starts, with torch.cuda answering as on a one-GPU machine."""
+    bound: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    for key in ("NCCL_HOSTID", "NCCL_IB_DISABLE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth7")  # the user's own choice stays
+    monkeypatch.setenv("RANKSCOPE_DRILL_RUN_ID", "drill-x")
+    device = use_gpu(3, 4)
+    assert (device.type, device.index, bound) == ("cuda", 0, [0])
+    assert (os.environ["NCCL_HOSTID"], os.environ["NCCL_IB_DISABLE"], os.environ["NCCL_SOCKET_IFNAME"]) == (
+        "drill-x-rank3", "1", "eth7")
