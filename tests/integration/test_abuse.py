@@ -42,9 +42,10 @@ from rankscope.actions.model import (
 )
 from rankscope.ccl_plugin import layout as L
 from rankscope.contract.bundle import BundleError, loads
+from rankscope.contract.errors import RankscopeError
 from rankscope.probes import ccl_counters
 from rankscope.probes.ccl_counters import list_counter_files, read_counter_file
-from rankscope.wire.agent import MAX_REQUEST_BYTES, token_fingerprint
+from rankscope.wire.agent import MAX_REQUEST_BYTES, checked_number, token_fingerprint
 from rankscope.wire.client import JobClient, auth_metadata
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
@@ -289,6 +290,18 @@ async def test_non_finite_numbers_are_refused_by_name(world: World, call: str) -
     field = {"describe_inf_hz": "sample_hz", "capture_nan_timeout": "timeout_s"}.get(call, "interval_s")
     assert field in (err.value.details() or "")
     assert "Traceback" not in world.actions.log_text()
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True), st.floats(-1e6, 1e6), st.floats(0, 1e6))
+def test_a_number_from_the_wire_is_finite_and_in_range_or_refused(value: float, low: float, span: float) -> None:
+    high = low + span
+    try:
+        got = checked_number(value, "x", low, high)
+    except RankscopeError as exc:
+        assert "x must be a number" in exc.message and exc.fix
+        assert not (low <= value <= high)  # NaN compares false: refused too
+    else:
+        assert got == value and low <= got <= high
 
 
 # ---- actions confined to the configuration -------------------------------------------------------------
