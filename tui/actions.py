@@ -491,8 +491,8 @@ class ActionController:
             async for update in self.source.run_action(request, summary.confirmation(typed)):
                 event = update.event
                 if isinstance(event, ActionProgress):
-                    self.app.notify(f"{update.address}: {event.message}", title=f"{kind} {event.step}/{event.total}",
-                                    timeout=4)
+                    self.app.notify(f"{st.machine_name(self.app.state, update.address)}: {event.message}",
+                                    title=f"{kind} {event.step}/{event.total}", timeout=4)
                 elif isinstance(event, ActionResult):
                     self.last_result[update.address] = event
                     self._show_result(update.address, event)
@@ -506,11 +506,12 @@ class ActionController:
     def _show_result(self, address: str, result: ActionResult) -> None:
         kind = KIND_LABELS[result.kind]
         if result_is_role_refusal(result):
-            self.app.notify(f"{address} refused: this token may not act (nothing was done there)\nfix: {ACT_TOKEN_FIX}",
+            self.app.notify(f"{st.machine_name(self.app.state, address)} refused: this token may not act (nothing was done there)\nfix: {ACT_TOKEN_FIX}",
                             title=f"{kind} refused", severity="error", timeout=12)
             return
         extra = f" (recorded result of {result.action_id})" if result.replayed else ""
-        self.app.notify(f"{address}: {result.state.value}: {result.message}{extra}", title=f"{kind} result",
+        name = st.machine_name(self.app.state, address)
+        self.app.notify(f"{name}: {result.state.value}: {result.message}{extra}", title=f"{kind} result",
                         severity="information" if result.ok else "error", timeout=10)
 
     # -- the audit watch ----------------------------------------------------------

@@ -279,9 +279,13 @@ class RankscopeApp(App[int]):
         self.redraw()
 
     def on_agent_lost(self, message: AgentLost) -> None:
+        if self.state.awaiting_restart:  # the job restarts with its agents: "restarting" (header, map, Events)
+            return
         self.notify(f"agent {message.machine} lost", severity="warning", timeout=4)
 
     def on_agent_found(self, message: AgentFound) -> None:
+        if self.state.awaiting_restart:
+            return
         self.notify(f"agent {message.machine} is back", timeout=3)
 
     def _maybe_capture(self) -> None:

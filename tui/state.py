@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import numpy as np
-from rankscope.actions.model import ActionKind, ActionState, AuditRecord
+from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionState, AuditRecord
 from rankscope.analyzers.metric_outliers import snapshot_outliers
 from rankscope.analyzers.progress import mid_step_window
 from rankscope.analyzers.series import METRICS as SERIES_METRICS
@@ -412,6 +412,7 @@ class VerdictMark:
     # The job was making steps when captured: ranks caught at different points of a step differ by timing, so
     # the capture names no suspect (a restart's first step, a view attached to a healthy job, `s` on one).
     running: bool = False
+    restarting: bool = False  # taken while the job restarted (an eviction's or a hot-update's): no steady state
 
 
 @dataclass(frozen=True, slots=True)
@@ -517,7 +518,10 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         if m.name in state.evicted or m.address in state.evicted_addresses:
             continue  # its agent going away is the eviction's doing, not news
         was = before.get(m.name)
-        if was is True and not m.reachable:
+        if was is True and not m.reachable and state.awaiting_restart:
+            # The launcher restarts the job's agents with it (an eviction, a hot-update): one word for it everywhere.
+            events.append(Event(now_wall, "restarting", f"{m.name} restarting with the job"))
+        elif was is True and not m.reachable:
             events.append(Event(now_wall, "lost", f"agent {m.name} ({m.address}) lost: {m.error or 'no answer'}"))
         elif was is False and m.reachable:
             events.append(Event(now_wall, "found", f"agent {m.name} ({m.address}) is back"))
@@ -692,7 +696,7 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
                             if (r in m.starting and m.start_age_s < hang_after_s) or r in importing))
     clock = s.clock
     mark = VerdictMark(d.wall, s.restarts, clock.progress_mark if clock is not None else None, d.progress,
-                       clock is not None, starting, running)
+                       clock is not None, starting, running, state.awaiting_restart)
     s = replace(s, stacks=view, capture_wall=d.wall, verdict=mark, events=_with_events(s, events))
     # A text filter matches frames: against the new capture's groups it selects other ranks.
     return apply_filter(s, s.filter.text) if s.filter.active else s
@@ -743,6 +747,8 @@ def verdict_stale(state: AppState) -> str | None:
     mark = state.verdict
     if state.stacks is None or mark is None:
         return None
+    if mark.restarting:
+        return "taken while the job was restarting"
     if state.restarts > mark.restarts:
         return "the job restarted after this capture"
     evicted = state.evicted | {m.name for m in state.machines if m.evicted}
@@ -877,7 +883,7 @@ def health(state: AppState) -> Health:
     if job and not running:
         first = next((m.error for m in job if m.error), None)
         if state.awaiting_restart:  # the launcher restarts the remaining machines' agents with the job
-            return Health("idle", "the job restarts after the eviction: its agents do not answer yet")
+            return Health("idle", "restarting: the job's agents do not answer yet")
         return Health("unknown", f"no agent answers: {first}" if first else "no agent of the job answers")
     silent = [m for m in job if not m.reachable and m.ranks]
     clock = state.clock
@@ -887,7 +893,7 @@ def health(state: AppState) -> Health:
                       f"{silent[0].error or 'no answer'}")
     if clock is not None and not clock.running and state.awaiting_restart:
         seen = f" since {fmt_time(clock.seen_mark)}" if clock.seen_mark is not None else ""
-        return Health("idle", f"no ranks running{seen}: the job restarts after the eviction")
+        return Health("idle", f"restarting: no ranks running{seen}")
     if clock is not None:
         clocked = _clock_health(clock, hang_after_s)
         if clocked is not None:
@@ -1001,6 +1007,10 @@ def apply_audit(state: AppState, address: str, record: AuditRecord) -> AppState:
     s = apply_failure(s, "action", audit_line_text(record), record.when)
     if record.kind == ActionKind.EVICT and record.result == ActionState.SUCCEEDED.value:
         s = apply_evicted(s, record.machines, record.when)
+    elif record.kind in (ActionKind.HOT_UPDATE, ActionKind.ROLLBACK) and RESTART_REQUESTED in record.message and \
+            record.result == ActionState.SUCCEEDED.value:
+        # The launcher restarts the job in place on the new code: its agents going away meanwhile is "restarting".
+        s = replace(s, awaiting_restart=True)
     return s
 
 
@@ -1012,7 +1022,14 @@ def apply_audit_note(state: AppState, address: str, text: str) -> AppState:
         return replace(state, actions=replace(state.actions, log=drop_notes(state.actions.log, frozenset({address}))))
     if address in _evicted_addresses(state):
         return state
+    if state.awaiting_restart:
+        text = f"audit of {machine_name(state, address)}: restarting with the job — reconnecting"
     return replace(state, actions=replace(state.actions, log=log_note(state.actions.log, address, text)))
+
+
+def machine_name(state: AppState, address: str) -> str:
+    """The machine an agent address speaks for (the address itself when no poll named it): toasts name machines."""
+    return next((m.name for m in state.machines if m.address == address), address)
 
 
 def _evicted_addresses(state: AppState) -> frozenset[str]:

@@ -279,14 +279,33 @@ def test_between_an_eviction_and_the_restart_the_job_is_restarting_not_finished(
     s = fold([snap(T0 + i, progress=T0 + i) for i in range(3)])
     s = st.apply_evicted(s, ["machine-1"], T0 + 3)
     s = fold([snap(T0 + 60, progress=None, ranks=False, seen=T0 + 4, unreachable=("machine-1",))], s)
-    assert st.health(s) == st.Health("idle", "no ranks running since 22:13:24: the job restarts after the eviction")
+    assert st.health(s) == st.Health("idle", "restarting: no ranks running since 22:13:24")
     # The launcher restarts the remaining machines' agents with the job: for a while none answers. Not "lost".
     down = fold([snap(T0 + 62, progress=None, unreachable=MACHINES)], s)
-    assert st.health(down) == st.Health("idle", "the job restarts after the eviction: its agents do not answer yet")
+    assert st.health(down) == st.Health("idle", "restarting: the job's agents do not answer yet")
     assert "1 restarting 1 evicted" in header(down) and "lost" not in header(down), header(down)
+    # One word for one state: Events say "restarting" too, never "lost", for the agent the restart takes away.
+    assert [e.text for e in down.events if e.kind in ("lost", "restarting")] == ["machine-0 restarting with the job"]
     s = fold([snap(T0 + 70, progress=None, started=T0 + 65, pids=3000, unreachable=("machine-1",))], s)
     assert s.restarts == 1 and not s.awaiting_restart
     assert st.health(s).kind == "starting"
+
+
+def test_a_hot_update_that_restarts_the_job_is_restarting_and_a_capture_meanwhile_says_so() -> None:
+    from rankscope.actions.model import RESTART_REQUESTED, ActionKind, AuditRecord
+    from rankscope.tui.analysis import build_stack_view
+
+    s = fold([snap(T0 + i, progress=T0 + i) for i in range(3)])
+    s = st.apply_audit(s, "127.0.0.1:1", AuditRecord(
+        1, "hot-update-x", "alice", T0 + 3, ActionKind.HOT_UPDATE, "hot-update to v2", "succeeded",
+        f"machine-0 now runs its code from v2; {RESTART_REQUESTED} from the launcher", ("machine-0",)))
+    assert s.awaiting_restart
+    down = fold([snap(T0 + 5, progress=None, unreachable=MACHINES)], s)
+    assert "2 restarting" in header(down) and "lost" not in header(down), header(down)
+    assert not [e for e in down.events if e.kind == "lost"]
+    capture = snap(T0 + 6, progress=T0 + 2)
+    taken = st.apply_capture(s, st.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
+    assert st.verdict_stale(taken) == "taken while the job was restarting"
 
 
 

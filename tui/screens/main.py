@@ -117,7 +117,8 @@ class MainScreen(Screen[None]):
             self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, verdict_stale(state),
                                                     state.capture_wall, state.machine_of_rank()))
             group_of = map_groups(state)
-            machines = [MapMachine(m.name, m.ranks, m.reachable, m.evicted) for m in state.machines]
+            machines = [MapMachine(m.name, m.ranks, m.reachable, m.evicted, state.awaiting_restart)
+                        for m in state.machines]
             self.query_one("#rank-map", RankMapPanel).show(machines, group_of, flt)
             self._draw_legend(state.stacks)
         elif view == "stacks":

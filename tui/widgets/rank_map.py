@@ -47,6 +47,7 @@ class MapMachine:
     ranks: tuple[int, ...]
     reachable: bool
     evicted: bool = False  # taken out of the job: listed (struck through) so the pair sees where it went
+    restarting: bool = False  # its agent is away because the job restarts (an eviction, a hot-update): not lost
 
 
 LABEL_MAX = 21  # the longest IPv4 address and port (255.255.255.255:65535): an agent's address is never cut
@@ -185,12 +186,12 @@ class RankMapPanel(ScrollView, can_focus=True):
 
     # -- drawing ----------------------------------------------------------
 
-    def _cell(self, rank: int, reachable: bool) -> tuple[str, int]:
+    def _cell(self, rank: int, reachable: bool, restarting: bool = False) -> tuple[str, int]:
         """A rank's glyph and style slot (see ``_styles``)."""
         if self.filter is not None and rank not in self.filter.ranks:
             return "·", -3
         if not reachable:
-            return "×", -2
+            return ("↻", -1) if restarting else ("×", -2)
         g = self.group_of_rank.get(rank)
         if g is None:
             return "?", -1
@@ -225,7 +226,7 @@ class RankMapPanel(ScrollView, can_focus=True):
             m = self.machines[mi]
             for k in range(self._slot + 1):
                 if k < len(m.ranks):
-                    ch, slot = self._cell(m.ranks[k], m.reachable)
+                    ch, slot = self._cell(m.ranks[k], m.reachable, m.restarting)
                     key = (slot, show_cursor and j * self._slot + k == cur_col)
                 else:
                     ch, key = " ", (-4, False)
