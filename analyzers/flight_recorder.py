@@ -46,7 +46,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankscope.analyzers.findings import Finding
+from rankscope.analyzers.findings import NOT_A_RANK, Finding
+from rankscope.analyzers.not_a_rank import ADVICE as NOT_A_RANK_ADVICE
+from rankscope.analyzers.not_a_rank import PREFIX as NOT_A_RANK_PREFIX
 from rankscope.analyzers.topology import compact_ranks
 
 MISMATCH_CAP = 10  # per group, like fr_trace's default: past this the dump is more noise than signal
@@ -691,10 +693,37 @@ def analyze_dumps(dumps: Mapping[int, Any], unreadable: Mapping[int, str] | None
         findings.extend(got)
         if wave is not None:
             waves.append(wave)
+    findings.extend(_symmetric(waves, findings))
     findings.sort(key=lambda f: _ORDER.index(f.kind) if f.kind in _ORDER else len(_ORDER))
     waves.sort(key=lambda w: (not w.lagging, -((w.head_seq or 0) - (w.least_seq or 0)) if w.lagging else 0,
                               w.communicator))
     return FrAnalysis(tuple(findings), tuple(waves))
+
+
+_OPEN_STATES = frozenset({"scheduled", "started"})
+
+
+def _symmetric(waves: Sequence[GroupWavefront], findings: Sequence[Finding]) -> list[Finding]:
+    """Groups whose every member's last collective is the same call at the same sequence number, not completed on
+    any of them, and that no other finding speaks of: a symmetric stall, "not a rank" (analyzers.not_a_rank)."""
+    named = {r for f in findings for r in f.ranks}
+    out: list[Finding] = []
+    for w in waves:
+        if w.lagging or w.no_dump or w.unknown or len(w.members) < 2 or set(w.members) & named:
+            continue
+        ops = {(p.last_seq, p.op) for p in w.ranks}
+        if len(ops) != 1 or any(p.last_seq is None or p.state not in _OPEN_STATES for p in w.ranks):
+            continue
+        seq, op = next(iter(ops))
+        states = sorted({p.state for p in w.ranks})
+        out.append(Finding(
+            NOT_A_RANK, tuple(w.members),
+            f"{NOT_A_RANK_PREFIX}all {len(w.members)} members of pg {w.communicator} (ranks {compact_ranks(w.members, 8)}) wait "
+            f"in the same call ({op} seq {seq}, {'/'.join(states)} on every rank): a symmetric stall points at the "
+            "communication layer, the network or a GPU driver, not at one rank",
+            (f"flight recorder: every member's last collective in pg {w.communicator} is {op} seq {seq}, "
+             f"state {'/'.join(states)}; none completed it and none is behind",), w.communicator, NOT_A_RANK_ADVICE))
+    return out
 
 
 def wavefront_line(w: Mapping[str, Any]) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from rankscope.analyzers.findings import Finding, finding_to_json
+from rankscope.analyzers.findings import NOT_A_RANK, Finding, finding_to_json
 from rankscope.analyzers.flight_recorder import ADVICE, SERIOUS, FrAnalysis, analyze_dumps, wavefront_line
 from rankscope.cli.main import main
 from rankscope.contract.errors import RankscopeError
@@ -470,3 +470,19 @@ def test_many_ranks_out_of_step_are_summed_up_in_the_evidence() -> None:
     shapes = [[{**e, "input_sizes": [[r + 1]], "output_sizes": [[r + 1]]} for e in _run(1)] for r in range(13)]
     (g,) = analyze_dumps(dumps(*shapes)).findings
     assert g.ranks == tuple(range(13)) and g.evidence[-1] == "... and 3 more value(s)"
+
+
+def test_every_member_in_the_same_unfinished_collective_is_not_a_rank() -> None:
+    """Both ranks' last entry is all_reduce seq 3, started, never completed: a symmetric stall (issue 29)."""
+    def rank(last_state: str) -> list[dict[str, Any]]:
+        return [entry(i, "all_reduce", [[4]], [[4]], seq=i + 1) for i in range(2)] + [
+            entry(2, "all_reduce", [[4]], [[4]], seq=3, state=last_state)]
+
+    a = analyze_dumps(dumps(rank("started"), rank("started")))
+    (stall,) = [f for f in a.findings if f.kind == NOT_A_RANK]
+    assert stall.ranks == (0, 1) and stall.summary.startswith("not a rank: all 2 members of pg 0:default_pg")
+    assert "seq 3" in stall.summary and "RAS" in stall.advice
+    # completed everywhere (a snapshot of a healthy job), or one rank a call behind: no stall
+    assert not [f for f in analyze_dumps(dumps(rank("completed"), rank("completed"))).findings if f.kind == NOT_A_RANK]
+    behind = dumps(rank("started"), rank("started")[:2])
+    assert not [f for f in analyze_dumps(behind).findings if f.kind == NOT_A_RANK]
