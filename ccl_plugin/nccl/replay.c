@@ -1,6 +1,7 @@
 /* Replays NCCL's real event order against the plugin's dlsym'd entry points, with no NCCL and no GPU.
  *
  *   replay LIB ROUNDS
+ *   replay LIB fuzz SEED STEPS   (any calls, any handles, any order; see fuzz())
  *
  * What NCCL 2.28-2.30 does (src/enqueue.cc hostStreamPlanTask, src/proxy.cc, src/transport/net.cc,
  * src/transport/profiler.cc) and this driver repeats:
@@ -168,13 +169,103 @@ static void* proxy_thread(void* arg) {
   }
 }
 
+/* ---- fuzz: any sequence of calls with any handles, in any order ------------------------------------ */
+
+static uint64_t rng_state;
+static uint64_t rnd(void) { /* xorshift64*: reproducible from the seed */
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return rng_state * 0x2545F4914F6CDD1DULL;
+}
+
+/* Handles the plugin gave, handles it gave long ago, NULL and garbage, used in any order and any number
+ * of times; communicators finalized and initialized again in between. Nothing may fault; the test then
+ * checks that no counter says more completions than requests. */
+static int fuzz(uint64_t seed, long steps) {
+  static const char* funcs[] = {"AllReduce", "Send", "Recv", "AllGather", NULL,
+                                "AVeryLongCollectiveNameThatDoesNotFitTheSlotField"};
+  static const char* types[] = {"ncclFloat32", "ncclInt8", "ncclBfloat16", NULL, "ncclFloat64"};
+  rng_state = seed * 2 + 1;
+  void* ctx[2] = {NULL, NULL};
+  int mask = 0;
+  init(&ctx[0], 0xAAAAULL, &mask, "A", 2, 4, 1);
+  init(&ctx[1], 0xBBBBULL, &mask, "B", 1, 2, 0);
+  void* handles[64] = {0};
+  int local = 0;
+  void* junk[] = {NULL, (void*)1, &local, (void*)(uintptr_t)0xA1000001ULL, (void*)(uintptr_t)0x12345678A2000003ULL};
+  for (long i = 0; i < steps; i++) {
+    uint64_t r = rnd();
+    void* c = ctx[r & 1];
+    void* h = (r >> 8) % 4 == 0 ? junk[(r >> 12) % 5] : handles[(r >> 16) % 64];
+    rs_nccl_descr_v5 d;
+    memset(&d, 0, sizeof(d));
+    rs_nccl_state_args a;
+    memset(&a, 0, sizeof(a));
+    a.proxyStep.transSize = (r >> 20) % 100000;
+    switch ((r >> 4) % 9) {
+      case 0:
+      case 1: /* a task */
+        d.type = (r >> 30) & 1 ? RS_EV_COLL : RS_EV_P2P;
+        d.u.coll.func = funcs[(r >> 32) % 6];
+        d.u.coll.count = (r >> 36) % 5000;
+        d.u.coll.datatype = types[(r >> 40) % 5];
+        d.u.coll.nChannels = (uint8_t)((r >> 44) % 5);
+        d.u.coll.seqNumber = (r >> 48) % 100;
+        if (d.type == RS_EV_P2P) {
+          d.u.p2p.func = funcs[(r >> 32) % 6];
+          d.u.p2p.count = (r >> 36) % 5000;
+          d.u.p2p.datatype = types[(r >> 40) % 5];
+          d.u.p2p.peer = (int)((r >> 48) % 12) - 2;
+        }
+        handles[(r >> 52) % 64] = start(c, d);
+        break;
+      case 2:
+      case 3: { /* a child under whatever handle came up */
+        static const uint64_t kinds[] = {RS_EV_PROXY_OP, RS_EV_PROXY_STEP, RS_EV_KERNEL_CH, RS_EV_GROUP,
+                                         RS_EV_PROXY_CTRL, RS_EV_NET_PLUGIN, 1ULL << 40};
+        d.type = kinds[(r >> 30) % 7];
+        d.parentObj = h;
+        d.u.proxyOp.pid = (r >> 33) % 8 ? getpid() : getpid() + 1;
+        d.u.proxyOp.isSend = (int)((r >> 36) & 1);
+        d.u.proxyOp.peer = (int)((r >> 37) % 6) - 1;
+        if (d.type == RS_EV_KERNEL_CH) d.u.kernelCh.pTimer = (r >> 40) % 2 ? r >> 24 : 0;
+        handles[(r >> 52) % 64] = start(c, d);
+        break;
+      }
+      case 4:
+      case 5:
+        P->recordEventState(h, (int)((r >> 24) % 32), (r >> 29) & 1 ? &a : NULL);
+        break;
+      case 6:
+      case 7:
+        P->stopEvent(h);
+        break;
+      default:
+        if ((r >> 24) % 50 == 0) { /* a communicator goes and comes back (the last one takes the file along) */
+          P->finalize(c);
+          P->finalize(c);
+          init(&ctx[r & 1], r & 1 ? 0xBBBBULL : 0xAAAAULL, &mask, r & 1 ? "B" : "A", (r & 1) ? 1 : 2, 4, 1);
+        } else if ((r >> 24) % 50 == 1) {
+          P->finalize(h);
+        }
+    }
+  }
+  printf("fuzzed\n");
+  fflush(stdout);
+  P->finalize(ctx[0]);
+  P->finalize(ctx[1]);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 3) {
-    fprintf(stderr, "usage: %s LIB ROUNDS\n", argv[0]);
+    fprintf(stderr, "usage: %s LIB ROUNDS | %s LIB fuzz SEED STEPS\n", argv[0], argv[0]);
     return 2;
   }
   int rc = load_plugin(argv[1]);
   if (rc) return rc;
+  if (strcmp(argv[2], "fuzz") == 0 && argc >= 5) return fuzz(strtoull(argv[3], NULL, 10), atol(argv[4]));
   long rounds = atol(argv[2]);
   void *a = NULL, *b = NULL;
   int mask = 0;

@@ -12,11 +12,14 @@ import math
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rankscope.ccl_plugin.build import BuildError, build_plugin, find_compiler, source_dir
 from rankscope.contract.snapshot import RankCounters
 from rankscope.probes.ccl_counters import list_counter_files, read_counter_file
@@ -196,6 +199,11 @@ def _check_replay(proc: subprocess.CompletedProcess[str], tmp: Path, rounds: int
 
 
 @pytest.fixture(scope="module")
+def plain_replay(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _compile_driver(tmp_path_factory.mktemp("replay"), "replay.c", ("-g",))
+
+
+@pytest.fixture(scope="module")
 def sanitized(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("asan")
     lib = build_plugin(out, extra_flags=(*SANITIZE, *SMALL_POOLS))
@@ -210,13 +218,33 @@ def test_replay_of_nccl_event_order_under_asan_counts_exactly(
     _check_replay(_replay(lib, exe, tmp_path, 3000, abi, env=SAN_ENV), tmp_path, 3000, abi)
 
 
-def test_replay_with_the_shipped_pool_sizes_counts_exactly(built: tuple[Path, Path], tmp_path: Path) -> None:
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1))
+def test_any_calls_with_any_handles_never_fault(sanitized: tuple[Path, Path], seed: int) -> None:
+    """NCCL's calls are outside input: random tasks, children under live, stale, foreign or garbage parents,
+    states and stops on any handle, repeated finalize and init; ASan/UBSan watch, the file stays sane."""
+    lib, exe = sanitized
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d)
+        env = {**os.environ, **SAN_ENV, "RANKSCOPE_CCL_DIR": d, "RANKSCOPE_JOB_ID": "fuzz", "RANK": "1",
+               "RANKSCOPE_CCL_KEEP": "1"}
+        proc = subprocess.run([str(exe), str(lib), "fuzz", str(seed), "20000"], env=env, capture_output=True,
+                              text=True, timeout=120, check=False)
+        assert proc.returncode == 0 and "fuzzed" in proc.stdout, proc.stderr[-4000:]
+        assert "runtime error" not in proc.stderr, proc.stderr[-4000:]
+        for f in list_counter_files(out):
+            c = f.counters
+            assert c.error is None, c.error
+            assert all(x.comm_nranks in (2, 4) and x.comm_rank in (0, 1) for x in c.communicators)
+            for o in c.ops:  # a completion is only ever counted for a request counted before it
+                assert o.wc <= o.wr and len(o.open_peers) <= 8 and len(o.recent_throughput) <= 5, o
+
+
+def test_replay_with_the_shipped_pool_sizes_counts_exactly(
+        built: tuple[Path, Path], plain_replay: Path, tmp_path: Path) -> None:
     """5000 rounds start more tasks than the task pool holds, so stale handles are real ones."""
     lib, _ = built
-    exe = _compile_driver(tmp_path, "replay.c")
-    out = tmp_path / "counters"
-    out.mkdir()
-    _check_replay(_replay(lib, exe, out, 5000), out, 5000)
+    _check_replay(_replay(lib, plain_replay, tmp_path, 5000), tmp_path, 5000)
 
 
 def test_replay_under_thread_sanitizer_has_no_data_race(tmp_path: Path) -> None:
@@ -231,10 +259,10 @@ def test_replay_under_thread_sanitizer_has_no_data_race(tmp_path: Path) -> None:
     _check_replay(proc, out, 2000)
 
 
-def test_a_full_pool_drops_events_with_a_warning_in_nccls_log(tmp_path: Path) -> None:
+def test_a_full_pool_drops_events_with_a_warning_in_nccls_log(sanitized: tuple[Path, Path], tmp_path: Path) -> None:
     """More events in flight than records: dropped (never a fault), and NCCL_DEBUG=WARN says so with the fix."""
     lib = build_plugin(tmp_path, extra_flags=(*SANITIZE, "-DRS_TASK_POOL=4", "-DRS_CHILD_POOL=4"))
-    exe = _compile_driver(tmp_path, "replay.c", SANITIZE)
+    _, exe = sanitized
     out = tmp_path / "counters"
     out.mkdir()
     proc = _replay(lib, exe, out, 200, env=SAN_ENV)
@@ -246,18 +274,16 @@ def test_a_full_pool_drops_events_with_a_warning_in_nccls_log(tmp_path: Path) ->
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed (apt-get install valgrind)")
-def test_replay_under_valgrind_is_clean(tmp_path: Path) -> None:
-    lib = build_plugin(tmp_path, extra_flags=("-g", *SMALL_POOLS))
-    exe = _compile_driver(tmp_path, "replay.c", ("-g",))
-    out = tmp_path / "counters"
-    out.mkdir()
-    proc = _replay(lib, exe, out, 400, wrap=("valgrind", "-q", "--error-exitcode=9"))
-    _check_replay(proc, out, 400)
+def test_replay_under_valgrind_is_clean(plain_replay: Path, tmp_path: Path) -> None:
+    lib = build_plugin(tmp_path / "lib", extra_flags=("-g", *SMALL_POOLS))  # small: records reused, handles stale
+    proc = _replay(lib, plain_replay, tmp_path, 400, wrap=("valgrind", "-q", "--error-exitcode=9"))
+    _check_replay(proc, tmp_path, 400)
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
                     reason="needs git and this repository's history (the released plugin is read from it)")
-def test_replay_catches_the_released_plugin_freeing_parents_early(tmp_path: Path) -> None:
+def test_replay_catches_the_released_plugin_freeing_parents_early(
+        sanitized: tuple[Path, Path], tmp_path: Path) -> None:
     """The replay is the test that would have caught the SIGSEGV on real NCCL: the old plugin fails it."""
     for name in ("profiler.c", "nccl_profiler_abi.h", "rankscope_layout.h"):
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{OLD_PLUGIN_COMMIT}:ccl_plugin/nccl/{name}"],
@@ -270,7 +296,7 @@ def test_replay_catches_the_released_plugin_freeing_parents_early(tmp_path: Path
     lib = tmp_path / "old.so"
     subprocess.run([cc, "-std=c11", "-fPIC", "-shared", "-O1", *SANITIZE, "-o", str(lib),
                     str(tmp_path / "profiler.c"), "-lpthread"], check=True)
-    exe = _compile_driver(tmp_path, "replay.c", SANITIZE)
+    _, exe = sanitized
     out = tmp_path / "counters"
     out.mkdir()
     proc = _replay(lib, exe, out, 200, env=SAN_ENV)
