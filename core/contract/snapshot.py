@@ -268,7 +268,9 @@ class OpCounters:
     recent_throughput: tuple[float, ...] = ()  # N: bytes/s of the last L requests
     last_launch_wall: float | None = None
     last_complete_wall: float | None = None
-    open_peers: tuple[int, ...] = ()  # global ranks of peers with open p2p requests
+    # peers with open p2p requests: global ranks; in the NCCL plugin's records (communicator ranks == ())
+    # ranks in that communicator, which the analyzer maps through the members it joins by comm_rank
+    open_peers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
