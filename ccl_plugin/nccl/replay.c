@@ -5,7 +5,8 @@
  *
  * What NCCL 2.28-2.30 does (src/enqueue.cc hostStreamPlanTask, src/proxy.cc, src/transport/net.cc,
  * src/transport/profiler.cc) and this driver repeats:
- * - the host thread starts a Coll/P2p, posts its proxy work and STOPS it at once;
+ * - the host thread starts a Coll/P2p, posts its proxy work and STOPS it at once (so proxy threads start
+ *   its children mostly after, sometimes while or before that stop);
  * - later, proxy threads start ProxyOps whose parent is that stopped handle, start ProxySteps under them,
  *   record their states (send: SendGPUWait, SendPeerWait_v4, SendWait; receive: RecvWait, RecvFlushWait,
  *   RecvGPUWait) and stop them, up to 8 steps in flight per op, then stop the op;
@@ -286,9 +287,13 @@ int main(int argc, char** argv) {
   void* first = NULL;
   for (long r = 0; r < rounds; r++) {
     void* c = task(a, RS_EV_COLL, "AllReduce", (uint64_t)r, 1024, "ncclFloat32", -1, CHANNELS);
-    P->stopEvent(c); /* the host stops it before any child starts */
+    /* NCCL posts the proxy work (ncclProxyStart) before it stops the task, so the proxy threads may start
+     * children before, while or after the host stops it: every other round here posts first */
+    int post_first = r % 2;
+    if (!post_first) P->stopEvent(c);
     if (!first) first = c;
     for (int ch = 0; ch < CHANNELS; ch++) put(&queues[ch % PROXY_THREADS], (job){J_NET_COLL, a, c, ch});
+    if (post_first) P->stopEvent(c);
     if (r % 4 == 0) {
       void* s = task(a, RS_EV_P2P, "Send", 0, 256, "ncclInt8", 2, 1);
       void* v = task(a, RS_EV_P2P, "Recv", 0, 256, "ncclInt8", 3, 1);
