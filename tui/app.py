@@ -49,6 +49,7 @@ from rankscope.tui.screens.help import HelpScreen
 from rankscope.tui.screens.main import VIEWS, MainScreen
 from rankscope.tui.screens.rank import RankScreen
 from rankscope.tui.sources import BundleSource, LiveSource, Source, poll_loop
+from rankscope.tui.toasts import coalesce
 from rankscope.tui.widgets.ccl import CclPanel
 from rankscope.tui.widgets.rank_map import RankMapPanel, group_glyph
 from rankscope.tui.widgets.stack_tree import StackTreePanel
@@ -56,7 +57,8 @@ from textual import on, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
-from textual.screen import Screen
+from textual.notifications import Notification, Notify
+from textual.screen import ModalScreen, Screen
 from textual.widgets import Input, TabbedContent
 
 # Only bound when the session may act (see RankscopeApp.__init__).
@@ -120,6 +122,7 @@ class RankscopeApp(App[int]):
                 self.bind(key, action, description=description)
         # Fail-slow detectors, fed every snapshot off the UI thread (view 7); their views come as messages.
         self.failslow = FailSlowFeeder(self, self.options.failslow_config)
+        self._held_toasts: list[Notification] = []  # raised while a dialog was open (``_on_notify``)
 
     # -- setup --------------------------------------------------------------
 
@@ -135,6 +138,7 @@ class RankscopeApp(App[int]):
     @on(MainScreen.Ready)
     def _main_ready(self) -> None:
         """MainScreen's widgets exist: only now can data be drawn."""
+        self.set_interval(0.5, self._release_toasts)  # toasts held while a dialog was open
         self.redraw()
         self._load()
 
@@ -277,6 +281,30 @@ class RankscopeApp(App[int]):
     def on_action_changed(self, message: ActionChanged) -> None:
         self.state = st.apply_actions(self.state, message.change(self.state.actions))
         self.redraw()
+
+    def _on_notify(self, event: Notify) -> None:
+        """Toasts coalesced by kind and bounded (``tui.toasts``); held while a dialog is open, so none covers it."""
+        if isinstance(self.screen, ModalScreen):
+            self._held_toasts.append(event.notification)
+            return
+        self._show_toast(event.notification)
+
+    def _show_toast(self, notification: Notification) -> None:
+        drop, add = coalesce(list(self._notifications), notification)
+        for n in drop:
+            if n in self._notifications:
+                self._unnotify(n, refresh=False)
+        self._notifications.add(add)
+        self._refresh_notifications()
+
+    def _release_toasts(self) -> None:
+        """The toasts held while a dialog was open, once it closed (those still within their time)."""
+        if not self._held_toasts or isinstance(self.screen, ModalScreen):
+            return
+        held, self._held_toasts = self._held_toasts, []
+        for n in held:
+            if n.time_left > 0:
+                self._show_toast(n)
 
     def on_agent_lost(self, message: AgentLost) -> None:
         if self.state.awaiting_restart:  # the job restarts with its agents: "restarting" (header, map, Events)

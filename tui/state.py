@@ -506,7 +506,28 @@ def fmt_time(wall: float | None) -> str:
 
 
 def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
-    return (*state.events, *events)[-EVENTS_KEPT:]
+    """The events in time order (stable: one poll's events keep their order). An agent's audit record carries its
+    own time, earlier than what this view already logged: appended as it came, the newest-first list put 08:43:38
+    above 08:43:39."""
+    new = tuple(events)
+    if not new:
+        return state.events
+    merged = (*state.events, *new)
+    if state.events and min(e.wall for e in new) < state.events[-1].wall:
+        merged = tuple(sorted(merged, key=lambda e: e.wall))
+    return merged[-EVENTS_KEPT:]
+
+
+_UPDATE_TARGET = re.compile(r" to (.+) \((?:immediate|lazy)\)$")
+
+
+def code_version(state: AppState) -> str | None:
+    """The code the job runs since its latest hot-update or rollback that succeeded (None: none seen)."""
+    for record in reversed(state.actions.log.history()):
+        if record.result == ActionState.SUCCEEDED.value:
+            m = _UPDATE_TARGET.search(record.what)
+            return m.group(1) if m else None
+    return None
 
 
 def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
@@ -547,7 +568,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         on = ", ".join(m.name if m.reachable else f"{m.name} (agent not back yet)" for m in machines
                        if not m.evicted and (m.ranks or not m.reachable))
         # The machines first: at the end of a long line a notification covered the standbys that joined.
-        events.append(Event(now_wall, "restarted", f"the job restarted on {on}: its ranks run under new pids"))
+        version = code_version(state)
+        code = f"; code {version}" if version else ""
+        events.append(Event(now_wall, "restarted", f"the job restarted on {on}: its ranks run under new pids{code}"))
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
         state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False)

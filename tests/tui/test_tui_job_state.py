@@ -382,3 +382,16 @@ async def test_a_view_attached_after_an_eviction_logs_it_once_and_never_as_lost(
         assert kinds == [("info", "evicted before this view attached (the hostfile marks them): machine-1")], kinds
         assert [m.name for m in app.state.machines if m.evicted] == ["machine-1"] and app.state.lost == ()
         assert "1/1 machines 1 evicted" in header(app.state) and not app.state.awaiting_restart
+
+
+def test_events_stay_in_time_order_when_an_audit_record_carries_an_earlier_time() -> None:
+    from rankscope.actions.model import ActionKind, AuditRecord
+
+    s = fold([snap(T0 + i, progress=T0 + i) for i in range(5)])
+    s = st.apply_info(s, "later note", T0 + 9)
+    s = st.apply_audit(s, "127.0.0.1:1", AuditRecord(1, "hot-update-x", "alice", T0 + 7, ActionKind.HOT_UPDATE,
+                                                      "hot-update machine-0 to v2 (immediate)", "succeeded", "ok",
+                                                      ("machine-0",)))
+    walls = [e.wall for e in s.events]
+    assert walls == sorted(walls) and s.events[-1].text == "later note"
+    assert st.code_version(s) == "v2"

@@ -126,7 +126,10 @@ class ConfirmModal(ModalScreen[bool]):
             self.typed = " ".join(event.value.split())
             self.dismiss(True)
         else:
-            self.app.notify(f"that is not the phrase: type exactly {self.phrase}", severity="warning", timeout=4)
+            # Said inside the dialog: toasts wait while a dialog is open, so none covers it.
+            self.query_one("#confirm-prompt", Static).update(Text.assemble(
+                ("that is not the phrase: ", "bold yellow"), "type exactly ", (self.phrase or "", "bold red"),
+                " (tab to the box), then enter. Cancel is the default."))
 
     @on(Button.Pressed, "#confirm")
     def _confirm(self) -> None:
@@ -171,6 +174,7 @@ class UpdateModal(ModalScreen["UpdateChoice | None"]):
                          "directory prepared on every machine.")
             yield Input(placeholder="a tag, branch or commit (v2 on the drill), or /srv/job/versions/fix-17",
                         id="update-version")
+            yield Static("", id="update-note")
             with RadioSet(id="update-mode"):
                 yield RadioButton("immediate: restart the training processes on the new code now", value=True,
                                   id="mode-immediate")
@@ -189,7 +193,8 @@ class UpdateModal(ModalScreen["UpdateChoice | None"]):
     def _update(self) -> None:
         version = self.query_one("#update-version", Input).value.strip()
         if not version:
-            self.app.notify("type a version first (a git ref or /absolute/path)", severity="warning", timeout=4)
+            self.query_one("#update-note", Static).update(Text("type a version first (a git ref or /absolute/path)",
+                                                               "bold yellow"))
             return
         self.dismiss(UpdateChoice(version, self.mode))
 
