@@ -160,8 +160,11 @@ def test_action_requests_survive_the_wire(request_: ActionRequest) -> None:
 
 def test_request_and_plan_messages_cover_every_model_field() -> None:
     request_fields = {f.name for f in pb.ActionRequest.DESCRIPTOR.fields} | {"args"}
+    # `caller` is what the agent learnt from the token the request came with: set on arrival, never sent, so a
+    # client cannot claim another's identity.
     assert request_fields - {"evict", "hot_update", "backup", "rollback"} == \
-        {f.name for f in dataclasses.fields(ActionRequest)}
+        {f.name for f in dataclasses.fields(ActionRequest)} - {"caller"}
+    assert "caller" not in request_fields
     assert {f.name for f in pb.ActionPlan.DESCRIPTOR.fields} == {f.name for f in dataclasses.fields(ActionPlan)}
 
 
