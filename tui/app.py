@@ -100,6 +100,7 @@ class RankscopeApp(App[int]):
         Binding("y", "copy", "Copy", show=False, id="copy", tooltip="copy the selected stack or the verdict"),
         Binding("w", "write_bundle", "Write", show=False, id="write", tooltip="write what was seen to a bundle"),
         Binding("question_mark", "help", "Help", id="help"),
+        Binding("P", "pair", "Pair", show=False, id="pair", tooltip="the read-only pairing command, in full"),
         Binding("escape", "go_back", "Back", show=False),
         Binding("q", "quit", "Quit", id="quit"),
     ]
@@ -164,7 +165,7 @@ class RankscopeApp(App[int]):
             initial = []
         layout = self.options.layout
         if self.options.pair_hint:
-            self.state = st.apply_info(self.state, self.options.pair_hint, self.clock())
+            self.state = st.apply_info(self.state, f"key P shows it in full: {self.options.pair_hint}", self.clock())
         settle()  # what the last snapshot made, out of the collector's way (rankscope.contract.heap)
         steps = await asyncio.to_thread(_digest_series, initial, layout)
         # Agents the hostfile marks evicted (before this view attached) are evicted from the first reading on,
@@ -431,6 +432,15 @@ class RankscopeApp(App[int]):
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.options.read_only))
+
+    def action_pair(self) -> None:
+        """The pairing command in full, one key away (and on the clipboard)."""
+        from rankscope.tui.screens.pair import PairScreen, pair_command
+
+        hint = self.options.pair_hint
+        if hint:
+            self.copy_to_clipboard(pair_command(hint))
+        self.push_screen(PairScreen(hint))
 
     def action_copy(self) -> None:
         text = self.selection_text()

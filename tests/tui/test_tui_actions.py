@@ -41,7 +41,7 @@ from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.screens.confirm import ConfirmModal, UpdateModal
 from rankscope.tui.screens.help import HelpScreen
 from rankscope.tui.sources import BundleSource
-from textual.widgets import Button, Input, RadioButton
+from textual.widgets import Button, Input, RadioButton, Static
 from tui_bundles import T0, fig7_bundle, job
 from tui_screen import screen_text, until
 
@@ -656,3 +656,23 @@ async def test_roots_make_e_evict_only_their_machine_and_the_dialog_offers_the_w
         assert source.planned[1].targets.machines == SUSPECT_MACHINES
         assert PHRASE in screen_text(app) and "ByteRobust's over-eviction" in screen_text(app)
         assert source.runs == []
+
+
+async def test_p_shows_the_whole_pairing_command_and_copies_it() -> None:
+    command = "/venv/bin/rankscope attach --hostfile /tmp/run/agents.txt --token-file /tmp/run/token --read-only " \
+              "--tp 2 --pp 2 --dp 2 --ranks-per-machine 2"
+    app = RankscopeApp(RecordingSource(), AppOptions(pair_hint=f"pair (read-only, e.g. in a second tmux pane): {command}"))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, app.loaded.is_set, what="the bundle")
+        await pilot.press("P")
+        await pilot.pause()
+        from rankscope.tui.screens.pair import PairScreen
+
+        assert isinstance(app.screen, PairScreen)
+        shown = app.screen.query_one("#pair-command", Static)
+        assert str(shown.content) == command
+        assert shown.size.height >= 2 and shown.size.width <= 80  # wrapped at 80 columns, not cut
+        assert app.clipboard == command
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, PairScreen)

@@ -22,11 +22,12 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("find", (("/", "filter by rank (12, 8-15), machine name or frame text"),
               ("o", "CCL: change the sort"), ("n / p", "rank view: next / previous rank of the group"))),
     ("act", (("s", "capture stacks now"), ("y", "copy the selected stack or the verdict (OSC 52)"),
-             ("w", "write what was seen to a bundle file"), ("ctrl+p", "command palette"), ("q", "quit"))),
+             ("w", "write what was seen to a bundle file"), ("P", "the read-only pairing command, in full"),
+             ("ctrl+p", "command palette"), ("q", "quit"))),
 )
 # Listed only when the session may act: under --read-only these keys do not exist.
 ACTION_KEYS_HELP: tuple[tuple[str, str], ...] = (
-    ("e", "evict the suspect group's machines: plan, then type the phrase to confirm"),
+    ("e", "evict what the evidence names (ctrl+o in the plan: the whole group), then type the phrase"),
     ("u", "hot-update (git ref or prepared directory; immediate or lazy) or roll back"),
     ("b", "checkpoint backup to peers outside each rank's groups"),
     ("6", "actions view: the agents' audit log, update history, standby sizing"),

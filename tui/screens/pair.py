@@ -1,0 +1,42 @@
+"""The pairing command in full: what a second person runs to watch this job read-only (key P).
+
+In Events it was cut at the panel's width, and printed whole only after quitting.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+
+def pair_command(hint: str) -> str:
+    """The command of a pair hint (``pair (read-only, …): <command>``), or the hint itself."""
+    head, sep, command = hint.partition("): ")
+    return command.strip() if sep and head.startswith("pair") else hint.strip()
+
+
+class PairScreen(ModalScreen[None]):
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,P,q", "app.pop_screen", "Close")]
+
+    def __init__(self, hint: str | None) -> None:
+        super().__init__()
+        self.hint = hint
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-box"):
+            yield Static(Text("Pair: a second, read-only view of this job", "bold"))
+            if self.hint:
+                yield Static(Text("Run this in another terminal or tmux pane (copied to the clipboard, OSC 52):"))
+                yield Static(Text(pair_command(self.hint), "bold cyan"), id="pair-command")
+                yield Static(Text("It attaches with --read-only: it sees the job, the verdicts and every action "
+                                  "live, and changes nothing.", "dim"))
+            else:
+                yield Static(Text("This view was not started with a pairing command (the drill writes one); attach "
+                                  "the same agents with rankscope attach ... --read-only.", "yellow"))
+            yield Static(Text("esc closes", "dim"))
