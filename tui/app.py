@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rankscope.analyzers.failslow import FailSlowConfig
+from rankscope.analyzers.findings import Verdict
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.bundle import Bundle, write_bundle
 from rankscope.contract.errors import RankscopeError
@@ -79,6 +80,9 @@ class AppOptions:
     read_only: bool = False
     pair_hint: str = ""  # how a second person attaches read-only (the drill says it); logged as the first event
     failslow_config: FailSlowConfig | None = None  # the fail-slow detectors' windows (None: drill-sized defaults)
+    # Told every verdict that names suspects of a stopped job (not a running one's timing, not a restart's): the
+    # verdict, its capture's wall time and rank -> machine then. The drill grades the first after its fault.
+    on_verdict: Callable[[Verdict, float, dict[int, str]], None] | None = None
 
 
 class RankscopeApp(App[int]):
@@ -251,6 +255,10 @@ class RankscopeApp(App[int]):
     def on_capture_analyzed(self, message: CaptureAnalyzed) -> None:
         self.state = st.apply_capture(st.apply_capture_ended(self.state), message.digest, message.view,
                                       self._now(message.digest.wall))
+        mark = self.state.verdict
+        if self.options.on_verdict is not None and message.view.verdict.suspects and mark is not None \
+                and not mark.running and st.verdict_stale(self.state) is None:
+            self.options.on_verdict(message.view.verdict, message.digest.wall, self.state.machine_of_rank())
         self.failslow.feed(message.digest.snapshot, message.view)  # a capture is also a stack-aggregation round
         self.redraw()
 

@@ -407,3 +407,25 @@ def test_a_job_has_resumed_once_every_rank_reported_a_step_past_the_restart(tmp_
     assert stepped_past(tmp_path, 2, since, 8)
     assert not stepped_past(tmp_path, 3, since, 8)  # rank 2 never reported
     assert not stepped_past(tmp_path, 2, time.time() + 60, 8)  # reports from before the restart do not count
+
+
+def test_the_quit_report_grades_the_first_verdict_against_the_ground_truth() -> None:
+    # hang-p2p at rank 6 (machine-3): the verdict names PP groups 2-3 on machine-1 and machine-3, pinning rank 6.
+    from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+    from rankscope.cli.commands.drill import verdict_grade_lines
+    from rankscope.drill.faults import ground_truth
+
+    layout = DrillLayout(tp=2, pp=2, dp=2, machines=4)
+    truth = ground_truth(make_plan("hang-p2p", layout, rank=6, step=20), layout)
+    top = Suspect(SuspectKind.PP, (2, 3, 6, 7), ("machine-1", "machine-3"), 1.0, ("PP groups 2-3",), ("stacks",),
+                  victims=(0, 1, 2, 3, 4, 5, 7), roots=(6,))
+    placement = {r: f"machine-{r // 2}" for r in range(8)}
+    lines = verdict_grade_lines(truth, Verdict((top,), "PP groups 2-3 on machine-1, machine-3"), 1040.0, placement,
+                                1000.0)
+    assert lines[0].startswith("verdict, 40.0 s after the fault: PP groups 2-3 on machine-1, machine-3  [right: "
+                               "fault on machine-3"), lines[0]
+    assert lines[1] == ("  evict what the evidence names (default): machine-3: faulty machine evicted, "
+                        "extra machines: 0, standbys used: 1")
+    assert lines[2] == ("  over-evict the group (ByteRobust): machine-1 machine-3: faulty machine evicted, "
+                        "extra machines: 1, standbys used: 2")
+    assert lines[3].startswith("  why: the evidence pins rank 6")

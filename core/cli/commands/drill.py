@@ -59,7 +59,9 @@ def register(sub: Any) -> None:
                         "delay shows only once it exceeds a step's time, since the worker prefetches")
     p.add_argument("--fault-on", type=int, default=0, help="intermittent slow fault: steps on (with --fault-off)")
     p.add_argument("--fault-off", type=int, default=0, help="intermittent slow fault: steps off")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the random fault rank")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the data, the model and the random fault rank (default: drawn at random and "
+                        "printed, so a drill can be repeated with --seed)")
     p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (default 5)")
     p.add_argument("--loader-workers", type=int, default=1, help="dataloader worker processes per rank (default 1)")
     p.add_argument("--stall-seconds", type=float, default=5.0,
@@ -78,6 +80,10 @@ def register(sub: Any) -> None:
                         "ranks they share, each with its own NCCL_HOSTID, over sockets on loopback")
     p.add_argument("--no-counters", action="store_true", help="do not load the CCL counter plugin in the ranks")
     p.add_argument("--no-agents", action="store_true", help="capture in this process with the probes instead of agents")
+    p.add_argument("--keep-run-dir", action="store_true",
+                   help="with the TUI: keep the temporary run directory (logs, progress, checkpoints, the agents' "
+                        "state) after quitting; by default it is removed, so no dead drill's agents are attached by "
+                        "mistake (a --run-dir given is always kept)")
     p.add_argument("--run-dir", type=Path, help="folder for logs, progress, checkpoints and the bundle (default: a temp dir)")
     p.add_argument("-o", "--output", type=Path, help="write the bundle here (default: RUN_DIR/bundle.json)")
     p.add_argument("--headless", action="store_true", help="no TUI: run, capture, report and stop")
@@ -110,6 +116,8 @@ def build_config(args: argparse.Namespace) -> Any:
     from rankscope.drill.session import DrillConfig
 
     layout = DrillLayout(tp=args.tp, pp=args.pp, dp=args.dp, machines=args.machines)
+    if args.seed is None:  # `run` draws it (and prints it) first; a caller of this alone gets the fixed 0
+        args.seed = 0
     if args.fault_machine is not None and not 0 <= args.fault_machine < layout.machines:
         raise RankscopeError(f"--fault-machine {args.fault_machine} does not exist",
                              f"choose a machine from 0 to {layout.machines - 1}")
@@ -154,6 +162,11 @@ def run(args: argparse.Namespace) -> int:
     if args.backend != "gloo" and args.launcher == "slurm":
         raise RankscopeError(f"--backend {args.backend} runs with the local launcher only",
                              "drop --launcher slurm, or run it on gloo")
+    if args.seed is None:
+        import secrets
+
+        args.seed = secrets.randbelow(1_000_000)
+        print(f"seed {args.seed} (pass --seed {args.seed} to repeat this drill)", file=sys.stderr, flush=True)
     if args.suite:
         return _run_suite(args)
     if args.launcher == "slurm":
@@ -249,9 +262,10 @@ def _run_attached(config: Any, args: argparse.Namespace) -> int:
         return run(args)
     from rankscope.drill.session import DrillSession
 
+    verdicts: list[tuple[Any, float, dict[int, str], float | None]] = []
     with DrillSession(config) as s:
-        print(f"drill {s.launcher.run_id}: fault {config.plan.name} at rank {config.plan.rank}, step {config.plan.step}; "
-              f"waiting for the job to start ...", file=sys.stderr, flush=True)
+        print(f"drill {s.launcher.run_id}: fault {config.plan.name} at rank {config.plan.rank}, step {config.plan.step} "
+              f"(seed {args.seed}); waiting for the job to start ...", file=sys.stderr, flush=True)
         s.wait_for_steps(1, config.start_timeout_s)
         if not s.agents:
             raise RankscopeError("the drill's agents did not start, so the TUI has nothing to attach to",
@@ -260,16 +274,57 @@ def _run_attached(config: Any, args: argparse.Namespace) -> int:
         print(hint, file=sys.stderr, flush=True)
         from rankscope.drill.control import HOSTFILE
 
+        def on_verdict(verdict: Any, wall: float, placement: dict[int, str]) -> None:
+            if not verdicts:  # the first verdict naming suspects; the fault's onset read now, before a restart
+                verdicts.append((verdict, wall, placement, fault_onset_wall(s)))
+
         code = int(run_attach(agents=list(s.agents.values()), token=s.token(), layout=config.layout.to_snapshot_layout(),
-                              read_only=False, pair_hint=hint, hostfile=s.run_dir / HOSTFILE) or 0)
+                              read_only=False, pair_hint=hint, hostfile=s.run_dir / HOSTFILE,
+                              on_verdict=on_verdict) or 0)
     # The session has stopped everything it started: say what the drill did (the TUI's screen is gone).
     s.watcher.poll()
-    print("\n".join(attached_report_lines(s, code)), flush=True)
+    graded = verdict_grade_lines(s.truth, *verdicts[0]) if verdicts else ["verdict: none named a suspect"]
+    lines = attached_report_lines(s, code, graded)
+    if args.run_dir is None and not args.keep_run_dir:
+        import shutil
+
+        shutil.rmtree(s.run_dir, ignore_errors=True)
+        lines[-1] = f"removed the run directory {s.run_dir} (--keep-run-dir keeps it)"
+    lines.append(f"repeat this drill: --seed {args.seed}")
+    print("\n".join(lines), flush=True)
     return code
 
 
-def attached_report_lines(s: Any, tui_exit: int) -> list[str]:
-    """What an attached drill prints once its TUI quit and it stopped: steps, recoveries, leftovers, where to look."""
+def fault_onset_wall(s: Any) -> float | None:
+    """When the fault began: the faulty rank's last report of a completed step, once it stopped at its fault step
+    (a hang); None for other faults or when it went on (read when the first verdict comes, before any restart)."""
+    from rankscope.drill.progress import read_progress
+
+    if s.truth.category != "hang" or s.plan.rank < 0:
+        return None
+    p = read_progress(s.run_dir).get(s.plan.rank)
+    fault_step = s.truth.step if s.truth.step is not None else s.plan.step
+    return p.wall if p is not None and p.step <= fault_step else None
+
+
+def verdict_grade_lines(truth: Any, verdict: Any, wall: float, placement: dict[int, str],
+                        onset_wall: float | None) -> list[str]:
+    """The TUI's first verdict graded against the drill's ground truth: right machines, extra machines (of the
+    plan `e` executes and of the over-eviction), time from the fault to the verdict."""
+    from rankscope.drill.scoring import score_verdict
+
+    graded = score_verdict(verdict, truth, placement)
+    when = f", {wall - onset_wall:.1f} s after the fault" if onset_wall is not None else ""
+    mark = "right" if graded.get("correct") else "WRONG"
+    expected = f"{truth.suspect_kind} on {', '.join(truth.suspect_machines) or 'nobody'}"
+    lines = [f"verdict{when}: {verdict.summary}  [{mark}: fault on {truth.machine}, expected {expected}]"]
+    lines.extend(eviction_lines(graded.get("eviction")))
+    return lines
+
+
+def attached_report_lines(s: Any, tui_exit: int, graded: list[str] | None = None) -> list[str]:
+    """What an attached drill prints once its TUI quit and it stopped: steps, the verdict graded (``graded``),
+    recoveries, leftovers, where to look."""
     from rankscope.analyzers.topology import compact_ranks
 
     quit_how = "the TUI quit" if tui_exit == 0 else f"the TUI ended with code {tui_exit}"
@@ -280,6 +335,7 @@ def attached_report_lines(s: Any, tui_exit: int) -> list[str]:
         by_step.setdefault(step, []).append(rank)
     reached = "; ".join(f"ranks {compact_ranks(ranks, 8)} at step {step}" for step, ranks in sorted(by_step.items()))
     lines.append(f"steps: {reached or 'no rank reported a step'} (of {s.config.training.steps})")
+    lines.extend(graded or ())
     recovery = s.recovery
     for event in recovery.events if recovery is not None else ():
         what = " ".join(event.evicted) if event.evicted else "in place"
