@@ -105,7 +105,8 @@ def machines(draw: st.DrawFn) -> MachineSnapshot:
                       st.none() | st.lists(threads, max_size=3).map(tuple), error, TEXT, st.none() | FLOAT,
                       st.none() | TEXT)
     rank_lists = st.lists(SMALL, max_size=8).map(tuple) | st.integers(0, 50).map(lambda n: tuple(range(n)))
-    comms = st.lists(st.builds(Communicator, st.sampled_from(["c0", "c1", "c2"]), st.just("nccl"), TEXT, rank_lists),
+    comms = st.lists(st.builds(Communicator, st.sampled_from(["c0", "c1", "c2"]), st.just("nccl"), TEXT, rank_lists,
+                               st.integers(-1, 60), st.integers(-3, 60)),
                      min_size=1, max_size=3)
     comm_pool = draw(comms)
     ops = st.builds(OpCounters, st.sampled_from(["c0", "c1"]), st.sampled_from(["send", "all_reduce"]), INT64,

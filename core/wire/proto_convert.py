@@ -823,7 +823,8 @@ class _WireTables:
             self.table.strings.extend(self.strings)
             msg.stack_table.CopyFrom(self.table)
         for comm in self.comms:
-            c = msg.communicator_table.add(comm_id=comm.comm_id, backend=comm.backend, description=comm.description)
+            c = msg.communicator_table.add(comm_id=comm.comm_id, backend=comm.backend, description=comm.description,
+                                           comm_nranks=comm.comm_nranks, comm_rank=comm.comm_rank)
             runs = rank_runs(comm.ranks)
             if len(runs) < len(comm.ranks):
                 c.rank_runs.extend(runs)
@@ -1005,7 +1006,7 @@ def _communicator(c: pb.Communicator) -> Communicator:
         raise _WireError("a communicator carries both ranks and rank_runs")
     return typing.cast(Communicator, _intern(key, lambda: Communicator(
         c.comm_id, c.backend, c.description, expand_runs(runs) if runs else tuple(c.ranks),
-        c.comm_nranks, c.comm_rank if c.comm_nranks else -1)))  # no size: the place is unknown, not 0
+        c.comm_nranks, c.comm_rank if c.HasField("comm_rank") else -1)))  # not sent: unknown, not rank 0
 
 
 def _encode_thread(obj: ThreadStack, msg: Any) -> None:

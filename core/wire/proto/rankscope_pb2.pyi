@@ -1092,13 +1092,15 @@ class Communicator(_message.Message):
         ranks: _abc.Iterable[_builtins.int] | None = ...,
         rank_runs: _abc.Iterable[_builtins.int] | None = ...,
         comm_nranks: _builtins.int = ...,
-        comm_rank: _builtins.int = ...,
+        comm_rank: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_comm_rank", b"_comm_rank", "comm_rank", b"comm_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "comm_id", b"comm_id", "comm_nranks", b"comm_nranks", "comm_rank", b"comm_rank", "description", b"description", "rank_runs", b"rank_runs", "ranks", b"ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_comm_rank", b"_comm_rank", "backend", b"backend", "comm_id", b"comm_id", "comm_nranks", b"comm_nranks", "comm_rank", b"comm_rank", "description", b"description", "rank_runs", b"rank_runs", "ranks", b"ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__comm_rank: _TypeAlias = _typing.Literal["comm_rank"]  # noqa: Y015
+    _WhichOneofArgType__comm_rank: _TypeAlias = _typing.Literal["_comm_rank", b"_comm_rank"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__comm_rank) -> _WhichOneofReturnType__comm_rank | None: ...
 
 Global___Communicator: _TypeAlias = Communicator  # noqa: Y015
 
