@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from ccl_fixtures import with_counters
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ccl_fixtures import with_counters
 from rankscope.analyzers.analysis import analyze_job
 from rankscope.analyzers.ccl import analyze_counters
 from rankscope.analyzers.ccl_desync import counter_waits
