@@ -103,6 +103,7 @@ class RankView:
     process_state: str | None = None
     wchan: str | None = None
     host_wait: str = ""  # the frame where the host waits on its GPU (.item(), cudaStreamSynchronize, ...)
+    native: bool = False  # the stack has native frames (py-spy --native): no host_wait then means none
     peers: tuple[int, ...] = ()  # the ranks a send/recv waits on, when the counters name them (open_peers)
     counted: str = ""  # what the counters say of a wait the stack cannot show (an asynchronous collective)
 
@@ -286,7 +287,8 @@ def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
         return RankView(rank, what, reason=text, process_state=state, wchan=wchan)
     if cache is not None:
         got = cache.view(main.frames, options)
-        return RankView(rank, got.state, got.frame, got.site, got.direction, host_wait=got.host_wait)
+        return RankView(rank, got.state, got.frame, got.site, got.direction, host_wait=got.host_wait,
+                        native=got.native)
     return _stack_view(rank, main.frames, options)
 
 
@@ -317,6 +319,7 @@ def _stack_view(rank: int, stack: tuple[Frame, ...], options: SignatureOptions) 
     if not frames:
         return RankView(rank, RankState.COMPUTING, frame="(only wrapper frames)")
     host_wait = host_wait_frame(frames)
+    native = any(f.native for f in frames)
     # A --native stack ends in native code (the CUDA runtime, libc, c10d): the state is read from its Python
     # frames; the native ones below them only say whether the host waits on its GPU.
     first_py = next((i for i, f in enumerate(frames) if not f.native), 0)
@@ -344,8 +347,9 @@ def _stack_view(rank: int, stack: tuple[Frame, ...], options: SignatureOptions) 
         return RankView(rank, RankState.LOADING, frame=f"{shown} (waits for a batch from its DataLoader)")
     if (_short(frames[0].name), _base(frames[0].filename)) in _AUTOGRAD_ENGINE:
         # Resolved in follow_chain: gradient reduction when its DP peers wait in a collective, else compute.
-        return RankView(rank, RankState.COMPUTING, frame=inner_text, site=BACKWARD_SITE, host_wait=host_wait)
-    return RankView(rank, RankState.COMPUTING, frame=inner_text, host_wait=host_wait)
+        return RankView(rank, RankState.COMPUTING, frame=inner_text, site=BACKWARD_SITE, host_wait=host_wait,
+                        native=native)
+    return RankView(rank, RankState.COMPUTING, frame=inner_text, host_wait=host_wait, native=native)
 
 
 def counted_waits(views: Mapping[int, RankView], waits: CounterWaits) -> dict[int, RankView]:
@@ -359,7 +363,9 @@ def counted_waits(views: Mapping[int, RankView], waits: CounterWaits) -> dict[in
     either its host waits on its GPU (``host_wait_frame``), or the counters
     say whom it waits for (a member that never launched it: Aegis' CL rule; a
     peer that never posted the matching send/recv), or every member launched
-    it (all wait in it together). Its site names the collective by its
+    it (all wait in it together); a stack with native frames but no
+    synchronisation among them shows the host busy in its own work, and stays
+    so. Its site names the collective by its
     communicator and launch count, so the members of one call share a site
     whichever line each host synchronises at.
     """
@@ -373,6 +379,8 @@ def counted_waits(views: Mapping[int, RankView], waits: CounterWaits) -> dict[in
             continue
         host = v.host_wait or ("backward (DDP's gradient reduction waits on the GPU)" if v.site == BACKWARD_SITE
                                else "")
+        if v.native and not host:
+            continue  # its native frames show the host busy, not syncing: it is in its own work, whatever is open
         where = f"; its host waits at {host}" if host else ""
         edges = waits.graph.out.get(r, [])
         lagged = sorted(n for n in edges if isinstance(n, tuple))

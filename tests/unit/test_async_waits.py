@@ -132,6 +132,17 @@ def test_the_cl_rule_fires_on_asynchronous_counters() -> None:
         assert "CL 40 < 41" in top.evidence[0]
 
 
+def test_a_native_stack_busy_in_its_own_code_stays_computing_whatever_is_open() -> None:
+    """With --native frames and no synchronisation among them the host is working, not waiting on its GPU."""
+    busy = (_native("gemm_kernel_launch", "libcublas.so"), _py("stuck_in_compute", 80), _py("<module>", 93))
+    views = rank_views({0: _rank(0, busy), 1: _stacks(False)[1]}, 2, {})
+    assert views[0].native and not views[0].host_wait
+    assert counted_waits(views, counter_waits(shim_counters()))[0].state is RankState.COMPUTING
+    # the same Python frames without native ones cannot tell: the counters' wait decides
+    python_only = rank_views({0: _rank(0, busy[1:]), 1: _stacks(False)[1]}, 2, {})
+    assert counted_waits(python_only, counter_waits(shim_counters()))[0].state is RankState.COLLECTIVE
+
+
 def test_without_counters_a_host_wait_alone_is_no_collective() -> None:
     """Only the counters say the GPU waits in a collective; a host syncing on its GPU may wait on a long kernel."""
     views = rank_views(_stacks(True), 2, {})
