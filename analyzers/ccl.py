@@ -146,7 +146,8 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
     # they are blocked there, not in their own work: a lag behind them leads to the stall, not to a rank.
     stalls = table_stalls(table, live)
     stalled = {r for st in stalls for r in st.ranks}
-    stalled_with = {r: set(st.ranks) for st in stalls for r in st.ranks}  # a member's own stall's members
+    members_of = [frozenset(st.ranks) for st in stalls]
+    stalled_with = {r: members_of[i] for i, st in enumerate(stalls) for r in st.ranks}  # a member's own stall
     for cid, comm in table.comms.items():
         open_ops = table.open_of(cid)  # each line below reads a request open (a waiting leader, WC < WR)
         if not open_ops:

@@ -257,8 +257,9 @@ def _graph(live: Mapping[int, RankCounters], table: OpTable) -> tuple[_Waits, li
                     for m, launched in cls.items():
                         if launched < o.cl:
                             g.add(node, m)
+                # (the node's edges are the members that never launched it: counted once per launch, not per rank)
                 g.add(r, node, f"rank {r} waits in {op} on {label} (its launch {o.cl}, which "
-                               f"{sum(1 for n in cls.values() if n < o.cl)} member(s) never launched)")
+                               f"{len(g.out[node])} member(s) never launched)")
             top = levels[-1]
             waiting = tuple(r for r, o in rows.items() if o is not None and o.cl == top and o.wc < o.wr)
             lagging = tuple(r for r, n in cls.items() if n < top)

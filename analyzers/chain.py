@@ -370,6 +370,15 @@ def counted_waits(views: Mapping[int, RankView], waits: CounterWaits) -> dict[in
     whichever line each host synchronises at.
     """
     out = dict(views)
+    launched: dict[tuple[str, str, int], bool] = {}  # (comm, op, launch) -> every member launched it: once each
+
+    def everyone(o: OpCounters) -> bool:
+        key = (o.comm_id, o.op, o.cl)
+        got = launched.get(key)
+        if got is None:
+            got = launched[key] = _everyone_launched(waits, o)
+        return got
+
     for r, v in views.items():
         rc = waits.live.get(r)
         if v.state is not RankState.COMPUTING or rc is None:
@@ -403,8 +412,8 @@ def counted_waits(views: Mapping[int, RankView], waits: CounterWaits) -> dict[in
                              f"{_comm_name(waits, o.comm_id)} is open (WC {o.wc} < WR {o.wr}){where}"))
                 continue
         for o in sorted((o for o in open_ops if o.op not in P2P_OPS), key=lambda o: (o.comm_id, o.op)):
-            if host or _everyone_launched(waits, o):
-                why = f"every member launched it{where}" if _everyone_launched(waits, o) else where[2:]
+            if host or everyone(o):
+                why = f"every member launched it{where}" if everyone(o) else where[2:]
                 out[r] = _counted(v, RankState.COLLECTIVE, o.comm_id, o.op, o.cl, waits, rc, why)
                 break
     return out
