@@ -308,7 +308,9 @@ def host_wait_frame(frames: Sequence[Frame]) -> str:
                     or (short in ("wait", "synchronize") and ("Work" in name or "Event" in name or "Stream" in name))):
                 return frame_text(f)
             continue
-        if short in _SYNC_NAMES and "torch/" in f.filename.replace("\\", "/"):
+        path = f.filename.replace("\\", "/")
+        if (short in _SYNC_NAMES and "torch/" in path) or (
+                short == "wait" and ("torch/futures/" in path or "torch/cuda/" in path)):  # a Work's future, an Event
             return frame_text(f)
         return ""
     return ""

@@ -104,6 +104,8 @@ def test_the_host_wait_is_found_under_item_natively_and_in_torch_cuda_synchroniz
     assert host_wait_frame(ITEM_NATIVE) == "cuStreamSynchronize (libcuda.so.1)"
     sync = (Frame("synchronize", "/site/torch/cuda/__init__.py", 1040), _py("<module>", 5))
     assert host_wait_frame(sync) == "synchronize (__init__.py)"
+    future = (Frame("wait", "/site/torch/futures/__init__.py", 70), _py("<module>", 5))
+    assert host_wait_frame(future) == "wait (__init__.py)"
     # a function of the job's own called synchronize, and plain Python work, are not host waits
     assert host_wait_frame((_py("synchronize", 3), _py("<module>", 5))) == ""
     assert host_wait_frame((_py("stuck_in_compute", 80), _py("<module>", 93))) == ""
