@@ -309,8 +309,8 @@ def host_wait_frame(frames: Sequence[Frame]) -> str:
                 return frame_text(f)
             continue
         path = f.filename.replace("\\", "/")
-        if (short in _SYNC_NAMES and "torch/" in path) or (
-                short == "wait" and ("torch/futures/" in path or "torch/cuda/" in path)):  # a Work's future, an Event
+        # (a Work's future waits on the host; torch.cuda's Event.wait only makes a stream wait, so it is not one)
+        if (short in _SYNC_NAMES and "torch/" in path) or (short == "wait" and "torch/futures/" in path):
             return frame_text(f)
         return ""
     return ""
