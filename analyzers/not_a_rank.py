@@ -87,8 +87,8 @@ def stack_stall(chain: Chain, world: Sequence[int], waits: CounterWaits | None =
     elif waits is None:
         lines.append("no counters: the same call site, the launch unknown (one rank could be a call behind: "
                      "the CCL counters, a flight recorder dump or the watchdog's SeqNum would tell)")
-    lines.append("no rank waits for nobody (none is computing, loading, stopped or unreadable) and none is in "
-                 "another call: there is no rank the others wait on")
+    lines.append("every rank waits (none is computing, loading, stopped or unreadable) and none is in another "
+                 "call: there is no rank the others wait on")
     return SymmetricStall("the whole job", tuple(sorted(world)), site, tuple(lines), True)
 
 
