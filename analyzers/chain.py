@@ -365,11 +365,11 @@ def counted_waits(views: Mapping[int, RankView], waits: CounterWaits) -> dict[in
     either its host waits on its GPU (``host_wait_frame``), or the counters
     say whom it waits for (a member that never launched it: Aegis' CL rule; a
     peer that never posted the matching send/recv), or every member launched
-    it (all wait in it together); a stack with native frames but no
-    synchronisation among them shows the host busy in its own work, and stays
-    so. Its site names the collective by its
-    communicator and launch count, so the members of one call share a site
-    whichever line each host synchronises at.
+    it (all wait in it together). A stack with native frames but no
+    synchronisation among them shows the host busy in its own work: it stays
+    so. A waiter's site names the collective by its communicator and launch
+    count, so the members of one call share a site whichever line each host
+    synchronises at.
     """
     out = dict(views)
     launched: dict[tuple[str, str, int], bool] = {}  # (comm, op, launch) -> every member launched it: once each
@@ -427,7 +427,7 @@ def _comm_name(waits: CounterWaits, comm_id: str) -> str:
 
 
 def _everyone_launched(waits: CounterWaits, o: OpCounters) -> bool:
-    """Whether every member of ``o``'s communicator that the counters show launched its op as often as ``o``'s rank."""
+    """Whether every member of ``o``'s communicator with live counters launched ``o``'s op as often as ``o``'s rank."""
     comm = waits.table.comms.get(o.comm_id)
     by_rank = waits.table.of(o.comm_id).get(o.op, {})
     members = [m for m in (comm.ranks if comm is not None else ()) if m in waits.live]
