@@ -133,9 +133,11 @@ def evict_request(suspect: Suspect, action_id: str, who: str, job_id: str | None
     """
     evidence = suspect.evidence[0] if suspect.evidence else "named by the verdict"
     machines = option.machines if option is not None else tuple(suspect.machines)
-    scope = "" if option is None else (" (whole group)" if option.scope == GROUP else
-                                       f" (rank {compact_ranks(option.ranks, 8)})")
-    reason = printable(f"{suspect_label(suspect)}{scope}: {evidence}")
+    if option is not None and option.scope != GROUP:
+        label = f"rank {compact_ranks(option.ranks, 8)} of {suspect_label(suspect)}"
+    else:
+        label = suspect_label(suspect) + (" (whole group)" if option is not None else "")
+    reason = printable(f"{label}: {evidence}")
     return ActionRequest(action_id, ActionKind.EVICT, Targets(tuple(machines)), EvictArgs(reason), who, job_id)
 
 

@@ -233,6 +233,7 @@ class RankscopeApp(App[int]):
     def on_snapshot_received(self, message: SnapshotReceived) -> None:
         self._fold_evicted_addresses()  # a re-read hostfile may have marked agents evicted
         before = {m.name: m.reachable for m in self.state.machines}
+        quiet = self.state.restarting  # agents away for a restart: no "lost"/"is back" toasts for them
         restarts = self.state.restarts
         self.state = st.apply_snapshot(self.state, message.digest, self._now(message.digest.wall))
         if self.state.restarts != restarts and self.source.live:
@@ -243,7 +244,10 @@ class RankscopeApp(App[int]):
         if st.started_capture_due(self.state):
             self.state = st.apply_started_captured(self.state)
             self.action_capture()
+        quiet |= self.state.restarting
         for m in self.state.machines:
+            if m.name in quiet:
+                continue
             if before.get(m.name) is True and not m.reachable and not m.evicted:
                 self.post_message(AgentLost(m.name))
             elif before.get(m.name) is False and m.reachable:

@@ -471,6 +471,9 @@ class AppState:
     verdict: VerdictMark | None = None  # what the job was doing when ``stacks`` was captured
     evicted_addresses: frozenset[str] = frozenset()  # agents taken out of the job (hostfile, audit)
     awaiting_restart: bool = False  # an eviction succeeded and the job has not come back yet: not "finished"
+    # Machines whose agents went away while the job restarted: "restarting" (not lost) until they answer again,
+    # also after the job's ranks came back (an idle standby's agent, one slower than the rest).
+    restarting: frozenset[str] = frozenset()
     # What the session is (fixed at start): drawn in the header and deciding what the screens offer.
     source_label: str = ""
     read_only: bool = False
@@ -489,7 +492,7 @@ class AppState:
     @property
     def lost(self) -> tuple[str, ...]:
         """Machines whose agent does not answer; evicted ones are not lost, they were taken out on purpose."""
-        return tuple(m.name for m in self.machines if not m.reachable and not m.evicted)
+        return tuple(m.name for m in self.machines if not m.reachable and not m.evicted and m.name not in self.restarting)
 
     @property
     def job_machines(self) -> tuple[MachineView, ...]:
@@ -539,7 +542,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         if m.name in state.evicted or m.address in state.evicted_addresses:
             continue  # its agent going away is the eviction's doing, not news
         was = before.get(m.name)
-        if was is True and not m.reachable and state.awaiting_restart:
+        if was is False and m.reachable and m.name in state.restarting:
+            events.append(Event(now_wall, "found", f"{m.name} is back after the restart"))
+        elif was is True and not m.reachable and state.awaiting_restart:
             # The launcher restarts the job's agents with it (an eviction, a hot-update): one word for it everywhere.
             events.append(Event(now_wall, "restarting", f"{m.name} restarting with the job"))
         elif was is True and not m.reachable:
@@ -563,6 +568,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
     metric_rows = _mark_evicted_rows(d.metric_rows, frozenset(m.name for m in machines if m.evicted))
     restarted, rank_pids = _restarted(state.rank_pids, machines)
+    restarting = frozenset(
+        m.name for m in machines if not m.reachable and not m.evicted
+        and (m.name in state.restarting or (state.awaiting_restart and before.get(m.name) is not False)))
     if restarted:
         # A warm restart resumes the job before every machine's agent is back: those are named too, in place.
         on = ", ".join(m.name if m.reachable else f"{m.name} (agent not back yet)" for m in machines
@@ -635,6 +643,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         rank_pids=rank_pids,
         clock=clock,
         awaiting_restart=state.awaiting_restart and not restarted,
+        restarting=restarting,
     )
 
 
@@ -905,12 +914,16 @@ def health(state: AppState) -> Health:
     running = [m for m in job if m.reachable]
     if job and not running:
         first = next((m.error for m in job if m.error), None)
-        if state.awaiting_restart:  # the launcher restarts the remaining machines' agents with the job
+        if state.awaiting_restart or all(m.name in state.restarting for m in job):
+            # The launcher restarts the remaining machines' agents with the job.
             return Health("idle", "restarting: the job's agents do not answer yet")
         return Health("unknown", f"no agent answers: {first}" if first else "no agent of the job answers")
     silent = [m for m in job if not m.reachable and m.ranks]
     clock = state.clock
     if silent and not any(m.ranks for m in running):
+        if state.awaiting_restart or all(m.name in state.restarting for m in silent):
+            # Their agents restart with the job (an eviction, a hot-update): not lost.
+            return Health("idle", f"restarting: the agents of the job's ranks restart with it ({len(silent)})")
         # The ranks live on machines whose agents do not answer now: nothing can be said about the job.
         return Health("unknown", f"the agents of the job's ranks do not answer ({len(silent)}): "
                       f"{silent[0].error or 'no answer'}")

@@ -606,8 +606,8 @@ async def test_at_80x24_the_footer_keeps_every_action_key_and_the_stack_tree_its
         await until(pilot, lambda: "diverges at" in screen_text(app), what="the stacks view")
         text = screen_text(app)
         # The tree has the whole width (the comparison went under it): a deep frame is not cut to "└── ▼ _fi".
-        assert "└── ▼ train_step (train.py)  [32: 0-31]" in text, text
-        assert "group B diverges at forward_step (schedules.py)" in text
+        assert "└── ▼ ⋯ 4 frames every rank shares, folded (innermost: train_step (train.py))" in text, text
+        assert "group D diverges at forward_step (schedules.py)" in text  # the root rank 30's group
 
 
 async def test_e_names_no_target_in_a_capture_taken_while_the_job_made_steps() -> None:

@@ -395,3 +395,17 @@ def test_events_stay_in_time_order_when_an_audit_record_carries_an_earlier_time(
     walls = [e.wall for e in s.events]
     assert walls == sorted(walls) and s.events[-1].text == "later note"
     assert st.code_version(s) == "v2"
+
+
+def test_an_agent_slower_back_than_the_ranks_stays_restarting_not_lost() -> None:
+    s = fold([snap(T0 + i, progress=T0 + i) for i in range(3)])
+    s = st.apply_evicted(s, ["machine-1"], T0 + 3)
+    s = fold([snap(T0 + 5, progress=None, unreachable=MACHINES)], s)
+    assert s.restarting == {"machine-0"}
+    # The job's ranks came back elsewhere (the restart seen, awaiting_restart cleared) while machine-0's agent is
+    # still away: restarting, not lost, until it answers.
+    s = fold([snap(T0 + 9, progress=None, unreachable=MACHINES)], replace(s, awaiting_restart=False))
+    assert s.lost == () and "1 restarting" in header(s) and "lost" not in header(s), header(s)
+    s = fold([snap(T0 + 12, progress=T0 + 11, unreachable=("machine-1",))], s)
+    assert s.restarting == frozenset()
+    assert [e.text for e in s.events if e.kind == "found"] == ["machine-0 is back after the restart"]

@@ -55,9 +55,9 @@ async def test_views_switch_with_number_keys_and_enter_opens_a_rank() -> None:
         assert app.main.active_view == "stacks"
         text = screen_text(app)
         assert "irecv" in text and "24-27" in text
-        # The first outlier group is selected: the comparison marks where it diverges.
-        assert "group B diverges at forward_step" in text
-        await pilot.press("down")  # group C (isend, ranks 28-29)
+        # The root's group is selected: the comparison marks where it diverges.
+        assert "group D diverges at forward_step" in text  # the root (rank 30) group, not a victim one
+        await pilot.press("up")  # group C (isend, ranks 28-29), above the root's group D
         await pilot.pause()
         assert "28-29" in screen_text(app)
         await pilot.press("enter")
@@ -133,8 +133,8 @@ async def test_copy_verdict_and_rank_stack_and_write_a_bundle(tmp_path: Path) ->
         await until(pilot, lambda: isinstance(app.screen, RankScreen))
         await pilot.press("y")
         await pilot.pause()
-        assert app.last_copied.startswith("rank 24")
-        assert "recv_forward" in app.last_copied
+        assert app.last_copied.startswith("rank 30")  # the root's group is the one selected
+        assert "gather_output" in app.last_copied
         await pilot.press("escape", "w")
         await until(pilot, lambda: app.last_written is not None)
         assert app.last_written is not None

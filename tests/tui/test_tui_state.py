@@ -206,7 +206,7 @@ def test_an_evicted_machine_is_out_of_the_job_and_the_restart_is_seen() -> None:
     # Every agent is restarted with the job (the drill's agents are scoped to a torchrun pid): unreachable a while.
     gone = job(T0 + 30, stacks=False, step=100, hung=False, lost=tuple(range(16)))
     s = st.apply_snapshot(s, st.digest(gone), T0 + 30)
-    assert s.restarts == 0 and len(s.lost) == 15
+    assert s.restarts == 0 and s.lost == () and len(s.restarting) == 15  # restarting with the job, not lost
     # They answer again before the new ranks exist: no ranks seen is not yet a restart.
     between = replace(job(T0 + 35, stacks=False, step=0, hung=False, lost=(5,)),
                       machines=tuple(replace(m, ranks=()) for m in gone.machines))

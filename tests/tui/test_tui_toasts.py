@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from rankscope.tui.toasts import MAX_LINES, MAX_TOASTS, coalesce
+from rankscope.tui.toasts import MAX_LINES, MAX_TOASTS, coalesce, kind_of
 from textual.notifications import Notification
 
 
@@ -27,8 +27,14 @@ def test_a_kind_already_shown_is_merged_with_the_newest_line_last() -> None:
     assert merged.message.splitlines() == [f"machine-{i}: SIGTERM 2 processes" for i in range(4)][-MAX_LINES:]
 
 
+def test_an_actions_steps_and_its_result_are_one_toast() -> None:
+    (merged,) = shown_after(toast("machine-3: SIGTERM", "evict 1/3", at=0), toast("machine-3: blocked", "evict 3/3", at=1),
+                            toast("machine-3: succeeded", "evict result", at=2))
+    assert merged.title == "evict result" and merged.message.splitlines()[-1] == "machine-3: succeeded"
+
+
 def test_at_most_three_are_up_and_the_oldest_go_first() -> None:
-    shown = shown_after(*(toast(f"note {i}", f"kind {i}", at=i) for i in range(8)))
+    shown = shown_after(*(toast(f"note {i}", f"kind{i} x", at=i) for i in range(8)))
     assert [n.message for n in shown] == ["note 5", "note 6", "note 7"]
 
 
@@ -38,5 +44,5 @@ def test_never_more_than_the_bound_nor_longer_than_its_lines(raised: list[tuple[
     shown = shown_after(*(toast(m, t, at=i) for i, (t, m) in enumerate(raised)))
     assert len(shown) <= MAX_TOASTS
     assert all(len(n.message.splitlines()) <= MAX_LINES for n in shown)
-    titled = [n.title for n in shown if n.title]
+    titled = [kind_of(n.title) for n in shown if n.title]
     assert len(titled) == len(set(titled)), "one toast per kind"

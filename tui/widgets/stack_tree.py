@@ -117,9 +117,12 @@ class StackTreePanel(Vertical):
                 self._groups.append(g)
                 rows.append((Text(group_glyph(g.index), group_style(g.index)), str(len(ranks)),
                              compact_ranks(ranks, 3), g.summary))
-        # The first outlier is what one came here for.
-        table.set_rows(("grp", "ranks", "which", "where"), rows,
-                       cursor=1 if len(rows) > 1 and self.filter is None else 0)
+        # The root's group (the rank the others wait on) is what one came here for, else the first outlier.
+        cursor = 1 if len(rows) > 1 and self.filter is None else 0
+        top = view.verdict.top if view is not None else None
+        if top is not None and top.roots and self.filter is None:
+            cursor = next((i for i, g in enumerate(self._groups) if i and set(top.roots) & set(g.ranks)), cursor)
+        table.set_rows(("grp", "ranks", "which", "where"), rows, cursor=cursor)
         self._fill_tree()
         self._fill_compare()
 
@@ -135,6 +138,20 @@ class StackTreePanel(Vertical):
         tree.root.set_label(f"all ranks ({len(self._count(root.ranks))})")
         tree.root.data = root
         budget = [TREE_NODES_MAX]
+        # The trunk every rank shares (the launcher's runpy and the drill's or the job's own entry frames, a dozen
+        # of them) is folded into one line: it led every stack and pushed the branches off the right edge.
+        trunk: list[str] = []
+        top = root
+        while len(top.children) == 1 and top.children[0].children and \
+                len(self._count(top.children[0].ranks)) == len(self._count(root.ranks)):
+            top = top.children[0]
+            trunk.append(top.frame)
+        parent_of_rest = tree.root
+        if len(trunk) >= 2:
+            label = Text(f"⋯ {len(trunk)} frames every rank shares, folded (innermost: {trunk[-1]})", "dim")
+            parent_of_rest = tree.root.add(label, data=top, expand=True)
+        elif trunk:
+            top = root
 
         def add(parent: UiTreeNode[TreeNode], node: TreeNode) -> None:
             for child in node.children:
@@ -150,7 +167,7 @@ class StackTreePanel(Vertical):
                 else:
                     parent.add_leaf(label, data=child)
 
-        add(tree.root, root)
+        add(parent_of_rest, top)
         tree.root.expand()
 
     def _fill_compare(self) -> None:
@@ -164,7 +181,12 @@ class StackTreePanel(Vertical):
             compare.update(Text("no stack group matches the filter (esc clears it)", "dim"))
             return
         if sel.index == view.dominant.index:
-            other = next((g for g in self._groups if g.index != sel.index), None)
+            # Compare with the root's group (the rank the others wait on), not merely the first other group: that
+            # was a victim group beside the dominant one.
+            top = view.verdict.top
+            roots = set(top.roots or top.ranks) if top is not None else set()
+            other = next((g for g in self._groups if g.index != sel.index and roots & set(g.ranks)), None) or \
+                next((g for g in self._groups if g.index != sel.index), None)
             if other is None:
                 compare.update(Text("all ranks share one stack: nothing diverges", "dim"))
                 return

@@ -52,15 +52,18 @@ def header_text(state: AppState, source: str, read_only: bool, filter_line: str 
         h = Health("slow", f"slow: {slow_machine} (fail-slow detectors, key 7)")
     job = state.job_machines
     reachable = sum(1 for m in job if m.reachable)
-    lost = len(job) - reachable
+    away = [m.name for m in job if not m.reachable]
+    # After an eviction or a hot-update the job's agents restart with it: "restarting", never "lost".
+    restarting = len(away) if state.awaiting_restart else sum(1 for name in away if name in state.restarting)
+    lost = len(away) - restarting
     evicted = len(state.machines) - len(job)
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("HUNG" + h.text[4:] if h.kind == "hung" else h.text, HEALTH_STYLES[h.kind])
     t.append_text(timing_text(state, h))
     t.append(f" │ {reachable}/{len(job)} machines")
-    if lost and state.awaiting_restart:  # after an eviction the job's agents restart with it: not lost
-        t.append(f" {lost} restarting", "yellow")
-    elif lost:
+    if restarting:
+        t.append(f" {restarting} restarting", "yellow")
+    if lost:
         t.append(f" {lost} lost", "bold red")
     if evicted:
         t.append(f" {evicted} evicted", "yellow")
