@@ -61,6 +61,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rankscope.actions.agent_protocol import AUDIT_OPEN, FIX_SEPARATOR
 from rankscope.actions.agent_service import SUPERVISE_INTERVAL_S, ActionService
 from rankscope.actions.config import ActionsConfig
+from rankscope.actions.journal import READ as JOURNAL_READ
+from rankscope.actions.journal import journal_service
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import MachineSnapshot, RankInfo
 from rankscope.wire.proto import rankscope_pb2 as pb
@@ -91,6 +93,7 @@ METHOD_ROLES: dict[str, Role] = {
     f"/{SERVICE}/StreamMetrics": Role.READ,
     f"/{SERVICE}/PlanAction": Role.READ,  # planning changes nothing
     f"/{SERVICE}/WatchAudit": Role.READ,  # a read-only TUI sees actions live
+    JOURNAL_READ: Role.READ,  # a late view reads the incident's story (Append needs ACT)
     # RunAction is deliberately absent: it needs ACT.
 }
 MIN_STREAM_INTERVAL_S = 0.2  # a client cannot make the agent spin
@@ -669,6 +672,8 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
         config = dataclasses.replace(config, machine_name=await asyncio.to_thread(_identity, config, port))
     service = AgentService(config, address, source)
     pb_grpc.add_RankscopeAgentServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    if service.actions is not None:  # the incident journal, beside the audit log (rankscope.actions.journal)
+        journal_service(service.actions.config.state_dir)(server)
     for register in extra_services:
         register(server)
     health_servicer = health.aio.HealthServicer()

@@ -45,6 +45,7 @@ from rankscope.actions.agent_protocol import (
     confirmation_for,
     split_fix,
 )
+from rankscope.actions.journal import JournalEntry
 from rankscope.actions.model import (
     ActionKind,
     ActionPlan,
@@ -486,6 +487,25 @@ class JobClient:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def journal(self, entries: Sequence[JournalEntry] = ()) -> tuple[JournalEntry, ...]:
+        """The incident journal of every agent of the job as one story (``rankscope.actions.journal``); with
+        ``entries``, first add them to every agent's (that needs the 'act' role). Agents that keep none (no
+        actions configured, older agents) or do not answer add nothing."""
+        from rankscope.actions.journal import APPEND, READ, entries_from_bytes, entries_to_bytes, merge
+
+        method, body = (APPEND, entries_to_bytes(entries)) if entries else (READ, b"")
+        live = [a for a in self.agents if a not in self.retired]
+
+        async def one(address: str) -> tuple[JournalEntry, ...]:
+            call = self._conn(address).channel.unary_unary(method, request_serializer=None,
+                                                           response_deserializer=None)
+            try:
+                return entries_from_bytes(await call(body, metadata=self._metadata, timeout=self.deadline_s))
+            except (grpc.aio.AioRpcError, ValueError):
+                return ()
+
+        return merge(*await asyncio.gather(*(one(a) for a in live)))
 
     async def watch_audit(
         self, address: str, *, since: int | None = 0, retry_s: float = 1.0
