@@ -128,6 +128,7 @@ class RankscopeApp(App[int]):
         # Fail-slow detectors, fed every snapshot off the UI thread (view 7); their views come as messages.
         self.failslow = FailSlowFeeder(self, self.options.failslow_config)
         self._held_toasts: list[Notification] = []  # raised while a dialog was open (``_on_notify``)
+        self._journaled: set[tuple[float, str, str]] = set()  # events written to (or read from) the agents' journal
 
     # -- setup --------------------------------------------------------------
 
@@ -190,6 +191,8 @@ class RankscopeApp(App[int]):
         self.main.focus_view()
         self.loaded.set()
         self.actions.start_watch()  # read-only sessions too: a pair's second pane sees actions happen
+        if self.source.live and callable(getattr(self.source, "journal", None)):
+            self.run_worker(self._read_journal(), group="journal-read", exit_on_error=False)
         if self.source.live:
             self._poll()
             if self.options.capture_on_start:
@@ -344,7 +347,40 @@ class RankscopeApp(App[int]):
 
     # -- drawing ------------------------------------------------------------
 
+    async def _read_journal(self) -> None:
+        """What happened before this view attached, from the agents' incident journal (a late pair view tells the
+        same story as the view that watched it happen)."""
+        try:
+            entries = await self.source.journal()
+        except Exception as exc:  # an older agent, a lost one: the view works without the story
+            self.state = st.apply_info(self.state, f"no incident journal from the agents: {exc}", self.clock())
+            return
+        self._journaled |= {(e.wall, e.kind, e.text) for e in entries}
+        self.state = st.apply_journal(self.state, ((e.wall, e.kind, e.text) for e in entries))
+        self.redraw()
+
+    def _write_journal(self) -> None:
+        """The moments a late view must see (``st.journal_worthy``), written once to every agent's journal."""
+        if self.options.read_only or not callable(getattr(self.source, "journal", None)):
+            return
+        from rankscope.actions.journal import JournalEntry
+        from rankscope.tui.actions import requester
+
+        new = [e for e in self.state.events if st.journal_worthy(e) and (e.wall, e.kind, e.text) not in self._journaled]
+        if not new:
+            return
+        self._journaled |= {(e.wall, e.kind, e.text) for e in new}
+        who = requester()
+        entries = [JournalEntry(e.wall, e.kind, e.text, who) for e in new]
+
+        async def write() -> None:
+            with contextlib.suppress(Exception):  # the journal is for later views; the incident goes on without it
+                await self.source.journal(entries)
+
+        self.run_worker(write(), group="journal")
+
     def redraw(self) -> None:
+        self._write_journal()
         try:
             main = self.main
         except (AssertionError, IndexError):

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from rankscope.actions.journal import JournalEntry
 from rankscope.contract.bundle import Bundle
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import JobSnapshot
@@ -246,6 +247,10 @@ class LiveSource:
     def watch_audit(self, since: int | None = 0) -> AsyncIterator[AuditItem]:
         """Every agent's audit records, live (read role is enough: a read-only pane sees actions happen)."""
         return self._client.watch_all_audit(since=since)
+
+    async def journal(self, entries: Sequence[JournalEntry] = ()) -> tuple[JournalEntry, ...]:
+        """The agents' incident journal as one story; with ``entries``, written to every agent first (act role)."""
+        return await self._client.journal(entries)
 
 
 def _stamp(path: Path | None) -> tuple[int, int] | None:

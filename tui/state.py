@@ -513,12 +513,38 @@ def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
     own time, earlier than what this view already logged: appended as it came, the newest-first list put 08:43:38
     above 08:43:39."""
     new = tuple(events)
+    if new and state.events:
+        # The same moment told twice (the agents' journal and an audit stream, both replayed at attach) is one event.
+        first = min(e.wall for e in new)
+        have = {(e.wall, e.kind, e.text) for e in state.events if e.wall >= first}
+        new = tuple(e for e in new if (e.wall, e.kind, e.text) not in have)
     if not new:
         return state.events
     merged = (*state.events, *new)
     if state.events and min(e.wall for e in new) < state.events[-1].wall:
         merged = tuple(sorted(merged, key=lambda e: e.wall))
     return merged[-EVENTS_KEPT:]
+
+
+JOURNAL_KINDS = frozenset({"hung", "verdict", "evicted", "restarted", "resumed", "action"})
+_FINAL_WORDS = (" succeeded on ", " failed on ", " refused on ", " cancelled on ")
+
+
+def journal_worthy(event: Event) -> bool:
+    """An event the agents' incident journal keeps for a view attached later: the hang, verdicts that name
+    suspects, how actions ended, evictions, restarts and resumed training (not captures, polls or action steps)."""
+    if event.kind not in JOURNAL_KINDS:
+        return False
+    if event.kind == "verdict":
+        return not event.text.startswith("no verdict")
+    if event.kind == "action":
+        return any(w in event.text for w in _FINAL_WORDS)
+    return True
+
+
+def apply_journal(state: AppState, entries: Iterable[tuple[float, str, str]]) -> AppState:
+    """The agents' journal (wall, kind, text): what happened before this view attached, as events, each once."""
+    return replace(state, events=_with_events(state, [Event(w, k, t) for w, k, t in entries]))
 
 
 _UPDATE_TARGET = re.compile(r" to (.+) \((?:immediate|lazy)\)$")

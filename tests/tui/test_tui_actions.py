@@ -36,6 +36,7 @@ from rankscope.actions.model import (
 )
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.contract.bundle import Bundle
+from rankscope.tui import state as st
 from rankscope.tui.actions import ACT_TOKEN_FIX, ActionSource, pick_suspect, plan_text, summarize
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.screens.confirm import ConfirmModal, UpdateModal
@@ -519,6 +520,20 @@ async def test_e_through_real_agents_stops_the_suspect_ranks_and_a_read_only_tui
                 assert app.state.lost == () and not any(e.kind == "lost" for e in app.state.events)
                 header = screen_text(app).splitlines()[0]
                 assert "2/2 machines 2 evicted" in header and "lost" not in header, header
+            # A view attached now, after m1's and m3's agents are gone with their audit logs, tells the same story:
+            # the verdict and the eviction come from the journal the acting view wrote to every agent.
+            late = RankscopeApp(LiveSource(addresses, read, capture_timeout_s=10.0),
+                                AppOptions(poll_interval_s=0.5, hang_after_s=3600.0, read_only=True,
+                                           capture_on_start=False))
+            async with late.run_test(size=(160, 48)) as third:
+                await until(third, late.loaded.is_set, 30, "the late view")
+
+                def story(app: RankscopeApp) -> list[tuple[str, str]]:
+                    return [(e.kind, e.text) for e in app.state.events if st.journal_worthy(e)]
+
+                await until(third, lambda: any(k == "action" and "evict succeeded on m1" in t for k, t in story(late))
+                            and any(k == "verdict" for k, _ in story(late)), 30, "the journal in the late view")
+                assert any(k == "evicted" for k, _ in story(late)), story(late)
             await pilot.press("1")
             await pilot.press("e")  # the verdict named m1 and m3, now evicted: no default target any more
             await until(pilot, lambda: notes.has("nothing to evict now"), 10, "e to say why it has no target")
