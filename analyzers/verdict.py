@@ -94,7 +94,16 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
             evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index, groups=s.groups,
             diverging_frame=s.diverging_frame, victims=s.victims, state=s.state, roots=entry.roots,
         ), tuple(entry.sources)))
-    merged.sort(key=lambda m: (-m[0].score, -len(m[0].sources), -len(m[0].ranks),
+    # A pair of ranks a detector names for one fact (a send one never matched) whose pinned rank another detector
+    # names alone, the other rank of the pair among its waiters, is that suspect told twice: the one rank goes first
+    # and the pair folds into it as its victim (a layout group is kept whole: it is what over-eviction takes).
+    alone = {s.ranks: set(s.victims) for s, _ in merged if len(s.ranks) == 1 and s.victims}
+
+    def told_twice(s: Suspect) -> bool:
+        return (str(s.kind) == "rank" and len(s.roots) == 1 and len(s.ranks) > 1
+                and set(s.ranks) - set(s.roots) <= alone.get(s.roots, set()))
+
+    merged.sort(key=lambda m: (-m[0].score, told_twice(m[0]), -len(m[0].sources), -len(m[0].ranks),
                                _KIND_ORDER.index(str(m[0].kind)) if str(m[0].kind) in _KIND_ORDER else 99,
                                min(m[0].ranks, default=0)))
     folded = _fold_contained(merged)

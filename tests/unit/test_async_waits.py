@@ -125,6 +125,17 @@ def test_the_rank_waiting_at_item_is_a_victim_of_the_rank_stuck_in_its_own_code(
     assert a.stacks.chain.views[1].state is RankState.COMPUTING
 
 
+def test_a_rank_syncing_after_an_isend_its_peer_never_matched_waits_on_that_peer() -> None:
+    """Pipeline on NCCL: rank 0's isend to rank 1 is queued and open, rank 1 (in its own code) never posted the recv."""
+    files = {0: _file(0, (_op("send", 41, wc=40, peers=(1,)),)), 1: _file(1, (_op("recv", 40),))}
+    a = analyze_job(_job(True, files))
+    assert a.stacks.chain is not None
+    view = a.stacks.chain.views[0]
+    assert view.state is RankState.P2P and view.peers == (1,) and "send to rank(s) 1" in view.counted
+    top = a.verdict.top
+    assert top is not None and top.ranks == (1,) and top.roots == (1,) and top.victims == (0,), a.verdict.summary
+
+
 def test_the_cl_rule_fires_on_asynchronous_counters() -> None:
     """WC lags WR while the device runs: rank 0's open request in launch 41 waits on rank 1, whose CL is 40."""
     for counters in (shim_counters(), plugin_counters()):
