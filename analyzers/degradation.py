@@ -101,8 +101,10 @@ def findings_verdict(findings: tuple[DegradationFinding, ...], placement: Mappin
     for r, fs in per_rank.items():
         machines = (placement[r],) if r in placement else ()
         # more (comm, op) pairs agreeing on one rank is stronger evidence
+        # A late arriver (short TD) is the slow computer itself; a slow link (large N) is between it and its peers.
         suspects.append(Suspect(SuspectKind.RANK, (r,), machines, float(len(fs)),
-                                tuple(f.evidence() for f in fs), (SOURCE,)))
+                                tuple(f.evidence() for f in fs), (SOURCE,),
+                                roots=(r,) if any(f.kind == "slow_compute" for f in fs) else ()))
     suspects.sort(key=lambda s: (-s.score, s.ranks))
     summary = (f"CCL degradation: {suspects[0].evidence[0]}" if suspects
                else "CCL degradation: no member's TD or N stands out")

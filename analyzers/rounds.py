@@ -144,4 +144,5 @@ class FailSlowRounds:
         return Suspect(
             kind=best.kind, ranks=best.ranks, machines=best.machines, score=n / window, evidence=evidence,
             sources=("fail-slow-rounds",), group_index=best.group_index, diverging_frame=best.diverging_frame,
+            roots=best.roots,
         )

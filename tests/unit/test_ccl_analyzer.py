@@ -93,6 +93,8 @@ def test_short_td_marks_the_late_arriver_and_large_n_the_slow_link() -> None:
     assert kinds == {("slow_compute", 2), ("slow_link", 3)}
     v = analyze_degradation(snapshot(list(counters.values())))
     assert v is not None and {s.ranks for s in v.suspects} == {(2,), (3,)}
+    # the slow computer is pinned; a slow link is between a rank and its peers, so nothing is
+    assert {s.ranks: s.roots for s in v.suspects} == {(2,): (2,), (3,): ()}
     # a rank one call ahead is not compared with the others
     counters[2] = rc(2, [ar(5, td=0.010)])
     assert {(f.kind, f.rank) for f in degradation_findings(counters)} == {("slow_link", 3)}
