@@ -699,7 +699,7 @@ class FailSlowDetector:
             group = self._stack_degrader
             if len(ms) > 1 and group is not None and "stacks" in by_det and set(ms) <= set(group.machines):
                 suspects.append(Suspect(group.kind, group.ranks, tuple(ms), round(confidence[ms[0]], 4), evidence,
-                                        sources, group.group_index, group.diverging_frame))
+                                        sources, group.group_index, group.diverging_frame, roots=group.roots))
             else:
                 suspects.append(Suspect(SuspectKind.MACHINE, ranks, tuple(ms), round(confidence[ms[0]], 4), evidence,
                                         sources))
