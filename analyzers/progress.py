@@ -21,7 +21,14 @@ from rankscope.contract.snapshot import JobSnapshot, RankCounters
 MID_STEP_S = 3.0
 
 
-def counters_progress_wall(counters: RankCounters, job_counts_steps: bool = False) -> float | None:
+# A process at 0 optimizer steps whose collectives completed only this soon after it started is still setting up
+# (a restart's rendezvous, restoring a backup): below the TUI's default --hang-after (30 s), so a job with no
+# optimizer is never "hung since its start" while its collectives move.
+SETUP_S = 20.0
+
+
+def counters_progress_wall(counters: RankCounters, job_counts_steps: bool = False,
+                           started_wall: float | None = None) -> float | None:
     """When the CCL plugin last saw this rank make progress (None: none yet): the one rule agents and views use.
 
     A job that makes optimizer steps progresses by them: the collectives of a
@@ -34,13 +41,19 @@ def counters_progress_wall(counters: RankCounters, job_counts_steps: bool = Fals
     ``job_counts_steps``: the job made optimizer steps before (an earlier
     process of the rank, another rank): then a process at 0 steps has made no
     progress until its first step, whatever its collectives do.
+    ``started_wall``: when the process started; collectives of its first
+    ``SETUP_S`` at 0 steps are its set-up, not progress (an agent restarted
+    with the job has no memory of its steps).
     """
     if counters.steps:
         return counters.last_step_wall or None
     if counters.steps is not None and job_counts_steps:
         return None
     marks = [op.last_complete_wall for op in counters.ops if op.last_complete_wall]
-    return max(marks) if marks else None
+    mark = max(marks) if marks else None
+    if mark is not None and counters.steps is not None and started_wall is not None and mark - started_wall < SETUP_S:
+        return None
+    return mark
 
 
 def mid_step_window(step_s: float | None) -> float:
@@ -84,5 +97,5 @@ def timing_not_fault(verdict: Verdict, progress: ProgressAtCapture) -> Verdict:
     return Verdict((), summary, verdict.missing_ranks, (*verdict.notes, f"set aside as timing: {verdict.summary}"))
 
 
-__all__ = ["MID_STEP_S", "ProgressAtCapture", "counters_progress_wall", "mid_step_window", "progress_at_capture",
+__all__ = ["MID_STEP_S", "SETUP_S", "ProgressAtCapture", "counters_progress_wall", "mid_step_window", "progress_at_capture",
            "timing_not_fault"]

@@ -88,7 +88,7 @@ class ProgressTracker:
             c = counters.get(info.rank)
             counted = c is not None and c.pid in (None, info.pid)
             if c is not None and counted:
-                mark = counters_progress_wall(c, self._counts_steps)
+                mark = counters_progress_wall(c, self._counts_steps, known.started_wall)
                 if mark is not None and (known.started_wall is None or mark >= known.started_wall):
                     known.progress_wall = max(known.progress_wall or mark, mark)
             s = stacks.get(info.rank)

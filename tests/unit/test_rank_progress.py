@@ -57,9 +57,12 @@ def test_a_job_without_optimizer_steps_progresses_by_its_collectives() -> None:
                                 ops=(OpCounters("c0", "all_reduce", 60, 60, 60, last_complete_wall=170.0),))
     assert counters_progress_wall(no_optimizer) == 170.0
     assert counters_progress_wall(no_optimizer, job_counts_steps=True) is None
+    # collectives in its first seconds are its set-up (a restart's rendezvous), not progress
+    assert counters_progress_wall(no_optimizer, started_wall=160.0) is None
+    assert counters_progress_wall(no_optimizer, started_wall=100.0) == 170.0
     tracker = ProgressTracker(started)
     got = tracker.observe(reading(400.0, {0: 10}, (no_optimizer,)))
-    assert got.ranks[0].last_progress_wall == 170.0
+    assert got.ranks[0].last_progress_wall == 170.0  # pid 10 started at 100
     # the job made steps once: a new process of the rank at 0 steps has not progressed yet
     tracker.observe(reading(410.0, {0: 10}, (counters(0, 10, 405.0, 406.0),)))
     restarted = tracker.observe(reading(600.0, {0: 20}, (replace(no_optimizer, pid=20),)))
