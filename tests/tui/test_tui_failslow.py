@@ -177,9 +177,9 @@ async def test_key_7_shows_the_slow_machine_of_a_recorded_series() -> None:
         assert view.verdict.machine == "m2"
         summary = _text(app, "#fs-summary")
         assert "m2" in summary and "(confident)" in summary
-        assert "slow since" in summary
+        assert "slow for" in summary and "job time" not in summary
         slow_for = view.slow_for_s
-        assert slow_for is not None and f"slow since {slow_for:.0f} s ago" in summary
+        assert slow_for is not None and f"slow for {slow_for:.0f} s" in summary
         heat = _text(app, "#fs-heat")
         lines = {line.split()[0]: line for line in heat.splitlines()[1:5]}
         assert lines["m2"].rstrip().endswith("▲▲")
@@ -199,7 +199,7 @@ async def test_healthy_series_shows_no_confident_flag() -> None:
         view = app.state.failslow
         assert view is not None and view.verdict is not None and not view.verdict.confident
         summary = _text(app, "#fs-summary")
-        assert summary.startswith("no fail-slow") and "slow since" not in summary
+        assert summary.startswith("no fail-slow") and "slow for" not in summary
         assert "none: no detector flags a machine" in _text(app, "#fs-flags")
         rows = _text(app, "#fs-heat").splitlines()[1:-1]  # the last line is the legend
         assert len(rows) == 4 and all("▲" not in row and row.rstrip().endswith("■■") for row in rows)
@@ -247,7 +247,7 @@ async def test_live_polls_feed_the_detectors_until_the_slow_machine_is_named() -
         # the first snapshot, alone at the start, is not judged (one point says nothing of slowness)
         assert view is not None and view.updates == 49 and view.skipped == 0
         assert view.verdict is not None and view.verdict.confident and view.verdict.machine == "m2"
-        assert "slow since" in _text(app, "#fs-summary")
+        assert "slow for" in _text(app, "#fs-summary")
 
 
 async def test_live_polls_that_pile_up_are_skipped_but_captures_never() -> None:

@@ -377,3 +377,17 @@ def test_metric_outliers_compare_a_host_reading_with_other_machines_only() -> No
     ms[3] = replace(ms[3], host=replace(host, cpu_percent=97.0))
     rows = st.digest(JobSnapshot(snap.captured, tuple(ms), job_id=snap.job_id, layout=snap.layout)).metric_rows
     assert {(r.machine, r.gpu) for r in rows if "cpu" in r.outliers} == {("node03", 0), ("node03", 1)}
+
+
+def test_a_metric_outlier_is_told_by_text_with_its_direction_and_its_peers() -> None:
+    from rankscope.tui.widgets.metrics import column_medians, render_row
+
+    rows = (
+        st.MetricRow("m0/gpu0", "m0", 0, True, (0,), (50.0, 40.0, 1.0, 95.0, 70.0, 99.0, 650.0), frozenset({"temp"})),
+        *(st.MetricRow(f"m{i}/gpu0", f"m{i}", 0, True, (i,), (50.0, 40.0, 1.0, 95.0, 70.0, 61.0, 650.0),
+                       frozenset()) for i in range(1, 4)),
+    )
+    medians = column_medians(rows)
+    cells = render_row(rows[0], st.Series(), medians)
+    hot = cells[2 + st.METRICS.index("temp")]
+    assert str(hot) == "99▲", hot  # above the others: the arrow says it without colour

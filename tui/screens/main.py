@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rankscope.tui.analysis import StackView
-from rankscope.tui.state import AppState, filter_summary, map_groups, verdict_stale
+from rankscope.tui.state import AppState, filter_summary, health, map_groups, verdict_stale
 from rankscope.tui.widgets.audit import ActionsPanel
 from rankscope.tui.widgets.ccl import CclPanel
 from rankscope.tui.widgets.events import EventsPanel
@@ -133,5 +133,6 @@ class MainScreen(Screen[None]):
             self.query_one("#actions-panel", ActionsPanel).show(state, state.actions.log, read_only)
         elif view == "failslow":
             panel = self.query_one("#failslow-panel", FailSlowPanel)
+            h = health(state)
             panel.show(state.failslow, self.size.width, self.size.height,
-                       frozenset(m.name for m in state.machines if m.evicted))
+                       frozenset(m.name for m in state.machines if m.evicted), h.text if h.kind == "hung" else None)

@@ -77,12 +77,18 @@ class CclPanel(Vertical):
         bad = sum(1 for c in comms if c.mismatch)
         head = Text(f"{len(comms)} communicators, ")
         head.append(f"{bad} with mismatches", "bold red" if bad else "green")
-        head.append(f"  sort: {self.sort_key} (o)  enter: ranks", "dim")
+        head.append(f"  sort: {self.sort_key} (o)  enter: ranks  progress: completions per poll (▁ flat: none)",
+                    "dim")
         if not state.comms:
             head = Text("no CCL counters: is the job started with `rankscope run` (CCL plugin)?", "dim")
         title.update(head)
         def render(c: CommView) -> tuple[Cell, ...]:
-            cls = [r.cl for r in c.rows] or [0]
+            flag0: Cell = Text("!", "bold red") if c.mismatch else " "
+            name0 = Text(c.comm_id + (f" {c.description}" if c.description else ""), "bold" if c.mismatch else "")
+            if not c.rows:  # recorded, but no rank of it reports counters (yet): no numbers to show, say so
+                return (flag0, name0, f"{len(c.ranks)}, none reporting", "-", "-", "-", "-",
+                        Text("no counters", "dim"))
+            cls = [r.cl for r in c.rows]
             wr = sum(r.wr for r in c.rows)
             wc = sum(r.wc for r in c.rows)
             flag: Cell = Text("!", "bold red") if c.mismatch else " "
@@ -90,7 +96,7 @@ class CclPanel(Vertical):
             hist = deltas(state.comm_history.get(c.comm_id))
             cl_text: Cell = Text(f"{min(cls)}-{max(cls)}", "bold red") if min(cls) != max(cls) else f"{min(cls)}-{max(cls)}"
             open_text: Cell = Text(str(wr - wc), "bold red") if wr > wc else str(wr - wc)
-            missing = f" (-{len(c.missing)})" if c.missing else ""
+            missing = f" ({len(c.missing)} silent)" if c.missing else ""
             return (flag, name, f"{len(c.ranks)}{missing}", cl_text, str(wr), str(wc), open_text, sparkline(hist, 10))
 
         table.set_rows(("", "communicator", "size", "CL min-max", "WR", "WC", "open", "progress"), self._rows,

@@ -50,8 +50,14 @@ def _cell(ratio: float | None) -> tuple[str, str]:
     return "■", "green"
 
 
-def summary_text(view: FailSlowView) -> Text:
+def summary_text(view: FailSlowView, hung: str | None = None) -> Text:
+    """``hung``: the job's state when it makes no steps (a hang): step times stop with it, so the figures below
+    are of the steps before, and the view says so first."""
     v = view.verdict
+    if hung is not None:
+        head = Text(f"{hung}: no step times while the job makes no steps, so the figures below are of the steps "
+                    "before it; a hang is judged by the verdict (1 Overview), not by slowness\n", "bold yellow")
+        return Text.assemble(head, summary_text(view))
     if v is None:
         return Text("fail-slow: the detectors need a series of snapshots with step counters: attach to the job "
                     "(--fail-slow adds a stack round every 10 s), or open a series recorded by "
@@ -62,8 +68,9 @@ def summary_text(view: FailSlowView) -> Text:
                f"{view.updates} rounds", "bold" if v.confident else "")
     slow_for = view.slow_for_s
     if slow_for is not None and v.slow_since_mono is not None:
-        out.append(f" · slow since {fmt_duration(slow_for)} ago (job time {v.slow_since_mono:.0f} s)",
-                   "bold red" if v.confident else "yellow")
+        # The detectors' own clock is each agent's monotonic one (time since its boot), no job time: only the
+        # duration is shown ("job time 2164 s" of a 90 s job was that clock).
+        out.append(f" · slow for {fmt_duration(slow_for)}", "bold red" if v.confident else "yellow")
     if view.job_step_s is not None:
         out.append(f" · job step {view.job_step_s:.3g} s")
     if view.skipped:
@@ -150,19 +157,21 @@ def flags_text(view: FailSlowView) -> Text:
         return out
     for f in sorted(v.flags, key=lambda f: (not f.alarmed, -f.score)):
         mark = "●" if f.alarmed else "○"
-        held = f" {f.held:.0f}/{f.required:.0f}" if f.required else ""
+        # held/required in the detector's own unit (flags.held's): stack rounds, CCL updates, else seconds
+        unit = {"stacks": " rounds", "ccl": " updates"}.get(f.detector, " s")
+        held = f" held {f.held:.0f}/{f.required:.0f}{unit}" if f.required else ""
         ranks = f"r{compact_ranks(f.ranks, 2)}" if f.ranks else "-"
-        out.append(f"{mark} {f.detector:<9} {f.machine or '-':<10} {ranks:<9}{held:>8} ",
+        out.append(f"{mark} {f.detector:<9} {f.machine or '-':<10} {ranks:<9}{held:>20} ",
                    "bold red" if f.alarmed else "yellow")
         out.append(f"{f.evidence}\n")
     out.append("● alarmed (held long enough) ○ flagged, not yet held", "dim")
     return out
 
 
-def history_text(rounds: Sequence[RoundFlags], columns: int) -> Text:
+def history_text(rounds: Sequence[RoundFlags], columns: int, total: int = 0) -> Text:
     """Detectors as rows, the last rounds as columns; each cell names the machine flagged (a letter)."""
     shown = list(rounds)[-max(1, columns):]
-    out = Text(f"history: last {len(shown)} rounds, oldest left\n", "bold")
+    out = Text(f"history: the last {len(shown)} of {total or len(shown)} rounds, oldest left\n", "bold")
     if not shown:
         out.append("no rounds yet", "dim")
         return out
@@ -253,18 +262,19 @@ class FailSlowPanel(VerticalScroll, can_focus=True):
         yield Static(id="fs-history")
         yield Static(id="fs-flags")
 
-    def show(self, view: FailSlowView | None, width: int, height: int, evicted: frozenset[str] = frozenset()) -> None:
+    def show(self, view: FailSlowView | None, width: int, height: int, evicted: frozenset[str] = frozenset(),
+             hung: str | None = None) -> None:
         from rankscope.tui.failslow_state import EMPTY
 
         view = view or EMPTY
-        key = (view, width, height, evicted)
+        key = (view, width, height, evicted, hung)
         if self._shown is not None and self._shown[0] is view and self._shown[1:] == key[1:]:
             return
         self._shown = key
         width = max(40, width - 2)
         suspects = view.verdict.machines if view.verdict is not None else ()
-        self.query_one("#fs-summary", Static).update(summary_text(view))
+        self.query_one("#fs-summary", Static).update(summary_text(view, hung))
         self.query_one("#fs-heat", Static).update(heat_text(view, width, max(4, height // 3), suspects, evicted))
         self.query_one("#fs-spark", Static).update(spark_text(view, width))
         self.query_one("#fs-flags", Static).update(flags_text(view))
-        self.query_one("#fs-history", Static).update(history_text(view.rounds, width - 12))
+        self.query_one("#fs-history", Static).update(history_text(view.rounds, width - 12, view.updates))
