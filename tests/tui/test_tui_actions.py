@@ -303,7 +303,10 @@ async def test_update_asks_version_and_mode_then_plans_and_a_plain_confirm_runs_
         await pilot.pause()
         assert isinstance(app.focused, Input)
         await pilot.press(*"release-2")
+        assert "(chosen) immediate" in screen_text(app) and "(chosen) lazy" not in screen_text(app)
         app.screen.query_one("#mode-lazy", RadioButton).value = True
+        await pilot.pause()
+        assert "(chosen) lazy" in screen_text(app) and "(chosen) immediate" not in screen_text(app)  # in words
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(app.screen, ConfirmModal), what="the plan")
         (request,) = source.planned

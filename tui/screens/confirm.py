@@ -176,14 +176,27 @@ class UpdateModal(ModalScreen["UpdateChoice | None"]):
                         id="update-version")
             yield Static("", id="update-note")
             with RadioSet(id="update-mode"):
-                yield RadioButton("immediate: restart the training processes on the new code now", value=True,
-                                  id="mode-immediate")
-                yield RadioButton("lazy: apply at the next restart or failure (at the latest in 24 h)",
-                                  id="mode-lazy")
+                yield RadioButton(self._label("immediate", True), value=True, id="mode-immediate")
+                yield RadioButton(self._label("lazy", False), id="mode-lazy")
             with Horizontal(id="update-buttons"):
                 yield Button("Cancel", id="cancel", variant="primary")
                 yield Button("Plan update", id="plan-update", variant="warning")
                 yield Button("Plan rollback", id="plan-rollback")
+
+    MODE_TEXT: ClassVar[dict[str, str]] = {
+        "immediate": "immediate: restart the training processes on the new code now",
+        "lazy": "lazy: apply at the next restart or failure (at the latest in 24 h)",
+    }
+
+    def _label(self, mode: str, chosen: bool) -> str:
+        # The choice in words, not by the indicator's colour alone (a monochrome terminal showed two equal rows).
+        return f"{'(chosen) ' if chosen else ''}{self.MODE_TEXT[mode]}"
+
+    @on(RadioSet.Changed, "#update-mode")
+    def _mode_changed(self) -> None:
+        for mode in ("immediate", "lazy"):
+            button = self.query_one(f"#mode-{mode}", RadioButton)
+            button.label = self._label(mode, button.value)
 
     @property
     def mode(self) -> UpdateMode:
