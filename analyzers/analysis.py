@@ -59,5 +59,5 @@ def analyze_job(snapshot: JobSnapshot, layout: Layout | None = None, options: Si
         v = verdict
         verdict = Verdict(v.suspects, v.summary, v.missing_ranks, (*v.notes, counters.summary, *counters.notes),
                           findings=merge_findings(v, counters))
-    verdict = settle(verdict)  # "not a rank" when every member of a communicator waits in one call and none is pinned
+    verdict = settle(verdict, snapshot)  # "not a rank": every member of a communicator in one call, none pinned
     return JobAnalysis(stacks, counters, merged_with, verdict)

@@ -27,7 +27,7 @@ from rankscope.analyzers.ccl_desync import CounterWaits, OpTable, comm_label, wa
 from rankscope.analyzers.chain import Chain, RankState
 from rankscope.analyzers.findings import NOT_A_RANK, Finding, Verdict
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.contract.snapshot import RankCounters
+from rankscope.contract.snapshot import JobSnapshot, RankCounters
 
 PREFIX = "not a rank: "
 ADVICE = ("evicting one of these machines is a guess: every member did its part and the call itself does not "
@@ -118,12 +118,34 @@ def table_stalls(table: OpTable, live: Mapping[int, RankCounters], world: Sequen
     return out
 
 
-def settle(verdict: Verdict) -> Verdict:
+def gpu_readings(snapshot: JobSnapshot, ranks: Sequence[int]) -> tuple[str, ...]:
+    """What NVML said of the GPUs of the machines holding ``ranks``: Xid errors, uncorrected ECC, remapped or
+    retired memory. Any of them names a machine where the symmetric stall's cause may sit."""
+    hosts = set(snapshot.rank_to_machine().get(r, "") for r in ranks) - {""}
+    lines: list[str] = []
+    for m in snapshot.machines:
+        if m.machine not in hosts or m.gpus is None or not m.gpus.available:
+            continue
+        for g in m.gpus.gpus:
+            bad = []
+            if g.xid_events:
+                bad.append(f"Xid {', '.join(map(str, g.xid_events))}")
+            if g.ecc_uncorrected:
+                bad.append(f"{g.ecc_uncorrected} uncorrected ECC error(s)")
+            if g.remapped_rows or g.retired_pages:
+                bad.append(f"{g.remapped_rows or 0} remapped row(s), {g.retired_pages or 0} retired page(s)")
+            if bad:
+                lines.append(f"NVML on {m.machine}, GPU {g.index}: {'; '.join(bad)}: look there first")
+    return tuple(lines)
+
+
+def settle(verdict: Verdict, snapshot: JobSnapshot | None = None) -> Verdict:
     """The merged verdict with its "not a rank" findings weighed against the rest.
 
     A rank pinned by any detector (``Suspect.roots``) or a desync explains a
     symmetric stall downstream of it: the stall is set aside as a note. Else
-    the verdict says "not a rank" with the first stall's reason.
+    the verdict says "not a rank" with the first stall's reason, and each
+    stall carries what NVML said of its machines' GPUs (``snapshot``).
     """
     stalls = [f for f in verdict.findings if f.kind == NOT_A_RANK]
     if not stalls:
@@ -133,6 +155,12 @@ def settle(verdict: Verdict) -> Verdict:
         findings = tuple(f for f in verdict.findings if f.kind != NOT_A_RANK)
         notes = (*verdict.notes, *(f"set aside, a rank the evidence pins explains it: {f.summary}" for f in stalls))
         return replace(verdict, findings=findings, notes=notes)
+    if snapshot is not None:
+        told = {f: gpu_readings(snapshot, f.ranks) for f in stalls}
+        if any(told.values()):
+            verdict = replace(verdict, findings=tuple(
+                replace(f, evidence=(*f.evidence, *told[f])) if told.get(f) else f for f in verdict.findings))
+            stalls = [f for f in verdict.findings if f.kind == NOT_A_RANK]
     if verdict.summary.startswith(PREFIX):
         return verdict
     notes = (*verdict.notes, verdict.summary) if verdict.summary and not verdict.summary.startswith(
@@ -140,4 +168,5 @@ def settle(verdict: Verdict) -> Verdict:
     return replace(verdict, summary=stalls[0].summary, notes=notes)
 
 
-__all__ = ["ADVICE", "PREFIX", "SymmetricStall", "counter_stalls", "settle", "stack_stall", "table_stalls"]
+__all__ = ["ADVICE", "PREFIX", "SymmetricStall", "counter_stalls", "gpu_readings", "settle", "stack_stall",
+           "table_stalls"]

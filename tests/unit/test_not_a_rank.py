@@ -192,3 +192,21 @@ def test_the_stacks_alone_name_both_too(ahead: tuple[int, int], where: str) -> N
     top = v.top
     assert top is not None and top.kind is SuspectKind.DESYNC and top.ranks == ahead, v.summary
     assert "the other 6 ranks of the job" in v.summary
+
+
+def test_a_symmetric_stall_carries_what_nvml_said_of_its_machines_gpus() -> None:
+    """An Xid on one machine's GPU is the reading that tells a driver fault from the network: it is in the finding."""
+    from dataclasses import replace
+
+    from rankscope.contract.snapshot import GpuMetrics, GpuStatus
+
+    stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(8)}
+    snap = snapshot(stacks, 8, 2, L8)
+    gpus = {"node2": GpuStatus(True, (GpuMetrics(0), GpuMetrics(1, xid_events=(79,)))),
+            "node0": GpuStatus(True, (GpuMetrics(0), GpuMetrics(1)))}
+    snap = replace(snap, machines=tuple(replace(m, gpus=gpus.get(m.machine)) for m in snap.machines))
+    v = analyze_job(snap, L8).verdict
+    (stall,) = [f for f in v.findings if f.kind == NOT_A_RANK]
+    assert "NVML on node2, GPU 1: Xid 79: look there first" in stall.evidence
+    assert not any("node0" in e for e in stall.evidence)
+    assert v.summary.startswith(PREFIX)
