@@ -144,7 +144,7 @@ class RankscopeApp(App[int]):
     @on(MainScreen.Ready)
     def _main_ready(self) -> None:
         """MainScreen's widgets exist: only now can data be drawn."""
-        self.set_interval(0.5, self._release_toasts)  # toasts held while a dialog was open
+        self.set_interval(0.2, self._release_toasts)  # toasts held while a dialog is open
         self.redraw()
         self._load()
 
@@ -314,8 +314,17 @@ class RankscopeApp(App[int]):
         self._refresh_notifications()
 
     def _release_toasts(self) -> None:
-        """The toasts held while a dialog was open, once it closed (those still within their time)."""
-        if not self._held_toasts or isinstance(self.screen, ModalScreen):
+        """The toasts held while a dialog was open, once it closed (those still within their time); toasts raised
+        before a dialog opened are taken down while it is open (they covered its buttons)."""
+        if isinstance(self.screen, ModalScreen):
+            up = list(self._notifications)
+            if up:
+                for n in up:
+                    self._unnotify(n, refresh=False)
+                self._held_toasts.extend(up)
+                self._refresh_notifications()
+            return
+        if not self._held_toasts:
             return
         held, self._held_toasts = self._held_toasts, []
         for n in held:

@@ -694,3 +694,19 @@ async def test_p_shows_the_whole_pairing_command_and_copies_it() -> None:
         await pilot.press("escape")
         await pilot.pause()
         assert not isinstance(app.screen, PairScreen)
+
+
+async def test_no_toast_covers_a_dialog_and_they_come_back_when_it_closes() -> None:
+    source = RecordingSource()
+    app = RankscopeApp(source, AppOptions())
+    async with app.run_test(size=(160, 48)) as pilot:
+        await until(pilot, app.loaded.is_set, what="the bundle")
+        app.notify("an earlier note", title="note", timeout=30)
+        await pilot.pause()
+        await open_confirm(pilot, app, "e")  # "planning evict with the agents …" was raised before it opened too
+        await until(pilot, lambda: len(app._notifications) == 0, 5, "the toasts to leave the dialog")
+        app.notify("raised while the dialog is open", title="later", timeout=30)
+        await pilot.pause(0.5)
+        assert len(app._notifications) == 0
+        await pilot.press("escape")
+        await until(pilot, lambda: any(n.title == "later" for n in app._notifications), 5, "the held toasts back")
