@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import pytest
 from ccl_fixtures import BARRIER, DP8, L8, PP8, TP8, Counters, with_counters
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from rankscope.analyzers.analysis import analyze_job
 from rankscope.analyzers.findings import NOT_A_RANK, Finding, SuspectKind, Verdict
 from rankscope.analyzers.not_a_rank import PREFIX
+from snapshot_fixtures import machines
 from stack_fixtures import OPTIMIZER, RECV, SEND, TRAIN, rank_stacks, snapshot
 from test_async_waits import ITEM_LINE, _file, _op, _py, _rank
 
@@ -210,3 +213,14 @@ def test_a_symmetric_stall_carries_what_nvml_said_of_its_machines_gpus() -> None
     assert "NVML on node2, GPU 1: Xid 79: look there first" in stall.evidence
     assert not any("node0" in e for e in stall.evidence)
     assert v.summary.startswith(PREFIX)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(machines(), min_size=1, max_size=3))
+def test_the_one_analysis_never_raises_on_any_capture(ms: list) -> None:  # type: ignore[type-arg]
+    """Random stacks, counters and communicators (ranks out of range, sizes and places that disagree, native
+    frames): the async waits, the communicator join and the stall rules read them without raising."""
+    from rankscope.contract.snapshot import Instant, JobSnapshot
+
+    v = analyze_job(JobSnapshot(Instant(1.0, 1.0), tuple(ms))).verdict
+    assert not v.summary.startswith(PREFIX) or all(f.kind != "desync" for f in v.findings)
