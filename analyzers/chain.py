@@ -487,7 +487,10 @@ class _Groups:
         self.index["world"] = dict.fromkeys(self.world, 0)
 
     def gid(self, kind: str, rank: int) -> tuple[str, int]:
-        return (kind, self.index[kind].get(rank, -1 - rank))
+        i = self.index[kind].get(rank)
+        # A rank in no group of the kind is a group of its own, named apart (a rank number may be negative in a
+        # damaged capture, so it cannot be folded into the index's range).
+        return (kind, i) if i is not None else (f"alone:{kind}", rank)
 
     def group(self, kind: str, rank: int) -> tuple[int, ...]:
         i = self.index[kind].get(rank)
@@ -495,7 +498,7 @@ class _Groups:
 
     def of_id(self, gid: tuple[str, int]) -> tuple[int, ...]:
         kind, i = gid
-        return self.members[kind][i] if i >= 0 else (-1 - i,)
+        return (i,) if kind.startswith("alone:") else self.members[kind][i]
 
 
 _Key = tuple[RankState, str]
