@@ -133,7 +133,7 @@ def evict_request(suspect: Suspect, action_id: str, who: str, job_id: str | None
     """
     evidence = suspect.evidence[0] if suspect.evidence else "named by the verdict"
     machines = option.machines if option is not None else tuple(suspect.machines)
-    if option is not None and option.scope != GROUP:
+    if option is not None and option.scope != GROUP and set(option.ranks) != set(suspect.ranks):
         label = f"rank {compact_ranks(option.ranks, 8)} of {suspect_label(suspect)}"
     else:
         label = suspect_label(suspect) + (" (whole group)" if option is not None else "")
@@ -143,7 +143,7 @@ def evict_request(suspect: Suspect, action_id: str, who: str, job_id: str | None
 
 def evict_title(suspect: Suspect, option: EvictionOption) -> str:
     """The eviction dialog's title: what is evicted and why, in the words of ``eviction_scope``."""
-    if option.scope == GROUP:
+    if option.scope == GROUP or set(option.ranks) == set(suspect.ranks):  # "rank 1 of rank 1" said nothing
         return f"Evict {suspect_label(suspect)}: {option_line(option)}"
     return f"Evict rank {compact_ranks(option.ranks, 8)} of {suspect_label(suspect)}: {option_line(option)}"
 
