@@ -359,8 +359,11 @@ class RankscopeApp(App[int]):
     async def _read_journal(self) -> None:
         """What happened before this view attached, from the agents' incident journal (a late pair view tells the
         same story as the view that watched it happen)."""
+        journal = getattr(self.source, "journal", None)
+        if not callable(journal):
+            return
         try:
-            entries = await self.source.journal()
+            entries = await journal()
         except Exception as exc:  # an older agent, a lost one: the view works without the story
             self.state = st.apply_info(self.state, f"no incident journal from the agents: {exc}", self.clock())
             return
@@ -370,7 +373,8 @@ class RankscopeApp(App[int]):
 
     def _write_journal(self) -> None:
         """The moments a late view must see (``st.journal_worthy``), written once to every agent's journal."""
-        if self.options.read_only or not callable(getattr(self.source, "journal", None)):
+        journal = getattr(self.source, "journal", None)
+        if self.options.read_only or not callable(journal):
             return
         from rankscope.actions.journal import JournalEntry
         from rankscope.tui.actions import requester
@@ -384,7 +388,7 @@ class RankscopeApp(App[int]):
 
         async def write() -> None:
             with contextlib.suppress(Exception):  # the journal is for later views; the incident goes on without it
-                await self.source.journal(entries)
+                await journal(entries)
 
         self.run_worker(write(), group="journal")
 

@@ -606,14 +606,15 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         code = f"; code {version}" if version else ""
         # Ranks that now run on another machine (a standby took an evicted machine's place): said, not left to
         # the rank map to show silently.
-        was = state.machine_of_rank()
-        moved: dict[str, list[int]] = {}
+        was_on = state.machine_of_rank()
+        moved_ranks: dict[str, list[int]] = {}
         for m in machines:
             if m.reachable and not m.evicted:
                 for r in m.ranks:
-                    if was.get(r) != m.name:
-                        moved.setdefault(m.name, []).append(r)
-        placed = "".join(f"; ranks {compact_ranks(sorted(rs), 6)} now on {name}" for name, rs in sorted(moved.items()))
+                    if was_on.get(r) != m.name:
+                        moved_ranks.setdefault(m.name, []).append(r)
+        placed = "".join(f"; ranks {compact_ranks(sorted(rs), 6)} now on {name}"
+                         for name, rs in sorted(moved_ranks.items()))
         events.append(Event(now_wall, "restarted",
                             f"the job restarted on {on}: its ranks run under new pids{placed}{code}"))
         # Counters start again in the new processes: the old progress and step points would read as a

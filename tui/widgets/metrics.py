@@ -88,7 +88,7 @@ class MetricsPanel(Vertical):
             title.append(f" ({len(evicted)} evicted)", "yellow")
         if flagged:
             # Told in words too (a monochrome terminal, a colour-blind reader): which value, which way, beside what.
-            why = []
+            why: list[str] = []
             for r in rows:
                 for j, name in enumerate(METRICS):
                     if name in r.outliers and len(why) < 3:
