@@ -134,6 +134,9 @@ class DrillRecord:
     run_dir: str | None = None
     summary: str | None = None
     unprepared: bool = False  # the job ran without counters (plain torchrun)
+    # The plan `e` would execute for the confident verdict's top suspect (scoring.score_eviction): its default
+    # (precise where the evidence pins a rank) and the over-eviction of the group, graded against the faulty machine.
+    eviction: dict[str, Any] | None = None
 
     @property
     def baseline(self) -> bool:
@@ -300,6 +303,8 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
     fs: Any = None
     series: list[Any] = []
 
+    placement: dict[int, str] = {}
+
     def done(verdict: Any, at: float, error: str | None = None) -> dict[str, Any]:
         flags = tuple(f"{f.detector}@{f.machine}{' ALARM' if f.alarmed else ''} {f.score:.2f}: {f.evidence}"
                       for f in (fs.flags if fs is not None else ()))
@@ -310,7 +315,7 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
                                 meta={"command": "drill --suite", "onset_mono": onset.onset_mono}),
                          session.run_dir / "watch.json")
         return {"fs": verdict, "polls": polls, "rounds": rounds, "at": at, "error": error, "peak": peak,
-                "flags": flags}
+                "flags": flags, "placement": placement}
 
     next_stacks = time.monotonic()
     hard_end = time.monotonic() + config.start_timeout_s + config.time_limit_s  # onset must come at all
@@ -339,6 +344,9 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
             # A verdict before onset (a baseline's "onset" included) counts too:
             # it is an alarm on a healthy job.
             if fs.confident:
+                from rankscope.analyzers.topology import placement_of
+
+                placement.update(placement_of(snap))
                 return done(fs, snap.captured.mono)
             wake = tick + config.poll_interval_s
             while (left := wake - time.monotonic()) > 0:
@@ -388,6 +396,8 @@ def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None
                   watched_after_onset_s=round(out["at"] - started, 2) if started is not None else None)
     if fs is None:
         return rec
+    from rankscope.drill.scoring import score_eviction
+
     named = tuple(fs.machines)
     top = fs.verdict.top
     right_group = bool(named) and truth.machine in named and set(named) <= set(truth.suspect_machines)
@@ -396,7 +406,7 @@ def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None
         sources=tuple(top.sources) if top else (), confidence=round(fs.confidence, 3),
         right_machine=truth.machine is not None and fs.machine == truth.machine, right_group=right_group,
         onset_to_verdict_s=round(out["at"] - started, 2) if started is not None and truth.rank is not None else None,
-        summary=fs.verdict.summary,
+        summary=fs.verdict.summary, eviction=score_eviction(top, truth.machine, out.get("placement") or {}),
     )
 
 
@@ -469,6 +479,15 @@ def scorecard_lines(result: dict[str, Any]) -> list[str]:
                      f"{f(k['precision']):>7}{f(k['recall']):>7}{f(k['f1']):>7}{column(kind)}")
     b = card["baselines"]
     lines.append(f"healthy baselines: {b['drills']}, confident false alarms: {b['false_alarms']}")
+    plans = [d["eviction"] for d in result.get("drills", ()) if d.get("eviction") and not d.get("unprepared")]
+    if plans:
+        # What `e` would take for each confident verdict, from the same plan the TUI executes.
+        def mean(scope: str) -> float:
+            return sum(e[scope]["extra_machines"] for e in plans) / len(plans)
+        lines.append(f"eviction plan (e) of {len(plans)} confident verdicts: default precise in "
+                     f"{sum(e['default'] == 'precise' for e in plans)}; extra machines (mean) default {mean('precise'):.2f}, "
+                     f"over-eviction {mean('group'):.2f}; faulty machine evicted by default in "
+                     f"{sum(e['precise']['right'] for e in plans)}")
     o = card["overall"]
     lines.append(f"overall: TP {o['tp']} FP {o['fp']} FN {o['fn']}  precision {f(o['precision'])} "
                  f"recall {f(o['recall'])} F1 {f(o['f1'])}  ({result['wall_s']:.0f} s)")

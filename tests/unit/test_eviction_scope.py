@@ -90,3 +90,15 @@ def test_the_scorer_grades_the_plan_e_executes_precise_and_over_eviction() -> No
     unpinned = score_verdict(Verdict((pp_groups(),), "PP groups 2-3"), truth, PLACEMENT)["eviction"]
     assert unpinned["default"] == "group" and unpinned["precise"] == unpinned["group"]
     assert unpinned["reason"] == REASON_MEMBERS
+
+
+def test_the_fail_slow_scorecard_reports_the_plan_e_executes() -> None:
+    from rankscope.drill.scoring import score_eviction
+    from rankscope.drill.suite import score_records, scorecard_lines
+
+    eviction = score_eviction(pp_groups(roots=(6,)), "machine-3", PLACEMENT)
+    result = {"scorecard": score_records([]), "wall_s": 1.0,
+              "drills": [{"eviction": eviction, "unprepared": False}, {"eviction": None, "unprepared": False}]}
+    line = next(x for x in scorecard_lines(result) if x.startswith("eviction plan"))
+    assert line == ("eviction plan (e) of 1 confident verdicts: default precise in 1; extra machines (mean) default "
+                    "0.00, over-eviction 1.00; faulty machine evicted by default in 1")
