@@ -194,7 +194,9 @@ class RankMapPanel(ScrollView, can_focus=True):
             return ("↻", -1) if restarting else ("×", -2)
         g = self.group_of_rank.get(rank)
         if g is None:
-            return "?", -1
+            # No capture of the processes running now (the job restarted since): "○", not "?" (no stack), which
+            # read as something missing on a healthy job.
+            return ("○", -4) if not self.group_of_rank else ("?", -1)
         return group_glyph(g), min(g, len(GROUP_COLOURS) - 1)
 
     def _style(self, slot: int, base: Style, cursor: bool) -> Style:

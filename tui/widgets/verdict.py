@@ -215,5 +215,5 @@ def legend_text(view: StackView | None, limit: int = 6) -> Text:
         t.append(f" {len(g.ranks)}× {g.summary.split(' | ')[0]}  ")  # the main thread's part; 2 shows the rest
     if len(view.groups) > limit:
         t.append(f"+{len(view.groups) - limit} groups  ", "dim")
-    t.append("? no stack  × lost", "dim")
+    t.append("? no stack  × lost  ↻ restarting  ○ not captured since a restart", "dim")
     return t
