@@ -38,7 +38,7 @@ from rankscope.analyzers.ccl_desync import (
 )
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
-from rankscope.analyzers.not_a_rank import counter_stalls, table_stalls
+from rankscope.analyzers.not_a_rank import counter_stalls, table_stalls, waiting_on
 from rankscope.analyzers.topology import CommJoin, communicator_joins, compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 
@@ -352,7 +352,8 @@ def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None, waits:
     # A communicator smaller than the job whose members all wait together is the group to look at (its links,
     # its machines' GPUs), with no rank of it pinned; the whole job stalled that way has no group to name.
     suspects += tuple(Suspect(SuspectKind.COMM, st.ranks, _machines(st.ranks, placement), SCORE_OPEN_REQUEST,
-                              (st.summary(), *st.evidence), (SOURCE,)) for st in stalls if not st.whole_job)
+                              (st.summary(), *st.evidence), (SOURCE,), victims=waiting_on(waits, st.ranks))
+                      for st in stalls if not st.whole_job)
     if suspects:
         top = suspects[0]
         summary = f"CCL counters: {top.evidence[0]}"

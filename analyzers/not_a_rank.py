@@ -139,6 +139,23 @@ def gpu_readings(snapshot: JobSnapshot, ranks: Sequence[int]) -> tuple[str, ...]
     return tuple(lines)
 
 
+def waiting_on(waits: CounterWaits, ranks: Sequence[int]) -> tuple[int, ...]:
+    """The ranks whose counter waits lead to ``ranks`` (a lag they wait in, a send/recv never posted), walked back
+    once over the wait graph: the victims of a stall."""
+    back: dict[object, list[object]] = {}
+    for node, targets in waits.graph.out.items():
+        for t in targets:
+            back.setdefault(t, []).append(node)
+    seen: set[object] = set(ranks)
+    todo: list[object] = list(ranks)
+    while todo:
+        for w in back.get(todo.pop(), ()):
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return tuple(sorted(r for r in seen if isinstance(r, int) and r not in set(ranks)))
+
+
 def settle(verdict: Verdict, snapshot: JobSnapshot | None = None) -> Verdict:
     """The merged verdict with its "not a rank" findings weighed against the rest.
 
@@ -169,4 +186,4 @@ def settle(verdict: Verdict, snapshot: JobSnapshot | None = None) -> Verdict:
 
 
 __all__ = ["ADVICE", "PREFIX", "SymmetricStall", "counter_stalls", "gpu_readings", "settle", "stack_stall",
-           "table_stalls"]
+           "table_stalls", "waiting_on"]

@@ -124,6 +124,10 @@ def test_a_communicator_smaller_than_the_job_waiting_together_is_its_group_with_
     assert stall.ranks == (6, 7) and "TENSOR_MODEL_PARALLEL_GROUP" in (stall.communicator or "")
     assert v.summary.startswith(PREFIX + "all 2 members of comm tp3"), v.summary
     assert v.top is not None and {6, 7} <= set(v.top.ranks)  # (the pair, or the layout group holding it)
+    counters = analyze_job(with_counters(snapshot(stacks, 8, 2, L8), c.files()), L8).counters
+    assert counters is not None
+    (pair,) = [s for s in counters.suspects if s.kind is SuspectKind.COMM]
+    assert pair.ranks == (6, 7) and pair.roots == () and pair.victims == (0, 1, 2, 3, 4, 5)  # all wait on the pair
 
 
 def test_a_symmetric_stall_another_detector_reports_is_said_in_the_one_path() -> None:
