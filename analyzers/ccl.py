@@ -351,9 +351,10 @@ def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None, waits:
     stalls = counter_stalls(waits, world)
     # A communicator smaller than the job whose members all wait together is the group to look at (its links,
     # its machines' GPUs), with no rank of it pinned; the whole job stalled that way has no group to name.
+    parts = [st for st in stalls if not st.whole_job]
     suspects += tuple(Suspect(SuspectKind.COMM, st.ranks, _machines(st.ranks, placement), SCORE_OPEN_REQUEST,
-                              (st.summary(), *st.evidence), (SOURCE,), victims=waiting_on(waits, st.ranks))
-                      for st in stalls if not st.whole_job)
+                              (st.summary(), *st.evidence), (SOURCE,), victims=victims)
+                      for st, victims in zip(parts, waiting_on(waits, [st.ranks for st in parts]), strict=True))
     if suspects:
         top = suspects[0]
         summary = f"CCL counters: {top.evidence[0]}"

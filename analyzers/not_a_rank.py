@@ -139,21 +139,24 @@ def gpu_readings(snapshot: JobSnapshot, ranks: Sequence[int]) -> tuple[str, ...]
     return tuple(lines)
 
 
-def waiting_on(waits: CounterWaits, ranks: Sequence[int]) -> tuple[int, ...]:
-    """The ranks whose counter waits lead to ``ranks`` (a lag they wait in, a send/recv never posted), walked back
-    once over the wait graph: the victims of a stall."""
+def waiting_on(waits: CounterWaits, groups: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """For each group of ranks, the ranks whose counter waits lead to it (a lag they wait in, a send/recv never
+    posted): the victims of a stall. The wait graph is inverted once, however many groups ask."""
     back: dict[object, list[object]] = {}
     for node, targets in waits.graph.out.items():
         for t in targets:
             back.setdefault(t, []).append(node)
-    seen: set[object] = set(ranks)
-    todo: list[object] = list(ranks)
-    while todo:
-        for w in back.get(todo.pop(), ()):
-            if w not in seen:
-                seen.add(w)
-                todo.append(w)
-    return tuple(sorted(r for r in seen if isinstance(r, int) and r not in set(ranks)))
+    out: list[tuple[int, ...]] = []
+    for ranks in groups:
+        seen: set[object] = set(ranks)
+        todo: list[object] = list(ranks)
+        while todo:
+            for w in back.get(todo.pop(), ()):
+                if w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+        out.append(tuple(sorted(r for r in seen if isinstance(r, int) and r not in set(ranks))))
+    return out
 
 
 def settle(verdict: Verdict, snapshot: JobSnapshot | None = None) -> Verdict:
