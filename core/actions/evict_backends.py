@@ -214,12 +214,12 @@ class SlurmBackend(_CommandBackend):
         return tuple(w for w in self._ask(self.scontrol, "show", "hostnames", hostlist).split() if w)
 
     def job(self) -> dict[str, str]:
-        from rankscope.wire.slurm import parse_fields
+        from rankscope.formats.slurm_fields import parse_fields
 
         return parse_fields(self._ask(self.scontrol, "show", "job", "-o", self.job_id).strip())
 
     def _reserved(self) -> tuple[str, ...]:
-        from rankscope.wire.slurm import parse_fields
+        from rankscope.formats.slurm_fields import parse_fields
 
         if not self.standby_reservation:
             return ()

@@ -57,13 +57,12 @@ from typing import TYPE_CHECKING, Any
 
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import DrillLayout, machine_name
+from rankscope.drill.worker import RUN_ID_ENV, STORES_ENV, latest_checkpoint
 from rankscope.wire.spawn import with_parent_death_signal
 
 if TYPE_CHECKING:
     from rankscope.actions.config import ActionsConfig
 
-RUN_ID_ENV = "RANKSCOPE_DRILL_RUN_ID"
-STORES_ENV = "RANKSCOPE_DRILL_BACKUP_STORES"  # JSON: the backup store of each machine of the job, by node rank
 AGENT_START_TIMEOUT_S = 30.0
 # A node's log (its ranks' output): torchrun's, or a parked node's (warm restarts).
 NODE_LOG_SUFFIXES = (".torchrun.log", ".warm.log")
@@ -310,8 +309,6 @@ class Launcher:
         worker = self.training.worker_args(self.layout, self.run_dir, resume=resume)
         started = []
         if self.warm:
-            from rankscope.drill.worker import latest_checkpoint
-
             start = min((latest_checkpoint(self.run_dir, r) for r in range(self.layout.world)), default=0)
             self._go = (time.time(), start if resume else 0)
         for node_rank, label in enumerate(labels):
@@ -755,8 +752,6 @@ class Launcher:
         for proc in [n.proc for n in self.nodes.values()] + [a.proc for a in leaving]:
             _reap(proc)
         self.nodes.clear()
-        from rankscope.drill.worker import latest_checkpoint
-
         self.last_restart = (time.time(), min((latest_checkpoint(self.run_dir, r) for r in range(self.layout.world)),
                                               default=0))
         self.apply_pending_updates(machines)  # nothing of these machines runs now: lazy updates ride on this restart

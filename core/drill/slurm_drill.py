@@ -33,8 +33,9 @@ from typing import Any
 
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan, ground_truth
-from rankscope.drill.launcher import RUN_ID_ENV, TrainingOptions, free_port
+from rankscope.drill.launcher import TrainingOptions, free_port
 from rankscope.drill.progress import read_progress, stepped_past
+from rankscope.drill.worker import RUN_ID_ENV
 
 STANDBY_PARTITION = "standby"
 POLL_S = 0.5
@@ -182,8 +183,8 @@ def run_slurm_drill_attached(config: SlurmDrillConfig, on_event: Callable[[str],
     nodes and the TUI shows it resume. When the TUI quits the job is
     cancelled and the cluster stopped; the report says what Slurm did.
     """
-    from rankscope.cli.commands.target import slurm_target
     from rankscope.tui.app import run_attach
+    from rankscope.wire.target import slurm_target
 
     say = on_event or (lambda _m: None)
     with SlurmDrillJob(config, say) as d:
@@ -294,9 +295,9 @@ def _wait_stalled(run_dir: Path, world: int, config: SlurmDrillConfig) -> dict[i
 
 def _attach_and_evict(config: SlurmDrillConfig, d: SlurmDrillJob) -> dict[str, Any]:
     """What `rankscope attach --slurm J` and `e` do: capture, name the suspect machines, evict them."""
-    from rankscope.cli.commands.target import slurm_target
     from rankscope.drill.control import evict_machines
     from rankscope.wire.client import capture_once
+    from rankscope.wire.target import slurm_target
 
     out: dict[str, Any] = {}
     run_dir = d.run_dir

@@ -39,6 +39,10 @@ from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan
 from rankscope.drill.gpu import BACKENDS, DEFAULT_BACKEND
 from rankscope.drill.progress import write_phase, write_progress
 
+# What the launcher tells the ranks it starts (the worker only reads them; the launcher imports them from here).
+RUN_ID_ENV = "RANKSCOPE_DRILL_RUN_ID"
+STORES_ENV = "RANKSCOPE_DRILL_BACKUP_STORES"  # JSON: the backup store of each machine of the job, by node rank
+
 FEATURES = 16
 
 
@@ -299,7 +303,6 @@ def restore_backup(rank: int, world: int, checkpoint_step: int, optimizer: Any) 
     import torch.distributed as dist
     from rankscope.analyzers.backup_plan import restore_plan
     from rankscope.ccl_plugin import backup
-    from rankscope.drill.launcher import STORES_ENV
 
     raw = os.environ.get(STORES_ENV)
     if not raw:
@@ -582,7 +585,6 @@ def use_gpu(rank: int, world: int) -> Any:
     """Bind this rank to its GPU and give NCCL what sharing one needs (see ``gpu.py``); the device."""
     import torch
     from rankscope.drill import gpu
-    from rankscope.drill.launcher import RUN_ID_ENV
 
     if not torch.cuda.is_available():
         raise SystemExit("drill worker: --backend nccl needs CUDA: torch.cuda.is_available() is False here")

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 
 from rankscope.contract.errors import RankscopeError
+from rankscope.formats.slurm_fields import parse_fields
 from rankscope.wire.spawn import with_parent_death_signal
 from rankscope.wire.tls import ClientTLS, make_session
 
@@ -76,20 +77,6 @@ def run_cli(argv: Sequence[str], *, timeout_s: float = CLI_TIMEOUT_S,
     except subprocess.TimeoutExpired:
         raise RankscopeError(f"`{' '.join(argv)}` did not answer within {timeout_s:g} s",
                              "is slurmctld reachable? check SLURM_CONF and `scontrol ping`") from None
-
-
-def parse_fields(text: str) -> dict[str, str]:
-    """``scontrol show -o`` output (``Key=Value Key2=Value two ...``) -> a dict.
-
-    A value may contain spaces (``Command=``, ``Reason=``): it runs up to the
-    next `` Key=``. Keys repeat in a few records; the first one wins.
-    """
-    out: dict[str, str] = {}
-    matches = list(re.finditer(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=", text))
-    for i, m in enumerate(matches):
-        end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
-        out.setdefault(m.group(1), text[m.end():end].strip())
-    return out
 
 
 def expand_nodes(nodelist: str, env: Mapping[str, str] | None = None) -> tuple[str, ...]:

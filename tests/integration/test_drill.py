@@ -25,8 +25,9 @@ from rankscope.cli.main import main as cli_main
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import ProcessRole
 from rankscope.drill.faults import FAULTS, DrillLayout, FaultPlan, ground_truth, make_plan
-from rankscope.drill.launcher import RUN_ID_ENV, marked_processes
+from rankscope.drill.launcher import marked_processes
 from rankscope.drill.progress import ProgressWatcher, read_progress, write_progress
+from rankscope.drill.worker import RUN_ID_ENV
 
 # --------------------------------------------------------------------------
 # layout

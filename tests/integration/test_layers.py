@@ -127,21 +127,48 @@ def test_tui_reaches_agents_only_through_the_client(path: Path) -> None:
             assert not name.startswith(("grpc", "rankscope.wire.proto")), f"{path}:{node.lineno} imports {name}"
 
 
-def _tui_import_graph() -> dict[str, set[str]]:
-    """Which rankscope.tui modules each tui module imports: at the top, in functions and under TYPE_CHECKING alike."""
+# Every rankscope package, lowest first: a module may import only from its own package or one listed before it.
+# (The order and the reason for each place: docs/architecture.md, "Layer rules".)
+LAYERS = ("contract", "ccl_plugin", "analyzers", "probes", "formats", "actions", "wire", "tui", "drill", "cli")
+_FOLDERS = {"core": "rankscope", **{f: f"rankscope.{f}" for f in ("analyzers", "probes", "ccl_plugin", "tui")}}
+
+
+def _all_modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for folder, base in _FOLDERS.items():
+        for path in _py_files(folder):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            out[".".join([base, *parts])] = path
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Which rankscope modules each one imports: at the top, in functions and under TYPE_CHECKING alike."""
+    modules = _all_modules()
     graph: dict[str, set[str]] = {}
-    for path, module in zip(_py_files("tui"), _modules("tui"), strict=True):
+    for module, path in modules.items():
         deps: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rankscope.tui"):
-                base = node.module or ""
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 for a in node.names:  # `from rankscope.tui import state` names a module too
-                    deps.add(f"{base}.{a.name}" if f"{base}.{a.name}" in graph or base == "rankscope.tui" else base)
+                    name = f"{node.module}.{a.name}"
+                    deps.add(name if name in modules else node.module)
             elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.startswith("rankscope.tui")}
-        graph[module] = deps
-    known = set(graph)
-    return {m: {d for d in deps if d in known and d != m} for m, deps in graph.items()}
+                deps |= {a.name for a in node.names}
+        graph[module] = {d for d in deps if d in modules and d != module}
+    return graph
+
+
+def _package(module: str) -> str | None:
+    """The layer a module belongs to (None: the top-level ``rankscope`` and its ``__main__``, above every layer)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else None
+
+
+def _tui_import_graph() -> dict[str, set[str]]:
+    graph = _import_graph()
+    return {m: {d for d in deps if d.startswith("rankscope.tui")} for m, deps in graph.items()
+            if m.startswith("rankscope.tui")}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -174,6 +201,58 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 def test_tui_modules_import_no_circle() -> None:
     """Screens and widgets depend on the state and the analysis, never back on the app (docs/architecture.md)."""
     assert _cycle(_tui_import_graph()) is None, " -> ".join(_cycle(_tui_import_graph()) or [])
+
+
+def test_every_package_is_in_a_layer() -> None:
+    found = {_package(m) for m in _all_modules()} - {None}
+    assert found == set(LAYERS), f"put {sorted(found - set(LAYERS))} in LAYERS (and in docs/architecture.md)"
+
+
+def _backwards(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, deps in sorted(graph.items()):
+        here = _package(module)
+        for dep in sorted(deps):
+            there = _package(dep)
+            if here is not None and there is not None and LAYERS.index(there) > LAYERS.index(here):
+                out.append(f"{module} -> {dep}")
+    return out
+
+
+def test_layers_point_one_way() -> None:
+    """contract <- ccl_plugin <- analyzers <- probes <- formats <- actions <- wire <- tui <- drill <- cli."""
+    backwards = _backwards(_import_graph())
+    assert not backwards, "imports against the layer order: " + "; ".join(backwards)
+
+
+def test_the_layer_check_sees_a_backwards_import() -> None:
+    graph = {"rankscope.actions.evict_backends": {"rankscope.wire.slurm", "rankscope.contract.errors"},
+             "rankscope.drill.slurm_drill": {"rankscope.cli.commands.target", "rankscope.tui.app"},
+             "rankscope.cli.main": {"rankscope.drill.suite"}, "rankscope.__main__": {"rankscope.cli.main"}}
+    assert _backwards(graph) == ["rankscope.actions.evict_backends -> rankscope.wire.slurm",
+                                 "rankscope.drill.slurm_drill -> rankscope.cli.commands.target"]
+
+
+def test_no_import_circle_between_packages() -> None:
+    packages = {p: set() for p in LAYERS}
+    for module, deps in _import_graph().items():
+        if (here := _package(module)) is not None:
+            packages[here] |= {t for d in deps if (t := _package(d)) is not None and t != here}
+    assert _cycle(packages) is None, " -> ".join(_cycle(packages) or [])
+
+
+@pytest.mark.parametrize("package", [
+    *(p for p in LAYERS if p != "analyzers"),
+    pytest.param("analyzers", marks=pytest.mark.xfail(
+        strict=True, reason="analysis -> suspects -> verdict -> analysis is being made one pass (issue 28)")),
+])
+def test_no_import_circle_inside_a_package(package: str) -> None:
+    """A module imports no module that imports it back, lazily or not (drill: the launcher starts the worker,
+    the worker reads what the launcher sets, from its own module)."""
+    prefix = f"rankscope.{package}"
+    graph = {m: {d for d in deps if d.startswith(prefix)} for m, deps in _import_graph().items()
+             if m.startswith(prefix)}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
 # What screens and widgets may use of ``self.app``: Textual's own App API, never the rankscope app's state.

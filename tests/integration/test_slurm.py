@@ -36,13 +36,14 @@ from rankscope.actions.model import (
     EvictArgs,
     Targets,
 )
-from rankscope.cli.commands.target import slurm_target
 from rankscope.contract.bundle import bundle_to_dict, read_bundle
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.slurm_cluster import LocalSlurmCluster, ensure_installed
+from rankscope.formats.slurm_fields import parse_fields
 from rankscope.wire.agents_spec import hostfile_members
 from rankscope.wire.client import JobClient, KeepAlive, capture_once
-from rankscope.wire.slurm import SlurmAgents, job_info, parse_announcements, parse_fields
+from rankscope.wire.slurm import SlurmAgents, job_info, parse_announcements
+from rankscope.wire.target import slurm_target
 from repo_paths import JOBS
 
 JOB = JOBS / "tiny_torchrun_job.py"

@@ -9,20 +9,17 @@ block lasts (and stops them on the way out, also on Ctrl-C and SIGTERM).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shlex
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rankscope.contract.errors import RankscopeError
+from rankscope.wire.target import Target, slurm_target
 
 if TYPE_CHECKING:
-    from rankscope.wire.slurm import MissingNode, SlurmAgents
-    from rankscope.wire.tls import ClientTLS
     from rankscope.wire.tokens import Role
 
 
@@ -47,18 +44,6 @@ def add_slurm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slurm-lease", type=float, default=60.0, metavar="SECONDS",
                    help="the agents stop by themselves when this command has not been heard from for this long "
                         "(it renews them every lease/6 s; default 60)")
-
-
-@dataclass
-class Target:
-    agents: list[str]
-    token: str | None
-    tls: ClientTLS | None
-    missing: list[MissingNode] = field(default_factory=list)
-    slurm_job: str | None = None
-    # --slurm: a private hostfile rewritten with the agents of the job's new allocation after a requeue
-    # (the TUI follows it); None otherwise
-    hostfile: Path | None = None
 
 
 @contextmanager
@@ -94,56 +79,3 @@ def open_target(args: argparse.Namespace, *, role: Role | None = None,
     with slurm_target(str(slurm), state_dir=state_dir, agent_args=agent_args or (), agent_command=command,
                       start_timeout_s=args.slurm_timeout, lease_s=args.slurm_lease, follow=follow) as target:
         yield target
-
-
-@contextmanager
-def slurm_target(job_id: str, *, env: Mapping[str, str] | None = None, state_dir: str | None = None,
-                 agent_args: Sequence[str] = (), agent_command: Sequence[str] | None = None,
-                 start_timeout_s: float = 60.0, lease_s: float = 60.0, follow: bool = False) -> Iterator[Target]:
-    """Agents inside Slurm job ``job_id`` for the block's duration, their lease renewed, stopped at the end.
-
-    ``env``: the Slurm commands' environment (SLURM_CONF); default: this process's. ``follow``: see
-    ``open_target``.
-    """
-    from rankscope.wire.client import KeepAlive
-    from rankscope.wire.slurm import SlurmAgents, sigterm_as_interrupt
-
-    session = SlurmAgents(job_id, state_dir=state_dir, start_timeout_s=start_timeout_s,
-                          extra_agent_args=tuple(agent_args), lease_s=lease_s, env=env)
-    if agent_command:
-        session.agent_command = tuple(agent_command)
-    with ExitStack() as stack:
-        stack.enter_context(sigterm_as_interrupt())
-        if lease_s > 0:
-            # Renewing from the first announcement on: a node that starts slowly must not cost the others
-            # their lease while start() waits for it.
-            session.prepare()
-            stack.enter_context(KeepAlive(session.ready_addresses, session.token, tls=session.tls,
-                                          every_s=max(1.0, lease_s / 6)))
-        stack.enter_context(session)
-        hostfile = follow_into_hostfile(session, stack) if follow else None
-        yield Target(list(session.agents.values()), session.token, session.tls, list(session.missing), job_id,
-                     hostfile)
-
-
-def follow_into_hostfile(session: SlurmAgents, stack: ExitStack) -> Path:
-    """Re-launch the session's agents after each requeue and keep a private hostfile listing them.
-
-    The file (in a 0700 directory, removed at the end) holds addresses only.
-    """
-    import shutil
-    import tempfile
-
-    from rankscope.wire.agents_spec import write_hostfile
-
-    folder = Path(tempfile.mkdtemp(prefix="rankscope-slurm-"))
-    stack.callback(shutil.rmtree, folder, True)
-    path = folder / "agents.txt"
-    write_hostfile(path, session.agents.values())
-
-    def changed(s: SlurmAgents, what: str) -> None:
-        with contextlib.suppress(OSError):  # the session is ending and its folder already gone
-            write_hostfile(path, s.agents.values())
-
-    session.follow(changed)
-    return path
