@@ -121,7 +121,8 @@ def table_stalls(table: OpTable, live: Mapping[int, RankCounters], world: Sequen
 def gpu_readings(snapshot: JobSnapshot, ranks: Sequence[int]) -> tuple[str, ...]:
     """What NVML said of the GPUs of the machines holding ``ranks``: Xid errors, uncorrected ECC, remapped or
     retired memory. Any of them names a machine where the symmetric stall's cause may sit."""
-    hosts = set(snapshot.rank_to_machine().get(r, "") for r in ranks) - {""}
+    where = snapshot.rank_to_machine()  # (built once: it walks every machine's ranks)
+    hosts = {where.get(r, "") for r in ranks} - {""}
     lines: list[str] = []
     for m in snapshot.machines:
         if m.machine not in hosts or m.gpus is None or not m.gpus.available:
