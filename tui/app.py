@@ -326,7 +326,8 @@ class RankscopeApp(App[int]):
             return
         if not self._held_toasts:
             return
-        held, self._held_toasts = self._held_toasts, []
+        held = list(self._held_toasts)  # working state of the toasts, not drawn state: kept in place
+        self._held_toasts.clear()
         for n in held:
             if n.time_left > 0:
                 self._show_toast(n)
@@ -367,7 +368,7 @@ class RankscopeApp(App[int]):
         except Exception as exc:  # an older agent, a lost one: the view works without the story
             self.state = st.apply_info(self.state, f"no incident journal from the agents: {exc}", self.clock())
             return
-        self._journaled |= {(e.wall, e.kind, e.text) for e in entries}
+        self._journaled.update((e.wall, e.kind, e.text) for e in entries)
         self.state = st.apply_journal(self.state, ((e.wall, e.kind, e.text) for e in entries))
         self.redraw()
 
@@ -382,7 +383,7 @@ class RankscopeApp(App[int]):
         new = [e for e in self.state.events if st.journal_worthy(e) and (e.wall, e.kind, e.text) not in self._journaled]
         if not new:
             return
-        self._journaled |= {(e.wall, e.kind, e.text) for e in new}
+        self._journaled.update((e.wall, e.kind, e.text) for e in new)
         who = requester()
         entries = [JournalEntry(e.wall, e.kind, e.text, who) for e in new]
 
