@@ -483,7 +483,7 @@ def scorecard_lines(result: dict[str, Any]) -> list[str]:
     if plans:
         # What `e` would take for each confident verdict, from the same plan the TUI executes.
         def mean(scope: str) -> float:
-            return sum(e[scope]["extra_machines"] for e in plans) / len(plans)
+            return float(sum(e[scope]["extra_machines"] for e in plans)) / len(plans)
         lines.append(f"eviction plan (e) of {len(plans)} confident verdicts: default precise in "
                      f"{sum(e['default'] == 'precise' for e in plans)}; extra machines (mean) default {mean('precise'):.2f}, "
                      f"over-eviction {mean('group'):.2f}; faulty machine evicted by default in "
