@@ -51,9 +51,6 @@ class ActionLog:
         return [x.record for x in self.lines if x.record.kind in (ActionKind.HOT_UPDATE, ActionKind.ROLLBACK)
                 and x.record.result in FINAL_RESULTS]
 
-    def records_of(self, action_id: str) -> list[AuditRecord]:
-        return [x.record for x in self.lines if x.record.action_id == action_id]
-
 
 def log_record(log: ActionLog, address: str, record: AuditRecord) -> ActionLog:
     """The log with ``record`` from ``address`` added; the same log when it was seen already (streams resume)."""

@@ -59,6 +59,7 @@ from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import DrillLayout, machine_name
 from rankscope.drill.worker import RUN_ID_ENV, STORES_ENV, latest_checkpoint
 from rankscope.wire.spawn import with_parent_death_signal
+from rankscope.wire.tls import write_private
 
 if TYPE_CHECKING:
     from rankscope.actions.config import ActionsConfig
@@ -592,9 +593,7 @@ class Launcher:
     def ensure_token(self) -> Path:
         if self.token_file is None:
             path = self.run_dir / "rankscope.token"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(16) + "\n")
+            write_private(path, (secrets.token_hex(16) + "\n").encode())
             self.token_file = path
         return self.token_file
 
@@ -719,12 +718,6 @@ class Launcher:
 
     def addresses(self) -> dict[str, str]:
         return {name: a.address for name, a in self.agents.items()}
-
-    def stop_agent(self, name: str) -> None:
-        agent = self.agents.pop(name, None)
-        if agent is not None:
-            kill_trees([agent.proc.pid])
-            _reap(agent.proc)
 
     def restart(self, machines: Sequence[str], *, resume: bool = True, env: Mapping[str, str] | None = None,
                 agents: bool = True) -> dict[str, str]:

@@ -90,14 +90,11 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 METHOD_ROLES: dict[str, Role] = {
     f"/{SERVICE}/Describe": Role.READ,
     f"/{SERVICE}/Capture": Role.READ,
-    f"/{SERVICE}/StreamMetrics": Role.READ,
     f"/{SERVICE}/PlanAction": Role.READ,  # planning changes nothing
     f"/{SERVICE}/WatchAudit": Role.READ,  # a read-only TUI sees actions live
     JOURNAL_READ: Role.READ,  # a late view reads the incident's story (Append needs ACT)
     # RunAction is deliberately absent: it needs ACT.
 }
-MIN_STREAM_INTERVAL_S = 0.2  # a client cannot make the agent spin
-MAX_STREAM_INTERVAL_S = 3600.0
 MAX_PYSPY_TIMEOUT_S = 60.0
 DEFAULT_PYSPY_TIMEOUT_S = 5.0
 MAX_SAMPLE_HZ = 1000.0  # the sampler runs at most probes.sampler.MAX_RATE_HZ; above this a request is nonsense
@@ -499,23 +496,6 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
                              sample_hz=sample_hz),
                 _relaying(request, "Capture"), _since(request),
             )
-
-    async def StreamMetrics(
-        self, request: pb.StreamMetricsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.MachineSnapshot]:
-        # The next reading starts one interval after the previous one started, or right
-        # after it ended if it took longer: readings never overlap and never pile up.
-        interval = max(await self._number(context, request.interval_s, "interval_s", 0.0, MAX_STREAM_INTERVAL_S),
-                       MIN_STREAM_INTERVAL_S)
-        sent = 0
-        while True:
-            started = time.monotonic()
-            yield await self._reply(context, self.capture(stacks=False))
-            sent += 1
-            if request.max_count and sent >= request.max_count:
-                return
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
-
 
     # ---- actions ------------------------------------------------------------------
 

@@ -68,7 +68,6 @@ from rankscope.wire.proto_convert import (
     confirmation_to_proto,
     event_from_proto,
     held_from_proto,
-    machine_from_proto,
     machine_to_proto,
     plan_from_proto,
     request_to_proto,
@@ -379,23 +378,6 @@ class JobClient:
                                     sample_hz=max(0.0, sample_hz))
         return await self._fan_out(self._versioned("Capture", request),
                                    max(self.deadline_s, timeout_s + CAPTURE_MARGIN_S))
-
-    async def stream_metrics(
-        self, address: str, *, interval_s: float = 1.0, max_count: int = 0
-    ) -> AsyncIterator[MachineSnapshot]:
-        """Readings of one machine pushed by its agent every ``interval_s`` (no stacks).
-
-        The stream has no overall deadline (it runs until ``max_count`` readings or
-        until the caller stops iterating); if it breaks, one unreachable
-        MachineSnapshot saying why is yielded last.
-        """
-        request = pb.StreamMetricsRequest(interval_s=interval_s, max_count=max_count)
-        try:
-            stream = self._conn(address).stub.StreamMetrics(request, metadata=self._metadata)
-            async for reply in stream:
-                yield _with_address(machine_from_proto(reply), address)
-        except grpc.aio.AioRpcError as exc:
-            yield error_for_rpc(address, exc, 0.0, using_tls=self.tls is not None)
 
     # ---- actions ------------------------------------------------------------
 

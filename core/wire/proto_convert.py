@@ -167,7 +167,7 @@ def machine_from_proto(msg: pb.MachineSnapshot) -> MachineSnapshot:
 
 def machines_from_proto(msg: pb.MachineSnapshot) -> list[MachineSnapshot]:
     """An agent's reply and, for a relaying agent, the replies it forwarded (its own first, depth first)."""
-    out = [_decode_machine(msg, "MachineSnapshot")]
+    out = [machine_from_proto(msg)]
     for i, child in enumerate(msg.relayed):
         out.extend(machines_from_proto_at(child, f"MachineSnapshot.relayed[{i}]"))
     return out
@@ -223,14 +223,6 @@ def _decode_machine(msg: pb.MachineSnapshot, where: str, previous: MachineSnapsh
                                    f"{where}{''.join(reversed(exc.path))}: {exc.problem}") from None
     finally:
         _DECODING.previous = None
-
-
-def job_to_proto(job: JobSnapshot) -> pb.JobSnapshot:
-    return typing.cast(pb.JobSnapshot, to_proto(job))
-
-
-def job_from_proto(msg: pb.JobSnapshot) -> JobSnapshot:
-    return from_proto(JobSnapshot, msg)
 
 
 # ---- the action protocol ------------------------------------------------------

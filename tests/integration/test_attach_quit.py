@@ -4,10 +4,10 @@ One drill was seen to stop (agents "stopping", torchrun SIGTERM, nothing said) a
 read-only view quit. Here the pairing command the drill prints (``pair_hint``), run exactly as printed, is
 the read-only view: four of them, each in a terminal of its own (a pseudo-terminal, its controlling
 terminal as in a tmux pane), attached to a real agent serving a real rank process while another client --
-the main view's stand-in -- polls, streams metrics and follows the audit log. Each view then ends a
+the main view's stand-in -- keeps polling and follows the audit log. Each view then ends a
 different way: `q`, SIGINT, SIGTERM, and the terminal hung up (what tmux kill-pane and a closed window
 do). Afterwards the agent and the rank still run, the agent said nothing of stopping, the other
-client's metrics stream and audit stream go on unbroken, and the views wrote nothing beside the hostfile
+client's polls and audit stream go on unbroken, and the views wrote nothing beside the hostfile
 and token they read.
 """
 
@@ -130,8 +130,9 @@ def test_read_only_views_that_quit_leave_the_agent_its_rank_and_other_clients_ru
         async with JobClient([agent.address], token_file.read_text().strip()) as main:
 
             async def stream() -> None:
-                async for reading in main.stream_metrics(agent.address, interval_s=0.5):
-                    await readings.put(reading)
+                while True:  # as the main view does: a poll, then the next one
+                    await readings.put((await main.poll()).machines[0])
+                    await asyncio.sleep(0.5)
 
             async def follow() -> None:
                 async for item in main.watch_audit(agent.address, since=0, retry_s=0.5):

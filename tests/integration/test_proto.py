@@ -45,8 +45,6 @@ from rankscope.wire.proto_convert import (
     event_from_proto,
     event_to_proto,
     from_proto,
-    job_from_proto,
-    job_to_proto,
     machine_from_proto,
     machine_to_proto,
     optional_inner,
@@ -108,8 +106,8 @@ def test_an_unknown_enum_value_from_a_newer_agent_falls_back() -> None:
 
 def test_a_rich_job_snapshot_survives_proto_bytes_and_back() -> None:
     job = rich_job()
-    wire = job_to_proto(job).SerializeToString()
-    back = job_from_proto(pb.JobSnapshot.FromString(wire))
+    wire = to_proto(job).SerializeToString()
+    back = from_proto(JobSnapshot, pb.JobSnapshot.FromString(wire))
     assert back == job
     # the distinctions that matter: None vs empty threads, missing vs zero readings
     stacks = back.machines[0].stacks[0]
@@ -124,7 +122,7 @@ def test_a_rich_job_snapshot_survives_proto_bytes_and_back() -> None:
 
 def test_a_minimal_job_snapshot_round_trips() -> None:
     job = JobSnapshot(captured=Instant(0.0, 0.0), machines=())
-    assert job_from_proto(job_to_proto(job)) == job
+    assert from_proto(JobSnapshot, to_proto(job)) == job
 
 
 def test_machine_snapshot_round_trips_alone() -> None:
@@ -134,7 +132,7 @@ def test_machine_snapshot_round_trips_alone() -> None:
 
 def test_bundle_round_trip_of_a_snapshot_that_crossed_the_wire() -> None:
     """What `rankscope snapshot` does: proto from the agents -> JobSnapshot -> bundle JSON -> JobSnapshot."""
-    job = job_from_proto(pb.JobSnapshot.FromString(job_to_proto(rich_job()).SerializeToString()))
+    job = from_proto(JobSnapshot, pb.JobSnapshot.FromString(to_proto(rich_job()).SerializeToString()))
     bundle = Bundle(snapshots=(job,), created_wall=1.7e9 + 1, meta={"command": "snapshot"})
     back = loads(dumps(bundle))
     assert back.snapshots == (job,) and back.latest == rich_job()

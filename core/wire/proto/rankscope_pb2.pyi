@@ -294,30 +294,6 @@ class CaptureRequest(_message.Message):
 Global___CaptureRequest: _TypeAlias = CaptureRequest  # noqa: Y015
 
 @_typing.final
-class StreamMetricsRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    INTERVAL_S_FIELD_NUMBER: _builtins.int
-    MAX_COUNT_FIELD_NUMBER: _builtins.int
-    interval_s: _builtins.float
-    """seconds between readings; the agent enforces a floor"""
-    max_count: _builtins.int
-    """stop after this many readings; 0 = until cancelled"""
-    def __init__(
-        self,
-        *,
-        interval_s: _builtins.float = ...,
-        max_count: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_s", b"interval_s", "max_count", b"max_count"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___StreamMetricsRequest: _TypeAlias = StreamMetricsRequest  # noqa: Y015
-
-@_typing.final
 class Instant(_message.Message):
     """---------------------------------------------------------------- common"""
 

@@ -52,11 +52,6 @@ class RankscopeAgentStub:
                 request_serializer=rankscope__pb2.CaptureRequest.SerializeToString,
                 response_deserializer=rankscope__pb2.MachineSnapshot.FromString,
                 _registered_method=True)
-        self.StreamMetrics = channel.unary_stream(
-                '/rankscope.v1.RankscopeAgent/StreamMetrics',
-                request_serializer=rankscope__pb2.StreamMetricsRequest.SerializeToString,
-                response_deserializer=rankscope__pb2.MachineSnapshot.FromString,
-                _registered_method=True)
         self.PlanAction = channel.unary_unary(
                 '/rankscope.v1.RankscopeAgent/PlanAction',
                 request_serializer=rankscope__pb2.ActionRequest.SerializeToString,
@@ -99,13 +94,6 @@ class RankscopeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def StreamMetrics(self, request, context):
-        """Describe repeated at a fixed interval; a reading never overlaps the previous one.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def PlanAction(self, request, context):
         """What an action would do on this machine, exactly; changes nothing (read role).
         """
@@ -140,11 +128,6 @@ def add_RankscopeAgentServicer_to_server(servicer, server):
             'Capture': grpc.unary_unary_rpc_method_handler(
                     servicer.Capture,
                     request_deserializer=rankscope__pb2.CaptureRequest.FromString,
-                    response_serializer=rankscope__pb2.MachineSnapshot.SerializeToString,
-            ),
-            'StreamMetrics': grpc.unary_stream_rpc_method_handler(
-                    servicer.StreamMetrics,
-                    request_deserializer=rankscope__pb2.StreamMetricsRequest.FromString,
                     response_serializer=rankscope__pb2.MachineSnapshot.SerializeToString,
             ),
             'PlanAction': grpc.unary_unary_rpc_method_handler(
@@ -224,33 +207,6 @@ class RankscopeAgent:
             target,
             '/rankscope.v1.RankscopeAgent/Capture',
             rankscope__pb2.CaptureRequest.SerializeToString,
-            rankscope__pb2.MachineSnapshot.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def StreamMetrics(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/rankscope.v1.RankscopeAgent/StreamMetrics',
-            rankscope__pb2.StreamMetricsRequest.SerializeToString,
             rankscope__pb2.MachineSnapshot.FromString,
             options,
             channel_credentials,
