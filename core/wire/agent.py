@@ -108,6 +108,7 @@ MAX_STREAMS_PER_CONNECTION = 32  # calls in flight on one connection
 MAX_CONNECTIONS = 512  # also at most half the descriptors the agent may open (connection_limit)
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not finished TLS and the HTTP/2 settings by then is closed
 IDLE_CONNECTION_S = 300.0  # a connection with no call in flight for this long is closed (clients reconnect)
+BIND_RETRY_S = 10.0  # a fixed port still held by a predecessor's closing connections is tried this long
 STOP_TIMEOUT_S = 5.0  # SIGTERM: what is still running after this is left behind and the process exits
 ANNOUNCE_PREFIX = "RANKSCOPE_AGENT_READY"
 # The agent reads its ranks at least this often on its own, so a client that attaches later finds its memory
@@ -629,24 +630,30 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     # that is theirs or that others can write).
     await asyncio.to_thread(ensure_directory, config.counter_dir)
     lease = Lease() if config.lease_s > 0 else None
-    server = grpc.aio.server(
-        interceptors=[TokenInterceptor(config.tokens, lease)],
-        options=server_options(len(config.relay_to)),
-        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
-    )
     host = f"[{config.bind}]" if ":" in config.bind and not config.bind.startswith("[") else config.bind
-    try:
-        if config.tls is not None:
-            port = server.add_secure_port(f"{host}:{config.port}", server_credentials(config.tls))
-        else:
-            port = server.add_insecure_port(f"{host}:{config.port}")
-    except RuntimeError as exc:
-        raise RankscopeError(
-            f"cannot listen on {host}:{config.port} ({exc})",
-            BIND_FIX,
-        ) from None
-    if port == 0:
-        raise RankscopeError(f"cannot listen on {host}:{config.port}", BIND_FIX)
+    # An agent restarted on its fixed port (a drill's restart, a supervisor) may find its predecessor's connections
+    # still closing: with SO_REUSEPORT off (a second agent must not share the port) the bind fails until they have.
+    # So a fixed port is tried again for a while; a port another live process listens on still fails, later.
+    deadline = time.monotonic() + (BIND_RETRY_S if config.port else 0.0)
+    while True:
+        server = grpc.aio.server(
+            interceptors=[TokenInterceptor(config.tokens, lease)],
+            options=server_options(len(config.relay_to)),
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        )
+        problem = ""
+        try:
+            if config.tls is not None:
+                port = server.add_secure_port(f"{host}:{config.port}", server_credentials(config.tls))
+            else:
+                port = server.add_insecure_port(f"{host}:{config.port}")
+        except RuntimeError as exc:
+            port, problem = 0, f" ({exc})"
+        if port:
+            break
+        if time.monotonic() >= deadline:
+            raise RankscopeError(f"cannot listen on {host}:{config.port}{problem}", BIND_FIX)
+        await asyncio.sleep(0.25)
     address = f"{host}:{port}"
     if config.auto_name:
         config = dataclasses.replace(config, machine_name=await asyncio.to_thread(_identity, config, port))

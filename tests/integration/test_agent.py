@@ -41,6 +41,52 @@ async def agent() -> AsyncIterator[RunningAgent]:
         await running.stop(0)
 
 
+async def test_a_restarted_agent_takes_its_port_once_the_predecessor_lets_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A successor on the same fixed port waits for it instead of failing (a drill's restart hit this)."""
+    import rankscope.wire.agent as agent_module
+
+    first = await start_agent(AgentConfig(tokens=parse_tokens(TOKEN, "test"), port=0, run_id="no-such-run-h2"))
+    attempts: list[int] = []
+    tried_again = asyncio.Event()
+    made_options = agent_module.server_options
+
+    def counted(relays: int = 0) -> list[tuple[str, int]]:  # one call per server the agent makes to bind
+        attempts.append(relays)
+        if len(attempts) >= 2:
+            tried_again.set()
+        return made_options(relays)
+
+    monkeypatch.setattr(agent_module, "server_options", counted)
+    successor = asyncio.create_task(start_agent(
+        AgentConfig(tokens=parse_tokens(TOKEN, "test"), port=first.port, run_id="no-such-run-h2")))
+    try:
+        await asyncio.wait({successor, asyncio.create_task(tried_again.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        assert not successor.done(), f"the successor gave up while the port was still held: {successor.exception()}"
+    finally:
+        await first.stop(0)
+    second = await successor
+    try:
+        assert second.port == first.port
+        async with grpc.aio.insecure_channel(second.address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await second.stop(0)
+
+
+async def test_a_port_another_agent_keeps_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rankscope.wire.agent as agent_module
+
+    monkeypatch.setattr(agent_module, "BIND_RETRY_S", 0.0)
+    first = await start_agent(AgentConfig(tokens=parse_tokens(TOKEN, "test"), port=0, run_id="no-such-run-h2"))
+    try:
+        with pytest.raises(RankscopeError) as refused:
+            await start_agent(AgentConfig(tokens=parse_tokens(TOKEN, "test"), port=first.port, run_id="no-such-run-h2"))
+        assert f":{first.port}" in refused.value.message and "--port 0" in refused.value.fix
+    finally:
+        await first.stop(0)
+
+
 def _stub(channel: grpc.aio.Channel) -> pb_grpc.RankscopeAgentStub:
     return pb_grpc.RankscopeAgentStub(channel)
 
