@@ -87,8 +87,8 @@ def looks_like_dump(path: Path) -> bool:
             head = f.read(4096)
     except OSError:
         return False
-    if head[:1] == b"\x80":  # pickle protocol 2 or later: torch's default dump
-        return True
+    if head[:1] == b"\x80":  # pickle protocol 2 or later (PROTO and its number, then more): torch's default dump
+        return len(head) > 2 and 2 <= head[1] <= pickle.HIGHEST_PROTOCOL
     return (head.lstrip()[:1] == b"{" and b'"rankscope.bundle"' not in head
             and any(key in head for key in (b'"entries"', b'"pg_config"', b'"pg_status"')))
 

@@ -146,3 +146,14 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
     assert "TORCH_FR_BUFFER_SIZE" in err.value.fix
     with pytest.raises(RankscopeError):
         analyze_flight_recorder_dir(tmp_path / "absent", None)
+
+
+def test_a_pickle_is_told_by_its_protocol_header_not_one_byte(tmp_path: Path) -> None:
+    """A stray byte 0x80 (a damaged text dump) is not a flight recorder dump; a real pickle is."""
+    from rankscope.formats.flight_recorder import looks_like_dump
+
+    stray, real = tmp_path / "rank0.txt", tmp_path / "rank1"
+    stray.write_bytes(b"\x80")
+    real.write_bytes(pickle.dumps({"entries": []}, protocol=2))
+    assert not looks_like_dump(stray)
+    assert looks_like_dump(real)
