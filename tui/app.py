@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rankscope.analyzers.failslow import FailSlowConfig
 from rankscope.analyzers.findings import Verdict
@@ -61,6 +61,9 @@ from textual.css.query import NoMatches
 from textual.notifications import Notification, Notify
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Input, TabbedContent
+
+if TYPE_CHECKING:
+    from rankscope.wire.tls import ClientTLS
 
 # Only bound when the session may act (see RankscopeApp.__init__).
 ACTION_KEYS: tuple[tuple[str, str, str], ...] = (("e", "evict", "Evict"), ("u", "update", "Update"),
@@ -623,34 +626,34 @@ def run_app(source: Source, options: AppOptions) -> int:
     return app.return_code or result or 0
 
 
-def run_attach(agents: Sequence[str], token: str | None, layout: Layout | None = None, read_only: bool = False,
-               **options: Any) -> int:
-    """Attach the TUI to a job's agents and block until the user quits (the drill calls this).
+@dataclass(frozen=True, slots=True)
+class AttachOptions:
+    """How a live view reaches the job's agents (``run_attach``), beside what the app does (``AppOptions``)."""
 
-    ``options`` are ``AppOptions`` fields (poll_interval_s, hang_after_s, fail_slow, capture_on_start,
-    bundle_dir) plus, for the client, ``deadline_s`` (per agent and call), ``capture_timeout_s`` (per
-    py-spy call), ``native`` (native frames in captures), ``sample_hz`` (the agents sample every rank's
-    main thread at this rate while polled; 0: off), ``act_problem`` ((message, fix) when the
-    token is known not to have the 'act' role: the action keys then say so instead of failing later),
-    ``tls`` (a ``rankscope.wire.tls.ClientTLS``: reach the agents over TLS), ``hostfile`` (re-read while
-    attached), ``evicted`` (agents it marks evicted) and ``machine_names`` (their machines' names, where it says).
-    """
-    deadline_s = float(options.pop("deadline_s", 10.0))
-    capture_timeout_s = float(options.pop("capture_timeout_s", 5.0))
-    native = bool(options.pop("native", False))
-    act_problem = options.pop("act_problem", None)
-    tls = options.pop("tls", None)
-    sample_hz = float(options.pop("sample_hz", 0.0))
-    hostfile = options.pop("hostfile", None)
-    evicted = options.pop("evicted", ())
-    machine_names = options.pop("machine_names", {})
-    source = LiveSource(agents, token, deadline_s=deadline_s, native=native, capture_timeout_s=capture_timeout_s,
-                        acting=not read_only, act_problem=act_problem, tls=tls, sample_hz=sample_hz,
-                        hostfile=hostfile, evicted=evicted, machine_names=machine_names)
-    return run_app(source, AppOptions(layout=layout, read_only=read_only, **options))
+    deadline_s: float = 10.0  # per agent and call
+    capture_timeout_s: float = 5.0  # per py-spy call
+    native: bool = False  # native frames in captures
+    sample_hz: float = 0.0  # the agents sample every rank's main thread at this rate while polled; 0: off
+    tls: ClientTLS | None = None  # reach the agents over TLS
+    # (message, fix) when the token is known not to have the 'act' role: the action keys then say so instead of
+    # failing later.
+    act_problem: tuple[str, str] | None = None
+    hostfile: Path | None = None  # re-read while attached
+    evicted: tuple[str, ...] = ()  # agents the hostfile marks evicted
+    machine_names: Mapping[str, str] = field(default_factory=dict)  # their machines' names, where it says
 
 
-def run_bundle(path: str | Path, layout: Layout | None = None, read_only: bool = False, **options: Any) -> int:
+def run_attach(agents: Sequence[str], token: str | None, options: AppOptions,
+               reach: AttachOptions | None = None) -> int:
+    """Attach the TUI to a job's agents and block until the user quits (``attach`` and the drills call this)."""
+    r = reach or AttachOptions()
+    source = LiveSource(agents, token, deadline_s=r.deadline_s, native=r.native, capture_timeout_s=r.capture_timeout_s,
+                        acting=not options.read_only, act_problem=r.act_problem, tls=r.tls, sample_hz=r.sample_hz,
+                        hostfile=r.hostfile, evicted=r.evicted, machine_names=r.machine_names)
+    return run_app(source, options)
+
+
+def run_bundle(path: str | Path, options: AppOptions) -> int:
     """Open a saved bundle (or recorded series) with the same views, offline.
 
     A small bundle is read here, so a wrong file fails like any CLI error;
@@ -665,12 +668,11 @@ def run_bundle(path: str | Path, layout: Layout | None = None, read_only: bool =
         raise BundleError(f"{p}: no such file; check the path given to --bundle") from None
     name = f"bundle {p.name}"
     if size < SMALL_BUNDLE_BYTES:
-        return run_loaded(read_bundle(p), name, layout, read_only, **options)
+        return run_loaded(read_bundle(p), name, options)
     source = BundleSource(label=f"{name} ({size / 2**20:.0f} MB)", path=p)
-    return run_app(source, AppOptions(layout=layout, read_only=read_only, **options))
+    return run_app(source, options)
 
 
-def run_loaded(bundle: Bundle, label: str, layout: Layout | None = None, read_only: bool = False,
-               **options: Any) -> int:
+def run_loaded(bundle: Bundle, label: str, options: AppOptions) -> int:
     """Show a bundle already in memory (a small saved one, or saved py-spy dumps read by the CLI) offline."""
-    return run_app(BundleSource(bundle, label=label), AppOptions(layout=layout, read_only=read_only, **options))
+    return run_app(BundleSource(bundle, label=label), options)

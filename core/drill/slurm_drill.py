@@ -174,8 +174,7 @@ def run_slurm_drill(config: SlurmDrillConfig, on_event: Callable[[str], None] | 
         return report
 
 
-def run_slurm_drill_attached(config: SlurmDrillConfig, on_event: Callable[[str], None] | None = None,
-                             **tui_options: Any) -> dict[str, Any]:
+def run_slurm_drill_attached(config: SlurmDrillConfig, on_event: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The incident on Slurm with the TUI attached by job id, as `rankscope attach --slurm J` would.
 
     The person at the keyboard sees the hang, presses `e`: the suspect nodes
@@ -183,7 +182,7 @@ def run_slurm_drill_attached(config: SlurmDrillConfig, on_event: Callable[[str],
     nodes and the TUI shows it resume. When the TUI quits the job is
     cancelled and the cluster stopped; the report says what Slurm did.
     """
-    from rankscope.tui.app import run_attach
+    from rankscope.tui.app import AppOptions, AttachOptions, run_attach
     from rankscope.wire.target import slurm_target
 
     say = on_event or (lambda _m: None)
@@ -193,9 +192,9 @@ def run_slurm_drill_attached(config: SlurmDrillConfig, on_event: Callable[[str],
         with slurm_target(d.job, env=d.env, state_dir=d.state_dir(), agent_args=d.agent_args(), follow=True,
                           start_timeout_s=config.capture_timeout_s * 6) as target:
             started = time.time()
-            code = run_attach(target.agents, target.token, layout=config.layout.to_snapshot_layout(),
-                              read_only=False, tls=target.tls, hostfile=target.hostfile,
-                              hang_after_s=config.stall_seconds, **tui_options)
+            code = run_attach(target.agents, target.token,
+                              AppOptions(layout=config.layout.to_snapshot_layout(), hang_after_s=config.stall_seconds),
+                              AttachOptions(tls=target.tls, hostfile=target.hostfile))
         report = d.report
         report["tui_exit"] = int(code or 0)
         info_nodes = _job_nodes(d.job, d.env) if _state(d.job, d.env).startswith("RUNNING") else ()

@@ -12,7 +12,7 @@ from pathlib import Path
 from rankscope.formats.flight_recorder import holds_dumps, looks_like_dump
 from rankscope.formats.incident_logs import any_log_file, is_log_file
 from rankscope.formats.optrace_io import looks_like_op_trace
-from rankscope.formats.pyspy_dir import is_dumps
+from rankscope.formats.pyspy_dir import is_dumps, looks_like_pyspy
 
 BUNDLE = "bundle"  # a JSON object, or a path that is not there (the bundle reader says so)
 PYSPY = "py-spy dumps"  # a folder, or a file that is not a JSON object: saved `py-spy dump` output
@@ -22,8 +22,12 @@ OP_TRACE = "op trace"  # a per-operation timing trace (parquet, or a CSV with it
 LOGS = "incident logs"  # NCCL RAS, ProcessGroupNCCL watchdog lines, fr_trace, DETAIL checks, NCCL Inspector
 
 
-def what_is(path: Path) -> str:
-    """One of the kinds above."""
+def what_is(path: Path, *, stacks_only: bool = False) -> str:
+    """One of the kinds above. ``stacks_only``: for a reader of stacks alone (the terminal UI), a folder of logs
+    with py-spy dumps beside them is its dumps (``rankscope analyze`` reads both)."""
+    if stacks_only and path.is_dir() and any_log_file(path) and \
+            any(looks_like_pyspy(p) for p in path.iterdir() if p.is_file()):
+        return PYSPY
     if path.is_file():
         if looks_like_op_trace(path):
             return OP_TRACE

@@ -21,9 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rankscope.cli.options import LAYOUT_FIX, add_layout_args, layout_from_args
 from rankscope.contract.errors import RankscopeError
-
-_LAYOUT_FIX = "pass sizes whose product is the job's world size, e.g. --tp 2 --pp 4 --dp 4, and --order tp-pp-dp"
 
 
 def register(sub: Any) -> None:
@@ -54,12 +53,7 @@ def register(sub: Any) -> None:
                           "the same folder are read with them (a folder given as BUNDLE is sniffed the same way)")
     src.add_argument("--trace-meta", type=Path, metavar="FILE",
                      help="the trace's job metadata (meta-*.yaml: dp_size, pp_size, tp_size, world_size)")
-    lay = p.add_argument_group("parallel layout (overrides the bundle's)")
-    for dim, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"), ("cp", "context"), ("ep", "expert")):
-        lay.add_argument(f"--{dim}", type=int, metavar="N", help=f"{what}-parallel size")
-    lay.add_argument("--order", help="rank order, fastest-varying first: tp-cp-ep-dp-pp (Megatron's default), "
-                                     "tp-cp-ep-pp-dp, tp-pp-dp, ...")
-    lay.add_argument("--ranks-per-machine", type=int, metavar="N", help="consecutive ranks per machine")
+    add_layout_args(p, "parallel layout (overrides the bundle's)")
     sig = p.add_argument_group("signatures")
     sig.add_argument("--keep-lines", action="store_true", help="keep line numbers in signatures")
     sig.add_argument("--no-fold", action="store_true", help="keep wrapper frames (torch, functools, threading)")
@@ -69,22 +63,6 @@ def register(sub: Any) -> None:
                    help="which snapshot of a bundle series to judge (default: the last)")
     p.add_argument("--json", action="store_true", help="print the verdict as JSON")
     p.set_defaults(func=run)
-
-
-def _layout(args: argparse.Namespace, base: Any) -> Any:
-    from rankscope.contract.snapshot import Layout
-
-    given = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "ep", "order", "ranks_per_machine")
-             if getattr(args, k) is not None}
-    if not given:
-        return base
-    start = base if base is not None else Layout()
-    fields = {k: getattr(start, k) for k in ("tp", "pp", "dp", "cp", "ep", "order", "ranks_per_machine")}
-    fields.update(given)
-    for k in ("tp", "pp", "dp", "cp", "ep", "ranks_per_machine"):
-        if fields[k] is not None and fields[k] < 1:
-            raise RankscopeError(f"--{k.replace('_', '-')} must be at least 1, got {fields[k]}", _LAYOUT_FIX)
-    return Layout(**fields)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         raise RankscopeError(f"--snapshot {index} is out of range: the bundle holds {len(snapshots)} snapshot(s)",
                              f"pass a number from 0 to {len(snapshots) - 1}, or -1 for the last")
     snapshot = snapshots[index]
-    layout = _layout(args, snapshot.layout)
+    layout = layout_from_args(args, snapshot.layout)
     log_verdict, snapshot = _log_verdict(args, snapshot)
     if log_verdict is not None:
         other_verdicts = [*other_verdicts, log_verdict]
@@ -132,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             job = analyze_job(snapshot, layout, options, other_verdicts)  # the TUI's and the drill's analysis too
             rounds = _rounds(snapshots, layout, options) if len(snapshots) > 1 else None
     except ValueError as exc:
-        raise RankscopeError(str(exc), _LAYOUT_FIX) from None
+        raise RankscopeError(str(exc), LAYOUT_FIX) from None
 
     from rankscope.analyzers.findings import finding_to_json
     from rankscope.analyzers.progress import progress_at_capture, timing_not_fault
@@ -337,7 +315,7 @@ def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any], dict[str, Any
         from rankscope.formats.pyspy_dir import load_pyspy_dir
 
         order = [n.strip() for n in args.node_order.split(",") if n.strip()] if args.node_order else None
-        return [load_pyspy_dir(args.pyspy_dir, _layout(args, None), order)], [], {}
+        return [load_pyspy_dir(args.pyspy_dir, layout_from_args(args), order)], [], {}
     if args.logs is not None:
         # Logs alone: no stacks to group; an empty capture carries the logs' notes (analyzers.log_evidence speaks).
         return [_empty_snapshot(args.logs)], [], {}
@@ -350,7 +328,7 @@ def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any], dict[str, Any
         ) from None
     from rankscope.analyzers.flight_recorder import wavefront_to_json
 
-    report = read_flight_recorder_dir(args.flight_recorder, _layout(args, None))
+    report = read_flight_recorder_dir(args.flight_recorder, layout_from_args(args))
     return [report.snapshot], [report.verdict], {"fr_wavefront": [wavefront_to_json(w)
                                                                   for w in report.analysis.wavefront]}
 

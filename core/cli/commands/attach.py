@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rankscope.cli.commands.target import add_slurm_args, add_tls_args, open_target
+from rankscope.cli.options import add_failslow_args, add_layout_args, failslow_config, layout_from_args
 from rankscope.contract.errors import RankscopeError
 
 
@@ -42,18 +44,10 @@ def register(sub: Any) -> None:
                         "--sample-hz times a second (the sampled-stack straggler test; no counters needed)")
     p.add_argument("--sample-hz", type=float, default=5.0,
                    help="fail-slow: non-blocking stack samples per second per rank (default 5; 0 turns them off)")
-    p.add_argument("--window", type=float, default=30.0,
-                   help="fail-slow: Aegis window T in seconds (default 30; production uses 600)")
-    p.add_argument("--continuity", type=float, default=20.0,
-                   help="fail-slow: Minder continuity in seconds (default 20; production uses 240)")
-    p.add_argument("--rounds", type=int, default=5, help="fail-slow: stack rounds before naming the degrader (default 5)")
+    add_failslow_args(p)
     p.add_argument("--no-initial-capture", action="store_true", help="do not capture stacks on attach")
     p.add_argument("--bundle-dir", type=Path, default=Path("."), help="where `w` writes bundles (default: here)")
-    p.add_argument("--tp", type=int, help="tensor-parallel size (to name parallel groups)")
-    p.add_argument("--pp", type=int, help="pipeline-parallel size")
-    p.add_argument("--dp", type=int, help="data-parallel size")
-    p.add_argument("--order", default="tp-cp-ep-dp-pp", help="rank order of the parallel dimensions")
-    p.add_argument("--ranks-per-machine", type=int, help="ranks on each machine")
+    add_layout_args(p)
     p.add_argument("--slurm-state-dir", default="~/.rankscope/slurm/%j/%n",
                    help="with --slurm: where each node's agent keeps its audit log and blocklist "
                         "(%%j: job id, %%n: node; default ~/.rankscope/slurm/%%j/%%n)")
@@ -66,15 +60,6 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _layout(args: argparse.Namespace) -> Any:
-    from rankscope.contract.snapshot import Layout
-
-    if not any(x is not None for x in (args.tp, args.pp, args.dp, args.ranks_per_machine)):
-        return None
-    return Layout(tp=args.tp or 1, pp=args.pp or 1, dp=args.dp or 1, order=args.order,
-                  ranks_per_machine=args.ranks_per_machine)
-
-
 def saved_dumps(path: Path, layout: Any) -> Any:
     """py-spy dumps saved during an incident (a folder, or one pasted file) as a one-capture bundle; None for a
     bundle. An op trace or flight recorder dumps are refused with the command that reads them."""
@@ -82,17 +67,12 @@ def saved_dumps(path: Path, layout: Any) -> Any:
     from rankscope.formats import sniff
     from rankscope.formats.pyspy_dir import load_pyspy_dir
 
-    kind = sniff.what_is(path)
+    kind = sniff.what_is(path, stacks_only=True)  # the dumps beside logs are shown; `rankscope analyze` reads both
     if kind == sniff.BUNDLE:
         return None
     if kind == sniff.FLIGHT_RECORDER_RANK:
         raise RankscopeError(f"{path} is one rank's PyTorch flight recorder dump, which the terminal UI does not show",
                              f"rankscope analyze {path.parent}")
-    if kind == sniff.LOGS and path.is_dir():
-        from rankscope.formats.pyspy_dir import looks_like_pyspy
-
-        if any(looks_like_pyspy(p) for p in path.iterdir() if p.is_file()):
-            kind = sniff.PYSPY  # the dumps beside the logs are shown; `rankscope analyze` reads the logs too
     if kind != sniff.PYSPY:
         what = {sniff.OP_TRACE: "an op trace", sniff.LOGS: "NCCL/PyTorch logs"}.get(kind, "PyTorch flight recorder dumps")
         raise RankscopeError(f"{path} holds {what}, which the terminal UI does not show",
@@ -106,35 +86,29 @@ def run(args: argparse.Namespace) -> int:
         from rankscope.tui import app as tui_app
     except ImportError as exc:
         raise RankscopeError(f"the terminal UI is not installed ({exc})", "pip install 'rankscope[tui]'") from None
-    layout = _layout(args)
-    if args.window <= 0 or args.continuity <= 0 or args.rounds < 1:
-        raise RankscopeError("--window and --continuity must be positive and --rounds at least 1",
-                             "e.g. --window 30 --continuity 20 --rounds 5 (production: 600, 240, 5)")
-    from rankscope.analyzers.failslow import config_for
-
-    options: dict[str, Any] = {
-        "poll_interval_s": args.interval, "hang_after_s": args.hang_after, "fail_slow": args.fail_slow,
-        "capture_on_start": not args.no_initial_capture, "bundle_dir": args.bundle_dir,
-        "failslow_config": config_for(args.window, args.continuity, args.rounds),
-    }
+    layout = layout_from_args(args)
+    options = tui_app.AppOptions(
+        poll_interval_s=args.interval, hang_after_s=args.hang_after, fail_slow=args.fail_slow,
+        capture_on_start=not args.no_initial_capture, bundle_dir=args.bundle_dir, layout=layout,
+        read_only=args.read_only, failslow_config=failslow_config(args))
     if args.bundle is not None:
         if args.agents or args.hostfile or args.slurm:
             raise RankscopeError("--bundle opens a saved file; it cannot be combined with --agents/--hostfile/--slurm",
                                  "drop --bundle to attach live, or drop --agents to open the bundle")
         dumps = saved_dumps(args.bundle, layout)
         if dumps is not None:
-            return tui_app.run_loaded(dumps, f"dumps {args.bundle.name}", layout=layout, read_only=args.read_only,
-                                      **options)
-        return tui_app.run_bundle(args.bundle, layout=layout, read_only=args.read_only, **options)
+            return tui_app.run_loaded(dumps, f"dumps {args.bundle.name}", options)
+        return tui_app.run_bundle(args.bundle, options)
     from rankscope.wire.tokens import Role
 
+    reach = tui_app.AttachOptions(deadline_s=args.deadline, capture_timeout_s=args.timeout, native=args.native)
     if args.hostfile is not None:
         from rankscope.wire.agents_spec import hostfile_members
 
         # Followed while attached: agents added to it are asked, ones marked evicted are shown as such.
-        options["hostfile"] = args.hostfile
         hostfile = hostfile_members(args.hostfile, default_port=args.port)
-        options["evicted"], options["machine_names"] = hostfile.evicted, hostfile.names
+        reach = replace(reach, hostfile=args.hostfile, evicted=tuple(hostfile.evicted),
+                        machine_names=hostfile.names)
     role = Role.READ
     if not args.read_only and not args.slurm:
         # A session that may act sends a token of the 'act' role; with only a read token it still
@@ -145,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             load_client_token(args.token_file, role=Role.ACT)
             role = Role.ACT
         except RankscopeError as exc:
-            options["act_problem"] = (exc.message, exc.fix)
+            reach = replace(reach, act_problem=(exc.message, exc.fix))
     if not 0 <= args.sample_hz <= 20:
         raise RankscopeError("--sample-hz must be between 0 (off) and 20", "e.g. --sample-hz 5")
     state_dir = None
@@ -160,13 +134,12 @@ def run(args: argparse.Namespace) -> int:
         extra += ["--slurm-standby-reservation", args.standby_reservation]
     with open_target(args, role=role, state_dir=state_dir, agent_args=extra, follow=True) as target:
         if target.hostfile is not None:
-            options["hostfile"] = target.hostfile  # the agents of the job's new nodes after a requeue
+            reach = replace(reach, hostfile=target.hostfile)  # the agents of the job's new nodes after a requeue
         if not target.agents:
             raise RankscopeError("no agents given", "pass --agents host:port[,...], --hostfile FILE, or --bundle FILE")
         from rankscope.wire.slurm import missing_lines
 
         for line in missing_lines(target.missing):
             print(f"rankscope attach: {line.strip()}", file=sys.stderr)
-        return tui_app.run_attach(target.agents, target.token, layout=layout, read_only=args.read_only,
-                                  deadline_s=args.deadline, capture_timeout_s=args.timeout, native=args.native,
-                                  tls=target.tls, sample_hz=args.sample_hz if args.fail_slow else 0.0, **options)
+        reach = replace(reach, tls=target.tls, sample_hz=args.sample_hz if args.fail_slow else 0.0)
+        return tui_app.run_attach(target.agents, target.token, options, reach)

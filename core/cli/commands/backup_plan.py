@@ -13,7 +13,7 @@ import argparse
 import json
 from typing import Any
 
-from rankscope.contract.errors import RankscopeError
+from rankscope.cli.options import add_layout_args, layout_from_args
 
 
 def register(sub: Any) -> None:
@@ -25,12 +25,7 @@ def register(sub: Any) -> None:
             "of its parallel groups, so over-evicting any one group never loses both copies."
         ),
     )
-    for dim, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"), ("cp", "context"), ("ep", "expert")):
-        p.add_argument(f"--{dim}", type=int, default=1, metavar="N", help=f"{what}-parallel size (default 1)")
-    p.add_argument("--order", default="tp-cp-ep-dp-pp",
-                   help="rank order, first name varies fastest (default Megatron's tp-cp-ep-dp-pp)")
-    p.add_argument("--ranks-per-machine", type=int, default=None, metavar="N",
-                   help="ranks hosted by each machine, consecutive (default: the TP size)")
+    add_layout_args(p, "parallel layout (every size 1 unless given; ranks per machine: the TP size)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="check the sizes against the job's world size (default: their product)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -41,13 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from rankscope.analyzers.backup_plan import BackupPlan, backup_plan
     from rankscope.contract.snapshot import Layout
 
-    for dim in ("tp", "pp", "dp", "cp", "ep"):
-        value = getattr(args, dim)
-        if value < 1:
-            raise RankscopeError(f"--{dim} must be at least 1, got {value}", f"pass --{dim} 1 for an unused dimension")
-    layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, order=args.order,
-                    ranks_per_machine=args.ranks_per_machine)
-    plan: BackupPlan = backup_plan(layout, world_size=args.world_size, ranks_per_machine=args.ranks_per_machine)
+    layout = layout_from_args(args, Layout()) or Layout()
+    plan: BackupPlan = backup_plan(layout, world_size=args.world_size, ranks_per_machine=layout.ranks_per_machine)
     if args.json:
         print(json.dumps(plan_to_json(plan, layout), indent=2))
     else:

@@ -255,7 +255,7 @@ def _run_suite(args: argparse.Namespace) -> int:
 def _run_attached(config: Any, args: argparse.Namespace) -> int:
     """The TUI attached to the live drill; the drill stops when the TUI quits."""
     try:
-        from rankscope.tui.app import run_attach
+        from rankscope.tui.app import AppOptions, AttachOptions, run_attach
     except ImportError:
         print("rankscope drill: the TUI is not available here; running headless", file=sys.stderr)
         args.headless = True
@@ -278,9 +278,10 @@ def _run_attached(config: Any, args: argparse.Namespace) -> int:
             if not verdicts:  # the first verdict naming suspects; the fault's onset read now, before a restart
                 verdicts.append((verdict, wall, placement, fault_onset_wall(s)))
 
-        code = int(run_attach(agents=list(s.agents.values()), token=s.token(), layout=config.layout.to_snapshot_layout(),
-                              read_only=False, pair_hint=hint, hostfile=s.run_dir / HOSTFILE,
-                              on_verdict=on_verdict) or 0)
+        code = int(run_attach(list(s.agents.values()), s.token(),
+                              AppOptions(layout=config.layout.to_snapshot_layout(), pair_hint=hint,
+                                         on_verdict=on_verdict),
+                              AttachOptions(hostfile=s.run_dir / HOSTFILE)) or 0)
     # The session has stopped everything it started: say what the drill did (the TUI's screen is gone).
     s.watcher.poll()
     graded = verdict_grade_lines(s.truth, *verdicts[0]) if verdicts else ["verdict: none named a suspect"]

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from rankscope.cli.commands.target import add_slurm_args, add_tls_args, open_target
+from rankscope.cli.options import add_failslow_args, add_layout_args, failslow_config, layout_from_args
 
 if TYPE_CHECKING:
     from rankscope.analyzers.failslow import FailSlowVerdict
@@ -83,15 +84,8 @@ def register(sub: Any) -> None:
                         "(default 5; 0 turns sampling off)")
     p.add_argument("--deadline", type=float, default=5.0, help="seconds each agent has to answer a poll (default 5)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds each py-spy call may take (default 5)")
-    p.add_argument("--window", type=float, default=30.0, help="Aegis window T in seconds (default 30; production uses 600)")
-    p.add_argument("--continuity", type=float, default=20.0,
-                   help="Minder continuity in seconds (default 20; production uses 240)")
-    p.add_argument("--rounds", type=int, default=5, help="stack rounds before naming the degrader (default 5)")
-    p.add_argument("--tp", type=int, help="tensor-parallel size (to name parallel groups in stack rounds)")
-    p.add_argument("--pp", type=int, help="pipeline-parallel size")
-    p.add_argument("--dp", type=int, help="data-parallel size")
-    p.add_argument("--order", default="tp-cp-ep-dp-pp", help="rank order of the parallel dimensions")
-    p.add_argument("--ranks-per-machine", type=int, help="ranks on each machine")
+    add_failslow_args(p)
+    add_layout_args(p, "parallel layout (to name parallel groups in stack rounds)")
     p.add_argument("--record", type=Path, metavar="FILE",
                    help=f"also save every snapshot polled (the last {RECORD_LIMIT}) as a bundle, for "
                         "`rankscope attach --bundle`, a ticket or rankscope.analyzers.failslow.replay")
@@ -178,15 +172,6 @@ def human_line(event: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------
 
 
-def _layout(args: argparse.Namespace) -> Layout | None:
-    from rankscope.contract.snapshot import Layout
-
-    if not any(x is not None for x in (args.tp, args.pp, args.dp, args.ranks_per_machine)):
-        return None
-    return Layout(tp=args.tp or 1, pp=args.pp or 1, dp=args.dp or 1, order=args.order,
-                  ranks_per_machine=args.ranks_per_machine)
-
-
 def _stack_round(snap: JobSnapshot, layout: Layout | None) -> tuple[object | None, str | None]:
     """One aggregation round over a capture: (the analysis, or an error message)."""
     from rankscope.analyzers.suspects import analyze_stacks
@@ -207,11 +192,11 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
     import asyncio
     import time
 
-    from rankscope.analyzers.failslow import FailSlowDetector, config_for
+    from rankscope.analyzers.failslow import FailSlowDetector
     from rankscope.wire.client import JobClient
 
-    config = config_for(args.window, args.continuity, args.rounds)
-    layout = _layout(args)
+    config = failslow_config(args)
+    layout = layout_from_args(args)
     detector = FailSlowDetector(config, layout)
     started = time.monotonic()
     end = started + args.duration if args.duration is not None else None
@@ -295,9 +280,8 @@ def run(args: argparse.Namespace) -> int:
     if args.stack_interval < 0 or (args.duration is not None and args.duration <= 0):
         raise RankscopeError("--stack-interval must be 0 or more and --duration positive",
                              "e.g. --duration 60 --stack-interval 10 (0 turns stack rounds off)")
-    if args.window <= 0 or args.continuity <= 0 or args.rounds < 1:
-        raise RankscopeError("--window and --continuity must be positive and --rounds at least 1",
-                             "e.g. --window 30 --continuity 20 --rounds 5")
+    failslow_config(args)  # both refused here, before any agent is asked
+    layout_from_args(args)
     if args.record is not None and not args.record.resolve().parent.is_dir():
         raise RankscopeError(f"--record {args.record}: folder {args.record.resolve().parent} does not exist",
                              "create the folder first or pass a path in an existing one")
@@ -333,10 +317,12 @@ def _write_record(args: argparse.Namespace, agents: list[str], snapshots: tuple[
     from rankscope import __version__
     from rankscope.contract.bundle import Bundle, write_bundle
 
+    config = failslow_config(args)
     bundle = Bundle(snapshots=snapshots, created_wall=time.time(),
                     meta={"command": "watch", "rankscope_version": __version__, "agents": agents,
                           "interval_s": args.interval, "stack_interval_s": args.stack_interval,
-                          "window_s": args.window, "continuity_s": args.continuity, "rounds": args.rounds})
+                          "window_s": config.window_s, "continuity_s": config.continuity_s,
+                          "rounds": config.rounds_needed})
     try:
         path = write_bundle(bundle, args.record)
     except OSError as exc:
