@@ -36,7 +36,10 @@ import gc, sys, time
 sys.path.insert(0, sys.argv[3])
 import fanout_source
 from rankscope.wire.proto import rankscope_pb2 as pb
-from rankscope.wire.proto_convert import machine_to_proto, machines_from_proto
+try:
+    from rankscope.wire.snapshot_codec import machine_to_proto, machines_from_proto
+except ImportError:  # a baseline tree from before the codec was split by role
+    from rankscope.wire.proto_convert import machine_to_proto, machines_from_proto
 n, k = int(sys.argv[1]), int(sys.argv[2])
 now = time.time()
 replies = []

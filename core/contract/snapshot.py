@@ -1,7 +1,7 @@
 """The snapshot contract: what one capture of a job looks like.
 
 Every layer speaks these types: probes produce them, the agent ships them
-(converted to and from protobuf in one place, ``rankscope.wire.proto_convert``),
+(converted to and from protobuf in one place, ``rankscope.wire.codec``),
 analyzers read them, the TUI draws them and bundles store them as JSON.
 
 Rules that keep the contract honest:

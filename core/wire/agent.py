@@ -3,7 +3,7 @@
 The agent is the only part of rankscope that touches a machine's processes.
 It finds the ranks, captures their stacks and reads metrics and counters
 through ``rankscope.probes`` and ships them as snapshots (converted in
-``rankscope.wire.proto_convert``). It never runs anything a client sends: every
+``rankscope.wire.snapshot_codec``). It never runs anything a client sends: every
 call names a fixed procedure.
 
 Safe by default:
@@ -65,23 +65,23 @@ from rankscope.actions.journal import READ as JOURNAL_READ
 from rankscope.actions.journal import journal_service
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import MachineSnapshot, RankInfo
-from rankscope.wire.proto import rankscope_pb2 as pb
-from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
-from rankscope.wire.proto_convert import (
-    ReadingVersions,
+from rankscope.wire.action_messages import (
     audit_to_proto,
     confirmation_from_proto,
     event_to_proto,
-    machine_to_proto,
     plan_to_proto,
     request_from_proto,
 )
+from rankscope.wire.delta import ReadingVersions
+from rankscope.wire.proto import rankscope_pb2 as pb
+from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
 from rankscope.wire.rank_progress import ProgressTracker
+from rankscope.wire.snapshot_codec import machine_to_proto
 from rankscope.wire.tls import ClientTLS, ServerTLS, server_credentials
 from rankscope.wire.tokens import MAKE_TOKEN, Role, TokenSet
 
 if TYPE_CHECKING:
-    from rankscope.wire.client import Call, CallFor
+    from rankscope.wire.fanout import Call, CallFor
 
 DEFAULT_PORT = 50051
 SERVICE = "rankscope.v1.RankscopeAgent"
@@ -562,7 +562,7 @@ def _since(request: pb.DescribeRequest | pb.CaptureRequest) -> int | None:
 def _relaying(request: pb.DescribeRequest | pb.CaptureRequest, method: str) -> CallFor:
     """The call a relay forwards to the agent at an address: the client's request, with the version the client
     holds of that agent's reply (``relayed_since``) as its own ``since``."""
-    from rankscope.wire.client import versioned_call
+    from rankscope.wire.fanout import versioned_call
 
     def forward_to(address: str) -> Call:
         return versioned_call(method, request, request.relayed_since.get(address))

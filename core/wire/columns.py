@@ -32,7 +32,7 @@ _SCALAR_KINDS = (_INT, _FLOAT, _STR, _BOOL)
 
 
 class ColumnsError(Exception):
-    """Columns that do not fit the type (``rankscope.wire.proto_convert`` names the message they came in)."""
+    """Columns that do not fit the type (``rankscope.wire.compact`` names the message they came in)."""
 
 
 @dataclasses.dataclass(frozen=True)

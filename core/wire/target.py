@@ -41,7 +41,7 @@ def slurm_target(job_id: str, *, env: Mapping[str, str] | None = None, state_dir
     ``env``: the Slurm commands' environment (SLURM_CONF); default: this process's. ``follow``: see
     ``open_target``.
     """
-    from rankscope.wire.client import KeepAlive
+    from rankscope.wire.lease import KeepAlive
     from rankscope.wire.slurm import SlurmAgents, sigterm_as_interrupt
 
     session = SlurmAgents(job_id, state_dir=state_dir, start_timeout_s=start_timeout_s,

@@ -21,7 +21,7 @@ from rankscope.contract.snapshot import ProcessRole
 from rankscope.wire.agent import AgentConfig, RunningAgent, bearer_token, check_config, is_loopback, start_agent
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
-from rankscope.wire.proto_convert import machine_from_proto
+from rankscope.wire.snapshot_codec import machine_from_proto
 from rankscope.wire.tokens import Role, TokenSet, load_client_token, load_tokens, parse_tokens
 
 pytestmark = pytest.mark.timeout(120)

@@ -27,7 +27,8 @@ from rankscope.contract.snapshot import (
     ThreadStack,
 )
 from rankscope.wire.agent import AgentConfig, RunningAgent, start_agent
-from rankscope.wire.client import JobClient, error_for_rpc
+from rankscope.wire.client import JobClient
+from rankscope.wire.fanout import error_for_rpc
 from rankscope.wire.tokens import TokenSet, parse_tokens
 
 pytestmark = pytest.mark.timeout(120)
@@ -215,7 +216,7 @@ def test_the_client_raises_its_open_file_limit_to_the_hard_limit() -> None:
         "import resource\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
-        "from rankscope.wire.client import JobClient, channel_budget\n"
+        "from rankscope.wire.client import JobClient\nfrom rankscope.wire.fanout import channel_budget\n"
         "c = JobClient(['127.0.0.1:1'], None)\n"
         "now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
         "print(now == hard or hard == resource.RLIM_INFINITY, c.max_channels == channel_budget(now), hard > 256)\n"

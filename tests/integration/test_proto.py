@@ -36,24 +36,18 @@ from rankscope.contract.snapshot import (
     ProcessRole,
     ProcessStack,
 )
-from rankscope.wire.proto import rankscope_pb2 as pb
-from rankscope.wire.proto.generate import GENERATED, HERE, generate
-from rankscope.wire.proto_convert import (
-    ENUMS,
-    MESSAGES,
-    WIRE_ONLY,
+from rankscope.wire.action_messages import (
     event_from_proto,
     event_to_proto,
-    from_proto,
-    machine_from_proto,
-    machine_to_proto,
-    optional_inner,
     plan_from_proto,
     plan_to_proto,
     request_from_proto,
     request_to_proto,
-    to_proto,
 )
+from rankscope.wire.codec import ENUMS, MESSAGES, WIRE_ONLY, from_proto, optional_inner, to_proto
+from rankscope.wire.proto import rankscope_pb2 as pb
+from rankscope.wire.proto.generate import GENERATED, HERE, generate
+from rankscope.wire.snapshot_codec import machine_from_proto, machine_to_proto
 from snapshot_fixtures import rich_job
 
 

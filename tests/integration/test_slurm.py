@@ -41,7 +41,8 @@ from rankscope.contract.errors import RankscopeError
 from rankscope.drill.slurm_cluster import LocalSlurmCluster, ensure_installed
 from rankscope.formats.slurm_fields import parse_fields
 from rankscope.wire.agents_spec import hostfile_members
-from rankscope.wire.client import JobClient, KeepAlive, capture_once
+from rankscope.wire.client import JobClient, capture_once
+from rankscope.wire.lease import KeepAlive
 from rankscope.wire.slurm import SlurmAgents, job_info, parse_announcements
 from rankscope.wire.target import slurm_target
 from repo_paths import JOBS

@@ -23,6 +23,10 @@ from rankscope.contract.snapshot import (
     RankStacks,
     ThreadStack,
 )
+from rankscope.tui import digest as dg
+from rankscope.tui import filter as flt
+from rankscope.tui import health as hl
+from rankscope.tui import staleness
 from rankscope.tui import state as st
 from rankscope.tui.analysis import build_stack_view
 from rankscope.tui.widgets.metrics import render_row
@@ -63,9 +67,9 @@ def fold(snaps: list[JobSnapshot], state: st.AppState | None = None) -> st.AppSt
     s = state or st.AppState()
     for x in snaps:
         if x.all_stacks():
-            s = st.apply_capture(s, st.digest(x), build_stack_view(x, None), x.captured.wall)
+            s = st.apply_capture(s, dg.digest(x), build_stack_view(x, None), x.captured.wall)
         else:
-            s = st.apply_snapshot(s, st.digest(x), x.captured.wall)
+            s = st.apply_snapshot(s, dg.digest(x), x.captured.wall)
     return s
 
 
@@ -77,14 +81,14 @@ def test_a_view_attached_late_says_what_the_view_that_watched_says_within_a_poll
     # Steps until T0+10, then nothing: the early view watched it all, the late one attaches at T0+190.
     early = fold([snap(T0 + i, progress=T0 + min(i, 10)) for i in range(0, 191)])
     late = fold([snap(T0 + 190, progress=T0 + 10)])
-    assert st.health(early) == st.health(late)  # from its first poll on
+    assert hl.health(early) == hl.health(late)  # from its first poll on
     late = fold([snap(T0 + 191, progress=T0 + 10)], late)
     early = fold([snap(T0 + 191, progress=T0 + 10)], early)
-    assert st.health(late).kind == "hung" and st.health(late).text == "hung since 22:13:30 (181 s)"
+    assert hl.health(late).kind == "hung" and hl.health(late).text == "hung since 22:13:30 (181 s)"
     assert header(early) == header(late)
     assert header(late).startswith("HUNG since 22:13:30")
     # Before the hang passes --hang-after a late view reads "progressing" from the agents, not its own window.
-    assert st.health(fold([snap(T0 + 20, progress=T0 + 19)])).kind == "healthy"
+    assert hl.health(fold([snap(T0 + 20, progress=T0 + 19)])).kind == "healthy"
 
 
 def test_a_hung_job_makes_no_steps_per_second_in_any_view() -> None:
@@ -96,7 +100,7 @@ def test_a_hung_job_makes_no_steps_per_second_in_any_view() -> None:
     # The early view's window holds the steps before the hang; the late one's only the hang.
     early = fold([stepping(T0 + i, min(i, 10)) for i in range(1, 46)])
     late = fold([stepping(T0 + 44, 10), stepping(T0 + 45, 10)])
-    assert st.step_rate(early) is not None and st.step_rate(early) > 0.1  # type: ignore[operator]
+    assert hl.step_rate(early) is not None and hl.step_rate(early) > 0.1  # type: ignore[operator]
     assert header(early) == header(late)
     assert header(late).startswith("HUNG since 22:13:30 (35 s) │ 0.00 steps/s (10 s) │ capture due │ 2/2 machines"), \
         header(late)
@@ -113,28 +117,28 @@ def test_the_backup_modal_of_a_hung_job_says_first_that_no_shard_will_come() -> 
 
 def test_ranks_before_their_first_step_are_starting_then_hung_if_they_never_step() -> None:
     s = fold([snap(T0 + 5, progress=None, started=T0)])
-    assert st.health(s) == st.Health("starting", "starting: 4 ranks before their first step")
+    assert hl.health(s) == hl.Health("starting", "starting: 4 ranks before their first step")
     s = fold([snap(T0 + 45, progress=None, started=T0)])
-    assert st.health(s).kind == "hung" and "since its start at 22:13:20" in st.health(s).text
+    assert hl.health(s).kind == "hung" and "since its start at 22:13:20" in hl.health(s).text
 
 
 def test_a_verdict_goes_stale_when_the_job_progresses_restarts_or_finishes() -> None:
     hung = [snap(T0 + i, progress=T0 + 10) for i in range(40, 45)]
     s = fold([*hung, snap(T0 + 45, progress=T0 + 10, stacks="send")])
     assert s.stacks is not None and s.stacks.verdict.suspects
-    assert st.verdict_stale(s) is None  # a capture of the hang, nothing moved since
-    assert st.verdict_stale(fold([snap(T0 + 46, progress=T0 + 10)], s)) is None
+    assert staleness.verdict_stale(s) is None  # a capture of the hang, nothing moved since
+    assert staleness.verdict_stale(fold([snap(T0 + 46, progress=T0 + 10)], s)) is None
     # Progress after the capture: the verdict is a record, not a diagnosis.
     moved = fold([snap(T0 + 50, progress=T0 + 49)], s)
-    assert st.verdict_stale(moved) == "the job progressed after it (last step 22:14:09)"
+    assert staleness.verdict_stale(moved) == "the job progressed after it (last step 22:14:09)"
     # A restart: new pids everywhere.
     restarted = fold([snap(T0 + 60, progress=None, started=T0 + 55, pids=2000)], s)
     assert restarted.restarts == 1
-    assert st.verdict_stale(restarted) == "the job restarted after this capture"
-    assert st.map_groups(s) == s.stacks.group_of_rank and set(st.map_groups(s)) == {0, 1, 2, 3}
-    assert st.map_groups(moved) is s.stacks.group_of_rank  # stale, but the same processes: still their groups
-    assert st.map_groups(restarted) == {}  # new processes: the old capture says nothing of them
-    rich_text = verdict_text_rich(restarted.stacks, st.NO_FILTER, stale=st.verdict_stale(restarted),
+    assert staleness.verdict_stale(restarted) == "the job restarted after this capture"
+    assert staleness.map_groups(s) == s.stacks.group_of_rank and set(staleness.map_groups(s)) == {0, 1, 2, 3}
+    assert staleness.map_groups(moved) is s.stacks.group_of_rank  # stale, but the same processes: still their groups
+    assert staleness.map_groups(restarted) == {}  # new processes: the old capture says nothing of them
+    rich_text = verdict_text_rich(restarted.stacks, flt.NO_FILTER, stale=staleness.verdict_stale(restarted),
                                   taken=restarted.capture_wall)
     text = rich_text.plain
     assert text.startswith("verdict of 22:14:05 (stale: the job restarted after this capture; s captures again)")
@@ -142,17 +146,17 @@ def test_a_verdict_goes_stale_when_the_job_progresses_restarts_or_finishes() -> 
     first = text.index("\n")
     assert "▸" in text[first:]
     assert {str(span.style) for span in rich_text.spans if span.start >= first} == {"dim"}
-    live = verdict_text_rich(s.stacks, st.NO_FILTER, stale=None, taken=s.capture_wall)
+    live = verdict_text_rich(s.stacks, flt.NO_FILTER, stale=None, taken=s.capture_wall)
     assert "bold yellow" in {str(span.style) for span in live.spans}, "the live verdict keeps its colours"
     # The job ends: no ranks on any machine.
     ended = fold([snap(T0 + 70, progress=None, ranks=False, seen=T0 + 69)], s)
-    assert st.verdict_stale(ended) == "the job has no ranks running now"
+    assert staleness.verdict_stale(ended) == "the job has no ranks running now"
 
 
 def test_a_capture_of_ranks_still_starting_is_never_a_steady_state_verdict() -> None:
     s = fold([snap(T0 + 5, progress=None, started=T0), snap(T0 + 6, progress=None, started=T0, stacks="import")])
     assert s.verdict is not None and s.verdict.starting == (0, 1, 2, 3)
-    assert st.verdict_stale(s) == "taken while ranks 0-3 were still starting"
+    assert staleness.verdict_stale(s) == "taken while ranks 0-3 were still starting"
 
 
 def test_a_young_job_without_counters_that_hangs_in_its_own_code_can_be_acted_on() -> None:
@@ -163,18 +167,18 @@ def test_a_young_job_without_counters_that_hangs_in_its_own_code_can_be_acted_on
     s = fold([young])
     assert s.stacks is not None and s.stacks.verdict.suspects
     assert s.verdict is not None and s.verdict.starting == ()
-    assert st.verdict_stale(s) is None
+    assert staleness.verdict_stale(s) is None
 
 
 def test_without_counters_a_rank_that_never_stepped_is_unknown_unless_its_stack_shows_it_starting() -> None:
     bare = snap(T0 + 5, progress=None, started=T0)
     bare = replace(bare, machines=tuple(replace(m, counters=()) for m in bare.machines))
     # Processes 5 s old with no counter file yet (a restart's ranks importing torch): starting, not "no plugin".
-    assert st.health(fold([bare])) == st.Health("starting", "starting: 4 ranks before their first step")
+    assert hl.health(fold([bare])) == hl.Health("starting", "starting: 4 ranks before their first step")
     old = replace(bare, captured=Instant(T0 + 45, 45.0),
                   machines=tuple(replace(m, captured=Instant(T0 + 45, 45.0)) for m in bare.machines))
     s = fold([old])
-    assert st.health(s).kind == "unknown" and "no counters" in st.health(s).text
+    assert hl.health(s).kind == "unknown" and "no counters" in hl.health(s).text
     assert not any(e.kind == "hung" for e in fold([replace(bare, captured=Instant(T0 + 90, 90.0))]).events)
     # Its stack in the import machinery says what the counters could not: a capture of it is no steady state.
     importing = snap(T0 + 6, progress=None, started=T0, stacks="x")
@@ -184,7 +188,7 @@ def test_without_counters_a_rank_that_never_stepped_is_unknown_unless_its_stack_
         for m in importing.machines))
     s = fold([importing], s)
     assert s.verdict is not None and s.verdict.starting == (0, 1, 2, 3)
-    assert st.verdict_stale(s) == "taken while ranks 0-3 were still starting"
+    assert staleness.verdict_stale(s) == "taken while ranks 0-3 were still starting"
 
 
 def test_ranks_caught_importing_are_starting_however_long_their_imports_take() -> None:
@@ -198,7 +202,7 @@ def test_ranks_caught_importing_are_starting_however_long_their_imports_take() -
         for rs in m.stacks)) for m in late.machines))
     s = fold([late])
     assert s.verdict is not None and 2 in s.verdict.starting
-    assert (st.verdict_stale(s) or "").startswith("taken while ranks"), st.verdict_stale(s)
+    assert (staleness.verdict_stale(s) or "").startswith("taken while ranks"), staleness.verdict_stale(s)
 
 
 def test_an_agent_silent_at_a_views_first_poll_is_one_machine_once_it_answers() -> None:
@@ -220,22 +224,22 @@ def test_a_capture_without_progress_marks_is_not_stale_by_the_hangs_last_step() 
                                                   counters=()) for m in blind.machines))
     s = fold([blind, snap(T0 + 46, progress=T0 + 10)], s)
     assert s.verdict is not None and s.verdict.progress_mark is None
-    assert st.verdict_stale(s) is None, st.verdict_stale(s)  # the last step (T0+10) came before the capture
-    assert st.verdict_stale(fold([snap(T0 + 50, progress=T0 + 49)], s)) == \
+    assert staleness.verdict_stale(s) is None, staleness.verdict_stale(s)  # the last step (T0+10) came before the capture
+    assert staleness.verdict_stale(fold([snap(T0 + 50, progress=T0 + 49)], s)) == \
         "the job progressed after it (last step 22:14:09)"
 
 
 def test_no_ranks_is_stopping_then_finished_and_a_late_view_agrees() -> None:
     running = [snap(T0 + i, progress=T0 + i) for i in range(3)]
     s = fold([*running, snap(T0 + 10, progress=None, ranks=False, seen=T0 + 2)])
-    assert st.health(s) == st.Health("idle", "no ranks running since 22:13:22 (stopping or restarting)")
+    assert hl.health(s) == hl.Health("idle", "no ranks running since 22:13:22 (stopping or restarting)")
     s = fold([snap(T0 + 40, progress=None, ranks=False, seen=T0 + 2)], s)
-    assert st.health(s) == st.Health("finished", "finished: no ranks running since 22:13:22")
+    assert hl.health(s) == hl.Health("finished", "finished: no ranks running since 22:13:22")
     assert "│ - steps/s" in header(s), header(s)  # the steps of the window are not a rate of a finished job
     late = fold([snap(T0 + 40, progress=None, ranks=False, seen=T0 + 2)])
-    assert st.health(late) == st.health(s)
+    assert hl.health(late) == hl.health(s)
     never = fold([snap(T0 + 40, progress=None, ranks=False, seen=None)])
-    assert st.health(never).text == "no ranks running: the agents answer but have seen none of the job's ranks"
+    assert hl.health(never).text == "no ranks running: the agents answer but have seen none of the job's ranks"
 
 
 def test_evicted_machines_are_evicted_in_every_view_never_lost() -> None:
@@ -270,7 +274,7 @@ def test_agents_of_the_ranks_not_answering_is_not_a_job_without_ranks() -> None:
     s = fold([snap(T0 + i, progress=T0 + i, extra=(standby,)) for i in range(3)])
     s = fold([snap(T0 + 5, progress=None, ranks=False, stacks=None, extra=(standby,),
                    unreachable=MACHINES)], s)
-    h = st.health(s)
+    h = hl.health(s)
     assert h.kind == "unknown" and h.text.startswith("the agents of the job's ranks do not answer (2)"), h
     assert "no ranks running" not in h.text
 
@@ -279,16 +283,16 @@ def test_between_an_eviction_and_the_restart_the_job_is_restarting_not_finished(
     s = fold([snap(T0 + i, progress=T0 + i) for i in range(3)])
     s = st.apply_evicted(s, ["machine-1"], T0 + 3)
     s = fold([snap(T0 + 60, progress=None, ranks=False, seen=T0 + 4, unreachable=("machine-1",))], s)
-    assert st.health(s) == st.Health("idle", "restarting: no ranks running since 22:13:24")
+    assert hl.health(s) == hl.Health("idle", "restarting: no ranks running since 22:13:24")
     # The launcher restarts the remaining machines' agents with the job: for a while none answers. Not "lost".
     down = fold([snap(T0 + 62, progress=None, unreachable=MACHINES)], s)
-    assert st.health(down) == st.Health("idle", "restarting: the job's agents do not answer yet")
+    assert hl.health(down) == hl.Health("idle", "restarting: the job's agents do not answer yet")
     assert "1 restarting 1 evicted" in header(down) and "lost" not in header(down), header(down)
     # One word for one state: Events say "restarting" too, never "lost", for the agent the restart takes away.
     assert [e.text for e in down.events if e.kind in ("lost", "restarting")] == ["machine-0 restarting with the job"]
     s = fold([snap(T0 + 70, progress=None, started=T0 + 65, pids=3000, unreachable=("machine-1",))], s)
     assert s.restarts == 1 and not s.awaiting_restart
-    assert st.health(s).kind == "starting"
+    assert hl.health(s).kind == "starting"
 
 
 def test_a_hot_update_that_restarts_the_job_is_restarting_and_a_capture_meanwhile_says_so() -> None:
@@ -304,8 +308,8 @@ def test_a_hot_update_that_restarts_the_job_is_restarting_and_a_capture_meanwhil
     assert "2 restarting" in header(down) and "lost" not in header(down), header(down)
     assert not [e for e in down.events if e.kind == "lost"]
     capture = snap(T0 + 6, progress=T0 + 2)
-    taken = st.apply_capture(s, st.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
-    assert st.verdict_stale(taken) == "taken while the job was restarting"
+    taken = st.apply_capture(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
+    assert staleness.verdict_stale(taken) == "taken while the job was restarting"
 
 
 
@@ -335,12 +339,12 @@ async def test_after_a_restart_the_automatic_capture_waits_for_the_first_step() 
             await until(pilot, lambda r=reading: app.state.kept[-1] is r)  # type: ignore[misc]  # folded in
             assert app.state.restarts == 1
             assert not app.state.capturing and source.captures_started == 1, reading.captured.wall - T0
-        assert st.health(app.state).text.startswith("hung since its start")
+        assert hl.health(app.state).text.startswith("hung since its start")
         source.push_capture(snap(T0 + 111, progress=T0 + 110, started=T0 + 55, pids=2000, stacks="step"))
         source.push_poll(snap(T0 + 110, progress=T0 + 110, started=T0 + 55, pids=2000))
         await until(pilot, lambda: app.state.capture_wall == T0 + 111)  # the first step: now it captures
         assert source.captures_started == 2
-        assert st.verdict_stale(app.state) is None
+        assert staleness.verdict_stale(app.state) is None
 
 
 async def test_a_view_attached_while_the_job_starts_captures_at_its_first_step() -> None:
@@ -352,12 +356,12 @@ async def test_a_view_attached_while_the_job_starts_captures_at_its_first_step()
     app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, hang_after_s=30), clock=lambda: T0 + 5)
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, app.loaded.is_set)
-        assert st.health(app.state).kind == "starting"
+        assert hl.health(app.state).kind == "starting"
         assert not app.state.capturing and source.captures_started == 0  # not at attach: the ranks are importing
         source.push_capture(snap(T0 + 9, progress=T0 + 8, started=T0, stacks="step"))
         source.push_poll(snap(T0 + 8, progress=T0 + 8, started=T0))
         await until(pilot, lambda: app.state.capture_wall == T0 + 9)
-        assert source.captures_started == 1 and st.verdict_stale(app.state) is None
+        assert source.captures_started == 1 and staleness.verdict_stale(app.state) is None
 
 
 async def test_a_view_attached_after_an_eviction_logs_it_once_and_never_as_lost() -> None:
@@ -365,7 +369,7 @@ async def test_a_view_attached_after_an_eviction_logs_it_once_and_never_as_lost(
     # marks evicted, named by the hostfile. The Events view read "lost: agent machine-1 unreachable" for each.
     from rankscope.tui.app import AppOptions, RankscopeApp
     from rankscope.tui.sources import QueueSource
-    from rankscope.wire.client import evicted_stand_in
+    from rankscope.wire.fanout import evicted_stand_in
     from tui_screen import until
 
     gone = replace(evicted_stand_in("127.0.0.1:59991"), machine="machine-1")

@@ -23,17 +23,11 @@ from rankscope.contract.snapshot import (
     RankStacks,
     ThreadStack,
 )
+from rankscope.wire.codec import ProtoConversionError
+from rankscope.wire.compact import expand_runs, rank_runs
+from rankscope.wire.delta import ReadingVersions, held_from_proto
 from rankscope.wire.proto import rankscope_pb2 as pb
-from rankscope.wire.proto_convert import (
-    ProtoConversionError,
-    ReadingVersions,
-    expand_runs,
-    held_from_proto,
-    machine_from_proto,
-    machine_to_proto,
-    machines_from_proto,
-    rank_runs,
-)
+from rankscope.wire.snapshot_codec import machine_from_proto, machine_to_proto, machines_from_proto
 from repo_paths import DATA
 from snapshot_fixtures import machines, rich_job
 

@@ -20,7 +20,7 @@ from rankscope.contract.snapshot import (
 )
 from rankscope.wire.columns import ColumnsError, field_values, make_objects, read_values, write_columns
 from rankscope.wire.proto import rankscope_pb2 as pb
-from rankscope.wire.proto_convert import machine_from_proto, machine_to_proto
+from rankscope.wire.snapshot_codec import machine_from_proto, machine_to_proto
 from snapshot_fixtures import rich_job
 
 

@@ -4,7 +4,8 @@ isort:skip_file
 The wire format between `rankscope` (client) and `rankscope agent` (one per machine).
 
 Messages mirror the snapshot contract in core/contract/snapshot.py field by field;
-rankscope.wire.proto_convert is the one place that converts between the two.
+rankscope.wire.codec is the one converter between the two (a machine's reply:
+rankscope.wire.snapshot_codec, with the compact tables and the delta).
 A value the agent could not read is left unset (proto3 `optional` or an
 absent message), never sent as zero, so "missing" survives the trip.
 
@@ -94,7 +95,7 @@ class _ActionKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ActionKind
 class ActionKind(_ActionKind, metaclass=_ActionKindEnumTypeWrapper):
     """---------------------------------------------------------------- actions
 
-    Mirrors rankscope.actions.model; rankscope.wire.proto_convert converts.
+    Mirrors rankscope.actions.model; rankscope.wire.action_messages converts.
     """
 
 ACTION_KIND_UNSPECIFIED: ActionKind.ValueType  # 0
