@@ -8,7 +8,8 @@ reaches the agents only through ``rankscope.wire.client``:
 - :class:`Confirmation`: what the person confirmed -- the exact machines and
   ranks the plan named and, for eviction, the phrase they typed. An agent
   carries out nothing unless the confirmation names exactly the targets of
-  the plan it makes at that moment (:func:`confirmation_problem`).
+  the plan it makes at that moment (``ConfirmationRule.problem``, in
+  :mod:`rankscope.actions.model`).
 - :class:`ActionUpdate`: one progress line or the result of one agent, with
   the agent it came from (an action over several machines runs on several
   agents at once).
@@ -25,12 +26,9 @@ from rankscope.actions.model import (
     ActionKind,
     ActionPlan,
     ActionProgress,
-    ActionRequest,
     ActionResult,
     AuditRecord,
-    confirm_phrase_for,
-    confirmation_matches,
-    needs_typed_confirmation,
+    ConfirmationRule,
 )
 
 # An agent's refusal travels as gRPC status details "<message>\nfix: <what to do>".
@@ -98,35 +96,11 @@ AuditItem = tuple[str, AuditRecord] | AgentLost | AuditResumed
 AUDIT_OPEN = ("rankscope-audit", "open")
 
 
-def planned_ranks(request: ActionRequest) -> tuple[int, ...]:
-    """The ranks a confirmation must name: those the request targets, sorted."""
-    return tuple(sorted(set(request.targets.ranks)))
-
-
 def confirmation_for(plans: Iterable[ActionPlan], ranks: Iterable[int] = (), typed: str = "") -> Confirmation:
     """The confirmation of exactly these plans' targets (what a confirm modal sends after 'yes')."""
-    machines: list[str] = []
-    for plan in plans:
-        machines.extend(m for m in plan.machines if m not in machines)
-    return Confirmation(tuple(machines), tuple(sorted(set(ranks))), typed)
+    return Confirmation(ConfirmationRule.of(plans).machines, tuple(sorted(set(ranks))), typed)
 
 
 def combined_phrase(kind: ActionKind, plans: Iterable[ActionPlan]) -> str:
     """The phrase a person types to evict the machines of several agents' plans together."""
-    return confirm_phrase_for(kind, confirmation_for(plans).machines)
-
-
-def confirmation_problem(plan: ActionPlan, request: ActionRequest, confirmation: Confirmation) -> str | None:
-    """Why ``confirmation`` does not confirm ``plan`` (None when it does). Anything unclear refuses."""
-    if sorted(set(confirmation.machines)) != sorted(set(plan.machines)) or \
-            len(confirmation.machines) != len(set(confirmation.machines)):
-        return (f"the confirmation names machines [{' '.join(confirmation.machines) or 'none'}] but the plan "
-                f"targets [{' '.join(plan.machines) or 'none'}]")
-    if tuple(sorted(set(confirmation.ranks))) != planned_ranks(request):
-        return (f"the confirmation names ranks {list(confirmation.ranks)} but the request targets "
-                f"{list(planned_ranks(request))}")
-    typed = needs_typed_confirmation(plan.kind) or plan.typed_confirmation
-    # A confirmation that reached the agent is the person's yes; a typed one must also carry the phrase.
-    if not confirmation_matches(plan, confirmation.typed if typed else True):
-        return f"the typed confirmation {confirmation.typed!r} is not {plan.confirm_phrase!r}"
-    return None
+    return ConfirmationRule.phrase_for(kind, ConfirmationRule.of(plans).machines)

@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
-from rankscope.actions.agent_protocol import Confirmation, confirmation_problem
+from rankscope.actions.agent_protocol import Confirmation
 from rankscope.actions.audit import AuditLog
 from rankscope.actions.blocklist import Blocklist
 from rankscope.actions.config import ActionsConfig, local_standbys, make_backend
@@ -49,6 +49,7 @@ from rankscope.actions.model import (
     ActionResult,
     ActionState,
     AuditRecord,
+    ConfirmationRule,
     EvictArgs,
     HotUpdateArgs,
     VersionSource,
@@ -216,7 +217,7 @@ class ActionService:
         except RankscopeError as exc:
             yield await self._refuse(request, exc.message)
             return
-        problem = confirmation_problem(planned.plan, request, confirmation)
+        problem = ConfirmationRule.of(planned.plan).problem(confirmation, request.targets.ranks)
         if problem is not None:
             yield await self._refuse(request, f"refused: {problem}; nothing was done")
             return

@@ -8,16 +8,16 @@ RPCs, the audit log and the TUI all speak the same shape.
 
 Confirmation is part of the data: every plan carries the exact phrase a
 person must type (for eviction) or the targets a yes/no prompt must name,
-and :func:`confirmation_matches` is the one place that decides.
+and :class:`ConfirmationRule` is the one place that decides.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from rankscope.contract.errors import RankscopeError
 
@@ -283,35 +283,89 @@ class ActionPlan:
         return out
 
 
-def needs_typed_confirmation(kind: ActionKind) -> bool:
-    """Eviction takes machines out of the job: the person types the phrase, not just 'y'."""
-    return kind == ActionKind.EVICT
+class ConfirmedTargets(Protocol):
+    """What a person confirmed (``rankscope.actions.agent_protocol.Confirmation``): machines, ranks, the phrase."""
+
+    @property
+    def machines(self) -> tuple[str, ...]: ...
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+    @property
+    def typed(self) -> str: ...
 
 
-def confirm_phrase_for(kind: ActionKind, machines: tuple[str, ...]) -> str:
-    """The phrase to type: the verb and every target, so nobody evicts a machine they did not read."""
-    return f"{kind.value} {' '.join(machines)}".strip()
+@dataclass(frozen=True, slots=True)
+class ConfirmationRule:
+    """The tool's main safety rule, in one place: a destructive action is confirmed by naming its exact targets.
 
-
-def confirmation_matches(plans: ActionPlan | Sequence[ActionPlan], answer: str | bool | None) -> bool:
-    """Whether a person's answer confirms ``plans`` (one agent's, or every agent's of one action); else Cancel.
-
-    The one rule, used by the client before it sends anything and by each
-    agent before it acts: an eviction (or any plan asking for it) needs the
-    typed phrase naming every planned machine, white space aside; anything
-    else an explicit yes. Anything unclear is Cancel.
+    ``plans``: one agent's plan, or every agent's plan of one action. An eviction (or any plan asking for it)
+    needs the typed phrase naming every planned machine, white space aside; anything else an explicit yes;
+    anything unclear is Cancel. The TUI asks for what it requires (``phrase``, ``accepts``); the client checks a
+    confirmation against all the plans before it sends anything, and each agent against the plan it makes at
+    that moment, so a confirmation of a stale plan never acts (``problem``).
     """
-    group = (plans,) if isinstance(plans, ActionPlan) else tuple(plans)
-    if not group:
-        return False
-    kind = group[0].kind
-    if needs_typed_confirmation(kind) or any(p.typed_confirmation for p in group):
-        if len(group) == 1 and group[0].confirm_phrase:
-            phrase = group[0].confirm_phrase
-        else:
-            phrase = confirm_phrase_for(kind, tuple(dict.fromkeys(m for p in group for m in p.machines)))
-        return isinstance(answer, str) and " ".join(answer.split()) == phrase
-    return answer is True
+
+    plans: tuple[ActionPlan, ...]
+
+    @classmethod
+    def of(cls, plans: ActionPlan | Iterable[ActionPlan]) -> ConfirmationRule:
+        return cls((plans,) if isinstance(plans, ActionPlan) else tuple(plans))
+
+    @staticmethod
+    def typed_for(kind: ActionKind) -> bool:
+        """Eviction takes machines out of the job: the person types the phrase, not just 'y'."""
+        return kind == ActionKind.EVICT
+
+    @staticmethod
+    def phrase_for(kind: ActionKind, machines: Sequence[str]) -> str:
+        """The phrase to type: the verb and every target, so nobody evicts a machine they did not read."""
+        return f"{kind.value} {' '.join(machines)}".strip()
+
+    @property
+    def machines(self) -> tuple[str, ...]:
+        """Every planned machine once, in the plans' order."""
+        return tuple(dict.fromkeys(m for p in self.plans for m in p.machines))
+
+    @property
+    def phrase(self) -> str | None:
+        """The phrase to type, or None when an explicit yes is enough (or there is no plan)."""
+        if not self.plans:
+            return None
+        kind = self.plans[0].kind
+        if not (self.typed_for(kind) or any(p.typed_confirmation for p in self.plans)):
+            return None
+        if len(self.plans) == 1 and self.plans[0].confirm_phrase:
+            return self.plans[0].confirm_phrase
+        return self.phrase_for(kind, self.machines)
+
+    def accepts(self, answer: str | bool | None) -> bool:
+        """Whether a person's answer confirms the plans; else Cancel."""
+        if not self.plans:
+            return False
+        phrase = self.phrase
+        if phrase is not None:
+            return isinstance(answer, str) and " ".join(answer.split()) == phrase
+        return answer is True
+
+    def problem(self, confirmation: ConfirmedTargets, ranks: Iterable[int]) -> str | None:
+        """Why ``confirmation`` does not confirm these plans, whose request targets ``ranks`` (None when it does).
+
+        It must name exactly the planned machines (each once) and the requested ranks, and carry the phrase
+        when one is needed. Anything unclear refuses.
+        """
+        planned = self.machines
+        if sorted(set(confirmation.machines)) != sorted(planned) or \
+                len(confirmation.machines) != len(set(confirmation.machines)):
+            return (f"the confirmation names machines [{' '.join(confirmation.machines) or 'none'}] but the "
+                    f"plan{'s' if len(self.plans) > 1 else ''} target{'' if len(self.plans) > 1 else 's'} "
+                    f"[{' '.join(planned) or 'none'}]")
+        wanted = tuple(sorted(set(ranks)))
+        if tuple(sorted(set(confirmation.ranks))) != wanted:
+            return f"the confirmation names ranks {list(confirmation.ranks)} but the request targets {list(wanted)}"
+        # A confirmation that reached the agent is the person's yes; a typed one must also carry the phrase.
+        if not self.accepts(confirmation.typed if self.phrase is not None else True):
+            return f"the typed confirmation {confirmation.typed!r} is not {self.phrase!r}"
+        return None
 
 
 @dataclass(frozen=True, slots=True)

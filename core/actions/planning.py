@@ -24,13 +24,13 @@ from rankscope.actions.model import (
     ActionPlan,
     ActionRequest,
     BackupArgs,
+    ConfirmationRule,
     EvictArgs,
     HotUpdateArgs,
     ProcessRef,
     RollbackArgs,
     UpdateMode,
     VersionSource,
-    confirm_phrase_for,
 )
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import Layout, RankInfo
@@ -158,7 +158,7 @@ def plan_local_eviction(request: ActionRequest, machine: str, ranks: Sequence[Ra
         action_id=request.action_id, kind=ActionKind.EVICT,
         summary=f"evict {machine}: stop ranks {rank_list} and block it",
         machines=machines, processes=processes, standbys=standbys, steps=steps, warnings=tuple(warnings),
-        typed_confirmation=True, confirm_phrase=confirm_phrase_for(ActionKind.EVICT, machines))
+        typed_confirmation=True, confirm_phrase=ConfirmationRule.phrase_for(ActionKind.EVICT, machines))
     return Planned(plan, ranks, 3)
 
 
@@ -177,7 +177,7 @@ def plan_backend_eviction(request: ActionRequest, machine: str, ranks: Sequence[
         machines=evicted.machines, processes=processes_of(machine, ranks), standbys=evicted.standbys,
         commands=evicted.commands, steps=(*evicted.steps, _block_step(request, machine)),
         warnings=(*_eviction_warnings(request, machine, ranks), *evicted.warnings),
-        typed_confirmation=True, confirm_phrase=confirm_phrase_for(ActionKind.EVICT, evicted.machines))
+        typed_confirmation=True, confirm_phrase=ConfirmationRule.phrase_for(ActionKind.EVICT, evicted.machines))
     return Planned(plan, ranks, 2)
 
 

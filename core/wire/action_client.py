@@ -21,8 +21,6 @@ from rankscope.actions.agent_protocol import (
     ActionError,
     ActionUpdate,
     Confirmation,
-    combined_phrase,
-    confirmation_for,
     split_fix,
 )
 from rankscope.actions.journal import JournalEntry
@@ -32,10 +30,9 @@ from rankscope.actions.model import (
     ActionRequest,
     ActionResult,
     ActionState,
+    ConfirmationRule,
     EvictArgs,
     Targets,
-    confirmation_matches,
-    needs_typed_confirmation,
 )
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import CaptureError, CaptureErrorKind
@@ -225,18 +222,11 @@ class ActionClient(FanOut):
 
     @staticmethod
     def _check_confirmation(request: ActionRequest, plans: list[ActionPlan], confirmation: Confirmation) -> None:
-        expected = confirmation_for(plans, request.targets.ranks)
-        if sorted(set(confirmation.machines)) != sorted(set(expected.machines)) \
-                or sorted(set(confirmation.ranks)) != sorted(set(expected.ranks)):
-            raise RankscopeError(
-                f"the confirmation names machines [{' '.join(confirmation.machines)}] ranks {list(confirmation.ranks)} "
-                f"but the plans target machines [{' '.join(expected.machines)}] ranks {list(expected.ranks)}; "
-                "nothing was sent", "confirm exactly the targets the plan shows")
-        if needs_typed_confirmation(request.kind) or any(p.typed_confirmation for p in plans):
-            phrase = combined_phrase(request.kind, plans)
-            if not confirmation_matches(plans, confirmation.typed):  # the agents apply the same rule
-                raise RankscopeError(f"the typed confirmation {confirmation.typed!r} is not {phrase!r}; nothing was sent",
-                                     f"type exactly: {phrase}")
+        rule = ConfirmationRule.of(plans)  # the agents apply the same rule, each to its own plan
+        problem = rule.problem(confirmation, request.targets.ranks)
+        if problem is not None:
+            raise RankscopeError(f"{problem}; nothing was sent", "confirm exactly the targets the plan shows"
+                                 + (f" and type exactly: {rule.phrase}" if rule.phrase is not None else ""))
 
 
 def action_error(address: str, exc: grpc.aio.AioRpcError, timeout_s: float, *, using_tls: bool = False) -> ActionError:

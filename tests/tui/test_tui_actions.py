@@ -26,13 +26,13 @@ from rankscope.actions.model import (
     ActionResult,
     ActionState,
     AuditRecord,
+    ConfirmationRule,
     EvictArgs,
     HotUpdateArgs,
     ProcessRef,
     Targets,
     UpdateMode,
     VersionSource,
-    confirm_phrase_for,
 )
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.contract.bundle import Bundle
@@ -84,7 +84,7 @@ class RecordingSource(BundleSource):
                 standbys=(f"spare-{n}",) if evict else (),
                 backup_peers=((2 * n, 2 * n + 10), (2 * n + 1, 2 * n + 11)) if request.kind == ActionKind.BACKUP else (),
                 commands=((("scontrol", "update", f"NodeName={m}", "State=DRAIN"),) if evict else ()),
-                typed_confirmation=evict, confirm_phrase=confirm_phrase_for(ActionKind.EVICT, (m,)) if evict else "")
+                typed_confirmation=evict, confirm_phrase=ConfirmationRule.phrase_for(ActionKind.EVICT, (m,)) if evict else "")
         return plans
 
     async def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]:

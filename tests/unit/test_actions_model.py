@@ -13,15 +13,13 @@ from rankscope.actions.model import (
     ActionResult,
     ActionState,
     BackupArgs,
+    ConfirmationRule,
     EvictArgs,
     HotUpdateArgs,
     RollbackArgs,
     Targets,
     UpdateMode,
     VersionSource,
-    confirm_phrase_for,
-    confirmation_matches,
-    needs_typed_confirmation,
 )
 from rankscope.contract.errors import RankscopeError
 
@@ -72,16 +70,16 @@ def test_malformed_json_is_a_rankscope_error() -> None:
 
 
 def test_eviction_needs_the_typed_phrase_naming_every_machine() -> None:
-    assert needs_typed_confirmation(ActionKind.EVICT)
-    phrase = confirm_phrase_for(ActionKind.EVICT, ("m12", "m13", "m14", "m15"))
+    assert ConfirmationRule.typed_for(ActionKind.EVICT)
+    phrase = ConfirmationRule.phrase_for(ActionKind.EVICT, ("m12", "m13", "m14", "m15"))
     assert phrase == "evict m12 m13 m14 m15"
     plan = ActionPlan("a-1", ActionKind.EVICT, "evict PP group 3", machines=("m12", "m13", "m14", "m15"),
                       typed_confirmation=True, confirm_phrase=phrase)
-    assert confirmation_matches(plan, "evict m12 m13 m14 m15")
-    assert confirmation_matches(plan, "  evict m12  m13 m14 m15 ")
-    assert not confirmation_matches(plan, "evict m12 m13 m14")
-    assert not confirmation_matches(plan, True)  # a bare "yes" is not enough
-    assert not confirmation_matches(plan, None)  # Cancel is the default
+    assert ConfirmationRule.of(plan).accepts("evict m12 m13 m14 m15")
+    assert ConfirmationRule.of(plan).accepts("  evict m12  m13 m14 m15 ")
+    assert not ConfirmationRule.of(plan).accepts("evict m12 m13 m14")
+    assert not ConfirmationRule.of(plan).accepts(True)  # a bare "yes" is not enough
+    assert not ConfirmationRule.of(plan).accepts(None)  # Cancel is the default
 
 
 def test_one_eviction_over_several_agents_is_confirmed_by_one_phrase_naming_all() -> None:
@@ -89,19 +87,39 @@ def test_one_eviction_over_several_agents_is_confirmed_by_one_phrase_naming_all(
                         confirm_phrase="evict m12 m13"),
              ActionPlan("a-1", ActionKind.EVICT, "evict", machines=("m14",), typed_confirmation=True,
                         confirm_phrase="evict m14")]
-    assert confirmation_matches(plans, "evict m12 m13 m14")
-    assert not confirmation_matches(plans, "evict m12 m13")  # one agent's phrase is not the action's
-    assert not confirmation_matches(plans, True)
-    assert not confirmation_matches([], "evict")
+    assert ConfirmationRule.of(plans).accepts("evict m12 m13 m14")
+    assert not ConfirmationRule.of(plans).accepts("evict m12 m13")  # one agent's phrase is not the action's
+    assert not ConfirmationRule.of(plans).accepts(True)
+    assert not ConfirmationRule.of([]).accepts("evict")
 
 
 def test_other_actions_confirm_with_an_explicit_yes_only() -> None:
-    assert not needs_typed_confirmation(ActionKind.HOT_UPDATE)
+    assert not ConfirmationRule.typed_for(ActionKind.HOT_UPDATE)
     plan = ActionPlan("u-1", ActionKind.HOT_UPDATE, "hot-update to v2", machines=("m0", "m1"))
-    assert confirmation_matches(plan, True)
-    assert not confirmation_matches(plan, False)
-    assert not confirmation_matches(plan, None)
-    assert not confirmation_matches(plan, "y")
+    assert ConfirmationRule.of(plan).accepts(True)
+    assert not ConfirmationRule.of(plan).accepts(False)
+    assert not ConfirmationRule.of(plan).accepts(None)
+    assert not ConfirmationRule.of(plan).accepts("y")
+
+
+def test_a_confirmation_must_name_exactly_the_planned_targets_and_carry_the_phrase() -> None:
+    """The check the client makes before sending and each agent before acting (on the plan it makes then)."""
+    from rankscope.actions.agent_protocol import Confirmation
+
+    plans = [ActionPlan("a-1", ActionKind.EVICT, "evict", machines=("m12", "m13"), typed_confirmation=True,
+                        confirm_phrase="evict m12 m13"),
+             ActionPlan("a-1", ActionKind.EVICT, "evict", machines=("m14",), typed_confirmation=True,
+                        confirm_phrase="evict m14")]
+    rule = ConfirmationRule.of(plans)
+    assert rule.machines == ("m12", "m13", "m14") and rule.phrase == "evict m12 m13 m14"
+    assert rule.problem(Confirmation(("m14", "m12", "m13"), (5,), " evict m12 m13  m14"), [5]) is None
+    stale = rule.problem(Confirmation(("m12", "m13"), (5,), "evict m12 m13"), [5])  # a plan that grew since
+    assert stale is not None and "m14" in stale
+    assert rule.problem(Confirmation(("m12", "m12", "m13", "m14"), (5,), "evict m12 m13 m14"), [5]) is not None
+    assert rule.problem(Confirmation(("m12", "m13", "m14"), (), "evict m12 m13 m14"), [5]) is not None
+    assert "typed confirmation" in (rule.problem(Confirmation(("m12", "m13", "m14"), (5,), "yes"), [5]) or "")
+    update = ConfirmationRule.of(ActionPlan("u-1", ActionKind.HOT_UPDATE, "hot-update", machines=("m0",)))
+    assert update.phrase is None and update.problem(Confirmation(("m0",)), []) is None
 
 
 def test_result_state_and_json() -> None:

@@ -17,6 +17,7 @@ from rankscope.actions.model import (
     ActionKind,
     ActionRequest,
     BackupArgs,
+    ConfirmationRule,
     EvictArgs,
     HotUpdateArgs,
     ProcessRef,
@@ -24,7 +25,6 @@ from rankscope.actions.model import (
     Targets,
     UpdateMode,
     VersionSource,
-    confirmation_matches,
 )
 from rankscope.actions.planning import (
     CodeLink,
@@ -77,7 +77,7 @@ def test_a_local_eviction_stops_every_process_names_the_phrase_and_the_unblocked
     assert plan.machines == ("machine-4",) and [p.pid for p in plan.processes] == [1008, 2008, 1009]
     assert plan.standbys == ("spare-0", "spare-2")  # blocked spare-1 and the evicted machine itself are left out
     assert plan.typed_confirmation and plan.confirm_phrase == "evict machine-4"
-    assert not confirmation_matches(plan, True) and confirmation_matches(plan, " evict  machine-4 ")
+    assert not ConfirmationRule.of(plan).accepts(True) and ConfirmationRule.of(plan).accepts(" evict  machine-4 ")
     assert plan.steps == ("SIGTERM 3 process(es) of ranks 8 9 on machine-4",
                           "SIGKILL any still running after 10 s",
                           "block machine-4 (reason: PP group 2 hung in irecv) so no restart brings it back",
@@ -124,7 +124,7 @@ def test_a_backend_eviction_shows_the_backends_exact_argv_and_then_blocks_the_ma
     wider = replace(evicted, machines=("machine-4", "machine-5"))
     both = plan_backend_eviction(evict(), "machine-4", RANKS, "slurm", wider).plan
     assert both.machines == ("machine-4", "machine-5") and both.confirm_phrase == "evict machine-4 machine-5"
-    assert not confirmation_matches(both, "evict machine-4")
+    assert not ConfirmationRule.of(both).accepts("evict machine-4")
 
 
 def test_a_git_hot_update_names_the_commit_repo_and_link_and_requests_a_restart() -> None:
@@ -137,7 +137,7 @@ def test_a_git_hot_update_names_the_commit_repo_and_link_and_requests_a_restart(
         "check out git ref v2 (commit 3f2c1ab0d4e5) of /srv/job/repo under /srv/job/versions",
         "point /srv/job/code (now /srv/job/versions/aaa) at git:v2 now",
         "request a restart of ranks 8 9: the launcher restarts them on the new code (the agent does not stop them)")
-    assert not plan.typed_confirmation and confirmation_matches(plan, True) and not confirmation_matches(plan, "y")
+    assert not plan.typed_confirmation and ConfirmationRule.of(plan).accepts(True) and not ConfirmationRule.of(plan).accepts("y")
 
 
 def test_a_lazy_directory_update_waits_for_its_window() -> None:
