@@ -1,7 +1,7 @@
 """The one analysis entry: a snapshot's stacks and CCL counters, plus any other detector's verdict, merged.
 
 The TUI (``tui.analysis.build_stack_view``), ``rankscope analyze``, the
-drill's scorer (``verdict.analyze_snapshot``) and the headless tools call
+drill's scorer (``analyze_snapshot``) and the headless tools call
 ``analyze_job``, so one capture gets one verdict wherever it is looked at:
 
 - stacks (ByteRobust §5.1): grouping, prefix tree, hang chain and suspects;
@@ -14,6 +14,11 @@ pins a rank, the verdict says "not a rank" (``rankscope.analyzers.not_a_rank``).
 
 A CCL verdict that names nobody is not merged (it would only re-word the
 stacks' headline); its summary and notes are kept as notes.
+
+Last, the timing judgement (``rankscope.analyzers.progress``): a snapshot
+its agents say was taken while the job made steps caught its ranks
+mid-step, so their differences are timing, not a fault; ``verdict`` then
+names no suspect and ``before_timing`` keeps what was set aside.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from rankscope.analyzers.ccl import analyze_counters
 from rankscope.analyzers.ccl_desync import counter_waits
 from rankscope.analyzers.findings import Verdict
 from rankscope.analyzers.not_a_rank import settle
+from rankscope.analyzers.progress import ProgressAtCapture, progress_at_capture, timing_not_fault
 from rankscope.analyzers.stacks import DEFAULT_OPTIONS, SignatureOptions
 from rankscope.analyzers.suspects import StackAnalysis, analyze_stacks
 from rankscope.analyzers.verdict import merge_findings, merge_verdicts
@@ -38,7 +44,21 @@ class JobAnalysis:
     stacks: StackAnalysis
     counters: Verdict | None  # the CCL verdict (None: no counters in the capture, or ``others`` given)
     merged_with: tuple[Verdict, ...]  # the verdicts merged into the stacks' (empty: the stacks speak alone)
-    verdict: Verdict  # the one verdict: the stacks', merged with ``merged_with``
+    verdict: Verdict  # the one verdict: the stacks', merged with ``merged_with``, the timing judgement applied
+    # When the job last progressed before the capture, per its agents (None: they did not say: py-spy dumps, flight
+    # recorder dumps, older bundles).
+    progress: ProgressAtCapture | None = None
+    before_timing: Verdict | None = None  # the verdict as if the job were stuck (None: the same as ``verdict``)
+
+    @property
+    def timing_not_fault(self) -> bool:
+        """The capture caught the job making steps: its ranks' differences are timing, not a fault."""
+        return self.progress is not None and self.progress.running
+
+    @property
+    def fault_verdict(self) -> Verdict:
+        """The verdict before the timing judgement (what a capture of a running job set aside)."""
+        return self.before_timing if self.before_timing is not None else self.verdict
 
 
 def analyze_job(snapshot: JobSnapshot, layout: Layout | None = None, options: SignatureOptions = DEFAULT_OPTIONS,
@@ -60,4 +80,15 @@ def analyze_job(snapshot: JobSnapshot, layout: Layout | None = None, options: Si
         verdict = Verdict(v.suspects, v.summary, v.missing_ranks, (*v.notes, counters.summary, *counters.notes),
                           findings=merge_findings(v, counters))
     verdict = settle(verdict, snapshot)  # "not a rank": every member of a communicator in one call, none pinned
-    return JobAnalysis(stacks, counters, merged_with, verdict)
+    progress = progress_at_capture(snapshot)
+    if progress is None or not progress.running:
+        return JobAnalysis(stacks, counters, merged_with, verdict, progress)
+    return JobAnalysis(stacks, counters, merged_with, timing_not_fault(verdict, progress), progress, verdict)
+
+
+def analyze_snapshot(snapshot: JobSnapshot, layout: Layout | None = None) -> Verdict:
+    """Every detector with data in ``snapshot``, merged: ``analyze_job``'s verdict (the drill's scorer, benchmarks).
+
+    Raises ValueError (with the fix) when ``layout`` does not fit the job.
+    """
+    return analyze_job(snapshot, layout).verdict

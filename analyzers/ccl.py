@@ -303,7 +303,7 @@ def _fold_desyncs(suspects: list[Suspect], crossed: tuple[CrossedWait, ...],
         machines = _machines(c.ranks, placement)
         evidence = (desync_line(c), *c.evidence, *(f"counters: {x}" for x in lines[:6]), f"advice: {DESYNC_ADVICE}")
         out.append(Suspect(SuspectKind.DESYNC, c.ranks, machines, SCORE_CL_LAG, evidence, (SOURCE,),
-                           victims=c.victims, state="desync", roots=() if c.tie else c.ranks))
+                           victims=c.victims, state="desync", roots=() if c.tie else c.ranks, title=desync_line(c)))
     return out
 
 

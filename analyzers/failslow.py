@@ -55,14 +55,14 @@ from typing import Generic, TypeVar
 
 from rankscope.analyzers.degradation import P2P_OPS, degradation_findings, inverse_throughput
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+from rankscope.analyzers.labels import suspect_label
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
 from rankscope.analyzers.minder import MinderDetector
-from rankscope.analyzers.rounds import DEFAULT_MAJORITY, required_flags, tally
+from rankscope.analyzers.rounds import DEFAULT_MAJORITY, StackRound, required_flags, round_of, tally
 from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitDetector, sampling_problems
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.analyzers.verdict import suspect_label
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 
 DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl", "p2p_wait", "samples")
@@ -333,22 +333,11 @@ class PeerWaitTally:
         return out
 
 
-def _as_verdict(obj: object | None) -> Verdict | None:
-    if obj is None:
-        return None
-    if isinstance(obj, Verdict):
-        return obj
-    inner = getattr(obj, "verdict", None)
-    return inner if isinstance(inner, Verdict) else None
-
-
 class FailSlowDetector:
     """Feed snapshots in time order; each ``update`` returns the combined verdict.
 
-    ``stack_analysis``: the findings of one stack-aggregation round (a
-    ``Verdict``, or any object with a ``verdict`` attribute that is one, such as
-    the fail-slow rounds analyzer's result), passed only on updates where stacks
-    were captured. The CCL counters of each snapshot go through Aegis §5.2
+    ``stack_round``: one capture's stack round (``rounds.round_of`` of its
+    ``analyze_job``), passed only on updates where stacks were captured. The CCL counters of each snapshot go through Aegis §5.2
     (``analyzers.degradation``, α and β from the config) here; a caller that
     ran that analysis itself may pass its ``Verdict`` as ``degradation``.
     """
@@ -391,7 +380,7 @@ class FailSlowDetector:
 
     # ---- the update ------------------------------------------------------
 
-    def update(self, snapshot: JobSnapshot, stack_analysis: object | None = None,
+    def update(self, snapshot: JobSnapshot, stack_round: StackRound | None = None,
                degradation: Verdict | None = None) -> FailSlowVerdict:
         if not self.store.add(snapshot) and self._last is not None:
             return self._last  # an old or repeated snapshot changes nothing
@@ -402,7 +391,7 @@ class FailSlowDetector:
         flags += self._step_flags()
         flags += self._metric_flags()
         flags += self._minder_flags(notes)
-        flags += self._stack_flags(_as_verdict(stack_analysis))
+        flags += self._stack_flags(stack_round)
         flags += self._ccl_flags(snapshot, degradation, notes)
         flags += self._p2p_flags(snapshot)
         flags += self._sample_flags(snapshot, notes)
@@ -445,11 +434,10 @@ class FailSlowDetector:
                                     f.held_s, req, f.since_mono))
         return out
 
-    def _stack_flags(self, round_verdict: Verdict | None) -> list[DetectorFlag]:
+    def _stack_flags(self, stack_round: StackRound | None) -> list[DetectorFlag]:
         needed = max(1, self.config.rounds_needed)
-        if round_verdict is not None:
-            # A bare Verdict per round works too (replays, tests): only its top suspect is counted.
-            self._stack_rounds.append(round_verdict.top)
+        if stack_round is not None:
+            self._stack_rounds.append(stack_round.flagged)
         self._stack_degrader = None
         # The one rounds rule (rounds.tally), as `rankscope analyze` applies it to a recording.
         t = tally(self._stack_rounds, needed, self.config.stack_majority)
@@ -747,18 +735,18 @@ def replay(snapshots: Iterable[JobSnapshot], config: FailSlowConfig | None = Non
     Snapshots that carry stacks (the watch's captures) also make a stack
     aggregation round, as they did live. Returns every update's verdict.
     """
-    from rankscope.analyzers.suspects import analyze_stacks
+    from rankscope.analyzers.analysis import analyze_job
 
     detector = FailSlowDetector(config)
     out = []
     for snap in sorted(snapshots, key=lambda s: s.captured.mono):
-        analysis = None
+        stack_round = None
         if snap.all_stacks():
             try:
-                analysis = analyze_stacks(snap, layout)
+                stack_round = round_of(analyze_job(snap, layout))
             except ValueError:  # a layout that does not fit: the other detectors still run
-                analysis = None
-        out.append(detector.update(snap, analysis))
+                stack_round = None
+        out.append(detector.update(snap, stack_round))
     return tuple(out)
 
 

@@ -50,6 +50,9 @@ class Suspect:
     # at the link between them; then the whole group is the precise answer. ``ranks`` stays the whole group, which is
     # what ByteRobust's over-eviction takes.
     roots: tuple[int, ...] = ()
+    # Its detector's own name for it, when that says more than ``labels.suspect_label`` (the stack aggregation's
+    # "PP groups 6-7 on machine-12..15", a desync's "desync: ranks 2-3 ... "): what its detector's headline reads.
+    title: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,9 @@ class Verdict:
     missing_ranks: tuple[int, ...] = ()  # ranks the snapshot could not see
     notes: tuple[str, ...] = field(default=())
     findings: tuple[Finding, ...] = ()
+    # The suspects ``summary`` names apart, when it names several ("2 separate suspects: ..."), each explaining its
+    # own outliers; empty when it names one or none.
+    named: tuple[Suspect, ...] = ()
 
     @property
     def top(self) -> Suspect | None:

@@ -245,7 +245,8 @@ def _suspect(ranks: Iterable[int], score: float, evidence: Sequence[str], *, mac
     rs = tuple(sorted(set(ranks)))
     return Suspect(kind, rs, tuple(sorted(set(machines))), score, tuple(evidence), (SOURCE,),
                    victims=tuple(sorted(set(victims) - set(rs))), state=state,
-                   roots=tuple(sorted(set(roots))) if roots is not None else rs)
+                   roots=tuple(sorted(set(roots))) if roots is not None else rs,
+                   title=evidence[0] if kind is SuspectKind.DESYNC and evidence else "")
 
 
 @dataclass(slots=True)
@@ -628,7 +629,7 @@ def _fold_same_machine(suspects: list[Suspect]) -> list[Suspect]:
         old = out[at]
         out[at] = Suspect(old.kind, old.ranks, old.machines, max(old.score, s.score),
                           (*old.evidence, *(e for e in s.evidence if e not in old.evidence)), old.sources,
-                          state=old.state)
+                          state=old.state, title=old.title)
     return out
 
 
@@ -636,7 +637,7 @@ def _headline(s: Suspect) -> str:
     where = f" on {', '.join(s.machines)}" if s.machines else ""
     state = f" ({s.state})" if s.state else ""
     if s.kind is SuspectKind.DESYNC:
-        return s.evidence[0].split(" (from ", 1)[0]
+        return s.title
     if s.kind is SuspectKind.MACHINE or not s.ranks:
         return f"machine {', '.join(s.machines) or '?'}{state}"
     wait = f"; {_ranks_word(s.victims)} {'waits' if len(s.victims) == 1 else 'wait'} on it" if s.victims else ""

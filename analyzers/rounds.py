@@ -15,7 +15,13 @@ down; watching all the time, a clear majority is asked for, since in a
 healthy pipeline-parallel job the stages are caught at different points and
 timing alone flags some group in two or three rounds of five.
 
-This module is pure: whoever captures feeds it one analysis per round and
+A round is what the stacks alone flagged in one capture (``round_of``, the
+stack verdict's top suspect, before any other detector or the timing
+judgement speaks): ``watch``, the drill suite, ``failslow.replay``,
+``rankscope analyze`` and the TUI all count that one, so the rounds
+scorecard measures what each of them shows.
+
+This module is pure: whoever captures feeds it one round per capture and
 paces the rounds with ``interval_s``.
 """
 
@@ -29,11 +35,26 @@ from rankscope.analyzers.findings import Suspect
 from rankscope.analyzers.topology import compact_machines, compact_ranks
 
 if TYPE_CHECKING:  # the fail-slow detector uses the rule without the stack analysis
-    from rankscope.analyzers.suspects import StackAnalysis
+    from rankscope.analyzers.analysis import JobAnalysis
 
 DEFAULT_INTERVAL_S = 10.0
 DEFAULT_ROUNDS = 5
 DEFAULT_MAJORITY = 0.6  # the degrader is flagged in more than this share of the rounds (4 of 5)
+
+
+@dataclass(frozen=True, slots=True)
+class StackRound:
+    """What one capture's stacks flagged: the one round every fail-slow consumer counts."""
+
+    flagged: Suspect | None  # the stack verdict's top suspect (None: its stacks showed no outliers)
+    outliers: int  # outlier ranks of the stack grouping
+    summary: str  # the stack verdict's headline
+
+
+def round_of(analysis: JobAnalysis) -> StackRound:
+    """One capture's stack round, from its one analysis (``analysis.analyze_job``)."""
+    stacks = analysis.stacks
+    return StackRound(stacks.verdict.top, len(stacks.grouping.outlier_ranks), stacks.verdict.summary)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,15 +131,10 @@ class FailSlowRounds:
     def done(self) -> bool:
         return len(self._history) >= self.rounds
 
-    def add_round(self, analysis: StackAnalysis) -> None:
+    def add_round(self, stack_round: StackRound) -> None:
         """Record one round: its top suspect is the group with the most outliers this time."""
-        top = analysis.verdict.top
-        self._history.append(RoundResult(
-            index=len(self._history),
-            flagged=top,
-            outliers=len(analysis.grouping.outlier_ranks),
-            summary=analysis.verdict.summary,
-        ))
+        self._history.append(RoundResult(len(self._history), stack_round.flagged, stack_round.outliers,
+                                         stack_round.summary))
 
     def counts(self) -> list[tuple[Suspect, int]]:
         """Each group flagged in the last N rounds with its flag count, most flagged first."""

@@ -52,6 +52,7 @@ from rankscope.analyzers.chain import (
     rank_views,
 )
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, finding_to_json
+from rankscope.analyzers.labels import summary_of
 from rankscope.analyzers.not_a_rank import stack_stall
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
@@ -75,7 +76,6 @@ from rankscope.analyzers.topology import (
     natural_key,
     topology_for,
 )
-from rankscope.analyzers.verdict import headline
 from rankscope.contract.snapshot import JobSnapshot, Layout, ProcessRole, RankStacks
 
 # Among equally good candidates, the kind ByteRobust evicts first.
@@ -456,6 +456,7 @@ def _suspects_for(
             groups=c.groups if len(c.groups) > 1 else (),
             diverging_frame=div,
             roots=c.roots,
+            title=describe(c, machines),
         ))
     return suspects, explains
 
@@ -515,6 +516,7 @@ def _apply_chain(
                       *evidence, f"advice: {DESYNC_ADVICE}"),
             sources=("stacks",), victims=d.victims, state="desync",
             roots=() if d.tie else d.ranks,  # on a tie either side may have strayed
+            title=summary,
         ), ranks | set(d.victims)))
     in_desync = {r for d in chain.desyncs for r in (*d.ranks, *d.victims)}
     held: set[int] = set()
@@ -659,17 +661,17 @@ def analyze_stacks(
         notes.append("no parallel sizes known: only ranks and machines can be suspected; "
                      "pass --tp/--pp/--dp (and --order) to name parallel groups")
     seen_count = sum(len(g.ranks) for g in grouping.groups)
-    summary = _summary(grouping, suspects, explains, seen_count, notes, named)
+    summary, apart = _summary(grouping, suspects, explains, seen_count, notes, named)
     stall = stack_stall(chain, range(topology.world_size), waits)
     if stall is not None:
         # Every rank in one call and none behind: the stack groups differ only above that call, so no suspect
         # of theirs is more than a guess.
         if suspects:
             notes.append(f"set aside, every rank waits in the same call: {summary}")
-        suspects, summary = [], stall.summary()
+        suspects, summary, apart = [], stall.summary(), []
         findings.append(stall.finding())
     verdict = Verdict(suspects=tuple(suspects), summary=summary, missing_ranks=missing_ranks, notes=tuple(notes),
-                      findings=tuple(findings))
+                      findings=tuple(findings), named=tuple(apart))
     return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology, chain=chain)
 
 
@@ -684,27 +686,25 @@ def _reason_digest(missing: dict[int, str]) -> str:
 def _summary(
     grouping: Grouping, suspects: list[Suspect], explains: list[set[int]], seen: int, notes: list[str],
     named: frozenset[int] | set[int] = frozenset(),
-) -> str:
+) -> tuple[str, list[Suspect]]:
+    """The stack verdict's headline, and the suspects it names apart when it names several (``Verdict.named``)."""
     if named and suspects:
         # The chain named where the hang starts: account for its roots and the outliers, victims included.
         cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks) | set(named))
-        if len(cover) > 1:
-            notes.append(f"{len(cover)} separate outlier sets, each explained by its own suspect")
-            return f"{len(cover)} separate suspects: " + "; ".join(headline(s, own_words=True) for s in cover)
-        return headline(suspects[0], own_words=True)
-    if seen == 0:
-        return "no verdict: no rank's stacks could be read"
-    if len(grouping.groups) == 1:
-        return f"no verdict: all {seen} ranks show the same stacks"
-    if not grouping.dominant:
-        return f"no verdict: no two of the {seen} ranks show the same stacks"
-    if not suspects:
-        return "no verdict: the outliers fit no group smaller than the whole job"
-    cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks))
+    elif seen == 0:
+        return "no verdict: no rank's stacks could be read", []
+    elif len(grouping.groups) == 1:
+        return f"no verdict: all {seen} ranks show the same stacks", []
+    elif not grouping.dominant:
+        return f"no verdict: no two of the {seen} ranks show the same stacks", []
+    elif not suspects:
+        return "no verdict: the outliers fit no group smaller than the whole job", []
+    else:
+        cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks))
     if len(cover) > 1:
         notes.append(f"{len(cover)} separate outlier sets, each explained by its own suspect")
-        return f"{len(cover)} separate suspects: " + "; ".join(headline(s, own_words=True) for s in cover)
-    return headline(suspects[0], own_words=True)
+        return summary_of(cover), cover
+    return summary_of(suspects[:1]), []
 
 
 def suspect_to_json(s: Suspect) -> dict[str, object]:

@@ -13,10 +13,7 @@ evidence and sources joined. On equal merged scores the suspect with more
 agreeing sources goes first, then the one with more ranks: ByteRobust
 over-evicts a whole group rather than gamble on one rank of it.
 
-``analyze_snapshot`` is the verdict of ``analysis.analyze_job``, the one call
-that runs every detector that has data in a snapshot (stacks; CCL counters
-when the plugin wrote any) and merges them: the drill's scorer and the
-headless tools use it.
+How a merged suspect is named is ``rankscope.analyzers.labels``.
 """
 
 from __future__ import annotations
@@ -24,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from rankscope.analyzers.findings import Finding, Suspect, Verdict
-from rankscope.analyzers.topology import compact_machines, compact_ranks
-from rankscope.contract.snapshot import JobSnapshot, Layout
+from rankscope.analyzers.labels import group_numbers, headline, summary_of, suspect_label
+from rankscope.analyzers.topology import compact_ranks
 
 # Among equal merged scores, sources and sizes: this kind order.
 _KIND_ORDER = ("desync", "pp", "dp", "tp", "cp", "ep", "machine", "rank", "comm")
@@ -92,7 +89,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
         merged.append((Suspect(
             kind=s.kind, ranks=s.ranks, machines=s.machines, score=round(entry.scaled * (1.0 + support), 6),
             evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index, groups=s.groups,
-            diverging_frame=s.diverging_frame, victims=s.victims, state=s.state, roots=entry.roots,
+            diverging_frame=s.diverging_frame, victims=s.victims, state=s.state, roots=entry.roots, title=s.title,
         ), tuple(entry.sources)))
     # A pair of ranks a detector names for one fact (a send one never matched) whose pinned rank another detector
     # names alone, the other rank of the pair among its waiters, is that suspect told twice: the one rank goes first
@@ -124,14 +121,14 @@ def _folded(verdict: Verdict) -> Verdict:
     kept = _fold_contained([(s, s.sources) for s in verdict.suspects])
     if len(kept) == len(verdict.suspects):
         return verdict
-    summary = verdict.summary
-    if "separate suspects: " in summary:
+    summary, named = verdict.summary, verdict.named
+    if named:
         # The summary named suspects now folded into another: name those that are left.
-        named = [s for s in kept if headline(s, own_words=True) in summary]
-        summary = (headline(named[0], own_words=True) if len(named) == 1 else
-                   f"{len(named)} separate suspects: " + "; ".join(headline(s, own_words=True) for s in named)
-                   if named else summary)
-    return replace(verdict, suspects=tuple(kept), summary=summary)
+        apart = {(s.kind, s.ranks) for s in named}
+        left = [s for s in kept if (s.kind, s.ranks) in apart]
+        if left:
+            summary, named = summary_of(left), tuple(left) if len(left) > 1 else ()
+    return replace(verdict, suspects=tuple(kept), summary=summary, named=named)
 
 
 @dataclass(slots=True)
@@ -203,71 +200,5 @@ def merge_findings(*verdicts: Verdict) -> tuple[Finding, ...]:
     return tuple(out.values())
 
 
-def suspect_label(s: Suspect) -> str:
-    """A suspect's name without where it runs: ``PP group 1 (ranks 4-7)``, ``rank 5``, ``machine m2 (ranks 4-5)``.
-
-    The one way a suspect is named (verdict lines, fail-slow evidence, the
-    TUI's action titles and evict reasons).
-    """
-    ranks = compact_ranks(s.ranks) or "-"
-    kind = str(s.kind)
-    if kind == "rank":
-        return f"rank {ranks}"
-    if kind == "machine":
-        return f"machine {','.join(s.machines)} (ranks {ranks})"
-    label = "communicator" if kind == "comm" else f"{kind.upper()} group{'s' if len(s.groups) > 1 else ''}"
-    number = group_numbers(s)
-    return f"{label}{' ' + number if number else ''} (ranks {ranks})"
-
-
-def group_numbers(s: Suspect) -> str:
-    """Which groups of its kind a suspect is: ``6``, ``6-7`` when it spans several, empty when unknown."""
-    if len(s.groups) > 1:
-        return compact_ranks(s.groups)
-    return str(s.group_index) if s.group_index is not None else ""
-
-
-def headline(s: Suspect, *, own_words: bool = False) -> str:
-    """One line naming a suspect and its machines: ``rank 5 on machine-2``, ``PP group 3 (ranks 6,14) on m3, m7``.
-
-    ``own_words``: a group is named as its detector's first line of evidence
-    says (the stack aggregation's ``PP groups 6-7 on machine-12..15``, which
-    knows several groups share the suspects), as one detector's own verdict
-    does; a merged verdict names it by ``suspect_label``. A desync is named
-    by its evidence (which peers it differs from) either way.
-    """
-    where = compact_machines(s.machines) or "unknown machines"
-    kind = str(s.kind)
-    if kind == "desync":
-        if s.evidence:
-            return s.evidence[0].split(" (ranks ", 1)[0]
-        return f"desync: ranks {compact_ranks(s.ranks)} on {where} are in a different collective from their peers"
-    if kind == "rank" and len(s.ranks) == 1 and s.victims:
-        state = f"{s.state}; " if s.state else ""  # (the counters tell who waits, not what the root does)
-        return f"rank {s.ranks[0]} on {where} ({state}{waiting_words(len(s.victims))} on it)"
-    if kind == "rank" and len(s.ranks) == 1:
-        return f"rank {s.ranks[0]} on {where}"
-    root = ""
-    if len(s.roots) == 1 and s.victims and s.ranks != s.roots:
-        state = f"{s.state}; " if s.state else ""
-        root = f", root rank {s.roots[0]} ({state}{waiting_words(len(s.victims))} on it)"
-    if kind == "machine":
-        return f"machine {where}{root}"
-    if own_words and s.evidence:
-        return s.evidence[0].split(": holds", 1)[0] + root
-    return f"{suspect_label(s)} on {where}{root}"
-
-
-def waiting_words(n: int) -> str:
-    """``1 rank waits`` / ``7 ranks wait``."""
-    return f"{n} rank waits" if n == 1 else f"{n} ranks wait"
-
-
-def analyze_snapshot(snapshot: JobSnapshot, layout: Layout | None = None) -> Verdict:
-    """Every detector with data in ``snapshot``, merged (``analysis.analyze_job``'s verdict).
-
-    Raises ValueError (with the fix) when ``layout`` does not fit the job.
-    """
-    from rankscope.analyzers.analysis import analyze_job  # it imports this module
-
-    return analyze_job(snapshot, layout).verdict
+# group_numbers and suspect_label: reached here by the TUI until it imports them from labels.
+__all__ = ["group_numbers", "merge_findings", "merge_verdicts", "suspect_label"]

@@ -51,7 +51,7 @@ from rankscope.actions.model import (
     UpdateMode,
     VersionSource,
 )
-from rankscope.analyzers.verdict import analyze_snapshot
+from rankscope.analyzers.analysis import analyze_snapshot
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.control import DrillMachines, Recovery
 from rankscope.drill.faults import DrillLayout, make_plan

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from rankscope.analyzers import ccl, suspects
+from rankscope.analyzers.analysis import analyze_snapshot
 from rankscope.analyzers.topology import placement_of
-from rankscope.analyzers.verdict import analyze_snapshot
 from rankscope.contract.bundle import read_bundle
 from rankscope.drill import faults
 from rankscope.drill.scoring import score_verdict

@@ -1,11 +1,11 @@
 """What the TUI shows about stacks, built from a capture (off the UI thread).
 
-The grouping, the prefix tree and the verdict come from
-``rankscope.analyzers`` (stack aggregation, CCL findings, merged into one
-verdict). They are imported lazily, and if they are not installed or fail on
-a snapshot the views still show the stacks grouped by a plain signature, with
-a note saying so: a broken analyzer must never blank the screen of someone
-in the middle of an incident.
+The grouping, the prefix tree and the verdict come from the one analysis
+(``rankscope.analyzers.analysis.analyze_job``, as ``rankscope analyze`` and
+the drill's scorer get them). If it fails on a snapshot the views still show
+the stacks grouped by a plain signature, with a note saying so: a broken
+analyzer must never blank the screen of someone in the middle of an
+incident.
 
 Everything here is a pure function of a snapshot, so the same capture always
 draws the same screen (snapshot tests rely on that).
@@ -18,9 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankscope.analyzers.analysis import analyze_job
 from rankscope.analyzers.findings import Verdict
+from rankscope.analyzers.labels import suspect_label
+from rankscope.analyzers.progress import ProgressAtCapture
+from rankscope.analyzers.rounds import StackRound, round_of
+from rankscope.analyzers.stacks import diverging_frame
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.analyzers.verdict import suspect_label
 from rankscope.contract.snapshot import Frame, JobSnapshot, Layout, RankStacks, main_thread
 
 
@@ -55,6 +59,11 @@ class StackView:
     notes: tuple[str, ...] = field(default=())
     # ranks without a readable stack, grouped by their state and why: "unreadable: permission, process state D"
     unreadable: tuple[tuple[tuple[int, ...], str], ...] = ()
+    round: StackRound | None = None  # the capture's stack round, which the fail-slow detector counts
+    # The timing judgement of the one analysis: the capture caught the job making steps (``verdict`` keeps the
+    # suspects it set aside; JobAnalysis.fault_verdict), and when the job last progressed per its agents.
+    timing_not_fault: bool = False
+    progress: ProgressAtCapture | None = None
 
     @property
     def dominant(self) -> GroupView | None:
@@ -156,9 +165,7 @@ def build_stack_view(snapshot: JobSnapshot, layout: Layout | None = None) -> Sta
     usable = {r: s for r, s in stacks.items() if s.main.threads is not None}
     paths = {r: rank_path(s) for r, s in usable.items()}
     try:
-        return _from_analyzers(snapshot, layout, paths, missing)
-    except ImportError:
-        notes.append("stack analyzer not installed: groups by main-thread path, no verdict")
+        return _from_analyzers(snapshot, layout, missing)
     except Exception as exc:  # the analyzer is someone else's code; show what we can
         notes.append(f"stack analyzer failed ({type(exc).__name__}: {exc}); groups by main-thread path")
     found = _fallback_groups(usable)
@@ -174,14 +181,9 @@ def build_stack_view(snapshot: JobSnapshot, layout: Layout | None = None) -> Sta
     return StackView(groups, group_of, _tree_from_paths(paths), verdict, missing, tuple(notes))
 
 
-def _from_analyzers(
-    snapshot: JobSnapshot, layout: Layout | None, paths: Mapping[int, tuple[str, ...]], missing: tuple[int, ...]
-) -> StackView:
-    from rankscope.analyzers import stacks as stack_analyzer
-    from rankscope.analyzers.analysis import analyze_job
-
+def _from_analyzers(snapshot: JobSnapshot, layout: Layout | None, missing: tuple[int, ...]) -> StackView:
     job = analyze_job(snapshot, layout or snapshot.layout)  # the verdict analyze and the drill give too
-    analysis, verdict = job.stacks, job.verdict
+    analysis, verdict = job.stacks, job.fault_verdict
     notes: list[str] = []
     grouping = analysis.grouping
     # The healthy group(s) first, so "A" on the map always means "where most ranks are".
@@ -189,13 +191,13 @@ def _from_analyzers(
     groups: list[GroupView] = []
     for new_index, i in enumerate(order):
         g = grouping.groups[i]
-        diverges = stack_analyzer.diverging_frame(grouping, g)
+        diverges = diverging_frame(grouping, g)
         groups.append(GroupView(new_index, tuple(g.ranks), str(g.summary), tuple(g.frames), str(g.signature),
                                 diverges))
     group_of = {r: g.index for g in groups for r in g.ranks}
     tree = _convert_tree(analysis.tree)
     unreadable: dict[str, list[int]] = {}
-    chain = getattr(analysis, "chain", None)
+    chain = analysis.chain
     if chain is not None:
         for rank, rv in sorted(chain.views.items()):
             if rv.state.value in ("unreadable", "stopped", "not captured"):
@@ -205,7 +207,8 @@ def _from_analyzers(
     world = snapshot.world_size
     reported = tuple(r for r in verdict.missing_ranks if world is not None and r < world)
     return StackView(tuple(groups), group_of, tree, verdict, reported or missing, tuple(notes),
-                     tuple((tuple(r), why) for why, r in unreadable.items()))
+                     tuple((tuple(r), why) for why, r in unreadable.items()), round_of(job), job.timing_not_fault,
+                     job.progress)
 
 
 def verdict_text(view: StackView | None) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from rankscope.analyzers.failslow import DETECTORS, FailSlowConfig, FailSlowDetector, FailSlowVerdict
 from rankscope.contract.snapshot import JobSnapshot
+from rankscope.tui.analysis import StackView
 from textual.app import App
 from textual.message import Message
 
@@ -88,21 +89,21 @@ class FailSlowTracker:
         self._rounds: list[RoundFlags] = []
         self._errors: list[str] = []
 
-    def feed(self, snapshot: JobSnapshot, stack_analysis: object | None = None) -> FailSlowView:
+    def feed(self, snapshot: JobSnapshot, stack_analysis: StackView | None = None) -> FailSlowView:
         """One snapshot (a capture's stack analysis with it); returns the view of the state after it."""
         self._update(snapshot, stack_analysis)
         return self.view()
 
-    def feed_series(self, items: Iterable[tuple[JobSnapshot, object | None]]) -> FailSlowView:
+    def feed_series(self, items: Iterable[tuple[JobSnapshot, StackView | None]]) -> FailSlowView:
         """A recorded series, oldest first (the bundle a watch recorded): replayed as it happened live."""
         for snap, analysis in sorted(items, key=lambda it: it[0].captured.mono):
             self._update(snap, analysis)
         return self.view()  # drawn once, for the newest state
 
-    def _update(self, snapshot: JobSnapshot, stack_analysis: object | None) -> None:
+    def _update(self, snapshot: JobSnapshot, stack_analysis: StackView | None) -> None:
         before = self.detector.latest
         try:
-            verdict = self.detector.update(snapshot, stack_analysis)
+            verdict = self.detector.update(snapshot, stack_analysis.round if stack_analysis is not None else None)
         except Exception as exc:  # a detector bug costs this snapshot, not the session
             self._errors = [*self._errors, f"fail-slow update failed: {type(exc).__name__}: {exc}"][-5:]
             return
@@ -178,18 +179,18 @@ class FailSlowFeeder:
     def __init__(self, app: App[object] | App[int], config: FailSlowConfig | None = None) -> None:
         self.app = app
         self.tracker = FailSlowTracker(config)
-        self._pending: list[tuple[JobSnapshot, object | None, bool]] = []  # (snapshot, analysis, may be skipped)
+        self._pending: list[tuple[JobSnapshot, StackView | None, bool]] = []  # (snapshot, analysis, may be skipped)
         self._wake = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
         self._started = False
         self.skipped = 0
 
-    def feed(self, snapshot: JobSnapshot, stack_analysis: object | None = None) -> None:
+    def feed(self, snapshot: JobSnapshot, stack_analysis: StackView | None = None) -> None:
         """A live poll (or capture, with its analysis)."""
         self._push([(snapshot, stack_analysis, stack_analysis is None)])
 
-    def feed_series(self, items: Iterable[tuple[JobSnapshot, object | None]]) -> None:
+    def feed_series(self, items: Iterable[tuple[JobSnapshot, StackView | None]]) -> None:
         """A recorded series: every snapshot is taken in, as it was live.
 
         A lone snapshot (a hang bundle, a live job's first description) is
@@ -200,7 +201,7 @@ class FailSlowFeeder:
         if len(batch) > 1:
             self._push(batch)
 
-    def _push(self, batch: list[tuple[JobSnapshot, object | None, bool]]) -> None:
+    def _push(self, batch: list[tuple[JobSnapshot, StackView | None, bool]]) -> None:
         if not batch:
             return
         self._pending.extend(batch)
@@ -210,10 +211,10 @@ class FailSlowFeeder:
             self._started = True
             self.app.run_worker(self._run(), name="fail-slow detectors", group="failslow", exit_on_error=False)
 
-    def _take(self) -> list[tuple[JobSnapshot, object | None]]:
+    def _take(self) -> list[tuple[JobSnapshot, StackView | None]]:
         """What is pending, less the skippable polls that a newer snapshot makes stale."""
         batch, self._pending = self._pending, []
-        keep: list[tuple[JobSnapshot, object | None]] = []
+        keep: list[tuple[JobSnapshot, StackView | None]] = []
         for i, (snap, analysis, skippable) in enumerate(batch):
             if skippable and i < len(batch) - 1:
                 self.skipped += 1

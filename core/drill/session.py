@@ -700,7 +700,7 @@ def score(snap: JobSnapshot, truth: GroundTruth) -> dict[str, Any] | None:
 def _analyzer_entry() -> Callable[[JobSnapshot], Any] | None:
     """The analyzers' one-call verdict over a snapshot, once it exists."""
     try:
-        from rankscope.analyzers import verdict as v
+        from rankscope.analyzers import analysis as v
     except ImportError:
         return None
     entry = getattr(v, "analyze_snapshot", None)

@@ -306,7 +306,7 @@ def _attach_and_evict(config: SlurmDrillConfig, d: SlurmDrillJob) -> dict[str, A
         snap = capture_once(agents, session.token, tls=session.tls, deadline_s=120, timeout_s=config.capture_timeout_s)
         out["captured_ranks"] = len(snap.rank_to_machine())
         out["agents_missing"] = [m.node for m in session.missing]
-        from rankscope.analyzers.verdict import analyze_snapshot
+        from rankscope.analyzers.analysis import analyze_snapshot
 
         verdict = analyze_snapshot(snap, config.layout.to_snapshot_layout())
         top = verdict.top

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from rankscope.analyzers.rounds import StackRound
 from rankscope.drill.faults import DrillLayout, FaultPlan, GroundTruth, machine_name, make_plan
 from rankscope.drill.launcher import TrainingOptions
 from rankscope.drill.progress import ProgressWatcher
@@ -277,13 +278,14 @@ class OnsetClock:
         return self.onset_mono
 
 
-def _stack_round(snap: Any, layout: Any) -> object | None:
-    from rankscope.analyzers.suspects import analyze_stacks
+def _stack_round(snap: Any, layout: Any) -> StackRound | None:
+    from rankscope.analyzers.analysis import analyze_job
+    from rankscope.analyzers.rounds import round_of
 
     if not snap.all_stacks():
         return None
     try:
-        return analyze_stacks(snap, layout)
+        return round_of(analyze_job(snap, layout))
     except ValueError:
         return None
 

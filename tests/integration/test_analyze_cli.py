@@ -153,7 +153,7 @@ def test_analyze_the_tui_and_the_drill_give_one_capture_one_verdict(
     """One analysis entry (analyzers.analysis.analyze_job): the same summary and suspects from every consumer."""
     from dataclasses import replace
 
-    from rankscope.analyzers.verdict import analyze_snapshot
+    from rankscope.analyzers.analysis import analyze_snapshot
     from rankscope.tui.analysis import build_stack_view
     from tui_bundles import fig7_bundle
 

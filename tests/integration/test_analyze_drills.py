@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rankscope.analyzers.verdict import analyze_snapshot
+from rankscope.analyzers.analysis import analyze_snapshot
 from rankscope.contract.bundle import read_bundle
 from rankscope.drill.scoring import score_verdict
 

@@ -20,7 +20,7 @@ from rankscope.actions.agent_protocol import confirmation_for
 from rankscope.actions.blocklist import Blocklist
 from rankscope.actions.evict_backends import SelfCheck
 from rankscope.actions.model import ActionPlan, ActionResult, ActionState
-from rankscope.analyzers.verdict import analyze_snapshot
+from rankscope.analyzers.analysis import analyze_snapshot
 from rankscope.drill import warm
 from rankscope.drill.control import DrillMachines, blocked_machines, default_standbys, evict_machines
 from rankscope.drill.faults import DrillLayout, make_plan

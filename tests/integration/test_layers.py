@@ -241,11 +241,7 @@ def test_no_import_circle_between_packages() -> None:
     assert _cycle(packages) is None, " -> ".join(_cycle(packages) or [])
 
 
-@pytest.mark.parametrize("package", [
-    *(p for p in LAYERS if p != "analyzers"),
-    pytest.param("analyzers", marks=pytest.mark.xfail(
-        strict=True, reason="analysis -> suspects -> verdict -> analysis is being made one pass (issue 28)")),
-])
+@pytest.mark.parametrize("package", LAYERS)
 def test_no_import_circle_inside_a_package(package: str) -> None:
     """A module imports no module that imports it back, lazily or not (drill: the launcher starts the worker,
     the worker reads what the launcher sets, from its own module)."""

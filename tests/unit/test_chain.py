@@ -13,11 +13,11 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rankscope.analyzers.analysis import analyze_snapshot
 from rankscope.analyzers.chain import BACKWARD_SITE, RankState
 from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.suspects import analyze_stacks
 from rankscope.analyzers.topology import Topology
-from rankscope.analyzers.verdict import analyze_snapshot
 from rankscope.cli.main import main
 from rankscope.contract.snapshot import (
     CaptureError,
@@ -307,7 +307,7 @@ def test_waiters_in_a_cycle_with_no_root_leave_the_layout_score_to_decide() -> N
 
 def _panel(stacks: dict[int, RankStacks], world: int, rpm: int, layout: Layout) -> str:
     from rankscope.tui.analysis import build_stack_view, verdict_text
-    from rankscope.tui.state import Filter
+    from rankscope.tui.filter import Filter
     from rankscope.tui.widgets.verdict import verdict_text_rich
 
     view = build_stack_view(snapshot(stacks, world, rpm, layout), layout)

@@ -25,6 +25,7 @@ from rankscope.analyzers.failslow import (
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector
 from rankscope.analyzers.minder import MinderDetector, denoise
+from rankscope.analyzers.rounds import StackRound
 from rankscope.analyzers.series import SeriesStore
 from rankscope.analyzers.step_time import StepTimeDetector
 from rankscope.contract.snapshot import (
@@ -288,9 +289,9 @@ def test_unreachable_machine_is_noted_not_a_crash() -> None:
     assert any("unreachable: m0" in n for n in last.verdict.notes)
 
 
-def _round(kind: SuspectKind, group: int, ranks: tuple[int, ...], machines: tuple[str, ...]) -> Verdict:
-    return Verdict((Suspect(kind, ranks, machines, 1.0, ("outliers",), group_index=group),), "x") if group >= 0 \
-        else Verdict((), "ok")
+def _round(kind: SuspectKind, group: int, ranks: tuple[int, ...], machines: tuple[str, ...]) -> StackRound:
+    return StackRound(Suspect(kind, ranks, machines, 1.0, ("outliers",), group_index=group), len(ranks), "x") \
+        if group >= 0 else StackRound(None, 0, "ok")
 
 
 def test_stack_rounds_name_the_most_flagged_group_after_enough_rounds() -> None:

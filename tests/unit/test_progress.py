@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from ccl_fixtures import L8, drill_desync, with_counters
 from rankscope.analyzers.analysis import analyze_job
-from rankscope.analyzers.progress import MID_STEP_S, mid_step_window, progress_at_capture, timing_not_fault
+from rankscope.analyzers.progress import MID_STEP_S, mid_step_window, progress_at_capture
 from rankscope.cli.main import main
 from rankscope.contract.bundle import Bundle, write_bundle
 from rankscope.contract.snapshot import JobSnapshot
@@ -44,11 +44,11 @@ def test_a_snapshot_taken_within_a_step_of_progress_caught_a_running_job() -> No
 
 def test_the_verdict_of_a_running_job_is_set_aside_as_timing_and_says_what_it_set_aside() -> None:
     snap = _desync(0.5)
-    verdict = analyze_job(snap, L8).verdict
+    job = analyze_job(snap, L8)  # the one analysis applies the timing judgement itself
+    verdict = job.fault_verdict
     assert verdict.suspects  # the evidence alone names the pair
-    progress = progress_at_capture(snap)
-    assert progress is not None
-    kept = timing_not_fault(verdict, progress)
+    assert job.timing_not_fault and job.progress == progress_at_capture(snap)
+    kept = job.verdict
     assert kept.suspects == () and kept.findings == ()
     assert kept.summary.startswith("no verdict: the job was making steps when this snapshot was taken")
     assert kept.notes[-1] == f"set aside as timing: {verdict.summary}"

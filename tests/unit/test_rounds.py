@@ -5,19 +5,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from rankscope.analyzers.analysis import analyze_job
 from rankscope.analyzers.failslow import replay
 from rankscope.analyzers.findings import SuspectKind
-from rankscope.analyzers.rounds import FailSlowRounds
-from rankscope.analyzers.suspects import StackAnalysis, analyze_stacks
+from rankscope.analyzers.rounds import FailSlowRounds, StackRound, round_of
 from rankscope.contract.snapshot import Instant, JobSnapshot, Layout
 from stack_fixtures import COMPUTE, NOW, OPTIMIZER, RECV, rank_stacks, snapshot
 
 LAYOUT = Layout(tp=2, pp=2, dp=4, ranks_per_machine=2)  # rank = tp + 2*(dp + 4*pp)
 
 
-def _round(slow: dict[int, list[str]]) -> StackAnalysis:
+def _round(slow: dict[int, list[str]]) -> StackRound:
     stacks = {r: rank_stacks(r, slow.get(r, OPTIMIZER)) for r in range(16)}
-    return analyze_stacks(snapshot(stacks, 16, 2, LAYOUT))
+    return round_of(analyze_job(snapshot(stacks, 16, 2, LAYOUT)))
 
 
 # The degrader: PP groups of dp=1 (ranks 2,3 and 10,11 on node1 and node5), caught waiting in
@@ -73,7 +73,7 @@ def test_analyze_and_watch_give_one_recording_the_same_answer(recording: list[di
     snaps = _recording(recording)
     rounds = FailSlowRounds()
     for snap in snaps:
-        rounds.add_round(analyze_stacks(snap, LAYOUT))
+        rounds.add_round(round_of(analyze_job(snap, LAYOUT)))
     by_analyze = rounds.flagged()
     last = replay(snaps, layout=LAYOUT)[-1]
     alarmed = {f.ranks for f in last.flags if f.detector == "stacks" and f.alarmed}

@@ -372,7 +372,7 @@ def test_recorded_communicators_decide_the_groups() -> None:
 def test_analyze_snapshot_merges_stacks_and_ccl_counters() -> None:
     import dataclasses
 
-    from rankscope.analyzers.verdict import analyze_snapshot
+    from rankscope.analyzers.analysis import analyze_snapshot
     from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters
 
     # Rank 5 stalls on its way into the TP all-reduce: the stacks name TP group {4,5}; the counters agree

@@ -113,7 +113,6 @@ def run(args: argparse.Namespace) -> int:
         raise RankscopeError(str(exc), LAYOUT_FIX) from None
 
     from rankscope.analyzers.findings import finding_to_json
-    from rankscope.analyzers.progress import progress_at_capture, timing_not_fault
     from rankscope.analyzers.suspects import suspect_to_json
 
     analysis = job.stacks
@@ -121,8 +120,7 @@ def run(args: argparse.Namespace) -> int:
     # The one verdict (job.verdict): merged with CCL counters or a flight recorder where there are any, and
     # its suspects folded (a root's own groups and its victims are its evidence) in every case; set aside as
     # timing when the snapshot caught a job making steps, its ranks mid-step (see analyzers.progress).
-    progress = progress_at_capture(snapshot)
-    merged = job.verdict if progress is None or not progress.running else timing_not_fault(job.verdict, progress)
+    merged = job.verdict
     if job.merged_with:
         out["stacks_summary"] = out["summary"]
     out["summary"] = _not_a_rank_summary(merged) or merged.summary
@@ -342,12 +340,13 @@ def _empty_snapshot(path: Path) -> Any:
 
 
 def _rounds(snapshots: list[Any], layout: Any, options: Any) -> dict[str, object]:
-    from rankscope.analyzers.rounds import FailSlowRounds
-    from rankscope.analyzers.suspects import analyze_stacks, suspect_to_json
+    from rankscope.analyzers.analysis import analyze_job
+    from rankscope.analyzers.rounds import FailSlowRounds, round_of
+    from rankscope.analyzers.suspects import suspect_to_json
 
     rounds = FailSlowRounds(rounds=len(snapshots))
     for snap in snapshots:
-        rounds.add_round(analyze_stacks(snap, layout if layout is not None else snap.layout, options))
+        rounds.add_round(round_of(analyze_job(snap, layout if layout is not None else snap.layout, options)))
     degrader = rounds.flagged()
     return {
         "rounds": [{"index": r.index, "outliers": r.outliers, "summary": r.summary,

@@ -42,6 +42,7 @@ from rankscope.cli.options import add_failslow_args, add_layout_args, failslow_c
 
 if TYPE_CHECKING:
     from rankscope.analyzers.failslow import FailSlowVerdict
+    from rankscope.analyzers.rounds import StackRound
     from rankscope.contract.snapshot import JobSnapshot, Layout
     from rankscope.wire.tls import ClientTLS
 
@@ -172,14 +173,15 @@ def human_line(event: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------
 
 
-def _stack_round(snap: JobSnapshot, layout: Layout | None) -> tuple[object | None, str | None]:
-    """One aggregation round over a capture: (the analysis, or an error message)."""
-    from rankscope.analyzers.suspects import analyze_stacks
+def _stack_round(snap: JobSnapshot, layout: Layout | None) -> tuple[StackRound | None, str | None]:
+    """One aggregation round over a capture: (the round, or an error message)."""
+    from rankscope.analyzers.analysis import analyze_job
+    from rankscope.analyzers.rounds import round_of
 
     if not snap.all_stacks():
         return None, None  # no ranks, no round: nothing to count
     try:
-        return analyze_stacks(snap, layout), None
+        return round_of(analyze_job(snap, layout)), None
     except ValueError as exc:  # a layout that does not fit the job: say so, keep watching
         return None, f"stack round skipped: {exc}"
     except Exception as exc:  # an analyzer bug must cost this round, not the watch
@@ -230,7 +232,7 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
             ever_answered = ever_answered or any(m.reachable for m in snap.machines)
             if record is not None:
                 record.append(snap)
-            analysis: object | None = None
+            analysis: StackRound | None = None
             if stack_round:
                 analysis, problem = _stack_round(snap, layout)
                 stack_rounds += analysis is not None

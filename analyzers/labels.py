@@ -1,0 +1,81 @@
+"""How a suspect is named, the one place: verdict lines, headlines, fail-slow evidence, the TUI's titles.
+
+Every consumer (the merged verdict, the stack aggregation's summary, the
+fail-slow detector, ``rankscope analyze``, the TUI's verdict panel and
+action titles) names a suspect through these functions, so one suspect
+reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rankscope.analyzers.findings import Suspect
+from rankscope.analyzers.topology import compact_machines, compact_ranks
+
+
+def suspect_label(s: Suspect) -> str:
+    """A suspect's name without where it runs: ``PP group 1 (ranks 4-7)``, ``rank 5``, ``machine m2 (ranks 4-5)``.
+
+    The one way a suspect is named (verdict lines, fail-slow evidence, the
+    TUI's action titles and evict reasons).
+    """
+    ranks = compact_ranks(s.ranks) or "-"
+    kind = str(s.kind)
+    if kind == "rank":
+        return f"rank {ranks}"
+    if kind == "machine":
+        return f"machine {','.join(s.machines)} (ranks {ranks})"
+    label = "communicator" if kind == "comm" else f"{kind.upper()} group{'s' if len(s.groups) > 1 else ''}"
+    number = group_numbers(s)
+    return f"{label}{' ' + number if number else ''} (ranks {ranks})"
+
+
+def group_numbers(s: Suspect) -> str:
+    """Which groups of its kind a suspect is: ``6``, ``6-7`` when it spans several, empty when unknown."""
+    if len(s.groups) > 1:
+        return compact_ranks(s.groups)
+    return str(s.group_index) if s.group_index is not None else ""
+
+
+def headline(s: Suspect, *, own_words: bool = False) -> str:
+    """One line naming a suspect and its machines: ``rank 5 on machine-2``, ``PP group 3 (ranks 6,14) on m3, m7``.
+
+    ``own_words``: a group is named by its detector's own ``title`` (the stack
+    aggregation's ``PP groups 6-7 on machine-12..15``, which knows several
+    groups share the suspects), as one detector's own verdict does; a merged
+    verdict names it by ``suspect_label``. A desync is named by its title
+    (which peers it differs from) either way.
+    """
+    where = compact_machines(s.machines) or "unknown machines"
+    kind = str(s.kind)
+    if kind == "desync":
+        if s.title:
+            return s.title
+        return f"desync: ranks {compact_ranks(s.ranks)} on {where} are in a different collective from their peers"
+    if kind == "rank" and len(s.ranks) == 1 and s.victims:
+        state = f"{s.state}; " if s.state else ""  # (the counters tell who waits, not what the root does)
+        return f"rank {s.ranks[0]} on {where} ({state}{waiting_words(len(s.victims))} on it)"
+    if kind == "rank" and len(s.ranks) == 1:
+        return f"rank {s.ranks[0]} on {where}"
+    root = ""
+    if len(s.roots) == 1 and s.victims and s.ranks != s.roots:
+        state = f"{s.state}; " if s.state else ""
+        root = f", root rank {s.roots[0]} ({state}{waiting_words(len(s.victims))} on it)"
+    if kind == "machine":
+        return f"machine {where}{root}"
+    if own_words and s.title:
+        return s.title + root
+    return f"{suspect_label(s)} on {where}{root}"
+
+
+def waiting_words(n: int) -> str:
+    """``1 rank waits`` / ``7 ranks wait``."""
+    return f"{n} rank waits" if n == 1 else f"{n} ranks wait"
+
+
+def summary_of(named: Sequence[Suspect]) -> str:
+    """A detector's headline over the suspects it names: one's own words, or ``N separate suspects: a; b``."""
+    if len(named) == 1:
+        return headline(named[0], own_words=True)
+    return f"{len(named)} separate suspects: " + "; ".join(headline(s, own_words=True) for s in named)
