@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from rankscope.contract.bundle import Bundle, write_bundle
 from rankscope.contract.heap import settle_in_this_process
 from rankscope.contract.snapshot import JobSnapshot
+from rankscope.tui import digest as dg
 from rankscope.tui import state as st
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.sources import BundleSource
@@ -70,7 +71,7 @@ async def measure(path: Path, filters: tuple[str, ...], rounds: int) -> dict[str
         await pilot.pause()
         out["load"] = time.perf_counter() - t0
         snap = app.state.kept[-1]
-        polls = [await asyncio.to_thread(st.digest, bump(snap, 1.0 + i)) for i in range(2)]
+        polls = [await asyncio.to_thread(dg.digest, bump(snap, 1.0 + i)) for i in range(2)]
         for view, key in VIEWS:
             await pilot.press(key)
             await pilot.pause()
@@ -78,7 +79,7 @@ async def measure(path: Path, filters: tuple[str, ...], rounds: int) -> dict[str
             for i in range(rounds):
                 d = polls[i % 2]
                 t = time.perf_counter()
-                app.state = st.apply_snapshot(app.state, d, d.wall)
+                app.state = st.apply_poll(app.state, d, d.wall)
                 app.redraw()
                 ours.append(time.perf_counter() - t)
                 await pilot.pause()

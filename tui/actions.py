@@ -59,6 +59,8 @@ from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.analyzers.verdict import suspect_label
 from rankscope.contract.errors import RankscopeError
+from rankscope.tui import health as hl
+from rankscope.tui import staleness
 from rankscope.tui import state as st
 from rankscope.tui import state_actions as sa
 from rankscope.tui.analysis import StackView
@@ -244,7 +246,7 @@ class PlanSummary:
 def backup_title(state: st.AppState) -> str:
     """The backup modal's title; on a hung job it says first that no shard will come (a rank snapshots its state
     at a step boundary, and a hung rank reaches none), so a person at 3 a.m. does not wait a minute to learn it."""
-    h = st.health(state)
+    h = hl.health(state)
     if h.kind != "hung":
         return "Checkpoint backup"
     return (f"Checkpoint backup — the job is {h.text}: no rank reaches a step boundary, so no shard will come and "
@@ -379,7 +381,7 @@ class ActionController:
     def evict(self, selected_rank: int | None = None) -> None:
         if self._refuse_if_cannot_act():
             return
-        stale = st.verdict_stale(self.app.state)
+        stale = staleness.verdict_stale(self.app.state)
         if stale is not None:
             # A verdict of another launch, or of a job that moved on, must never pick machines to take out.
             self.app.notify(f"nothing to evict now: the verdict on screen is stale ({stale})\n"

@@ -31,6 +31,9 @@ from rankscope.contract.bundle import Bundle, write_bundle
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.heap import settle, settle_in_this_process
 from rankscope.contract.snapshot import JobSnapshot, Layout
+from rankscope.tui import digest as dg
+from rankscope.tui import health as hl
+from rankscope.tui import staleness
 from rankscope.tui import state as st
 from rankscope.tui.actions import ActionController
 from rankscope.tui.analysis import StackView, build_stack_view, rank_stack_lines, verdict_text
@@ -179,12 +182,7 @@ class RankscopeApp(App[int]):
         # Agents the hostfile marks evicted (before this view attached) are evicted from the first reading on,
         # never "lost": the first poll's stand-ins for them read as agents that stopped answering.
         self._fold_evicted_addresses()
-        for d, view in steps:
-            now = self._now(d.wall)
-            if view is None:
-                self.state = st.apply_snapshot(self.state, d, now)
-            else:
-                self.state = st.apply_capture(self.state, d, view, now)
+        self.state = st.apply_series(self.state, ((d, view, self._now(d.wall)) for d, view in steps))
         before = sorted(m.name for m in self.state.machines if m.evicted)
         if before:
             self.state = st.apply_info(self.state, f"evicted before this view attached (the hostfile marks them): "
@@ -203,7 +201,7 @@ class RankscopeApp(App[int]):
                 # no counters may be hung already, and its stack is all there is to tell.
                 clock = self.state.clock
                 if clock is not None and clock.starting and \
-                        st.health(self.state).kind == "starting":
+                        hl.health(self.state).kind == "starting":
                     self.state = st.apply_await_start(self.state)
                 else:
                     self.action_capture()
@@ -212,7 +210,7 @@ class RankscopeApp(App[int]):
     async def _poll(self) -> None:
         async def deliver(snap: JobSnapshot) -> None:
             settle()
-            d = await asyncio.to_thread(st.digest, snap)
+            d = await asyncio.to_thread(dg.digest, snap)
             self.post_message(SnapshotReceived(d, self.clock()))
 
         def failed(exc: BaseException) -> None:
@@ -240,13 +238,7 @@ class RankscopeApp(App[int]):
         self._fold_evicted_addresses()  # a re-read hostfile may have marked agents evicted
         before = {m.name: m.reachable for m in self.state.machines}
         quiet = self.state.restarting  # agents away for a restart: no "lost"/"is back" toasts for them
-        restarts = self.state.restarts
-        self.state = st.apply_snapshot(self.state, message.digest, self._now(message.digest.wall))
-        if self.state.restarts != restarts and self.source.live:
-            # The stacks on screen are of processes that are gone: look at the new ones, but only once they
-            # have made a step -- ranks importing or at rendezvous are no steady state to compare.
-            self.state = st.apply_await_start(self.state)
-        self.state = st.apply_counters_seen(self.state, message.digest)
+        self.state = st.apply_poll(self.state, message.digest, self._now(message.digest.wall))
         if st.started_capture_due(self.state):
             self.state = st.apply_started_captured(self.state)
             self.action_capture()
@@ -263,11 +255,11 @@ class RankscopeApp(App[int]):
         self._maybe_capture()
 
     def on_capture_analyzed(self, message: CaptureAnalyzed) -> None:
-        self.state = st.apply_capture(st.apply_capture_ended(self.state), message.digest, message.view,
-                                      self._now(message.digest.wall))
+        self.state = st.apply_capture_analyzed(self.state, message.digest, message.view,
+                                               self._now(message.digest.wall))
         mark = self.state.verdict
         if self.options.on_verdict is not None and message.view.verdict.suspects and mark is not None \
-                and not mark.running and st.verdict_stale(self.state) is None:
+                and not mark.running and staleness.verdict_stale(self.state) is None:
             self.options.on_verdict(message.view.verdict, message.digest.wall, self.state.machine_of_rank())
         self.failslow.feed(message.digest.snapshot, message.view)  # a capture is also a stack-aggregation round
         self.redraw()
@@ -603,19 +595,19 @@ class RankscopeApp(App[int]):
             await asyncio.wait_for(self.source.close(), timeout=2.0)
 
 
-def _digest_capture(snap: JobSnapshot, layout: Layout | None) -> tuple[st.PollDigest, StackView]:
-    return st.digest(snap), build_stack_view(snap, layout)
+def _digest_capture(snap: JobSnapshot, layout: Layout | None) -> tuple[dg.PollDigest, StackView]:
+    return dg.digest(snap), build_stack_view(snap, layout)
 
 
 def _digest_series(snaps: Sequence[JobSnapshot], layout: Layout | None,
-                   analyze_limit: int = 4096) -> list[tuple[st.PollDigest, StackView | None]]:
+                   analyze_limit: int = 4096) -> list[tuple[dg.PollDigest, StackView | None]]:
     """Digest a bundle's series; analyze each capture while cheap, else only the last one."""
     with_stacks = [i for i, s in enumerate(snaps) if any(m.stacks for m in s.machines)]
     world = max((s.world_size or 0 for s in snaps), default=0)
     analyze = set(with_stacks) if world * len(with_stacks) <= analyze_limit else set(with_stacks[-1:])
-    out: list[tuple[st.PollDigest, StackView | None]] = []
+    out: list[tuple[dg.PollDigest, StackView | None]] = []
     for i, s in enumerate(snaps):
-        out.append((st.digest(s), build_stack_view(s, layout) if i in analyze else None))
+        out.append((dg.digest(s), build_stack_view(s, layout) if i in analyze else None))
     return out
 
 

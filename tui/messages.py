@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from rankscope.actions.model import AuditRecord
 from rankscope.tui.analysis import StackView
-from rankscope.tui.state import PollDigest
+from rankscope.tui.digest import PollDigest
 from rankscope.tui.state_actions import ActionsState
 from textual.message import Message
 

@@ -1,4 +1,4 @@
-"""The app's state as a pure function of what it received.
+"""The store: the app's state as a pure function of what it received, and the reducers that fold it.
 
 Every snapshot (a poll or a capture) is first digested into a ``PollDigest``
 (off the UI thread: it walks every rank's counters), then folded into an
@@ -7,313 +7,38 @@ only, so the same sequence of snapshots always draws the same screens: two
 engineers attached to the same agents see the same thing, and a recorded
 bundle replays exactly.
 
+The other ideas live beside it: the digest of one snapshot
+(``rankscope.tui.digest``), the health rules (``rankscope.tui.health``), the
+filter (``rankscope.tui.filter``), start-up classification
+(``rankscope.tui.startup``) and whether a verdict is stale
+(``rankscope.tui.staleness``).
+
 Times shown are taken from the snapshots, never from the clock here: ``now``
 is passed in (the receive time when live, the bundle's own time offline).
 """
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 
 import numpy as np
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionState, AuditRecord
-from rankscope.analyzers.metric_outliers import snapshot_outliers
-from rankscope.analyzers.progress import mid_step_window
-from rankscope.analyzers.series import METRICS as SERIES_METRICS
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.contract.snapshot import (
-    GpuMetrics,
-    HostMetrics,
-    JobSnapshot,
-    Layout,
-    MachineSnapshot,
-    RankStacks,
-    main_thread,
-)
+from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui.analysis import StackView
+from rankscope.tui.digest import CommView, JobClock, MachineView, MetricRow, PollDigest, job_clock
 from rankscope.tui.failslow_state import FailSlowView
+from rankscope.tui.filter import NO_FILTER, Filter, compile_filter
+from rankscope.tui.health import fmt_time, health, making_steps, running_capture_text
+from rankscope.tui.startup import importing_stack
 from rankscope.tui.state_actions import ActionsState, audit_line_text, drop_notes, log_note, log_record
 
 HISTORY = 60  # points kept for sparklines (one per poll, about a minute at 1 Hz)
 EVENTS_KEPT = 500
 # Snapshots kept for `w`: bounded by ranks so 16k-rank jobs do not eat the memory.
 KEPT_RANK_SNAPSHOTS = 65_536
-
-
-# --------------------------------------------------------------------------
-# digests of one snapshot
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class MachineView:
-    name: str
-    address: str
-    reachable: bool
-    error: str | None
-    ranks: tuple[int, ...]
-    host: HostMetrics | None
-    gpus: tuple[GpuMetrics, ...]
-    gpu_note: str | None
-    pids: tuple[int, ...] = ()  # the ranks' main pids: new pids for the same ranks mean the job restarted
-    evicted: bool = False  # an eviction of this machine succeeded: it runs none of the job's ranks any more
-    # The agent's memory of the job (rankscope.wire.rank_progress), in the agent's clock; ages are measured on the
-    # agent's own clock too (its reading's time minus the mark), so no two machines' clocks are compared.
-    clock_info: bool = False  # the agent reports these at all (older agents and bundles do not)
-    progress_mark: float | None = None  # the latest progress of any of its ranks
-    progress_age_s: float | None = None
-    start_mark: float | None = None  # the youngest of its rank processes started then
-    start_age_s: float | None = None
-    # Ranks with no progress yet in their current process: known to be starting (their counters show no step
-    # yet, or their stack is in imports or at rendezvous), or of unknown state (no counters, no stack change).
-    starting: tuple[int, ...] = ()
-    unknown: tuple[int, ...] = ()
-    seen_mark: float | None = None  # when it last saw a rank of the job
-    seen_age_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CommRow:
-    """One rank's counters in one communicator, summed over operation kinds."""
-
-    rank: int
-    cl: int
-    wr: int
-    wc: int
-    lags: bool  # launched fewer collectives than the others of its communicator
-    open_requests: bool  # wc < wr: requests issued and not completed
-    stale: bool
-
-
-@dataclass(frozen=True, slots=True)
-class CommView:
-    comm_id: str
-    description: str
-    backend: str
-    ranks: tuple[int, ...]
-    rows: tuple[CommRow, ...]
-    missing: tuple[int, ...]  # member ranks with no counters
-    progress: int  # sum of completed requests: moves while the communicator works
-    mismatch: bool  # a member lags in launches or has open requests (computed once, sorted on often)
-
-
-METRICS = ("cpu", "mem", "load", "gpu", "gmem", "temp", "power")
-
-
-@dataclass(frozen=True, slots=True)
-class MetricRow:
-    """One line of the metrics view: a GPU of a machine (or the machine when it has none)."""
-
-    key: str  # "<machine>/gpu<i>" or "<machine>/cpu": the sparkline's key too
-    machine: str
-    gpu: int | None
-    reachable: bool
-    ranks: tuple[int, ...]
-    values: tuple[float | None, ...]  # in METRICS order
-    outliers: frozenset[str]  # names from METRICS that stand out among their peers
-    evicted: bool = False  # taken out of the job: its agent is stopped on purpose, not lost
-
-
-def _pct(used: int | None, total: int | None) -> float | None:
-    if used is None or not total:
-        return None
-    return 100.0 * used / total
-
-
-# The series specs (direction, noise floor) of the columns, so the view flags what the detector would.
-_METRIC_SPECS = tuple(SERIES_METRICS[n] for n in ("host_cpu_percent", "host_mem_percent", "host_load_1m",
-                                                  "gpu_util_percent", "gpu_mem_used_percent", "gpu_temperature_c",
-                                                  "gpu_power_w"))
-_HOST_COLUMNS = 3  # cpu, mem, load: one reading per machine, compared machine with machine
-
-
-def metric_rows(machines: Sequence[MachineView]) -> tuple[MetricRow, ...]:
-    """Rows with their outliers (beyond λ±2δ of their peers, Aegis §5.1: ``snapshot_outliers``), outliers first.
-
-    Host columns compare machines (a machine's GPU rows repeat its host
-    reading, which must not count as its own peers); GPU columns compare GPUs.
-    """
-    raw: list[tuple[str, MachineView, int | None, tuple[float | None, ...]]] = []
-    for m in machines:
-        h = m.host
-        host = (h.cpu_percent, _pct(h.mem_used_bytes, h.mem_total_bytes), h.load_1m) if h else (None, None, None)
-        if m.gpus:
-            for g in m.gpus:
-                raw.append((f"{m.name}/gpu{g.index}", m, g.index,
-                            (*host, g.util_percent, _pct(g.mem_used_bytes, g.mem_total_bytes), g.temperature_c,
-                             g.power_w)))
-        else:
-            raw.append((f"{m.name}/cpu", m, None, (*host, None, None, None, None)))
-    if not raw:
-        return ()
-    table = np.array([[np.nan if v is None else v for v in r[3]] for r in raw], dtype=float)
-    flags = np.zeros(table.shape, dtype=bool)
-    first: dict[str, int] = {}  # machine name -> its first row
-    slot: dict[str, int] = {}  # machine name -> its place among the machines
-    for i, r in enumerate(raw):
-        if r[1].name not in first:
-            slot[r[1].name] = len(first)
-            first[r[1].name] = i
-    of_machine = np.fromiter((slot[r[1].name] for r in raw), dtype=np.intp, count=len(raw))
-    host_flags = snapshot_outliers(table[list(first.values()), :_HOST_COLUMNS], _METRIC_SPECS[:_HOST_COLUMNS])
-    flags[:, :_HOST_COLUMNS] = host_flags[of_machine]
-    flags[:, _HOST_COLUMNS:] = snapshot_outliers(table[:, _HOST_COLUMNS:], _METRIC_SPECS[_HOST_COLUMNS:])
-    rows = [MetricRow(key, m.name, gi, m.reachable, m.ranks, vals,
-                      frozenset(METRICS[j] for j in np.flatnonzero(flags[i])) if flags[i].any() else frozenset())
-            for i, (key, m, gi, vals) in enumerate(raw)]
-    order = np.argsort(~flags.any(axis=1), kind="stable")
-    return tuple(rows[i] for i in order)
-
-
-@dataclass(frozen=True, slots=True)
-class PollDigest:
-    snapshot: JobSnapshot
-    wall: float
-    machines: tuple[MachineView, ...]
-    comms: tuple[CommView, ...]
-    steps: int | None  # the most optimizer steps any rank reported
-    progress: int  # steps + every collective completion: moves while anything moves
-    world_size: int | None
-    has_stacks: bool
-    # Readings for the sparklines, keyed and ordered here (off the UI thread) so folding them in is one array copy.
-    metric_keys: tuple[str, ...] = ()
-    metric_values: np.ndarray = field(default_factory=lambda: np.empty(0))
-    comm_keys: tuple[str, ...] = ()
-    comm_values: np.ndarray = field(default_factory=lambda: np.empty(0))
-    metric_rows: tuple[MetricRow, ...] = ()
-
-
-def _machine_view(m: MachineSnapshot) -> MachineView:
-    err = None
-    if m.error is not None:
-        err = m.error.message  # its first words say what happened (token refused, nothing listening, ...)
-    gpus: tuple[GpuMetrics, ...] = ()
-    note = None
-    if m.gpus is not None:
-        gpus = m.gpus.gpus
-        if not m.gpus.available:
-            note = m.gpus.reason or "no GPU"
-    ranks = sorted(m.ranks, key=lambda r: r.rank)
-    wall = m.captured.wall if m.captured is not None else None
-    info = m.reachable and wall is not None and (
-        m.generation is not None or any(r.started_wall is not None for r in ranks))
-    if not info or wall is None:
-        return MachineView(m.machine, m.address, m.reachable, err, tuple(r.rank for r in ranks), m.host, gpus, note,
-                           tuple(r.pid for r in ranks))
-    progress = max((r.last_progress_wall for r in ranks if r.last_progress_wall is not None), default=None)
-    start = max((r.started_wall for r in ranks if r.started_wall is not None), default=None)
-    pid_of = {r.rank: r.pid for r in ranks}
-    known = {c.rank for c in m.counters if not c.error and c.pid in (None, pid_of.get(c.rank))}
-    known |= {s.rank for s in m.stacks if starting_stack(s)}
-    quiet = [r.rank for r in ranks if r.last_progress_wall is None]
-    return MachineView(
-        m.machine, m.address, m.reachable, err, tuple(r.rank for r in ranks), m.host, gpus, note,
-        tuple(r.pid for r in ranks), clock_info=True,
-        progress_mark=progress, progress_age_s=None if progress is None else max(0.0, wall - progress),
-        start_mark=start, start_age_s=None if start is None else max(0.0, wall - start),
-        starting=tuple(r for r in quiet if r in known), unknown=tuple(r for r in quiet if r not in known),
-        seen_mark=m.ranks_seen_wall, seen_age_s=None if m.ranks_seen_wall is None else max(0.0, wall - m.ranks_seen_wall),
-    )
-
-
-# Where a rank's main thread is while its process is still starting: importing modules, or meeting the others.
-_STARTUP_FILES = ("<frozen importlib",)
-_STARTUP_FUNCTIONS = frozenset({"init_process_group", "rendezvous", "_store_based_barrier", "next_rendezvous",
-                                "_rendezvous_helper", "_create_tcp_store", "_init_process_group_helper"})
-
-
-def starting_stack(stacks: RankStacks) -> bool:
-    """Whether a rank's stack shows it still starting (not a steady state to compare with the others')."""
-    main = main_thread(stacks.main)
-    if main is None:
-        return False
-    return any(f.filename.startswith(_STARTUP_FILES) or f.name in _STARTUP_FUNCTIONS for f in main.frames)
-
-
-def importing_stack(stacks: RankStacks) -> bool:
-    """Whether a rank's main thread is importing modules (starting, however long imports take on a loaded host)."""
-    threads = stacks.main.threads or ()
-    main = next((t for t in threads if t.thread_name == "MainThread"), threads[0] if threads else None)
-    return main is not None and any(f.filename.startswith(_STARTUP_FILES) for f in main.frames)
-
-
-_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
-
-
-def _keys(keys: Iterable[str]) -> tuple[str, ...]:
-    """The same key tuple object for the same keys, so the UI thread compares by identity, not 16k strings."""
-    t = tuple(keys)
-    got = _KEYS.get(t)
-    if got is None:
-        if len(_KEYS) > 8:
-            _KEYS.clear()
-        _KEYS[t] = got = t
-    return got
-
-
-def digest(snapshot: JobSnapshot) -> PollDigest:
-    """Everything the views need from one snapshot, computed once (O(ranks × ops))."""
-    machines = sorted(
-        (_machine_view(m) for m in snapshot.machines),
-        key=lambda mv: (mv.ranks[0] if mv.ranks else 1 << 62, mv.name),
-    )
-    members: dict[str, tuple[str, str, tuple[int, ...]]] = {}
-    totals: dict[str, dict[int, list[int]]] = {}
-    stale: set[int] = set()
-    steps: int | None = None
-    has_stacks = False
-    for m in snapshot.machines:
-        has_stacks = has_stacks or bool(m.stacks)
-        for rc in m.counters:
-            if rc.stale or rc.error:
-                stale.add(rc.rank)
-            if rc.steps is not None:
-                steps = rc.steps if steps is None else max(steps, rc.steps)
-            for c in rc.communicators:
-                members.setdefault(c.comm_id, (c.description, c.backend, c.ranks))
-            for op in rc.ops:
-                t = totals.setdefault(op.comm_id, {}).setdefault(rc.rank, [0, 0, 0])
-                t[0] += op.cl
-                t[1] += op.wr
-                t[2] += op.wc
-    comms: list[CommView] = []
-    progress = steps or 0
-    for cid in sorted(set(members) | set(totals)):
-        desc, backend, ranks = members.get(cid, ("", "", tuple(sorted(totals.get(cid, {})))))
-        per = totals.get(cid, {})
-        top_cl = max((v[0] for v in per.values()), default=0)
-        rows = tuple(
-            CommRow(r, v[0], v[1], v[2], v[0] < top_cl, v[2] < v[1], r in stale) for r, v in sorted(per.items())
-        )
-        done = sum(v[2] for v in per.values())
-        progress += done
-        missing = tuple(r for r in ranks if r not in per)
-        mismatch = any(r.lags or r.open_requests for r in rows)
-        comms.append(CommView(cid, desc, backend, tuple(ranks), rows, missing, done, mismatch))
-    readings: dict[str, float] = {}
-    for mv in machines:
-        if not mv.reachable:
-            continue
-        if mv.host is not None and mv.host.cpu_percent is not None:
-            readings[f"{mv.name}/cpu"] = mv.host.cpu_percent
-        for g in mv.gpus:
-            if g.util_percent is not None:
-                readings[f"{mv.name}/gpu{g.index}"] = g.util_percent
-    return PollDigest(
-        snapshot, snapshot.captured.wall, tuple(machines), tuple(comms), steps, progress, snapshot.world_size,
-        has_stacks, _keys(readings), np.fromiter(readings.values(), dtype=float, count=len(readings)),
-        _keys(c.comm_id for c in comms), np.fromiter((float(c.progress) for c in comms), dtype=float, count=len(comms)),
-        metric_rows(machines),
-    )
-
-
-# --------------------------------------------------------------------------
-# the state
-# --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -359,47 +84,6 @@ class Series:
 
 
 @dataclass(frozen=True, slots=True)
-class JobClock:
-    """The job's state as its agents remember it, over the machines of the job (evicted ones are not).
-
-    Marks are agent wall-clock times (shown as they are, so every view shows
-    the same "since"); ages are measured by each agent on its own clock.
-    """
-
-    running: bool  # some machine of the job runs ranks
-    progress_mark: float | None  # the job's latest progress in its current launch (None: none yet)
-    progress_age_s: float | None
-    start_mark: float | None  # the youngest rank process started then
-    start_age_s: float | None
-    starting: tuple[int, ...]  # ranks known to be before their first step (MachineView.starting)
-    unknown: tuple[int, ...]  # ranks with no progress and no way to tell (no counters, no stack change yet)
-    seen_mark: float | None  # ranks were last seen then (for a job with none running now)
-    seen_age_s: float | None
-
-
-def _latest(pairs: Iterable[tuple[float | None, float | None]]) -> tuple[float | None, float | None]:
-    """The latest mark and the smallest age among machines' (mark, age) pairs."""
-    got = [(m, a) for m, a in pairs if m is not None and a is not None]
-    if not got:
-        return None, None
-    return max(m for m, _ in got), min(a for _, a in got)
-
-
-def job_clock(machines: Sequence[MachineView]) -> JobClock | None:
-    """None when no reachable machine of the job reports the agents' memory (older agents, bundles)."""
-    ms = [m for m in machines if m.reachable and not m.evicted and m.clock_info]
-    if not ms:
-        return None
-    running = [m for m in ms if m.ranks]
-    progress = _latest((m.progress_mark, m.progress_age_s) for m in running)
-    start = _latest((m.start_mark, m.start_age_s) for m in running)
-    seen = _latest((m.seen_mark, m.seen_age_s) for m in ms)
-    starting = tuple(sorted(r for m in running for r in m.starting))
-    unknown = tuple(sorted(r for m in running for r in m.unknown))
-    return JobClock(bool(running), *progress, *start, starting, unknown, *seen)
-
-
-@dataclass(frozen=True, slots=True)
 class VerdictMark:
     """What the job was doing when the capture behind the verdict was taken (see ``verdict_stale``)."""
 
@@ -420,28 +104,6 @@ class Event:
     wall: float
     kind: str  # capture, verdict, lost, found, capture-failed, hung, resumed, restarted, evicted, action, info
     text: str
-
-
-# --------------------------------------------------------------------------
-# filter
-# --------------------------------------------------------------------------
-
-_RANKS = re.compile(r"^\s*r?(\d+)(?:\s*-\s*(\d+))?\s*$")
-
-
-@dataclass(frozen=True, slots=True)
-class Filter:
-    """What `/` selects: ranks by number or range, machines by name, or ranks whose stacks contain the text."""
-
-    text: str
-    ranks: frozenset[int]
-
-    @property
-    def active(self) -> bool:
-        return bool(self.text)
-
-
-NO_FILTER = Filter("", frozenset())
 
 
 @dataclass(frozen=True, slots=True)
@@ -500,12 +162,6 @@ class AppState:
 
     def machine_of_rank(self) -> dict[int, str]:
         return {r: m.name for m in self.machines for r in m.ranks}
-
-
-def fmt_time(wall: float | None) -> str:
-    if wall is None:
-        return "-"
-    return datetime.fromtimestamp(wall, UTC).strftime("%H:%M:%S")
 
 
 def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
@@ -772,86 +428,30 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     return apply_filter(s, s.filter.text) if s.filter.active else s
 
 
-def making_steps(state: AppState) -> bool:
-    """The job stepped within ``mid_step_window`` of its step time (``rankscope analyze``'s rule too), per its
-    agents (or, without their memory, by the readings' progress counts): a capture now finds its ranks mid-step.
-
-    Not the same as "healthy": for ``hang_after_s`` after a job stops it still reads healthy, and a capture then
-    (``s`` in the first seconds of a hang) must keep its suspects.
-    """
-    pts = state.progress_points
-    if not pts:
-        return False
-    rate = step_rate(state)
-    window = mid_step_window(1.0 / rate if rate else None)
-    clock = state.clock
-    if clock is not None:
-        return clock.progress_mark is not None and clock.progress_age_s is not None and clock.progress_age_s <= window
-    # Steps where the job counts them (its operations move within a step, and a rank stalling mid-step still
-    # moved them a moment ago), else the summed operation counters.
-    if len(state.step_points) >= 2:
-        pts = state.step_points
-    now, count = pts[-1]
-    earlier = [c for wall, c in pts[:-1] if now - wall <= window]
-    return bool(earlier) and earlier[0] != count
+def apply_poll(state: AppState, d: PollDigest, now_wall: float) -> AppState:
+    """The app's handling of one poll (``SnapshotReceived``): its readings folded in; when they show the job
+    restarted, the automatic capture waits for the new processes' first step (the stacks on screen are of
+    processes that are gone, and ranks importing or at rendezvous are no steady state to compare); and whether the
+    job's ranks have shown counters is kept. ``started_capture_due`` then says whether that capture goes now."""
+    restarts = state.restarts
+    s = apply_snapshot(state, d, now_wall)
+    if s.restarts != restarts:
+        s = apply_await_start(s)
+    return apply_counters_seen(s, d)
 
 
-def running_capture_text(view: StackView) -> str:
-    """What a capture of a job making steps says instead of suspects."""
-    n = len(view.verdict.suspects)
-    if not n:
-        return "no verdict: the job was making progress and every rank's stack agrees"
-    what = "the one stack difference between its ranks" if n == 1 else f"the {n} stack differences between its ranks"
-    return (f"no verdict: the job was making progress, so {what} (caught at different points of a step) "
-            f"{'is' if n == 1 else 'are'} timing, not a fault")
+def apply_series(state: AppState, readings: Iterable[tuple[PollDigest, StackView | None, float]]) -> AppState:
+    """Readings the app loads at once (a recorded series, or a live view's first), in order: (digest, the capture's
+    analysis or None for a poll, now). A capture is folded with its analysis, a poll as its readings."""
+    for d, view, now_wall in readings:
+        state = apply_snapshot(state, d, now_wall) if view is None else apply_capture(state, d, view, now_wall)
+    return state
 
 
-def verdict_stale(state: AppState) -> str | None:
-    """Why the verdict on screen no longer describes the job (None: it does).
-
-    A verdict belongs to one capture of one launch in one state: it goes
-    stale when the job restarts, progresses after it, or has no ranks left;
-    a capture of ranks still starting is never a steady state. A stale
-    verdict is shown for reading but never aims an action.
-    """
-    mark = state.verdict
-    if state.stacks is None or mark is None:
-        return None
-    if mark.restarting:
-        return "taken while the job was restarting"
-    if state.restarts > mark.restarts:
-        return "the job restarted after this capture"
-    evicted = state.evicted | {m.name for m in state.machines if m.evicted}
-    acted = sorted({m for s in state.stacks.verdict.suspects for m in s.machines} & evicted)
-    if acted:
-        return f"its suspects {' '.join(acted)} were evicted"
-    job = [m for m in state.job_machines if m.reachable]
-    silent = any(m.ranks for m in state.job_machines if not m.reachable)  # lost agents keep their last ranks
-    if job and not silent and not any(m.ranks for m in job):
-        return "the job has no ranks running now"
-    if mark.starting:
-        return f"taken while ranks {compact_ranks(mark.starting, 4)} were still starting"
-    clock = state.clock
-    if mark.clock_info and clock is not None:
-        # A capture that carried no progress mark (its readings had none) is dated by its own time: a hang's
-        # last step before it is no progress after it.
-        before = mark.progress_mark if mark.progress_mark is not None else mark.wall
-        if clock.progress_mark is not None and clock.progress_mark > before:
-            return f"the job progressed after it (last step {fmt_time(clock.progress_mark)})"
-    elif state.progress_points and state.progress_points[-1][1] != mark.progress_count:
-        return "the job progressed after it"
-    return None
-
-
-def map_groups(state: AppState) -> Mapping[int, int]:
-    """The capture's stack group of each rank, for the rank map: none once the job restarted after the capture.
-
-    The new processes have their ranks on other machines (standbys): coloured by the old capture, a standby
-    showed the hung rank's group (the injected frame) while the restarted job was still starting.
-    """
-    if state.stacks is None or (state.verdict is not None and state.restarts > state.verdict.restarts):
-        return {}
-    return state.stacks.group_of_rank
+def apply_capture_analyzed(state: AppState, d: PollDigest, view: StackView, now_wall: float) -> AppState:
+    """The app's handling of an analyzed capture (``CaptureAnalyzed``): the capture has ended, and its readings and
+    analysis are folded in."""
+    return apply_capture(apply_capture_ended(state), d, view, now_wall)
 
 
 def apply_failure(state: AppState, what: str, message: str, now_wall: float) -> AppState:
@@ -862,193 +462,6 @@ def apply_info(state: AppState, message: str, now_wall: float) -> AppState:
     return apply_failure(state, "info", message, now_wall)
 
 
-# --------------------------------------------------------------------------
-# derived figures
-# --------------------------------------------------------------------------
-
-
-def step_rate(state: AppState) -> float | None:
-    """Steps per second over the kept window, from the counters (None without step counters)."""
-    pts = state.step_points
-    if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
-        return None
-    return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
-
-
-RATE_WINDOW_S = 10.0  # the header's step rate: over this recent window, never the kept minute's average
-QUIET_MIN_S = 5.0  # no progress this long (or three usual steps, if longer) is no longer "healthy"
-
-
-def recent_step_rate(state: AppState, window_s: float = RATE_WINDOW_S) -> float | None:
-    """Steps per second over the last ``window_s`` of readings (the last two when they are further apart).
-
-    A lifetime (or whole-minute) average hid a hang: 22 s into one the header still read 0.62 steps/s.
-    """
-    pts = state.step_points
-    if len(pts) < 2:
-        return None
-    end_wall, end = pts[-1]
-    start = next((p for p in pts if end_wall - p[0] <= window_s), pts[-2])
-    if start[0] >= end_wall:
-        start = pts[-2]
-    span = end_wall - start[0]
-    return (end - start[1]) / span if span > 0 else None
-
-
-def progress_age(state: AppState) -> float | None:
-    """Seconds since the job's last progress (a step, or collective progress), per its agents or the readings."""
-    clock = state.clock
-    if clock is not None:
-        return clock.progress_age_s if clock.running else None
-    if state.last_progress_wall is None or not state.progress_points:
-        return None
-    return max(0.0, state.progress_points[-1][0] - state.last_progress_wall)
-
-
-def quiet_after(state: AppState) -> float:
-    """No progress this long makes the job "stalled" (before it is hung): three usual steps, at least
-    ``QUIET_MIN_S``, always before the hang threshold."""
-    rate = step_rate(state)
-    usual = 3.0 / rate if rate else 0.0
-    return min(max(QUIET_MIN_S, usual), 0.8 * state.hang_after_s)
-
-
-@dataclass(frozen=True, slots=True)
-class Health:
-    kind: str  # healthy, stalled, hung, slow, starting, idle, finished, unknown
-    text: str
-
-
-def _clock_health(clock: JobClock, hang_after_s: float) -> Health | None:
-    """The job's state from its agents' memory; None: progressing (the step rate decides healthy or slow)."""
-    if not clock.running:
-        if clock.seen_mark is None or clock.seen_age_s is None:
-            return Health("idle", "no ranks running: the agents answer but have seen none of the job's ranks")
-        if clock.seen_age_s < hang_after_s:
-            return Health("idle", f"no ranks running since {fmt_time(clock.seen_mark)} (stopping or restarting)")
-        return Health("finished", f"finished: no ranks running since {fmt_time(clock.seen_mark)}")
-    if clock.progress_mark is None or clock.progress_age_s is None:
-        age = clock.start_age_s
-        if not clock.starting:
-            if age is not None and age < hang_after_s:  # new processes (a restart) before their counters exist
-                return Health("starting", f"starting: {len(clock.unknown)} ranks before their first step")
-            return Health("unknown", "progress unknown: no counters (CCL plugin not loaded?) and no stack "
-                          "change between captures yet")
-        if age is not None and age >= hang_after_s:
-            return Health("hung", f"hung since its start at {fmt_time(clock.start_mark)} ({age:.0f} s): "
-                          "no rank has made a step")
-        return Health("starting", f"starting: {len(clock.starting)} ranks before their first step")
-    if clock.progress_age_s >= hang_after_s:
-        return Health("hung", f"hung since {fmt_time(clock.progress_mark)} ({clock.progress_age_s:.0f} s)")
-    return None
-
-
-def health(state: AppState) -> Health:
-    """What the job is doing now (hung after ``state.hang_after_s`` without progress), read from the state."""
-    hang_after_s = state.hang_after_s
-    if not state.progress_points:
-        return Health("unknown", "waiting for the first poll")
-    job = state.job_machines
-    running = [m for m in job if m.reachable]
-    if job and not running:
-        first = next((m.error for m in job if m.error), None)
-        if state.awaiting_restart or all(m.name in state.restarting for m in job):
-            # The launcher restarts the remaining machines' agents with the job.
-            return Health("idle", "restarting: the job's agents do not answer yet")
-        return Health("unknown", f"no agent answers: {first}" if first else "no agent of the job answers")
-    silent = [m for m in job if not m.reachable and m.ranks]
-    clock = state.clock
-    if silent and not any(m.ranks for m in running):
-        if state.awaiting_restart or all(m.name in state.restarting for m in silent):
-            # Their agents restart with the job (an eviction, a hot-update): not lost.
-            return Health("idle", f"restarting: the agents of the job's ranks restart with it ({len(silent)})")
-        # The ranks live on machines whose agents do not answer now: nothing can be said about the job.
-        return Health("unknown", f"the agents of the job's ranks do not answer ({len(silent)}): "
-                      f"{silent[0].error or 'no answer'}")
-    if clock is not None and not clock.running and state.awaiting_restart:
-        seen = f" since {fmt_time(clock.seen_mark)}" if clock.seen_mark is not None else ""
-        return Health("idle", f"restarting: no ranks running{seen}")
-    if clock is not None:
-        clocked = _clock_health(clock, hang_after_s)
-        if clocked is not None:
-            return clocked
-    elif running and not any(m.ranks for m in running):
-        # Not a hang: nothing to wait for. The job ended, has not started, or is between a stop and a restart.
-        return Health("idle", "no ranks running")
-    else:
-        if len(state.progress_points) < 2:
-            # One reading says nothing about progress (a bundle of one capture, the first poll): not "healthy".
-            return Health("unknown", "progress unknown (one reading)")
-        last = state.progress_points[-1]
-        if last[1] == 0 and not state.comms:
-            return Health("unknown", "no counters (CCL plugin not loaded?)")
-        since = state.last_progress_wall
-        if since is not None and last[0] - since >= hang_after_s:
-            return Health("hung", f"hung since {fmt_time(since)} ({last[0] - since:.0f} s)")
-    age = progress_age(state)
-    if age is not None and age >= quiet_after(state):
-        # Between a quiet spell and the hang threshold: not "healthy" ("healthy │ 0.62 steps/s" 22 s into a hang).
-        return Health("stalled", f"no progress for {age:.0f} s")
-    pts = state.step_points
-    if len(pts) >= 6:
-        # Rates over readings at least half a second apart: a capture's reading lands milliseconds after a
-        # poll's, and a few steps over a few milliseconds is no rate (it read as thousands of steps/s).
-        rates = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(pts) if b[0] - a[0] >= 0.5]
-        if rates:
-            # Against the window's median, not its best: one quick pair of polls is not the job's pace.
-            usual = float(np.median(rates))
-            recent = recent_step_rate(state)  # the header's rate: one number, not two that disagree
-            if usual > 0 and recent is not None and recent < 0.5 * usual:
-                return Health("slow", f"slow: {recent:.2f} steps/s, usually {usual:.2f}")
-    return Health("healthy", "healthy")
-
-
-_BARS = "▁▂▃▄▅▆▇█"
-
-
-def sparkline(values: Sequence[float], width: int = 12) -> str:
-    vals = list(values)[-width:]
-    if not vals:
-        return ""
-    lo, hi = min(vals), max(vals)
-    if hi == lo:
-        return _BARS[0] * len(vals)
-    return "".join(_BARS[min(7, int((v - lo) / (hi - lo) * 7.999))] for v in vals)
-
-
-def deltas(values: Sequence[float]) -> list[float]:
-    return [float(b - a) for a, b in itertools.pairwise(values)]
-
-
-def compile_filter(text: str, state: AppState) -> Filter:
-    text = text.strip()
-    if not text:
-        return NO_FILTER
-    hits: set[int] = set()
-    for part in (p for p in text.split(",") if p.strip()):
-        m = _RANKS.match(part)
-        if m:
-            a = int(m.group(1))
-            b = int(m.group(2)) if m.group(2) else a
-            hits.update(range(min(a, b), max(a, b) + 1))
-            continue
-        needle = part.strip().lower()
-        for mv in state.machines:
-            if needle in mv.name.lower() or needle in mv.address.lower():
-                hits.update(mv.ranks)
-        if state.stacks is not None:
-            for g in state.stacks.groups:
-                if needle in g.signature.lower() or any(needle in f.lower() for f in g.frames):
-                    hits.update(g.ranks)
-    return Filter(text, frozenset(hits))
-
-
-def filter_summary(f: Filter) -> str:
-    if not f.active:
-        return ""
-    return f"filter '{f.text}': {len(f.ranks)} ranks ({compact_ranks(f.ranks, 4) or 'none'})"
-
-
 def apply_source_label(state: AppState, label: str) -> AppState:
     """What the source reaches, as the header names it ("4 agents", "bundle x.json")."""
     return replace(state, source_label=label)
@@ -1056,7 +469,7 @@ def apply_source_label(state: AppState, label: str) -> AppState:
 
 def apply_filter(state: AppState, text: str) -> AppState:
     """The person typed a filter (`/`); the empty text clears it."""
-    return replace(state, filter=compile_filter(text, state))
+    return replace(state, filter=compile_filter(text, state.machines, state.stacks))
 
 
 # --------------------------------------------------------------------------

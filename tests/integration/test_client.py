@@ -205,6 +205,7 @@ def _http1_server() -> tuple[socket.socket, str]:
 
 async def test_each_way_of_not_reaching_an_agent_has_its_own_words_in_the_client_and_the_tui_header(
         procs: Processes, tmp_path: Path) -> None:
+    from rankscope.tui import digest as dg
     from rankscope.tui import state as st
     from rankscope.tui.widgets.verdict import header_text
 
@@ -235,7 +236,7 @@ async def test_each_way_of_not_reaching_an_agent_has_its_own_words_in_the_client
 
     def header_of(machines: tuple[MachineSnapshot, ...]) -> str:
         one = JobSnapshot(snap.captured, machines)
-        s = st.apply_snapshot(st.AppState(), st.digest(one), snap.captured.wall)
+        s = st.apply_snapshot(st.AppState(), dg.digest(one), snap.captured.wall)
         return header_text(s, "agents", True).plain.splitlines()[0]
 
     by = by_address(snap)

@@ -578,7 +578,8 @@ async def test_on_a_small_terminal_the_phrase_box_and_buttons_stay_visible_and_p
 
 def test_the_actions_summary_sizes_the_pool_lists_standbys_on_hand_and_the_update_history() -> None:
     from rankscope.contract.snapshot import Layout
-    from rankscope.tui.state import AppState, MachineView
+    from rankscope.tui.digest import MachineView
+    from rankscope.tui.state import AppState
     from rankscope.tui.state_actions import ActionLog, log_note, log_record
     from rankscope.tui.widgets.audit import summary_text
 

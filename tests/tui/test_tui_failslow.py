@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from queue_source import QueueSource
 from rankscope.contract.bundle import Bundle
 from rankscope.contract.snapshot import (
     GpuMetrics,
@@ -29,7 +30,7 @@ from rankscope.contract.snapshot import (
 )
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.failslow_state import FailSlowTracker
-from rankscope.tui.sources import BundleSource, QueueSource
+from rankscope.tui.sources import BundleSource
 from rankscope.tui.widgets.failslow import FailSlowPanel, heat_text, history_text
 from textual.pilot import Pilot
 from textual.widgets import Static

@@ -64,13 +64,9 @@ def snap(wall: float, *, progress: float | None, started: float = T0 - 100, pids
 
 
 def fold(snaps: list[JobSnapshot], state: st.AppState | None = None) -> st.AppState:
-    s = state or st.AppState()
-    for x in snaps:
-        if x.all_stacks():
-            s = st.apply_capture(s, dg.digest(x), build_stack_view(x, None), x.captured.wall)
-        else:
-            s = st.apply_snapshot(s, dg.digest(x), x.captured.wall)
-    return s
+    # The app's handling of a loaded series: each capture with its analysis, each poll as its readings.
+    return st.apply_series(state or st.AppState(), ((dg.digest(x), build_stack_view(x, None) if x.all_stacks() else None,
+                                                     x.captured.wall) for x in snaps))
 
 
 def header(s: st.AppState) -> str:
@@ -308,7 +304,7 @@ def test_a_hot_update_that_restarts_the_job_is_restarting_and_a_capture_meanwhil
     assert "2 restarting" in header(down) and "lost" not in header(down), header(down)
     assert not [e for e in down.events if e.kind == "lost"]
     capture = snap(T0 + 6, progress=T0 + 2)
-    taken = st.apply_capture(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
+    taken = st.apply_capture_analyzed(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
     assert staleness.verdict_stale(taken) == "taken while the job was restarting"
 
 
@@ -317,8 +313,8 @@ async def test_after_a_restart_the_automatic_capture_waits_for_the_first_step() 
     # At load ~80 a restart's ranks imported and restored their backup for longer than --hang-after: a capture then
     # (as a hang "since its start", or because their counter files did not exist yet) caught rendezvous and import
     # stacks and drew a noisy verdict of three suspects. It must wait for the new launch's first step.
+    from queue_source import QueueSource
     from rankscope.tui.app import AppOptions, RankscopeApp
-    from rankscope.tui.sources import QueueSource
     from tui_screen import until
 
     source = QueueSource("2 agents", initial=(snap(T0 + 39, progress=T0 + 10),))
@@ -348,8 +344,8 @@ async def test_after_a_restart_the_automatic_capture_waits_for_the_first_step() 
 
 
 async def test_a_view_attached_while_the_job_starts_captures_at_its_first_step() -> None:
+    from queue_source import QueueSource
     from rankscope.tui.app import AppOptions, RankscopeApp
-    from rankscope.tui.sources import QueueSource
     from tui_screen import until
 
     source = QueueSource("2 agents", initial=(snap(T0 + 5, progress=None, started=T0),))
@@ -367,8 +363,8 @@ async def test_a_view_attached_while_the_job_starts_captures_at_its_first_step()
 async def test_a_view_attached_after_an_eviction_logs_it_once_and_never_as_lost() -> None:
     # The pair's late view (the hand-driven drill): its first reading has stand-ins for the agents the hostfile
     # marks evicted, named by the hostfile. The Events view read "lost: agent machine-1 unreachable" for each.
+    from queue_source import QueueSource
     from rankscope.tui.app import AppOptions, RankscopeApp
-    from rankscope.tui.sources import QueueSource
     from rankscope.wire.fanout import evicted_stand_in
     from tui_screen import until
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from queue_source import QueueSource
 from rankscope.contract.bundle import read_bundle
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.screens.help import HelpScreen
 from rankscope.tui.screens.rank import RankScreen
-from rankscope.tui.sources import BundleSource, QueueSource
+from rankscope.tui.sources import BundleSource
 from rankscope.tui.state import AppState
 from tui_bundles import FIG7_LAYOUT, T0, fig7_bundle, job, lost_series
 from tui_screen import screen_text, until

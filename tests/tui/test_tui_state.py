@@ -8,12 +8,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from queue_source import QueueSource
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.snapshot import Frame, JobSnapshot, ProcessRole, ProcessStack, RankInfo, RankStacks, ThreadStack
+from rankscope.tui import digest as dg
+from rankscope.tui import filter as flt
+from rankscope.tui import health as hl
 from rankscope.tui import state as st
 from rankscope.tui.analysis import build_stack_view, rank_stack_lines
 from rankscope.tui.app import AppOptions, RankscopeApp
-from rankscope.tui.sources import QueueSource, poll_loop
+from rankscope.tui.sources import poll_loop
+from rankscope.tui.widgets import sparkline as spk
 from tui_bundles import T0, fig7_bundle, job, lost_series
 from tui_screen import screen_text
 
@@ -23,7 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 def fold(snaps: tuple[JobSnapshot, ...], hang_after_s: float = 30.0) -> st.AppState:
     s = st.AppState(hang_after_s=hang_after_s)
     for snap in snaps:
-        s = st.apply_snapshot(s, st.digest(snap), snap.captured.wall)
+        s = st.apply_poll(s, dg.digest(snap), snap.captured.wall)  # the app's handling of a poll
     return s
 
 
@@ -32,7 +37,7 @@ def test_the_state_is_a_function_of_the_snapshots() -> None:
     a, b = fold(snaps), fold(snaps)
     assert a.machines == b.machines and a.comms == b.comms and a.events == b.events
     assert a.metric_history.get("node09/gpu1") == b.metric_history.get("node09/gpu1")
-    h = st.health(a)
+    h = hl.health(a)
     assert h.kind == "hung" and "46 s" in h.text  # progress stopped at T0+2, the last snapshot is T0+48
     assert [e.kind for e in a.events] == ["hung"]
 
@@ -43,13 +48,13 @@ def test_lost_and_found_machines_keep_their_ranks_and_are_logged() -> None:
     node05 = next(m for m in s.machines if m.name == "node05")
     assert not node05.reachable and node05.ranks == (10, 11)  # the map keeps its shape
     assert s.lost == ("node05",)
-    s = st.apply_snapshot(s, st.digest(back), back.captured.wall)
+    s = st.apply_poll(s, dg.digest(back), back.captured.wall)
     assert s.lost == ()
     assert [e.kind for e in s.events] == ["lost", "found"]
 
 
 def test_ccl_digest_marks_the_laggard_and_open_requests() -> None:
-    d = st.digest(fig7_bundle().latest)
+    d = dg.digest(fig7_bundle().latest)
     pp24 = next(c for c in d.comms if c.comm_id == "pp24")
     assert pp24.mismatch
     rows = {r.rank: r for r in pp24.rows}
@@ -59,7 +64,7 @@ def test_ccl_digest_marks_the_laggard_and_open_requests() -> None:
 
 
 def test_metric_outliers_are_flagged_and_listed_first() -> None:
-    d = st.digest(fig7_bundle().latest)
+    d = dg.digest(fig7_bundle().latest)
     first = d.metric_rows[0]
     assert (first.machine, first.gpu, first.outliers) == ("node09", 1, frozenset({"temp"}))
     assert sum(1 for r in d.metric_rows if r.outliers) == 1
@@ -67,13 +72,13 @@ def test_metric_outliers_are_flagged_and_listed_first() -> None:
 
 def test_filter_by_rank_range_machine_and_frame_text() -> None:
     snap = fig7_bundle().latest
-    s = st.apply_capture(fold((snap,)), st.digest(snap), build_stack_view(snap), snap.captured.wall)
-    assert st.compile_filter("24-27", s).ranks == frozenset(range(24, 28))
-    assert st.compile_filter("r3", s).ranks == frozenset({3})
-    assert st.compile_filter("node12", s).ranks == frozenset({24, 25})
-    assert st.compile_filter("all_gather", s).ranks == frozenset({30, 31})
-    assert st.compile_filter("nothing-like-this", s).ranks == frozenset()
-    assert not st.compile_filter("  ", s).active
+    s = st.apply_capture_analyzed(fold((snap,)), dg.digest(snap), build_stack_view(snap), snap.captured.wall)
+    assert flt.compile_filter("24-27", s.machines, s.stacks).ranks == frozenset(range(24, 28))
+    assert flt.compile_filter("r3", s.machines, s.stacks).ranks == frozenset({3})
+    assert flt.compile_filter("node12", s.machines, s.stacks).ranks == frozenset({24, 25})
+    assert flt.compile_filter("all_gather", s.machines, s.stacks).ranks == frozenset({30, 31})
+    assert flt.compile_filter("nothing-like-this", s.machines, s.stacks).ranks == frozenset()
+    assert not flt.compile_filter("  ", s.machines, s.stacks).active
 
 
 def test_series_shifts_and_adds_keys() -> None:
@@ -82,7 +87,7 @@ def test_series_shifts_and_adds_keys() -> None:
     s2 = s.pushed(("b", "c"), (5.0, 6.0))
     assert s2.get("a") == (1.0, 3.0) and s2.get("b") == (2.0, 4.0, 5.0) and s2.get("c") == (6.0,)
     assert s.get("b") == (2.0, 4.0)  # the older series is unchanged
-    assert st.sparkline([0, 1, 2, 3, 4, 5, 6, 7]) == "▁▂▃▄▅▆▇█"
+    assert spk.sparkline([0, 1, 2, 3, 4, 5, 6, 7]) == "▁▂▃▄▅▆▇█"
     assert compact_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
 
@@ -205,26 +210,26 @@ def test_an_evicted_machine_is_out_of_the_job_and_the_restart_is_seen() -> None:
 
     # Every agent is restarted with the job (the drill's agents are scoped to a torchrun pid): unreachable a while.
     gone = job(T0 + 30, stacks=False, step=100, hung=False, lost=tuple(range(16)))
-    s = st.apply_snapshot(s, st.digest(gone), T0 + 30)
+    s = st.apply_poll(s, dg.digest(gone), T0 + 30)
     assert s.restarts == 0 and s.lost == () and len(s.restarting) == 15  # restarting with the job, not lost
     # They answer again before the new ranks exist: no ranks seen is not yet a restart.
     between = replace(job(T0 + 35, stacks=False, step=0, hung=False, lost=(5,)),
                       machines=tuple(replace(m, ranks=()) for m in gone.machines))
     between = replace(between, machines=tuple(replace(m, reachable=m.machine != "node05") for m in between.machines))
-    s = st.apply_snapshot(s, st.digest(between), T0 + 35)
+    s = st.apply_poll(s, dg.digest(between), T0 + 35)
     assert s.restarts == 0
     # node05's agent stays gone; the job runs again with a standby, every rank under a new pid.
-    s = st.apply_snapshot(s, st.digest(_restarted_on_standby(T0 + 40, 96)), T0 + 40)
+    s = st.apply_poll(s, dg.digest(_restarted_on_standby(T0 + 40, 96)), T0 + 40)
     assert s.restarts == 1 and s.lost == ()
     assert [e.kind for e in s.events][-2:] == ["found", "restarted"]
     assert "standby-0" in s.events[-1].text and "node05" not in s.events[-1].text
     assert "; ranks 10-11 now on standby-0" in s.events[-1].text  # the ranks that moved, said in words
     assert s.events[-1].text.startswith("the job restarted on node00, node01,")
     assert s.progress_points == ((T0 + 40, s.progress_points[0][1]),)  # counters start again in new processes
-    assert st.health(s).kind != "hung"  # 40 s without the old counters moving is not a hang
+    assert hl.health(s).kind != "hung"  # 40 s without the old counters moving is not a hang
     assert next(m for m in s.machines if m.name == "node05").evicted
     # The same pids again is the same job, not another restart.
-    s = st.apply_snapshot(s, st.digest(_restarted_on_standby(T0 + 41, 97)), T0 + 41)
+    s = st.apply_poll(s, dg.digest(_restarted_on_standby(T0 + 41, 97)), T0 + 41)
     assert s.restarts == 1
 
 
@@ -237,7 +242,7 @@ def test_a_restart_seen_before_every_agent_is_back_names_the_silent_machines() -
     back = _restarted_on_standby(T0 + 10, 96)
     back = replace(back, machines=tuple(replace(m, reachable=False, ranks=()) if m.machine == "node07" else m
                                         for m in back.machines))
-    s = st.apply_snapshot(s, st.digest(back), T0 + 10)
+    s = st.apply_poll(s, dg.digest(back), T0 + 10)
     assert s.restarts == 1 and s.events[-1].kind == "restarted"
     text = s.events[-1].text
     assert "standby-0, node06, node08" in text and "node07 (agent not back yet)" in text
@@ -251,16 +256,16 @@ def test_no_ranks_anywhere_is_idle_not_hung() -> None:
     ended = replace(first, captured=replace(first.captured, wall=T0 + 60),
                     machines=tuple(replace(m, ranks=(), counters=()) for m in first.machines))
     s = fold((first, ended))
-    assert st.health(s).kind == "idle" and st.health(s).text == "no ranks running"
+    assert hl.health(s).kind == "idle" and hl.health(s).text == "no ranks running"
 
 
 def test_one_reading_is_not_called_healthy_and_a_confident_slow_machine_is_in_the_header() -> None:
     from rankscope.tui.widgets.verdict import header_text
 
     s = fold((job(T0, stacks=False, step=100, hung=False),))
-    assert st.health(s).kind == "unknown"  # one reading: nothing is known about progress yet
+    assert hl.health(s).kind == "unknown"  # one reading: nothing is known about progress yet
     s = fold(lost_series())
-    assert st.health(s).kind == "healthy"
+    assert hl.health(s).kind == "healthy"
     line = header_text(s, "16 agents", False, slow_machine="node09").plain.splitlines()[0]
     assert line.startswith("slow: node09 (fail-slow detectors, key 7) │ 1.00 steps/s (10 s) │ progress 0 s ago, "
                            "hang at 30 s │ 16/16 machines"), line
@@ -270,10 +275,10 @@ def test_a_capture_a_few_milliseconds_after_a_poll_is_no_step_rate() -> None:
     s = st.AppState()
     for i in range(8):  # 1 step/s, one poll a second; a capture 5 ms after the last poll has moved 3 steps on
         snap = job(T0 + i, stacks=False, step=100 + i, hung=False)
-        s = st.apply_snapshot(s, st.digest(snap), T0 + i)
+        s = st.apply_poll(s, dg.digest(snap), T0 + i)
     capture = job(T0 + 7.005, stacks=False, step=110, hung=False)
-    s = st.apply_snapshot(s, st.digest(capture), T0 + 7.005)
-    assert st.health(s).kind == "healthy", st.health(s)  # not "slow: 1 steps/s, was 600"
+    s = st.apply_poll(s, dg.digest(capture), T0 + 7.005)
+    assert hl.health(s).kind == "healthy", hl.health(s)  # not "slow: 1 steps/s, was 600"
 
 
 def test_a_capture_of_a_job_making_steps_names_no_suspect() -> None:
@@ -285,20 +290,20 @@ def test_a_capture_of_a_job_making_steps_names_no_suspect() -> None:
     view = build_stack_view(snap, snap.layout)
     n = len(view.verdict.suspects)
     assert n >= 1
-    hung_text = verdict_text_rich(view, st.Filter("", frozenset()), progressing=False, taken=T0 + 48)
-    running_text = verdict_text_rich(view, st.Filter("", frozenset()), progressing=True, taken=T0 + 48)
+    hung_text = verdict_text_rich(view, flt.Filter("", frozenset()), progressing=False, taken=T0 + 48)
+    running_text = verdict_text_rich(view, flt.Filter("", frozenset()), progressing=True, taken=T0 + 48)
     hung, running = hung_text.plain, running_text.plain
     assert hung.startswith("verdict: ") and "▸" in hung and "node12" in hung
     differences = "the one stack difference" if n == 1 else f"the {n} stack differences"
-    assert running.startswith(f"capture of {st.fmt_time(T0 + 48)}:\n no verdict: the job was making progress, so "
+    assert running.startswith(f"capture of {hl.fmt_time(T0 + 48)}:\n no verdict: the job was making progress, so "
                               f"{differences} between its ranks"), running
     assert "timing, not a fault (y copies them)" in running
     assert "▸" not in running and "node12" not in running, "no suspect of a running job is drawn"
     assert {str(span.style) for span in running_text.spans if span.start > running.index(":")} == {"dim"}
     assert "bold yellow" in {str(span.style) for span in hung_text.spans}
-    stale = verdict_text_rich(view, st.NO_FILTER, progressing=True, stale="the job progressed after it",
+    stale = verdict_text_rich(view, flt.NO_FILTER, progressing=True, stale="the job progressed after it",
                               taken=T0 + 48).plain
-    assert stale.startswith(f"verdict of {st.fmt_time(T0 + 48)} (stale: the job progressed after it; s captures again):"
+    assert stale.startswith(f"verdict of {hl.fmt_time(T0 + 48)} (stale: the job progressed after it; s captures again):"
                             "\n no verdict"), stale
 
 
@@ -308,18 +313,18 @@ def test_a_capture_is_of_a_running_job_only_while_it_steps() -> None:
     polls = [job(T0 + i, stacks=False, step=100 + i, hung=False) for i in range(6)]
     s = st.AppState()
     for p in polls:
-        s = st.apply_snapshot(s, st.digest(p), p.captured.wall)
-    assert st.making_steps(s)
+        s = st.apply_poll(s, dg.digest(p), p.captured.wall)
+    assert hl.making_steps(s)
     capture = job(T0 + 6, stacks=True, step=106, hung=True)
-    running = st.apply_capture(s, st.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
+    running = st.apply_capture_analyzed(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
     assert running.verdict is not None and running.verdict.running
     assert running.events[-1].kind == "verdict" and running.events[-1].text.startswith("no verdict: the job was")
     # Ten seconds without a step: not hung yet (hang_after_s is 30 s), nor "healthy": stalled, and not stepping.
     for i in range(6, 16):
-        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=105, hung=True)), T0 + i)
-    assert st.health(s) == st.Health("stalled", "no progress for 9 s") and not st.making_steps(s)
+        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=105, hung=True)), T0 + i)
+    assert hl.health(s) == hl.Health("stalled", "no progress for 9 s") and not hl.making_steps(s)
     capture = job(T0 + 16, stacks=True, step=105, hung=True)
-    stuck = st.apply_capture(s, st.digest(capture), build_stack_view(capture, capture.layout), T0 + 16)
+    stuck = st.apply_capture_analyzed(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 16)
     assert stuck.verdict is not None and not stuck.verdict.running
     assert stuck.stacks is not None and stuck.events[-1].text == stuck.stacks.verdict.summary
 
@@ -329,12 +334,12 @@ def test_slow_is_measured_against_the_usual_pace_not_one_quick_reading() -> None
     steps = 100
     for i in range(12):  # a steady 2 steps/s with one quick pair (6 steps in a second) early on
         steps += 6 if i == 2 else 2
-        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=steps, hung=False)), T0 + i)
-    assert st.health(s).kind == "healthy", st.health(s)
+        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=steps, hung=False)), T0 + i)
+    assert hl.health(s).kind == "healthy", hl.health(s)
     for i in range(12, 23):  # then a step every other second: a quarter of the usual pace, over the header's window
         steps += 1 if i % 2 else 0
-        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=steps, hung=False)), T0 + i)
-    h = st.health(s)
+        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=steps, hung=False)), T0 + i)
+    h = hl.health(s)
     assert h.kind == "slow" and h.text == "slow: 0.50 steps/s, usually 1.50", h
     # The header's rate is the same number: "slow: 0.00 steps/s, usually 1.37 │ 2.81 steps/s" said two things.
     from rankscope.tui.widgets.verdict import header_text
@@ -346,15 +351,15 @@ def test_no_progress_counts_to_the_hang_threshold_and_the_capture_and_is_never_h
 
     s = st.AppState()
     for i in range(10):  # 1 step/s
-        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=100 + i, hung=False)), T0 + i)
-    assert st.health(s).kind == "healthy" and st.recent_step_rate(s) == 1.0
+        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=100 + i, hung=False)), T0 + i)
+    assert hl.health(s).kind == "healthy" and hl.recent_step_rate(s) == 1.0
     for i in range(10, 33):  # then no step at all: 22 s later it reads so, with the count to the capture
-        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=109, hung=True)), T0 + i)
+        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=109, hung=True)), T0 + i)
     line = header_text(s, "x", False).plain.splitlines()[0]
     assert line.startswith("no progress for 22 s │ 0.00 steps/s (10 s) │ hang + capture in 8 s"), line
     for i in range(33, 45):
-        s = st.apply_snapshot(s, st.digest(job(T0 + i, stacks=False, step=109, hung=True)), T0 + i)
-    assert st.health(s).kind == "hung" and st.hang_capture_due(s)
+        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=109, hung=True)), T0 + i)
+    assert hl.health(s).kind == "hung" and st.hang_capture_due(s)
     assert "│ 0.00 steps/s (10 s) │ capture due" in header_text(s, "x", False).plain
 
 
@@ -364,7 +369,7 @@ def test_metric_outliers_fire_with_four_machines() -> None:
     ms = tuple(replace(m, gpus=replace(m.gpus, gpus=m.gpus.gpus[1:])) if m.gpus is not None else m
                for m in snap.machines[:4])
     snap = JobSnapshot(snap.captured, ms, job_id=snap.job_id, layout=snap.layout)
-    flagged = [(r.machine, r.gpu, r.outliers) for r in st.digest(snap).metric_rows if r.outliers]
+    flagged = [(r.machine, r.gpu, r.outliers) for r in dg.digest(snap).metric_rows if r.outliers]
     assert flagged == [("node02", 1, frozenset({"temp"}))]
 
 
@@ -376,7 +381,7 @@ def test_metric_outliers_compare_a_host_reading_with_other_machines_only() -> No
     assert host is not None
     ms = [replace(m, host=replace(m.host, cpu_percent=40.0)) if m.host is not None else m for m in ms]
     ms[3] = replace(ms[3], host=replace(host, cpu_percent=97.0))
-    rows = st.digest(JobSnapshot(snap.captured, tuple(ms), job_id=snap.job_id, layout=snap.layout)).metric_rows
+    rows = dg.digest(JobSnapshot(snap.captured, tuple(ms), job_id=snap.job_id, layout=snap.layout)).metric_rows
     assert {(r.machine, r.gpu) for r in rows if "cpu" in r.outliers} == {("node03", 0), ("node03", 1)}
 
 
@@ -384,11 +389,11 @@ def test_a_metric_outlier_is_told_by_text_with_its_direction_and_its_peers() -> 
     from rankscope.tui.widgets.metrics import column_medians, render_row
 
     rows = (
-        st.MetricRow("m0/gpu0", "m0", 0, True, (0,), (50.0, 40.0, 1.0, 95.0, 70.0, 99.0, 650.0), frozenset({"temp"})),
-        *(st.MetricRow(f"m{i}/gpu0", f"m{i}", 0, True, (i,), (50.0, 40.0, 1.0, 95.0, 70.0, 61.0, 650.0),
+        dg.MetricRow("m0/gpu0", "m0", 0, True, (0,), (50.0, 40.0, 1.0, 95.0, 70.0, 99.0, 650.0), frozenset({"temp"})),
+        *(dg.MetricRow(f"m{i}/gpu0", f"m{i}", 0, True, (i,), (50.0, 40.0, 1.0, 95.0, 70.0, 61.0, 650.0),
                        frozenset()) for i in range(1, 4)),
     )
     medians = column_medians(rows)
     cells = render_row(rows[0], st.Series(), medians)
-    hot = cells[2 + st.METRICS.index("temp")]
+    hot = cells[2 + dg.METRICS.index("temp")]
     assert str(hot) == "99▲", hot  # above the others: the arrow says it without colour

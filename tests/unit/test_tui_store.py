@@ -12,6 +12,9 @@ from dataclasses import replace
 
 from rankscope.actions.model import ActionKind, AuditRecord
 from rankscope.contract.snapshot import JobSnapshot
+from rankscope.tui import digest as dg
+from rankscope.tui import filter as flt
+from rankscope.tui import health as hl
 from rankscope.tui import state as st
 from rankscope.tui import state_actions as sa
 from rankscope.tui.analysis import build_stack_view
@@ -23,7 +26,7 @@ from tui_bundles import T0, fig7_bundle, job
 def fold(snaps: tuple[JobSnapshot, ...]) -> st.AppState:
     s = st.AppState()
     for snap in snaps:
-        s = st.apply_snapshot(s, st.digest(snap), snap.captured.wall)
+        s = st.apply_poll(s, dg.digest(snap), snap.captured.wall)  # the app's handling of a poll
     return s
 
 
@@ -38,9 +41,9 @@ def test_a_filter_is_compiled_against_the_state_and_recompiled_against_each_new_
     s = st.apply_filter(s, "gather_output")  # a frame of machine 15's ranks, not captured yet
     assert s.filter.active and s.filter.ranks == frozenset()
     capture = snaps[-1]
-    s = st.apply_capture(s, st.digest(capture), build_stack_view(capture, capture.layout), capture.captured.wall)
+    s = st.apply_capture_analyzed(s, dg.digest(capture), build_stack_view(capture, capture.layout), capture.captured.wall)
     assert s.filter.text == "gather_output" and s.filter.ranks == frozenset({30, 31})
-    assert st.apply_filter(s, "  ").filter == st.NO_FILTER
+    assert st.apply_filter(s, "  ").filter == flt.NO_FILTER
 
 
 def test_an_audit_record_is_a_row_and_an_event_once_and_a_succeeded_eviction_marks_its_machines() -> None:
@@ -108,7 +111,7 @@ def test_a_fail_slow_view_replaces_the_last_one() -> None:
 
 def test_a_hang_is_captured_once_per_stop_and_a_waiting_capture_goes_once_the_job_steps() -> None:
     s = fold(fig7_bundle().snapshots[:-1])  # progress stopped at T0+2, 45 s ago
-    assert st.health(s).kind == "hung" and st.hang_capture_due(s)
+    assert hl.health(s).kind == "hung" and st.hang_capture_due(s)
     s = st.apply_hang_captured(s)
     assert s.hang_captured_for == s.last_progress_wall and not st.hang_capture_due(s)
     # After a restart, a slow first step is waited for, not captured as a hang.
@@ -125,7 +128,7 @@ def test_a_hang_is_captured_once_per_stop_and_a_waiting_capture_goes_once_the_jo
 
 def test_counters_seen_once_stay_seen() -> None:
     s = st.AppState()
-    d = st.digest(job(T0, stacks=False, step=3, hung=False))
+    d = dg.digest(job(T0, stacks=False, step=3, hung=False))
     assert d.steps == 3
     s = st.apply_counters_seen(s, d)
     assert s.job_counts

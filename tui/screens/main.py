@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from rankscope.tui.analysis import StackView
-from rankscope.tui.state import AppState, filter_summary, health, map_groups, verdict_stale
+from rankscope.tui.filter import filter_summary
+from rankscope.tui.health import health
+from rankscope.tui.staleness import map_groups, verdict_stale
+from rankscope.tui.state import AppState
 from rankscope.tui.widgets.audit import ActionsPanel
 from rankscope.tui.widgets.ccl import CclPanel
 from rankscope.tui.widgets.events import EventsPanel

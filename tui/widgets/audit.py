@@ -10,7 +10,8 @@ layout allows (§6.3, peers outside the rank's groups).
 
 from __future__ import annotations
 
-from rankscope.tui.state import AppState, fmt_time
+from rankscope.tui.health import fmt_time
+from rankscope.tui.state import AppState
 from rankscope.tui.state_actions import KIND_LABELS, ActionLog
 from rankscope.tui.widgets.table import LineTable
 from rich.text import Text

@@ -13,7 +13,10 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.tui.state import AppState, CommView, Filter, deltas, sparkline
+from rankscope.tui.digest import CommView
+from rankscope.tui.filter import Filter
+from rankscope.tui.state import AppState
+from rankscope.tui.widgets.sparkline import deltas, sparkline
 from rankscope.tui.widgets.table import Cell, LineTable
 from rich.text import Text
 from textual.app import ComposeResult

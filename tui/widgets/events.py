@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rankscope.tui.state import AppState, fmt_time
+from rankscope.tui.health import fmt_time
+from rankscope.tui.state import AppState
 from rankscope.tui.widgets.table import LineTable
 from rich.text import Text
 

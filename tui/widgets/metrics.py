@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rankscope.tui.state import METRICS, AppState, Filter, MetricRow, Series, sparkline
+from rankscope.tui.digest import METRICS, MetricRow
+from rankscope.tui.filter import Filter
+from rankscope.tui.state import AppState, Series
+from rankscope.tui.widgets.sparkline import sparkline
 from rankscope.tui.widgets.table import Cell, LineTable
 from rich.text import Text
 from textual.app import ComposeResult

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from rankscope.tui.state import Filter
+from rankscope.tui.filter import Filter
 from rich.segment import Segment
 from rich.style import Style
 from textual.binding import Binding, BindingType

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.tui.analysis import GroupView, StackView, TreeNode, diverging_index
-from rankscope.tui.state import Filter
+from rankscope.tui.filter import Filter
 from rankscope.tui.widgets.rank_map import group_glyph, group_style
 from rankscope.tui.widgets.table import Cell, LineTable
 from rich.console import Group

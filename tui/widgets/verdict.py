@@ -9,18 +9,17 @@ from rankscope.analyzers.topology import compact_machines, compact_ranks
 from rankscope.analyzers.verdict import group_numbers
 from rankscope.contract.snapshot import Layout
 from rankscope.tui.analysis import StackView
-from rankscope.tui.state import (
+from rankscope.tui.filter import Filter
+from rankscope.tui.health import (
     RATE_WINDOW_S,
-    AppState,
-    Filter,
     Health,
     fmt_time,
-    hang_capture_due,
     health,
     progress_age,
     recent_step_rate,
     running_capture_text,
 )
+from rankscope.tui.state import AppState, hang_capture_due
 from rankscope.tui.widgets.rank_map import group_glyph, group_style
 from rich.text import Text
 from textual.widgets import Static
