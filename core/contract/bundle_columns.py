@@ -18,68 +18,18 @@ table, the column and the row.
 
 from __future__ import annotations
 
-import dataclasses
-import types
 import typing
-from enum import Enum
 from itertools import chain
 from typing import Any
 
 from rankscope.contract.fast_make import maker
 from rankscope.contract.packed import PackError, is_packed, pack_lists, pack_numbers, split, unpack
+from rankscope.contract.schema import ENUM, FLOAT, INT, REF, REFS, SCALARS, Column, columns_of
 from rankscope.contract.snapshot import JobSnapshot
-
-# How a field is written: its kind and, for objects and tuples of objects, the type it refers to.
-_REF, _REFS, _SCALARS, _ENUM, _INT, _FLOAT, _STR, _BOOL = "ref", "refs", "scalars", "enum", "int", "float", "str", "bool"
 
 
 class ColumnError(Exception):
     """A value that does not fit; ``bundle.py`` turns it into a BundleError with the bundle's name."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Field:
-    name: str
-    kind: str
-    optional: bool
-    target: Any  # the referred dataclass (ref, refs), the enum class, or the scalar type of a tuple
-    required: bool  # no default: a table without this column is refused
-    default: Any
-
-
-def _fields(cls: type) -> list[_Field]:
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        optional = False
-        if typing.get_origin(tp) in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            if len(args) != 1:
-                raise TypeError(f"{cls.__name__}.{f.name}: only X | None unions have a column form")
-            optional, tp = True, args[0]
-        if typing.get_origin(tp) is tuple:
-            (item, _) = typing.get_args(tp)
-            target: Any
-            if dataclasses.is_dataclass(item):
-                kind, target = _REFS, item
-            elif item in (int, float, str, bool):
-                kind, target = _SCALARS, item
-            else:
-                raise TypeError(f"{cls.__name__}.{f.name}: tuples of {item!r} have no column form")
-        elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            kind, target = _REF, tp
-        elif isinstance(tp, type) and issubclass(tp, Enum):
-            kind, target = _ENUM, tp
-        elif tp in (int, float, str, bool):
-            kind, target = {int: _INT, float: _FLOAT, str: _STR, bool: _BOOL}[tp], tp
-        else:
-            raise TypeError(f"{cls.__name__}.{f.name}: {tp!r} has no column form")
-        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        out.append(_Field(f.name, kind, optional, target, not has_default, default))
-    return out
 
 
 def _types_in_order(root: type) -> list[type]:
@@ -93,8 +43,8 @@ def _types_in_order(root: type) -> list[type]:
         if cls in visiting:
             raise TypeError(f"{cls.__name__} refers to itself: no column form")
         visiting.add(cls)
-        for f in _fields(cls):
-            if f.kind in (_REF, _REFS):
+        for f in columns_of(cls):
+            if f.kind in (REF, REFS):
                 visit(f.target)
         visiting.discard(cls)
         order.append(cls)
@@ -104,7 +54,7 @@ def _types_in_order(root: type) -> list[type]:
 
 
 TYPES = _types_in_order(JobSnapshot)
-_FIELDS = {cls: _fields(cls) for cls in TYPES}
+_FIELDS = {cls: columns_of(cls) for cls in TYPES}
 _BY_NAME = {cls.__name__: cls for cls in TYPES}
 
 
@@ -148,12 +98,12 @@ class ColumnWriter:
     def jsonable(self, *, packed: bool = False) -> dict[str, Any]:
         """The tables and tuples as JSON values; ``packed`` (version 4): number columns as ``rankscope.contract.packed``
         forms where they fit one."""
-        def column(f: _Field, values: list[Any]) -> Any:
+        def column(f: Column, values: list[Any]) -> Any:
             if not packed:
                 return values
-            if f.kind in (_INT, _FLOAT, _REF, _REFS):
+            if f.kind in (INT, FLOAT, REF, REFS):
                 return pack_numbers(values) or values
-            if f.kind == _SCALARS and f.target in (int, float):
+            if f.kind == SCALARS and f.target in (int, float):
                 return pack_lists(values) or values
             return values
 
@@ -185,12 +135,12 @@ def _writer_code(cls: type) -> Any:
     appends = []
     for i, f in enumerate(fields):
         lines.append(f"    v{i} = obj.{f.name}")
-        convert = {_REF: f"add_{f.target.__name__}(v{i})", _REFS: f"tuple_{f.target.__name__}(v{i})",
-                   _SCALARS: f"tuple(v{i})", _ENUM: f"v{i}.value"}.get(f.kind)  # (every target is a class)
+        convert = {REF: f"add_{f.target.__name__}(v{i})", REFS: f"tuple_{f.target.__name__}(v{i})",
+                   SCALARS: f"tuple(v{i})", ENUM: f"v{i}.value"}.get(f.kind)  # (every target is a class)
         if convert is not None:
             lines.append(f"    if v{i} is not None:")
             lines.append(f"        v{i} = {convert}")
-        appends.append(f"c_{name}_{i}.append(None if v{i} is None else list(v{i}))" if f.kind == _SCALARS
+        appends.append(f"c_{name}_{i}.append(None if v{i} is None else list(v{i}))" if f.kind == SCALARS
                        else f"c_{name}_{i}.append(v{i})")
     lines += [f"    key = ({''.join(f'v{i}, ' for i in range(len(fields)))})",
               f"    row = rows_{name}.get(key)",
@@ -297,19 +247,19 @@ def _read_table(cls: type, table: Any, built: dict[type, list[Any]],
     return list(map(maker(cls), *values)) if values else [cls() for _ in range(rows)]
 
 
-def _read_column(f: _Field, col: list[Any], where: str, built: dict[type, list[Any]],
+def _read_column(f: Column, col: list[Any], where: str, built: dict[type, list[Any]],
                  built_tuples: dict[type, list[tuple[Any, ...]]]) -> list[Any]:
     kind = f.kind
-    if kind in (_REF, _REFS):
-        target = built[f.target] if kind == _REF else built_tuples[f.target]
+    if kind in (REF, REFS):
+        target = built[f.target] if kind == REF else built_tuples[f.target]
         n = len(target)
         found = set(map(type, col))
         if found <= {int, type(None)} and _in_range([i for i in col if i is not None] if type(None) in found else col, n):
             return _no_nulls(f, [None if i is None else target[i] for i in col], col, where)
         k, bad = next((k, i) for k, i in enumerate(col) if i is not None and (type(i) is not int or not 0 <= i < n))
-        what = f.target.__name__ if kind == _REF else f"tuples.{f.target.__name__}"
+        what = f.target.__name__ if kind == REF else f"tuples.{f.target.__name__}"
         raise ColumnError(f"{where}[{k}]: {bad!r} is not a row of {what} (it has {n})")
-    if kind == _ENUM:
+    if kind == ENUM:
         by_value = {m.value: m for m in f.target}
         try:
             return _no_nulls(f, [None if v is None else by_value[v] for v in col], col, where)
@@ -317,7 +267,7 @@ def _read_column(f: _Field, col: list[Any], where: str, built: dict[type, list[A
             k, bad = next((k, v) for k, v in enumerate(col) if v is not None and (type(v) not in (str, int, float, bool) or v not in by_value))
             raise ColumnError(f"{where}[{k}]: {bad!r} is not one of {', '.join(map(str, by_value))}") from None
     allowed = _ALLOWED[f.target]
-    if kind == _SCALARS:
+    if kind == SCALARS:
         # The whole column's lists and their items checked in two passes, not list by list.
         if (lists := set(map(type, col))) <= {list, type(None)} and (found := set(map(type, chain.from_iterable(
                 [v for v in col if v is not None] if type(None) in lists else col)))) <= allowed:
@@ -333,18 +283,18 @@ def _read_column(f: _Field, col: list[Any], where: str, built: dict[type, list[A
     if not found <= allowed | {type(None)}:
         k, bad = next((k, v) for k, v in enumerate(col) if v is not None and type(v) not in allowed)
         raise ColumnError(f"{where}[{k}]: expected {f.target.__name__}, got {type(bad).__name__}")
-    if kind == _FLOAT and int in found:  # JSON wrote a whole number of seconds without its ".0"
+    if kind == FLOAT and int in found:  # JSON wrote a whole number of seconds without its ".0"
         col = [v if v is None or type(v) is float else float(v) for v in col]
     if not f.optional and type(None) in found:
         raise ColumnError(f"{where}[{col.index(None)}]: value is missing (null) but is required")
     return col
 
 
-def _read_packed(f: _Field, packed: Any, rows: int, where: str, built: dict[type, list[Any]],
+def _read_packed(f: Column, packed: Any, rows: int, where: str, built: dict[type, list[Any]],
                  built_tuples: dict[type, list[tuple[Any, ...]]]) -> list[Any]:
     """A packed column (version 4): its numbers' types are known, so only counts and row numbers are checked."""
     kind = f.kind
-    if kind == _SCALARS and f.target in (int, float):
+    if kind == SCALARS and f.target in (int, float):
         values, number, lengths = _unpack(packed, where)
         if lengths is None:
             raise ColumnError(f"{where}: a column of lists needs its lengths")
@@ -354,9 +304,9 @@ def _read_packed(f: _Field, packed: Any, rows: int, where: str, built: dict[type
             raise ColumnError(f"{where}: expected {rows} lists, got {len(lengths)}")
         # whole numbers packed for a float field are read as floats
         return split(tuple(values) if number is f.target else tuple(map(float, values)), lengths)
-    if kind not in (_INT, _FLOAT, _REF, _REFS):
+    if kind not in (INT, FLOAT, REF, REFS):
         raise ColumnError(f"{where}: a column of {f.target.__name__} values cannot be packed")
-    if kind == _FLOAT:
+    if kind == FLOAT:
         values, number, lengths = _unpack(packed, where)
         if lengths is not None:
             raise ColumnError(f"{where}: a column of single values has no lengths")
@@ -366,13 +316,13 @@ def _read_packed(f: _Field, packed: Any, rows: int, where: str, built: dict[type
     values, _ = _unpack_ints(packed, where, lists=False)
     if len(values) != rows:
         raise ColumnError(f"{where}: expected {rows} values, got {len(values)}")
-    if kind == _INT:
+    if kind == INT:
         return values
-    target = built[f.target] if kind == _REF else built_tuples[f.target]
+    target = built[f.target] if kind == REF else built_tuples[f.target]
     n = len(target)
     if not _in_range(values, n):
         k, bad = next((k, i) for k, i in enumerate(values) if not 0 <= i < n)
-        what = f.target.__name__ if kind == _REF else f"tuples.{f.target.__name__}"
+        what = f.target.__name__ if kind == REF else f"tuples.{f.target.__name__}"
         raise ColumnError(f"{where}[{k}]: {bad!r} is not a row of {what} (it has {n})")
     return [target[i] for i in values]
 
@@ -405,7 +355,7 @@ def _in_range(rows: list[int], n: int) -> bool:
     return not rows or (min(rows) >= 0 and max(rows) < n)
 
 
-def _no_nulls(f: _Field, out: list[Any], col: list[Any], where: str) -> list[Any]:
+def _no_nulls(f: Column, out: list[Any], col: list[Any], where: str) -> list[Any]:
     if not f.optional and None in col:
         raise ColumnError(f"{where}[{col.index(None)}]: value is missing (null) but is required")
     return out

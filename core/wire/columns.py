@@ -6,7 +6,9 @@ attribute access (~4.6 us an object, 0.84 s). As columns, a field of all of a
 machine's objects is one packed list that protobuf turns into a Python list in
 C, and the objects are made in one pass over the columns (``fast_make.maker``).
 
-Only flat types have a column form: fields that are int, float, str or bool,
+The fields and their kinds are the contract's one column schema
+(``rankscope.contract.schema``, which the bundle's tables use too). Only flat
+types have a column form here: fields that are int, float, str or bool,
 optional or not, and tuples of int, float or str; a field of another type
 travels as a column of ints that the caller codes (``coded``: a thread's
 frames as the number of its stack in the machine's stack table). A column is named by its
@@ -18,13 +20,13 @@ know (a newer sender's field).
 from __future__ import annotations
 
 import dataclasses
-import typing
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
 from rankscope.contract.fast_make import maker
 from rankscope.contract.packed import FLOAT64, PackError, from_bytes, int_type, split, to_bytes
+from rankscope.contract.schema import BOOL, FLOAT, INT, SCALARS, STR, Column, columns_of
 from rankscope.wire.proto import rankscope_pb2 as pb
 
 _INT, _FLOAT, _STR, _BOOL = int, float, str, bool
@@ -51,25 +53,19 @@ NOT_CODED: frozenset[str] = frozenset()
 def _plan(cls: type, coded: frozenset[str]) -> list[_Col]:
     plan = _PLANS.get((cls, coded))
     if plan is None:
-        hints = typing.get_type_hints(cls)
         plan = _PLANS[cls, coded] = [
-            _Col(f.name, _INT, False, False, dataclasses.MISSING) if f.name in coded else _column_of(cls, f, hints[f.name])
-            for f in dataclasses.fields(cls)]
+            _Col(c.name, _INT, False, False, dataclasses.MISSING) if c.name in coded else _column_of(cls, c)
+            for c in columns_of(cls)]
     return plan
 
 
-def _column_of(cls: type, f: dataclasses.Field[Any], tp: Any) -> _Col:
-    args = typing.get_args(tp)
-    optional = type(None) in args and len(args) == 2
-    if optional:
-        tp = next(a for a in args if a is not type(None))
-    is_tuple = typing.get_origin(tp) is tuple
-    kind = typing.get_args(tp)[0] if is_tuple else tp
-    if kind not in _SCALAR_KINDS or (is_tuple and kind is _BOOL):
-        raise TypeError(f"{cls.__name__}.{f.name}: {tp!r} has no column form")
-    default = f.default if f.default is not dataclasses.MISSING else (
-        f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
-    return _Col(f.name, kind, is_tuple, optional, default)
+def _column_of(cls: type, c: Column) -> _Col:
+    """The wire's form of a column of the contract schema: flat kinds only (no tuple of bools)."""
+    if c.kind in (INT, FLOAT, STR, BOOL):
+        return _Col(c.name, c.target, False, c.optional, c.default)
+    if c.kind == SCALARS and c.target is not _BOOL:
+        return _Col(c.name, c.target, True, c.optional, c.default)
+    raise TypeError(f"{cls.__name__}.{c.name}: a {c.kind} field has no column form on the wire")
 
 
 # ---- writing ----------------------------------------------------------------------
