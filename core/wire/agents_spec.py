@@ -63,12 +63,17 @@ def split_outside_brackets(text: str, sep: str = ",") -> list[str]:
     return parts
 
 
+def _digits(text: str) -> bool:
+    """ASCII digits only (str.isdigit also takes superscripts such as '¹', which int() refuses)."""
+    return text.isascii() and text.isdigit()
+
+
 def _expand_range_body(body: str, where: str) -> list[str]:
     out: list[str] = []
     for part in body.split(","):
         part = part.strip()
         lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
+        if not _digits(lo) or (dash and not _digits(hi)):
             raise AgentSpecError(
                 f"{where}: range part {part!r} is not a number or a range like 01-04",
                 "write ranges as node[01-04,07]: numbers and low-high pairs, comma-separated",
@@ -120,7 +125,7 @@ def _last_colon_outside_brackets(text: str) -> int:
 
 
 def _check_port(text: str, where: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
+    if not _digits(text) or not 0 < int(text) < 65536:
         raise AgentSpecError(f"{where}: port {text!r} is not a number from 1 to 65535")
     return int(text)
 
