@@ -84,9 +84,6 @@ class BackupPlan:
     unsafe: tuple[tuple[int, int, tuple[str, ...]], ...]  # (rank, peer, group kinds spanning both machines)
     notes: tuple[str, ...]
 
-    def peer_of(self, rank: int) -> int:
-        return self.pairs[rank].peer
-
 
 def parse_order(order: str) -> tuple[str, ...]:
     """The shared order parser (:func:`rankscope.analyzers.topology.parse_order`), its errors with a fix."""

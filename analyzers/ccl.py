@@ -364,11 +364,3 @@ def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None, waits:
         summary = "CCL counters: every communicator's members agree"
     return Verdict(suspects, summary, missing, tuple(notes),
                    findings=(*map(desync_finding, crossed), *(st.finding() for st in stalls)))
-
-
-def counter_rates(previous: RankCounters, current: RankCounters, seconds: float) -> dict[tuple[str, str], float]:
-    """Collective launches per second per (comm, op) between two reads of one rank."""
-    if seconds <= 0:
-        return {}
-    before = {(o.comm_id, o.op): o.cl for o in previous.ops}
-    return {(o.comm_id, o.op): (o.cl - before.get((o.comm_id, o.op), 0)) / seconds for o in current.ops}

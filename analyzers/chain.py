@@ -164,15 +164,6 @@ class Chain:
     def root_ranks(self) -> frozenset[int]:
         return frozenset(r.rank for r in self.roots)
 
-    def victims_of(self, ranks: Sequence[int] | set[int] | frozenset[int]) -> tuple[int, ...]:
-        """The waiters that lead to any of ``ranks`` (themselves left out)."""
-        members = set(ranks)
-        out = {v for r in self.roots if r.rank in members for v in r.victims}
-        for d in self.desyncs:
-            if members & set(d.ranks):
-                out.update(d.victims)
-        return tuple(sorted(out - members))
-
 
 # --------------------------------------------------------------------------
 # states

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from rankscope.contract.snapshot import Frame, ProcessStack, RankStacks, main_thread
+from rankscope.contract.snapshot import Frame, RankStacks, main_thread
 
 # --------------------------------------------------------------------------
 # options and results
@@ -79,10 +79,6 @@ class Grouping:
     @property
     def outlier_ranks(self) -> tuple[int, ...]:
         return tuple(sorted(r for i in self.outliers for r in self.groups[i].ranks))
-
-    @property
-    def dominant_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted(r for i in self.dominant for r in self.groups[i].ranks))
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,9 +253,6 @@ class _Interner:
                 self._lane_idle.append(not ids or ids[0] in self._idle_ids)
             by_raw[raw] = lid
         return lid
-
-    def is_idle(self, lane_id: int) -> bool:
-        return self._lane_idle[lane_id]
 
     def lane_frames(self, lane_id: int) -> tuple[str, tuple[str, ...]]:
         """A lane as text, outermost frame first (the order people read a tree in)."""
@@ -481,11 +474,6 @@ def tree_from_grouping(grouping: Grouping) -> PrefixNode:
     return build((), "all ranks")
 
 
-def prefix_tree(stacks: Mapping[int, RankStacks], options: SignatureOptions = DEFAULT_OPTIONS) -> PrefixNode:
-    """The merged stack tree of all readable ranks (see :func:`tree_from_grouping`)."""
-    return tree_from_grouping(group_stacks(stacks, options))
-
-
 def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -527,33 +515,3 @@ def diverging_frame(grouping: Grouping, group: StackGroup) -> str | None:
     if missing:
         return f"[{missing[0]}] lane missing (healthy ranks have it)"
     return None
-
-
-def rank_frames(rs: RankStacks, options: SignatureOptions = DEFAULT_OPTIONS) -> dict[str, tuple[str, ...]]:
-    """Every thread and subprocess of one rank, normalised, outermost first (the TUI's one-rank view).
-
-    Unlike a signature this keeps idle threads, and names each lane by its
-    thread or process so a person can tell them apart.
-    """
-    out: dict[str, tuple[str, ...]] = {}
-
-    def add(process: ProcessStack, label: str) -> None:
-        if process.threads is None:
-            reason = process.error.message if process.error else "not captured"
-            out[f"{label} pid {process.pid}"] = (f"(unreadable: {reason})",)
-            return
-        main = main_thread(process)
-        for t in process.threads:
-            frames = tuple(
-                frame_text(f, options.keep_lines) for f in reversed(t.frames) if not is_wrapper(f, options)
-            )
-            name = t.thread_name or str(t.os_thread_id or t.thread_id)
-            key = label if t is main else f"{label} thread {name}"
-            while key in out:
-                key += "'"
-            out[key] = frames
-
-    add(rs.main, MAIN_LANE)
-    for sub in rs.subprocesses:
-        add(sub, f"{sub.role} {sub.name or ''} pid {sub.pid}".replace("  ", " "))
-    return out

@@ -39,7 +39,6 @@ time, against pid reuse) or, when the pid is not visible, by an old heartbeat.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 MAGIC = b"RSCCLCTR"
 VERSION = 2
@@ -211,19 +210,6 @@ def encode(text: str, size: int) -> bytes:
 
 def decode(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
-
-
-@dataclass(frozen=True, slots=True)
-class Geometry:
-    """Table sizes of one file, read from its header (a later version may grow them)."""
-
-    max_comms: int
-    max_ops: int
-    member_pool_size: int
-    comm_table_offset: int
-    op_table_offset: int
-    member_pool_offset: int
-    file_size: int
 
 
 # ---- the C header --------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rankscope.analyzers.ccl import analyze_counters, comm_tables, counter_findings, counter_rates
+from rankscope.analyzers.ccl import analyze_counters, comm_tables, counter_findings
 from rankscope.analyzers.degradation import analyze_degradation, degradation_findings
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.verdict import merge_verdicts
@@ -98,10 +98,6 @@ def test_short_td_marks_the_late_arriver_and_large_n_the_slow_link() -> None:
     # a rank one call ahead is not compared with the others
     counters[2] = rc(2, [ar(5, td=0.010)])
     assert {(f.kind, f.rank) for f in degradation_findings(counters)} == {("slow_link", 3)}
-
-
-def test_rates_between_two_reads() -> None:
-    assert counter_rates(rc(0, [ar(10)]), rc(0, [ar(30)]), 2.0) == {("1", "all_reduce"): 10.0}
 
 
 def test_a_stalled_pipeline_stage_names_the_rank_that_started_it_and_its_lagging_partners_wait_on_it() -> None:

@@ -8,8 +8,7 @@ from rankscope.analyzers.stacks import (
     diverging_frame,
     frame_text,
     group_stacks,
-    prefix_tree,
-    rank_frames,
+    tree_from_grouping,
 )
 from rankscope.contract.snapshot import CaptureErrorKind, Frame, ProcessRole, ProcessStack, RankStacks, ThreadStack
 from stack_fixtures import (
@@ -123,7 +122,7 @@ def test_prefix_tree_rank_sets_like_stat() -> None:
     stacks = {r: rank_stacks(r, OPTIMIZER) for r in range(6)}
     stacks[4] = rank_stacks(4, RECV)
     stacks[5] = rank_stacks(5, COMPUTE)
-    tree = prefix_tree(stacks)
+    tree = tree_from_grouping(group_stacks(stacks))
     assert tree.frame == "all ranks" and tree.ranks == tuple(range(6))
     main = tree.children[0]
     assert main.frame == "[main]" and main.ranks == tuple(range(6))
@@ -147,15 +146,6 @@ def test_diverging_frame_is_first_frame_off_the_healthy_path() -> None:
     assert diverging_frame(g, by_rank[3]) == "forward_backward (schedules.py)"
     assert diverging_frame(g, by_rank[4]) == "train_loop (train.py) (stops here; healthy ranks go deeper)"
     assert diverging_frame(g, by_rank[0]) is None
-
-
-def test_rank_frames_names_every_thread_and_process() -> None:
-    rs = rank_stacks(3, OPTIMIZER, workers=[WORKER_IDLE],
-                     threads=[["_bootstrap threading.py", "Thread.run threading.py", "loop pin_memory.py"]])
-    view = rank_frames(rs)
-    assert view["main"][-1] == "all_reduce (distributed_c10d.py)"
-    assert view["main thread Thread-1"] == ("loop (pin_memory.py)",)  # threading wrappers folded
-    assert view["dataloader pid 10030"][0] == "_worker_loop (worker.py)"
 
 
 def test_main_thread_found_by_name_not_position() -> None:
