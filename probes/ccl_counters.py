@@ -21,6 +21,7 @@ file's bytes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -87,10 +88,8 @@ def trusted_uids(ranks: Sequence[RankInfo] = ()) -> frozenset[int]:
     """Whose counter files are read: this process's user, the ranks' users, and root."""
     uids = {os.geteuid(), 0}
     for info in ranks:
-        try:
+        with contextlib.suppress(OSError):  # gone: its files are judged by the other users
             uids.add(os.stat(f"/proc/{info.pid}").st_uid)
-        except OSError:
-            pass  # gone: its files are judged by the other users
     return frozenset(uids)
 
 
