@@ -37,7 +37,7 @@ from rankscope.analyzers.ccl_desync import (
     op_table,
 )
 from rankscope.analyzers.chain import DESYNC_ADVICE
-from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
+from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, suspect_order
 from rankscope.analyzers.not_a_rank import counter_stalls, table_stalls, waiting_on
 from rankscope.analyzers.topology import CommJoin, communicator_joins, compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
@@ -216,7 +216,7 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                 for ranks, (score, lines) in found.items()]
     suspects = _fold_victims(suspects, waits_on)
     suspects = _fold_desyncs(suspects, crossed_waits(live) if crossed is None else crossed, placement)
-    suspects.sort(key=lambda s: (-s.score, len(s.ranks), s.ranks))
+    suspects.sort(key=suspect_order)
     return tuple(suspects)
 
 
@@ -233,7 +233,7 @@ def _fold_victims(suspects: list[Suspect], waits_on: Mapping[int, set[int]]) -> 
     suspect holding a root it leads to. Waits that go round (no root) fold nothing.
     """
     roots = {r for targets in waits_on.values() for r in targets if not waits_on.get(r)}
-    hosts = sorted((s for s in suspects if roots & set(s.ranks)), key=lambda s: (-s.score, len(s.ranks), s.ranks))
+    hosts = sorted((s for s in suspects if roots & set(s.ranks)), key=suspect_order)
     if not hosts:
         return suspects
     waited_by: dict[int, set[int]] = {}

@@ -55,7 +55,7 @@ from typing import Generic, TypeVar
 
 from rankscope.analyzers.degradation import P2P_OPS, degradation_findings, inverse_throughput
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
-from rankscope.analyzers.labels import suspect_label
+from rankscope.analyzers.labels import group_name, suspect_label
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
 from rankscope.analyzers.minder import MinderDetector
 from rankscope.analyzers.rounds import DEFAULT_MAJORITY, StackRound, required_flags, round_of, tally
@@ -601,7 +601,7 @@ class FailSlowDetector:
 
         try:
             topo = topology_for(snapshot, layout)
-            names = [f"{k.upper()} group {topo.group_index(rank, k)}" for k in topo.kinds()]
+            names = [group_name(k, (topo.group_index(rank, k),)) for k in topo.kinds()]
         except ValueError:
             return ""
         return f" ({', '.join(names)})" if names else ""

@@ -93,6 +93,11 @@ class Verdict:
         return self.suspects[0] if self.suspects else None
 
 
+def suspect_order(s: Suspect) -> tuple[float, int, tuple[int, ...]]:
+    """How one detector ranks its suspects: the higher score first, then the fewer ranks, then the lower ranks."""
+    return (-s.score, len(s.ranks), s.ranks)
+
+
 # Finding.kind of the verdict "not a rank": every member of a communicator waits in the same collective at the same
 # call site, so no rank is to blame (the communication layer, the network or a driver is). A verdict carrying it has
 # no suspect picked by tie-break.

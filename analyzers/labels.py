@@ -26,9 +26,18 @@ def suspect_label(s: Suspect) -> str:
         return f"rank {ranks}"
     if kind == "machine":
         return f"machine {','.join(s.machines)} (ranks {ranks})"
-    label = "communicator" if kind == "comm" else f"{kind.upper()} group{'s' if len(s.groups) > 1 else ''}"
-    number = group_numbers(s)
-    return f"{label}{' ' + number if number else ''} (ranks {ranks})"
+    if kind == "comm":
+        number = group_numbers(s)
+        return f"communicator{' ' + number if number else ''} (ranks {ranks})"
+    numbers = s.groups if len(s.groups) > 1 else (s.group_index,) if s.group_index is not None else ()
+    return f"{group_name(kind, numbers)} (ranks {ranks})"
+
+
+def group_name(kind: str, groups: Sequence[int]) -> str:
+    """Layout groups of one kind by their numbers: ``PP group 3``, ``PP groups 6-7``, ``TP group`` (unknown)."""
+    if len(groups) > 1:
+        return f"{kind.upper()} groups {compact_ranks(groups)}"
+    return f"{kind.upper()} group{f' {groups[0]}' if groups else ''}"
 
 
 def group_numbers(s: Suspect) -> str:

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from rankscope.analyzers.chain import DESYNC_ADVICE
-from rankscope.analyzers.findings import NOT_A_RANK, Finding, Suspect, SuspectKind, Verdict
+from rankscope.analyzers.findings import NOT_A_RANK, Finding, Suspect, SuspectKind, Verdict, suspect_order
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters
 
@@ -654,7 +654,7 @@ def analyze_logs(evidence: LogEvidence, world: int | None = None) -> Verdict:
     _inspector(evidence.inspector, out)
     timed_out = any(r.kind in ("timeout", "status", "blocking-wait") for r in evidence.watchdog)
     notes = [*evidence.notes, *out.notes]
-    suspects = sorted(out.suspects, key=lambda s: (-s.score, len(s.ranks), s.ranks))
+    suspects = sorted(out.suspects, key=suspect_order)
     findings = list(out.findings)
     reasons = list(out.symmetric)
     if ras_ok and timed_out:

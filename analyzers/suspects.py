@@ -52,7 +52,7 @@ from rankscope.analyzers.chain import (
     rank_views,
 )
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, finding_to_json
-from rankscope.analyzers.labels import summary_of
+from rankscope.analyzers.labels import group_name, summary_of
 from rankscope.analyzers.not_a_rank import stack_stall
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
@@ -250,10 +250,7 @@ def _kind_label(c: _Candidate) -> str:
         return f"rank {int(c.ranks[0])}"
     if c.kind == "machine":
         return "machine"
-    name = c.kind.upper()
-    if len(c.groups) == 1:
-        return f"{name} group {c.groups[0]}"
-    return f"{name} groups {compact_ranks(c.groups)}"
+    return group_name(c.kind, c.groups)
 
 
 def describe(c: _Candidate, machines: tuple[str, ...]) -> str:
@@ -504,7 +501,7 @@ def _apply_chain(
         ranks = set(d.ranks)
         machines = placement.machines(d.ranks)
         comm = d.communicator or ("the whole job" if d.group_kind == "world" else (
-            f"{d.group_kind.upper()} group {topology.group_index(d.group[0], d.group_kind)}"))
+            group_name(d.group_kind, (topology.group_index(d.group[0], d.group_kind),))))
         summary = desync_summary(d)
         evidence = desync_evidence(d)
         findings.append(Finding(kind="desync", ranks=d.ranks, summary=summary, evidence=evidence,
