@@ -182,8 +182,8 @@ def settle(verdict: Verdict, snapshot: JobSnapshot | None = None) -> Verdict:
             verdict = replace(verdict, findings=tuple(
                 replace(f, evidence=(*f.evidence, *told[f])) if told.get(f) else f for f in verdict.findings))
             stalls = [f for f in verdict.findings if f.kind == NOT_A_RANK]
-    if verdict.summary.startswith(PREFIX):
-        return verdict
+    if any(verdict.summary == f.summary for f in stalls):
+        return verdict  # it already says "not a rank"
     notes = (*verdict.notes, verdict.summary) if verdict.summary and not verdict.summary.startswith(
         "no verdict") else verdict.notes
     return replace(verdict, summary=stalls[0].summary, notes=notes)
