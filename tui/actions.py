@@ -56,8 +56,8 @@ from rankscope.actions.model import (
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.eviction_scope import GROUP, EvictionOption, EvictionScope, eviction_scope, option_line
 from rankscope.analyzers.findings import Suspect, SuspectKind
+from rankscope.analyzers.labels import suspect_label
 from rankscope.analyzers.topology import compact_ranks
-from rankscope.analyzers.verdict import suspect_label
 from rankscope.contract.errors import RankscopeError
 from rankscope.tui import health as hl
 from rankscope.tui import staleness

@@ -184,8 +184,9 @@ def health(state: Readings) -> Health:
 
 
 def making_steps(state: Readings) -> bool:
-    """The job stepped within ``mid_step_window`` of its step time (``rankscope analyze``'s rule too), per its
-    agents (or, without their memory, by the readings' progress counts): a capture now finds its ranks mid-step.
+    """By the readings' progress counts, the job moved within ``mid_step_window`` of its step time: a capture now
+    finds its ranks mid-step. For readings without the agents' progress marks (older agents, bundles); where a
+    capture carries them, its analysis judges it (``JobAnalysis.timing_not_fault``, ``rankscope analyze``'s too).
 
     Not the same as "healthy": for ``hang_after_s`` after a job stops it still reads healthy, and a capture then
     (``s`` in the first seconds of a hang) must keep its suspects.
@@ -195,9 +196,6 @@ def making_steps(state: Readings) -> bool:
         return False
     rate = step_rate(state)
     window = mid_step_window(1.0 / rate if rate else None)
-    clock = state.clock
-    if clock is not None:
-        return clock.progress_mark is not None and clock.progress_age_s is not None and clock.progress_age_s <= window
     # Steps where the job counts them (its operations move within a step, and a rank stalling mid-step still
     # moved them a moment ago), else the summed operation counters.
     if len(state.step_points) >= 2:

@@ -404,7 +404,10 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     """
     s = apply_snapshot(state, d, now_wall)
     hang_after_s = s.hang_after_s
-    running = health(s).kind in ("healthy", "slow") and making_steps(s)
+    # Whether the capture caught the job making steps: the analysis' judgement where the snapshot carries the agents'
+    # progress marks, else the polls' progress counts while the job reads healthy.
+    running = view.timing_not_fault if view.progress is not None else \
+        health(s).kind in ("healthy", "slow") and making_steps(s)
     events = [Event(now_wall, "capture", f"captured {len(d.snapshot.all_stacks())} ranks' stacks, "
                     f"{len(view.groups)} groups")]
     if running:
