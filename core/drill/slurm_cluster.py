@@ -200,22 +200,11 @@ class LocalSlurmCluster:
     def job_field(self, job_id: str, fmt: str) -> str:
         return self.run("squeue", "-h", "-j", job_id, "-o", fmt, check=False).stdout.strip()
 
-    def wait_state(self, job_id: str, state: str, timeout_s: float = 120.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.job_field(job_id, "%T") == state:
-                return True
-            time.sleep(0.3)
-        return False
-
     def steps(self, job_id: str) -> list[str]:
         """The job's running steps (``J.S NAME``), batch and extern steps not counted."""
         out = self.run("squeue", "-h", "-s", "-j", job_id, "-o", "%i %j", check=False).stdout
         return [line.strip() for line in out.splitlines()
                 if line.strip() and not line.split()[0].endswith((".batch", ".extern"))]
-
-    def node_state(self, node: str) -> str:
-        return self.run("sinfo", "-h", "-n", node, "-o", "%T").stdout.strip()
 
     # ---- stop ----------------------------------------------------------------------
 

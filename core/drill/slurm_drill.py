@@ -162,7 +162,7 @@ def run_slurm_drill(config: SlurmDrillConfig, on_event: Callable[[str], None] | 
         _wait(lambda: _state(job, env).startswith("RUNNING") and set(_job_nodes(job, env)).isdisjoint(
             report["evicted"]), config.restart_timeout_s, f"job {job} running again without the evicted nodes")
         report["restarted_on"] = list(_job_nodes(job, env))
-        report["drained"] = {n: _node_state(n, env) for n in report["evicted"]}
+        report["drained"] = {n: node_state(n, env) for n in report["evicted"]}
         hung_at = max(stall_step.values()) if stall_step else 0
         _wait(lambda: stepped_past(run_dir, world, requeued_wall, hung_at), config.restart_timeout_s,
               f"every rank of the restarted job to train past step {hung_at}, where it hung")
@@ -200,7 +200,7 @@ def run_slurm_drill_attached(config: SlurmDrillConfig, on_event: Callable[[str],
         info_nodes = _job_nodes(d.job, d.env) if _state(d.job, d.env).startswith("RUNNING") else ()
         report["now_on"] = list(info_nodes)
         report["restarts"] = _restarts(d.job, d.env)
-        drained = [n for n in report["nodes"] if _node_state(n, d.env).startswith("drain")]
+        drained = [n for n in report["nodes"] if node_state(n, d.env).startswith("drain")]
         report["drained"] = drained
         progress = read_progress(d.run_dir)
         report["steps"] = {r: p.step for r, p in sorted(progress.items()) if p.wall >= started}
@@ -266,7 +266,8 @@ def _restarts(job: str, env: dict[str, str]) -> int:
     return int(job_info(job, env).fields.get("Restarts", "0") or 0)
 
 
-def _node_state(node: str, env: dict[str, str]) -> str:
+def node_state(node: str, env: dict[str, str]) -> str:
+    """What Slurm says of ``node`` now (sinfo %T: idle, allocated, drained, ...)."""
     from rankscope.wire.slurm import run_cli
 
     return run_cli(["sinfo", "-h", "-n", node, "-o", "%T"], env=env).stdout.strip()

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from rankscope.actions.model import (
 from rankscope.contract.bundle import bundle_to_dict, read_bundle
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.slurm_cluster import LocalSlurmCluster, ensure_installed
+from rankscope.drill.slurm_drill import node_state
 from rankscope.formats.slurm_fields import parse_fields
 from rankscope.wire.agents_spec import hostfile_members
 from rankscope.wire.client import JobClient, capture_once
@@ -63,6 +65,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurmClus
     c = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3, partitions={"standby": (3,)})
     with c:
         yield c
+
+
+def _wait_state(cluster: LocalSlurmCluster, job_id: str, state: str, timeout_s: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cluster.job_field(job_id, "%T") == state:
+            return True
+        time.sleep(0.3)
+    return False
 
 
 def agent_processes() -> list[int]:
@@ -97,9 +108,9 @@ class TorchJob:
             f"{JOB} {folder}'\n")
         # The standby node3 is busy while the job starts, so the job gets node1 and node2 and node3 stays idle.
         blocker = cluster.sbatch("-w", "node3", "-o", "/dev/null", "--wrap", "sleep 600")
-        assert cluster.wait_state(blocker, "RUNNING", 60)
+        assert _wait_state(cluster, blocker, "RUNNING", 60)
         self.id = cluster.sbatch("-N2", "--ntasks-per-node=1", "-o", str(folder / "out-%j.txt"), str(script))
-        assert cluster.wait_state(self.id, "RUNNING", 120), cluster.job_field(self.id, "%T %R")
+        assert _wait_state(cluster, self.id, "RUNNING", 120), cluster.job_field(self.id, "%T %R")
         cluster.run("scancel", blocker)
 
     def ready(self) -> int:
@@ -344,7 +355,7 @@ def test_too_few_standbys_plan_a_shrink_and_nodes_outside_the_job_are_refused(
     assert plan.standbys == () and "shrinks from 2 to 1 nodes" in plan.warnings[0]
     with pytest.raises(RankscopeError, match="not nodes of job"):
         backend.plan(["node3"], "r")
-    assert cluster.node_state("node2") in ("allocated", "mixed")  # planning changed nothing: not drained
+    assert node_state("node2", cluster.env()) in ("allocated", "mixed")  # planning changed nothing: not drained
 
 
 @slurm
@@ -387,7 +398,7 @@ def test_evicting_a_node_drains_it_the_job_restarts_on_a_reserved_standby_and_at
         recorded = audit.result_of("evict-node2")
         assert recorded is not None and recorded.state == ActionState.SUCCEEDED, (recorded, results)
         assert any(d == f"exit 0: scontrol requeue {j}" for d in recorded.details), recorded.details
-        assert cluster.node_state("node2") in ("drained", "draining")
+        assert node_state("node2", cluster.env()) in ("drained", "draining")
         wait_for(lambda: cluster.job_field(j, "%T %N") == "RUNNING node[1,3]", 180,
                  f"job {j} running again on node1 and the standby node3 ({cluster.job_field(j, '%T %N %R')}; "
                  f"{cluster.run('scontrol', 'show', 'job', j).stdout})")
@@ -415,7 +426,7 @@ def test_stopping_the_cluster_leaves_no_process_even_with_a_job_running(tmp_path
         pytest.skip(why)
     c = LocalSlurmCluster(tmp_path / "c", nodes=1).start()
     job = c.sbatch("-o", str(tmp_path / "c" / "out.txt"), "--wrap", "srun sleep 600")
-    assert c.wait_state(job, "RUNNING", 60)
+    assert _wait_state(c, job, "RUNNING", 60)
     wait_for(lambda: bool(c.steps(job)), 60, "the job's step")
     c.stop()
     base = str(tmp_path / "c")
