@@ -306,10 +306,11 @@ class ConfirmationRule:
     """
 
     plans: tuple[ActionPlan, ...]
+    kind: ActionKind | None = None  # the request's kind (None: the plans'), so a request nobody planned still has one
 
     @classmethod
-    def of(cls, plans: ActionPlan | Iterable[ActionPlan]) -> ConfirmationRule:
-        return cls((plans,) if isinstance(plans, ActionPlan) else tuple(plans))
+    def of(cls, plans: ActionPlan | Iterable[ActionPlan], kind: ActionKind | None = None) -> ConfirmationRule:
+        return cls((plans,) if isinstance(plans, ActionPlan) else tuple(plans), kind)
 
     @staticmethod
     def typed_for(kind: ActionKind) -> bool:
@@ -328,10 +329,10 @@ class ConfirmationRule:
 
     @property
     def phrase(self) -> str | None:
-        """The phrase to type, or None when an explicit yes is enough (or there is no plan)."""
-        if not self.plans:
+        """The phrase to type, or None when an explicit yes is enough."""
+        kind = self.kind or (self.plans[0].kind if self.plans else None)
+        if kind is None:
             return None
-        kind = self.plans[0].kind
         if not (self.typed_for(kind) or any(p.typed_confirmation for p in self.plans)):
             return None
         if len(self.plans) == 1 and self.plans[0].confirm_phrase:
