@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from rankscope.analyzers.findings import Finding, Suspect, Verdict
-from rankscope.analyzers.labels import group_numbers, headline, summary_of, suspect_label
+from rankscope.analyzers.labels import headline, summary_of, suspect_label
 from rankscope.analyzers.topology import compact_ranks
 
 # Among equal merged scores, sources and sizes: this kind order.
@@ -199,6 +199,3 @@ def merge_findings(*verdicts: Verdict) -> tuple[Finding, ...]:
             out.setdefault((f.kind, f.ranks, f.communicator), f)
     return tuple(out.values())
 
-
-# group_numbers and suspect_label: reached here by the TUI until it imports them from labels.
-__all__ = ["group_numbers", "merge_findings", "merge_verdicts", "suspect_label"]
