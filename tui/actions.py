@@ -69,7 +69,6 @@ from rankscope.tui.state_actions import KIND_LABELS, printable
 from rich.text import Text
 from textual.message import Message
 
-DAILY_FAILURE_RATE = 0.0012  # per machine and day: reproduces ByteRobust Table 5's pool sizes
 # What the agent's interceptor says when a read token asks to act (see rankscope.wire.agent).
 _ROLE_REFUSAL = ("needs a token with the 'act' role", "does not allow this call with this token")
 ACT_TOKEN_FIX = ("attach with --token-file naming a token the agents accept with the 'act' role "

@@ -89,11 +89,6 @@ class FailSlowTracker:
         self._rounds: list[RoundFlags] = []
         self._errors: list[str] = []
 
-    def feed(self, snapshot: JobSnapshot, stack_analysis: StackView | None = None) -> FailSlowView:
-        """One snapshot (a capture's stack analysis with it); returns the view of the state after it."""
-        self._update(snapshot, stack_analysis)
-        return self.view()
-
     def feed_series(self, items: Iterable[tuple[JobSnapshot, StackView | None]]) -> FailSlowView:
         """A recorded series, oldest first (the bundle a watch recorded): replayed as it happened live."""
         for snap, analysis in sorted(items, key=lambda it: it[0].captured.mono):

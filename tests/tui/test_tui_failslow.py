@@ -135,9 +135,9 @@ def test_tracker_on_a_healthy_series_flags_nothing_confidently() -> None:
 def test_tracker_ignores_a_repeated_snapshot() -> None:
     snaps = fs_series(5)
     tracker = FailSlowTracker()
-    tracker.feed(snaps[0])
-    tracker.feed(snaps[1])
-    view = tracker.feed(snaps[1])
+    tracker.feed_series([(snaps[0], None)])
+    tracker.feed_series([(snaps[1], None)])
+    view = tracker.feed_series([(snaps[1], None)])
     assert view.updates == 2 and len(view.rounds) == 2
 
 
@@ -302,7 +302,7 @@ def test_captures_analysed_by_the_tui_count_as_stack_rounds() -> None:
     tracker = FailSlowTracker()
     for i in range(6):
         snap = job(T0 + 10 * i, stacks=True, step=100 + i, hung=True)
-        view = tracker.feed(snap, build_stack_view(snap, FIG7_LAYOUT))
+        view = tracker.feed_series([(snap, build_stack_view(snap, FIG7_LAYOUT))])
     stack_flags = [f for f in view.verdict.flags if f.detector == "stacks"] if view.verdict else []
     assert stack_flags, [r.flags for r in view.rounds]
     assert set(stack_flags[0].ranks) <= set(range(24, 32))
