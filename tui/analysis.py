@@ -20,8 +20,8 @@ from typing import Any
 
 from rankscope.analyzers.analysis import analyze_job
 from rankscope.analyzers.findings import Verdict
-from rankscope.analyzers.labels import suspect_label
 from rankscope.analyzers.progress import ProgressAtCapture
+from rankscope.analyzers.render import finding_lines, suspect_lines
 from rankscope.analyzers.rounds import StackRound, round_of
 from rankscope.analyzers.stacks import diverging_frame
 from rankscope.analyzers.topology import compact_ranks
@@ -212,24 +212,14 @@ def _from_analyzers(snapshot: JobSnapshot, layout: Layout | None, missing: tuple
 
 
 def verdict_text(view: StackView | None) -> str:
-    """The verdict as plain text, for `y` and for tickets."""
+    """The verdict as plain text, for `y` and for tickets: ``rankscope analyze``'s suspects and findings
+    (``analyzers.render``, every suspect), then the ranks without a stack and the notes."""
     if view is None:
         return "no capture yet"
     v = view.verdict
-    lines = [v.summary]
-    for s in v.suspects:
-        lines.append(f"- {suspect_label(s)} on {', '.join(s.machines)} (score {s.score:.2f})")
-        lines.extend(f"    {e}" for e in s.evidence)
-        if s.victims:
-            lines.append(f"    victims (wait on it, not suspects): ranks {compact_ranks(s.victims, 20)}")
-        if s.diverging_frame:
-            lines.append(f"    diverges at: {s.diverging_frame}")
-    for f in v.findings:
-        lines.append(f"finding [{f.kind}] ranks {compact_ranks(f.ranks, 20)}"
-                     + (f" on {f.communicator}" if f.communicator else "") + f": {f.summary}")
-        lines.extend(f"    {e}" for e in f.evidence)
-        if f.advice:
-            lines.append(f"    advice: {f.advice}")
+    lines = [v.summary, *suspect_lines(v.suspects)]
+    if v.findings:
+        lines.extend(finding_lines(v.findings))
     for ranks, why in view.unreadable:
         lines.append(f"ranks {compact_ranks(ranks, 20)}: {why}")
     if view.missing_ranks:

@@ -332,7 +332,7 @@ def test_panel_shows_a_desync_with_its_call_sites_and_the_advice() -> None:
     assert "▸ DESYNC  machines node0  ranks 2,5" in text
     assert "6 rank(s) 0-1,3-4,6-7 at all_reduce <- _sync_ddp (distributed.py:231)" in text
     assert "evicting machines will not cure it: a desync is usually a program mismatch" in text
-    assert "finding [desync] ranks 2,5 on the whole job" in text
+    assert "findings:\n  [desync] ranks 2,5 on the whole job" in text  # y copies it as `analyze` prints it
 
 
 def test_a_rank_with_a_stuck_worker_is_a_root_of_its_own_beside_a_computing_one() -> None:

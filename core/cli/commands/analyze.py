@@ -19,10 +19,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rankscope.cli.options import LAYOUT_FIX, add_layout_args, layout_from_args
 from rankscope.contract.errors import RankscopeError
+
+if TYPE_CHECKING:
+    from rankscope.analyzers.findings import Verdict
 
 
 def register(sub: Any) -> None:
@@ -97,10 +100,10 @@ def run(args: argparse.Namespace) -> int:
         other_verdicts = [*other_verdicts, log_verdict]
     if other_verdicts and not any(m.stacks for m in snapshot.machines):
         # Nothing to group (flight-recorder dumps carry counters only): the other detectors speak alone.
-        out = _verdict_only(other_verdicts, snapshot, layout)
+        out, verdict = _verdict_only(other_verdicts, snapshot, layout)
         out.update(extra)
         out.update(_log_summary(args))
-        _print(out, args.json)
+        _print(out, verdict, args.json)
         return 0
     from rankscope.analyzers.analysis import analyze_job
     from rankscope.contract.heap import collector_paused
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     assignment = rank_assignment(snapshot)
     if assignment:
         out["rank_assignment"] = assignment
-    _print(out, args.json)
+    _print(out, merged, args.json)
     return 0
 
 
@@ -264,16 +267,16 @@ def _op_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(out: dict[str, Any], as_json: bool) -> None:
+def _print(out: dict[str, Any], verdict: Verdict, as_json: bool) -> None:
     if as_json:
         json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render_text(out))
+        sys.stdout.write(render_text(out, verdict))
 
 
-def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, Any]:
-    """The --json shape for a source without stacks: no groups, the detectors' suspects."""
+def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> tuple[dict[str, Any], Verdict]:
+    """The --json shape for a source without stacks (no groups, the detectors' suspects), and the merged verdict."""
     from rankscope.analyzers.findings import finding_to_json
     from rankscope.analyzers.suspects import suspect_to_json
     from rankscope.analyzers.verdict import merge_verdicts
@@ -282,7 +285,7 @@ def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, 
     summary = _not_a_rank_summary(verdict) or verdict.summary
     lay = layout
     sizes = {d: getattr(lay, d) if lay is not None else 1 for d in ("tp", "pp", "dp", "cp", "ep")}
-    return {
+    out = {
         "summary": summary,
         "world_size": snapshot.world_size,
         "layout": {**sizes, "order": lay.order if lay is not None else "tp-cp-ep-dp-pp",
@@ -298,6 +301,7 @@ def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> dict[str, 
         "missing_ranks": list(verdict.missing_ranks),
         "notes": [*snapshot.notes, *(n for n in verdict.notes if n not in snapshot.notes)],
     }
+    return out, verdict
 
 
 def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any], dict[str, Any]]:
@@ -355,8 +359,11 @@ def _rounds(snapshots: list[Any], layout: Any, options: Any) -> dict[str, object
     }
 
 
-def render_text(out: dict[str, Any]) -> str:
-    """The verdict for a person: headline, layout, groups, suspects with evidence, gaps."""
+def render_text(out: dict[str, Any], verdict: Verdict) -> str:
+    """The verdict for a person: headline, layout, groups, suspects with evidence (``analyzers.render``, as the
+    TUI's ``y`` copies them), gaps. ``out`` is the --json shape, ``verdict`` the one verdict in it."""
+    from rankscope.analyzers.render import finding_lines, suspect_lines
+
     lines = [f"verdict: {out['summary']}"]
     lay = out["layout"]
     dims = " ".join(f"{d}={lay[d]}" for d in ("tp", "pp", "dp", "cp", "ep") if lay[d] > 1) or "no parallel sizes"
@@ -374,26 +381,10 @@ def render_text(out: dict[str, Any]) -> str:
     if len(out["groups"]) > 20:
         lines.append(f"  ... {len(out['groups']) - 20} more groups (use --json)")
     lines.append("")
-    if out["suspects"]:
-        lines.append("suspects (most likely first):")
-        for i, s in enumerate(out["suspects"][:5], 1):
-            state = f"  [{s['state']}]" if s.get("state") else ""
-            lines.append(f"  {i}. [{s['kind']}] score {s['score']:.2f}  machines: {', '.join(s['machines']) or '?'}"
-                         + state)
-            lines.extend(f"       {e}" for e in s["evidence"])
-            if s.get("victims"):
-                lines.append(f"       victims (wait on it, not suspects): ranks {_ranks(s['victims'])}")
-    else:
-        lines.append("suspects: none")
-    if out.get("findings"):
+    lines.extend(suspect_lines(verdict.suspects, 5))
+    if verdict.findings:
         lines.append("")
-        lines.append("findings:")
-        for f in out["findings"]:
-            comm = f" on {f['communicator']}" if f.get("communicator") else ""
-            lines.append(f"  [{f['kind']}] ranks {_ranks(f['ranks'])}{comm}: {f['summary']}")
-            lines.extend(f"       {e}" for e in f["evidence"])
-            if f.get("advice"):
-                lines.append(f"       advice: {f['advice']}")
+        lines.extend(finding_lines(verdict.findings))
     gaps = [e for e in out.get("rank_evidence", []) if not e["complete"]]
     if gaps:
         lines.append("")

@@ -1,0 +1,49 @@
+"""A verdict as plain text: the one renderer of suspects and findings for a person.
+
+``rankscope analyze`` prints it and the TUI's ``y`` copies it, so a ticket
+reads the same whichever made it. The TUI's verdict panel draws the same
+suspects in colour from the same parts (``labels``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rankscope.analyzers.findings import Finding, Suspect
+from rankscope.analyzers.topology import compact_ranks
+
+RANKS_SHOWN = 12  # runs of a rank set before it is cut (--json has all)
+
+
+def suspect_lines(suspects: Sequence[Suspect], limit: int | None = None) -> list[str]:
+    """The suspects, most likely first, each with its evidence, the ranks that only wait on it and where its
+    stacks leave the healthy ranks' path."""
+    if not suspects:
+        return ["suspects: none"]
+    lines = ["suspects (most likely first):"]
+    for i, s in enumerate(suspects[:limit], 1):
+        state = f"  [{s.state}]" if s.state else ""
+        lines.append(f"  {i}. [{s.kind}] score {s.score:.2f}  machines: {', '.join(s.machines) or '?'}{state}")
+        lines.extend(f"       {e}" for e in s.evidence)
+        if s.victims:
+            lines.append(f"       victims (wait on it, not suspects): ranks {compact_ranks(s.victims, RANKS_SHOWN)}")
+        if s.diverging_frame:
+            lines.append(f"       diverges at: {s.diverging_frame}")
+    return lines
+
+
+def finding_lines(findings: Sequence[Finding]) -> list[str]:
+    """Facts beyond "evict these machines" (a desync, a mismatch, "not a rank"), each with its advice."""
+    if not findings:
+        return []
+    lines = ["findings:"]
+    for f in findings:
+        comm = f" on {f.communicator}" if f.communicator else ""
+        lines.append(f"  [{f.kind}] ranks {compact_ranks(f.ranks, RANKS_SHOWN)}{comm}: {f.summary}")
+        lines.extend(f"       {e}" for e in f.evidence)
+        if f.advice:
+            lines.append(f"       advice: {f.advice}")
+    return lines
+
+
+__all__ = ["RANKS_SHOWN", "finding_lines", "suspect_lines"]
