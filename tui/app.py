@@ -33,7 +33,7 @@ from rankscope.contract.heap import settle, settle_in_this_process
 from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui import digest as dg
 from rankscope.tui import health as hl
-from rankscope.tui import staleness
+from rankscope.tui import schedule, staleness
 from rankscope.tui import state as st
 from rankscope.tui.actions import ActionController
 from rankscope.tui.analysis import StackView, build_stack_view, rank_stack_lines, verdict_text
@@ -239,7 +239,7 @@ class RankscopeApp(App[int]):
         before = {m.name: m.reachable for m in self.state.machines}
         quiet = self.state.restarting  # agents away for a restart: no "lost"/"is back" toasts for them
         self.state = st.apply_poll(self.state, message.digest, self._now(message.digest.wall))
-        if st.started_capture_due(self.state):
+        if schedule.started_capture_due(self.state):
             self.state = st.apply_started_captured(self.state)
             self.action_capture()
         quiet |= self.state.restarting
@@ -341,7 +341,7 @@ class RankscopeApp(App[int]):
         """Capture when progress stopped (once per stop) and every 10 s in fail-slow mode."""
         if not self.source.live or self.state.capturing:
             return
-        if st.hang_capture_due(self.state):
+        if schedule.hang_capture_due(self.state):
             self.state = st.apply_hang_captured(self.state)
             self.action_capture()
             return

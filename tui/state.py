@@ -435,7 +435,7 @@ def apply_poll(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     """The app's handling of one poll (``SnapshotReceived``): its readings folded in; when they show the job
     restarted, the automatic capture waits for the new processes' first step (the stacks on screen are of
     processes that are gone, and ranks importing or at rendezvous are no steady state to compare); and whether the
-    job's ranks have shown counters is kept. ``started_capture_due`` then says whether that capture goes now."""
+    job's ranks have shown counters is kept. ``schedule.started_capture_due`` then says whether that capture goes now."""
     restarts = state.restarts
     s = apply_snapshot(state, d, now_wall)
     if s.restarts != restarts:
@@ -558,37 +558,8 @@ def apply_counters_seen(state: AppState, d: PollDigest) -> AppState:
     return state if counts == state.job_counts else replace(state, job_counts=counts)
 
 
-def _unknown_for_long(state: AppState, clock: JobClock) -> bool:
-    """Ranks with no counters and no step for ``hang_after_s`` since they started: only stacks can tell more.
-
-    New processes have no counter files yet for a while (imports): capturing then caught them mid-import.
-    A job whose ranks have shown counters will show them again once the new ranks have imported: on a loaded
-    host that took longer than ``hang_after_s``, and a capture then caught a restart mid-import.
-    """
-    return bool(clock.unknown) and not state.job_counts and (
-        clock.start_age_s is None or clock.start_age_s >= state.hang_after_s)
-
-
-def started_capture_due(state: AppState) -> bool:
-    """The capture waiting for the job's first step may go now (it stepped, or only stacks can tell more)."""
-    clock = state.clock
-    return state.capture_after_start and not state.capturing and (
-        clock is None or (not clock.starting and (clock.progress_mark is not None or _unknown_for_long(state, clock))))
-
-
 def apply_started_captured(state: AppState) -> AppState:
     return replace(state, capture_after_start=False)
-
-
-def hang_capture_due(state: AppState) -> bool:
-    """Progress stopped and this stop was not captured yet.
-
-    After a restart, ranks slow to reach their first step (a loaded host, a backup being restored) are
-    captured once they step, not as a hang: that capture caught rendezvous and restore stacks.
-    """
-    restarting = state.capture_after_start and state.restarts > 0
-    return health(state).kind == "hung" and not restarting and \
-        state.hang_captured_for != state.last_progress_wall
 
 
 def apply_hang_captured(state: AppState) -> AppState:

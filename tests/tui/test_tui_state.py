@@ -14,6 +14,7 @@ from rankscope.contract.snapshot import Frame, JobSnapshot, ProcessRole, Process
 from rankscope.tui import digest as dg
 from rankscope.tui import filter as flt
 from rankscope.tui import health as hl
+from rankscope.tui import schedule
 from rankscope.tui import state as st
 from rankscope.tui.analysis import build_stack_view, rank_stack_lines
 from rankscope.tui.app import AppOptions, RankscopeApp
@@ -359,7 +360,7 @@ def test_no_progress_counts_to_the_hang_threshold_and_the_capture_and_is_never_h
     assert line.startswith("no progress for 22 s │ 0.00 steps/s (10 s) │ hang + capture in 8 s"), line
     for i in range(33, 45):
         s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=109, hung=True)), T0 + i)
-    assert hl.health(s).kind == "hung" and st.hang_capture_due(s)
+    assert hl.health(s).kind == "hung" and schedule.hang_capture_due(s)
     assert "│ 0.00 steps/s (10 s) │ capture due" in header_text(s, "x", False).plain
 
 

@@ -15,6 +15,7 @@ from rankscope.contract.snapshot import JobSnapshot
 from rankscope.tui import digest as dg
 from rankscope.tui import filter as flt
 from rankscope.tui import health as hl
+from rankscope.tui import schedule
 from rankscope.tui import state as st
 from rankscope.tui import state_actions as sa
 from rankscope.tui.analysis import build_stack_view
@@ -111,18 +112,18 @@ def test_a_fail_slow_view_replaces_the_last_one() -> None:
 
 def test_a_hang_is_captured_once_per_stop_and_a_waiting_capture_goes_once_the_job_steps() -> None:
     s = fold(fig7_bundle().snapshots[:-1])  # progress stopped at T0+2, 45 s ago
-    assert hl.health(s).kind == "hung" and st.hang_capture_due(s)
+    assert hl.health(s).kind == "hung" and schedule.hang_capture_due(s)
     s = st.apply_hang_captured(s)
-    assert s.hang_captured_for == s.last_progress_wall and not st.hang_capture_due(s)
+    assert s.hang_captured_for == s.last_progress_wall and not schedule.hang_capture_due(s)
     # After a restart, a slow first step is waited for, not captured as a hang.
     waiting = st.apply_await_start(replace(st.apply_hang_captured(s), hang_captured_for=None, restarts=1))
-    assert waiting.capture_after_start and not st.hang_capture_due(waiting)
+    assert waiting.capture_after_start and not schedule.hang_capture_due(waiting)
     # The waiting capture goes when nothing says the ranks are still starting (here: no job clock), not while
     # another capture runs.
-    assert waiting.clock is None and st.started_capture_due(waiting)
+    assert waiting.clock is None and schedule.started_capture_due(waiting)
     busy = st.apply_capture_begun(waiting)
-    assert busy.capturing and not st.started_capture_due(busy)
-    assert st.started_capture_due(st.apply_capture_ended(busy))
+    assert busy.capturing and not schedule.started_capture_due(busy)
+    assert schedule.started_capture_due(st.apply_capture_ended(busy))
     assert not st.apply_started_captured(waiting).capture_after_start
 
 

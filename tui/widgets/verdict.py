@@ -19,7 +19,8 @@ from rankscope.tui.health import (
     recent_step_rate,
     running_capture_text,
 )
-from rankscope.tui.state import AppState, hang_capture_due
+from rankscope.tui.schedule import hang_capture_due
+from rankscope.tui.state import AppState
 from rankscope.tui.widgets.rank_map import group_glyph, group_style
 from rich.text import Text
 from textual.widgets import Static
