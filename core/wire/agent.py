@@ -144,7 +144,7 @@ class AgentConfig:
     relay_token: str | None = None  # the token this agent presents to the agents it relays to
     relay_tls: ClientTLS | None = None  # how it reaches them; None: plaintext
     # > 0: the agent stops by itself when no call with an accepted token came for this long (its client is
-    # gone: killed, or its machine lost). ``rankscope.wire.client.keep_alive`` renews it while a client lives.
+    # gone: killed, or its machine lost). ``rankscope.wire.lease.KeepAlive`` renews it while a client lives.
     lease_s: float = 0.0
 
 

@@ -170,7 +170,7 @@ class SlurmAgents:
     ends (a requeue ends every step) and the job runs again, on a new
     allocation, it starts agents there with the same token and certificates and
     calls ``on_change``. The agents serve under a lease (``lease_s``) that the
-    client renews (``rankscope.wire.client.KeepAlive``), and srun gets SIGTERM if
+    client renews (``rankscope.wire.lease.KeepAlive``), and srun gets SIGTERM if
     the process that started it dies, so a killed client leaves no step behind.
     """
 
