@@ -12,11 +12,15 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rankscope.cli.commands.target import add_slurm_args, add_tls_args, open_target
 from rankscope.cli.options import add_failslow_args, add_layout_args, failslow_config, layout_from_args
 from rankscope.contract.errors import RankscopeError
+
+if TYPE_CHECKING:
+    from rankscope.contract.bundle import Bundle
+    from rankscope.contract.snapshot import Layout
 
 
 def register(sub: Any) -> None:
@@ -60,7 +64,7 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def saved_dumps(path: Path, layout: Any) -> Any:
+def saved_dumps(path: Path, layout: Layout | None) -> Bundle | None:
     """py-spy dumps saved during an incident (a folder, or one pasted file) as a one-capture bundle; None for a
     bundle. An op trace or flight recorder dumps are refused with the command that reads them."""
     from rankscope.contract.bundle import Bundle
