@@ -162,12 +162,13 @@ def build_stack_view(snapshot: JobSnapshot, layout: Layout | None = None) -> Sta
     known = set(snapshot.rank_to_machine())
     missing = tuple(sorted(r for r in known if r not in stacks or stacks[r].main.threads is None))
     notes: list[str] = []
-    usable = {r: s for r, s in stacks.items() if s.main.threads is not None}
-    paths = {r: rank_path(s) for r, s in usable.items()}
     try:
         return _from_analyzers(snapshot, layout, missing)
     except Exception as exc:  # the analyzer is someone else's code; show what we can
         notes.append(f"stack analyzer failed ({type(exc).__name__}: {exc}); groups by main-thread path")
+    # The plain paths only where the analysis failed: every rank's path again is a second pass at 16k ranks.
+    usable = {r: s for r, s in stacks.items() if s.main.threads is not None}
+    paths = {r: rank_path(s) for r, s in usable.items()}
     found = _fallback_groups(usable)
     top = found[0][0] if found else ()
     groups = tuple(

@@ -325,6 +325,21 @@ def test_panel_shows_the_unreadable_root_its_state_and_its_victims() -> None:
     assert "victims (wait on it, not suspects): ranks 0-2,4-7" in text  # y copies them too
 
 
+def test_a_failing_analysis_still_shows_the_stacks_grouped_by_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rankscope.tui.analysis as tui_analysis
+
+    def broken(*_args: object, **_kw: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tui_analysis, "analyze_job", broken)
+    stacks, layout = _waiting_job(2, 2, 2, "tp-dp-pp", 3, "unreadable")
+    view = tui_analysis.build_stack_view(snapshot(stacks, 8, 2, layout), layout)
+    assert view.notes == ("stack analyzer failed (RuntimeError: boom); groups by main-thread path",)
+    assert view.verdict.summary == "no verdict (analyzer unavailable)" and not view.verdict.suspects
+    assert sorted(r for g in view.groups for r in g.ranks) == [0, 1, 2, 4, 5, 6, 7]  # rank 3 has no stack
+    assert view.missing_ranks == (3,) and view.tree.ranks == (0, 1, 2, 4, 5, 6, 7)
+
+
 def test_panel_shows_a_desync_with_its_call_sites_and_the_advice() -> None:
     stacks = {r: _stacks_with_lines(r, BACKWARD if r in (2, 5) else _sync_at(231)) for r in range(8)}
     text = _panel(stacks, 8, 8, Layout(dp=8, ranks_per_machine=8))
