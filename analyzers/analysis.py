@@ -74,7 +74,10 @@ def analyze_job(snapshot: JobSnapshot, layout: Layout | None = None, options: Si
     merged_with = tuple(others) or ((counters,) if counters is not None and counters.suspects else ())
     # merge_verdicts also folds one detector's suspects: a rank, its TP group and its DP group holding one root
     # are one suspect whether or not another detector spoke.
-    verdict = merge_verdicts(stacks.verdict, *merged_with)
+    # A capture without stacks (flight recorder dumps, logs alone) gives the stacks nothing to say: the other
+    # detectors speak alone.
+    spoken = (stacks.verdict,) if not others or any(m.stacks for m in snapshot.machines) else ()
+    verdict = merge_verdicts(*spoken, *merged_with)
     if not merged_with and counters is not None:
         v = verdict
         verdict = Verdict(v.suspects, v.summary, v.missing_ranks, (*v.notes, counters.summary, *counters.notes),

@@ -98,14 +98,19 @@ def run(args: argparse.Namespace) -> int:
     log_verdict, snapshot = _log_verdict(args, snapshot)
     if log_verdict is not None:
         other_verdicts = [*other_verdicts, log_verdict]
+    from rankscope.analyzers.analysis import analyze_job
+
     if other_verdicts and not any(m.stacks for m in snapshot.machines):
         # Nothing to group (flight-recorder dumps carry counters only): the other detectors speak alone.
-        out, verdict = _verdict_only(other_verdicts, snapshot, layout)
+        try:
+            verdict = analyze_job(snapshot, layout, options, other_verdicts).verdict
+        except ValueError as exc:
+            raise RankscopeError(str(exc), LAYOUT_FIX) from None
+        out = _verdict_only(verdict, snapshot, layout)
         out.update(extra)
         out.update(_log_summary(args))
         _print(out, verdict, args.json)
         return 0
-    from rankscope.analyzers.analysis import analyze_job
     from rankscope.contract.heap import collector_paused
 
     try:
@@ -275,13 +280,11 @@ def _print(out: dict[str, Any], verdict: Verdict, as_json: bool) -> None:
         sys.stdout.write(render_text(out, verdict))
 
 
-def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> tuple[dict[str, Any], Verdict]:
-    """The --json shape for a source without stacks (no groups, the detectors' suspects), and the merged verdict."""
+def _verdict_only(verdict: Verdict, snapshot: Any, layout: Any) -> dict[str, Any]:
+    """The --json shape for a source without stacks: no groups, the other detectors' suspects (``analyze_job``)."""
     from rankscope.analyzers.findings import finding_to_json
     from rankscope.analyzers.suspects import suspect_to_json
-    from rankscope.analyzers.verdict import merge_verdicts
 
-    verdict = merge_verdicts(*verdicts)
     summary = _not_a_rank_summary(verdict) or verdict.summary
     lay = layout
     sizes = {d: getattr(lay, d) if lay is not None else 1 for d in ("tp", "pp", "dp", "cp", "ep")}
@@ -301,7 +304,7 @@ def _verdict_only(verdicts: list[Any], snapshot: Any, layout: Any) -> tuple[dict
         "missing_ranks": list(verdict.missing_ranks),
         "notes": [*snapshot.notes, *(n for n in verdict.notes if n not in snapshot.notes)],
     }
-    return out, verdict
+    return out
 
 
 def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any], dict[str, Any]]:
