@@ -14,8 +14,8 @@ of the last L=5 work-request throughputs):
   keeps ops of different sizes comparable.
 
 Only members whose latest completed call is the one most members are on (same WC) are compared, so a
-rank that is one call ahead does not look fast. Findings are ``Suspect``s
-with source ``ccl``; the fail-slow detector decides how long they must last.
+rank that is one call ahead does not look fast. The fail-slow detector
+decides how long the findings must last.
 Pure: no I/O, no clock.
 """
 
@@ -24,13 +24,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
-from rankscope.contract.snapshot import JobSnapshot, RankCounters
+from rankscope.contract.snapshot import RankCounters
 
 ALPHA = 0.8
 BETA = 1.5
 MIN_MEMBERS = 2
-SOURCE = "ccl"
 P2P_OPS = frozenset({"send", "recv"})
 
 
@@ -91,29 +89,3 @@ def degradation_findings(counters: Mapping[int, RankCounters], alpha: float = AL
                 if n > beta * mean:
                     out.append(DegradationFinding("slow_link", cid, op, r, n, mean, beta * mean))
     return tuple(out)
-
-
-def findings_verdict(findings: tuple[DegradationFinding, ...], placement: Mapping[int, str]) -> Verdict:
-    per_rank: dict[int, list[DegradationFinding]] = {}
-    for f in findings:
-        per_rank.setdefault(f.rank, []).append(f)
-    suspects = []
-    for r, fs in per_rank.items():
-        machines = (placement[r],) if r in placement else ()
-        # more (comm, op) pairs agreeing on one rank is stronger evidence
-        # A late arriver (short TD) is the slow computer itself; a slow link (large N) is between it and its peers.
-        suspects.append(Suspect(SuspectKind.RANK, (r,), machines, float(len(fs)),
-                                tuple(f.evidence() for f in fs), (SOURCE,),
-                                roots=(r,) if any(f.kind == "slow_compute" for f in fs) else ()))
-    suspects.sort(key=lambda s: (-s.score, s.ranks))
-    summary = (f"CCL degradation: {suspects[0].evidence[0]}" if suspects
-               else "CCL degradation: no member's TD or N stands out")
-    return Verdict(tuple(suspects), summary)
-
-
-def analyze_degradation(snapshot: JobSnapshot, alpha: float = ALPHA, beta: float = BETA) -> Verdict | None:
-    """The §5.2 verdict for one snapshot, or None when it has no counters."""
-    counters = snapshot.all_counters()
-    if not counters:
-        return None
-    return findings_verdict(degradation_findings(counters, alpha, beta), snapshot.rank_to_machine())

@@ -90,7 +90,6 @@ class FailSlowConfig:
     beta: float = 1.5  # Aegis §5.2 N > β·mean: a slow link
     rounds_needed: int = 5  # ByteRobust: rounds of stack aggregation before naming the degrader
     stack_majority: float = DEFAULT_MAJORITY  # the degrader is flagged in more than this share of the rounds (rounds.tally)
-    ccl_rounds_needed: int = 3  # consecutive updates a caller-given CCL verdict must last
     ccl_calls_window: int = 20  # a rank's last collective calls (per communicator) that are tallied
     ccl_min_calls: int = 15  # calls seen before a rank can be blamed
     ccl_fraction: float = 0.8  # share of its calls in which a rank must be flagged
@@ -337,9 +336,9 @@ class FailSlowDetector:
     """Feed snapshots in time order; each ``update`` returns the combined verdict.
 
     ``stack_round``: one capture's stack round (``rounds.round_of`` of its
-    ``analyze_job``), passed only on updates where stacks were captured. The CCL counters of each snapshot go through Aegis §5.2
-    (``analyzers.degradation``, α and β from the config) here; a caller that
-    ran that analysis itself may pass its ``Verdict`` as ``degradation``.
+    ``analyze_job``), passed only on updates where stacks were captured. The
+    CCL counters of each snapshot go through Aegis §5.2
+    (``analyzers.degradation``, α and β from the config) here.
     """
 
     def __init__(self, config: FailSlowConfig | None = None, layout: Layout | None = None) -> None:
@@ -354,13 +353,11 @@ class FailSlowDetector:
                                      similarity_threshold=c.similarity_threshold, separation=c.separation)
         self.step_time = StepTimeDetector(window_s=c.step_window_s, ratio_threshold=c.step_ratio)
         self._stack_rounds: deque[Suspect | None] = deque(maxlen=max(1, c.rounds_needed))
-        self._ccl_runs = RunTracker()
         self._late: _CallTally[tuple[str, int]] = _CallTally(c.ccl_calls_window)
         self._links: _CallTally[tuple[str, int]] = _CallTally(c.ccl_calls_window)
         self._late_example: dict[int, str] = {}
         self._waits = PeerWaitTally(c.p2p_window)
         self._wait_runs = RunTracker()
-        self._ccl_seen = 0
         self._history: deque[FailSlowVerdict] = deque(maxlen=c.history_len)
         self._updates = 0
         self._last: FailSlowVerdict | None = None
@@ -380,8 +377,7 @@ class FailSlowDetector:
 
     # ---- the update ------------------------------------------------------
 
-    def update(self, snapshot: JobSnapshot, stack_round: StackRound | None = None,
-               degradation: Verdict | None = None) -> FailSlowVerdict:
+    def update(self, snapshot: JobSnapshot, stack_round: StackRound | None = None) -> FailSlowVerdict:
         if not self.store.add(snapshot) and self._last is not None:
             return self._last  # an old or repeated snapshot changes nothing
         self._updates += 1
@@ -392,7 +388,7 @@ class FailSlowDetector:
         flags += self._metric_flags()
         flags += self._minder_flags(notes)
         flags += self._stack_flags(stack_round)
-        flags += self._ccl_flags(snapshot, degradation, notes)
+        flags += self._ccl_flags(snapshot, notes)
         flags += self._p2p_flags(snapshot)
         flags += self._sample_flags(snapshot, notes)
         verdict = self._combine(flags, notes, now)
@@ -529,45 +525,19 @@ class FailSlowDetector:
                 notes.append(f"slow links on {len(links)} communicators share no rank: look at the network")
         return targets
 
-    def _ccl_flags(self, snapshot: JobSnapshot, degradation: Verdict | None, notes: list[str]) -> list[DetectorFlag]:
-        if degradation is not None:  # the caller ran the analysis (e.g. a replay with its own settings)
-            per_machine: dict[str, tuple[tuple[int, ...], str]] = {}
-            suspects = [s for s in degradation.suspects if s.ranks or s.machines]
-            narrowed = narrow_to_common_end([s.ranks for s in suspects]) if len(suspects) > 1 else ()
-            rank_machine = self.store.rank_machine()
-            if narrowed:
-                for r in narrowed:
-                    m = rank_machine.get(r)
-                    if m is not None:
-                        ranks, _ = per_machine.get(m, ((), ""))
-                        per_machine[m] = ((*ranks, r), f"slow links share rank {_ranges(narrowed)} (of {len(suspects)} slow groups)")
-            else:
-                for s in suspects:
-                    for m in s.machines or tuple({rank_machine[r] for r in s.ranks if r in rank_machine}):
-                        if m not in per_machine:
-                            per_machine[m] = (s.ranks, s.evidence[0] if s.evidence else "CCL degradation")
-        else:
-            if not snapshot.all_counters():
-                return []
-            # Persistence is counted in collective calls here (see _ccl_targets):
-            # a target is already persistent when it is returned. Half the weight
-            # at half the window's bar, so a full window of late calls gives ~0.66:
-            # the late-arriver test alone names a whole data-parallel replica and
-            # must not be confident without another detector narrowing it.
-            req_calls = float(max(1, math.ceil(self.config.ccl_fraction * self.config.ccl_calls_window / 2)))
-            return [DetectorFlag("ccl", m, tuple(sorted(ranks)), None,
-                                 _contribution(self._w("ccl"), float(calls), req_calls), ev, True, float(calls),
-                                 req_calls, None)
-                    for m, (ranks, ev, calls) in self._ccl_targets(snapshot, notes).items()]
-        self._ccl_seen += 1
-        runs = self._ccl_runs.update(float(self._ccl_seen), per_machine)
-        req = float(max(1, self.config.ccl_rounds_needed))
-        out = []
-        for m, (ranks, ev) in per_machine.items():
-            held = runs[m].held_s + 1.0  # updates in a row, counting this one
-            out.append(DetectorFlag("ccl", m, tuple(sorted(ranks)), None, _contribution(self._w("ccl"), held, req),
-                                    f"{ev} ({held:.0f} updates in a row)", held >= req, held, req, None))
-        return out
+    def _ccl_flags(self, snapshot: JobSnapshot, notes: list[str]) -> list[DetectorFlag]:
+        if not snapshot.all_counters():
+            return []
+        # Persistence is counted in collective calls here (see _ccl_targets):
+        # a target is already persistent when it is returned. Half the weight
+        # at half the window's bar, so a full window of late calls gives ~0.66:
+        # the late-arriver test alone names a whole data-parallel replica and
+        # must not be confident without another detector narrowing it.
+        req_calls = float(max(1, math.ceil(self.config.ccl_fraction * self.config.ccl_calls_window / 2)))
+        return [DetectorFlag("ccl", m, tuple(sorted(ranks)), None,
+                             _contribution(self._w("ccl"), float(calls), req_calls), ev, True, float(calls),
+                             req_calls, None)
+                for m, (ranks, ev, calls) in self._ccl_targets(snapshot, notes).items()]
 
     def _p2p_flags(self, snapshot: JobSnapshot) -> list[DetectorFlag]:
         counters = snapshot.all_counters()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rankscope.analyzers.ccl import analyze_counters, comm_tables, counter_findings
-from rankscope.analyzers.degradation import analyze_degradation, degradation_findings
+from rankscope.analyzers.degradation import degradation_findings
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.verdict import merge_verdicts
 from rankscope.contract.snapshot import (
@@ -91,10 +91,6 @@ def test_short_td_marks_the_late_arriver_and_large_n_the_slow_link() -> None:
     counters = {r: rc(r, [ar(4, td=tds[r], ring=rings[r])]) for r in range(4)}
     kinds = {(f.kind, f.rank) for f in degradation_findings(counters)}
     assert kinds == {("slow_compute", 2), ("slow_link", 3)}
-    v = analyze_degradation(snapshot(list(counters.values())))
-    assert v is not None and {s.ranks for s in v.suspects} == {(2,), (3,)}
-    # the slow computer is pinned; a slow link is between a rank and its peers, so nothing is
-    assert {s.ranks: s.roots for s in v.suspects} == {(2,): (2,), (3,): ()}
     # a rank one call ahead is not compared with the others
     counters[2] = rc(2, [ar(5, td=0.010)])
     assert {(f.kind, f.rank) for f in degradation_findings(counters)} == {("slow_link", 3)}

@@ -22,7 +22,7 @@ from rankscope.analyzers.failslow import (
     narrow_to_common_end,
     replay,
 )
-from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector
 from rankscope.analyzers.minder import MinderDetector, denoise
 from rankscope.analyzers.rounds import StackRound
@@ -385,19 +385,6 @@ def test_ccl_slow_links_narrow_to_the_shared_rank() -> None:
     last = verdicts[-1]
     assert last.machine == "m3" and last.verdict.top is not None and last.verdict.top.ranks == (6,)
     assert "share rank 6" in last.verdict.top.evidence[0]
-
-
-def test_ccl_verdict_from_the_caller_is_narrowed_to_the_common_end_and_must_persist() -> None:
-    det = FailSlowDetector(FailSlowConfig(ccl_rounds_needed=3))
-    snaps = make_series(6)
-    # three slow links (p2p pairs) all touching rank 5
-    slow = Verdict(tuple(Suspect(SuspectKind.COMM, pair, (), 1.0, (f"N > 1.5·mean on {pair}",))
-                         for pair in ((5, 1), (5, 3), (7, 5))), "slow comm")
-    verdicts = [det.update(s, None, slow) for s in snaps]
-    assert not verdicts[1].verdict.suspects
-    last = verdicts[-1]
-    assert last.machine == "m2" and last.verdict.top is not None and last.verdict.top.ranks == (5,)
-    assert "share rank 5" in last.verdict.top.evidence[0]
 
 
 def test_narrow_to_common_end() -> None:
