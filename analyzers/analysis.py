@@ -1,8 +1,15 @@
 """The one analysis entry: a snapshot's stacks and CCL counters, plus any other detector's verdict, merged.
 
-The TUI (``tui.analysis.build_stack_view``), ``rankscope analyze``, the
-drill's scorer (``analyze_snapshot``) and the headless tools call
-``analyze_job``, so one capture gets one verdict wherever it is looked at:
+The TUI (``tui.analysis.build_stack_view``), ``rankscope analyze``,
+``rankscope watch``, the drill's scorer (``analyze_snapshot``), the fail-slow
+suite and ``failslow.replay`` call ``analyze_job`` (their fail-slow rounds
+are ``rounds.round_of`` of it), so one capture gets one verdict wherever it
+is looked at. In order: each rank's state (``chain.rank_views`` from its
+stacks, the counters' waits ``ccl_desync.counter_waits``, process state) ->
+who waits for whom (``chain.follow_chain``) -> roots and victims -> suspects
+on the layout (``suspects``) -> one verdict (``verdict.merge_verdicts``,
+``not_a_rank.settle``, the timing judgement); typed results pass along and
+the words are made from them (``labels``, ``render``). The detectors:
 
 - stacks (ByteRobust §5.1): grouping, prefix tree, hang chain and suspects;
 - CCL counters (Aegis §4.2, CL/WR/WC), when the plugin recorded any;
