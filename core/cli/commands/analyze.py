@@ -116,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with collector_paused():  # the analysis adds ~1M objects to the capture's: a collection would walk them all
             job = analyze_job(snapshot, layout, options, other_verdicts)  # the TUI's and the drill's analysis too
-            rounds = _rounds(snapshots, layout, options) if len(snapshots) > 1 else None
+            # The judged snapshot's own round is its analysis above (same snapshot, layout and options).
+            done = {index % len(snapshots): job} if not other_verdicts and snapshot is snapshots[index] else {}
+            rounds = _rounds(snapshots, layout, options, done) if len(snapshots) > 1 else None
     except ValueError as exc:
         raise RankscopeError(str(exc), LAYOUT_FIX) from None
 
@@ -346,14 +348,16 @@ def _empty_snapshot(path: Path) -> Any:
     return JobSnapshot(captured=Instant(wall=time.time(), mono=time.monotonic()), machines=(), job_id=path.stem)
 
 
-def _rounds(snapshots: list[Any], layout: Any, options: Any) -> dict[str, object]:
+def _rounds(snapshots: list[Any], layout: Any, options: Any, done: dict[int, Any]) -> dict[str, object]:
+    """Each snapshot of a series as one fail-slow round (``done``: analyses already made, by position)."""
     from rankscope.analyzers.analysis import analyze_job
     from rankscope.analyzers.rounds import FailSlowRounds, round_of
     from rankscope.analyzers.suspects import suspect_to_json
 
     rounds = FailSlowRounds(rounds=len(snapshots))
-    for snap in snapshots:
-        rounds.add_round(round_of(analyze_job(snap, layout if layout is not None else snap.layout, options)))
+    for i, snap in enumerate(snapshots):
+        job = done.get(i) or analyze_job(snap, layout if layout is not None else snap.layout, options)
+        rounds.add_round(round_of(job))
     degrader = rounds.flagged()
     return {
         "rounds": [{"index": r.index, "outliers": r.outliers, "summary": r.summary,
