@@ -36,7 +36,6 @@ from rankscope.actions.agent_protocol import (
     AuditItem,
     AuditResumed,
     Confirmation,
-    combined_phrase,
     confirmation_for,
 )
 from rankscope.actions.model import (
@@ -46,6 +45,7 @@ from rankscope.actions.model import (
     ActionRequest,
     ActionResult,
     BackupArgs,
+    ConfirmationRule,
     EvictArgs,
     HotUpdateArgs,
     RollbackArgs,
@@ -208,8 +208,13 @@ class PlanSummary:
         return bool(self.plans) and not self.errors
 
     @property
+    def rule(self) -> ConfirmationRule:
+        """The one confirmation rule, over the plans in the client's order (what it checks them against)."""
+        return ConfirmationRule.of(self.plans, self.request.kind)
+
+    @property
     def machines(self) -> tuple[str, ...]:
-        return confirmation_for(self.plans).machines
+        return self.rule.machines
 
     @property
     def in_rank_order(self) -> tuple[ActionPlan, ...]:
@@ -228,14 +233,16 @@ class PlanSummary:
     @property
     def shown_machines(self) -> tuple[str, ...]:
         """The planned machines in the order the plans are shown."""
-        return confirmation_for(self.in_rank_order).machines
+        return ConfirmationRule.of(self.in_rank_order).machines
 
     @property
     def phrase(self) -> str | None:
         """The phrase to type (eviction), or None when an explicit yes is enough."""
-        if self.request.kind == ActionKind.EVICT or any(p.typed_confirmation for p in self.plans):
-            return combined_phrase(self.request.kind, self.plans)
-        return None
+        return self.rule.phrase
+
+    def accepts(self, answer: str | bool | None) -> bool:
+        """Whether what the person typed (or their yes) confirms the plans."""
+        return self.rule.accepts(answer)
 
     def confirmation(self, typed: str = "") -> Confirmation:
         """Exactly the planned targets, as ``run_action`` wants them."""

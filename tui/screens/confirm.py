@@ -45,6 +45,8 @@ class PlanToConfirm(Protocol):
     @property
     def phrase(self) -> str | None: ...
 
+    def accepts(self, answer: str | bool | None) -> bool: ...
+
 
 class PlanScroll(VerticalScroll, can_focus=False):
     """The plan text; scrolled with pgup/pgdn from anywhere in the modal, so tab goes Cancel -> phrase box."""
@@ -114,7 +116,7 @@ class ConfirmModal(ModalScreen[bool]):
         plan.scroll_to(y=plan.scroll_y + direction * max(1, plan.size.height - 1), animate=False)
 
     def _matches(self, text: str) -> bool:
-        return self.phrase is not None and " ".join(text.split()) == self.phrase
+        return self.phrase is not None and self.summary.accepts(text)  # the rule the client and agents apply
 
     @on(Input.Changed, "#confirm-phrase")
     def _phrase_changed(self, event: Input.Changed) -> None:
