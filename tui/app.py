@@ -73,6 +73,9 @@ ACTION_KEYS: tuple[tuple[str, str, str], ...] = (("e", "evict", "Evict"), ("u", 
                                                  ("b", "backup", "Backup"))
 SMALL_BUNDLE_BYTES = 4 << 20  # read before the UI opens; larger bundles are read by the app, in a thread
 FAIL_SLOW_CAPTURE_S = 10.0  # ByteRobust's fail-slow rounds: aggregate every 10 s
+# The journal is read again when the job restarts or resumes, and once more this long after: the one who restarted
+# it (the drill's recovery) writes the step it resumed from once its agents are back, as this view sees the restart.
+JOURNAL_REREAD_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,11 @@ class AppOptions:
     # Told every verdict that names suspects of a stopped job (not a running one's timing, not a restart's): the
     # verdict, its capture's wall time and rank -> machine then. The drill grades the first after its fault.
     on_verdict: Callable[[Verdict, float, dict[int, str]], None] | None = None
+
+
+def _last_resumed(state: st.AppState) -> st.Event | None:
+    """The newest "resumed" event (the job training again after a restart or a hang), if any."""
+    return next((e for e in reversed(state.events) if e.kind == "resumed"), None)
 
 
 class RankscopeApp(App[int]):
@@ -238,7 +246,10 @@ class RankscopeApp(App[int]):
         self._fold_evicted_addresses()  # a re-read hostfile may have marked agents evicted
         before = {m.name: m.reachable for m in self.state.machines}
         quiet = self.state.restarting  # agents away for a restart: no "lost"/"is back" toasts for them
+        restarts, resumed = self.state.restarts, _last_resumed(self.state)
         self.state = st.apply_poll(self.state, message.digest, self._now(message.digest.wall))
+        if self.state.restarts > restarts or _last_resumed(self.state) is not resumed:
+            self._reread_journal()  # the step it resumed from and the code it runs, from the one who restarted it
         if schedule.started_capture_due(self.state):
             self.state = st.apply_started_captured(self.state)
             self.action_capture()
@@ -352,20 +363,36 @@ class RankscopeApp(App[int]):
 
     # -- drawing ------------------------------------------------------------
 
-    async def _read_journal(self) -> None:
+    async def _read_journal(self, again: bool = False) -> None:
         """What happened before this view attached, from the agents' incident journal (a late pair view tells the
-        same story as the view that watched it happen)."""
+        same story as the view that watched it happen); ``again``: what was written since (a restart's resumed
+        step), each entry once, a failure said only at attach."""
         journal = getattr(self.source, "journal", None)
         if not callable(journal):
             return
         try:
             entries = await journal()
         except Exception as exc:  # an older agent, a lost one: the view works without the story
-            self.state = st.apply_info(self.state, f"no incident journal from the agents: {exc}", self.clock())
+            if not again:
+                self.state = st.apply_info(self.state, f"no incident journal from the agents: {exc}", self.clock())
             return
-        self._journaled.update((e.wall, e.kind, e.text) for e in entries)
-        self.state = st.apply_journal(self.state, ((e.wall, e.kind, e.text) for e in entries))
+        new = [e for e in entries if (e.wall, e.kind, e.text) not in self._journaled]
+        if again and not new:
+            return
+        self._journaled.update((e.wall, e.kind, e.text) for e in new)
+        self.state = st.apply_journal(self.state, ((e.wall, e.kind, e.text) for e in new))
         self.redraw()
+
+    def _reread_journal(self) -> None:
+        """Read the journal again now and once more ``JOURNAL_REREAD_S`` later (see there)."""
+        if not self.source.live or not callable(getattr(self.source, "journal", None)):
+            return
+
+        def read() -> None:
+            self.run_worker(self._read_journal(again=True), group="journal-read", exit_on_error=False)
+
+        read()
+        self.set_timer(JOURNAL_REREAD_S, read)
 
     def _write_journal(self) -> None:
         """The moments a late view must see (``st.journal_worthy``), written once to every agent's journal."""

@@ -30,6 +30,12 @@ began the update finished it with success and one requested a restart,
 (``launcher.restart(launcher.machines())``); the ranks resume from the newest
 checkpoint on the new code. A lazy update is applied by the launcher's
 restart path itself (``Launcher.apply_pending_updates``).
+
+Each restart that brought the job back is written to the agents' incident
+journal (``rankscope.actions.journal``, kind "resumed": the step the ranks
+resume from, the machines, the code they run), so every view, the acting one
+and a pair attached later, tells it in its Events; a journal that cannot be
+written is a note, never an error of the drill.
 """
 
 from __future__ import annotations
@@ -38,12 +44,13 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rankscope.actions.evict_backends import EvictionOutcome, LocalBackend, SelfCheck
+from rankscope.actions.journal import JournalEntry
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionResult, ActionState, AuditRecord
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.launcher import Launcher
@@ -170,13 +177,73 @@ class RecoveryEvent:
     kind: str = ActionKind.EVICT.value  # or hot_update / rollback: a restart in place on the new code
 
 
+JournalWriter = Callable[[Sequence[JournalEntry]], Sequence[JournalEntry]]  # append, return the merged story
+JOURNAL_BY = "rankscope drill"  # who the drill's journal entries are written by
+JOURNAL_DEADLINE_S = 5.0  # per agent: the note comes quickly when agents do not answer
+HISTORY_FILE = "hot_update_history.sqlite"  # in each agent's state directory (ActionsConfig.history_path)
+
+
+def agents_journal(launcher: Launcher) -> JournalWriter:
+    """Append to the incident journal of every agent of the drill now, with the act token: what
+    ``JobClient.journal`` does for the TUI. Returns the merged story (empty when no agent answered)."""
+
+    def write(entries: Sequence[JournalEntry]) -> Sequence[JournalEntry]:
+        from rankscope.wire.client import JobClient
+
+        async def go() -> tuple[JournalEntry, ...]:
+            async with JobClient(list(launcher.addresses().values()), launcher.token(), acting=True,
+                                 deadline_s=JOURNAL_DEADLINE_S) as client:
+                return await client.journal(entries)
+
+        return asyncio.run(go())
+
+    return write
+
+
+def code_label(launcher: Launcher, machines: Sequence[str]) -> str:
+    """The code ``machines`` run: each one's last applied hot-update or rollback (the drill's first version when
+    none was), one label when they agree; "" for a drill without code links (or one that cannot be read)."""
+    if not getattr(launcher, "hot_updates", False):
+        return ""
+    from rankscope.actions.history import HotUpdateHistory
+    from rankscope.drill.user_code import INITIAL_VERSION
+
+    on: dict[str, list[str]] = {}
+    for m in machines:
+        path = launcher.state_dir(m) / HISTORY_FILE
+        try:
+            current = HotUpdateHistory(path).current() if path.exists() else None
+        except RankscopeError:
+            current = None
+        on.setdefault(current.label if current is not None else f"git:{INITIAL_VERSION}", []).append(m)
+    if len(on) == 1:
+        return next(iter(on))
+    return "; ".join(f"{label} on {' '.join(ms)}" for label, ms in sorted(on.items()))
+
+
+def resumed_text(event: RecoveryEvent, code: str) -> str:
+    """The journal's line for a restart that brought the job back."""
+    step = (f"step {event.resume_step} (the newest checkpoint every rank saved)" if event.resume_step > 0
+            else "its start (no checkpoint every rank saved)")
+    why = (f"after evicting {' '.join(event.evicted)}" if event.evicted
+           else f"after {event.kind} {event.action_id}, in place")
+    joined = f" ({' '.join(event.joined)} joined)" if event.joined else ""
+    return (f"the job resumed from {step} on {' '.join(event.machines)}{joined} {why}"
+            + (f", code {code}" if code else ""))
+
+
 @dataclass
 class Recovery:
-    """Follows the agents' audit streams; a finished eviction ends in a restart with standbys."""
+    """Follows the agents' audit streams; a finished eviction ends in a restart with standbys.
+
+    ``journal`` appends to the agents' incident journal (default: every agent of the drill, ``agents_journal``);
+    each restart that brought the job back is written there as a "resumed" entry.
+    """
 
     launcher: Launcher
     control: DrillMachines
     on_event: Callable[[str], None] = lambda _msg: None
+    journal: JournalWriter | None = None
     events: list[RecoveryEvent] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -323,8 +390,11 @@ class Recovery:
             ok, message = False, f"the restart after {found.kind.value} {found.action_id} failed: {exc.message}"
         began_wall, resume = self.launcher.last_restart or (began_wall, 0)
         self.on_event(message)
-        self._add(RecoveryEvent(found.action_id, (), (), self.launcher.machines() if ok else (), ok, message, seen,
-                                time.monotonic(), began_wall, resume, found.kind.value))
+        event = RecoveryEvent(found.action_id, (), (), self.launcher.machines() if ok else (), ok, message, seen,
+                              time.monotonic(), began_wall, resume, found.kind.value)
+        if ok:
+            self._journal_resumed(event)
+        self._add(event)
 
     def _add(self, event: RecoveryEvent) -> None:
         with self._changed:
@@ -351,7 +421,24 @@ class Recovery:
         if outcome.ok:
             mark_evicted_in_hostfile(self.launcher.run_dir / HOSTFILE, before, evicted)
         self.on_event(outcome.message)
+        if outcome.ok:
+            self._journal_resumed(event)
         self._add(event)
+
+    def _journal_resumed(self, event: RecoveryEvent) -> None:
+        """Write the restart to the agents' incident journal; what fails is a note, the drill goes on."""
+        try:
+            entry = JournalEntry(time.time(), "resumed", resumed_text(event, code_label(self.launcher, event.machines)),
+                                 JOURNAL_BY)
+            write = self.journal if self.journal is not None else agents_journal(self.launcher)
+            story = write([entry])
+        except (Exception, asyncio.CancelledError) as exc:
+            self.on_event(f"the restart was not written to the agents' incident journal ({type(exc).__name__}: "
+                          f"{exc}): the views' Events will not show the step the job resumed from")
+            return
+        if not any(e.kind == entry.kind and e.text == entry.text for e in story):
+            self.on_event("no agent took the restart into its incident journal: the views' Events will not show "
+                          "the step the job resumed from")
 
 
 HOSTFILE = "agents.txt"  # the drill's hostfile, which the pairing command attaches with

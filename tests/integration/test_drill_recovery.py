@@ -367,3 +367,66 @@ def test_a_drill_process_outlives_the_thread_that_started_it(tmp_path: Path, how
         os.kill(started[0], 9)  # it blocks SIGTERM: the launcher's stop would wait its grace period
         launcher.stop()
     assert marked_processes(launcher.run_id) == []
+
+
+def test_a_restart_that_brings_the_job_back_is_written_to_the_agents_journal_with_its_step_and_code(
+        tmp_path: Path) -> None:
+    """Recovery's own part, without processes: the "resumed" entry each restart writes (the step the ranks resume
+    from, the machines, the code), and a journal that cannot be written is a note, never an error of the drill."""
+    from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateState, Version
+    from rankscope.actions.journal import JournalEntry
+    from rankscope.actions.model import ActionKind, UpdateMode
+    from rankscope.drill.control import HISTORY_FILE, JOURNAL_BY, Recovery, _Finished
+
+    launcher = Launcher(tmp_path, LAYOUT, TRAINING, counters=False, actions=True)
+    launcher.standbys = ["standby-0"]
+    running = ["machine-0", "machine-1", "machine-2", "machine-3"]
+    launcher.machines = lambda: tuple(running)  # type: ignore[method-assign]
+    control = DrillMachines(launcher, check=lambda m: SelfCheck(m, True, ()))
+    control.stop = lambda machine: None  # type: ignore[method-assign]
+
+    def restart(machines: tuple[str, ...]) -> None:
+        running[:] = machines
+        launcher.last_restart = (1000.0, 8)  # the launcher reads the newest step every rank saved
+
+    control.restart = restart  # type: ignore[method-assign]
+    written: list[JournalEntry] = []
+    notes: list[str] = []
+
+    def journal(entries: list[JournalEntry]) -> list[JournalEntry]:
+        written.extend(entries)
+        return written
+
+    recovery = Recovery(launcher, control, on_event=notes.append, journal=journal)
+    recovery._recover("evict-1", ("machine-2",))
+    (entry,) = written
+    assert entry.kind == "resumed" and entry.by == JOURNAL_BY
+    assert entry.text == ("the job resumed from step 8 (the newest checkpoint every rank saved) on machine-0 "
+                          "machine-1 machine-3 standby-0 (standby-0 joined) after evicting machine-2, code git:v1")
+    assert recovery.events[-1].ok and recovery.events[-1].resume_step == 8
+
+    # A hot-update to v2 applied on every machine: the restart in place names the code the job runs now.
+    for m in running:
+        history = HotUpdateHistory(launcher.state_dir(m) / HISTORY_FILE)
+        record = history.request("update-1", "alice", UpdateKind.UPDATE, UpdateMode.IMMEDIATE, 0.0,
+                                 Version("git:v1 (aaaa)", "/v1"), Version("git:v2 (bbbb)", "/v2"))
+        history.finish(record.id, UpdateState.APPLIED, "immediate")
+    done = {m: ActionState.SUCCEEDED.value for m in running}
+    recovery._restart_in_place(_Finished(ActionKind.HOT_UPDATE, "update-1", tuple(running), done, ("machine-0",)))
+    assert written[-1].text == ("the job resumed from step 8 (the newest checkpoint every rank saved) on machine-0 "
+                                "machine-1 machine-3 standby-0 after hot_update update-1, in place, code git:v2 (bbbb)")
+    assert written[-1].wall >= entry.wall
+
+    # Agents that take nothing, or a client that fails: a note each, and the drill goes on with its event.
+    recovery.journal = lambda entries: ()
+    recovery._restart_in_place(_Finished(ActionKind.HOT_UPDATE, "update-2", tuple(running), done, ("machine-0",)))
+
+    def broken(entries: list[JournalEntry]) -> list[JournalEntry]:
+        raise ConnectionError("no agent listens")
+
+    recovery.journal = broken
+    recovery._restart_in_place(_Finished(ActionKind.HOT_UPDATE, "update-3", tuple(running), done, ("machine-0",)))
+    assert [e.ok for e in recovery.events] == [True, True, True, True]
+    assert any("no agent took the restart into its incident journal" in n for n in notes), notes
+    assert any("ConnectionError: no agent listens" in n for n in notes), notes
+    assert recovery.errors == []

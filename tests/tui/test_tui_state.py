@@ -21,7 +21,7 @@ from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.sources import poll_loop
 from rankscope.tui.widgets import sparkline as spk
 from tui_bundles import T0, fig7_bundle, job, lost_series
-from tui_screen import screen_text
+from tui_screen import screen_text, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -398,3 +398,57 @@ def test_a_metric_outlier_is_told_by_text_with_its_direction_and_its_peers() -> 
     cells = render_row(rows[0], st.Series(), medians)
     hot = cells[2 + dg.METRICS.index("temp")]
     assert str(hot) == "99▲", hot  # above the others: the arrow says it without colour
+
+
+@pytest.mark.parametrize("read_only", [False, True], ids=["acting view", "pair view"])
+async def test_the_step_the_job_resumed_from_is_read_from_the_journal_when_the_job_restarts(
+        read_only: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drill's recovery writes "resumed from step N ..., code ..." to the agents' journal once its agents are
+    back; a view re-reads the journal when it sees the restart (and once more a little later, for an entry written
+    after it saw it) and shows it in Events, in time order, once."""
+    from rankscope.actions.journal import JournalEntry
+    from rankscope.tui import app as app_module
+
+    monkeypatch.setattr(app_module, "JOURNAL_REREAD_S", 0.2)
+
+    class JournalSource(QueueSource):
+        def __init__(self) -> None:
+            super().__init__("agents", initial=(job(T0, stacks=False, step=100, hung=False),))
+            self.story: list[JournalEntry] = [JournalEntry(T0 - 30, "hung", "no progress since 00:00:00", "alice")]
+            self.reads = 0
+
+        async def journal(self, entries: tuple[JournalEntry, ...] = ()) -> tuple[JournalEntry, ...]:
+            self.story = sorted({(e.wall, e.kind, e.text): e for e in (*self.story, *entries)}.values(),
+                                key=lambda e: e.wall)
+            self.reads += not entries
+            return tuple(self.story)
+
+    source = JournalSource()
+    clock = [T0 + 1]
+    app = RankscopeApp(source, AppOptions(poll_interval_s=0.01, capture_on_start=False, read_only=read_only),
+                       clock=lambda: clock[0])
+    text = ("the job resumed from step 96 (the newest checkpoint every rank saved) on node00 standby-0 "
+            "(standby-0 joined) after evicting node05, code git:v2 (bbbb)")
+    async with app.run_test(size=(160, 40)) as pilot:
+        await until(pilot, lambda: source.reads == 1 and any(e.kind == "hung" for e in app.state.events), 10,
+                    "the journal read at attach")
+        # The restart is seen before the drill wrote its entry (a warm restart steps before the agents are all
+        # back): the entry comes with the later read.
+        clock[0] = T0 + 40
+        source.push_poll(_restarted_on_standby(T0 + 40, 96))
+        await until(pilot, lambda: app.state.restarts == 1, 10, "the restart")
+        source.story.append(JournalEntry(T0 + 40.5, "resumed", text, "rankscope drill"))
+        await until(pilot, lambda: any(e.text == text for e in app.state.events), 10, "the resumed entry in Events")
+        await pilot.pause(0.5)  # later reads add nothing twice
+        assert sum(e.text == text for e in app.state.events) == 1
+        walls = [e.wall for e in app.state.events]
+        assert walls == sorted(walls), [(e.wall - T0, e.kind) for e in app.state.events]
+        kinds = [e.kind for e in app.state.events]
+        assert kinds.index("hung") < kinds.index("restarted") < kinds.index("resumed")
+        await pilot.press("5")
+        await pilot.pause()
+        lines = screen_text(app).splitlines()
+        first = next(i for i, line in enumerate(lines) if "resumed from step 96" in line)
+        assert any("the job restarted on" in line for line in lines[first + 1:]), "newest first"
+        if not read_only:  # the acting view writes its own moments; the drill's entry is not written back
+            assert sum(e.text == text for e in source.story) == 1

@@ -139,3 +139,25 @@ def test_counters_seen_once_stay_seen() -> None:
 def test_the_main_screen_draws_the_state_alone() -> None:
     params = list(inspect.signature(MainScreen.draw).parameters.values())
     assert [p.name for p in params] == ["self", "state"] and params[1].annotation in (st.AppState, "AppState")
+
+
+def test_the_drills_resumed_entry_folds_into_events_in_time_order_once() -> None:
+    """The step the job resumed from comes from the journal (the drill's recovery writes it once its agents are
+    back): folded beside the restart the view saw itself, in time order, and once however often it is read."""
+    s = fold((job(T0, stacks=False, step=100, hung=False),))
+    restarted = job(T0 + 40, stacks=False, step=96, hung=False)
+    restarted = replace(restarted, machines=tuple(
+        replace(m, ranks=tuple(replace(r, pid=r.pid + 50_000) for r in m.ranks)) for m in restarted.machines))
+    s = st.apply_poll(s, dg.digest(restarted), T0 + 40)
+    assert s.restarts == 1 and s.events[-1].kind == "restarted"
+    resumed = (T0 + 38.5, "resumed", "the job resumed from step 96 (the newest checkpoint every rank saved) on "
+                                     "node00 node01 after evicting node05, code git:v2 (bbbb)")
+    hung = (T0 + 5.0, "hung", "no progress since 00:00:00")
+    once = st.apply_journal(s, [hung, resumed])
+    again = st.apply_journal(once, [resumed, hung])
+    assert again.events == once.events  # read again after the restart: nothing twice
+    walls = [e.wall for e in once.events]
+    assert walls == sorted(walls)  # the Events view lists them newest first, in time order
+    kinds = [(e.kind, e.text) for e in once.events]
+    assert kinds.index(("resumed", resumed[2])) == kinds.index(next(k for k in kinds if k[0] == "restarted")) - 1
+    assert kinds.index(("hung", hung[2])) < kinds.index(("resumed", resumed[2]))
