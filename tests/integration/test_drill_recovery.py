@@ -19,6 +19,7 @@ import pytest
 from rankscope.actions.agent_protocol import confirmation_for
 from rankscope.actions.blocklist import Blocklist
 from rankscope.actions.evict_backends import SelfCheck
+from rankscope.actions.journal import JournalEntry
 from rankscope.actions.model import ActionPlan, ActionResult, ActionState
 from rankscope.analyzers.analysis import analyze_snapshot
 from rankscope.drill import warm
@@ -54,6 +55,13 @@ def reference_losses(run_dir: Path, training: TrainingOptions = TRAINING) -> dic
     finally:
         job.stop()
     return {r: dict(losses(run_dir, r)) for r in last_stage_ranks()}
+
+
+async def read_journal(agents: list[str], token: str) -> tuple[JournalEntry, ...]:
+    from rankscope.wire.client import JobClient
+
+    async with JobClient(agents, token) as client:
+        return await client.journal()
 
 
 async def plan_eviction(agents: list[str], token: str, machines: tuple[str, ...]) -> list[ActionPlan]:
@@ -131,6 +139,14 @@ def test_evicting_a_hung_pipeline_brings_in_standbys_and_training_resumes_bit_fo
         assert sorted(s.agents) == ["machine-1", "machine-3", "standby-0", "standby-1"]
         # Nothing was lost beyond the last checkpoint before the fault.
         assert event.resume_step == (FAULT_STEP // TRAINING.checkpoint_every) * TRAINING.checkpoint_every
+        # The restart is in the agents' incident journal, for every view's Events: the step, machines and code.
+        story = asyncio.run(read_journal(list(s.agents.values()), s.token()))
+        (resumed,) = [e for e in story if e.kind == "resumed"]
+        assert resumed.text.startswith(f"the job resumed from step {event.resume_step} (the newest checkpoint every "
+                                       "rank saved) on machine-1 machine-3 standby-0 standby-1 (standby-0 standby-1 "
+                                       "joined) after evicting machine-0 machine-2"), resumed.text
+        assert resumed.text.endswith(", code git:v1") == s.launcher.hot_updates, resumed.text
+        assert not [n for n in s.notes if "incident journal" in n], s.notes
         s.wait_until_resumed(event, timeout_s=180)
         s.wait_for_steps(TRAINING.steps, timeout_s=240)
         run_id = s.launcher.run_id
@@ -374,7 +390,6 @@ def test_a_restart_that_brings_the_job_back_is_written_to_the_agents_journal_wit
     """Recovery's own part, without processes: the "resumed" entry each restart writes (the step the ranks resume
     from, the machines, the code), and a journal that cannot be written is a note, never an error of the drill."""
     from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateState, Version
-    from rankscope.actions.journal import JournalEntry
     from rankscope.actions.model import ActionKind, UpdateMode
     from rankscope.drill.control import HISTORY_FILE, JOURNAL_BY, Recovery, _Finished
 
