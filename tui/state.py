@@ -494,7 +494,8 @@ def apply_audit(state: AppState, address: str, record: AuditRecord) -> AppState:
     if log is state.actions.log:
         return state
     s = replace(state, actions=replace(state.actions, log=log))
-    s = apply_failure(s, "action", audit_line_text(record), record.when)
+    if record.result != "progress":  # each step of a running action is the Actions view's; Events keep the story
+        s = apply_failure(s, "action", audit_line_text(record), record.when)
     if record.kind == ActionKind.EVICT and record.result == ActionState.SUCCEEDED.value:
         s = apply_evicted(s, record.machines, record.when)
     elif record.kind in (ActionKind.HOT_UPDATE, ActionKind.ROLLBACK) and RESTART_REQUESTED in record.message and \

@@ -66,6 +66,18 @@ def test_an_audit_record_is_a_row_and_an_event_once_and_a_succeeded_eviction_mar
     assert s2.actions.log.version == 3
 
 
+def test_an_actions_progress_steps_are_rows_of_the_actions_view_not_events() -> None:
+    """A backup's per-machine progress records flooded Events and pushed the incident's story off the screen."""
+    s = fold((job(T0, stacks=False, step=1, hung=False),))
+    started = st.apply_audit(s, "127.0.0.1:50105", record(1, ActionKind.BACKUP, "started", ("node05",), "backup"))
+    progressed = st.apply_audit(started, "127.0.0.1:50105",
+                                record(2, ActionKind.BACKUP, "progress", ("node05",), "backup"))
+    assert len(progressed.actions.log.lines) == 2
+    assert progressed.events == started.events
+    done = st.apply_audit(progressed, "127.0.0.1:50105", record(3, ActionKind.BACKUP, "succeeded", ("node05",), "backup"))
+    assert done.events[-1].kind == "action" and "backup succeeded on node05" in done.events[-1].text
+
+
 def test_an_evicted_machines_audit_stream_ending_is_no_note_before_or_after_the_eviction_is_seen() -> None:
     # Its agent stops as the eviction runs, often before the eviction's own record arrives from another agent.
     s = fold((job(T0, stacks=False, step=1, hung=False),))
