@@ -199,9 +199,8 @@ def all_done(run_dir: Path, world: int) -> bool:
 
 @pytest.mark.skipif(
     os.environ.get("RANKSCOPE_LONG_TESTS") != "1",
-    reason="long: a whole incident on a real drill with two TUIs takes 7-8 min on this 2-core VM at load 3-20 "
-           "(passed end to end 2026-11-24: 6 min 55 s and 7 min 26 s) and more at load 50-90, beyond what the "
-           "default suite can spend on one test. Run with RANKSCOPE_LONG_TESTS=1.")
+    reason="long: a whole incident on a real drill with two TUIs takes 4-8 min on a 2-core VM (more under load), "
+           "beyond what the default suite can spend on one test. Run with RANKSCOPE_LONG_TESTS=1.")
 def test_a_whole_incident_in_tmux_told_the_same_by_a_late_read_only_view(
     drill_in_tmux: tuple[str, Path], tmp_path: Path,
 ) -> None:
