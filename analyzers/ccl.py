@@ -26,8 +26,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from rankscope.analyzers.ccl_desync import (
-    MATCHING,
-    P2P_OPS,
     CounterWaits,
     CrossedWait,
     OpTable,
@@ -41,6 +39,7 @@ from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict,
 from rankscope.analyzers.not_a_rank import counter_stalls, table_stalls, waiting_on
 from rankscope.analyzers.topology import CommJoin, communicator_joins, compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
+from rankscope.contract.vocabulary import is_point_to_point, matching_op
 
 SOURCE = "ccl"
 # Scores on this detector's own scale (the merge rescales): a lagging rank
@@ -89,7 +88,7 @@ def comm_tables(counters: Mapping[int, RankCounters]) -> tuple[CommTable, ...]:
             if r not in counters:
                 continue
             ops = [by_rank[r] for _, by_rank in sorted(by_op.items()) if r in by_rank]
-            cl = sum(o.cl for o in ops if o.op not in P2P_OPS)
+            cl = sum(o.cl for o in ops if not is_point_to_point(o.op))
             peers = tuple(sorted({p for o in ops for p in o.open_peers}))
             totals[r] = (cl, sum(o.wr for o in ops), sum(o.wc for o in ops), peers,
                          tuple((o.op, o.cl, o.wr, o.wc) for o in ops))
@@ -159,7 +158,7 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
             row = {r: by_rank.get(r) for r in members}
             if not any(o is not None for o in row.values()):
                 continue
-            if op in P2P_OPS:
+            if is_point_to_point(op):
                 # communication side: open point-to-point requests, and whether the peer posted its side
                 for r, o in row.items():
                     if o is None or o.wc >= o.wr:
@@ -170,7 +169,7 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                         posted = table.posted_back(cid, op, r, peer)
                         line = (f"rank {r}: {op} on {_label(comm)} WC {o.wc} < WR {o.wr}, open with rank {peer}"
                                 + ("" if posted or peer not in live
-                                   else f"; rank {peer} has no open {MATCHING[op]} to rank {r}"))
+                                   else f"; rank {peer} has no open {matching_op(op)} to rank {r}"))
                         score = SCORE_OPEN_REQUEST if posted or peer not in live else SCORE_P2P_UNPOSTED
                         if score == SCORE_P2P_UNPOSTED:
                             waits_on.setdefault(r, set()).add(peer)

@@ -39,9 +39,8 @@ from dataclasses import dataclass
 
 from rankscope.analyzers.topology import compact_ranks, distinct_communicators
 from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters
+from rankscope.contract.vocabulary import canonical_op, direction_word, is_point_to_point, matching_op
 
-P2P_OPS = frozenset({"send", "recv"})
-MATCHING = {"send": "recv", "recv": "send"}  # the op that completes a point-to-point op on the peer
 _MAX_PATHS = 3  # laggards whose way back is spelled out; the rest are counted
 
 _Node = int | tuple[str, str, int]  # a rank, or "the members of comm C that launched op fewer than c times"
@@ -93,9 +92,17 @@ class OpTable:
         return sorted(op for op in self.of(comm_id) if (comm_id, op) in self.open_ops)
 
     def posted_back(self, comm_id: str, op: str, rank: int, peer: int) -> bool:
-        """Whether ``peer`` has the matching side of ``rank``'s open send/recv: its recv/send open toward ``rank``."""
-        theirs = self.of(comm_id).get(MATCHING[op], {}).get(peer)
-        return theirs is not None and rank in theirs.open_peers
+        """Whether ``peer`` has the matching side of ``rank``'s open send/recv: its recv/send open toward ``rank``.
+
+        Matched per peer pair, whatever each writer called the op (``send``, ``Send``, ``isend``).
+        """
+        other = matching_op(op)
+        for name, by_rank in self.of(comm_id).items():
+            if other is not None and canonical_op(name) == other:
+                theirs = by_rank.get(peer)
+                if theirs is not None and rank in theirs.open_peers:
+                    return True
+        return False
 
 
 def op_table(counters: Mapping[int, RankCounters]) -> OpTable:
@@ -139,7 +146,7 @@ def waiting_together(table: OpTable, live: Mapping[int, RankCounters]) -> list[T
         if comm.comm_nranks and comm.comm_nranks > len(members):
             continue
         for op in table.open_of(cid):
-            if op in P2P_OPS:
+            if is_point_to_point(op):
                 continue
             by_rank = table.of(cid).get(op, {})
             rows = [by_rank.get(m) for m in members]
@@ -238,14 +245,15 @@ def _graph(live: Mapping[int, RankCounters], table: OpTable) -> tuple[_Waits, li
         for op in open_ops:
             by_rank = by_op[op]
             rows = {r: by_rank.get(r) for r in members}
-            if op in P2P_OPS:
+            if is_point_to_point(op):
                 for r, o in rows.items():
                     if o is None or o.wc >= o.wr:
                         continue
                     for p in o.open_peers:
                         if p in live and not table.posted_back(cid, op, r, p):
-                            g.add(r, p, f"rank {r} waits in {op} {'to' if op == 'send' else 'from'} rank {p} on {label} "
-                                        f"(WC {o.wc} < WR {o.wr}); rank {p} never posted the matching {MATCHING[op]}")
+                            g.add(r, p, f"rank {r} waits in {op} {direction_word(op)} rank {p} on {label} "
+                                        f"(WC {o.wc} < WR {o.wr}); rank {p} never posted the matching "
+                                        f"{matching_op(op)}")
                 continue
             cls = {r: (o.cl if o is not None else 0) for r, o in rows.items()}
             levels = sorted(set(cls.values()))
@@ -344,5 +352,5 @@ def _merge(found: list[CrossedWait]) -> tuple[CrossedWait, ...]:
     return tuple(out)
 
 
-__all__ = ["MATCHING", "P2P_OPS", "CounterWaits", "CrossedWait", "OpTable", "Together", "comm_label",
+__all__ = ["CounterWaits", "CrossedWait", "OpTable", "Together", "comm_label",
            "counter_waits", "crossed_waits", "live_counters", "op_table", "waiting_together"]

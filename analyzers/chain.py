@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
-from rankscope.analyzers.ccl_desync import P2P_OPS, CounterWaits, comm_label, crossed_waits, waiting_together
+from rankscope.analyzers.ccl_desync import CounterWaits, comm_label, crossed_waits, waiting_together
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
     SignatureOptions,
@@ -62,6 +62,7 @@ from rankscope.contract.snapshot import (
     RankStacks,
     main_thread,
 )
+from rankscope.contract.vocabulary import direction_word, is_point_to_point
 
 DESYNC_ADVICE = ("evicting machines will not cure it: a desync is usually a program mismatch (different data or "
                  "control flow on these ranks, e.g. an extra batch or a rank-dependent branch); fix the code or the "
@@ -393,7 +394,7 @@ def counted_waits(views: Mapping[int, RankView], waits: CounterWaits) -> dict[in
                               f"rank(s) {compact_ranks(never)} never launched it{where}")
             continue
         unposted = sorted(n for n in edges if isinstance(n, int))
-        p2p = [o for o in open_ops if o.op in P2P_OPS and o.open_peers]
+        p2p = [o for o in open_ops if is_point_to_point(o.op) and o.open_peers]
         if unposted or (host and p2p):
             o = next((o for o in p2p if set(o.open_peers) & set(unposted)), p2p[0] if p2p else None)
             if o is not None:
@@ -401,10 +402,10 @@ def counted_waits(views: Mapping[int, RankView], waits: CounterWaits) -> dict[in
                 out[r] = replace(
                     v, state=RankState.P2P, site=f"{o.op} on {_comm_name(waits, o.comm_id)} (queued, not finished)",
                     direction="", peers=peers,
-                    counted=(f"{o.op} {'to' if o.op == 'send' else 'from'} rank(s) {compact_ranks(peers)} on "
+                    counted=(f"{o.op} {direction_word(o.op)} rank(s) {compact_ranks(peers)} on "
                              f"{_comm_name(waits, o.comm_id)} is open (WC {o.wc} < WR {o.wr}){where}"))
                 continue
-        for o in sorted((o for o in open_ops if o.op not in P2P_OPS), key=lambda o: (o.comm_id, o.op)):
+        for o in sorted((o for o in open_ops if not is_point_to_point(o.op)), key=lambda o: (o.comm_id, o.op)):
             if host or everyone(o):
                 why = f"every member launched it{where}" if everyone(o) else where[2:]
                 out[r] = _counted(v, RankState.COLLECTIVE, o.comm_id, o.op, o.cl, waits, rc, why)

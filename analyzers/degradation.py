@@ -25,11 +25,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rankscope.contract.snapshot import RankCounters
+from rankscope.contract.vocabulary import is_point_to_point
 
 ALPHA = 0.8
 BETA = 1.5
 MIN_MEMBERS = 2
-P2P_OPS = frozenset({"send", "recv"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,7 @@ def degradation_findings(counters: Mapping[int, RankCounters], alpha: float = AL
         if rc.error is not None or rc.stale:
             continue
         for o in rc.ops:
-            if o.op in P2P_OPS or o.wc == 0:
+            if is_point_to_point(o.op) or o.wc == 0:
                 continue
             rows.setdefault((o.comm_id, o.op), {})[r] = (o.wc, o.last_duration_s, inverse_throughput(o.recent_throughput))
     out: list[DegradationFinding] = []

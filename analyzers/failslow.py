@@ -53,7 +53,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from rankscope.analyzers.degradation import P2P_OPS, degradation_findings, inverse_throughput
+from rankscope.analyzers.degradation import degradation_findings, inverse_throughput
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.labels import group_name, suspect_label
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
@@ -64,6 +64,7 @@ from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitD
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
+from rankscope.contract.vocabulary import is_point_to_point
 
 DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl", "p2p_wait", "samples")
 
@@ -242,7 +243,7 @@ def collective_calls(counters: Mapping[int, RankCounters]) -> dict[tuple[str, st
         if rc.error is not None or rc.stale:
             continue
         for o in rc.ops:
-            if o.op in P2P_OPS or o.wc == 0:
+            if is_point_to_point(o.op) or o.wc == 0:
                 continue
             has_td = o.last_duration_s is not None and o.last_duration_s > 0
             has_n = inverse_throughput(o.recent_throughput) is not None
@@ -307,7 +308,7 @@ class PeerWaitTally:
                 if "DATA_PARALLEL" in c.description.upper() and r in c.ranks:
                     self._dp[r] = tuple(x for x in c.ranks if x != r)
             for o in rc.ops:
-                if o.op in P2P_OPS:
+                if is_point_to_point(o.op):
                     waited.update(p for p in o.open_peers if p != r)
         self._polls.append(waited)
 

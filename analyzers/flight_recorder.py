@@ -50,18 +50,14 @@ from rankscope.analyzers.findings import NOT_A_RANK, Finding
 from rankscope.analyzers.not_a_rank import ADVICE as NOT_A_RANK_ADVICE
 from rankscope.analyzers.not_a_rank import PREFIX as NOT_A_RANK_PREFIX
 from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.vocabulary import canonical_op, is_point_to_point, is_send, matching_op
 
 MISMATCH_CAP = 10  # per group, like fr_trace's default: past this the dump is more noise than signal
 
 # Sizes that legitimately differ between ranks.
 _UNEVEN_INPUT = ("all_to_all", "scatter")
 _UNEVEN_OUTPUT = ("all_to_all", "gather")
-_ALL_GATHER = {"all_gather", "_all_gather_base", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
-               "all_gather_single", "allgather_coalesced"}
-_REDUCE_SCATTER = {"reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor",
-                   "reduce_scatter_tensor_coalesced", "reduce_scatter_single"}
-_ALL_REDUCE = {"all_reduce", "allreduce_coalesced"}
-_P2P = {"send", "recv"}
+
 # How far an entry got; an unknown state is never taken as behind.
 _STATE_RANK = {"scheduled": 0, "started": 1, "completed": 2}
 _INTS = re.compile(r"-?\d+")
@@ -216,7 +212,7 @@ def read_entry(raw: Any, rank: int) -> tuple[FrOp | None, list[str]]:
     op = parts[0]
     peer = parts[1].strip() if len(parts) > 1 else ""
     p2p_flag = raw.get("is_p2p")
-    is_p2p = bool(p2p_flag) if isinstance(p2p_flag, bool) else op in _P2P
+    is_p2p = bool(p2p_flag) if isinstance(p2p_flag, bool) else is_point_to_point(op)
     seq = _int(raw.get("p2p_seq_id" if is_p2p else "collective_seq_id"))
     if seq is None:
         return None, ["no " + ("p2p_seq_id" if is_p2p else "collective_seq_id")]
@@ -448,15 +444,19 @@ def _compare(grp: _Group, at: Mapping[int, FrOp]) -> list[Finding]:
         check("fr-size-mismatch", "output_sizes", outs)
     n = len(grp.members)
     syntax: dict[int, str] = {}
+    # the size rule of each family (the contract's vocabulary names its spellings); object collectives carry
+    # pickled sizes and c10d's upper-case coalesced OpTypes (``ALLGATHER_coalesced``) lists of tensors, so
+    # neither keeps a rule
+    family = "" if "object" in kind or kind != kind.lower() else canonical_op(kind)
     for r, op in at.items():
         i, o = op.input_sizes, op.output_sizes
         if i is None or o is None or not i or not o:
             continue
-        if kind in _ALL_REDUCE and i != o:
+        if family == "all_reduce" and i != o:
             syntax[r] = f"input {_fmt(i)} but output {_fmt(o)} (all-reduce keeps the shape)"
-        elif kind in _ALL_GATHER and _numel(o) != _numel(i) * n:
+        elif family in ("all_gather", "all_gather_into_tensor") and _numel(o) != _numel(i) * n:
             syntax[r] = f"output numel {_numel(o)} != input numel {_numel(i)} x group size {n}"
-        elif kind in _REDUCE_SCATTER and _numel(i) != _numel(o) * n:
+        elif family in ("reduce_scatter", "reduce_scatter_tensor") and _numel(i) != _numel(o) * n:
             syntax[r] = f"input numel {_numel(i)} != output numel {_numel(o)} x group size {n}"
     if syntax:
         found.append(_finding("fr-size-mismatch", tuple(sorted(syntax)), f"sizes break {kind}'s rule at {where}",
@@ -577,22 +577,22 @@ def _p2p(grp: _Group, dumps: Mapping[int, _Dump]) -> tuple[list[Finding], list[F
     recvs: dict[tuple[int, int], list[FrOp]] = {}
     for r, ops in grp.ops.items():
         for op in ops:
-            if not op.is_p2p or op.op not in _P2P:
+            if not op.is_p2p or matching_op(op.op) is None:
                 continue
             ints = [int(x) for x in _INTS.findall(op.peer)]
             if len(ints) != 2:
                 continue
-            if op.op == "send":
+            if is_send(op.op):
                 src, dst = ints
                 book, key = sends, (r, dst)
             else:
                 dst, src = ints
                 book, key = recvs, (src, r)
-            other = dst if op.op == "send" else src
+            other = dst if is_send(op.op) else src
             if not 0 <= other < len(members):
                 continue
             peer = members[other]
-            book.setdefault((key[0], peer) if op.op == "send" else (peer, key[1]), []).append(op)
+            book.setdefault((key[0], peer) if is_send(op.op) else (peer, key[1]), []).append(op)
     mismatch: list[Finding] = []
     missing: list[Finding] = []
     for (a, b) in sorted(set(sends) | set(recvs)):

@@ -304,10 +304,14 @@ def _ranks_are(ranks: set[int] | tuple[int, ...]) -> str:
 
 def _apply_origins(
     cands: list[_Candidate], origins: list[_Origin], grouping: Grouping, topology: Topology,
-    placement: _Placement,
+    placement: _Placement, counted: Mapping[int, str] | None = None,
 ) -> None:
-    """Lift the candidates the origins point at above those that only fit the layout."""
-    waiting: dict[int, str] = {}
+    """Lift the candidates the origins point at above those that only fit the layout.
+
+    ``counted``: rank -> "p2p" / "collective" for ranks the counters show waiting where their stacks cannot
+    (an asynchronous NCCL call: the host syncs elsewhere, often among the healthy majority).
+    """
+    waiting: dict[int, str] = dict(counted or {})
     for i in grouping.outliers:
         g = grouping.groups[i]
         kind = communication_kind(g.frames[-1]) if g.frames else None
@@ -336,6 +340,16 @@ def _apply_origins(
             if peers and all(waiting.get(p) == o.side for p in peers):
                 fitting.append(kind)
         lift = 1.0 if fitting else 0.5
+        is_out = set(grouping.outlier_ranks)
+        for kind in fitting:
+            # Merging groups by shared machines can swallow the origin's own group into the whole job (a PP group
+            # across two machines whose other PP group holds an outlier too): the group its peers wait in is
+            # still a candidate of its own.
+            if not any(c.kind == kind and ranks & set(c.ranks.tolist()) for c in cands):
+                own = sorted({p for r in ranks for p in topology.group_of(r, kind)})
+                index = topology.group_index(own[0], kind)
+                cands.append(_Candidate(kind, np.asarray(own, dtype=np.int64), len(is_out.intersection(own)),
+                                        index, (index,)))
         for c in cands:
             if c.kind in (fitting or kinds) and ranks & set(c.ranks.tolist()):
                 peers_say = "the peers in this group wait for it" if fitting else "this is the group it was calling"
@@ -404,7 +418,8 @@ def _missing_ranks(
 
 
 def _suspects_for(
-    grouping: Grouping, topology: Topology, placement: _Placement, missing: dict[int, str]
+    grouping: Grouping, topology: Topology, placement: _Placement, missing: dict[int, str],
+    counted: Mapping[int, str] | None = None,
 ) -> tuple[list[Suspect], list[set[int]]]:
     """Suspects best first, and for each the outlier ranks it accounts for."""
     outlier_ranks = np.asarray(grouping.outlier_ranks, dtype=np.int64)
@@ -423,7 +438,7 @@ def _suspects_for(
     n = int(outlier_ranks.size)
     cands = _candidates(outlier_ranks, seen, topology, placement, singles)
     origins = _origins(grouping)
-    _apply_origins(cands, origins, grouping, topology, placement)
+    _apply_origins(cands, origins, grouping, topology, placement, counted)
     ranked = _rank_candidates(cands, n, placement)
     is_out = set(outlier_ranks.tolist())
     origin_ranks = {r for o in origins for r in o.ranks}
@@ -609,8 +624,11 @@ def analyze_stacks(
     counters = snapshot.all_counters()
     if counters and waits is None:
         waits = counter_waits(counters)
+    counted: dict[int, str] = {}
     if waits is not None:
         views = counted_waits(views, waits)  # asynchronous collectives: a host syncing on its GPU waits in one
+        counted = {r: ("p2p" if v.state is RankState.P2P else "collective") for r, v in views.items()
+                   if v.counted and v.state in (RankState.P2P, RankState.COLLECTIVE)}
     sizes = [len(g.ranks) for g in grouping.groups]
     unique_majority = len(sizes) > 0 and sizes[0] > 1 and (len(sizes) == 1 or sizes[0] > sizes[1])
     majority = frozenset(grouping.groups[0].ranks) if unique_majority else frozenset()
@@ -629,7 +647,7 @@ def analyze_stacks(
             best, best_score = grouping, -1.0
             for t in free:
                 trial = with_dominant(grouping, (t,))
-                found, found_explains = _suspects_for(trial, topology, placement, missing)
+                found, found_explains = _suspects_for(trial, topology, placement, missing, counted)
                 score = found[0].score if found else 0.0
                 if score > best_score + 1e-9:
                     best, best_score, chosen = trial, score, (found, found_explains)
@@ -643,7 +661,8 @@ def analyze_stacks(
                              "better by one parallel group")
             grouping = best
 
-    suspects, explains = chosen if chosen is not None else _suspects_for(grouping, topology, placement, missing)
+    suspects, explains = (chosen if chosen is not None
+                          else _suspects_for(grouping, topology, placement, missing, counted))
     suspects, explains, findings = _apply_chain(suspects, explains, chain, placement, topology, grouping)
     tree = tree_from_grouping(grouping)
     missing_ranks = tuple(sorted(missing))

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from rankscope.ccl_plugin.writer import CounterWriter, OpSlot, Request
+from rankscope.contract.vocabulary import canonical_op, is_point_to_point
 
 # op name -> (parameter holding the payload, kind). kind: "coll" (async when
 # async_op=True), "send"/"recv" (blocking p2p), "isend"/"irecv" (return a Work),
@@ -80,9 +81,8 @@ OPS: dict[str, tuple[str | None, str]] = {
 }
 # The name the counters use: the private aliases count as their public op, and
 # blocking and non-blocking p2p share a row per direction.
-OP_ALIAS = {"_all_gather_base": "all_gather_into_tensor", "_reduce_scatter_base": "reduce_scatter_tensor",
-            "all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor",
-            "isend": "send", "irecv": "recv"}
+# (the contract's vocabulary says which; built once, so a call costs one dict lookup)
+OP_ALIAS = {name: canonical_op(name) for name, (_, kind) in OPS.items() if kind != "batch" and canonical_op(name) != name}
 
 ENV_KEEP = "RANKSCOPE_CCL_KEEP"  # "1": leave the file behind at exit (marked clean), for post-mortems
 POLL_INTERVAL_S = 0.005
@@ -380,7 +380,7 @@ def _peer(get: Callable[[str], Any], kind: str, members: tuple[int, ...]) -> int
     return None
 
 
-_P2P_KINDS = frozenset({"send", "recv", "isend", "irecv"})
+_P2P_KINDS = frozenset(kind for _, kind in OPS.values() if is_point_to_point(kind))  # "batch" is no op name
 
 
 _SLOT_CACHES: list[dict[int, tuple[Any, OpSlot, tuple[int, ...]]]] = []  # cleared when the world changes
