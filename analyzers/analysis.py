@@ -40,6 +40,7 @@ from rankscope.analyzers.not_a_rank import settle
 from rankscope.analyzers.progress import ProgressAtCapture, progress_at_capture, timing_not_fault
 from rankscope.analyzers.stacks import DEFAULT_OPTIONS, SignatureOptions
 from rankscope.analyzers.suspects import StackAnalysis, analyze_stacks
+from rankscope.analyzers.topology import joined_snapshot, topology_for
 from rankscope.analyzers.verdict import merge_findings, merge_verdicts
 from rankscope.contract.snapshot import JobSnapshot, Layout
 
@@ -74,6 +75,9 @@ def analyze_job(snapshot: JobSnapshot, layout: Layout | None = None, options: Si
 
     Raises ValueError (with the fix) when ``layout`` does not fit the job.
     """
+    # One communicator per real group, one row per collective: the plugin's NCCL communicators joined into the
+    # shim's torch groups, groups without a description named by their role in the layout.
+    snapshot = joined_snapshot(snapshot, topology_for(snapshot, layout))
     all_counters = snapshot.all_counters()
     waits = counter_waits(all_counters) if all_counters else None  # built once for the chain and the CL rule
     stacks = analyze_stacks(snapshot, layout, options, waits)

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
-from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, RankCounters
+from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters
+from rankscope.contract.vocabulary import canonical_op, is_unnamed_group
 
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 """Every parallel dimension, in Megatron's default order (fastest first)."""
@@ -301,20 +302,24 @@ def communicator_joins(counters: Mapping[int, RankCounters],
                 nranks[c.comm_id] = max(nranks.get(c.comm_id, 0), c.comm_nranks)
     comms = known if known is not None else first
     torch_groups = [c for c in comms.values() if c.ranks]
+    unknown = [cid for cid in reported if not comms.get(cid, first[cid]).ranks]  # (no rank's record knew them)
+    tied: dict[str, list[Communicator]] = {}
+    for cid in unknown:
+        places, size = reported[cid], nranks.get(cid, 0)
+        # The torch group of this communicator: same members at the places NCCL reported (torch's group rank
+        # is NCCL's rank), or (when some never reported) a group of NCCL's size with the reporters in place.
+        def in_place(g: Communicator, places: dict[int, int] = places) -> bool:
+            return all(p < 0 or (p < len(g.ranks) and g.ranks[p] == r) for r, p in places.items())
+        tied[cid] = [g for g in torch_groups if set(g.ranks) == set(places) and in_place(g)] or [
+            g for g in torch_groups if size and len(g.ranks) == size
+            and all(0 <= p < size for p in places.values()) and in_place(g)]
+    chosen = _assign_groups(counters, tied, first)
     out: list[CommJoin] = []
-    for cid, places in reported.items():
-        if comms.get(cid, first[cid]).ranks:
-            continue  # some rank's record knew the members
-        size = nranks.get(cid, 0)
+    for cid in unknown:
+        places, size = reported[cid], nranks.get(cid, 0)
         by_place = sorted(places.items(), key=lambda kv: (kv[1] < 0, kv[1], kv[0]))
         reporters = tuple(g for g, _ in by_place)
-        # The torch group of this communicator: same members, or (when some never reported) one whose members
-        # sit at the places NCCL reported.
-        tied = [g for g in torch_groups if set(g.ranks) == set(reporters)] or [
-            g for g in torch_groups if size and len(g.ranks) == size
-            and all(0 <= p < size and g.ranks[p] == r for r, p in places.items())]
-        tied.sort(key=lambda g: (g.backend != first[cid].backend, g.comm_id))
-        group = tied[0] if tied else None
+        group = chosen.get(cid)
         members = group.ranks if group is not None else reporters
         missing_places = tuple(sorted(set(range(size)) - set(places.values()))) if size > len(places) else ()
         missing_ranks = tuple(sorted(r for r in members if r not in places))
@@ -322,6 +327,139 @@ def communicator_joins(counters: Mapping[int, RankCounters],
                             group.comm_id if group is not None else "",
                             group.description if group is not None else ""))
     return out
+
+
+def _assign_groups(counters: Mapping[int, RankCounters], tied: Mapping[str, list[Communicator]],
+                   first: Mapping[str, Communicator]) -> dict[str, Communicator]:
+    """Each NCCL communicator's torch group, one to one where members alone cannot tell (a 2-rank job's
+    default group and its TP group hold the same ranks): the group whose shim rows match the communicator's
+    rows best (the same operations launched as often on the same ranks) wins; then the same backend, then
+    the lower id. A communicator left without a free group shares its best one."""
+    if not any(len(gs) > 1 for gs in tied.values()):
+        return {cid: gs[0] for cid, gs in tied.items() if gs}
+    wanted = {cid for cid in tied} | {g.comm_id for gs in tied.values() for g in gs}
+    sig: dict[str, set[tuple[int, str, int]]] = {}
+    for r, rc in counters.items():
+        for o in rc.ops:
+            if o.comm_id in wanted:
+                sig.setdefault(o.comm_id, set()).add((r, canonical_op(o.op), o.cl))
+    pairs = sorted(((len(sig.get(cid, set()) & sig.get(g.comm_id, set())), g.backend == first[cid].backend,
+                     cid, g) for cid, gs in tied.items() for g in gs),
+                   key=lambda t: (-t[0], not t[1], t[3].comm_id, t[2]))
+    chosen: dict[str, Communicator] = {}
+    taken: set[str] = set()
+    for _, _, cid, g in pairs:
+        if cid not in chosen and g.comm_id not in taken:
+            chosen[cid] = g
+            taken.add(g.comm_id)
+    for _, _, cid, g in pairs:
+        chosen.setdefault(cid, g)
+    return chosen
+
+
+def group_role_name(members: tuple[int, ...], topology: Topology | None) -> str:
+    """A group without a description named by its role in the layout and its members: ``DP group [1, 3]``.
+
+    The role is the layout's kind whose group has exactly these members; none fits: ``group [...]``.
+    """
+    shown = ", ".join(map(str, members)) if len(members) <= 8 else compact_ranks(members)
+    if topology is not None and members:
+        for kind in DIMS:
+            if topology.size(kind) > 1 and set(topology.group_of(members[0], kind)) == set(members):
+                return f"{kind.upper()} group [{shown}]"
+        if set(members) == set(range(topology.world_size)):
+            return f"all ranks [{shown}]"
+    return f"group [{shown}]"
+
+
+def _joined_op(o: OpCounters, comm_id: str, places: tuple[int, ...] | None) -> OpCounters:
+    """The plugin's row under its torch group's id, in the vocabulary's name, its peers as global ranks.
+
+    ``places``: the members in NCCL's rank order (None when the order is not known: the peers, places in
+    the communicator, cannot be turned into global ranks and are dropped rather than misread).
+    """
+    peers = tuple(places[p] for p in o.open_peers if 0 <= p < len(places)) if places is not None else ()
+    return replace(o, comm_id=comm_id, op=canonical_op(o.op), open_peers=peers)
+
+
+def _one_row(host: OpCounters, device: OpCounters) -> OpCounters:
+    """The shim's row and the plugin's row of one collective on one rank, as one: the device's completion,
+    timings and peers (the GPU's truth), the host's launch count (what every member's shim compares)."""
+    return replace(device, cl=host.cl, last_launch_wall=host.last_launch_wall or device.last_launch_wall,
+                   last_duration_s=device.last_duration_s if device.last_duration_s is not None
+                   else host.last_duration_s,
+                   recent_throughput=device.recent_throughput or host.recent_throughput)
+
+
+def joined_counters(counters: Mapping[int, RankCounters],
+                    topology: Topology | None = None) -> dict[int, RankCounters]:
+    """Each real group once: NCCL's communicators (the profiler plugin's, known by commHash, size and place)
+    folded into the torch groups the shim recorded (id, description, members), one row per collective.
+
+    - a plugin communicator joined to a torch group (``communicator_joins``) disappears into it: its ops
+      take the group's id, the vocabulary's names (``AllReduce`` -> ``all_reduce``) and global peers; where
+      the shim has a row for the same op, the two become one (``_one_row``);
+    - a plugin communicator with no torch group keeps its hash, with the members its reporters give;
+    - a group without a description (torch's ``undefined``) is named by its role (``group_role_name``).
+
+    Counters with nothing to join come back as they are (one pass over the communicators).
+    """
+    unnamed = topology is not None and any(is_unnamed_group(c.description) and c.ranks
+                                           for rc in counters.values() for c in rc.communicators)
+    joins = {j.comm_id: j for j in communicator_joins(counters)}
+    if not joins and not unnamed:
+        return dict(counters)
+    first: dict[str, Communicator] = {}
+    for rc in counters.values():
+        for c in rc.communicators:
+            first.setdefault(c.comm_id, c)
+    target: dict[str, str] = {}  # plugin comm id -> the id its rows go under
+    places: dict[str, tuple[int, ...] | None] = {}
+    named: dict[str, Communicator] = {}  # every communicator that stays, as the analysis sees it
+    for cid, j in joins.items():
+        target[cid] = j.torch_group or cid
+        complete = bool(j.torch_group) or (not j.missing_places and len(j.members) == j.nranks)
+        places[cid] = j.members if complete else None
+        if not j.torch_group:
+            c = first[cid]
+            named[cid] = replace(c, ranks=j.members, comm_nranks=j.nranks or c.comm_nranks)
+    for cid, c in first.items():
+        if cid in joins and cid not in named:
+            continue
+        c = named.get(cid, c)
+        if is_unnamed_group(c.description) and c.ranks:
+            c = replace(c, description=group_role_name(c.ranks, topology))
+        named[cid] = c
+    out: dict[int, RankCounters] = {}
+    for r, rc in counters.items():
+        comms = tuple(replace(named[c.comm_id], comm_rank=c.comm_rank) for c in rc.communicators
+                      if c.comm_id in named and (c.comm_id not in joins or c.comm_id == target[c.comm_id]))
+        rows: dict[tuple[str, str], OpCounters] = {}
+        device: dict[tuple[str, str], OpCounters] = {}
+        for o in rc.ops:
+            if o.comm_id in joins:
+                j = _joined_op(o, target[o.comm_id], places[o.comm_id])
+                device.setdefault((j.comm_id, j.op), j)
+            else:
+                rows.setdefault((o.comm_id, o.op), o)
+        for key, d in device.items():
+            host = rows.get(key)
+            rows[key] = _one_row(host, d) if host is not None else d
+        out[r] = replace(rc, communicators=comms, ops=tuple(rows.values()))
+    return out
+
+
+def joined_snapshot(snapshot: JobSnapshot, topology: Topology | None = None) -> JobSnapshot:
+    """``snapshot`` with each machine's counters joined (``joined_counters``); the same object when nothing is."""
+    counters = snapshot.all_counters()
+    if not counters:
+        return snapshot
+    joined = joined_counters(counters, topology)
+    if all(joined[r] is rc for r, rc in counters.items()):
+        return snapshot
+    machines = tuple(replace(m, counters=tuple(joined[c.rank] for c in m.counters)) if m.counters else m
+                     for m in snapshot.machines)
+    return replace(snapshot, machines=machines)
 
 
 def communicator_groups(snapshot: JobSnapshot) -> dict[str, tuple[tuple[int, ...], ...]]:
