@@ -276,6 +276,9 @@ def _fold_victims(suspects: list[Suspect], waits_on: Mapping[int, set[int]]) -> 
 
 def desync_line(c: CrossedWait) -> str:
     """The headline of a desync the counters show."""
+    if set(c.ranks) >= set(c.members):  # the whole communicator: a pair deadlocked on its send/recv
+        return (f"desync: ranks {compact_ranks(c.ranks)} of {c.communicator} wait for each other's send/recv "
+                "(one skipped or reordered a send)")
     return (f"desync: ranks {compact_ranks(c.ranks)} and the other {len(c.victims)} ranks of {c.communicator} "
             "wait for each other at different calls")
 

@@ -323,7 +323,31 @@ def crossed_waits(counters: Mapping[int, RankCounters], extra: Mapping[int, Mapp
         found.append(CrossedWait(label, tuple(lag.comm.ranks), lag.op, tuple(sorted(lag.waiting)),
                                  tuple(sorted(lag.lagging)), tuple(sorted(named)), tuple(sorted(others)), tie,
                                  tuple(lines)))
+    found.extend(_crossed_pairs(waits, g))
     return _merge(found)
+
+
+def _crossed_pairs(waits: CounterWaits, g: _Waits) -> list[CrossedWait]:
+    """Two ranks each waiting in a send/recv on the other, neither posting the matching op: a pipeline pair
+    deadlocked by one side skipping (or reordering) a send. Matched per peer pair; either side may have strayed.
+    """
+    out: list[CrossedWait] = []
+    for r, targets in g.out.items():
+        if not isinstance(r, int):
+            continue
+        for p in targets:
+            if not isinstance(p, int) or p <= r or r not in g.out.get(p, ()):
+                continue
+            comm = next((c for cid, c in waits.table.comms.items() if r in c.ranks and p in c.ranks
+                         and any(rc is not None and any(o.comm_id == cid and o.wc < o.wr and p in o.open_peers
+                                                        for o in rc.ops) for rc in (waits.live.get(r),))), None)
+            members = tuple(comm.ranks) if comm is not None else (r, p)
+            lines = (g.why.get((r, p), f"rank {r} waits on rank {p}"), g.why.get((p, r), f"rank {p} waits on rank {r}"),
+                     f"ranks {r} and {p} each wait for the other's side of a transfer: one of them skipped or "
+                     "reordered a send (a program mismatch); either may be the one that strayed")
+            out.append(CrossedWait(comm_label(comm) if comm is not None else f"ranks {r} and {p}", members, "send",
+                                   (r, p), (r, p), (r, p), (), True, lines))
+    return out
 
 
 def _merge(found: list[CrossedWait]) -> tuple[CrossedWait, ...]:

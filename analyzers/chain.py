@@ -812,6 +812,9 @@ def _complete_elsewhere(views: Mapping[int, RankView], groups: _Groups, kind: st
 def desync_summary(d: Desync) -> str:
     where = ("the job" if d.group_kind == "world" else d.communicator if d.group_kind == "comm"
              else f"their {d.group_kind.upper()} group")
+    if d.evidence and set(d.ranks) >= set(d.group):  # the whole group: a pair deadlocked on its send/recv
+        return (f"desync: ranks {compact_ranks(d.ranks)} of {where} wait for each other's send/recv "
+                "(one skipped or reordered a send)")
     if d.evidence:  # told by the counters: the odd ones out may wait in a send/recv, not a collective
         return (f"desync: ranks {compact_ranks(d.ranks)} and the other {len(d.victims)} ranks of {where} "
                 "wait for each other at different calls")

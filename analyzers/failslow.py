@@ -62,7 +62,7 @@ from rankscope.analyzers.rounds import DEFAULT_MAJORITY, StackRound, required_fl
 from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitDetector, sampling_problems
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.analyzers.topology import compact_ranks, joined_counters
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 from rankscope.contract.vocabulary import is_point_to_point
 
@@ -365,6 +365,7 @@ class FailSlowDetector:
         self._trend: StepTrend | None = None
         self._stack_degrader: Suspect | None = None  # the group the stack rounds name, once alarmed
         self._confidence: dict[str, tuple[float, float]] = {}  # machine -> (confidence, at), for the hysteresis
+        self._gpu_of: dict[int, int] = {}  # rank -> its GPU on its machine (the launcher's local rank)
         self.sampling_problems: tuple[str, ...] = ()  # the last update's ranks whose sampling failed, with the fix
 
     @property
@@ -383,6 +384,7 @@ class FailSlowDetector:
             return self._last  # an old or repeated snapshot changes nothing
         self._updates += 1
         now = snapshot.captured.mono
+        self._gpu_of.update({ri.rank: ri.local_rank for m in snapshot.machines for ri in m.ranks})
         flags: list[DetectorFlag] = []
         notes: list[str] = []
         flags += self._step_flags()
@@ -477,7 +479,8 @@ class FailSlowDetector:
         where some member arrived late the others' low throughput is that
         wait, not their link: such calls are not counted as slow links.
         """
-        counters = snapshot.all_counters()
+        # one row per collective: the plugin's NCCL communicators joined into the shim's groups
+        counters = joined_counters(snapshot.all_counters())
         if not counters:
             return {}
         cfg = self.config
@@ -672,17 +675,34 @@ class FailSlowDetector:
         if order:
             starts = [f.since_mono for f in per_machine[order[0]].values() if f.since_mono is not None]
             slow_since = min(starts) if starts else None
-        summary = self._summary(suspects, flags, top_conf, trend)
+        summary = self._summary(suspects, flags, top_conf, trend, top_conf >= cfg.confident_at)
         verdict = Verdict(tuple(suspects), summary, self.store.missing_ranks, tuple(notes))
         return FailSlowVerdict(verdict, round(top_conf, 4), top_conf >= cfg.confident_at, tuple(flags), slow_since,
                                self._updates, now, trend)
 
-    def _summary(self, suspects: list[Suspect], flags: list[DetectorFlag], conf: float, trend: StepTrend | None) -> str:
+    def _gpu_words(self, top: Suspect) -> str:
+        """The counters' unit is the rank and its GPU: ``rank 5 (GPU 5) on m0`` when their evidence names fewer
+        ranks than the machine holds (several GPUs of one machine, or a one-machine job); "" otherwise."""
+        if not set(top.sources) <= _DEVICE_DETECTORS or len(top.machines) != 1:
+            return ""
+        if set(top.ranks) >= set(self.store.ranks_of(top.machines[0])):
+            return ""
+        parts = [f"rank {r}" + (f" (GPU {self._gpu_of[r]})" if r in self._gpu_of else "") for r in top.ranks]
+        return f"{', '.join(parts)} on {top.machines[0]}"
+
+    def _summary(self, suspects: list[Suspect], flags: list[DetectorFlag], conf: float, trend: StepTrend | None,
+                 confident: bool = True) -> str:
         if suspects:
             top = suspects[0]
             lead = top.evidence[0] if top.evidence else ""
             where = "" if top.kind is SuspectKind.MACHINE else f" on {', '.join(top.machines)}"
-            return (f"fail-slow: {suspect_label(top)}{where} — {lead}; "
+            name = self._gpu_words(top) or f"{suspect_label(top)}{where}"
+            kind = f" ({slow_kind(top.sources, lead)})" if set(top.sources) & _DEVICE_DETECTORS else ""
+            if not confident:
+                # below the bar it is a suspicion, worded as one: never a verdict line
+                return (f"suspect, not a verdict: {name}{kind} — {lead}; confidence {conf:.2f} from "
+                        f"{'+'.join(top.sources)}, below the {self.config.confident_at:.2f} bar")
+            return (f"fail-slow: {name}{kind} — {lead}; "
                     f"confidence {conf:.2f} from {'+'.join(top.sources)}")
         if flags:
             f = max(flags, key=lambda x: x.held / x.required if x.required else 0.0)
@@ -697,6 +717,15 @@ class FailSlowDetector:
         if n == 1:
             return "no fail-slow: 1 machine answered, no peers to compare it with"
         return f"no fail-slow: {n} machines alike"
+
+
+_DEVICE_DETECTORS = frozenset({"ccl", "p2p_wait"})  # the counters': they name ranks, not machines
+
+
+def slow_kind(sources: Iterable[str], lead: str) -> str:
+    """Which of C4's two slow kinds the evidence shows: a slow link is communication slow; a late arriver, a slow
+    step or a busy host is non-communication slow (the rank computes slowly and the others wait for it)."""
+    return "communication slow" if "slow links" in lead and "ccl" in set(sources) else "non-communication slow"
 
 
 def replay(snapshots: Iterable[JobSnapshot], config: FailSlowConfig | None = None,

@@ -315,7 +315,7 @@ def test_stack_rounds_name_the_most_flagged_group_after_enough_rounds() -> None:
     assert len(last.verdict.suspects) == 1 and top is not None
     assert top.kind is SuspectKind.PP and top.group_index == 1 and top.ranks == (4, 5, 6, 7)
     assert set(top.machines) == {"m2", "m3"} and set(last.machines) == {"m2", "m3"}
-    assert last.verdict.summary.startswith("fail-slow: PP group 1 (ranks 4-7) on m")
+    assert last.verdict.summary.startswith("suspect, not a verdict: PP group 1 (ranks 4-7) on m")  # 0.64 < the bar
 
 
 def test_stack_rounds_need_a_majority() -> None:
