@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from rankscope.analyzers.metric_outliers import snapshot_outliers
 from rankscope.analyzers.series import METRICS as SERIES_METRICS
+from rankscope.analyzers.topology import joined_counters
 from rankscope.contract.snapshot import GpuMetrics, HostMetrics, JobSnapshot, MachineSnapshot
+from rankscope.contract.vocabulary import is_point_to_point
 from rankscope.tui.startup import starting_stack
 
 
@@ -48,7 +50,7 @@ class CommRow:
     """One rank's counters in one communicator, summed over operation kinds."""
 
     rank: int
-    cl: int
+    cl: int  # collectives launched (a send/recv is no collective: matched per peer pair, not counted here)
     wr: int
     wc: int
     lags: bool  # launched fewer collectives than the others of its communicator
@@ -212,9 +214,11 @@ def digest(snapshot: JobSnapshot) -> PollDigest:
     stale: set[int] = set()
     steps: int | None = None
     has_stacks = False
+    # one communicator per real group: NCCL's (the plugin's, by hash) joined into the shim's torch groups
+    joined = joined_counters(snapshot.all_counters())
     for m in snapshot.machines:
         has_stacks = has_stacks or bool(m.stacks)
-        for rc in m.counters:
+        for rc in (joined.get(c.rank, c) for c in m.counters):
             if rc.stale or rc.error:
                 stale.add(rc.rank)
             if rc.steps is not None:
@@ -223,7 +227,8 @@ def digest(snapshot: JobSnapshot) -> PollDigest:
                 members.setdefault(c.comm_id, (c.description, c.backend, c.ranks))
             for op in rc.ops:
                 t = totals.setdefault(op.comm_id, {}).setdefault(rc.rank, [0, 0, 0])
-                t[0] += op.cl
+                # CL counts collectives: a send and a recv are matched per peer pair, never by count across ranks
+                t[0] += 0 if is_point_to_point(op.op) else op.cl
                 t[1] += op.wr
                 t[2] += op.wc
     comms: list[CommView] = []

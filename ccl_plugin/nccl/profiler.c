@@ -11,7 +11,11 @@
  *   WC  that request finished: a send step's stop, a receive step's RecvFlushWait (data arrived) or stop;
  *       a kernel channel's KernelChStop state or stop;
  *   N   bytes / (completion - request) of each finished request, into the ring (kernel channels: GPU time);
- *   TD  Coll / P2p start to the moment it is stopped and its last started child has stopped.
+ *   TD  on the device where NCCL gives GPU times (Aegis §5.2's duration on the GPU): the first kernel channel's
+ *       start to the last one's KernelChStop, so a rank whose GPU came late to the call (extra work queued
+ *       before it) shows the short TD of a late arriver though its host enqueued the call early; without
+ *       GPU times (the network path), Coll / P2p start to the moment it is stopped and its last started
+ *       child has stopped, on the host.
  * A copy-engine collective (CeColl, v6) counts as a Coll whose own stop completes it (no children).
  * Init records per communicator NCCL's commHash (comm_id, hex), nranks and this rank's rank in it.
  *
@@ -75,7 +79,7 @@ enum { R_REQUESTED = 1, R_COMPLETED = 2 };
 
 typedef struct {
   uint64_t word;
-  uint64_t parent; /* child: its parent's handle */
+  uint64_t parent; /* child: its parent's handle; task: its first kernel channel's GPU start (ns, 0 none; atomic) */
   uint64_t ctx;    /* its communicator's context handle: nothing counts once that is finalized */
   uint64_t aux;    /* task: 1-based sequence number of the call; kernel channel: GPU start time (ns) */
   double t0;       /* task: start; request: when it was posted (monotonic s) */
@@ -83,7 +87,8 @@ typedef struct {
   int32_t slot;    /* op slot in the file */
   int32_t peer;    /* P2p / ProxyOp peer (rank in the communicator), -1 none */
   uint8_t kind, is_send, net, n_channels;
-  uint32_t req; /* atomic R_* bits: each request counts one WR and one WC at most */
+  uint32_t req; /* request: atomic R_* bits, each request counts one WR and one WC at most; task: its span on
+                 * the GPU so far in ns (first channel start to latest channel stop, saturating; 0 none; atomic) */
 } rs_rec;
 _Static_assert(sizeof(rs_rec) == 64, "one cache line per record");
 
@@ -205,8 +210,10 @@ static int alloc_rec(rs_rec* pool, uint32_t size, uint64_t* cursor, uint32_t* ge
   return -1;
 }
 
-/* the fields that do not change while the record is held (never the atomic word or req) */
+/* the fields that do not change while the record is held (never the atomic word); a task's GPU span (req)
+ * as far as its channels told it */
 static void copy_fields(rs_rec* dst, const rs_rec* src) {
+  dst->req = __atomic_load_n(&src->req, __ATOMIC_ACQUIRE);
   dst->parent = src->parent;
   dst->ctx = src->ctx;
   dst->aux = src->aux;
@@ -561,7 +568,7 @@ static void count_complete(const rs_rec* t) {
   double now = mono();
   rs_op* o = op_at(b, t->slot);
   wbegin(&o->seq);
-  o->last_duration = now - t->t0;
+  o->last_duration = t->req ? (double)t->req * 1e-9 : now - t->t0; /* on the GPU where it gave times */
   o->last_complete_wall = now + wall_offset;
   if (t->aux > o->last_completed_seq) o->last_completed_seq = t->aux;
   if (t->kind == K_P2P) open_peer(o, t->peer, -1);
@@ -715,6 +722,25 @@ static ncclResult_t rs_start_any(void* context, void** handle, const rs_descr* d
   return RS_NCCL_SUCCESS;
 }
 
+/* A kernel channel stopped at GPU time ``stop``: its task's span on the GPU grows to cover it (TD on the
+ * device). The channel holds a reference on its task, so the task record is not reused meanwhile. */
+static void device_span(const rs_rec* e, uint64_t stop) {
+  uint32_t pgen;
+  int ppool;
+  rs_rec* t = record((void*)(uintptr_t)e->parent, &pgen, &ppool);
+  if (!t || ppool != P_TASK || !e->aux || stop <= e->aux) return;
+  uint64_t first = __atomic_load_n(&t->parent, __ATOMIC_RELAXED);
+  while ((first == 0 || e->aux < first) &&
+         !__atomic_compare_exchange_n(&t->parent, &first, e->aux, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+  if (first == 0 || e->aux < first) first = e->aux;
+  uint64_t span = stop > first ? stop - first : 0;
+  uint32_t ns = span > UINT32_MAX ? UINT32_MAX : (uint32_t)span;
+  uint32_t cur = __atomic_load_n(&t->req, __ATOMIC_RELAXED);
+  while (ns > cur && !__atomic_compare_exchange_n(&t->req, &cur, ns, 1, __ATOMIC_RELEASE, __ATOMIC_RELAXED)) {
+  }
+}
+
 static ncclResult_t rs_state(void* handle, rs_nccl_state_t state, rs_nccl_state_args* args) {
   uint32_t gen;
   int pool;
@@ -730,6 +756,7 @@ static ncclResult_t rs_state(void* handle, rs_nccl_state_t state, rs_nccl_state_
   } else if (e->kind == K_KCH && !e->net && state == RS_ST_KERNEL_CH_STOP) {
     uint64_t stop = args ? args->kernelCh.pTimer : 0;
     complete(e, e->aux && stop > e->aux ? (double)(stop - e->aux) * 1e-9 : -1);
+    device_span(e, stop);
   }
   return RS_NCCL_SUCCESS;
 }

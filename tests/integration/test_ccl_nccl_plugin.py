@@ -195,6 +195,8 @@ def _check_replay(proc: subprocess.CompletedProcess[str], tmp: Path, rounds: int
     assert ar.last_duration_s is not None and ar.last_duration_s > 0
     # a kernel channel's throughput is its share of the bytes over its GPU time: 128 / 2 bytes in 4 us
     assert ops[("fedcba9876543210", "AllGather")].recent_throughput == pytest.approx((16e6,) * 5)
+    # TD on the device: its kernel channels' GPU start to their KernelChStop (4 us), not the host's time
+    assert ops[("fedcba9876543210", "AllGather")].last_duration_s == pytest.approx(4e-6)
     return c
 
 

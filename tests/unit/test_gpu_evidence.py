@@ -153,3 +153,17 @@ def test_a_plugin_job_with_unjoinable_peers_drops_them_rather_than_misread_them(
               for r, rc in files.items()}
     joined = joined_counters(bigger)
     assert joined[0].ops[0].open_peers == () and joined[0].ops[0].op == "recv"
+
+
+def test_the_tuis_ccl_table_shows_one_communicator_per_group_and_no_lag_between_senders_and_receivers() -> None:
+    """The default communicator of the loader job: ranks 0-1 only send, 2-3 only receive; plugin-only counters."""
+    from rankscope.tui.digest import digest
+
+    job, stacks = loader_job(stuck=1)
+    comms = {c.comm_id: c for c in digest(gpu_snapshot(job, ONE_GPU, stacks)).comms}
+    world = comms["d0000000000000aa"]
+    assert world.ranks == (0, 1, 2, 3)
+    assert [(r.rank, r.cl, r.lags, r.open_requests) for r in world.rows] == [
+        (0, 0, False, False), (1, 0, False, False), (2, 0, False, True), (3, 0, False, True)]
+    tp = comms["7a7a7a7a7a7a7a7a"]  # rank 1 never launched the all-reduce rank 0 waits in
+    assert [(r.rank, r.cl, r.lags) for r in tp.rows] == [(0, 10, False), (1, 9, True)]
