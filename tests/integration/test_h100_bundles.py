@@ -43,3 +43,12 @@ def test_hang_p2p_reads_the_plugins_recv_as_point_to_point() -> None:
     lines = [e for s in verdict.suspects for e in s.evidence]
     assert not [e for e in lines if "Recv CL" in e or "recv CL" in e or "Send CL" in e], lines
     assert any("rank 1: recv" in e and "rank 3 has no open send to rank 1" in e for e in lines), lines
+
+
+def test_rankscope_analyze_says_the_pair_and_the_kind_of_hang(capsys: pytest.CaptureFixture[str]) -> None:
+    from rankscope.cli.main import main
+
+    assert main(["analyze", str(BUNDLES / "hang-p2p.bundle.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("verdict: PP group 1 (ranks 1,3) on machine-0..1, root rank 3 (computing;"), out[:3]
+    assert out[1] == "kind: non-communication hang"  # rank 3 stopped in its own code before its send

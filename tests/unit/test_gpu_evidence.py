@@ -167,3 +167,12 @@ def test_the_tuis_ccl_table_shows_one_communicator_per_group_and_no_lag_between_
         (0, 0, False, False), (1, 0, False, False), (2, 0, False, True), (3, 0, False, True)]
     tp = comms["7a7a7a7a7a7a7a7a"]  # rank 1 never launched the all-reduce rank 0 waits in
     assert [(r.rank, r.cl, r.lags) for r in tp.rows] == [(0, 10, False), (1, 9, True)]
+
+
+def test_each_hang_says_which_of_c4s_kinds_it_is() -> None:
+    from rankscope.analyzers.labels import hang_kind
+
+    job, stacks = loader_job(stuck=1)
+    assert hang_kind(analyze_job(gpu_snapshot(job, ONE_GPU, stacks)).verdict) == "non-communication hang"
+    assert hang_kind(analyze_job(gpu_snapshot(pipeline_job(skipped_send=0), PIPE)).verdict) == "communication hang"
+    assert hang_kind(analyze_job(gpu_snapshot(pipeline_job(), PIPE)).verdict) is None

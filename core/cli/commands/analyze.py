@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if log_verdict is not None:
         other_verdicts = [*other_verdicts, log_verdict]
     from rankscope.analyzers.analysis import analyze_job
+    from rankscope.analyzers.labels import hang_kind
 
     if other_verdicts and not any(m.stacks for m in snapshot.machines):
         # Nothing to group (flight-recorder dumps carry counters only): the other detectors speak alone.
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise RankscopeError(str(exc), LAYOUT_FIX) from None
         out = _verdict_only(verdict, snapshot, layout)
+        out["c4_kind"] = hang_kind(verdict)
         out.update(extra)
         out.update(_log_summary(args))
         _print(out, verdict, args.json)
@@ -134,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if job.merged_with:
         out["stacks_summary"] = out["summary"]
     out["summary"] = _not_a_rank_summary(merged) or merged.summary
+    out["c4_kind"] = hang_kind(merged)  # which of C4's kinds: communication hang or non-communication hang
     out["suspects"] = [suspect_to_json(s) for s in merged.suspects]
     out["findings"] = [finding_to_json(f) for f in merged.findings]
     out["missing_ranks"] = list(merged.missing_ranks)
@@ -372,6 +375,8 @@ def render_text(out: dict[str, Any], verdict: Verdict) -> str:
     from rankscope.analyzers.render import finding_lines, suspect_lines
 
     lines = [f"verdict: {out['summary']}"]
+    if out.get("c4_kind"):
+        lines.append(f"kind: {out['c4_kind']}")
     lay = out["layout"]
     dims = " ".join(f"{d}={lay[d]}" for d in ("tp", "pp", "dp", "cp", "ep") if lay[d] > 1) or "no parallel sizes"
     rpm = f", {lay['ranks_per_machine']} ranks/machine" if lay.get("ranks_per_machine") else ""
