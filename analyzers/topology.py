@@ -438,8 +438,8 @@ def joined_counters(counters: Mapping[int, RankCounters],
         device: dict[tuple[str, str], OpCounters] = {}
         for o in rc.ops:
             if o.comm_id in joins:
-                j = _joined_op(o, target[o.comm_id], places[o.comm_id])
-                device.setdefault((j.comm_id, j.op), j)
+                d = _joined_op(o, target[o.comm_id], places[o.comm_id])
+                device.setdefault((d.comm_id, d.op), d)
             else:
                 rows.setdefault((o.comm_id, o.op), o)
         for key, d in device.items():
