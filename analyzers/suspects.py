@@ -346,9 +346,9 @@ def _apply_origins(
             # across two machines whose other PP group holds an outlier too): the group its peers wait in is
             # still a candidate of its own.
             if not any(c.kind == kind and ranks & set(c.ranks.tolist()) for c in cands):
-                members = sorted({p for r in ranks for p in topology.group_of(r, kind)})
-                index = topology.group_index(members[0], kind)
-                cands.append(_Candidate(kind, np.asarray(members, dtype=np.int64), len(is_out.intersection(members)),
+                group = sorted({p for r in ranks for p in topology.group_of(r, kind)})
+                index = topology.group_index(group[0], kind)
+                cands.append(_Candidate(kind, np.asarray(group, dtype=np.int64), len(is_out.intersection(group)),
                                         index, (index,)))
         for c in cands:
             if c.kind in (fitting or kinds) and ranks & set(c.ranks.tolist()):

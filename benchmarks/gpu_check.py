@@ -16,6 +16,12 @@ reported and the others still run, within the overall budget:
           hang-p2p), 4 ranks on 2 local machines: per fault the verdict
           against the ground truth, the CCL counters of every rank, NVML
           during the fault, whether a rank died.
+- evidence: the GPU's own evidence read right, the same way: a pipeline
+          stage that skips one send (skip-send: the pair waits on each
+          other), a DataLoader deadlock in this job that uses send/recv
+          (dataloader-deadlock), and a healthy run (none) for false alarms;
+          each graded against its truth. Where the 4 ranks share fewer
+          GPUs, the report says so (their kernels interfere).
 - slow:   one slow kind (slow-compute, 1.5x) through the fail-slow
           scorecard (``rankscope drill --suite failslow --backend nccl``),
           watched live to a confident verdict.
@@ -49,8 +55,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_shim import report_lines as bench_lines  # noqa: E402
 from bench_shim import run_session  # noqa: E402
 
-PARTS = ("env", "build", "nvml", "drills", "slow", "shim", "soak")
+PARTS = ("env", "build", "nvml", "drills", "evidence", "slow", "shim", "soak")
 HANG_FAULTS = ("hang-compute", "hang-collective", "hang-p2p")
+EVIDENCE_FAULTS = ("skip-send", "dataloader-deadlock", "none")
+DRILL_RANKS = 4  # DRILL_LAYOUT's world
 DRILL_LAYOUT = ["--tp", "2", "--pp", "2", "--dp", "1", "--machines", "2", "--fault-step", "8"]
 # where each installed package lives in the working tree (pyproject's package-dir)
 PACKAGE_DIRS = {"probes": "probes", "analyzers": "analyzers", "ccl_plugin": "ccl_plugin", "tui": "tui"}
@@ -220,7 +228,7 @@ def one_drill(ctx: dict[str, Any], fault: str, timeout_s: float) -> dict[str, An
     argv = ["-m", "rankscope", "drill", "--headless", "--json", "--backend", ctx["backend"], "--fault", fault,
             *DRILL_LAYOUT, "--steps", "40", "--checkpoint-every", "0", "--stall-seconds", "5",
             "--start-timeout", "150", "--stall-timeout", "90", "--run-dir", str(run_dir),
-            "--fault-rank", "3"]  # a rank of the second machine: the verdict must name machine-1
+            *(["--fault-rank", "3"] if fault != "none" else [])]  # the second machine's: the verdict must name it
     if not ctx.get("agents", True):
         argv.append("--no-agents")
     started = time.monotonic()
@@ -244,9 +252,9 @@ def one_drill(ctx: dict[str, Any], fault: str, timeout_s: float) -> dict[str, An
     }
 
 
-def part_drills(ctx: dict[str, Any], deadline: float) -> dict[str, Any]:
+def part_drills(ctx: dict[str, Any], deadline: float, faults: tuple[str, ...] = HANG_FAULTS) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for fault in HANG_FAULTS:
+    for fault in faults:
         left = deadline - time.monotonic()
         if left < 45:
             out[fault] = {"fault": fault, "error": f"skipped: {left:.0f} s left of the budget"}
@@ -305,7 +313,7 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         r = result["parts"].get(part)
         if r is None:
             continue
-        if "error" in r and part != "drills":
+        if "error" in r and part not in ("drills", "evidence"):
             lines.append(f"[{part}] FAILED: {r['error']}")
             continue
         data = r["data"]
@@ -326,10 +334,14 @@ def report_lines(result: dict[str, Any]) -> list[str]:
                              f"{g.get('pcie_tx_kbps')}/{g.get('pcie_rx_kbps')} kB/s, ECC {g.get('ecc_corrected')}/"
                              f"{g.get('ecc_uncorrected')}, remapped rows {g.get('remapped_rows')}, "
                              f"NVLink {g.get('nvlink_tx_kbps')}")
-        elif part == "drills":
+        elif part in ("drills", "evidence"):
             if "error" in r:
-                lines.append(f"[drills] FAILED: {r['error']}")
+                lines.append(f"[{part}] FAILED: {r['error']}")
                 continue
+            gpus = len((result["parts"].get("env", {}).get("data") or {}).get("gpus", []))
+            if part == "evidence" and 0 < gpus < DRILL_RANKS:
+                lines.append(f"[evidence] the drill's {DRILL_RANKS} ranks share {gpus} GPU(s): their kernels "
+                             "interfere, so a rank slow on its GPU slows its neighbours too (not a clean slow-GPU case)")
             for fault, d in data.items():
                 if "error" in d:
                     lines.append(f"[drill {fault}] ERROR {d['error']}")
@@ -394,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             "build": lambda: part_build(ctx),
             "nvml": lambda: part_nvml(ctx),
             "drills": lambda: part_drills(ctx, deadline - 270.0 if "soak" in parts else deadline),
+            "evidence": lambda: part_drills(ctx, deadline - 270.0 if "soak" in parts else deadline, EVIDENCE_FAULTS),
             "slow": lambda: part_slow(ctx, deadline - 150.0 if "soak" in parts else deadline),
             "shim": lambda: part_shim(ctx, deadline),
             "soak": lambda: part_soak(ctx, deadline),

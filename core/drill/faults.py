@@ -153,6 +153,9 @@ FAULTS: dict[str, FaultSpec] = {
                   frame="drill_injected_hang_compute"),
         FaultSpec("hang-p2p", "hang", "a pipeline stage stops sending (activations forward, gradients backward)", "pp",
                   frame="drill_injected_hang_p2p"),
+        FaultSpec("skip-send", "hang", "a pipeline stage skips one send (a rank-dependent branch) and goes on to its "
+                  "next receive: it and its peer wait on each other", "desync",
+                  frame="drill_injected_skip_send", default_group="pp"),
         FaultSpec("hang-collective", "hang", "the rank stalls before a collective of its group", "group",
                   frame="drill_injected_hang_collective", default_group="tp"),
         FaultSpec("dataloader-stall", "hang", "the rank's dataloader worker blocks; the rank waits for data", "rank",
@@ -293,6 +296,8 @@ def make_plan(
     if name == "desync" and group is not None and len(layout.group_of(group, rank)) == layout.world:
         raise RankscopeError(f"desync on the {group} group would put every rank one step ahead, so nothing differs",
                              "pass a --fault-group smaller than the whole job, or raise another parallel size")
+    if name == "skip-send" and group != "pp":
+        raise RankscopeError("skip-send skips a pipeline send", "pass --fault-group pp (the default) and --pp 2 or more")
     if name == "hang-p2p" and layout.pp < 2:
         raise RankscopeError("hang-p2p needs pipeline stages to send between", "pass --pp 2 or more")
     return FaultPlan(

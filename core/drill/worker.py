@@ -70,6 +70,23 @@ def drill_injected_hang_p2p() -> None:
         time.sleep(0.1)
 
 
+def drill_injected_skip_send() -> None:
+    """Skip this one pipeline send: the caller returns without it, as a rank-dependent branch would."""
+
+
+def skipping_send(send: Callable[..., None], injector: Injector) -> Callable[..., None]:
+    """``send`` (the model's send_forward or send_backward), skipped once at the plan's step on the faulty rank."""
+    skipped: list[int] = []
+
+    def maybe_send(*args: Any, **kwargs: Any) -> None:
+        if injector.mine() and injector.step == injector.plan.step and not skipped:
+            skipped.append(injector.step)
+            drill_injected_skip_send()
+            return
+        send(*args, **kwargs)
+    return maybe_send
+
+
 def drill_injected_hang_collective() -> None:
     """Never join the collective the rest of the group waits in."""
     while True:
@@ -527,6 +544,9 @@ def train(args: argparse.Namespace) -> int:
 
     injector = Injector(plan, rank)
     m.set_comm_hook(injector.before_comm)
+    if plan.name == "skip-send" and plan.rank == rank:
+        m.send_forward = skipping_send(m.send_forward, injector)  # type: ignore[assignment]
+        m.send_backward = skipping_send(m.send_backward, injector)  # type: ignore[assignment]
     loss_log = None
     if groups.last_stage:
         (run_dir / "loss").mkdir(exist_ok=True)

@@ -192,3 +192,11 @@ def _read(report: dict[str, Any]) -> Any:
     from rankscope.contract.bundle import read_bundle
 
     return read_bundle(Path(report["bundle"]))
+
+
+def test_skip_send_names_the_pipeline_pair_as_a_desync() -> None:
+    truth = ground_truth(make_plan("skip-send", LAYOUT, rank=5, step=5), LAYOUT)
+    assert (truth.suspect_kind, truth.suspect_ranks, truth.group) == ("desync", (1, 5), "pp")
+    assert truth.frame == "drill_injected_skip_send" and "skip-send" in HANG_FAULTS
+    with pytest.raises(RankscopeError, match="pipeline send"):
+        make_plan("skip-send", LAYOUT, rank=5, step=5, group="tp")

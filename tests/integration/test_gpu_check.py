@@ -63,3 +63,24 @@ def test_the_report_says_what_failed_and_still_shows_the_rest() -> None:
     assert "r0: TENSOR_MODEL_PARALLEL_GROUP[0/2] all_reduce 41/41/40 OPEN" in text
     assert "rank died: no" in text and "util 100.0 %, 128.0 W" in text
     assert "[drill hang-p2p] ERROR drill exit 1 after 3 s" in text and "    boom" in text
+
+
+def test_the_evidence_drills_are_graded_and_a_shared_gpu_is_said() -> None:
+    skip = {"fault": "skip-send", "seconds": 30.0, "truth": [1, 3], "truth_machines": ["machine-0", "machine-1"],
+            "verdict": "desync: ranks 1,3 of their PP group wait for each other's send/recv (one skipped or "
+                       "reordered a send) (stacks + ccl)", "correct": True, "named_ranks": [1, 3], "stall": "stalled",
+            "steps": {"0": 8}, "died": [], "leftovers": [], "counters": {}, "nvml_during": [], "notes": []}
+    healthy = {**skip, "fault": "none", "truth": [], "truth_machines": [], "verdict": "no verdict: all 4 ranks show "
+               "the same stacks", "named_ranks": None, "stall": "finished"}
+    result = {"backend": "nccl", "budget_s": 470.0, "seconds": 100.0, "parts": {
+        "env": {"data": {"python": "3.12", "torch": "2.11", "cuda_build": "13.0", "nccl": "2.28.9",
+                         "gpus": ["NVIDIA H100"], "rankscope": "installed", "agents": True,
+                         "missing_agent_modules": [], "py_spy": True, "pynvml": True}},
+        "evidence": {"data": {"skip-send": skip, "none": healthy}},
+    }}
+    text = "\n".join(gpu_check.report_lines(result))
+    assert "[evidence] the drill's 4 ranks share 1 GPU(s): their kernels interfere" in text
+    assert "[drill skip-send] RIGHT: verdict 'desync: ranks 1,3 of their PP group" in text
+    assert "[drill none] RIGHT: verdict 'no verdict" in text
+    assert gpu_check.EVIDENCE_FAULTS == ("skip-send", "dataloader-deadlock", "none")
+    assert "evidence" in gpu_check.PARTS
