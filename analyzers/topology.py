@@ -303,6 +303,11 @@ def communicator_joins(counters: Mapping[int, RankCounters],
     comms = known if known is not None else first
     torch_groups = [c for c in comms.values() if c.ranks]
     unknown = [cid for cid in reported if not comms.get(cid, first[cid]).ranks]  # (no rank's record knew them)
+    # Indexed once: a job has thousands of groups and as many NCCL communicators, never compared pairwise.
+    by_members: dict[frozenset[int], list[Communicator]] = {}
+    for g in torch_groups:
+        by_members.setdefault(frozenset(g.ranks), []).append(g)
+    by_place: dict[tuple[int, int], list[Communicator]] | None = None  # (global rank, place) -> groups
     tied: dict[str, list[Communicator]] = {}
     for cid in unknown:
         places, size = reported[cid], nranks.get(cid, 0)
@@ -310,9 +315,16 @@ def communicator_joins(counters: Mapping[int, RankCounters],
         # is NCCL's rank), or (when some never reported) a group of NCCL's size with the reporters in place.
         def in_place(g: Communicator, places: dict[int, int] = places) -> bool:
             return all(p < 0 or (p < len(g.ranks) and g.ranks[p] == r) for r, p in places.items())
-        tied[cid] = [g for g in torch_groups if set(g.ranks) == set(places) and in_place(g)] or [
-            g for g in torch_groups if size and len(g.ranks) == size
-            and all(0 <= p < size for p in places.values()) and in_place(g)]
+        tied[cid] = [g for g in by_members.get(frozenset(places), ()) if in_place(g)]
+        if tied[cid] or not size or not places or not all(0 <= p < size for p in places.values()):
+            continue
+        if by_place is None:
+            by_place = {}
+            for g in torch_groups:
+                for p, r in enumerate(g.ranks):
+                    by_place.setdefault((r, p), []).append(g)
+        r0, p0 = next(iter(places.items()))
+        tied[cid] = [g for g in by_place.get((r0, p0), ()) if len(g.ranks) == size and in_place(g)]
     chosen = _assign_groups(counters, tied, first)
     out: list[CommJoin] = []
     for cid in unknown:
@@ -379,16 +391,20 @@ def _joined_op(o: OpCounters, comm_id: str, places: tuple[int, ...] | None) -> O
     the communicator, cannot be turned into global ranks and are dropped rather than misread).
     """
     peers = tuple(places[p] for p in o.open_peers if 0 <= p < len(places)) if places is not None else ()
-    return replace(o, comm_id=comm_id, op=canonical_op(o.op), open_peers=peers)
+    # built field by field, not with dataclasses.replace: thousands of ranks' rows per capture
+    return OpCounters(comm_id, canonical_op(o.op), o.cl, o.wr, o.wc, o.last_launched_seq, o.last_completed_seq,
+                      o.bytes_total, o.last_duration_s, o.recent_throughput, o.last_launch_wall,
+                      o.last_complete_wall, peers)
 
 
 def _one_row(host: OpCounters, device: OpCounters) -> OpCounters:
     """The shim's row and the plugin's row of one collective on one rank, as one: the device's completion,
     timings and peers (the GPU's truth), the host's launch count (what every member's shim compares)."""
-    return replace(device, cl=host.cl, last_launch_wall=host.last_launch_wall or device.last_launch_wall,
-                   last_duration_s=device.last_duration_s if device.last_duration_s is not None
-                   else host.last_duration_s,
-                   recent_throughput=device.recent_throughput or host.recent_throughput)
+    d = device
+    return OpCounters(d.comm_id, d.op, host.cl, d.wr, d.wc, d.last_launched_seq, d.last_completed_seq,
+                      d.bytes_total, d.last_duration_s if d.last_duration_s is not None else host.last_duration_s,
+                      d.recent_throughput or host.recent_throughput, host.last_launch_wall or d.last_launch_wall,
+                      d.last_complete_wall, d.open_peers)
 
 
 def joined_counters(counters: Mapping[int, RankCounters],
@@ -432,7 +448,8 @@ def joined_counters(counters: Mapping[int, RankCounters],
         named[cid] = c
     out: dict[int, RankCounters] = {}
     for r, rc in counters.items():
-        comms = tuple(replace(named[c.comm_id], comm_rank=c.comm_rank) for c in rc.communicators
+        comms = tuple(c if named[c.comm_id] is first[c.comm_id] else replace(named[c.comm_id], comm_rank=c.comm_rank)
+                      for c in rc.communicators
                       if c.comm_id in named and (c.comm_id not in joins or c.comm_id == target[c.comm_id]))
         rows: dict[tuple[str, str], OpCounters] = {}
         device: dict[tuple[str, str], OpCounters] = {}
