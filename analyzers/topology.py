@@ -307,7 +307,7 @@ def communicator_joins(counters: Mapping[int, RankCounters],
     by_members: dict[frozenset[int], list[Communicator]] = {}
     for g in torch_groups:
         by_members.setdefault(frozenset(g.ranks), []).append(g)
-    by_place: dict[tuple[int, int], list[Communicator]] | None = None  # (global rank, place) -> groups
+    at_place: dict[tuple[int, int], list[Communicator]] | None = None  # (global rank, place) -> groups
     tied: dict[str, list[Communicator]] = {}
     for cid in unknown:
         places, size = reported[cid], nranks.get(cid, 0)
@@ -318,13 +318,13 @@ def communicator_joins(counters: Mapping[int, RankCounters],
         tied[cid] = [g for g in by_members.get(frozenset(places), ()) if in_place(g)]
         if tied[cid] or not size or not places or not all(0 <= p < size for p in places.values()):
             continue
-        if by_place is None:
-            by_place = {}
+        if at_place is None:
+            at_place = {}
             for g in torch_groups:
                 for p, r in enumerate(g.ranks):
-                    by_place.setdefault((r, p), []).append(g)
+                    at_place.setdefault((r, p), []).append(g)
         r0, p0 = next(iter(places.items()))
-        tied[cid] = [g for g in by_place.get((r0, p0), ()) if len(g.ranks) == size and in_place(g)]
+        tied[cid] = [g for g in at_place.get((r0, p0), ()) if len(g.ranks) == size and in_place(g)]
     chosen = _assign_groups(counters, tied, first)
     out: list[CommJoin] = []
     for cid in unknown:
