@@ -338,9 +338,7 @@ def _crossed_pairs(waits: CounterWaits, g: _Waits) -> list[CrossedWait]:
         for p in targets:
             if not isinstance(p, int) or p <= r or r not in g.out.get(p, ()):
                 continue
-            comm = next((c for cid, c in waits.table.comms.items() if r in c.ranks and p in c.ranks
-                         and any(rc is not None and any(o.comm_id == cid and o.wc < o.wr and p in o.open_peers
-                                                        for o in rc.ops) for rc in (waits.live.get(r),))), None)
+            comm = _pair_comm(waits, r, p)
             members = tuple(comm.ranks) if comm is not None else (r, p)
             lines = (g.why.get((r, p), f"rank {r} waits on rank {p}"), g.why.get((p, r), f"rank {p} waits on rank {r}"),
                      f"ranks {r} and {p} each wait for the other's side of a transfer: one of them skipped or "
@@ -348,6 +346,15 @@ def _crossed_pairs(waits: CounterWaits, g: _Waits) -> list[CrossedWait]:
             out.append(CrossedWait(comm_label(comm) if comm is not None else f"ranks {r} and {p}", members, "send",
                                    (r, p), (r, p), (r, p), (), True, lines))
     return out
+
+
+def _pair_comm(waits: CounterWaits, r: int, p: int) -> Communicator | None:
+    """The communicator of ``r``'s open send/recv toward ``p``."""
+    rc = waits.live.get(r)
+    for o in rc.ops if rc is not None else ():
+        if is_point_to_point(o.op) and o.wc < o.wr and p in o.open_peers:
+            return waits.table.comms.get(o.comm_id)
+    return None
 
 
 def _merge(found: list[CrossedWait]) -> tuple[CrossedWait, ...]:
