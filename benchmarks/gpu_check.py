@@ -185,14 +185,17 @@ def part_nvml(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def _counters_of(bundle_path: Path) -> tuple[dict[str, list[str]], list[dict[str, Any]]]:
-    """Per rank: its counter files' ops as 'comm op CL/WR/WC' (open ones marked); NVML during the fault."""
+    """Per rank: its counters as 'comm op CL/WR/WC' (open ones marked), one row per collective (the plugin's
+    NCCL communicators joined into the shim's groups, as the analysis reads them); NVML during the fault."""
+    from rankscope.analyzers.topology import joined_counters
     from rankscope.contract.bundle import read_bundle, to_jsonable
 
     snap = read_bundle(bundle_path).snapshots[0]
+    joined = joined_counters(snap.all_counters())
     per_rank: dict[str, list[str]] = {}
     gpus: list[dict[str, Any]] = []
     for m in snap.machines:
-        for c in m.counters:
+        for c in (joined.get(rc.rank, rc) for rc in m.counters):
             descs = {x.comm_id: (x.description or x.comm_id, x.comm_nranks, x.comm_rank) for x in c.communicators}
             for o in c.ops:
                 desc, nranks, crank = descs.get(o.comm_id, (o.comm_id, 0, -1))

@@ -84,3 +84,14 @@ def test_the_evidence_drills_are_graded_and_a_shared_gpu_is_said() -> None:
     assert "[drill none] RIGHT: verdict 'no verdict" in text
     assert gpu_check.EVIDENCE_FAULTS == ("skip-send", "dataloader-deadlock", "none")
     assert "evidence" in gpu_check.PARTS
+
+
+def test_each_ranks_counters_are_one_row_per_collective() -> None:
+    """The H100 hang-p2p bundle: the shim's and the plugin's rows of one collective are shown once, under the torch
+    group, with NCCL's peers as global ranks."""
+    from repo_paths import DATA
+
+    per_rank, _ = gpu_check._counters_of(DATA / "bundles" / "h100" / "hang-p2p.bundle.json")
+    assert per_rank["1"] == ["TENSOR_MODEL_PARALLEL_GROUP[1/2] all_reduce 144/546/545 OPEN",
+                             "PIPELINE_MODEL_PARALLEL_GROU[0/2] send 36/36/36",
+                             "PIPELINE_MODEL_PARALLEL_GROU[0/2] recv 36/33/32 OPEN peers [3]"]
