@@ -180,8 +180,9 @@ def cold_relaunch(run_dir: Path) -> Run:
         began = time.time()
         resume = min(latest_checkpoint(run_dir, r) for r in range(LAYOUT.world))
         launcher.start_nodes([*survivors, *(f"spare-{i}" for i in range(len(machines)))], resume=True)
-        launcher.start_agents()
+        # As on the warm paths (Launcher.restart), the agents start once the job is back, not beside its start.
         resumed = _wait_resumed(run_dir, began, resume, "relaunched")
+        launcher.start_agents()
         return _breakdown(Run(detect=detect, warm="torchrun: 0 ranks warm"), run_dir, confirm, confirm, began, resumed)
 
 
