@@ -51,6 +51,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -312,15 +313,17 @@ class Launcher:
         started = []
         start = min((latest_checkpoint(self.run_dir, r) for r in range(self.layout.world)), default=0)
         self._go = (time.time(), start if resume else 0)
+        envs = []
         for node_rank, label in enumerate(labels):
             per_node = dict(node_env, **self._backup_env(labels, node_rank)) if self.actions else node_env
             if self.hot_updates:
                 per_node = dict(per_node, **self._code_env(label))
-            if self.warm:
-                node = self._go_node(label, node_rank, per_node, worker)
-                self.nodes[label] = node
-                started.append(node)
-                continue
+            envs.append(per_node)
+        if self.warm:
+            started = self._go_nodes(labels, envs, worker)
+            self.request_parks(labels)
+            return started
+        for node_rank, (label, per_node) in enumerate(zip(labels, envs, strict=True)):
             argv = [
                 self.python, "-m", "torch.distributed.run",
                 "--nnodes", str(self.layout.machines), "--node-rank", str(node_rank),
@@ -334,13 +337,38 @@ class Launcher:
             node = Node(name=label, node_rank=node_rank, proc=self._popen(argv, log, per_node), log=log)
             self.nodes[label] = node
             started.append(node)
-        if self.warm:
-            self.request_parks(labels)
         return started
 
     # ---- warm nodes (rankscope.drill.warm) ----------------------------------------
 
-    def _go_node(self, label: str, node_rank: int, env: Mapping[str, str], worker: Sequence[str]) -> Node:
+    def _go_nodes(self, labels: Sequence[str], envs: Sequence[Mapping[str, str]], worker: Sequence[str]) -> list[Node]:
+        """Every machine's go at once (each waits for its parked node's answer); node rank = position in ``labels``.
+
+        The nodes that took their go are the job's even when another failed; the first failure is raised then.
+        """
+        with self._park_lock:  # made once, not by each thread that parks a node of its own (a cold start)
+            if self._park_dir is None:
+                self._park_dir = Path(tempfile.mkdtemp(prefix="rs-park-"))
+        with ThreadPoolExecutor(max_workers=len(labels), thread_name_prefix="drill-go") as pool:
+            futures = [pool.submit(self._go_node, label, node_rank, env, worker)
+                       for node_rank, (label, env) in enumerate(zip(labels, envs, strict=True))]
+        started: list[Node] = []
+        failure: RankscopeError | None = None
+        for label, future in zip(labels, futures, strict=True):
+            try:
+                node, went = future.result()
+            except RankscopeError as exc:
+                failure = failure or exc
+                continue
+            self.nodes[label] = node
+            self.warm_starts.append(went)
+            started.append(node)
+        if failure is not None:
+            raise failure
+        return started
+
+    def _go_node(self, label: str, node_rank: int, env: Mapping[str, str],
+                 worker: Sequence[str]) -> tuple[Node, WarmStart]:
         """Tell ``label``'s parked node to become node ``node_rank`` (one parked now if none is: a cold start)."""
         from rankscope.drill import warm
 
@@ -370,9 +398,9 @@ class Launcher:
                     raise RankscopeError(f"the parked node of {label} did not take its go: {exc} ({_tail(parked.log)})",
                                          f"read {parked.log}") from exc
                 time.sleep(0.05)
-        self.warm_starts.append(WarmStart(label, tuple(int(p) for p in reply["pids"]),
-                                          tuple(bool(w) for w in reply["warm"]), time.monotonic() - parked.started_mono))
-        return Node(name=label, node_rank=node_rank, proc=parked.proc, log=parked.log)
+        went = WarmStart(label, tuple(int(p) for p in reply["pids"]), tuple(bool(w) for w in reply["warm"]),
+                         time.monotonic() - parked.started_mono)
+        return Node(name=label, node_rank=node_rank, proc=parked.proc, log=parked.log), went
 
     def _park(self, label: str) -> Parked:
         from rankscope.drill import warm
