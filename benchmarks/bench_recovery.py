@@ -8,7 +8,7 @@ resumed (every rank has completed a step after the restart):
   (hang-p2p), the analysis names it; stop the whole drill -- every node and
   agent -- and launch it again with torchrun from the checkpoint on the
   surviving machines plus spare ones: torchrun and every rank import torch,
-  meet, load;
+  meet, load (the agents start once the job is back, as on the warm paths);
 - **evict + warm standby**: the same hang; ``e`` through the agents (each stops
   its ranks and blocks its machine), the drill's recovery restarts the job on
   the survivors plus standbys that passed their self-check while they waited,
