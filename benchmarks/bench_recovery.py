@@ -8,7 +8,7 @@ resumed (every rank has completed a step after the restart):
   (hang-p2p), the analysis names it; stop the whole drill -- every node and
   agent -- and launch it again with torchrun from the checkpoint on the
   surviving machines plus spare ones: torchrun and every rank import torch,
-  meet, load;
+  meet, load (the agents start once the job is back, as on the warm paths);
 - **evict + warm standby**: the same hang; ``e`` through the agents (each stops
   its ranks and blocks its machine), the drill's recovery restarts the job on
   the survivors plus standbys that passed their self-check while they waited,
@@ -180,8 +180,9 @@ def cold_relaunch(run_dir: Path) -> Run:
         began = time.time()
         resume = min(latest_checkpoint(run_dir, r) for r in range(LAYOUT.world))
         launcher.start_nodes([*survivors, *(f"spare-{i}" for i in range(len(machines)))], resume=True)
-        launcher.start_agents()
+        # As on the warm paths (Launcher.restart), the agents start once the job is back, not beside its start.
         resumed = _wait_resumed(run_dir, began, resume, "relaunched")
+        launcher.start_agents()
         return _breakdown(Run(detect=detect, warm="torchrun: 0 ranks warm"), run_dir, confirm, confirm, began, resumed)
 
 

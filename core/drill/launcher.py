@@ -51,6 +51,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
 AGENT_START_TIMEOUT_S = 30.0
 # A node's log (its ranks' output): torchrun's, or a parked node's (warm restarts).
 NODE_LOG_SUFFIXES = (".torchrun.log", ".warm.log")
+AGENTS_AFTER_RESTART_S = 20.0  # the longest a restart's new agents wait for the job to resume before they start
 PARK_AFTER_S = 300.0  # the longest a fresh parked node waits for the restarted job to resume before it starts
 
 
@@ -309,18 +311,19 @@ class Launcher:
             node_env.update(env)
         worker = self.training.worker_args(self.layout, self.run_dir, resume=resume)
         started = []
-        if self.warm:
-            start = min((latest_checkpoint(self.run_dir, r) for r in range(self.layout.world)), default=0)
-            self._go = (time.time(), start if resume else 0)
+        start = min((latest_checkpoint(self.run_dir, r) for r in range(self.layout.world)), default=0)
+        self._go = (time.time(), start if resume else 0)
+        envs = []
         for node_rank, label in enumerate(labels):
             per_node = dict(node_env, **self._backup_env(labels, node_rank)) if self.actions else node_env
             if self.hot_updates:
                 per_node = dict(per_node, **self._code_env(label))
-            if self.warm:
-                node = self._go_node(label, node_rank, per_node, worker)
-                self.nodes[label] = node
-                started.append(node)
-                continue
+            envs.append(per_node)
+        if self.warm:
+            started = self._go_nodes(labels, envs, worker)
+            self.request_parks(labels)
+            return started
+        for node_rank, (label, per_node) in enumerate(zip(labels, envs, strict=True)):
             argv = [
                 self.python, "-m", "torch.distributed.run",
                 "--nnodes", str(self.layout.machines), "--node-rank", str(node_rank),
@@ -334,13 +337,38 @@ class Launcher:
             node = Node(name=label, node_rank=node_rank, proc=self._popen(argv, log, per_node), log=log)
             self.nodes[label] = node
             started.append(node)
-        if self.warm:
-            self.request_parks(labels)
         return started
 
     # ---- warm nodes (rankscope.drill.warm) ----------------------------------------
 
-    def _go_node(self, label: str, node_rank: int, env: Mapping[str, str], worker: Sequence[str]) -> Node:
+    def _go_nodes(self, labels: Sequence[str], envs: Sequence[Mapping[str, str]], worker: Sequence[str]) -> list[Node]:
+        """Every machine's go at once (each waits for its parked node's answer); node rank = position in ``labels``.
+
+        The nodes that took their go are the job's even when another failed; the first failure is raised then.
+        """
+        with self._park_lock:  # made once, not by each thread that parks a node of its own (a cold start)
+            if self._park_dir is None:
+                self._park_dir = Path(tempfile.mkdtemp(prefix="rs-park-"))
+        with ThreadPoolExecutor(max_workers=len(labels), thread_name_prefix="drill-go") as pool:
+            futures = [pool.submit(self._go_node, label, node_rank, env, worker)
+                       for node_rank, (label, env) in enumerate(zip(labels, envs, strict=True))]
+        started: list[Node] = []
+        failure: RankscopeError | None = None
+        for label, future in zip(labels, futures, strict=True):
+            try:
+                node, went = future.result()
+            except RankscopeError as exc:
+                failure = failure or exc
+                continue
+            self.nodes[label] = node
+            self.warm_starts.append(went)
+            started.append(node)
+        if failure is not None:
+            raise failure
+        return started
+
+    def _go_node(self, label: str, node_rank: int, env: Mapping[str, str],
+                 worker: Sequence[str]) -> tuple[Node, WarmStart]:
         """Tell ``label``'s parked node to become node ``node_rank`` (one parked now if none is: a cold start)."""
         from rankscope.drill import warm
 
@@ -370,9 +398,9 @@ class Launcher:
                     raise RankscopeError(f"the parked node of {label} did not take its go: {exc} ({_tail(parked.log)})",
                                          f"read {parked.log}") from exc
                 time.sleep(0.05)
-        self.warm_starts.append(WarmStart(label, tuple(int(p) for p in reply["pids"]),
-                                          tuple(bool(w) for w in reply["warm"]), time.monotonic() - parked.started_mono))
-        return Node(name=label, node_rank=node_rank, proc=parked.proc, log=parked.log)
+        went = WarmStart(label, tuple(int(p) for p in reply["pids"]), tuple(bool(w) for w in reply["warm"]),
+                         time.monotonic() - parked.started_mono)
+        return Node(name=label, node_rank=node_rank, proc=parked.proc, log=parked.log), went
 
     def _park(self, label: str) -> Parked:
         from rankscope.drill import warm
@@ -448,9 +476,13 @@ class Launcher:
             time.sleep(0.2)
         return True
 
-    def _unpark(self, names: Sequence[str]) -> None:
+    def _take_parked(self, names: Sequence[str]) -> list[Parked]:
+        """The parked nodes of ``names``, no longer the launcher's (the caller stops them)."""
         with self._park_lock:
-            gone = [self.parked.pop(n) for n in names if n in self.parked]
+            return [self.parked.pop(n) for n in names if n in self.parked]
+
+    def _unpark(self, names: Sequence[str]) -> None:
+        gone = self._take_parked(names)
         kill_trees([p.proc.pid for p in gone])
         for p in gone:
             _reap(p.proc)
@@ -526,6 +558,19 @@ class Launcher:
         return ActionsConfig(state_dir=self.state_dir(name),
                              hot_update=HotUpdateSettings(self.code_link(name), self.code_versions(name),
                                                           self.code_repo))
+
+    def _updates_pending(self, machines: Sequence[str]) -> bool:
+        """Whether any of ``machines`` has a lazy hot-update waiting for the next restart."""
+        from rankscope.actions.history import HotUpdateHistory
+
+        if not self.hot_updates:
+            return False
+        for name in machines:
+            path = self._hot_update_config(name).history_path
+            with contextlib.suppress(RankscopeError, OSError):
+                if path.exists() and HotUpdateHistory(path).pending() is not None:
+                    return True
+        return False
 
     def apply_pending_updates(self, machines: Sequence[str]) -> list[str]:
         """Apply each machine's pending lazy hot-update, for the restart about to happen; what was done.
@@ -736,20 +781,37 @@ class Launcher:
         if self.actions:
             self.write_standbys()
         leaving = [self.agents.pop(name) for name in list(self.agents) if name not in self.standbys]
-        self._unpark([name for name in list(self.parked) if name not in machines and name not in self.standbys])
+        unparked = self._take_parked([name for name in list(self.parked) if name not in machines
+                                      and name not in self.standbys])
         # Agents first: an agent that saw its ranks end in this restart would take it for a failure of the job
-        # and apply a pending lazy update itself (trigger "failure"), racing the launcher's own application below.
-        # A short grace: a watched agent's graceful stop waits for its open streams (the TUI's) for 2 s.
-        kill_trees([a.proc.pid for a in leaving], grace_s=0.5)
-        kill_trees([n.proc.pid for n in self.nodes.values()])
-        for proc in [n.proc for n in self.nodes.values()] + [a.proc for a in leaving]:
+        # and apply a pending lazy update itself (trigger "failure"), racing the launcher's own application below;
+        # with such an update pending, the agents end before the nodes are stopped. Otherwise nothing waits for
+        # them before it must (the new agents take their ports): their grace runs beside the nodes' stop and
+        # start. A short grace: a watched agent's graceful stop waits for its open streams (the TUI's) for 2 s.
+        agents_stopping = signal_trees([a.proc.pid for a in leaving], grace_s=0.5)
+        if self._updates_pending(machines):
+            agents_stopping.finish()
+        signal_trees([n.proc.pid for n in self.nodes.values()] + [p.proc.pid for p in unparked]).finish()
+        for proc in [n.proc for n in self.nodes.values()] + [p.proc for p in unparked]:
             _reap(proc)
         self.nodes.clear()
         self.last_restart = (time.time(), min((latest_checkpoint(self.run_dir, r) for r in range(self.layout.world)),
                                               default=0))
         self.apply_pending_updates(machines)  # nothing of these machines runs now: lazy updates ride on this restart
         self.start_nodes(machines, resume=resume, env=env)
-        return self.start_agents(ports=ports) if agents else {}
+        agents_stopping.finish()  # their ports are taken again by the new agents
+        for proc in [a.proc for a in leaving]:
+            _reap(proc)
+        if not agents:
+            return {}
+        # The new agents start once the job has taken its first step (or AGENTS_AFTER_RESTART_S passed): their
+        # interpreters, gRPC and first scans of /proc took the cores the ranks' rendezvous, load and first step
+        # needed (on this shared host), as parking would (request_parks). Until then the views show them
+        # restarting; a job that ends or fails at once does not hold them up (``_resumed``).
+        deadline = time.monotonic() + AGENTS_AFTER_RESTART_S
+        while not self._resumed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.start_agents(ports=ports)
 
     # ---- helpers (noise processes etc.) -------------------------------------
 
@@ -810,7 +872,36 @@ def node_logs(run_dir: Path) -> list[Path]:
 
 
 def kill_trees(pids: Sequence[int], *, grace_s: float = 2.0) -> None:
-    """SIGTERM each process with all its descendants, then SIGKILL what is left after ``grace_s``.
+    """SIGTERM each process with all its descendants, then SIGKILL what is left after ``grace_s``."""
+    signal_trees(pids, grace_s=grace_s).finish()
+
+
+@dataclass
+class Stopping:
+    """Process trees that were sent SIGTERM and are given until ``kill_at`` (monotonic) to end by themselves.
+
+    Several such groups can be signalled one after the other and waited for
+    together: their graces run at the same time, not one after another.
+    """
+
+    procs: list[Any]  # psutil.Process
+    kill_at: float
+    grace_s: float
+
+    def finish(self) -> None:
+        """Wait until every process ended; SIGKILL what is still running at ``kill_at`` and wait for it too."""
+        import psutil
+
+        alive = _wait_dead(self.procs, max(0.0, self.kill_at - time.monotonic()))
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        _wait_dead(alive, self.grace_s)
+        self.procs = []
+
+
+def signal_trees(pids: Sequence[int], *, grace_s: float = 2.0) -> Stopping:
+    """SIGTERM each process with all its descendants, now; ``finish()`` on the result waits (and SIGKILLs).
 
     The trees are frozen (SIGSTOP) and collected again until no new process
     shows up before anything is terminated: a process that forks between the
@@ -830,21 +921,34 @@ def kill_trees(pids: Sequence[int], *, grace_s: float = 2.0) -> None:
             frozen.add(p.pid)
             with contextlib.suppress(psutil.Error):
                 p.suspend()
-        for p in pending:
+        for pid in _descendants([p.pid for p in pending]):
             with contextlib.suppress(psutil.Error):
-                for child in p.children(recursive=True):
-                    procs.setdefault(child.pid, child)
-    if not procs:
-        return
+                procs.setdefault(pid, psutil.Process(pid))
     for p in procs.values():
         with contextlib.suppress(psutil.Error):
             p.terminate()  # pending while stopped...
             p.resume()  # ...delivered now (and a rank stopped by the thermal fault runs to die)
-    alive = _wait_dead(list(procs.values()), grace_s)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    _wait_dead(alive, grace_s)
+    return Stopping(list(procs.values()), time.monotonic() + grace_s, grace_s)
+
+
+def _descendants(pids: Sequence[int]) -> list[int]:
+    """Every descendant of ``pids``, from one pass over the process table (psutil's ``children(recursive=True)``
+    reads the whole table once per process asked: a tenth of a second per node tree on a loaded host)."""
+    import psutil
+
+    children: dict[int, list[int]] = {}
+    for p in psutil.process_iter(["ppid"]):
+        children.setdefault(p.info["ppid"], []).append(p.pid)
+    found: list[int] = []
+    todo = list(pids)
+    seen = set(todo)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                found.append(child)
+                todo.append(child)
+    return found
 
 
 def _wait_dead(procs: Sequence[Any], timeout_s: float) -> list[Any]:

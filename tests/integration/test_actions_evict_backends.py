@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import stat
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -157,13 +158,35 @@ def test_local_backend_stops_checks_standbys_and_restarts_on_the_rest_plus_stand
     outcome = backend.evict(["m2", "m3"], "PP group 1 hung")
     # s0 fails its loopback check, s2 is blocked: only s1 is usable, so the job must not restart short-handed.
     assert not outcome.ok and "only 1 of 2 standbys" in outcome.message and "loopback all_reduce" in outcome.message
-    assert drill.calls == [("stop", "m2"), ("stop", "m3"), ("self_check", "s0"), ("self_check", "s1")]
+    # The machines are stopped side by side (in either order), all before any standby is checked.
+    assert sorted(drill.calls[:2]) == [("stop", "m2"), ("stop", "m3")]
+    assert drill.calls[2:] == [("self_check", "s0"), ("self_check", "s1")]
 
     drill = RecordingDrill(failing=frozenset({"s0"}))
     outcome = LocalBackend(drill).evict(["m2"], "slow")
     assert outcome.ok and outcome.replacements == ("s1",)
     assert drill.calls == [("stop", "m2"), ("self_check", "s0"), ("self_check", "s1"),
                            ("restart", ("m0", "m1", "m3", "s1"))]
+
+
+class SlowStops(RecordingDrill):
+    """A drill whose stop of a machine returns only once every evicted machine's stop has begun."""
+
+    def __init__(self, evicted: int) -> None:
+        super().__init__()
+        self.all_begun = threading.Barrier(evicted)
+
+    def stop(self, machine: str) -> None:
+        super().stop(machine)
+        self.all_begun.wait(timeout=60)  # one stop after another would break the barrier (BrokenBarrierError)
+
+
+def test_local_backend_stops_the_evicted_machines_side_by_side() -> None:
+    drill = SlowStops(evicted=3)
+    outcome = LocalBackend(drill).evict(["m1", "m2", "m3"], "a PP stage hung")
+    assert outcome.ok and outcome.replacements == ("s0", "s1", "s2")
+    assert sorted(drill.calls[:3]) == [("stop", "m1"), ("stop", "m2"), ("stop", "m3")]
+    assert drill.calls[-1] == ("restart", ("m0", "s0", "s1", "s2"))
 
 
 def test_local_backend_refuses_machines_outside_the_job_and_warns_of_a_short_pool() -> None:

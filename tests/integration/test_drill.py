@@ -247,6 +247,58 @@ def test_kill_trees_leaves_no_child_a_forking_process_starts_while_it_is_being_s
                 proc.kill()
 
 
+# A process that ignores SIGTERM (an agent whose graceful stop takes its time), with a child that does not.
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_trees_signalled_together_are_stopped_without_waiting_for_each_others_grace() -> None:
+    """What a restart does: the agents are signalled first, the nodes next, and the nodes' stop does not wait
+    for the agents' grace; the agents are SIGKILLed only once their own grace is over."""
+    from rankscope.drill.launcher import signal_trees
+
+    stubborn = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE)
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        assert stubborn.stdout is not None
+        grandchild = int(stubborn.stdout.readline())
+        agents = signal_trees([stubborn.pid], grace_s=600.0)
+        assert sorted(p.pid for p in agents.procs) == sorted([stubborn.pid, grandchild])
+        signal_trees([plain.pid]).finish()
+        assert plain.wait(timeout=10) == -signal.SIGTERM
+        assert stubborn.poll() is None, "the nodes' stop waited out (or cut short) the agents' grace"
+        agents.kill_at = time.monotonic()  # the agents' grace is over: what is left is killed
+        agents.finish()
+        assert stubborn.wait(timeout=10) == -signal.SIGKILL
+        assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+    finally:
+        for proc in (stubborn, plain):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_descendants_come_from_one_reading_of_the_process_table() -> None:
+    from rankscope.drill.launcher import _descendants
+
+    stubborn = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE)
+    try:
+        assert stubborn.stdout is not None
+        grandchild = int(stubborn.stdout.readline())
+        assert _descendants([stubborn.pid]) == [grandchild]
+        assert sorted(_descendants([os.getpid()])) == sorted(p.pid for p in psutil.Process().children(recursive=True))
+    finally:
+        stubborn.kill()
+        stubborn.wait(timeout=10)
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(grandchild).kill()
+
+
 @pytest.mark.drill
 @pytest.mark.timeout(180)
 def test_ctrl_c_stops_every_process_of_the_drill(tmp_path: Path) -> None:

@@ -1,0 +1,86 @@
+"""Processes that use gRPC end without a traceback: the drill's sequence of clients, followers and agent restarts.
+
+A recovery benchmark once printed gRPC tracebacks while its processes shut down ("Event loop is closed",
+"Bad file descriptor"): a channel or call outliving the event loop that made it, a poller that reads a
+closed socket, a fork handler in a child. Here the drill's own machinery runs in a subprocess, the way the
+benchmarks and the drill run it -- real agents with actions, the recovery's audit follower in its thread, a
+second thread polling with its own event loop while the main thread captures, the agents stopped and
+started again on their ports under both, the incident journal written, then everything stopped -- and
+neither that process nor any agent may print a traceback or a gRPC error on its way out.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from agent_helpers import clean_env
+
+# What gRPC and asyncio print when something is closed out of order; none of it is ever expected.
+SHUTDOWN_NOISE = ("Traceback", "Exception ignored", "Event loop is closed", "Bad file descriptor",
+                  "epoll_wait", "was never awaited", "Task was destroyed")
+
+SEQUENCE = r"""
+import asyncio, sys, threading, time
+from pathlib import Path
+from rankscope.drill.control import DrillMachines, Recovery, agents_journal
+from rankscope.drill.faults import DrillLayout
+from rankscope.actions.journal import JournalEntry
+from rankscope.drill.launcher import Launcher, TrainingOptions, kill_trees
+from rankscope.wire.client import JobClient, capture_once
+
+run_dir = Path(sys.argv[1])
+launcher = Launcher(run_dir, DrillLayout(tp=1, pp=1, dp=2, machines=2), TrainingOptions(steps=4), counters=False,
+                    actions=True, warm=False)
+recovery = Recovery(launcher, DrillMachines(launcher))
+polling = threading.Event()
+polls = []
+
+def poll_loop():
+    while not polling.is_set():
+        async def once():
+            async with JobClient(list(launcher.addresses().values()), launcher.token(), deadline_s=2.0) as client:
+                polls.append(await client.poll())
+        asyncio.run(once())
+
+try:
+    launcher.start_standbys(["s0", "s1"])
+    recovery.start()
+    poller = threading.Thread(target=poll_loop, name="poller")
+    poller.start()
+    for _ in range(2):
+        snap = capture_once(list(launcher.addresses().values()), launcher.token())
+        assert len(snap.machines) == 2, snap
+        # What a restart does to the agents: stopped, then started again on the same ports.
+        ports = {name: int(a.address.rsplit(":", 1)[1]) for name, a in launcher.agents.items()}
+        leaving = [launcher.agents.pop(name) for name in list(launcher.agents)]
+        kill_trees([a.proc.pid for a in leaving], grace_s=0.5)
+        for a in leaving:
+            a.proc.wait(timeout=30)
+        launcher.start_agents(ports=ports)
+    story = agents_journal(launcher)([JournalEntry(time.time(), "resumed", "shutdown test", "test")])
+    assert any(e.text == "shutdown test" for e in story), story
+    polling.set()
+    poller.join()
+    assert polls, "the poller never polled"
+finally:
+    polling.set()
+    recovery.stop()
+    launcher.stop()
+print("sequence done", len(polls), "polls;", "recovery errors:", recovery.errors)
+"""
+
+
+def test_clients_followers_and_agents_of_the_drill_end_without_a_traceback(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-c", SEQUENCE, str(tmp_path)], capture_output=True, text=True,
+                         env=clean_env(), timeout=600, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "sequence done" in run.stdout and "recovery errors: []" in run.stdout, run.stdout + run.stderr
+    noise = [n for n in SHUTDOWN_NOISE if n in run.stderr]
+    assert not noise, run.stderr
+    logs = sorted((tmp_path / "logs").glob("*.log"))
+    assert len([p for p in logs if "agent" in p.name]) >= 2, [p.name for p in logs]
+    for log in logs:
+        text = log.read_text(errors="replace")
+        assert not [n for n in SHUTDOWN_NOISE if n in text], f"{log.name}:\n{text}"
