@@ -1,7 +1,7 @@
 """The CCL shim's (and NCCL profiler plugin's) cost per collective, beside a plain run, on gloo or NCCL.
 
 Run: python benchmarks/bench_shim.py [--backend gloo|nccl] [--world 1|2] [--calls 2000] [--rounds 3]
-                                     [--plugin] [--json]
+                                     [--plugin] [--base-ref REF [--repeats 3]] [--json]
 
 The one measurement of the shim's cost per call. Each rank (started by
 torchrun) times blocks of ``--calls`` small all_reduce calls (1024 floats),
@@ -22,6 +22,11 @@ After the timing the shim's counter file must settle: WC catches up with WR
 once the device is idle (the proof that completion is learned off the
 device, not at return), and the bench says so.
 
+``--base-ref REF``: the same job alternately with this checkout's shim and
+with the shim at ``REF`` (its trees unpacked and put first on the ranks'
+path), ``--repeats`` times each, so a change's effect shows beside the noise
+of a shared machine (each run's figures, then the medians).
+
 ``--plugin`` (NCCL, world >= 2: NCCL takes a shortcut with one rank and calls
 no plugin): the job runs twice, without and with ``NCCL_PROFILER_PLUGIN``
 (built from ccl_plugin/nccl), and the plugin's cost is the difference of the
@@ -38,6 +43,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -135,7 +141,7 @@ def _worker(args: argparse.Namespace) -> int:
     dist.barrier()
     result = {"rank": rank, "us_per_call": {k: round(v * 1e6, 3) for k, v in best.items()},
               "cpu_us_per_call": {k: round(v * 1e6, 3) for k, v in best_cpu.items()},
-              "writer_us": round(writer_s * 1e6, 3), "collectives": made,
+              "writer_us": round(writer_s * 1e6, 3), "collectives": made, "shim_source": torch_hooks.__file__,
               "shim_counts": {"cl": counts[0], "wr": counts[1], "wc": counts[2]}, "settled": settled,
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "torch": torch.__version__}
@@ -192,10 +198,15 @@ def run_session(code_or_args: list[str], env: dict[str, str], timeout_s: float) 
 
 
 def run_job(backend: str, world: int, calls: int, rounds: int, plugin: Path | None, tmp: Path,
-            timeout_s: float = 300.0) -> dict[str, Any]:
-    """One torchrun of the worker; every rank's figures, the exit code and whether every rank reported."""
+            timeout_s: float = 300.0, base: Path | None = None) -> dict[str, Any]:
+    """One torchrun of the worker; every rank's figures, the exit code and whether every rank reported.
+
+    ``base``: a folder whose ``rankscope`` the ranks import instead of this checkout's.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANKSCOPE_", "NCCL_PROFILER"))}
     env["OMP_NUM_THREADS"] = "1"
+    if base is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(base), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if plugin is not None:
         env["NCCL_PROFILER_PLUGIN"] = str(plugin)
         env["RANKSCOPE_CCL_DIR"] = str(tmp / "plugin-counters")
@@ -217,7 +228,7 @@ def summarize(job: dict[str, Any]) -> dict[str, Any]:
     us = r0["us_per_call"]
     cpu = r0.get("cpu_us_per_call", {})
     out: dict[str, Any] = {"us_per_call": us, "cpu_us_per_call": cpu, "writer_us": r0.get("writer_us"),
-                           "device": r0["device"], "torch": r0["torch"],
+                           "device": r0["device"], "torch": r0["torch"], "shim_source": r0.get("shim_source"),
                            "collectives_per_rank": r0["collectives"], "exit_code": job["exit_code"],
                            "all_ranks_reported": job["all_ranks_reported"],
                            "counters_settled": all(r["settled"] for r in job["ranks"]),
@@ -253,6 +264,48 @@ def bench(backend: str, world: int, calls: int, rounds: int, with_plugin: bool, 
             with_lib["plugin_extra_us"] = round(p1 - p0, 3)
             with_lib["plugin_ratio"] = round(p1 / p0, 4)
     return result
+
+
+def compare(backend: str, world: int, calls: int, rounds: int, base_ref: str, repeats: int,
+            tmp: Path) -> dict[str, Any]:
+    """This checkout's shim and the one at ``base_ref``, in alternating runs of the same job."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_bundle import base_tree
+
+    base = base_tree(base_ref)
+    runs: dict[str, list[dict[str, Any]]] = {"new": [], "base": []}
+    for i in range(repeats):
+        for side in ("new", "base") if i % 2 == 0 else ("base", "new"):
+            job = run_job(backend, world, calls, rounds, None, tmp, base=base if side == "base" else None)
+            runs[side].append(summarize(job))
+    medians = {side: {key: statistics.median(r[key] for r in rs if key in r) for key in EXTRA_KEYS
+                      if any(key in r for r in rs)} for side, rs in runs.items()}
+    return {"backend": backend, "world": world, "calls_per_block": calls, "rounds": rounds, "base_ref": base_ref,
+            "runs": runs, "medians": medians}
+
+
+EXTRA_KEYS = ("sync_shim_extra_us", "async_shim_extra_us", "sync_shim_extra_cpu_us", "async_shim_extra_cpu_us")
+
+
+def compare_lines(result: dict[str, Any]) -> list[str]:
+    lines = [f"all_reduce of 1024 floats, {result['backend']}, world {result['world']}, best of {result['rounds']} "
+             f"blocks of {result['calls_per_block']} calls; this checkout (new) and {result['base_ref']} (base), "
+             "alternating runs; the shim's extra µs per call, wall (calling thread's CPU)"]
+    for side in ("new", "base"):
+        for r in result["runs"][side]:
+            if "error" in r:
+                lines.append(f"  {side:4} ERROR {r['error']}")
+                continue
+            lines.append(f"  {side:4} sync {r.get('sync_shim_extra_us', float('nan')):+7.2f} "
+                         f"({r.get('sync_shim_extra_cpu_us', float('nan')):+6.2f})   async "
+                         f"{r.get('async_shim_extra_us', float('nan')):+7.2f} "
+                         f"({r.get('async_shim_extra_cpu_us', float('nan')):+6.2f})   plain sync "
+                         f"{r['us_per_call'].get('sync_plain', float('nan')):.2f} µs; "
+                         f"{'settled' if r['counters_settled'] else 'NOT settled'}")
+    for side in ("new", "base"):
+        m = result["medians"][side]
+        lines.append(f"  median {side:4}: " + ", ".join(f"{k.replace('_shim_extra', '')} {v:+.2f}" for k, v in m.items()))
+    return lines
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
@@ -297,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--plugin", action="store_true", help="also run with the NCCL profiler plugin loaded")
+    ap.add_argument("--base-ref", default="", help="also run the shim at this commit, alternating with this one")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per side with --base-ref")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--counter-dir", default="", help=argparse.SUPPRESS)
@@ -304,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return _worker(args)
     with tempfile.TemporaryDirectory(prefix="bench-shim-") as d:
+        if args.base_ref:
+            result = compare(args.backend, args.world, args.calls, args.rounds, args.base_ref, args.repeats, Path(d))
+            print(json.dumps(result, indent=2) if args.json else "\n".join(compare_lines(result)))
+            return 0
         result = bench(args.backend, args.world, args.calls, args.rounds, args.plugin, Path(d))
     print(json.dumps(result, indent=2) if args.json else "\n".join(report_lines(result)))
     return 0
