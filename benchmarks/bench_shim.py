@@ -1,25 +1,39 @@
 """The CCL shim's (and NCCL profiler plugin's) cost per collective, beside a plain run, on gloo or NCCL.
 
 Run: python benchmarks/bench_shim.py [--backend gloo|nccl] [--world 1|2] [--calls 2000] [--rounds 3]
-                                     [--plugin] [--json]
+                                     [--plugin] [--base-ref REF [--repeats 3]] [--json]
 
-Each rank (started by torchrun) times blocks of ``--calls`` small all_reduce
-calls (1024 floats), synchronous and async (``async_op=True`` then
-``wait()``), through the original function (plain) and through the shim's
-wrapper, in interleaved blocks; best block of ``--rounds`` per figure (noise
-on a shared machine only ever adds time). On NCCL the blocks synchronise the
-device every 100 calls and at their end, so the host never runs far ahead and
-the figure is what a step pays, the device's own time included.
+The one measurement of the shim's cost per call. Each rank (started by
+torchrun) times blocks of ``--calls`` small all_reduce calls (1024 floats),
+synchronous and async (``async_op=True`` then ``wait()``), through the
+original function (plain) and through the shim's wrapper, in interleaved
+blocks; best block of ``--rounds`` per figure (noise on a shared machine only
+ever adds time). The plain async block waits through torch's own
+``Work.wait``, not the shim's wrapped one, so the shim's whole cost shows.
+Each figure is given twice: wall time per call, and CPU time of the calling
+thread per call (what the training thread itself spends; on a machine shared
+with other work, wall time also holds the waits for a core). On NCCL the
+blocks synchronise the device every 100 calls and at their end, so the host
+never runs far ahead and the figure is what a step pays, the device's own time
+included. The counter writer alone (one launch and its completion, no torch)
+is timed in the same process.
 
 After the timing the shim's counter file must settle: WC catches up with WR
 once the device is idle (the proof that completion is learned off the
 device, not at return), and the bench says so.
 
+``--base-ref REF``: the same job alternately with this checkout's shim and
+with the shim at ``REF`` (its trees unpacked and put first on the ranks'
+path), ``--repeats`` times each, so a change's effect shows beside the noise
+of a shared machine (each run's figures, then the medians).
+
 ``--plugin`` (NCCL, world >= 2: NCCL takes a shortcut with one rank and calls
 no plugin): the job runs twice, without and with ``NCCL_PROFILER_PLUGIN``
 (built from ccl_plugin/nccl), and the plugin's cost is the difference of the
 plain figures of the two runs. Each run reports how many collectives it made
-and whether every rank exited cleanly. Step time on gloo: bench_ccl.py.
+and whether every rank exited cleanly. Step time of a small job with and
+without the counters (and with PyTorch's flight recorder): bench_ccl.py, which
+takes its per-call figure from here.
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,31 +89,42 @@ def _worker(args: argparse.Namespace) -> int:
     x = torch.ones(1024, device=dev)
     made = 0
 
-    def block(fn: Any, is_async: bool, n: int) -> float:
+    def block(fn: Any, wait: Any, is_async: bool, n: int) -> tuple[float, float]:
+        """(wall, calling thread's CPU) seconds per call."""
         nonlocal made
         sync()
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         for i in range(n):
             if is_async:
-                fn(x, async_op=True).wait()
+                wait(fn(x, async_op=True))
             else:
                 fn(x)
             if dev.type == "cuda" and i % 100 == 99:
                 torch.cuda.synchronize()
         sync()
+        t1, c1 = time.perf_counter(), time.thread_time()
         made += n
-        return (time.perf_counter() - t0) / n
+        return (t1 - t0) / n, (c1 - c0) / n
+
+    def shim_wait(work: Any) -> Any:
+        return work.wait()  # the class's wait: the shim's wrapper once it has wrapped Work
 
     for fn in (plain, shim):  # warm-up: communicators, caches, the shim's first-call set-up
-        block(fn, False, 50)
-        block(fn, True, 50)
+        block(fn, shim_wait, False, 50)
+        block(fn, shim_wait, True, 50)
+    work_wait = sys.modules["torch.distributed.distributed_c10d"].Work.wait
+    plain_wait = getattr(work_wait, "__rankscope_original__", work_wait)  # torch's own, as without the shim
     best: dict[str, float] = {}
+    best_cpu: dict[str, float] = {}
     for r in range(args.rounds):
-        order = [("plain", plain), ("shim", shim)]
-        for name, fn in order if r % 2 == 0 else order[::-1]:
+        order = [("plain", plain, plain_wait), ("shim", shim, shim_wait)]
+        for name, fn, wait in order if r % 2 == 0 else order[::-1]:
             for variant, is_async in (("sync", False), ("async", True)):
                 key = f"{variant}_{name}"
-                best[key] = min(best.get(key, float("inf")), block(fn, is_async, args.calls))
+                wall, cpu = block(fn, wait, is_async, args.calls)
+                best[key] = min(best.get(key, float("inf")), wall)
+                best_cpu[key] = min(best_cpu.get(key, float("inf")), cpu)
+    writer_s = writer_cost(Path(args.counter_dir) / "writer-alone", args.calls, args.rounds)
     # the counters must settle once the device is idle: WC = WR, learned by the shim's poller
     from rankscope.probes.ccl_counters import read_counter_file
 
@@ -113,13 +139,33 @@ def _worker(args: argparse.Namespace) -> int:
             break
         time.sleep(0.02)
     dist.barrier()
-    result = {"rank": rank, "us_per_call": {k: round(v * 1e6, 3) for k, v in best.items()}, "collectives": made,
+    result = {"rank": rank, "us_per_call": {k: round(v * 1e6, 3) for k, v in best.items()},
+              "cpu_us_per_call": {k: round(v * 1e6, 3) for k, v in best_cpu.items()},
+              "writer_us": round(writer_s * 1e6, 3), "collectives": made, "shim_source": torch_hooks.__file__,
               "shim_counts": {"cl": counts[0], "wr": counts[1], "wc": counts[2]}, "settled": settled,
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "torch": torch.__version__}
     print(MARK + json.dumps(result), flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def writer_cost(directory: Path, calls: int, rounds: int) -> float:
+    """The counter writer alone: best block's seconds per launch + completion of one request."""
+    from rankscope.ccl_plugin.writer import CounterWriter
+
+    w = CounterWriter(directory, rank=0, world_size=1, job_id="bench-writer")
+    try:
+        s = w.slot(w.comm("0", "gloo", "", (0,)), "all_reduce")
+        best = float("inf")
+        for _ in range(max(1, rounds)):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                w.complete(w.launch(s, 4096))
+            best = min(best, (time.perf_counter() - t0) / calls)
+        return best
+    finally:
+        w.close()
 
 
 # ---- the launching side -----------------------------------------------------------
@@ -152,10 +198,15 @@ def run_session(code_or_args: list[str], env: dict[str, str], timeout_s: float) 
 
 
 def run_job(backend: str, world: int, calls: int, rounds: int, plugin: Path | None, tmp: Path,
-            timeout_s: float = 300.0) -> dict[str, Any]:
-    """One torchrun of the worker; every rank's figures, the exit code and whether every rank reported."""
+            timeout_s: float = 300.0, base: Path | None = None) -> dict[str, Any]:
+    """One torchrun of the worker; every rank's figures, the exit code and whether every rank reported.
+
+    ``base``: a folder whose ``rankscope`` the ranks import instead of this checkout's.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANKSCOPE_", "NCCL_PROFILER"))}
     env["OMP_NUM_THREADS"] = "1"
+    if base is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(base), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if plugin is not None:
         env["NCCL_PROFILER_PLUGIN"] = str(plugin)
         env["RANKSCOPE_CCL_DIR"] = str(tmp / "plugin-counters")
@@ -175,7 +226,9 @@ def summarize(job: dict[str, Any]) -> dict[str, Any]:
         return {"error": f"no rank reported (exit code {job['exit_code']})", "tail": job["tail"]}
     r0 = job["ranks"][0]
     us = r0["us_per_call"]
-    out: dict[str, Any] = {"us_per_call": us, "device": r0["device"], "torch": r0["torch"],
+    cpu = r0.get("cpu_us_per_call", {})
+    out: dict[str, Any] = {"us_per_call": us, "cpu_us_per_call": cpu, "writer_us": r0.get("writer_us"),
+                           "device": r0["device"], "torch": r0["torch"], "shim_source": r0.get("shim_source"),
                            "collectives_per_rank": r0["collectives"], "exit_code": job["exit_code"],
                            "all_ranks_reported": job["all_ranks_reported"],
                            "counters_settled": all(r["settled"] for r in job["ranks"]),
@@ -185,6 +238,9 @@ def summarize(job: dict[str, Any]) -> dict[str, Any]:
         if p and s:
             out[f"{variant}_shim_extra_us"] = round(s - p, 3)
             out[f"{variant}_shim_ratio"] = round(s / p, 4)
+        p, s = cpu.get(f"{variant}_plain"), cpu.get(f"{variant}_shim")
+        if p and s:
+            out[f"{variant}_shim_extra_cpu_us"] = round(s - p, 3)
     return out
 
 
@@ -210,6 +266,48 @@ def bench(backend: str, world: int, calls: int, rounds: int, with_plugin: bool, 
     return result
 
 
+def compare(backend: str, world: int, calls: int, rounds: int, base_ref: str, repeats: int,
+            tmp: Path) -> dict[str, Any]:
+    """This checkout's shim and the one at ``base_ref``, in alternating runs of the same job."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_bundle import base_tree
+
+    base = base_tree(base_ref)
+    runs: dict[str, list[dict[str, Any]]] = {"new": [], "base": []}
+    for i in range(repeats):
+        for side in ("new", "base") if i % 2 == 0 else ("base", "new"):
+            job = run_job(backend, world, calls, rounds, None, tmp, base=base if side == "base" else None)
+            runs[side].append(summarize(job))
+    medians = {side: {key: statistics.median(r[key] for r in rs if key in r) for key in EXTRA_KEYS
+                      if any(key in r for r in rs)} for side, rs in runs.items()}
+    return {"backend": backend, "world": world, "calls_per_block": calls, "rounds": rounds, "base_ref": base_ref,
+            "runs": runs, "medians": medians}
+
+
+EXTRA_KEYS = ("sync_shim_extra_us", "async_shim_extra_us", "sync_shim_extra_cpu_us", "async_shim_extra_cpu_us")
+
+
+def compare_lines(result: dict[str, Any]) -> list[str]:
+    lines = [f"all_reduce of 1024 floats, {result['backend']}, world {result['world']}, best of {result['rounds']} "
+             f"blocks of {result['calls_per_block']} calls; this checkout (new) and {result['base_ref']} (base), "
+             "alternating runs; the shim's extra µs per call, wall (calling thread's CPU)"]
+    for side in ("new", "base"):
+        for r in result["runs"][side]:
+            if "error" in r:
+                lines.append(f"  {side:4} ERROR {r['error']}")
+                continue
+            lines.append(f"  {side:4} sync {r.get('sync_shim_extra_us', float('nan')):+7.2f} "
+                         f"({r.get('sync_shim_extra_cpu_us', float('nan')):+6.2f})   async "
+                         f"{r.get('async_shim_extra_us', float('nan')):+7.2f} "
+                         f"({r.get('async_shim_extra_cpu_us', float('nan')):+6.2f})   plain sync "
+                         f"{r['us_per_call'].get('sync_plain', float('nan')):.2f} µs; "
+                         f"{'settled' if r['counters_settled'] else 'NOT settled'}")
+    for side in ("new", "base"):
+        m = result["medians"][side]
+        lines.append(f"  median {side:4}: " + ", ".join(f"{k.replace('_shim_extra', '')} {v:+.2f}" for k, v in m.items()))
+    return lines
+
+
 def report_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"all_reduce of 1024 floats, {result['backend']}, world {result['world']}, "
              f"best of {result['rounds']} blocks of {result['calls_per_block']} calls"]
@@ -225,11 +323,17 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"  {title} on {part['device']} (torch {part['torch']}): exit {part['exit_code']}, "
                      f"every rank reported: {part['all_ranks_reported']}, {part['collectives_per_rank']} "
                      f"collectives per rank")
+        cpu = part.get("cpu_us_per_call", {})
         for variant in ("sync", "async"):
             extra = part.get(f"{variant}_shim_extra_us")
+            extra_cpu = part.get(f"{variant}_shim_extra_cpu_us")
             lines.append(f"    {variant:5} plain {us.get(f'{variant}_plain', float('nan')):9.2f} µs   shim "
                          f"{us.get(f'{variant}_shim', float('nan')):9.2f} µs   "
-                         + (f"+{extra:.2f} µs ({part[f'{variant}_shim_ratio']:.3f}x)" if extra is not None else ""))
+                         + (f"{extra:+.2f} µs ({part[f'{variant}_shim_ratio']:.3f}x)" if extra is not None else "")
+                         + (f"   calling thread's CPU: plain {cpu[f'{variant}_plain']:.2f} µs, shim "
+                            f"{cpu[f'{variant}_shim']:.2f} µs, {extra_cpu:+.2f} µs" if extra_cpu is not None else ""))
+        if part.get("writer_us") is not None:
+            lines.append(f"    the counter writer alone (launch + completion): {part['writer_us']:.2f} µs")
         c = part["shim_counts"]
         lines.append(f"    shim counters after the run: CL {c['cl']} WR {c['wr']} WC {c['wc']} "
                      f"({'settled: WC = WR' if part['counters_settled'] else 'NOT settled: WC < WR'})")
@@ -246,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--plugin", action="store_true", help="also run with the NCCL profiler plugin loaded")
+    ap.add_argument("--base-ref", default="", help="also run the shim at this commit, alternating with this one")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per side with --base-ref")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--counter-dir", default="", help=argparse.SUPPRESS)
@@ -253,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return _worker(args)
     with tempfile.TemporaryDirectory(prefix="bench-shim-") as d:
+        if args.base_ref:
+            result = compare(args.backend, args.world, args.calls, args.rounds, args.base_ref, args.repeats, Path(d))
+            print(json.dumps(result, indent=2) if args.json else "\n".join(compare_lines(result)))
+            return 0
         result = bench(args.backend, args.world, args.calls, args.rounds, args.plugin, Path(d))
     print(json.dumps(result, indent=2) if args.json else "\n".join(report_lines(result)))
     return 0

@@ -12,10 +12,17 @@ Per call: CL += 1 and one WR per request issued (a p2p call issues one;
 completes, learned without adding a wait:
 
 - CPU tensors (gloo): a synchronous call has completed when it returns; an
-  async Work reports through its future where the backend has one, else when
-  the user's own ``wait()`` / ``is_completed()`` says so, else through a
-  background poll of ``is_completed()``.
-- CUDA tensors (NCCL): every call returns once its kernel is enqueued, and
+  async Work is kept in a table and settles when the user's own ``wait()`` /
+  ``is_completed()`` says it is done (on the user's thread: ``Work`` gets both
+  wrapped at the first async call), else through a background poll of
+  ``is_completed()`` for Works nobody waits on. Not through the Work's future:
+  its callback runs on the backend's thread and has to take the GIL from the
+  user's thread, which cost more than the collective itself.
+- CUDA tensors with the NCCL profiler plugin loaded (``NCCL_PROFILER_PLUGIN``
+  naming ours): the plugin sees the device's own start and end of every
+  collective in its file, so the shim only counts the launch and names the
+  group; WC at return, without TD or N (no CUDA event, no Work polling).
+- CUDA tensors without the plugin: every call returns once its kernel is enqueued, and
   even ``Work.wait()`` only orders the current stream after it; the Work's
   future is marked complete at enqueue too (its callbacks run at once on
   CUDA-aware futures). So a synchronous call records a CUDA event on the
@@ -27,6 +34,12 @@ completes, learned without adding a wait:
   return.
 
 TD is launch to completion; N (bytes/TD) goes into the ring of the last five.
+
+The per-call path is a handful of attribute and integer operations: each
+wrapper caches its (group -> op slot) resolution at first use, arguments are
+read by position, and the writer stores only the fields a call changes. The
+background thread polls only while something is open (and a second after),
+and a call wakes it only when it sleeps.
 
 Where torch offers ``ProcessGroup.register_pre_hook`` / ``register_post_hook``
 (2.14+), those are used as well, since they also see collectives issued from
@@ -46,7 +59,8 @@ import inspect
 import os
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +100,15 @@ OP_ALIAS = {name: canonical_op(name) for name, (_, kind) in OPS.items() if kind 
 
 ENV_KEEP = "RANKSCOPE_CCL_KEEP"  # "1": leave the file behind at exit (marked clean), for post-mortems
 POLL_INTERVAL_S = 0.005
+POLL_LINGER_S = 1.0  # the poller keeps its fast pace this long after the last open request, so calls need not wake it
 EVENT_POOL_MAX = 256  # completed CUDA events kept for reuse (creating one costs more than recording it)
 HEARTBEAT_INTERVAL_S = 1.0
+
+
+class _ThreadFlags(threading.local):
+    """Per thread: inside a wrapped call (its inner calls and the ProcessGroup hooks count nothing)."""
+
+    depth = False
 
 
 class _State:
@@ -99,16 +120,19 @@ class _State:
         self.job_id = "job"
         self.disabled = False
         self.installed = False
-        self.tls = threading.local()
+        self.tls = _ThreadFlags()
         self.groups: dict[int, tuple[Any, int, tuple[int, ...]]] = {}  # id(pg) -> (pg, comm index, members)
-        self.pending: dict[int, tuple[Any, list[Request]]] = {}  # id(work) -> (work, requests)
-        self.pending_lock = threading.Lock()
+        # id(work) -> (work, requests): async host Works not yet seen complete. Only single dict
+        # operations touch it (atomic under the GIL), so settling needs no lock.
+        self.pending: dict[int, tuple[Any, list[Request]]] = {}
         self.wake = threading.Event()
+        self.polling = False  # the background thread polls at its fast pace (no wake needed)
+        self.plugin = False  # NCCL's profiler plugin is ours: it times device work, the shim only counts
         self.thread: threading.Thread | None = None
         self.originals: list[tuple[Any, str, Any]] = []  # (owner, attr, original) for uninstall
         self.dist: Any = None
-        self.pg_hooks = False
-        self.work_patched = False  # Work.wait / is_completed wrapped (first future-less Work)  # torch offers ProcessGroup.register_pre_hook / register_post_hook
+        self.pg_hooks = False  # torch offers ProcessGroup.register_pre_hook / register_post_hook
+        self.work_patched = False  # Work.wait / is_completed wrapped (at the first async host Work)
         self.c10d: Any = None
         # Device completion (CUDA tensors): events recorded after synchronous calls, in launch order
         # (one stream completes in order, so the poller looks at the oldest first), and async Works
@@ -198,6 +222,15 @@ def _complete_all(reqs: list[Request]) -> None:
         w.complete(r)
 
 
+def _settle_all(reqs: list[Request]) -> None:
+    """WC for device work the NCCL profiler plugin times: over for the shim, TD and N are the plugin's."""
+    w = STATE.writer
+    if w is None:
+        return
+    for r in reqs:
+        w.settle(r)
+
+
 def _on_cuda(payload: Any) -> bool:
     """Whether a call's payload (a tensor or a list of them) lives on a CUDA device: one attribute read."""
     if type(payload) in (list, tuple):
@@ -205,13 +238,24 @@ def _on_cuda(payload: Any) -> bool:
     return getattr(payload, "is_cuda", False) is True
 
 
+def _arm_poller() -> None:
+    """Something is open that only the background thread may see finish: make sure it polls."""
+    if not STATE.polling:
+        STATE.polling = True
+        STATE.wake.set()  # it may be in its one-second heartbeat sleep
+
+
 def _complete_on_device(reqs: list[Request]) -> None:
     """A synchronous call on CUDA tensors returned with its work only enqueued: WC when the device is done.
 
     An event recorded now on the current stream completes after the
     collective (torch ordered this stream after it before returning). The
-    background thread polls it; nothing here waits.
+    background thread polls it; nothing here waits. With the profiler plugin
+    loaded the plugin times the device work and the request is settled now.
     """
+    if STATE.plugin:
+        _settle_all(reqs)
+        return
     cuda = STATE.cuda
     if cuda is None:
         cuda = STATE.cuda = sys.modules["torch"].cuda
@@ -221,21 +265,24 @@ def _complete_on_device(reqs: list[Request]) -> None:
     pool = STATE.event_pool
     ev = pool.pop() if pool else cuda.Event()
     ev.record()
-    q = STATE.device_events
-    q.append((ev, reqs))
-    if len(q) == 1:
-        STATE.wake.set()  # the poller may be in its one-second heartbeat sleep
+    STATE.device_events.append((ev, reqs))
+    _arm_poller()
 
 
 def _watch_on_device(work: Any, reqs: list[Request]) -> None:
     """An async Work on CUDA tensors: settled only when ``is_completed()`` (the device) says so."""
-    with STATE.pending_lock:
-        STATE.device_works[id(work)] = (work, reqs)
-    STATE.wake.set()
+    if STATE.plugin:
+        _settle_all(reqs)
+        return
+    STATE.device_works[id(work)] = (work, reqs)
+    _arm_poller()
 
 
-def _poll_device() -> None:
-    """WC for what the device has finished (background thread): event and Work queries, no waits."""
+def _poll_device() -> bool:
+    """WC for what the device has finished (background thread): event and Work queries, no waits.
+
+    Returns whether device work is still open.
+    """
     q = STATE.device_events
     pool = STATE.event_pool
     while q:
@@ -250,18 +297,17 @@ def _poll_device() -> None:
         _complete_all(reqs)
         if len(pool) < EVENT_POOL_MAX:
             pool.append(ev)
-    if STATE.device_works:
-        with STATE.pending_lock:
-            items = list(STATE.device_works.items())
-        for key, (work, reqs) in items:
-            try:
-                finished = bool(work.is_completed())
-            except Exception:
-                finished = True
-            if finished:
-                with STATE.pending_lock:
-                    STATE.device_works.pop(key, None)
-                _complete_all(reqs)
+    works = STATE.device_works
+    for key, (work, _reqs) in list(works.items()):
+        try:
+            finished = bool(work.is_completed())
+        except Exception:
+            finished = True
+        if finished:
+            entry = works.pop(key, None)
+            if entry is not None:
+                _complete_all(entry[1])
+    return bool(q or works)
 
 
 def _watch(work: Any, reqs: list[Request], on_device: bool = False) -> None:
@@ -269,68 +315,74 @@ def _watch(work: Any, reqs: list[Request], on_device: bool = False) -> None:
     if on_device:
         _watch_on_device(work, reqs)
         return
-    try:
-        fut = work.get_future()
-    except Exception:  # gloo p2p Work has no future: caught by wait()/is_completed()/the poller
-        if not STATE.work_patched:
-            # patched only now: every Work.wait() pays for the patch, and jobs whose
-            # Works all have futures (NCCL, gloo collectives) never need it
-            STATE.work_patched = True
-            _wrap_work_methods(STATE.c10d.Work)
-        with STATE.pending_lock:
-            STATE.pending[id(work)] = (work, reqs)
-        STATE.wake.set()
-        return
-
-    def done(_f: Any) -> None:
-        try:
-            _complete_all(reqs)
-        except Exception as exc:
-            _disable("work completion", exc)
-
-    fut.add_done_callback(done)
+    if not STATE.work_patched:
+        # patched at the first async host Work: every Work.wait() pays for the patch,
+        # and jobs that never issue one (NCCL-only, synchronous gloo) never need it
+        STATE.work_patched = True
+        _wrap_work_methods(STATE.c10d.Work)
+    STATE.pending[id(work)] = (work, reqs)
+    if not STATE.polling:
+        _arm_poller()
 
 
 def _settle(work: Any) -> None:
-    """The Work is known complete: record its pending requests once."""
-    with STATE.pending_lock:
-        entry = STATE.pending.pop(id(work), None)
-    if entry is not None and entry[0] is work:
+    """The Work is known complete: record its pending requests once (whoever pops the entry records it)."""
+    entry = STATE.pending.pop(id(work), None)
+    if entry is not None:
         _complete_all(entry[1])
 
 
-def _poll_pending() -> None:
-    with STATE.pending_lock:
-        items = list(STATE.pending.values())
-    for work, _ in items:
+def _poll_pending() -> bool:
+    """WC for host Works that finished without anyone asking (background thread); whether any is still open."""
+    for work, _ in list(STATE.pending.values()):
         try:
             done = work.is_completed()
         except Exception:
             done = True  # a failed Work is no longer in flight either way
         if done:
             _settle(work)
+    return bool(STATE.pending)
+
+
+def _poll() -> bool:
+    """One pass over everything open; whether anything still is."""
+    host = _poll_pending() if STATE.pending else False
+    device = _poll_device() if STATE.device_events or STATE.device_works else False
+    return host or device
 
 
 def _background() -> None:
-    """Heartbeat every second; poll Works without a future and device work while any are open."""
-    beat_every = int(HEARTBEAT_INTERVAL_S / POLL_INTERVAL_S)
-    ticks = 0
+    """Heartbeat every second; poll open Works and device work while any are open, and a while after.
+
+    The lingering keeps a job that issues async work step after step from waking this thread on every
+    call (a wake costs the caller a lock and this thread the GIL).
+    """
+    linger = max(1, int(POLL_LINGER_S / POLL_INTERVAL_S))
+    quiet = 0
+    next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
     while True:
         try:
-            if STATE.pending or STATE.device_events or STATE.device_works:
+            if STATE.polling:
                 STATE.wake.wait(POLL_INTERVAL_S)
-                if STATE.pending:
-                    _poll_pending()
-                _poll_device()
-                ticks += 1
+                STATE.wake.clear()
+                if _poll():
+                    quiet = 0
+                else:
+                    quiet += 1
+                    if quiet >= linger:
+                        STATE.polling = False
+                        quiet = 0
             else:
-                STATE.wake.wait(HEARTBEAT_INTERVAL_S)
-                ticks = beat_every
-            STATE.wake.clear()
-            w = STATE.writer
-            if ticks >= beat_every and w is not None:
-                ticks = 0
-                w.heartbeat()
+                STATE.wake.wait(max(0.0, next_beat - time.monotonic()))
+                STATE.wake.clear()
+                if _poll():  # opened while this thread was going to sleep: no wake came
+                    STATE.polling = True
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + HEARTBEAT_INTERVAL_S
+                w = STATE.writer
+                if w is not None:
+                    w.heartbeat()
         except Exception as exc:
             _disable("heartbeat thread", exc)
             return
@@ -383,8 +435,11 @@ def _peer(get: Callable[[str], Any], kind: str, members: tuple[int, ...]) -> int
 _P2P_KINDS = frozenset(kind for _, kind in OPS.values() if is_point_to_point(kind))  # "batch" is no op name
 
 
-_SLOT_CACHES: list[dict[int, tuple[Any, OpSlot, tuple[int, ...]]]] = []  # cleared when the world changes
-_WORLD_KEY = -1  # cache key of group=None (the default group)
+# Per wrapper: group -> (group, op slot, member global ranks), keyed by the group object itself (groups
+# hash by identity; the entry keeps it alive anyway), None for the default group. Cleared when the world
+# changes: None then means another group.
+SlotCache = dict[Any, tuple[Any, OpSlot, tuple[int, ...]]]
+_SLOT_CACHES: list[SlotCache] = []
 
 
 def _forget_groups() -> None:
@@ -393,21 +448,27 @@ def _forget_groups() -> None:
         cache.clear()
 
 
-def _launch_one(op: str, kind: str, group: Any, payload: Any, get: Callable[[str], Any] | None,
-                cache: dict[int, tuple[Any, OpSlot, tuple[int, ...]]]) -> Request:
+def _slot_of(op: str, group: Any, cache: SlotCache) -> tuple[Any, OpSlot, tuple[int, ...]]:
+    """First use of ``op`` on ``group`` by one wrapper: register both, remember the slot."""
     w = STATE.writer or _ensure_writer()
-    key = _WORLD_KEY if group is None else id(group)
-    hit = cache.get(key)
-    if hit is None or (group is not None and hit[0] is not group):
-        _pg, idx, members = _group_entry(group)
-        hit = (group, w.slot(idx, op), members)
-        cache[key] = hit
+    _pg, idx, members = _group_entry(group)
+    hit = (group, w.slot(idx, op), members)
+    cache[group] = hit
+    return hit
+
+
+def _launch_one(op: str, kind: str, group: Any, payload: Any, get: Callable[[str], Any] | None,
+                cache: SlotCache) -> Request:
+    w = STATE.writer or _ensure_writer()
+    hit = cache.get(group)
+    if hit is None:
+        hit = _slot_of(op, group, cache)
     peer = _peer(get, kind, hit[2]) if get is not None and kind in _P2P_KINDS else None
     return w.launch(hit[1], _nbytes(payload), peer=peer)
 
 
 def _make_coll_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
-    """The hot path: a collective. Arguments are read by position, no helper calls on the way."""
+    """The hot path: a collective. Arguments are read by position, the slot comes from a cache."""
     payload_param, _kind = OPS[name]
     op = OP_ALIAS.get(name, name)
     params = _Args(orig)
@@ -416,60 +477,57 @@ def _make_coll_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any
     pi = params.pos.get(payload_param, 1 << 30) if payload_param else 1 << 30
     ai = params.pos.get("async_op", 1 << 30)
     adef = bool(params.defaults.get("async_op", False))
-    tls = STATE.tls
-    slots: dict[int, tuple[Any, OpSlot, tuple[int, ...]]] = {}
+    state, tls = STATE, STATE.tls
+    slots: SlotCache = {}
     _SLOT_CACHES.append(slots)
 
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if STATE.disabled or getattr(tls, "depth", False):
+        if state.disabled or tls.depth:
             return orig(*args, **kwargs)
-        req: Request | None = None
-        is_async = adef
-        payload = None
         try:
             n = len(args)
             group = args[gi] if gi < n else gdef
-            payload = args[pi] if pi < n else None
-            if ai < n:
-                is_async = bool(args[ai])
+            payload: Any = args[pi] if pi < n else None
+            is_async = args[ai] if ai < n else adef
             if kwargs:
                 group = kwargs.get("group", group)
                 if payload_param:
                     payload = kwargs.get(payload_param, payload)
-                is_async = bool(kwargs.get("async_op", is_async))
-            w = STATE.writer or _ensure_writer()
-            hit = slots.get(_WORLD_KEY if group is None else id(group))
-            if hit is None or (group is not None and hit[0] is not group):
-                req = _launch_one(op, "coll", group, payload, None, slots)
-            else:
-                req = w.launch(hit[1], _nbytes(payload))
+                is_async = kwargs.get("async_op", is_async)
+            hit = slots.get(group)
+            if hit is None:
+                hit = _slot_of(op, group, slots)
+            try:  # a tensor: two attribute reads
+                nbytes, on_cuda = payload.nbytes, payload.is_cuda
+            except AttributeError:  # a list of tensors, or nothing (barrier)
+                nbytes, on_cuda = _nbytes(payload), _on_cuda(payload)
+            w = state.writer or _ensure_writer()
+            req = w.launch(hit[1], nbytes)
         except Exception as exc:
             _disable(name, exc)
-            req = None
+            return orig(*args, **kwargs)
         tls.depth = True
         try:
             result = orig(*args, **kwargs)
         except BaseException:
-            if req is not None:  # failed: nothing stays in flight
-                with contextlib.suppress(Exception):
-                    _complete_all([req])
+            with contextlib.suppress(Exception):  # failed: nothing stays in flight
+                w.complete(req)
             raise
         finally:
             tls.depth = False
-        if req is not None:
-            try:
-                if _on_cuda(payload):
-                    if is_async and result is not None:
-                        _watch_on_device(result, [req])
-                    else:
-                        _complete_on_device([req])
-                elif not is_async or result is None:
-                    w.complete(req)  # a blocking call on the host has finished when it returns
+        try:
+            if on_cuda is True:
+                if is_async and result is not None:
+                    _watch_on_device(result, [req])
                 else:
-                    _watch(result, [req])
-            except Exception as exc:
-                _disable(name, exc)
+                    _complete_on_device([req])
+            elif not is_async or result is None:
+                w.complete(req)  # a blocking call on the host has finished when it returns
+            else:
+                _watch(result, [req])
+        except Exception as exc:
+            _disable(name, exc)
         return result
 
     wrapper.__rankscope_original__ = orig  # type: ignore[attr-defined]
@@ -483,8 +541,8 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     op = OP_ALIAS.get(name, name)
     params = _Args(orig)
     tls = STATE.tls
-    slots: dict[int, tuple[Any, OpSlot, tuple[int, ...]]] = {}  # id(group) -> (group, slot, members)
-    batch_slots: dict[str, dict[int, tuple[Any, OpSlot, tuple[int, ...]]]] = {"send": {}, "recv": {}}
+    slots: SlotCache = {}
+    batch_slots: dict[str, SlotCache] = {"send": {}, "recv": {}}
     _SLOT_CACHES.extend((slots, *batch_slots.values()))
 
     @functools.wraps(orig)
@@ -543,8 +601,6 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
                         for wk, r in zip(works, reqs, strict=True):
                             _watch(wk, [r], on_device)
                     elif works:  # coalesced: the batch completes as a whole with its last Work
-                        for wk in works[:-1]:
-                            _watch(wk, [], on_device)
                         _watch(works[-1], reqs, on_device)
                     else:
                         _complete_all(reqs)
@@ -559,22 +615,25 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_work_methods(work_cls: Any) -> None:
-    """Record completion when the user's own wait()/is_completed() learns it."""
+    """Record completion when the user's own wait()/is_completed() learns it, on the user's thread."""
     orig_wait = work_cls.wait
     orig_done = work_cls.is_completed
+    pending = STATE.pending
 
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = orig_wait(self, *args, **kwargs)
-        if STATE.pending and not STATE.disabled:
-            try:
-                _settle(self)
-            except Exception as exc:
-                _disable("Work.wait", exc)
+        if pending:
+            entry = pending.pop(id(self), None)
+            if entry is not None and not STATE.disabled:
+                try:
+                    _complete_all(entry[1])
+                except Exception as exc:
+                    _disable("Work.wait", exc)
         return result
 
     def is_completed(self: Any) -> Any:
         result = orig_done(self)
-        if result and STATE.pending and not STATE.disabled:
+        if result and pending and not STATE.disabled:
             try:
                 _settle(self)
             except Exception as exc:
@@ -582,6 +641,7 @@ def _wrap_work_methods(work_cls: Any) -> None:
         return result
 
     for attr, new, old in (("wait", wait, orig_wait), ("is_completed", is_completed, orig_done)):
+        new.__rankscope_original__ = old  # type: ignore[attr-defined]
         setattr(work_cls, attr, new)
         STATE.originals.append((work_cls, attr, old))
 
@@ -703,6 +763,13 @@ def _hook_group(pg: Any, idx: int, on_device: bool = False) -> None:
     pg.register_post_hook(post)
 
 
+def plugin_loaded(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether NCCL loads rankscope's profiler plugin in this process (read once, at install)."""
+    from rankscope.ccl_plugin.build import LIB_NAME
+
+    return LIB_NAME in Path((os.environ if environ is None else environ).get("NCCL_PROFILER_PLUGIN", "")).name
+
+
 def install(directory: Path, job_id: str) -> bool:
     """Patch torch.distributed (imports torch). Returns False and says why when it cannot."""
     if STATE.installed:
@@ -722,6 +789,7 @@ def install(directory: Path, job_id: str) -> bool:
             print(f"rankscope: this torch is too old for CCL counters (no {', '.join(missing)})", file=sys.stderr)
             return False
         STATE.dist, STATE.c10d = dist, c10d
+        STATE.plugin = plugin_loaded()
         for name in OPS:
             orig = getattr(c10d, name, None)
             if orig is None or hasattr(orig, "__rankscope_original__"):

@@ -7,8 +7,11 @@ shared mapping; the seqlock (see ``layout``) keeps readers from seeing half an
 update. A lock serialises this process's own threads (the training thread and
 the threads that run Work completion callbacks), so there is one writer.
 
-Cost matters (µs per collective): each op slot keeps its numbers in Python and
-rewrites its dynamic part with one ``struct.pack_into``.
+Cost matters (µs per collective): each op slot keeps its numbers in Python and,
+per call, stores only the fields that call changed, through 8-byte views of
+its own bytes in the mapping (an item store costs a fraction of a
+``struct.pack_into``). A call that changes a p2p peer rewrites the slot's whole
+dynamic part in one pack.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import contextlib
 import mmap
 import os
 import struct
+import sys
 import threading
 import time
 from pathlib import Path
@@ -44,42 +48,24 @@ class CounterFileFull(Exception):
 
 
 class OpSlot:
-    """One (communicator, operation) row: its numbers live here and in the file."""
+    """One (communicator, operation) row. Its counters live in the file only (read back where a store
+    adds to them); what a store cannot read back cheaply (the ring's place, open peers) is kept here."""
 
-    __slots__ = (
-        "bytes_total",
-        "cl",
-        "comm_index",
-        "index",
-        "last_complete_wall",
-        "last_completed_seq",
-        "last_duration",
-        "last_launch_wall",
-        "last_launched_seq",
-        "offset",
-        "op",
-        "open_peers",
-        "ring",
-        "ring_count",
-        "ring_next",
-        "seq",
-        "wc",
-        "wr",
-    )
+    __slots__ = ("comm_index", "d", "index", "offset", "op", "open_peers", "q", "ring", "ring_count", "ring_next",
+                 "view")
 
     def __init__(self, index: int, comm_index: int, op: str) -> None:
         self.index = index
         self.offset = L.op_offset(index)
         self.comm_index = comm_index
         self.op = op
-        self.seq = 0  # the slot's seqlock value, mirrored here to save a read per store
-        self.cl = self.wr = self.wc = 0
-        self.last_launched_seq = self.last_completed_seq = 0
-        self.bytes_total = 0
-        self.last_duration = self.last_launch_wall = self.last_complete_wall = 0.0
-        self.ring = [0.0] * L.RING_LEN
+        self.ring = [0.0] * L.RING_LEN  # the last RING_LEN throughputs, as stored
         self.ring_next = self.ring_count = 0
         self.open_peers: dict[int, int] = {}  # global rank -> open requests to/from it
+        # the slot's bytes in the mapping, as 8-byte words (unsigned and double); set by the writer
+        self.view: memoryview | None = None
+        self.q: memoryview = _NO_VIEW
+        self.d: memoryview[float] = _NO_VIEW.cast("d")
 
 
 # A launched work request, handed back at completion to compute TD and N:
@@ -88,16 +74,23 @@ class OpSlot:
 Request = tuple[OpSlot, int, int, "int | None", float]
 
 
+_PEERS_PACK = struct.Struct(f"<II{L.MAX_OPEN_PEERS}i").pack_into
+_PEERS_OFFSET = L.OP_OFFSETS["n_open_peers"]
+_clock = time.perf_counter
+_NO_VIEW = memoryview(b"")  # a slot not yet placed in a file
 _NO_PEERS = (0,) * L.MAX_OPEN_PEERS
-_SEQ_PACK = L.SEQ.pack_into
-_DYN_PACK = L.OP_DYNAMIC.pack_into
-# Stores that leave the tail (ring, peers) as it is, for calls that changed no
-# peer: prefixes of the slot's dynamic part. The seq is always its own store:
-# struct.pack_into zeroes its whole target before filling it, so a seq packed
-# together with the fields would read as an even 0 in the middle of the update.
-_LAUNCH_PACK = struct.Struct("<QQQQQQdd").pack_into
-_COMPLETE_PACK = struct.Struct(f"<QQQQQQddd{L.RING_LEN}dII").pack_into
-assert L.RING_LEN == 5  # _store unrolls the ring
+# Word indexes of the per-call fields inside a slot (every one 8-aligned; ring_next and ring_count share a
+# word, ring_next in its low half): what launch/complete store one by one, each under the slot's seqlock
+# (odd seq first, even seq last: the stores of one thread reach memory in program order).
+_W = {name: off // 8 for name, off in L.OP_OFFSETS.items() if off % 8 == 0}
+_SEQ, _CL, _WR, _WC = _W["seq"], _W["cl"], _W["wr"], _W["wc"]
+_LAUNCHED, _COMPLETED, _BYTES = _W["last_launched_seq"], _W["last_completed_seq"], _W["bytes_total"]
+_DURATION, _LAUNCH_WALL, _COMPLETE_WALL = _W["last_duration"], _W["last_launch_wall"], _W["last_complete_wall"]
+_RING, _RING_POS = _W["ring"], _W["ring_next"]
+assert L.OP_OFFSETS["ring_count"] == L.OP_OFFSETS["ring_next"] + 4
+_RING_AFTER = tuple((i + 1) % L.RING_LEN for i in range(L.RING_LEN))
+# The views store native words; the file is little endian.
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 class CounterWriter:
@@ -152,21 +145,6 @@ class CounterWriter:
             L.MEMBER_POOL, self._members_used)
         L.SEQ.pack_into(mm, L.HEADER_SEQ_OFFSET, seq + 1)
 
-    def _store(self, s: OpSlot) -> None:
-        mm = self._mm
-        off = s.offset
-        seq = s.seq + 1
-        _SEQ_PACK(mm, off, seq)
-        peers = list(s.open_peers)[: L.MAX_OPEN_PEERS] if s.open_peers else ()
-        ring = s.ring
-        _DYN_PACK(
-            mm, off + L.OP_DYNAMIC_OFFSET, s.cl, s.wr, s.wc, s.last_launched_seq, s.last_completed_seq,
-            s.bytes_total, s.last_duration, s.last_launch_wall, s.last_complete_wall,
-            ring[0], ring[1], ring[2], ring[3], ring[4],
-            s.ring_next, s.ring_count, len(peers), 0, *peers, *_NO_PEERS[len(peers):])
-        s.seq = seq + 1
-        _SEQ_PACK(mm, off, seq + 1)
-
     # ---- registration ----------------------------------------------------
 
     def comm(self, comm_id: str, backend: str, description: str, members: tuple[int, ...]) -> int:
@@ -211,9 +189,13 @@ class CounterWriter:
             index = len(self._slots)
             if index >= L.MAX_OPS:
                 raise CounterFileFull(f"more than {L.MAX_OPS} (communicator, op) pairs")
+            if not _LITTLE_ENDIAN:
+                raise CounterFileFull("the counter file is little endian and this host is not")
             s = OpSlot(index, comm_index, op)
+            s.view = memoryview(self._mm)[s.offset : s.offset + L.OP_SIZE]
+            s.q, s.d = s.view.cast("Q"), s.view.cast("d")
             L.OP_STATIC.pack_into(self._mm, s.offset + 8, comm_index, 0, L.encode(op, L.OP_NAME_LEN))
-            self._store(s)
+            s.q[_SEQ] = 2  # even: complete (the dynamic part is the file's zeros)
             self._slots[key] = s
             self._publish_header()
             return s
@@ -222,61 +204,88 @@ class CounterWriter:
 
     def launch(self, s: OpSlot, nbytes: int, peer: int | None = None, launch: bool = True) -> Request:
         """CL (if ``launch``) and one WR: a call issued one work request of ``nbytes``."""
-        mono = time.perf_counter()
-        with self._lock:
+        mono = _clock()
+        lock = self._lock
+        lock.acquire()  # not `with`: the context-manager protocol costs about as much again
+        try:
+            q = s.q
+            odd = q[_SEQ] + 1
+            q[_SEQ] = odd
+            if launch:
+                q[_CL] += 1
+            q[_WR] += 1
             seqs = self._comm_seq
             seq = seqs[s.comm_index] + 1
-            seqs[s.comm_index] = seq
-            if launch:
-                s.cl += 1
-            s.wr += 1
-            s.last_launched_seq = seq
-            s.bytes_total += nbytes
-            s.last_launch_wall = mono + self._wall_offset
+            seqs[s.comm_index] = q[_LAUNCHED] = seq
+            q[_BYTES] += nbytes
+            s.d[_LAUNCH_WALL] = mono + self._wall_offset
             if peer is not None:
                 s.open_peers[peer] = s.open_peers.get(peer, 0) + 1
-                self._store(s)
-            else:  # inlined _store_launch: this runs on every collective
-                mm, off, odd = self._mm, s.offset, s.seq + 1
-                _SEQ_PACK(mm, off, odd)
-                _LAUNCH_PACK(mm, off + L.OP_DYNAMIC_OFFSET, s.cl, s.wr, s.wc, seq, s.last_completed_seq,
-                             s.bytes_total, s.last_duration, s.last_launch_wall)
-                s.seq = odd + 1
-                _SEQ_PACK(mm, off, odd + 1)
+                self._store_peers(s)
+            q[_SEQ] = odd + 1
+        finally:
+            lock.release()
         return (s, seq, nbytes, peer, mono)
 
     def complete(self, req: Request) -> None:
         """WC: the request finished; TD from its launch, N = bytes/TD into the ring."""
-        mono = time.perf_counter()
+        mono = _clock()
         s, comm_seq, nbytes, peer, t0 = req
         dur = mono - t0
-        with self._lock:
-            s.wc += 1
-            if comm_seq > s.last_completed_seq:
-                s.last_completed_seq = comm_seq
-            s.last_duration = dur
-            s.last_complete_wall = mono + self._wall_offset
-            ring = s.ring
+        lock = self._lock
+        lock.acquire()
+        try:
+            q, d = s.q, s.d
+            odd = q[_SEQ] + 1
+            q[_SEQ] = odd
+            q[_WC] += 1
+            if comm_seq > q[_COMPLETED]:
+                q[_COMPLETED] = comm_seq
+            d[_DURATION] = dur
+            d[_COMPLETE_WALL] = mono + self._wall_offset
             if nbytes > 0 and dur > 0:
-                ring[s.ring_next] = nbytes / dur
-                s.ring_next = (s.ring_next + 1) % L.RING_LEN
+                i = s.ring_next
+                s.ring[i] = d[_RING + i] = nbytes / dur
+                s.ring_next = after = _RING_AFTER[i]
                 if s.ring_count < L.RING_LEN:
                     s.ring_count += 1
+                q[_RING_POS] = after | s.ring_count << 32
             if peer is not None:
-                left = s.open_peers.get(peer, 0) - 1
-                if left > 0:
-                    s.open_peers[peer] = left
-                else:
-                    s.open_peers.pop(peer, None)
-                self._store(s)
-            else:  # inlined _store_complete
-                mm, off, odd = self._mm, s.offset, s.seq + 1
-                _SEQ_PACK(mm, off, odd)
-                _COMPLETE_PACK(mm, off + L.OP_DYNAMIC_OFFSET, s.cl, s.wr, s.wc, s.last_launched_seq,
-                               s.last_completed_seq, s.bytes_total, dur, s.last_launch_wall, s.last_complete_wall,
-                               ring[0], ring[1], ring[2], ring[3], ring[4], s.ring_next, s.ring_count)
-                s.seq = odd + 1
-                _SEQ_PACK(mm, off, odd + 1)
+                self._close_peer(s, peer)
+            q[_SEQ] = odd + 1
+        finally:
+            lock.release()
+
+    def settle(self, req: Request) -> None:
+        """WC without TD or N: the request is known to be over, but not when (another writer times it)."""
+        s, comm_seq, _nbytes, peer, _t0 = req
+        lock = self._lock
+        lock.acquire()
+        try:
+            q = s.q
+            odd = q[_SEQ] + 1
+            q[_SEQ] = odd
+            q[_WC] += 1
+            if comm_seq > q[_COMPLETED]:
+                q[_COMPLETED] = comm_seq
+            if peer is not None:
+                self._close_peer(s, peer)
+            q[_SEQ] = odd + 1
+        finally:
+            lock.release()
+
+    def _close_peer(self, s: OpSlot, peer: int) -> None:
+        """One request to/from ``peer`` is over (inside the slot's odd seq)."""
+        left = s.open_peers.get(peer, 0) - 1
+        if left > 0:
+            s.open_peers[peer] = left
+        else:
+            s.open_peers.pop(peer, None)
+        self._store_peers(s)
+
+    def _store_peers(self, s: OpSlot) -> None:
+        peers = list(s.open_peers)[: L.MAX_OPEN_PEERS]
+        _PEERS_PACK(self._mm, s.offset + _PEERS_OFFSET, len(peers), 0, *peers, *_NO_PEERS[len(peers):])
 
     def step(self) -> None:
         """An optimizer step finished: count it and time it against the previous one."""
@@ -307,5 +316,9 @@ class CounterWriter:
             if remove:
                 with contextlib.suppress(OSError):
                     self.path.unlink()
+            for s in self._slots.values():  # the mapping closes only once no view of it is left
+                for view in (s.q, s.d, s.view):
+                    if view is not None:
+                        view.release()
             with contextlib.suppress(BufferError, ValueError):
                 self._mm.close()

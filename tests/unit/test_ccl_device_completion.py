@@ -201,3 +201,28 @@ def test_process_group_hooks_on_nccl_wait_for_the_device(shim: CounterWriter) ->
     work.done = True
     torch_hooks._poll_device()
     assert counts(shim, "allreduce") == (1, 1, 1)
+
+
+def test_with_our_profiler_plugin_loaded_device_work_is_counted_not_timed(shim: CounterWriter) -> None:
+    """The plugin times NCCL's device work itself: the shim counts the launch, settles at return, records no TD/N."""
+    STATE.plugin = True
+    try:
+        wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+        wrapped(Tensor(cuda=True))
+        work = wrapped(Tensor(cuda=True), async_op=True)
+        assert isinstance(work, Work) and not work.done
+        assert counts(shim, "all_reduce") == (2, 2, 2)
+        assert Event.made == [] and STATE.device_works == {} and len(STATE.device_events) == 0
+        (o,) = read_counter_file(shim.path).counters.ops
+        assert (o.bytes_total, o.recent_throughput, o.last_complete_wall) == (128, (), None)
+        wrapped(Tensor(cuda=False))  # host tensors are still the shim's to time
+        (o,) = read_counter_file(shim.path).counters.ops
+        assert o.wc == 3 and len(o.recent_throughput) == 1 and o.last_complete_wall is not None
+    finally:
+        STATE.plugin = False
+
+
+def test_the_plugin_is_recognised_by_its_library_name() -> None:
+    assert torch_hooks.plugin_loaded({"NCCL_PROFILER_PLUGIN": "/c/librankscope_nccl_profiler-3f2a.so"})
+    assert not torch_hooks.plugin_loaded({"NCCL_PROFILER_PLUGIN": "/usr/lib/libnccl-profiler-inspector.so"})
+    assert not torch_hooks.plugin_loaded({})

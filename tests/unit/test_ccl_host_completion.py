@@ -1,0 +1,121 @@
+"""WC of async work on host tensors (gloo): learned on the user's thread from wait()/is_completed(), else by the poll.
+
+No torch here: the Work is a stand-in class that the shim wraps the way it
+wraps torch's ``Work`` (its ``wait`` and ``is_completed``), and whose future
+must never be asked for (a future's callback runs on the backend's thread and
+takes the GIL from the training thread). The background thread is not
+started: the tests call its poll step themselves, so nothing waits on time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from rankscope.ccl_plugin import torch_hooks
+from rankscope.ccl_plugin.torch_hooks import STATE
+from rankscope.ccl_plugin.writer import CounterWriter
+from rankscope.probes.ccl_counters import read_counter_file
+
+
+class Tensor:
+    is_cuda = False
+    nbytes = 64
+
+
+class Work:
+    def __init__(self) -> None:
+        self.done = False
+
+    def wait(self) -> bool:
+        self.done = True  # a host Work's wait returns once the work is done
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def get_future(self) -> Any:
+        raise AssertionError("the shim must not complete through a Work's future")
+
+
+def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Work | None:
+    return Work() if async_op else None
+
+
+def isend(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
+          group_dst: int | None = None) -> Work:
+    return Work()
+
+
+@pytest.fixture
+def shim(tmp_path: Path) -> Iterator[CounterWriter]:
+    c10d = SimpleNamespace(GroupMember=SimpleNamespace(WORLD=object()), get_process_group_ranks=lambda g: [0, 1],
+                           get_backend=lambda g: "gloo", Work=Work)
+    saved = {k: getattr(STATE, k) for k in ("writer", "c10d", "disabled", "pending", "polling", "work_patched")}
+    originals = len(STATE.originals)
+    w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="host")
+    STATE.writer, STATE.c10d, STATE.disabled, STATE.pending, STATE.work_patched = w, c10d, False, {}, False
+    STATE.polling = False
+    STATE.wake.clear()
+    try:
+        yield w
+    finally:
+        while len(STATE.originals) > originals:  # put the stand-in Work's own methods back
+            owner, attr, old = STATE.originals.pop()
+            setattr(owner, attr, old)
+        for k, v in saved.items():
+            setattr(STATE, k, v)
+        w.close()
+
+
+def counts(w: CounterWriter, op: str) -> tuple[int, int, int]:
+    o = next(o for o in read_counter_file(w.path).counters.ops if o.op == op)
+    return (o.cl, o.wr, o.wc)
+
+
+def test_an_async_collective_completes_when_the_users_wait_returns(shim: CounterWriter) -> None:
+    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    work = wrapped(Tensor(), async_op=True)
+    assert isinstance(work, Work)
+    assert counts(shim, "all_reduce") == (1, 1, 0)
+    assert STATE.polling and STATE.wake.is_set()  # the poller was told: nobody may ever wait on it
+    work.wait()
+    assert counts(shim, "all_reduce") == (1, 1, 1) and STATE.pending == {}
+    (o,) = read_counter_file(shim.path).counters.ops
+    assert o.last_duration_s is not None and o.last_duration_s > 0 and len(o.recent_throughput) == 1
+    work.wait()  # a second wait records nothing more
+    assert counts(shim, "all_reduce") == (1, 1, 1)
+
+
+def test_work_nobody_waits_on_completes_through_the_poll(shim: CounterWriter) -> None:
+    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    first, second = wrapped(Tensor(), async_op=True), wrapped(Tensor(), async_op=True)
+    assert torch_hooks._poll() is True  # both still running
+    assert counts(shim, "all_reduce") == (2, 2, 0)
+    first.done = True
+    assert torch_hooks._poll() is True
+    assert counts(shim, "all_reduce") == (2, 2, 1)
+    second.done = True
+    assert second.is_completed()  # the user's own check settles it
+    assert counts(shim, "all_reduce") == (2, 2, 2)
+    assert torch_hooks._poll() is False  # nothing open: the poller may slow down
+
+
+def test_an_isend_keeps_its_peer_open_until_waited(shim: CounterWriter) -> None:
+    work = torch_hooks._make_wrapper("isend", isend)(Tensor(), dst=1)
+    (o,) = read_counter_file(shim.path).counters.ops
+    assert (o.op, o.cl, o.wr, o.wc, o.open_peers) == ("send", 1, 1, 0, (1,))
+    work.wait()
+    (o,) = read_counter_file(shim.path).counters.ops
+    assert (o.wc, o.open_peers) == (1, ())
+
+
+def test_a_synchronous_call_on_the_host_completes_at_return(shim: CounterWriter) -> None:
+    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    for _ in range(3):
+        assert wrapped(Tensor()) is None
+    assert counts(shim, "all_reduce") == (3, 3, 3)
+    assert STATE.pending == {} and not STATE.polling  # nothing for the background thread to do
