@@ -146,6 +146,9 @@ class AgentConfig:
     # > 0: the agent stops by itself when no call with an accepted token came for this long (its client is
     # gone: killed, or its machine lost). ``rankscope.wire.lease.KeepAlive`` renews it while a client lives.
     lease_s: float = 0.0
+    # Whose processes may be ranks (``--job-user``); empty: the agent's own user, or for a root agent root and the
+    # user of a rank's launcher (rankscope.probes.discovery). Claiming torchrun's variables makes no rank.
+    job_users: frozenset[int] = frozenset()
 
 
 # What an agent reads its machine with; the probes by default. Called with stacks=True for a capture.
@@ -382,7 +385,8 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         from rankscope.probes.discovery import discover_ranks
 
         return discover_ranks(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id,
-                              slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node)
+                              slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node,
+                              users=self.config.job_users or None)
 
     async def capture(
         self, *, stacks: bool, native: bool = False, subprocesses: bool = True, timeout_s: float = DEFAULT_PYSPY_TIMEOUT_S,
@@ -402,7 +406,8 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
 
         scope = Scope(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id, counter_dir=self.config.counter_dir,
-                      slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node)
+                      slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node,
+                      users=self.config.job_users or None)
         options = CaptureOptions(
             stacks=stacks, native=native, subprocesses=subprocesses, timeout_s=timeout_s,
             concurrency=self.config.capture_concurrency,
@@ -681,7 +686,7 @@ def _identity(config: AgentConfig, port: int) -> str:
         cgroup = Path("/proc/self/cgroup").read_text()
     except OSError:
         cgroup = ""
-    ranks = discover_ranks(launcher_pid=config.launcher_pid, run_id=config.run_id)
+    ranks = discover_ranks(launcher_pid=config.launcher_pid, run_id=config.run_id, users=config.job_users or None)
     return machine_identity(socket.gethostname(), ranks, container_id(cgroup), port)
 
 
