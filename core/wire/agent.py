@@ -111,6 +111,7 @@ HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not finished TLS and the HTTP
 CALL_WAIT_S = 5.0  # a plaintext connection that has started no call by then is closed (rankscope.wire.gate)
 MESSAGE_WAIT_S = 5.0  # a call with an accepted token (or a health check) must send its request by then
 DESCRIPTORS_PER_CONNECTION = 3  # the client's socket and the gate's Unix socket to gRPC, both ends
+REFUSED_WAITING_MAX = 64  # refused connections held for a pause before they are closed (rankscope.wire.gate)
 IDLE_CONNECTION_S = 300.0  # a connection with no call in flight for this long is closed (clients reconnect)
 BIND_RETRY_S = 10.0  # a fixed port still held by a predecessor's closing connections is tried this long
 STOP_TIMEOUT_S = 5.0  # SIGTERM: what is still running after this is left behind and the process exits
@@ -224,10 +225,21 @@ def connection_limit(relays: int = 0) -> int:
     """How many client connections the agent accepts: half the descriptors it may open, minus the connections it
     makes itself (relaying), at most MAX_CONNECTIONS: the other half stays for py-spy's pipes, counter files and
     the audit log, so idle connections cannot starve a capture."""
+    return max(4, min(MAX_CONNECTIONS, _connection_descriptors(relays) // DESCRIPTORS_PER_CONNECTION))
+
+
+def refused_waiting_limit(relays: int = 0) -> int:
+    """How many refused connections may wait out their pause (rankscope.wire.gate): what the connections leave of
+    their half of the descriptors, at most REFUSED_WAITING_MAX."""
+    spare = _connection_descriptors(relays) - connection_limit(relays) * DESCRIPTORS_PER_CONNECTION
+    return max(0, min(REFUSED_WAITING_MAX, spare))
+
+
+def _connection_descriptors(relays: int) -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS
-    return max(4, min(MAX_CONNECTIONS, (soft // 2 - relays) // DESCRIPTORS_PER_CONNECTION))
+        return MAX_CONNECTIONS * DESCRIPTORS_PER_CONNECTION + REFUSED_WAITING_MAX
+    return soft // 2 - relays
 
 
 def raise_descriptor_limit() -> None:
@@ -683,7 +695,8 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     deadline = time.monotonic() + (BIND_RETRY_S if config.port else 0.0)
     # Clients reach gRPC through the gate, which listens on the agent's address and passes each connection it
     # admits to the gRPC server's private Unix socket (rankscope.wire.gate says why).
-    gate = Gate(connection_limit(len(config.relay_to)), call_wait_s=CALL_WAIT_S, inspect_calls=config.tls is None)
+    gate = Gate(connection_limit(len(config.relay_to)), call_wait_s=CALL_WAIT_S, inspect_calls=config.tls is None,
+                waiting_max=refused_waiting_limit(len(config.relay_to)))
     while True:
         server = grpc.aio.server(
             interceptors=[TokenInterceptor(config.tokens, lease)],

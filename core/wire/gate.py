@@ -38,8 +38,7 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER = 9
 HEADERS_FRAME = 0x1
 CHUNK = 256 * 1024
-REFUSED_CLOSE_S = 1.0  # a refused connection is closed after this pause...
-REFUSED_WAITING_MAX = 64  # ...while no more than this many wait (each holds a descriptor)
+REFUSED_CLOSE_S = 1.0  # a refused connection is closed after this pause, while few enough wait (Gate.waiting_max)
 
 
 NETLINK_SOCK_DIAG = 4
@@ -117,9 +116,10 @@ class _Conn:
 class Gate:
     """Listens on the agent's address and hands each admitted connection to the gRPC server's Unix socket."""
 
-    def __init__(self, limit: int, *, call_wait_s: float, inspect_calls: bool,
+    def __init__(self, limit: int, *, call_wait_s: float, inspect_calls: bool, waiting_max: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
+        self.waiting_max = waiting_max  # refused connections that may wait out their pause (each holds a descriptor)
         self.call_wait_s = call_wait_s
         self.inspect_calls = inspect_calls  # plaintext: HTTP/2 frames can be read; under TLS they cannot
         self.clock = clock
@@ -187,7 +187,7 @@ class Gate:
         if not self._admit(conn):
             # Closed after a pause, not at once: a peer that reconnects as soon as it is refused would otherwise
             # keep the agent busy accepting and refusing. The pause costs a descriptor, so only so many wait.
-            if self._waiting < REFUSED_WAITING_MAX:
+            if self._waiting < self.waiting_max:
                 self._waiting += 1
                 await asyncio.sleep(REFUSED_CLOSE_S)
                 self._waiting -= 1
