@@ -37,6 +37,7 @@ TOKEN = "read-lockout-0123456789abcdef0123"
 METHOD = "/rankscope.v1.RankscopeAgent/Describe"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+SETTINGS_ACK = b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"
 GOAL_S = 5.0
 
 
@@ -87,8 +88,11 @@ async def hold_silent(host: str, port: int, count: int, closed: list[float] | No
             writer.write(PREFACE + EMPTY_SETTINGS)
             with contextlib.suppress(OSError):
                 await writer.drain()
+                if await reader.read(65536):  # the agent's settings, acknowledged: the handshake is over
+                    writer.write(SETTINGS_ACK)
+                    await writer.drain()
                 while await reader.read(65536):
-                    pass  # the agent's settings and acks: read, never answered
+                    pass
             if closed is not None:
                 closed.append(time.monotonic() - opened)
             writer.close()
