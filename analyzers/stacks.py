@@ -440,20 +440,29 @@ def tree_from_grouping(grouping: Grouping) -> PrefixNode:
     """The STAT-style tree: root -> lane label -> frames outermost first, with rank sets.
 
     Built from the distinct groups: a node's ranks are the union of the
-    groups that pass through it.
+    groups that pass through it. Without recursion and in memory linear in
+    the frames: a stack thousands of frames deep (recursive models, deep
+    autograd, generated code) is one long chain of nodes.
     """
-    # node path -> list of group indices passing through it (ordered dict keeps insertion order)
-    children: dict[tuple[str, ...], dict[str, None]] = {(): {}}
-    through: dict[tuple[str, ...], set[int]] = {(): set()}
+    # Node n: its frame, its children (step -> node, in insertion order) and the groups passing through it.
+    # Children are always numbered after their parent, so building from the last node back to the root meets
+    # every child before its parent.
+    labels: list[str] = ["all ranks"]
+    children: list[dict[str, int]] = [{}]
+    through: list[set[int]] = [set()]
     for gi, group in enumerate(grouping.groups):
-        through[()].add(gi)
+        through[0].add(gi)
         for label, frames in group.lanes:
-            path: tuple[str, ...] = ()
+            node = 0
             for step in (f"[{label}]", *frames):
-                children[path].setdefault(step, None)
-                path = (*path, step)
-                children.setdefault(path, {})
-                through.setdefault(path, set()).add(gi)
+                kid = children[node].get(step)
+                if kid is None:
+                    kid = children[node][step] = len(labels)
+                    labels.append(step)
+                    children.append({})
+                    through.append(set())
+                through[kid].add(gi)
+                node = kid
     cache: dict[frozenset[int], tuple[int, ...]] = {}
     arrays = [np.asarray(g.ranks, dtype=np.int64) for g in grouping.groups]
 
@@ -466,12 +475,17 @@ def tree_from_grouping(grouping: Grouping) -> PrefixNode:
             cache[key] = got
         return got
 
-    def build(path: tuple[str, ...], label: str) -> PrefixNode:
-        kids = [build((*path, step), step) for step in children[path]]
-        kids.sort(key=lambda n: (-len(n.ranks), n.ranks[:1]))
-        return PrefixNode(frame=label, ranks=ranks_for(through[path]), children=tuple(kids))
-
-    return build((), "all ranks")
+    built: list[PrefixNode | None] = [None] * len(labels)
+    for n in range(len(labels) - 1, -1, -1):
+        kids = [built[k] for k in children[n].values()]
+        built[n] = PrefixNode(frame=labels[n], ranks=ranks_for(through[n]),
+                              children=tuple(sorted((k for k in kids if k is not None),
+                                                    key=lambda c: (-len(c.ranks), c.ranks[:1]))))
+        for k in children[n].values():
+            built[k] = None  # held by its parent now; the list keeps no second reference
+    root = built[0]
+    assert root is not None
+    return root
 
 
 def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> int:

@@ -17,12 +17,15 @@ dynamic part in one pack.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import stat
 import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rankscope.ccl_plugin import layout as L
@@ -41,6 +44,79 @@ def process_start_ticks(pid: int) -> int:
         return int(raw[raw.rindex(b")") + 2 :].split()[19])
     except (OSError, ValueError, IndexError):
         return 0
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_EXCL with O_NOFOLLOW: the file is always a new one of ours, never a link or a file another user planted at
+# the temporary name (which would make this rank write its counters over whatever the link points at).
+_FILE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FIX = ("remove it and let rankscope make it, or point RANKSCOPE_CCL_DIR (rankscope run --counter-dir) at a "
+           "directory only the job's user can write")
+
+
+def _warn(message: str) -> None:
+    """One line on stderr: the writer never raises into the training code, it turns itself off and says so."""
+    print(f"rankscope: {message}", file=sys.stderr, flush=True)
+
+
+def _directory_problem(st: os.stat_result) -> str | None:
+    """Why a counter directory may not hold this rank's file: another user's, or one others can write."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"belongs to uid {st.st_uid}, not to this rank's user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"can be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _create(directory: Path, name: str, pid: int, fill: Callable[[mmap.mmap], None]) -> mmap.mmap | None:
+    """The counter file ``name``, mapped, filled by ``fill`` and published; None (said on stderr) if refused.
+
+    The directory is made 0700 when missing (so no other user makes the shared default first), tightened to 0700
+    when it is ours and others can write it, and refused when it belongs to another user or stays writable by
+    others. The file is built under a temporary name and renamed into place, so a reader never finds a file
+    whose header is not written yet; both happen relative to the one directory opened and checked here, and the
+    file is made with O_EXCL|O_NOFOLLOW, so no link (at the directory's path or at either name) is followed.
+    """
+    try:
+        with contextlib.suppress(FileExistsError):
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            os.mkdir(directory, 0o700)
+        dir_fd = os.open(directory, _DIR_FLAGS)
+    except OSError as exc:
+        why = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
+        _warn(f"counter directory {directory} {why}; this rank's counters are off: {DIR_FIX}")
+        return None
+    try:
+        st = os.fstat(dir_fd)
+        if st.st_uid == os.geteuid() and stat.S_ISDIR(st.st_mode) and st.st_mode & 0o022:
+            with contextlib.suppress(OSError):
+                os.fchmod(dir_fd, 0o700)
+                st = os.fstat(dir_fd)
+        problem = _directory_problem(st)
+        if problem is not None:
+            _warn(f"counter directory {directory} is refused: it {problem}; this rank's counters are off: {DIR_FIX}")
+            return None
+        tmp = f".{name}.{pid}.tmp"
+        try:
+            fd = os.open(tmp, _FILE_FLAGS, 0o644, dir_fd=dir_fd)
+        except FileExistsError:  # a leftover of an earlier writer with this pid, or a planted name: remove the name
+            os.unlink(tmp, dir_fd=dir_fd)
+            fd = os.open(tmp, _FILE_FLAGS, 0o644, dir_fd=dir_fd)
+        try:
+            os.ftruncate(fd, L.FILE_SIZE)
+            mm = mmap.mmap(fd, L.FILE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        fill(mm)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return mm
+    except OSError as exc:
+        _warn(f"counter file {directory / name} cannot be made ({exc.strerror}); this rank's counters are off")
+        return None
+    finally:
+        os.close(dir_fd)
 
 
 class CounterFileFull(Exception):
@@ -114,24 +190,23 @@ class CounterWriter:
         self._closed = False
         # Events read one clock (perf_counter) and derive wall time from it.
         self._wall_offset = time.time() - time.perf_counter()
-        # 0700: the agent refuses a counter directory other users can write (or that another user made first).
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # Build the file under a temporary name and rename it into place, so a
-        # reader never finds a file whose header is not written yet.
-        tmp = directory / f".{self.path.name}.{self.pid}.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, L.FILE_SIZE)
-            self._mm = mmap.mmap(fd, L.FILE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
         now = time.time()
-        L.HEADER.pack_into(
-            self._mm, 0, L.MAGIC, L.VERSION, L.HEADER_SIZE, L.FILE_SIZE, 0, self.pid,
-            process_start_ticks(self.pid), rank, world_size, writer_kind, 0, now, now, 0, 0.0, 0.0,
-            0, 0, L.MAX_COMMS, L.MAX_OPS, L.MEMBER_POOL, 0, L.COMM_TABLE_OFFSET, L.OP_TABLE_OFFSET,
-            L.MEMBER_POOL_OFFSET, L.encode(job_id, L.JOB_ID_LEN), b"")
-        os.replace(tmp, self.path)
+
+        def fill(mm: mmap.mmap) -> None:
+            L.HEADER.pack_into(
+                mm, 0, L.MAGIC, L.VERSION, L.HEADER_SIZE, L.FILE_SIZE, 0, self.pid,
+                process_start_ticks(self.pid), rank, world_size, writer_kind, 0, now, now, 0, 0.0, 0.0,
+                0, 0, L.MAX_COMMS, L.MAX_OPS, L.MEMBER_POOL, 0, L.COMM_TABLE_OFFSET, L.OP_TABLE_OFFSET,
+                L.MEMBER_POOL_OFFSET, L.encode(job_id, L.JOB_ID_LEN), b"")
+
+        mm = _create(directory, self.path.name, self.pid, fill)
+        # None: refused (said on stderr). The writer then keeps counting into private memory nobody reads instead
+        # of raising into the training code.
+        self.enabled = mm is not None
+        if mm is None:
+            mm = mmap.mmap(-1, L.FILE_SIZE)
+            fill(mm)
+        self._mm = mm
 
     # ---- seqlocked stores ------------------------------------------------
 
@@ -313,7 +388,7 @@ class CounterWriter:
             self._closed = True
             flags = L.U32.unpack_from(self._mm, L.HEADER_FLAGS_OFFSET)[0]
             L.U32.pack_into(self._mm, L.HEADER_FLAGS_OFFSET, flags | L.FLAG_CLEAN_EXIT)
-            if remove:
+            if remove and self.enabled:
                 with contextlib.suppress(OSError):
                     self.path.unlink()
             for s in self._slots.values():  # the mapping closes only once no view of it is left

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import re
 import stat
@@ -33,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from rankscope.ccl_plugin import layout as L
 from rankscope.ccl_plugin.writer import process_start_ticks
@@ -44,6 +44,8 @@ SEQLOCK_RETRIES = 200
 SEQLOCK_PATIENCE_S = 0.2
 # A file without a writer pid is trusted while its heartbeat is this fresh.
 FRESH_HEARTBEAT_S = 30.0
+# A header's world size above this is nonsense (no job has more ranks); a rank must lie in [0, world size).
+MAX_WORLD_SIZE = 1 << 24
 
 # O_NOFOLLOW: a link planted there would show another file's bytes to whoever reads the counters.
 # O_NONBLOCK: a FIFO would block open() for good (and with it the agent's reading thread).
@@ -123,17 +125,30 @@ def file_problem(st: os.stat_result, owners: frozenset[int]) -> str | None:
     return None
 
 
-def _read_stable(mm: mmap.mmap, off: int, size: int, seq_off: int | None = None) -> bytes:
+class _Short(Exception):
+    """The file ended before a record it declares (truncated, perhaps while being read)."""
+
+
+def _pread(fd: int, off: int, size: int) -> bytes:
+    """``size`` bytes at ``off``, read (never mapped: a file truncated under a mapping kills the reader with
+    SIGBUS, and any local user who can write the file could do that to a root agent)."""
+    raw = os.pread(fd, size, off)
+    if len(raw) != size:
+        raise _Short(f"truncated while being read ({off + len(raw)} bytes where a record needs {off + size})")
+    return raw
+
+
+def _read_stable(fd: int, off: int, size: int, seq_off: int | None = None) -> bytes:
     """A consistent copy of ``size`` bytes at ``off`` whose seqlock sits at ``seq_off`` (default: first)."""
     at = off if seq_off is None else seq_off
     deadline = 0.0
     while True:
         for _ in range(SEQLOCK_RETRIES):
-            s1 = L.SEQ.unpack_from(mm, at)[0]
+            s1 = L.SEQ.unpack(_pread(fd, at, L.SEQ.size))[0]
             if s1 & 1:
                 continue
-            raw = mm[off:off + size]
-            if L.SEQ.unpack_from(mm, at)[0] == s1:
+            raw = _pread(fd, off, size)
+            if L.SEQ.unpack(_pread(fd, at, L.SEQ.size))[0] == s1:
                 return raw
         now = time.monotonic()
         if not deadline:
@@ -144,9 +159,9 @@ def _read_stable(mm: mmap.mmap, off: int, size: int, seq_off: int | None = None)
         time.sleep(0)
 
 
-def _read_header(mm: mmap.mmap) -> bytes:
+def _read_header(fd: int) -> bytes:
     """Header bytes with its mutable part consistent (the header seq guards it)."""
-    return _read_stable(mm, 0, L.HEADER_SIZE, L.HEADER_SEQ_OFFSET)
+    return _read_stable(fd, 0, L.HEADER_SIZE, L.HEADER_SEQ_OFFSET)
 
 
 def staleness(pid: int, start_ticks: int, heartbeat: float, flags: int, now: float) -> str | None:
@@ -206,34 +221,48 @@ def read_counter_file(path: Path, now: float | None = None, *, owners: frozenset
             size = st.st_size
             if size < L.HEADER_SIZE:
                 return _corrupt(path, name_rank, f"truncated ({size} bytes, the header alone is {L.HEADER_SIZE})")
-            with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
-                if mm[:len(L.MAGIC)] != L.MAGIC:  # the magic is written once, before the file is published
-                    return _corrupt(path, name_rank, "no counter-file magic number, not a rankscope counter file")
-                return _parse(path, mm, size, name_rank, now)
-    except _Torn as exc:
+            if os.pread(fh.fileno(), len(L.MAGIC), 0) != L.MAGIC:  # written once, before the file is published
+                return _corrupt(path, name_rank, "no counter-file magic number, not a rankscope counter file")
+            if size > L.FILE_SIZE:
+                return _corrupt(path, name_rank, f"{size} bytes, larger than any counter file ({L.FILE_SIZE})")
+            return _parse(path, fh.fileno(), size, name_rank, now)
+    except (_Torn, _Short) as exc:
         return _corrupt(path, name_rank, str(exc))
     except (OSError, ValueError, IndexError, UnicodeError) as exc:  # vanished, or bad numbers
         return _corrupt(path, name_rank, f"{type(exc).__name__}: {exc}")
 
 
-def _parse(path: Path, mm: mmap.mmap, size: int, name_rank: int, now: float) -> CounterFile:
-    h = dict(zip((n for n, _, _ in L.HEADER_FIELDS), L.HEADER.unpack(_read_header(mm)), strict=True))
+def _header_problem(h: dict[str, Any], size: int) -> str | None:
+    """Why the header's counts and offsets cannot be this layout's, or None: every count is bounded by the
+    layout's own table sizes and every table must lie inside the file, before anything is read or allocated."""
+    if h["file_size"] > size:
+        return f"truncated ({size} of {h['file_size']} bytes)"
+    if (h["max_comms"] > L.MAX_COMMS or h["max_ops"] > L.MAX_OPS or h["member_pool_size"] > L.MEMBER_POOL
+            or h["n_comms"] > h["max_comms"] or h["n_ops"] > h["max_ops"]
+            or h["comm_table_offset"] + h["max_comms"] * L.COMM_SIZE > size
+            or h["op_table_offset"] + h["max_ops"] * L.OP_SIZE > size
+            or h["member_pool_offset"] + h["member_pool_size"] * L.MEMBER.size > size):
+        return "table sizes in the header do not fit the file"
+    if not 0 < h["world_size"] <= MAX_WORLD_SIZE or not 0 <= h["rank"] < h["world_size"]:
+        return f"rank {h['rank']} of world size {h['world_size']} is not a rank of any job"
+    return None
+
+
+def _parse(path: Path, fd: int, size: int, name_rank: int, now: float) -> CounterFile:
+    h = dict(zip((n for n, _, _ in L.HEADER_FIELDS), L.HEADER.unpack(_read_header(fd)), strict=True))
     if h["magic"] != L.MAGIC:
         return _corrupt(path, name_rank, "bad magic number, not a rankscope counter file")
     if h["version"] not in L.READABLE_VERSIONS:
         readable = ", ".join(str(v) for v in L.READABLE_VERSIONS)
         return _corrupt(path, name_rank, f"layout version {h['version']}, this rankscope reads {readable}")
-    if h["file_size"] > size:
-        return _corrupt(path, name_rank, f"truncated ({size} of {h['file_size']} bytes)")
+    problem = _header_problem(h, size)
+    if problem is not None:
+        return _corrupt(path, name_rank, problem)
     n_comms, n_ops = h["n_comms"], h["n_ops"]
-    pool_end = h["member_pool_offset"] + h["member_pool_size"] * L.MEMBER.size
-    if (n_comms > h["max_comms"] or n_ops > h["max_ops"]
-            or h["comm_table_offset"] + h["max_comms"] * L.COMM_SIZE > size
-            or h["op_table_offset"] + h["max_ops"] * L.OP_SIZE > size or pool_end > size):
-        return _corrupt(path, name_rank, "table sizes in the header do not fit the file")
     comms: list[Communicator] = []
+    members_end = 0  # the writer hands out member slices in order: they never overlap, so at most the pool in all
     for i in range(n_comms):
-        raw = _read_stable(mm, h["comm_table_offset"] + i * L.COMM_SIZE, L.COMM_SIZE)
+        raw = _read_stable(fd, h["comm_table_offset"] + i * L.COMM_SIZE, L.COMM_SIZE)
         if h["version"] == 1:
             _, first, count, cid, backend, desc = L.COMM_V1.unpack(raw)
             nranks, comm_rank = 0, -1
@@ -241,15 +270,17 @@ def _parse(path: Path, mm: mmap.mmap, size: int, name_rank: int, now: float) -> 
             _, first, count, cid, backend, desc, nranks, comm_rank = L.COMM.unpack(raw)
             if not -1 <= comm_rank < nranks:  # nonsense from a broken writer: unknown
                 nranks, comm_rank = 0, -1
-        if first + count > h["member_pool_size"]:
-            return _corrupt(path, name_rank, f"communicator {i} members lie outside the member pool")
+        if first + count > h["member_pool_size"] or first < members_end:
+            return _corrupt(path, name_rank, f"communicator {i} members lie outside the member pool "
+                            "or over another communicator's")
+        members_end = first + count
         base = h["member_pool_offset"] + first * L.MEMBER.size
-        members = tuple(v[0] for v in L.MEMBER.iter_unpack(mm[base:base + count * L.MEMBER.size]))
+        members = tuple(v[0] for v in L.MEMBER.iter_unpack(_pread(fd, base, count * L.MEMBER.size)))
         comms.append(Communicator(L.decode(cid), L.decode(backend), L.decode(desc), members,
                                   comm_nranks=nranks, comm_rank=comm_rank))
     ops: list[OpCounters] = []
     for i in range(n_ops):
-        raw = _read_stable(mm, h["op_table_offset"] + i * L.OP_SIZE, L.OP_SIZE)
+        raw = _read_stable(fd, h["op_table_offset"] + i * L.OP_SIZE, L.OP_SIZE)
         v = L.OP.unpack(raw)
         comm_index, op = v[1], L.decode(v[3])
         (cl, wr, wc, lls, lcs, nbytes, dur, lw, cw), ring = v[4:13], v[13:13 + L.RING_LEN]

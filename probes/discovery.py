@@ -33,6 +33,14 @@ the ranks are found by reading every process's environment
 
 Processes whose environment cannot be read (another user's, without root) are
 skipped and listed in ``DiscoveryResult.skipped`` with the reason, never raised.
+
+Anyone can set ``RANK`` and torchrun's other variables, so claiming them makes
+no rank: a rank must belong to one of the job's users (``users``: the agent's
+``--job-user``, by default the agent's own user), or, for an agent run by root
+without ``--job-user``, to root or to the user of the launcher that started it
+(torchrun, ``torch.distributed.run``/``launch``, Slurm's step daemon, or
+``--launcher-pid``).
+Refused claims are listed in ``skipped``.
 """
 
 from __future__ import annotations
@@ -71,10 +79,15 @@ class DiscoveryResult:
     skipped: tuple[SkippedProcess, ...] = ()
 
 
+# What a launcher's command line contains: torchrun and its module forms, and Slurm's step daemon.
+LAUNCHER_WORDS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "slurmstepd")
+
+
 @dataclass(frozen=True, slots=True)
 class _Proc:
     pid: int
     ppid: int
+    uid: int
     name: str
     cmdline: tuple[str, ...]
     env: Mapping[str, str]  # only the keys rankscope reads
@@ -122,9 +135,10 @@ def _scan() -> tuple[dict[int, _Proc], list[SkippedProcess]]:
     procs: dict[int, _Proc] = {}
     skipped: list[SkippedProcess] = []
     me = os.getpid()
-    for proc in psutil.process_iter(["pid", "ppid", "name"]):
+    for proc in psutil.process_iter(["pid", "ppid", "name", "uids"]):
         info = proc.info
         pid = int(info["pid"])
+        uid = int(info["uids"].effective) if info.get("uids") is not None else -1
         name = str(info.get("name") or "")
         try:
             environ = proc.environ()
@@ -137,7 +151,7 @@ def _scan() -> tuple[dict[int, _Proc], list[SkippedProcess]]:
         env = {k: environ[k] for k in _ENV_KEYS if k in environ}
         if pid == me:
             env = {}  # rankscope itself may run inside a job's environment; it is never a rank
-        procs[pid] = _Proc(pid, int(info.get("ppid") or 0), name, cmdline, env)
+        procs[pid] = _Proc(pid, int(info.get("ppid") or 0), uid, name, cmdline, env)
     return procs, skipped
 
 
@@ -156,9 +170,37 @@ def _same_rank(a: _Proc, b: _Proc) -> bool:
     return a.rank == b.rank and a.run_id == b.run_id
 
 
+def default_users() -> frozenset[int] | None:
+    """The job's users when none are configured: the agent's own; None for root (a launcher's user, see above)."""
+    uid = os.geteuid()
+    return None if uid == 0 else frozenset({uid})
+
+
+def claim_problem(p: _Proc, procs: Mapping[int, _Proc], users: frozenset[int] | None,
+                  launcher_pid: int | None) -> str | None:
+    """Why a process that carries rank variables is not taken for a rank, or None."""
+    if users is not None:
+        if p.uid in users:
+            return None
+        return f"claims RANK but belongs to uid {p.uid}, not to the job's users ({', '.join(map(str, sorted(users)))})"
+    if p.uid == 0:
+        return None  # root's processes are trusted by a root agent anyway
+    launcher = procs.get(p.ppid)
+    if launcher is None or launcher.uid != p.uid:
+        return (f"claims RANK but its parent is not a launcher of its own user (uid {p.uid}); "
+                "name the job's user with --job-user")
+    if launcher.pid == launcher_pid or any(w in " ".join(launcher.cmdline) for w in LAUNCHER_WORDS):
+        return None
+    return (f"claims RANK but was not started by torchrun or Slurm (parent {launcher.pid} {launcher.name!r}); "
+            "name the job's user with --job-user")
+
+
 def discover(*, launcher_pid: int | None = None, run_id: str | None = None, slurm_job: str | None = None,
-             slurm_node: str | None = None) -> DiscoveryResult:
-    """Ranks on this machine (optionally of one launcher, run id or Slurm job and node), with skipped processes."""
+             slurm_node: str | None = None, users: frozenset[int] | None = None) -> DiscoveryResult:
+    """Ranks on this machine (optionally of one launcher, run id or Slurm job and node), with skipped processes.
+
+    ``users``: whose processes may be ranks (None: :func:`default_users`, see the module doc)."""
+    users = default_users() if users is None else users
     procs, skipped = _scan()
     forget_dead()
     children: dict[int, list[int]] = {}
@@ -182,6 +224,10 @@ def discover(*, launcher_pid: int | None = None, run_id: str | None = None, slur
             continue
         if slurm_node is not None and p.env.get("SLURMD_NODENAME") != slurm_node:
             continue  # several Slurm nodes may share one host (and one /proc); each agent keeps its own
+        problem = claim_problem(p, procs, users, launcher_pid)
+        if problem is not None:
+            skipped.append(SkippedProcess(p.pid, p.name, problem))
+            continue
         tops.append(p)
 
     rank_pids: dict[int, _Proc] = {}
@@ -244,13 +290,15 @@ def _subprocesses(
 
 
 def discover_ranks(*, launcher_pid: int | None = None, run_id: str | None = None, slurm_job: str | None = None,
-                   slurm_node: str | None = None) -> tuple[RankInfo, ...]:
+                   slurm_node: str | None = None, users: frozenset[int] | None = None) -> tuple[RankInfo, ...]:
     """The ranks on this machine, sorted by global rank, each with its labelled subprocesses.
 
     ``launcher_pid`` keeps the ranks started under that process (torchrun's
     agent or any ancestor of it); ``run_id`` keeps those whose
     ``TORCHELASTIC_RUN_ID`` matches; ``slurm_job``/``slurm_node`` keep those
     whose ``SLURM_JOB_ID``/``SLURMD_NODENAME`` match (an agent started inside a
-    Slurm job). Several filters together keep the intersection.
+    Slurm job). Several filters together keep the intersection. ``users``: whose processes may be ranks (None:
+    :func:`default_users`; see the module doc).
     """
-    return discover(launcher_pid=launcher_pid, run_id=run_id, slurm_job=slurm_job, slurm_node=slurm_node).ranks
+    return discover(launcher_pid=launcher_pid, run_id=run_id, slurm_job=slurm_job, slurm_node=slurm_node,
+                    users=users).ranks

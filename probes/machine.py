@@ -54,6 +54,7 @@ class Scope:
     counter_dir: Path | None = None
     slurm_job: str | None = None  # SLURM_JOB_ID of the ranks (an agent started inside the job)
     slurm_node: str | None = None  # SLURMD_NODENAME: several Slurm nodes may share one host
+    users: frozenset[int] | None = None  # whose processes may be ranks (None: discovery.default_users)
 
 
 def _all_pids(ranks: tuple[RankInfo, ...]) -> list[int]:
@@ -79,7 +80,7 @@ async def capture_machine(machine: str, address: str, scope: Scope, options: Cap
     started = time.monotonic()
     await asyncio.to_thread(host.prime_cpu)
     ranks = await asyncio.to_thread(discover_ranks, launcher_pid=scope.launcher_pid, run_id=scope.run_id,
-                                    slurm_job=scope.slurm_job, slurm_node=scope.slurm_node)
+                                    slurm_job=scope.slurm_job, slurm_node=scope.slurm_node, users=scope.users)
     await asyncio.to_thread(host.prime_cpu, _all_pids(ranks))
     if found is not None:
         found(ranks)

@@ -140,20 +140,45 @@ def _fallback_groups(stacks: Mapping[int, RankStacks]) -> list[tuple[tuple[str, 
 def _tree_from_paths(paths: Mapping[int, tuple[str, ...]]) -> TreeNode:
     """Build the prefix tree of call paths (outermost first)."""
 
-    def build(frame: str, ranks: list[int], depth: int) -> TreeNode:
+    # Without recursion (a stack can be thousands of frames deep): nodes are listed parents first, then built
+    # from the last back, so every child exists before its parent.
+    nodes: list[tuple[str, list[int], list[int]]] = [("all ranks", sorted(paths), [])]  # frame, ranks, children
+    depth_of = [0]
+    i = 0
+    while i < len(nodes):
+        _, ranks, kids = nodes[i]
+        depth = depth_of[i]
         children: dict[str, list[int]] = {}
         for r in ranks:
             p = paths[r]
             if len(p) > depth:
                 children.setdefault(p[depth], []).append(r)
-        kids = tuple(build(f, rs, depth + 1) for f, rs in sorted(children.items(), key=lambda x: (-len(x[1]), x[0])))
-        return TreeNode(frame, tuple(ranks), kids)
-
-    return build("all ranks", sorted(paths), 0)
+        for f, rs in sorted(children.items(), key=lambda x: (-len(x[1]), x[0])):
+            kids.append(len(nodes))
+            nodes.append((f, rs, []))
+            depth_of.append(depth + 1)
+        i += 1
+    built: list[TreeNode | None] = [None] * len(nodes)
+    for k in range(len(nodes) - 1, -1, -1):
+        frame, ranks, kids = nodes[k]
+        built[k] = TreeNode(frame, tuple(ranks), tuple(b for c in kids if (b := built[c]) is not None))
+    root = built[0]
+    assert root is not None
+    return root
 
 
 def _convert_tree(node: Any) -> TreeNode:
-    return TreeNode(str(node.frame), tuple(node.ranks), tuple(_convert_tree(c) for c in node.children))
+    """The analyzers' tree as the view's, without recursion (a stack can be thousands of frames deep)."""
+    order: list[Any] = []  # parents before their children
+    pending = [node]
+    while pending:
+        n = pending.pop()
+        order.append(n)
+        pending.extend(n.children)
+    done: dict[int, TreeNode] = {}
+    for n in reversed(order):
+        done[id(n)] = TreeNode(str(n.frame), tuple(n.ranks), tuple(done.pop(id(c)) for c in n.children))
+    return done[id(node)]
 
 
 def build_stack_view(snapshot: JobSnapshot, layout: Layout | None = None) -> StackView:

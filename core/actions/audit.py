@@ -171,8 +171,15 @@ class AuditLog(SqliteStore):
 
 
 def _who(request: ActionRequest) -> str:
-    """Who the client says acts, and the token the agent saw (``ActionRequest.caller``)."""
-    return f"{request.requested_by} ({request.caller})" if request.caller else request.requested_by
+    """Who the client says acts, and the token the agent saw (``ActionRequest.caller``).
+
+    The claimed name is the client's free text: its parentheses become brackets, so only the agent's own note
+    stands in parentheses and a name such as "bob (act token deadbeef)" cannot pass for another token's record."""
+    claimed = request.requested_by.translate(_NAME_PARENS)
+    return f"{claimed} ({request.caller})" if request.caller else claimed
+
+
+_NAME_PARENS = str.maketrans("()", "[]")
 
 
 def _canonical(request: ActionRequest) -> str:

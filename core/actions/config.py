@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import tomllib
 from collections.abc import Mapping
@@ -90,6 +91,18 @@ _BACKEND_KEYS: dict[str, frozenset[str]] = {
 }
 
 
+MAX_CONFIG_BYTES = 1024 * 1024  # an actions config is a few hundred bytes
+
+
+def state_dir_for(template: Path, machine: str) -> Path:
+    """``--state-dir`` with ``%n`` replaced by the machine name, made one plain path component: a name such as
+    ``../../x`` (a hostname, a Slurm node, --machine-name) must not place the state outside the directory given."""
+    part = re.sub(r"[^A-Za-z0-9_.-]", "_", machine) or "_"
+    if part.startswith("."):
+        part = "_" + part[1:]
+    return Path(str(template).replace("%n", part))
+
+
 def load_actions_config(path: Path | None, state_dir: Path | None) -> ActionsConfig | None:
     """``--actions-config`` (TOML, or JSON by suffix) and ``--state-dir`` -> the config; None: no actions.
 
@@ -158,9 +171,11 @@ def load_actions_config(path: Path | None, state_dir: Path | None) -> ActionsCon
 
 def _read_config(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise RankscopeError(f"cannot read --actions-config {path}: {exc}", "check the path") from None
+        # read without blocking: a FIFO in its place would hold the agent's start for good
+        text = _read_regular(path, MAX_CONFIG_BYTES).decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RankscopeError(f"cannot read --actions-config {path}: {exc}",
+                             "give a regular TOML or JSON file (not a FIFO or device), readable by the agent") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
@@ -248,15 +263,15 @@ def local_standbys(settings: EvictionSettings) -> tuple[str, ...]:
 
 
 def _read_regular(path: Path, limit: int) -> bytes:
-    """A small regular file's bytes, read without blocking: the agent reads this file on every plan (a read
-    token's call), and a FIFO in its place would hold a worker thread for good."""
+    """A small regular file's bytes, read without blocking: the agent reads the standby list on every plan (a read
+    token's call) and its config at start, and a FIFO in their place would hold a thread for good."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with open(fd, "rb") as fh:
         st = os.fstat(fh.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise OSError(f"{path} is not a regular file")
         if st.st_size > limit:
-            raise OSError(f"{path} holds {st.st_size} bytes, more than a list of machine names ({limit})")
+            raise OSError(f"{path} holds {st.st_size} bytes, more than this file ever needs ({limit})")
         return fh.read(limit + 1)
 
 

@@ -160,6 +160,11 @@ class CodeVersions:
         if st is None or not stat.S_ISDIR(st.st_mode):
             raise RankscopeError(f"prepared directory {directory} does not exist on this machine",
                                  "copy the code to the same absolute path on every machine first")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise RankscopeError(
+                f"prepared directory {directory} belongs to uid {st.st_uid}, not to this agent's user "
+                f"(uid {os.geteuid()}) or root: its owner could change the code the job runs",
+                f"copy the code into a directory of the agent's user (chown {os.geteuid()} {real})")
         if st.st_mode & 0o022:
             raise RankscopeError(
                 f"prepared directory {directory} can be written by other users (mode {stat.S_IMODE(st.st_mode):o}): "

@@ -8,6 +8,7 @@ only when a verb runs.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING
 
 from rankscope.contract.errors import RankscopeError
@@ -75,3 +76,31 @@ def failslow_config(args: argparse.Namespace) -> FailSlowConfig:
         raise RankscopeError("--window and --continuity must be positive and --rounds at least 1",
                              "e.g. --window 30 --continuity 20 --rounds 5 (production: 600, 240, 5)")
     return config_for(window, continuity, rounds)
+
+
+def seconds(text: str) -> float:
+    """An argparse type for a number of seconds: finite and above 0 (nan would make a loop never end or spin)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; e.g. 2 or 0.5") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0; e.g. 2 or 0.5")
+    return value
+
+
+def job_users(names: list[str]) -> frozenset[int]:
+    """The uids of ``--job-user`` names or numbers (empty: none given); an unknown user is refused with the fix."""
+    import pwd
+
+    uids: set[int] = set()
+    for name in names:
+        if name.isdigit():
+            uids.add(int(name))
+            continue
+        try:
+            uids.add(pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            raise RankscopeError(f"--job-user {name!r} is no user on this machine",
+                                 "give the job's user name or uid (see `id`)") from None
+    return frozenset(uids)

@@ -510,7 +510,8 @@ def read_bundle(path: str | Path) -> Bundle:
             if size > MAX_BUNDLE_BYTES:
                 raise BundleError(f"{p}: {size / 1024 ** 3:.1f} GiB is more than a bundle can be "
                                   f"({MAX_BUNDLE_BYTES // 1024 ** 3} GiB)")
-            text = fh.read(MAX_BUNDLE_BYTES + 1).decode("utf-8")
+            # Read by the size it has, not by the limit: read(n) sets aside n bytes before reading any.
+            text = fh.read(size + 1).decode("utf-8")
     except FileNotFoundError:
         # Neutral about the option: `analyze` takes the bundle as an argument, `attach` with --bundle.
         raise BundleError(f"{p}: no such file", "check the bundle's path (a file written by `rankscope snapshot -o`, "

@@ -228,21 +228,25 @@ def _read_table(cls: type, table: Any, built: dict[type, list[Any]],
     rows, columns = table["rows"], table.get("columns")
     if not isinstance(columns, dict):
         raise ColumnError(f"tables.{name}.columns: expected an object of columns")
-    values: list[list[Any]] = []
+    # The columns present are read (and their lengths checked against ``rows``) before a missing one is filled with
+    # defaults: ``rows`` is the file's word, and only a column that holds that many values makes it true.
+    read: dict[str, list[Any]] = {}
     for f in _FIELDS[cls]:
         where = f"tables.{name}.columns.{f.name}"
         col = columns.get(f.name)
         if col is None:
             if f.required:
                 raise ColumnError(f"{where}: the column is missing but {name}.{f.name} has no default")
-            values.append([f.default] * rows)
             continue
         if is_packed(col):
-            values.append(_read_packed(f, col, rows, where, built, built_tuples))
+            read[f.name] = _read_packed(f, col, rows, where, built, built_tuples)
             continue
         if not isinstance(col, list) or len(col) != rows:
             raise ColumnError(f"{where}: expected a list of {rows} values")
-        values.append(_read_column(f, col, where, built, built_tuples))
+        read[f.name] = _read_column(f, col, where, built, built_tuples)
+    if rows and not read:
+        raise ColumnError(f"tables.{name}: 'rows' says {rows} but no column holds them")
+    values = [read[f.name] if f.name in read else [f.default] * rows for f in _FIELDS[cls]]
     # Every column holds ``rows`` values (checked above), so map walks them in step without zip's tuples.
     return list(map(maker(cls), *values)) if values else [cls() for _ in range(rows)]
 

@@ -73,6 +73,7 @@ from rankscope.wire.action_messages import (
     request_from_proto,
 )
 from rankscope.wire.delta import ReadingVersions
+from rankscope.wire.gate import Gate
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
 from rankscope.wire.rank_progress import ProgressTracker
@@ -107,6 +108,10 @@ MAX_CONCURRENT_RPCS = 64  # calls in flight at once, all clients together (a TUI
 MAX_STREAMS_PER_CONNECTION = 32  # calls in flight on one connection
 MAX_CONNECTIONS = 512  # also at most half the descriptors the agent may open (connection_limit)
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not finished TLS and the HTTP/2 settings by then is closed
+CALL_WAIT_S = 5.0  # a plaintext connection that has started no call by then is closed (rankscope.wire.gate)
+MESSAGE_WAIT_S = 5.0  # a call with an accepted token (or a health check) must send its request by then
+DESCRIPTORS_PER_CONNECTION = 3  # the client's socket and the gate's Unix socket to gRPC, both ends
+REFUSED_WAITING_MAX = 64  # refused connections held for a pause before they are closed (rankscope.wire.gate)
 IDLE_CONNECTION_S = 300.0  # a connection with no call in flight for this long is closed (clients reconnect)
 BIND_RETRY_S = 10.0  # a fixed port still held by a predecessor's closing connections is tried this long
 STOP_TIMEOUT_S = 5.0  # SIGTERM: what is still running after this is left behind and the process exits
@@ -146,6 +151,9 @@ class AgentConfig:
     # > 0: the agent stops by itself when no call with an accepted token came for this long (its client is
     # gone: killed, or its machine lost). ``rankscope.wire.lease.KeepAlive`` renews it while a client lives.
     lease_s: float = 0.0
+    # Whose processes may be ranks (``--job-user``); empty: the agent's own user, or for a root agent root and the
+    # user of a rank's launcher (rankscope.probes.discovery). Claiming torchrun's variables makes no rank.
+    job_users: frozenset[int] = frozenset()
 
 
 # What an agent reads its machine with; the probes by default. Called with stacks=True for a capture.
@@ -217,10 +225,21 @@ def connection_limit(relays: int = 0) -> int:
     """How many client connections the agent accepts: half the descriptors it may open, minus the connections it
     makes itself (relaying), at most MAX_CONNECTIONS: the other half stays for py-spy's pipes, counter files and
     the audit log, so idle connections cannot starve a capture."""
+    return max(4, min(MAX_CONNECTIONS, _connection_descriptors(relays) // DESCRIPTORS_PER_CONNECTION))
+
+
+def refused_waiting_limit(relays: int = 0) -> int:
+    """How many refused connections may wait out their pause (rankscope.wire.gate): what the connections leave of
+    their half of the descriptors, at most REFUSED_WAITING_MAX."""
+    spare = _connection_descriptors(relays) - connection_limit(relays) * DESCRIPTORS_PER_CONNECTION
+    return max(0, min(REFUSED_WAITING_MAX, spare))
+
+
+def _connection_descriptors(relays: int) -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS
-    return max(4, min(MAX_CONNECTIONS, soft // 2 - relays))
+        return MAX_CONNECTIONS * DESCRIPTORS_PER_CONNECTION + REFUSED_WAITING_MAX
+    return soft // 2 - relays
 
 
 def raise_descriptor_limit() -> None:
@@ -232,12 +251,12 @@ def raise_descriptor_limit() -> None:
 
 
 def server_options(relays: int = 0) -> list[tuple[str, int]]:
-    """The gRPC server's limits (each one named, with why, in the README's "Hardening" section)."""
+    """The gRPC server's limits (each one named, with why, in the README's "Hardening" section). The connections
+    are bounded before gRPC, by the gate (``rankscope.wire.gate``), which also decides who gives a place up."""
     return [
         ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
-        ("grpc.max_allowed_incoming_connections", connection_limit(relays)),
         ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
         ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_S * 1000)),
         ("grpc.so_reuseport", 0),  # a second agent on the same port must fail, not share it
@@ -268,7 +287,8 @@ def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
 
 
 def _denying_handler(handler: Any, code: grpc.StatusCode, message: str) -> Any:
-    """A handler of the same shape as ``handler`` that only rejects the call."""
+    """A handler that only rejects the call, at once: it takes the request as a stream it never reads, so a call
+    that sends its headers and never its message is answered (and gives its place back) without waiting for it."""
 
     async def reject(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
@@ -277,13 +297,44 @@ def _denying_handler(handler: Any, code: grpc.StatusCode, message: str) -> Any:
         await context.abort(code, message)
         yield  # pragma: no cover - abort raises; this only makes it a generator
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(reject_stream)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(reject)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(reject_stream)
-    return grpc.unary_unary_rpc_method_handler(reject)
+        return grpc.stream_stream_rpc_method_handler(reject_stream)
+    return grpc.stream_unary_rpc_method_handler(reject)
+
+
+def _message_within(handler: Any, wait_s: float) -> Any:
+    """``handler`` with its one request read under a time limit: a call that holds a place without sending its
+    message is ended after ``wait_s``, saying so (gRPC itself would wait for it as long as the peer likes)."""
+    if handler is None or handler.request_streaming:
+        return handler
+    late = (f"no request message within {wait_s:g} s of the call's start: the agent ends calls that hold a place "
+            "without sending their request")
+
+    async def first(context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = await asyncio.wait_for(context.read(), wait_s)
+        except TimeoutError:
+            request = grpc.aio.EOF
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, late)
+        if request is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message")
+        return request
+
+    if handler.response_streaming:
+        behaviour = handler.unary_stream
+
+        async def streamed(_: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for reply in behaviour(await first(context), context):
+                yield reply
+
+        return grpc.stream_stream_rpc_method_handler(streamed, handler.request_deserializer,
+                                                     handler.response_serializer)
+    single = handler.unary_unary
+
+    async def answered(_: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await single(await first(context), context)
+
+    return grpc.stream_unary_rpc_method_handler(answered, handler.request_deserializer, handler.response_serializer)
 
 
 def token_fingerprint(secret: str) -> str:
@@ -332,10 +383,10 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if self.lease is not None and (self.tokens is None or role is not None):
             self.lease.renew()
         if self.tokens is None or method.startswith(HEALTH_PREFIX):
-            return await continuation(handler_call_details)
+            return _message_within(await continuation(handler_call_details), MESSAGE_WAIT_S)
         needed = METHOD_ROLES.get(method, Role.ACT)
         if role is not None and (role is Role.ACT or needed is Role.READ):
-            return await continuation(handler_call_details)
+            return _message_within(await continuation(handler_call_details), MESSAGE_WAIT_S)
         handler = await continuation(handler_call_details)
         if handler is None:
             return None  # unknown method: gRPC answers UNIMPLEMENTED
@@ -382,7 +433,8 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         from rankscope.probes.discovery import discover_ranks
 
         return discover_ranks(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id,
-                              slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node)
+                              slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node,
+                              users=self.config.job_users or None)
 
     async def capture(
         self, *, stacks: bool, native: bool = False, subprocesses: bool = True, timeout_s: float = DEFAULT_PYSPY_TIMEOUT_S,
@@ -402,7 +454,8 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
         from rankscope.probes.machine import CaptureOptions, Scope, capture_machine
 
         scope = Scope(launcher_pid=self.config.launcher_pid, run_id=self.config.run_id, counter_dir=self.config.counter_dir,
-                      slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node)
+                      slurm_job=self.config.slurm_job, slurm_node=self.config.slurm_node,
+                      users=self.config.job_users or None)
         options = CaptureOptions(
             stacks=stacks, native=native, subprocesses=subprocesses, timeout_s=timeout_s,
             concurrency=self.config.capture_concurrency,
@@ -591,6 +644,7 @@ class RunningAgent:
     supervisor: asyncio.Task[None] | None = None  # applies a pending lazy hot-update when it is due
     watcher: asyncio.Task[None] | None = None  # keeps the ranks' progress memory current (AgentService.watch)
     lease: Lease | None = None  # set when the agent serves under a lease (AgentConfig.lease_s)
+    gate: Gate | None = None  # admits the client connections (rankscope.wire.gate)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         for task in (self.supervisor, self.watcher):
@@ -599,7 +653,11 @@ class RunningAgent:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.health.enter_graceful_shutdown()
+        if self.gate is not None:
+            await self.gate.stop_listening()
         await self.server.stop(grace_s)
+        if self.gate is not None:
+            await self.gate.close()
         if self.service is not None:
             await self.service.close()  # the sampling loops and their py-spy processes end with the agent
         if self.service is not None and self.service.actions is not None:
@@ -635,6 +693,10 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     # still closing: with SO_REUSEPORT off (a second agent must not share the port) the bind fails until they have.
     # So a fixed port is tried again for a while; a port another live process listens on still fails, later.
     deadline = time.monotonic() + (BIND_RETRY_S if config.port else 0.0)
+    # Clients reach gRPC through the gate, which listens on the agent's address and passes each connection it
+    # admits to the gRPC server's private Unix socket (rankscope.wire.gate says why).
+    gate = Gate(connection_limit(len(config.relay_to)), call_wait_s=CALL_WAIT_S, inspect_calls=config.tls is None,
+                waiting_max=refused_waiting_limit(len(config.relay_to)))
     while True:
         server = grpc.aio.server(
             interceptors=[TokenInterceptor(config.tokens, lease)],
@@ -644,14 +706,21 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
         problem = ""
         try:
             if config.tls is not None:
-                port = server.add_secure_port(f"{host}:{config.port}", server_credentials(config.tls))
+                inner = server.add_secure_port(gate.backend_target, server_credentials(config.tls))
             else:
-                port = server.add_insecure_port(f"{host}:{config.port}")
-        except RuntimeError as exc:
-            port, problem = 0, f" ({exc})"
+                inner = server.add_insecure_port(gate.backend_target)
+            if not inner:
+                await gate.close()
+                raise RankscopeError(f"cannot make the agent's private socket {gate.backend_path}",
+                                     "check that the temporary directory ($TMPDIR) is writable")
+            port = await gate.listen(config.bind, config.port)
+        except OSError as exc:
+            port, problem = 0, f" ({exc.strerror or exc})"
         if port:
             break
+        await server.stop(None)
         if time.monotonic() >= deadline:
+            await gate.close()
             raise RankscopeError(f"cannot listen on {host}:{config.port}{problem}", BIND_FIX)
         await asyncio.sleep(0.25)
     address = f"{host}:{port}"
@@ -671,7 +740,7 @@ async def start_agent(config: AgentConfig, *, extra_services: Sequence[ServiceRe
     supervisor = asyncio.create_task(supervise(service.actions)) if service.actions is not None else None
     watcher = asyncio.create_task(service.watch())
     return RunningAgent(server=server, port=port, address=address, health=health_servicer, service=service,
-                        supervisor=supervisor, watcher=watcher, lease=lease)
+                        supervisor=supervisor, watcher=watcher, lease=lease, gate=gate)
 
 
 def _identity(config: AgentConfig, port: int) -> str:
@@ -681,7 +750,7 @@ def _identity(config: AgentConfig, port: int) -> str:
         cgroup = Path("/proc/self/cgroup").read_text()
     except OSError:
         cgroup = ""
-    ranks = discover_ranks(launcher_pid=config.launcher_pid, run_id=config.run_id)
+    ranks = discover_ranks(launcher_pid=config.launcher_pid, run_id=config.run_id, users=config.job_users or None)
     return machine_identity(socket.gethostname(), ranks, container_id(cgroup), port)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rankscope.contract.errors import RankscopeError
+from rankscope.wire.tokens import private_file_problem
 
 # Environment variables holding PEM text; used by an agent given no --tls-* files.
 ENV_CERT = "RANKSCOPE_TLS_CERT_PEM"
@@ -151,6 +152,9 @@ def server_tls(cert: Path | None, key: Path | None, client_ca: Path | None = Non
     elif cert is None or key is None:
         raise RankscopeError("--tls-cert and --tls-key go together", "give both the certificate and its private key")
     else:
+        problem = private_file_problem(key, "TLS private key", "--tls-key")
+        if problem is not None:
+            raise problem
         cert_pem, key_pem = _read(cert, "certificate", "--tls-cert"), _read(key, "private key", "--tls-key")
         cert_src, key_src = str(cert), str(key)
         ca_pem = _read(client_ca, "client CA", "--tls-client-ca") if client_ca is not None else None

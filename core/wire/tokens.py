@@ -113,10 +113,28 @@ def _read(path: str | Path) -> str:
         raise RankscopeError(f"cannot read token file {p}: {exc}", "check the path and its permissions") from None
 
 
-def load_tokens(token_file: str | Path | None, env: Mapping[str, str] | None = None) -> TokenSet | None:
-    """The agent's accepted tokens: --token-file, else $RANKSCOPE_TOKEN, else None (no token configured)."""
+def private_file_problem(path: str | Path, what: str, flag: str) -> RankscopeError | None:
+    """A refusal when other users can read or write the secret at ``path`` (a token file, a TLS key), or None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # reading it says what is wrong
+    if mode & 0o077:
+        return RankscopeError(f"{what} {path} can be read or written by other users (mode {mode & 0o777:o})",
+                              f"chmod 600 {path}, then start again (check {flag})")
+    return None
+
+
+def load_tokens(token_file: str | Path | None, env: Mapping[str, str] | None = None, *,
+                private: bool = False) -> TokenSet | None:
+    """The agent's accepted tokens: --token-file, else $RANKSCOPE_TOKEN, else None (no token configured).
+
+    ``private``: refuse a file other users can read (the agent's own tokens; anyone who reads them can act)."""
     environ = os.environ if env is None else env
     if token_file is not None:
+        problem = private_file_problem(token_file, "token file", "--token-file") if private else None
+        if problem is not None:
+            raise problem
         return parse_tokens(_read(token_file), str(token_file))
     value = environ.get(ENV_VAR, "").strip()
     if value:

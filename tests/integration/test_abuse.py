@@ -209,7 +209,8 @@ async def test_tokenless_oversized_requests_in_parallel_leave_memory_bounded(wor
     after = _rss_peak_kb(pid)
     print(f"agent peak RSS {before / 1024:.0f} MB before, {after / 1024:.0f} MB after 8 parallel token-less "
           f"{size_mb} MB requests")  # the README's figure (pytest -s)
-    assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}, codes  # refused from its length, unread
+    # refused for want of a token before gRPC reads the message (its length would refuse it unread as well)
+    assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
     grown_mb = (after - before) / 1024
     assert grown_mb < 64, f"the agent's peak RSS grew {grown_mb:.0f} MB for 8 refused requests"
     channel, stub = _stub(world.actions.address)

@@ -153,8 +153,11 @@ class StackTreePanel(Vertical):
         elif trunk:
             top = root
 
-        def add(parent: UiTreeNode[TreeNode], node: TreeNode) -> None:
-            for child in node.children:
+        def add(under: UiTreeNode[TreeNode], start: TreeNode) -> None:
+            # depth first in the children's order, without recursion: a stack can be thousands of frames deep
+            pending: list[tuple[UiTreeNode[TreeNode], TreeNode]] = [(under, c) for c in reversed(start.children)]
+            while pending:
+                parent, child = pending.pop()
                 ranks = self._count(child.ranks)
                 if not ranks or budget[0] <= 0:
                     continue
@@ -163,7 +166,7 @@ class StackTreePanel(Vertical):
                 label.append(f"  [{len(ranks)}: {compact_ranks(ranks, 3)}]", "dim")
                 if child.children:
                     sub = parent.add(label, data=child, expand=True)
-                    add(sub, child)
+                    pending.extend((sub, c) for c in reversed(child.children))
                 else:
                     parent.add_leaf(label, data=child)
 

@@ -89,6 +89,9 @@ def register(sub: Any) -> None:
                         "else HOST-PORT)")
     p.add_argument("--launcher-pid", type=int, help="only ranks started by this launcher (torchrun) process")
     p.add_argument("--run-id", help="only ranks of this torchrun run id (TORCHELASTIC_RUN_ID)")
+    p.add_argument("--job-user", action="append", default=[], metavar="USER",
+                   help="only processes of this user (name or uid; repeatable) are ranks; default: the agent's own "
+                        "user, or for root, root and the user of a rank's launcher (torchrun, Slurm)")
     p.add_argument("--counter-dir", type=Path, help="where the CCL plugin writes its counter files")
     p.add_argument("--concurrency", type=int, default=8, help="py-spy calls at once during a capture (default 8)")
     p.add_argument("--state-dir", type=Path,
@@ -110,9 +113,9 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
     import os
     import socket
-    import sys
 
-    from rankscope.actions.config import EvictionSettings, load_actions_config
+    from rankscope.actions.config import EvictionSettings, load_actions_config, state_dir_for
+    from rankscope.cli.options import job_users
     from rankscope.contract.errors import RankscopeError
     from rankscope.wire.agent import AgentConfig, serve
     from rankscope.wire.tls import server_tls
@@ -122,10 +125,7 @@ def run(args: argparse.Namespace) -> int:
         raise RankscopeError("--concurrency must be at least 1", "use the default, 8")
     if args.lease < 0:
         raise RankscopeError("--lease must be 0 (none) or a number of seconds", "e.g. --lease 60")
-    tokens = load_tokens(args.token_file)
-    if args.token_file is not None and args.token_file.stat().st_mode & 0o077:
-        print(f"rankscope agent: warning: {args.token_file} can be read by other users; "
-              f"fix: chmod 600 {args.token_file}", file=sys.stderr)
+    tokens = load_tokens(args.token_file, private=True)
     if tokens is not None and args.insecure_no_token:
         raise RankscopeError("--insecure-no-token given together with a token", "drop one of them")
     if args.insecure and (args.tls_cert or args.tls_key):
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
                                  "start it with srun --jobid JOBID --overlap, or use rankscope attach --slurm JOBID")
     if args.state_dir is not None and "%n" in str(args.state_dir):
         # One command line for every node of a job step: each agent keeps its own state.
-        args.state_dir = Path(str(args.state_dir).replace("%n", args.machine_name or slurm_node or socket.gethostname()))
+        args.state_dir = state_dir_for(args.state_dir, args.machine_name or slurm_node or socket.gethostname())
     actions = load_actions_config(args.actions_config, args.state_dir)
     if actions is not None and slurm_job and args.actions_config is None:
         # Started inside the job with no procedures of its own: evicting means draining and requeueing in Slurm.
@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         slurm_job=slurm_job,
         slurm_node=slurm_node,
         lease_s=args.lease,
+        job_users=job_users(args.job_user),
     )
     if args.relay_to:
         from rankscope.wire.agents_spec import parse_agents

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rankscope.cli.commands.target import add_slurm_args, add_tls_args, open_target
-from rankscope.cli.options import add_failslow_args, add_layout_args, failslow_config, layout_from_args
+from rankscope.cli.options import add_failslow_args, add_layout_args, failslow_config, layout_from_args, seconds
 from rankscope.contract.errors import RankscopeError
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def register(sub: Any) -> None:
                           "(a folder of rank<R>.txt|json or per-node files, as `rankscope analyze DUMPS` reads them)")
     p.add_argument("--token-file", type=Path, help="file with the token to send; default: $RANKSCOPE_TOKEN")
     p.add_argument("--read-only", action="store_true", help="no actions that change the job (evict, update, backup)")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between polls of metrics and counters (default 1)")
+    p.add_argument("--interval", type=seconds, default=1.0, help="seconds between polls of metrics and counters (default 1)")
     p.add_argument("--deadline", type=float, default=5.0, help="seconds each agent has to answer (default 5)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds each py-spy call may take (default 5)")
     p.add_argument("--native", action="store_true", help="include native frames in stack captures")

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from rankscope.cli.commands.target import add_slurm_args, add_tls_args, open_target
-from rankscope.cli.options import add_failslow_args, add_layout_args, failslow_config, layout_from_args
+from rankscope.cli.options import add_failslow_args, add_layout_args, failslow_config, layout_from_args, seconds
 
 if TYPE_CHECKING:
     from rankscope.analyzers.failslow import FailSlowVerdict
@@ -75,8 +75,8 @@ def register(sub: Any) -> None:
     p.add_argument("--hostfile", type=Path, help="file with one agent (host:port or range) per line")
     p.add_argument("--port", type=int, default=None, help="port for entries written without one")
     p.add_argument("--token-file", type=Path, help="file with the token to send; default: $RANKSCOPE_TOKEN")
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: until Ctrl-C)")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between polls of metrics and counters (default 1)")
+    p.add_argument("--duration", type=seconds, default=None, help="stop after this many seconds (default: until Ctrl-C)")
+    p.add_argument("--interval", type=seconds, default=1.0, help="seconds between polls of metrics and counters (default 1)")
     p.add_argument("--stack-interval", type=float, default=10.0,
                    help="seconds between stack captures for the aggregation rounds (default 10; 0 turns them off)")
     p.add_argument("--sample-hz", type=float, default=5.0,
