@@ -290,9 +290,11 @@ def _parse(path: Path, fd: int, size: int, name_rank: int, now: float) -> Counte
             return _corrupt(path, name_rank, f"op slot {i} names communicator {comm_index} of {n_comms}")
         count = min(ring_count, L.RING_LEN)
         recent = tuple(ring[(ring_next - count + k) % L.RING_LEN] for k in range(count))  # oldest first
+        # A completion without a time (the shim's untimed rows where NCCL's plugin times the device) has no duration:
+        # its 0.0 is not a measurement, and a fail-slow reading of it would name the rank fastest of all.
         ops.append(OpCounters(
             comm_id=comms[comm_index].comm_id, op=op, cl=cl, wr=wr, wc=wc, last_launched_seq=lls,
-            last_completed_seq=lcs, bytes_total=nbytes, last_duration_s=dur if wc else None,
+            last_completed_seq=lcs, bytes_total=nbytes, last_duration_s=dur if wc and cw else None,
             recent_throughput=recent, last_launch_wall=lw or None, last_complete_wall=cw or None,
             open_peers=tuple(dict.fromkeys(peers))))  # the plugin keeps one entry per open request
     why = staleness(h["pid"], h["pid_start_ticks"], h["heartbeat_wall"], h["flags"], now)

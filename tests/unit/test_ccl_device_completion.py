@@ -214,10 +214,11 @@ def test_with_our_profiler_plugin_loaded_device_work_is_counted_not_timed(shim: 
         assert counts(shim, "all_reduce") == (2, 2, 2)
         assert Event.made == [] and STATE.device_works == {} and len(STATE.device_events) == 0
         (o,) = read_counter_file(shim.path).counters.ops
-        assert (o.bytes_total, o.recent_throughput, o.last_complete_wall) == (128, (), None)
+        assert (o.bytes_total, o.recent_throughput, o.last_complete_wall, o.last_duration_s) == (128, (), None, None)
         wrapped(Tensor(cuda=False))  # host tensors are still the shim's to time
         (o,) = read_counter_file(shim.path).counters.ops
         assert o.wc == 3 and len(o.recent_throughput) == 1 and o.last_complete_wall is not None
+        assert o.last_duration_s is not None
     finally:
         STATE.plugin = False
 
