@@ -286,7 +286,34 @@ static void copy_str(char* dst, size_t size, const char* src) {
   memcpy(dst, src, n);
 }
 
-static unsigned char* open_file(int comm_rank, int comm_size) {
+/* The counter directory, opened and checked as the Python writer checks it (ccl_plugin/writer.py): made 0700 when
+ * missing, tightened to 0700 when it is ours and others can write it, refused when it is a link, another user's
+ * (root's excepted) or still writable by others; -1 (said once in NCCL's log) when refused. Everything after is
+ * relative to this one descriptor, so no link at the directory's path or at either file name is followed. */
+static int open_dir(const char* dir, ncclDebugLogger_t log) {
+  mkdir(dir, 0700);
+  int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  struct stat st;
+  const char* why = NULL;
+  if (dfd < 0 || fstat(dfd, &st) != 0) {
+    why = "cannot be opened (or is a symbolic link)";
+  } else {
+    if (st.st_uid == geteuid() && (st.st_mode & 022) && fchmod(dfd, 0700) == 0) fstat(dfd, &st);
+    if (st.st_uid != geteuid() && st.st_uid != 0)
+      why = "belongs to another user";
+    else if (st.st_mode & 022)
+      why = "can be written by other users";
+  }
+  if (!why) return dfd;
+  if (dfd >= 0) close(dfd);
+  if (log)
+    log(RS_LOG_WARN, ~0UL, __FILE__, __LINE__,
+        "rankscope profiler: counter directory %s is refused: it %s; this rank's NCCL counters are off. Fix: remove "
+        "it or set RANKSCOPE_CCL_DIR to a directory of this user that others cannot write", dir, why);
+  return -1;
+}
+
+static unsigned char* open_file(int comm_rank, int comm_size, ncclDebugLogger_t log) {
   const char* dir = getenv(RS_ENV_DIR);
   const char* job = getenv(RS_ENV_JOB_ID);
   const char* r = getenv("RANK");
@@ -296,21 +323,31 @@ static unsigned char* open_file(int comm_rank, int comm_size) {
   if (!dir || !*dir) dir = RS_DEFAULT_DIR;
   if (!job || !*job) job = getenv("TORCHELASTIC_RUN_ID");
   if (!job || !*job) job = "job";
-  mkdir(dir, 0755);
-  char tmp[4200];
+  int dfd = open_dir(dir, log);
+  if (dfd < 0) return NULL;
+  char tmp[4200], name[4200];
   snprintf(path, sizeof(path), "%s/%s.rank%d.nccl.ccl", dir, job, rank);
-  snprintf(tmp, sizeof(tmp), "%s/.%s.rank%d.nccl.ccl.%d.tmp", dir, job, rank, (int)getpid());
-  int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
-  if (fd < 0) return NULL;
+  snprintf(name, sizeof(name), "%s.rank%d.nccl.ccl", job, rank);
+  snprintf(tmp, sizeof(tmp), ".%s.rank%d.nccl.ccl.%d.tmp", job, rank, (int)getpid());
+  /* O_EXCL: a name planted before us (a link, a file of another user) is removed, never written through */
+  int fd = openat(dfd, tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0 && unlinkat(dfd, tmp, 0) == 0)
+    fd = openat(dfd, tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) {
+    close(dfd);
+    return NULL;
+  }
   if (ftruncate(fd, RS_FILE_SIZE) != 0) {
     close(fd);
-    unlink(tmp);
+    unlinkat(dfd, tmp, 0);
+    close(dfd);
     return NULL;
   }
   void* m = mmap(NULL, RS_FILE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (m == MAP_FAILED) {
-    unlink(tmp);
+    unlinkat(dfd, tmp, 0);
+    close(dfd);
     return NULL;
   }
   unsigned char* b = (unsigned char*)m;
@@ -336,9 +373,11 @@ static unsigned char* open_file(int comm_rank, int comm_size) {
   h->op_table_offset = RS_OP_TABLE_OFFSET;
   h->member_pool_offset = RS_MEMBER_POOL_OFFSET;
   copy_str(h->job_id, RS_JOB_ID_LEN, job);
-  if (rename(tmp, path) != 0) {
+  int renamed = renameat(dfd, tmp, dfd, name);
+  if (renamed != 0) unlinkat(dfd, tmp, 0);
+  close(dfd);
+  if (renamed != 0) {
     munmap(m, RS_FILE_SIZE);
-    unlink(tmp);
     return NULL;
   }
   return b;
@@ -457,7 +496,7 @@ static ncclResult_t rs_init(void** context, uint64_t commId, int* mask, const ch
   lock_create();
   unsigned char* b = file();
   if (!b) {
-    if (!(b = open_file(rank, nranks))) {
+    if (!(b = open_file(rank, nranks, logfn))) {
       unlock_create();
       return RS_NCCL_SUCCESS;
     }

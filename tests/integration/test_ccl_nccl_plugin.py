@@ -304,3 +304,38 @@ def test_replay_catches_the_released_plugin_freeing_parents_early(
     proc = _replay(lib, exe, out, 200, env=SAN_ENV)
     assert proc.returncode != 0
     assert "heap-use-after-free" in proc.stderr
+
+
+def test_the_plugin_never_writes_through_a_planted_link_and_tightens_its_own_directory(
+        plain_replay: Path, tmp_path: Path) -> None:
+    """Another user who got into the counter directory first plants a link at the plugin's temporary name: the
+    plugin removes the name and makes its own file (O_EXCL|O_NOFOLLOW), and the victim keeps its bytes."""
+    lib = build_plugin(tmp_path / "lib", extra_flags=("-g", *SMALL_POOLS))
+    out = tmp_path / "counters"
+    out.mkdir()
+    out.chmod(0o777)  # ours, but loose: tightened before use
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    env = {**os.environ, "RANKSCOPE_CCL_DIR": str(out), "RANKSCOPE_JOB_ID": "replay", "RANK": "1", "WORLD_SIZE": "4",
+           "RANKSCOPE_CCL_KEEP": "1", "RS_HARNESS_ABI": "5"}
+    # the shell's pid is the replay's (exec), so the link sits at exactly the name the plugin will use
+    script = f'ln -s {victim} {out}/.replay.rank1.nccl.ccl.$$.tmp && exec {plain_replay} {lib} 400'
+    proc = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert victim.read_text() == "precious\n"
+    _check_replay(proc, out, 400)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o700)
+    assert not any(p.is_symlink() for p in out.iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another user")
+def test_the_plugin_refuses_a_directory_of_another_user_with_the_fix_in_nccls_log(
+        plain_replay: Path, tmp_path: Path) -> None:
+    lib = build_plugin(tmp_path / "lib", extra_flags=("-g", *SMALL_POOLS))
+    out = tmp_path / "counters"
+    out.mkdir(mode=0o755)
+    os.chown(out, 65534, 65534)
+    proc = _replay(lib, plain_replay, out, 400)
+    assert "AddressSanitizer" not in proc.stderr and "Segmentation" not in proc.stderr
+    assert "counter directory" in proc.stderr and "belongs to another user" in proc.stderr
+    assert "RANKSCOPE_CCL_DIR" in proc.stderr  # the fix
+    assert list(out.iterdir()) == []
