@@ -43,10 +43,10 @@ from rankscope.analyzers.log_evidence import (
     RasReport,
     WatchdogRecord,
 )
+from rankscope.formats.log_names import file_rank
 
 _HEAD_BYTES = 64 * 1024
 _MAX_NOTES_PER_FILE = 4
-_RANK_FILE = re.compile(r"(?:^|[^a-z])rank[_-]?(\d+)(?:[^0-9]|$)", re.IGNORECASE)
 
 # A marker in the first bytes of a file that makes it a log this module reads (checked before py-spy's).
 _LOG_MARKERS = ("WorkNCCL(SeqNum=", "Watchdog caught collective operation timeout", "ProcessGroupNCCL.cpp:",
@@ -95,7 +95,7 @@ class _Acc:
 
 
 def log_kind(head: str) -> str | None:
-    """What a file's first bytes say it is: "ras", "ras-json", "inspector", "log", or None (not a log)."""
+    """What a file's first bytes say it is: "ras", "ras-json", "inspector", "log", "crash", or None (not a log)."""
     from rankscope.formats.nccl_inspector import looks_like_inspector
     from rankscope.formats.nccl_ras import json_start, looks_like_ras_json, looks_like_ras_text
 
@@ -110,6 +110,10 @@ def log_kind(head: str) -> str | None:
         return "log"  # a log with a RAS report pasted in it is read for both
     if looks_like_ras_text(head):
         return "ras"
+    from rankscope.formats.crash_logs import looks_like_crash
+
+    if looks_like_crash(head):
+        return "crash"  # NCCL WARN, DistBackendError, torchelastic's summary, kernel Xid lines: formats.crash_logs
     return None
 
 
@@ -246,13 +250,8 @@ def read_text(text: str, name: str, acc: _Acc, kind: str | None = None) -> None:
     _read_lines(text, name, acc)
 
 
-def _file_rank(name: str) -> int | None:
-    m = _RANK_FILE.search(name.rsplit(".", 1)[0])
-    return int(m.group(1)) if m else None
-
-
 def _read_lines(text: str, name: str, acc: _Acc) -> None:
-    file_rank = _file_rank(name)
+    of_file = file_rank(name)
     quoted = 0
     interleaved = 0
     fr: dict[str, object] | None = None
@@ -299,9 +298,9 @@ def _read_lines(text: str, name: str, acc: _Acc) -> None:
             pieces = re.split(r"(?=\[rank\d+\]:)", line)
             for piece in pieces:
                 if piece.strip():
-                    _read_line(piece, where, file_rank, acc, quote, no)
+                    _read_line(piece, where, of_file, acc, quote, no)
             continue
-        _read_line(line, where, file_rank, acc, quote, no)
+        _read_line(line, where, of_file, acc, quote, no)
     close_fr()
     if quoted > _MAX_NOTES_PER_FILE:
         acc.notes.append(f"{name}: {quoted - _MAX_NOTES_PER_FILE} more line(s) not in a known shape")

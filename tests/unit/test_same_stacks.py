@@ -66,5 +66,5 @@ def test_the_same_stacks_in_their_own_work_stay_no_verdict(tmp_path: Path,
 def test_one_rank_elsewhere_is_no_symmetric_stall(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _write(tmp_path, {0: BACKWARD, 1: BACKWARD, 2: LOADER, 3: BACKWARD})
     data = _analyze(capsys, tmp_path)
-    assert [s["ranks"] for s in data["suspects"]][0] == [2]  # type: ignore[index,union-attr]
+    assert data["suspects"][0]["ranks"] == [2]  # type: ignore[index]
     assert not str(data["summary"]).startswith("not a rank")
