@@ -10,8 +10,12 @@ launched up to operation %ld``, ``Rank %d has launched up to operation %ld -- GP
 
 from __future__ import annotations
 
+import contextlib
 import json
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.log_evidence import _fold_same_machine, analyze_logs
 from rankscope.formats.incident_logs import log_kind, read_log_text, readable_aspects
@@ -131,3 +135,63 @@ def test_folding_many_blocks_on_one_machine_keeps_every_line_once() -> None:
     assert [s.kind for s in out] == [SuspectKind.MACHINE, SuspectKind.RANK]
     assert len(out[0].evidence) == n + 1 and out[0].evidence[:3] == ("block 0", "same line", "block 1")
     assert out[0].title.count("communicator rank") == 3 and out[0].title.endswith("and 2 more")
+
+
+# --------------------------------------------------------------------------
+# Every reader on pasted input: truncated, prefixed, interleaved, binary
+# --------------------------------------------------------------------------
+
+_PASTES = [WARNINGS_ONLY, _ras_json(6, 2), "INCOMPLETE\n  Missing communicator data from 1 job process\n"
+           "  Process 7710 on node nodeB managing GPU 6\n",
+           "[rank1]:[E603 17:48:01.005 ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught collective operation timeout: "
+           "WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, Timeout(ms)=600000) ran for 600068 ms\n",
+           '{"header": {"id": "0xab", "rank": 0, "n_ranks": 2}, "coll_perf": {"coll": "AllReduce", "coll_sn": 4, '
+           '"coll_exec_time_us": 12.5}}\n',
+           "Not all ranks joining collective 5 at entry 5\ngroup info: 0:default_pg\ncollective: nccl:all_reduce\n"
+           "missing ranks: {1}\n"]
+_PREFIXES = ["", "OK\n", "$ ncclras -v\n", "user@host:~$ cat out.txt\n", "{not json\n", "\x1b[0m>>> "]
+
+
+@settings(max_examples=200, deadline=None)
+@given(base=st.sampled_from(_PASTES), other=st.sampled_from(_PASTES), prefix=st.sampled_from(_PREFIXES),
+       cut=st.integers(0, 1200), shape=st.sampled_from(["truncated", "interleaved", "binary"]),
+       noise=st.binary(max_size=64))
+def test_every_reader_takes_a_paste_as_people_make_it(base: str, other: str, prefix: str, cut: int, shape: str,
+                                                      noise: bytes) -> None:
+    """Clear notes, never a traceback: the text readers, the RAS parsers and the rules, on the same pastes cut,
+    prefixed, interleaved line by line with another paste, or with binary bytes in them."""
+    from rankscope.formats.nccl_inspector import parse_inspector
+    from rankscope.formats.nccl_ras import parse_ras_json, parse_ras_text
+
+    text = prefix + base
+    if shape == "truncated":
+        text = text[:cut]
+    elif shape == "interleaved":
+        a, b = text.split("\n"), other.split("\n")
+        text = "\n".join(x for pair in zip(a, b, strict=False) for x in pair)
+    else:
+        text = text[:cut] + noise.decode("utf-8", errors="replace") + text[cut:]
+    ev = read_log_text(text, "paste.txt")
+    assert all(isinstance(n, str) and n for n in ev.notes)
+    v = analyze_logs(ev, world=8)
+    assert isinstance(v.summary, str) and v.summary
+    _, notes = parse_ras_text(text, "r.txt")
+    assert all(isinstance(n, str) for n in notes)
+    with contextlib.suppress(ValueError, RecursionError):  # its documented refusal, which read_text turns into a note
+        parse_ras_json(text, "r.json")
+    parse_inspector(text, "i.json")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=1, max_size=2048), base=st.sampled_from(_PASTES))
+def test_files_with_binary_bytes_are_read_or_said_not_read(tmp_path_factory: pytest.TempPathFactory, data: bytes,
+                                                           base: str) -> None:
+    from rankscope.formats.incident_logs import read_logs, scan
+
+    folder = tmp_path_factory.mktemp("paste")
+    (folder / "a.log").write_bytes(base.encode() + data)
+    (folder / "b.log").write_bytes(data + base.encode())
+    found = [s for s in scan(folder) if s.kind is not None]
+    ev = read_logs(found)
+    assert all(isinstance(n, str) for n in ev.notes)
+    analyze_logs(ev)
