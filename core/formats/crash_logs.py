@@ -64,6 +64,12 @@ _OWN_GID = re.compile(r"localGid (?:::ffff:)?([\d.]+)")
 _ADDR_INFO = re.compile(r"(?:OOB|Bootstrap : Using|NET/Socket : Using \[\d+\])\s*[\w.-]+:([0-9a-fA-F.:]+?)<\d+>")
 _NIC_DOWN = re.compile(r"(?:mlx\d_core|mlx\d|\bib\d|\bNIC\b|bnxt|\bice\b|ixgbe|i40e).*(?:[Ll]ink (?:is )?[Dd]own|"
                        r"[Ll]ost carrier|port .*[Dd]own)")
+# A line is looked at only when it holds one of these (every shape below does; most of a log holds none).
+_LINE_KEYS = ("NCCL WARN", "NCCL INFO Bootstrap", "NCCL INFO NET/", "NVRM", "Xid", "fallen off", "AER", "ECC",
+              "double bit", "down", "Down", "carrier", "Connection", "Call to", "CUDA error", "Cuda failure",
+              "illegal memory", "out of memory", "OutOfMemory", "DistBackendError", "ncclRemoteError",
+              "ncclSystemError", "ncclInternalError", "ncclUnhandledCudaError", "NCCL error", "Watchdog caught",
+              "Timeout at", "SIGABRT", "terminate called", "observed failure", "Failures:", " : ")
 _ELASTIC_FIELD = re.compile(r"^\s*(time|host|rank|exitcode|traceback|error_file)\s*:\s*(.*)$")
 _HOST_WORDS = re.compile(r"(?i)\b(?:dmesg|kern(?:el)?|syslog|messages|journal(?:ctl)?|nccl|train(?:ing)?|log|logs|"
                          r"out|err|stdout|stderr|txt|rank[_-]?\d+|torchrun|elastic|launcher)\b")
@@ -143,7 +149,8 @@ def _digest(notes: list[str], keep: int = 8) -> list[str]:
     read = [n for n in notes if ": read " in n and "error(s) of a crash" in n]
     if len(read) <= keep:
         return notes
-    rest = [n for n in notes if n not in set(read)]
+    said = set(read)
+    rest = [n for n in notes if n not in said]
     names = ", ".join(n.split(":", 1)[0] for n in read[:3])
     return [f"crash logs: errors read from {len(read)} files ({names}, ...)", *rest]
 
@@ -220,8 +227,13 @@ def read_crash_text(text: str, name: str, host_hint: str | None = None,
                            exitcode=int(code.group(1)) if code else None), _stamp(elastic.get("time", "")))
         elastic = None
 
+    keys = tuple(k for k in _LINE_KEYS if k in text)  # (most files hold few of them: a line is checked for those)
+    if not keys:
+        return [], []
     for no, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
+        if not any(k in line for k in keys) and not line.rstrip().endswith("]:"):
+            if elastic is not None:
+                close_elastic()
             continue
         stripped = line.strip()
         if "first observed failure" in line:
@@ -243,7 +255,7 @@ def read_crash_text(text: str, name: str, host_hint: str | None = None,
                 elastic[f.group(1)] = f.group(2)
                 continue
             close_elastic()
-        m = _NCCL_PREFIX.search(line)
+        m = _NCCL_PREFIX.search(line) if "NCCL" in line else None
         host = m.group(1) if m is not None else None
         if host is not None and file_host is None:
             file_host = host
@@ -257,7 +269,7 @@ def read_crash_text(text: str, name: str, host_hint: str | None = None,
             if any(k in line for k in ("NCCL WARN", "NVRM:")):
                 unknown_lines += 1
             continue
-        if host is None:
+        if host is None and line[:1].isalpha():
             s = _SYSLOG.match(line)
             host = s.group(7) if s is not None else None
         if kind is CrashKind.NETWORK and host is not None and (own := _OWN_GID.search(line)) is not None:
@@ -288,7 +300,7 @@ def read_crash_text(text: str, name: str, host_hint: str | None = None,
 
 def _classify(line: str) -> tuple[CrashKind | None, str, str | None, str | None]:
     """What an error line says: kind, a short text, the peer it names, the GPU it names."""
-    if (x := _XID.search(line)) is not None:
+    if "Xid" in line and (x := _XID.search(line)) is not None:
         code = int(x.group(2))
         rest = line[x.end():].split(",")
         said = next((p.strip() for p in rest[1:] if p.strip() and "=" not in p), "")
@@ -301,7 +313,7 @@ def _classify(line: str) -> tuple[CrashKind | None, str, str | None, str | None]
         return CrashKind.HARDWARE, "PCIe uncorrected error (AER)", None, None
     if "uncorrectable ECC" in line or "double bit error" in line:
         return CrashKind.HARDWARE, "uncorrectable ECC error", None, None
-    if _NIC_DOWN.search(line) is not None:
+    if ("own" in line or "carrier" in line) and _NIC_DOWN.search(line) is not None:  # down, Down
         return CrashKind.HARDWARE, "NIC link down: " + _tail(line, ("mlx", "ib", "NIC", "bnxt", "ice", "ixgbe", "i40e")),\
             None, None
     if "Got completion from peer" in line:

@@ -183,7 +183,8 @@ def _logs_with_dumps(args: argparse.Namespace) -> None:
     args.log_files = [f for f in files if f.kind is not None]
     # A crashed job's logs: every log above, and those in a folder per machine.
     deeper = [p for p in crash_files(path) if p.parent != path] if path.is_dir() else []
-    args.crash_items = [(f.path, f.text) for f in args.log_files] + [p for p in deeper
+    # (a report's JSON, RAS text and Inspector records hold no crash lines: not read for them)
+    args.crash_items = [(f.path, f.text) for f in args.log_files if f.kind in ("log", "crash")] + [p for p in deeper
                                                                      if looks_like_crash(head_of(p))]
     if not args.log_files and not args.crash_items:
         raise RankscopeError(f"no logs this reader knows in {path}",
