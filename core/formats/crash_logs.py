@@ -42,10 +42,11 @@ from rankscope.formats.log_names import file_rank
 
 _MAX_BYTES = 4 * 1024 * 1024  # read of each end of a longer file
 _MAX_EVENTS_PER_FILE = 200
-_MARKERS = ("NCCL WARN", "NVRM: Xid", "fallen off the bus", "DistBackendError", "first observed failure",
-            "Connection reset by peer", "Connection closed by remote peer", "ncclRemoteError", "ncclSystemError",
-            "ncclInternalError", "ncclUnhandledCudaError", "Cuda failure", "AER: Uncorrected", "(SIGABRT)",
-            "CUDA error: ", "uncorrectable ECC", "double bit error")
+# Every error line below but a watchdog timeout holds one of these: a file with none holds no crash's error. (Few
+# and short, as every log of a folder is checked: "Error" stands for DistBackendError, ncclRemoteError, ...)
+_MARKERS = ("NCCL WARN", "Error", "Xid", "fallen off", "first observed failure", "by peer", "remote peer",
+            "Cuda failure", "CUDA error", "Uncorrected", "SIGABRT", "ECC", "double bit", "of memory", "illegal memory",
+            "Call to ", "terminate called", "NCCL error")
 # Xid codes of a failed GPU, NVLink or memory (NVIDIA's Xid catalogue): the GPU, not the program, is at fault.
 _CRITICAL_XID = frozenset({48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 121, 123, 140, 143, 154})
 _MONTHS = {m: i for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov",
@@ -85,13 +86,14 @@ class _Line:
 
 def looks_like_crash(head: str) -> bool:
     """Whether a file's first (and last) bytes hold an error line of a crash this module reads."""
-    return any(m in head for m in _MARKERS) or _NIC_DOWN.search(head) is not None
+    return any(m in head for m in _MARKERS) or (("own" in head or "carrier" in head)  # (down, Down)
+                                                and _NIC_DOWN.search(head) is not None)
 
 
 def any_crash_file(path: Path) -> bool:
     """Whether a folder's per-machine folders hold a crash log (stops at the first; the folder's own files are
     ``incident_logs.any_log_file``'s)."""
-    return any(looks_like_crash(head_of(p)) for p in crash_files(path) if p.parent != path)
+    return any(looks_like_crash(head_of(p)) for p in machine_files(path))
 
 
 def head_of(path: Path) -> str:
@@ -103,19 +105,20 @@ def crash_files(path: Path) -> list[Path]:
     """The files of ``path`` (a file, a folder, or a folder of per-machine folders) this module reads."""
     if path.is_file():
         return [path]
-    out: list[Path] = []
-    for p in _entries(path):
-        if p.is_dir():
-            out.extend(q for q in _entries(p) if q.is_file())
-        elif p.is_file():
-            out.append(p)
-    return [p for p in out if p.suffix.lower() != ".md"]
+    return [path / n for n in _names(path, dirs=False)] + machine_files(path)
 
 
-def _entries(path: Path) -> list[Path]:
+def machine_files(path: Path) -> list[Path]:
+    """The files of a folder's sub-folders (a folder per machine), one level deep."""
+    return [path / d / n for d in _names(path, dirs=True) for n in _names(path / d, dirs=False)]
+
+
+def _names(path: Path, *, dirs: bool) -> list[str]:
+    """A folder's entry names, sorted: its sub-folders, or its files but notes (.md); none when it is unreadable."""
     try:
-        with os.scandir(path) as it:
-            return [path / n for n in sorted(e.name for e in it if not e.name.startswith("."))]
+        with os.scandir(path) as it:  # the entries' types come with the listing: no stat per file
+            return sorted(e.name for e in it if not e.name.startswith(".")
+                          and (e.is_dir() if dirs else e.is_file() and not e.name.lower().endswith(".md")))
     except OSError:
         return []
 
@@ -136,8 +139,9 @@ def read_crash_logs(items: Iterable[Path | tuple[Path, str | None]], root: Path 
             if cut:
                 notes.append(f"{path.name}: larger than {2 * _MAX_BYTES // 2**20} MiB: its first and last "
                              f"{_MAX_BYTES // 2**20} MiB read")
-        hint = path.parent.name if root is not None and path.parent != root else _host_of_name(path.name)
-        found, file_notes = read_crash_text(text, _label(path, root), hint, addrs)
+        deeper = root is not None and path.parent != root
+        found, file_notes = read_crash_text(text, f"{path.parent.name}/{path.name}" if deeper else path.name,
+                                            path.parent.name if deeper else None, addrs)
         lines.extend(found)
         notes.extend(file_notes)
     return CrashEvidence(tuple(_settle(lines, addrs)), tuple(_digest(notes)))
@@ -153,10 +157,6 @@ def _digest(notes: list[str], keep: int = 8) -> list[str]:
     rest = [n for n in notes if n not in said]
     names = ", ".join(n.split(":", 1)[0] for n in read[:3])
     return [f"crash logs: errors read from {len(read)} files ({names}, ...)", *rest]
-
-
-def _label(path: Path, root: Path | None) -> str:
-    return f"{path.parent.name}/{path.name}" if root is not None and path.parent != root else path.name
 
 
 def _read(path: Path, limit: int = _MAX_BYTES, whole: bool = True) -> tuple[str | None, bool]:
@@ -283,6 +283,8 @@ def read_crash_text(text: str, name: str, host_hint: str | None = None,
     # A rank's log lives on one host: a line that names none is tied to the host its file's NCCL lines name, else
     # to the host the file's name (or folder) gives.
     fill = file_host or host_hint
+    if fill is None and any(x.event.host is None for x in out):
+        fill = _host_of_name(name.rsplit("/", 1)[-1])
     if fill is not None:
         out = [_Line(replace(x.event, host=fill), x.stamp) if x.event.host is None else x for x in out]
     notes = []

@@ -102,7 +102,7 @@ def log_kind(head: str) -> str | None:
     # JSON where a line opens an object (a status word, a prompt or an echo may come first).
     if looks_like_ras_json(head):
         return "ras-json"
-    if json_start(head) >= 0 and looks_like_inspector(head):
+    if looks_like_inspector(head) and json_start(head) >= 0:
         return "inspector"
     if "nccl_collective_exec_time_microseconds{" in head:
         return "inspector"

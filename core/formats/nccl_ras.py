@@ -52,7 +52,7 @@ _COMM_LINE = re.compile(r"(?m)^\s*#\d+-\d+\s+\([^()\s]*\)\s+(?:MISMATCH|INCOMPLE
 def looks_like_ras_text(head: str) -> bool:
     """RAS text anywhere in ``head``: the whole report, or only the block a person copied out of it."""
     return ("Job summary" in head and ("Communicators" in head or "Errors\n" in head)) \
-        or any(m in head for m in HEADLINE_MARKERS[2:]) or _COMM_LINE.search(head) is not None
+        or any(m in head for m in HEADLINE_MARKERS[2:]) or ("#" in head and _COMM_LINE.search(head) is not None)
 
 
 def json_start(text: str) -> int:
@@ -65,6 +65,8 @@ def json_start(text: str) -> int:
 
 
 def looks_like_ras_json(head: str) -> bool:
+    if '"communicators"' not in head:
+        return False
     at = json_start(head)
     body = head[at:] if at >= 0 else ""
     return at >= 0 and '"communicators"' in body and (

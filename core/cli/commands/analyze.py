@@ -174,7 +174,7 @@ def _route_by_content(args: argparse.Namespace) -> None:
 
 def _logs_with_dumps(args: argparse.Namespace) -> None:
     """A folder of logs may hold py-spy dumps too (and one pasted file both): read those as the stacks."""
-    from rankscope.formats.crash_logs import crash_files, head_of, looks_like_crash
+    from rankscope.formats.crash_logs import head_of, looks_like_crash, machine_files
     from rankscope.formats.incident_logs import scan
     from rankscope.formats.pyspy_dir import looks_like_pyspy
 
@@ -182,11 +182,13 @@ def _logs_with_dumps(args: argparse.Namespace) -> None:
     files = scan(path)
     args.log_files = [f for f in files if f.kind is not None]
     # A crashed job's logs: every log above, and those in a folder per machine.
-    deeper = [p for p in crash_files(path) if p.parent != path] if path.is_dir() else []
-    # (a report's JSON, RAS text and Inspector records hold no crash lines: not read for them)
-    args.crash_items = [(f.path, f.text) for f in args.log_files if f.kind in ("log", "crash")] + [p for p in deeper
-                                                                     if looks_like_crash(head_of(p))]
-    if not args.log_files and not args.crash_items:
+    deeper = [p for p in machine_files(path) if looks_like_crash(head_of(p))] if path.is_dir() else []
+    # A report's JSON, RAS text and Inspector records hold no crash lines; a folder whose logs hold no crash error
+    # (a hang: watchdog timeouts alone) is not read for one.
+    crashed = [f for f in args.log_files if f.kind in ("log", "crash")]
+    if deeper or any(f.kind == "crash" or f.text is None or looks_like_crash(f.text) for f in crashed):
+        args.crash_items = [(f.path, f.text) for f in crashed] + deeper
+    if not args.log_files and not getattr(args, "crash_items", None):
         raise RankscopeError(f"no logs this reader knows in {path}",
                              "pass NCCL RAS output, ProcessGroupNCCL watchdog lines, fr_trace's report, DETAIL "
                              "mismatch errors, NCCL Inspector output, or a crashed job's logs (NCCL WARN lines, "
