@@ -99,6 +99,15 @@ class RasRank:
     host: str | None = None
     status: str | None = None
 
+    def who(self) -> str:
+        """The rank and GPU RAS names, without the machine: ``communicator rank 7 (GPU 3, pid 4242)``."""
+        head = f"communicator rank {self.comm_rank}" if self.comm_rank is not None else (
+            f"process {self.pid}" if self.pid is not None else "a process")
+        parts = [f"GPU {self.gpu}"] if self.gpu is not None else []
+        if self.pid is not None and self.comm_rank is not None:
+            parts.append(f"pid {self.pid}")
+        return head + (f" ({', '.join(parts)})" if parts else "")
+
     def label(self) -> str:
         parts = [f"communicator rank {self.comm_rank}" if self.comm_rank is not None else "a process"]
         if self.pid is not None:
@@ -241,12 +250,12 @@ class _Found:
 
 def _suspect(ranks: Iterable[int], score: float, evidence: Sequence[str], *, machines: Sequence[str] = (),
              victims: Iterable[int] = (), kind: SuspectKind = SuspectKind.RANK, state: str = "",
-             roots: Iterable[int] | None = None) -> Suspect:
+             roots: Iterable[int] | None = None, title: str = "") -> Suspect:
     rs = tuple(sorted(set(ranks)))
     return Suspect(kind, rs, tuple(sorted(set(machines))), score, tuple(evidence), (SOURCE,),
                    victims=tuple(sorted(set(victims) - set(rs))), state=state,
                    roots=tuple(sorted(set(roots))) if roots is not None else rs,
-                   title=evidence[0] if kind is SuspectKind.DESYNC and evidence else "")
+                   title=evidence[0] if kind is SuspectKind.DESYNC and evidence else title)
 
 
 @dataclass(slots=True)
@@ -370,20 +379,24 @@ def _ras(reports: Sequence[RasReport], out: _Found, world: int | None) -> bool:
     all_ok = False
     for rep in reports:
         processes = rep.processes or world
+        # A process a communicator block names too is headlined by its rank and GPU there.
+        in_comms = {(m.pid, m.host) for c in rep.comms for m in c.missing if m.pid is not None}
         for proc in (*rep.missing_processes, *rep.dead_processes):
             dead = proc in rep.dead_processes
             line = (f"NCCL RAS has {'declared dead' if dead else 'no communicator data from'} {proc.label()} "
                     f"({rep.where}): the process {'is unreachable' if dead else 'does not answer RAS'}; it is hung "
                     "hard (a stuck driver call, a GPU fault) or gone")
+            state = "dead" if dead else "not answering RAS"
             out.suspects.append(_suspect((), SCORE_MISSING, [line], machines=[proc.host] if proc.host else (),
-                                         kind=SuspectKind.MACHINE, state="dead" if dead else "not answering RAS"))
+                                         kind=SuspectKind.MACHINE, state=state,
+                                         title="" if (proc.pid, proc.host) in in_comms else _ras_title([proc], state)))
         unlisted_missing = rep.missing_process_count - len(rep.missing_processes)
         if unlisted_missing > 0:
             out.notes.append(f"NCCL RAS misses data from {rep.missing_process_count} process(es) but lists "
                              f"{len(rep.missing_processes)} ({rep.where}): run `ncclras -v` for the full list")
         for comm in rep.comms:
             job_wide = comm.size is not None and processes is not None and comm.size == processes
-            _ras_comm(comm, out, job_wide)
+            _ras_comm(comm, out, job_wide, processes is not None)
         if rep.rows and all(r.status == "RUNNING" and r.errors == ("OK",) for r in rep.rows) \
                 and not rep.missing_process_count and not rep.dead_process_count:
             all_ok = True
@@ -392,11 +405,13 @@ def _ras(reports: Sequence[RasReport], out: _Found, world: int | None) -> bool:
     return all_ok
 
 
-def _ras_comm(comm: RasComm, out: _Found, job_wide: bool) -> None:
+def _ras_comm(comm: RasComm, out: _Found, job_wide: bool, job_size_known: bool = True) -> None:
     def rank_of(r: RasRank) -> int | None:
         return r.comm_rank if job_wide else None
 
-    numbering = "" if job_wide else " (communicator ranks, not global ranks: the communicator is not the whole job)"
+    numbering = "" if job_wide else (
+        " (communicator ranks, not global ranks: the communicator is not the whole job)" if job_size_known else
+        " (communicator ranks: the paste does not give the job's size, so whether they are global ranks is unknown)")
     for m in comm.missing:
         line = (f"NCCL RAS has no data from {m.label()} in communicator {comm.label} ({comm.where}): not "
                 "answering (hung hard) or gone")
@@ -404,7 +419,8 @@ def _ras_comm(comm: RasComm, out: _Found, job_wide: bool) -> None:
         out.suspects.append(_suspect(() if rank is None else (rank,), SCORE_MISSING, [line],
                                      machines=[m.host] if m.host else (),
                                      kind=SuspectKind.RANK if rank is not None else SuspectKind.MACHINE,
-                                     state="not answering RAS"))
+                                     state="not answering RAS",
+                                     title=_ras_title([m], "not answering RAS") if rank is None else ""))
     if comm.missing_count > len(comm.missing):
         out.notes.append(f"NCCL RAS misses data from {comm.missing_count} rank(s) of {comm.label} and names "
                          f"{len(comm.missing)} ({comm.where}): the rest cannot be tied to a rank")
@@ -446,11 +462,24 @@ def _ras_comm(comm: RasComm, out: _Found, job_wide: bool) -> None:
                                          state=f"behind in {op}"))
         elif hosts:
             out.suspects.append(_suspect((), SCORE_BEHIND * 0.9, lines, machines=hosts, kind=SuspectKind.MACHINE,
-                                         state=f"behind in {op}"))
+                                         state=f"behind in {op}",
+                                         title=_ras_title(behind, f"behind in {op}: {low_v} while "
+                                                                  f"{sum(c.count for c in ahead)} got to operation "
+                                                                  f"{top.value}")))
         else:
             out.notes.append(lines[0] + f": communicator rank(s) {compact_ranks(ranks)}, not tied to global ranks")
     for s in comm.statuses:
         out.notes.append(f"NCCL RAS, communicator {comm.label}: {s.label()} has status {s.status} ({comm.where})")
+
+
+def _ras_title(ranks: Sequence[RasRank], state: str) -> str:
+    """A RAS suspect's headline: the rank and GPU (or process) RAS names, then the machine it lives on."""
+    named = [r for r in ranks if r.comm_rank is not None or r.pid is not None or r.gpu is not None]
+    if not named:
+        return ""
+    hosts = sorted({r.host for r in named if r.host})
+    who = ", ".join(r.who() for r in named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+    return f"{who}{' on ' + ', '.join(hosts) if hosts else ''} ({state})"
 
 
 _STATE_ORDER = {"scheduled": 0, "started": 1, "completed": 2}
@@ -614,9 +643,11 @@ def watchdog_counters(records: Sequence[WatchdogRecord]) -> tuple[RankCounters, 
 
 
 def _fold_same_machine(suspects: list[Suspect]) -> list[Suspect]:
-    """Suspects named only by machine (RAS names processes by host) are one suspect per machine set."""
-    out: list[Suspect] = []
+    """Suspects named only by machine (RAS names processes by host) are one suspect per machine set; its headline
+    names each distinct process RAS named there (the first three). Linear in the suspects and their lines."""
+    out: list[Suspect | None] = []
     index: dict[tuple[str, ...], int] = {}
+    parts: dict[int, tuple[list[Suspect], dict[str, None], dict[str, None]]] = {}  # suspects, evidence, titles
     for s in suspects:
         if s.ranks or s.kind is not SuspectKind.MACHINE:
             out.append(s)
@@ -624,13 +655,23 @@ def _fold_same_machine(suspects: list[Suspect]) -> list[Suspect]:
         at = index.get(s.machines)
         if at is None:
             index[s.machines] = len(out)
+            parts[len(out)] = ([s], dict.fromkeys(s.evidence), dict.fromkeys([s.title] if s.title else []))
             out.append(s)
             continue
-        old = out[at]
-        out[at] = Suspect(old.kind, old.ranks, old.machines, max(old.score, s.score),
-                          (*old.evidence, *(e for e in s.evidence if e not in old.evidence)), old.sources,
-                          state=old.state, title=old.title)
-    return out
+        same, evidence, titles = parts[at]
+        same.append(s)
+        evidence.update(dict.fromkeys(s.evidence))
+        if s.title:
+            titles[s.title] = None
+    for at, (same, evidence, titles) in parts.items():
+        if len(same) == 1:
+            continue
+        first = same[0]
+        names = list(titles)
+        title = "; ".join(names[:3]) + (f"; and {len(names) - 3} more" if len(names) > 3 else "")
+        out[at] = Suspect(first.kind, first.ranks, first.machines, max(s.score for s in same), tuple(evidence),
+                          first.sources, state=first.state, title=title)
+    return [s for s in out if s is not None]
 
 
 def _headline(s: Suspect) -> str:
@@ -638,6 +679,8 @@ def _headline(s: Suspect) -> str:
     state = f" ({s.state})" if s.state else ""
     if s.kind is SuspectKind.DESYNC:
         return s.title
+    if s.kind is SuspectKind.MACHINE and s.title:
+        return s.title  # the rank and GPU (or process) RAS names, on its machine
     if s.kind is SuspectKind.MACHINE or not s.ranks:
         return f"machine {', '.join(s.machines) or '?'}{state}"
     wait = f"; {_ranks_word(s.victims)} {'waits' if len(s.victims) == 1 else 'wait'} on it" if s.victims else ""

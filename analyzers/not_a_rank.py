@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from rankscope.analyzers.ccl_desync import CounterWaits, OpTable, comm_label, waiting_together
-from rankscope.analyzers.chain import Chain, RankState
+from rankscope.analyzers.chain import BACKWARD_SITE, Chain, RankState, RankView
 from rankscope.analyzers.findings import NOT_A_RANK, Finding, Verdict
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, RankCounters
@@ -49,8 +49,11 @@ class SymmetricStall:
     call: str  # "all_reduce launch 41", a call site from the stacks
     evidence: tuple[str, ...]
     whole_job: bool
+    reason: str = ""  # its own headline after "not a rank: ", where it says more than "the same call"
 
     def summary(self) -> str:
+        if self.reason:
+            return PREFIX + self.reason
         members = "all " + (f"{len(self.ranks)} ranks of the job" if self.whole_job
                             else f"{len(self.ranks)} members of {self.where}")
         return (f"{PREFIX}{members} (ranks {compact_ranks(self.ranks, 8)}) wait in the same call ({self.call}): "
@@ -90,6 +93,54 @@ def stack_stall(chain: Chain, world: Sequence[int], waits: CounterWaits | None =
     lines.append("every rank waits (none is computing, loading, stopped or unreadable) and none is in another "
                  "call: there is no rank the others wait on")
     return SymmetricStall("the whole job", tuple(sorted(world)), site, tuple(lines), True)
+
+
+# What to fetch next when every rank's stacks are the same: each tells which layer below the ranks holds the call.
+SAME_STACKS_NEXT = (
+    "`py-spy dump --native --pid P` on any one rank: the C++ frames under the Python one show what it waits in "
+    "(a c10d Work wait, cudaStreamSynchronize, an NCCL call); a flight recorder dump (TORCH_NCCL_TRACE_BUFFER_SIZE "
+    "> 0, TORCH_NCCL_DUMP_ON_TIMEOUT=1) names the collective every rank is in and its state; NCCL RAS (`ncclras`) "
+    "says whether any rank launched fewer operations or does not answer; NCCL_DEBUG=INFO names transport errors "
+    "and their peer; on each machine the kernel log (`dmesg | grep -i -e xid -e nvrm`) and `nvidia-smi -q` show a "
+    "GPU or driver fault. With nothing named anywhere, restart the job from its last checkpoint")
+
+
+def same_stacks_stall(frames: Sequence[str], ranks: Sequence[int], views: Sequence[RankView]) -> SymmetricStall | None:
+    """Every rank of the job shows the same stacks inside the same wait, none is behind, none is missing: the
+    finding is that the stall is below the ranks. ``frames``: the shared main-thread frames, outermost first;
+    ``views``: each rank's. A wait: a collective or send/recv, backward (where DDP's gradient reduction runs), the
+    host waiting on its GPU, or a DataLoader. The same stacks in the ranks' own work (a step caught mid-compute on
+    every rank) are no finding: None.
+
+    Data loading everywhere points at what every rank reads (storage, a data service); any other shared place is a
+    call that does not return below Python: the communication layer, the network, a driver, or a GPU kernel that
+    never finishes (DDP's gradient all-reduce runs inside backward, so its Python stack shows only backward).
+    """
+    if len(views) != len(ranks) or len(ranks) < 2 or not all(_waits(v) for v in views):
+        return None
+    states = [v.state for v in views]
+    inner = frames[-1] if frames else "?"
+    place = inner + (f" <- {frames[-2]}" if len(frames) > 1 else "")
+    n = len(ranks)
+    lines = [f"all {n} ranks show the same stacks, innermost {place}: no rank is elsewhere, so none is behind"]
+    if states and all(st is RankState.LOADING for st in states):
+        below = "what every rank reads (shared storage, a data service), not one rank"
+        lines.append("every rank is loading data: a source they all share is slow or stuck")
+    else:
+        below = ("below the ranks: the communication layer, the network, a driver, or a GPU kernel that never "
+                 "finishes")
+        if any("backward" in f for f in frames):
+            lines.append("inside backward: DDP's and FSDP's gradient collectives run there from C++, so a stuck "
+                         "all-reduce shows as backward in Python")
+    lines.append(f"next: {SAME_STACKS_NEXT}")
+    reason = (f"all {n} ranks (ranks {compact_ranks(sorted(ranks), 8)}) show the same stacks, waiting in {place}: "
+              f"when every rank waits in the same place the stall is {below}")
+    return SymmetricStall("the whole job", tuple(sorted(ranks)), place, tuple(lines), True, reason)
+
+
+def _waits(v: RankView) -> bool:
+    return v.state in (RankState.COLLECTIVE, RankState.P2P, RankState.LOADING) or v.site == BACKWARD_SITE \
+        or bool(v.host_wait)
 
 
 def counter_stalls(waits: CounterWaits, world: Sequence[int] = ()) -> list[SymmetricStall]:
@@ -189,5 +240,5 @@ def settle(verdict: Verdict, snapshot: JobSnapshot | None = None) -> Verdict:
     return replace(verdict, summary=stalls[0].summary, notes=notes)
 
 
-__all__ = ["ADVICE", "PREFIX", "SymmetricStall", "counter_stalls", "gpu_readings", "settle", "stack_stall",
-           "table_stalls", "waiting_on"]
+__all__ = ["ADVICE", "PREFIX", "SAME_STACKS_NEXT", "SymmetricStall", "counter_stalls", "gpu_readings",
+           "same_stacks_stall", "settle", "stack_stall", "table_stalls", "waiting_on"]

@@ -53,7 +53,7 @@ from rankscope.analyzers.chain import (
 )
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, finding_to_json
 from rankscope.analyzers.labels import group_name, summary_of
-from rankscope.analyzers.not_a_rank import stack_stall
+from rankscope.analyzers.not_a_rank import same_stacks_stall, stack_stall
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
     MAIN_LANE,
@@ -679,6 +679,12 @@ def analyze_stacks(
     seen_count = sum(len(g.ranks) for g in grouping.groups)
     summary, apart = _summary(grouping, suspects, explains, seen_count, notes, named)
     stall = stack_stall(chain, range(topology.world_size), waits)
+    if stall is None and not suspects and not named and len(grouping.groups) == 1 and not missing_ranks \
+            and seen_count == topology.world_size >= 2:
+        # Every rank of the job shows the same stacks: that is the finding (the stall is below the ranks).
+        same = grouping.groups[0]
+        # (the views as read, before the chain: it calls backward compute when no DP peer is seen elsewhere)
+        stall = same_stacks_stall(same.frames, same.ranks, [views[r] for r in same.ranks if r in views])
     if stall is not None:
         # Every rank in one call and none behind: the stack groups differ only above that call, so no suspect
         # of theirs is more than a guess.

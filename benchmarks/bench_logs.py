@@ -7,7 +7,14 @@ Writes (untimed) into a temporary folder:
   SeqNum the others time out in) and two that only got the dump signal;
 - ``ras.json``: `ncclras -f json` of one 16,384-rank communicator (each rank
   with its status and per-operation counts), three ranks behind in AllReduce
-  and one missing.
+  and one missing;
+- ``crash/``: a crashed job's logs, one per rank of 16,384: each rank's NCCL
+  Bootstrap line, then the IB completion error that names the NIC of the
+  planted node and a DistBackendError (every rank off that node), plus the
+  planted node's kernel log with its NIC link down;
+- ``ras-blocks.txt``: `ncclras` text with 200,000 INCOMPLETE communicator
+  blocks naming processes on one host (many small communicators of one
+  machine that stopped answering): the rules fold them into one suspect.
 
 Then times, each as the whole ``rankscope analyze DIR --json`` run in-process
 (reading, the rules, the JSON), the median and best of ``--runs``, and checks
@@ -81,6 +88,37 @@ def write_ras(root: Path) -> None:
     (root / "ras.json").write_text(json.dumps(doc, indent=2))
 
 
+CRASH_NODE = 777  # the node whose NIC went down: ranks 6216-6223
+RAS_BLOCKS = 200_000
+
+
+def write_crash(root: Path) -> None:
+    root.mkdir()
+    bad_ip = f"10.{CRASH_NODE // 256}.{CRASH_NODE % 256}.1"
+    for r in range(WORLD):
+        node = r // 8
+        ip = f"10.{node // 256}.{node % 256}.1"
+        pre = f"[rank{r}]:node{node:04d}:{20_000 + r}:{20_000 + r} [{r % 8}] "
+        lines = [f"{pre}NCCL INFO Bootstrap : Using eth0:{ip}<0>", f"[rank{r}]: step 9000 loss 1.234"]
+        if node != CRASH_NODE:
+            lines += [f"{pre}transport/net_ib.cc:1696 NCCL WARN NET/IB : Got completion from peer {bad_ip}<4{r % 10}211> "
+                      f"with status=12 opcode=0 len=0 vendor err 129 (Recv) localGid ::ffff:{ip} remoteGids::ffff:"
+                      f"{bad_ip}",
+                      f"[rank{r}]:torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/"
+                      "NCCLUtils.hpp:317, remote process exited or there was a network error, NCCL version 2.21.5"]
+        (root / f"rank{r}.log").write_text("\n".join(lines) + "\n")
+    (root / f"node{CRASH_NODE:04d}-kern.log").write_text(
+        f"May  2 10:11:02 node{CRASH_NODE:04d} kernel: mlx5_core 0000:5e:00.0 ib0: Link down\n")
+
+
+def write_ras_blocks(root: Path) -> None:
+    root.mkdir()
+    blocks = [f"#0-{i} ({i:016x}) INCOMPLETE\n  Missing communicator data from 1 rank\n"
+              f"  Rank {i % 8} -- GPU {i % 8} managed by process {30_000 + i % 8} on node stuck-node\n"
+              for i in range(RAS_BLOCKS)]
+    (root / "ras-blocks.txt").write_text("Errors\n======\n\n" + "\n".join(blocks))
+
+
 def run_once(path: Path) -> tuple[float, dict[str, object]]:
     out = io.StringIO()
     t0 = time.perf_counter()
@@ -93,14 +131,14 @@ def run_once(path: Path) -> tuple[float, dict[str, object]]:
     return took, data
 
 
-def bench(name: str, path: Path, runs: int, expect: set[int]) -> None:
+def bench(name: str, path: Path, runs: int, expect: set[int], machine: str | None = None) -> None:
     times = []
     data: dict[str, object] = {}
     for _ in range(runs):
         took, data = run_once(path)
         times.append(took)
     named = {r for s in data["suspects"] for r in s["ranks"]}  # type: ignore[union-attr,index]
-    ok = expect <= named
+    ok = expect <= named and (machine is None or data["suspects"][0]["machines"] == [machine])  # type: ignore[index]
     print(f"{name}: median {statistics.median(times):.2f} s, best {min(times):.2f} s over {runs} runs; "
           f"verdict: {data['summary']}; planted ranks named: {'yes' if ok else 'NO ' + str(sorted(named)[:10])}")
     if not ok:
@@ -120,6 +158,11 @@ def main_() -> None:
               f"({(root / 'ras' / 'ras.json').stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
         bench("watchdog logs, 16,384 files", root / "watchdog", args.runs, set(BEHIND))
         bench("RAS JSON, 16,384 ranks", root / "ras", args.runs, set(RAS_BEHIND) | {RAS_MISSING})
+        write_crash(root / "crash")
+        write_ras_blocks(root / "blocks")
+        bench("crash logs, 16,384 ranks and a kernel log", root / "crash", args.runs, set(),
+              machine=f"node{CRASH_NODE:04d}")
+        bench(f"RAS text, {RAS_BLOCKS:,} blocks on one host", root / "blocks", args.runs, set(), machine="stuck-node")
 
 
 if __name__ == "__main__":

@@ -43,10 +43,10 @@ from rankscope.analyzers.log_evidence import (
     RasReport,
     WatchdogRecord,
 )
+from rankscope.formats.log_names import file_rank
 
 _HEAD_BYTES = 64 * 1024
 _MAX_NOTES_PER_FILE = 4
-_RANK_FILE = re.compile(r"(?:^|[^a-z])rank[_-]?(\d+)(?:[^0-9]|$)", re.IGNORECASE)
 
 # A marker in the first bytes of a file that makes it a log this module reads (checked before py-spy's).
 _LOG_MARKERS = ("WorkNCCL(SeqNum=", "Watchdog caught collective operation timeout", "ProcessGroupNCCL.cpp:",
@@ -72,6 +72,10 @@ _MISMATCH = re.compile(r"Detected mismatch between collectives on ranks\. Rank (
 _BUT = re.compile(r",?\s*but Rank (\d+) is running (?:inconsistent )?collective: ")
 _SEQ_IS = re.compile(r"The sequence number is: (\d+)")
 _ASPECTS = re.compile(r"Collectives differ in the following aspects:\s*(.*)$")
+# One aspect of ProcessGroupWrapper's fingerprint diff: "Op type: ALLREDUCEvs BROADCAST", "Tensor Tensor shapes: 25vs 1"
+# (its words glued to "vs" as PyTorch prints them).
+_ASPECT = re.compile(r"(Sequence number|Op type|(?:Tensor )*Tensor (?:shapes|dtypes|devices)):\s*(.*?)\s*vs\s+(.*?)\s*"
+                     r"(?=(?:Sequence number|Op type|(?:Tensor )*Tensor (?:shapes|dtypes|devices)):|$)")
 _FR_START = re.compile(r"^(?:Not all ranks joining collective[:\s]*(?:sequence number:\s*)?(\d+)?"
                        r"|Collective (?:sequence number:\s*)?(\d+)(?: at entry \d+)? (?:has )?errors)")
 _FR_FIELD = re.compile(r"^(internal record id|group info|collective|missing ranks|input sizes|output sizes|"
@@ -91,21 +95,25 @@ class _Acc:
 
 
 def log_kind(head: str) -> str | None:
-    """What a file's first bytes say it is: "ras", "ras-json", "inspector", "log", or None (not a log)."""
+    """What a file's first bytes say it is: "ras", "ras-json", "inspector", "log", "crash", or None (not a log)."""
     from rankscope.formats.nccl_inspector import looks_like_inspector
-    from rankscope.formats.nccl_ras import looks_like_ras_json, looks_like_ras_text
+    from rankscope.formats.nccl_ras import json_start, looks_like_ras_json, looks_like_ras_text
 
-    if head.lstrip()[:1] == "{":
-        if looks_like_ras_json(head):
-            return "ras-json"
-        if looks_like_inspector(head):
-            return "inspector"
+    # JSON where a line opens an object (a status word, a prompt or an echo may come first).
+    if looks_like_ras_json(head):
+        return "ras-json"
+    if looks_like_inspector(head) and json_start(head) >= 0:
+        return "inspector"
     if "nccl_collective_exec_time_microseconds{" in head:
         return "inspector"
     if any(m in head for m in _LOG_MARKERS):
         return "log"  # a log with a RAS report pasted in it is read for both
     if looks_like_ras_text(head):
         return "ras"
+    from rankscope.formats.crash_logs import looks_like_crash
+
+    if looks_like_crash(head):
+        return "crash"  # NCCL WARN, DistBackendError, torchelastic's summary, kernel Xid lines: formats.crash_logs
     return None
 
 
@@ -215,13 +223,13 @@ def read_log_text(text: str, name: str = "log") -> LogEvidence:
 def read_text(text: str, name: str, acc: _Acc, kind: str | None = None) -> None:
     """One file's text into ``acc``; ``kind`` when the caller has told it already (``scan``)."""
     from rankscope.formats.nccl_inspector import parse_inspector
-    from rankscope.formats.nccl_ras import parse_ras_json, parse_ras_text
+    from rankscope.formats.nccl_ras import looks_like_ras_text, parse_ras_json, parse_ras_text
 
     kind = kind or log_kind(text[:_HEAD_BYTES] + text[-_HEAD_BYTES:])
     if kind == "ras-json":
         try:
             report, notes = parse_ras_json(text, name)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             acc.notes.append(f"{name}: looks like `ncclras -f json` output but is not readable JSON ({exc}); "
                              "save the whole output of `ncclras -f json`")
             return
@@ -233,8 +241,8 @@ def read_text(text: str, name: str, acc: _Acc, kind: str | None = None) -> None:
         acc.inspector.extend(ranks)
         acc.notes.extend(notes[:_MAX_NOTES_PER_FILE])
         return
-    # A pasted log may hold a RAS report and a job's lines together: read both.
-    if "Communicators..." in text or "Job summary" in text:
+    # A pasted log may hold a RAS report (or only one block of it) and a job's lines together: read both.
+    if kind == "ras" or looks_like_ras_text(text):
         report, notes = parse_ras_text(text, name)
         if report.rows or report.comms or report.missing_process_count or report.dead_process_count:
             acc.ras.append(report)
@@ -242,13 +250,8 @@ def read_text(text: str, name: str, acc: _Acc, kind: str | None = None) -> None:
     _read_lines(text, name, acc)
 
 
-def _file_rank(name: str) -> int | None:
-    m = _RANK_FILE.search(name.rsplit(".", 1)[0])
-    return int(m.group(1)) if m else None
-
-
 def _read_lines(text: str, name: str, acc: _Acc) -> None:
-    file_rank = _file_rank(name)
+    of_file = file_rank(name)
     quoted = 0
     interleaved = 0
     fr: dict[str, object] | None = None
@@ -295,9 +298,9 @@ def _read_lines(text: str, name: str, acc: _Acc) -> None:
             pieces = re.split(r"(?=\[rank\d+\]:)", line)
             for piece in pieces:
                 if piece.strip():
-                    _read_line(piece, where, file_rank, acc, quote, no)
+                    _read_line(piece, where, of_file, acc, quote, no)
             continue
-        _read_line(line, where, file_rank, acc, quote, no)
+        _read_line(line, where, of_file, acc, quote, no)
     close_fr()
     if quoted > _MAX_NOTES_PER_FILE:
         acc.notes.append(f"{name}: {quoted - _MAX_NOTES_PER_FILE} more line(s) not in a known shape")
@@ -417,6 +420,20 @@ def _fingerprint(rank: int, text: str) -> Fingerprint:
                        shape.group(1) if shape else None, dtype.group(1) if dtype else None)
 
 
+def readable_aspects(raw: str) -> str:
+    """PyTorch's "Collectives differ in the following aspects" as a person reads it: ``op type ALLREDUCE vs
+    BROADCAST, shapes [25] vs [1], dtypes Float vs Long``. Text in no known shape is kept, spaces normalised."""
+    flat = re.sub(r"\s+", " ", raw).strip()
+    parts = []
+    for m in _ASPECT.finditer(flat):
+        what = m.group(1).split()[-1] if m.group(1).startswith("Tensor") else m.group(1).lower()
+        a, b = m.group(2).strip(" ,"), m.group(3).strip(" ,")
+        if what == "shapes":
+            a, b = (v if v.startswith("[") else f"[{v}]" for v in (a, b))
+        parts.append(f"{what} {a} vs {b}")
+    return ", ".join(parts) if parts else flat
+
+
 def _mismatch(line: str, where: str) -> MismatchReport | None:
     m = _MISMATCH.search(line)
     if m is None:
@@ -425,7 +442,7 @@ def _mismatch(line: str, where: str) -> MismatchReport | None:
     aspects = ""
     a = _ASPECTS.search(rest)
     if a is not None:
-        aspects = re.sub(r"\s+", " ", a.group(1)).strip()
+        aspects = readable_aspects(a.group(1))
         rest = rest[:a.start()]
     but = _BUT.search(rest)
     sides = [_fingerprint(int(m.group(1)), rest[:but.start()] if but else rest)]

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from rankscope.analyzers.log_evidence import RasComm, RasCount, RasRank, RasReport, RasRow
 
 _ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([A-Z_]+)\s+([A-Z_,]+)\s*$")
-_COMM = re.compile(r"^#(\d+-\d+)\s+\(([0-9a-fA-Fx]+)\)\s+([A-Z_,]+)\s*$")
+_COMM = re.compile(r"^#(\d+-\d+)\s+\(([^()\s]*)\)\s+([A-Z_,]+)\s*$")  # (a hash a paste may shorten: "78db…")
 _MISSING_PROCS = re.compile(r"Missing communicator data from (\d+) job process")
 _MISSING_RANKS = re.compile(r"Missing communicator data from (\d+) rank")
 _DEAD = re.compile(r"(\d+) job process(?:es)? (?:is|are) considered dead")
@@ -42,17 +42,35 @@ _RANK = re.compile(r"Rank (\d+)(?: has (?:status (\S+)|launched up to operation 
 _MAX_QUOTED = 5
 
 HEADLINE_MARKERS = ("Communicators...", "Job summary\n===", "ranks have launched up to operation",
-                    "Missing communicator data from")
+                    "Missing communicator data from", "has launched up to operation",
+                    "Communicator ranks have different", "job process considered dead",
+                    "job processes are considered dead")
+# A communicator block's first line alone (a paste of the "Errors" or "Warnings" part of a report).
+_COMM_LINE = re.compile(r"(?m)^\s*#\d+-\d+\s+\([^()\s]*\)\s+(?:MISMATCH|INCOMPLETE|ERROR)")
 
 
 def looks_like_ras_text(head: str) -> bool:
+    """RAS text anywhere in ``head``: the whole report, or only the block a person copied out of it."""
     return ("Job summary" in head and ("Communicators" in head or "Errors\n" in head)) \
-        or any(m in head for m in HEADLINE_MARKERS[2:])
+        or any(m in head for m in HEADLINE_MARKERS[2:]) or ("#" in head and _COMM_LINE.search(head) is not None)
+
+
+def json_start(text: str) -> int:
+    """Where a JSON object starts in ``text``: at its first character, or at the first line that opens one (a status
+    word, a prompt or a shell echo pasted above it). -1 when no line opens one."""
+    if text.lstrip()[:1] == "{":
+        return len(text) - len(text.lstrip())
+    m = re.search(r"(?m)^[ \t]*\{", text)
+    return m.end() - 1 if m is not None else -1
 
 
 def looks_like_ras_json(head: str) -> bool:
-    return head.lstrip().startswith("{") and '"communicators"' in head and (
-        '"nccl_version"' in head or '"collective_counts"' in head or '"missing_ranks_count"' in head)
+    if '"communicators"' not in head:
+        return False
+    at = json_start(head)
+    body = head[at:] if at >= 0 else ""
+    return at >= 0 and '"communicators"' in body and (
+        '"nccl_version"' in body or '"collective_counts"' in body or '"missing_ranks_count"' in body)
 
 
 def _total_processes(lines: Sequence[str], start: int) -> int | None:
@@ -90,6 +108,12 @@ def parse_ras_text(text: str, where: str) -> tuple[RasReport, list[str]]:
     def close() -> None:
         nonlocal cur, counts, op
         if cur:
+            label = str(cur["label"])
+            if label not in sizes and counts and not rows:
+                # No table (an excerpt): RAS prints every count of an operation, so their sum and the missing ranks
+                # are the communicator's size.
+                first = counts[0].op
+                sizes[label] = sum(c.count for c in counts if c.op == first) + int(cur["missing_count"])  # type: ignore[call-overload]
             comms.append(RasComm(
                 label=str(cur["label"]), where=str(cur["where"]), errors=tuple(cur["errors"]),  # type: ignore[arg-type]
                 counts=tuple(counts), missing=tuple(cur["missing"]),  # type: ignore[arg-type]
@@ -134,7 +158,16 @@ def parse_ras_text(text: str, where: str) -> tuple[RasReport, list[str]]:
                    "statuses": []}
             continue
         if block is None:
-            continue
+            if _MISSING_PROCS.search(s) or _PROC.search(s):
+                block = "INCOMPLETE"  # a job-level block pasted without its header
+            elif _MISSING_RANKS.search(s) or _DIFFERENT.search(s) or _GROUP.search(s) or _RANK.search(s) \
+                    or "have different status" in s:
+                # A communicator block's lines pasted without its "#G-C (hash)" line: read as one communicator.
+                block = "#? (its header line is not in the paste)"
+                cur = {"label": block, "where": at, "errors": [], "missing": [], "missing_count": 0, "statuses": []}
+                notes.append(f"{at}: a communicator block without its '#G-C (hash)' line: read as one communicator")
+            else:
+                continue
         if block in ("INCOMPLETE", "DEAD"):
             if (m := _MISSING_PROCS.search(s)) is not None:
                 missing_proc_count = int(m.group(1))
@@ -181,11 +214,22 @@ def parse_ras_text(text: str, where: str) -> tuple[RasReport, list[str]]:
 
 
 def parse_ras_json(text: str, where: str) -> tuple[RasReport, list[str]]:
-    """`ncclras -f json` → RasReport. Raises ValueError (with what is wrong) when it is not that JSON."""
-    doc = json.loads(text)
+    """`ncclras -f json` → RasReport. Raises ValueError (with what is wrong) when it is not that JSON.
+
+    Lines before the JSON object and text after it (a prompt, a status word) are skipped and said in the notes."""
+    at = json_start(text)
+    if at < 0:
+        raise ValueError("no line opens a JSON object")
+    doc, end = json.JSONDecoder().raw_decode(text, at)
+    skipped = []
+    if text[:at].strip():
+        skipped.append(f"{where}: {text[:at].count(chr(10))} line(s) before the JSON skipped (not RAS output): "
+                       f"{text[:at].strip()[:80]!r}")
+    if text[end:].strip():
+        skipped.append(f"{where}: text after the JSON skipped: {text[end:].strip()[:80]!r}")
     if not isinstance(doc, dict) or not isinstance(doc.get("communicators"), list):
         raise ValueError("a JSON object without a `communicators` list")
-    notes: list[str] = []
+    notes: list[str] = skipped
     comms: list[RasComm] = []
     for i, c in enumerate(doc["communicators"]):
         if not isinstance(c, dict):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rankscope.formats.crash_logs import any_crash_file
 from rankscope.formats.flight_recorder import holds_dumps, looks_like_dump
 from rankscope.formats.incident_logs import any_log_file, is_log_file
 from rankscope.formats.optrace_io import looks_like_op_trace
@@ -19,7 +20,7 @@ PYSPY = "py-spy dumps"  # a folder, or a file that is not a JSON object: saved `
 FLIGHT_RECORDER = "flight recorder dumps"  # a folder of every rank's PyTorch flight recorder dump
 FLIGHT_RECORDER_RANK = "one rank's flight recorder dump"
 OP_TRACE = "op trace"  # a per-operation timing trace (parquet, or a CSV with its columns)
-LOGS = "incident logs"  # NCCL RAS, ProcessGroupNCCL watchdog lines, fr_trace, DETAIL checks, NCCL Inspector
+LOGS = "incident logs"  # NCCL RAS, watchdog lines, fr_trace, DETAIL checks, NCCL Inspector, a crash's error lines
 
 
 def what_is(path: Path, *, stacks_only: bool = False) -> str:
@@ -37,6 +38,8 @@ def what_is(path: Path, *, stacks_only: bool = False) -> str:
             return LOGS
     elif path.is_dir() and any_log_file(path):
         return LOGS  # with or without py-spy dumps beside them: `rankscope analyze` reads both
+    elif path.is_dir() and not holds_dumps(path) and any_crash_file(path):
+        return LOGS  # a crashed job's logs in a folder per machine
     elif path.is_dir() and holds_dumps(path):
         return FLIGHT_RECORDER
     return PYSPY if is_dumps(path) else BUNDLE

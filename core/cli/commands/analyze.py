@@ -177,16 +177,25 @@ def _route_by_content(args: argparse.Namespace) -> None:
 
 def _logs_with_dumps(args: argparse.Namespace) -> None:
     """A folder of logs may hold py-spy dumps too (and one pasted file both): read those as the stacks."""
+    from rankscope.formats.crash_logs import head_of, looks_like_crash, machine_files
     from rankscope.formats.incident_logs import scan
     from rankscope.formats.pyspy_dir import looks_like_pyspy
 
     path: Path = args.logs
     files = scan(path)
     args.log_files = [f for f in files if f.kind is not None]
-    if not args.log_files:
+    # A crashed job's logs: every log above, and those in a folder per machine.
+    deeper = [p for p in machine_files(path) if looks_like_crash(head_of(p))] if path.is_dir() else []
+    # A report's JSON, RAS text and Inspector records hold no crash lines; a folder whose logs hold no crash error
+    # (a hang: watchdog timeouts alone) is not read for one.
+    crashed = [f for f in args.log_files if f.kind in ("log", "crash")]
+    if deeper or any(f.kind == "crash" or f.text is None or looks_like_crash(f.text) for f in crashed):
+        args.crash_items = [(f.path, f.text) for f in crashed] + deeper
+    if not args.log_files and not getattr(args, "crash_items", None):
         raise RankscopeError(f"no logs this reader knows in {path}",
                              "pass NCCL RAS output, ProcessGroupNCCL watchdog lines, fr_trace's report, DETAIL "
-                             "mismatch errors or NCCL Inspector output (see `rankscope analyze --help`)")
+                             "mismatch errors, NCCL Inspector output, or a crashed job's logs (NCCL WARN lines, "
+                             "DistBackendError, torchelastic's summary, kernel Xid lines; see `rankscope analyze --help`)")
     dumps = [f for f in files if f.pyspy or (f.kind is None and f.path.suffix.lower() != ".md"
                                               and looks_like_pyspy(f.path))]
     if dumps:
@@ -196,20 +205,39 @@ def _logs_with_dumps(args: argparse.Namespace) -> None:
                        for f in files if f.kind is None and f not in dumps and f.path.suffix.lower() != ".md"]
 
 
+def _crash_verdict(args: argparse.Namespace) -> Any:
+    """Where a crash began (``analyzers.crash_cascade``), None when the logs hold no crash."""
+    items = getattr(args, "crash_items", None)
+    if not items:
+        return None
+    from rankscope.analyzers.crash_cascade import analyze_crash
+    from rankscope.formats.crash_logs import read_crash_logs
+
+    root = args.logs if args.logs.is_dir() else None
+    crash = read_crash_logs(items, root)
+    verdict = analyze_crash(crash)
+    if verdict is not None:
+        files = sorted({e.where.rsplit(":", 1)[0] for e in crash.events})
+        args.crash_read = {"crash_files": files, "crash_events": len(crash.events)}
+    return verdict
+
+
 def _log_verdict(args: argparse.Namespace, snapshot: Any) -> tuple[Any, Any]:
     """The logs' own verdict (``analyzers.log_evidence``; None when no logs were given), and the snapshot with the
     watchdog's PG status added as counters, so the stacks' analysis reads them like a live capture's."""
     files = getattr(args, "log_files", None)
     if not files:
-        return None, snapshot
+        return _crash_verdict(args), snapshot
     import dataclasses
 
+    from rankscope.analyzers.crash_cascade import with_crash
     from rankscope.analyzers.log_evidence import analyze_logs, watchdog_counters
     from rankscope.formats.incident_logs import read_logs
 
+    crash = _crash_verdict(args)
     evidence = read_logs(files)
     if evidence.empty() and not evidence.notes:
-        return None, snapshot
+        return crash, snapshot
     evidence = dataclasses.replace(evidence, notes=(*evidence.notes, *getattr(args, "log_unread", ())))
     args.log_read = {"files": [getattr(f, "path", f).name for f in files], "watchdog_lines": len(evidence.watchdog),
                      "ras_reports": len(evidence.ras), "fr_records": len(evidence.fr),
@@ -221,12 +249,12 @@ def _log_verdict(args: argparse.Namespace, snapshot: Any) -> tuple[Any, Any]:
                                                                      if where.get(c.rank) == m.machine)))
                     for m in snapshot.machines]
         snapshot = dataclasses.replace(snapshot, machines=tuple(machines))
-    return analyze_logs(evidence, snapshot.world_size), snapshot
+    return with_crash(analyze_logs(evidence, snapshot.world_size), crash), snapshot
 
 
 def _log_summary(args: argparse.Namespace) -> dict[str, Any]:
     """``--json``'s ``logs``: the files read as logs and how many records of each kind they gave."""
-    read = getattr(args, "log_read", None)
+    read = {**getattr(args, "log_read", {}), **getattr(args, "crash_read", {})}
     return {"logs": read} if read else {}
 
 
