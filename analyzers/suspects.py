@@ -679,8 +679,11 @@ def analyze_stacks(
     seen_count = sum(len(g.ranks) for g in grouping.groups)
     summary, apart = _summary(grouping, suspects, explains, seen_count, notes, named)
     stall = stack_stall(chain, range(topology.world_size), waits)
+    # Counters that cover every rank and hold no open request say the device owes the hosts nothing: ranks alike
+    # at a sync point are a running GPU job caught there, not a stall below them (no counters: a pasted dump).
+    settled = waits is not None and set(range(topology.world_size)) <= set(waits.live) and not waits.table.open_ops
     if stall is None and not suspects and not named and len(grouping.groups) == 1 and not missing_ranks \
-            and seen_count == topology.world_size >= 2:
+            and seen_count == topology.world_size >= 2 and not settled:
         # Every rank of the job shows the same stacks: that is the finding (the stall is below the ranks).
         same = grouping.groups[0]
         # (the views as read, before the chain: it calls backward compute when no DP peer is seen elsewhere)
