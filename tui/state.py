@@ -481,8 +481,23 @@ def apply_filter(state: AppState, text: str) -> AppState:
 
 
 def apply_failslow(state: AppState, view: FailSlowView) -> AppState:
-    """The fail-slow detectors produced a newer view (they compute off the UI thread and post it)."""
-    return replace(state, failslow=view)
+    """The fail-slow detectors produced a newer view (they compute off the UI thread and post it); a confident
+    verdict naming other machines than the last one is logged (the slowdown found, or cleared)."""
+    named = slow_machines(view)
+    if named == slow_machines(state.failslow):
+        return replace(state, failslow=view)
+    v = view.verdict
+    if named and v is not None:
+        text = f"slow: {' '.join(named)} — {v.verdict.summary}"
+    else:
+        text = "the fail-slow detectors name no machine now"
+    return replace(state, failslow=view, events=_with_events(state, [Event(state.now_wall, "verdict", text)]))
+
+
+def slow_machines(view: FailSlowView | None) -> tuple[str, ...]:
+    """The machines a confident fail-slow verdict names (empty: none)."""
+    v = view.verdict if view is not None else None
+    return v.machines if v is not None and v.confident else ()
 
 
 def apply_audit(state: AppState, address: str, record: AuditRecord) -> AppState:
