@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionState, AuditRecord
+from rankscope.analyzers.progress import RHYTHM_KEPT, HangThreshold, hang_threshold
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui.analysis import StackView
@@ -139,7 +140,9 @@ class AppState:
     # What the session is (fixed at start): drawn in the header and deciding what the screens offer.
     source_label: str = ""
     read_only: bool = False
-    hang_after_s: float = 30.0  # no progress this long is a hang (the one setting: --hang-after)
+    hang_after_s: float = 30.0  # no progress this long is a hang at the latest (the one setting: --hang-after)
+    # Gaps between the job's successive progress marks (oldest first): its rhythm, which sets the hang threshold.
+    progress_gaps: tuple[float, ...] = ()
     # What the person and the services set (apply_filter, apply_failslow, apply_audit, ...).
     filter: Filter = NO_FILTER
     failslow: FailSlowView | None = None  # the fail-slow detectors' latest view (view 7)
@@ -150,6 +153,15 @@ class AppState:
     capture_after_start: bool = False
     job_counts: bool = False
     hang_captured_for: float | None = None
+
+    @property
+    def hang(self) -> HangThreshold:
+        """No progress this long is a hang: the job's own rhythm, at most ``hang_after_s``."""
+        return hang_threshold(self.progress_gaps, self.hang_after_s)
+
+    @property
+    def hang_threshold_s(self) -> float:
+        return self.hang.seconds
 
     @property
     def lost(self) -> tuple[str, ...]:
@@ -286,9 +298,13 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     clock = job_clock(machines)
     last_progress = state.last_progress_wall
     hung_reported = state.hung_reported
+    gaps = state.progress_gaps
+    threshold = state.hang_threshold_s
     if clock is not None:
         # The agents remember when the job last progressed: a view attached late says what an early one says.
         moved = clock.progress_mark is not None and (last_progress is None or clock.progress_mark > last_progress)
+        if moved and last_progress is not None and clock.progress_mark is not None and not hung_reported:
+            gaps = (*gaps, clock.progress_mark - last_progress)[-RHYTHM_KEPT:]  # a hang that ended is no rhythm
         if moved and last_progress is None and state.restarts + restarted > 0:
             events.append(Event(now_wall, "resumed", f"training runs again: first step at {fmt_time(clock.progress_mark)}"))
         elif moved and hung_reported:
@@ -298,18 +314,22 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         last_progress = clock.progress_mark
         age = clock.progress_age_s if clock.progress_mark is not None else clock.start_age_s
         known = clock.progress_mark is not None or bool(clock.starting)  # else: nothing tells a hang from a start
-        if clock.running and known and not moved and not hung_reported and age is not None and age >= hang_after_s:
+        # A stall is judged by the job's rhythm; a start (no progress yet) by the ceiling: imports take their time.
+        limit = threshold if clock.progress_mark is not None else hang_after_s
+        if clock.running and known and not moved and not hung_reported and age is not None and age >= limit:
             since = clock.progress_mark if clock.progress_mark is not None else clock.start_mark
             events.append(Event(now_wall, "hung", f"no progress since {fmt_time(since)}"))
             hung_reported = True
     else:
         moved = not state.progress_points or d.progress != state.progress_points[-1][1]
+        if moved and last_progress is not None and state.progress_points and not hung_reported:
+            gaps = (*gaps, d.wall - last_progress)[-RHYTHM_KEPT:]
         if moved or last_progress is None:
             last_progress = d.wall
         if moved and hung_reported and state.progress_points:
             events.append(Event(now_wall, "resumed", "progress resumed"))
             hung_reported = False
-        elif not moved and not hung_reported and d.wall - last_progress >= hang_after_s and d.progress > 0:
+        elif not moved and not hung_reported and d.wall - last_progress >= threshold and d.progress > 0:
             events.append(Event(now_wall, "hung", f"no progress since {fmt_time(last_progress)}"))
             hung_reported = True
     world = d.world_size or state.world_size
@@ -328,6 +348,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         metric_history=metric_history,
         progress_points=progress_points,
         step_points=step_points,
+        progress_gaps=gaps,
         last_progress_wall=last_progress,
         events=_with_events(state, events),
         kept=kept,

@@ -10,7 +10,6 @@ and records what it was asked.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
 
 import pytest
 from rankscope.actions.agent_protocol import ActionError, ActionUpdate, AgentLost, Confirmation
@@ -92,8 +91,12 @@ async def test_e_on_a_live_fail_slow_verdict_plans_the_slow_machine_and_offers_i
     async with app.run_test(size=(160, 48)) as pilot:
         await app.loaded.wait()
         await app.failslow.idle.wait()
-        await until(pilot, lambda: "slow: m2 (fail-slow detectors, key 7)" in screen_text(app), 10, "the header")
+        await until(pilot, lambda: "slow: m2 (fail-slow, key 7) │ 4/4 machines" in screen_text(app), 10, "the header")
         assert staleness.failslow_target(app.state)[0] is not None
+        overview = screen_text(app)
+        assert "fail-slow verdict (view 7): fail-slow: machine m2" in overview
+        assert " ▸ slow: m2  in PP groups 0-1 (ranks 0-1,4-5); 2 ranks wait on it" in overview
+        assert "e: m2 (1 standby); ctrl+o group: m0, m2 (2 standbys) — the fail-slow detectors name m2" in overview
         await pilot.press("e")
         await until(pilot, lambda: isinstance(app.screen, ConfirmModal), 10, "the eviction plan")
         (request,) = source.planned

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rankscope.tui.analysis import StackView
 from rankscope.tui.filter import filter_summary
 from rankscope.tui.health import health
-from rankscope.tui.staleness import map_groups, verdict_stale
+from rankscope.tui.staleness import failslow_target, map_groups, verdict_stale
 from rankscope.tui.state import AppState
 from rankscope.tui.widgets.audit import ActionsPanel
 from rankscope.tui.widgets.ccl import CclPanel
@@ -14,7 +14,14 @@ from rankscope.tui.widgets.failslow import FailSlowPanel
 from rankscope.tui.widgets.metrics import MetricsPanel
 from rankscope.tui.widgets.rank_map import MapMachine, RankMapPanel, group_glyph
 from rankscope.tui.widgets.stack_tree import StackTreePanel
-from rankscope.tui.widgets.verdict import JobHeader, VerdictPanel, header_text, legend_text, verdict_text_rich
+from rankscope.tui.widgets.verdict import (
+    JobHeader,
+    VerdictPanel,
+    failslow_verdict_text,
+    header_text,
+    legend_text,
+    verdict_text_rich,
+)
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -110,15 +117,23 @@ class MainScreen(Screen[None]):
         verdict = state.failslow.verdict if state.failslow is not None else None
         slow = verdict.machine if verdict is not None and verdict.confident else None
         self._set("#job-header",
-            header_text(state, state.source_label, read_only, filter_summary(flt), slow))
+            header_text(state, state.source_label, read_only, filter_summary(flt), slow, self.size.width))
         view = self.active_view
         if view == "overview":
             room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)
             # Timing, not a fault: a capture taken while the job made steps (apply_capture decided it). A hang's
             # capture gone stale since keeps its suspects, dim, for reading.
             progressing = state.verdict is not None and state.verdict.running
-            self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, verdict_stale(state),
-                                                    state.capture_wall, state.machine_of_rank()))
+            stale = verdict_stale(state)
+            slow_target, _ = failslow_target(state) if stale is not None or progressing or state.stacks is None \
+                else (None, None)
+            if slow_target is not None and verdict is not None:
+                # The job runs and the detectors name a slow machine: that is the verdict `e` acts on.
+                self._set("#verdict", failslow_verdict_text(verdict.verdict.summary, slow_target,
+                                                            state.machine_of_rank(), not read_only))
+            else:
+                self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, stale,
+                                                        state.capture_wall, state.machine_of_rank(), not read_only))
             group_of = map_groups(state)
             machines = [MapMachine(m.name, m.ranks, m.reachable, m.evicted, state.awaiting_restart)
                         for m in state.machines]
