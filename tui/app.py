@@ -357,11 +357,16 @@ class RankscopeApp(App[int]):
         self.notify(f"agent {message.machine} is back", timeout=3)
 
     def _maybe_capture(self) -> None:
-        """Capture when progress stopped (once per stop) and every 10 s in fail-slow mode."""
+        """Capture when progress stopped (once per stop), when the capture on screen misses running ranks (after a
+        restart or a hot-update, once per set), and every 10 s in fail-slow mode."""
         if not self.source.live or self.state.capturing:
             return
         if schedule.hang_capture_due(self.state):
             self.state = st.apply_hang_captured(self.state)
+            self.action_capture()
+            return
+        if schedule.refresh_capture_due(self.state):
+            self.state = st.apply_refresh_captured(self.state, schedule.uncaptured_ranks(self.state))
             self.action_capture()
             return
         if self.options.fail_slow:

@@ -153,6 +153,7 @@ class AppState:
     capture_after_start: bool = False
     job_counts: bool = False
     hang_captured_for: float | None = None
+    refreshed_for: frozenset[int] = frozenset()  # the running ranks a refresh capture was taken for (once per set)
 
     @property
     def hang(self) -> HangThreshold:
@@ -176,6 +177,27 @@ class AppState:
         return {r: m.name for m in self.machines for r in m.ranks}
 
 
+# Moments every view sees for itself and the acting view also journals: one story, told once. An event of these
+# kinds within ONE_STORY_S of one of the same kind, with nothing between them that starts a new chapter (a hang
+# that resumed, a restart), is the same moment seen by two views.
+ONE_STORY_KINDS = frozenset({"hung", "restarted"})
+ONE_STORY_S = 30.0
+_CHAPTERS = {"hung": frozenset({"resumed", "restarted"}), "restarted": frozenset({"hung", "evicted"})}
+
+
+def _same_moment(events: Sequence[Event], e: Event) -> Event | None:
+    """An event of ``events`` that tells the moment ``e`` tells (``ONE_STORY_KINDS``), or None."""
+    if e.kind not in ONE_STORY_KINDS:
+        return None
+    for other in events:
+        if other.kind != e.kind or abs(other.wall - e.wall) > ONE_STORY_S:
+            continue
+        lo, hi = sorted((other.wall, e.wall))
+        if not any(x.kind in _CHAPTERS[e.kind] and lo < x.wall < hi for x in events):
+            return other
+    return None
+
+
 def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
     """The events in time order (stable: one poll's events keep their order). An agent's audit record carries its
     own time, earlier than what this view already logged: appended as it came, the newest-first list put 08:43:38
@@ -185,7 +207,7 @@ def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
         # The same moment told twice (the agents' journal and an audit stream, both replayed at attach) is one event.
         first = min(e.wall for e in new)
         have = {(e.wall, e.kind, e.text) for e in state.events if e.wall >= first}
-        new = tuple(e for e in new if (e.wall, e.kind, e.text) not in have)
+        new = tuple(e for e in new if (e.wall, e.kind, e.text) not in have and _same_moment(state.events, e) is None)
     if not new:
         return state.events
     merged = (*state.events, *new)
@@ -211,8 +233,14 @@ def journal_worthy(event: Event) -> bool:
 
 
 def apply_journal(state: AppState, entries: Iterable[tuple[float, str, str]]) -> AppState:
-    """The agents' journal (wall, kind, text): what happened before this view attached, as events, each once."""
-    return replace(state, events=_with_events(state, [Event(w, k, t) for w, k, t in entries]))
+    """The agents' journal (wall, kind, text): what happened before this view attached, as events, each once. A
+    hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so the
+    views of a pair tell one story."""
+    told = [Event(w, k, t) for w, k, t in entries]
+    own = {id(m) for e in told if (m := _same_moment(state.events, e)) is not None}
+    if own:
+        state = replace(state, events=tuple(e for e in state.events if id(e) not in own))
+    return replace(state, events=_with_events(state, told))
 
 
 _UPDATE_TARGET = re.compile(r" to (.+) \((?:immediate|lazy)\)$")
@@ -602,3 +630,8 @@ def apply_started_captured(state: AppState) -> AppState:
 def apply_hang_captured(state: AppState) -> AppState:
     """The current stop is being captured: no second capture for it."""
     return replace(state, hang_captured_for=state.last_progress_wall)
+
+
+def apply_refresh_captured(state: AppState, missing: frozenset[int]) -> AppState:
+    """A capture is taken for running ranks the one on screen misses: not again for the same ranks."""
+    return replace(state, refreshed_for=missing)

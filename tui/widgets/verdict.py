@@ -146,10 +146,9 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
     if progressing and v.suspects:
         # A capture of a running job finds ranks at different points of a step; that is not a hang, and listing
         # its "suspects" (a desync, a rank in compute) told an engineer a healthy job was broken.
-        if stale is not None:
-            t.append(f"verdict of {fmt_time(taken)} (stale: {stale}; s captures again):", "bold")
-        else:
-            t.append(f"capture of {fmt_time(taken)}:", "bold")
+        # It named no verdict, so none can go stale: "verdict of … (stale: its suspects … were evicted)" over
+        # "no verdict" told two stories.
+        t.append(f"capture of {fmt_time(taken)}:", "bold")
         # On a line of its own: the line above is cut at the panel's width, and this is what must be read.
         t.append(f"\n {running_capture_text(view)} (y copies them)", "dim")
         for note in view.notes[:1]:
