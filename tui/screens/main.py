@@ -66,7 +66,7 @@ class MainScreen(Screen[None]):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cursor_note = ""  # which rank the map's cursor is on, shown above the legend
+        self.map_cursor: tuple[int, str] | None = None  # the rank (and machine) the map's cursor is on, above the legend
         self._shown_text: dict[str, Text] = {}
         self._state: AppState | None = None  # the last drawn, for the cursor note
 
@@ -84,20 +84,28 @@ class MainScreen(Screen[None]):
 
     def on_rank_map_panel_cursor_moved(self, event: RankMapPanel.CursorMoved) -> None:
         state = self._state
-        if event.rank is None or state is None:
-            self.cursor_note = ""
-        else:
-            view = state.stacks
-            g = view.group_of_rank.get(event.rank) if view is not None else None
-            where = f"group {group_glyph(g)}: {view.groups[g].summary.split(' | ')[0]}" \
-                if view is not None and g is not None else "no stack"
-            self.cursor_note = f"▸ rank {event.rank} · {event.machine} · {where}"
+        self.map_cursor = None if event.rank is None else (event.rank, event.machine)
         self._draw_legend(state.stacks if state is not None else None)
 
+    def _cursor_note(self, view: StackView | None) -> str:
+        """The rank under the map's cursor, in the capture on screen: drawn afresh with every capture (it kept the
+        group of the capture before)."""
+        if self.map_cursor is None:
+            return ""
+        rank, machine = self.map_cursor
+        state = self._state
+        groups = map_groups(state) if state is not None else {}
+        g = groups.get(rank)
+        where = f"group {group_glyph(g)}: {view.groups[g].summary.split(' | ')[0]}" \
+            if view is not None and g is not None and g < len(view.groups) else \
+            ("not captured since the restart" if view is not None and not groups else "no stack")
+        return f"▸ rank {rank} · {machine} · {where}"
+
     def _draw_legend(self, view: StackView | None) -> None:
+        note = self._cursor_note(view)
         legend = legend_text(view)
-        if self.cursor_note:
-            legend = Text.assemble((self.cursor_note, "bold"), "\n", legend)
+        if note:
+            legend = Text.assemble((note, "bold"), "\n", legend)
         self._set("#legend", legend)
 
     def on_mount(self) -> None:
