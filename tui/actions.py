@@ -300,7 +300,13 @@ def plan_text(summary: PlanSummary, process_limit: int = 64) -> Text:
         else:
             t.append("  processes: none found on this machine\n", "yellow")
         if plan.standbys:
-            t.append(f"  standbys joining: {' '.join(plan.standbys)}\n", "green")
+            # The agent lists the pool on hand; one standby takes each evicted machine's place.
+            joining = len(plan.machines) if plan.machines else len(plan.standbys)
+            if joining < len(plan.standbys):
+                t.append(f"  standbys on hand: {' '.join(plan.standbys)} ({joining} joins, one per evicted "
+                         "machine)\n", "green")
+            else:
+                t.append(f"  standbys joining: {' '.join(plan.standbys)}\n", "green")
         if plan.backup_peers:
             t.append("  backup peers (rank→peer): " + " ".join(f"{r}→{p}" for r, p in plan.backup_peers) + "\n")
         for argv in plan.commands:

@@ -144,7 +144,7 @@ def health(state: Readings) -> Health:
     if silent and not any(m.ranks for m in running):
         if state.awaiting_restart or all(m.name in state.restarting for m in silent):
             # Their agents restart with the job (an eviction, a hot-update): not lost.
-            return Health("idle", f"restarting: the agents of the job's ranks restart with it ({len(silent)})")
+            return Health("idle", f"restarting: {len(silent)} machines' agents restart with the job")
         # The ranks live on machines whose agents do not answer now: nothing can be said about the job.
         return Health("unknown", f"the agents of the job's ranks do not answer ({len(silent)}): "
                       f"{silent[0].error or 'no answer'}")
