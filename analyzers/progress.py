@@ -74,6 +74,7 @@ RHYTHM_FACTOR = 3.0
 RHYTHM_MIN_S = 6.0
 RHYTHM_GAPS = 5
 RHYTHM_KEPT = 200  # gaps remembered: a checkpoint save every 100 steps stays in view
+RHYTHM_WARMUP = 3  # a launch's first gaps (imports, compilation, the first checkpoint load) are not its rhythm
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionState, AuditRecord
-from rankscope.analyzers.progress import RHYTHM_KEPT, HangThreshold, hang_threshold
+from rankscope.analyzers.progress import RHYTHM_KEPT, RHYTHM_WARMUP, HangThreshold, hang_threshold
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui.analysis import StackView
@@ -143,6 +143,7 @@ class AppState:
     hang_after_s: float = 30.0  # no progress this long is a hang at the latest (the one setting: --hang-after)
     # Gaps between the job's successive progress marks (oldest first): its rhythm, which sets the hang threshold.
     progress_gaps: tuple[float, ...] = ()
+    launch_marks: int = 0  # progress marks seen in this launch (its first RHYTHM_WARMUP gaps are no rhythm)
     # What the person and the services set (apply_filter, apply_failslow, apply_audit, ...).
     filter: Filter = NO_FILTER
     failslow: FailSlowView | None = None  # the fail-slow detectors' latest view (view 7)
@@ -315,7 +316,8 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
                             f"the job restarted on {on}: its ranks run under new pids{placed}{code}"))
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
-        state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False)
+        state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False,
+                        launch_marks=0)
     metric_history = state.metric_history.pushed(d.metric_keys, d.metric_values)
     comms = d.comms if d.comms else state.comms
     comm_history = state.comm_history.pushed(d.comm_keys, d.comm_values) if d.comms else state.comm_history
@@ -327,11 +329,15 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     last_progress = state.last_progress_wall
     hung_reported = state.hung_reported
     gaps = state.progress_gaps
+    marks = state.launch_marks
     threshold = state.hang_threshold_s
     if clock is not None:
         # The agents remember when the job last progressed: a view attached late says what an early one says.
         moved = clock.progress_mark is not None and (last_progress is None or clock.progress_mark > last_progress)
-        if moved and last_progress is not None and clock.progress_mark is not None and not hung_reported:
+        if moved:
+            marks += 1
+        if moved and last_progress is not None and clock.progress_mark is not None and not hung_reported \
+                and marks > RHYTHM_WARMUP:
             gaps = (*gaps, clock.progress_mark - last_progress)[-RHYTHM_KEPT:]  # a hang that ended is no rhythm
         if moved and last_progress is None and state.restarts + restarted > 0:
             events.append(Event(now_wall, "resumed", f"training runs again: first step at {fmt_time(clock.progress_mark)}"))
@@ -350,7 +356,10 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             hung_reported = True
     else:
         moved = not state.progress_points or d.progress != state.progress_points[-1][1]
-        if moved and last_progress is not None and state.progress_points and not hung_reported:
+        if moved:
+            marks += 1
+        if moved and last_progress is not None and state.progress_points and not hung_reported \
+                and marks > RHYTHM_WARMUP:
             gaps = (*gaps, d.wall - last_progress)[-RHYTHM_KEPT:]
         if moved or last_progress is None:
             last_progress = d.wall
@@ -377,6 +386,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         progress_points=progress_points,
         step_points=step_points,
         progress_gaps=gaps,
+        launch_marks=marks,
         last_progress_wall=last_progress,
         events=_with_events(state, events),
         kept=kept,

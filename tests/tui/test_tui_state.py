@@ -313,22 +313,22 @@ def test_a_capture_of_a_job_making_steps_names_no_suspect() -> None:
 def test_a_capture_is_of_a_running_job_only_while_it_steps() -> None:
     """The mark follows the job's own steps: the first seconds of a hang (still "healthy" until --hang-after)
     keep their suspects; a capture one second after a step names none; so does the Events line."""
-    polls = [job(T0 + i, stacks=False, step=100 + i, hung=False) for i in range(6)]
+    polls = [job(T0 + i, stacks=False, step=100 + i, hung=False) for i in range(10)]
     s = st.AppState()
     for p in polls:
         s = st.apply_poll(s, dg.digest(p), p.captured.wall)
     assert hl.making_steps(s)
-    capture = job(T0 + 6, stacks=True, step=106, hung=True)
-    running = st.apply_capture_analyzed(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
+    capture = job(T0 + 10, stacks=True, step=110, hung=True)
+    running = st.apply_capture_analyzed(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 10)
     assert running.verdict is not None and running.verdict.running
     assert running.events[-1].kind == "verdict" and running.events[-1].text.startswith("no verdict: the job was")
     # Five seconds without a step: not hung yet (the job's rhythm of 1 s steps makes 6 s a hang), nor "healthy":
     # stalled, and not stepping.
-    for i in range(6, 12):  # (the first poll of the stop still moved the operation counters)
-        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=105, hung=True)), T0 + i)
+    for i in range(10, 16):  # (the first poll of the stop still moved the operation counters)
+        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=109, hung=True)), T0 + i)
     assert hl.health(s) == hl.Health("stalled", "no progress for 5 s") and not hl.making_steps(s)
-    capture = job(T0 + 12, stacks=True, step=105, hung=True)
-    stuck = st.apply_capture_analyzed(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 12)
+    capture = job(T0 + 16, stacks=True, step=109, hung=True)
+    stuck = st.apply_capture_analyzed(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 16)
     assert stuck.verdict is not None and not stuck.verdict.running
     assert stuck.stacks is not None and stuck.events[-1].text == stuck.stacks.verdict.summary
 
