@@ -329,6 +329,10 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     last_progress = state.last_progress_wall
     hung_reported = state.hung_reported
     gaps = state.progress_gaps
+    if d.longest_step_s is not None and not state.hung_reported:
+        # The ranks' own step durations are the rhythm from the first poll on; the marks' gaps add what they miss
+        # (a checkpoint save between steps).
+        gaps = (*gaps, d.longest_step_s)[-RHYTHM_KEPT:]
     marks = state.launch_marks
     threshold = state.hang_threshold_s
     if clock is not None:

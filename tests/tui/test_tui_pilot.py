@@ -319,3 +319,20 @@ async def test_the_selected_rank_line_follows_the_capture_on_screen() -> None:
         app.redraw()
         await until(pilot, lambda: "▸ rank 25 · node12 · group A: _single_tensor_adam" in screen_text(app), 10,
                     "the line redrawn from the new capture")
+
+
+async def test_a_long_event_goes_on_in_the_rows_below_at_80_columns() -> None:
+    from rankscope.tui import state as st
+
+    text = ("the job resumed from step 20 (the newest checkpoint every rank saved) on machine-0 machine-1 standby-0 "
+            "(standby-0 joined) after evicting machine-2, code git:v2 (bbbb)")
+    app = fig7_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        app.state = st.apply_info(app.state, text, app.state.now_wall + 1)
+        await pilot.press("5")
+        app.redraw()
+        await until(pilot, lambda: "(bbbb)" in screen_text(app), 10, "the event's end")
+        shown = " ".join(line.split("info", 1)[-1].strip() if "info" in line else line.strip()
+                         for line in screen_text(app).splitlines()[5:9])
+        assert text in shown, shown

@@ -70,3 +70,15 @@ def test_the_journal_tells_a_hang_and_a_restart_once_in_the_acting_views_words()
     # A new hang after the restart is a new moment.
     s = st.apply_failure(s, "hung", "no progress since 00:01:00", T0 + 60)
     assert sum(e.kind == "hung" for e in s.events) == 2
+
+
+def test_the_ranks_own_step_durations_give_the_rhythm_from_the_first_polls() -> None:
+    # A view attached a few steps before a hang had seen too few progress marks: it waited the whole 30 s ceiling.
+    from test_tui_failslow import fs_series
+
+    s = st.AppState()
+    for snap in fs_series(8, slow=None):  # 0.5 s steps (±3 %), the counters' last_step_duration_s, one poll a second
+        s = st.apply_poll(s, dg.digest(snap), snap.captured.wall)
+    assert dg.digest(fs_series(2, slow=None)[0]).longest_step_s is None, "a launch's first steps are no rhythm"
+    assert s.hang.from_rhythm and s.hang_threshold_s == 6.0 and s.hang.longest_gap_s is not None
+    assert 0.48 < s.hang.longest_gap_s <= 1.0

@@ -103,7 +103,7 @@ class MainScreen(Screen[None]):
 
     def _draw_legend(self, view: StackView | None) -> None:
         note = self._cursor_note(view)
-        legend = legend_text(view)
+        legend = legend_text(view, width=max(20, self.size.width - 2) if self.size.width else None)
         if note:
             legend = Text.assemble((note, "bold"), "\n", legend)
         self._set("#legend", legend)

@@ -265,15 +265,40 @@ class VerdictPanel(Static):
     """Suspect groups with kind, machines and one line of evidence, and the diverging frame."""
 
 
-def legend_text(view: StackView | None, limit: int = 6) -> Text:
+def legend_text(view: StackView | None, limit: int = 6, width: int | None = None) -> Text:
+    """The map's legend: each stack group, then the marks. ``width``: entries are laid out on lines of that many
+    cells, never broken inside (the legend wrapped "B 2×" away from "send (…)")."""
+    entries: list[Text] = []
+    if view is not None:
+        for g in view.groups[:limit]:
+            entry = Text(group_glyph(g.index), group_style(g.index))
+            entry.append(f" {len(g.ranks)}× {g.summary.split(' | ')[0]}")  # the main thread's part; 2 shows the rest
+            entries.append(entry)
+        if len(view.groups) > limit:
+            entries.append(Text(f"+{len(view.groups) - limit} groups", "dim"))
+    marks = ("? no stack", "× lost") if view is None else \
+        ("? no stack", "× lost", "↻ restarting", "○ not captured since a restart")
+    entries.extend(Text(m, "dim") for m in marks)
     t = Text()
-    if view is None:
-        t.append("? no stack  × lost", "dim")
-        return t
+    used = 0
+    for entry in entries:
+        n = entry.cell_len
+        if used and width is not None and used + 2 + n > width:
+            t.append("\n")
+            used = 0
+        elif used:
+            t.append("  ")
+            used += 2
+        t.append_text(entry)
+        used += n
+    return t
     for g in view.groups[:limit]:
+        # One entry is not broken across lines (the legend wrapped "B 2×" from "send (…)"): no-break spaces inside.
         t.append(group_glyph(g.index), group_style(g.index))
-        t.append(f" {len(g.ranks)}× {g.summary.split(' | ')[0]}  ")  # the main thread's part; 2 shows the rest
+        entry = f" {len(g.ranks)}× {g.summary.split(' | ')[0]}"  # the main thread's part; 2 shows the rest
+        t.append(entry.replace(" ", "\u00a0") + "  ")
     if len(view.groups) > limit:
         t.append(f"+{len(view.groups) - limit} groups  ", "dim")
-    t.append("? no stack  × lost  ↻ restarting  ○ not captured since a restart", "dim")
+    t.append("  ".join(e.replace(" ", "\u00a0") for e in ("? no stack", "× lost", "↻ restarting",
+                                                          "○ not captured since a restart")), "dim")
     return t
