@@ -66,7 +66,7 @@ class MainScreen(Screen[None]):
 
     def __init__(self) -> None:
         super().__init__()
-        self.map_cursor: tuple[int, str] | None = None  # the rank (and machine) the map's cursor is on, above the legend
+        self.map_cursor: tuple[int, str | None] | None = None  # the rank (and machine) the map's cursor is on, above the legend
         self._shown_text: dict[str, Text] = {}
         self._state: AppState | None = None  # the last drawn, for the cursor note
 

@@ -54,7 +54,6 @@ def summary_text(view: FailSlowView, hung: str | None = None) -> Text:
     """``hung``: the job's state when it makes no steps (a hang). A rank's step time is then the time since its
     last step (a stuck step grows: ``analyzers.series``), so the figures below are that, and the view says so
     first ("the figures below are of the steps before it" stood over "job step 67.7 s", the hang's age)."""
-    v = view.verdict
     if hung is not None:
         head = Text(f"{hung}: no step ends while the job makes no steps, so the step times below are the time "
                     "since each rank's last step; a hang is judged by the verdict (1 Overview), not by slowness\n",
