@@ -308,6 +308,9 @@ async def test_the_right_phrase_runs_with_the_exact_confirmation_and_progress_an
         await pilot.pause()
         text = screen_text(app)
         assert "succeeded" in text and "started" in text and "alice@desk" in text and "blocked node12" in text
+        # what happened comes before who did it: a long "who" pushed "what" off an 80-column screen
+        assert any(line.index("blocked node12") < line.index("alice@desk") for line in text.splitlines()
+                   if "blocked node12" in line and "alice@desk" in line), text
         assert "warm standbys (P99, 24 h): 1 for 16 machines" in text  # the job's size, with node12 out of it
         assert "15/15 machines 1 evicted" in text  # out of the job on purpose: not counted as lost
         await pilot.press("5")

@@ -131,8 +131,10 @@ class ActionsPanel(Vertical):
             r = line.record
             what = r.message if r.result == "progress" or (r.message and r.result not in ("started", "requested")) \
                 else r.what
+            # What happened before who did it: a long "who" (user@host (rankscope attach) (act token)) pushed
+            # "what" off an 80-column screen.
             rows.append((fmt_time(r.when), " ".join(r.machines) or line.address,
                          KIND_LABELS.get(r.kind, str(r.kind)), Text(r.result, RESULT_STYLES.get(r.result, "")),
-                         r.who, what))
-        self.query_one("#audit-table", LineTable).set_rows(("time", "machines", "action", "result", "who", "what"),
+                         what, r.who))
+        self.query_one("#audit-table", LineTable).set_rows(("time", "machines", "action", "result", "what", "who"),
                                                            rows)
