@@ -187,7 +187,14 @@ _CHAPTERS = {"hung": frozenset({"resumed", "restarted"}), "restarted": frozenset
 
 
 def _same_moment(events: Sequence[Event], e: Event) -> Event | None:
-    """An event of ``events`` that tells the moment ``e`` tells (``ONE_STORY_KINDS``), or None."""
+    """An event of ``events`` that tells the moment ``e`` tells, or None: the same words within ``ONE_STORY_S`` (a
+    view's own line and the journal's copy of it, stamped a moment apart; journal kinds), or for ``ONE_STORY_KINDS`` the same
+    kind with no new chapter between them."""
+    if e.kind in JOURNAL_KINDS:  # (captures repeat their words every 10 s in fail-slow mode: each is a capture)
+        same = next((o for o in events if o.kind == e.kind and o.text == e.text
+                     and abs(o.wall - e.wall) <= ONE_STORY_S), None)
+        if same is not None:
+            return same
     if e.kind not in ONE_STORY_KINDS:
         return None
     for other in events:

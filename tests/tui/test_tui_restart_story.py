@@ -82,3 +82,13 @@ def test_the_ranks_own_step_durations_give_the_rhythm_from_the_first_polls() -> 
     assert dg.digest(fs_series(2, slow=None)[0]).longest_step_s is None, "a launch's first steps are no rhythm"
     assert s.hang.from_rhythm and s.hang_threshold_s == 6.0 and s.hang.longest_gap_s is not None
     assert 0.48 < s.hang.longest_gap_s <= 1.0
+
+
+def test_the_same_words_a_moment_apart_are_one_event() -> None:
+    # "training runs again: first step at 04:47:51" twice: the view's own line and the journal's copy of the acting
+    # view's, stamped milliseconds apart.
+    s = st.apply_failure(st.AppState(read_only=True), "resumed", "training runs again: first step at 00:00:09", T0 + 10)
+    s = st.apply_journal(s, [(T0 + 10.2, "resumed", "training runs again: first step at 00:00:09")])
+    assert [e.text for e in s.events] == ["training runs again: first step at 00:00:09"]
+    s = st.apply_journal(s, [(T0 + 9.0, "resumed", "the job resumed from step 20 (the newest checkpoint)")])
+    assert len(s.events) == 2, "other words are another moment"
