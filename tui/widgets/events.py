@@ -16,7 +16,7 @@ KIND_STYLES = {"lost": "bold red", "found": "bold green", "verdict": "bold yello
 
 class EventsPanel(LineTable):
     def show(self, state: AppState) -> None:
-        width = self.size.width or self.app.size.width  # before its first layout (a tab just shown): the screen's
+        width = self.size.width  # 0 before its first layout (a tab just shown): drawn again once laid out
         key = (len(state.events), state.events[-1] if state.events else None, width)
         if key == getattr(self, "_shown", None):
             return
