@@ -15,7 +15,14 @@ KIND_STYLES = {"lost": "bold red", "found": "bold green", "verdict": "bold yello
 
 
 class EventsPanel(LineTable):
+    _state: AppState | None = None
+
+    def on_resize(self) -> None:
+        if self._state is not None:  # laid out (a tab just shown) or resized: the rows wrap at the new width
+            self.show(self._state)
+
     def show(self, state: AppState) -> None:
+        self._state = state
         width = self.size.width  # 0 before its first layout (a tab just shown): drawn again once laid out
         key = (len(state.events), state.events[-1] if state.events else None, width)
         if key == getattr(self, "_shown", None):
