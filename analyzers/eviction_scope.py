@@ -18,10 +18,11 @@ scorecard grades is what `e` executes. Pure: no clock, no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rankscope.analyzers.findings import Suspect, SuspectKind
-from rankscope.analyzers.topology import compact_ranks, natural_key
+from rankscope.analyzers.labels import group_name
+from rankscope.analyzers.topology import Topology, compact_ranks, natural_key
 
 PRECISE = "precise"
 GROUP = "group"
@@ -31,6 +32,13 @@ REASON_MEMBERS = "the evidence cannot tell the group's members apart"
 REASON_LINK = "the evidence points at the link between the group's members (both sides posted, requests stuck)"
 REASON_SINGLE = "the suspect is one {kind}"
 REASON_UNPLACED = "no machine is known for rank{s} {ranks} the evidence pins"
+REASON_SLOW = "the fail-slow detectors name {machines}; the rest of {group} waits on it (ByteRobust's degrader group)"
+
+# What a fail-slow suspect's state reads: it marks the suspect ``degrader_suspect`` built.
+SLOW_STATE = "slower than its peers"
+# The parallel groups whose peers a slow machine holds up, in the order tried: a slow pipeline stage stalls its
+# pipeline first, then the data-parallel peers waiting in the gradient all-reduce.
+DEGRADER_KINDS = ("pp", "dp", "cp", "ep", "tp")
 
 # Words of a suspect's evidence that say the stall sits between ranks, not in one of them.
 _LINK_WORDS = ("both sides posted", "link", "in flight", "network")
@@ -114,9 +122,45 @@ def eviction_scope(suspect: Suspect, placement: Mapping[int, str]) -> EvictionSc
     waiting = f"{len(suspect.victims)} rank{'s' if len(suspect.victims) != 1 else ''} wait on it" \
         if suspect.victims else "the others of its group wait on it"
     reason = REASON_ROOTS.format(s=s, ranks=compact_ranks(roots), waiting=waiting)
+    if suspect.state == SLOW_STATE:
+        numbers = suspect.groups or ((suspect.group_index,) if suspect.group_index is not None else ())
+        reason = REASON_SLOW.format(machines=" ".join(machines), group=group_name(str(suspect.kind), numbers))
     if set(machines) == set(group.machines):
         return EvictionScope(precise, None, reason)
     return EvictionScope(precise, group, reason)
+
+
+def degrader_suspect(top: Suspect, topology: Topology | None, placement: Mapping[int, str]) -> Suspect:
+    """A fail-slow verdict's machine as `e` evicts it: the machine precisely, its degrader group one key away.
+
+    The fail-slow detectors name a machine (``SuspectKind.MACHINE``); ByteRobust
+    (§5) over-evicts the parallel group a slow member degrades. The group is
+    the first of ``DEGRADER_KINDS`` whose members reach beyond the machine;
+    the machine's flagged ranks are its roots, so ``eviction_scope`` makes the
+    machine the default and the group the alternative. A suspect that already
+    is a group (the stack rounds named it), or one no group reaches beyond,
+    is returned as it is.
+    """
+    if top.kind is not SuspectKind.MACHINE or topology is None or not top.machines:
+        return top
+    named = set(top.machines)
+    roots = tuple(sorted(r for r in top.ranks if placement.get(r) in named)) or tuple(sorted(top.ranks))
+    if not roots or any(not 0 <= r < topology.world_size for r in roots):
+        return top
+    kinds = topology.kinds()
+    for kind in DEGRADER_KINDS:
+        if kind not in kinds:
+            continue
+        ranks = tuple(sorted({p for r in roots for p in topology.group_of(r, kind)}))
+        machines = {placement.get(r) for r in ranks}
+        if None in machines or machines <= named:
+            continue
+        indices = tuple(sorted({topology.group_index(r, kind) for r in roots}))
+        return replace(top, kind=SuspectKind(kind), ranks=ranks,
+                       machines=_sorted_machines({m for m in machines if m is not None}), group_index=indices[0],
+                       groups=indices if len(indices) > 1 else (), roots=roots,
+                       victims=tuple(r for r in ranks if r not in roots), state=SLOW_STATE)
+    return top
 
 
 def option_line(option: EvictionOption) -> str:

@@ -12,6 +12,7 @@ memory (py-spy dumps, flight recorder dumps, older bundles) say nothing here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rankscope.analyzers.findings import Verdict
@@ -63,6 +64,42 @@ def mid_step_window(step_s: float | None) -> float:
     time from the snapshot's counters, the TUI from the step rate of its polls.
     """
     return max(MID_STEP_S, 2.0 * step_s) if step_s is not None and step_s > 0 else MID_STEP_S
+
+
+# A stall is judged against the job's own rhythm (Mycroft's and NCCL RAS' seconds, not a fixed half minute): no
+# progress for RHYTHM_FACTOR times its longest recent gap between progress marks (its slow steps, checkpoint saves
+# included) is a hang, never sooner than RHYTHM_MIN_S, never later than the ceiling (--hang-after). Until
+# RHYTHM_GAPS gaps are known the ceiling alone decides: a job just started has shown no rhythm yet.
+RHYTHM_FACTOR = 3.0
+RHYTHM_MIN_S = 6.0
+RHYTHM_GAPS = 5
+RHYTHM_KEPT = 200  # gaps remembered: a checkpoint save every 100 steps stays in view
+RHYTHM_WARMUP = 3  # a launch's first gaps (imports, compilation, the first checkpoint load) are not its rhythm
+
+
+@dataclass(frozen=True, slots=True)
+class HangThreshold:
+    """How long without progress is a hang for this job, and why (the countdown says it)."""
+
+    seconds: float
+    longest_gap_s: float | None  # the longest recent gap between progress marks (None: too few known)
+    from_rhythm: bool  # False: the ceiling decided (too few gaps, or the rhythm asks for more)
+
+    def basis(self) -> str:
+        if self.from_rhythm and self.longest_gap_s is not None:
+            return f"{RHYTHM_FACTOR:g}× its {self.longest_gap_s:.1f} s step"
+        if self.longest_gap_s is None:
+            return "no rhythm yet"
+        return "--hang-after"
+
+
+def hang_threshold(gaps: Sequence[float], ceiling_s: float) -> HangThreshold:
+    """The stall that makes a hang, from the job's recent gaps between progress marks (oldest first)."""
+    if len(gaps) < RHYTHM_GAPS:
+        return HangThreshold(ceiling_s, None, False)
+    longest = max(gaps[-RHYTHM_KEPT:])
+    wanted = max(RHYTHM_MIN_S, RHYTHM_FACTOR * longest)
+    return HangThreshold(min(wanted, ceiling_s), longest, wanted < ceiling_s)
 
 
 @dataclass(frozen=True, slots=True)

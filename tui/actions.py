@@ -300,7 +300,13 @@ def plan_text(summary: PlanSummary, process_limit: int = 64) -> Text:
         else:
             t.append("  processes: none found on this machine\n", "yellow")
         if plan.standbys:
-            t.append(f"  standbys joining: {' '.join(plan.standbys)}\n", "green")
+            # The agent lists the pool on hand; one standby takes each evicted machine's place.
+            joining = len(plan.machines) if plan.machines else len(plan.standbys)
+            if joining < len(plan.standbys):
+                t.append(f"  standbys on hand: {' '.join(plan.standbys)} ({joining} joins, one per evicted "
+                         "machine)\n", "green")
+            else:
+                t.append(f"  standbys joining: {' '.join(plan.standbys)}\n", "green")
         if plan.backup_peers:
             t.append("  backup peers (rank→peer): " + " ".join(f"{r}→{p}" for r, p in plan.backup_peers) + "\n")
         for argv in plan.commands:
@@ -388,13 +394,25 @@ class ActionController:
         if self._refuse_if_cannot_act():
             return
         stale = staleness.verdict_stale(self.app.state)
+        mark = self.app.state.verdict
+        if stale is not None or mark is None or mark.running:
+            # The stacks name nothing to act on now; a live fail-slow verdict (view 7) may: the job is running.
+            slow, why = staleness.failslow_target(self.app.state)
+            if slow is not None:
+                scope = eviction_scope(slow, self.app.state.machine_of_rank())
+                self.evict_option(slow, scope, scope.default)
+                return
+            if why is not None and stale is None and (mark is None or mark.running):
+                self.app.notify(f"nothing to evict now: the fail-slow verdict is stale ({why})\n"
+                                "fix: wait for the detectors' next verdict (view 7), or capture (s) if the job is "
+                                "stuck", title="no suspect", severity="warning", timeout=8)
+                return
         if stale is not None:
             # A verdict of another launch, or of a job that moved on, must never pick machines to take out.
             self.app.notify(f"nothing to evict now: the verdict on screen is stale ({stale})\n"
                             "fix: if the job is stuck again, capture (s) and evict from the new verdict",
                             title="no suspect", severity="warning", timeout=8)
             return
-        mark = self.app.state.verdict
         if mark is not None and mark.running:
             # Ranks caught mid-step differ by timing: no machine is to blame for that.
             self.app.notify("nothing to evict now: the capture on screen was taken while the job was making "

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -276,7 +276,15 @@ class RankscopeApp(App[int]):
         self.redraw()
 
     def on_fail_slow_updated(self, message: FailSlowUpdated) -> None:
+        before = st.slow_machines(self.state.failslow)
         self.state = st.apply_failslow(self.state, message.view)
+        if self.options.on_verdict is not None and st.slow_machines(self.state.failslow) not in ((), before):
+            slow, _ = staleness.failslow_target(self.state)
+            fs = self.state.failslow.verdict if self.state.failslow is not None else None
+            if slow is not None and fs is not None:
+                # Graded as `e` would act on it: the machine, its degrader group one key away.
+                verdict = replace(fs.verdict, suspects=(slow, *fs.verdict.suspects[1:]))
+                self.options.on_verdict(verdict, self.state.now_wall, self.state.machine_of_rank())
         self.redraw()
 
     def on_capture_failed(self, message: CaptureFailed) -> None:
@@ -349,11 +357,16 @@ class RankscopeApp(App[int]):
         self.notify(f"agent {message.machine} is back", timeout=3)
 
     def _maybe_capture(self) -> None:
-        """Capture when progress stopped (once per stop) and every 10 s in fail-slow mode."""
+        """Capture when progress stopped (once per stop), when the capture on screen misses running ranks (after a
+        restart or a hot-update, once per set), and every 10 s in fail-slow mode."""
         if not self.source.live or self.state.capturing:
             return
         if schedule.hang_capture_due(self.state):
             self.state = st.apply_hang_captured(self.state)
+            self.action_capture()
+            return
+        if schedule.refresh_capture_due(self.state):
+            self.state = st.apply_refresh_captured(self.state, schedule.uncaptured_ranks(self.state))
             self.action_capture()
             return
         if self.options.fail_slow:

@@ -6,11 +6,13 @@ Digesting walks every rank's counters, so the app does it off the UI thread
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from rankscope.analyzers.metric_outliers import snapshot_outliers
+from rankscope.analyzers.progress import RHYTHM_WARMUP
 from rankscope.analyzers.series import METRICS as SERIES_METRICS
 from rankscope.analyzers.topology import joined_counters
 from rankscope.contract.snapshot import GpuMetrics, HostMetrics, JobSnapshot, MachineSnapshot
@@ -154,6 +156,9 @@ class PollDigest:
     comm_keys: tuple[str, ...] = ()
     comm_values: np.ndarray = field(default_factory=lambda: np.empty(0))
     metric_rows: tuple[MetricRow, ...] = ()
+    # The longest step any rank last reported (its counters' own duration), past its launch's first steps: the job's
+    # rhythm from the first poll on, before its progress marks have told enough gaps.
+    longest_step_s: float | None = None
 
 
 def _machine_view(m: MachineSnapshot) -> MachineView:
@@ -213,6 +218,7 @@ def digest(snapshot: JobSnapshot) -> PollDigest:
     totals: dict[str, dict[int, list[int]]] = {}
     stale: set[int] = set()
     steps: int | None = None
+    longest: float | None = None
     has_stacks = False
     # one communicator per real group: NCCL's (the plugin's, by hash) joined into the shim's torch groups
     joined = joined_counters(snapshot.all_counters())
@@ -223,6 +229,9 @@ def digest(snapshot: JobSnapshot) -> PollDigest:
                 stale.add(rc.rank)
             if rc.steps is not None:
                 steps = rc.steps if steps is None else max(steps, rc.steps)
+                d = rc.last_step_duration_s
+                if rc.steps > RHYTHM_WARMUP and d is not None and math.isfinite(d) and d > 0:
+                    longest = d if longest is None else max(longest, d)
             for c in rc.communicators:
                 members.setdefault(c.comm_id, (c.description, c.backend, c.ranks))
             for op in rc.ops:
@@ -258,7 +267,7 @@ def digest(snapshot: JobSnapshot) -> PollDigest:
         snapshot, snapshot.captured.wall, tuple(machines), tuple(comms), steps, progress, snapshot.world_size,
         has_stacks, _keys(readings), np.fromiter(readings.values(), dtype=float, count=len(readings)),
         _keys(c.comm_id for c in comms), np.fromiter((float(c.progress) for c in comms), dtype=float, count=len(comms)),
-        metric_rows(machines),
+        metric_rows(machines), longest,
     )
 
 

@@ -32,6 +32,8 @@ class Readings(Protocol):
     @property
     def hang_after_s(self) -> float: ...
     @property
+    def hang_threshold_s(self) -> float: ...
+    @property
     def job_machines(self) -> tuple[MachineView, ...]: ...
     @property
     def restarting(self) -> frozenset[str]: ...
@@ -90,7 +92,7 @@ def quiet_after(state: Readings) -> float:
     ``QUIET_MIN_S``, always before the hang threshold."""
     rate = step_rate(state)
     usual = 3.0 / rate if rate else 0.0
-    return min(max(QUIET_MIN_S, usual), 0.8 * state.hang_after_s)
+    return min(max(QUIET_MIN_S, usual), 0.8 * state.hang_threshold_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +101,7 @@ class Health:
     text: str
 
 
-def _clock_health(clock: JobClock, hang_after_s: float) -> Health | None:
+def _clock_health(clock: JobClock, hang_after_s: float, threshold_s: float) -> Health | None:
     """The job's state from its agents' memory; None: progressing (the step rate decides healthy or slow)."""
     if not clock.running:
         if clock.seen_mark is None or clock.seen_age_s is None:
@@ -118,13 +120,14 @@ def _clock_health(clock: JobClock, hang_after_s: float) -> Health | None:
             return Health("hung", f"hung since its start at {fmt_time(clock.start_mark)} ({age:.0f} s): "
                           "no rank has made a step")
         return Health("starting", f"starting: {len(clock.starting)} ranks before their first step")
-    if clock.progress_age_s >= hang_after_s:
+    if clock.progress_age_s >= threshold_s:
         return Health("hung", f"hung since {fmt_time(clock.progress_mark)} ({clock.progress_age_s:.0f} s)")
     return None
 
 
 def health(state: Readings) -> Health:
-    """What the job is doing now (hung after ``state.hang_after_s`` without progress), read from the state."""
+    """What the job is doing now (hung after ``state.hang_threshold_s`` without progress: the job's rhythm, at most
+    ``hang_after_s``), read from the state."""
     hang_after_s = state.hang_after_s
     if not state.progress_points:
         return Health("unknown", "waiting for the first poll")
@@ -141,7 +144,7 @@ def health(state: Readings) -> Health:
     if silent and not any(m.ranks for m in running):
         if state.awaiting_restart or all(m.name in state.restarting for m in silent):
             # Their agents restart with the job (an eviction, a hot-update): not lost.
-            return Health("idle", f"restarting: the agents of the job's ranks restart with it ({len(silent)})")
+            return Health("idle", f"restarting: {len(silent)} machines' agents restart with the job")
         # The ranks live on machines whose agents do not answer now: nothing can be said about the job.
         return Health("unknown", f"the agents of the job's ranks do not answer ({len(silent)}): "
                       f"{silent[0].error or 'no answer'}")
@@ -149,7 +152,7 @@ def health(state: Readings) -> Health:
         seen = f" since {fmt_time(clock.seen_mark)}" if clock.seen_mark is not None else ""
         return Health("idle", f"restarting: no ranks running{seen}")
     if clock is not None:
-        clocked = _clock_health(clock, hang_after_s)
+        clocked = _clock_health(clock, hang_after_s, state.hang_threshold_s)
         if clocked is not None:
             return clocked
     elif running and not any(m.ranks for m in running):
@@ -163,7 +166,7 @@ def health(state: Readings) -> Health:
         if last[1] == 0 and not state.comms:
             return Health("unknown", "no counters (CCL plugin not loaded?)")
         since = state.last_progress_wall
-        if since is not None and last[0] - since >= hang_after_s:
+        if since is not None and last[0] - since >= state.hang_threshold_s:
             return Health("hung", f"hung since {fmt_time(since)} ({last[0] - since:.0f} s)")
     age = progress_age(state)
     if age is not None and age >= quiet_after(state):

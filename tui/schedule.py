@@ -37,3 +37,31 @@ def hang_capture_due(state: AppState) -> bool:
     restarting = state.capture_after_start and state.restarts > 0
     return health(state).kind == "hung" and not restarting and \
         state.hang_captured_for != state.last_progress_wall
+
+
+# A capture that misses running ranks (their agent was not back yet, their process still starting) is retaken
+# this long after it, once per set of missing ranks: every running rank's stacks are on screen without a key press.
+REFRESH_AFTER_S = 5.0
+
+
+def uncaptured_ranks(state: AppState) -> frozenset[int]:
+    """Ranks running now (past their first step, on machines whose agents answer) that the capture on screen has no
+    stack of: all of them when the capture is of an earlier launch (the job restarted since)."""
+    running = {r for m in state.job_machines if m.reachable for r in m.ranks
+               if r not in m.starting and r not in m.unknown}
+    if state.stacks is None or state.verdict is None:
+        return frozenset()
+    if state.verdict.restarts < state.restarts:
+        return frozenset(running)
+    return frozenset(running - set(state.stacks.group_of_rank))
+
+
+def refresh_capture_due(state: AppState) -> bool:
+    """The job runs again (after a restart or a hot-update) and the capture on screen misses some of its running
+    ranks: capture again, once for that set of ranks, ``REFRESH_AFTER_S`` after the last capture."""
+    if state.capturing or state.capture_after_start or state.capture_wall is None:
+        return False
+    if state.now_wall - state.capture_wall < REFRESH_AFTER_S or health(state).kind not in ("healthy", "slow"):
+        return False
+    missing = uncaptured_ranks(state)
+    return bool(missing) and missing != state.refreshed_for

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from rankscope.analyzers.topology import compact_ranks
-from rankscope.tui.health import fmt_time
+from rankscope.analyzers.eviction_scope import degrader_suspect
+from rankscope.analyzers.findings import Suspect
+from rankscope.analyzers.topology import Topology, compact_ranks
+from rankscope.tui.health import fmt_time, health
 from rankscope.tui.state import AppState
 
 
@@ -55,3 +57,30 @@ def map_groups(state: AppState) -> Mapping[int, int]:
     if state.stacks is None or (state.verdict is not None and state.restarts > state.verdict.restarts):
         return {}
     return state.stacks.group_of_rank
+
+
+def failslow_target(state: AppState) -> tuple[Suspect | None, str | None]:
+    """The fail-slow verdict `e` acts on, or why there is none (``(None, None)``: no fail-slow verdict at all).
+
+    A confident verdict of the detectors that are still fed (the job makes
+    steps) is live: it is the current reading of the job, not an old capture.
+    It is stale once its machine was evicted, its agent is away, or the job
+    stopped making steps (a hang is read from the stacks). The machine is the
+    default target; its degrader group (``degrader_suspect``) is offered.
+    """
+    fs = state.failslow.verdict if state.failslow is not None else None
+    top = fs.verdict.top if fs is not None and fs.confident else None
+    if fs is None or top is None or not top.machines:
+        return None, None
+    evicted = state.evicted | {m.name for m in state.machines if m.evicted}
+    gone = sorted(set(top.machines) & evicted)
+    if gone:
+        return None, f"its suspect {' '.join(gone)} was evicted"
+    away = sorted(m.name for m in state.machines if m.name in top.machines and not m.reachable)
+    if away:
+        return None, f"the agent of {' '.join(away)} does not answer"
+    kind = health(state).kind
+    if kind not in ("healthy", "slow"):
+        return None, f"the job is {kind} now"
+    topology = Topology(state.layout, state.world_size) if state.layout is not None and state.world_size else None
+    return degrader_suspect(top, topology, state.machine_of_rank()), None

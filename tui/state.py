@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionState, AuditRecord
+from rankscope.analyzers.progress import RHYTHM_KEPT, RHYTHM_WARMUP, HangThreshold, hang_threshold
 from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui.analysis import StackView
@@ -139,7 +140,10 @@ class AppState:
     # What the session is (fixed at start): drawn in the header and deciding what the screens offer.
     source_label: str = ""
     read_only: bool = False
-    hang_after_s: float = 30.0  # no progress this long is a hang (the one setting: --hang-after)
+    hang_after_s: float = 30.0  # no progress this long is a hang at the latest (the one setting: --hang-after)
+    # Gaps between the job's successive progress marks (oldest first): its rhythm, which sets the hang threshold.
+    progress_gaps: tuple[float, ...] = ()
+    launch_marks: int = 0  # progress marks seen in this launch (its first RHYTHM_WARMUP gaps are no rhythm)
     # What the person and the services set (apply_filter, apply_failslow, apply_audit, ...).
     filter: Filter = NO_FILTER
     failslow: FailSlowView | None = None  # the fail-slow detectors' latest view (view 7)
@@ -150,6 +154,16 @@ class AppState:
     capture_after_start: bool = False
     job_counts: bool = False
     hang_captured_for: float | None = None
+    refreshed_for: frozenset[int] = frozenset()  # the running ranks a refresh capture was taken for (once per set)
+
+    @property
+    def hang(self) -> HangThreshold:
+        """No progress this long is a hang: the job's own rhythm, at most ``hang_after_s``."""
+        return hang_threshold(self.progress_gaps, self.hang_after_s)
+
+    @property
+    def hang_threshold_s(self) -> float:
+        return self.hang.seconds
 
     @property
     def lost(self) -> tuple[str, ...]:
@@ -164,6 +178,34 @@ class AppState:
         return {r: m.name for m in self.machines for r in m.ranks}
 
 
+# Moments every view sees for itself and the acting view also journals: one story, told once. An event of these
+# kinds within ONE_STORY_S of one of the same kind, with nothing between them that starts a new chapter (a hang
+# that resumed, a restart), is the same moment seen by two views.
+ONE_STORY_KINDS = frozenset({"hung", "restarted"})
+ONE_STORY_S = 30.0
+_CHAPTERS = {"hung": frozenset({"resumed", "restarted"}), "restarted": frozenset({"hung", "evicted"})}
+
+
+def _same_moment(events: Sequence[Event], e: Event) -> Event | None:
+    """An event of ``events`` that tells the moment ``e`` tells, or None: the same words within ``ONE_STORY_S`` (a
+    view's own line and the journal's copy of it, stamped a moment apart; journal kinds), or for ``ONE_STORY_KINDS`` the same
+    kind with no new chapter between them."""
+    if e.kind in JOURNAL_KINDS:  # (captures repeat their words every 10 s in fail-slow mode: each is a capture)
+        same = next((o for o in events if o.kind == e.kind and o.text == e.text
+                     and abs(o.wall - e.wall) <= ONE_STORY_S), None)
+        if same is not None:
+            return same
+    if e.kind not in ONE_STORY_KINDS:
+        return None
+    for other in events:
+        if other.kind != e.kind or abs(other.wall - e.wall) > ONE_STORY_S:
+            continue
+        lo, hi = sorted((other.wall, e.wall))
+        if not any(x.kind in _CHAPTERS[e.kind] and lo < x.wall < hi for x in events):
+            return other
+    return None
+
+
 def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
     """The events in time order (stable: one poll's events keep their order). An agent's audit record carries its
     own time, earlier than what this view already logged: appended as it came, the newest-first list put 08:43:38
@@ -173,7 +215,7 @@ def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
         # The same moment told twice (the agents' journal and an audit stream, both replayed at attach) is one event.
         first = min(e.wall for e in new)
         have = {(e.wall, e.kind, e.text) for e in state.events if e.wall >= first}
-        new = tuple(e for e in new if (e.wall, e.kind, e.text) not in have)
+        new = tuple(e for e in new if (e.wall, e.kind, e.text) not in have and _same_moment(state.events, e) is None)
     if not new:
         return state.events
     merged = (*state.events, *new)
@@ -199,8 +241,14 @@ def journal_worthy(event: Event) -> bool:
 
 
 def apply_journal(state: AppState, entries: Iterable[tuple[float, str, str]]) -> AppState:
-    """The agents' journal (wall, kind, text): what happened before this view attached, as events, each once."""
-    return replace(state, events=_with_events(state, [Event(w, k, t) for w, k, t in entries]))
+    """The agents' journal (wall, kind, text): what happened before this view attached, as events, each once. A
+    hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so the
+    views of a pair tell one story."""
+    told = [Event(w, k, t) for w, k, t in entries]
+    own = {id(m) for e in told if (m := _same_moment(state.events, e)) is not None}
+    if own:
+        state = replace(state, events=tuple(e for e in state.events if id(e) not in own))
+    return replace(state, events=_with_events(state, told))
 
 
 _UPDATE_TARGET = re.compile(r" to (.+) \((?:immediate|lazy)\)$")
@@ -275,7 +323,8 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
                             f"the job restarted on {on}: its ranks run under new pids{placed}{code}"))
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
-        state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False)
+        state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False,
+                        launch_marks=0)
     metric_history = state.metric_history.pushed(d.metric_keys, d.metric_values)
     comms = d.comms if d.comms else state.comms
     comm_history = state.comm_history.pushed(d.comm_keys, d.comm_values) if d.comms else state.comm_history
@@ -286,9 +335,21 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     clock = job_clock(machines)
     last_progress = state.last_progress_wall
     hung_reported = state.hung_reported
+    gaps = state.progress_gaps
+    if d.longest_step_s is not None and not state.hung_reported:
+        # The ranks' own step durations are the rhythm from the first poll on; the marks' gaps add what they miss
+        # (a checkpoint save between steps).
+        gaps = (*gaps, d.longest_step_s)[-RHYTHM_KEPT:]
+    marks = state.launch_marks
+    threshold = state.hang_threshold_s
     if clock is not None:
         # The agents remember when the job last progressed: a view attached late says what an early one says.
         moved = clock.progress_mark is not None and (last_progress is None or clock.progress_mark > last_progress)
+        if moved:
+            marks += 1
+        if moved and last_progress is not None and clock.progress_mark is not None and not hung_reported \
+                and marks > RHYTHM_WARMUP:
+            gaps = (*gaps, clock.progress_mark - last_progress)[-RHYTHM_KEPT:]  # a hang that ended is no rhythm
         if moved and last_progress is None and state.restarts + restarted > 0:
             events.append(Event(now_wall, "resumed", f"training runs again: first step at {fmt_time(clock.progress_mark)}"))
         elif moved and hung_reported:
@@ -298,18 +359,25 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         last_progress = clock.progress_mark
         age = clock.progress_age_s if clock.progress_mark is not None else clock.start_age_s
         known = clock.progress_mark is not None or bool(clock.starting)  # else: nothing tells a hang from a start
-        if clock.running and known and not moved and not hung_reported and age is not None and age >= hang_after_s:
+        # A stall is judged by the job's rhythm; a start (no progress yet) by the ceiling: imports take their time.
+        limit = threshold if clock.progress_mark is not None else hang_after_s
+        if clock.running and known and not moved and not hung_reported and age is not None and age >= limit:
             since = clock.progress_mark if clock.progress_mark is not None else clock.start_mark
             events.append(Event(now_wall, "hung", f"no progress since {fmt_time(since)}"))
             hung_reported = True
     else:
         moved = not state.progress_points or d.progress != state.progress_points[-1][1]
+        if moved:
+            marks += 1
+        if moved and last_progress is not None and state.progress_points and not hung_reported \
+                and marks > RHYTHM_WARMUP:
+            gaps = (*gaps, d.wall - last_progress)[-RHYTHM_KEPT:]
         if moved or last_progress is None:
             last_progress = d.wall
         if moved and hung_reported and state.progress_points:
             events.append(Event(now_wall, "resumed", "progress resumed"))
             hung_reported = False
-        elif not moved and not hung_reported and d.wall - last_progress >= hang_after_s and d.progress > 0:
+        elif not moved and not hung_reported and d.wall - last_progress >= threshold and d.progress > 0:
             events.append(Event(now_wall, "hung", f"no progress since {fmt_time(last_progress)}"))
             hung_reported = True
     world = d.world_size or state.world_size
@@ -328,6 +396,8 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         metric_history=metric_history,
         progress_points=progress_points,
         step_points=step_points,
+        progress_gaps=gaps,
+        launch_marks=marks,
         last_progress_wall=last_progress,
         events=_with_events(state, events),
         kept=kept,
@@ -481,8 +551,23 @@ def apply_filter(state: AppState, text: str) -> AppState:
 
 
 def apply_failslow(state: AppState, view: FailSlowView) -> AppState:
-    """The fail-slow detectors produced a newer view (they compute off the UI thread and post it)."""
-    return replace(state, failslow=view)
+    """The fail-slow detectors produced a newer view (they compute off the UI thread and post it); a confident
+    verdict naming other machines than the last one is logged (the slowdown found, or cleared)."""
+    named = slow_machines(view)
+    if named == slow_machines(state.failslow):
+        return replace(state, failslow=view)
+    v = view.verdict
+    if named and v is not None:
+        text = f"slow: {' '.join(named)} — {v.verdict.summary}"
+    else:
+        text = "the fail-slow detectors name no machine now"
+    return replace(state, failslow=view, events=_with_events(state, [Event(state.now_wall, "verdict", text)]))
+
+
+def slow_machines(view: FailSlowView | None) -> tuple[str, ...]:
+    """The machines a confident fail-slow verdict names (empty: none)."""
+    v = view.verdict if view is not None else None
+    return v.machines if v is not None and v.confident else ()
 
 
 def apply_audit(state: AppState, address: str, record: AuditRecord) -> AppState:
@@ -566,3 +651,8 @@ def apply_started_captured(state: AppState) -> AppState:
 def apply_hang_captured(state: AppState) -> AppState:
     """The current stop is being captured: no second capture for it."""
     return replace(state, hang_captured_for=state.last_progress_wall)
+
+
+def apply_refresh_captured(state: AppState, missing: frozenset[int]) -> AppState:
+    """A capture is taken for running ranks the one on screen misses: not again for the same ranks."""
+    return replace(state, refreshed_for=missing)

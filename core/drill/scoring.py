@@ -89,6 +89,9 @@ def score_verdict(verdict: Verdict, ground_truth: Any, placement: Mapping[int, s
         out.update(kind_ok=False, machine_ok=False, ranks_ok=False, machines_ok=False, extra_machines=0,
                    truth_position=None, correct=False)
         return out
+    if _field(ground_truth, "category") == "slow":
+        out.update(_score_slow(top, verdict, machine, expected_machines, placement or {}))
+        return out
     top_machines = set(top.machines)
     kind_ok = str(top.kind) == kind or (kind == "machine" and set(top.ranks) == expected_ranks)
     machine_ok = machine is not None and str(machine) in top_machines
@@ -104,6 +107,21 @@ def score_verdict(verdict: Verdict, ground_truth: Any, placement: Mapping[int, s
         correct=kind_ok and machine_ok,
     )
     return out
+
+
+def _score_slow(top: Suspect, verdict: Verdict, machine: Any, expected_machines: set[str],
+                placement: Mapping[int, str]) -> dict[str, Any]:
+    """A fail-slow verdict names machines (the detectors compare machines): graded as the fail-slow suite grades
+    it. Right when the machines `e` evicts by default hold the faulty machine and lie within the expected
+    suspect's machines (its degrader group, offered beside, is graded in ``eviction``)."""
+    named = set(eviction_scope(top, placement).default.machines)
+    position = next((i + 1 for i, s in enumerate(verdict.suspects)
+                     if machine is not None and str(machine) in s.machines), None)
+    machine_ok = machine is not None and str(machine) in named
+    within = not expected_machines or named <= expected_machines
+    return {"kind_ok": within, "machine_ok": machine_ok, "ranks_ok": machine_ok,
+            "machines_ok": expected_machines <= named, "extra_machines": len(named - expected_machines),
+            "truth_position": position, "correct": machine_ok and within}
 
 
 def _score_desync(verdict: Verdict, expected_ranks: set[int], expected_machines: set[str],

@@ -184,3 +184,29 @@ def test_text_names_a_large_jobs_strided_groups_exactly_in_one_line(
     assert "[outlier] 64 rank(s) 6-7,14-15,…,254-255 (32 runs of 2, one every 8):" in out
     code, out, _ = _run(capsys, str(path), "--json")
     assert [len(g["ranks"]) for g in json.loads(out)["groups"]] == [192, 64]  # --json keeps every rank
+
+
+def test_a_saved_incident_opens_on_the_capture_of_the_hang_not_on_the_polls_after_it(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # What `w` saves: every poll (counters, no stacks) and every capture. The hang's capture sits in the middle; the
+    # polls after it and a capture of the job running again came later. The last snapshot said "no verdict".
+    from tui_bundles import T0, fig7_bundle, job
+
+    incident = fig7_bundle().snapshots  # 4 polls, then the capture of the hang (index 4)
+    later = (job(T0 + 49, stacks=False, step=102, hung=True), job(T0 + 90, stacks=True, step=140, hung=False),
+             *(job(T0 + 91 + i, stacks=False, step=141 + i, hung=False) for i in range(3)))
+    path = write_bundle(Bundle(snapshots=(*incident, *later), created_wall=T0 + 95), tmp_path / "saved.json")
+    code, out, _ = _run(capsys, str(path), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["snapshot"] == {"index": 4, "of": 10,
+                                "why": "the latest capture naming suspects of a stuck job (the incident)"}
+    assert data["suspects"] and set(data["suspects"][0]["machines"]) <= {"node12", "node13", "node14", "node15"}
+    # The rounds are the captures only (the polls asked for no stacks), each naming its snapshot.
+    assert [r["snapshot"] for r in data["fail_slow"]["rounds"]] == [4, 6]
+    code, text, _ = _run(capsys, str(path))
+    assert text.splitlines()[1] == ("snapshot 4 of 10: the latest capture naming suspects of a stuck job (the "
+                                    "incident) (--snapshot I judges another)")
+    assert "no rank's stacks could be read" not in text
+    code, out, _ = _run(capsys, str(path), "--snapshot", "-1", "--json")
+    assert code == 0 and "snapshot" not in json.loads(out)  # asked for: the last one, as given

@@ -482,3 +482,16 @@ def test_the_quit_report_grades_the_first_verdict_against_the_ground_truth() -> 
     assert lines[2] == ("  over-evict the group (ByteRobust): machine-1 machine-3: faulty machine evicted, "
                         "extra machines: 1, standbys used: 2")
     assert lines[3].startswith("  why: the evidence pins rank 6")
+
+
+def test_the_reports_say_the_expected_suspect_in_words_and_grade_with_one_word() -> None:
+    from rankscope.cli.commands.drill import expected_suspect_words
+    from rankscope.drill.faults import ground_truth
+
+    layout = DrillLayout(tp=2, pp=2, dp=2, machines=4)
+    rank = ground_truth(make_plan("hang-compute", layout, rank=3, step=20), layout)
+    assert expected_suspect_words(rank) == "rank 3 on machine-1"  # was "rank ranks (3,) on machine-1"
+    assert expected_suspect_words(rank.to_dict()) == "rank 3 on machine-1"
+    group = ground_truth(make_plan("hang-p2p", layout, rank=6, step=20), layout)
+    assert expected_suspect_words(group) == "PP group (ranks 2,6) on machine-1, machine-3"
+    assert expected_suspect_words(ground_truth(make_plan("none", layout), layout)) == "nobody"

@@ -168,6 +168,31 @@ async def test_plan_text_names_machines_processes_standbys_peers_and_argv() -> N
     assert summary.confirmation("evict node12 node13") == Confirmation(("node12", "node13"), (), "evict node12 node13")
 
 
+async def test_a_plan_says_how_many_of_the_standbys_on_hand_join() -> None:
+    # One machine evicted, two standbys in the pool: "standbys joining: standby-0 standby-1" beside "(1 standby)".
+    source = RecordingSource()
+    request = ActionRequest("evict-y", ActionKind.EVICT, Targets(("node12",)), EvictArgs("hung"), "alice")
+    plans = dict(await source.plan_action(request))
+    (address, plan), = plans.items()
+    assert isinstance(plan, ActionPlan)
+    plans[address] = replace(plan, standbys=("spare-12", "spare-13"))
+    text = plan_text(summarize(request, plans)).plain
+    assert "standbys on hand: spare-12 spare-13 (1 joins, one per evicted machine)" in text
+    assert "standbys joining" not in text
+
+
+def test_help_lists_every_view_key_together() -> None:
+    from rankscope.tui.screens.help import help_table
+    from rich.console import Console
+
+    for read_only in (False, True):
+        console = Console(width=200, record=True)
+        console.print(help_table(read_only))
+        text = console.export_text()
+        assert "1-7" in text and "actions (the agents' audit log" in text and "fail-slow (step-time" in text
+        assert "\n  6 " not in text and "1-5" not in text
+
+
 async def test_plans_are_shown_in_rank_order_whatever_order_the_agents_answered_in() -> None:
     # The drill's agents came up as machine-1, 3, 2, 0: the backup plan of ranks 0-1 was shown last, below the
     # modal's fold. Shown by rank; the phrase and the confirmation keep the order the client checks them in.
@@ -283,6 +308,9 @@ async def test_the_right_phrase_runs_with_the_exact_confirmation_and_progress_an
         await pilot.pause()
         text = screen_text(app)
         assert "succeeded" in text and "started" in text and "alice@desk" in text and "blocked node12" in text
+        # what happened comes before who did it: a long "who" pushed "what" off an 80-column screen
+        assert any(line.index("blocked node12") < line.index("alice@desk") for line in text.splitlines()
+                   if "blocked node12" in line and "alice@desk" in line), text
         assert "warm standbys (P99, 24 h): 1 for 16 machines" in text  # the job's size, with node12 out of it
         assert "15/15 machines 1 evicted" in text  # out of the job on purpose: not counted as lost
         await pilot.press("5")

@@ -309,3 +309,17 @@ def test_captures_analysed_by_the_tui_count_as_stack_rounds() -> None:
     assert any(d == "stacks" for r in view.rounds for d, _, _ in r.flags)
     stacks_row = next(line for line in history_text(view.rounds, 40).plain.splitlines() if line.startswith("stacks"))
     assert set(stacks_row.split()[1]) - {"·"}, stacks_row  # the rounds that flagged a machine show its letter
+
+
+def test_during_a_hang_the_step_figures_say_they_are_the_time_since_the_last_step() -> None:
+    # "the figures below are of the steps before it" stood over "job step 67.7 s": the hang's age.
+    from rankscope.tui.widgets.failslow import summary_text
+
+    tracker = FailSlowTracker()
+    view = tracker.feed_series((s, None) for s in fs_series(20))
+    assert view.job_step_s is not None
+    hung = summary_text(view, "HUNG since 12:00:00").plain
+    assert "the step times below are the time since each rank's last step" in hung
+    assert f"time since the last step {view.job_step_s:.3g} s" in hung and "job step" not in hung
+    assert "steps before it" not in hung
+    assert f"job step {view.job_step_s:.3g} s" in summary_text(view).plain

@@ -295,3 +295,44 @@ async def test_a_bundle_given_by_path_is_read_by_the_app_and_a_bad_one_exits_wit
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: app.return_code is not None)
     assert app.return_code == 2
+
+
+async def test_the_selected_rank_line_follows_the_capture_on_screen() -> None:
+    # It kept "group A: all_reduce" for a rank a later capture showed in another group (recv).
+    from dataclasses import replace
+
+    from rankscope.tui import digest as dg
+    from rankscope.tui import state as st
+    from rankscope.tui.analysis import build_stack_view
+    from tui_bundles import T0, job
+
+    app = fig7_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        app.main.query_one("#rank-map").focus()
+        for key in ("j",) * 12 + ("l",):
+            await pilot.press(key)
+        await until(pilot, lambda: "▸ rank 25 · node12 · group B: irecv" in screen_text(app), 10, "the rank's line")
+        healthy = job(T0 + 60, stacks=True, step=103, hung=False)  # every rank in the optimizer: one group, A
+        app.state = st.apply_capture(replace(app.state, verdict=None), dg.digest(healthy),
+                                     build_stack_view(healthy, healthy.layout), T0 + 60)
+        app.redraw()
+        await until(pilot, lambda: "▸ rank 25 · node12 · group A: _single_tensor_adam" in screen_text(app), 10,
+                    "the line redrawn from the new capture")
+
+
+async def test_a_long_event_goes_on_in_the_rows_below_at_80_columns() -> None:
+    from rankscope.tui import state as st
+
+    text = ("the job resumed from step 20 (the newest checkpoint every rank saved) on machine-0 machine-1 standby-0 "
+            "(standby-0 joined) after evicting machine-2, code git:v2 (bbbb)")
+    app = fig7_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        app.state = st.apply_info(app.state, text, app.state.now_wall + 1)
+        await pilot.press("5")
+        app.redraw()
+        await until(pilot, lambda: "(bbbb)" in screen_text(app), 10, "the event's end")
+        shown = " ".join(line.split("info", 1)[-1].strip() if "info" in line else line.strip()
+                         for line in screen_text(app).splitlines()[5:9])
+        assert text in shown, shown

@@ -13,8 +13,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-    ("views", (("1-5", "overview, stacks, CCL, metrics, events"),
-               ("7", "fail-slow: step-time heat map and flags"),
+    ("views", (("1-7", "overview, stacks, CCL, metrics, events, actions (the agents' audit log, update history, "
+                      "standby sizing), fail-slow (step-time heat map and flags)"),
                ("tab", "next panel"),
                ("enter", "open: a rank on the map, a group, a communicator"),
                ("esc", "back; clears the filter on the main screen"))),
@@ -30,7 +30,6 @@ ACTION_KEYS_HELP: tuple[tuple[str, str], ...] = (
     ("e", "evict what the evidence names (ctrl+o in the plan: the whole group), then type the phrase"),
     ("u", "hot-update (git ref or prepared directory; immediate or lazy) or roll back"),
     ("b", "checkpoint backup to peers outside each rank's groups"),
-    ("6", "actions view: the agents' audit log, update history, standby sizing"),
 )
 
 
@@ -44,8 +43,8 @@ def help_table(read_only: bool) -> Table:
         for key, what in rows:
             table.add_row(key, what)
     if read_only:
-        table.add_row("6", "actions view: the audit log, live")
-        table.add_row("", Text("read-only: no keys change the job", "yellow"))
+        table.add_row("", Text("read-only: no keys change the job (view 6 shows what the acting view does, live)",
+                               "yellow"))
     return table
 
 

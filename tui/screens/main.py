@@ -5,7 +5,7 @@ from __future__ import annotations
 from rankscope.tui.analysis import StackView
 from rankscope.tui.filter import filter_summary
 from rankscope.tui.health import health
-from rankscope.tui.staleness import map_groups, verdict_stale
+from rankscope.tui.staleness import failslow_target, map_groups, verdict_stale
 from rankscope.tui.state import AppState
 from rankscope.tui.widgets.audit import ActionsPanel
 from rankscope.tui.widgets.ccl import CclPanel
@@ -14,7 +14,14 @@ from rankscope.tui.widgets.failslow import FailSlowPanel
 from rankscope.tui.widgets.metrics import MetricsPanel
 from rankscope.tui.widgets.rank_map import MapMachine, RankMapPanel, group_glyph
 from rankscope.tui.widgets.stack_tree import StackTreePanel
-from rankscope.tui.widgets.verdict import JobHeader, VerdictPanel, header_text, legend_text, verdict_text_rich
+from rankscope.tui.widgets.verdict import (
+    JobHeader,
+    VerdictPanel,
+    failslow_verdict_text,
+    header_text,
+    legend_text,
+    verdict_text_rich,
+)
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -59,7 +66,7 @@ class MainScreen(Screen[None]):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cursor_note = ""  # which rank the map's cursor is on, shown above the legend
+        self.map_cursor: tuple[int, str | None] | None = None  # the rank (and machine) the map's cursor is on, above the legend
         self._shown_text: dict[str, Text] = {}
         self._state: AppState | None = None  # the last drawn, for the cursor note
 
@@ -77,20 +84,28 @@ class MainScreen(Screen[None]):
 
     def on_rank_map_panel_cursor_moved(self, event: RankMapPanel.CursorMoved) -> None:
         state = self._state
-        if event.rank is None or state is None:
-            self.cursor_note = ""
-        else:
-            view = state.stacks
-            g = view.group_of_rank.get(event.rank) if view is not None else None
-            where = f"group {group_glyph(g)}: {view.groups[g].summary.split(' | ')[0]}" \
-                if view is not None and g is not None else "no stack"
-            self.cursor_note = f"▸ rank {event.rank} · {event.machine} · {where}"
+        self.map_cursor = None if event.rank is None else (event.rank, event.machine)
         self._draw_legend(state.stacks if state is not None else None)
 
+    def _cursor_note(self, view: StackView | None) -> str:
+        """The rank under the map's cursor, in the capture on screen: drawn afresh with every capture (it kept the
+        group of the capture before)."""
+        if self.map_cursor is None:
+            return ""
+        rank, machine = self.map_cursor
+        state = self._state
+        groups = map_groups(state) if state is not None else {}
+        g = groups.get(rank)
+        where = f"group {group_glyph(g)}: {view.groups[g].summary.split(' | ')[0]}" \
+            if view is not None and g is not None and g < len(view.groups) else \
+            ("not captured since the restart" if view is not None and not groups else "no stack")
+        return f"▸ rank {rank} · {machine} · {where}"
+
     def _draw_legend(self, view: StackView | None) -> None:
-        legend = legend_text(view)
-        if self.cursor_note:
-            legend = Text.assemble((self.cursor_note, "bold"), "\n", legend)
+        note = self._cursor_note(view)
+        legend = legend_text(view, width=max(20, self.size.width - 2) if self.size.width else None)
+        if note:
+            legend = Text.assemble((note, "bold"), "\n", legend)
         self._set("#legend", legend)
 
     def on_mount(self) -> None:
@@ -110,15 +125,23 @@ class MainScreen(Screen[None]):
         verdict = state.failslow.verdict if state.failslow is not None else None
         slow = verdict.machine if verdict is not None and verdict.confident else None
         self._set("#job-header",
-            header_text(state, state.source_label, read_only, filter_summary(flt), slow))
+            header_text(state, state.source_label, read_only, filter_summary(flt), slow, self.size.width))
         view = self.active_view
         if view == "overview":
             room = 3 if self.size.height >= 40 else (2 if self.size.height >= 24 else 1)
             # Timing, not a fault: a capture taken while the job made steps (apply_capture decided it). A hang's
             # capture gone stale since keeps its suspects, dim, for reading.
             progressing = state.verdict is not None and state.verdict.running
-            self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, verdict_stale(state),
-                                                    state.capture_wall, state.machine_of_rank()))
+            stale = verdict_stale(state)
+            slow_target, _ = failslow_target(state) if stale is not None or progressing or state.stacks is None \
+                else (None, None)
+            if slow_target is not None and verdict is not None:
+                # The job runs and the detectors name a slow machine: that is the verdict `e` acts on.
+                self._set("#verdict", failslow_verdict_text(verdict.verdict.summary, slow_target,
+                                                            state.machine_of_rank(), not read_only))
+            else:
+                self._set("#verdict", verdict_text_rich(state.stacks, flt, room, progressing, stale,
+                                                        state.capture_wall, state.machine_of_rank(), not read_only))
             group_of = map_groups(state)
             machines = [MapMachine(m.name, m.ranks, m.reachable, m.evicted, state.awaiting_restart)
                         for m in state.machines]

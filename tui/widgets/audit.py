@@ -38,7 +38,8 @@ def standby_line(machines: int, daily_failure_rate: float) -> Text:
     t.append("warm standbys (P99, 24 h): ", "bold")
     t.append(f"{s.count}", "bold green")
     t.append(f" for {machines} machines at {daily_failure_rate * 100:.2f} %/machine/day "
-             f"(expected failures {s.expected_failures:.2f}, pool short with p={s.probability_short:.3g})")
+             f"(expected failures {s.expected_failures:.2f}, pool short with p={s.probability_short:.3g}); "
+             "sized for a day's failures: an eviction takes one per machine it evicts, over-eviction more")
     return t
 
 
@@ -86,7 +87,8 @@ def summary_text(state: AppState, log: ActionLog, read_only: bool, daily_failure
     if read_only:
         t.append("[read-only] this session watches actions; it cannot start them\n", "bold cyan")
     else:
-        t.append("e evict the suspect group · u hot-update / rollback · b checkpoint backup\n", "bold")
+        t.append("e evict what the evidence names (ctrl+o: the whole group) · u hot-update / rollback · "
+                 "b checkpoint backup\n", "bold")
     # The job's size in machines: from its layout when known (it stays the same across an eviction), else the
     # machines running ranks (idle standbys are the pool, not the job; evicted machines are out of it).
     per = state.layout.ranks_per_machine if state.layout is not None else None
@@ -129,8 +131,10 @@ class ActionsPanel(Vertical):
             r = line.record
             what = r.message if r.result == "progress" or (r.message and r.result not in ("started", "requested")) \
                 else r.what
+            # What happened before who did it: a long "who" (user@host (rankscope attach) (act token)) pushed
+            # "what" off an 80-column screen.
             rows.append((fmt_time(r.when), " ".join(r.machines) or line.address,
                          KIND_LABELS.get(r.kind, str(r.kind)), Text(r.result, RESULT_STYLES.get(r.result, "")),
-                         r.who, what))
-        self.query_one("#audit-table", LineTable).set_rows(("time", "machines", "action", "result", "who", "what"),
+                         what, r.who))
+        self.query_one("#audit-table", LineTable).set_rows(("time", "machines", "action", "result", "what", "who"),
                                                            rows)

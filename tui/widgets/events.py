@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from rankscope.tui.health import fmt_time
 from rankscope.tui.state import AppState
 from rankscope.tui.widgets.table import LineTable
@@ -13,10 +15,27 @@ KIND_STYLES = {"lost": "bold red", "found": "bold green", "verdict": "bold yello
 
 
 class EventsPanel(LineTable):
+    _state: AppState | None = None
+
+    def on_resize(self) -> None:
+        if self._state is not None:  # laid out (a tab just shown) or resized: the rows wrap at the new width
+            self.show(self._state)
+
     def show(self, state: AppState) -> None:
-        key = (len(state.events), state.events[-1] if state.events else None)
+        self._state = state
+        width = self.size.width  # 0 before its first layout (a tab just shown): drawn again once laid out
+        key = (len(state.events), state.events[-1] if state.events else None, width)
         if key == getattr(self, "_shown", None):
             return
         self._shown = key
-        rows = [(fmt_time(e.wall), Text(e.kind, KIND_STYLES.get(e.kind, "")), e.text) for e in reversed(state.events)]
+        events = tuple(reversed(state.events))
+        kind_w = max((len(e.kind) for e in events), default=5)
+        # What happened is read whole: a long line goes on in the rows below it (one line per row), never cut
+        # ("the job resumed from step 20 (the newest checkpoint eve").
+        room = max(20, width - 8 - kind_w - 6) if width > 0 else 0
+        rows: list[tuple[str | Text, ...]] = []
+        for e in events:
+            lines = textwrap.wrap(e.text, room, break_on_hyphens=False) if room else [e.text]
+            rows.append((fmt_time(e.wall), Text(e.kind, KIND_STYLES.get(e.kind, "")), lines[0] if lines else ""))
+            rows.extend(("", "", line) for line in lines[1:])
         self.set_rows(("time", "event", "what"), rows)

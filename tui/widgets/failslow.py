@@ -51,13 +51,19 @@ def _cell(ratio: float | None) -> tuple[str, str]:
 
 
 def summary_text(view: FailSlowView, hung: str | None = None) -> Text:
-    """``hung``: the job's state when it makes no steps (a hang): step times stop with it, so the figures below
-    are of the steps before, and the view says so first."""
-    v = view.verdict
+    """``hung``: the job's state when it makes no steps (a hang). A rank's step time is then the time since its
+    last step (a stuck step grows: ``analyzers.series``), so the figures below are that, and the view says so
+    first ("the figures below are of the steps before it" stood over "job step 67.7 s", the hang's age)."""
     if hung is not None:
-        head = Text(f"{hung}: no step times while the job makes no steps, so the figures below are of the steps "
-                    "before it; a hang is judged by the verdict (1 Overview), not by slowness\n", "bold yellow")
-        return Text.assemble(head, summary_text(view))
+        head = Text(f"{hung}: no step ends while the job makes no steps, so the step times below are the time "
+                    "since each rank's last step; a hang is judged by the verdict (1 Overview), not by slowness\n",
+                    "bold yellow")
+        return Text.assemble(head, _summary(view, "time since the last step"))
+    return _summary(view, "job step")
+
+
+def _summary(view: FailSlowView, step_label: str) -> Text:
+    v = view.verdict
     if v is None:
         return Text("fail-slow: the detectors need a series of snapshots with step counters: attach to the job "
                     "(--fail-slow adds a stack round every 10 s), or open a series recorded by "
@@ -72,7 +78,7 @@ def summary_text(view: FailSlowView, hung: str | None = None) -> Text:
         # duration is shown ("job time 2164 s" of a 90 s job was that clock).
         out.append(f" · slow for {fmt_duration(slow_for)}", "bold red" if v.confident else "yellow")
     if view.job_step_s is not None:
-        out.append(f" · job step {view.job_step_s:.3g} s")
+        out.append(f" · {step_label} {view.job_step_s:.3g} s")
     if view.skipped:
         out.append(f" · {view.skipped} polls skipped while the detectors were busy", "yellow")
     for e in view.errors:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from rankscope.analyzers.eviction_scope import GROUP, eviction_scope, option_line
-from rankscope.analyzers.labels import group_numbers
+from rankscope.analyzers.findings import Suspect
+from rankscope.analyzers.labels import group_name, group_numbers, suspect_label
 from rankscope.analyzers.topology import compact_machines, compact_ranks
 from rankscope.contract.snapshot import Layout
 from rankscope.tui.analysis import StackView
 from rankscope.tui.filter import Filter
 from rankscope.tui.health import (
-    RATE_WINDOW_S,
     Health,
     fmt_time,
     health,
@@ -41,15 +41,18 @@ def layout_text(layout: Layout | None) -> str:
 
 
 def header_text(state: AppState, source: str, read_only: bool, filter_line: str = "",
-                slow_machine: str | None = None) -> Text:
-    """Line 1: the state first (what matters at 3 a.m.), its time, the machines; line 2: the job, where the data is from.
+                slow_machine: str | None = None, width: int | None = None) -> Text:
+    """Line 1: the state first (what matters at 3 a.m.), the machines, then the job's time; line 2: the job, where
+    the data is from. ``width`` (the screen's columns): below 120 the second line says less (the layout without the
+    world size, the poll time without the capture's, which the verdict shows), so an 80-column screen keeps it whole.
 
     ``slow_machine``: the fail-slow detectors' confident suspect. A job that
     is merely slower than it was can look "healthy" by its step rate alone.
     """
     h = health(state)
     if slow_machine and h.kind in ("healthy", "slow", "unknown"):
-        h = Health("slow", f"slow: {slow_machine} (fail-slow detectors, key 7)")
+        h = Health("slow", f"slow: {slow_machine} (fail-slow, key 7)")
+    narrow = width is not None and width < 120
     job = state.job_machines
     reachable = sum(1 for m in job if m.reachable)
     away = [m.name for m in job if not m.reachable]
@@ -59,7 +62,7 @@ def header_text(state: AppState, source: str, read_only: bool, filter_line: str 
     evicted = len(state.machines) - len(job)
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("HUNG" + h.text[4:] if h.kind == "hung" else h.text, HEALTH_STYLES[h.kind])
-    t.append_text(timing_text(state, h))
+    # The machines before the time: at 80 columns the line's end is cut, and a lost machine must not be.
     t.append(f" │ {reachable}/{len(job)} machines")
     if restarting:
         t.append(f" {restarting} restarting", "yellow")
@@ -67,32 +70,41 @@ def header_text(state: AppState, source: str, read_only: bool, filter_line: str 
         t.append(f" {lost} lost", "bold red")
     if evicted:
         t.append(f" {evicted} evicted", "yellow")
+    t.append_text(timing_text(state, h))
     t.append("\n")
-    # Who the job is leads the second line: at 80 columns the first line's end is cut.
+    # Who the job is leads the second line.
     t.append(f"job {state.job_id or '?'}", "bold")
-    t.append(f" │ world {state.world_size if state.world_size is not None else '?'} {layout_text(state.layout)} │ ")
+    if narrow:
+        t.append(f" │ {layout_text(state.layout).split(',')[0]} │ ")
+    else:
+        t.append(f" │ world {state.world_size if state.world_size is not None else '?'} {layout_text(state.layout)} │ ")
     if read_only:
         t.append("[read-only] ", "bold cyan")
     if filter_line:
         t.append(filter_line + " │ ", "bold yellow")
-    t.append(f"{source} │ polled {fmt_time(state.progress_points[-1][0] if state.progress_points else None)}"
-             f" │ captured {fmt_time(state.capture_wall)} UTC", "dim")
+    polled = fmt_time(state.progress_points[-1][0] if state.progress_points else None)
+    if narrow:
+        t.append(f"{source} │ polled {polled}", "dim")
+    else:
+        t.append(f"{source} │ polled {polled} │ captured {fmt_time(state.capture_wall)} UTC", "dim")
     return t
 
 
 def timing_text(state: AppState, h: Health) -> Text:
     """The job's time: its recent step rate, seconds since its last progress, and the count to the hang threshold
-    (when the automatic capture runs); none of it for a job with no ranks running (an old rate is no rate now)."""
+    (the job's own rhythm, ``AppState.hang``; the automatic capture runs then); none of it for a job with no ranks
+    running (an old rate is no rate now)."""
     t = Text()
     if h.kind in ("finished", "idle"):
         t.append(" │ - steps/s")
         return t
     rate = 0.0 if h.kind == "hung" else recent_step_rate(state)
-    t.append(f" │ {rate:.2f} steps/s ({RATE_WINDOW_S:.0f} s)" if rate is not None else " │ - steps/s")
+    t.append(f" │ {rate:.2f} steps/s" if rate is not None else " │ - steps/s")
     age = progress_age(state)
     if age is None:
         return t
-    left = state.hang_after_s - age
+    hang = state.hang
+    left = hang.seconds - age
     if h.kind == "hung":
         mark = state.clock.progress_mark if state.clock is not None else state.last_progress_wall
         if state.capturing:
@@ -102,9 +114,9 @@ def timing_text(state: AppState, h: Health) -> Text:
         else:
             t.append(" │ capture due" if hang_capture_due(state) else " │ not captured (s)", "bold red")
     elif h.kind == "stalled":
-        t.append(f" │ hang + capture in {max(0.0, left):.0f} s", "bold yellow")
+        t.append(f" │ hang + capture in {max(0.0, left):.0f} s ({hang.basis()})", "bold yellow")
     else:
-        t.append(f" │ progress {age:.0f} s ago, hang at {state.hang_after_s:.0f} s", "dim")
+        t.append(f" │ step {age:.0f} s ago, hang at {hang.seconds:.0f} s ({hang.basis()})", "dim")
     return t
 
 
@@ -114,7 +126,7 @@ class JobHeader(Static):
 
 def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3, progressing: bool = False,
                       stale: str | None = None, taken: float | None = None,
-                      placement: Mapping[int, str] | None = None) -> Text:
+                      placement: Mapping[int, str] | None = None, acting: bool = True) -> Text:
     """``progressing``: the capture is of a job making steps (or the job is, and the capture carries no progress
     mark): ranks caught at different points of a step differ by timing alone, so no suspect is drawn, only how
     many differences there were (``y`` copies them).
@@ -123,7 +135,8 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
     record of the capture taken at ``taken``, for reading, and no action aims at it.
 
     ``placement`` (rank -> machine): with it the top suspect's line says what `e` evicts (``eviction_scope``, the
-    plan the dialog and the drill's scorer use), so the Overview and the dialog cannot disagree.
+    plan the dialog and the drill's scorer use), so the Overview and the dialog cannot disagree. ``acting``: False
+    in a read-only view, which has no `e`: the line says it is the acting view's plan.
     """
     t = Text(no_wrap=True, overflow="ellipsis")
     if view is None:
@@ -133,10 +146,9 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
     if progressing and v.suspects:
         # A capture of a running job finds ranks at different points of a step; that is not a hang, and listing
         # its "suspects" (a desync, a rank in compute) told an engineer a healthy job was broken.
-        if stale is not None:
-            t.append(f"verdict of {fmt_time(taken)} (stale: {stale}; s captures again):", "bold")
-        else:
-            t.append(f"capture of {fmt_time(taken)}:", "bold")
+        # It named no verdict, so none can go stale: "verdict of … (stale: its suspects … were evicted)" over
+        # "no verdict" told two stories.
+        t.append(f"capture of {fmt_time(taken)}:", "bold")
         # On a line of its own: the line above is cut at the panel's width, and this is what must be read.
         t.append(f"\n {running_capture_text(view)} (y copies them)", "dim")
         for note in view.notes[:1]:
@@ -147,7 +159,11 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
         t.append(v.summary, "dim")
     else:
         t.append("verdict: ", "bold")
-        t.append(v.summary, "bold red" if v.suspects else "bold")
+        # The root on a line of its own: at 80 columns the end of one long line was cut ("root rank 2 (…").
+        head, sep, root = v.summary.partition(", root rank ")
+        t.append(head, "bold red" if v.suspects else "bold")
+        if sep:
+            t.append(f"\n   root rank {root}", "bold red")
     advice = {f.ranks: f.advice for f in v.findings if f.advice}
 
     def look(style: str) -> str:
@@ -156,7 +172,11 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
 
     for s in v.suspects[:max_suspects]:
         number = group_numbers(s)
-        t.append(f"\n ▸ {s.kind.value.upper()}{' ' + number if number else ''}", look("bold yellow"))
+        # "PP 6-7" read as ranks 6-7: the groups are named as groups.
+        name = group_name(s.kind.value, s.groups or ((s.group_index,) if s.group_index is not None else ())) \
+            if s.kind.value in ("pp", "dp", "tp", "cp", "ep") else \
+            f"{s.kind.value.upper()}{' ' + number if number else ''}"
+        t.append(f"\n ▸ {name}", look("bold yellow"))
         t.append(f"  machines {compact_machines(s.machines)}", look("bold"))
         t.append(f"  ranks {compact_ranks(s.ranks, 4)}", look(""))
         if s.state and s.kind.value != "desync":
@@ -177,14 +197,12 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
         if s.ranks in advice:
             t.append(f"\n    {advice[s.ranks]}", look("bold cyan"))
         elif s is v.suspects[0] and placement is not None and stale is None:
-            scope = eviction_scope(s, placement)
-            t.append(f"\n    eviction (e): {option_line(scope.default)}: {scope.reason}", "bold")
-            if scope.other is not None:
-                what = "the whole group" if scope.other.scope == GROUP else "only the evidence"
-                t.append(f"; or {what}: {option_line(scope.other)}", "")
-        if s.diverging_frame:
-            t.append("\n    diverges at ", look(""))
-            t.append(s.diverging_frame, look("bold magenta"))
+            t.append("\n    ")
+            t.append_text(eviction_line(s, placement, acting))
+        frame, where = root_diverging_frame(view, s)
+        if frame:
+            t.append(f"\n    {where}diverges at ", look(""))
+            t.append(frame, look("bold magenta"))
     if len(v.suspects) > max_suspects:
         t.append(f"\n   … {len(v.suspects) - max_suspects} more suspects (y copies all)", "dim")
     shown = {f.ranks for f in v.findings if any(s.ranks == f.ranks for s in v.suspects[:max_suspects])}
@@ -201,19 +219,86 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
     return t
 
 
+def eviction_line(s: Suspect, placement: Mapping[int, str], acting: bool = True) -> Text:
+    """What `e` evicts for ``s`` and the alternative one key away (``eviction_scope``, the dialog's plan), then why:
+    the plan first, the reason last, so an 80-column screen keeps the alternative whole."""
+    scope = eviction_scope(s, placement)
+    key, alt = ("e", "ctrl+o") if acting else ("acting view's e", "or")
+    t = Text()
+    t.append(f"{key}: {option_line(scope.default)}", "bold")
+    if scope.other is not None:
+        what = "group" if scope.other.scope == GROUP else "only the evidence"
+        n = scope.other.standbys
+        t.append(f"; {alt} {what}: {compact_machines(scope.other.machines)} ({n} standby{'s' if n != 1 else ''})")
+    t.append(f" — {scope.reason}", "dim")
+    return t
+
+
+def failslow_verdict_text(summary: str, s: Suspect, placement: Mapping[int, str], acting: bool = True) -> Text:
+    """The Overview's verdict while the job runs and the fail-slow detectors name a machine (view 7 has the
+    detail): their summary, the machine and its degrader group, and what `e` evicts."""
+    t = Text(no_wrap=True, overflow="ellipsis")
+    t.append("fail-slow verdict (view 7): ", "bold")
+    t.append(summary, "bold yellow")
+    slow = sorted({placement.get(r, "?") for r in s.roots}) if s.roots else s.machines
+    t.append(f"\n ▸ slow: {compact_machines(slow)}", "bold yellow")
+    if s.roots and s.victims:
+        t.append(f"  in {suspect_label(s)}; {len(s.victims)} ranks wait on it")
+    t.append("\n    ")
+    t.append_text(eviction_line(s, placement, acting))
+    return t
+
+
+def root_diverging_frame(view: StackView, s: Suspect) -> tuple[str | None, str]:
+    """Where the suspect leaves the dominant path, and whose stack that is: the root's stack group where the
+    evidence pins a root (the Stacks view's "group C diverges at send_forward"), not the frame where its victims
+    leave it (the suspect's ``diverging_frame`` is taken over all its outlier ranks)."""
+    for root in s.roots[:1]:
+        index = view.group_of_rank.get(root)
+        group = next((g for g in view.groups if g.index == index), None)
+        if group is not None and group.diverging_frame:
+            return group.diverging_frame, f"root rank {root} (group {group_glyph(group.index)}) "
+    return s.diverging_frame, ""
+
+
 class VerdictPanel(Static):
     """Suspect groups with kind, machines and one line of evidence, and the diverging frame."""
 
 
-def legend_text(view: StackView | None, limit: int = 6) -> Text:
+def legend_text(view: StackView | None, limit: int = 6, width: int | None = None) -> Text:
+    """The map's legend: each stack group, then the marks. ``width``: entries are laid out on lines of that many
+    cells, never broken inside (the legend wrapped "B 2×" away from "send (…)")."""
+    entries: list[Text] = []
+    if view is not None:
+        for g in view.groups[:limit]:
+            entry = Text(group_glyph(g.index), group_style(g.index))
+            entry.append(f" {len(g.ranks)}× {g.summary.split(' | ')[0]}")  # the main thread's part; 2 shows the rest
+            entries.append(entry)
+        if len(view.groups) > limit:
+            entries.append(Text(f"+{len(view.groups) - limit} groups", "dim"))
+    marks = ("? no stack", "× lost") if view is None else \
+        ("? no stack", "× lost", "↻ restarting", "○ not captured since a restart")
+    entries.extend(Text(m, "dim") for m in marks)
     t = Text()
-    if view is None:
-        t.append("? no stack  × lost", "dim")
-        return t
+    used = 0
+    for entry in entries:
+        n = entry.cell_len
+        if used and width is not None and used + 2 + n > width:
+            t.append("\n")
+            used = 0
+        elif used:
+            t.append("  ")
+            used += 2
+        t.append_text(entry)
+        used += n
+    return t
     for g in view.groups[:limit]:
+        # One entry is not broken across lines (the legend wrapped "B 2×" from "send (…)"): no-break spaces inside.
         t.append(group_glyph(g.index), group_style(g.index))
-        t.append(f" {len(g.ranks)}× {g.summary.split(' | ')[0]}  ")  # the main thread's part; 2 shows the rest
+        entry = f" {len(g.ranks)}× {g.summary.split(' | ')[0]}"  # the main thread's part; 2 shows the rest
+        t.append(entry.replace(" ", "\u00a0") + "  ")
     if len(view.groups) > limit:
         t.append(f"+{len(view.groups) - limit} groups  ", "dim")
-    t.append("? no stack  × lost  ↻ restarting  ○ not captured since a restart", "dim")
+    t.append("  ".join(e.replace(" ", "\u00a0") for e in ("? no stack", "× lost", "↻ restarting",
+                                                          "○ not captured since a restart")), "dim")
     return t

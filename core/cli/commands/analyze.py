@@ -62,8 +62,9 @@ def register(sub: Any) -> None:
     sig.add_argument("--no-fold", action="store_true", help="keep wrapper frames (torch, functools, threading)")
     sig.add_argument("--no-subprocesses", action="store_true", help="main processes only")
     sig.add_argument("--idle-threads", action="store_true", help="include parked threads (queue/lock waits)")
-    p.add_argument("--snapshot", type=int, default=-1, metavar="I",
-                   help="which snapshot of a bundle series to judge (default: the last)")
+    p.add_argument("--snapshot", type=int, default=None, metavar="I",
+                   help="which snapshot of a bundle series to judge (default: the incident: the latest capture "
+                        "whose stacks name suspects of a stuck job, else the latest capture, else the last)")
     p.add_argument("--json", action="store_true", help="print the verdict as JSON")
     p.set_defaults(func=run)
 
@@ -90,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
                                include_idle_threads=args.idle_threads)
     snapshots, other_verdicts, extra = _load(args)
     index = args.snapshot
+    chosen: dict[int, Any] = {}
+    if index is None:
+        index, chosen, why = _incident(snapshots, layout_from_args(args, snapshots[-1].layout), options)
+        if len(snapshots) > 1:
+            extra = {**extra, "snapshot": {"index": index, "of": len(snapshots), "why": why}}
     if not -len(snapshots) <= index < len(snapshots):
         raise RankscopeError(f"--snapshot {index} is out of range: the bundle holds {len(snapshots)} snapshot(s)",
                              f"pass a number from 0 to {len(snapshots) - 1}, or -1 for the last")
@@ -120,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             job = analyze_job(snapshot, layout, options, other_verdicts)  # the TUI's and the drill's analysis too
             # The judged snapshot's own round is its analysis above (same snapshot, layout and options).
             done = {index % len(snapshots): job} if not other_verdicts and snapshot is snapshots[index] else {}
+            done = {**chosen, **done} if not other_verdicts else done
             rounds = _rounds(snapshots, layout, options, done) if len(snapshots) > 1 else None
     except ValueError as exc:
         raise RankscopeError(str(exc), LAYOUT_FIX) from None
@@ -153,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     assignment = rank_assignment(snapshot)
     if assignment:
         out["rank_assignment"] = assignment
+    if "snapshot" in extra:
+        out["snapshot"] = extra["snapshot"]
     _print(out, merged, args.json)
     return 0
 
@@ -379,20 +388,63 @@ def _empty_snapshot(path: Path) -> Any:
     return JobSnapshot(captured=Instant(wall=time.time(), mono=time.monotonic()), machines=(), job_id=path.stem)
 
 
+def _has_stacks(snapshot: Any) -> bool:
+    return any(m.stacks for m in snapshot.machines)
+
+
+def _incident(snapshots: list[Any], layout: Any, options: Any) -> tuple[int, dict[int, Any], str]:
+    """Which snapshot of a series a person means by "the incident", the analyses made to find it, and why.
+
+    A bundle the TUI saves (`w`) holds every poll (counters, no stacks) and every capture; the last snapshot is
+    usually a poll, which says nothing of stacks. The incident is the latest capture whose stacks name suspects of
+    a stuck job (not a capture of ranks mid-step), else the latest capture, else the last snapshot.
+    """
+    from rankscope.analyzers.analysis import analyze_job
+
+    last = len(snapshots) - 1
+    stacked = [i for i, snap in enumerate(snapshots) if _has_stacks(snap)]
+    if not stacked:
+        return last, {}, "no snapshot holds stacks: the last one"
+    done: dict[int, Any] = {}
+    for i in reversed(stacked):
+        snap = snapshots[i]
+        try:
+            job = analyze_job(snap, layout if layout is not None else snap.layout, options)
+        except ValueError:
+            continue  # a layout that does not fit this capture: the judged one reports it
+        done[i] = job
+        if job.verdict.suspects and not job.timing_not_fault:
+            return i, done, "the latest capture naming suspects of a stuck job (the incident)"
+    return stacked[-1], done, "the latest capture (none named suspects of a stuck job)"
+
+
 def _rounds(snapshots: list[Any], layout: Any, options: Any, done: dict[int, Any]) -> dict[str, object]:
-    """Each snapshot of a series as one fail-slow round (``done``: analyses already made, by position)."""
+    """Each capture of a series as one fail-slow round (``done``: analyses already made, by position); polls
+    (no stacks) are no stack rounds, and a capture of ranks mid-step says so instead of naming its differences."""
     from rankscope.analyzers.analysis import analyze_job
     from rankscope.analyzers.rounds import FailSlowRounds, round_of
     from rankscope.analyzers.suspects import suspect_to_json
 
-    rounds = FailSlowRounds(rounds=len(snapshots))
-    for i, snap in enumerate(snapshots):
+    stacked = [i for i, snap in enumerate(snapshots) if _has_stacks(snap)]
+    rounds = FailSlowRounds(rounds=max(1, len(stacked)))
+    timing: set[int] = set()
+    for i in stacked:
+        snap = snapshots[i]
         job = done.get(i) or analyze_job(snap, layout if layout is not None else snap.layout, options)
+        if job.timing_not_fault:
+            timing.add(len(rounds.history))
         rounds.add_round(round_of(job))
     degrader = rounds.flagged()
+
+    def summary(r: Any) -> str:
+        if r.index in timing:
+            return f"caught mid-step: {r.outliers} ranks differ by timing, not a fault"
+        return str(r.summary)
+
     return {
-        "rounds": [{"index": r.index, "outliers": r.outliers, "summary": r.summary,
-                    "flagged": suspect_to_json(r.flagged) if r.flagged else None} for r in rounds.history],
+        "rounds": [{"index": r.index, "snapshot": stacked[r.index], "outliers": r.outliers, "summary": summary(r),
+                    "timing": r.index in timing, "flagged": suspect_to_json(r.flagged) if r.flagged else None}
+                   for r in rounds.history],
         "degrader": suspect_to_json(degrader) if degrader else None,
     }
 
@@ -405,6 +457,9 @@ def render_text(out: dict[str, Any], verdict: Verdict) -> str:
     lines = [f"verdict: {out['summary']}"]
     if out.get("c4_kind"):
         lines.append(f"kind: {out['c4_kind']}")
+    chosen = out.get("snapshot")
+    if chosen:
+        lines.append(f"snapshot {chosen['index']} of {chosen['of']}: {chosen['why']} (--snapshot I judges another)")
     lay = out["layout"]
     dims = " ".join(f"{d}={lay[d]}" for d in ("tp", "pp", "dp", "cp", "ep") if lay[d] > 1) or "no parallel sizes"
     rpm = f", {lay['ranks_per_machine']} ranks/machine" if lay.get("ranks_per_machine") else ""
@@ -441,9 +496,9 @@ def render_text(out: dict[str, Any], verdict: Verdict) -> str:
     fs = out.get("fail_slow")
     if fs:
         lines.append("")
-        lines.append(f"fail-slow rounds ({len(fs['rounds'])}):")
+        lines.append(f"fail-slow rounds ({len(fs['rounds'])} captures):")
         for r in fs["rounds"]:
-            lines.append(f"  round {r['index']}: {r['summary']}")
+            lines.append(f"  round {r['index']} (snapshot {r.get('snapshot', r['index'])}): {r['summary']}")
         deg = fs["degrader"]
         lines.append(f"  degrader: {deg['evidence'][0] if deg else 'none'}")
     if out.get("rank_assignment"):

@@ -87,6 +87,9 @@ def register(sub: Any) -> None:
     p.add_argument("--run-dir", type=Path, help="folder for logs, progress, checkpoints and the bundle (default: a temp dir)")
     p.add_argument("-o", "--output", type=Path, help="write the bundle here (default: RUN_DIR/bundle.json)")
     p.add_argument("--headless", action="store_true", help="no TUI: run, capture, report and stop")
+    p.add_argument("--show-fault", action="store_true",
+                   help="with the TUI: print the injected fault before the TUI opens (by default only the report "
+                        "names it, so the drill stays blind)")
     p.add_argument("--launcher", choices=("local", "slurm"), default="local",
                    help="local: torchrun nodes started here (default); slurm: a local multi-node Slurm cluster "
                         "(or the one $SLURM_CONF names) runs the job as one sbatch, and the incident is handled "
@@ -264,8 +267,11 @@ def _run_attached(config: Any, args: argparse.Namespace) -> int:
 
     verdicts: list[tuple[Any, float, dict[int, str], float | None]] = []
     with DrillSession(config) as s:
-        print(f"drill {s.launcher.run_id}: fault {config.plan.name} at rank {config.plan.rank}, step {config.plan.step} "
-              f"(seed {args.seed}); waiting for the job to start ...", file=sys.stderr, flush=True)
+        # The fault stays hidden until the report (a blind drill), unless the person asked for it.
+        fault = f"fault {config.plan.name} at rank {config.plan.rank}, step {config.plan.step}" \
+            if args.show_fault else "a fault is injected (the report names it when you quit; --show-fault now)"
+        print(f"drill {s.launcher.run_id}: {fault} (seed {args.seed}); waiting for the job to start ...",
+              file=sys.stderr, flush=True)
         s.wait_for_steps(1, config.start_timeout_s)
         if not s.agents:
             raise RankscopeError("the drill's agents did not start, so the TUI has nothing to attach to",
@@ -317,10 +323,26 @@ def verdict_grade_lines(truth: Any, verdict: Any, wall: float, placement: dict[i
     graded = score_verdict(verdict, truth, placement)
     when = f", {wall - onset_wall:.1f} s after the fault" if onset_wall is not None else ""
     mark = "right" if graded.get("correct") else "WRONG"
-    expected = f"{truth.suspect_kind} on {', '.join(truth.suspect_machines) or 'nobody'}"
+    expected = expected_suspect_words(truth)
     lines = [f"verdict{when}: {verdict.summary}  [{mark}: fault on {truth.machine}, expected {expected}]"]
     lines.extend(eviction_lines(graded.get("eviction")))
     return lines
+
+
+def expected_suspect_words(truth: Any) -> str:
+    """``rank 3 on machine-1``, ``PP group (ranks 2,6) on machine-1, machine-3``: the ground truth's suspect as the
+    reports say it (a drill's ``GroundTruth`` or its JSON form)."""
+    from rankscope.analyzers.topology import compact_ranks
+
+    get = truth.get if isinstance(truth, dict) else lambda name: getattr(truth, name)
+    kind, ranks, machines = str(get("suspect_kind")), tuple(get("suspect_ranks") or ()), get("suspect_machines")
+    where = f" on {', '.join(machines)}" if machines else ""
+    if kind == "none" or not ranks:
+        return "nobody" if kind == "none" else f"{kind}{where}"
+    if kind == "rank" and len(ranks) == 1:
+        return f"rank {ranks[0]}{where}"
+    name = "machine" if kind == "machine" else f"{kind.upper()} group" if kind not in ("desync", "rank") else kind
+    return f"{name} (ranks {compact_ranks(ranks)}){where}"
 
 
 def attached_report_lines(s: Any, tui_exit: int, graded: list[str] | None = None) -> list[str]:
@@ -406,7 +428,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         f"drill {report['run_id']}  bundle: {report['bundle']}",
         f"ground truth: {truth['fault']} on rank {truth['rank']} ({truth['machine']}) at step {truth['step']}; "
-        f"expected suspect: {truth['suspect_kind']} ranks {truth['suspect_ranks']} on {', '.join(truth['suspect_machines'])}",
+        f"expected suspect: {expected_suspect_words(truth)}",
         f"progress: {report['stall']['reason']} at steps {report['stall']['steps']}",
     ]
     for m in cap["machines"]:
@@ -420,9 +442,9 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     lines.append(f"injected frame {cap['injected_frame']}: found in {cap['injected_frame_found_in']}")
     verdict = report.get("verdict")
     if verdict is not None:
-        mark = "correct" if verdict.get("correct") else "WRONG"
-        lines.append(f"verdict: {verdict.get('summary')}  [{mark}: expected {truth['suspect_kind']} "
-                     f"on {', '.join(truth['suspect_machines']) or 'nobody'}]")
+        mark = "right" if verdict.get("correct") else "WRONG"
+        lines.append(f"verdict: {verdict.get('summary')}  [{mark}: fault on {truth['machine']}, expected "
+                     f"{expected_suspect_words(truth)}]")
         lines.extend(eviction_lines(verdict.get("eviction")))
     lines.append(f"times (s): {report['times_s']}")
     return lines

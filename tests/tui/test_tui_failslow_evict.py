@@ -1,0 +1,128 @@
+"""A fail-slow verdict is acted on like a hang's: `e` evicts the slow machine, its degrader group one key away.
+
+The job keeps making steps, so the stack capture on screen names nobody (or
+is stale); the fail-slow detectors' confident verdict is the live reading
+of the job. The recorded series of test_tui_failslow (machine m2 1.5x slower
+from second 10) is replayed through a source that answers plans like agents
+and records what it was asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+
+import pytest
+from rankscope.actions.agent_protocol import ActionError, ActionUpdate, AgentLost, Confirmation
+from rankscope.actions.model import ActionKind, ActionPlan, ActionRequest, AuditRecord, ConfirmationRule, ProcessRef
+from rankscope.analyzers.eviction_scope import degrader_suspect, eviction_scope
+from rankscope.analyzers.findings import Suspect, SuspectKind
+from rankscope.analyzers.topology import Topology
+from rankscope.contract.bundle import Bundle
+from rankscope.contract.snapshot import Layout
+from rankscope.drill.scoring import score_verdict
+from rankscope.tui import staleness
+from rankscope.tui.app import AppOptions, RankscopeApp
+from rankscope.tui.screens.confirm import ConfirmModal
+from rankscope.tui.sources import BundleSource
+from test_tui_failslow import WALL0, fs_series
+from tui_screen import screen_text, until
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYOUT = Layout(tp=2, pp=2, dp=2, ranks_per_machine=2)  # m2 holds ranks 4-5; their PP groups are (0,4) and (1,5)
+PLACEMENT = {r: f"m{r // 2}" for r in range(8)}
+
+
+class PlanningSource(BundleSource):
+    """A recorded series plus the action passthroughs: each planned request recorded, nothing ever run."""
+
+    def __init__(self, bundle: Bundle) -> None:
+        super().__init__(bundle, "bundle fs")
+        self.act_problem: tuple[str, str] | None = None
+        self.planned: list[ActionRequest] = []
+
+    async def plan_action(self, request: ActionRequest) -> Mapping[str, ActionPlan | ActionError]:
+        self.planned.append(request)
+        return {f"127.0.0.1:{5000 + int(m[1:])}": ActionPlan(
+            request.action_id, request.kind, f"evict {m}", machines=(m,),
+            processes=(ProcessRef(m, 4000 + int(m[1:]), 2 * int(m[1:])),), standbys=(f"spare-{m}",),
+            typed_confirmation=True, confirm_phrase=ConfirmationRule.phrase_for(ActionKind.EVICT, (m,)))
+            for m in request.targets.machines}
+
+    async def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]:
+        raise AssertionError("nothing is confirmed in these tests")
+        yield  # pragma: no cover
+
+    async def watch_audit(self, since: int | None = 0) -> AsyncIterator[tuple[str, AuditRecord] | AgentLost]:
+        if False:  # pragma: no cover - no audit in a recording
+            yield
+
+
+def test_a_slow_machine_is_evicted_precisely_and_its_degrader_group_is_the_alternative() -> None:
+    slow = Suspect(SuspectKind.MACHINE, (4, 5), ("m2",), 0.8, ("[step_time] 1.5x the median",), ("step_time",))
+    d = degrader_suspect(slow, Topology(LAYOUT, 8), PLACEMENT)
+    assert d.kind is SuspectKind.PP and d.roots == (4, 5) and d.ranks == (0, 1, 4, 5) and d.victims == (0, 1)
+    scope = eviction_scope(d, PLACEMENT)
+    assert scope.default.machines == ("m2",) and scope.other is not None and scope.other.machines == ("m0", "m2")
+    assert "fail-slow detectors name m2" in scope.reason and "PP groups 0-1" in scope.reason
+    # No layout, or a group already named by the stack rounds: the suspect stays as it is.
+    assert degrader_suspect(slow, None, PLACEMENT) is slow
+    group = Suspect(SuspectKind.PP, (0, 4), ("m0", "m2"), 0.8, ("x",))
+    assert degrader_suspect(group, Topology(LAYOUT, 8), PLACEMENT) is group
+
+
+def test_the_drill_grades_a_fail_slow_verdict_by_the_machine_e_evicts() -> None:
+    from rankscope.analyzers.findings import Verdict
+
+    slow = degrader_suspect(Suspect(SuspectKind.MACHINE, (4, 5), ("m2",), 0.8, ("slow",)), Topology(LAYOUT, 8),
+                            PLACEMENT)
+    truth = {"fault": "slow-compute", "category": "slow", "suspect_kind": "rank", "rank": 4, "machine": "m2",
+             "suspect_ranks": [4], "suspect_machines": ["m2"]}
+    graded = score_verdict(Verdict((slow,), "fail-slow: m2"), truth, PLACEMENT)
+    assert graded["correct"] and graded["extra_machines"] == 0
+    assert graded["eviction"]["precise"]["machines"] == ["m2"] and graded["eviction"]["group"]["machines"] == ["m0", "m2"]
+    wrong = {**truth, "machine": "m3", "rank": 6, "suspect_ranks": [6], "suspect_machines": ["m3"]}
+    assert not score_verdict(Verdict((slow,), "fail-slow: m2"), wrong, PLACEMENT)["correct"]
+
+
+async def test_e_on_a_live_fail_slow_verdict_plans_the_slow_machine_and_offers_its_degrader_group() -> None:
+    source = PlanningSource(Bundle(tuple(fs_series(70)), WALL0 + 70))
+    app = RankscopeApp(source, AppOptions(layout=LAYOUT))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await app.loaded.wait()
+        await app.failslow.idle.wait()
+        await until(pilot, lambda: "slow: m2 (fail-slow, key 7) │ 4/4 machines" in screen_text(app), 10, "the header")
+        assert staleness.failslow_target(app.state)[0] is not None
+        overview = screen_text(app)
+        assert "fail-slow verdict (view 7): fail-slow: machine m2" in overview
+        assert " ▸ slow: m2  in PP groups 0-1 (ranks 0-1,4-5); 2 ranks wait on it" in overview
+        assert "e: m2 (1 standby); ctrl+o group: m0, m2 (2 standbys) — the fail-slow detectors name m2" in overview
+        await pilot.press("e")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmModal), 10, "the eviction plan")
+        (request,) = source.planned
+        assert request.kind == ActionKind.EVICT and request.targets.machines == ("m2",)
+        text = screen_text(app)
+        assert "Type evict m2 to confirm" in text
+        assert "over-evict the whole group: m0 m2 (2 standbys), 1 more than the evidence names" in text
+        await pilot.click("#other-plan")
+        await until(pilot, lambda: len(source.planned) == 2, 10, "the degrader group's plan")
+        assert source.planned[1].targets.machines == ("m0", "m2")
+        # The slowdown was logged when it was found.
+        assert any(e.kind == "verdict" and e.text.startswith("slow: m2") for e in app.state.events)
+
+
+async def test_a_fail_slow_verdict_whose_machine_was_evicted_is_not_acted_on() -> None:
+    from rankscope.tui import state as st
+
+    source = PlanningSource(Bundle(tuple(fs_series(70)), WALL0 + 70))
+    app = RankscopeApp(source, AppOptions(layout=LAYOUT))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await app.loaded.wait()
+        await app.failslow.idle.wait()
+        await until(pilot, lambda: staleness.failslow_target(app.state)[0] is not None, 10, "the fail-slow verdict")
+        app.state = st.apply_evicted(app.state, ("m2",), WALL0 + 71)
+        target, why = staleness.failslow_target(app.state)
+        assert target is None and why == "its suspect m2 was evicted"
+        await pilot.press("e")
+        await pilot.pause()
+        assert source.planned == [] and not isinstance(app.screen, ConfirmModal)

@@ -1,0 +1,94 @@
+"""After a restart both views of a pair tell one story: every running rank's stacks without a key press, each hang
+and restart once, in the acting view's words.
+
+Driven through the store's reducers (the code the app runs on every poll, capture and journal read) with the
+recorded Fig. 7 job: 16 machines of two ranks, one snapshot a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rankscope.tui import digest as dg
+from rankscope.tui import schedule
+from rankscope.tui import state as st
+from rankscope.tui.analysis import build_stack_view
+from tui_bundles import T0, job
+
+
+def _poll(s: st.AppState, snap: object, wall: float) -> st.AppState:
+    return st.apply_poll(s, dg.digest(snap), wall)  # type: ignore[arg-type]
+
+
+def _running(s: st.AppState, start: float, n: int, step: int) -> st.AppState:
+    for i in range(n):
+        s = _poll(s, job(start + i, stacks=False, step=step + i, hung=False), start + i)
+    return s
+
+
+def test_a_capture_missing_running_ranks_is_taken_again_once_without_a_key() -> None:
+    s = _running(st.AppState(), T0, 8, 100)
+    # The capture after the restart reached 12 of the 16 machines: the ranks of the other 4 have no stack.
+    full = job(T0 + 8, stacks=True, step=108, hung=False)
+    partial = replace(full, machines=tuple(replace(m, stacks=()) if i >= 12 else m
+                                           for i, m in enumerate(full.machines)))
+    s = st.apply_capture_analyzed(st.apply_capture_begun(s), dg.digest(partial),
+                                  build_stack_view(partial, partial.layout), T0 + 8)
+    assert schedule.uncaptured_ranks(s) == frozenset(range(24, 32))
+    s = _running(s, T0 + 9, 3, 109)
+    assert not schedule.refresh_capture_due(s), "not sooner than REFRESH_AFTER_S after the last capture"
+    s = _running(s, T0 + 12, 2, 112)
+    assert schedule.refresh_capture_due(s)
+    s = st.apply_refresh_captured(s, schedule.uncaptured_ranks(s))
+    assert not schedule.refresh_capture_due(s), "once per set of missing ranks"
+    s = st.apply_capture_analyzed(st.apply_capture_begun(s), dg.digest(job(T0 + 14, stacks=True, step=114, hung=False)),
+                                  build_stack_view(full, full.layout), T0 + 14)
+    assert schedule.uncaptured_ranks(s) == frozenset() and not schedule.refresh_capture_due(s)
+
+
+def test_a_capture_of_an_earlier_launch_misses_every_running_rank() -> None:
+    s = _running(st.AppState(), T0, 6, 100)
+    capture = job(T0 + 6, stacks=True, step=106, hung=False)
+    s = st.apply_capture_analyzed(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
+    s = replace(s, restarts=s.restarts + 1)  # the job restarted since (new pids): that capture is of other processes
+    assert schedule.uncaptured_ranks(s) == frozenset(range(32))
+
+
+def test_the_journal_tells_a_hang_and_a_restart_once_in_the_acting_views_words() -> None:
+    # The read-only view saw the hang 14 s after the acting view journaled it, and the restart before every agent
+    # was back: without one story, Events listed each twice ("hung at 02:07:14" and "at 02:07:28").
+    s = st.AppState(read_only=True)
+    s = replace(s, events=(st.Event(T0 + 14, "hung", "no progress since 00:00:00"),
+                           st.Event(T0 + 40, "restarted", "the job restarted on standby-0 (agent not back yet)")))
+    s = st.apply_journal(s, [(T0, "hung", "no progress since 23:59:58"),
+                             (T0 + 42, "restarted", "the job restarted on node00, standby-0")])
+    assert [(e.wall - T0, e.kind, e.text) for e in s.events] == [
+        (0.0, "hung", "no progress since 23:59:58"), (42.0, "restarted", "the job restarted on node00, standby-0")]
+    # The same moment seen again by this view after the journal told it: not a second line.
+    s = st.apply_failure(s, "hung", "no progress since 00:00:01", T0 + 20)
+    assert sum(e.kind == "hung" for e in s.events) == 1
+    # A new hang after the restart is a new moment.
+    s = st.apply_failure(s, "hung", "no progress since 00:01:00", T0 + 60)
+    assert sum(e.kind == "hung" for e in s.events) == 2
+
+
+def test_the_ranks_own_step_durations_give_the_rhythm_from_the_first_polls() -> None:
+    # A view attached a few steps before a hang had seen too few progress marks: it waited the whole 30 s ceiling.
+    from test_tui_failslow import fs_series
+
+    s = st.AppState()
+    for snap in fs_series(8, slow=None):  # 0.5 s steps (±3 %), the counters' last_step_duration_s, one poll a second
+        s = st.apply_poll(s, dg.digest(snap), snap.captured.wall)
+    assert dg.digest(fs_series(2, slow=None)[0]).longest_step_s is None, "a launch's first steps are no rhythm"
+    assert s.hang.from_rhythm and s.hang_threshold_s == 6.0 and s.hang.longest_gap_s is not None
+    assert 0.48 < s.hang.longest_gap_s <= 1.0
+
+
+def test_the_same_words_a_moment_apart_are_one_event() -> None:
+    # "training runs again: first step at 04:47:51" twice: the view's own line and the journal's copy of the acting
+    # view's, stamped milliseconds apart.
+    s = st.apply_failure(st.AppState(read_only=True), "resumed", "training runs again: first step at 00:00:09", T0 + 10)
+    s = st.apply_journal(s, [(T0 + 10.2, "resumed", "training runs again: first step at 00:00:09")])
+    assert [e.text for e in s.events] == ["training runs again: first step at 00:00:09"]
+    s = st.apply_journal(s, [(T0 + 9.0, "resumed", "the job resumed from step 20 (the newest checkpoint)")])
+    assert len(s.events) == 2, "other words are another moment"
