@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
-from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters
+from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters, order_names
 from rankscope.contract.vocabulary import canonical_op, is_unnamed_group
 
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
@@ -38,7 +38,7 @@ def parse_order(order: str) -> tuple[str, ...]:
     text = order.strip().lower()
     if not text:
         raise ValueError(f"empty rank order; use e.g. {_DEFAULT_ORDER!r} (Megatron's default) or 'tp-pp-dp'")
-    parts = tuple(p for p in re.split(r"[-_,\s]+", text) if p)
+    parts = order_names(text)
     unknown = [p for p in parts if p not in DIMS]
     if unknown:
         raise ValueError(
@@ -59,15 +59,15 @@ def layout_sizes(layout: Layout) -> dict[str, int]:
 
 def validate_layout(layout: Layout) -> tuple[str, ...]:
     """Check sizes and order; returns the parsed order. Errors carry the fix."""
-    sizes = layout_sizes(layout)
-    bad = {k: v for k, v in sizes.items() if v < 1}
+    bad = layout.bad_sizes()
+    bad_rpm = bad.pop("ranks_per_machine", None)
     if bad:
         raise ValueError(
             "parallel sizes must be at least 1, got " + ", ".join(f"{k}={v}" for k, v in bad.items())
             + "; leave a dimension out (or pass 1) when the job does not use it"
         )
-    if layout.ranks_per_machine is not None and layout.ranks_per_machine < 1:
-        raise ValueError(f"ranks per machine must be at least 1, got {layout.ranks_per_machine}")
+    if bad_rpm is not None:
+        raise ValueError(f"ranks per machine must be at least 1, got {bad_rpm}")
     return parse_order(layout.order)
 
 

@@ -373,12 +373,13 @@ def render_text(out: dict[str, Any], verdict: Verdict) -> str:
     """The verdict for a person: headline, layout, groups, suspects with evidence (``analyzers.render``, as the
     TUI's ``y`` copies them), gaps. ``out`` is the --json shape, ``verdict`` the one verdict in it."""
     from rankscope.analyzers.render import finding_lines, suspect_lines
+    from rankscope.contract.snapshot import Layout
 
     lines = [f"verdict: {out['summary']}"]
     if out.get("c4_kind"):
         lines.append(f"kind: {out['c4_kind']}")
     lay = out["layout"]
-    dims = " ".join(f"{d}={lay[d]}" for d in ("tp", "pp", "dp", "cp", "ep") if lay[d] > 1) or "no parallel sizes"
+    dims = Layout(**{d: lay[d] for d in Layout.SIZES}).sizes_text()
     rpm = f", {lay['ranks_per_machine']} ranks/machine" if lay.get("ranks_per_machine") else ""
     stackless = not out["groups"] and out["world_size"] is None  # logs alone: no stacks, no layout to show
     if not stackless:
