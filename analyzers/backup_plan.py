@@ -244,7 +244,7 @@ def _machines(
         raise RankscopeError(f"{world_size} ranks cannot be split into machines of {rpm!r} ranks",
                              "pass --ranks-per-machine with a divisor of the world size (GPUs per machine)")
     count = world_size // rpm
-    # The same names rankscope.analyzers.topology.machines_of gives ranks no agent reported.
+    # The same names rankscope.analyzers.placement.Placement gives ranks no agent reported.
     return [f"machine-{i}" for i in range(count)], [tuple(range(i * rpm, (i + 1) * rpm)) for i in range(count)]
 
 

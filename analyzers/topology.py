@@ -538,29 +538,6 @@ def natural_key(name: str) -> tuple[str, int, str]:
     return (m.group(1), int(m.group(2)), name) if m else (name, -1, name)
 
 
-def machines_of(
-    snapshot: JobSnapshot, ranks: Iterable[int], ranks_per_machine: int | None = None
-) -> tuple[str, ...]:
-    """The machines hosting ``ranks``, in natural order.
-
-    Which agent saw a rank is the truth; ``ranks_per_machine`` (or the
-    layout's) places ranks no agent reported, as consecutive blocks named
-    ``machine-<index>``. A rank placed by neither is left out.
-    """
-    placement = placement_of(snapshot)
-    rpm = ranks_per_machine
-    if rpm is None and snapshot.layout is not None:
-        rpm = snapshot.layout.ranks_per_machine
-    names: set[str] = set()
-    for rank in ranks:
-        name = placement.get(rank)
-        if name is None and rpm:
-            name = f"machine-{rank // rpm}"
-        if name is not None:
-            names.add(name)
-    return tuple(sorted(names, key=natural_key))
-
-
 def placement_of(snapshot: JobSnapshot) -> Mapping[int, str]:
     """Rank -> machine for every rank an agent reported (as a rank or by its stacks)."""
     placement = dict(snapshot.rank_to_machine())
