@@ -37,7 +37,8 @@ from rankscope.analyzers.ccl_desync import (
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, suspect_order
 from rankscope.analyzers.not_a_rank import counter_stalls, table_stalls, waiting_on
-from rankscope.analyzers.topology import CommJoin, communicator_joins, compact_ranks
+from rankscope.analyzers.topology import CommJoin, communicator_joins
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 from rankscope.contract.vocabulary import is_point_to_point, matching_op
 

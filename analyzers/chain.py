@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
-from rankscope.analyzers.topology import DIMS, Topology, compact_ranks, group_ids
+from rankscope.analyzers.topology import DIMS, Topology, group_ids
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import CaptureError
 
 DESYNC_ADVICE = ("evicting machines will not cure it: a desync is usually a program mismatch (different data or "

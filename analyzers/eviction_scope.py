@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rankscope.analyzers.findings import Suspect, SuspectKind
-from rankscope.analyzers.topology import compact_ranks, natural_key
+from rankscope.analyzers.topology import natural_key
+from rankscope.contract.ranks import compact_ranks
 
 PRECISE = "precise"
 GROUP = "group"

@@ -62,7 +62,8 @@ from rankscope.analyzers.rounds import DEFAULT_MAJORITY, StackRound, required_fl
 from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitDetector, sampling_problems
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
-from rankscope.analyzers.topology import compact_ranks, joined_counters
+from rankscope.analyzers.topology import joined_counters
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 from rankscope.contract.vocabulary import is_point_to_point
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rankscope.analyzers.findings import Suspect
-from rankscope.analyzers.topology import compact_machines, compact_ranks
+from rankscope.analyzers.topology import compact_machines
+from rankscope.contract.ranks import compact_ranks
 
 if TYPE_CHECKING:  # the fail-slow detector uses the rule without the stack analysis
     from rankscope.analyzers.analysis import JobAnalysis

@@ -29,7 +29,7 @@ from rankscope.analyzers.stacks import (
     is_wrapper,
 )
 from rankscope.analyzers.stage_evidence import Evidence
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import (
     CaptureError,
     CaptureErrorKind,

@@ -19,7 +19,7 @@ from rankscope.analyzers.not_a_rank import stack_stall
 from rankscope.analyzers.stacks import tree_from_grouping, with_dominant
 from rankscope.analyzers.stage_roots import Roots
 from rankscope.analyzers.suspects import StackAnalysis, apply_chain, headline, reason_digest, suspects_for
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 
 
 def suspects_of(roots: Roots) -> StackAnalysis:

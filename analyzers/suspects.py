@@ -61,9 +61,9 @@ from rankscope.analyzers.topology import (
     DIMS,
     Topology,
     compact_machines,
-    compact_ranks,
     group_ids,
 )
+from rankscope.contract.ranks import compact_ranks
 
 # Among equally good candidates, the kind ByteRobust evicts first.
 _KIND_PREFERENCE: tuple[str, ...] = ("pp", "dp", "tp", "cp", "ep", "machine", "rank")

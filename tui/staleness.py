@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 from rankscope.tui.health import fmt_time
 from rankscope.tui.state import AppState
 

@@ -6,11 +6,11 @@ import pytest
 from rankscope.analyzers.topology import (
     Topology,
     compact_machines,
-    compact_ranks,
     kind_of_description,
     parse_order,
     topology_for,
 )
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import (
     Communicator,
     Instant,

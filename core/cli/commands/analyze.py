@@ -471,6 +471,6 @@ def _render_fr_wavefront(out: dict[str, Any]) -> list[str]:
 
 def _ranks(ranks: list[int]) -> str:
     """A rank set for a person: exact for a strided group of any size, else cut after 12 runs (--json has all)."""
-    from rankscope.analyzers.topology import compact_ranks
+    from rankscope.contract.ranks import compact_ranks
 
-    return compact_ranks(ranks, 12)  # imported here: `rankscope --help` does not load the analyzers
+    return compact_ranks(ranks, 12)

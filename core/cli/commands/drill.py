@@ -326,7 +326,7 @@ def verdict_grade_lines(truth: Any, verdict: Any, wall: float, placement: dict[i
 def attached_report_lines(s: Any, tui_exit: int, graded: list[str] | None = None) -> list[str]:
     """What an attached drill prints once its TUI quit and it stopped: steps, the verdict graded (``graded``),
     recoveries, leftovers, where to look."""
-    from rankscope.analyzers.topology import compact_ranks
+    from rankscope.contract.ranks import compact_ranks
 
     quit_how = "the TUI quit" if tui_exit == 0 else f"the TUI ended with code {tui_exit}"
     lines = [f"drill {s.launcher.run_id} stopped ({quit_how}); fault {s.plan.name} at rank {s.plan.rank}, "
