@@ -221,7 +221,7 @@ def _stack_view(rank: int, stack: tuple[Frame, ...], options: SignatureOptions) 
         shown = " <- ".join(frame_text(f) for f in frames[max(loader - 1, 0):loader + 1])
         return RankView(rank, RankState.LOADING, frame=f"{shown} (waits for a batch from its DataLoader)")
     if (_short(frames[0].name), _base(frames[0].filename)) in _AUTOGRAD_ENGINE:
-        # Resolved in follow_chain: gradient reduction when its DP peers wait in a collective, else compute.
+        # Resolved in the waits stage: gradient reduction when its DP peers wait in a collective, else compute.
         return RankView(rank, RankState.COMPUTING, frame=inner_text, site=BACKWARD_SITE, host_wait=host_wait,
                         native=native)
     return RankView(rank, RankState.COMPUTING, frame=inner_text, host_wait=host_wait, native=native)
