@@ -41,7 +41,6 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -143,7 +142,7 @@ def backup_plan(
         world_size = grid.world_size
     if world_size != grid.world_size:
         raise RankscopeError(
-            f"the layout {_describe(sizes)} covers {grid.world_size} ranks but the job has {world_size}",
+            f"the layout {lay.sizes_text('(all sizes 1)')} covers {grid.world_size} ranks but the job has {world_size}",
             "pass sizes whose product is the world size (tp*cp*ep*dp*pp)",
         )
     machine_names, ranks_by_machine = _machines(world_size, lay, ranks_per_machine, machine_of)
@@ -206,21 +205,18 @@ def backup_plan(
 
 def _sizes(lay: Layout, order: tuple[str, ...]) -> dict[str, int]:
     sizes = {d: getattr(lay, d) for d in DIMENSIONS}
-    bad = {d: v for d, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    bad = {d: v for d, v in lay.bad_sizes().items() if d in sizes}
     if bad:
         raise RankscopeError(f"parallel sizes must be positive integers, got {bad}",
                              "pass e.g. --tp 2 --pp 4 --dp 2 (1 for an unused dimension)")
     # parse_order appends dimensions the string left out; those must be unused, or ranks would be misplaced.
-    named = {p for p in re.split(r"[-_,\s]+", lay.order.strip().lower()) if p}
+    named = set(lay.order_names())
     missing = [d for d in order if sizes[d] > 1 and d not in named]
     if missing:
         raise RankscopeError(f"the rank order {lay.order!r} does not place {', '.join(missing)}",
                              f"add {', '.join(missing)} to --order (e.g. tp-cp-ep-dp-pp)")
     return sizes
 
-
-def _describe(sizes: Mapping[str, int]) -> str:
-    return " ".join(f"{d.upper()}={v}" for d, v in sizes.items() if v > 1) or "(all sizes 1)"
 
 
 def _machines(
@@ -248,7 +244,7 @@ def _machines(
         raise RankscopeError(f"{world_size} ranks cannot be split into machines of {rpm!r} ranks",
                              "pass --ranks-per-machine with a divisor of the world size (GPUs per machine)")
     count = world_size // rpm
-    # The same names rankscope.analyzers.topology.machines_of gives ranks no agent reported.
+    # The same names rankscope.analyzers.placement.Placement gives ranks no agent reported.
     return [f"machine-{i}" for i in range(count)], [tuple(range(i * rpm, (i + 1) * rpm)) for i in range(count)]
 
 

@@ -16,13 +16,13 @@ that is itself blocked in a call its partners never entered, waiting on the
 ranks that wait for it, is not computation side: the two sides are at
 different points of the program, one ``desync`` suspect and finding
 (``rankscope.analyzers.ccl_desync``).
-``comm_tables`` gives the TUI one table per communicator with the mismatches
+``comm_rows`` gives the TUI one row per communicator and operation with the mismatches
 flagged. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from rankscope.analyzers.ccl_desync import (
@@ -37,7 +37,8 @@ from rankscope.analyzers.ccl_desync import (
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, suspect_order
 from rankscope.analyzers.not_a_rank import counter_stalls, table_stalls, waiting_on
-from rankscope.analyzers.topology import CommJoin, communicator_joins, compact_ranks
+from rankscope.analyzers.topology import CommJoin, communicator_joins
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 from rankscope.contract.vocabulary import is_point_to_point, matching_op
 
@@ -51,58 +52,38 @@ SCORE_OPEN_REQUEST = 0.8
 
 @dataclass(frozen=True, slots=True)
 class CommRow:
-    """One member rank of a communicator, as the TUI's table shows it."""
+    """One rank's counters in one communicator, summed over operation kinds (a row of the CL/WR/WC table)."""
 
     rank: int
-    cl: int | None  # collective launches summed over the communicator's collective ops; None: no file
-    wr: int | None
-    wc: int | None
-    cl_lags: bool  # CL below the communicator's highest
-    incomplete: bool  # WC < WR: a request still open
-    open_peers: tuple[int, ...] = ()
-    per_op: tuple[tuple[str, int, int, int], ...] = ()  # (op, cl, wr, wc)
-    stale: bool = False
+    cl: int  # collectives launched (a send/recv is no collective: matched per peer pair, not counted here)
+    wr: int
+    wc: int
+    lags: bool  # launched fewer collectives than the others of its communicator
+    open_requests: bool  # wc < wr: requests issued and not completed
+    stale: bool
 
 
-@dataclass(frozen=True, slots=True)
-class CommTable:
-    comm_id: str
-    backend: str
-    description: str
-    members: tuple[int, ...]
-    rows: tuple[CommRow, ...]
+def comm_rows(counters: Iterable[RankCounters]) -> dict[str, tuple[CommRow, ...]]:
+    """Per communicator id, one row per rank with counters on it, by rank: the CL/WR/WC table (Aegis §4.2).
 
-    @property
-    def mismatch(self) -> bool:
-        return any(r.cl_lags or r.incomplete for r in self.rows)
-
-
-def comm_tables(counters: Mapping[int, RankCounters]) -> tuple[CommTable, ...]:
-    """One table per communicator: each member's CL/WR/WC and what does not match."""
-    tables: list[CommTable] = []
-    table = op_table(counters)
-    for cid, comm in table.comms.items():
-        by_op = table.of(cid)
-        totals: dict[int, tuple[int, int, int, tuple[int, ...], tuple[tuple[str, int, int, int], ...]]] = {}
-        for r in comm.ranks:
-            if r not in counters:
-                continue
-            ops = [by_rank[r] for _, by_rank in sorted(by_op.items()) if r in by_rank]
-            cl = sum(o.cl for o in ops if not is_point_to_point(o.op))
-            peers = tuple(sorted({p for o in ops for p in o.open_peers}))
-            totals[r] = (cl, sum(o.wr for o in ops), sum(o.wc for o in ops), peers,
-                         tuple((o.op, o.cl, o.wr, o.wc) for o in ops))
-        top = max((t[0] for t in totals.values()), default=0)
-        rows = []
-        for r in comm.ranks:
-            t = totals.get(r)
-            if t is None:
-                rows.append(CommRow(r, None, None, None, False, False))
-                continue
-            cl, wr, wc, peers, per_op = t
-            rows.append(CommRow(r, cl, wr, wc, cl < top, wc < wr, peers, per_op, counters[r].stale))
-        tables.append(CommTable(cid, comm.backend, comm.description, comm.ranks, tuple(rows)))
-    return tuple(tables)
+    A rank whose counters are stale or unreadable keeps its row, marked stale.
+    """
+    totals: dict[str, dict[int, list[int]]] = {}
+    stale: set[int] = set()
+    for rc in counters:
+        if rc.stale or rc.error:
+            stale.add(rc.rank)
+        for op in rc.ops:
+            t = totals.setdefault(op.comm_id, {}).setdefault(rc.rank, [0, 0, 0])
+            t[0] += 0 if is_point_to_point(op.op) else op.cl
+            t[1] += op.wr
+            t[2] += op.wc
+    out: dict[str, tuple[CommRow, ...]] = {}
+    for cid, per in totals.items():
+        top_cl = max((v[0] for v in per.values()), default=0)
+        out[cid] = tuple(CommRow(r, v[0], v[1], v[2], v[0] < top_cl, v[2] < v[1], r in stale)
+                         for r, v in sorted(per.items()))
+    return out
 
 
 _label = comm_label

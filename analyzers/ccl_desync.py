@@ -37,7 +37,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rankscope.analyzers.topology import compact_ranks, distinct_communicators
+from rankscope.analyzers.topology import distinct_communicators
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters
 from rankscope.contract.vocabulary import canonical_op, direction_word, is_point_to_point, matching_op
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from rankscope.analyzers.findings import NOT_A_RANK, Finding, Suspect, SuspectKind, Verdict
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 
 SOURCE = "crash logs"
 CRASH_ORIGIN = "crash-origin"

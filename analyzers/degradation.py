@@ -21,10 +21,10 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from rankscope.contract.snapshot import RankCounters
+from rankscope.contract.snapshot import OpCounters, RankCounters
 from rankscope.contract.vocabulary import is_point_to_point
 
 ALPHA = 0.8
@@ -57,17 +57,26 @@ def inverse_throughput(ring: tuple[float, ...]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def degradation_findings(counters: Mapping[int, RankCounters], alpha: float = ALPHA,
-                         beta: float = BETA) -> tuple[DegradationFinding, ...]:
-    """TD and N outliers per (communicator, collective op) among members on the same call."""
-    rows: dict[tuple[str, str], dict[int, tuple[int, float | None, float | None]]] = {}
+def compared_ops(counters: Mapping[int, RankCounters]) -> Iterator[tuple[int, OpCounters]]:
+    """(rank, op) for every collective op a rank completed, from fresh counters: what members are compared on.
+
+    Point-to-point ops are left out (a pair's two sides do different work), and so are ops never completed and ranks
+    whose counters are stale or unreadable.
+    """
     for r, rc in counters.items():
         if rc.error is not None or rc.stale:
             continue
         for o in rc.ops:
-            if is_point_to_point(o.op) or o.wc == 0:
-                continue
-            rows.setdefault((o.comm_id, o.op), {})[r] = (o.wc, o.last_duration_s, inverse_throughput(o.recent_throughput))
+            if not is_point_to_point(o.op) and o.wc > 0:
+                yield r, o
+
+
+def degradation_findings(counters: Mapping[int, RankCounters], alpha: float = ALPHA,
+                         beta: float = BETA) -> tuple[DegradationFinding, ...]:
+    """TD and N outliers per (communicator, collective op) among members on the same call."""
+    rows: dict[tuple[str, str], dict[int, tuple[int, float | None, float | None]]] = {}
+    for r, o in compared_ops(counters):
+        rows.setdefault((o.comm_id, o.op), {})[r] = (o.wc, o.last_duration_s, inverse_throughput(o.recent_throughput))
     out: list[DegradationFinding] = []
     for (cid, op), per_rank in sorted(rows.items()):
         # the call most members last completed (ties: the later one)

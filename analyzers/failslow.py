@@ -53,16 +53,17 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from rankscope.analyzers.degradation import degradation_findings, inverse_throughput
+from rankscope.analyzers.degradation import compared_ops, degradation_findings, inverse_throughput
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.labels import group_name, suspect_label
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
 from rankscope.analyzers.minder import MinderDetector
-from rankscope.analyzers.rounds import DEFAULT_MAJORITY, StackRound, required_flags, round_of, tally
+from rankscope.analyzers.rounds import DEFAULT_MAJORITY, StackRound, required_flags, stack_round, tally
 from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitDetector, sampling_problems
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
-from rankscope.analyzers.topology import compact_ranks, joined_counters
+from rankscope.analyzers.topology import joined_counters
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 from rankscope.contract.vocabulary import is_point_to_point
 
@@ -234,20 +235,15 @@ class _CallTally(Generic[K]):
 def collective_calls(counters: Mapping[int, RankCounters]) -> dict[tuple[str, str], tuple[int, list[int], list[int]]]:
     """Per (communicator, collective op): the call most members last completed, and who has TD / N for it.
 
-    The same rule as ``degradation.degradation_findings`` (members compared on
-    one call; point-to-point ops left out), so the ranks tallied are the ranks
-    that analysis compared.
+    The same ops as ``degradation.degradation_findings`` (``compared_ops``:
+    members compared on one call), so the ranks tallied are the ranks that
+    analysis compared.
     """
     rows: dict[tuple[str, str], dict[int, tuple[int, bool, bool]]] = {}
-    for r, rc in counters.items():
-        if rc.error is not None or rc.stale:
-            continue
-        for o in rc.ops:
-            if is_point_to_point(o.op) or o.wc == 0:
-                continue
-            has_td = o.last_duration_s is not None and o.last_duration_s > 0
-            has_n = inverse_throughput(o.recent_throughput) is not None
-            rows.setdefault((o.comm_id, o.op), {})[r] = (o.wc, has_td, has_n)
+    for r, o in compared_ops(counters):
+        has_td = o.last_duration_s is not None and o.last_duration_s > 0
+        has_n = inverse_throughput(o.recent_throughput) is not None
+        rows.setdefault((o.comm_id, o.op), {})[r] = (o.wc, has_td, has_n)
     out: dict[tuple[str, str], tuple[int, list[int], list[int]]] = {}
     for key, per_rank in rows.items():
         counts = Counter(v[0] for v in per_rank.values())
@@ -735,18 +731,14 @@ def replay(snapshots: Iterable[JobSnapshot], config: FailSlowConfig | None = Non
     Snapshots that carry stacks (the watch's captures) also make a stack
     aggregation round, as they did live. Returns every update's verdict.
     """
-    from rankscope.analyzers.analysis import analyze_job
-
     detector = FailSlowDetector(config)
     out = []
     for snap in sorted(snapshots, key=lambda s: s.captured.mono):
-        stack_round = None
-        if snap.all_stacks():
-            try:
-                stack_round = round_of(analyze_job(snap, layout))
-            except ValueError:  # a layout that does not fit: the other detectors still run
-                stack_round = None
-        out.append(detector.update(snap, stack_round))
+        try:
+            one_round = stack_round(snap, layout)
+        except ValueError:  # a layout that does not fit: the other detectors still run
+            one_round = None
+        out.append(detector.update(snap, one_round))
     return tuple(out)
 
 

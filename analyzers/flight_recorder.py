@@ -49,7 +49,7 @@ from typing import Any
 from rankscope.analyzers.findings import NOT_A_RANK, Finding
 from rankscope.analyzers.not_a_rank import ADVICE as NOT_A_RANK_ADVICE
 from rankscope.analyzers.not_a_rank import PREFIX as NOT_A_RANK_PREFIX
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.vocabulary import canonical_op, is_point_to_point, is_send, matching_op
 
 MISMATCH_CAP = 10  # per group, like fr_trace's default: past this the dump is more noise than signal

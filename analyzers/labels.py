@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rankscope.analyzers.findings import NOT_A_RANK, Suspect, Verdict
-from rankscope.analyzers.topology import compact_machines, compact_ranks
+from rankscope.analyzers.topology import compact_machines
+from rankscope.contract.ranks import compact_ranks
 
 
 def suspect_label(s: Suspect) -> str:

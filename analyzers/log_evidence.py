@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import NOT_A_RANK, Finding, Suspect, SuspectKind, Verdict, suspect_order
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters
 
 SOURCE = "logs"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from rankscope.analyzers.ccl_desync import CounterWaits, OpTable, comm_label, waiting_together
 from rankscope.analyzers.chain import BACKWARD_SITE, Chain, RankState, RankView
 from rankscope.analyzers.findings import NOT_A_RANK, Finding, Verdict
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, RankCounters
 
 PREFIX = "not a rank: "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rankscope.analyzers.findings import Finding, Suspect
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 
 RANKS_SHOWN = 12  # runs of a rank set before it is cut (--json has all)
 

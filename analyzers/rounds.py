@@ -32,10 +32,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rankscope.analyzers.findings import Suspect
-from rankscope.analyzers.topology import compact_machines, compact_ranks
+from rankscope.analyzers.topology import compact_machines
+from rankscope.contract.ranks import compact_ranks
 
 if TYPE_CHECKING:  # the fail-slow detector uses the rule without the stack analysis
     from rankscope.analyzers.analysis import JobAnalysis
+    from rankscope.contract.snapshot import JobSnapshot, Layout
 
 DEFAULT_INTERVAL_S = 10.0
 DEFAULT_ROUNDS = 5
@@ -55,6 +57,18 @@ def round_of(analysis: JobAnalysis) -> StackRound:
     """One capture's stack round, from its one analysis (``analysis.analyze_job``)."""
     stacks = analysis.stacks
     return StackRound(stacks.verdict.top, len(stacks.grouping.outlier_ranks), stacks.verdict.summary)
+
+
+def stack_round(snapshot: JobSnapshot, layout: Layout | None = None) -> StackRound | None:
+    """One capture's stack round (``round_of`` of its ``analyze_job``); None when it holds no stacks to count.
+
+    Raises ValueError (with the fix) when ``layout`` does not fit the job.
+    """
+    if not snapshot.all_stacks():
+        return None
+    from rankscope.analyzers.analysis import analyze_job  # only a capture with stacks needs the stack analysis
+
+    return round_of(analyze_job(snapshot, layout))
 
 
 @dataclass(frozen=True, slots=True)

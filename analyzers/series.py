@@ -312,16 +312,6 @@ class SeriesStore:
             values[i, : row.values.shape[1]] = row.values[k]
         return np.array([r.t for r in rows], dtype=np.float64), machines, values
 
-    def rank_matrix(self, since: float | None = None, last: int | None = None,
-                    ) -> tuple[FloatArray, tuple[int, ...], FloatArray]:
-        """Per-rank step time: ``(times, ranks, values)``, NaN where a rank's duration is unknown."""
-        rows = self._select(since, last)
-        ranks = np.unique(np.concatenate([r.ranks for r in rows])) if rows else np.array([], dtype=np.int64)
-        values = np.full((len(rows), ranks.size), np.nan, dtype=np.float64)
-        for i, row in enumerate(rows):
-            values[i, np.searchsorted(ranks, row.ranks)] = row.rank_steps
-        return np.array([r.t for r in rows], dtype=np.float64), tuple(int(r) for r in ranks), values
-
     def job_steps(self) -> tuple[FloatArray, FloatArray]:
         """The job's step time (median over ranks) per row: ``(times, values)``, NaN where none."""
         return (np.array([r.t for r in self._rows], dtype=np.float64),

@@ -43,7 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rankscope.analyzers.stacks import communication_kind
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import StackSampleWindow
 
 CLASSES: tuple[str, ...] = ("collective", "p2p", "compute", "data", "other")

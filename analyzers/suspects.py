@@ -38,45 +38,32 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from rankscope.analyzers.ccl_desync import CounterWaits, counter_waits
 from rankscope.analyzers.chain import (
     DESYNC_ADVICE,
     TERMINAL,
     Chain,
     RankState,
-    RankView,
-    counted_waits,
     desync_evidence,
     desync_summary,
-    follow_chain,
-    rank_views,
 )
 from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, finding_to_json
 from rankscope.analyzers.labels import group_name, summary_of
-from rankscope.analyzers.not_a_rank import same_stacks_stall, stack_stall
+from rankscope.analyzers.origins import Origin, origins_of
+from rankscope.analyzers.placement import Placement
 from rankscope.analyzers.stacks import (
-    DEFAULT_OPTIONS,
     MAIN_LANE,
     Grouping,
     PrefixNode,
-    SignatureOptions,
     communication_kind,
     diverging_frame,
-    group_stacks,
-    is_communication,
-    tree_from_grouping,
-    with_dominant,
 )
 from rankscope.analyzers.topology import (
     DIMS,
     Topology,
     compact_machines,
-    compact_ranks,
     group_ids,
-    natural_key,
-    topology_for,
 )
-from rankscope.contract.snapshot import JobSnapshot, Layout, ProcessRole, RankStacks
+from rankscope.contract.ranks import compact_ranks
 
 # Among equally good candidates, the kind ByteRobust evicts first.
 _KIND_PREFERENCE: tuple[str, ...] = ("pp", "dp", "tp", "cp", "ep", "machine", "rank")
@@ -102,61 +89,9 @@ class _Candidate:
     hits: int
     group_index: int | None
     groups: tuple[int, ...]  # group indices of that kind merged into this candidate
-    bonus: float = 0.0  # 1.0 when the candidate is where the outliers' origin points (see _Origin)
+    bonus: float = 0.0  # 1.0 when the candidate is where the outliers' origin points (see Origin)
     why: str = ""
     roots: tuple[int, ...] = ()  # the origin ranks stuck in their own work inside it (Suspect.roots)
-
-
-@dataclass(frozen=True, slots=True)
-class _Origin:
-    """Outlier ranks that are not waiting for anyone: where a hang most likely started.
-
-    ``side`` follows Aegis's split: "compute" when the ranks are stuck in
-    their own work (or a busy subprocess), so the ranks themselves are
-    suspect; "p2p" or "collective" when they are stuck on their way into a
-    call that talks to others, so the group they were talking to is suspect.
-    """
-
-    ranks: tuple[int, ...]
-    side: str
-    frame: str
-    lane: str
-
-
-class _Placement:
-    """Rank -> machine, as an index array for vector work and names for people."""
-
-    def __init__(self, snapshot: JobSnapshot, world: int, ranks_per_machine: int | None) -> None:
-        names: list[str] = []
-        index: dict[str, int] = {}
-        ids = np.full(world, -1, dtype=np.int64)
-
-        def mid_of(name: str) -> int:
-            mid = index.get(name)
-            if mid is None:
-                mid = index[name] = len(names)
-                names.append(name)
-            return mid
-
-        for machine in snapshot.machines:  # what the agents saw is the truth
-            seen = np.fromiter((*(r.rank for r in machine.ranks), *(s.rank for s in machine.stacks)), dtype=np.int64)
-            seen = seen[(seen >= 0) & (seen < world)]
-            if seen.size:
-                ids[seen] = mid_of(machine.machine)
-        if ranks_per_machine:  # ranks no agent reported: consecutive blocks
-            unplaced = np.flatnonzero(ids < 0)
-            for block in np.unique(unplaced // ranks_per_machine).tolist():
-                lo, hi = block * ranks_per_machine, (block + 1) * ranks_per_machine
-                span = ids[lo:hi]
-                span[span < 0] = mid_of(f"machine-{block}")
-        self.ids = ids
-        self.names = names
-
-    def machines(self, ranks: np.ndarray | Sequence[int]) -> tuple[str, ...]:
-        arr = np.asarray(ranks, dtype=np.int64)
-        arr = arr[(arr >= 0) & (arr < self.ids.size)]
-        mids = np.unique(self.ids[arr])
-        return tuple(sorted((self.names[m] for m in mids.tolist() if m >= 0), key=natural_key))
 
 
 def _merge_by_machine(touched: list[np.ndarray], machine_ids: np.ndarray) -> list[list[int]]:
@@ -185,7 +120,7 @@ def _merge_by_machine(touched: list[np.ndarray], machine_ids: np.ndarray) -> lis
 
 
 def _candidates(
-    outliers: np.ndarray, seen: np.ndarray, topology: Topology, placement: _Placement,
+    outliers: np.ndarray, seen: np.ndarray, topology: Topology, placement: Placement,
     single_rank_groups: Sequence[int],
 ) -> list[_Candidate]:
     """Every group (merged by shared machines), machine and lone rank that holds outliers."""
@@ -228,7 +163,7 @@ def _score(c: _Candidate, n_outliers: int) -> float:
     return (c.hits / n_outliers) * (c.hits / c.ranks.size) + c.bonus
 
 
-def _rank_candidates(cands: list[_Candidate], n_outliers: int, placement: _Placement) -> list[_Candidate]:
+def _rank_candidates(cands: list[_Candidate], n_outliers: int, placement: Placement) -> list[_Candidate]:
     def key(c: _Candidate) -> tuple[float, int, int, int]:
         return (-round(_score(c, n_outliers), 9), len(placement.machines(c.ranks)),
                 _KIND_PREFERENCE.index(c.kind), int(c.ranks[0]))
@@ -260,51 +195,13 @@ def describe(c: _Candidate, machines: tuple[str, ...]) -> str:
     return f"{_kind_label(c)} on {where}"
 
 
-def _origins(grouping: Grouping) -> list[_Origin]:
-    """Outlier groups stuck somewhere other than a call that waits for other ranks.
-
-    In a hang the peers of a stuck rank wait in send/recv or a collective;
-    the ranks doing something else are where the fault started. A group
-    whose main thread waits but which runs a busy thread or subprocess the
-    healthy ranks lack (a stuck dataloader worker) counts as stuck in its own
-    work.
-    """
-    if not grouping.dominant:
-        return []
-    healthy = grouping.groups[grouping.dominant[0]]
-    healthy_lanes = set(healthy.lanes)
-    out: list[_Origin] = []
-    for i in grouping.outliers:
-        g = grouping.groups[i]
-        extra = [(label, frames) for label, frames in g.lanes[1:]
-                 if (label, frames) not in healthy_lanes and frames and not is_communication(frames[-1])]
-        if extra:
-            label, frames = extra[0]
-            out.append(_Origin(g.ranks, "compute", frames[-1], label))
-            continue
-        if not g.frames or is_communication(g.frames[-1]):
-            continue
-        shared = 0
-        for a, b in zip(healthy.frames, g.frames, strict=False):
-            if a != b:
-                break
-            shared += 1
-        entering = [f for f in g.frames[shared:] if communication_kind(f)]
-        if entering:
-            side = communication_kind(entering[-1]) or "collective"
-            out.append(_Origin(g.ranks, side, entering[-1], MAIN_LANE))
-        else:
-            out.append(_Origin(g.ranks, "compute", g.frames[-1], MAIN_LANE))
-    return out
-
-
 def _ranks_are(ranks: set[int] | tuple[int, ...]) -> str:
     return f"rank {next(iter(ranks))} is" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)} are"
 
 
-def _apply_origins(
-    cands: list[_Candidate], origins: list[_Origin], grouping: Grouping, topology: Topology,
-    placement: _Placement, counted: Mapping[int, str] | None = None,
+def _applyorigins_of(
+    cands: list[_Candidate], origins: list[Origin], grouping: Grouping, topology: Topology,
+    placement: Placement, counted: Mapping[int, str] | None = None,
 ) -> None:
     """Lift the candidates the origins point at above those that only fit the layout.
 
@@ -359,7 +256,7 @@ def _apply_origins(
 
 
 def _evidence(
-    c: _Candidate, grouping: Grouping, n_outliers: int, machines: tuple[str, ...], placement: _Placement,
+    c: _Candidate, grouping: Grouping, n_outliers: int, machines: tuple[str, ...], placement: Placement,
     missing: dict[int, str],
 ) -> tuple[tuple[str, ...], str | None]:
     members = set(c.ranks.tolist())
@@ -393,32 +290,8 @@ def _evidence(
     return tuple(lines), first_div
 
 
-def _missing_ranks(
-    snapshot: JobSnapshot, topology: Topology, grouping: Grouping, stacks: Mapping[int, RankStacks]
-) -> dict[int, str]:
-    """Rank -> why it could not be seen, for every expected rank without readable stacks."""
-    reasons: dict[int, str] = {}
-    for m in snapshot.machines:
-        if not m.reachable:
-            why = f"machine {m.machine} unreachable" + (f" ({m.error.message})" if m.error else "")
-            for r in m.ranks:
-                reasons.setdefault(r.rank, why)
-    for rank in grouping.unseen:
-        err = stacks[rank].main.error
-        if err is not None:
-            reasons[rank] = f"{err.kind}: {err.message}"
-        elif stacks[rank].main.threads:
-            reasons[rank] = "main thread shows no Python frames (the process is exiting or not in Python yet)"
-        else:
-            reasons[rank] = "no threads captured"
-    for rank in range(topology.world_size):
-        if rank not in stacks:
-            reasons.setdefault(rank, "no stacks in the snapshot")
-    return reasons
-
-
-def _suspects_for(
-    grouping: Grouping, topology: Topology, placement: _Placement, missing: dict[int, str],
+def suspects_for(
+    grouping: Grouping, topology: Topology, placement: Placement, missing: dict[int, str],
     counted: Mapping[int, str] | None = None,
 ) -> tuple[list[Suspect], list[set[int]]]:
     """Suspects best first, and for each the outlier ranks it accounts for."""
@@ -437,8 +310,8 @@ def _suspects_for(
         singles = [grouping.groups[i].ranks[0] for i in grouping.outliers if len(grouping.groups[i].ranks) == 1]
     n = int(outlier_ranks.size)
     cands = _candidates(outlier_ranks, seen, topology, placement, singles)
-    origins = _origins(grouping)
-    _apply_origins(cands, origins, grouping, topology, placement, counted)
+    origins = origins_of(grouping)
+    _applyorigins_of(cands, origins, grouping, topology, placement, counted)
     ranked = _rank_candidates(cands, n, placement)
     is_out = set(outlier_ranks.tolist())
     origin_ranks = {r for o in origins for r in o.ranks}
@@ -481,7 +354,7 @@ def _state_words(chain: Chain, ranks: set[int]) -> str:
     return views[0].short()
 
 
-def _root_lines(chain: Chain, ranks: set[int], placement: _Placement) -> list[str]:
+def _root_lines(chain: Chain, ranks: set[int], placement: Placement) -> list[str]:
     lines: list[str] = []
     for root in chain.roots:
         if root.rank not in ranks:
@@ -497,8 +370,8 @@ def _root_lines(chain: Chain, ranks: set[int], placement: _Placement) -> list[st
     return lines
 
 
-def _apply_chain(
-    suspects: list[Suspect], explains: list[set[int]], chain: Chain, placement: _Placement, topology: Topology,
+def apply_chain(
+    suspects: list[Suspect], explains: list[set[int]], chain: Chain, placement: Placement, topology: Topology,
     grouping: Grouping,
 ) -> tuple[list[Suspect], list[set[int]], list[Finding]]:
     """Put the chain's verdict into the ranking: roots first with their victims, victims never on their own.
@@ -592,115 +465,7 @@ def _independent_cover(suspects: list[Suspect], explains: list[set[int]], outlie
     return cover
 
 
-def analyze_stacks(
-    snapshot: JobSnapshot, layout: Layout | None = None, options: SignatureOptions = DEFAULT_OPTIONS,
-    waits: CounterWaits | None = None,
-) -> StackAnalysis:
-    """Group the snapshot's stacks and rank the parallel groups that explain the outliers.
-
-    ``waits``: ``counter_waits(snapshot.all_counters())``, when the caller has built it already.
-
-    Raises ValueError (with the fix in its message) when the layout does not
-    fit the job.
-    """
-    topology = topology_for(snapshot, layout)
-    rpm = (layout.ranks_per_machine if layout is not None else None) or topology.layout.ranks_per_machine
-    if rpm is None and snapshot.layout is not None:
-        rpm = snapshot.layout.ranks_per_machine
-    stacks = snapshot.all_stacks()
-    grouping = group_stacks(stacks, options)
-    placement = _Placement(snapshot, topology.world_size, rpm)
-    missing = _missing_ranks(snapshot, topology, grouping, stacks)
-    notes = list(grouping.notes)
-
-    views = rank_views(stacks, topology.world_size, missing, options)
-    for o in _origins(grouping):
-        # A busy subprocess or thread the healthy ranks lack (a stuck DataLoader worker) makes its rank wait on
-        # it whatever its main thread shows: the rank is where a chain can end.
-        if o.side == "compute" and o.lane != MAIN_LANE:
-            state = RankState.LOADING if o.lane.startswith(str(ProcessRole.DATALOADER)) else RankState.COMPUTING
-            for r in o.ranks:
-                views[r] = RankView(r, state, frame=f"[{o.lane}] {o.frame}")
-    counters = snapshot.all_counters()
-    if counters and waits is None:
-        waits = counter_waits(counters)
-    counted: dict[int, str] = {}
-    if waits is not None:
-        views = counted_waits(views, waits)  # asynchronous collectives: a host syncing on its GPU waits in one
-        counted = {r: ("p2p" if v.state is RankState.P2P else "collective") for r, v in views.items()
-                   if v.counted and v.state in (RankState.P2P, RankState.COLLECTIVE)}
-    sizes = [len(g.ranks) for g in grouping.groups]
-    unique_majority = len(sizes) > 0 and sizes[0] > 1 and (len(sizes) == 1 or sizes[0] > sizes[1])
-    majority = frozenset(grouping.groups[0].ranks) if unique_majority else frozenset()
-    chain = follow_chain(views, topology, majority, counters, waits)
-    named = chain.root_ranks | {r for d in chain.desyncs for r in d.ranks}
-    chosen: tuple[list[Suspect], list[set[int]]] | None = None  # the suspects of the grouping a tie settled on
-
-    # When several groups tie for largest, no majority says which is healthy: the chain decides (a group
-    # holding a root or a desync is never the healthy one), then the choice whose outliers are best explained
-    # by one parallel group.
-    if grouping.groups and grouping.dominant:
-        top = len(grouping.groups[0].ranks)
-        tied = [i for i, g in enumerate(grouping.groups) if len(g.ranks) == top]
-        if len(tied) > 1:
-            free = [t for t in tied if not named.intersection(grouping.groups[t].ranks)] or tied
-            best, best_score = grouping, -1.0
-            for t in free:
-                trial = with_dominant(grouping, (t,))
-                found, found_explains = _suspects_for(trial, topology, placement, missing, counted)
-                score = found[0].score if found else 0.0
-                if score > best_score + 1e-9:
-                    best, best_score, chosen = trial, score, (found, found_explains)
-            if named:
-                notes = [n for n in notes if not n.startswith(f"{len(tied)} groups of {top} ranks tie")]
-                notes.append(f"{len(tied)} groups of {top} ranks tie for largest, so no majority says which is "
-                             f"healthy: the chain of waits decides (group {best.dominant[0]} taken as healthy; "
-                             f"it holds no root)")
-            elif best.dominant != grouping.dominant:
-                notes.append(f"group {best.dominant[0]} taken as healthy instead: its complement is explained "
-                             "better by one parallel group")
-            grouping = best
-
-    suspects, explains = (chosen if chosen is not None
-                          else _suspects_for(grouping, topology, placement, missing, counted))
-    suspects, explains, findings = _apply_chain(suspects, explains, chain, placement, topology, grouping)
-    tree = tree_from_grouping(grouping)
-    missing_ranks = tuple(sorted(missing))
-    if missing_ranks:
-        notes.append(f"{len(missing_ranks)} rank(s) could not be seen: {compact_ranks(missing_ranks)}"
-                     + _reason_digest(missing))
-    exiting = [r for r, why in missing.items() if why.startswith(("main thread shows no Python frames", "gone"))]
-    if len(exiting) * 2 >= max(topology.world_size, 1):
-        notes.append(f"{len(exiting)} of {topology.world_size} ranks are exiting or gone: the job looks crashed, "
-                     "not hung; the launcher's log names the rank that failed first")
-    if topology.assumed and suspects:
-        notes.append("no parallel sizes known: only ranks and machines can be suspected; "
-                     "pass --tp/--pp/--dp (and --order) to name parallel groups")
-    seen_count = sum(len(g.ranks) for g in grouping.groups)
-    summary, apart = _summary(grouping, suspects, explains, seen_count, notes, named)
-    stall = stack_stall(chain, range(topology.world_size), waits)
-    # Counters that cover every rank and hold no open request say the device owes the hosts nothing: ranks alike
-    # at a sync point are a running GPU job caught there, not a stall below them (no counters: a pasted dump).
-    settled = waits is not None and set(range(topology.world_size)) <= set(waits.live) and not waits.table.open_ops
-    if stall is None and not suspects and not named and len(grouping.groups) == 1 and not missing_ranks \
-            and seen_count == topology.world_size >= 2 and not settled:
-        # Every rank of the job shows the same stacks: that is the finding (the stall is below the ranks).
-        same = grouping.groups[0]
-        # (the views as read, before the chain: it calls backward compute when no DP peer is seen elsewhere)
-        stall = same_stacks_stall(same.frames, same.ranks, [views[r] for r in same.ranks if r in views])
-    if stall is not None:
-        # Every rank in one call and none behind: the stack groups differ only above that call, so no suspect
-        # of theirs is more than a guess.
-        if suspects:
-            notes.append(f"set aside, every rank waits in the same call: {summary}")
-        suspects, summary, apart = [], stall.summary(), []
-        findings.append(stall.finding())
-    verdict = Verdict(suspects=tuple(suspects), summary=summary, missing_ranks=missing_ranks, notes=tuple(notes),
-                      findings=tuple(findings), named=tuple(apart))
-    return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology, chain=chain)
-
-
-def _reason_digest(missing: dict[int, str]) -> str:
+def reason_digest(missing: dict[int, str]) -> str:
     reasons: dict[str, list[int]] = {}
     for rank, why in missing.items():
         reasons.setdefault(why, []).append(rank)
@@ -708,7 +473,7 @@ def _reason_digest(missing: dict[int, str]) -> str:
     return " — " + "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else "")
 
 
-def _summary(
+def headline(
     grouping: Grouping, suspects: list[Suspect], explains: list[set[int]], seen: int, notes: list[str],
     named: frozenset[int] | set[int] = frozenset(),
 ) -> tuple[str, list[Suspect]]:
@@ -796,4 +561,13 @@ def chain_to_json(chain: Chain) -> dict[str, object]:
     }
 
 
-__all__ = ["StackAnalysis", "analyze_stacks", "chain_to_json", "suspect_to_json", "verdict_to_json"]
+__all__ = [
+    "StackAnalysis",
+    "apply_chain",
+    "chain_to_json",
+    "headline",
+    "reason_digest",
+    "suspect_to_json",
+    "suspects_for",
+    "verdict_to_json",
+]

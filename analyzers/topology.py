@@ -18,7 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
-from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters
+from rankscope.contract.ranks import compact_ranks
+from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters, order_names
 from rankscope.contract.vocabulary import canonical_op, is_unnamed_group
 
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
@@ -38,7 +39,7 @@ def parse_order(order: str) -> tuple[str, ...]:
     text = order.strip().lower()
     if not text:
         raise ValueError(f"empty rank order; use e.g. {_DEFAULT_ORDER!r} (Megatron's default) or 'tp-pp-dp'")
-    parts = tuple(p for p in re.split(r"[-_,\s]+", text) if p)
+    parts = order_names(text)
     unknown = [p for p in parts if p not in DIMS]
     if unknown:
         raise ValueError(
@@ -59,15 +60,15 @@ def layout_sizes(layout: Layout) -> dict[str, int]:
 
 def validate_layout(layout: Layout) -> tuple[str, ...]:
     """Check sizes and order; returns the parsed order. Errors carry the fix."""
-    sizes = layout_sizes(layout)
-    bad = {k: v for k, v in sizes.items() if v < 1}
+    bad = layout.bad_sizes()
+    bad_rpm = bad.pop("ranks_per_machine", None)
     if bad:
         raise ValueError(
             "parallel sizes must be at least 1, got " + ", ".join(f"{k}={v}" for k, v in bad.items())
             + "; leave a dimension out (or pass 1) when the job does not use it"
         )
-    if layout.ranks_per_machine is not None and layout.ranks_per_machine < 1:
-        raise ValueError(f"ranks per machine must be at least 1, got {layout.ranks_per_machine}")
+    if bad_rpm is not None:
+        raise ValueError(f"ranks per machine must be at least 1, got {bad_rpm}")
     return parse_order(layout.order)
 
 
@@ -538,29 +539,6 @@ def natural_key(name: str) -> tuple[str, int, str]:
     return (m.group(1), int(m.group(2)), name) if m else (name, -1, name)
 
 
-def machines_of(
-    snapshot: JobSnapshot, ranks: Iterable[int], ranks_per_machine: int | None = None
-) -> tuple[str, ...]:
-    """The machines hosting ``ranks``, in natural order.
-
-    Which agent saw a rank is the truth; ``ranks_per_machine`` (or the
-    layout's) places ranks no agent reported, as consecutive blocks named
-    ``machine-<index>``. A rank placed by neither is left out.
-    """
-    placement = placement_of(snapshot)
-    rpm = ranks_per_machine
-    if rpm is None and snapshot.layout is not None:
-        rpm = snapshot.layout.ranks_per_machine
-    names: set[str] = set()
-    for rank in ranks:
-        name = placement.get(rank)
-        if name is None and rpm:
-            name = f"machine-{rank // rpm}"
-        if name is not None:
-            names.add(name)
-    return tuple(sorted(names, key=natural_key))
-
-
 def placement_of(snapshot: JobSnapshot) -> Mapping[int, str]:
     """Rank -> machine for every rank an agent reported (as a rank or by its stacks)."""
     placement = dict(snapshot.rank_to_machine())
@@ -591,36 +569,3 @@ def compact_machines(names: Iterable[str]) -> str:
         parts.append(ordered[i] if end == start else f"{prefix}{start}..{end}")
         i = j
     return ", ".join(parts)
-
-
-def compact_ranks(ranks: Iterable[int], limit: int | None = None) -> str:
-    """``0,1,2,3,8`` -> ``0-3,8``; past ``limit`` runs, shortened but still exact where it can be.
-
-    Runs of one length that start at a fixed stride (a parallel group of a
-    large job: ranks 8-15 of every 32) are written whole as their first two
-    runs, the last and the pattern (``8-15,40-47,…,16360-16367 (512 runs of 8,
-    one every 32)``); any other set is cut after ``limit`` runs with a count
-    (``0-3,… (+5 runs)``). The one rank-range format of the tool: verdicts,
-    the CLI, the TUI.
-    """
-    ordered = sorted(set(ranks))
-    runs: list[tuple[int, int]] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        runs.append((ordered[i], ordered[j]))
-        i = j + 1
-    parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
-    if limit is None or len(parts) <= limit:
-        return ",".join(parts)
-    stride = runs[1][0] - runs[0][0]
-    width = runs[0][1] - runs[0][0]
-    if all(b - a == width and a == runs[0][0] + k * stride for k, (a, b) in enumerate(runs)):
-        if len(runs) <= 3:  # the pattern would be longer than the runs themselves
-            return ",".join(parts)
-        what = f"{len(runs)} ranks" if width == 0 else f"{len(runs)} runs of {width + 1}"
-        return f"{parts[0]},{parts[1]},…,{parts[-1]} ({what}, one every {stride})"
-    more = len(parts) - limit
-    return ",".join(parts[:limit]) + f",… (+{more} {'run' if more == 1 else 'runs'})"

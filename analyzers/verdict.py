@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from rankscope.analyzers.findings import Finding, Suspect, Verdict
 from rankscope.analyzers.labels import headline, summary_of, suspect_label
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 
 # Among equal merged scores, sources and sizes: this kind order.
 _KIND_ORDER = ("desync", "pp", "dp", "tp", "cp", "ep", "machine", "rank", "comm")

@@ -27,8 +27,8 @@ import time
 import tracemalloc
 from collections.abc import Callable, Mapping
 
+from rankscope.analyzers.analysis import analyze_stacks
 from rankscope.analyzers.stacks import group_stacks
-from rankscope.analyzers.suspects import analyze_stacks
 from rankscope.contract.snapshot import (
     Frame,
     Instant,

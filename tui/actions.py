@@ -57,8 +57,8 @@ from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.eviction_scope import GROUP, EvictionOption, EvictionScope, eviction_scope, option_line
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.labels import suspect_label
-from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.errors import RankscopeError
+from rankscope.contract.ranks import compact_ranks
 from rankscope.tui import health as hl
 from rankscope.tui import staleness
 from rankscope.tui import state as st

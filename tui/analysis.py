@@ -24,7 +24,7 @@ from rankscope.analyzers.progress import ProgressAtCapture
 from rankscope.analyzers.render import finding_lines, suspect_lines
 from rankscope.analyzers.rounds import StackRound, round_of
 from rankscope.analyzers.stacks import diverging_frame
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import Frame, JobSnapshot, Layout, RankStacks, main_thread
 
 

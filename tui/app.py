@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from rankscope.analyzers.failslow import FailSlowConfig
 from rankscope.analyzers.findings import Verdict
-from rankscope.analyzers.topology import compact_ranks
 from rankscope.contract.bundle import Bundle, write_bundle
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.heap import settle, settle_in_this_process
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui import digest as dg
 from rankscope.tui import health as hl

@@ -11,12 +11,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from rankscope.analyzers.ccl import CommRow, comm_rows
 from rankscope.analyzers.metric_outliers import snapshot_outliers
 from rankscope.analyzers.progress import RHYTHM_WARMUP
 from rankscope.analyzers.series import METRICS as SERIES_METRICS
 from rankscope.analyzers.topology import joined_counters
 from rankscope.contract.snapshot import GpuMetrics, HostMetrics, JobSnapshot, MachineSnapshot
-from rankscope.contract.vocabulary import is_point_to_point
 from rankscope.tui.startup import starting_stack
 
 
@@ -45,19 +45,6 @@ class MachineView:
     unknown: tuple[int, ...] = ()
     seen_mark: float | None = None  # when it last saw a rank of the job
     seen_age_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CommRow:
-    """One rank's counters in one communicator, summed over operation kinds."""
-
-    rank: int
-    cl: int  # collectives launched (a send/recv is no collective: matched per peer pair, not counted here)
-    wr: int
-    wc: int
-    lags: bool  # launched fewer collectives than the others of its communicator
-    open_requests: bool  # wc < wr: requests issued and not completed
-    stale: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +202,6 @@ def digest(snapshot: JobSnapshot) -> PollDigest:
         key=lambda mv: (mv.ranks[0] if mv.ranks else 1 << 62, mv.name),
     )
     members: dict[str, tuple[str, str, tuple[int, ...]]] = {}
-    totals: dict[str, dict[int, list[int]]] = {}
-    stale: set[int] = set()
     steps: int | None = None
     longest: float | None = None
     has_stacks = False
@@ -225,8 +210,6 @@ def digest(snapshot: JobSnapshot) -> PollDigest:
     for m in snapshot.machines:
         has_stacks = has_stacks or bool(m.stacks)
         for rc in (joined.get(c.rank, c) for c in m.counters):
-            if rc.stale or rc.error:
-                stale.add(rc.rank)
             if rc.steps is not None:
                 steps = rc.steps if steps is None else max(steps, rc.steps)
                 d = rc.last_step_duration_s
@@ -234,24 +217,16 @@ def digest(snapshot: JobSnapshot) -> PollDigest:
                     longest = d if longest is None else max(longest, d)
             for c in rc.communicators:
                 members.setdefault(c.comm_id, (c.description, c.backend, c.ranks))
-            for op in rc.ops:
-                t = totals.setdefault(op.comm_id, {}).setdefault(rc.rank, [0, 0, 0])
-                # CL counts collectives: a send and a recv are matched per peer pair, never by count across ranks
-                t[0] += 0 if is_point_to_point(op.op) else op.cl
-                t[1] += op.wr
-                t[2] += op.wc
     comms: list[CommView] = []
     progress = steps or 0
-    for cid in sorted(set(members) | set(totals)):
-        desc, backend, ranks = members.get(cid, ("", "", tuple(sorted(totals.get(cid, {})))))
-        per = totals.get(cid, {})
-        top_cl = max((v[0] for v in per.values()), default=0)
-        rows = tuple(
-            CommRow(r, v[0], v[1], v[2], v[0] < top_cl, v[2] < v[1], r in stale) for r, v in sorted(per.items())
-        )
-        done = sum(v[2] for v in per.values())
+    table = comm_rows(joined.get(c.rank, c) for m in snapshot.machines for c in m.counters)  # the CL/WR/WC table
+    for cid in sorted(set(members) | set(table)):
+        rows = table.get(cid, ())
+        desc, backend, ranks = members.get(cid, ("", "", tuple(r.rank for r in rows)))
+        done = sum(r.wc for r in rows)
         progress += done
-        missing = tuple(r for r in ranks if r not in per)
+        present = {r.rank for r in rows}
+        missing = tuple(r for r in ranks if r not in present)
         mismatch = any(r.lags or r.open_requests for r in rows)
         comms.append(CommView(cid, desc, backend, tuple(ranks), rows, missing, done, mismatch))
     readings: dict[str, float] = {}

@@ -6,7 +6,8 @@ from collections.abc import Mapping
 
 from rankscope.analyzers.eviction_scope import degrader_suspect
 from rankscope.analyzers.findings import Suspect
-from rankscope.analyzers.topology import Topology, compact_ranks
+from rankscope.analyzers.topology import Topology
+from rankscope.contract.ranks import compact_ranks
 from rankscope.tui.health import fmt_time, health
 from rankscope.tui.state import AppState
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionState, AuditRecord
 from rankscope.analyzers.progress import RHYTHM_KEPT, RHYTHM_WARMUP, HangThreshold, hang_threshold
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui.analysis import StackView
 from rankscope.tui.digest import CommView, JobClock, MachineView, MetricRow, PollDigest, job_clock

@@ -305,14 +305,16 @@ def _layout(value: Any, where: str) -> Layout | None:
     section = {k: v for k, v in section.items() if v is not None}  # JSON null: not given (the default)
     # The sizes' and the order's meaning is checked where the backup pairing is planned (a plan warning);
     # here only their types, so a wrong one fails at start-up rather than deep inside the first plan.
-    for key, size in section.items():
-        if key != "order" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise RankscopeError(f"{where} [layout] {key} must be a whole number of at least 1, got {size!r}",
-                                 "leave a dimension out when the job does not use it (its size is 1)")
-    if not isinstance(section.get("order", ""), str):
-        raise RankscopeError(f"{where} [layout] order must be a string, got {section['order']!r}",
+    layout = Layout(**section)
+    bad = layout.bad_sizes()
+    if bad:
+        key, size = next(iter(bad.items()))
+        raise RankscopeError(f"{where} [layout] {key} must be a whole number of at least 1, got {size!r}",
+                             "leave a dimension out when the job does not use it (its size is 1)")
+    if not isinstance(layout.order, str):
+        raise RankscopeError(f"{where} [layout] order must be a string, got {layout.order!r}",
                              'write it as order = "tp-cp-ep-dp-pp" (fastest varying first)')
-    return Layout(**section)
+    return layout
 
 
 def make_backend(settings: EvictionSettings) -> EvictionBackend | None:

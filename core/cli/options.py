@@ -42,13 +42,14 @@ def layout_from_args(args: argparse.Namespace, base: Layout | None = None) -> La
     given = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if not given:
         return base
-    for k in _SIZES:
-        if k in given and given[k] < 1:
-            raise RankscopeError(f"--{k.replace('_', '-')} must be at least 1, got {given[k]}", LAYOUT_FIX)
     start = base if base is not None else Layout()
     fields = {k: getattr(start, k) for k in keys}
     fields.update(given)
-    return Layout(**fields)
+    layout = Layout(**fields)
+    for k, v in layout.bad_sizes().items():
+        if k in given:
+            raise RankscopeError(f"--{k.replace('_', '-')} must be at least 1, got {v}", LAYOUT_FIX)
+    return layout
 
 
 def add_failslow_args(p: argparse.ArgumentParser) -> None:

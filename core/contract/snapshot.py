@@ -17,6 +17,7 @@ Stack frames are kept innermost first, the order py-spy reports them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -350,6 +351,11 @@ class MachineSnapshot:
     ranks_seen_wall: float | None = None
 
 
+def order_names(order: str) -> tuple[str, ...]:
+    """The dimensions an order string names, as written (lower case; '-', '_', ',' or spaces between them)."""
+    return tuple(p for p in re.split(r"[-_,\s]+", order.strip().lower()) if p)
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """Parallel sizes and rank order, as typed by the user or found in the job."""
@@ -361,6 +367,23 @@ class Layout:
     ep: int = 1
     order: str = "tp-cp-ep-dp-pp"
     ranks_per_machine: int | None = None
+
+    SIZES = ("tp", "pp", "dp", "cp", "ep")  # the parallel sizes, in the order they are shown
+
+    def bad_sizes(self) -> dict[str, object]:
+        """The sizes that are not whole numbers of at least 1 (ranks per machine too, when given): refuse them."""
+        values: dict[str, object] = {d: getattr(self, d) for d in self.SIZES}
+        if self.ranks_per_machine is not None:
+            values["ranks_per_machine"] = self.ranks_per_machine
+        return {k: v for k, v in values.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+
+    def order_names(self) -> tuple[str, ...]:
+        """The dimensions the order string names, as written (lower case; '-', '_', ',' or spaces between them)."""
+        return order_names(self.order)
+
+    def sizes_text(self, none: str = "no parallel sizes") -> str:
+        """"TP=2 PP=4": the sizes above 1, or ``none``."""
+        return " ".join(f"{d.upper()}={getattr(self, d)}" for d in self.SIZES if getattr(self, d) > 1) or none
 
 
 @dataclass(frozen=True, slots=True)

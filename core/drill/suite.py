@@ -279,13 +279,10 @@ class OnsetClock:
 
 
 def _stack_round(snap: Any, layout: Any) -> StackRound | None:
-    from rankscope.analyzers.analysis import analyze_job
-    from rankscope.analyzers.rounds import round_of
+    from rankscope.analyzers.rounds import stack_round
 
-    if not snap.all_stacks():
-        return None
     try:
-        return round_of(analyze_job(snap, layout))
+        return stack_round(snap, layout)
     except ValueError:
         return None
 

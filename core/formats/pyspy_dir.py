@@ -245,7 +245,7 @@ def _replicate(representative: dict[str, tuple[int | None, str]], nodes: dict[st
 def load_pyspy_dir(path: str | Path, layout: Layout | None = None,
                    node_order: Sequence[str] | None = None) -> JobSnapshot:
     """Read a folder (or one file) of py-spy dumps, text or JSON, into a JobSnapshot."""
-    from rankscope.analyzers.topology import compact_ranks
+    from rankscope.contract.ranks import compact_ranks
     from rankscope.probes.pyspy_text import FrameCache, parse_pyspy_text
 
     root = Path(path)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from queue_source import QueueSource
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import Frame, JobSnapshot, ProcessRole, ProcessStack, RankInfo, RankStacks, ThreadStack
 from rankscope.tui import digest as dg
 from rankscope.tui import filter as flt

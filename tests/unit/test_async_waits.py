@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from rankscope.analyzers.analysis import analyze_job
 from rankscope.analyzers.ccl import analyze_counters
 from rankscope.analyzers.ccl_desync import counter_waits
-from rankscope.analyzers.chain import RankState, counted_waits, host_wait_frame, rank_views
+from rankscope.analyzers.chain import RankState
 from rankscope.analyzers.findings import SuspectKind
+from rankscope.analyzers.stage_rank_states import counted_waits, host_wait_frame, rank_views
 from rankscope.contract.snapshot import (
     Communicator,
     Frame,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rankscope.analyzers.ccl import analyze_counters, comm_tables, counter_findings
+from rankscope.analyzers.ccl import analyze_counters, comm_rows, counter_findings
 from rankscope.analyzers.degradation import degradation_findings
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.verdict import merge_verdicts
@@ -42,9 +42,10 @@ def test_lagging_rank_is_the_computation_side_suspect() -> None:
     (top, *_rest) = counter_findings(counters, {2: "m1"})
     assert top.ranks == (2,) and top.machines == ("m1",) and top.sources == ("ccl",)
     assert "CL 9 < 10" in top.evidence[0] and "PIPELINE_MODEL_PARALLEL_GROUP" in top.evidence[0]
-    table = comm_tables(counters)[0]
-    assert table.mismatch and [r.rank for r in table.rows if r.cl_lags] == [2]
-    assert [r.rank for r in table.rows if r.incomplete] == [0, 1, 3]
+    (rows,) = comm_rows(counters.values()).values()
+    assert [(r.rank, r.cl, r.wr, r.wc) for r in rows] == [(0, 10, 10, 9), (1, 10, 10, 9), (2, 9, 9, 9), (3, 10, 10, 9)]
+    assert [r.rank for r in rows if r.lags] == [2]
+    assert [r.rank for r in rows if r.open_requests] == [0, 1, 3]
 
 
 def test_a_one_call_skew_without_waiters_is_not_a_finding() -> None:

@@ -13,11 +13,10 @@ import pytest
 from ccl_fixtures import BARRIER, DP8, L8, TP8, Counters, drill_desync, pipeline, steady, with_counters
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rankscope.analyzers.analysis import analyze_snapshot
+from rankscope.analyzers.analysis import analyze_snapshot, analyze_stacks
 from rankscope.analyzers.ccl import analyze_counters, counter_findings
 from rankscope.analyzers.ccl_desync import OpTable, _graph, counter_waits, crossed_waits, live_counters, op_table
 from rankscope.analyzers.findings import NOT_A_RANK, SuspectKind
-from rankscope.analyzers.suspects import analyze_stacks
 from rankscope.contract.snapshot import Communicator, Layout, OpCounters, RankCounters
 from rankscope.drill.scoring import score_verdict
 from stack_fixtures import COMPUTE, OPTIMIZER, RECV, rank_stacks, snapshot

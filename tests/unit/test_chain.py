@@ -13,10 +13,9 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rankscope.analyzers.analysis import analyze_snapshot
+from rankscope.analyzers.analysis import analyze_snapshot, analyze_stacks
 from rankscope.analyzers.chain import BACKWARD_SITE, RankState
 from rankscope.analyzers.findings import SuspectKind
-from rankscope.analyzers.suspects import analyze_stacks
 from rankscope.analyzers.topology import Topology
 from rankscope.cli.main import main
 from rankscope.contract.snapshot import (

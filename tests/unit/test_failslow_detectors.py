@@ -69,8 +69,8 @@ def test_series_builds_machine_matrices_and_step_times() -> None:
     assert np.all(np.abs(cpu / 60.0 - 1) < 0.2)
     _, _, temp = store.matrix("gpu_temperature_c")
     assert np.all(temp > 50)
-    _, ranks, steps = store.rank_matrix()
-    assert ranks == tuple(range(8)) and np.all(np.abs(steps - 0.5) < 0.1)
+    steps = store.latest_rank_steps()
+    assert sorted(steps) == list(range(8)) and all(abs(v - 0.5) < 0.1 for v in steps.values())
     assert store.ranks_of("m3") == (6, 7)
     with pytest.raises(KeyError):
         store.matrix("nope")
@@ -93,18 +93,19 @@ def test_step_time_derived_from_step_counter_and_grows_while_stuck() -> None:
         c = RankCounters(0, 1, 1, "j", t, steps=steps, last_step_duration_s=dur)
         return JobSnapshot(Instant(t, t), (MachineSnapshot("m0", "a", True, Instant(t, t), counters=(c,)),))
 
-    store = SeriesStore()
-    store.add(snap(0.0, 0, None))
-    store.add(snap(2.0, 4, None))  # 4 steps in 2 s
-    store.add(snap(3.0, 6, None))  # 2 steps in 1 s
-    _, _, v = store.rank_matrix()
-    assert math.isnan(v[0, 0]) and v[1, 0] == pytest.approx(0.5) and v[2, 0] == pytest.approx(0.5)
-    store2 = SeriesStore()
-    store2.add(snap(0.0, 10, 0.4))
-    store2.add(snap(1.0, 11, 0.4))
-    store2.add(snap(5.0, 11, 0.4))  # no step for 4 s: reported as 4 s, not the stale 0.4
-    _, _, v2 = store2.rank_matrix()
-    assert v2[:, 0].tolist() == pytest.approx([0.4, 0.4, 4.0])
+    def steps_after(store: SeriesStore, *snaps: JobSnapshot) -> list[float]:
+        out = []
+        for s in snaps:
+            store.add(s)
+            out.append(store.latest_rank_steps().get(0, math.nan))
+        return out
+
+    v = steps_after(SeriesStore(), snap(0.0, 0, None), snap(2.0, 4, None),  # 4 steps in 2 s
+                    snap(3.0, 6, None))  # 2 steps in 1 s
+    assert math.isnan(v[0]) and v[1:] == pytest.approx([0.5, 0.5])
+    v2 = steps_after(SeriesStore(), snap(0.0, 10, 0.4), snap(1.0, 11, 0.4),
+                     snap(5.0, 11, 0.4))  # no step for 4 s: reported as 4 s, not the stale 0.4
+    assert v2 == pytest.approx([0.4, 0.4, 4.0])
 
 
 # ---- Aegis §5.1 ------------------------------------------------------------

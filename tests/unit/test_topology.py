@@ -6,12 +6,11 @@ import pytest
 from rankscope.analyzers.topology import (
     Topology,
     compact_machines,
-    compact_ranks,
     kind_of_description,
-    machines_of,
     parse_order,
     topology_for,
 )
+from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import (
     Communicator,
     Instant,
@@ -113,14 +112,6 @@ def test_description_names() -> None:
     assert kind_of_description("pipeline-3") == "pp"
     assert kind_of_description("DATA_PARALLEL_GROUP_WITH_CP") is None
     assert kind_of_description("default_pg") is None
-
-
-def test_machines_from_agents_then_ranks_per_machine() -> None:
-    snap = _snapshot(8, 2)
-    assert machines_of(snap, [0, 1, 5]) == ("node0", "node2")
-    empty = JobSnapshot(captured=NOW, machines=())
-    assert machines_of(empty, [3, 12, 13], ranks_per_machine=4) == ("machine-0", "machine-3")
-    assert machines_of(empty, [3]) == ()  # nothing says where rank 3 runs
 
 
 def test_compact_forms() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 from rankscope.tui.failslow_state import FailSlowView, HeatRow, RoundFlags, detectors_seen
 from rich.text import Text
 from textual.app import ComposeResult

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from rankscope.analyzers.topology import compact_ranks
+from rankscope.contract.ranks import compact_ranks
 from rankscope.tui.analysis import GroupView, StackView, TreeNode, diverging_index
 from rankscope.tui.filter import Filter
 from rankscope.tui.widgets.rank_map import group_glyph, group_style

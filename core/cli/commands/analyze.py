@@ -453,6 +453,7 @@ def render_text(out: dict[str, Any], verdict: Verdict) -> str:
     """The verdict for a person: headline, layout, groups, suspects with evidence (``analyzers.render``, as the
     TUI's ``y`` copies them), gaps. ``out`` is the --json shape, ``verdict`` the one verdict in it."""
     from rankscope.analyzers.render import finding_lines, suspect_lines
+    from rankscope.contract.snapshot import Layout
 
     lines = [f"verdict: {out['summary']}"]
     if out.get("c4_kind"):
@@ -461,7 +462,7 @@ def render_text(out: dict[str, Any], verdict: Verdict) -> str:
     if chosen:
         lines.append(f"snapshot {chosen['index']} of {chosen['of']}: {chosen['why']} (--snapshot I judges another)")
     lay = out["layout"]
-    dims = " ".join(f"{d}={lay[d]}" for d in ("tp", "pp", "dp", "cp", "ep") if lay[d] > 1) or "no parallel sizes"
+    dims = Layout(**{d: lay[d] for d in Layout.SIZES}).sizes_text()
     rpm = f", {lay['ranks_per_machine']} ranks/machine" if lay.get("ranks_per_machine") else ""
     stackless = not out["groups"] and out["world_size"] is None  # logs alone: no stacks, no layout to show
     if not stackless:
@@ -553,6 +554,6 @@ def _render_fr_wavefront(out: dict[str, Any]) -> list[str]:
 
 def _ranks(ranks: list[int]) -> str:
     """A rank set for a person: exact for a strided group of any size, else cut after 12 runs (--json has all)."""
-    from rankscope.analyzers.topology import compact_ranks
+    from rankscope.contract.ranks import compact_ranks
 
-    return compact_ranks(ranks, 12)  # imported here: `rankscope --help` does not load the analyzers
+    return compact_ranks(ranks, 12)

@@ -332,7 +332,7 @@ def verdict_grade_lines(truth: Any, verdict: Any, wall: float, placement: dict[i
 def expected_suspect_words(truth: Any) -> str:
     """``rank 3 on machine-1``, ``PP group (ranks 2,6) on machine-1, machine-3``: the ground truth's suspect as the
     reports say it (a drill's ``GroundTruth`` or its JSON form)."""
-    from rankscope.analyzers.topology import compact_ranks
+    from rankscope.contract.ranks import compact_ranks
 
     get = truth.get if isinstance(truth, dict) else lambda name: getattr(truth, name)
     kind, ranks, machines = str(get("suspect_kind")), tuple(get("suspect_ranks") or ()), get("suspect_machines")
@@ -348,7 +348,7 @@ def expected_suspect_words(truth: Any) -> str:
 def attached_report_lines(s: Any, tui_exit: int, graded: list[str] | None = None) -> list[str]:
     """What an attached drill prints once its TUI quit and it stopped: steps, the verdict graded (``graded``),
     recoveries, leftovers, where to look."""
-    from rankscope.analyzers.topology import compact_ranks
+    from rankscope.contract.ranks import compact_ranks
 
     quit_how = "the TUI quit" if tui_exit == 0 else f"the TUI ended with code {tui_exit}"
     lines = [f"drill {s.launcher.run_id} stopped ({quit_how}); fault {s.plan.name} at rank {s.plan.rank}, "

@@ -51,7 +51,7 @@ def register(sub: Any) -> None:
 
 def summary_lines(snap: JobSnapshot) -> list[str]:
     """What a person reads after a capture: who answered, who did not and why, what was captured."""
-    from rankscope.analyzers.topology import compact_ranks  # imported here, like the CLI's other heavy parts
+    from rankscope.contract.ranks import compact_ranks
 
     lines: list[str] = []
     reachable = [m for m in snap.machines if m.reachable]

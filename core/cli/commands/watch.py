@@ -175,13 +175,10 @@ def human_line(event: dict[str, Any]) -> str:
 
 def _stack_round(snap: JobSnapshot, layout: Layout | None) -> tuple[StackRound | None, str | None]:
     """One aggregation round over a capture: (the round, or an error message)."""
-    from rankscope.analyzers.analysis import analyze_job
-    from rankscope.analyzers.rounds import round_of
+    from rankscope.analyzers.rounds import stack_round
 
-    if not snap.all_stacks():
-        return None, None  # no ranks, no round: nothing to count
     try:
-        return round_of(analyze_job(snap, layout)), None
+        return stack_round(snap, layout), None  # None: no ranks, no round, nothing to count
     except ValueError as exc:  # a layout that does not fit the job: say so, keep watching
         return None, f"stack round skipped: {exc}"
     except Exception as exc:  # an analyzer bug must cost this round, not the watch

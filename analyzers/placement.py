@@ -1,0 +1,51 @@
+"""Rank -> machine for a capture: what the agents saw, else consecutive blocks of the layout's machine size.
+
+Pure: numpy and the snapshot contract; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from rankscope.analyzers.topology import natural_key
+from rankscope.contract.snapshot import JobSnapshot
+
+
+class Placement:
+    """Rank -> machine, as an index array for vector work and names for people."""
+
+    def __init__(self, snapshot: JobSnapshot, world: int, ranks_per_machine: int | None) -> None:
+        names: list[str] = []
+        index: dict[str, int] = {}
+        ids = np.full(world, -1, dtype=np.int64)
+
+        def mid_of(name: str) -> int:
+            mid = index.get(name)
+            if mid is None:
+                mid = index[name] = len(names)
+                names.append(name)
+            return mid
+
+        for machine in snapshot.machines:  # what the agents saw is the truth
+            seen = np.fromiter((*(r.rank for r in machine.ranks), *(s.rank for s in machine.stacks)), dtype=np.int64)
+            seen = seen[(seen >= 0) & (seen < world)]
+            if seen.size:
+                ids[seen] = mid_of(machine.machine)
+        if ranks_per_machine:  # ranks no agent reported: consecutive blocks
+            unplaced = np.flatnonzero(ids < 0)
+            for block in np.unique(unplaced // ranks_per_machine).tolist():
+                lo, hi = block * ranks_per_machine, (block + 1) * ranks_per_machine
+                span = ids[lo:hi]
+                span[span < 0] = mid_of(f"machine-{block}")
+        self.ids = ids
+        self.names = names
+
+    def machines(self, ranks: np.ndarray | Sequence[int]) -> tuple[str, ...]:
+        arr = np.asarray(ranks, dtype=np.int64)
+        arr = arr[(arr >= 0) & (arr < self.ids.size)]
+        mids = np.unique(self.ids[arr])
+        return tuple(sorted((self.names[m] for m in mids.tolist() if m >= 0), key=natural_key))
+
+
+__all__ = ["Placement"]
