@@ -84,9 +84,11 @@ def seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; e.g. 2 or 0.5") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; fix: give a number, e.g. 2 or 0.5") \
+            from None
     if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0; e.g. 2 or 0.5")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0 (nor are nan and inf); "
+                                         "fix: give a positive number, e.g. 2 or 0.5")
     return value
 
 

@@ -7,8 +7,10 @@ rest. Only first bytes are read (a few files of a folder), never a whole dump.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from rankscope.contract.bundle import FORMAT
 from rankscope.formats.crash_logs import any_crash_file
 from rankscope.formats.flight_recorder import holds_dumps, looks_like_dump
 from rankscope.formats.incident_logs import any_log_file, is_log_file
@@ -30,6 +32,8 @@ def what_is(path: Path, *, stacks_only: bool = False) -> str:
             any(looks_like_pyspy(p) for p in path.iterdir() if p.is_file()):
         return PYSPY
     if path.is_file():
+        if _is_bundle(path):  # a saved incident holds log-like words (its ground truth, its stacks): never a log
+            return BUNDLE
         if looks_like_op_trace(path):
             return OP_TRACE
         if looks_like_dump(path):
@@ -43,3 +47,13 @@ def what_is(path: Path, *, stacks_only: bool = False) -> str:
     elif path.is_dir() and holds_dumps(path):
         return FLIGHT_RECORDER
     return PYSPY if is_dumps(path) else BUNDLE
+
+
+def _is_bundle(path: Path) -> bool:
+    """Whether a file opens as a rankscope bundle does: a JSON object whose first key names the bundle format."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(256)
+    except OSError:
+        return False
+    return head.lstrip().startswith(b"{") and re.search(rb'"format"\s*:\s*"' + re.escape(FORMAT.encode()) + rb'"', head) is not None

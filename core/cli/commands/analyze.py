@@ -456,11 +456,11 @@ def render_text(out: dict[str, Any], verdict: Verdict) -> str:
     from rankscope.contract.snapshot import Layout
 
     lines = [f"verdict: {out['summary']}"]
-    if out.get("c4_kind"):
-        lines.append(f"kind: {out['c4_kind']}")
     chosen = out.get("snapshot")
     if chosen:
         lines.append(f"snapshot {chosen['index']} of {chosen['of']}: {chosen['why']} (--snapshot I judges another)")
+    if out.get("c4_kind"):
+        lines.append(f"kind: {out['c4_kind']}")
     lay = out["layout"]
     dims = Layout(**{d: lay[d] for d in Layout.SIZES}).sizes_text()
     rpm = f", {lay['ranks_per_machine']} ranks/machine" if lay.get("ranks_per_machine") else ""
