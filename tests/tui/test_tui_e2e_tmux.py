@@ -312,7 +312,7 @@ def _drive_and_check(session: str, run_dir: Path,
     tmux("send-keys", "-t", session, "1")
     text = wait_screen(session, lambda t: "verdict:" in t, 10, "the overview")
     # The plan and its one-key alternative first: an 80-column screen cut the alternative off the end.
-    assert "e: machine-2 (1 standby); ctrl+o group: machine-2, machine-3 (2 standbys) — the evidence pins rank 5" \
+    assert "e: machine-2 (1 standby); ctrl+o group: machine-0, machine-2 (2 standbys) — the evidence pins rank 5" \
         in text, text
     tmux("send-keys", "-t", session, "e")
     text = wait_screen(session, lambda t: "to confirm" in t, 30, "the eviction plan")
