@@ -427,12 +427,21 @@ def test_sigterm_stops_the_agent_while_a_worker_is_busy(tmp_path: Path) -> None:
                 confirm = Confirmation(tuple(plan.machines), (), plan.confirm_phrase)
                 run = pb.RunActionRequest(request=request_to_proto(request),
                                           confirmation=confirmation_to_proto(confirm))
-                stream = stub.RunAction(run, metadata=auth_metadata(ACT), timeout=CALL_S)
-                async for _ in stream:
-                    if started.exists():
-                        break
-                await asyncio.to_thread(wait_for, started.exists, CALL_S, "the site script to start")
-                stream.cancel()
+                # no deadline on the stream: the action streams nothing while its script sleeps, so the
+                # file the script touches (not the stream) says when it runs
+                stream = stub.RunAction(run, metadata=auth_metadata(ACT))
+
+                async def drain() -> None:
+                    async for _ in stream:
+                        pass
+
+                reader = asyncio.ensure_future(drain())
+                try:
+                    await asyncio.to_thread(wait_for, started.exists, 4 * CALL_S, "the site script to start")
+                finally:
+                    stream.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                        await reader
 
         asyncio.run(run_until_the_script_runs())
         began = time.monotonic()
