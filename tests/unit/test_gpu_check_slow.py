@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from repo_paths import ROOT
 from rankscope.cli.main import main as cli_main
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import FAULT_ENV, FAULTS, DrillLayout, FaultPlan, ground_truth, make_plan, refuse_off_gpu
 from rankscope.drill.gpu import rank_device
 from rankscope.drill.suite import DrillRecord
+from repo_paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_check  # noqa: E402
+import gpu_check
 
 LAYOUT = DrillLayout(tp=2, pp=2, dp=1, machines=2)
 
