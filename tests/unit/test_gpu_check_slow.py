@@ -156,32 +156,35 @@ def graded(name: str, placement: dict[str, Any], rec: dict[str, Any]) -> dict[st
 def test_a_slow_gpu_named_by_rank_gpu_and_kind_is_right_and_reported_so() -> None:
     pl = gpu_check.slow_placement("nccl", 8)
     d = graded("slow-gpu", pl, record("slow-gpu", summary=GPU_VERDICT))
-    assert d["right"] and d["wrong"] == [] and (d["named_gpu"], d["c4"]) == (3, "non-communication slow")
+    assert d["right"] and d["wrong"] == [] and (d["named_gpu"], d["c4"], d["kind_right"]) == (
+        3, "non-communication slow", True)
     text = "\n".join(gpu_check.slow_lines({"placement": pl, "drills": {"slow-gpu": d}}))
     assert "[slow] 4 ranks (tp 2 x pp 2 x dp 1) on 1 machine(s), a GPU each: the slow rank 3 has GPU 3 to itself" in text
     assert (f"[slow slow-gpu] RIGHT: fault slow-gpu x2 at rank 3 (GPU 3) on machine-0; truth rank 3, GPU 3, "
-            f"non-communication slow; verdict '{GPU_VERDICT}' (ranks [3]); 12.5 s from the fault to the verdict; "
-            "drill 70.0 s") in text
-    assert text.endswith("[slow] graded per rank and GPU: 1 of 1 slow drills right; false alarms on the healthy "
-                         "run: not run")
+            f"non-communication slow; verdict '{GPU_VERDICT}' (ranks [3]); kind right; 12.5 s from the fault to the "
+            "verdict; drill 70.0 s") in text
+    assert text.endswith("[slow] graded per rank and GPU: 1 of 1 slow drills right; C4's kind right in 1, wrong in "
+                         "0, not stated in 0; false alarms on the healthy run: not run")
 
 
-def test_the_wrong_gpu_the_wrong_kind_or_a_whole_machine_is_wrong_and_says_why() -> None:
+def test_the_wrong_gpu_or_a_whole_machine_is_wrong_and_says_why_and_the_kind_is_graded_beside() -> None:
     pl = gpu_check.slow_placement("nccl", 8)
     wrong_gpu = graded("slow-gpu", pl, record("slow-gpu", summary=GPU_VERDICT.replace("(GPU 3)", "(GPU 1)")))
     assert not wrong_gpu["right"] and wrong_gpu["wrong"] == ["names GPU 1, not GPU 3"]
     comm = graded("slow-gpu", pl, record("slow-gpu", summary=GPU_VERDICT.replace("non-communication", "communication")))
-    assert comm["wrong"] == ["kind 'communication slow', not 'non-communication slow'"]
+    assert comm["right"] and (comm["c4"], comm["kind_right"]) == ("communication slow", False)
+    assert "(ranks [3]); kind WRONG (communication slow); 12.5 s" in "\n".join(
+        gpu_check.slow_lines({"placement": pl, "drills": {"slow-gpu": comm}}))
     cpu = gpu_check.slow_placement("gloo", 0)
     machine = graded("slow-host", cpu, record("slow-compute", ranks=(2, 3), machines=("machine-1",),
                                                summary="fail-slow: machine-1 — [stacks] ...; confidence 0.9"))
-    assert machine["wrong"] == ["names rank(s) [2, 3], not rank 3 alone",
-                                "does not say its kind (non-communication slow)"]
+    assert machine["wrong"] == ["names rank(s) [2, 3], not rank 3 alone"] and machine["kind_right"] is None
     text = "\n".join(gpu_check.slow_lines({"placement": cpu, "drills": {"slow-host": machine}}))
-    assert "[slow] 4 ranks (tp 2 x pp 2 x dp 1) on 2 machine(s) on CPU: graded on rank (and C4's kind)" in text
+    assert "[slow] 4 ranks (tp 2 x pp 2 x dp 1) on 2 machine(s) on CPU: graded on rank, C4's kind beside it" in text
     assert "[slow slow-host] WRONG: fault slow-compute x2 at rank 3 on machine-1; truth rank 3, non-communication slow" in text
-    assert "    wrong: names rank(s) [2, 3], not rank 3 alone; does not say its kind (non-communication slow)" in text
-    assert "[slow] graded per rank: 0 of 1 slow drills right" in text
+    assert "(ranks [2, 3]); kind not stated; 12.5 s from the fault" in text
+    assert "    wrong: names rank(s) [2, 3], not rank 3 alone" in text
+    assert "[slow] graded per rank: 0 of 1 slow drills right; C4's kind right in 0, wrong in 0, not stated in 1" in text
 
 
 def test_on_a_shared_gpu_the_rank_is_graded_and_the_sharing_said() -> None:
@@ -215,7 +218,8 @@ def test_the_healthy_run_counts_false_alarms_and_words_a_suspicion_as_one() -> N
     assert "[slow none] RIGHT: fault none (a healthy run); truth no fail-slow verdict; verdict none confident; " \
            "drill 70.0 s" in lines
     assert "    suspicion below the bar, not a verdict: machine-0 at confidence 0.41" in lines
-    assert lines[-1].endswith("1 of 1 slow drills right; false alarms on the healthy run: 0")
+    assert lines[-1].endswith("1 of 1 slow drills right; C4's kind right in 1, wrong in 0, not stated in 0; false "
+                              "alarms on the healthy run: 0")
     lines = gpu_check.slow_lines({"placement": pl, "drills": {"none": alarm}})
     assert "[slow none] WRONG" in lines[1] and lines[-1].endswith("false alarms on the healthy run: 1")
 
@@ -231,7 +235,8 @@ def test_on_gloo_the_slow_gpu_drill_is_skipped_with_the_refusal(tmp_path: Path) 
     text = "\n".join(gpu_check.report_lines({"backend": "gloo", "budget_s": 60.0, "seconds": 1.0,
                                              "parts": {"slow": {"data": data}}}))
     assert "[slow slow-gpu] skipped: needs CUDA: slow-gpu acts on the rank's GPU" in text
-    assert "[slow] graded per rank: 0 of 0 slow drills right; false alarms on the healthy run: not run" in text
+    assert "[slow] graded per rank: 0 of 0 slow drills right; C4's kind right in 0, wrong in 0, not stated in 0; " \
+           "false alarms on the healthy run: not run" in text
 
 
 def test_a_hang_drills_line_says_how_long_the_verdict_took() -> None:
