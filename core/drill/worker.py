@@ -475,7 +475,9 @@ class Injector:
             if self.device is None or self.device.type != "cuda":
                 raise SystemExit(f"drill worker: {self.plan.name} needs the rank's CUDA device; run the drill with "
                                  "--backend nccl on a GPU machine")
-            self._operand = torch.randn(self.GPU_OPERAND, self.GPU_OPERAND, device=self.device) / self.GPU_OPERAND
+            # constant entries: no random generator of the rank is drawn from, its training stays as it was
+            self._operand = torch.full((self.GPU_OPERAND, self.GPU_OPERAND), 1.0 / self.GPU_OPERAND,
+                                       device=self.device)
             self._operand @ self._operand  # the first product pays for the library's set-up
             torch.cuda.synchronize(self.device)
             started = time.perf_counter()
