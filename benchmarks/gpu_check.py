@@ -22,9 +22,18 @@ reported and the others still run, within the overall budget:
           (dataloader-deadlock), and a healthy run (none) for false alarms;
           each graded against its truth. Where the 4 ranks share fewer
           GPUs, the report says so (their kernels interfere).
-- slow:   one slow kind (slow-compute, 1.5x) through the fail-slow
-          scorecard (``rankscope drill --suite failslow --backend nccl``),
-          watched live to a confident verdict.
+- slow:   a rank slow on its host (slow-host: the slow-compute fault burns
+          CPU), a rank slow on its GPU (slow-gpu: extra matrix products
+          queued on its own device before its collectives) and a healthy
+          run (none), each a live drill of the fail-slow scorecard watched
+          to a confident verdict, graded per rank and GPU: the verdict must
+          name the slow rank alone and, on NCCL, its GPU index; C4's kind
+          (communication or non-communication slow) is graded beside it
+          (right, wrong or not stated). Any verdict on the
+          healthy run is a false alarm; a suspicion below the bar is
+          reported as one. With several GPUs the slow rank has one of its
+          own; where ranks share one GPU the report says so and grades the
+          rank only. On gloo slow-gpu is skipped (it needs CUDA).
 - shim:   the shim's cost per all_reduce beside the plain call (NCCL, one
           rank: no network in the figure), bench_shim.py.
 - soak:   NCCL, 2 ranks, with and without the profiler plugin: the plugin's
@@ -43,6 +52,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -60,6 +70,13 @@ HANG_FAULTS = ("hang-compute", "hang-collective", "hang-p2p")
 EVIDENCE_FAULTS = ("skip-send", "dataloader-deadlock", "none")
 DRILL_RANKS = 4  # DRILL_LAYOUT's world
 DRILL_LAYOUT = ["--tp", "2", "--pp", "2", "--dp", "1", "--machines", "2", "--fault-step", "8"]
+# the slow part's drills, the GPU's own first where the budget runs short: the check's name -> the drill's fault
+# (slow-host is the slow-compute fault: CPU burned)
+SLOW_DRILLS = {"slow-gpu": "slow-gpu", "slow-host": "slow-compute", "none": "none"}
+# C4's kind of each slow fault: the rank itself computes slowly (on its host or its GPU) and its peers wait for it
+SLOW_C4_KIND = {"slow-compute": "non-communication slow", "slow-gpu": "non-communication slow"}
+SLOW_TIME_LIMIT_S = 40.0  # after the fault's onset (a healthy run is watched as long)
+SLOW_START_TIMEOUT_S = 150.0
 # where each installed package lives in the working tree (pyproject's package-dir)
 PACKAGE_DIRS = {"probes": "probes", "analyzers": "analyzers", "ccl_plugin": "ccl_plugin", "tui": "tui"}
 AGENT_MODULES = ("grpc", "google.protobuf", "psutil", "cryptography")
@@ -146,6 +163,7 @@ def part_env(ctx: dict[str, Any]) -> dict[str, Any]:
     info["py_spy"] = _py_spy() is not None
     info["rankscope"] = "installed" if ctx["site"] is None else f"from the working tree ({ctx['site']})"
     ctx["agents"] = not missing
+    ctx["gpus"] = len(info.get("gpus") or [])
     return info
 
 
@@ -252,6 +270,7 @@ def one_drill(ctx: dict[str, Any], fault: str, timeout_s: float) -> dict[str, An
         "steps": report["stall"]["steps"], "counters": counters, "nvml_during": gpus,
         "died": _died(report, run_dir), "leftovers": report.get("leftover_processes", []),
         "notes": report.get("notes", []),
+        "to_verdict_s": (report.get("times_s") or {}).get("fault_to_captured"),  # the verdict is read at capture
     }
 
 
@@ -269,17 +288,155 @@ def part_drills(ctx: dict[str, Any], deadline: float, faults: tuple[str, ...] = 
     return out
 
 
+def slow_placement(backend: str, gpus: int) -> dict[str, Any]:
+    """Where the slow part's drills run: their layout, the slow rank, its GPU, and whether ranks share GPUs.
+
+    With several GPUs the job shrinks to fit (4 ranks from 4 GPUs, else 2) on one machine, so that every rank,
+    the slow one included, has a GPU of its own, and its GPU index is its local rank (what a verdict names).
+    With one GPU the 4 ranks share it: a slow GPU slows them all, and the grade is the rank's only.
+    """
+    from rankscope.drill.gpu import rank_device, shares_gpus
+
+    layout = {"tp": 2, "pp": 2, "dp": 1, "machines": 2}
+    if backend == "nccl" and gpus >= 2:
+        layout = {"tp": 2, "pp": 2 if gpus >= 4 else 1, "dp": 1, "machines": 1}
+    world = layout["tp"] * layout["pp"] * layout["dp"]
+    rank = world - 1  # on the last machine: the verdict must name it, not the first one
+    if backend != "nccl" or gpus < 1:
+        return {"layout": layout, "world": world, "rank": rank, "gpu": None, "shared": None}
+    gpu = rank_device(rank, gpus)  # as the drill's worker binds it
+    shared = None
+    if shares_gpus(world, gpus):
+        shared = (f"ranks 0-{world - 1} share GPU 0: a slow GPU slows them all; graded on rank only" if gpus == 1
+                  else f"{world} ranks share {gpus} GPUs: a slow GPU slows its neighbours too; graded on rank only")
+    return {"layout": layout, "world": world, "rank": rank, "gpu": gpu, "shared": shared}
+
+
+SLOW_PROBE = r"""
+import json, sys
+from pathlib import Path
+from rankscope.drill.faults import DrillLayout, make_plan
+from rankscope.drill.suite import DrillPlan, SuiteConfig, run_drill
+a = json.loads(sys.argv[1])
+layout = DrillLayout(**a["layout"])
+config = SuiteConfig(layout=layout, stack_interval_s=3.0, time_limit_s=a["time_limit_s"],
+                     start_timeout_s=a["start_timeout_s"], run_root=Path(a["run_root"]), backend=a["backend"])
+plan = make_plan(a["fault"], layout, rank=a["rank"], step=config.fault_step, factor=a["factor"], backend=a["backend"])
+record = run_drill(DrillPlan(index=a["index"], plan=plan, loader_workers=0), config)
+print("RECORD " + json.dumps(record.to_dict()))
+"""
+
+
+def slow_truth(name: str, placement: dict[str, Any], factor: float) -> dict[str, Any]:
+    """What a right verdict on slow drill ``name`` names: the rank, its machine, its GPU (graded where it has one
+    of its own), C4's kind."""
+    fault = SLOW_DRILLS[name]
+    if fault == "none":
+        return {"fault": "none"}
+    from rankscope.drill.faults import DrillLayout, machine_name
+
+    rank = placement["rank"]
+    return {"fault": fault, "factor": factor, "rank": rank,
+            "machine": machine_name(DrillLayout(**placement["layout"]).machine_of(rank)),
+            "gpu": placement["gpu"], "gpu_graded": placement["gpu"] is not None and not placement["shared"],
+            "c4": SLOW_C4_KIND[fault]}
+
+
+def grade_slow(name: str, truth: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """One slow drill's record (``suite.DrillRecord.to_dict``) graded against its truth, per rank and GPU.
+
+    A faulty drill is right when its first confident verdict names the slow rank alone and its GPU index where
+    the rank had a GPU of its own; C4's kind is graded beside it (``kind_right``: True, False, or None when the
+    verdict does not say). A healthy one is right when no confident verdict came (a suspicion below the bar is
+    kept, worded as one).
+    """
+    summary = record.get("summary")
+    out: dict[str, Any] = {"drill": name, "fault": truth["fault"], "truth": truth, "verdict": summary,
+                           "named_ranks": list(record.get("named_ranks") or []),
+                           "named_machines": list(record.get("named_machines") or []),
+                           "sources": list(record.get("sources") or []), "confidence": record.get("confidence"),
+                           "to_verdict_s": record.get("onset_to_verdict_s"), "error": record.get("error"),
+                           "leftovers": list(record.get("leftovers") or []), "wrong": []}
+    peak = record.get("peak_confidence") or 0.0
+    if truth["fault"] == "none":
+        if record.get("detected"):
+            out["wrong"].append("a fail-slow verdict on a healthy run: a false alarm")
+        elif peak > 0:
+            out["suspicion"] = (f"suspicion below the bar, not a verdict: {', '.join(record.get('peak_machines') or [])}"
+                                f" at confidence {peak:.2f}")
+        if record.get("error"):
+            out["wrong"].append(f"the drill did not run: {record['error']}")
+        out["right"] = not out["wrong"]
+        return out
+    if record.get("error") and not record.get("detected"):
+        out["wrong"].append(f"the drill did not run to a verdict: {record['error']}")
+    elif not record.get("detected"):
+        out["wrong"].append("no confident verdict" + (f" (peak confidence {peak:.2f} on "
+                                                       f"{', '.join(record.get('peak_machines') or []) or '-'})"
+                                                       if peak else ""))
+    else:
+        rank = truth["rank"]
+        if out["named_ranks"] != [rank]:
+            out["wrong"].append(f"names rank(s) {out['named_ranks']}, not rank {rank} alone")
+        named_gpu = re.search(rf"\brank {rank} \(GPU (\d+)\)", summary or "")
+        out["named_gpu"] = int(named_gpu.group(1)) if named_gpu else None
+        if truth["gpu_graded"] and out["named_gpu"] != truth["gpu"]:
+            out["wrong"].append(f"names GPU {out['named_gpu']}, not GPU {truth['gpu']}" if named_gpu
+                                else f"does not name GPU {truth['gpu']}")
+        kind = re.search(r"\((non-communication slow|communication slow)\)", summary or "")
+        out["c4"] = kind.group(1) if kind else None
+        out["kind_right"] = out["c4"] == truth["c4"] if kind else None
+    out["right"] = not out["wrong"]
+    return out
+
+
+def one_slow_drill(ctx: dict[str, Any], name: str, placement: dict[str, Any], index: int,
+                   timeout_s: float) -> dict[str, Any]:
+    from rankscope.drill.suite import FAULT_KNOBS
+
+    fault = SLOW_DRILLS[name]
+    factor = FAULT_KNOBS.get(fault, {}).get("factor", 2.0)
+    truth = slow_truth(name, placement, factor)
+    args = {"layout": placement["layout"], "fault": fault, "rank": placement["rank"] if fault != "none" else None,
+            "factor": factor, "index": index, "backend": ctx["backend"], "time_limit_s": SLOW_TIME_LIMIT_S,
+            "start_timeout_s": SLOW_START_TIMEOUT_S, "run_root": str(ctx["tmp"] / "slow")}
+    started = time.monotonic()
+    code, out = run_session(["-c", SLOW_PROBE, json.dumps(args)], ctx["env"], timeout_s)
+    took = round(time.monotonic() - started, 1)
+    line = next((ln for ln in reversed(out.splitlines()) if ln.startswith("RECORD ")), None)
+    if code != 0 or line is None:
+        return {"drill": name, "fault": fault, "truth": truth, "error": f"drill exit {code} after {took} s",
+                "tail": out[-2500:]}
+    graded = grade_slow(name, truth, json.loads(line[len("RECORD "):]))
+    graded["seconds"] = took
+    return graded
+
+
 def part_slow(ctx: dict[str, Any], deadline: float) -> dict[str, Any]:
-    """One slow-compute drill of the fail-slow scorecard, watched live to a confident verdict."""
-    argv = ["-m", "rankscope", "drill", "--suite", "failslow", "--json", "--backend", ctx["backend"],
-            *DRILL_LAYOUT, "--suite-drills", "1", "--suite-baselines", "0", "--stack-interval", "3",
-            "--time-limit", "60", "--start-timeout", "150", "--run-dir", str(ctx["tmp"] / "suite")]
-    code, out = run_session(argv, ctx["env"], max(30.0, deadline - time.monotonic()))
-    start = out.find("{\n")
-    if code != 0 or start < 0:
-        raise RuntimeError(f"suite exit {code}: {out[-2500:]}")
-    result: dict[str, Any] = json.loads(out[start:out.rindex("}") + 1])
-    return result
+    """A rank slow on its host, one slow on its GPU and a healthy run, each watched live and graded per rank and
+    GPU; a GPU fault on a CPU run is skipped with the refusal's reason and fix."""
+    from rankscope.contract.errors import RankscopeError
+    from rankscope.drill.faults import refuse_off_gpu
+
+    placement = slow_placement(ctx["backend"], ctx.get("gpus", 0))
+    drills: dict[str, Any] = {}
+    for index, name in enumerate(SLOW_DRILLS):
+        try:
+            refuse_off_gpu(SLOW_DRILLS[name], ctx["backend"])
+        except RankscopeError as exc:
+            drills[name] = {"drill": name, "fault": SLOW_DRILLS[name], "skipped": f"needs CUDA: {exc.message}; "
+                            f"fix: {exc.fix}"}
+            continue
+        left = deadline - time.monotonic()
+        if left < 60:
+            drills[name] = {"drill": name, "fault": SLOW_DRILLS[name], "skipped": f"{left:.0f} s left of the budget"}
+            continue
+        try:
+            drills[name] = one_slow_drill(ctx, name, placement, index,
+                                          min(SLOW_START_TIMEOUT_S + SLOW_TIME_LIMIT_S + 60.0, left))
+        except Exception as exc:  # one drill's failure is reported; the others still run
+            drills[name] = {"drill": name, "fault": SLOW_DRILLS[name], "error": f"{type(exc).__name__}: {exc}"}
+    return {"placement": placement, "drills": drills}
 
 
 def _bench(ctx: dict[str, Any], argv: list[str], timeout_s: float) -> dict[str, Any]:
@@ -322,7 +479,7 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         data = r["data"]
         if part == "env":
             lines.append(f"[env] Python {data['python']}, torch {data['torch']} (CUDA {data['cuda_build']}), "
-                         f"NCCL {data.get('nccl')}, GPUs: {', '.join(data.get('gpus', []))}; rankscope "
+                         f"NCCL {data.get('nccl')}, GPUs: {', '.join(data.get('gpus') or ['none'])}; rankscope "
                          f"{data['rankscope']}; agents: {'yes' if data['agents'] else 'no, missing ' + ', '.join(data['missing_agent_modules'])}; "
                          f"py-spy: {data['py_spy']}; pynvml: {data['pynvml']}")
         elif part == "build":
@@ -352,7 +509,8 @@ def report_lines(result: dict[str, Any]) -> list[str]:
                     continue
                 ok = "RIGHT" if d["correct"] else "WRONG"
                 lines.append(f"[drill {fault}] {ok}: verdict '{d['verdict']}'; truth ranks {d['truth']} on "
-                             f"{d['truth_machines']}; stall {d['stall']} at steps {d['steps']}; {d['seconds']} s")
+                             f"{d['truth_machines']}; stall {d['stall']} at steps {d['steps']}; {d['seconds']} s"
+                             + (f" (verdict {d['to_verdict_s']} s after the fault)" if d.get("to_verdict_s") else ""))
                 lines.append(f"    rank died: {'; '.join(d['died']) if d['died'] else 'no'}"
                              + (f"; leftovers stopped by force: {d['leftovers']}" if d["leftovers"] else ""))
                 for rank, ops in sorted(d["counters"].items(), key=lambda kv: int(kv[0])):
@@ -363,19 +521,74 @@ def report_lines(result: dict[str, Any]) -> list[str]:
                 for note in d["notes"]:
                     lines.append(f"    note: {note}")
         elif part == "slow":
-            from rankscope.drill.suite import scorecard_lines
-
-            for d in data.get("drills", []):
-                lines.append(f"[slow {d['kind']}] {d['outcome']}: rank {d['rank']} on {d['machine']}; verdict "
-                             f"'{d.get('summary') or d.get('error') or 'no confident verdict'}'"
-                             + (f" after {d['onset_to_verdict_s']} s" if d.get("onset_to_verdict_s") else "")
-                             + f"; detectors: {', '.join(d.get('last_flags') or []) or '-'}")
-            lines.extend(f"[slow] {ln}" for ln in scorecard_lines(data))
+            lines.extend(slow_lines(data))
         elif part in ("shim", "soak"):
             lines.extend(f"[{part}] {ln}" for ln in bench_lines(data))
             if part == "soak":
                 lines.append(f"[soak] >= 10,000 collectives per rank with the plugin, every rank exited cleanly: "
                              f"{'yes' if data.get('soak_ok') else 'NO'}")
+    return lines
+
+
+def _where(rank: int, gpu: int | None, machine: str | None = None) -> str:
+    return f"rank {rank}" + (f" (GPU {gpu})" if gpu is not None else "") + (f" on {machine}" if machine else "")
+
+
+def slow_lines(data: dict[str, Any]) -> list[str]:
+    """The slow part: where its drills ran, then per drill its fault, truth, verdict, right or wrong (and why),
+    seconds from the fault to the verdict; the tally last."""
+    pl = data["placement"]
+    lay = pl["layout"]
+    shape = f"{pl['world']} ranks (tp {lay['tp']} x pp {lay['pp']} x dp {lay['dp']}) on {lay['machines']} machine(s)"
+    if pl["gpu"] is None:
+        lines = [f"[slow] {shape} on CPU: graded on rank, C4's kind beside it"]
+    elif pl["shared"]:
+        lines = [f"[slow] {shape}: {pl['shared']}"]
+    else:
+        lines = [f"[slow] {shape}, a GPU each: the slow rank {pl['rank']} has GPU {pl['gpu']} to itself; graded on "
+                 "rank and GPU"]
+    right = faulty = 0
+    kinds: dict[bool | None, int] = {True: 0, False: 0, None: 0}  # C4's kind of the confident verdicts
+    for name, d in data["drills"].items():
+        tag = f"[slow {name}]"
+        if "skipped" in d:
+            lines.append(f"{tag} skipped: {d['skipped']}")
+            continue
+        if "tail" in d:
+            lines.append(f"{tag} ERROR {d['error']}")
+            lines.extend(f"    {ln}" for ln in d["tail"].splitlines()[-12:])
+            continue
+        if "truth" not in d:
+            lines.append(f"{tag} ERROR {d.get('error')}")
+            continue
+        t = d["truth"]
+        if t["fault"] == "none":
+            fault, truth = "none (a healthy run)", "no fail-slow verdict"
+        else:
+            faulty += 1
+            right += bool(d["right"])
+            fault = f"{t['fault']} x{t['factor']:g} at {_where(t['rank'], t['gpu'], t['machine'])}"
+            truth = f"rank {t['rank']}" + (f", GPU {t['gpu']}" if t["gpu_graded"] else "") + f", {t['c4']}"
+        verdict = f"'{d['verdict']}' (ranks {d['named_ranks']})" if d.get("verdict") else "none confident"
+        when = f"; {d['to_verdict_s']} s from the fault to the verdict" if d.get("to_verdict_s") is not None else ""
+        kind = ""
+        if "kind_right" in d:
+            kinds[d["kind_right"]] += 1
+            kind = ("; kind right" if d["kind_right"] else f"; kind WRONG ({d['c4']})" if d["kind_right"] is False
+                    else "; kind not stated")
+        lines.append(f"{tag} {'RIGHT' if d['right'] else 'WRONG'}: fault {fault}; truth {truth}; verdict {verdict}"
+                     f"{kind}{when}; drill {d.get('seconds', '-')} s")
+        if d["wrong"]:
+            lines.append(f"    wrong: {'; '.join(d['wrong'])}")
+        if d.get("suspicion"):
+            lines.append(f"    {d['suspicion']}")
+        if d.get("leftovers"):
+            lines.append(f"    leftovers stopped by force: {d['leftovers']}")
+    healthy = data["drills"].get("none", {})
+    alarms = str(sum("false alarm" in w for w in healthy["wrong"])) if "wrong" in healthy else "not run"
+    lines.append(f"[slow] graded per rank{' and GPU' if pl['gpu'] is not None and not pl['shared'] else ''}: "
+                 f"{right} of {faulty} slow drills right; C4's kind right in {kinds[True]}, wrong in "
+                 f"{kinds[False]}, not stated in {kinds[None]}; false alarms on the healthy run: {alarms}")
     return lines
 
 

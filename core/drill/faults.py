@@ -143,6 +143,7 @@ class FaultSpec:
     by: str = "rank"
     default_group: str | None = None  # for faults aimed at a parallel group
     state: str | None = None  # the /proc state the faulty rank's main process is left in (sigstop: "T")
+    needs_cuda: bool = False  # acts on the rank's GPU: only a --backend nccl drill can carry it out
 
 
 FAULTS: dict[str, FaultSpec] = {
@@ -175,6 +176,10 @@ FAULTS: dict[str, FaultSpec] = {
         FaultSpec("slow-compute", "slow", "the rank burns CPU in its compute until its steps take --fault-factor "
                   "times its healthy step", "rank",
                   frame="drill_injected_slow_compute"),
+        FaultSpec("slow-gpu", "slow", "the rank queues extra matrix multiplications on its own GPU before its "
+                  "collectives until its steps take --fault-factor times its healthy step: its host does not wait "
+                  "for them, its collectives start late on the device and its peers' device time shows it",
+                  "rank", frame="drill_injected_slow_gpu", needs_cuda=True),
         FaultSpec("slow-comm", "slow", "the rank's sends on one group are delayed by --fault-delay-ms", "group",
                   frame="drill_injected_slow_comm", default_group="pp"),
         FaultSpec("slow-dataloader", "slow", "the rank's dataloader worker takes --fault-delay-ms longer per batch", "rank",
@@ -197,6 +202,14 @@ def fault_spec(name: str) -> FaultSpec:
     if spec is None:
         raise RankscopeError(f"unknown fault {name!r}", f"choose one of: {', '.join(FAULTS)}")
     return spec
+
+
+def refuse_off_gpu(name: str, backend: str) -> None:
+    """A RankscopeError naming the fix when fault ``name`` needs the rank's GPU and ``backend`` gives it none."""
+    if fault_spec(name).needs_cuda and backend != "nccl":
+        raise RankscopeError(f"{name} acts on the rank's GPU, and a --backend {backend} drill runs on CPU",
+                             "pass --backend nccl on a machine with an NVIDIA GPU, or drill a rank slow on its "
+                             "host with --fault slow-compute")
 
 
 # --------------------------------------------------------------------------
@@ -262,13 +275,17 @@ def make_plan(
     on_steps: int = 0,
     off_steps: int = 0,
     seed: int = 0,
+    backend: str | None = None,
 ) -> FaultPlan:
     """Check the flags against the layout and pick a rank where none was given.
 
     A rank not given is drawn from ``seed`` (on ``machine`` if given), so the
     same flags always give the same drill; the report says which rank it was.
+    ``backend``, when given, is checked too: a GPU fault on a CPU drill is refused.
     """
     spec = fault_spec(name)
+    if backend is not None:
+        refuse_off_gpu(name, backend)
     if name == "none":
         return FaultPlan(name="none", rank=-1, step=step)
     if step < 1:
@@ -392,7 +409,7 @@ def ground_truth(plan: FaultPlan, layout: DrillLayout, *, checkpoint_every: int 
         role=spec.role,
         group=plan.group,
         coords={"tp": tp, "dp": dp, "pp": pp},
-        factor=plan.factor if plan.name in ("slow-compute", "thermal") else None,
+        factor=plan.factor if plan.name in ("slow-compute", "slow-gpu", "thermal") else None,
         delay_ms=plan.delay_ms if plan.name in ("slow-comm", "slow-dataloader") else None,
         intermittent=intermittent if spec.category == "slow" else None,
         injected_by=spec.by,

@@ -118,6 +118,7 @@ class DrillRecord:
     expected_machines: tuple[str, ...]
     detected: bool  # a confident verdict at all
     named_machines: tuple[str, ...] = ()  # of the first confident verdict
+    named_ranks: tuple[int, ...] = ()  # its top suspect's ranks (a check graded per rank and GPU reads them)
     named_kind: str | None = None
     sources: tuple[str, ...] = ()
     confidence: float = 0.0
@@ -401,7 +402,8 @@ def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None
     top = fs.verdict.top
     right_group = bool(named) and truth.machine in named and set(named) <= set(truth.suspect_machines)
     return replace(
-        rec, detected=True, named_machines=named, named_kind=str(top.kind) if top else None,
+        rec, detected=True, named_machines=named, named_ranks=tuple(top.ranks) if top else (),
+        named_kind=str(top.kind) if top else None,
         sources=tuple(top.sources) if top else (), confidence=round(fs.confidence, 3),
         right_machine=truth.machine is not None and fs.machine == truth.machine, right_group=right_group,
         onset_to_verdict_s=round(out["at"] - started, 2) if started is not None and truth.rank is not None else None,

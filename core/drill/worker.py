@@ -158,6 +158,16 @@ def drill_injected_slow_compute(seconds: float) -> None:
             acc += i * 0.5
 
 
+def drill_injected_slow_gpu(matmuls: int, operand: Any) -> None:
+    """Queue ``matmuls`` products of ``operand`` with itself on the rank's current CUDA stream.
+
+    The host does not wait for them: they run on the device ahead of the
+    rank's next collective, which starts that much later, as on a slow GPU.
+    """
+    for _ in range(matmuls):
+        operand @ operand
+
+
 def drill_injected_slow_comm(seconds: float) -> None:
     time.sleep(seconds)
 
@@ -386,9 +396,14 @@ class Injector:
     HEALTHY_STEPS = 15  # how many healthy steps the median is taken over
     RECENT_STEPS = 7  # how many faulty steps' unfaulted lengths the burn follows
 
-    def __init__(self, plan: FaultPlan, rank: int) -> None:
+    GPU_OPERAND = 2048  # slow-gpu: the side of the square matrix multiplied (~17 GFLOP a product)
+
+    def __init__(self, plan: FaultPlan, rank: int, device: Any = None) -> None:
         self.plan = plan
         self.rank = rank
+        self.device = device  # the rank's torch device (slow-gpu: its CUDA device)
+        self._operand: Any = None  # slow-gpu: the matrix multiplied, made on the device at the first faulty step
+        self._matmul_s = 0.0  # slow-gpu: one product's device time, measured once
         self.step = 0
         self.compute_started = 0.0
         self._step_started: float | None = None
@@ -446,6 +461,31 @@ class Injector:
                 seconds = 3.0 * (time.perf_counter() - self.compute_started) * (self.plan.factor - 1.0)
             self._burned += seconds
             drill_injected_slow_compute(seconds)
+        elif self.plan.name == "slow-gpu":
+            healthy = self.healthy_step_s()
+            if healthy is not None:  # before any healthy step there is no step to scale
+                seconds = (self.plan.factor - 1.0) * healthy / self._calls_per_step
+                drill_injected_slow_gpu(self.gpu_matmuls(seconds), self._operand)
+
+    def gpu_matmuls(self, seconds: float) -> int:
+        """How many products of the operand take ``seconds`` of device time (timed once, on first use)."""
+        if self._operand is None:
+            import torch
+
+            if self.device is None or self.device.type != "cuda":
+                raise SystemExit(f"drill worker: {self.plan.name} needs the rank's CUDA device; run the drill with "
+                                 "--backend nccl on a GPU machine")
+            # constant entries: no random generator of the rank is drawn from, its training stays as it was
+            self._operand = torch.full((self.GPU_OPERAND, self.GPU_OPERAND), 1.0 / self.GPU_OPERAND,
+                                       device=self.device)
+            self._operand @ self._operand  # the first product pays for the library's set-up
+            torch.cuda.synchronize(self.device)
+            started = time.perf_counter()
+            for _ in range(10):
+                self._operand @ self._operand
+            torch.cuda.synchronize(self.device)
+            self._matmul_s = max(1e-6, (time.perf_counter() - started) / 10)
+        return max(1, round(seconds / self._matmul_s))
 
     def before_comm(self, kind: str, op: str) -> None:
         if not self.mine():
@@ -471,6 +511,8 @@ def train(args: argparse.Namespace) -> int:
     if layout.world != world:
         raise SystemExit(f"drill worker: layout needs {layout.world} ranks, torchrun started {world}")
     plan = FaultPlan.from_env(os.environ.get(FAULT_ENV))
+    if plan.spec.needs_cuda and args.backend != "nccl":  # the launcher refuses it first; never a traceback here
+        raise SystemExit(f"drill worker: {plan.name} acts on the rank's GPU; run the drill with --backend nccl")
     torch.set_num_threads(1)
     from rankscope.ccl_plugin import backup
 
@@ -542,7 +584,7 @@ def train(args: argparse.Namespace) -> int:
     code = user_code.from_env(run_dir, rank, start)
     # ---- end of the hot-update hook ----
 
-    injector = Injector(plan, rank)
+    injector = Injector(plan, rank, device)
     m.set_comm_hook(injector.before_comm)
     if plan.name == "skip-send" and plan.rank == rank:
         m.send_forward = skipping_send(m.send_forward, injector)  # type: ignore[assignment]

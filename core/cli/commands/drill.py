@@ -25,8 +25,8 @@ Ctrl-C and on failure.
 
 Faults: none, hang-compute, hang-p2p, hang-collective, dataloader-stall,
 dataloader-deadlock, checkpoint-stall, crash, desync (a group runs one step
-more than the rest), sigstop (a rank stopped, state T) (hangs); slow-compute, slow-comm, slow-dataloader,
-cpu-contention, thermal (fail-slow; --fault-on/--fault-off make them
+more than the rest), sigstop (a rank stopped, state T) (hangs); slow-compute, slow-gpu (--backend nccl),
+slow-comm, slow-dataloader, cpu-contention, thermal (fail-slow; --fault-on/--fault-off make them
 intermittent).
 
 Example: rankscope drill --headless --json --fault hang-p2p --fault-rank 5 --fault-step 20
@@ -53,7 +53,7 @@ def register(sub: Any) -> None:
                    help="group of hang-collective (default tp), desync (default tp: the ranks one step ahead) "
                         "or slow-comm (default pp)")
     p.add_argument("--fault-factor", type=float, default=2.0,
-                   help="slow-compute/thermal: how many times longer a step takes (default 2.0)")
+                   help="slow-compute/slow-gpu/thermal: how many times longer a step takes (default 2.0)")
     p.add_argument("--fault-delay-ms", type=float, default=50.0,
                    help="slow-comm/slow-dataloader: delay per send or per batch (default 50); a dataloader "
                         "delay shows only once it exceeds a step's time, since the worker prefetches")
@@ -127,7 +127,7 @@ def build_config(args: argparse.Namespace) -> Any:
     plan = make_plan(
         args.fault, layout, rank=args.fault_rank, machine=args.fault_machine, step=args.fault_step,
         group=args.fault_group, factor=args.fault_factor, delay_ms=args.fault_delay_ms,
-        on_steps=args.fault_on, off_steps=args.fault_off, seed=args.seed,
+        on_steps=args.fault_on, off_steps=args.fault_off, seed=args.seed, backend=getattr(args, "backend", "gloo"),
     )
     tui = not (args.headless or args.no_agents or getattr(args, "suite", None))
     steps = args.steps if args.steps is not None else args.fault_step + (2000 if tui else 40)
