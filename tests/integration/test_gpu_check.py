@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,15 +19,14 @@ CHECK = ROOT / "benchmarks" / "gpu_check.py"
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the check")
 def test_without_cuda_it_exits_at_once_with_the_reason() -> None:
-    t0 = time.monotonic()
     text = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, timeout=120)
     as_json = subprocess.run([sys.executable, str(CHECK), "--json", "--parts", "drills"], capture_output=True,
                              text=True, timeout=120)
-    assert time.monotonic() - t0 < 60  # no part started: no build, no drill, no bench
     assert text.returncode == 2 and as_json.returncode == 2, text.stderr + as_json.stderr
     assert "torch.cuda.is_available() is False" in text.stdout and "CPU build" in text.stdout
     assert "Traceback" not in text.stdout + text.stderr
     report = json.loads(as_json.stdout)
+    # no part started (no build, no drill, no bench): the report holds the env part alone
     assert list(report["parts"]) == ["env"] and "no CUDA here" in report["parts"]["env"]["error"]
 
 
