@@ -304,7 +304,7 @@ class Launcher:
             raise RankscopeError(f"{len(labels)} machines given for a layout of {self.layout.machines}",
                                  "pass one machine label per node")
         if self.nodes:
-            raise RankscopeError("the job is already running", "stop_nodes() before starting it again")
+            raise RankscopeError("the job is already running", "stop the run (Launcher.stop) before starting it again")
         self.master_port = free_port()
         node_env = self.base_env()
         if env:
@@ -625,13 +625,6 @@ class Launcher:
 
     def node_exit_codes(self) -> dict[str, int | None]:
         return {name: n.proc.poll() for name, n in self.nodes.items()}
-
-    def stop_nodes(self) -> None:
-        """Kill the job (every node and its descendants); agents stay up."""
-        kill_trees([n.proc.pid for n in self.nodes.values()])
-        for n in self.nodes.values():
-            _reap(n.proc)
-        self.nodes.clear()
 
     # ---- agents -----------------------------------------------------------
 
