@@ -97,7 +97,8 @@ def analyze_crash(evidence: CrashEvidence) -> Verdict | None:
                               None, NET_ADVICE)
             if claim is not None:
                 notes.append(_claim_note(claim, None))
-            return Verdict((), finding.summary, notes=tuple(notes), findings=(finding,), status=VerdictStatus.NOT_A_RANK)
+            return Verdict((), finding.summary, notes=tuple(notes), findings=(finding,),
+                           status=VerdictStatus.NOT_A_RANK)
         notes.append("the crash logs hold errors but none that names where it began")
         return Verdict((), "no verdict: the crash logs name no origin", notes=tuple(notes),
                        status=VerdictStatus.NO_VERDICT)

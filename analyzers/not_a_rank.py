@@ -55,7 +55,8 @@ class SymmetricStall:
             return NOT_A_RANK_PREFIX + self.reason
         members = "all " + (f"{len(self.ranks)} ranks of the job" if self.whole_job
                             else f"{len(self.ranks)} members of {self.where}")
-        return (f"{NOT_A_RANK_PREFIX}{members} (ranks {compact_ranks(self.ranks, 8)}) wait in the same call ({self.call}): "
+        return (f"{NOT_A_RANK_PREFIX}{members} (ranks {compact_ranks(self.ranks, 8)}) wait in the same call "
+                f"({self.call}): "
                 "a symmetric stall points at the communication layer, the network or a GPU driver, not at one rank")
 
     def finding(self) -> Finding:

@@ -307,7 +307,6 @@ def _rank_lanes(interner: _Interner, rs: RankStacks) -> tuple[int, ...]:
 # --------------------------------------------------------------------------
 
 
-
 def _lane_words(label: str, frames: tuple[str, ...]) -> str:
     """One lane of a signature in a few words: its innermost frame and that frame's caller."""
     if not frames:
@@ -396,7 +395,8 @@ def _choose_dominant(groups: tuple[StackGroup, ...]) -> tuple[tuple[int, ...], t
         return (), (), [], ""
     sizes = [len(g.ranks) for g in groups]
     if len(groups) > 1 and sizes[0] == 1:
-        return (), (), [f"no two of the {len(groups)} ranks show the same stacks: there is no majority to compare with"], ""
+        return (), (), [f"no two of the {len(groups)} ranks show the same stacks: there is no majority to compare "
+                         "with"], ""
     tied = [i for i, s in enumerate(sizes) if s == sizes[0]]
     tie = f"{len(tied)} groups of {sizes[0]} ranks tie for largest; group 0 (lowest rank) taken as healthy" \
         if len(tied) > 1 else ""
