@@ -35,7 +35,7 @@ from rankscope.analyzers.ccl_desync import (
     op_table,
 )
 from rankscope.analyzers.chain import DESYNC_ADVICE
-from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, suspect_order
+from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, VerdictStatus, suspect_order
 from rankscope.analyzers.not_a_rank import counter_stalls, table_stalls, waiting_on
 from rankscope.analyzers.topology import CommJoin, communicator_joins
 from rankscope.contract.ranks import compact_ranks
@@ -324,7 +324,8 @@ def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None, waits:
     notes += [f"rank {r}: counters stale ({rc.stale_reason})" for r, rc in sorted(counters.items()) if rc.stale]
     notes += [line for j in communicator_joins(counters) if (line := join_note(j))]
     if not counters:
-        return Verdict((), "no CCL counters (start the job with `rankscope run`)", missing, tuple(notes))
+        return Verdict((), "no CCL counters (start the job with `rankscope run`)", missing, tuple(notes),
+                       status=VerdictStatus.NO_VERDICT)
     if waits is None:
         waits = counter_waits(counters)  # one index and wait graph of the counters for both rules
     crossed = crossed_waits(counters, waits=waits)
@@ -338,12 +339,13 @@ def analyze_counters(snapshot: JobSnapshot, layout: Layout | None = None, waits:
     suspects += tuple(Suspect(SuspectKind.COMM, st.ranks, _machines(st.ranks, placement), SCORE_OPEN_REQUEST,
                               (st.summary(), *st.evidence), (SOURCE,), victims=victims)
                       for st, victims in zip(parts, waiting_on(waits, [st.ranks for st in parts]), strict=True))
+    status = VerdictStatus.NAMED
     if suspects:
         top = suspects[0]
         summary = f"CCL counters: {top.evidence[0]}"
     elif stalls:
-        summary = stalls[0].summary()
+        summary, status = stalls[0].summary(), VerdictStatus.NOT_A_RANK
     else:
-        summary = "CCL counters: every communicator's members agree"
+        summary, status = "CCL counters: every communicator's members agree", VerdictStatus.NO_VERDICT
     return Verdict(suspects, summary, missing, tuple(notes),
-                   findings=(*map(desync_finding, crossed), *(st.finding() for st in stalls)))
+                   findings=(*map(desync_finding, crossed), *(st.finding() for st in stalls)), status=status)

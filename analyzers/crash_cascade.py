@@ -22,18 +22,25 @@ from several hosts naming several peers, none more than the others, with no
 hardware or program error anywhere, are "not a rank": the network or its
 configuration (Aegis' distributed problem, for ConfigCheck/NetDiag).
 
-The reader (``formats.crash_logs``) turns lines into ``CrashEvent``; the
-rules here judge them. Pure: no I/O, no clock.
+The reader (``formats.crash_logs``) turns lines into ``CrashEvent``
+(``contract.crash_records``); the rules here judge them. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 
-from rankscope.analyzers.findings import NOT_A_RANK, Finding, Suspect, SuspectKind, Verdict
+from rankscope.analyzers.findings import (
+    NOT_A_RANK,
+    NOT_A_RANK_PREFIX,
+    Finding,
+    Suspect,
+    SuspectKind,
+    Verdict,
+    VerdictStatus,
+)
+from rankscope.contract.crash_records import CrashEvent, CrashEvidence, CrashKind
 from rankscope.contract.ranks import compact_ranks
 
 SOURCE = "crash logs"
@@ -43,41 +50,7 @@ SCORE_PEER = 1.05
 SCORE_EARLIEST = 0.8
 _MAX_FOLDED = 12  # consequence lines shown under the origin (the rest are counted)
 
-
-class CrashKind(StrEnum):
-    HARDWARE = "hardware"  # critical: a GPU, NVLink, ECC, PCIe or NIC fault
-    GPU = "gpu"  # a CUDA failure or a non-fatal Xid: a kernel's or a program's fault on one GPU
-    PROGRAM = "program"  # a process's own error (out of memory, an exception)
-    NETWORK = "network"  # a broken connection, naming its peer where the line does
-    DIST = "distributed"  # DistBackendError, ncclRemoteError, NCCL error: a collective failed
-    TIMEOUT = "timeout"  # a watchdog timeout: a victim
-    ABORT = "abort"  # SIGABRT, a watchdog's abort, terminate: a victim
-    EXIT = "exit"  # torchelastic's record of a process that exited
-
-
 _VICTIMS = (CrashKind.TIMEOUT, CrashKind.ABORT, CrashKind.EXIT)
-
-
-@dataclass(frozen=True, slots=True)
-class CrashEvent:
-    """One error line (or torchelastic record) and what it says: where, when, who, and whom it names."""
-
-    where: str  # file:line
-    kind: CrashKind
-    text: str  # what it says, short
-    host: str | None = None
-    rank: int | None = None
-    gpu: str | None = None  # a CUDA device index or a PCI address, as the line gives it
-    time: float | None = None  # seconds (comparable across the evidence; None: the line gives no clock time)
-    peer: str | None = None  # the host (or address) a connection error names
-    root_claim: bool = False  # torchelastic's "Root Cause (first observed failure)"
-    exitcode: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CrashEvidence:
-    events: tuple[CrashEvent, ...] = ()
-    notes: tuple[str, ...] = field(default=())
 
 
 def _who(e: CrashEvent) -> str:
@@ -120,13 +93,15 @@ def analyze_crash(evidence: CrashEvidence) -> Verdict | None:
         origin, rule = _first_broken(events)
     if origin is None:
         if spread is not None:
-            finding = Finding(NOT_A_RANK, (), "not a rank: " + spread, (spread, *_folded(events, None, t0)),
+            finding = Finding(NOT_A_RANK, (), NOT_A_RANK_PREFIX + spread, (spread, *_folded(events, None, t0)),
                               None, NET_ADVICE)
             if claim is not None:
                 notes.append(_claim_note(claim, None))
-            return Verdict((), finding.summary, notes=tuple(notes), findings=(finding,))
+            return Verdict((), finding.summary, notes=tuple(notes), findings=(finding,),
+                           status=VerdictStatus.NOT_A_RANK)
         notes.append("the crash logs hold errors but none that names where it began")
-        return Verdict((), "no verdict: the crash logs name no origin", notes=tuple(notes))
+        return Verdict((), "no verdict: the crash logs name no origin", notes=tuple(notes),
+                       status=VerdictStatus.NO_VERDICT)
 
     on_host = sorted({e.rank for e in events if e.host == origin.host and e.rank is not None}) \
         if origin.rank is None and origin.host else []
@@ -251,10 +226,10 @@ def with_crash(logs: Verdict | None, crash: Verdict | None) -> Verdict | None:
         return logs if crash is None else crash
     if not crash.suspects and not crash.findings:
         return Verdict(logs.suspects, logs.summary, logs.missing_ranks, (*logs.notes, *crash.notes), logs.findings,
-                       logs.named)
+                       logs.named, logs.status)
     return Verdict((*crash.suspects, *logs.suspects), crash.summary, logs.missing_ranks,
                    (*logs.notes, *crash.notes, *((f"the logs' own verdict: {logs.summary}",) if logs.summary else ())),
-                   (*crash.findings, *logs.findings))
+                   (*crash.findings, *logs.findings), status=crash.status)
 
 
 def _same_process(a: CrashEvent, b: CrashEvent) -> bool:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from rankscope.analyzers.degradation import compared_ops, degradation_findings, inverse_throughput
-from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict, VerdictStatus
 from rankscope.analyzers.labels import group_name, suspect_label
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
 from rankscope.analyzers.minder import MinderDetector
@@ -672,7 +672,8 @@ class FailSlowDetector:
             starts = [f.since_mono for f in per_machine[order[0]].values() if f.since_mono is not None]
             slow_since = min(starts) if starts else None
         summary = self._summary(suspects, flags, top_conf, trend, top_conf >= cfg.confident_at)
-        verdict = Verdict(tuple(suspects), summary, self.store.missing_ranks, tuple(notes))
+        verdict = Verdict(tuple(suspects), summary, self.store.missing_ranks, tuple(notes),
+                          status=VerdictStatus.NAMED if suspects else VerdictStatus.NO_VERDICT)
         return FailSlowVerdict(verdict, round(top_conf, 4), top_conf >= cfg.confident_at, tuple(flags), slow_since,
                                self._updates, now, trend)
 

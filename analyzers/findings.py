@@ -75,9 +75,22 @@ class Finding:
     advice: str = ""
 
 
+class VerdictStatus(StrEnum):
+    """What a verdict says, read from this field and never from its words (``render.verdict_lines`` writes them)."""
+
+    NAMED = "named"  # its detector's own headline: the suspects it names, or a finding without one
+    NO_VERDICT = "no verdict"  # it names nobody; its summary says why
+    NOT_A_RANK = "not a rank"  # every member of a communicator waits in one call: no rank is to blame
+    TIMING = "timing"  # a capture of a job making steps: its ranks' differences are timing, not a fault
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """Suspects ordered most likely first, plus what could not be judged."""
+    """Suspects ordered most likely first, plus what could not be judged.
+
+    ``status``: ``NAMED`` for a detector's own headline (the suspects it names, or what it found without naming
+    one: a flight recorder's mismatch); every verdict that says it has none says which kind of none.
+    """
 
     suspects: tuple[Suspect, ...]
     summary: str  # one line for a header: "PP group 3 on machines 12-15", "no verdict: all ranks identical"
@@ -87,6 +100,7 @@ class Verdict:
     # The suspects ``summary`` names apart, when it names several ("2 separate suspects: ..."), each explaining its
     # own outliers; empty when it names one or none.
     named: tuple[Suspect, ...] = ()
+    status: VerdictStatus = VerdictStatus.NAMED
 
     @property
     def top(self) -> Suspect | None:
@@ -102,6 +116,7 @@ def suspect_order(s: Suspect) -> tuple[float, int, tuple[int, ...]]:
 # call site, so no rank is to blame (the communication layer, the network or a driver is). A verdict carrying it has
 # no suspect picked by tie-break.
 NOT_A_RANK = "not-a-rank"
+NOT_A_RANK_PREFIX = "not a rank: "  # how such a verdict's headline begins (its status is VerdictStatus.NOT_A_RANK)
 
 
 def finding_to_json(f: Finding) -> dict[str, object]:

@@ -1,8 +1,8 @@
 """Verdicts from the logs engineers paste: NCCL RAS, ProcessGroupNCCL's watchdog, fr_trace, DETAIL checks, Inspector.
 
 The readers (``rankscope.formats.incident_logs`` and its siblings) turn each
-line into one of the records below, with where it came from; the rules here
-judge them. One rule holds for every kind of count: the ranks *behind* are
+line into one of the records of ``rankscope.contract.log_records``, with
+where it came from; the rules here judge them. One rule holds for every kind of count: the ranks *behind* are
 the ones to look at, never the ranks a tool happened to list (NCCL RAS lists
 the minority, which may be ahead of the others; fr_trace's "culprit" is the
 rank that differs from the first one it read).
@@ -34,7 +34,28 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from rankscope.analyzers.chain import DESYNC_ADVICE
-from rankscope.analyzers.findings import NOT_A_RANK, Finding, Suspect, SuspectKind, Verdict, suspect_order
+from rankscope.analyzers.findings import (
+    NOT_A_RANK,
+    NOT_A_RANK_PREFIX,
+    Finding,
+    Suspect,
+    SuspectKind,
+    Verdict,
+    VerdictStatus,
+    suspect_order,
+)
+from rankscope.contract.log_records import (
+    Fingerprint,
+    FrCollective,
+    InspectorRank,
+    LogEvidence,
+    MismatchReport,
+    RasComm,
+    RasCount,
+    RasRank,
+    RasReport,
+    WatchdogRecord,
+)
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import Communicator, OpCounters, RankCounters
 
@@ -56,183 +77,6 @@ FIRST_OP_NOTE = (
     "the stalled work is the group's first collective: its ranks never finished connecting, which points at "
     "transport setup (NCCL_SOCKET_IFNAME / NCCL_IB_* settings, a firewall, a node's network interface) more "
     "than at any rank's program")
-
-
-# --------------------------------------------------------------------------
-# Records the readers produce
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class WatchdogRecord:
-    """One ProcessGroupNCCL line about a rank's collective progress.
-
-    ``rank`` is the global rank when the line or its file says it (``[rankN]:``
-    prefix, ``rank<N>`` file name, or the default group's rank), else None;
-    ``pg`` names the process group as the line does (``PG 0 (default_pg)``).
-    ``seq``: the work the watchdog flagged (``SeqNum=``, ``at work:``);
-    ``enqueued``/``completed``: the PG status the line gives.
-    """
-
-    where: str  # file:line
-    kind: str  # timeout | status | dump-signal | blocking-wait | stuck-watchdog
-    rank: int | None
-    rank_how: str
-    pg: str
-    pg_rank: int | None = None
-    seq: int | None = None
-    op: str | None = None
-    enqueued: int | None = None
-    completed: int | None = None
-    timeout_ms: int | None = None
-    signalled_by: int | None = None  # "a collective timeout from rank X"
-    group_size: int | None = None  # told by the work's sizes (an all-gather's NumelOut / NumelIn)
-
-
-@dataclass(frozen=True, slots=True)
-class RasRank:
-    """A rank or process as NCCL RAS names it: communicator rank, GPU, process, node (any may be unknown)."""
-
-    comm_rank: int | None = None
-    gpu: str | None = None
-    pid: int | None = None
-    host: str | None = None
-    status: str | None = None
-
-    def who(self) -> str:
-        """The rank and GPU RAS names, without the machine: ``communicator rank 7 (GPU 3, pid 4242)``."""
-        head = f"communicator rank {self.comm_rank}" if self.comm_rank is not None else (
-            f"process {self.pid}" if self.pid is not None else "a process")
-        parts = [f"GPU {self.gpu}"] if self.gpu is not None else []
-        if self.pid is not None and self.comm_rank is not None:
-            parts.append(f"pid {self.pid}")
-        return head + (f" ({', '.join(parts)})" if parts else "")
-
-    def label(self) -> str:
-        parts = [f"communicator rank {self.comm_rank}" if self.comm_rank is not None else "a process"]
-        if self.pid is not None:
-            parts.append(f"pid {self.pid}")
-        if self.host:
-            parts.append(f"on {self.host}")
-        if self.gpu is not None:
-            parts.append(f"GPU {self.gpu}")
-        return " ".join(parts)
-
-
-@dataclass(frozen=True, slots=True)
-class RasCount:
-    """``N ranks have launched up to operation V`` (value None: not launched any), with the ranks RAS listed."""
-
-    op: str
-    value: int | None
-    count: int
-    listed: tuple[RasRank, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RasComm:
-    """One communicator block (``#G-C (hash) ERRORS``) or one JSON communicator."""
-
-    label: str
-    where: str
-    errors: tuple[str, ...] = ()
-    size: int | None = None
-    counts: tuple[RasCount, ...] = ()
-    missing: tuple[RasRank, ...] = ()
-    missing_count: int = 0
-    statuses: tuple[RasRank, ...] = ()  # ranks RAS lists with a different status (e.g. ABORTED)
-
-
-@dataclass(frozen=True, slots=True)
-class RasRow:
-    """One row of the communicators table: group, communicators in it, ranks per communicator, status, errors."""
-
-    group: int
-    comms: int
-    ranks_per_comm: int
-    status: str
-    errors: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class RasReport:
-    where: str
-    processes: int | None = None  # job processes in total
-    rows: tuple[RasRow, ...] = ()
-    comms: tuple[RasComm, ...] = ()
-    missing_processes: tuple[RasRank, ...] = ()
-    missing_process_count: int = 0
-    dead_processes: tuple[RasRank, ...] = ()
-    dead_process_count: int = 0
-    complete: bool = True  # False: the report was cut off
-
-
-@dataclass(frozen=True, slots=True)
-class FrCollective:
-    """One record of fr_trace's text report."""
-
-    where: str
-    seq: int | None
-    pg: str | None = None
-    op: str | None = None
-    missing_ranks: tuple[int, ...] = ()
-    expected_ranks: tuple[int, ...] = ()
-    culprit: int | None = None
-    error_type: str | None = None
-    expected_state: str | None = None
-    found_state: str | None = None
-    error: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Fingerprint:
-    """What one rank runs, as a DETAIL mismatch error prints it."""
-
-    rank: int
-    seq: int | None
-    op: str | None
-    shape: str | None = None
-    dtype: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class MismatchReport:
-    """``Detected mismatch between collectives on ranks``: two (or, in the old form, one) fingerprints."""
-
-    where: str
-    sides: tuple[Fingerprint, ...]
-    aspects: str = ""
-    reported_by: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class InspectorRank:
-    """One rank's NCCL Inspector records on one communicator: how far it got and how long its calls took."""
-
-    comm: str
-    rank: int
-    n_ranks: int | None
-    host: str | None
-    pid: int | None
-    last_sn: int
-    calls: int
-    last_op: str
-    durations: tuple[tuple[int, float], ...] = ()  # (coll_sn, microseconds), the latest few hundred
-
-
-@dataclass(frozen=True, slots=True)
-class LogEvidence:
-    """Everything the readers found in an incident's logs, and what they could not read."""
-
-    watchdog: tuple[WatchdogRecord, ...] = ()
-    ras: tuple[RasReport, ...] = ()
-    fr: tuple[FrCollective, ...] = ()
-    mismatches: tuple[MismatchReport, ...] = ()
-    inspector: tuple[InspectorRank, ...] = ()
-    notes: tuple[str, ...] = field(default=())
-
-    def empty(self) -> bool:
-        return not (self.watchdog or self.ras or self.fr or self.mismatches or self.inspector)
 
 
 # --------------------------------------------------------------------------
@@ -706,14 +550,15 @@ def analyze_logs(evidence: LogEvidence, world: int | None = None) -> Verdict:
     multi_rank = [r for r in reasons if not r.startswith("rank ")]
     if not suspects and (multi_rank or (ras_ok and timed_out)):
         ranks = tuple(sorted({r.rank for r in evidence.watchdog if r.rank is not None}))
-        summary = "not a rank: " + reasons[0]
+        summary = NOT_A_RANK_PREFIX + reasons[0]
         findings.insert(0, Finding(NOT_A_RANK, ranks, summary, tuple(reasons), None, NOT_A_RANK_ADVICE))
-        return Verdict((), summary, notes=tuple(notes), findings=tuple(findings))
+        return Verdict((), summary, notes=tuple(notes), findings=tuple(findings), status=VerdictStatus.NOT_A_RANK)
+    status = VerdictStatus.NO_VERDICT
     if suspects:
         suspects = _fold_same_machine(suspects)
-        summary = _headline(suspects[0])
+        summary, status = _headline(suspects[0]), VerdictStatus.NAMED
     elif evidence.empty():
         summary = "no verdict: the logs hold no collective progress"
     else:
         summary = "no verdict: the logs name no rank behind its peers" + (f" ({reasons[0]})" if reasons else "")
-    return Verdict(tuple(suspects), summary, notes=tuple(notes), findings=tuple(findings))
+    return Verdict(tuple(suspects), summary, notes=tuple(notes), findings=tuple(findings), status=status)

@@ -25,11 +25,10 @@ from dataclasses import dataclass, replace
 
 from rankscope.analyzers.ccl_desync import CounterWaits, OpTable, comm_label, waiting_together
 from rankscope.analyzers.chain import BACKWARD_SITE, Chain, RankState, RankView
-from rankscope.analyzers.findings import NOT_A_RANK, Finding, Verdict
+from rankscope.analyzers.findings import NOT_A_RANK, NOT_A_RANK_PREFIX, Finding, Verdict, VerdictStatus
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, RankCounters
 
-PREFIX = "not a rank: "
 ADVICE = ("evicting one of these machines is a guess: every member did its part and the call itself does not "
           "complete, which points at the communication layer (NCCL, its transport), the network between the "
           "machines, or a GPU or its driver on one of them. What tells them apart: NCCL's RAS (`ncclras`, NCCL >= "
@@ -53,10 +52,11 @@ class SymmetricStall:
 
     def summary(self) -> str:
         if self.reason:
-            return PREFIX + self.reason
+            return NOT_A_RANK_PREFIX + self.reason
         members = "all " + (f"{len(self.ranks)} ranks of the job" if self.whole_job
                             else f"{len(self.ranks)} members of {self.where}")
-        return (f"{PREFIX}{members} (ranks {compact_ranks(self.ranks, 8)}) wait in the same call ({self.call}): "
+        return (f"{NOT_A_RANK_PREFIX}{members} (ranks {compact_ranks(self.ranks, 8)}) wait in the same call "
+                f"({self.call}): "
                 "a symmetric stall points at the communication layer, the network or a GPU driver, not at one rank")
 
     def finding(self) -> Finding:
@@ -234,11 +234,12 @@ def settle(verdict: Verdict, snapshot: JobSnapshot | None = None) -> Verdict:
                 replace(f, evidence=(*f.evidence, *told[f])) if told.get(f) else f for f in verdict.findings))
             stalls = [f for f in verdict.findings if f.kind == NOT_A_RANK]
     if any(verdict.summary == f.summary for f in stalls):
-        return verdict  # it already says "not a rank"
-    notes = (*verdict.notes, verdict.summary) if verdict.summary and not verdict.summary.startswith(
-        "no verdict") else verdict.notes
-    return replace(verdict, summary=stalls[0].summary, notes=notes)
+        return replace(verdict, status=VerdictStatus.NOT_A_RANK)  # it already says "not a rank"
+    # What it said before, unless it said it has no verdict: a note.
+    notes = (*verdict.notes, verdict.summary) if verdict.summary and verdict.status not in (
+        VerdictStatus.NO_VERDICT, VerdictStatus.TIMING) else verdict.notes
+    return replace(verdict, summary=stalls[0].summary, notes=notes, status=VerdictStatus.NOT_A_RANK)
 
 
-__all__ = ["ADVICE", "PREFIX", "SAME_STACKS_NEXT", "SymmetricStall", "counter_stalls", "gpu_readings",
+__all__ = ["ADVICE", "SAME_STACKS_NEXT", "SymmetricStall", "counter_stalls", "gpu_readings",
            "same_stacks_stall", "settle", "stack_stall", "table_stalls", "waiting_on"]

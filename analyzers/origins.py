@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rankscope.analyzers.stacks import MAIN_LANE, Grouping, communication_kind, is_communication
+from rankscope.analyzers.stacks import MAIN_LANE, Grouping
+from rankscope.contract.frames import communication_kind, is_communication
 
 
 @dataclass(frozen=True, slots=True)

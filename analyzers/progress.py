@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rankscope.analyzers.findings import Verdict
+from rankscope.analyzers.findings import Verdict, VerdictStatus
 from rankscope.contract.snapshot import JobSnapshot, RankCounters
 
 # A job that stepped this recently (or within two of its own step times) is caught mid-step by a snapshot.
@@ -131,7 +131,8 @@ def timing_not_fault(verdict: Verdict, progress: ProgressAtCapture) -> Verdict:
     summary = (f"no verdict: the job was making steps when this snapshot was taken (it last progressed "
                f"{progress.age_s:.1f} s before, within {progress.window_s:.0f} s), so the differences between its "
                "ranks are timing, not a fault")
-    return Verdict((), summary, verdict.missing_ranks, (*verdict.notes, f"set aside as timing: {verdict.summary}"))
+    return Verdict((), summary, verdict.missing_ranks, (*verdict.notes, f"set aside as timing: {verdict.summary}"),
+                   status=VerdictStatus.TIMING)
 
 
 __all__ = ["MID_STEP_S", "SETUP_S", "ProgressAtCapture", "counters_progress_wall", "mid_step_window", "progress_at_capture",

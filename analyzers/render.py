@@ -1,18 +1,38 @@
-"""A verdict as plain text: the one renderer of suspects and findings for a person.
+"""A verdict as plain text: the one renderer of its headline, suspects and findings for a person.
 
 ``rankscope analyze`` prints it and the TUI's ``y`` copies it, so a ticket
 reads the same whichever made it. The TUI's verdict panel draws the same
-suspects in colour from the same parts (``labels``).
+headline (``headline``) and the same suspects in colour from the same parts
+(``labels``). What a verdict says is its ``status``; these are only its words.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rankscope.analyzers.findings import Finding, Suspect
+from rankscope.analyzers.findings import NOT_A_RANK, Finding, Suspect, Verdict
 from rankscope.contract.ranks import compact_ranks
 
 RANKS_SHOWN = 12  # runs of a rank set before it is cut (--json has all)
+
+
+def headline(verdict: Verdict) -> str:
+    """The verdict's one line: its summary, or with no suspect left its "not a rank" finding's (never a tie-break's
+    pick)."""
+    if not verdict.suspects:
+        stall = next((f.summary for f in verdict.findings if f.kind == NOT_A_RANK), None)
+        if stall is not None:
+            return stall
+    return verdict.summary
+
+
+def verdict_lines(verdict: Verdict, limit: int | None = None, apart: bool = False) -> list[str]:
+    """Its suspects (the first ``limit``) and its findings; ``apart``: a blank line between the two."""
+    lines = suspect_lines(verdict.suspects, limit)
+    if verdict.findings:
+        lines.extend([""] if apart else [])
+        lines.extend(finding_lines(verdict.findings))
+    return lines
 
 
 def suspect_lines(suspects: Sequence[Suspect], limit: int | None = None) -> list[str]:
@@ -46,4 +66,4 @@ def finding_lines(findings: Sequence[Finding]) -> list[str]:
     return lines
 
 
-__all__ = ["RANKS_SHOWN", "finding_lines", "suspect_lines"]
+__all__ = ["RANKS_SHOWN", "finding_lines", "headline", "suspect_lines", "verdict_lines"]

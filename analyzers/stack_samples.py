@@ -32,8 +32,10 @@ drill differ from their pooled peers by 8 points or less. Samples within a few s
 independent draws; a window of a few Hz over steps of tens of milliseconds
 spreads them over many steps, and the margin absorbs the rest.
 
-Everything here is pure: the agent parses py-spy's output with
-``parse_collapsed`` and ships ``StackSampleWindow``s; callers feed windows in.
+Everything here is pure: the agent reads py-spy's output with
+``contract.collapsed.parse_collapsed`` (each sample classed by
+``contract.frames.classify``) and ships ``StackSampleWindow``s; callers feed
+windows in.
 """
 
 from __future__ import annotations
@@ -42,81 +44,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from rankscope.analyzers.stacks import communication_kind
+from rankscope.contract.frames import CLASSES
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import StackSampleWindow
-
-CLASSES: tuple[str, ...] = ("collective", "p2p", "compute", "data", "other")
-
-# A frame of the data pipeline (the main thread waiting for a batch).
-_DATA_FILES = ("dataloader.py", "fetch.py", "worker.py", "queues.py")
-_DATA_NAMES = ("_next_data", "_get_data", "_try_get_data", "__next__", "fetch")
-# A frame of the model's own work: forward, backward, the optimizer.
-_COMPUTE_NAMES = ("forward", "backward", "_call_impl", "_wrapped_call_impl", "step", "run_backward",
-                  "_engine_run_backward", "matmul", "linear", "loss")
-_COMPUTE_DIRS = ("torch/nn/", "torch/autograd/", "torch/optim/", "torch/_tensor.py", "torch/functional.py")
-
-
-def _name_and_file(frame: str) -> tuple[str, str]:
-    name, _, rest = frame.partition(" (")
-    return name.rsplit(".", 1)[-1].lower(), rest.rstrip(")").split(":", 1)[0]
-
-
-def classify(frames: Sequence[str]) -> str:
-    """What one main-thread sample was doing; frames innermost first, as ``name (path/file.py[:line])``.
-
-    The innermost frame that says something decides: a collective or p2p call
-    (``stacks.communication_kind``: the rank waits for others), a data-loader
-    frame ("data"), a model frame ("compute"); a stack with none of them is
-    "other" (logging, checkpointing, the rank's own bookkeeping).
-    """
-    for frame in frames:
-        kind = communication_kind(frame)
-        if kind is not None:
-            return kind
-        name, path = _name_and_file(frame)
-        base = path.rsplit("/", 1)[-1]
-        if ("torch/utils/data" in path and base in _DATA_FILES) or (name in _DATA_NAMES and "data" in path):
-            return "data"
-        if name in _COMPUTE_NAMES or any(d in path for d in _COMPUTE_DIRS):
-            return "compute"
-    return "other"
-
-
-def parse_collapsed(text: str, pid: int) -> dict[str, int]:
-    """Class counts of the main thread's samples in ``py-spy record --format raw --threads`` output.
-
-    Each line is ``thread (TID): NAME;outer frame;...;inner frame COUNT``; the
-    main thread is the one whose TID is the process id (or, where py-spy
-    prints Python thread ids, the one named MainThread). Raises ValueError
-    naming the line for anything else, so a changed format is noticed, not
-    silently counted as nothing.
-    """
-    counts = dict.fromkeys(CLASSES, 0)
-    by_tid: dict[str, dict[str, int]] = {}
-    names: dict[str, str] = {}
-    for i, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        stack, sep, count_text = line.rpartition(" ")
-        if not sep or not count_text.isdigit() or not stack.startswith("thread ("):
-            raise ValueError(f"line {i} is not 'thread (TID): frames COUNT': {line[:80]!r}")
-        head, sep, frames_text = stack.partition("): ")
-        if not sep and stack.endswith(")"):  # a thread py-spy caught with no Python frames at all
-            head, frames_text = stack[:-1], ""
-        tid = head[len("thread ("):]
-        if not tid.isdigit():
-            raise ValueError(f"line {i} has no thread id: {line[:80]!r}")
-        frames = frames_text.split(";") if frames_text else [""]
-        names.setdefault(tid, frames[0])
-        per = by_tid.setdefault(tid, dict.fromkeys(CLASSES, 0))
-        per[classify(frames[:0:-1])] += int(count_text)  # innermost first, the thread name left out
-    main = str(pid) if str(pid) in by_tid else next((t for t, n in names.items() if n == "MainThread"), None)
-    if main is not None:
-        counts = by_tid[main]
-    return counts
-
 
 # --------------------------------------------------------------------------
 # statistics (stdlib only)

@@ -65,6 +65,11 @@ class StackGroup:
     frames: tuple[str, ...]
     lanes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
+    @property
+    def main_summary(self) -> str:
+        """The summary's first part, its first lane's (the main thread's): what a one-line legend shows."""
+        return _lane_words(*self.lanes[0]) if self.lanes else self.summary
+
 
 @dataclass(frozen=True, slots=True)
 class Grouping:
@@ -75,6 +80,7 @@ class Grouping:
     outliers: tuple[int, ...]
     unseen: tuple[int, ...] = ()  # ranks whose main process could not be read
     notes: tuple[str, ...] = field(default=())
+    tie: str = ""  # how a tie for largest was settled (the lowest rank's group taken as healthy); empty: no tie
 
     @property
     def outlier_ranks(self) -> tuple[int, ...]:
@@ -300,46 +306,18 @@ def _rank_lanes(interner: _Interner, rs: RankStacks) -> tuple[int, ...]:
 # grouping
 # --------------------------------------------------------------------------
 
-_P2P_WORDS = ("send", "recv", "_communicate")
-_COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast", "barrier",
-                     "all_to_all", "alltoall", "gather", "scatter", "reduce_from", "reduce_to")
-_COMM_FILES = ("distributed_c10d.py", "p2p_communication.py", "c10d_logger.py")
 
-
-def communication_kind(frame_text_: str) -> str | None:
-    """``"p2p"`` or ``"collective"`` for a frame that talks to other ranks, else None.
-
-    Told from the function name (``irecv``, ``tp_all_reduce``, ``send_forward``)
-    or from torch's communication modules; a ``wait`` counts only there, since
-    queue and lock waits are local.
-    """
-    name, _, rest = frame_text_.partition(" (")
-    short = name.lower().rsplit(".", 1)[-1]
-    if any(w in short for w in _P2P_WORDS):
-        return "p2p"
-    if any(w in short for w in _COLLECTIVE_WORDS):
-        return "collective"
-    base = rest.rstrip(")").split(":", 1)[0]
-    if base in _COMM_FILES:
-        return "collective" if "wait" in short or base != "p2p_communication.py" else "p2p"
-    return None
-
-
-def is_communication(frame_text_: str) -> bool:
-    """Whether a normalised frame is a collective or point-to-point call (a rank waiting for others)."""
-    return communication_kind(frame_text_) is not None
+def _lane_words(label: str, frames: tuple[str, ...]) -> str:
+    """One lane of a signature in a few words: its innermost frame and that frame's caller."""
+    if not frames:
+        return f"[{label}] (no Python frames)"
+    inner = frames[-1]
+    text = inner if len(frames) < 2 else f"{inner} <- {frames[-2].split(' (', 1)[0]}"
+    return text if label == MAIN_LANE else f"[{label}] {text}"
 
 
 def _summary(lanes: tuple[tuple[str, tuple[str, ...]], ...]) -> str:
-    parts: list[str] = []
-    for label, frames in lanes:
-        if not frames:
-            parts.append(f"[{label}] (no Python frames)")
-            continue
-        inner = frames[-1]
-        text = inner if len(frames) < 2 else f"{inner} <- {frames[-2].split(' (', 1)[0]}"
-        parts.append(text if label == MAIN_LANE else f"[{label}] {text}")
-    return " | ".join(parts)
+    return " | ".join(_lane_words(label, frames) for label, frames in lanes)
 
 
 def group_stacks(stacks: Mapping[int, RankStacks], options: SignatureOptions = DEFAULT_OPTIONS) -> Grouping:
@@ -379,9 +357,10 @@ def group_stacks(stacks: Mapping[int, RankStacks], options: SignatureOptions = D
         notes.append(f"{lost_workers} subprocess(es) could not be read and were left out of the signatures")
     groups = _build_groups(interner, np.asarray(rank_ids, dtype=np.int64), np.asarray(sig_ids, dtype=np.int64),
                            sig_keys)
-    dominant, outliers, more = _choose_dominant(groups)
+    dominant, outliers, more, tie = _choose_dominant(groups)
     notes.extend(more)
-    return Grouping(groups=groups, dominant=dominant, outliers=outliers, unseen=tuple(unseen), notes=tuple(notes))
+    return Grouping(groups=groups, dominant=dominant, outliers=outliers, unseen=tuple(unseen), notes=tuple(notes),
+                    tie=tie)
 
 
 def _build_groups(
@@ -410,17 +389,18 @@ def _build_groups(
     return tuple(out)
 
 
-def _choose_dominant(groups: tuple[StackGroup, ...]) -> tuple[tuple[int, ...], tuple[int, ...], list[str]]:
+def _choose_dominant(groups: tuple[StackGroup, ...]) -> tuple[tuple[int, ...], tuple[int, ...], list[str], str]:
+    """The healthy groups, the outliers, notes, and how a tie for largest was settled (``Grouping.tie``)."""
     if not groups:
-        return (), (), []
+        return (), (), [], ""
     sizes = [len(g.ranks) for g in groups]
     if len(groups) > 1 and sizes[0] == 1:
-        return (), (), [f"no two of the {len(groups)} ranks show the same stacks: there is no majority to compare with"]
-    notes: list[str] = []
+        return (), (), [f"no two of the {len(groups)} ranks show the same stacks: there is no majority to compare "
+                         "with"], ""
     tied = [i for i, s in enumerate(sizes) if s == sizes[0]]
-    if len(tied) > 1:
-        notes.append(f"{len(tied)} groups of {sizes[0]} ranks tie for largest; group 0 (lowest rank) taken as healthy")
-    return (0,), tuple(range(1, len(groups))), notes
+    tie = f"{len(tied)} groups of {sizes[0]} ranks tie for largest; group 0 (lowest rank) taken as healthy" \
+        if len(tied) > 1 else ""
+    return (0,), tuple(range(1, len(groups))), [], tie
 
 
 def with_dominant(grouping: Grouping, dominant: Iterable[int]) -> Grouping:
@@ -428,7 +408,7 @@ def with_dominant(grouping: Grouping, dominant: Iterable[int]) -> Grouping:
     dom = tuple(sorted(set(dominant)))
     outliers = tuple(i for i in range(len(grouping.groups)) if i not in dom)
     return Grouping(groups=grouping.groups, dominant=dom, outliers=outliers, unseen=grouping.unseen,
-                    notes=grouping.notes)
+                    notes=grouping.notes, tie=grouping.tie)
 
 
 # --------------------------------------------------------------------------

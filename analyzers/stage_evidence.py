@@ -20,7 +20,7 @@ from rankscope.analyzers.ccl_desync import CounterWaits, counter_waits
 from rankscope.analyzers.placement import Placement
 from rankscope.analyzers.stacks import DEFAULT_OPTIONS, Grouping, SignatureOptions, group_stacks
 from rankscope.analyzers.topology import Topology, joined_snapshot, topology_for
-from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters, RankStacks
+from rankscope.contract.snapshot import CaptureErrorKind, JobSnapshot, Layout, RankCounters, RankStacks
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,7 @@ class Evidence:
     missing: dict[int, str]  # rank -> why it could not be seen
     counters: Mapping[int, RankCounters]
     waits: CounterWaits | None  # None: no counters in the capture
+    exiting: tuple[int, ...] = ()  # of the ranks not seen, those whose process is gone or shows no Python frames
 
 
 def gather(snapshot: JobSnapshot, layout: Layout | None = None, options: SignatureOptions = DEFAULT_OPTIONS,
@@ -56,7 +57,8 @@ def gather(snapshot: JobSnapshot, layout: Layout | None = None, options: Signatu
     missing = missing_ranks(snapshot, topology, grouping, stacks)
     counters = snapshot.all_counters()
     waits = counter_waits(counters) if counters else None
-    return Evidence(snapshot, layout, options, topology, placement, stacks, grouping, missing, counters, waits)
+    return Evidence(snapshot, layout, options, topology, placement, stacks, grouping, missing, counters, waits,
+                    exiting_ranks(grouping, stacks))
 
 
 def missing_ranks(
@@ -83,4 +85,14 @@ def missing_ranks(
     return reasons
 
 
-__all__ = ["Evidence", "gather", "missing_ranks"]
+def exiting_ranks(grouping: Grouping, stacks: Mapping[int, RankStacks]) -> tuple[int, ...]:
+    """The unseen ranks whose process is gone or is leaving Python (its main thread has no Python frames)."""
+    out = []
+    for rank in grouping.unseen:
+        err = stacks[rank].main.error
+        if (err.kind == CaptureErrorKind.GONE) if err is not None else bool(stacks[rank].main.threads):
+            out.append(rank)
+    return tuple(out)
+
+
+__all__ = ["Evidence", "exiting_ranks", "gather", "missing_ranks"]

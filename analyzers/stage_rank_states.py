@@ -24,11 +24,11 @@ from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
     MAIN_LANE,
     SignatureOptions,
-    communication_kind,
     frame_text,
     is_wrapper,
 )
 from rankscope.analyzers.stage_evidence import Evidence
+from rankscope.contract.frames import communication_kind
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import (
     CaptureError,

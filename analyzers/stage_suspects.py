@@ -5,7 +5,7 @@ verdict, with the grouping it settled on, its prefix tree and the chain).
 Every group of every layout kind is scored by how well it explains the
 outlier ranks (``suspects.suspects_for``, ByteRobust §5.1); the chain's roots
 and desyncs then take the place of the groups they account for
-(``suspects.apply_chain``). When several stack groups tie for largest, the
+(``chain_suspects.apply_chain``). When several stack groups tie for largest, the
 chain decides which is healthy. Last, the "not a rank" check: every rank in
 one call with none behind names no suspect (``not_a_rank.stack_stall``), and
 every rank showing the same stacks inside one wait is itself the finding
@@ -16,11 +16,12 @@ Pure: stdlib, numpy and the snapshot contract; no I/O.
 
 from __future__ import annotations
 
-from rankscope.analyzers.findings import Suspect, Verdict
+from rankscope.analyzers.chain_suspects import apply_chain
+from rankscope.analyzers.findings import Suspect, Verdict, VerdictStatus
 from rankscope.analyzers.not_a_rank import same_stacks_stall, stack_stall
 from rankscope.analyzers.stacks import tree_from_grouping, with_dominant
 from rankscope.analyzers.stage_roots import Roots
-from rankscope.analyzers.suspects import StackAnalysis, apply_chain, headline, reason_digest, suspects_for
+from rankscope.analyzers.suspects import StackAnalysis, headline, reason_digest, suspects_for
 from rankscope.contract.ranks import compact_ranks
 
 
@@ -30,7 +31,7 @@ def suspects_of(roots: Roots) -> StackAnalysis:
     evidence = states.evidence
     chain, topology, placement, missing = roots.chain, evidence.topology, evidence.placement, evidence.missing
     grouping, counted, waits = evidence.grouping, states.counted, evidence.waits
-    notes = list(grouping.notes)
+    notes = [*grouping.notes, *([grouping.tie] if grouping.tie else [])]
     named = chain.root_ranks | {r for d in chain.desyncs for r in d.ranks}
     chosen: tuple[list[Suspect], list[set[int]]] | None = None  # the suspects of the grouping a tie settled on
 
@@ -50,7 +51,7 @@ def suspects_of(roots: Roots) -> StackAnalysis:
                 if score > best_score + 1e-9:
                     best, best_score, chosen = trial, score, (found, found_explains)
             if named:
-                notes = [n for n in notes if not n.startswith(f"{len(tied)} groups of {top} ranks tie")]
+                notes = list(grouping.notes)  # the chain's choice below replaces the lowest-rank one
                 notes.append(f"{len(tied)} groups of {top} ranks tie for largest, so no majority says which is "
                              f"healthy: the chain of waits decides (group {best.dominant[0]} taken as healthy; "
                              f"it holds no root)")
@@ -67,7 +68,7 @@ def suspects_of(roots: Roots) -> StackAnalysis:
     if missing_ranks:
         notes.append(f"{len(missing_ranks)} rank(s) could not be seen: {compact_ranks(missing_ranks)}"
                      + reason_digest(missing))
-    exiting = [r for r, why in missing.items() if why.startswith(("main thread shows no Python frames", "gone"))]
+    exiting = evidence.exiting
     if len(exiting) * 2 >= max(topology.world_size, 1):
         notes.append(f"{len(exiting)} of {topology.world_size} ranks are exiting or gone: the job looks crashed, "
                      "not hung; the launcher's log names the rank that failed first")
@@ -76,6 +77,7 @@ def suspects_of(roots: Roots) -> StackAnalysis:
                      "pass --tp/--pp/--dp (and --order) to name parallel groups")
     seen_count = sum(len(g.ranks) for g in grouping.groups)
     summary, apart = headline(grouping, suspects, explains, seen_count, notes, named)
+    status = VerdictStatus.NAMED if suspects else VerdictStatus.NO_VERDICT  # the headline's "no verdict: ..."
     stall = stack_stall(chain, range(topology.world_size), waits)
     # Counters that cover every rank and hold no open request say the device owes the hosts nothing: ranks alike
     # at a sync point are a running GPU job caught there, not a stall below them (no counters: a pasted dump).
@@ -91,10 +93,10 @@ def suspects_of(roots: Roots) -> StackAnalysis:
         # of theirs is more than a guess.
         if suspects:
             notes.append(f"set aside, every rank waits in the same call: {summary}")
-        suspects, summary, apart = [], stall.summary(), []
+        suspects, summary, apart, status = [], stall.summary(), [], VerdictStatus.NOT_A_RANK
         findings.append(stall.finding())
     verdict = Verdict(suspects=tuple(suspects), summary=summary, missing_ranks=missing_ranks, notes=tuple(notes),
-                      findings=tuple(findings), named=tuple(apart))
+                      findings=tuple(findings), named=tuple(apart), status=status)
     return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology, chain=chain)
 
 

@@ -69,7 +69,7 @@ def verdict_of(evidence: Evidence, stacks: StackAnalysis, others: Sequence[Verdi
     if not merged_with and counters is not None:
         v = verdict
         verdict = Verdict(v.suspects, v.summary, v.missing_ranks, (*v.notes, counters.summary, *counters.notes),
-                          findings=merge_findings(v, counters))
+                          findings=merge_findings(v, counters), status=v.status)
     verdict = settle(verdict, snapshot)  # "not a rank": every member of a communicator in one call, none pinned
     progress = progress_at_capture(snapshot)
     if progress is None or not progress.running:

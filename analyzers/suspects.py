@@ -35,18 +35,13 @@ vector operations per kind as a small one.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 from rankscope.analyzers.chain import (
-    DESYNC_ADVICE,
-    TERMINAL,
     Chain,
-    RankState,
-    desync_evidence,
-    desync_summary,
 )
-from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, finding_to_json
+from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
 from rankscope.analyzers.labels import group_name, summary_of
 from rankscope.analyzers.origins import Origin, origins_of
 from rankscope.analyzers.placement import Placement
@@ -54,15 +49,14 @@ from rankscope.analyzers.stacks import (
     MAIN_LANE,
     Grouping,
     PrefixNode,
-    communication_kind,
     diverging_frame,
 )
 from rankscope.analyzers.topology import (
-    DIMS,
     Topology,
     compact_machines,
     group_ids,
 )
+from rankscope.contract.frames import communication_kind
 from rankscope.contract.ranks import compact_ranks
 
 # Among equally good candidates, the kind ByteRobust evicts first.
@@ -346,103 +340,6 @@ def suspects_for(
     return suspects, explains
 
 
-def _state_words(chain: Chain, ranks: set[int]) -> str:
-    """What a suspect's root ranks are doing, in a few words."""
-    views = [chain.views[r] for r in sorted(ranks) if r in chain.views and chain.views[r].state in TERMINAL]
-    if not views:
-        return ""
-    return views[0].short()
-
-
-def _root_lines(chain: Chain, ranks: set[int], placement: Placement) -> list[str]:
-    lines: list[str] = []
-    for root in chain.roots:
-        if root.rank not in ranks:
-            continue
-        waits = sorted({chain.views[v].site or chain.views[v].frame for v in root.victims if v in chain.views})
-        where = compact_machines(placement.machines(root.victims))
-        line = (f"root: rank {root.rank} is {root.view.describe()}; {len(root.victims)} rank(s) wait on it "
-                f"(ranks {compact_ranks(root.victims)} on {where}, at {'; '.join(waits[:3])}"
-                f"{'; ...' if len(waits) > 3 else ''}): they are its victims, not suspects of their own")
-        if root.view.state in (RankState.UNREADABLE, RankState.STOPPED):
-            line += "; absence is evidence: a rank the others wait on whose stack cannot be read is the prime suspect"
-        lines.append(line)
-    return lines
-
-
-def apply_chain(
-    suspects: list[Suspect], explains: list[set[int]], chain: Chain, placement: Placement, topology: Topology,
-    grouping: Grouping,
-) -> tuple[list[Suspect], list[set[int]], list[Finding]]:
-    """Put the chain's verdict into the ranking: roots first with their victims, victims never on their own.
-
-    - a suspect holding a root gets the root's victims and a ``root:`` line;
-    - a suspect that holds no root or desync but only ranks waiting on one is dropped (one chain, one suspect);
-    - a root no suspect holds (an unreadable rank has no stack group) becomes a suspect of its own;
-    - a desync becomes one suspect of kind ``desync`` and a finding, replacing suspects inside its group.
-    """
-    roots = chain.root_ranks
-    victims = {v for r in chain.roots for v in r.victims}
-    findings: list[Finding] = []
-    out: list[tuple[Suspect, set[int]]] = []
-    for d in chain.desyncs:
-        ranks = set(d.ranks)
-        machines = placement.machines(d.ranks)
-        comm = d.communicator or ("the whole job" if d.group_kind == "world" else (
-            group_name(d.group_kind, (topology.group_index(d.group[0], d.group_kind),))))
-        summary = desync_summary(d)
-        evidence = desync_evidence(d)
-        findings.append(Finding(kind="desync", ranks=d.ranks, summary=summary, evidence=evidence,
-                                communicator=comm, advice=DESYNC_ADVICE))
-        out.append((Suspect(
-            kind=SuspectKind.DESYNC, ranks=d.ranks, machines=machines,
-            score=round(2.0 + len(d.victims) / max(topology.world_size, 1), 6),
-            evidence=(f"{summary} (ranks {compact_ranks(d.ranks)} on {compact_machines(machines)}, {comm})",
-                      *evidence, f"advice: {DESYNC_ADVICE}"),
-            sources=("stacks",), victims=d.victims, state="desync",
-            roots=() if d.tie else d.ranks,  # on a tie either side may have strayed
-            title=summary,
-        ), ranks | set(d.victims)))
-    in_desync = {r for d in chain.desyncs for r in (*d.ranks, *d.victims)}
-    held: set[int] = set()
-    for s, explained in zip(suspects, explains, strict=True):
-        members = set(s.ranks)
-        if in_desync and members <= in_desync:
-            continue  # the desync suspect speaks for these ranks
-        mine = members & roots
-        if not mine and (roots or in_desync) and (members & set(grouping.outlier_ranks)) <= victims | in_desync:
-            continue  # only ranks that wait on a root: evidence under that root
-        if mine:
-            # Every rank that waits on its roots, its own members included: they are why the group is named.
-            own_victims = tuple(sorted({v for r in chain.roots if r.rank in mine for v in r.victims} - mine))
-            lines = _root_lines(chain, mine, placement)
-            s = replace(s, evidence=(s.evidence[0], *lines, *s.evidence[1:]), victims=own_victims,
-                        state=_state_words(chain, mine), roots=tuple(sorted(mine)))
-            # The chain says who waits on whom; the layout's "mostly outliers around it" guess is not needed.
-            explained = (members & set(grouping.outlier_ranks)) | set(own_victims) | mine
-            held |= mine
-        out.append((s, explained))
-    world = max(topology.world_size, 1)
-    for root in chain.roots:
-        absent = root.view.state in (RankState.UNREADABLE, RankState.STOPPED)
-        alone = any(se[0].ranks == (root.rank,) for se in out)
-        if alone or (root.rank in held and not absent):
-            continue  # an unreadable root is named alone even inside a group: no stack group holds it
-        strong = root.view.process_state in ("D", "T", "t", "Z", "gone") or root.view.state is RankState.STOPPED
-        machines = placement.machines([root.rank])
-        out.append((Suspect(
-            kind=SuspectKind.RANK, ranks=(root.rank,), machines=machines,
-            score=round(1.0 + (0.5 if strong else 0.0) + 0.5 * len(root.victims) / world, 6),
-            evidence=(f"rank {root.rank} on {compact_machines(machines) or 'unknown machines'}: "
-                      f"{root.view.state.value} while {len(root.victims)} rank(s) wait on it",
-                      *_root_lines(chain, {root.rank}, placement)),
-            sources=("stacks",), victims=root.victims, state=_state_words(chain, {root.rank}), roots=(root.rank,),
-        ), {root.rank, *root.victims}))
-        held.add(root.rank)
-    out.sort(key=lambda se: -se[0].score)
-    return [s for s, _ in out], [e for _, e in out], findings
-
-
 def _independent_cover(suspects: list[Suspect], explains: list[set[int]], outliers: set[int]) -> list[Suspect]:
     """Suspects that together account for all outliers without overlapping, best first (greedy).
 
@@ -497,77 +394,9 @@ def headline(
     return summary_of(suspects[:1]), []
 
 
-def suspect_to_json(s: Suspect) -> dict[str, object]:
-    return {
-        "kind": str(s.kind),
-        "ranks": list(s.ranks),
-        "machines": list(s.machines),
-        "score": s.score,
-        "evidence": list(s.evidence),
-        "sources": list(s.sources),
-        "group_index": s.group_index,
-        "groups": list(s.groups),
-        "diverging_frame": s.diverging_frame,
-        "victims": list(s.victims),
-        "state": s.state,
-        "roots": list(s.roots),
-    }
-
-
-def verdict_to_json(analysis: StackAnalysis) -> dict[str, object]:
-    """The ``rankscope analyze --json`` shape: groups, dominant, outliers, suspects (most likely first)."""
-    g = analysis.grouping
-    topo = analysis.topology
-    groups = []
-    for i, group in enumerate(g.groups):
-        groups.append({
-            "index": i,
-            "size": len(group.ranks),
-            "ranks": list(group.ranks),
-            "summary": group.summary,
-            "healthy": i in g.dominant,
-            "diverging_frame": None if i in g.dominant else diverging_frame(g, group),
-            "frames": list(group.frames),
-            "lanes": [{"label": label, "frames": list(frames)} for label, frames in group.lanes],
-        })
-    v = analysis.verdict
-    return {
-        "summary": v.summary,
-        "world_size": topo.world_size,
-        "layout": {**{d: topo.size(d) for d in DIMS}, "order": "-".join(topo.order),
-                   "ranks_per_machine": topo.layout.ranks_per_machine,
-                   "from_communicators": [k for k, _ in topo.explicit], "assumed": topo.assumed},
-        "groups": groups,
-        "dominant": list(g.dominant),
-        "outliers": list(g.outliers),
-        "suspects": [suspect_to_json(s) for s in v.suspects],
-        "findings": [finding_to_json(f) for f in v.findings],
-        "chain": chain_to_json(analysis.chain) if analysis.chain is not None else None,
-        "missing_ranks": list(v.missing_ranks),
-        "notes": list(v.notes),
-    }
-
-
-def chain_to_json(chain: Chain) -> dict[str, object]:
-    """The roots the waiting ranks lead to (with their victims) and the waiters no root explains."""
-    return {
-        "roots": [{"rank": r.rank, "state": r.view.state.value, "detail": r.view.describe(),
-                   "process_state": r.view.process_state, "wchan": r.view.wchan, "victims": list(r.victims)}
-                  for r in chain.roots],
-        "desyncs": [{"group_kind": d.group_kind, "ranks": list(d.ranks), "victims": list(d.victims),
-                     "sites": [{"site": site, "ranks": list(ranks)} for site, ranks in d.sites], "tie": d.tie}
-                    for d in chain.desyncs],
-        "unexplained": list(chain.unexplained),
-    }
-
-
 __all__ = [
     "StackAnalysis",
-    "apply_chain",
-    "chain_to_json",
     "headline",
     "reason_digest",
-    "suspect_to_json",
     "suspects_for",
-    "verdict_to_json",
 ]

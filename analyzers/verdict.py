@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from rankscope.analyzers.findings import Finding, Suspect, Verdict
+from rankscope.analyzers.findings import Finding, Suspect, Verdict, VerdictStatus
 from rankscope.analyzers.labels import headline, summary_of, suspect_label
 from rankscope.contract.ranks import compact_ranks
 
@@ -48,7 +48,7 @@ def _scaled(verdict: Verdict) -> list[float]:
 def merge_verdicts(*verdicts: Verdict) -> Verdict:
     """Merge detectors' verdicts into one ranking (see the module docstring)."""
     if not verdicts:
-        return Verdict(suspects=(), summary="no verdict: no detector ran")
+        return Verdict(suspects=(), summary="no verdict: no detector ran", status=VerdictStatus.NO_VERDICT)
     if len(verdicts) == 1:
         return _folded(verdicts[0])
     entries: dict[tuple[str, tuple[int, ...]], _Entry] = {}
@@ -69,7 +69,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
                 if sc > got.scaled:
                     got.scaled, got.detector, got.suspect = sc, d, s
 
-    merged: list[tuple[Suspect, tuple[str, ...]]] = []  # each with the detectors that named it themselves
+    merged: list[_Ranked] = []
     for entry in entries.values():
         ranks = frozenset(entry.suspect.ranks)
         support = 0.0
@@ -83,18 +83,19 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
                 agreeing += [src for src in verdicts[d].suspects[0].sources or (f"detector{d}",)]
         sources = entry.sources + [s for s in agreeing if s not in entry.sources]
         evidence = list(entry.evidence)
-        if support > 0:
-            evidence.append(f"agreement: {', '.join(sorted(set(agreeing)))} also point at these ranks")
+        agreement = f"agreement: {', '.join(sorted(set(agreeing)))} also point at these ranks" if support > 0 else ""
+        if agreement:
+            evidence.append(agreement)
         s = entry.suspect
         merged.append((Suspect(
             kind=s.kind, ranks=s.ranks, machines=s.machines, score=round(entry.scaled * (1.0 + support), 6),
             evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index, groups=s.groups,
             diverging_frame=s.diverging_frame, victims=s.victims, state=s.state, roots=entry.roots, title=s.title,
-        ), tuple(entry.sources)))
+        ), tuple(entry.sources), agreement))
     # A pair of ranks a detector names for one fact (a send one never matched) whose pinned rank another detector
     # names alone, the other rank of the pair among its waiters, is that suspect told twice: the one rank goes first
     # and the pair folds into it as its victim (a layout group is kept whole: it is what over-eviction takes).
-    alone = {s.ranks: set(s.victims) for s, _ in merged if len(s.ranks) == 1 and s.victims}
+    alone = {s.ranks: set(s.victims) for s, *_ in merged if len(s.ranks) == 1 and s.victims}
 
     def told_twice(s: Suspect) -> bool:
         return (str(s.kind) == "rank" and len(s.roots) == 1 and len(s.ranks) > 1
@@ -108,17 +109,18 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
     notes = tuple(dict.fromkeys(n for v in verdicts for n in v.notes))
     if folded:
         top = folded[0]
-        summary = f"{headline(top)} ({' + '.join(top.sources)})"
+        summary, status = f"{headline(top)} ({' + '.join(top.sources)})", VerdictStatus.NAMED
     else:
-        summary = next((v.summary for v in verdicts if v.summary), "no verdict")
+        said = next((v for v in verdicts if v.summary), None)
+        summary, status = (said.summary, said.status) if said is not None else ("no verdict", VerdictStatus.NO_VERDICT)
     return Verdict(suspects=tuple(folded), summary=summary, missing_ranks=missing, notes=notes,
-                   findings=merge_findings(*verdicts))
+                   findings=merge_findings(*verdicts), status=status)
 
 
 def _folded(verdict: Verdict) -> Verdict:
     """One detector's verdict with its suspects folded the same way (a stack verdict names a rank, its TP
     group and its DP group, each holding the same root)."""
-    kept = _fold_contained([(s, s.sources) for s in verdict.suspects])
+    kept = _fold_contained([(s, s.sources, "") for s in verdict.suspects])
     if len(kept) == len(verdict.suspects):
         return verdict
     summary, named = verdict.summary, verdict.named
@@ -141,7 +143,12 @@ class _Kept:
     waiting: set[int] = field(default_factory=set)  # ranks of folded suspects that only wait on it
 
 
-def _fold_contained(ranked: list[tuple[Suspect, tuple[str, ...]]]) -> list[Suspect]:
+# A suspect of a ranking: the detectors that named it themselves, and the agreement line the merge added to its
+# evidence ("" when none did).
+_Ranked = tuple[Suspect, tuple[str, ...], str]
+
+
+def _fold_contained(ranked: list[_Ranked]) -> list[Suspect]:
     """Each suspect whose ranks all lie inside a higher-ranked suspect, or among its victims, becomes its evidence.
 
     Detectors name one fault at several sizes (the stacks a PP group and its TP
@@ -156,7 +163,7 @@ def _fold_contained(ranked: list[tuple[Suspect, tuple[str, ...]]]) -> list[Suspe
     ``ranked``: each suspect, best first, with the detectors that named it themselves.
     """
     kept: list[_Kept] = []
-    for s, named_by in ranked:
+    for s, named_by, agreement in ranked:
         ranks = set(s.ranks)
         host = next((k for k in kept
                      if ranks and ranks <= set(k.suspect.ranks) | set(k.suspect.victims)
@@ -171,7 +178,7 @@ def _fold_contained(ranked: list[tuple[Suspect, tuple[str, ...]]]) -> list[Suspe
         if not ranks <= set(k.ranks):
             host.waiting |= ranks - set(k.ranks)
         elif set(named_by) - set(host.named_by):
-            own = [f"  {e}" for e in s.evidence if e not in k.evidence and not e.startswith("agreement:")]
+            own = [f"  {e}" for e in s.evidence if e not in k.evidence and e != agreement]
             extra = [f"within it: {suspect_label(s)} named by {' + '.join(named_by)}", *own[:3]]
         else:
             host.finer += 1

@@ -129,7 +129,7 @@ class _State:
         self.polling = False  # the background thread polls at its fast pace (no wake needed)
         self.plugin = False  # NCCL's profiler plugin is ours: it times device work, the shim only counts
         self.thread: threading.Thread | None = None
-        self.originals: list[tuple[Any, str, Any]] = []  # (owner, attr, original) for uninstall
+        self.originals: list[tuple[Any, str, Any]] = []  # (owner, attr, original) of every attribute replaced
         self.dist: Any = None
         self.pg_hooks = False  # torch offers ProcessGroup.register_pre_hook / register_post_hook
         self.work_patched = False  # Work.wait / is_completed wrapped (at the first async host Work)
@@ -818,12 +818,3 @@ def shutdown() -> None:
         with contextlib.suppress(Exception):
             w.close(remove=os.environ.get(ENV_KEEP) != "1")
 
-
-def uninstall() -> None:
-    """Put every replaced attribute back (tests)."""
-    for owner, attr, old in reversed(STATE.originals):
-        with contextlib.suppress(Exception):
-            setattr(owner, attr, old)
-    STATE.originals.clear()
-    STATE.installed = False
-    STATE.work_patched = False

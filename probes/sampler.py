@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rankscope.analyzers.stack_samples import parse_collapsed
+from rankscope.contract.collapsed import parse_collapsed
 from rankscope.contract.snapshot import CaptureError, CaptureErrorKind, RankInfo, StackSampleWindow
 from rankscope.probes.pyspy import FIX_FAILED, FIX_TOOL_MISSING, classify_pyspy_failure, kill_and_reap, pyspy_binary
 

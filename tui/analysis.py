@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankscope.analyzers.analysis import analyze_job
-from rankscope.analyzers.findings import Verdict
+from rankscope.analyzers.findings import Verdict, VerdictStatus
 from rankscope.analyzers.progress import ProgressAtCapture
-from rankscope.analyzers.render import finding_lines, suspect_lines
+from rankscope.analyzers.render import headline, verdict_lines
 from rankscope.analyzers.rounds import StackRound, round_of
 from rankscope.analyzers.stacks import diverging_frame
 from rankscope.contract.ranks import compact_ranks
@@ -38,6 +38,12 @@ class GroupView:
     frames: tuple[str, ...]  # outermost first, as a person reads a call path
     signature: str
     diverging_frame: str | None = None  # where it leaves the dominant path (None for the dominant group)
+    main_part: str = ""  # the summary's main-thread part, where the summary names other threads too
+
+    @property
+    def main_summary(self) -> str:
+        """The main thread's part of ``summary`` (one legend line; view 2 shows the rest)."""
+        return self.main_part or self.summary
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +209,8 @@ def build_stack_view(snapshot: JobSnapshot, layout: Layout | None = None) -> Sta
         for i, (path, ranks) in enumerate(found)
     )
     group_of = {r: g.index for g in groups for r in g.ranks}
-    verdict = Verdict(suspects=(), summary="no verdict (analyzer unavailable)", missing_ranks=missing)
+    verdict = Verdict(suspects=(), summary="no verdict (analyzer unavailable)", missing_ranks=missing,
+                      status=VerdictStatus.NO_VERDICT)
     return StackView(groups, group_of, _tree_from_paths(paths), verdict, missing, tuple(notes))
 
 
@@ -219,7 +226,7 @@ def _from_analyzers(snapshot: JobSnapshot, layout: Layout | None, missing: tuple
         g = grouping.groups[i]
         diverges = diverging_frame(grouping, g)
         groups.append(GroupView(new_index, tuple(g.ranks), str(g.summary), tuple(g.frames), str(g.signature),
-                                diverges))
+                                diverges, g.main_summary))
     group_of = {r: g.index for g in groups for r in g.ranks}
     tree = _convert_tree(analysis.tree)
     unreadable: dict[str, list[int]] = {}
@@ -243,9 +250,7 @@ def verdict_text(view: StackView | None) -> str:
     if view is None:
         return "no capture yet"
     v = view.verdict
-    lines = [v.summary, *suspect_lines(v.suspects)]
-    if v.findings:
-        lines.extend(finding_lines(v.findings))
+    lines = [headline(v), *verdict_lines(v)]
     for ranks, why in view.unreadable:
         lines.append(f"ranks {compact_ranks(ranks, 20)}: {why}")
     if view.missing_ranks:

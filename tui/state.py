@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionState, AuditRecord
+from rankscope.analyzers.findings import VerdictStatus
 from rankscope.analyzers.progress import RHYTHM_KEPT, RHYTHM_WARMUP, HangThreshold, hang_threshold
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout
@@ -105,6 +106,8 @@ class Event:
     wall: float
     kind: str  # capture, verdict, lost, found, capture-failed, hung, resumed, restarted, evicted, action, info
     text: str
+    # A verdict that names no suspect (no verdict, or a running job's timing): shown, not kept by the journal.
+    names_nobody: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +237,7 @@ def journal_worthy(event: Event) -> bool:
     if event.kind not in JOURNAL_KINDS:
         return False
     if event.kind == "verdict":
-        return not event.text.startswith("no verdict")
+        return not event.names_nobody
     if event.kind == "action":
         return any(w in event.text for w in _FINAL_WORDS)
     return True
@@ -481,9 +484,10 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     events = [Event(now_wall, "capture", f"captured {len(d.snapshot.all_stacks())} ranks' stacks, "
                     f"{len(view.groups)} groups")]
     if running:
-        events.append(Event(now_wall, "verdict", running_capture_text(view)))
+        events.append(Event(now_wall, "verdict", running_capture_text(view), names_nobody=True))
     elif state.stacks is None or state.stacks.verdict.summary != view.verdict.summary:
-        events.append(Event(now_wall, "verdict", view.verdict.summary))
+        nobody = view.verdict.status in (VerdictStatus.NO_VERDICT, VerdictStatus.TIMING)
+        events.append(Event(now_wall, "verdict", view.verdict.summary, names_nobody=nobody))
     # Quiet ranks (no step yet in their process) caught importing are starting however long their imports take
     # on a loaded host: a capture of them named a rank "computing" in <module> (pstats.py) and aimed `e` at it.
     importing = {r for r, st in d.snapshot.all_stacks().items() if importing_stack(st)}

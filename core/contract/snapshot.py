@@ -303,7 +303,7 @@ class StackSampleWindow:
     """A few seconds of one rank's main thread sampled without pausing it, each sample classified.
 
     The agent samples with ``py-spy record --nonblocking`` and counts the
-    samples by what the thread was doing (``analyzers.stack_samples.classify``):
+    samples by what the thread was doing (``contract.frames.classify``):
     waiting in a collective or a point-to-point transfer, computing, loading
     data, or anything else. ``start_wall``/``end_wall`` are the agent's clock.
     A window that could not be sampled has no counts and an ``error``.

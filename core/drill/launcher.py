@@ -31,7 +31,7 @@ a session of its own, and dataloader workers and checkpoint writers hang off
 the ranks. So every process started here carries a marker in its
 environment (``RANKSCOPE_DRILL_RUN_ID``), inherited by all descendants, and
 ``stop`` kills the trees it knows of, then sweeps the process table for the
-marker until nothing is left.
+marker until nothing is left (``rankscope.drill.processes``).
 """
 
 from __future__ import annotations
@@ -43,14 +43,12 @@ import os
 import queue
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +56,8 @@ from typing import TYPE_CHECKING, Any
 
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import DrillLayout, machine_name
+from rankscope.drill.processes import kill_trees, signal_trees, sweep
+from rankscope.drill.spawner import SPAWNER, free_port
 from rankscope.drill.worker import RUN_ID_ENV, STORES_ENV, latest_checkpoint
 from rankscope.wire.spawn import with_parent_death_signal
 from rankscope.wire.tls import write_private
@@ -70,66 +70,6 @@ AGENT_START_TIMEOUT_S = 30.0
 NODE_LOG_SUFFIXES = (".torchrun.log", ".warm.log")
 AGENTS_AFTER_RESTART_S = 20.0  # the longest a restart's new agents wait for the job to resume before they start
 PARK_AFTER_S = 300.0  # the longest a fresh parked node waits for the restarted job to resume before it starts
-
-
-class Spawner:
-    """One thread that lives as long as this process and starts every process of every drill.
-
-    Linux sends a child its parent-death signal (the shim's PR_SET_PDEATHSIG) when the *thread* that
-    started it ends, not when its process does. A restart runs on the recovery thread (and helpers on
-    others), so every process it started -- the restarted job and its agents -- got SIGTERM whenever that
-    thread ended: it did after any round that raised until the watcher was made to go on, and still could
-    by a BaseException (grpc.aio raises CancelledError, which is no Exception, for a call it cancelled
-    itself). The drill then "shut itself down" with no message (#12). Started from this thread, they get
-    SIGTERM only when the drill's process itself ends (killed, crashed): what the signal is for.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._jobs: queue.SimpleQueue[_SpawnJob] = queue.SimpleQueue()
-
-    def run(self, start: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
-        """``start()`` called on the spawner thread; its process, or what it raised."""
-        with self._lock:
-            # Not alive in a child forked from this process (fork copies only the forking thread): start one.
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._serve, name="drill-spawner", daemon=True)
-                self._thread.start()
-        job = _SpawnJob(start)
-        self._jobs.put(job)
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        assert job.proc is not None
-        return job.proc
-
-    def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                job.proc = job.start()
-            except BaseException as exc:  # handed to the caller: this thread must never end
-                job.error = exc
-            finally:
-                job.done.set()
-
-
-@dataclass
-class _SpawnJob:
-    start: Callable[[], subprocess.Popen[bytes]]
-    proc: subprocess.Popen[bytes] | None = None
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-SPAWNER = Spawner()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +244,7 @@ class Launcher:
             raise RankscopeError(f"{len(labels)} machines given for a layout of {self.layout.machines}",
                                  "pass one machine label per node")
         if self.nodes:
-            raise RankscopeError("the job is already running", "stop_nodes() before starting it again")
+            raise RankscopeError("the job is already running", "stop the run (Launcher.stop) before starting it again")
         self.master_port = free_port()
         node_env = self.base_env()
         if env:
@@ -626,13 +566,6 @@ class Launcher:
     def node_exit_codes(self) -> dict[str, int | None]:
         return {name: n.proc.poll() for name, n in self.nodes.items()}
 
-    def stop_nodes(self) -> None:
-        """Kill the job (every node and its descendants); agents stay up."""
-        kill_trees([n.proc.pid for n in self.nodes.values()])
-        for n in self.nodes.values():
-            _reap(n.proc)
-        self.nodes.clear()
-
     # ---- agents -----------------------------------------------------------
 
     def ensure_token(self) -> Path:
@@ -869,147 +802,3 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
 def node_logs(run_dir: Path) -> list[Path]:
     """Every node log of a drill's run folder, torchrun's and parked nodes' alike, by name."""
     return sorted(p for p in (run_dir / "logs").glob("*.log") if p.name.endswith(NODE_LOG_SUFFIXES))
-
-
-def kill_trees(pids: Sequence[int], *, grace_s: float = 2.0) -> None:
-    """SIGTERM each process with all its descendants, then SIGKILL what is left after ``grace_s``."""
-    signal_trees(pids, grace_s=grace_s).finish()
-
-
-@dataclass
-class Stopping:
-    """Process trees that were sent SIGTERM and are given until ``kill_at`` (monotonic) to end by themselves.
-
-    Several such groups can be signalled one after the other and waited for
-    together: their graces run at the same time, not one after another.
-    """
-
-    procs: list[Any]  # psutil.Process
-    kill_at: float
-    grace_s: float
-
-    def finish(self) -> None:
-        """Wait until every process ended; SIGKILL what is still running at ``kill_at`` and wait for it too."""
-        import psutil
-
-        alive = _wait_dead(self.procs, max(0.0, self.kill_at - time.monotonic()))
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        _wait_dead(alive, self.grace_s)
-        self.procs = []
-
-
-def signal_trees(pids: Sequence[int], *, grace_s: float = 2.0) -> Stopping:
-    """SIGTERM each process with all its descendants, now; ``finish()`` on the result waits (and SIGKILLs).
-
-    The trees are frozen (SIGSTOP) and collected again until no new process
-    shows up before anything is terminated: a process that forks between the
-    collection and its signal (an agent starting a py-spy, torchrun a worker)
-    would leave an orphan that only the run's final sweep could find, and a
-    killed parent's children are re-parented and can no longer be found from it.
-    """
-    import psutil
-
-    procs: dict[int, psutil.Process] = {}
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            procs[pid] = psutil.Process(pid)
-    frozen: set[int] = set()
-    while pending := [p for pid, p in procs.items() if pid not in frozen]:
-        for p in pending:
-            frozen.add(p.pid)
-            with contextlib.suppress(psutil.Error):
-                p.suspend()
-        for pid in _descendants([p.pid for p in pending]):
-            with contextlib.suppress(psutil.Error):
-                procs.setdefault(pid, psutil.Process(pid))
-    for p in procs.values():
-        with contextlib.suppress(psutil.Error):
-            p.terminate()  # pending while stopped...
-            p.resume()  # ...delivered now (and a rank stopped by the thermal fault runs to die)
-    return Stopping(list(procs.values()), time.monotonic() + grace_s, grace_s)
-
-
-def _descendants(pids: Sequence[int]) -> list[int]:
-    """Every descendant of ``pids``, from one pass over the process table (psutil's ``children(recursive=True)``
-    reads the whole table once per process asked: a tenth of a second per node tree on a loaded host)."""
-    import psutil
-
-    children: dict[int, list[int]] = {}
-    for p in psutil.process_iter(["ppid"]):
-        children.setdefault(p.info["ppid"], []).append(p.pid)
-    found: list[int] = []
-    todo = list(pids)
-    seen = set(todo)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in seen:
-                seen.add(child)
-                found.append(child)
-                todo.append(child)
-    return found
-
-
-def _wait_dead(procs: Sequence[Any], timeout_s: float) -> list[Any]:
-    """Wait until every one of ``procs`` (psutil) has died or ``timeout_s`` passed; those still running.
-
-    A zombie counts as dead: a rank's child whose parent died first is left to
-    PID 1 to reap, and a container's init may do that only every second or so
-    (psutil.wait_procs counts it as alive until then: 1.2 s of each restart).
-    Our own children are left for their Popen to reap, with their exit status.
-    """
-    import psutil
-
-    deadline = time.monotonic() + timeout_s
-    pending = list(procs)
-    while True:
-        still = []
-        for p in pending:
-            with contextlib.suppress(psutil.Error):  # gone: NoSuchProcess
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    still.append(p)
-        pending = still
-        if not pending or time.monotonic() >= deadline:
-            return pending
-        time.sleep(0.02)
-
-
-def marked_processes(run_id: str) -> list[int]:
-    """Pids of live processes whose environment carries this run's marker."""
-    import psutil
-
-    found = []
-    me = os.getpid()
-    for p in psutil.process_iter(["pid"]):
-        if p.pid == me:
-            continue
-        try:
-            if p.environ().get(RUN_ID_ENV) == run_id and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p.pid)
-        except psutil.Error:
-            continue
-    return found
-
-
-def sweep(run_id: str, *, rounds: int = 5) -> list[int]:
-    """Kill every process still marked with ``run_id``; returns those it found."""
-    import psutil
-
-    killed: list[int] = []
-    for _ in range(rounds):
-        pids = marked_processes(run_id)
-        if not pids:
-            break
-        killed.extend(pids)
-        procs = []
-        for pid in pids:
-            try:
-                p = psutil.Process(pid)
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                procs.append(p)
-            except psutil.Error:
-                continue
-        psutil.wait_procs(procs, timeout=2.0)
-    return killed

@@ -436,8 +436,8 @@ class DrillSession:
         a device clocked ``factor`` times slower, and its peers wait on it. (A
         duty cycle of tens of milliseconds mostly stops the rank while it
         waits on its peers anyway, and slows a communication-bound step far
-        less than ``factor``.) Where a GPU is present the real knob is a
-        locked lower clock (``lower_gpu_clock``).
+        less than ``factor``.) The same on a GPU machine: locking a GPU's clock
+        lower needs root, which a drill does not ask for.
         """
         import os
         import signal as sig
@@ -459,33 +459,6 @@ class DrillSession:
                 os.kill(pid, sig.SIGSTOP)
                 # Woken early by a capture or the drill's end: never leave it stopped.
                 self._capturing.wait(stop_s)
-                os.kill(pid, sig.SIGCONT)
-            except ProcessLookupError:
-                return
-
-    def _throttle_once(self, pid: int, factor: float, period_s: float = 0.05) -> None:
-        """One duty cycle of a throttled device: run 1/factor of the period, stopped the rest.
-
-        Where a GPU is present the real knob is a locked lower clock
-        (``lower_gpu_clock``); on CPU the process itself is throttled. The
-        period is ``factor`` times the rank's healthy step: it runs one step's
-        worth, then is stopped ``factor - 1`` steps' worth, so its steps (and,
-        as its peers wait on it, the job's) take about ``factor`` times as
-        long. A short period (tens of ms) would mostly stop the rank while it
-        waits on its peers anyway and barely slow it.
-        """
-        import os
-        import signal as sig
-
-        run_s = period_s / factor
-        with self._throttle_lock:
-            try:
-                os.kill(pid, sig.SIGCONT)
-                if self._capturing.wait(run_s) or self._stop_event.is_set():
-                    return
-                os.kill(pid, sig.SIGSTOP)
-                # Woken early by a capture or the drill's end: never leave it stopped.
-                self._capturing.wait(period_s - run_s)
                 os.kill(pid, sig.SIGCONT)
             except ProcessLookupError:
                 return
@@ -587,18 +560,6 @@ def _pin_threads(pid: int, cpus: set[int]) -> dict[int, set[int]]:
                 before[t.id] = set(os.sched_getaffinity(t.id))
                 os.sched_setaffinity(t.id, cpus)
     return before
-
-
-def lower_gpu_clock(index: int, mhz: int) -> None:
-    """The thermal fault on a GPU machine: lock the SM clock of GPU ``index`` to ``mhz`` (needs root)."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        pynvml.nvmlDeviceSetGpuLockedClocks(handle, mhz, mhz)
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def _pin_like(pid: int, others: list[int], cpus: set[int] | None = None) -> None:

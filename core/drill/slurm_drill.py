@@ -33,8 +33,9 @@ from typing import Any
 
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan, ground_truth
-from rankscope.drill.launcher import TrainingOptions, free_port
+from rankscope.drill.launcher import TrainingOptions
 from rankscope.drill.progress import read_progress, stepped_past
+from rankscope.drill.spawner import free_port
 from rankscope.drill.worker import RUN_ID_ENV
 
 STANDBY_PARTITION = "standby"

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from rankscope.analyzers.crash_cascade import CrashEvent, CrashEvidence, CrashKind
+from rankscope.contract.crash_records import CrashEvent, CrashEvidence, CrashKind
 from rankscope.formats.log_names import file_rank
 
 _MAX_BYTES = 4 * 1024 * 1024  # read of each end of a longer file

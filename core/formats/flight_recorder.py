@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rankscope.analyzers.ccl import analyze_counters
-from rankscope.analyzers.findings import Verdict
+from rankscope.analyzers.findings import Verdict, VerdictStatus
 from rankscope.analyzers.flight_recorder import SERIOUS, FrAnalysis, analyze_dumps, parse_members, read_entry
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import (
@@ -246,13 +246,13 @@ def read_flight_recorder_dir(path: Path, layout: Layout | None) -> FlightRecorde
     machine = MachineSnapshot(MACHINE, str(path), True, now, ranks=ranks, counters=counters)
     snapshot = JobSnapshot(now, (machine,), layout=layout, notes=tuple(notes))
     verdict = analyze_counters(snapshot, layout)
-    summary = verdict.summary
+    summary, status = verdict.summary, verdict.status
     serious = [f for f in analysis.findings if f.kind in SERIOUS]
     if serious and not verdict.suspects:  # counters agree, the entries do not: say so in the headline
         others = f" (+{len(serious) - 1} more finding(s))" if len(serious) > 1 else ""
-        summary = f"flight recorder: {serious[0].summary}{others}"
+        summary, status = f"flight recorder: {serious[0].summary}{others}", VerdictStatus.NAMED
     verdict = Verdict(verdict.suspects, summary, tuple(sorted(set(verdict.missing_ranks) | set(missing))),
-                      verdict.notes + tuple(notes), findings=verdict.findings + analysis.findings)
+                      verdict.notes + tuple(notes), findings=verdict.findings + analysis.findings, status=status)
     return FlightRecorderReport(snapshot, verdict, analysis)
 
 

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.analyzers.log_evidence import (
+from rankscope.contract.log_records import (
     Fingerprint,
     FrCollective,
     InspectorRank,
@@ -472,8 +472,3 @@ def _fr_record(fr: dict[str, object]) -> FrCollective:
         missing_ranks=missing, expected_ranks=_int_set(fr.get("expected ranks")),
         culprit=int(c.group(1)) if c else None, error_type=c.group(2) if c else None,
         expected_state=c.group(3) if c else None, found_state=c.group(4) if c else None, error=err[:300])
-
-
-def merge_evidence(parts: Sequence[LogEvidence]) -> LogEvidence:
-    return LogEvidence(*(tuple(x for p in parts for x in getattr(p, f)) for f in
-                         ("watchdog", "ras", "fr", "mismatches", "inspector", "notes")))

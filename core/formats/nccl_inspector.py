@@ -19,7 +19,7 @@ import json
 import re
 from collections import deque
 
-from rankscope.analyzers.log_evidence import InspectorRank
+from rankscope.contract.log_records import InspectorRank
 
 _KEEP = 256  # durations kept per rank and communicator: enough to tell who arrives last
 _PROM = re.compile(r"^nccl_collective_exec_time_microseconds\{([^}]*)\}\s+([0-9.eE+-]+)\s*$")

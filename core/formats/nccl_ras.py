@@ -27,7 +27,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from rankscope.analyzers.log_evidence import RasComm, RasCount, RasRank, RasReport, RasRow
+from rankscope.contract.log_records import RasComm, RasCount, RasRank, RasReport, RasRow
 
 _ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([A-Z_]+)\s+([A-Z_,]+)\s*$")
 _COMM = re.compile(r"^#(\d+-\d+)\s+\(([^()\s]*)\)\s+([A-Z_,]+)\s*$")  # (a hash a paste may shorten: "78db…")

@@ -25,7 +25,7 @@ from rankscope.cli.main import main as cli_main
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import ProcessRole
 from rankscope.drill.faults import FAULTS, DrillLayout, FaultPlan, ground_truth, make_plan
-from rankscope.drill.launcher import marked_processes
+from rankscope.drill.processes import marked_processes
 from rankscope.drill.progress import ProgressWatcher, read_progress, write_progress
 from rankscope.drill.worker import RUN_ID_ENV
 
@@ -226,7 +226,7 @@ while True:  # a new child every millisecond or so, as an agent starts py-spy wi
 def test_kill_trees_leaves_no_child_a_forking_process_starts_while_it_is_being_stopped(tmp_path: Path) -> None:
     """The trees are frozen before anything is signalled: a child forked between the collection and the
     SIGTERM would be re-parented to init, out of the tree, and only the run's sweep would find it."""
-    from rankscope.drill.launcher import kill_trees
+    from rankscope.drill.processes import kill_trees
 
     run_id = f"forker-{os.getpid()}"
     env = {**os.environ, RUN_ID_ENV: run_id}
@@ -261,7 +261,7 @@ time.sleep(120)
 def test_trees_signalled_together_are_stopped_without_waiting_for_each_others_grace() -> None:
     """What a restart does: the agents are signalled first, the nodes next, and the nodes' stop does not wait
     for the agents' grace; the agents are SIGKILLed only once their own grace is over."""
-    from rankscope.drill.launcher import signal_trees
+    from rankscope.drill.processes import signal_trees
 
     stubborn = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE)
     plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -284,7 +284,7 @@ def test_trees_signalled_together_are_stopped_without_waiting_for_each_others_gr
 
 
 def test_descendants_come_from_one_reading_of_the_process_table() -> None:
-    from rankscope.drill.launcher import _descendants
+    from rankscope.drill.processes import _descendants
 
     stubborn = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE)
     try:

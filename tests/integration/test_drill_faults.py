@@ -21,7 +21,7 @@ from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
 from rankscope.cli.main import main as cli_main
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import HANG_FAULTS, DrillLayout, ground_truth, make_plan
-from rankscope.drill.launcher import marked_processes
+from rankscope.drill.processes import marked_processes
 from rankscope.drill.scoring import score_verdict
 from rankscope.drill.worker import desync_ranks
 

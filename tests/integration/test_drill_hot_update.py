@@ -37,7 +37,8 @@ from rankscope.actions.model import (
 from rankscope.drill import user_code, warm
 from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent, ranks_resumed
 from rankscope.drill.faults import DrillLayout
-from rankscope.drill.launcher import Launcher, TrainingOptions, marked_processes
+from rankscope.drill.launcher import Launcher, TrainingOptions
+from rankscope.drill.processes import marked_processes
 from rankscope.drill.progress import read_progress
 from rankscope.tui.actions import new_action_id, rollback_request, summarize, update_request
 from rankscope.wire.client import JobClient

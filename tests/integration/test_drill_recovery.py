@@ -25,7 +25,8 @@ from rankscope.analyzers.analysis import analyze_snapshot
 from rankscope.drill import warm
 from rankscope.drill.control import DrillMachines, blocked_machines, default_standbys, evict_machines
 from rankscope.drill.faults import DrillLayout, make_plan
-from rankscope.drill.launcher import Launcher, TrainingOptions, marked_processes
+from rankscope.drill.launcher import Launcher, TrainingOptions
+from rankscope.drill.processes import marked_processes
 from rankscope.drill.session import DrillConfig, DrillSession
 from rankscope.probes.discovery import discover_ranks
 

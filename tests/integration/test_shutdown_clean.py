@@ -27,7 +27,8 @@ from pathlib import Path
 from rankscope.drill.control import DrillMachines, Recovery, agents_journal
 from rankscope.drill.faults import DrillLayout
 from rankscope.actions.journal import JournalEntry
-from rankscope.drill.launcher import Launcher, TrainingOptions, kill_trees
+from rankscope.drill.launcher import Launcher, TrainingOptions
+from rankscope.drill.processes import kill_trees
 from rankscope.wire.client import JobClient, capture_once
 
 run_dir = Path(sys.argv[1])

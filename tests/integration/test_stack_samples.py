@@ -21,17 +21,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankscope.analyzers.failslow import FailSlowDetector
 from rankscope.analyzers.stack_samples import (
-    CLASSES,
     SampledWaitDetector,
     binom_cdf,
-    classify,
     find_stragglers,
     null_share,
-    parse_collapsed,
     rank_waits,
     sampling_problems,
     wilson_lower,
 )
+from rankscope.contract.collapsed import parse_collapsed
+from rankscope.contract.frames import CLASSES, classify
 from rankscope.contract.snapshot import (
     CaptureErrorKind,
     Instant,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from rankscope.drill import warm
-from rankscope.drill.launcher import kill_trees
+from rankscope.drill.processes import kill_trees
 from rankscope.probes.discovery import discover_ranks
 
 SCRIPT = """

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rankscope.analyzers.crash_cascade import CRASH_ORIGIN, CrashEvidence, CrashKind, analyze_crash
+from rankscope.analyzers.crash_cascade import CRASH_ORIGIN, analyze_crash
 from rankscope.analyzers.findings import NOT_A_RANK, SuspectKind
 from rankscope.cli.main import main
+from rankscope.contract.crash_records import CrashEvidence, CrashKind
 from rankscope.formats.crash_logs import crash_files, looks_like_crash, read_crash_logs, read_crash_text
 
 

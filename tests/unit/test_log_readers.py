@@ -14,7 +14,8 @@ import string
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankscope.analyzers.findings import NOT_A_RANK, SuspectKind, Verdict
-from rankscope.analyzers.log_evidence import LogEvidence, analyze_logs
+from rankscope.analyzers.log_evidence import analyze_logs
+from rankscope.contract.log_records import LogEvidence
 from rankscope.formats.incident_logs import log_files, read_log_text, read_logs
 from rankscope.formats.nccl_inspector import parse_inspector
 from rankscope.formats.nccl_ras import parse_ras_json, parse_ras_text

@@ -15,8 +15,10 @@ from ccl_fixtures import BARRIER, DP8, L8, PP8, TP8, Counters, with_counters
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankscope.analyzers.analysis import analyze_job
-from rankscope.analyzers.findings import NOT_A_RANK, Finding, SuspectKind, Verdict
-from rankscope.analyzers.not_a_rank import PREFIX
+from rankscope.analyzers.findings import NOT_A_RANK, Finding, SuspectKind, Verdict, VerdictStatus
+from rankscope.analyzers.findings import NOT_A_RANK_PREFIX as PREFIX
+from rankscope.analyzers.not_a_rank import settle
+from rankscope.analyzers.render import headline
 from snapshot_fixtures import machines
 from stack_fixtures import OPTIMIZER, RECV, SEND, TRAIN, rank_stacks, snapshot
 from test_async_waits import ITEM_LINE, _file, _op, _py, _rank
@@ -65,6 +67,7 @@ def test_the_stalled_stage_names_rank_6_with_every_rank_that_waits_on_it() -> No
     assert top.roots == (6,)
     assert top.victims == (0, 1, 2, 3, 4, 5, 7)  # its group's own waiting members too: 7, not 4
     assert "root rank 6 (computing; 7 ranks wait on it)" in v.summary, v.summary
+    assert v.status is VerdictStatus.NAMED
     # the stacks alone say the same
     alone = analyze_job(hang_p2p_at_6(with_ccl=False), L8).verdict
     assert alone.top is not None and alone.top.roots == (6,) and len(alone.top.victims) == 7
@@ -83,6 +86,7 @@ def test_every_rank_in_the_same_asynchronous_collective_is_not_a_rank() -> None:
     v = a.verdict
     assert v.suspects == (), [(s.ranks, s.evidence[0]) for s in v.suspects]
     assert v.summary.startswith(PREFIX + "all 2 ranks of the job (ranks 0-1) wait in the same call"), v.summary
+    assert v.status is VerdictStatus.NOT_A_RANK and headline(v) == v.summary
     stalls = [f for f in v.findings if f.kind == NOT_A_RANK]
     assert stalls and all(f.ranks == (0, 1) for f in stalls)
     assert any("launch 41" in e for f in stalls for e in f.evidence)
@@ -95,6 +99,7 @@ def test_a_lag_anywhere_is_a_rank_not_a_symmetric_stall() -> None:
     snap = with_counters(snapshot({r: _rank(r, (_py("<module>", ITEM_LINE),)) for r in (0, 1)}, 2, 2), lag)
     v = analyze_job(snap).verdict
     assert not v.summary.startswith(PREFIX) and all(f.kind != NOT_A_RANK for f in v.findings)
+    assert v.status is VerdictStatus.NAMED
     assert v.top is not None and v.top.ranks == (1,) and v.top.roots == (1,)
 
 
@@ -228,3 +233,16 @@ def test_the_one_analysis_never_raises_on_any_capture(ms: list) -> None:  # type
 
     v = analyze_job(JobSnapshot(Instant(1.0, 1.0), tuple(ms))).verdict
     assert not v.summary.startswith(PREFIX) or all(f.kind != "desync" for f in v.findings)
+
+
+def test_what_a_verdict_said_before_not_a_rank_is_kept_by_its_status_not_its_words() -> None:
+    """``settle`` keeps the replaced headline as a note unless the verdict said it had none: read from its status,
+    so a no-verdict headline in other words ("CCL counters: ...") is not kept and a named one is."""
+    stall = Finding(NOT_A_RANK, (0, 1), PREFIX + "both ranks wait in all_reduce 41")
+    quiet = Verdict((), "CCL counters: every communicator's members agree", findings=(stall,),
+                    status=VerdictStatus.NO_VERDICT)
+    said = Verdict((), "flight recorder: sizes differ", findings=(stall,))
+    for v, noted in ((quiet, False), (said, True)):
+        out = settle(v)
+        assert out.status is VerdictStatus.NOT_A_RANK and out.summary == stall.summary
+        assert (v.summary in out.notes) is noted

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from ccl_fixtures import L8, drill_desync, with_counters
 from rankscope.analyzers.analysis import analyze_job
+from rankscope.analyzers.findings import VerdictStatus
 from rankscope.analyzers.progress import MID_STEP_S, mid_step_window, progress_at_capture
 from rankscope.cli.main import main
 from rankscope.contract.bundle import Bundle, write_bundle
@@ -51,6 +52,7 @@ def test_the_verdict_of_a_running_job_is_set_aside_as_timing_and_says_what_it_se
     kept = job.verdict
     assert kept.suspects == () and kept.findings == ()
     assert kept.summary.startswith("no verdict: the job was making steps when this snapshot was taken")
+    assert kept.status is VerdictStatus.TIMING and verdict.status is VerdictStatus.NAMED
     assert kept.notes[-1] == f"set aside as timing: {verdict.summary}"
 
 

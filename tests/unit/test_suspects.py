@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from rankscope.analyzers.analysis import analyze_stacks
 from rankscope.analyzers.findings import NOT_A_RANK, SuspectKind
 from rankscope.analyzers.stacks import SignatureOptions
-from rankscope.analyzers.suspects import verdict_to_json
+from rankscope.analyzers.verdict_json import verdict_to_json
 from rankscope.contract.snapshot import CaptureErrorKind, JobSnapshot, Layout, MachineSnapshot
 from rankscope.formats.pyspy_dir import load_pyspy_dir
 from repo_paths import FIG7

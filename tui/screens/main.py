@@ -96,7 +96,7 @@ class MainScreen(Screen[None]):
         state = self._state
         groups = map_groups(state) if state is not None else {}
         g = groups.get(rank)
-        where = f"group {group_glyph(g)}: {view.groups[g].summary.split(' | ')[0]}" \
+        where = f"group {group_glyph(g)}: {view.groups[g].main_summary}" \
             if view is not None and g is not None and g < len(view.groups) else \
             ("not captured since the restart" if view is not None and not groups else "no stack")
         return f"▸ rank {rank} · {machine} · {where}"

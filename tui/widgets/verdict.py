@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from rankscope.analyzers.eviction_scope import GROUP, eviction_scope, option_line
 from rankscope.analyzers.findings import Suspect
 from rankscope.analyzers.labels import group_name, group_numbers, suspect_label
+from rankscope.analyzers.render import headline
 from rankscope.analyzers.topology import compact_machines
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import Layout
@@ -157,11 +158,11 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
         return t
     if stale is not None:
         t.append(f"verdict of {fmt_time(taken)} (stale: {stale}; s captures again): ", "bold")
-        t.append(v.summary, "dim")
+        t.append(headline(v), "dim")
     else:
         t.append("verdict: ", "bold")
         # The root on a line of its own: at 80 columns the end of one long line was cut ("root rank 2 (…").
-        head, sep, root = v.summary.partition(", root rank ")
+        head, sep, root = headline(v).partition(", root rank ")
         t.append(head, "bold red" if v.suspects else "bold")
         if sep:
             t.append(f"\n   root rank {root}", "bold red")
@@ -273,7 +274,7 @@ def legend_text(view: StackView | None, limit: int = 6, width: int | None = None
     if view is not None:
         for g in view.groups[:limit]:
             entry = Text(group_glyph(g.index), group_style(g.index))
-            entry.append(f" {len(g.ranks)}× {g.summary.split(' | ')[0]}")  # the main thread's part; 2 shows the rest
+            entry.append(f" {len(g.ranks)}× {g.main_summary}")
             entries.append(entry)
         if len(view.groups) > limit:
             entries.append(Text(f"+{len(view.groups) - limit} groups", "dim"))
@@ -292,14 +293,4 @@ def legend_text(view: StackView | None, limit: int = 6, width: int | None = None
             used += 2
         t.append_text(entry)
         used += n
-    return t
-    for g in view.groups[:limit]:
-        # One entry is not broken across lines (the legend wrapped "B 2×" from "send (…)"): no-break spaces inside.
-        t.append(group_glyph(g.index), group_style(g.index))
-        entry = f" {len(g.ranks)}× {g.summary.split(' | ')[0]}"  # the main thread's part; 2 shows the rest
-        t.append(entry.replace(" ", "\u00a0") + "  ")
-    if len(view.groups) > limit:
-        t.append(f"+{len(view.groups) - limit} groups  ", "dim")
-    t.append("  ".join(e.replace(" ", "\u00a0") for e in ("? no stack", "× lost", "↻ restarting",
-                                                          "○ not captured since a restart")), "dim")
     return t

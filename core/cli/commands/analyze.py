@@ -71,7 +71,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rankscope.analyzers.stacks import SignatureOptions
-    from rankscope.analyzers.suspects import verdict_to_json
+    from rankscope.analyzers.verdict_json import verdict_to_json
 
     sources = [x for x in (args.bundle, args.pyspy_dir, args.flight_recorder, args.op_trace, args.logs)
                if x is not None]
@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         raise RankscopeError(str(exc), LAYOUT_FIX) from None
 
     from rankscope.analyzers.findings import finding_to_json
-    from rankscope.analyzers.suspects import suspect_to_json
+    from rankscope.analyzers.render import headline
+    from rankscope.analyzers.verdict_json import suspect_to_json
 
     analysis = job.stacks
     out = verdict_to_json(analysis)
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     merged = job.verdict
     if job.merged_with:
         out["stacks_summary"] = out["summary"]
-    out["summary"] = _not_a_rank_summary(merged) or merged.summary
+    out["summary"] = headline(merged)
     out["c4_kind"] = hang_kind(merged)  # which of C4's kinds: communication hang or non-communication hang
     out["suspects"] = [suspect_to_json(s) for s in merged.suspects]
     out["findings"] = [finding_to_json(f) for f in merged.findings]
@@ -267,15 +268,6 @@ def _log_summary(args: argparse.Namespace) -> dict[str, Any]:
     return {"logs": read} if read else {}
 
 
-def _not_a_rank_summary(verdict: Any) -> str | None:
-    """With no suspect left, a "not a rank" finding is the headline (never a tie-break's pick)."""
-    from rankscope.analyzers.findings import NOT_A_RANK
-
-    if verdict.suspects:
-        return None
-    return next((f.summary for f in verdict.findings if f.kind == NOT_A_RANK), None)
-
-
 def rank_assignment(snapshot: Any) -> list[dict[str, Any]]:
     """How each rank read from saved dumps got its number: rank, machine, pid, rule, and where from."""
     out = []
@@ -325,9 +317,10 @@ def _print(out: dict[str, Any], verdict: Verdict, as_json: bool) -> None:
 def _verdict_only(verdict: Verdict, snapshot: Any, layout: Any) -> dict[str, Any]:
     """The --json shape for a source without stacks: no groups, the other detectors' suspects (``analyze_job``)."""
     from rankscope.analyzers.findings import finding_to_json
-    from rankscope.analyzers.suspects import suspect_to_json
+    from rankscope.analyzers.render import headline
+    from rankscope.analyzers.verdict_json import suspect_to_json
 
-    summary = _not_a_rank_summary(verdict) or verdict.summary
+    summary = headline(verdict)
     lay = layout
     sizes = {d: getattr(lay, d) if lay is not None else 1 for d in ("tp", "pp", "dp", "cp", "ep")}
     out = {
@@ -423,7 +416,7 @@ def _rounds(snapshots: list[Any], layout: Any, options: Any, done: dict[int, Any
     (no stacks) are no stack rounds, and a capture of ranks mid-step says so instead of naming its differences."""
     from rankscope.analyzers.analysis import analyze_job
     from rankscope.analyzers.rounds import FailSlowRounds, round_of
-    from rankscope.analyzers.suspects import suspect_to_json
+    from rankscope.analyzers.verdict_json import suspect_to_json
 
     stacked = [i for i, snap in enumerate(snapshots) if _has_stacks(snap)]
     rounds = FailSlowRounds(rounds=max(1, len(stacked)))
@@ -452,7 +445,7 @@ def _rounds(snapshots: list[Any], layout: Any, options: Any, done: dict[int, Any
 def render_text(out: dict[str, Any], verdict: Verdict) -> str:
     """The verdict for a person: headline, layout, groups, suspects with evidence (``analyzers.render``, as the
     TUI's ``y`` copies them), gaps. ``out`` is the --json shape, ``verdict`` the one verdict in it."""
-    from rankscope.analyzers.render import finding_lines, suspect_lines
+    from rankscope.analyzers.render import verdict_lines
     from rankscope.contract.snapshot import Layout
 
     lines = [f"verdict: {out['summary']}"]
@@ -477,10 +470,7 @@ def render_text(out: dict[str, Any], verdict: Verdict) -> str:
     if len(out["groups"]) > 20:
         lines.append(f"  ... {len(out['groups']) - 20} more groups (use --json)")
     lines.append("")
-    lines.extend(suspect_lines(verdict.suspects, 5))
-    if verdict.findings:
-        lines.append("")
-        lines.extend(finding_lines(verdict.findings))
+    lines.extend(verdict_lines(verdict, 5, apart=True))
     gaps = [e for e in out.get("rank_evidence", []) if not e["complete"]]
     if gaps:
         lines.append("")
