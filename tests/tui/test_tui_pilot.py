@@ -336,3 +336,20 @@ async def test_a_long_event_goes_on_in_the_rows_below_at_80_columns() -> None:
         shown = " ".join(line.split("info", 1)[-1].strip() if "info" in line else line.strip()
                          for line in screen_text(app).splitlines()[5:9])
         assert text in shown, shown
+
+
+async def test_the_ccl_view_keeps_every_column_at_80_columns() -> None:
+    # Long communicator names ("pp24 PIPELINE_MODEL_PARALLEL_GROUP") cut the header to "op" and hid "progress".
+    app = fig7_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.press("3")
+        await until(pilot, lambda: "CL min-max" in screen_text(app), 10, "the CCL table")
+        lines = screen_text(app).splitlines()
+        head = next(line for line in lines if "CL min-max" in line)
+        assert head.split()[-4:] == ["WR", "WC", "open", "progress"], head
+        row = next(line for line in lines if "pp24" in line)
+        assert "PIPELINE_MODEL_PARALLEL_GROUP" not in row and "…" in row  # the name gave up its width
+        app.main.query_one("#ccl-table").focus()
+        await pilot.press("enter")  # opened, the communicator's own table has no name column to give up
+        await until(pilot, lambda: "CL lags" in screen_text(app), 10, "the opened communicator")
