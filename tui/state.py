@@ -463,6 +463,21 @@ def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float, add
     return replace(s, actions=replace(s.actions, log=drop_notes(s.actions.log, _evicted_addresses(s))))
 
 
+def capture_text(captured: int, view: StackView) -> str:
+    """The capture's event: how many ranks' stacks came back and how many of them the analysis could compare.
+
+    "captured 4 ranks' stacks, 1 groups" stood beside "no verdict: all 1 ranks show the same stacks": three of the
+    four had no readable stack (a process exiting, a rank starting), which the verdict counts and the event did not.
+    """
+    read = sum(len(g.ranks) for g in view.groups)
+    groups = f"{len(view.groups)} group{'' if len(view.groups) == 1 else 's'}"
+    if read >= captured:
+        return f"captured {captured} ranks' stacks, {groups}"
+    why = "; ".join(f"{compact_ranks(ranks, 4)}: {reason}" for ranks, reason in view.unreadable[:2])
+    return (f"captured {captured} ranks' stacks, {read} readable in {groups}; {captured - read} could not be read"
+            + (f" ({why})" if why else ""))
+
+
 def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: float) -> AppState:
     """A capture carries stacks: fold its counters in, then its analysis, and log verdict changes.
 
@@ -478,8 +493,7 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     # progress marks, else the polls' progress counts while the job reads healthy.
     running = view.timing_not_fault if view.progress is not None else \
         health(s).kind in ("healthy", "slow") and making_steps(s)
-    events = [Event(now_wall, "capture", f"captured {len(d.snapshot.all_stacks())} ranks' stacks, "
-                    f"{len(view.groups)} groups")]
+    events = [Event(now_wall, "capture", capture_text(len(d.snapshot.all_stacks()), view))]
     if running:
         events.append(Event(now_wall, "verdict", running_capture_text(view)))
     elif state.stacks is None or state.stacks.verdict.summary != view.verdict.summary:

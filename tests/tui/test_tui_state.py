@@ -477,3 +477,27 @@ async def test_the_step_the_job_resumed_from_is_read_from_the_journal_when_the_j
         assert any("the job restarted on" in line for line in lines[first + 1:]), "newest first"
         if not read_only:  # the acting view writes its own moments; the drill's entry is not written back
             assert sum(e.text == text for e in source.story) == 1
+
+
+def test_the_capture_event_counts_the_ranks_the_verdict_could_compare() -> None:
+    """ "captured 4 ranks' stacks, 1 groups" stood beside "no verdict: all 1 ranks show the same stacks": the
+    ranks whose stacks could not be read were counted as captured."""
+    from rankscope.contract.snapshot import CaptureError, CaptureErrorKind
+
+    capture = job(T0 + 10, stacks=True, step=110, hung=True)
+    gone = CaptureError(CaptureErrorKind.GONE, "the process exited", "capture again")
+    machines = tuple(replace(m, stacks=tuple(replace(rs, main=ProcessStack(rs.main.pid, ProcessRole.MAIN, None, gone))
+                                             if rs.rank >= 4 else rs for rs in m.stacks))
+                     for m in capture.machines)
+    capture = replace(capture, machines=machines)
+    view = build_stack_view(capture, capture.layout)
+    read = sum(len(g.ranks) for g in view.groups)
+    assert read == 4, read
+    s = st.apply_capture_analyzed(st.AppState(), dg.digest(capture), view, T0 + 10)
+    event = next(e for e in s.events if e.kind == "capture")
+    assert event.text.startswith(f"captured 32 ranks' stacks, 4 readable in {len(view.groups)} group")
+    assert "28 could not be read" in event.text
+    whole = st.apply_capture_analyzed(st.AppState(), dg.digest(job(T0, stacks=True, step=110, hung=True)),
+                                      build_stack_view(job(T0, stacks=True, step=110, hung=True)), T0)
+    assert next(e for e in whole.events if e.kind == "capture").text.startswith("captured 32 ranks' stacks, ")
+    assert "could not be read" not in next(e for e in whole.events if e.kind == "capture").text
