@@ -463,18 +463,21 @@ def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float, add
     return replace(s, actions=replace(s.actions, log=drop_notes(s.actions.log, _evicted_addresses(s))))
 
 
-def capture_text(captured: int, view: StackView) -> str:
+def capture_text(captured: int, view: StackView, running: bool = False) -> str:
     """The capture's event: how many ranks' stacks came back and how many of them the analysis could compare.
 
     "captured 4 ranks' stacks, 1 groups" stood beside "no verdict: all 1 ranks show the same stacks": three of the
     four had no readable stack (a process exiting, a rank starting), which the verdict counts and the event did not.
+    ``running``: the job was making steps, so how many groups its ranks fell in is timing, and two views capturing
+    a moment apart would log different counts of one moment: no count of groups then.
     """
     read = sum(len(g.ranks) for g in view.groups)
     groups = f"{len(view.groups)} group{'' if len(view.groups) == 1 else 's'}"
+    head = f"captured {captured} ranks' stacks" + (" of a job making steps" if running else "")
     if read >= captured:
-        return f"captured {captured} ranks' stacks, {groups}"
+        return head if running else f"{head}, {groups}"
     why = "; ".join(f"{compact_ranks(ranks, 4)}: {reason}" for ranks, reason in view.unreadable[:2])
-    return (f"captured {captured} ranks' stacks, {read} readable in {groups}; {captured - read} could not be read"
+    return (f"{head}, {read} readable{'' if running else f' in {groups}'}; {captured - read} could not be read"
             + (f" ({why})" if why else ""))
 
 
@@ -493,7 +496,7 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     # progress marks, else the polls' progress counts while the job reads healthy.
     running = view.timing_not_fault if view.progress is not None else \
         health(s).kind in ("healthy", "slow") and making_steps(s)
-    events = [Event(now_wall, "capture", capture_text(len(d.snapshot.all_stacks()), view))]
+    events = [Event(now_wall, "capture", capture_text(len(d.snapshot.all_stacks()), view, running))]
     if running:
         events.append(Event(now_wall, "verdict", running_capture_text(view)))
     elif state.stacks is None or state.stacks.verdict.summary != view.verdict.summary:

@@ -296,9 +296,9 @@ def test_a_capture_of_a_job_making_steps_names_no_suspect() -> None:
     running_text = verdict_text_rich(view, flt.Filter("", frozenset()), progressing=True, taken=T0 + 48)
     hung, running = hung_text.plain, running_text.plain
     assert hung.startswith("verdict: ") and "▸" in hung and "node12" in hung
-    differences = "the one stack difference" if n == 1 else f"the {n} stack differences"
+    # No count of differences: it is timing too, and a pair capturing a moment later counted other numbers.
     assert running.startswith(f"capture of {hl.fmt_time(T0 + 48)}:\n no verdict: the job was making progress, so "
-                              f"{differences} between its ranks"), running
+                              "the differences between its ranks' stacks"), running
     assert "timing, not a fault (y copies them)" in running
     assert "▸" not in running and "node12" not in running, "no suspect of a running job is drawn"
     assert {str(span.style) for span in running_text.spans if span.start > running.index(":")} == {"dim"}
@@ -322,6 +322,8 @@ def test_a_capture_is_of_a_running_job_only_while_it_steps() -> None:
     running = st.apply_capture_analyzed(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 10)
     assert running.verdict is not None and running.verdict.running
     assert running.events[-1].kind == "verdict" and running.events[-1].text.startswith("no verdict: the job was")
+    # Two views capturing a running job a moment apart log the same words: no count of groups, which is timing.
+    assert running.events[-2].text == "captured 32 ranks' stacks of a job making steps"
     # Five seconds without a step: not hung yet (the job's rhythm of 1 s steps makes 6 s a hang), nor "healthy":
     # stalled, and not stepping.
     for i in range(10, 16):  # (the first poll of the stop still moved the operation counters)
