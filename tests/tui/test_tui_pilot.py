@@ -353,3 +353,22 @@ async def test_the_ccl_view_keeps_every_column_at_80_columns() -> None:
         app.main.query_one("#ccl-table").focus()
         await pilot.press("enter")  # opened, the communicator's own table has no name column to give up
         await until(pilot, lambda: "CL lags" in screen_text(app), 10, "the opened communicator")
+
+
+async def test_the_selected_rank_line_names_the_rank_under_the_cursor_after_ranks_move() -> None:
+    # After a restart the cell under the cursor held another rank; the line kept the one the cursor was moved to.
+    from dataclasses import replace
+
+    app = fig7_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        app.main.query_one("#rank-map").focus()
+        for key in ("j",) * 12 + ("l",):
+            await pilot.press(key)
+        await until(pilot, lambda: "▸ rank 25 · node12" in screen_text(app), 10, "the rank's line")
+        # The restarted job put its ranks in the other order on node12: rank 24 sits under the cursor now.
+        machines = tuple(replace(m, ranks=(25, 24)) if m.name == "node12" else m for m in app.state.machines)
+        app.state = replace(app.state, machines=machines)
+        app.redraw()
+        await until(pilot, lambda: "▸ rank 24 · node12" in screen_text(app), 10, "the line of the rank under it")
+        assert "▸ rank 25" not in screen_text(app)
