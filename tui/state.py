@@ -190,20 +190,24 @@ def _same_moment(events: Sequence[Event], e: Event) -> Event | None:
     """An event of ``events`` that tells the moment ``e`` tells, or None: the same words within ``ONE_STORY_S`` (a
     view's own line and the journal's copy of it, stamped a moment apart; journal kinds), or for ``ONE_STORY_KINDS`` the same
     kind with no new chapter between them."""
+    return next(iter(_same_moments(events, e)), None)
+
+
+def _same_moments(events: Sequence[Event], e: Event) -> list[Event]:
+    """Every event of ``events`` that tells the moment ``e`` tells (``_same_moment``): a view that saw one restart
+    twice (once before every agent was back, once after) has two lines the journal's one line replaces."""
+    found: list[Event] = []
     if e.kind in JOURNAL_KINDS:  # (captures repeat their words every 10 s in fail-slow mode: each is a capture)
-        same = next((o for o in events if o.kind == e.kind and o.text == e.text
-                     and abs(o.wall - e.wall) <= ONE_STORY_S), None)
-        if same is not None:
-            return same
+        found = [o for o in events if o.kind == e.kind and o.text == e.text and abs(o.wall - e.wall) <= ONE_STORY_S]
     if e.kind not in ONE_STORY_KINDS:
-        return None
+        return found
     for other in events:
-        if other.kind != e.kind or abs(other.wall - e.wall) > ONE_STORY_S:
+        if other.kind != e.kind or abs(other.wall - e.wall) > ONE_STORY_S or any(other is f for f in found):
             continue
         lo, hi = sorted((other.wall, e.wall))
         if not any(x.kind in _CHAPTERS[e.kind] and lo < x.wall < hi for x in events):
-            return other
-    return None
+            found.append(other)
+    return found
 
 
 def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
@@ -245,7 +249,7 @@ def apply_journal(state: AppState, entries: Iterable[tuple[float, str, str]]) ->
     hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so the
     views of a pair tell one story."""
     told = [Event(w, k, t) for w, k, t in entries]
-    own = {id(m) for e in told if (m := _same_moment(state.events, e)) is not None}
+    own = {id(m) for e in told for m in _same_moments(state.events, e)}
     if own:
         state = replace(state, events=tuple(e for e in state.events if id(e) not in own))
     return replace(state, events=_with_events(state, told))
@@ -351,7 +355,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
                 and marks > RHYTHM_WARMUP:
             gaps = (*gaps, clock.progress_mark - last_progress)[-RHYTHM_KEPT:]  # a hang that ended is no rhythm
         if moved and last_progress is None and state.restarts + restarted > 0:
-            events.append(Event(now_wall, "resumed", f"training runs again: first step at {fmt_time(clock.progress_mark)}"))
+            # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
+            # view, "07:53:00" in its pair), and the row's time says when.
+            events.append(Event(now_wall, "resumed", "training runs again after the restart"))
         elif moved and hung_reported:
             events.append(Event(now_wall, "resumed", "progress resumed"))
         if moved:
