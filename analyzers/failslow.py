@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -291,11 +291,13 @@ class PeerWaitTally:
 
     def __init__(self, window: int) -> None:
         self._polls: deque[set[int]] = deque(maxlen=max(1, window))
+        self._pairs: deque[set[tuple[int, int]]] = deque(maxlen=max(1, window))  # (waiter, waited on) per poll
         self._dp: dict[int, tuple[int, ...]] = {}
         self._ranks: set[int] = set()
 
     def add(self, counters: Mapping[int, RankCounters]) -> None:
         waited: set[int] = set()
+        pairs: set[tuple[int, int]] = set()
         for r, rc in counters.items():
             if rc.error is not None or rc.stale:
                 continue
@@ -306,7 +308,16 @@ class PeerWaitTally:
             for o in rc.ops:
                 if is_point_to_point(o.op):
                     waited.update(p for p in o.open_peers if p != r)
+                    pairs.update((r, p) for p in o.open_peers if p != r)
         self._polls.append(waited)
+        self._pairs.append(pairs)
+
+    def polls(self) -> int:
+        return len(self._polls)
+
+    def waits_on(self, waiters: Collection[int], waited: Collection[int]) -> int:
+        """Polls in which some rank of ``waiters`` had an open send/recv naming a rank of ``waited``."""
+        return sum(1 for pairs in self._pairs if any(a in waiters and b in waited for a, b in pairs))
 
     def blamed(self, min_polls: int, min_share: float, ratio: float) -> list[PeerWait]:
         polls = len(self._polls)
@@ -523,7 +534,41 @@ class FailSlowDetector:
                              f"{_ranges(ends)}", hits_of.get(r, 0))
             else:
                 notes.append(f"slow links on {len(links)} communicators share no rank: look at the network")
-        return targets
+        return self._without_pipeline_victims(targets, notes)
+
+    def _without_pipeline_victims(self, targets: dict[str, tuple[tuple[int, ...], str, int]],
+                                  notes: list[str]) -> dict[str, tuple[tuple[int, ...], str, int]]:
+        """Late arrivers whose lateness is their wait on a pipeline peer's machine, left out with a note.
+
+        The late-arriver test reads "spent least time in the collective" as
+        "computed slowly before it"; but a rank whose pipeline peer is slow
+        also reaches the collective late, having waited in its recv for that
+        peer (the drill's slow rank 4 made rank 1 arrive last on its own
+        data-parallel all-reduce, and view 7 alarmed on healthy machine-0).
+        Such a machine's ranks had an open send/recv naming the other
+        machine's ranks in most polls, far more often than the other way
+        round: the slow one is the one waited on.
+        """
+        cfg = self.config
+        polls = self._waits.polls()
+        if polls < cfg.p2p_min_polls or not targets:
+            return targets
+        kept = dict(targets)
+        for m in targets:
+            mine = self.store.ranks_of(m)
+            for other in self.store.machines:
+                if other == m:
+                    continue
+                theirs = self.store.ranks_of(other)
+                waited = self._waits.waits_on(mine, theirs)
+                back = self._waits.waits_on(theirs, mine)
+                if waited >= cfg.p2p_min_share * polls and waited >= cfg.p2p_ratio * max(1, back):
+                    del kept[m]
+                    notes.append(f"{m} arrives late at its collectives because it waits on {other}: its ranks "
+                                 f"waited on {other}'s (open send/recv) in {waited} of the last {polls} polls, "
+                                 f"{other}'s on it in {back}; not counted as slow compute")
+                    break
+        return kept
 
     def _ccl_flags(self, snapshot: JobSnapshot, notes: list[str]) -> list[DetectorFlag]:
         if not snapshot.all_counters():

@@ -193,20 +193,24 @@ def _same_moment(events: Sequence[Event], e: Event) -> Event | None:
     """An event of ``events`` that tells the moment ``e`` tells, or None: the same words within ``ONE_STORY_S`` (a
     view's own line and the journal's copy of it, stamped a moment apart; journal kinds), or for ``ONE_STORY_KINDS`` the same
     kind with no new chapter between them."""
+    return next(iter(_same_moments(events, e)), None)
+
+
+def _same_moments(events: Sequence[Event], e: Event) -> list[Event]:
+    """Every event of ``events`` that tells the moment ``e`` tells (``_same_moment``): a view that saw one restart
+    twice (once before every agent was back, once after) has two lines the journal's one line replaces."""
+    found: list[Event] = []
     if e.kind in JOURNAL_KINDS:  # (captures repeat their words every 10 s in fail-slow mode: each is a capture)
-        same = next((o for o in events if o.kind == e.kind and o.text == e.text
-                     and abs(o.wall - e.wall) <= ONE_STORY_S), None)
-        if same is not None:
-            return same
+        found = [o for o in events if o.kind == e.kind and o.text == e.text and abs(o.wall - e.wall) <= ONE_STORY_S]
     if e.kind not in ONE_STORY_KINDS:
-        return None
+        return found
     for other in events:
-        if other.kind != e.kind or abs(other.wall - e.wall) > ONE_STORY_S:
+        if other.kind != e.kind or abs(other.wall - e.wall) > ONE_STORY_S or any(other is f for f in found):
             continue
         lo, hi = sorted((other.wall, e.wall))
         if not any(x.kind in _CHAPTERS[e.kind] and lo < x.wall < hi for x in events):
-            return other
-    return None
+            found.append(other)
+    return found
 
 
 def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
@@ -248,7 +252,7 @@ def apply_journal(state: AppState, entries: Iterable[tuple[float, str, str]]) ->
     hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so the
     views of a pair tell one story."""
     told = [Event(w, k, t) for w, k, t in entries]
-    own = {id(m) for e in told if (m := _same_moment(state.events, e)) is not None}
+    own = {id(m) for e in told for m in _same_moments(state.events, e)}
     if own:
         state = replace(state, events=tuple(e for e in state.events if id(e) not in own))
     return replace(state, events=_with_events(state, told))
@@ -354,7 +358,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
                 and marks > RHYTHM_WARMUP:
             gaps = (*gaps, clock.progress_mark - last_progress)[-RHYTHM_KEPT:]  # a hang that ended is no rhythm
         if moved and last_progress is None and state.restarts + restarted > 0:
-            events.append(Event(now_wall, "resumed", f"training runs again: first step at {fmt_time(clock.progress_mark)}"))
+            # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
+            # view, "07:53:00" in its pair), and the row's time says when.
+            events.append(Event(now_wall, "resumed", "training runs again after the restart"))
         elif moved and hung_reported:
             events.append(Event(now_wall, "resumed", "progress resumed"))
         if moved:
@@ -466,6 +472,24 @@ def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float, add
     return replace(s, actions=replace(s.actions, log=drop_notes(s.actions.log, _evicted_addresses(s))))
 
 
+def capture_text(captured: int, view: StackView, running: bool = False) -> str:
+    """The capture's event: how many ranks' stacks came back and how many of them the analysis could compare.
+
+    "captured 4 ranks' stacks, 1 groups" stood beside "no verdict: all 1 ranks show the same stacks": three of the
+    four had no readable stack (a process exiting, a rank starting), which the verdict counts and the event did not.
+    ``running``: the job was making steps, so how many groups its ranks fell in is timing, and two views capturing
+    a moment apart would log different counts of one moment: no count of groups then.
+    """
+    read = sum(len(g.ranks) for g in view.groups)
+    groups = f"{len(view.groups)} group{'' if len(view.groups) == 1 else 's'}"
+    head = f"captured {captured} ranks' stacks" + (" of a job making steps" if running else "")
+    if read >= captured:
+        return head if running else f"{head}, {groups}"
+    why = "; ".join(f"{compact_ranks(ranks, 4)}: {reason}" for ranks, reason in view.unreadable[:2])
+    return (f"{head}, {read} readable{'' if running else f' in {groups}'}; {captured - read} could not be read"
+            + (f" ({why})" if why else ""))
+
+
 def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: float) -> AppState:
     """A capture carries stacks: fold its counters in, then its analysis, and log verdict changes.
 
@@ -481,8 +505,7 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     # progress marks, else the polls' progress counts while the job reads healthy.
     running = view.timing_not_fault if view.progress is not None else \
         health(s).kind in ("healthy", "slow") and making_steps(s)
-    events = [Event(now_wall, "capture", f"captured {len(d.snapshot.all_stacks())} ranks' stacks, "
-                    f"{len(view.groups)} groups")]
+    events = [Event(now_wall, "capture", capture_text(len(d.snapshot.all_stacks()), view, running))]
     if running:
         events.append(Event(now_wall, "verdict", running_capture_text(view), names_nobody=True))
     elif state.stacks is None or state.stacks.verdict.summary != view.verdict.summary:

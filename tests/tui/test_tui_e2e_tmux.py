@@ -25,10 +25,13 @@ as the first view does, and sees the eviction appear live.
 
 Both screens are read at every step of the incident: HUNG with the same
 "since"; after the eviction the evicted machines are evicted (never lost)
-and the standbys members; training resumes and both say healthy with the
-old verdict marked stale (`e` then says why there is nothing to evict);
-`b` and `u v2` (lazy) succeed on the new membership; the job finishes and
-both say "finished", the verdict stale. Quitting the read-only view leaves
+and the standbys members; training resumes, both views capture every running
+rank's stacks by themselves and read the same verdict (timing, not a fault:
+`e` then says why there is nothing to evict) and the same story in Events
+(each hang and restart once); `b` succeeds on the new membership and `u v2`
+(immediate) restarts the job on the new code, after which both views again
+recapture by themselves and tell the same story, the resumption on v2
+included; the job finishes and both say "finished". Quitting the read-only view leaves
 the job and the main view running; quitting the main view stops the drill.
 """
 
@@ -234,6 +237,75 @@ def confirm_modal(session: str) -> None:
     wait_screen(session, lambda t: "Run this on" not in t, 30, "the modal to close")
 
 
+def overview_verdict(text: str) -> str:
+    """The Overview's verdict lines (from "capture of"/"verdict" to the rule below them), joined."""
+    lines = text.splitlines()
+    first = next((i for i, line in enumerate(lines) if re.match(r"\s*(capture of|verdict)", line)), None)
+    if first is None:
+        return ""
+    out = []
+    for line in lines[first:first + 4]:
+        if line.strip().startswith("─"):
+            break
+        out.append(line.split("  ─")[0].strip())
+    return " ".join(out)
+
+
+def every_running_rank_captured(text: str) -> bool:
+    """The Overview shows a capture of the running job and no rank of the job's machines without its stack."""
+    if "no verdict: the job was making progress" not in text:
+        return False
+    cells = [m.group(2) for m in re.finditer(r"^ ((?:machine|standby)-\d)\s+(\S+)\s*$", text, re.M)]
+    return bool(cells) and not any("?" in c or "○" in c or "↻" in c for c in cells)
+
+
+def capture_time(text: str) -> str:
+    m = re.search(r"capture of (\d\d:\d\d:\d\d)", text)
+    return m.group(1) if m else ""
+
+
+def events_pages(target: str) -> str:
+    """Every page of the Events view, newest first, until the list ends (the screen stops changing)."""
+    seen = screen(target)
+    for _ in range(15):
+        before = screen(target)
+        tmux("send-keys", "-t", target, "PageDown")
+        deadline = time.monotonic() + 5
+        while (after := screen(target)) == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if after == before:
+            break
+        seen += after
+    tmux("send-keys", "-t", target, "Home")
+    return seen
+
+
+def story(text: str) -> list[str]:
+    """The Events rows that tell the incident (hangs, evictions, restarts, resumptions), their words only."""
+    rows = re.findall(r"^\s*(\d\d:\d\d:\d\d)\s+(hung|evicted|restarted|restarting|resumed)\s+(.*?)\s*$", text, re.M)
+    # Pages overlap: a row read twice is one row (its time too); the time itself is left out of the comparison.
+    return [f"{kind} {what}" for _, kind, what in dict.fromkeys(rows)]
+
+
+def recaptured_story(session: str, pair: str, when: str, after: str = "", version: str = "") -> None:
+    """After a restart: both views capture every running rank by themselves, read the same verdict, and their
+    Events tell the same story (each hang and restart once)."""
+    main, ro = both(session, pair, lambda t: every_running_rank_captured(t) and capture_time(t) >= after, 240,
+                    f"every running rank's stacks, captured without a key ({when})")
+    words = [v[v.index("no verdict"):] for v in (overview_verdict(main), overview_verdict(ro))]
+    assert words[0] == words[1], (main, ro)
+    stories = []
+    for target in (session, pair):
+        tmux("send-keys", "-t", target, "5")
+        wait_screen(target, lambda t: "time" in t and "event" in t, 10, f"the events ({when})")
+        if version:
+            wait_screen(target, lambda t: "resumed" in t and version in t, 120, f"the resumption on {version}")
+        stories.append(story(events_pages(target)))
+        tmux("send-keys", "-t", target, "1")
+    assert stories[0] == stories[1], stories
+    assert sum(1 for row in stories[0] if row.startswith("hung")) <= 1, stories[0]
+
+
 def _drive_and_check(session: str, run_dir: Path,
                      reference_losses: Callable[[list[int]], dict[int, dict[int, str]]]) -> None:
     # The job starts (torch imports, four torchrun nodes) and the TUI attaches with a first capture.
@@ -350,15 +422,21 @@ def _drive_and_check(session: str, run_dir: Path,
                 "the eviction results in the read-only TUI")
     tmux("send-keys", "-t", pair, "1")
 
+    # Back to the Overview (a rank's screen opened over it once while the eviction ran: esc closes it).
+    if re.search(r"^ rank \d+\s+on ", screen(session), re.M):
+        tmux("send-keys", "-t", session, "Escape")
+        wait_screen(session, lambda t: re.search(r"^ rank \d+\s+on ", t, re.M) is None, 10, "the rank screen closed")
+    tmux("send-keys", "-t", session, "1")
     # Both views: the evicted machines leave the job (evicted, never lost), the standbys carry its ranks, and
-    # training resumes; the old verdict is kept for reading, marked stale.
+    # training resumes.
     main, ro = both(session, pair, lambda t: "4/4 machines 2 evicted" in header(t) and header(t).startswith("healthy"),
                     300, "the restarted job, healthy")
     for text in (main, ro):
         assert "lost" not in header(text), header(text)
-    # A capture right after the first step is fresh until the next poll sees the job move on: then stale.
-    both(session, pair, lambda t: re.search(r"verdict of \d\d:\d\d:\d\d \(stale: ", t) is not None, 30,
-         "the verdict marked stale")
+    # Without a key press both views capture the restarted ranks once they step: every running rank has its stacks
+    # again ("machine-2 ??" stood 40 s after a restart until `s`), and a capture of a job making steps names no
+    # suspect, in the same words in both views.
+    recaptured_story(session, pair, "after the eviction")
     # A second pair attaching only now never polled the evicted agents: the hostfile names their machines.
     late = f"{session}:late"
     started = tmux("new-window", "-d", "-t", session, "-n", "late", f"env -u COLUMNS -u LINES {printed}")
@@ -369,7 +447,7 @@ def _drive_and_check(session: str, run_dir: Path,
     assert "127.0.0.1:" not in text, text  # the evicted machines by name, not by their agents' addresses
     tmux("send-keys", "-t", late, "q")
     wait_until(lambda: rank_progress(run_dir, 5) > FAULT_STEP, 900, "the restarted job did not pass the fault step")
-    tmux("send-keys", "-t", session, "e")  # a stale verdict aims nothing
+    tmux("send-keys", "-t", session, "e")  # a capture of a running job aims nothing
     wait_screen(session, lambda t: "nothing to evict now" in t, 20, "e saying why it has no target")
     tmux("send-keys", "-t", session, "4")
     # The metrics view's own column (the overview names standby-0 too: read before the switch, it passed).
@@ -380,8 +458,8 @@ def _drive_and_check(session: str, run_dir: Path,
     assert "lost" not in text, text
     tmux("send-keys", "-t", session, "1")
 
-    # `b` and `u v2` after the eviction and the restart: planned on the job's machines (the evicted agents are
-    # stopped), confirmed, carried out.
+    # `b` after the eviction and the restart: planned on the job's machines (the evicted agents are stopped),
+    # confirmed, carried out; it is what the hot-update's restart resumes from.
     tmux("send-keys", "-t", session, "b")
     text = wait_screen(session, lambda t: "Run this on" in t and "Confirm" in t, 60, "the backup plan after the restart")
     assert "no agent answered" not in text and "nothing listening" not in text and "✗" not in text, text
@@ -400,50 +478,42 @@ def _drive_and_check(session: str, run_dir: Path,
             break
         assert time.monotonic() < deadline, text
         wait_until(lambda: "still under way" not in screen(session), 30, "the notice of the running backup")
+    # `u v2`, immediate (the dialog's default): the training processes restart on the new code now.
     tmux("send-keys", "-t", session, "-l", "v2")
-    for key in ("Tab", "Down", "Enter", "BTab", "Enter"):  # lazy: applied at the next restart, none comes
-        time.sleep(0.5)
-        tmux("send-keys", "-t", session, key)
+    time.sleep(0.5)
+    tmux("send-keys", "-t", session, "Enter")
     text = wait_screen(session, lambda t: "Run this on" in t and "Confirm" in t, 60, "the hot-update plan")
-    assert "(lazy)" in text and "✗" not in text, text
+    assert "(immediate)" in text and "✗" not in text, text
     confirm_modal(session)
+    updated_at = time.strftime("%H:%M:%S", time.gmtime())
     text = wait_screen(session, lambda t: len(re.findall(r"(?:machine|standby)-\d\s+hot-update\s+succeeded", t)) == 4,
-                       120, "the hot-update results")
+                       180, "the hot-update results")
     tmux("send-keys", "-t", pair, "6")
     wait_screen(pair, lambda t: len(re.findall(r"(?:machine|standby)-\d\s+hot-update\s+succeeded", t)) == 4, 60,
                 "the hot-update in the read-only view")
     tmux("send-keys", "-t", pair, "1")
+    tmux("send-keys", "-t", session, "1")
 
-    # The job finishes: both views say so, and the verdict is a record of another time.
+    # The job restarts on v2 and resumes: both views healthy again, both recapture every running rank without a
+    # key, and both tell the restart and the resumption on v2 in the same words.
+    both(session, pair, lambda t: header(t).startswith("healthy") and "4/4 machines 2 evicted" in header(t), 300,
+         "the job healthy on v2")
+    recaptured_story(session, pair, "after the hot-update", after=updated_at, version="v2")
+
+    # The job finishes: both views say so.
     wait_until(lambda: all_done(run_dir, 8), 900, "the restarted job did not finish its steps")
     tmux("send-keys", "-t", session, "1")
-    main, ro = both(session, pair, lambda t: header(t).startswith("finished: no ranks running since"), 120,
-                    "finished")
-    for text in (main, ro):
-        assert re.search(r"verdict of \d\d:\d\d:\d\d \(stale: ", text), text
+    tmux("send-keys", "-t", pair, "1")
+    both(session, pair, lambda t: header(t).startswith("finished: no ranks running since"), 120, "finished")
     tmux("send-keys", "-t", session, "e")
     wait_screen(session, lambda t: "nothing to evict now" in t, 20, "e after the job finished")
     tmux("send-keys", "-t", session, "5")
     # Read until the line shows whole: the notice `e` just raised covers the right of the events for a few seconds.
-    joined = re.compile(r"restarted.*standby-0.*standby-1|restarted.*standby-1.*standby-0")
+    joined = re.compile(r"standby-0.*standby-1|standby-1.*standby-0")
     evicted = re.compile(r"\d\d:\d\d:\d\d\s+evicted\s+evicted machine-\d")
-    text = wait_screen(session, lambda t: "nothing to evict now" not in t, 30, "the events, the notice of e gone")
-    seen = text
-    for _ in range(15):
-        if joined.search(seen) and evicted.search(seen) and "training runs again" in seen:
-            break
-        # Newest first: what came after the recovery (the backup, the hot-update, and the lazy update the agents
-        # apply when the ranks end) can fill a screen or more; the eviction and the restart are further down.
-        # Page down until they show or the list ends (the screen stops changing).
-        before = screen(session)
-        tmux("send-keys", "-t", session, "PageDown")
-        deadline = time.monotonic() + 5
-        while (after := screen(session)) == before and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if after == before:
-            break
-        seen += after
-    assert joined.search(seen) and evicted.search(seen) and "training runs again" in seen, seen
+    wait_screen(session, lambda t: "nothing to evict now" not in t, 30, "the events, the notice of e gone")
+    seen = events_pages(session)
+    assert joined.search(seen) and evicted.search(seen) and "resumed" in seen, seen
 
     # Quitting the read-only view leaves the drill and the main view running.
     tmux("send-keys", "-t", pair, "q")
@@ -454,22 +524,28 @@ def _drive_and_check(session: str, run_dir: Path,
     tmux("send-keys", "-t", session, "1")
     wait_screen(session, lambda t: header(t).startswith("finished"), 10, "the main view still running")
 
-    # Training resumed from the backup: every rank restored the same backed-up step, from before the hang.
-    backed_up = restored_steps(run_dir)
-    assert len(backed_up) == 1, backed_up
-    resume = backed_up.pop()
+    # Training resumed from the backup: every rank restored the same backed-up step, from before the hang; the
+    # hot-update's restart restored the backup taken after the eviction.
+    backed_up = sorted(restored_steps(run_dir))
+    assert 1 <= len(backed_up) <= 2, backed_up
+    resume = backed_up[0]
     assert 0 < resume < FAULT_STEP
 
-    # Bit for bit: every step after the recovery computed exactly what a fault-free run computes.
+    # Bit for bit: every step on v1 after the recovery computed exactly what a fault-free run computes (v2 changes
+    # the losses: the steps after the hot-update's restart are its own).
     last_stage = [4, 5, 6, 7]  # rank = tp + 2*dp + 4*pp (order tp-cp-ep-dp-pp): pp=1 is the loss stage
     reference = reference_losses(last_stage)
     for rank in last_stage:
         logged = losses(run_dir, rank)
         assert [st for st, _ in logged[:FAULT_STEP]] == list(range(1, FAULT_STEP + 1))  # the steps before the hang
         after = logged[FAULT_STEP:]
-        # No step is lost beyond the backup: the restart resumes right after it, every step once ...
-        assert [st for st, _ in after] == list(range(resume + 1, STEPS + 1)), logged[FAULT_STEP - 2:]
-        # ... and bit for bit what the fault-free run computed (float hex), before and after the fault.
-        compared = [(st, loss) for st, loss in after if st <= REFERENCE_STEPS]
+        # The run on v1 resumes right after the backup, every step once, up to the hot-update's restart ...
+        v1 = after[:next((i for i in range(1, len(after)) if after[i][0] != after[i - 1][0] + 1), len(after))]
+        assert [st for st, _ in v1] == list(range(resume + 1, resume + 1 + len(v1))), logged[FAULT_STEP - 2:]
+        # ... and the run on v2 goes on from a backed-up step to the end.
+        v2 = after[len(v1):]
+        assert v2 and v2[-1][0] == STEPS and [st for st, _ in v2] == list(range(v2[0][0], STEPS + 1))
+        # ... bit for bit what the fault-free run computed (float hex), before and after the fault.
+        compared = [(st, loss) for st, loss in v1 if st <= REFERENCE_STEPS]
         assert compared and dict(compared) == {st: reference[rank][st] for st, _ in compared}
         assert all(loss == reference[rank][st] for st, loss in logged[:FAULT_STEP])

@@ -323,3 +323,21 @@ def test_during_a_hang_the_step_figures_say_they_are_the_time_since_the_last_ste
     assert f"time since the last step {view.job_step_s:.3g} s" in hung and "job step" not in hung
     assert "steps before it" not in hung
     assert f"job step {view.job_step_s:.3g} s" in summary_text(view).plain
+    # The heat map's column says so too: "machine-1 1.00 67.7" stood under "step".
+    assert heat_text(view, 80, 10, (), hung=True).plain.splitlines()[0].split()[:3] == ["machine", "×med", "stuck"]
+    assert heat_text(view, 80, 10, ()).plain.splitlines()[0].split()[:3] == ["machine", "×med", "step"]
+
+
+def test_a_suspect_whose_step_is_the_jobs_says_why() -> None:
+    """Synchronous training: the slow machine's step is every rank's. "slow: machine-2" stood beside
+    "machine-2 ×med 0.98" with no word on why."""
+    from rankscope.tui.failslow_state import EMPTY, HeatRow
+
+    rows = tuple(HeatRow(f"machine-{i}", (2 * i, 2 * i + 1), (0.98, 0.99), 0.98 + 0.01 * i, 1.2, True)
+                 for i in range(4))
+    plain = heat_text(replace(EMPTY, heat=rows), 80, 10, ("machine-2",)).plain
+    assert plain.splitlines()[-1].startswith("machine-2: its step takes as long as every rank's")
+    assert "who arrives last and who is waited on" in " ".join(plain.split())
+    assert "its step takes" not in heat_text(replace(EMPTY, heat=rows), 80, 10, ()).plain
+    slow = tuple(replace(h, ratio=1.5) if h.machine == "machine-2" else h for h in rows)
+    assert "its step takes" not in heat_text(replace(EMPTY, heat=slow), 80, 10, ("machine-2",)).plain

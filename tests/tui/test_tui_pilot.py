@@ -336,3 +336,39 @@ async def test_a_long_event_goes_on_in_the_rows_below_at_80_columns() -> None:
         shown = " ".join(line.split("info", 1)[-1].strip() if "info" in line else line.strip()
                          for line in screen_text(app).splitlines()[5:9])
         assert text in shown, shown
+
+
+async def test_the_ccl_view_keeps_every_column_at_80_columns() -> None:
+    # Long communicator names ("pp24 PIPELINE_MODEL_PARALLEL_GROUP") cut the header to "op" and hid "progress".
+    app = fig7_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        await pilot.press("3")
+        await until(pilot, lambda: "CL min-max" in screen_text(app), 10, "the CCL table")
+        lines = screen_text(app).splitlines()
+        head = next(line for line in lines if "CL min-max" in line)
+        assert head.split()[-4:] == ["WR", "WC", "open", "progress"], head
+        row = next(line for line in lines if "pp24" in line)
+        assert "PIPELINE_MODEL_PARALLEL_GROUP" not in row and "…" in row  # the name gave up its width
+        app.main.query_one("#ccl-table").focus()
+        await pilot.press("enter")  # opened, the communicator's own table has no name column to give up
+        await until(pilot, lambda: "CL lags" in screen_text(app), 10, "the opened communicator")
+
+
+async def test_the_selected_rank_line_names_the_rank_under_the_cursor_after_ranks_move() -> None:
+    # After a restart the cell under the cursor held another rank; the line kept the one the cursor was moved to.
+    from dataclasses import replace
+
+    app = fig7_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, app.loaded.is_set)
+        app.main.query_one("#rank-map").focus()
+        for key in ("j",) * 12 + ("l",):
+            await pilot.press(key)
+        await until(pilot, lambda: "▸ rank 25 · node12" in screen_text(app), 10, "the rank's line")
+        # The restarted job put its ranks in the other order on node12: rank 24 sits under the cursor now.
+        machines = tuple(replace(m, ranks=(25, 24)) if m.name == "node12" else m for m in app.state.machines)
+        app.state = replace(app.state, machines=machines)
+        app.redraw()
+        await until(pilot, lambda: "▸ rank 24 · node12" in screen_text(app), 10, "the line of the rank under it")
+        assert "▸ rank 25" not in screen_text(app)

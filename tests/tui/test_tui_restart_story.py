@@ -87,8 +87,20 @@ def test_the_ranks_own_step_durations_give_the_rhythm_from_the_first_polls() -> 
 def test_the_same_words_a_moment_apart_are_one_event() -> None:
     # "training runs again: first step at 04:47:51" twice: the view's own line and the journal's copy of the acting
     # view's, stamped milliseconds apart.
-    s = st.apply_failure(st.AppState(read_only=True), "resumed", "training runs again: first step at 00:00:09", T0 + 10)
-    s = st.apply_journal(s, [(T0 + 10.2, "resumed", "training runs again: first step at 00:00:09")])
-    assert [e.text for e in s.events] == ["training runs again: first step at 00:00:09"]
+    s = st.apply_failure(st.AppState(read_only=True), "resumed", "training runs again after the restart", T0 + 10)
+    s = st.apply_journal(s, [(T0 + 10.2, "resumed", "training runs again after the restart")])
+    assert [e.text for e in s.events] == ["training runs again after the restart"]
     s = st.apply_journal(s, [(T0 + 9.0, "resumed", "the job resumed from step 20 (the newest checkpoint)")])
     assert len(s.events) == 2, "other words are another moment"
+
+
+def test_a_restart_the_pair_saw_twice_is_told_once_in_the_journals_words() -> None:
+    # The read-only view logged the restart before every agent was back and again once they were; the journal's line
+    # replaced only the first, and the pair's Events listed the restart twice where the acting view had it once.
+    s = replace(st.AppState(read_only=True), events=(
+        st.Event(T0 + 40, "restarted", "the job restarted on node01, standby-0 (agent not back yet)"),
+        st.Event(T0 + 44, "restarted", "the job restarted on node01, standby-0")))
+    s = st.apply_journal(s, [(T0 + 41, "restarted", "the job restarted on node01, standby-0 (standby-0 joined)")])
+    assert [(e.wall - T0, e.text) for e in s.events] == [
+        (41.0, "the job restarted on node01, standby-0 (standby-0 joined)")]
+

@@ -543,7 +543,9 @@ def test_slow_rank_in_a_pipeline_is_named_confidently_by_agreeing_detectors() ->
     ops = drill_ops(lambda t: slow_rank_3(t, 5)[0], lambda t: slow_rank_3(t, 5)[1], waits)
     verdicts = run_detector(make_series(50, ops=ops, comms=drill_comms))
     ccl = {f.machine for f in verdicts[-1].flags if f.detector == "ccl"}
-    assert ccl == {"m1", "m3"}, "the whole slow replica arrives late"
+    # The whole slow replica arrives late, but m3's rank 7 only because it waited on rank 3 in its recv.
+    assert ccl == {"m1"}, "m3 waits on m1: its lateness is no slow compute"
+    assert any(n.startswith("m3 arrives late at its collectives because it waits on m1") for n in verdicts[-1].verdict.notes)
     first = next(i for i, v in enumerate(verdicts) if v.confident)
     assert all(v.machines == ("m1",) for v in verdicts[first:])
     assert set(verdicts[-1].verdict.top.sources) >= {"ccl", "p2p_wait"}  # type: ignore[union-attr]
@@ -551,3 +553,26 @@ def test_slow_rank_in_a_pipeline_is_named_confidently_by_agreeing_detectors() ->
     # Without the pipeline waits, the replica alone names no machine confidently.
     ops = drill_ops(lambda t: slow_rank_3(t, 5)[0], lambda t: slow_rank_3(t, 5)[1], base)
     assert not any(v.confident for v in run_detector(make_series(50, ops=ops, comms=drill_comms)))
+
+
+def test_a_late_arriver_waiting_on_its_slow_pipeline_peer_is_not_blamed() -> None:
+    """The drill's slow-compute at rank 4 (m2): rank 4 comes last to its gradient all-reduce, and so does
+    rank 1 (m0), which waited in its recv for rank 5, rank 4's TP partner. View 7 alarmed "● ccl m0 r1 ...
+    (slow compute)" on the healthy machine; m0's ranks wait on m2's in most polls, m2's seldom on m0's."""
+    base = healthy_waits(share=0.1)
+
+    def waits(t: int, r: int) -> int | None:
+        return PP_PEER[r] if r in (0, 1) and t % 7 != 0 else base(t, r)
+
+    ops = drill_ops(lambda t: {4, 1}, lambda t: {4} if t % 3 == 0 else set(), waits)
+    verdicts = run_detector(make_series(40, ops=ops, comms=drill_comms))
+    last = verdicts[-1]
+    assert {(f.machine, f.ranks) for f in last.flags if f.detector == "ccl"} == {("m2", (4,))}
+    note = next(n for n in last.verdict.notes if n.startswith("m0 arrives late"))
+    assert "waits on m2" in note and "not counted as slow compute" in note
+    assert last.machines == ("m2",)
+
+    # Without the waits the same lateness is blamed on both machines: the rule rests on who waits on whom.
+    ops = drill_ops(lambda t: {4, 1}, lambda t: {4} if t % 3 == 0 else set(), base)
+    alone = run_detector(make_series(40, ops=ops, comms=drill_comms))[-1]
+    assert {f.machine for f in alone.flags if f.detector == "ccl"} == {"m0", "m2"}

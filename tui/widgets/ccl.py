@@ -89,8 +89,7 @@ class CclPanel(Vertical):
             flag0: Cell = Text("!", "bold red") if c.mismatch else " "
             name0 = Text(c.comm_id + (f" {c.description}" if c.description else ""), "bold" if c.mismatch else "")
             if not c.rows:  # recorded, but no rank of it reports counters (yet): no numbers to show, say so
-                return (flag0, name0, f"{len(c.ranks)}, none reporting", "-", "-", "-", "-",
-                        Text("no counters", "dim"))
+                return (flag0, name0, str(len(c.ranks)), "-", "-", "-", "-", Text("none reporting", "dim"))
             cls = [r.cl for r in c.rows]
             wr = sum(r.wr for r in c.rows)
             wc = sum(r.wc for r in c.rows)
@@ -103,7 +102,7 @@ class CclPanel(Vertical):
             return (flag, name, f"{len(c.ranks)}{missing}", cl_text, str(wr), str(wc), open_text, sparkline(hist, 10))
 
         table.set_rows(("", "communicator", "size", "CL min-max", "WR", "WC", "open", "progress"), self._rows,
-                       render=render)
+                       render=render, shrink=1)
 
     def _show_comm(self, comm: CommView, where: Mapping[int, str]) -> None:
         table = self.query_one("#ccl-table", LineTable)

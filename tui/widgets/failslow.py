@@ -103,7 +103,9 @@ def _pack(ratios: Sequence[float | None], cells: int) -> list[float | None]:
 
 
 def heat_text(view: FailSlowView, width: int, max_rows: int, suspects: Sequence[str] = (),
-              evicted: Collection[str] = ()) -> Text:
+              evicted: Collection[str] = (), hung: bool = False) -> Text:
+    """``hung``: the step column holds each machine's time since its last step (a stuck step grows), headed
+    "stuck", never "step" ("machine-1 1.00 67.7" under "step" read as a 67.7 s step)."""
     rows = list(view.heat)
     out = Text()
     if not rows:
@@ -117,7 +119,7 @@ def heat_text(view: FailSlowView, width: int, max_rows: int, suspects: Sequence[
     name_w = min(16, max(len(h.machine) for h in rows))
     room = max(4, width - name_w - 16)
     per = max(1, math.ceil(max(len(h.ranks) for h in rows) / room))
-    out.append(f"{'machine':<{name_w}} {'×med':>5} {'step':>6}  ranks"
+    out.append(f"{'machine':<{name_w}} {'×med':>5} {'stuck' if hung else 'step':>6}  ranks"
                + (f" ({per} per cell, slowest shown)" if per > 1 else "") + "\n", "bold")
     for h in rows:
         _row(out, h, name_w, room, h.machine in suspects, h.machine in evicted)
@@ -129,6 +131,13 @@ def heat_text(view: FailSlowView, width: int, max_rows: int, suspects: Sequence[
     out.append(f" ≥{WARM_RATIO}×  ")
     out.append("■", "green")
     out.append(" normal  · unknown", "")
+    even = [h.machine for h in rows if h.machine in suspects and (h.ratio is None or h.ratio < SLOW_RATIO)]
+    if even and not hung:
+        # Synchronous training: every rank's step lasts as long as the slowest's, so the slow machine's step is the
+        # job's; "machine-2 ×med 0.98" beside "slow: machine-2" read as a contradiction.
+        out.append(f"\n{', '.join(even)}: its step takes as long as every rank's (each waits for the slowest at "
+                   "the collectives); the detectors name it by who arrives last and who is waited on "
+                   "(flags below)", "dim")
     return out
 
 
@@ -280,7 +289,8 @@ class FailSlowPanel(VerticalScroll, can_focus=True):
         width = max(40, width - 2)
         suspects = view.verdict.machines if view.verdict is not None else ()
         self.query_one("#fs-summary", Static).update(summary_text(view, hung))
-        self.query_one("#fs-heat", Static).update(heat_text(view, width, max(4, height // 3), suspects, evicted))
+        self.query_one("#fs-heat", Static).update(heat_text(view, width, max(4, height // 3), suspects, evicted,
+                                                            hung is not None))
         self.query_one("#fs-spark", Static).update(spark_text(view, width))
         self.query_one("#fs-flags", Static).update(flags_text(view))
         self.query_one("#fs-history", Static).update(history_text(view.rounds, width - 12, view.updates))

@@ -97,6 +97,7 @@ class RankMapPanel(ScrollView, can_focus=True):
         self._label_w = 0
         self._slot = 1  # cells per machine block
         self._strips: dict[int, Strip] = {}  # rendered rows, until the data, cursor or size change
+        self._announced: tuple[int | None, str | None] | None = None  # the last rank and machine said to be under it
         self._style_cache: dict[tuple[int, bool], Style] = {}
         self._style_base: Style | None = None
 
@@ -112,6 +113,10 @@ class RankMapPanel(ScrollView, can_focus=True):
         self.filter = flt if flt.active else None
         self._relayout()
         self.refresh()
+        if self._announced is not None and self._under_cursor() != self._announced:
+            # Another rank sits under the cursor now (a restart moved ranks, machines came or went): say which, or
+            # the line below the map keeps naming the rank and machine the cursor was moved to before.
+            self._announce()
 
     def on_resize(self) -> None:
         self._relayout()
@@ -163,13 +168,17 @@ class RankMapPanel(ScrollView, can_focus=True):
         self.refresh()
         self._announce()
 
-    def _announce(self) -> None:
+    def _under_cursor(self) -> tuple[int | None, str | None]:
         row, col = self.cursor
         rank = self.rank_at(row, col)
         machine = None
         if rank is not None:
             machine = self.machines[self._rows[row][col // self._slot]].name
-        self.post_message(self.CursorMoved(rank, machine))
+        return rank, machine
+
+    def _announce(self) -> None:
+        self._announced = self._under_cursor()
+        self.post_message(self.CursorMoved(*self._announced))
 
     def scroll_to_region_row(self, row: int) -> None:
         top = self.scroll_offset.y

@@ -73,18 +73,25 @@ class LineTable(ScrollView, can_focus=True):
         self.rows: Sequence[Any] = []
         self._make_cells: Callable[[Any], tuple[Cell, ...]] = _identity
         self.widths: list[int] = []
+        self._natural: list[int] = []  # each column's widest cell of the sample
+        self._shrink: int | None = None
         self.cursor_row = 0
         self._cache: dict[tuple[int, bool], Strip] = {}
 
     # -- data -------------------------------------------------------------
 
     def set_rows(self, columns: Sequence[str], rows: Sequence[Any], *, cursor: int | None = None,
-                 render: Callable[[Any], tuple[Cell, ...]] | None = None) -> None:
+                 render: Callable[[Any], tuple[Cell, ...]] | None = None, shrink: int | None = None) -> None:
         """Replace the rows; the cursor stays on the same index unless told otherwise.
 
         With ``render``, ``rows`` are records and their cells are made only
         when a row comes on screen (a 16k-row table costs one screen of cells).
+        ``shrink``: the column that gives up width (its cells end in "…") when
+        the columns are wider than the table, so the columns after it stay on
+        screen (a long communicator name pushed the CCL view's "open" off an
+        80-column screen).
         """
+        self._shrink = shrink
         self.columns = tuple(columns)
         self.rows = rows
         self._make_cells = render or _identity
@@ -94,13 +101,26 @@ class LineTable(ScrollView, can_focus=True):
                 n = cell.cell_len if isinstance(cell, Text) else cell_len(cell)
                 if n > widths[i]:
                     widths[i] = n
-        self.widths = widths
+        self._natural = widths
+        self.widths = self._fitted()
         if cursor is not None:
             self.cursor_row = cursor
         self.cursor_row = max(0, min(self.cursor_row, len(self.rows) - 1))
         self._cache.clear()
-        self.virtual_size = Size(sum(widths) + 2 * len(widths), len(self.rows) + 1)
+        self.virtual_size = Size(sum(self.widths) + 2 * len(self.widths), len(self.rows) + 1)
         self.refresh()
+
+    def _fitted(self) -> list[int]:
+        """The natural widths, the ``shrink`` column narrowed (not below its header) to fit the table's width."""
+        widths = list(self._natural)
+        room = self.size.width
+        i = self._shrink
+        if i is None or not room or i >= len(widths):
+            return widths
+        over = sum(widths) + 2 * len(widths) - room
+        if over > 0:
+            widths[i] = max(cell_len(self.columns[i]), widths[i] - over)
+        return widths
 
     # -- cursor -----------------------------------------------------------
 
@@ -181,3 +201,6 @@ class LineTable(ScrollView, can_focus=True):
 
     def on_resize(self) -> None:
         self._cache.clear()
+        if self._shrink is not None:
+            self.widths = self._fitted()
+            self.virtual_size = Size(sum(self.widths) + 2 * len(self.widths), len(self.rows) + 1)
