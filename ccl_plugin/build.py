@@ -116,8 +116,12 @@ def build_shim(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -
         raise BuildError(f"no Python headers (Python.h) in {include or 'this interpreter'}",
                          "install them (e.g. `apt-get install python3-dev`); the Python counters work without them")
     cc = _need_compiler()
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     cmd = [cc, "-O2", "-std=gnu11", "-fPIC", "-shared", "-Wall", "-fvisibility=hidden", *extra_flags,
            f"-I{include}", f"-I{source_dir()}", "-o", str(tmp), str(source)]
-    return _compile(cc, "the shim's fast path", cmd, tmp, out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return _compile(cc, "the shim's fast path", cmd, tmp, out)
+    except OSError as exc:
+        raise BuildError(f"the build cache {out.parent} cannot be written ({exc.strerror})",
+                         "set XDG_CACHE_HOME to a directory this user can write") from exc

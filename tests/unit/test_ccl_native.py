@@ -90,3 +90,14 @@ def test_its_clock_is_the_one_python_times_with(fresh: None) -> None:
     mid = module.now()
     after = time.perf_counter()
     assert before <= mid <= after
+
+
+@pytest.mark.skipif(find_compiler() is None, reason="no C compiler here")
+def test_an_unwritable_cache_falls_back_with_one_line_naming_the_fix(tmp_path: Path) -> None:
+    (tmp_path / "rankscope").write_text("a file where the cache folder would be")
+    env = {k: v for k, v in os.environ.items() if k != native.ENV_NATIVE}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    done = load_in_child(env)
+    assert done.returncode == 0 and done.stdout == "None\n", done
+    (line,) = done.stderr.splitlines()
+    assert f"the build cache {tmp_path / 'rankscope'} cannot be written" in line and "XDG_CACHE_HOME" in line, line
