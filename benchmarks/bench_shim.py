@@ -1,7 +1,7 @@
 """The CCL shim's (and NCCL profiler plugin's) cost per collective, beside a plain run, on gloo or NCCL.
 
 Run: python benchmarks/bench_shim.py [--backend gloo|nccl] [--world 1|2] [--calls 2000] [--rounds 3]
-                                     [--plugin] [--base-ref REF [--repeats 3]] [--json]
+                                     [--paths native,python] [--plugin] [--base-ref REF [--repeats 3]] [--json]
 
 The one measurement of the shim's cost per call. Each rank (started by
 torchrun) times blocks of ``--calls`` small all_reduce calls (1024 floats),
@@ -17,6 +17,11 @@ blocks synchronise the device every 100 calls and at their end, so the host
 never runs far ahead and the figure is what a step pays, the device's own time
 included. The counter writer alone (one launch and its completion, no torch)
 is timed in the same process.
+
+The shim has two paths: the native fast path (a C wrapper, built at first
+use) and the Python one it falls back to (``RANKSCOPE_CCL_NATIVE=0``, or no
+compiler). ``--paths`` runs the job once per path (both by default), each
+beside its own plain figures, and prints them side by side.
 
 After the timing the shim's counter file must settle: WC catches up with WR
 once the device is idle (the proof that completion is learned off the
@@ -78,6 +83,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     if not torch_hooks.install(Path(args.counter_dir), "bench-shim"):
         raise SystemExit("the shim did not install")
+    fast = torch_hooks.STATE.fast
     c10d = sys.modules["torch.distributed.distributed_c10d"]
     shim = c10d.all_reduce
     plain = shim.__rankscope_original__
@@ -124,7 +130,7 @@ def _worker(args: argparse.Namespace) -> int:
                 wall, cpu = block(fn, wait, is_async, args.calls)
                 best[key] = min(best.get(key, float("inf")), wall)
                 best_cpu[key] = min(best_cpu.get(key, float("inf")), cpu)
-    writer_s = writer_cost(Path(args.counter_dir) / "writer-alone", args.calls, args.rounds)
+    writer_s = writer_cost(Path(args.counter_dir) / "writer-alone", args.calls, args.rounds, fast)
     # the counters must settle once the device is idle: WC = WR, learned by the shim's poller
     from rankscope.probes.ccl_counters import read_counter_file
 
@@ -142,6 +148,7 @@ def _worker(args: argparse.Namespace) -> int:
     result = {"rank": rank, "us_per_call": {k: round(v * 1e6, 3) for k, v in best.items()},
               "cpu_us_per_call": {k: round(v * 1e6, 3) for k, v in best_cpu.items()},
               "writer_us": round(writer_s * 1e6, 3), "collectives": made, "shim_source": torch_hooks.__file__,
+              "path": "native" if fast is not None else "python",
               "shim_counts": {"cl": counts[0], "wr": counts[1], "wc": counts[2]}, "settled": settled,
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "torch": torch.__version__}
@@ -150,11 +157,11 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def writer_cost(directory: Path, calls: int, rounds: int) -> float:
+def writer_cost(directory: Path, calls: int, rounds: int, fast: Any = None) -> float:
     """The counter writer alone: best block's seconds per launch + completion of one request."""
     from rankscope.ccl_plugin.writer import CounterWriter
 
-    w = CounterWriter(directory, rank=0, world_size=1, job_id="bench-writer")
+    w = CounterWriter(directory, rank=0, world_size=1, job_id="bench-writer", fast=fast)
     try:
         s = w.slot(w.comm("0", "gloo", "", (0,)), "all_reduce")
         best = float("inf")
@@ -198,13 +205,15 @@ def run_session(code_or_args: list[str], env: dict[str, str], timeout_s: float) 
 
 
 def run_job(backend: str, world: int, calls: int, rounds: int, plugin: Path | None, tmp: Path,
-            timeout_s: float = 300.0, base: Path | None = None) -> dict[str, Any]:
+            timeout_s: float = 300.0, base: Path | None = None, path: str = "native") -> dict[str, Any]:
     """One torchrun of the worker; every rank's figures, the exit code and whether every rank reported.
 
-    ``base``: a folder whose ``rankscope`` the ranks import instead of this checkout's.
+    ``base``: a folder whose ``rankscope`` the ranks import instead of this checkout's. ``path``: the shim's
+    native fast path or its Python one.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANKSCOPE_", "NCCL_PROFILER"))}
     env["OMP_NUM_THREADS"] = "1"
+    env["RANKSCOPE_CCL_NATIVE"] = "0" if path == "python" else "1"
     if base is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(base), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if plugin is not None:
@@ -232,7 +241,7 @@ def summarize(job: dict[str, Any]) -> dict[str, Any]:
                            "collectives_per_rank": r0["collectives"], "exit_code": job["exit_code"],
                            "all_ranks_reported": job["all_ranks_reported"],
                            "counters_settled": all(r["settled"] for r in job["ranks"]),
-                           "shim_counts": r0["shim_counts"]}
+                           "shim_counts": r0["shim_counts"], "path": r0.get("path", "python")}
     for variant in ("sync", "async"):
         p, s = us.get(f"{variant}_plain"), us.get(f"{variant}_shim")
         if p and s:
@@ -244,9 +253,16 @@ def summarize(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def bench(backend: str, world: int, calls: int, rounds: int, with_plugin: bool, tmp: Path) -> dict[str, Any]:
+PATHS = ("native", "python")
+# result key of each path's run: "shim" is the path production loads where it builds
+PATH_KEYS = {"native": "shim", "python": "python_shim"}
+
+
+def bench(backend: str, world: int, calls: int, rounds: int, with_plugin: bool, tmp: Path,
+          paths: tuple[str, ...] = PATHS) -> dict[str, Any]:
     result: dict[str, Any] = {"backend": backend, "world": world, "calls_per_block": calls, "rounds": rounds}
-    result["shim"] = summarize(run_job(backend, world, calls, rounds, None, tmp))
+    for path in paths:
+        result[PATH_KEYS[path]] = summarize(run_job(backend, world, calls, rounds, None, tmp, path=path))
     if with_plugin:
         sys.path.insert(0, str(ROOT))
         from rankscope.ccl_plugin.build import BuildError, build_plugin
@@ -308,14 +324,37 @@ def compare_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+TITLES = {"shim": "native shim (plain vs the C wrapper)", "python_shim": "Python shim (plain vs the Python wrapper)",
+          "plugin": "with NCCL_PROFILER_PLUGIN"}
+
+
+def side_by_side(result: dict[str, Any]) -> list[str]:
+    """Plain, Python shim and native shim per variant: µs per call, the extra and the ratio to each run's plain."""
+    native, python = result.get("shim", {}), result.get("python_shim", {})
+    if "us_per_call" not in native or "us_per_call" not in python:
+        return []
+    lines = ["  side by side (µs per call; each shim against the plain call of its own run):"]
+    for variant in ("sync", "async"):
+        cells = [f"plain {native['us_per_call'].get(f'{variant}_plain', float('nan')):8.2f}"]
+        for label, part in (("Python shim", python), ("native shim", native)):
+            extra, ratio = part.get(f"{variant}_shim_extra_us"), part.get(f"{variant}_shim_ratio")
+            if extra is not None:
+                cells.append(f"{label} {part['us_per_call'][f'{variant}_shim']:8.2f} ({extra:+.2f}, {ratio:.3f}x)")
+        lines.append(f"    {variant:5} " + "   ".join(cells))
+    if native.get("path") != "native":
+        lines.append("    (the native run counted in Python: the fast path did not build there; see its stderr)")
+    return lines
+
+
 def report_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"all_reduce of 1024 floats, {result['backend']}, world {result['world']}, "
              f"best of {result['rounds']} blocks of {result['calls_per_block']} calls"]
-    for name in ("shim", "plugin"):
+    lines += side_by_side(result)
+    for name in ("shim", "python_shim", "plugin"):
         part = result.get(name)
         if part is None:
             continue
-        title = "shim (plain vs wrapper)" if name == "shim" else "with NCCL_PROFILER_PLUGIN"
+        title = TITLES[name]
         if "error" in part:
             lines.append(f"  {title}: ERROR {part['error']}")
             continue
@@ -349,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--paths", default=",".join(PATHS),
+                    help="the shim's paths to run, each its own job: native (the C fast path), python")
     ap.add_argument("--plugin", action="store_true", help="also run with the NCCL profiler plugin loaded")
     ap.add_argument("--base-ref", default="", help="also run the shim at this commit, alternating with this one")
     ap.add_argument("--repeats", type=int, default=3, help="runs per side with --base-ref")
@@ -358,12 +399,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)
+    paths = tuple(p for p in args.paths.split(",") if p)
+    if not paths or any(p not in PATHS for p in paths):
+        ap.error(f"--paths: a comma-separated choice of {', '.join(PATHS)} (got {args.paths!r})")
     with tempfile.TemporaryDirectory(prefix="bench-shim-") as d:
         if args.base_ref:
             result = compare(args.backend, args.world, args.calls, args.rounds, args.base_ref, args.repeats, Path(d))
             print(json.dumps(result, indent=2) if args.json else "\n".join(compare_lines(result)))
             return 0
-        result = bench(args.backend, args.world, args.calls, args.rounds, args.plugin, Path(d))
+        result = bench(args.backend, args.world, args.calls, args.rounds, args.plugin, Path(d), paths)
     print(json.dumps(result, indent=2) if args.json else "\n".join(report_lines(result)))
     return 0
 

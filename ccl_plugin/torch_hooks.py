@@ -37,7 +37,13 @@ TD is launch to completion; N (bytes/TD) goes into the ring of the last five.
 
 The per-call path is a handful of attribute and integer operations: each
 wrapper caches its (group -> op slot) resolution at first use, arguments are
-read by position, and the writer stores only the fields a call changes. The
+read by position, and the writer stores only the fields a call changes. Where
+the native fast path builds (``native``: a C extension compiled at first use),
+a collective's wrapper is a C callable that does a synchronous host call's
+whole work (flags, arguments, cached slot, launch and completion stores) and
+hands everything else (first use of a group, a payload that is not one tensor,
+an async Work, a CUDA payload) to the Python code below; otherwise that Python
+code is the wrapper. The
 background thread polls only while something is open (and a second after),
 and a call wakes it only when it sleeps.
 
@@ -62,8 +68,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+from rankscope.ccl_plugin import native
 from rankscope.ccl_plugin.writer import CounterWriter, OpSlot, Request
 from rankscope.contract.vocabulary import canonical_op, is_point_to_point
 
@@ -120,7 +128,7 @@ class _State:
         self.job_id = "job"
         self.disabled = False
         self.installed = False
-        self.tls = _ThreadFlags()
+        self.tls: Any = _ThreadFlags()  # or the fast path's ThreadFlags (use_fast)
         self.groups: dict[int, tuple[Any, int, tuple[int, ...]]] = {}  # id(pg) -> (pg, comm index, members)
         # id(work) -> (work, requests): async host Works not yet seen complete. Only single dict
         # operations touch it (atomic under the GIL), so settling needs no lock.
@@ -141,9 +149,20 @@ class _State:
         self.device_works: dict[int, tuple[Any, list[Request]]] = {}
         self.event_pool: list[Any] = []
         self.cuda: Any = None  # torch.cuda, once the first CUDA payload is seen
+        self.fast: ModuleType | None = None  # the native fast path, when it loaded (chosen at install)
 
 
 STATE = _State()
+
+
+def use_fast(fast: ModuleType | None) -> None:
+    """Count through the native fast path (``fast``) or in Python (None), before any wrapper is made.
+
+    With the fast path the per-thread "inside a wrapped call" flag is its C thread-local, which the Python
+    code reads and sets through the same attribute, so both paths see one flag.
+    """
+    STATE.fast = fast
+    STATE.tls = fast.ThreadFlags() if fast is not None else _ThreadFlags()
 
 
 def _disable(where: str, exc: BaseException) -> None:
@@ -201,7 +220,7 @@ def _ensure_writer() -> CounterWriter:
         c10d = STATE.c10d
         directory = STATE.directory or Path("/dev/shm/rankscope")
         w = CounterWriter(directory, rank=int(c10d.get_rank()), world_size=int(c10d.get_world_size()),
-                          job_id=STATE.job_id)
+                          job_id=STATE.job_id, fast=STATE.fast)
         STATE.writer = w
         _start_thread()
         try:
@@ -531,7 +550,30 @@ def _make_coll_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any
         return result
 
     wrapper.__rankscope_original__ = orig  # type: ignore[attr-defined]
-    return wrapper
+    fast = state.fast
+    if fast is None:
+        return wrapper
+
+    def post(result: Any, req: Request, on_cuda: bool, is_async: bool) -> None:
+        """After the native wrapper's call: what an async Work or a CUDA payload needs (never raises)."""
+        try:
+            if on_cuda:
+                if is_async and result is not None:
+                    _watch_on_device(result, [req])
+                else:
+                    _complete_on_device([req])
+            else:
+                _watch(result, [req])
+        except Exception as exc:
+            _disable(name, exc)
+
+    fast_wrapper: Callable[..., Any] = fast.Wrapper(
+        orig, wrapper, slots, state, tls, post, group_index=gi, group_default=gdef, payload_index=pi,
+        payload_name=payload_param, async_index=ai, async_default=adef)
+    functools.update_wrapper(fast_wrapper, orig)
+    fast_wrapper.__rankscope_original__ = orig  # type: ignore[attr-defined]
+    fast_wrapper.__rankscope_python__ = wrapper  # type: ignore[attr-defined]
+    return fast_wrapper
 
 
 def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -790,6 +832,7 @@ def install(directory: Path, job_id: str) -> bool:
             return False
         STATE.dist, STATE.c10d = dist, c10d
         STATE.plugin = plugin_loaded()
+        use_fast(native.load())
         for name in OPS:
             orig = getattr(c10d, name, None)
             if orig is None or hasattr(orig, "__rankscope_original__"):

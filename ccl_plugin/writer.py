@@ -12,10 +12,17 @@ per call, stores only the fields that call changed, through 8-byte views of
 its own bytes in the mapping (an item store costs a fraction of a
 ``struct.pack_into``). A call that changes a p2p peer rewrites the slot's whole
 dynamic part in one pack.
+
+With the native fast path loaded (``native.load()``, passed as ``fast``), every store of a slot goes through
+its C ``Slot`` (the collective wrapper in C stores through the same one): a C call holds the GIL from the
+odd seq to the even one, so no thread's store lands inside another's. The Python stores below are the
+fallback and the reference; both keep the ring's place and the per-communicator sequence numbers in memory
+both can reach (the slot's own words, an array).
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
 import mmap
@@ -27,6 +34,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from rankscope.ccl_plugin import layout as L
 
@@ -125,23 +134,21 @@ class CounterFileFull(Exception):
 
 class OpSlot:
     """One (communicator, operation) row. Its counters live in the file only (read back where a store
-    adds to them); what a store cannot read back cheaply (the ring's place, open peers) is kept here."""
+    adds to them); what a store cannot read back cheaply (open peers) is kept here."""
 
-    __slots__ = ("comm_index", "d", "index", "offset", "op", "open_peers", "q", "ring", "ring_count", "ring_next",
-                 "view")
+    __slots__ = ("comm_index", "d", "index", "native", "offset", "op", "open_peers", "q", "view")
 
     def __init__(self, index: int, comm_index: int, op: str) -> None:
         self.index = index
         self.offset = L.op_offset(index)
         self.comm_index = comm_index
         self.op = op
-        self.ring = [0.0] * L.RING_LEN  # the last RING_LEN throughputs, as stored
-        self.ring_next = self.ring_count = 0
         self.open_peers: dict[int, int] = {}  # global rank -> open requests to/from it
         # the slot's bytes in the mapping, as 8-byte words (unsigned and double); set by the writer
         self.view: memoryview | None = None
         self.q: memoryview = _NO_VIEW
         self.d: memoryview[float] = _NO_VIEW.cast("d")
+        self.native: Any = None  # the fast path's Slot over the same bytes, when it is loaded
 
 
 # A launched work request, handed back at completion to compute TD and N:
@@ -173,13 +180,15 @@ class CounterWriter:
     """Owns one rank's counter file. Thread-safe; one instance per process."""
 
     def __init__(self, directory: Path, *, rank: int, world_size: int, job_id: str,
-                 pid: int | None = None, writer_kind: int = L.WRITER_PYTHON) -> None:
+                 pid: int | None = None, writer_kind: int = L.WRITER_PYTHON, fast: ModuleType | None = None) -> None:
         self.pid = os.getpid() if pid is None else pid
         self.rank = rank
         self.path = directory / L.file_name(job_id, rank)
         self._lock = threading.Lock()
         self._comms: dict[str, int] = {}
-        self._comm_seq: list[int] = []
+        # per communicator: the last launched sequence number (an array: the fast path stores into it too)
+        self._comm_seq = array.array("Q", bytes(8 * L.MAX_COMMS))
+        self._fast = fast
         self._slots: dict[tuple[int, str], OpSlot] = {}
         self._members_used = 0
         self._steps = 0
@@ -248,7 +257,6 @@ class CounterWriter:
                              L.encode(backend, L.BACKEND_LEN), L.encode(description, L.DESC_LEN), nranks, comm_rank)
             L.SEQ.pack_into(self._mm, off, 2)  # even: complete
             self._comms[comm_id] = idx
-            self._comm_seq.append(0)
             self._publish_header()
             return idx
 
@@ -271,6 +279,8 @@ class CounterWriter:
             s.q, s.d = s.view.cast("Q"), s.view.cast("d")
             L.OP_STATIC.pack_into(self._mm, s.offset + 8, comm_index, 0, L.encode(op, L.OP_NAME_LEN))
             s.q[_SEQ] = 2  # even: complete (the dynamic part is the file's zeros)
+            if self._fast is not None:
+                s.native = self._fast.Slot(s.view, self._comm_seq, comm_index, self._wall_offset)
             self._slots[key] = s
             self._publish_header()
             return s
@@ -280,6 +290,13 @@ class CounterWriter:
     def launch(self, s: OpSlot, nbytes: int, peer: int | None = None, launch: bool = True) -> Request:
         """CL (if ``launch``) and one WR: a call issued one work request of ``nbytes``."""
         mono = _clock()
+        native = s.native
+        if native is not None:
+            if peer is None:
+                return (s, native.launch(nbytes, launch, mono), nbytes, peer, mono)
+            with self._lock:  # the open peers: one thread at a time
+                s.open_peers[peer] = s.open_peers.get(peer, 0) + 1
+                return (s, native.launch(nbytes, launch, mono, self._peers(s)), nbytes, peer, mono)
         lock = self._lock
         lock.acquire()  # not `with`: the context-manager protocol costs about as much again
         try:
@@ -306,6 +323,14 @@ class CounterWriter:
         """WC: the request finished; TD from its launch, N = bytes/TD into the ring."""
         mono = _clock()
         s, comm_seq, nbytes, peer, t0 = req
+        native = s.native
+        if native is not None:
+            if peer is None:
+                native.complete(comm_seq, nbytes, t0, mono)
+                return
+            with self._lock:
+                native.complete(comm_seq, nbytes, t0, mono, self._drop_peer(s, peer))
+            return
         dur = mono - t0
         lock = self._lock
         lock.acquire()
@@ -319,12 +344,10 @@ class CounterWriter:
             d[_DURATION] = dur
             d[_COMPLETE_WALL] = mono + self._wall_offset
             if nbytes > 0 and dur > 0:
-                i = s.ring_next
-                s.ring[i] = d[_RING + i] = nbytes / dur
-                s.ring_next = after = _RING_AFTER[i]
-                if s.ring_count < L.RING_LEN:
-                    s.ring_count += 1
-                q[_RING_POS] = after | s.ring_count << 32
+                pos = q[_RING_POS]
+                i, count = pos & 0xFFFFFFFF, pos >> 32
+                d[_RING + i] = nbytes / dur
+                q[_RING_POS] = _RING_AFTER[i] | min(count + 1, L.RING_LEN) << 32
             if peer is not None:
                 self._close_peer(s, peer)
             q[_SEQ] = odd + 1
@@ -334,6 +357,14 @@ class CounterWriter:
     def settle(self, req: Request) -> None:
         """WC without TD or N: the request is known to be over, but not when (another writer times it)."""
         s, comm_seq, _nbytes, peer, _t0 = req
+        native = s.native
+        if native is not None:
+            if peer is None:
+                native.settle(comm_seq)
+                return
+            with self._lock:
+                native.settle(comm_seq, self._drop_peer(s, peer))
+            return
         lock = self._lock
         lock.acquire()
         try:
@@ -351,15 +382,26 @@ class CounterWriter:
 
     def _close_peer(self, s: OpSlot, peer: int) -> None:
         """One request to/from ``peer`` is over (inside the slot's odd seq)."""
+        self._drop_peer(s, peer)
+        self._store_peers(s)
+
+    @staticmethod
+    def _drop_peer(s: OpSlot, peer: int) -> tuple[int, ...]:
+        """One request to/from ``peer`` is over; the open peers left, as stored."""
         left = s.open_peers.get(peer, 0) - 1
         if left > 0:
             s.open_peers[peer] = left
         else:
             s.open_peers.pop(peer, None)
-        self._store_peers(s)
+        return CounterWriter._peers(s)
+
+    @staticmethod
+    def _peers(s: OpSlot) -> tuple[int, ...]:
+        """The open peers as the file keeps them: the first MAX_OPEN_PEERS."""
+        return tuple(s.open_peers)[: L.MAX_OPEN_PEERS]
 
     def _store_peers(self, s: OpSlot) -> None:
-        peers = list(s.open_peers)[: L.MAX_OPEN_PEERS]
+        peers = self._peers(s)
         _PEERS_PACK(self._mm, s.offset + _PEERS_OFFSET, len(peers), 0, *peers, *_NO_PEERS[len(peers):])
 
     def step(self) -> None:
@@ -392,6 +434,8 @@ class CounterWriter:
                 with contextlib.suppress(OSError):
                     self.path.unlink()
             for s in self._slots.values():  # the mapping closes only once no view of it is left
+                if s.native is not None:
+                    s.native.release()
                 for view in (s.q, s.d, s.view):
                     if view is not None:
                         view.release()

@@ -18,6 +18,7 @@ from rankscope.ccl_plugin.writer import CounterWriter
 from rankscope.contract.snapshot import RankInfo
 from rankscope.probes.ccl_counters import list_counter_files, read_counter_file, read_counters
 from repo_paths import ROOT
+from shim_paths import PATHS, fast
 
 
 def test_shipped_c_header_is_generated_from_layout() -> None:
@@ -44,8 +45,9 @@ def test_c_compiler_agrees_with_python_offsets(tmp_path: Path) -> None:
     assert got == want
 
 
-def test_round_trip_of_every_field(tmp_path: Path) -> None:
-    w = CounterWriter(tmp_path, rank=5, world_size=8, job_id="jobA")
+@pytest.mark.parametrize("path", PATHS)
+def test_round_trip_of_every_field(tmp_path: Path, path: str) -> None:
+    w = CounterWriter(tmp_path, rank=5, world_size=8, job_id="jobA", fast=fast(path))
     c = w.comm("7", "gloo", "PIPELINE_MODEL_PARALLEL_GROUP", (1, 5, 9, 13))
     ar = w.slot(c, "all_reduce")
     for _ in range(3):
@@ -74,21 +76,28 @@ def test_round_trip_of_every_field(tmp_path: Path) -> None:
     assert not w.path.exists()
 
 
-def test_ring_keeps_the_last_five_oldest_first(tmp_path: Path) -> None:
-    w = CounterWriter(tmp_path, rank=0, world_size=1, job_id="ring")
+@pytest.mark.parametrize("path", PATHS)
+def test_ring_keeps_the_last_five_oldest_first(tmp_path: Path, path: str) -> None:
+    w = CounterWriter(tmp_path, rank=0, world_size=1, job_id="ring", fast=fast(path))
     s = w.slot(w.comm("0", "gloo", "", (0,)), "all_reduce")
-    for _ in range(7):
-        w.complete(w.launch(s, 100))
-    want = [x for x in s.ring[s.ring_next:] + s.ring[:s.ring_next]]
-    assert list(read_counter_file(w.path).counters.ops[0].recent_throughput) == want
+    stored = []
+    for i in range(7):
+        w.complete(w.launch(s, 100 * (i + 1)))
+        ring = L.OP.unpack_from(w._mm, s.offset)[list(L.OP_OFFSETS).index("ring"):][: L.RING_LEN]
+        stored.append(next(x for x in ring if x not in stored))  # the throughput this completion added
+    assert all(x > 0 for x in stored)
+    assert list(read_counter_file(w.path).counters.ops[0].recent_throughput) == stored[-L.RING_LEN:]
     w.close()
 
 
 HAMMER = textwrap.dedent("""
     import sys
     from pathlib import Path
+    from rankscope.ccl_plugin import native
     from rankscope.ccl_plugin.writer import CounterWriter
-    w = CounterWriter(Path(sys.argv[1]), rank=0, world_size=2, job_id="hammer")
+    fast = native.load({}) if sys.argv[2] == "native" else None
+    assert (fast is not None) == (sys.argv[2] == "native")
+    w = CounterWriter(Path(sys.argv[1]), rank=0, world_size=2, job_id="hammer", fast=fast)
     s = w.slot(w.comm("0", "gloo", "world", (0, 1)), "all_reduce")
     print("ready", flush=True)
     i = 0
@@ -98,8 +107,10 @@ HAMMER = textwrap.dedent("""
 """)
 
 
-def test_reader_in_another_process_never_sees_a_torn_slot(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", HAMMER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("path", PATHS)
+def test_reader_in_another_process_never_sees_a_torn_slot(tmp_path: Path, path: str) -> None:
+    fast(path)  # skips the native case where nothing builds it
+    proc = subprocess.Popen([sys.executable, "-c", HAMMER, str(tmp_path), path], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         path = tmp_path / L.file_name("hammer", 0)

@@ -19,6 +19,10 @@ from rankscope.ccl_plugin import autoload
 from rankscope.contract.snapshot import Instant, JobSnapshot, MachineSnapshot, RankCounters, RankInfo
 from rankscope.probes.ccl_counters import list_counter_files, read_counters
 from repo_paths import JOBS, ROOT
+from shim_paths import PATHS, fast
+
+# the environment that picks each path in a job's processes
+PATH_ENV = {"native": {"RANKSCOPE_CCL_NATIVE": "1"}, "python": {"RANKSCOPE_CCL_NATIVE": "0"}}
 
 JOB = JOBS / "ccl_job.py"
 RANKSCOPE = Path(sys.executable).parent / "rankscope"
@@ -80,9 +84,11 @@ def _ops(c: RankCounters) -> dict[tuple[str, str], tuple[int, int, int]]:
 
 
 @pytest.mark.drill
-def test_rankscope_run_counts_every_call_exactly(start_job: Callable[[dict[str, str]], Job]) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_rankscope_run_counts_every_call_exactly(start_job: Callable[[dict[str, str]], Job], path: str) -> None:
+    fast(path)
     steps = 3
-    job = start_job({"CCL_JOB_STEPS": str(steps)})
+    job = start_job({"CCL_JOB_STEPS": str(steps), **PATH_ENV[path]})
     wait_for(lambda: all((job.dir / f"ready.rank{r}").exists() for r in (0, 1)) or job.proc.poll() is not None,
              90, "both ranks to finish their steps", interval_s=0.1)
     assert job.proc.poll() is None, job.output()
@@ -206,25 +212,32 @@ CHILD = textwrap.dedent("""
     from rankscope.probes.ccl_counters import read_counter_file
     c = read_counter_file(torch_hooks.STATE.writer.path).counters
     print("ops", sorted((o.op, o.cl, o.wc) for o in c.ops), flush=True)
+    print("path", type(all_reduce).__name__, flush=True)
     def boom(*a, **k):
         raise RuntimeError("injected")
     torch_hooks.STATE.writer.launch = boom
+    torch_hooks._forget_groups()  # the next call is a first one: both paths reach the broken launch
     all_reduce(t); all_reduce(t)  # the user's calls still work after the hook breaks
     print("after", float(t[0]), flush=True)
     dist.destroy_process_group()
 """)
 
 
-def test_pth_line_patches_torch_before_user_imports_and_never_raises(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_pth_line_patches_torch_before_user_imports_and_never_raises(tmp_path: Path, path: str) -> None:
+    fast(path)  # skips the native case where nothing builds it
     site = tmp_path / "site"
     site.mkdir()
     (site / autoload.PTH_NAME).write_text(autoload.PTH_LINE)
     boot = f"import site; site.addsitedir({str(site)!r}); exec(open({str(tmp_path / 'child.py')!r}).read())"
     (tmp_path / "child.py").write_text(CHILD)
-    env = {**os.environ, **autoload.ccl_env(tmp_path / "c", "unit")}
+    env = {**os.environ, **autoload.ccl_env(tmp_path / "c", "unit"), **PATH_ENV[path]}
     on = subprocess.run([sys.executable, "-c", boot], env=env, capture_output=True, text=True, timeout=120)
     assert on.returncode == 0, on.stderr
     assert "patched True" in on.stdout
+    # the collective wrapper is the C one unless the fast path is turned off, which says so once
+    assert f"path {'Wrapper' if path == 'native' else 'function'}\n" in on.stdout
+    assert on.stderr.count("CCL counters count in Python (RANKSCOPE_CCL_NATIVE=0)") == (path == "python")
     assert ("ops [('all_gather', 1, 1), ('all_gather_into_tensor', 1, 1), ('all_reduce', 1, 1), "
             "('all_to_all_single', 1, 1), ('barrier', 1, 1), ('broadcast', 1, 1), ('gather', 1, 1), "
             "('reduce', 1, 1), ('reduce_scatter', 1, 1), ('scatter', 1, 1)]") in on.stdout

@@ -36,4 +36,22 @@ def test_a_run_where_no_rank_reported_says_so() -> None:
     assert got == {"error": "no rank reported (exit code 1)", "tail": "boom"}
     text = "\n".join(bench_shim.report_lines({"backend": "gloo", "world": 1, "rounds": 3, "calls_per_block": 2000,
                                               "shim": got}))
-    assert "shim (plain vs wrapper): ERROR no rank reported (exit code 1)" in text
+    assert "native shim (plain vs the C wrapper): ERROR no rank reported (exit code 1)" in text
+
+
+def test_plain_python_and_native_figures_stand_side_by_side() -> None:
+    native = bench_shim.summarize({"exit_code": 0, "ranks": [{**rank(0), "path": "native"}], "all_ranks_reported": True,
+                                   "tail": ""})
+    slow = {**rank(0), "us_per_call": {"sync_plain": 10.5, "sync_shim": 14.5, "async_plain": 12.5, "async_shim": 19.0},
+            "path": "python"}
+    python = bench_shim.summarize({"exit_code": 0, "ranks": [slow], "all_ranks_reported": True, "tail": ""})
+    assert (native["path"], python["path"]) == ("native", "python")
+    text = "\n".join(bench_shim.report_lines({"backend": "gloo", "world": 1, "rounds": 3, "calls_per_block": 2000,
+                                              "shim": native, "python_shim": python}))
+    assert ("    sync  plain    10.00   Python shim    14.50 (+4.00, 1.381x)   native shim    11.50 (+1.50, 1.150x)"
+            in text), text
+    assert ("    async plain    12.00   Python shim    19.00 (+6.50, 1.520x)   native shim    14.00 (+2.00, 1.167x)"
+            in text), text
+    assert "Python shim (plain vs the Python wrapper) on cpu" in text and "fast path did not build" not in text
+    text = "\n".join(bench_shim.side_by_side({"shim": {**native, "path": "python"}, "python_shim": python}))
+    assert "the native run counted in Python: the fast path did not build there" in text

@@ -20,6 +20,7 @@ from rankscope.ccl_plugin import torch_hooks
 from rankscope.ccl_plugin.torch_hooks import STATE
 from rankscope.ccl_plugin.writer import CounterWriter
 from rankscope.probes.ccl_counters import read_counter_file
+from shim_paths import PATHS, fast
 
 
 class Tensor:
@@ -86,14 +87,15 @@ def isend(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
     return Work()
 
 
-@pytest.fixture
-def shim(tmp_path: Path) -> Iterator[CounterWriter]:
+@pytest.fixture(params=PATHS)
+def shim(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[CounterWriter]:
     world = object()
     c10d = SimpleNamespace(GroupMember=SimpleNamespace(WORLD=world), get_process_group_ranks=lambda g: [0, 1],
                            get_backend=lambda g: "nccl")
     saved = {k: getattr(STATE, k) for k in ("writer", "c10d", "cuda", "disabled", "groups", "device_events",
-                                             "device_works", "event_pool")}
-    w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="dev")
+                                             "device_works", "event_pool", "fast", "tls")}
+    torch_hooks.use_fast(fast(request.param))
+    w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="dev", fast=STATE.fast)
     STATE.writer, STATE.c10d, STATE.cuda, STATE.disabled = w, c10d, Cuda, False
     STATE.groups, STATE.device_works, STATE.event_pool = {}, {}, []
     STATE.device_events = type(STATE.device_events)()

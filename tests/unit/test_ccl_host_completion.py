@@ -9,16 +9,20 @@ started: the tests call its poll step themselves, so nothing waits on time.
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from rankscope.ccl_plugin import layout as L
 from rankscope.ccl_plugin import torch_hooks
 from rankscope.ccl_plugin.torch_hooks import STATE
 from rankscope.ccl_plugin.writer import CounterWriter
 from rankscope.probes.ccl_counters import read_counter_file
+from shim_paths import PATHS, fast
 
 
 class Tensor:
@@ -50,13 +54,14 @@ def isend(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
     return Work()
 
 
-@pytest.fixture
-def shim(tmp_path: Path) -> Iterator[CounterWriter]:
+@pytest.fixture(params=PATHS)
+def shim(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[CounterWriter]:
     c10d = SimpleNamespace(GroupMember=SimpleNamespace(WORLD=object()), get_process_group_ranks=lambda g: [0, 1],
                            get_backend=lambda g: "gloo", Work=Work)
-    saved = {k: getattr(STATE, k) for k in ("writer", "c10d", "disabled", "pending", "polling", "work_patched")}
+    saved = {k: getattr(STATE, k) for k in ("writer", "c10d", "disabled", "pending", "polling", "work_patched", "fast", "tls")}
     originals = len(STATE.originals)
-    w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="host")
+    torch_hooks.use_fast(fast(request.param))
+    w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="host", fast=STATE.fast)
     STATE.writer, STATE.c10d, STATE.disabled, STATE.pending, STATE.work_patched = w, c10d, False, {}, False
     STATE.polling = False
     STATE.wake.clear()
@@ -119,3 +124,86 @@ def test_a_synchronous_call_on_the_host_completes_at_return(shim: CounterWriter)
         assert wrapped(Tensor()) is None
     assert counts(shim, "all_reduce") == (3, 3, 3)
     assert STATE.pending == {} and not STATE.polling  # nothing for the background thread to do
+
+
+class Group:
+    """A process group as the shim reads one (hashed by identity, as torch's are)."""
+
+    group_name = "pp"
+    group_desc = "PIPELINE"
+
+
+def test_every_argument_form_counts_on_its_own_group(shim: CounterWriter) -> None:
+    """Group, payload and async_op by position or keyword: each call lands on its group's row, sync or async."""
+    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    pp = Group()
+    t = Tensor()
+    for _ in range(2):  # the second round goes through the wrappers' caches
+        assert wrapped(t) is None
+        assert wrapped(t, None, pp) is None
+        assert wrapped(t, group=pp) is None
+        assert wrapped(tensor=t, group=pp, async_op=False) is None
+        work = wrapped(t, None, None, True)
+        assert isinstance(work, Work) and not work.done
+        work.wait()
+        wrapped(t, None, pp, async_op=True).wait()
+    got = read_counter_file(shim.path).counters
+    comm_of = {i: c.comm_id for i, c in enumerate(got.communicators)}
+    rows = {(c.comm_id, o.op): (o.cl, o.wr, o.wc, o.bytes_total) for c in got.communicators for o in got.ops
+            if o.comm_id == c.comm_id}
+    assert sorted(comm_of.values())[-1] == "pp"
+    world = next(c for c in comm_of.values() if c != "pp")
+    assert rows == {(world, "all_reduce"): (4, 4, 4, 4 * 64), ("pp", "all_reduce"): (8, 8, 8, 8 * 64)}
+    assert not STATE.disabled
+
+
+def broken(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+    raise RuntimeError("Connection closed by peer")
+
+
+def test_a_failing_call_closes_its_request_and_raises_the_users_error(shim: CounterWriter) -> None:
+    wrapped = torch_hooks._make_wrapper("all_reduce", broken)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            wrapped(Tensor())
+    assert counts(shim, "all_reduce") == (3, 3, 3)  # nothing left looking in flight
+    assert not STATE.disabled and not STATE.tls.depth
+
+
+def test_the_poller_completing_while_calls_launch_never_tears_a_slot(shim: CounterWriter) -> None:
+    """The background thread's completions and the caller's launches and completions share one slot.
+
+    Both threads store into it at once (a thread switch after every few bytecodes); a store landing inside
+    another's would lose an update or leave the seq odd. The reader checks what every reader relies on.
+    """
+    calls = 600
+    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    done = threading.Event()
+
+    def poller() -> None:  # the background thread's step, as fast as it can
+        while not done.is_set():
+            torch_hooks._poll()
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=poller)
+    thread.start()
+    try:
+        for i in range(calls):
+            work = wrapped(Tensor(), async_op=True)  # left to the poller
+            assert work is not None
+            work.done = True
+            wrapped(Tensor())  # completed by this thread meanwhile
+            if i % 50 == 0:
+                (o,) = read_counter_file(shim.path).counters.ops
+                assert o.cl == o.wr and o.wc <= o.wr and o.bytes_total == 64 * o.cl, o
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(switch)
+    torch_hooks._poll()
+    (o,) = read_counter_file(shim.path).counters.ops
+    assert (o.cl, o.wr, o.wc, o.bytes_total) == (2 * calls, 2 * calls, 2 * calls, 2 * calls * 64)
+    assert (o.last_launched_seq, o.last_completed_seq) == (2 * calls, 2 * calls)
+    seq = L.SEQ.unpack_from(shim._mm, L.op_offset(0))[0]
+    assert seq % 2 == 0 and not STATE.disabled
