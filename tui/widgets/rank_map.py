@@ -113,9 +113,10 @@ class RankMapPanel(ScrollView, can_focus=True):
         self.filter = flt if flt.active else None
         self._relayout()
         self.refresh()
-        if self._announced is not None and self._under_cursor() != self._announced:
+        if self._announced is not None and self._announced[0] is not None and self._under_cursor() != self._announced:
             # Another rank sits under the cursor now (a restart moved ranks, machines came or went): say which, or
-            # the line below the map keeps naming the rank and machine the cursor was moved to before.
+            # the line below the map keeps naming the rank and machine the cursor was moved to before. Only once a
+            # rank was named: the first data under a cursor nobody moved names nothing (the groups keep the lines).
             self._announce()
 
     def on_resize(self) -> None:
