@@ -620,11 +620,14 @@ def _since(request: pb.DescribeRequest | pb.CaptureRequest) -> int | None:
 
 def _relaying(request: pb.DescribeRequest | pb.CaptureRequest, method: str) -> CallFor:
     """The call a relay forwards to the agent at an address: the client's request, with the version the client
-    holds of that agent's reply (``relayed_since``) as its own ``since``."""
+    holds of that agent's reply (``relayed_since``) as its own ``since``, and the versions of the agents further
+    down passed on, for an agent that relays in turn."""
     from rankscope.wire.fanout import versioned_call
 
+    below = tuple(request.relayed_since.items())
+
     def forward_to(address: str) -> Call:
-        return versioned_call(method, request, request.relayed_since.get(address))
+        return versioned_call(method, request, request.relayed_since.get(address), below)
 
     return forward_to
 
