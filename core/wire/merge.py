@@ -72,7 +72,7 @@ class _Source:
             self.starts = list(itertools.accumulate(t.stack_lengths, initial=0))
             if self.starts[-1] != len(self.refs):
                 raise WireError("stack_table's stack lengths do not add up to its frame references")
-        self.strings = list(t.strings)
+        self.strings: list[str] = list(t.strings)
         self.frame_columns = (list(t.frame_name), list(t.frame_filename), list(t.frame_line), list(t.frame_module),
                               list(t.frame_flags))
         if len({len(c) for c in self.frame_columns}) > 1:
