@@ -74,6 +74,7 @@ from rankscope.wire.action_messages import (
 )
 from rankscope.wire.delta import ReadingVersions
 from rankscope.wire.gate import Gate
+from rankscope.wire.merge import Behind, fold
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
 from rankscope.wire.rank_progress import ProgressTracker
@@ -419,6 +420,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             from rankscope.wire.client import JobClient
 
             self.relay = JobClient(config.relay_to, config.relay_token, tls=config.relay_tls)
+        self.behind: Behind = {}  # the machines last heard behind each agent relayed to (rankscope.wire.merge)
         self._stack_lock = asyncio.Lock()
         self._sampler: Any = None  # a probes.sampler.StackSampler, made on the first request to sample
         self.progress = ProgressTracker()
@@ -502,8 +504,9 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
 
     async def _reply(self, context: grpc.aio.ServicerContext, reading: Awaitable[MachineSnapshot],
                      forward: CallFor | None = None,
-                     since: int | None = None) -> pb.MachineSnapshot:
-        """``forward(address)``: the call a relay makes to the agent at ``address``.
+                     since: int | None = None, merge: bool = False) -> pb.MachineSnapshot:
+        """``forward(address)``: the call a relay makes to the agent at ``address``; ``merge``: fold the replies
+        into one (``rankscope.wire.merge``) rather than forward each.
 
         ``since``: the version of this agent's reply the caller holds; the reply is then a delta against it.
         """
@@ -517,7 +520,10 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
             own, children = await asyncio.gather(reading, self.relay.forward(forward, budget))
             msg = machine_to_proto(own)
             self.versions.stamp(msg, since)
-            msg.relayed.extend(children)
+            if merge:
+                msg.merged.CopyFrom(fold(children, self.behind))
+            else:
+                msg.relayed.extend(children)
             return msg
         except asyncio.CancelledError:
             raise
@@ -537,7 +543,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
         sample_hz = await self._number(context, request.sample_hz, "sample_hz", 0.0, MAX_SAMPLE_HZ)
         return await self._reply(context, self.capture(stacks=False, sample_hz=sample_hz),
-                                 _relaying(request, "Describe"), _since(request))
+                                 _relaying(request, "Describe"), _since(request), request.merge)
 
     async def Capture(self, request: pb.CaptureRequest, context: grpc.aio.ServicerContext) -> pb.MachineSnapshot:
         sample_hz = await self._number(context, request.sample_hz, "sample_hz", 0.0, MAX_SAMPLE_HZ)
@@ -548,7 +554,7 @@ class AgentService(pb_grpc.RankscopeAgentServicer):  # type: ignore[misc]
                 context,
                 self.capture(stacks=True, native=request.native, subprocesses=request.subprocesses, timeout_s=timeout_s,
                              sample_hz=sample_hz),
-                _relaying(request, "Capture"), _since(request),
+                _relaying(request, "Capture"), _since(request), request.merge,
             )
 
     # ---- actions ------------------------------------------------------------------
@@ -614,11 +620,14 @@ def _since(request: pb.DescribeRequest | pb.CaptureRequest) -> int | None:
 
 def _relaying(request: pb.DescribeRequest | pb.CaptureRequest, method: str) -> CallFor:
     """The call a relay forwards to the agent at an address: the client's request, with the version the client
-    holds of that agent's reply (``relayed_since``) as its own ``since``."""
+    holds of that agent's reply (``relayed_since``) as its own ``since``, and the versions of the agents further
+    down passed on, for an agent that relays in turn."""
     from rankscope.wire.fanout import versioned_call
 
+    below = tuple(request.relayed_since.items())
+
     def forward_to(address: str) -> Call:
-        return versioned_call(method, request, request.relayed_since.get(address))
+        return versioned_call(method, request, request.relayed_since.get(address), below)
 
     return forward_to
 

@@ -176,7 +176,7 @@ WIRE_ONLY: dict[type, frozenset[str]] = {
     RankInfo: frozenset({"same"}),
     RankCounters: frozenset({"communicator_refs", "ops_same", "op_rows"}),
     MachineSnapshot: frozenset({"stack_table", "communicator_table", "relayed", "version", "since", "op_columns",
-                                  "thread_columns", "process_columns", "process_errors"}),
+                                  "thread_columns", "process_columns", "process_errors", "merged"}),
 }
 
 # What the generic codec leaves to the compact tables and the delta (rankscope.wire.compact and

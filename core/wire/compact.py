@@ -198,19 +198,11 @@ class WireTables:
                           msg.op_columns)
 
 
-class _ReadTables:
+class ReadTables:
     """One compact reply's tables, decoded into shared objects as they are first used."""
 
     def __init__(self, msg: pb.MachineSnapshot) -> None:
-        self.ops = _TakenRows("op_columns", "counters", msg.op_columns if msg.HasField("op_columns") else None,
-                              lambda columns: make_objects(OpCounters, read_values(OpCounters, columns)))
-        self.threads = _TakenRows("thread_columns", "processes",
-                                  msg.thread_columns if msg.HasField("thread_columns") else None, self._threads)
-        self.processes = _TakenRows("process_columns", "ranks' stacks",
-                                    msg.process_columns if msg.HasField("process_columns") else None, self._processes)
-        self.errors = msg.process_errors
-        self.comm_msgs = list(msg.communicator_table)
-        self.comms: list[Communicator | None] = [None] * len(self.comm_msgs)
+        self.init_rows(msg)
         t = msg.stack_table
         # Machines whose ranks stand at the same lines (a hung job: most of them) send the same table; its
         # frames and stacks are decoded once and shared, so such a machine costs one lookup for its stacks.
@@ -247,6 +239,18 @@ class _ReadTables:
             _STACK_TABLE_BYTES[0] += len(key)
             _STACK_TABLES[key] = (self.strings, self.frame_count, self.columns, self.frames, self.refs, self.starts,
                                   self.stacks)
+
+    def init_rows(self, msg: pb.MachineSnapshot | pb.MergedReadings) -> None:
+        """The columns and communicators of ``msg`` (a reply, or a relay's merged readings), taken as used."""
+        self.ops = _TakenRows("op_columns", "counters", msg.op_columns if msg.HasField("op_columns") else None,
+                              lambda columns: make_objects(OpCounters, read_values(OpCounters, columns)))
+        self.threads = _TakenRows("thread_columns", "processes",
+                                  msg.thread_columns if msg.HasField("thread_columns") else None, self._threads)
+        self.processes = _TakenRows("process_columns", "ranks' stacks",
+                                    msg.process_columns if msg.HasField("process_columns") else None, self._processes)
+        self.errors = msg.process_errors
+        self.comm_msgs = list(msg.communicator_table)
+        self.comms: list[Communicator | None] = [None] * len(self.comm_msgs)
 
     def _string(self, i: int) -> str:
         if not 0 <= i < len(self.strings):
@@ -383,7 +387,7 @@ def _encode_thread(obj: ThreadStack, msg: Any) -> None:
 
 def _decode_thread(msg: Any, values: list[Any]) -> list[Any]:
     if msg.HasField("stack_ref"):
-        tables: _ReadTables | None = getattr(DECODING, "tables", None)
+        tables: ReadTables | None = getattr(DECODING, "tables", None)
         if tables is None:
             raise WireError("a thread points into a stack table but its machine sent none")
         try:
@@ -415,7 +419,7 @@ def _encode_counters(obj: RankCounters, msg: Any) -> None:
 
 
 def _decode_counters(msg: Any, values: list[Any]) -> list[Any]:
-    tables: _ReadTables | None = getattr(DECODING, "tables", None)
+    tables: ReadTables | None = getattr(DECODING, "tables", None)
     refs = msg.communicator_refs
     if len(refs):
         if tables is None:
@@ -449,7 +453,7 @@ def _encode_rank_stacks(obj: RankStacks, msg: Any) -> None:
 
 def _decode_rank_stacks(msg: Any, values: list[Any]) -> list[Any]:
     if msg.HasField("process_rows"):
-        tables: _ReadTables | None = getattr(DECODING, "tables", None)
+        tables: ReadTables | None = getattr(DECODING, "tables", None)
         try:
             if msg.HasField("main") or len(msg.subprocesses):
                 raise WireError("a rank's stacks carry both processes and process_rows")
@@ -487,24 +491,28 @@ _SUBPROCESSES_AT = [f.name for f in dataclasses.fields(RankStacks)].index("subpr
 _CODED_PROCESS = frozenset({"role", "threads", "error"})
 _FRAMES_AT = [f.name for f in dataclasses.fields(ThreadStack)].index("frames")
 _CODED_FRAMES = frozenset({"frames"})  # thread_columns: a thread's frames as the number of its stack in stack_table
+# What a relay's merge (rankscope.wire.merge) reads and writes of the same columns.
+CODED_PROCESS, CODED_FRAMES = _CODED_PROCESS, _CODED_FRAMES
+THREADS_AT, ERROR_AT, ROLE_AT, FRAMES_AT = _THREADS_AT, _ERROR_AT, _ROLE_AT, _FRAMES_AT
 
 
 def _with_tables(decode: Decoder) -> Decoder:
     """A machine's decoder: its replies' tables are what its threads and counters point into."""
 
     def decode_machine(msg: Any) -> Any:
-        tables = _ReadTables(msg) if msg.HasField("stack_table") or len(msg.communicator_table) \
-            or msg.HasField("op_columns") or msg.HasField("process_columns") or msg.HasField("thread_columns") \
-            else None
+        own = msg.HasField("stack_table") or len(msg.communicator_table) or msg.HasField("op_columns") \
+            or msg.HasField("process_columns") or msg.HasField("thread_columns")
+        # A machine of a relay's merged readings points into their tables (rankscope.wire.merge), taken in turn.
+        tables = ReadTables(msg) if own else getattr(DECODING, "shared_tables", None)
         previous, DECODING.tables = getattr(DECODING, "tables", None), tables
         try:
             machine = decode(msg)
-            if tables is not None:
+            if own and tables is not None:
                 tables.check_all_taken()
             return machine
         finally:
             DECODING.tables = previous
-            if tables is not None:
+            if own and tables is not None:
                 tables.release()
 
     return decode_machine

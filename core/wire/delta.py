@@ -33,6 +33,7 @@ from rankscope.wire.codec import (
 )
 from rankscope.wire.columns import read_values, write_columns
 from rankscope.wire.compact import COMMS_AT, OPS_AT
+from rankscope.wire.merge import merged_children
 from rankscope.wire.proto import rankscope_pb2 as pb
 
 # ---- the delta form: what did not change since the reading a client holds --------
@@ -217,6 +218,8 @@ def _held_at(msg: pb.MachineSnapshot, address: str, held: Holding, where: str,
     out.append((address, decode_machine(msg, where, previous), msg.version if msg.HasField("version") else None))
     for i, child in enumerate(msg.relayed):
         _held_at(child, child.address, held, f"{where}.relayed[{i}]", out)
+    if msg.HasField("merged"):
+        merged_children(msg, where, lambda child, at: _held_at(child, child.address, held, at, out))
 
 
 def decode_machine(msg: pb.MachineSnapshot, where: str, previous: MachineSnapshot | None = None) -> MachineSnapshot:
@@ -254,6 +257,14 @@ class HeldReadings:
     def relayed_since(self, address: str) -> list[tuple[str, int]]:
         """For a relay: each agent it relayed for last time with the newest version held of it."""
         return [(a, v) for a in self._relayed.get(address, ()) if (v := self.newest(a)) is not None]
+
+    def behind(self, address: str) -> list[tuple[str, MachineSnapshot | None]]:
+        """For a relay: each agent it relayed for last time, with the newest reading held of it (None: none)."""
+        out: list[tuple[str, MachineSnapshot | None]] = []
+        for child in self._relayed.get(address, ()):
+            readings = self._held.get(child)
+            out.append((child, readings[next(reversed(readings))] if readings else None))
+        return out
 
     def _hold(self, address: str, machine: MachineSnapshot, version: int | None) -> None:
         if version is None:  # an agent that does not version its readings: nothing to ask a delta against

@@ -27,6 +27,7 @@ import grpc
 from rankscope.contract.heap import collector_paused
 from rankscope.contract.snapshot import CaptureError, CaptureErrorKind, Instant, JobSnapshot, MachineSnapshot
 from rankscope.wire.delta import HeldReadings
+from rankscope.wire.merge import ranks_text
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
 from rankscope.wire.snapshot_codec import machine_to_proto
@@ -233,9 +234,12 @@ class FanOut:
 
     def __init__(
         self, agents: Sequence[str], token: str | None, *, deadline_s: float = 10.0,
-        tls: ClientTLS | None = None, max_channels: int | None = None,
+        tls: ClientTLS | None = None, max_channels: int | None = None, merge: bool = True,
     ) -> None:
         """``tls``: reach the agents over TLS (``rankscope.wire.tls.client_tls``); None: plaintext.
+
+        ``merge``: ask relaying agents to fold what they relay into one merged reply (``rankscope.wire.merge``);
+        False: each relayed reply forwarded as it came.
 
         ``max_channels``: at most this many agent channels open at once (default:
         what the open-file limit allows once raised to its hard limit). With more
@@ -254,6 +258,7 @@ class FanOut:
         self.retired: frozenset[str] = frozenset()
         self.deadline_s = deadline_s
         self.tls = tls
+        self.merge = merge
         self._metadata = auth_metadata(token)
         self._conns: dict[str, _Agent] = {}
         self._names: dict[str, str] = {}  # address -> the machine name its agent last reported
@@ -288,7 +293,7 @@ class FanOut:
 
     async def describe(self) -> JobSnapshot:
         """Ranks, processes, host and GPU metrics and counters of every machine; no stacks."""
-        return await self._fan_out(self._versioned("Describe", pb.DescribeRequest()), self.deadline_s)
+        return await self._fan_out(self._versioned("Describe", pb.DescribeRequest(merge=self.merge)), self.deadline_s)
 
     async def poll(self, *, sample_hz: float = 0.0) -> JobSnapshot:
         """The cheap reading the TUI repeats: metrics and counters, no stacks.
@@ -297,8 +302,8 @@ class FanOut:
         threads (non-blocking) at that rate while polls keep coming; the
         sampled windows come back in ``MachineSnapshot.samples``.
         """
-        return await self._fan_out(self._versioned("Describe", pb.DescribeRequest(sample_hz=max(0.0, sample_hz))),
-                                   self.deadline_s)
+        request = pb.DescribeRequest(sample_hz=max(0.0, sample_hz), merge=self.merge)
+        return await self._fan_out(self._versioned("Describe", request), self.deadline_s)
 
     async def capture(self, *, native: bool = False, subprocesses: bool = True, timeout_s: float = 5.0,
                       sample_hz: float = 0.0) -> JobSnapshot:
@@ -308,7 +313,7 @@ class FanOut:
         captures too, or a run of slow captures lets the agents' sampling lapse.
         """
         request = pb.CaptureRequest(native=native, subprocesses=subprocesses, timeout_s=timeout_s,
-                                    sample_hz=max(0.0, sample_hz))
+                                    sample_hz=max(0.0, sample_hz), merge=self.merge)
         return await self._fan_out(self._versioned("Capture", request),
                                    max(self.deadline_s, timeout_s + CAPTURE_MARGIN_S))
 
@@ -378,7 +383,7 @@ class FanOut:
         """One agent's machine, and the machines it relayed for (decoded once the channel is free again)."""
         reply = await self._raw_one(address, call, timeout_s)
         if isinstance(reply, MachineSnapshot):
-            return [reply]
+            return [reply, *self._behind(reply)]
         try:
             machines = self._held.decode(reply, address)
         except Exception as exc:  # a reply that does not fit: mark this machine, keep the rest
@@ -399,6 +404,23 @@ class FanOut:
             else:
                 reply.address = address
             out.append(reply)
+        return out
+
+    def _behind(self, relay: MachineSnapshot) -> list[MachineSnapshot]:
+        """For a relay that gave no reply: a stand-in for each machine last heard behind it, naming its ranks
+        (a relay gone takes its whole subtree with it, and none of it may vanish from the reading)."""
+        out = []
+        for address, held in self._held.behind(relay.address):
+            name = held.machine if held is not None else self._names.get(address, address)
+            ranks = tuple(r.rank for r in held.ranks) if held is not None else ()
+            error = relay.error
+            out.append(MachineSnapshot(
+                machine=name, address=address, reachable=False, captured=None,
+                error=CaptureError(CaptureErrorKind.UNREACHABLE,
+                                   f"not heard: {name} ({ranks_text(ranks)}) is behind the relay at {relay.address}, "
+                                   f"which gave no reply ({error.message if error else 'no reason given'})",
+                                   (f"{error.fix} " if error else "") +
+                                   f"(the relay at {relay.address} forwards for this machine)")))
         return out
 
     def _member_count(self) -> int:

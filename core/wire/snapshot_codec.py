@@ -17,6 +17,7 @@ from rankscope.wire.codec import (
 )
 from rankscope.wire.compact import WireTables
 from rankscope.wire.delta import decode_machine
+from rankscope.wire.merge import merged_children
 from rankscope.wire.proto import rankscope_pb2 as pb
 
 
@@ -45,15 +46,15 @@ def machine_from_proto(msg: pb.MachineSnapshot) -> MachineSnapshot:
 
 
 def machines_from_proto(msg: pb.MachineSnapshot) -> list[MachineSnapshot]:
-    """An agent's reply and, for a relaying agent, the replies it forwarded (its own first, depth first)."""
-    out = [machine_from_proto(msg)]
-    for i, child in enumerate(msg.relayed):
-        out.extend(machines_from_proto_at(child, f"MachineSnapshot.relayed[{i}]"))
-    return out
+    """An agent's reply and, for a relaying agent, the replies it forwarded or merged (its own first, depth
+    first)."""
+    return machines_from_proto_at(msg, "MachineSnapshot")
 
 
 def machines_from_proto_at(msg: pb.MachineSnapshot, where: str) -> list[MachineSnapshot]:
     out = [decode_machine(msg, where)]
     for i, child in enumerate(msg.relayed):
         out.extend(machines_from_proto_at(child, f"{where}.relayed[{i}]"))
+    if msg.HasField("merged"):
+        merged_children(msg, where, lambda child, at: out.extend(machines_from_proto_at(child, at)))
     return out

@@ -195,6 +195,7 @@ class DescribeRequest(_message.Message):
     SAMPLE_HZ_FIELD_NUMBER: _builtins.int
     SINCE_FIELD_NUMBER: _builtins.int
     RELAYED_SINCE_FIELD_NUMBER: _builtins.int
+    MERGE_FIELD_NUMBER: _builtins.int
     sample_hz: _builtins.float
     """> 0: keep sampling every rank's main thread (py-spy --nonblocking) at this
     rate while polls keep asking, and send the sampled windows with the reply.
@@ -204,6 +205,10 @@ class DescribeRequest(_message.Message):
     previous call: the agent may then send a delta against it (see
     MachineSnapshot.since). Unset, or a version the agent no longer
     remembers: the whole reading is sent.
+    """
+    merge: _builtins.bool
+    """For a relaying agent: fold the replies of the agents it relays to into
+    one MachineSnapshot.merged instead of forwarding each in `relayed`.
     """
     @_builtins.property
     def relayed_since(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
@@ -217,10 +222,11 @@ class DescribeRequest(_message.Message):
         sample_hz: _builtins.float = ...,
         since: _builtins.int | None = ...,
         relayed_since: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        merge: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_since", b"_since", "since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_since", b"_since", "relayed_since", b"relayed_since", "sample_hz", b"sample_hz", "since", b"since"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_since", b"_since", "merge", b"merge", "relayed_since", b"relayed_since", "sample_hz", b"sample_hz", "since", b"since"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__since: _TypeAlias = _typing.Literal["since"]  # noqa: Y015
     _WhichOneofArgType__since: _TypeAlias = _typing.Literal["_since", b"_since"]  # noqa: Y015
@@ -258,6 +264,7 @@ class CaptureRequest(_message.Message):
     SAMPLE_HZ_FIELD_NUMBER: _builtins.int
     SINCE_FIELD_NUMBER: _builtins.int
     RELAYED_SINCE_FIELD_NUMBER: _builtins.int
+    MERGE_FIELD_NUMBER: _builtins.int
     native: _builtins.bool
     """include native (C/C++) frames"""
     subprocesses: _builtins.bool
@@ -270,6 +277,8 @@ class CaptureRequest(_message.Message):
     """
     since: _builtins.int
     """as DescribeRequest.since"""
+    merge: _builtins.bool
+    """as DescribeRequest.merge"""
     @_builtins.property
     def relayed_since(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """as DescribeRequest.relayed_since"""
@@ -283,10 +292,11 @@ class CaptureRequest(_message.Message):
         sample_hz: _builtins.float = ...,
         since: _builtins.int | None = ...,
         relayed_since: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        merge: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_since", b"_since", "since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_since", b"_since", "native", b"native", "relayed_since", b"relayed_since", "sample_hz", b"sample_hz", "since", b"since", "subprocesses", b"subprocesses", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_since", b"_since", "merge", b"merge", "native", b"native", "relayed_since", b"relayed_since", "sample_hz", b"sample_hz", "since", b"since", "subprocesses", b"subprocesses", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__since: _TypeAlias = _typing.Literal["since"]  # noqa: Y015
     _WhichOneofArgType__since: _TypeAlias = _typing.Literal["_since", b"_since"]  # noqa: Y015
@@ -1374,6 +1384,7 @@ class MachineSnapshot(_message.Message):
     PROCESS_COLUMNS_FIELD_NUMBER: _builtins.int
     PROCESS_ERRORS_FIELD_NUMBER: _builtins.int
     THREAD_COLUMNS_FIELD_NUMBER: _builtins.int
+    MERGED_FIELD_NUMBER: _builtins.int
     machine: _builtins.str
     address: _builtins.str
     reachable: _builtins.bool
@@ -1437,6 +1448,12 @@ class MachineSnapshot(_message.Message):
         column `frames` holds the number of the thread's stack in stack_table.
         """
 
+    @_builtins.property
+    def merged(self) -> Global___MergedReadings:
+        """Wire only: a relay asked to merge (DescribeRequest.merge) sends the
+        replies of the agents it relays to folded into one (in place of `relayed`).
+        """
+
     def __init__(
         self,
         *,
@@ -1463,10 +1480,11 @@ class MachineSnapshot(_message.Message):
         process_columns: Global___Columns | None = ...,
         process_errors: _abc.Iterable[Global___CaptureError] | None = ...,
         thread_columns: Global___Columns | None = ...,
+        merged: Global___MergedReadings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "captured", b"captured", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "op_columns", b"op_columns", "process_columns", b"process_columns", "ranks_seen_wall", b"ranks_seen_wall", "since", b"since", "stack_table", b"stack_table", "thread_columns", b"thread_columns", "version", b"version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "captured", b"captured", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "merged", b"merged", "op_columns", b"op_columns", "process_columns", b"process_columns", "ranks_seen_wall", b"ranks_seen_wall", "since", b"since", "stack_table", b"stack_table", "thread_columns", b"thread_columns", "version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "address", b"address", "captured", b"captured", "communicator_table", b"communicator_table", "counters", b"counters", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "op_columns", b"op_columns", "process_columns", b"process_columns", "process_errors", b"process_errors", "ranks", b"ranks", "ranks_seen_wall", b"ranks_seen_wall", "reachable", b"reachable", "relayed", b"relayed", "samples", b"samples", "since", b"since", "stack_table", b"stack_table", "stacks", b"stacks", "thread_columns", b"thread_columns", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "_hostname", b"_hostname", "_ranks_seen_wall", b"_ranks_seen_wall", "_since", b"_since", "_version", b"_version", "address", b"address", "captured", b"captured", "communicator_table", b"communicator_table", "counters", b"counters", "error", b"error", "generation", b"generation", "gpus", b"gpus", "host", b"host", "hostname", b"hostname", "machine", b"machine", "merged", b"merged", "op_columns", b"op_columns", "process_columns", b"process_columns", "process_errors", b"process_errors", "ranks", b"ranks", "ranks_seen_wall", b"ranks_seen_wall", "reachable", b"reachable", "relayed", b"relayed", "samples", b"samples", "since", b"since", "stack_table", b"stack_table", "stacks", b"stacks", "thread_columns", b"thread_columns", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__generation: _TypeAlias = _typing.Literal["generation"]  # noqa: Y015
     _WhichOneofArgType__generation: _TypeAlias = _typing.Literal["_generation", b"_generation"]  # noqa: Y015
@@ -1490,6 +1508,153 @@ class MachineSnapshot(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__version) -> _WhichOneofReturnType__version | None: ...
 
 Global___MachineSnapshot: _TypeAlias = MachineSnapshot  # noqa: Y015
+
+@_typing.final
+class MergedReadings(_message.Message):
+    """The readings of the agents behind a relay, folded into one, as LLNL STAT
+    merges at every level of its tree: their stacks are one prefix tree of
+    frames (a stack is the node of its innermost frame), their communicators
+    one table and their processes, threads and operation counters one set of
+    columns, so the size grows with the distinct stacks and communicators and
+    with the rows of the columns, not with one message per machine. A relay
+    merging a merged reply folds its machines in as its own.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STACK_TREE_FIELD_NUMBER: _builtins.int
+    COMMUNICATOR_TABLE_FIELD_NUMBER: _builtins.int
+    MACHINES_FIELD_NUMBER: _builtins.int
+    OP_COLUMNS_FIELD_NUMBER: _builtins.int
+    PROCESS_COLUMNS_FIELD_NUMBER: _builtins.int
+    PROCESS_ERRORS_FIELD_NUMBER: _builtins.int
+    THREAD_COLUMNS_FIELD_NUMBER: _builtins.int
+    NODE_RANKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stack_tree(self) -> Global___StackTree: ...
+    @_builtins.property
+    def communicator_table(self) -> _containers.RepeatedCompositeFieldContainer[Global___Communicator]: ...
+    @_builtins.property
+    def machines(self) -> _containers.RepeatedCompositeFieldContainer[Global___MachineSnapshot]:
+        """Each machine's reading without tables or columns of its own: its
+        RankCounters.communicator_refs index communicator_table, its op_rows and
+        process_rows take rows of the columns below in the order of `machines`,
+        and a thread's `frames` column holds the node of its innermost frame.
+        A machine the relay could not read is an unreachable stand-in (for an
+        agent that relays too, one for each machine last heard behind it).
+        """
+
+    @_builtins.property
+    def op_columns(self) -> Global___Columns: ...
+    @_builtins.property
+    def process_columns(self) -> Global___Columns: ...
+    @_builtins.property
+    def process_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___CaptureError]: ...
+    @_builtins.property
+    def thread_columns(self) -> Global___Columns: ...
+    @_builtins.property
+    def node_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeRanks]:
+        """STAT's rank sets: for each node where some rank's main-process stack
+        ends, the ranks whose stacks end there.
+        """
+
+    def __init__(
+        self,
+        *,
+        stack_tree: Global___StackTree | None = ...,
+        communicator_table: _abc.Iterable[Global___Communicator] | None = ...,
+        machines: _abc.Iterable[Global___MachineSnapshot] | None = ...,
+        op_columns: Global___Columns | None = ...,
+        process_columns: Global___Columns | None = ...,
+        process_errors: _abc.Iterable[Global___CaptureError] | None = ...,
+        thread_columns: Global___Columns | None = ...,
+        node_ranks: _abc.Iterable[Global___NodeRanks] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["op_columns", b"op_columns", "process_columns", b"process_columns", "stack_tree", b"stack_tree", "thread_columns", b"thread_columns"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["communicator_table", b"communicator_table", "machines", b"machines", "node_ranks", b"node_ranks", "op_columns", b"op_columns", "process_columns", b"process_columns", "process_errors", b"process_errors", "stack_tree", b"stack_tree", "thread_columns", b"thread_columns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MergedReadings: _TypeAlias = MergedReadings  # noqa: Y015
+
+@_typing.final
+class StackTree(_message.Message):
+    """Frames as in StackTable; node i (from 1) is frame node_frame[i-1] called
+    from node node_parent[i-1] (0: the outermost frame). A parent comes before
+    its children, so every path ends at the root. Node 0 is the empty stack.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STRINGS_FIELD_NUMBER: _builtins.int
+    FRAME_NAME_FIELD_NUMBER: _builtins.int
+    FRAME_FILENAME_FIELD_NUMBER: _builtins.int
+    FRAME_LINE_FIELD_NUMBER: _builtins.int
+    FRAME_MODULE_FIELD_NUMBER: _builtins.int
+    FRAME_FLAGS_FIELD_NUMBER: _builtins.int
+    NODE_FRAME_FIELD_NUMBER: _builtins.int
+    NODE_PARENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def strings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def frame_name(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def frame_filename(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def frame_line(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def frame_module(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def frame_flags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def node_frame(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def node_parent(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        strings: _abc.Iterable[_builtins.str] | None = ...,
+        frame_name: _abc.Iterable[_builtins.int] | None = ...,
+        frame_filename: _abc.Iterable[_builtins.int] | None = ...,
+        frame_line: _abc.Iterable[_builtins.int] | None = ...,
+        frame_module: _abc.Iterable[_builtins.int] | None = ...,
+        frame_flags: _abc.Iterable[_builtins.int] | None = ...,
+        node_frame: _abc.Iterable[_builtins.int] | None = ...,
+        node_parent: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame_filename", b"frame_filename", "frame_flags", b"frame_flags", "frame_line", b"frame_line", "frame_module", b"frame_module", "frame_name", b"frame_name", "node_frame", b"node_frame", "node_parent", b"node_parent", "strings", b"strings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StackTree: _TypeAlias = StackTree  # noqa: Y015
+
+@_typing.final
+class NodeRanks(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    RANK_RUNS_FIELD_NUMBER: _builtins.int
+    node: _builtins.int
+    @_builtins.property
+    def rank_runs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """(first, step, count) triples, as Communicator.rank_runs"""
+
+    def __init__(
+        self,
+        *,
+        node: _builtins.int = ...,
+        rank_runs: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "rank_runs", b"rank_runs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeRanks: _TypeAlias = NodeRanks  # noqa: Y015
 
 @_typing.final
 class StackSampleWindow(_message.Message):
