@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import (
     NOT_A_RANK,
+    NOT_A_RANK_ADVICE,
     NOT_A_RANK_PREFIX,
     Finding,
     Suspect,
@@ -65,14 +66,6 @@ SCORE_MISSING = 0.9
 SCORE_DESYNC = 0.95
 SCORE_SLOW = 0.6
 
-# What tells the communication layer, the network and a driver apart when no rank is behind.
-NOT_A_RANK_ADVICE = (
-    "no rank is behind, so evicting one by tie-break would not help: look below the program. "
-    "NCCL's own log (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET) names transport errors and the peer they "
-    "came from; NCCL RAS (`ncclras`) names a process or node it cannot reach (INCOMPLETE, DEAD); on each "
-    "machine, `nvidia-smi -q` and the kernel log (`dmesg | grep -i -e xid -e aer -e nvlink`) show Xid, PCIe "
-    "AER and NVLink errors. Errors on one machine name that machine (driver or GPU); none on any machine, with "
-    "NCCL transport errors, point at the network fabric or its configuration")
 FIRST_OP_NOTE = (
     "the stalled work is the group's first collective: its ranks never finished connecting, which points at "
     "transport setup (NCCL_SOCKET_IFNAME / NCCL_IB_* settings, a firewall, a node's network interface) more "
