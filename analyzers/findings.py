@@ -101,6 +101,9 @@ class Verdict:
     # own outliers; empty when it names one or none.
     named: tuple[Suspect, ...] = ()
     status: VerdictStatus = VerdictStatus.NAMED
+    # The end of ``summary`` from the root rank it names on ("root rank 5 (computing; 3 ranks wait on it) (stacks)"),
+    # after ", "; empty when it names none. The verdict panel draws it on a line of its own (``render.headline_parts``).
+    summary_root: str = ""
 
     @property
     def top(self) -> Suspect | None:
