@@ -111,9 +111,9 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
     if folded:
         top = folded[0]
         head, root = headline_parts(top)
-        sources = f" ({' + '.join(top.sources)})"
-        root = root and root + sources
-        summary, status = joined(head, root) if root else head + sources, VerdictStatus.NAMED
+        said_by = f" ({' + '.join(top.sources)})"
+        root = root and root + said_by
+        summary, status = joined(head, root) if root else head + said_by, VerdictStatus.NAMED
     else:
         said = next((v for v in verdicts if v.summary), None)
         summary, status = (said.summary, said.status) if said is not None else ("no verdict", VerdictStatus.NO_VERDICT)
