@@ -101,6 +101,9 @@ class Verdict:
     # own outliers; empty when it names one or none.
     named: tuple[Suspect, ...] = ()
     status: VerdictStatus = VerdictStatus.NAMED
+    # The end of ``summary`` from the root rank it names on ("root rank 5 (computing; 3 ranks wait on it) (stacks)"),
+    # after ", "; empty when it names none. The verdict panel draws it on a line of its own (``render.headline_parts``).
+    summary_root: str = ""
 
     @property
     def top(self) -> Suspect | None:
@@ -117,6 +120,17 @@ def suspect_order(s: Suspect) -> tuple[float, int, tuple[int, ...]]:
 # no suspect picked by tie-break.
 NOT_A_RANK = "not-a-rank"
 NOT_A_RANK_PREFIX = "not a rank: "  # how such a verdict's headline begins (its status is VerdictStatus.NOT_A_RANK)
+# What tells the communication layer, the network and a GPU or driver apart when no rank is to blame: every
+# "not a rank" finding (stacks, counters, flight recorder, logs) carries it.
+NOT_A_RANK_ADVICE = (
+    "evicting one of these machines is a guess: every member did its part and the call itself does not "
+    "complete, which points at the communication layer (NCCL, its transport), the network between the "
+    "machines, or a GPU or its driver on one of them. What tells them apart: NCCL's RAS (`ncclras`, NCCL >= "
+    "2.24) for the communicator's state and any rank whose operation counts differ; NCCL's own log "
+    "(NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET) for transport errors, retries and timeouts; NVML on each "
+    "machine (`nvidia-smi -q -d ECC,PERFORMANCE`, the kernel log for Xid) for Xid errors and PCIe/NVLink "
+    "replay or error counters. Evict the machine one of them names; with nothing named, restart the job "
+    "from its last checkpoint")
 
 
 def finding_to_json(f: Finding) -> dict[str, object]:

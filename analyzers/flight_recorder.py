@@ -46,8 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankscope.analyzers.findings import NOT_A_RANK, NOT_A_RANK_PREFIX, Finding
-from rankscope.analyzers.not_a_rank import ADVICE as NOT_A_RANK_ADVICE
+from rankscope.analyzers.findings import NOT_A_RANK, NOT_A_RANK_ADVICE, NOT_A_RANK_PREFIX, Finding
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.vocabulary import canonical_op, is_point_to_point, is_send, matching_op
 

@@ -48,8 +48,16 @@ def group_numbers(s: Suspect) -> str:
     return str(s.group_index) if s.group_index is not None else ""
 
 
-def headline(s: Suspect, *, own_words: bool = False) -> str:
-    """One line naming a suspect and its machines: ``rank 5 on machine-2``, ``PP group 3 (ranks 6,14) on m3, m7``.
+def joined(head: str, root: str) -> str:
+    """A headline from its parts: ``PP group 3 (ranks 4-7) on m2, root rank 5 (computing; 3 ranks wait on it)``."""
+    return f"{head}, {root}" if root else head
+
+
+def headline_parts(s: Suspect, *, own_words: bool = False) -> tuple[str, str]:
+    """One line naming a suspect and its machines, in two parts (``joined`` makes the line): the suspect and where
+    it runs (``rank 5 on machine-2``, ``PP group 3 (ranks 6,14) on m3, m7``), and its one root rank when the suspect
+    is a larger set the root sits in (``root rank 5 (computing; 3 ranks wait on it)``; empty otherwise), which the
+    verdict panel puts on a line of its own.
 
     ``own_words``: a group is named by its detector's own ``title`` (the stack
     aggregation's ``PP groups 6-7 on machine-12..15``, which knows several
@@ -61,22 +69,22 @@ def headline(s: Suspect, *, own_words: bool = False) -> str:
     kind = str(s.kind)
     if kind == "desync":
         if s.title:
-            return s.title
-        return f"desync: ranks {compact_ranks(s.ranks)} on {where} are in a different collective from their peers"
+            return s.title, ""
+        return f"desync: ranks {compact_ranks(s.ranks)} on {where} are in a different collective from their peers", ""
     if kind == "rank" and len(s.ranks) == 1 and s.victims:
         state = f"{s.state}; " if s.state else ""  # (the counters tell who waits, not what the root does)
-        return f"rank {s.ranks[0]} on {where} ({state}{waiting_words(len(s.victims))} on it)"
+        return f"rank {s.ranks[0]} on {where} ({state}{waiting_words(len(s.victims))} on it)", ""
     if kind == "rank" and len(s.ranks) == 1:
-        return f"rank {s.ranks[0]} on {where}"
+        return f"rank {s.ranks[0]} on {where}", ""
     root = ""
     if len(s.roots) == 1 and s.victims and s.ranks != s.roots:
         state = f"{s.state}; " if s.state else ""
-        root = f", root rank {s.roots[0]} ({state}{waiting_words(len(s.victims))} on it)"
+        root = f"root rank {s.roots[0]} ({state}{waiting_words(len(s.victims))} on it)"
     if kind == "machine":
-        return f"machine {where}{root}"
+        return f"machine {where}", root
     if own_words and s.title:
-        return s.title + root
-    return f"{suspect_label(s)} on {where}{root}"
+        return s.title, root
+    return f"{suspect_label(s)} on {where}", root
 
 
 def waiting_words(n: int) -> str:
@@ -84,11 +92,18 @@ def waiting_words(n: int) -> str:
     return f"{n} rank waits" if n == 1 else f"{n} ranks wait"
 
 
-def summary_of(named: Sequence[Suspect]) -> str:
-    """A detector's headline over the suspects it names: one's own words, or ``N separate suspects: a; b``."""
-    if len(named) == 1:
-        return headline(named[0], own_words=True)
-    return f"{len(named)} separate suspects: " + "; ".join(headline(s, own_words=True) for s in named)
+def summary_parts(named: Sequence[Suspect]) -> tuple[str, str]:
+    """A detector's headline over the suspects it names (one's own words, or ``N separate suspects: a; b``) in two
+    parts, cut where the first root rank it names begins (``headline_parts``); the second is empty when it names
+    none."""
+    parts = [headline_parts(s, own_words=True) for s in named]
+    lead = "" if len(named) == 1 else f"{len(named)} separate suspects: "
+    at = next((i for i, (_, root) in enumerate(parts) if root), None)
+    if at is None:
+        return lead + "; ".join(head for head, _ in parts), ""
+    before = "".join(f"{joined(*p)}; " for p in parts[:at])
+    after = "".join(f"; {joined(*p)}" for p in parts[at + 1:])
+    return f"{lead}{before}{parts[at][0]}", f"{parts[at][1]}{after}"
 
 
 # Alibaba's C4 sorts what goes wrong in a job into four kinds; a verdict says which (C4D's words).

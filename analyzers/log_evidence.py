@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from rankscope.analyzers.chain import DESYNC_ADVICE
 from rankscope.analyzers.findings import (
     NOT_A_RANK,
+    NOT_A_RANK_ADVICE,
     NOT_A_RANK_PREFIX,
     Finding,
     Suspect,
@@ -65,14 +66,6 @@ SCORE_MISSING = 0.9
 SCORE_DESYNC = 0.95
 SCORE_SLOW = 0.6
 
-# What tells the communication layer, the network and a driver apart when no rank is behind.
-NOT_A_RANK_ADVICE = (
-    "no rank is behind, so evicting one by tie-break would not help: look below the program. "
-    "NCCL's own log (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET) names transport errors and the peer they "
-    "came from; NCCL RAS (`ncclras`) names a process or node it cannot reach (INCOMPLETE, DEAD); on each "
-    "machine, `nvidia-smi -q` and the kernel log (`dmesg | grep -i -e xid -e aer -e nvlink`) show Xid, PCIe "
-    "AER and NVLink errors. Errors on one machine name that machine (driver or GPU); none on any machine, with "
-    "NCCL transport errors, point at the network fabric or its configuration")
 FIRST_OP_NOTE = (
     "the stalled work is the group's first collective: its ranks never finished connecting, which points at "
     "transport setup (NCCL_SOCKET_IFNAME / NCCL_IB_* settings, a firewall, a node's network interface) more "
@@ -84,12 +77,21 @@ FIRST_OP_NOTE = (
 # --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _NoneBehind:
+    """A reason no rank is behind; ``alone``: the one rank it rests on (only its watchdog lines were seen), which
+    cannot tell a stall of the whole group by itself."""
+
+    text: str
+    alone: int | None = None
+
+
 @dataclass(slots=True)
 class _Found:
     suspects: list[Suspect] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    symmetric: list[str] = field(default_factory=list)  # reasons no rank is behind, one per source
+    symmetric: list[_NoneBehind] = field(default_factory=list)  # reasons no rank is behind, one per source
 
 
 def _suspect(ranks: Iterable[int], score: float, evidence: Sequence[str], *, machines: Sequence[str] = (),
@@ -195,10 +197,10 @@ def _watchdog(records: Sequence[WatchdogRecord], out: _Found, world: int | None)
             out.notes.append(f"only {_ranks_word(seen)}'s watchdog lines for {pg}: whether a rank is behind cannot be "
                              "judged from one rank; the other ranks' logs tell whether one never issued "
                              f"{what} (its last enqueued work below {target})")
-            out.symmetric.append(f"rank {seen[0]}'s watchdog timed out in {what} on {pg}, which it had enqueued "
-                                 f"({ranks[seen[0]].where})")
+            out.symmetric.append(_NoneBehind(f"rank {seen[0]}'s watchdog timed out in {what} on {pg}, which it had "
+                                             f"enqueued ({ranks[seen[0]].where})", alone=seen[0]))
             continue
-        out.symmetric.append(reason)
+        out.symmetric.append(_NoneBehind(reason))
         if target <= 1:
             out.notes.append(FIRST_OP_NOTE)
 
@@ -543,11 +545,11 @@ def analyze_logs(evidence: LogEvidence, world: int | None = None) -> Verdict:
     notes = [*evidence.notes, *out.notes]
     suspects = sorted(out.suspects, key=suspect_order)
     findings = list(out.findings)
-    reasons = list(out.symmetric)
+    reasons = [r.text for r in out.symmetric]
     if ras_ok and timed_out:
         reasons.insert(0, "NCCL RAS shows every communicator RUNNING with errors OK: every rank launched the same "
                           "operations, so none is behind, while PyTorch's watchdog timed out")
-    multi_rank = [r for r in reasons if not r.startswith("rank ")]
+    multi_rank = [r for r in out.symmetric if r.alone is None]
     if not suspects and (multi_rank or (ras_ok and timed_out)):
         ranks = tuple(sorted({r.rank for r in evidence.watchdog if r.rank is not None}))
         summary = NOT_A_RANK_PREFIX + reasons[0]

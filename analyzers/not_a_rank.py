@@ -25,18 +25,16 @@ from dataclasses import dataclass, replace
 
 from rankscope.analyzers.ccl_desync import CounterWaits, OpTable, comm_label, waiting_together
 from rankscope.analyzers.chain import BACKWARD_SITE, Chain, RankState, RankView
-from rankscope.analyzers.findings import NOT_A_RANK, NOT_A_RANK_PREFIX, Finding, Verdict, VerdictStatus
+from rankscope.analyzers.findings import (
+    NOT_A_RANK,
+    NOT_A_RANK_ADVICE,
+    NOT_A_RANK_PREFIX,
+    Finding,
+    Verdict,
+    VerdictStatus,
+)
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, RankCounters
-
-ADVICE = ("evicting one of these machines is a guess: every member did its part and the call itself does not "
-          "complete, which points at the communication layer (NCCL, its transport), the network between the "
-          "machines, or a GPU or its driver on one of them. What tells them apart: NCCL's RAS (`ncclras`, NCCL >= "
-          "2.24) for the communicator's state and any rank whose operation counts differ; NCCL's own log "
-          "(NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET) for transport errors, retries and timeouts; NVML on each "
-          "machine (`nvidia-smi -q -d ECC,PERFORMANCE`, the kernel log for Xid) for Xid errors and PCIe/NVLink "
-          "replay or error counters. Evict the machine one of them names; with nothing named, restart the job "
-          "from its last checkpoint")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +59,7 @@ class SymmetricStall:
 
     def finding(self) -> Finding:
         return Finding(kind=NOT_A_RANK, ranks=self.ranks, summary=self.summary(), evidence=self.evidence,
-                       communicator=self.where, advice=ADVICE)
+                       communicator=self.where, advice=NOT_A_RANK_ADVICE)
 
 
 def stack_stall(chain: Chain, world: Sequence[int], waits: CounterWaits | None = None) -> SymmetricStall | None:
@@ -238,8 +236,8 @@ def settle(verdict: Verdict, snapshot: JobSnapshot | None = None) -> Verdict:
     # What it said before, unless it said it has no verdict: a note.
     notes = (*verdict.notes, verdict.summary) if verdict.summary and verdict.status not in (
         VerdictStatus.NO_VERDICT, VerdictStatus.TIMING) else verdict.notes
-    return replace(verdict, summary=stalls[0].summary, notes=notes, status=VerdictStatus.NOT_A_RANK)
+    return replace(verdict, summary=stalls[0].summary, notes=notes, status=VerdictStatus.NOT_A_RANK, summary_root="")
 
 
-__all__ = ["ADVICE", "SAME_STACKS_NEXT", "SymmetricStall", "counter_stalls", "gpu_readings",
+__all__ = ["SAME_STACKS_NEXT", "SymmetricStall", "counter_stalls", "gpu_readings",
            "same_stacks_stall", "settle", "stack_stall", "table_stalls", "waiting_on"]

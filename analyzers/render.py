@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rankscope.analyzers.findings import NOT_A_RANK, Finding, Suspect, Verdict
+from rankscope.analyzers.labels import joined
 from rankscope.contract.ranks import compact_ranks
 
 RANKS_SHOWN = 12  # runs of a rank set before it is cut (--json has all)
@@ -19,11 +20,18 @@ RANKS_SHOWN = 12  # runs of a rank set before it is cut (--json has all)
 def headline(verdict: Verdict) -> str:
     """The verdict's one line: its summary, or with no suspect left its "not a rank" finding's (never a tie-break's
     pick)."""
+    return joined(*headline_parts(verdict))
+
+
+def headline_parts(verdict: Verdict) -> tuple[str, str]:
+    """``headline`` in two parts: what it names, and the root rank it names within it (``Verdict.summary_root``,
+    empty when none), which the TUI's verdict panel draws on a line of its own."""
     if not verdict.suspects:
         stall = next((f.summary for f in verdict.findings if f.kind == NOT_A_RANK), None)
         if stall is not None:
-            return stall
-    return verdict.summary
+            return stall, ""
+    root = verdict.summary_root
+    return (verdict.summary.removesuffix(f", {root}"), root) if root else (verdict.summary, "")
 
 
 def verdict_lines(verdict: Verdict, limit: int | None = None, apart: bool = False) -> list[str]:

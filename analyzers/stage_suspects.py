@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from rankscope.analyzers.chain_suspects import apply_chain
 from rankscope.analyzers.findings import Suspect, Verdict, VerdictStatus
+from rankscope.analyzers.labels import joined
 from rankscope.analyzers.not_a_rank import same_stacks_stall, stack_stall
 from rankscope.analyzers.stacks import tree_from_grouping, with_dominant
 from rankscope.analyzers.stage_roots import Roots
@@ -76,7 +77,8 @@ def suspects_of(roots: Roots) -> StackAnalysis:
         notes.append("no parallel sizes known: only ranks and machines can be suspected; "
                      "pass --tp/--pp/--dp (and --order) to name parallel groups")
     seen_count = sum(len(g.ranks) for g in grouping.groups)
-    summary, apart = headline(grouping, suspects, explains, seen_count, notes, named)
+    head, root, apart = headline(grouping, suspects, explains, seen_count, notes, named)
+    summary = joined(head, root)
     status = VerdictStatus.NAMED if suspects else VerdictStatus.NO_VERDICT  # the headline's "no verdict: ..."
     stall = stack_stall(chain, range(topology.world_size), waits)
     # Counters that cover every rank and hold no open request say the device owes the hosts nothing: ranks alike
@@ -93,10 +95,10 @@ def suspects_of(roots: Roots) -> StackAnalysis:
         # of theirs is more than a guess.
         if suspects:
             notes.append(f"set aside, every rank waits in the same call: {summary}")
-        suspects, summary, apart, status = [], stall.summary(), [], VerdictStatus.NOT_A_RANK
+        suspects, summary, root, apart, status = [], stall.summary(), "", [], VerdictStatus.NOT_A_RANK
         findings.append(stall.finding())
     verdict = Verdict(suspects=tuple(suspects), summary=summary, missing_ranks=missing_ranks, notes=tuple(notes),
-                      findings=tuple(findings), named=tuple(apart), status=status)
+                      findings=tuple(findings), named=tuple(apart), status=status, summary_root=root)
     return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology, chain=chain)
 
 

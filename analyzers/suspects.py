@@ -42,7 +42,7 @@ from rankscope.analyzers.chain import (
     Chain,
 )
 from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
-from rankscope.analyzers.labels import group_name, summary_of
+from rankscope.analyzers.labels import group_name, summary_parts
 from rankscope.analyzers.origins import Origin, origins_of
 from rankscope.analyzers.placement import Placement
 from rankscope.analyzers.stacks import (
@@ -373,25 +373,26 @@ def reason_digest(missing: dict[int, str]) -> str:
 def headline(
     grouping: Grouping, suspects: list[Suspect], explains: list[set[int]], seen: int, notes: list[str],
     named: frozenset[int] | set[int] = frozenset(),
-) -> tuple[str, list[Suspect]]:
-    """The stack verdict's headline, and the suspects it names apart when it names several (``Verdict.named``)."""
+) -> tuple[str, str, list[Suspect]]:
+    """The stack verdict's headline in its two parts (``labels.summary_parts``: the root rank it names apart), and
+    the suspects it names apart when it names several (``Verdict.named``)."""
     if named and suspects:
         # The chain named where the hang starts: account for its roots and the outliers, victims included.
         cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks) | set(named))
     elif seen == 0:
-        return "no verdict: no rank's stacks could be read", []
+        return "no verdict: no rank's stacks could be read", "", []
     elif len(grouping.groups) == 1:
-        return f"no verdict: all {seen} ranks show the same stacks", []
+        return f"no verdict: all {seen} ranks show the same stacks", "", []
     elif not grouping.dominant:
-        return f"no verdict: no two of the {seen} ranks show the same stacks", []
+        return f"no verdict: no two of the {seen} ranks show the same stacks", "", []
     elif not suspects:
-        return "no verdict: the outliers fit no group smaller than the whole job", []
+        return "no verdict: the outliers fit no group smaller than the whole job", "", []
     else:
         cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks))
     if len(cover) > 1:
         notes.append(f"{len(cover)} separate outlier sets, each explained by its own suspect")
-        return summary_of(cover), cover
-    return summary_of(suspects[:1]), []
+        return *summary_parts(cover), cover
+    return *summary_parts(suspects[:1]), []
 
 
 __all__ = [

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from rankscope.analyzers.findings import Finding, Suspect, Verdict, VerdictStatus
-from rankscope.analyzers.labels import headline, summary_of, suspect_label
+from rankscope.analyzers.labels import headline_parts, joined, summary_parts, suspect_label
 from rankscope.contract.ranks import compact_ranks
 
 # Among equal merged scores, sources and sizes: this kind order.
@@ -107,14 +107,19 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
     folded = _fold_contained(merged)
     missing = tuple(sorted({r for v in verdicts for r in v.missing_ranks}))
     notes = tuple(dict.fromkeys(n for v in verdicts for n in v.notes))
+    root = ""
     if folded:
         top = folded[0]
-        summary, status = f"{headline(top)} ({' + '.join(top.sources)})", VerdictStatus.NAMED
+        head, root = headline_parts(top)
+        said_by = f" ({' + '.join(top.sources)})"
+        root = root and root + said_by
+        summary, status = joined(head, root) if root else head + said_by, VerdictStatus.NAMED
     else:
         said = next((v for v in verdicts if v.summary), None)
         summary, status = (said.summary, said.status) if said is not None else ("no verdict", VerdictStatus.NO_VERDICT)
+        root = said.summary_root if said is not None else ""
     return Verdict(suspects=tuple(folded), summary=summary, missing_ranks=missing, notes=notes,
-                   findings=merge_findings(*verdicts), status=status)
+                   findings=merge_findings(*verdicts), status=status, summary_root=root)
 
 
 def _folded(verdict: Verdict) -> Verdict:
@@ -123,14 +128,15 @@ def _folded(verdict: Verdict) -> Verdict:
     kept = _fold_contained([(s, s.sources, "") for s in verdict.suspects])
     if len(kept) == len(verdict.suspects):
         return verdict
-    summary, named = verdict.summary, verdict.named
+    summary, root, named = verdict.summary, verdict.summary_root, verdict.named
     if named:
         # The summary named suspects now folded into another: name those that are left.
         apart = {(s.kind, s.ranks) for s in named}
         left = [s for s in kept if (s.kind, s.ranks) in apart]
         if left:
-            summary, named = summary_of(left), tuple(left) if len(left) > 1 else ()
-    return replace(verdict, suspects=tuple(kept), summary=summary, named=named)
+            head, root = summary_parts(left)
+            summary, named = joined(head, root), tuple(left) if len(left) > 1 else ()
+    return replace(verdict, suspects=tuple(kept), summary=summary, named=named, summary_root=root)
 
 
 @dataclass(slots=True)

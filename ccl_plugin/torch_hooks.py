@@ -137,7 +137,6 @@ class _State:
         self.polling = False  # the background thread polls at its fast pace (no wake needed)
         self.plugin = False  # NCCL's profiler plugin is ours: it times device work, the shim only counts
         self.thread: threading.Thread | None = None
-        self.originals: list[tuple[Any, str, Any]] = []  # (owner, attr, original) of every attribute replaced
         self.dist: Any = None
         self.pg_hooks = False  # torch offers ProcessGroup.register_pre_hook / register_post_hook
         self.work_patched = False  # Work.wait / is_completed wrapped (at the first async host Work)
@@ -685,7 +684,6 @@ def _wrap_work_methods(work_cls: Any) -> None:
     for attr, new, old in (("wait", wait, orig_wait), ("is_completed", is_completed, orig_done)):
         new.__rankscope_original__ = old  # type: ignore[attr-defined]
         setattr(work_cls, attr, new)
-        STATE.originals.append((work_cls, attr, old))
 
 
 def _wrap_new_group(c10d: Any, dist: Any) -> None:
@@ -736,10 +734,8 @@ def _wrap_init(c10d: Any, dist: Any) -> None:
 def _replace(c10d: Any, dist: Any, attr: str, new: Any) -> None:
     old = getattr(c10d, attr)
     setattr(c10d, attr, new)
-    STATE.originals.append((c10d, attr, old))
     if getattr(dist, attr, None) is old:
         setattr(dist, attr, new)
-        STATE.originals.append((dist, attr, old))
 
 
 def _install_step_hook() -> None:

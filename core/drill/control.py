@@ -492,13 +492,6 @@ class _Finished:
     restart_requested: tuple[str, ...] = ()
 
 
-def ranks_resumed(run_dir: Path, world: int, event: RecoveryEvent) -> bool:
-    """Every rank of the restarted job has completed a step after the restart."""
-    from rankscope.drill.progress import stepped_past
-
-    return stepped_past(run_dir, world, event.restart_began_wall, event.resume_step)
-
-
 async def evict_machines(agents: list[str], token: str, machines: tuple[str, ...], reason: str,
                          requested_by: str = "drill", tls: ClientTLS | None = None) -> list[ActionResult]:
     """Plan, confirm with the typed phrase and run an eviction of ``machines``: what the TUI's `e` sends.

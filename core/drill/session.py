@@ -28,7 +28,7 @@ from typing import Any
 
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import JobSnapshot, ProcessRole, main_thread
-from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent, ranks_resumed, standby_name
+from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent, standby_name
 from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan, GroundTruth, ground_truth, machine_name
 from rankscope.drill.launcher import Launcher, TrainingOptions, node_logs
 from rankscope.drill.progress import ProgressWatcher
@@ -242,18 +242,6 @@ class DrillSession:
         event = self.recovery.wait(count, timeout_s)
         self.times["restarted"] = event.restarted_mono
         return event
-
-    def wait_until_resumed(self, event: RecoveryEvent, timeout_s: float) -> None:
-        """Block until every rank of the restarted job has completed a step after the restart."""
-        deadline = time.monotonic() + timeout_s
-        while not ranks_resumed(self.run_dir, self.layout.world, event):
-            if time.monotonic() > deadline:
-                raise RankscopeError(f"training did not resume within {timeout_s:.0f} s after the restart "
-                                     f"(steps now: {self.steps()})", f"read the logs in {self.run_dir / 'logs'}")
-            self._poll()
-            time.sleep(POLL_S)
-        self._poll()
-        self.times["resumed"] = time.monotonic()
 
     def steps(self) -> dict[int, int]:
         return {r: p.step for r, p in sorted(self.watcher.latest.items())}

@@ -125,30 +125,3 @@ def record_run(run_dir: Path, rank: int, code: UserCode, start_step: int, machin
             "start_step": start_step, "wall": time.time()}
     with open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
-
-
-@dataclass(frozen=True, slots=True)
-class CodeRun:
-    rank: int
-    pid: int
-    machine: str
-    version: str
-    path: str
-    start_step: int
-    wall: float
-
-
-def read_runs(run_dir: Path, rank: int) -> list[CodeRun]:
-    """Every process start of ``rank``, oldest first: which machine, which code, from which step."""
-    path = run_dir / CODE_RUNS_DIR / f"rank{rank}.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for text in path.read_text(encoding="utf-8").splitlines():
-        try:
-            d = json.loads(text)
-        except ValueError:
-            continue  # the line a starting rank is writing right now; read again for it
-        out.append(CodeRun(int(d["rank"]), int(d["pid"]), str(d["machine"]), str(d["version"]), str(d["path"]),
-                           int(d["start_step"]), float(d["wall"])))
-    return out

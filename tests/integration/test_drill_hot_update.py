@@ -35,11 +35,11 @@ from rankscope.actions.model import (
     UpdateMode,
 )
 from rankscope.drill import user_code, warm
-from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent, ranks_resumed
+from rankscope.drill.control import DrillMachines, Recovery, RecoveryEvent
 from rankscope.drill.faults import DrillLayout
 from rankscope.drill.launcher import Launcher, TrainingOptions
 from rankscope.drill.processes import marked_processes
-from rankscope.drill.progress import read_progress
+from rankscope.drill.progress import read_progress, stepped_past
 from rankscope.tui.actions import new_action_id, rollback_request, summarize, update_request
 from rankscope.wire.client import JobClient
 
@@ -63,6 +63,16 @@ def loss_records(run_dir: Path) -> list[dict[str, object]]:
     """The last stage's loss records; a line the rank is writing right now is left for the next read."""
     out = []
     for line in (run_dir / "loss" / f"rank{LAST_STAGE_RANK}.jsonl").read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def code_runs(run_dir: Path, rank: int) -> list[dict[str, object]]:
+    """Every process start of ``rank`` its code recorded (``user_code.record_run``), oldest first."""
+    path = run_dir / user_code.CODE_RUNS_DIR / f"rank{rank}.jsonl"
+    out = []
+    for line in (path.read_text().splitlines() if path.exists() else ()):
         with contextlib.suppress(ValueError):
             out.append(json.loads(line))
     return out
@@ -97,14 +107,15 @@ def drill(tmp_path: Path) -> Iterator[tuple[Launcher, Recovery]]:
 
 def resumed_on(launcher: Launcher, event: RecoveryEvent, version: str, runs_before: dict[int, int]) -> None:
     """Every rank restarted once more, on its own machine, on ``version``, and completed a step after the restart."""
-    wait_for(lambda: ranks_resumed(launcher.run_dir, LAYOUT.world, event), 120, "every rank to resume", interval_s=0.1)
+    wait_for(lambda: stepped_past(launcher.run_dir, LAYOUT.world, event.restart_began_wall, event.resume_step), 120,
+             "every rank to resume", interval_s=0.1)
     for rank in range(LAYOUT.world):
-        runs = user_code.read_runs(launcher.run_dir, rank)
+        runs = code_runs(launcher.run_dir, rank)
         assert len(runs) == runs_before[rank] + 1, runs
         old, new = runs[-2], runs[-1]
-        assert new.machine == old.machine == MACHINES[rank]  # the same machine: not rescheduled
-        assert new.pid != old.pid  # a new process
-        assert new.version == version and new.start_step == event.resume_step
+        assert new["machine"] == old["machine"] == MACHINES[rank]  # the same machine: not rescheduled
+        assert new["pid"] != old["pid"]  # a new process
+        assert new["version"] == version and new["start_step"] == event.resume_step
 
 
 @pytest.mark.drill
@@ -116,7 +127,7 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     links = {m: launcher.code_link(m) for m in MACHINES}
     wait_for(lambda: steps_done(run_dir) >= 3, 120, "the job's first steps", interval_s=0.1)
     assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v1")
-    assert [r.version for rank in range(LAYOUT.world) for r in user_code.read_runs(run_dir, rank)] == ["v1", "v1"]
+    assert [r["version"] for rank in range(LAYOUT.world) for r in code_runs(run_dir, rank)] == ["v1", "v1"]
     # Each agent's config names its own machine's link, and the repository the git refs come from.
     for m in MACHINES:
         config = load_actions_config(launcher.state_dir(m) / "actions.json", launcher.state_dir(m))
@@ -128,7 +139,7 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     # Each machine has a parked node (torch imported, v1 not: the code comes from the link after the go).
     wait_for(lambda: launcher.parked_ready(MACHINES), 400, "the machines' parked nodes")
     parked = {m: tuple(warm.ask(launcher.parked[m].socket, {"op": "status"})["pids"]) for m in MACHINES}
-    runs = {rank: len(user_code.read_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
+    runs = {rank: len(code_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
     now = time.time()
     results = asyncio.run(act(launcher, update_request("v2", UpdateMode.IMMEDIATE,
                                                        new_action_id(ActionKind.HOT_UPDATE, now), "drill-test")))
@@ -141,7 +152,7 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     resumed_on(launcher, event, "v2", runs)
     # The restart in place went through the parked nodes: the parked processes became the ranks, warm.
     assert [(w.name, w.pids, w.warm) for w in launcher.warm_starts[-2:]] == [(m, parked[m], (True,)) for m in MACHINES]
-    assert [user_code.read_runs(run_dir, r)[-1].pid for r in range(LAYOUT.world)] == [parked[m][0] for m in MACHINES]
+    assert [code_runs(run_dir, r)[-1]["pid"] for r in range(LAYOUT.world)] == [parked[m][0] for m in MACHINES]
     v2_trees = {m: os.path.realpath(link) for m, link in links.items()}
     assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v2")
     # The losses say which code computed each step: v1 up to the restart, v2 from the checkpoint on.
@@ -161,13 +172,13 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     at = steps_done(run_dir)
     wait_for(lambda: steps_done(run_dir) >= at + 10, 60, "ten more steps on v2", interval_s=0.1)
     assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v2")
-    assert [len(user_code.read_runs(run_dir, rank)) for rank in range(LAYOUT.world)] == [2, 2]  # no restart
+    assert [len(code_runs(run_dir, rank)) for rank in range(LAYOUT.world)] == [2, 2]  # no restart
     assert len(recovery.events) == 1 and loss_records(run_dir)[-1]["code"] == "v2"
     for m in MACHINES:
         pending = HotUpdateHistory(launcher.state_dir(m) / "hot_update_history.sqlite").pending()
         assert pending is not None and pending.to_version.label.startswith("git:v3 (")
 
-    runs = {rank: len(user_code.read_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
+    runs = {rank: len(code_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
     launcher.restart(launcher.machines())  # the next restart (a failure or an eviction would take this path too)
     assert launcher.last_restart is not None
     restart_wall, resume = launcher.last_restart
@@ -176,7 +187,7 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     assert {m: version_of(link) for m, link in links.items()} == dict.fromkeys(MACHINES, "v3")
 
     # ---- rollback: back to v2, immediately ----------------------------------------------------------------
-    runs = {rank: len(user_code.read_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
+    runs = {rank: len(code_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
     results = asyncio.run(act(launcher, rollback_request(UpdateMode.IMMEDIATE,
                                                          new_action_id(ActionKind.ROLLBACK, time.time()), "drill-test")))
     assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
+from agent_helpers import wait_for
 from rankscope.actions.agent_protocol import confirmation_for
 from rankscope.actions.blocklist import Blocklist
 from rankscope.actions.evict_backends import SelfCheck
@@ -27,6 +28,7 @@ from rankscope.drill.control import DrillMachines, blocked_machines, default_sta
 from rankscope.drill.faults import DrillLayout, make_plan
 from rankscope.drill.launcher import Launcher, TrainingOptions
 from rankscope.drill.processes import marked_processes
+from rankscope.drill.progress import stepped_past
 from rankscope.drill.session import DrillConfig, DrillSession
 from rankscope.probes.discovery import discover_ranks
 
@@ -148,7 +150,8 @@ def test_evicting_a_hung_pipeline_brings_in_standbys_and_training_resumes_bit_fo
                                        "joined) after evicting machine-0 machine-2"), resumed.text
         assert resumed.text.endswith(", code git:v1") == s.launcher.hot_updates, resumed.text
         assert not [n for n in s.notes if "incident journal" in n], s.notes
-        s.wait_until_resumed(event, timeout_s=180)
+        wait_for(lambda: stepped_past(s.run_dir, s.layout.world, event.restart_began_wall, event.resume_step), 180,
+                 "every rank to complete a step after the restart", interval_s=0.1)
         s.wait_for_steps(TRAINING.steps, timeout_s=240)
         run_id = s.launcher.run_id
     assert marked_processes(run_id) == []
@@ -253,7 +256,8 @@ def test_a_backup_taken_before_the_hang_is_restored_from_the_peers_after_evictio
         assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
         event = s.wait_for_recovery(1, timeout_s=240)
         assert event.ok, event.message
-        s.wait_until_resumed(event, timeout_s=180)
+        wait_for(lambda: stepped_past(s.run_dir, s.layout.world, event.restart_began_wall, event.resume_step), 180,
+                 "every rank to complete a step after the restart", interval_s=0.1)
         s.wait_for_steps(training.steps, timeout_s=240)
         recovery = (f"recovery events {s.recovery.events if s.recovery else None}, notes {s.notes}, "
                     f"steps held {held}, run dir {tmp_path / 'run'}")

@@ -59,7 +59,6 @@ def shim(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[CounterWrit
     c10d = SimpleNamespace(GroupMember=SimpleNamespace(WORLD=object()), get_process_group_ranks=lambda g: [0, 1],
                            get_backend=lambda g: "gloo", Work=Work)
     saved = {k: getattr(STATE, k) for k in ("writer", "c10d", "disabled", "pending", "polling", "work_patched", "fast", "tls")}
-    originals = len(STATE.originals)
     torch_hooks.use_fast(fast(request.param))
     w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="host", fast=STATE.fast)
     STATE.writer, STATE.c10d, STATE.disabled, STATE.pending, STATE.work_patched = w, c10d, False, {}, False
@@ -68,9 +67,9 @@ def shim(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[CounterWrit
     try:
         yield w
     finally:
-        while len(STATE.originals) > originals:  # put the stand-in Work's own methods back
-            owner, attr, old = STATE.originals.pop()
-            setattr(owner, attr, old)
+        for attr in ("wait", "is_completed"):  # put the stand-in Work's own methods back
+            while hasattr(getattr(Work, attr), "__rankscope_original__"):
+                setattr(Work, attr, getattr(Work, attr).__rankscope_original__)
         for k, v in saved.items():
             setattr(STATE, k, v)
         w.close()

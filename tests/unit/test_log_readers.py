@@ -13,7 +13,7 @@ import string
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rankscope.analyzers.findings import NOT_A_RANK, SuspectKind, Verdict
+from rankscope.analyzers.findings import NOT_A_RANK, SuspectKind, Verdict, VerdictStatus
 from rankscope.analyzers.log_evidence import analyze_logs
 from rankscope.contract.log_records import LogEvidence
 from rankscope.formats.incident_logs import log_files, read_log_text, read_logs
@@ -130,6 +130,14 @@ def test_every_rank_at_the_same_work_is_not_a_rank() -> None:
     assert not v.suspects and v.summary.startswith("not a rank: ")
     f = v.findings[0]
     assert f.kind == NOT_A_RANK and f.ranks == (0, 1, 2, 3) and "Xid" in f.advice and "NVLink" in f.advice
+
+
+def test_one_ranks_timeout_alone_is_no_verdict_not_a_stall_of_its_group() -> None:
+    # One rank's lines cannot tell that every member waits: its reason is said, "not a rank" is not concluded.
+    v = analyze_logs(read_log_text(_watchdog_line(1, 78, 78, 77)))
+    assert not v.suspects and v.status == VerdictStatus.NO_VERDICT
+    assert not [f for f in v.findings if f.kind == NOT_A_RANK]
+    assert v.summary.startswith("no verdict: the logs name no rank behind its peers (rank 1's watchdog timed out in ")
 
 
 def test_ras_ok_with_a_timeout_is_not_a_rank_and_ras_alone_is_no_verdict() -> None:

@@ -18,7 +18,7 @@ from rankscope.analyzers.analysis import analyze_job
 from rankscope.analyzers.findings import NOT_A_RANK, Finding, SuspectKind, Verdict, VerdictStatus
 from rankscope.analyzers.findings import NOT_A_RANK_PREFIX as PREFIX
 from rankscope.analyzers.not_a_rank import settle
-from rankscope.analyzers.render import headline
+from rankscope.analyzers.render import headline, headline_parts
 from snapshot_fixtures import machines
 from stack_fixtures import OPTIMIZER, RECV, SEND, TRAIN, rank_stacks, snapshot
 from test_async_waits import ITEM_LINE, _file, _op, _py, _rank
@@ -68,9 +68,14 @@ def test_the_stalled_stage_names_rank_6_with_every_rank_that_waits_on_it() -> No
     assert top.victims == (0, 1, 2, 3, 4, 5, 7)  # its group's own waiting members too: 7, not 4
     assert "root rank 6 (computing; 7 ranks wait on it)" in v.summary, v.summary
     assert v.status is VerdictStatus.NAMED
+    # The verdict panel draws the root on a line of its own from the verdict's parts, never by cutting its text.
+    head, root = headline_parts(v)
+    assert root.startswith("root rank 6 (computing; 7 ranks wait on it) (") and "root rank" not in head, (head, root)
+    assert f"{head}, {root}" == v.summary == headline(v)
     # the stacks alone say the same
     alone = analyze_job(hang_p2p_at_6(with_ccl=False), L8).verdict
     assert alone.top is not None and alone.top.roots == (6,) and len(alone.top.victims) == 7
+    assert headline_parts(alone)[1].startswith("root rank 6 (computing; 7 ranks wait on it)"), alone.summary
 
 
 # --------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from rankscope.analyzers.eviction_scope import GROUP, eviction_scope, option_line
 from rankscope.analyzers.findings import Suspect
 from rankscope.analyzers.labels import group_name, group_numbers, suspect_label
-from rankscope.analyzers.render import headline
+from rankscope.analyzers.render import headline, headline_parts
 from rankscope.analyzers.topology import compact_machines
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import Layout
@@ -162,10 +162,10 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
     else:
         t.append("verdict: ", "bold")
         # The root on a line of its own: at 80 columns the end of one long line was cut ("root rank 2 (…").
-        head, sep, root = headline(v).partition(", root rank ")
+        head, root = headline_parts(v)
         t.append(head, "bold red" if v.suspects else "bold")
-        if sep:
-            t.append(f"\n   root rank {root}", "bold red")
+        if root:
+            t.append(f"\n   {root}", "bold red")
     advice = {f.ranks: f.advice for f in v.findings if f.advice}
 
     def look(style: str) -> str:
