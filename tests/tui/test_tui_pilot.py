@@ -149,22 +149,20 @@ async def test_ccl_view_opens_a_communicator_and_marks_the_laggard() -> None:
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, app.loaded.is_set)
         await pilot.press("3")
-        await pilot.pause()
+        await until(pilot, lambda: "with mismatches" in screen_text(app))
         text = screen_text(app)
         assert "1 with mismatches" in text
         assert text.index("pp24") < text.index("pp0 ")  # mismatched communicators sort first
         app.main.query_one("#ccl-table").focus()
         await pilot.press("enter")
-        await pilot.pause()
+        await until(pilot, lambda: "CL lags" in screen_text(app))  # rank 30 never launched its last send
         text = screen_text(app)
-        assert "CL lags" in text  # rank 30 never launched its last send
         assert "2 open" not in text or "1 open" in text
         rows = [line for line in text.splitlines() if line.strip().startswith("30 ")]
         assert rows and "CL lags" in rows[0]
         await pilot.press("o")
         await pilot.press("escape")
-        await pilot.pause()
-        assert "communicators" in screen_text(app)
+        await until(pilot, lambda: "communicators" in screen_text(app))
 
 
 async def test_help_lists_keys_and_read_only_has_no_action_keys() -> None:
