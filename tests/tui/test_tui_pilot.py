@@ -12,6 +12,7 @@ from rankscope.tui.screens.help import HelpScreen
 from rankscope.tui.screens.rank import RankScreen
 from rankscope.tui.sources import BundleSource
 from rankscope.tui.state import AppState
+from textual.command import CommandList, CommandPalette
 from tui_bundles import FIG7_LAYOUT, T0, fig7_bundle, job, lost_series
 from tui_screen import screen_text, until
 
@@ -251,9 +252,15 @@ async def test_command_palette_runs_a_capture() -> None:
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, app.loaded.is_set)
         await pilot.press("ctrl+p")
-        await pilot.pause()
+        await until(pilot, lambda: isinstance(app.screen, CommandPalette))
         await pilot.press(*"Capture stacks")
-        await pilot.pause(0.3)
+
+        def capture_offered() -> bool:  # the palette searches in a worker: wait for its first hit
+            hits = app.screen.query(CommandList)
+            return bool(hits) and hits.first().option_count > 0 and \
+                "Capture stacks" in str(hits.first().get_option_at_index(0).prompt)
+
+        await until(pilot, capture_offered)
         await pilot.press("enter")
         await until(pilot, lambda: app.state.stacks is not None)
         assert source.captures_started == 1
