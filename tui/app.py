@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -92,6 +93,10 @@ class AppOptions:
     # Told every verdict that names suspects of a stopped job (not a running one's timing, not a restart's): the
     # verdict, its capture's wall time and rank -> machine then. The drill grades the first after its fault.
     on_verdict: Callable[[Verdict, float, dict[int, str]], None] | None = None
+    # A terminal's SIGINT (kill -INT, a pairing wrapper) quits like q. Without a handler it lands as a
+    # KeyboardInterrupt in whatever code runs then, and code that guards a call against every error can swallow
+    # it (the view then ran on). Set by ``run_app`` only: tests run the app inside pytest's own loop.
+    exit_on_sigint: bool = False
 
 
 def _last_resumed(state: st.AppState) -> st.Event | None:
@@ -159,6 +164,9 @@ class RankscopeApp(App[int]):
     def _main_ready(self) -> None:
         """MainScreen's widgets exist: only now can data be drawn."""
         self.set_interval(0.2, self._release_toasts)  # toasts held while a dialog is open
+        if self.options.exit_on_sigint:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no signals here: Ctrl-C stays
+                asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self.exit)
         self.redraw()
         self._load()
 
@@ -653,7 +661,7 @@ def _digest_series(snaps: Sequence[JobSnapshot], layout: Layout | None,
 
 def run_app(source: Source, options: AppOptions) -> int:
     settle_in_this_process()  # this process is the TUI's: what it holds is set aside from the collector
-    app = RankscopeApp(source, options)
+    app = RankscopeApp(source, replace(options, exit_on_sigint=True))
     result = app.run()
     return app.return_code or result or 0
 
