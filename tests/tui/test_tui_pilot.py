@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from queue_source import QueueSource
@@ -302,6 +303,15 @@ async def test_a_bundle_given_by_path_is_read_by_the_app_and_a_bad_one_exits_wit
     assert app.return_code == 2
 
 
+async def select_rank_25(pilot: Any, app: RankscopeApp) -> None:
+    """Fig. 7's app loaded, its map's cursor moved by keys onto rank 25 (node12), and the line below naming it."""
+    await until(pilot, app.loaded.is_set)
+    app.main.query_one("#rank-map").focus()
+    for key in ("j",) * 12 + ("l",):
+        await pilot.press(key)
+    await until(pilot, lambda: "▸ rank 25 · node12" in screen_text(app), 10, "the rank's line")
+
+
 async def test_the_selected_rank_line_follows_the_capture_on_screen() -> None:
     # It kept "group A: all_reduce" for a rank a later capture showed in another group (recv).
     from dataclasses import replace
@@ -313,11 +323,8 @@ async def test_the_selected_rank_line_follows_the_capture_on_screen() -> None:
 
     app = fig7_app()
     async with app.run_test(size=(120, 40)) as pilot:
-        await until(pilot, app.loaded.is_set)
-        app.main.query_one("#rank-map").focus()
-        for key in ("j",) * 12 + ("l",):
-            await pilot.press(key)
-        await until(pilot, lambda: "▸ rank 25 · node12 · group B: irecv" in screen_text(app), 10, "the rank's line")
+        await select_rank_25(pilot, app)
+        await until(pilot, lambda: "▸ rank 25 · node12 · group B: irecv" in screen_text(app), 10, "its group")
         healthy = job(T0 + 60, stacks=True, step=103, hung=False)  # every rank in the optimizer: one group, A
         app.state = st.apply_capture(replace(app.state, verdict=None), dg.digest(healthy),
                                      build_stack_view(healthy, healthy.layout), T0 + 60)
@@ -366,11 +373,7 @@ async def test_the_selected_rank_line_names_the_rank_under_the_cursor_after_rank
 
     app = fig7_app()
     async with app.run_test(size=(120, 40)) as pilot:
-        await until(pilot, app.loaded.is_set)
-        app.main.query_one("#rank-map").focus()
-        for key in ("j",) * 12 + ("l",):
-            await pilot.press(key)
-        await until(pilot, lambda: "▸ rank 25 · node12" in screen_text(app), 10, "the rank's line")
+        await select_rank_25(pilot, app)
         # The restarted job put its ranks in the other order on node12: rank 24 sits under the cursor now.
         machines = tuple(replace(m, ranks=(25, 24)) if m.name == "node12" else m for m in app.state.machines)
         app.state = replace(app.state, machines=machines)
