@@ -11,17 +11,15 @@ Safe by default:
   off loopback it serves TLS (``--tls-cert/--tls-key``, mutual TLS with
   ``--tls-client-ca``) or refuses to start unless ``--insecure`` says so;
 - every call except the standard health check needs a bearer token, checked
-  in one interceptor before any handler runs. Each method names the role it
-  needs (``METHOD_ROLES``); a method not listed there needs the ``act`` role,
-  so a state-changing RPC added later is protected even if nobody remembers
-  to list it.
+  in one interceptor before any handler runs (``rankscope.wire.access``: each
+  method names the role it needs, an unlisted one needs ``act``).
 
-Limits hold before the token is checked (gRPC reads a whole request before
-any handler runs): a request may be at most ``MAX_REQUEST_BYTES``, the calls in
-flight, the streams of one connection and the connections are bounded, and a
-connection that does not finish its handshake in ``HANDSHAKE_TIMEOUT_S`` is
-closed (``server_options``; the README's "Hardening" section says why each).
-Every number a request carries is checked for range and finiteness before use.
+Limits hold before the token is checked: the size of a request, the calls in
+flight, the connections and the handshake's time are bounded, and every number
+a request carries is checked for range and finiteness before use
+(``rankscope.wire.limits``). An agent started with ``--lease`` stops when no
+client has called for that long (``rankscope.wire.lease``); its machine name is
+made in ``rankscope.wire.identity``.
 
 Stack captures are serialised: two engineers pressing "capture" at once must
 not make two py-spy processes ptrace the same rank (the second attach fails).
@@ -39,11 +37,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import ipaddress
-import math
 import os
-import resource
 import signal
 import socket
 import sys
@@ -61,10 +56,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rankscope.actions.agent_protocol import AUDIT_OPEN, FIX_SEPARATOR
 from rankscope.actions.agent_service import SUPERVISE_INTERVAL_S, ActionService
 from rankscope.actions.config import ActionsConfig
-from rankscope.actions.journal import READ as JOURNAL_READ
 from rankscope.actions.journal import journal_service
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import MachineSnapshot, RankInfo
+from rankscope.wire.access import SERVICE, TokenInterceptor, caller_of
 from rankscope.wire.action_messages import (
     audit_to_proto,
     confirmation_from_proto,
@@ -74,46 +69,32 @@ from rankscope.wire.action_messages import (
 )
 from rankscope.wire.delta import ReadingVersions
 from rankscope.wire.gate import Gate
+from rankscope.wire.identity import container_id, machine_identity
+from rankscope.wire.lease import Lease, lease_expired
+from rankscope.wire.limits import (
+    CALL_WAIT_S,
+    DEFAULT_PYSPY_TIMEOUT_S,
+    MAX_CONCURRENT_RPCS,
+    MAX_PYSPY_TIMEOUT_S,
+    MAX_SAMPLE_HZ,
+    checked_number,
+    connection_limit,
+    raise_descriptor_limit,
+    refused_waiting_limit,
+    server_options,
+)
 from rankscope.wire.merge import Behind, fold
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
 from rankscope.wire.rank_progress import ProgressTracker
 from rankscope.wire.snapshot_codec import machine_to_proto
 from rankscope.wire.tls import ClientTLS, ServerTLS, server_credentials
-from rankscope.wire.tokens import MAKE_TOKEN, Role, TokenSet
+from rankscope.wire.tokens import MAKE_TOKEN, TokenSet
 
 if TYPE_CHECKING:
     from rankscope.wire.fanout import Call, CallFor
 
 DEFAULT_PORT = 50051
-SERVICE = "rankscope.v1.RankscopeAgent"
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
-# What each call needs. Anything of the agent service not listed needs ACT.
-METHOD_ROLES: dict[str, Role] = {
-    f"/{SERVICE}/Describe": Role.READ,
-    f"/{SERVICE}/Capture": Role.READ,
-    f"/{SERVICE}/PlanAction": Role.READ,  # planning changes nothing
-    f"/{SERVICE}/WatchAudit": Role.READ,  # a read-only TUI sees actions live
-    JOURNAL_READ: Role.READ,  # a late view reads the incident's story (Append needs ACT)
-    # RunAction is deliberately absent: it needs ACT.
-}
-MAX_PYSPY_TIMEOUT_S = 60.0
-DEFAULT_PYSPY_TIMEOUT_S = 5.0
-MAX_SAMPLE_HZ = 1000.0  # the sampler runs at most probes.sampler.MAX_RATE_HZ; above this a request is nonsense
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # replies: a whole machine's stacks
-# Requests (read before the token is checked). The largest real ones: a RunAction evicting a machine together with
-# the 16,383 others of a whole-job restart, 0.26 MB; a relay's Describe naming the versions it holds of 8,192
-# agents, 0.44 MB (relays have tens). Peak memory is about this times the calls in flight, times 3.
-MAX_REQUEST_BYTES = 512 * 1024
-MAX_CONCURRENT_RPCS = 64  # calls in flight at once, all clients together (a TUI holds 3-4 per agent)
-MAX_STREAMS_PER_CONNECTION = 32  # calls in flight on one connection
-MAX_CONNECTIONS = 512  # also at most half the descriptors the agent may open (connection_limit)
-HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not finished TLS and the HTTP/2 settings by then is closed
-CALL_WAIT_S = 5.0  # a plaintext connection that has started no call by then is closed (rankscope.wire.gate)
-MESSAGE_WAIT_S = 5.0  # a call with an accepted token (or a health check) must send its request by then
-DESCRIPTORS_PER_CONNECTION = 3  # the client's socket and the gate's Unix socket to gRPC, both ends
-REFUSED_WAITING_MAX = 64  # refused connections held for a pause before they are closed (rankscope.wire.gate)
-IDLE_CONNECTION_S = 300.0  # a connection with no call in flight for this long is closed (clients reconnect)
 BIND_RETRY_S = 10.0  # a fixed port still held by a predecessor's closing connections is tried this long
 STOP_TIMEOUT_S = 5.0  # SIGTERM: what is still running after this is left behind and the process exits
 ANNOUNCE_PREFIX = "RANKSCOPE_AGENT_READY"
@@ -163,34 +144,6 @@ Source = Callable[[bool], Awaitable[MachineSnapshot]]
 RELAY_MARGIN_S = 1.0
 
 
-def container_id(cgroup_text: str) -> str | None:
-    """The container's id (12 hex digits) from /proc/self/cgroup text, or None outside a container."""
-    import re
-
-    found = re.search(r"(?:docker|containerd|cri-containerd|crio|libpod)[-/]([0-9a-f]{64})", cgroup_text)
-    return found.group(1)[:12] if found else None
-
-
-def machine_identity(hostname: str, ranks: Sequence[RankInfo], container: str | None, port: int) -> str:
-    """A machine name that no other agent on this host reports, and that survives a restart of the agent.
-
-    Several agents can share a host (containers with the host's network,
-    tests, one agent per torchrun node of a job spread over one big host);
-    the hostname alone would merge them into one machine for every per-machine
-    detector. In order: the torchrun node rank its ranks share (stable across
-    restarts of the agent and of the job), the container's id, the port it
-    listens on (stable when given with --port).
-    """
-    nodes = {r.group_rank for r in ranks if r.group_rank is not None}
-    if len(nodes) == 1:
-        return f"{hostname}-node{nodes.pop()}"
-    if container is not None and container not in hostname:
-        return f"{hostname}-{container}"
-    if container is not None:
-        return hostname  # a container's own hostname is its id already
-    return f"{hostname}-{port}"
-
-
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -220,187 +173,6 @@ def check_config(config: AgentConfig) -> None:
         )
     if not 0 <= config.port < 65536:
         raise RankscopeError(f"--port {config.port} is not a port number", "use 1-65535, or 0 to pick a free port")
-
-
-def connection_limit(relays: int = 0) -> int:
-    """How many client connections the agent accepts: half the descriptors it may open, minus the connections it
-    makes itself (relaying), at most MAX_CONNECTIONS: the other half stays for py-spy's pipes, counter files and
-    the audit log, so idle connections cannot starve a capture."""
-    return max(4, min(MAX_CONNECTIONS, _connection_descriptors(relays) // DESCRIPTORS_PER_CONNECTION))
-
-
-def refused_waiting_limit(relays: int = 0) -> int:
-    """How many refused connections may wait out their pause (rankscope.wire.gate): what the connections leave of
-    their half of the descriptors, at most REFUSED_WAITING_MAX."""
-    spare = _connection_descriptors(relays) - connection_limit(relays) * DESCRIPTORS_PER_CONNECTION
-    return max(0, min(REFUSED_WAITING_MAX, spare))
-
-
-def _connection_descriptors(relays: int) -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS * DESCRIPTORS_PER_CONNECTION + REFUSED_WAITING_MAX
-    return soft // 2 - relays
-
-
-def raise_descriptor_limit() -> None:
-    """Use the hard descriptor limit: the soft one (often 1024) is a default, not a decision."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def server_options(relays: int = 0) -> list[tuple[str, int]]:
-    """The gRPC server's limits (each one named, with why, in the README's "Hardening" section). The connections
-    are bounded before gRPC, by the gate (``rankscope.wire.gate``), which also decides who gives a place up."""
-    return [
-        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
-        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
-        ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_S * 1000)),
-        ("grpc.so_reuseport", 0),  # a second agent on the same port must fail, not share it
-    ]
-
-
-def checked_number(value: float, name: str, low: float, high: float) -> float:
-    """``value`` if finite and within [low, high]; else a RankscopeError naming the field (INVALID_ARGUMENT)."""
-    if not math.isfinite(value) or not low <= value <= high:
-        raise RankscopeError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}",
-                             "send a finite number in that range (0 leaves the agent's default)")
-    return value
-
-
-# --------------------------------------------------------------------------
-# the token check
-# --------------------------------------------------------------------------
-
-
-def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
-    for key, value in metadata or ():
-        if key.lower() == "authorization":
-            text = value.decode() if isinstance(value, bytes) else str(value)
-            scheme, _, token = text.partition(" ")
-            if scheme.lower() == "bearer":
-                return token.strip() or None
-    return None
-
-
-def _denying_handler(handler: Any, code: grpc.StatusCode, message: str) -> Any:
-    """A handler that only rejects the call, at once: it takes the request as a stream it never reads, so a call
-    that sends its headers and never its message is answered (and gives its place back) without waiting for it."""
-
-    async def reject(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, message)
-
-    async def reject_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await context.abort(code, message)
-        yield  # pragma: no cover - abort raises; this only makes it a generator
-
-    if handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(reject_stream)
-    return grpc.stream_unary_rpc_method_handler(reject)
-
-
-def _message_within(handler: Any, wait_s: float) -> Any:
-    """``handler`` with its one request read under a time limit: a call that holds a place without sending its
-    message is ended after ``wait_s``, saying so (gRPC itself would wait for it as long as the peer likes)."""
-    if handler is None or handler.request_streaming:
-        return handler
-    late = (f"no request message within {wait_s:g} s of the call's start: the agent ends calls that hold a place "
-            "without sending their request")
-
-    async def first(context: grpc.aio.ServicerContext) -> Any:
-        try:
-            request = await asyncio.wait_for(context.read(), wait_s)
-        except TimeoutError:
-            request = grpc.aio.EOF
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, late)
-        if request is grpc.aio.EOF:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message")
-        return request
-
-    if handler.response_streaming:
-        behaviour = handler.unary_stream
-
-        async def streamed(_: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for reply in behaviour(await first(context), context):
-                yield reply
-
-        return grpc.stream_stream_rpc_method_handler(streamed, handler.request_deserializer,
-                                                     handler.response_serializer)
-    single = handler.unary_unary
-
-    async def answered(_: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await single(await first(context), context)
-
-    return grpc.stream_unary_rpc_method_handler(answered, handler.request_deserializer, handler.response_serializer)
-
-
-def token_fingerprint(secret: str) -> str:
-    """Names a token in the audit log without revealing it: the first 8 hex digits of its SHA-256."""
-    return hashlib.sha256(secret.encode("utf-8", "replace")).hexdigest()[:8]
-
-
-def caller_of(tokens: TokenSet | None, metadata: Sequence[tuple[str, Any]] | None) -> str:
-    """The token a call came with, as the audit log records it: its role and fingerprint, never the secret."""
-    if tokens is None:
-        return "no token: --insecure-no-token"
-    presented = bearer_token(metadata)
-    role = tokens.role_of(presented)
-    if presented is None or role is None:
-        return "no accepted token"  # not reached: the interceptor refuses such calls first
-    return f"{role.value} token {token_fingerprint(presented)}"
-
-
-class Lease:
-    """When a client last called with an accepted token (any method, health checks included)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self.renewed = clock()
-
-    def renew(self) -> None:
-        self.renewed = self.clock()
-
-    def idle_s(self) -> float:
-        return self.clock() - self.renewed
-
-
-class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Lets a call through only with a token whose role covers the method; an accepted token renews the lease."""
-
-    def __init__(self, tokens: TokenSet | None, lease: Lease | None = None) -> None:
-        self.tokens = tokens
-        self.lease = lease
-
-    async def intercept_service(
-        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
-    ) -> Any:
-        method: str = handler_call_details.method
-        presented = bearer_token(handler_call_details.invocation_metadata)
-        role = self.tokens.role_of(presented) if self.tokens is not None else None
-        if self.lease is not None and (self.tokens is None or role is not None):
-            self.lease.renew()
-        if self.tokens is None or method.startswith(HEALTH_PREFIX):
-            return _message_within(await continuation(handler_call_details), MESSAGE_WAIT_S)
-        needed = METHOD_ROLES.get(method, Role.ACT)
-        if role is not None and (role is Role.ACT or needed is Role.READ):
-            return _message_within(await continuation(handler_call_details), MESSAGE_WAIT_S)
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None  # unknown method: gRPC answers UNIMPLEMENTED
-        if presented is None:
-            return _denying_handler(
-                handler, grpc.StatusCode.UNAUTHENTICATED,
-                "no token sent: this agent needs 'authorization: Bearer <token>'",
-            )
-        if role is None:
-            return _denying_handler(handler, grpc.StatusCode.UNAUTHENTICATED, "the token was not accepted")
-        return _denying_handler(
-            handler, grpc.StatusCode.PERMISSION_DENIED, f"{method} needs a token with the '{needed.value}' role"
-        )
 
 
 # --------------------------------------------------------------------------
@@ -778,12 +550,6 @@ async def supervise(actions: ActionService, interval_s: float = SUPERVISE_INTERV
         except Exception as exc:
             log(f"hot-update supervision failed: {type(exc).__name__}: {exc}")
         await asyncio.sleep(interval_s)
-
-
-async def lease_expired(lease: Lease, lease_s: float) -> None:
-    """Returns once ``lease_s`` passed without an accepted call."""
-    while (idle := lease.idle_s()) < lease_s:
-        await asyncio.sleep(lease_s - idle)
 
 
 def write_port_file(path: Path, port: int) -> None:

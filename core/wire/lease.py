@@ -1,18 +1,42 @@
 """The lease of agents started for a session: renewed while the client lives, so they end soon after it.
 
 Agents started with ``--lease`` (inside a Slurm job, ``rankscope.wire.slurm``)
-stop by themselves when nobody has been heard from for that long.
+stop by themselves when nobody has been heard from for that long: the agent's
+side is ``Lease`` (renewed by every call with an accepted token) and
+``lease_expired``; the client's side is ``KeepAlive``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 from rankscope.wire.fanout import CHANNEL_OPTIONS, auth_metadata
 from rankscope.wire.tls import ClientTLS, channel_credentials, channel_options
+
+
+class Lease:
+    """When a client last called with an accepted token (any method, health checks included)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.renewed = clock()
+
+    def renew(self) -> None:
+        self.renewed = self.clock()
+
+    def idle_s(self) -> float:
+        return self.clock() - self.renewed
+
+
+async def lease_expired(lease: Lease, lease_s: float) -> None:
+    """Returns once ``lease_s`` passed without an accepted call."""
+    while (idle := lease.idle_s()) < lease_s:
+        await asyncio.sleep(lease_s - idle)
 
 
 class KeepAlive:

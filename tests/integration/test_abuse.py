@@ -45,10 +45,11 @@ from rankscope.contract.bundle import BundleError, loads
 from rankscope.contract.errors import RankscopeError
 from rankscope.probes import ccl_counters
 from rankscope.probes.ccl_counters import list_counter_files, read_counter_file
+from rankscope.wire.access import token_fingerprint
 from rankscope.wire.action_messages import confirmation_to_proto, event_from_proto, request_to_proto
-from rankscope.wire.agent import MAX_REQUEST_BYTES, checked_number, token_fingerprint
 from rankscope.wire.client import JobClient
 from rankscope.wire.fanout import auth_metadata
+from rankscope.wire.limits import MAX_REQUEST_BYTES, checked_number
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
 

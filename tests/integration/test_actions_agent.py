@@ -54,9 +54,10 @@ from rankscope.actions.model import (
 )
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import Layout
+from rankscope.wire.access import token_fingerprint
 from rankscope.wire.action_client import UNOWNED
 from rankscope.wire.action_messages import confirmation_to_proto, event_from_proto, request_to_proto
-from rankscope.wire.agent import AgentConfig, RunningAgent, start_agent, token_fingerprint
+from rankscope.wire.agent import AgentConfig, RunningAgent, start_agent
 from rankscope.wire.client import JobClient
 from rankscope.wire.fanout import auth_metadata
 from rankscope.wire.proto import rankscope_pb2 as pb

@@ -18,7 +18,8 @@ from agent_helpers import RANK_FUNCTION, Processes, clean_env, make_token_file
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import ProcessRole
-from rankscope.wire.agent import AgentConfig, RunningAgent, bearer_token, check_config, is_loopback, start_agent
+from rankscope.wire.access import bearer_token
+from rankscope.wire.agent import AgentConfig, RunningAgent, check_config, is_loopback, start_agent
 from rankscope.wire.proto import rankscope_pb2 as pb
 from rankscope.wire.proto import rankscope_pb2_grpc as pb_grpc
 from rankscope.wire.snapshot_codec import machine_from_proto

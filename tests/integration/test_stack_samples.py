@@ -41,7 +41,7 @@ from rankscope.contract.snapshot import (
     StackSampleWindow,
 )
 from rankscope.probes.sampler import StackSampler
-from rankscope.wire.agent import container_id, machine_identity
+from rankscope.wire.identity import container_id, machine_identity
 
 # ---- classification and parsing --------------------------------------------------
 
