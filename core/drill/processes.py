@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rankscope.drill.worker import RUN_ID_ENV
@@ -164,4 +166,18 @@ def sweep(run_id: str, *, rounds: int = 5) -> list[int]:
     return killed
 
 
-__all__ = ["Stopping", "kill_trees", "marked_processes", "signal_trees", "sweep"]
+def reap(proc: subprocess.Popen[bytes]) -> None:
+    """Collect a process that was just killed (at most 5 s), so it leaves no zombie."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def log_tail(path: Path, lines: int = 3) -> str:
+    """The last lines of a process's log on one line, for an error that says why it ended."""
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+__all__ = ["Stopping", "kill_trees", "log_tail", "marked_processes", "reap", "signal_trees", "sweep"]

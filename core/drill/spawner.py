@@ -6,8 +6,9 @@ import queue
 import socket
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class Spawner:
@@ -62,6 +63,8 @@ class _SpawnJob:
 
 
 SPAWNER = Spawner()
+# How a drill's part starts one process of its run: argv, its log, its environment (``Launcher.popen``).
+Start = Callable[[Sequence[str], Path, Mapping[str, str]], subprocess.Popen[bytes]]
 
 
 def free_port() -> int:
@@ -70,4 +73,4 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-__all__ = ["SPAWNER", "Spawner", "free_port"]
+__all__ = ["SPAWNER", "Spawner", "Start", "free_port"]
