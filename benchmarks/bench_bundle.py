@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_fanout import base_package  # noqa: E402 (the benchmarks folder is not a package)
+from base_code import base_tree  # noqa: E402 (the benchmarks folder is not a package)
 
 # Run in the child: time read_bundle alone, after the imports it needs, then writing what it read again
 # (version 4, to a temporary file): what the TUI's `w` and `snapshot -o` cost.
@@ -52,27 +52,6 @@ print(opened, written)
 """
 # The console script's body, so the base side runs its own main() from its own tree.
 _ANALYZE = "import sys\nfrom rankscope.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
-
-
-def base_tree(ref: str) -> Path:
-    """A folder to put first on sys.path whose ``rankscope`` is the package at ``ref``, its trees inside it.
-
-    ``bench_fanout.base_package`` gives ``core/`` as ``rankscope`` with the other trees beside it, so
-    ``rankscope.analyzers`` falls through to this checkout's editable install; here each tree it unpacked is
-    linked inside the package (as pyproject's package-dir maps them), so the base's own analyzers run. (The
-    TUI is not among them: neither opening a bundle nor ``rankscope analyze`` imports it.)
-    """
-    from bench_fanout import BASE_TREES
-
-    src = base_package(ref).parent / "src"
-    pkg = src.parent / "whole" / "rankscope"
-    if not pkg.exists():
-        pkg.mkdir(parents=True)
-        for entry in (src / "core").iterdir():
-            (pkg / entry.name).symlink_to(entry)
-        for tree in BASE_TREES[1:]:
-            (pkg / tree).symlink_to(src / tree)
-    return pkg.parent
 
 
 def _env(pkg: Path | None) -> dict[str, str]:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_bundle import _child, _env, base_tree  # noqa: E402 (the benchmarks folder is not a package)
+from base_code import base_tree  # noqa: E402 (the benchmarks folder is not a package)
+from bench_bundle import _child, _env  # noqa: E402 (the benchmarks folder is not a package)
 
 # Run in the child, from that side's tree: encode, serialize, then time parse + decode twice.
 _DECODE = """

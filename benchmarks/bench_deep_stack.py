@@ -90,7 +90,7 @@ def main() -> None:
     depths = [int(d) for d in args.depths.split(",")]
     if args.ref:
         sys.path.insert(0, str(Path(__file__).parent))
-        from bench_bundle import base_tree
+        from base_code import base_tree
 
         env = dict(os.environ, PYTHONPATH=str(base_tree(args.ref)))
         for depth in depths:

@@ -47,69 +47,19 @@ import os
 import resource
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from base_code import BASE_NAMES, REPO, base_root, same_names  # noqa: E402 (the benchmarks folder is not a package)
+
 TOKEN = "b" * 32
 
 
 # ---- the base code (before #16) --------------------------------------------------------------
-
-
-def base_package(ref: str) -> Path:
-    """A folder whose ``rankscope`` package is ``core/`` at ``ref`` (put first on sys.path to import it)."""
-    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", ref], capture_output=True, text=True,
-                         check=True).stdout.strip()
-    root = Path(tempfile.gettempdir()) / f"rankscope-bench-base-{sha[:12]}"
-    pkg = root / "pkg"
-    if not (pkg / "rankscope").exists():
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", sha, *BASE_TREES],
-                                 capture_output=True, check=True).stdout
-        src = root / "src"
-        src.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile() as f:
-            f.write(archive)
-            f.seek(0)
-            with tarfile.open(fileobj=f) as tar:
-                tar.extractall(src, filter="data")
-        pkg.mkdir(parents=True, exist_ok=True)
-        (pkg / "rankscope").symlink_to(src / "core")
-        for tree in BASE_TREES[1:]:
-            (pkg / tree).symlink_to(src / tree)
-    return pkg
-
-
-# The base code is a whole tree (its analyzers and probes match its core); its core had one flat package, so the
-# modules this benchmark (and fanout_source) use had other names there (#15 split core/ by role).
-BASE_TREES = ("core", "analyzers", "probes", "ccl_plugin")
-BASE_NAMES = {"rankscope.contract.snapshot": "rankscope.snapshot", "rankscope.contract.bundle": "rankscope.bundle",
-              "rankscope.wire.tokens": "rankscope.tokens", "rankscope.wire.agent": "rankscope.agent",
-              "rankscope.wire.client": "rankscope.client", "rankscope.wire.proto": "rankscope.proto",
-              "rankscope.wire.proto.rankscope_pb2": "rankscope.proto.rankscope_pb2",
-              "rankscope.wire.proto.rankscope_pb2_grpc": "rankscope.proto.rankscope_pb2_grpc"}
-
-
-def base_root(ref: str) -> Path:
-    """The folder to put first on sys.path to run the code at ``ref``: for a ref from after #15 split core/ by
-    role, its whole tree under this checkout's module names (``bench_bundle.base_tree``); before it, its flat
-    core (``base_package``, its modules renamed by ``use_impl``)."""
-    split = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{ref}:core/wire"], capture_output=True,
-                           check=False).returncode == 0
-    if split:
-        from bench_bundle import base_tree  # (imports this module: not at the top)
-
-        return base_tree(ref)
-    return base_package(ref)
-
-
-def same_names(base: str) -> bool:
-    """Whether the base code's modules have this checkout's names (a base from after #15: it relays too)."""
-    return (Path(base) / "rankscope" / "wire").is_dir()
 
 
 def use_impl(impl: str, base: str | None) -> None:

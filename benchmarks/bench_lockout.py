@@ -209,7 +209,7 @@ def main() -> None:
     args = p.parse_args()
     if args.ref:
         sys.path.insert(0, str(Path(__file__).parent))
-        from bench_bundle import base_tree
+        from base_code import base_tree
 
         measure(args.ref, args, base_tree(args.ref))
     measure("this checkout", args, None)

@@ -286,7 +286,7 @@ def compare(backend: str, world: int, calls: int, rounds: int, base_ref: str, re
             tmp: Path) -> dict[str, Any]:
     """This checkout's shim and the one at ``base_ref``, in alternating runs of the same job."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_bundle import base_tree
+    from base_code import base_tree
 
     base = base_tree(base_ref)
     runs: dict[str, list[dict[str, Any]]] = {"new": [], "base": []}

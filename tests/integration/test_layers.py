@@ -255,6 +255,32 @@ def test_no_import_circle_inside_a_package(package: str) -> None:
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
+def _script_imports(folder: Path) -> dict[str, set[str]]:
+    """Which scripts of a folder of scripts (not a package: each imports the others by their bare names) each one
+    imports, at the top or in functions."""
+    files = {p.stem: p for p in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                deps.add(node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def test_no_import_circle_between_benchmarks(tmp_path: Path) -> None:
+    """Benchmarks share their helpers through modules of their own (``base_code``), never by importing each other
+    back (bench_bundle and bench_fanout once did)."""
+    graph = _script_imports(ROOT / "benchmarks")
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+    (tmp_path / "a.py").write_text("def f():\n    from b import g\n")  # the check sees a lazy import circle
+    (tmp_path / "b.py").write_text("from a import f\n")
+    assert _cycle(_script_imports(tmp_path)) == ["a", "b", "a"]
+
+
 # What screens and widgets may use of ``self.app``: Textual's own App API, never the rankscope app's state.
 _TEXTUAL_APP_API = {"notify", "console", "push_screen", "pop_screen", "exit", "bell"}
 
