@@ -52,6 +52,7 @@ from rankscope.tui.messages import (
 )
 from rankscope.tui.screens.help import HelpScreen
 from rankscope.tui.screens.main import VIEWS, MainScreen
+from rankscope.tui.screens.pair import pair_hint
 from rankscope.tui.screens.rank import RankScreen
 from rankscope.tui.sources import BundleSource, LiveSource, Source, poll_loop
 from rankscope.tui.toasts import coalesce
@@ -88,7 +89,7 @@ class AppOptions:
     bundle_dir: Path = Path(".")
     layout: Layout | None = None
     read_only: bool = False
-    pair_hint: str = ""  # how a second person attaches read-only (the drill says it); logged as the first event
+    pair_command: str = ""  # how a second person attaches read-only (the drill makes it); logged as the first event
     failslow_config: FailSlowConfig | None = None  # the fail-slow detectors' windows (None: drill-sized defaults)
     # Told every verdict that names suspects of a stopped job (not a running one's timing, not a restart's): the
     # verdict, its capture's wall time and rank -> machine then. The drill grades the first after its fault.
@@ -191,8 +192,9 @@ class RankscopeApp(App[int]):
             self.state = st.apply_failure(self.state, "poll-failed", f"first contact failed: {exc}", self.clock())
             initial = []
         layout = self.options.layout
-        if self.options.pair_hint:
-            self.state = st.apply_info(self.state, f"key P shows it in full: {self.options.pair_hint}", self.clock())
+        if self.options.pair_command:
+            self.state = st.apply_info(self.state, f"key P shows it in full: {pair_hint(self.options.pair_command)}",
+                                       self.clock())
         settle()  # what the last snapshot made, out of the collector's way (rankscope.contract.heap)
         steps = await asyncio.to_thread(_digest_series, initial, layout)
         # Agents the hostfile marks evicted (before this view attached) are evicted from the first reading on,
@@ -540,12 +542,12 @@ class RankscopeApp(App[int]):
 
     def action_pair(self) -> None:
         """The pairing command in full, one key away (and on the clipboard)."""
-        from rankscope.tui.screens.pair import PairScreen, pair_command
+        from rankscope.tui.screens.pair import PairScreen
 
-        hint = self.options.pair_hint
-        if hint:
-            self.copy_to_clipboard(pair_command(hint))
-        self.push_screen(PairScreen(hint))
+        command = self.options.pair_command
+        if command:
+            self.copy_to_clipboard(command)
+        self.push_screen(PairScreen(command))
 
     def action_copy(self) -> None:
         text = self.selection_text()

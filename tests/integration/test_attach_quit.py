@@ -1,7 +1,7 @@
 """Quitting a read-only view leaves the job, its agent and every other view running (#12).
 
 One drill was seen to stop (agents "stopping", torchrun SIGTERM, nothing said) about 2 s after its
-read-only view quit. Here the pairing command the drill prints (``pair_hint``), run exactly as printed, is
+read-only view quit. Here the pairing command the drill prints (``write_pair_command``), run exactly as printed, is
 the read-only view: four of them, each in a terminal of its own (a pseudo-terminal, its controlling
 terminal as in a tmux pane), attached to a real agent serving a real rank process while another client --
 the main view's stand-in -- keeps polling and follows the audit log. Each view then ends a
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from agent_helpers import Processes, clean_env, make_token_file
 from rankscope.actions.agent_protocol import AgentLost
-from rankscope.cli.commands.drill import PAIR_COMMAND, pair_hint
+from rankscope.cli.commands.drill import PAIR_COMMAND, write_pair_command
 from rankscope.contract.snapshot import MachineSnapshot
 from rankscope.drill.faults import DrillLayout
 from rankscope.wire.client import JobClient
@@ -106,7 +106,7 @@ def test_read_only_views_that_quit_leave_the_agent_its_rank_and_other_clients_ru
     rank = procs.rank(0, 1)
     agent = procs.agent("machine-0", "--run-id", rank.run_id, "--state-dir", str(tmp_path / "state"),
                         token_file=token_file)
-    pair_hint(tmp_path, [agent.address], token_file, DrillLayout(tp=1, pp=1, dp=1, machines=1))
+    write_pair_command(tmp_path, [agent.address], token_file, DrillLayout(tp=1, pp=1, dp=1, machines=1))
     printed = shlex.split((tmp_path / PAIR_COMMAND).read_text())
     assert "--read-only" in printed
 

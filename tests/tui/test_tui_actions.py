@@ -708,7 +708,7 @@ async def test_roots_make_e_evict_only_their_machine_and_the_dialog_offers_the_w
 async def test_p_shows_the_whole_pairing_command_and_copies_it() -> None:
     command = "/venv/bin/rankscope attach --hostfile /tmp/run/agents.txt --token-file /tmp/run/token --read-only " \
               "--tp 2 --pp 2 --dp 2 --ranks-per-machine 2"
-    app = RankscopeApp(RecordingSource(), AppOptions(pair_hint=f"pair (read-only, e.g. in a second tmux pane): {command}"))
+    app = RankscopeApp(RecordingSource(), AppOptions(pair_command=command))
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, app.loaded.is_set, what="the bundle")
         await pilot.press("P")

@@ -15,25 +15,24 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 
-def pair_command(hint: str) -> str:
-    """The command of a pair hint (``pair (read-only, …): <command>``), or the hint itself."""
-    head, sep, command = hint.partition("): ")
-    return command.strip() if sep and head.startswith("pair") else hint.strip()
+def pair_hint(command: str) -> str:
+    """The line that offers the pairing command (the drill prints it; the view logs it as its first event)."""
+    return f"pair (read-only, e.g. in a second tmux pane): {command}"
 
 
 class PairScreen(ModalScreen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,P,q", "app.pop_screen", "Close")]
 
-    def __init__(self, hint: str | None) -> None:
+    def __init__(self, command: str | None) -> None:
         super().__init__()
-        self.hint = hint
+        self.command = command
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help-box"):
             yield Static(Text("Pair: a second, read-only view of this job", "bold"))
-            if self.hint:
+            if self.command:
                 yield Static(Text("Run this in another terminal or tmux pane (copied to the clipboard, OSC 52):"))
-                yield Static(Text(pair_command(self.hint), "bold cyan"), id="pair-command")
+                yield Static(Text(self.command, "bold cyan"), id="pair-command")
                 yield Static(Text("It attaches with --read-only: it sees the job, the verdicts and every action "
                                   "live, and changes nothing.", "dim"))
             else:

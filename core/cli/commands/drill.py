@@ -276,8 +276,10 @@ def _run_attached(config: Any, args: argparse.Namespace) -> int:
         if not s.agents:
             raise RankscopeError("the drill's agents did not start, so the TUI has nothing to attach to",
                                  f"read the agent logs in {s.run_dir / 'logs'}, or run with --headless")
-        hint = pair_hint(s.run_dir, list(s.agents.values()), s.launcher.ensure_token(), config.layout)
-        print(hint, file=sys.stderr, flush=True)
+        from rankscope.tui.screens.pair import pair_hint
+
+        command = write_pair_command(s.run_dir, list(s.agents.values()), s.launcher.ensure_token(), config.layout)
+        print(pair_hint(command), file=sys.stderr, flush=True)
         from rankscope.drill.control import HOSTFILE
 
         def on_verdict(verdict: Any, wall: float, placement: dict[int, str]) -> None:
@@ -285,7 +287,7 @@ def _run_attached(config: Any, args: argparse.Namespace) -> int:
                 verdicts.append((verdict, wall, placement, fault_onset_wall(s)))
 
         code = int(run_attach(list(s.agents.values()), s.token(),
-                              AppOptions(layout=config.layout.to_snapshot_layout(), pair_hint=hint,
+                              AppOptions(layout=config.layout.to_snapshot_layout(), pair_command=command,
                                          on_verdict=on_verdict),
                               AttachOptions(hostfile=s.run_dir / HOSTFILE)) or 0)
     # The session has stopped everything it started: say what the drill did (the TUI's screen is gone).
@@ -381,7 +383,7 @@ def attached_report_lines(s: Any, tui_exit: int, graded: list[str] | None = None
 PAIR_COMMAND = "pair-command.txt"
 
 
-def pair_hint(run_dir: Path, agents: list[str], token_file: Path, layout: Any) -> str:
+def write_pair_command(run_dir: Path, agents: list[str], token_file: Path, layout: Any) -> str:
     """Write the drill's agents to a hostfile; the command a second person runs to watch read-only."""
     import shlex
 
@@ -395,7 +397,7 @@ def pair_hint(run_dir: Path, agents: list[str], token_file: Path, layout: Any) -
             "--ranks-per-machine", str(layout.ranks_per_machine)]
     command = shlex.join(argv)
     (run_dir / PAIR_COMMAND).write_text(command + "\n")  # the same line, for a script or a pane to run
-    return f"pair (read-only, e.g. in a second tmux pane): {command}"
+    return command
 
 
 def running_rankscope() -> list[str]:
