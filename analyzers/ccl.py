@@ -35,7 +35,7 @@ from rankscope.analyzers.ccl_desync import (
     op_table,
 )
 from rankscope.analyzers.chain import DESYNC_ADVICE
-from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict, VerdictStatus, suspect_order
+from rankscope.analyzers.findings import Finding, Side, Suspect, SuspectKind, Verdict, VerdictStatus, suspect_order
 from rankscope.analyzers.not_a_rank import counter_stalls, table_stalls, waiting_on
 from rankscope.analyzers.topology import CommJoin, communicator_joins
 from rankscope.contract.ranks import compact_ranks
@@ -110,11 +110,15 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
     if table is None:
         table = op_table(live)
     found: dict[tuple[int, ...], tuple[float, list[str]]] = {}
+    sides: dict[tuple[int, ...], set[Side]] = {}  # suspect -> the sides its lines show
     pinned: dict[tuple[int, ...], set[int]] = {}  # suspect -> the ranks the counters pin (Suspect.roots)
     waits_on: dict[int, set[int]] = {}  # rank -> the ranks it waits for (a lag it waits in, a side never posted)
 
-    def add(ranks: tuple[int, ...], score: float, line: str, roots: tuple[int, ...] = ()) -> None:
+    def add(ranks: tuple[int, ...], score: float, line: str, roots: tuple[int, ...] = (), side: Side | None = None,
+            ) -> None:
         key = tuple(sorted(set(ranks)))
+        if side is not None:
+            sides.setdefault(key, set()).add(side)
         old = found.get(key)
         if old is None:
             found[key] = (score, [line])
@@ -155,8 +159,8 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                         if score == SCORE_P2P_UNPOSTED:
                             waits_on.setdefault(r, set()).add(peer)
                         # The peer that never posted its side is the cause; both posted: the link between them.
-                        add((r, peer), score, line + " (communication side)",
-                            (peer,) if score == SCORE_P2P_UNPOSTED else ())
+                        add((r, peer), score, line + f" ({Side.COMMUNICATION})",
+                            (peer,) if score == SCORE_P2P_UNPOSTED else (), Side.COMMUNICATION)
                     if not o.open_peers:
                         add((r,), SCORE_OPEN_REQUEST * 0.5,
                             f"rank {r}: {op} on {_label(comm)} WC {o.wc} < WR {o.wr}, peer unknown")
@@ -177,7 +181,7 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                 add(laggards, SCORE_CL_LAG,
                     f"rank {', '.join(map(str, laggards))}: {op} CL {min(cls[r] for r in laggards)} < {top} on "
                     f"{_label(comm)}; {_ranks_word(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in it "
-                    "(computation side)", laggards)
+                    f"({Side.OWN_WORK})", laggards, Side.OWN_WORK)
             # communication side: every member launched it, yet a request never completed
             launched = [o.cl for o in row.values() if o is not None]
             if len(members) == len(comm.ranks) > 1 and all(o is not None and o.wc < o.wr for o in row.values()) \
@@ -188,11 +192,12 @@ def counter_findings(counters: Mapping[int, RankCounters], placement: Mapping[in
                     if o is not None and o.wc < o.wr:
                         add((r,), SCORE_OPEN_REQUEST,
                             f"rank {r}: {op} on {_label(comm)} WC {o.wc} < WR {o.wr} with every member "
-                            "launched (communication side)")
+                            f"launched ({Side.COMMUNICATION})", side=Side.COMMUNICATION)
     # A rank is pinned only where the counters show it waiting for nobody: a peer that never posted its send
     # because it waits in a collective itself is a link of the chain, not its end.
     suspects = [Suspect(SuspectKind.RANK, ranks, _machines(ranks, placement), score, tuple(lines), (SOURCE,),
-                        roots=tuple(sorted(r for r in pinned.get(ranks, ()) if not waits_on.get(r))))
+                        roots=tuple(sorted(r for r in pinned.get(ranks, ()) if not waits_on.get(r))),
+                        sides=frozenset(sides.get(ranks, ())))
                 for ranks, (score, lines) in found.items()]
     suspects = _fold_victims(suspects, waits_on)
     suspects = _fold_desyncs(suspects, crossed_waits(live) if crossed is None else crossed, placement)
@@ -235,6 +240,7 @@ def _fold_victims(suspects: list[Suspect], waits_on: Mapping[int, set[int]]) -> 
     leading = [waiters(roots & set(h.ranks)) for h in hosts]  # the ranks that lead to each host's roots
     host_ids = {id(h) for h in hosts}
     folded: dict[int, list[str]] = {}  # id(host) -> the lines of the suspects folded into it
+    folded_sides: dict[int, set[Side]] = {}  # id(host) -> the sides those lines show
     out: list[Suspect] = []
     for s in suspects:
         at = None
@@ -244,6 +250,7 @@ def _fold_victims(suspects: list[Suspect], waits_on: Mapping[int, set[int]]) -> 
             out.append(s)
         else:
             folded.setdefault(id(hosts[at]), []).extend(f"  waits on it: {line}" for line in s.evidence)
+            folded_sides.setdefault(id(hosts[at]), set()).update(s.sides)
     result: list[Suspect] = []
     for s in out:
         lines = folded.get(id(s))
@@ -251,7 +258,8 @@ def _fold_victims(suspects: list[Suspect], waits_on: Mapping[int, set[int]]) -> 
             result.append(s)
             continue
         victims = (waiters(set(s.ranks)) | set(s.victims)) - set(s.ranks)
-        result.append(replace(s, evidence=(*s.evidence, *lines[:6]), victims=tuple(sorted(victims))))
+        result.append(replace(s, evidence=(*s.evidence, *lines[:6]), victims=tuple(sorted(victims)),
+                              sides=s.sides | folded_sides.get(id(s), set())))
     return result
 
 

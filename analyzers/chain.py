@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 import numpy as np
 from rankscope.analyzers.topology import DIMS, Topology, group_ids
@@ -175,6 +176,20 @@ def describe_process_state(state: str) -> str:
 
 
 
+class GroupId(NamedTuple):
+    """A group by its kind and its number among that kind's groups; ``alone``: a rank in no group of the kind, a
+    group of its own, and ``number`` is that rank (a rank number may be negative in a damaged capture, so it cannot
+    be folded into the numbers' range)."""
+
+    kind: str
+    number: int
+    alone: bool = False
+
+
+WORLD_ID = GroupId("world", 0)
+"""The whole job, as one group."""
+
+
 class RankGroups:
     """Every rank's group of each kind with more than one rank, and the whole job, by small ids.
 
@@ -200,19 +215,16 @@ class RankGroups:
         self.members["world"] = (self.world,)
         self.index["world"] = dict.fromkeys(self.world, 0)
 
-    def gid(self, kind: str, rank: int) -> tuple[str, int]:
+    def gid(self, kind: str, rank: int) -> GroupId:
         i = self.index[kind].get(rank)
-        # A rank in no group of the kind is a group of its own, named apart (a rank number may be negative in a
-        # damaged capture, so it cannot be folded into the index's range).
-        return (kind, i) if i is not None else (f"alone:{kind}", rank)
+        return GroupId(kind, i) if i is not None else GroupId(kind, rank, alone=True)
 
     def group(self, kind: str, rank: int) -> tuple[int, ...]:
         i = self.index[kind].get(rank)
         return self.members[kind][i] if i is not None else (rank,)
 
-    def of_id(self, gid: tuple[str, int]) -> tuple[int, ...]:
-        kind, i = gid
-        return (i,) if kind.startswith("alone:") else self.members[kind][i]
+    def of_id(self, gid: GroupId) -> tuple[int, ...]:
+        return (gid.number,) if gid.alone else self.members[gid.kind][gid.number]
 
 
 
@@ -228,13 +240,13 @@ class SiteIndex:
     def __init__(self, views: Mapping[int, RankView], groups: RankGroups) -> None:
         self.views = views
         self.groups = groups
-        self.buckets: dict[tuple[str, int], dict[SiteKey, list[int]]] = {}
+        self.buckets: dict[GroupId, dict[SiteKey, list[int]]] = {}
 
     def at(self, rank: int) -> SiteKey:
         v = self.views.get(rank)
         return (v.state, v.site) if v is not None else (RankState.UNREADABLE, "")
 
-    def sites(self, gid: tuple[str, int]) -> dict[SiteKey, list[int]]:
+    def sites(self, gid: GroupId) -> dict[SiteKey, list[int]]:
         got = self.buckets.get(gid)
         if got is None:
             got = self.buckets[gid] = {}
@@ -275,8 +287,10 @@ __all__ = [
     "BACKWARD_SITE",
     "DESYNC_ADVICE",
     "TERMINAL",
+    "WORLD_ID",
     "Chain",
     "Desync",
+    "GroupId",
     "RankGroups",
     "RankState",
     "RankView",

@@ -19,7 +19,7 @@ from rankscope.analyzers.chain import (
     desync_evidence,
     desync_summary,
 )
-from rankscope.analyzers.findings import Finding, Suspect, SuspectKind
+from rankscope.analyzers.findings import Finding, Side, Suspect, SuspectKind
 from rankscope.analyzers.labels import group_name
 from rankscope.analyzers.placement import Placement
 from rankscope.analyzers.stacks import Grouping
@@ -27,12 +27,13 @@ from rankscope.analyzers.topology import Topology, compact_machines
 from rankscope.contract.ranks import compact_ranks
 
 
-def _state_words(chain: Chain, ranks: set[int]) -> str:
-    """What a suspect's root ranks are doing, in a few words."""
+def _root_state(chain: Chain, ranks: set[int]) -> tuple[str, Side | None]:
+    """What a suspect's root ranks are doing, in a few words, and the side that shows: a root that waits for no
+    other rank (``TERMINAL``) is in its own work. No words (and no side) when none of them is such a root."""
     views = [chain.views[r] for r in sorted(ranks) if r in chain.views and chain.views[r].state in TERMINAL]
     if not views:
-        return ""
-    return views[0].short()
+        return "", None
+    return views[0].short(), Side.OWN_WORK
 
 
 def _root_lines(chain: Chain, ranks: set[int], placement: Placement) -> list[str]:
@@ -97,8 +98,9 @@ def apply_chain(
             # Every rank that waits on its roots, its own members included: they are why the group is named.
             own_victims = tuple(sorted({v for r in chain.roots if r.rank in mine for v in r.victims} - mine))
             lines = _root_lines(chain, mine, placement)
+            state, side = _root_state(chain, mine)
             s = replace(s, evidence=(s.evidence[0], *lines, *s.evidence[1:]), victims=own_victims,
-                        state=_state_words(chain, mine), roots=tuple(sorted(mine)))
+                        state=state, state_side=side, roots=tuple(sorted(mine)))
             # The chain says who waits on whom; the layout's "mostly outliers around it" guess is not needed.
             explained = (members & set(grouping.outlier_ranks)) | set(own_victims) | mine
             held |= mine
@@ -111,13 +113,14 @@ def apply_chain(
             continue  # an unreadable root is named alone even inside a group: no stack group holds it
         strong = root.view.process_state in ("D", "T", "t", "Z", "gone") or root.view.state is RankState.STOPPED
         machines = placement.machines([root.rank])
+        state, side = _root_state(chain, {root.rank})
         out.append((Suspect(
             kind=SuspectKind.RANK, ranks=(root.rank,), machines=machines,
             score=round(1.0 + (0.5 if strong else 0.0) + 0.5 * len(root.victims) / world, 6),
             evidence=(f"rank {root.rank} on {compact_machines(machines) or 'unknown machines'}: "
                       f"{root.view.state.value} while {len(root.victims)} rank(s) wait on it",
                       *_root_lines(chain, {root.rank}, placement)),
-            sources=("stacks",), victims=root.victims, state=_state_words(chain, {root.rank}), roots=(root.rank,),
+            sources=("stacks",), victims=root.victims, state=state, state_side=side, roots=(root.rank,),
         ), {root.rank, *root.victims}))
         held.add(root.rank)
     out.sort(key=lambda se: -se[0].score)

@@ -25,6 +25,13 @@ class SuspectKind(StrEnum):
     DESYNC = "desync"  # ranks inside a different collective from their group peers (a program mismatch)
 
 
+class Side(StrEnum):
+    """Which of Aegis's two sides a fact shows a rank stuck on (C4's hang kinds follow from it, ``labels.hang_kind``)."""
+
+    OWN_WORK = "computation side"  # in its own work: computing, loading data, stopped, unreadable, a launch not made
+    COMMUNICATION = "communication side"  # inside (or on its way into) a send/recv or collective that never completes
+
+
 @dataclass(frozen=True, slots=True)
 class Suspect:
     """One candidate for eviction: the ranks, their machines and why.
@@ -53,6 +60,8 @@ class Suspect:
     # Its detector's own name for it, when that says more than ``labels.suspect_label`` (the stack aggregation's
     # "PP groups 6-7 on machine-12..15", a desync's "desync: ranks 2-3 ... "): what its detector's headline reads.
     title: str = ""
+    state_side: Side | None = None  # the side ``state`` shows, when its detector knows (a chain root: its own work)
+    sides: frozenset[Side] = frozenset()  # the sides its evidence shows (the counters'), folded-in suspects' included
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +113,7 @@ class Verdict:
     # The end of ``summary`` from the root rank it names on ("root rank 5 (computing; 3 ranks wait on it) (stacks)"),
     # after ", "; empty when it names none. The verdict panel draws it on a line of its own (``render.headline_parts``).
     summary_root: str = ""
+    summary_head: str = ""  # with a ``summary_root``: the start of ``summary`` before it (what the summary names)
 
     @property
     def top(self) -> Suspect | None:

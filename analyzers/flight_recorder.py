@@ -48,13 +48,9 @@ from typing import Any
 
 from rankscope.analyzers.findings import NOT_A_RANK, NOT_A_RANK_ADVICE, NOT_A_RANK_PREFIX, Finding
 from rankscope.contract.ranks import compact_ranks
-from rankscope.contract.vocabulary import canonical_op, is_point_to_point, is_send, matching_op
+from rankscope.contract.vocabulary import Shape, is_point_to_point, is_send, matching_op, tensor_rule
 
 MISMATCH_CAP = 10  # per group, like fr_trace's default: past this the dump is more noise than signal
-
-# Sizes that legitimately differ between ranks.
-_UNEVEN_INPUT = ("all_to_all", "scatter")
-_UNEVEN_OUTPUT = ("all_to_all", "gather")
 
 # How far an entry got; an unknown state is never taken as behind.
 _STATE_RANK = {"scheduled": 0, "started": 1, "completed": 2}
@@ -435,31 +431,27 @@ def _compare(grp: _Group, at: Mapping[int, FrOp]) -> list[Finding]:
     kind = ref.op
     ins = {r: op.input_sizes for r, op in at.items() if op.input_sizes is not None}
     outs = {r: op.output_sizes for r, op in at.items() if op.output_sizes is not None}
-    uneven = kind.endswith("_v") or kind.endswith("_v_single")
+    rule = tensor_rule(kind)  # the contract's vocabulary says what must agree, across members and on each rank
     # one size finding per op, input first, as fr_trace reports the first rule an op breaks
-    input_off = not uneven and not kind.startswith(_UNEVEN_INPUT) and check("fr-size-mismatch", "input_sizes", ins)
-    if not input_off and not uneven and not kind.startswith(_UNEVEN_OUTPUT):
+    input_off = rule.inputs_agree and check("fr-size-mismatch", "input_sizes", ins)
+    if not input_off and rule.outputs_agree:
         check("fr-size-mismatch", "output_sizes", outs)
     n = len(grp.members)
     syntax: dict[int, str] = {}
-    # the size rule of each family (the contract's vocabulary names its spellings); object collectives carry
-    # pickled sizes and c10d's upper-case coalesced OpTypes (``ALLGATHER_coalesced``) lists of tensors, so
-    # neither keeps a rule
-    family = "" if "object" in kind or kind != kind.lower() else canonical_op(kind)
     for r, op in at.items():
         i, o = op.input_sizes, op.output_sizes
         if i is None or o is None or not i or not o:
             continue
-        if family == "all_reduce" and i != o:
+        if rule.shape is Shape.KEPT and i != o:
             syntax[r] = f"input {_fmt(i)} but output {_fmt(o)} (all-reduce keeps the shape)"
-        elif family in ("all_gather", "all_gather_into_tensor") and _numel(o) != _numel(i) * n:
+        elif rule.shape is Shape.GATHERED and _numel(o) != _numel(i) * n:
             syntax[r] = f"output numel {_numel(o)} != input numel {_numel(i)} x group size {n}"
-        elif family in ("reduce_scatter", "reduce_scatter_tensor") and _numel(i) != _numel(o) * n:
+        elif rule.shape is Shape.SCATTERED and _numel(i) != _numel(o) * n:
             syntax[r] = f"input numel {_numel(i)} != output numel {_numel(o)} x group size {n}"
     if syntax:
         found.append(_finding("fr-size-mismatch", tuple(sorted(syntax)), f"sizes break {kind}'s rule at {where}",
                               tuple(f"rank {r}: {s}" for r, s in sorted(syntax.items())), grp.label))
-    if kind.startswith("all_to_all") and len(at) == n and all(r in ins and r in outs for r in at):
+    if rule.totals_agree and len(at) == n and all(r in ins and r in outs for r in at):
         total_in, total_out = sum(_numel(ins[r]) for r in at), sum(_numel(outs[r]) for r in at)
         if total_in != total_out:
             found.append(_finding("fr-size-mismatch", tuple(sorted(at)), f"{kind} sends and receives differ at {where}",
@@ -470,10 +462,10 @@ def _compare(grp: _Group, at: Mapping[int, FrOp]) -> list[Finding]:
              if op.input_dtypes and op.input_sizes and any(op.input_sizes)}
     dt_out = {r: tuple(sorted(set(op.output_dtypes))) for r, op in at.items()
               if op.output_dtypes and op.output_sizes and any(op.output_sizes)}
-    if not (kind not in ("scatter", "broadcast", "_broadcast_oop")
-            and check("fr-dtype-mismatch", "input_dtypes", dt_in)) and kind != "gather":
+    if not (rule.input_dtypes_agree and check("fr-dtype-mismatch", "input_dtypes", dt_in)) \
+            and rule.output_dtypes_agree:
         check("fr-dtype-mismatch", "output_dtypes", dt_out)
-    if kind not in ("scatter", "gather", "broadcast", "_broadcast_oop"):
+    if rule.dtype_kept:
         own = {r: f"input {list(dt_in[r])} but output {list(dt_out[r])}" for r in at
                if r in dt_in and r in dt_out and dt_in[r] != dt_out[r]}
         if own:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rankscope.analyzers.findings import NOT_A_RANK, Suspect, Verdict
+from rankscope.analyzers.findings import NOT_A_RANK, Side, Suspect, SuspectKind, Verdict
 from rankscope.analyzers.topology import compact_machines
 from rankscope.contract.ranks import compact_ranks
 
@@ -109,24 +109,24 @@ def summary_parts(named: Sequence[Suspect]) -> tuple[str, str]:
 # Alibaba's C4 sorts what goes wrong in a job into four kinds; a verdict says which (C4D's words).
 COMMUNICATION_HANG = "communication hang"
 NON_COMMUNICATION_HANG = "non-communication hang"
-_OWN_WORK = ("computing", "loading data", "stopped", "unreadable")
 
 
 def hang_kind(v: Verdict) -> str | None:
     """Which of C4's hang kinds a hang verdict names: the root stuck in its own work (computing, loading data,
-    stopped, unreadable) is a non-communication hang; a root in a send/recv or a collective, a desync (ranks at
-    different calls) or a symmetric stall (every member in one call, "not a rank") is a communication hang.
-    None when the verdict names nothing or does not say (the slow kinds are the fail-slow detector's)."""
+    stopped, unreadable; ``Side.OWN_WORK``) is a non-communication hang; a root in a send/recv or a collective, a
+    desync (ranks at different calls) or a symmetric stall (every member in one call, "not a rank") is a
+    communication hang. The state its detector named decides first (a state with no side is a wait on others: a
+    log's "behind in the collective"), then the sides its evidence shows. None when the verdict names nothing or
+    does not say (the slow kinds are the fail-slow detector's)."""
     top = v.top
     if top is None:
         return COMMUNICATION_HANG if any(f.kind == NOT_A_RANK for f in v.findings) else None
-    if str(top.kind) == "desync":
+    if top.kind == SuspectKind.DESYNC:
         return COMMUNICATION_HANG
     if top.state:
-        return NON_COMMUNICATION_HANG if top.state.startswith(_OWN_WORK) else COMMUNICATION_HANG
-    said = " ".join(top.evidence)
-    if "(computation side)" in said:
+        return NON_COMMUNICATION_HANG if top.state_side is Side.OWN_WORK else COMMUNICATION_HANG
+    if Side.OWN_WORK in top.sides:
         return NON_COMMUNICATION_HANG
-    if "(communication side)" in said:
+    if Side.COMMUNICATION in top.sides:
         return COMMUNICATION_HANG
     return None

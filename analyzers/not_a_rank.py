@@ -236,7 +236,8 @@ def settle(verdict: Verdict, snapshot: JobSnapshot | None = None) -> Verdict:
     # What it said before, unless it said it has no verdict: a note.
     notes = (*verdict.notes, verdict.summary) if verdict.summary and verdict.status not in (
         VerdictStatus.NO_VERDICT, VerdictStatus.TIMING) else verdict.notes
-    return replace(verdict, summary=stalls[0].summary, notes=notes, status=VerdictStatus.NOT_A_RANK, summary_root="")
+    return replace(verdict, summary=stalls[0].summary, notes=notes, status=VerdictStatus.NOT_A_RANK, summary_root="",
+                   summary_head="")
 
 
 __all__ = ["SAME_STACKS_NEXT", "SymmetricStall", "counter_stalls", "gpu_readings",

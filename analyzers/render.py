@@ -31,7 +31,7 @@ def headline_parts(verdict: Verdict) -> tuple[str, str]:
         if stall is not None:
             return stall, ""
     root = verdict.summary_root
-    return (verdict.summary.removesuffix(f", {root}"), root) if root else (verdict.summary, "")
+    return (verdict.summary_head, root) if root else (verdict.summary, "")
 
 
 def verdict_lines(verdict: Verdict, limit: int | None = None, apart: bool = False) -> list[str]:

@@ -38,6 +38,9 @@ class Evidence:
     counters: Mapping[int, RankCounters]
     waits: CounterWaits | None  # None: no counters in the capture
     exiting: tuple[int, ...] = ()  # of the ranks not seen, those whose process is gone or shows no Python frames
+    # Of the ranks not seen, those of a machine whose agent could not be reached: their absence is evidence (a rank
+    # view says unreadable), where a rank merely missing from a folder of dumps says nothing (not captured).
+    unreachable: frozenset[int] = frozenset()
 
 
 def gather(snapshot: JobSnapshot, layout: Layout | None = None, options: SignatureOptions = DEFAULT_OPTIONS,
@@ -58,7 +61,12 @@ def gather(snapshot: JobSnapshot, layout: Layout | None = None, options: Signatu
     counters = snapshot.all_counters()
     waits = counter_waits(counters) if counters else None
     return Evidence(snapshot, layout, options, topology, placement, stacks, grouping, missing, counters, waits,
-                    exiting_ranks(grouping, stacks))
+                    exiting_ranks(grouping, stacks), unreachable_ranks(snapshot))
+
+
+def unreachable_ranks(snapshot: JobSnapshot) -> frozenset[int]:
+    """The ranks of the machines whose agent could not be reached."""
+    return frozenset(r.rank for m in snapshot.machines if not m.reachable for r in m.ranks)
 
 
 def missing_ranks(
@@ -95,4 +103,4 @@ def exiting_ranks(grouping: Grouping, stacks: Mapping[int, RankStacks]) -> tuple
     return tuple(out)
 
 
-__all__ = ["Evidence", "exiting_ranks", "gather", "missing_ranks"]
+__all__ = ["Evidence", "exiting_ranks", "gather", "missing_ranks", "unreachable_ranks"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from rankscope.analyzers.ccl_desync import CounterWaits, comm_label
@@ -54,7 +54,8 @@ class RankStates:
 
 def rank_states(evidence: Evidence) -> RankStates:
     """Each rank's ``RankView``: its stacks read, busy side processes and the counters' waits applied."""
-    views = rank_views(evidence.stacks, evidence.topology.world_size, evidence.missing, evidence.options)
+    views = rank_views(evidence.stacks, evidence.topology.world_size, evidence.missing, evidence.options,
+                       evidence.unreachable)
     for o in origins_of(evidence.grouping):
         # A busy subprocess or thread the healthy ranks lack (a stuck DataLoader worker) makes its rank wait on
         # it whatever its main thread shows: the rank is where a chain can end.
@@ -141,12 +142,13 @@ class _ViewCache:
 
 
 def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
-              options: SignatureOptions = DEFAULT_OPTIONS, cache: _ViewCache | None = None) -> RankView:
-    """One rank's state from its main thread, or why there is none (``cache``: the views of stacks read so far)."""
+              options: SignatureOptions = DEFAULT_OPTIONS, cache: _ViewCache | None = None, *,
+              unreachable: bool = False) -> RankView:
+    """One rank's state from its main thread, or why there is none (``cache``: the views of stacks read so far;
+    ``unreachable``: the rank's machine could not be reached)."""
     if rs is None:
         # Absence is evidence only when something tried to read the rank: an unreachable machine says so;
         # a file missing from a folder of dumps says nothing about the rank.
-        unreachable = missing_reason.startswith("machine ") and " unreachable" in missing_reason
         return RankView(rank, RankState.UNREADABLE if unreachable else RankState.UNKNOWN,
                         reason=missing_reason or "no stacks in the snapshot")
     main = main_thread(rs.main) if rs.main.threads else None
@@ -317,12 +319,13 @@ def _counted(v: RankView, state: RankState, cid: str, op: str, cl: int, waits: C
 
 
 def rank_views(stacks: Mapping[int, RankStacks], world: int, missing: Mapping[int, str],
-               options: SignatureOptions = DEFAULT_OPTIONS) -> dict[int, RankView]:
-    """Every rank of the job, read or not."""
+               options: SignatureOptions = DEFAULT_OPTIONS, unreachable: Collection[int] = ()) -> dict[int, RankView]:
+    """Every rank of the job, read or not (``unreachable``: the ranks of machines whose agent was not reached)."""
     out: dict[int, RankView] = {}
     cache = _ViewCache()
     for rank in range(world):
-        out[rank] = rank_view(rank, stacks.get(rank), missing.get(rank, ""), options, cache)
+        out[rank] = rank_view(rank, stacks.get(rank), missing.get(rank, ""), options, cache,
+                              unreachable=rank in unreachable)
     for rank, rs in stacks.items():  # ranks beyond the layout's world still get a view
         if rank not in out:
             out[rank] = rank_view(rank, rs, missing.get(rank, ""), options, cache)

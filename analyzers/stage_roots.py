@@ -26,8 +26,10 @@ from rankscope.analyzers.ccl_desync import CounterWaits, crossed_waits, waiting_
 from rankscope.analyzers.chain import (
     BACKWARD_SITE,
     TERMINAL,
+    WORLD_ID,
     Chain,
     Desync,
+    GroupId,
     RankGroups,
     RankState,
     RankView,
@@ -56,15 +58,14 @@ def roots_of(w: Waits) -> Roots:
     collective, p2p, on_world = w.collective, w.p2p, w.on_world
     p2p_targets, p2p_waiters = w.p2p_targets, w.p2p_waiters
     p2p_on_world = {r for r, t in p2p_targets.items() if not t}
-    world_id = ("world", 0)
     # Per (group, call site) where ranks wait: the members that wait on the group's other ranks, and those that
     # wait on the whole job (reached through the world scope); computed once per pair, however many ranks ask.
-    waiting_by_group: dict[tuple[str, int], list[tuple[SiteKey, list[int]]]] = {}
+    waiting_by_group: dict[GroupId, list[tuple[SiteKey, list[int]]]] = {}
 
-    def waiting_sites(gid: tuple[str, int]) -> list[tuple[SiteKey, list[int]]]:
+    def waiting_sites(gid: GroupId) -> list[tuple[SiteKey, list[int]]]:
         got = waiting_by_group.get(gid)
         if got is None:
-            whole = gid == world_id
+            whole = gid == WORLD_ID
             got = waiting_by_group[gid] = []
             for key, members in index.sites(gid).items():
                 if key[0] is RankState.COLLECTIVE:
@@ -73,15 +74,15 @@ def roots_of(w: Waits) -> Roots:
                     got.append((key, [m for m in members if m in p2p_on_world] if whole else []))
         return got
 
-    scopes: dict[int, tuple[tuple[str, int], ...]] = {}  # rank -> its groups' ids and the world's
+    scopes: dict[int, tuple[GroupId, ...]] = {}  # rank -> its groups' ids and the world's
 
-    def waiters_of(x: int, done: set[tuple[tuple[str, int], SiteKey]]) -> list[int]:
+    def waiters_of(x: int, done: set[tuple[GroupId, SiteKey]]) -> list[int]:
         """The ranks that wait on ``x``."""
         mine = index.at(x)
         out: list[int] = []
         mine_scopes = scopes.get(x)
         if mine_scopes is None:
-            mine_scopes = scopes[x] = (*(groups.gid(k, x) for k in groups.kinds), world_id)
+            mine_scopes = scopes[x] = (*(groups.gid(k, x) for k in groups.kinds), WORLD_ID)
         for gid in mine_scopes:
             for key, members in waiting_sites(gid):
                 if key == mine or (gid, key) in done:
@@ -93,7 +94,7 @@ def roots_of(w: Waits) -> Roots:
 
     def victims_from(starts: Sequence[int]) -> set[int]:
         seen: set[int] = set()
-        done: set[tuple[tuple[str, int], SiteKey]] = set()
+        done: set[tuple[GroupId, SiteKey]] = set()
         todo = list(starts)
         while todo:
             for w in waiters_of(todo.pop(), done):

@@ -95,10 +95,11 @@ def suspects_of(roots: Roots) -> StackAnalysis:
         # of theirs is more than a guess.
         if suspects:
             notes.append(f"set aside, every rank waits in the same call: {summary}")
-        suspects, summary, root, apart, status = [], stall.summary(), "", [], VerdictStatus.NOT_A_RANK
+        suspects, summary, head, root, apart, status = [], stall.summary(), "", "", [], VerdictStatus.NOT_A_RANK
         findings.append(stall.finding())
     verdict = Verdict(suspects=tuple(suspects), summary=summary, missing_ranks=missing_ranks, notes=tuple(notes),
-                      findings=tuple(findings), named=tuple(apart), status=status, summary_root=root)
+                      findings=tuple(findings), named=tuple(apart), status=status, summary_root=root,
+                      summary_head=head if root else "")
     return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology, chain=chain)
 
 

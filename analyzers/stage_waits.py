@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rankscope.analyzers.chain import BACKWARD_SITE, RankGroups, RankState, RankView, SiteIndex, SiteKey
+from rankscope.analyzers.chain import BACKWARD_SITE, GroupId, RankGroups, RankState, RankView, SiteIndex, SiteKey
 from rankscope.analyzers.stage_rank_states import RankStates
 
 
@@ -50,9 +50,9 @@ def waits_of(states: RankStates) -> Waits:
     p2p = {r for r, v in views.items() if v.state is RankState.P2P}
     # A collective waiter whose layout groups are all complete at its site waits on the whole job.
     # (Decided once per group and call site: all the ranks at one site of one group get the same answer.)
-    complete: dict[tuple[tuple[str, int], SiteKey], bool] = {}
+    complete: dict[tuple[GroupId, SiteKey], bool] = {}
 
-    def whole_group_at(gid: tuple[str, int], key: SiteKey) -> bool:
+    def whole_group_at(gid: GroupId, key: SiteKey) -> bool:
         hit = complete.get((gid, key))
         if hit is None:
             hit = complete[(gid, key)] = len(index.sites(gid).get(key, ())) == len(groups.of_id(gid))

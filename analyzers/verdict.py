@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from rankscope.analyzers.findings import Finding, Suspect, Verdict, VerdictStatus
+from rankscope.analyzers.findings import Finding, Side, Suspect, Verdict, VerdictStatus
 from rankscope.analyzers.labels import headline_parts, joined, summary_parts, suspect_label
 from rankscope.contract.ranks import compact_ranks
 
@@ -36,6 +36,7 @@ class _Entry:
     sources: list[str]
     evidence: list[str]
     roots: tuple[int, ...] = ()  # the first pinned by any detector naming these ranks
+    sides: frozenset[Side] = frozenset()  # the sides every detector's evidence of these ranks shows
 
 
 def _scaled(verdict: Verdict) -> list[float]:
@@ -61,9 +62,10 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
             sources = list(s.sources) or [f"detector{d}"]
             got = entries.get(key)
             if got is None:
-                entries[key] = _Entry(s, d, sc, sources, list(s.evidence), s.roots)
+                entries[key] = _Entry(s, d, sc, sources, list(s.evidence), s.roots, s.sides)
             else:
                 got.roots = got.roots or s.roots
+                got.sides |= s.sides
                 got.sources += [x for x in sources if x not in got.sources]
                 got.evidence += [e for e in s.evidence if e not in got.evidence]
                 if sc > got.scaled:
@@ -91,6 +93,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
             kind=s.kind, ranks=s.ranks, machines=s.machines, score=round(entry.scaled * (1.0 + support), 6),
             evidence=tuple(evidence), sources=tuple(sources), group_index=s.group_index, groups=s.groups,
             diverging_frame=s.diverging_frame, victims=s.victims, state=s.state, roots=entry.roots, title=s.title,
+            state_side=s.state_side, sides=entry.sides,
         ), tuple(entry.sources), agreement))
     # A pair of ranks a detector names for one fact (a send one never matched) whose pinned rank another detector
     # names alone, the other rank of the pair among its waiters, is that suspect told twice: the one rank goes first
@@ -107,7 +110,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
     folded = _fold_contained(merged)
     missing = tuple(sorted({r for v in verdicts for r in v.missing_ranks}))
     notes = tuple(dict.fromkeys(n for v in verdicts for n in v.notes))
-    root = ""
+    head = root = ""
     if folded:
         top = folded[0]
         head, root = headline_parts(top)
@@ -117,9 +120,9 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
     else:
         said = next((v for v in verdicts if v.summary), None)
         summary, status = (said.summary, said.status) if said is not None else ("no verdict", VerdictStatus.NO_VERDICT)
-        root = said.summary_root if said is not None else ""
+        head, root = (said.summary_head, said.summary_root) if said is not None else ("", "")
     return Verdict(suspects=tuple(folded), summary=summary, missing_ranks=missing, notes=notes,
-                   findings=merge_findings(*verdicts), status=status, summary_root=root)
+                   findings=merge_findings(*verdicts), status=status, summary_root=root, summary_head=head if root else "")
 
 
 def _folded(verdict: Verdict) -> Verdict:
@@ -128,7 +131,7 @@ def _folded(verdict: Verdict) -> Verdict:
     kept = _fold_contained([(s, s.sources, "") for s in verdict.suspects])
     if len(kept) == len(verdict.suspects):
         return verdict
-    summary, root, named = verdict.summary, verdict.summary_root, verdict.named
+    summary, head, root, named = verdict.summary, verdict.summary_head, verdict.summary_root, verdict.named
     if named:
         # The summary named suspects now folded into another: name those that are left.
         apart = {(s.kind, s.ranks) for s in named}
@@ -136,7 +139,8 @@ def _folded(verdict: Verdict) -> Verdict:
         if left:
             head, root = summary_parts(left)
             summary, named = joined(head, root), tuple(left) if len(left) > 1 else ()
-    return replace(verdict, suspects=tuple(kept), summary=summary, named=named, summary_root=root)
+    return replace(verdict, suspects=tuple(kept), summary=summary, named=named, summary_root=root,
+                   summary_head=head if root else "")
 
 
 @dataclass(slots=True)
@@ -186,6 +190,7 @@ def _fold_contained(ranked: list[_Ranked]) -> list[Suspect]:
         elif set(named_by) - set(host.named_by):
             own = [f"  {e}" for e in s.evidence if e not in k.evidence and e != agreement]
             extra = [f"within it: {suspect_label(s)} named by {' + '.join(named_by)}", *own[:3]]
+            k = replace(k, sides=k.sides | s.sides)  # what it pinpoints inside the suspect is the suspect's too
         else:
             host.finer += 1
         # Its victims stay the chain's: widening them here could make a suspect kept above a victim too.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import linecache
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from rankscope.analyzers.analysis import analyze_job
@@ -109,26 +110,42 @@ def source_line(frame: Frame) -> str | None:
     return text or None
 
 
-def rank_stack_lines(rs: RankStacks, with_source: bool = True) -> list[str]:
-    """A rank's full capture as text: every thread of the main process and of each subprocess."""
-    lines: list[str] = []
+class StackLine(StrEnum):
+    """What a line of a rank's capture shows (the rank screen styles each kind)."""
+
+    PROCESS = "process"
+    THREAD = "thread"
+    PROBLEM = "problem"  # no stack for a process, and its fix
+    FRAME = "frame"
+    SOURCE = "source"  # the source line of the frame above
+
+
+def rank_stack_entries(rs: RankStacks, with_source: bool = True) -> list[tuple[str, StackLine]]:
+    """A rank's full capture, line by line with what each shows: every thread of the main process and of each
+    subprocess."""
+    lines: list[tuple[str, StackLine]] = []
     for proc in (rs.main, *rs.subprocesses):
-        lines.append(f"process {proc.pid} [{proc.role.value}] {proc.name}".rstrip())
+        lines.append((f"process {proc.pid} [{proc.role.value}] {proc.name}".rstrip(), StackLine.PROCESS))
         if proc.error is not None:
-            lines.append(f"  no stack: {proc.error.kind.value}: {proc.error.message}")
+            lines.append((f"  no stack: {proc.error.kind.value}: {proc.error.message}", StackLine.PROBLEM))
             if proc.error.fix:
-                lines.append(f"  fix: {proc.error.fix}")
+                lines.append((f"  fix: {proc.error.fix}", StackLine.PROBLEM))
             continue
         for t in proc.threads or ():
             flags = " ".join(x for x, on in (("active", t.active), ("gil", t.owns_gil)) if on)
-            lines.append(f"  thread {t.thread_name or t.thread_id} {flags}".rstrip())
+            lines.append((f"  thread {t.thread_name or t.thread_id} {flags}".rstrip(), StackLine.THREAD))
             for f in t.frames:  # innermost first, like py-spy
                 where = f"{f.filename}:{f.line}" if f.line is not None else f.filename
-                lines.append(f"    {f.name} ({where})")
+                lines.append((f"    {f.name} ({where})", StackLine.FRAME))
                 src = source_line(f) if with_source else None
                 if src:
-                    lines.append(f"        {src}")
+                    lines.append((f"        {src}", StackLine.SOURCE))
     return lines
+
+
+def rank_stack_lines(rs: RankStacks, with_source: bool = True) -> list[str]:
+    """A rank's full capture as text (``rank_stack_entries``' lines)."""
+    return [line for line, _ in rank_stack_entries(rs, with_source)]
 
 
 # --------------------------------------------------------------------------

@@ -152,6 +152,58 @@ def known_spellings() -> tuple[str, ...]:
     return (*_CANONICAL, *_ALIASES)
 
 
+# What a flight recorder's entries of one collective must agree on, read from the op's spelling (torch's names, as
+# the flight recorder writes them).
+_UNEVEN_SUFFIXES = ("_v", "_v_single")  # torch's "v" collectives: every side's sizes differ per rank by design
+_UNEVEN_INPUTS = ("all_to_all", "scatter")  # families whose members' inputs may differ...
+_UNEVEN_OUTPUTS = ("all_to_all", "gather")  # ...or whose outputs may
+_ROOT_INPUT_ONLY = ("scatter", "broadcast", "_broadcast_oop")  # only the root's input is data: inputs' dtypes may differ
+_ROOT_OUTPUT_ONLY = ("gather",)  # only the root's output is data
+
+
+class Shape(StrEnum):
+    """How a collective's output size follows from its input's on one rank."""
+
+    KEPT = "kept"  # all-reduce: output is the input's shape
+    GATHERED = "gathered"  # all-gather: output numel = input numel x group size
+    SCATTERED = "scattered"  # reduce-scatter: input numel = output numel x group size
+    FREE = "free"  # no rule (or none known)
+
+
+# canonical op -> how its output's size follows from its input's
+_SHAPES = {"all_reduce": Shape.KEPT, "all_gather": Shape.GATHERED, "all_gather_into_tensor": Shape.GATHERED,
+           "reduce_scatter": Shape.SCATTERED, "reduce_scatter_tensor": Shape.SCATTERED}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRule:
+    """What the tensors of one collective's entries must satisfy, on each rank and across its members."""
+
+    inputs_agree: bool  # every member's input sizes are the same
+    outputs_agree: bool  # every member's output sizes are the same
+    # Object collectives carry pickled sizes and c10d's upper-case coalesced OpTypes (``ALLGATHER_coalesced``) lists
+    # of tensors: neither keeps a shape rule.
+    shape: Shape
+    totals_agree: bool  # the group's total input equals its total output (all-to-all)
+    input_dtypes_agree: bool  # every member's input holds data of one dtype (not only a root's)
+    output_dtypes_agree: bool
+    dtype_kept: bool  # on each rank the output has the input's dtype
+
+
+@functools.lru_cache(maxsize=1024)
+def tensor_rule(spelling: str) -> TensorRule:
+    """The rule of a collective spelled ``spelling`` (``all_reduce``, ``all_to_all_v``, ``gather``...)."""
+    uneven = spelling.endswith(_UNEVEN_SUFFIXES)
+    ruled = "object" not in spelling and spelling == spelling.lower()
+    rooted = spelling in _ROOT_INPUT_ONLY or spelling in _ROOT_OUTPUT_ONLY
+    return TensorRule(inputs_agree=not uneven and not spelling.startswith(_UNEVEN_INPUTS),
+                      outputs_agree=not uneven and not spelling.startswith(_UNEVEN_OUTPUTS),
+                      shape=_SHAPES.get(canonical_op(spelling), Shape.FREE) if ruled else Shape.FREE,
+                      totals_agree=spelling.startswith("all_to_all"),
+                      input_dtypes_agree=spelling not in _ROOT_INPUT_ONLY,
+                      output_dtypes_agree=spelling not in _ROOT_OUTPUT_ONLY, dtype_kept=not rooted)
+
+
 # Group descriptions that name nothing: torch's default for ``new_group`` without ``group_desc``, and none.
 UNNAMED_GROUP_DESCRIPTIONS = frozenset({"", "undefined"})
 
@@ -160,6 +212,6 @@ def is_unnamed_group(description: str) -> bool:
     return description.strip().lower() in UNNAMED_GROUP_DESCRIPTIONS
 
 
-__all__ = ["BARRIER", "RECV", "SEND", "UNNAMED_GROUP_DESCRIPTIONS", "OpKind", "Operation", "canonical_op",
+__all__ = ["BARRIER", "RECV", "SEND", "UNNAMED_GROUP_DESCRIPTIONS", "OpKind", "Operation", "Shape", "TensorRule", "canonical_op",
            "direction_word", "is_collective", "is_point_to_point", "is_send", "is_unnamed_group", "known_spellings",
-           "matching_op", "op_kind", "operation"]
+           "matching_op", "op_kind", "operation", "tensor_rule"]

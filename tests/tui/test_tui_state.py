@@ -143,6 +143,22 @@ def test_rank_stack_text_has_threads_subprocesses_and_readable_source_lines() ->
     assert "process 8 [dataloader] worker" in text
 
 
+def test_the_rank_screen_styles_each_line_by_what_it_shows_not_by_its_words() -> None:
+    from rankscope.contract.snapshot import CaptureError, CaptureErrorKind
+    from rankscope.tui.screens.rank import rank_text
+
+    # A thread named like a process line and a frame named like a fix must keep their own styles.
+    main = ProcessStack(7, ProcessRole.MAIN, (ThreadStack(1, (Frame("fix: later", "/nowhere.py", 3),), "process 9"),))
+    worker = ProcessStack(8, ProcessRole.DATALOADER, None, name="worker",
+                          error=CaptureError(CaptureErrorKind.PERMISSION, "ptrace refused", "run as root"))
+    text = rank_text(3, "m0", "TP group 1", RankStacks(3, main, (worker,)))
+    styles = {text.plain[s.start:s.end].strip(): str(s.style) for s in text.spans}
+    assert styles["process 7 [main]"] == "bold cyan" and styles["process 8 [dataloader] worker"] == "bold cyan"
+    assert styles["thread process 9"] == "bold"
+    assert "fix: later (/nowhere.py:3)" not in styles  # a frame: unstyled, whatever its name says
+    assert styles["no stack: permission: ptrace refused"] == "yellow" and styles["fix: run as root"] == "yellow"
+
+
 async def test_two_tuis_fed_the_same_snapshots_draw_the_same_screen() -> None:
     screens = []
     for _ in range(2):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from rankscope.contract.snapshot import RankStacks
-from rankscope.tui.analysis import rank_stack_lines
+from rankscope.tui.analysis import StackLine, rank_stack_entries
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -21,17 +21,13 @@ def rank_text(rank: int, machine: str, group: str, stacks: RankStacks | None) ->
     if stacks is None:
         t.append("no stack captured for this rank (press s on the main screen to capture)", "yellow")
         return t
-    for line in rank_stack_lines(stacks):
-        stripped = line.lstrip()
-        if stripped.startswith(("process ", "thread ")):
-            t.append(line + "\n", "bold cyan" if stripped.startswith("process") else "bold")
-        elif stripped.startswith(("no stack", "fix:")):
-            t.append(line + "\n", "yellow")
-        elif line.startswith("        "):
-            t.append(line + "\n", "dim")
-        else:
-            t.append(line + "\n")
+    for line, kind in rank_stack_entries(stacks):
+        t.append(line + "\n", _STYLES.get(kind, ""))
     return t
+
+
+_STYLES = {StackLine.PROCESS: "bold cyan", StackLine.THREAD: "bold", StackLine.PROBLEM: "yellow",
+           StackLine.SOURCE: "dim"}
 
 
 class RankScreen(Screen[None]):
