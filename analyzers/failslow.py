@@ -372,7 +372,8 @@ class FailSlowDetector:
         self._trend: StepTrend | None = None
         self._stack_degrader: Suspect | None = None  # the group the stack rounds name, once alarmed
         self._confidence: dict[str, tuple[float, float]] = {}  # machine -> (confidence, at), for the hysteresis
-        self._gpu_of: dict[int, int] = {}  # rank -> its GPU on its machine (the launcher's local rank)
+        # rank -> its GPU on its machine and whether NVML said so (else assumed from its local rank)
+        self._gpu_of: dict[int, tuple[int, bool]] = {}
         self.sampling_problems: tuple[str, ...] = ()  # the last update's ranks whose sampling failed, with the fix
 
     @property
@@ -391,7 +392,7 @@ class FailSlowDetector:
             return self._last  # an old or repeated snapshot changes nothing
         self._updates += 1
         now = snapshot.captured.mono
-        self._gpu_of.update({ri.rank: ri.local_rank for m in snapshot.machines for ri in m.ranks})
+        self._learn_gpus(snapshot)
         flags: list[DetectorFlag] = []
         notes: list[str] = []
         flags += self._step_flags()
@@ -405,6 +406,19 @@ class FailSlowDetector:
         self._history.append(verdict)
         self._last = verdict
         return verdict
+
+    def _learn_gpus(self, snapshot: JobSnapshot) -> None:
+        """Each rank's GPU: the one NVML saw its process on; on a machine with GPUs whose NVML did not place the
+        process, its local rank (the launcher's usual choice, said to be assumed); on a machine without GPUs, none."""
+        for m in snapshot.machines:
+            on_gpus = m.gpus is not None and m.gpus.available
+            for ri in m.ranks:
+                if ri.gpu is not None:
+                    self._gpu_of[ri.rank] = (ri.gpu, True)
+                elif on_gpus:
+                    self._gpu_of[ri.rank] = (ri.local_rank, False)
+                elif m.reachable:
+                    self._gpu_of.pop(ri.rank, None)
 
     # ---- per detector ----------------------------------------------------
 
@@ -729,8 +743,15 @@ class FailSlowDetector:
             return ""
         if set(top.ranks) >= set(self.store.ranks_of(top.machines[0])):
             return ""
-        parts = [f"rank {r}" + (f" (GPU {self._gpu_of[r]})" if r in self._gpu_of else "") for r in top.ranks]
-        return f"{', '.join(parts)} on {top.machines[0]}"
+        return f"{', '.join(self._rank_gpu(r) for r in top.ranks)} on {top.machines[0]}"
+
+    def _rank_gpu(self, rank: int) -> str:
+        """``rank 5 (GPU 2)`` where NVML placed its process, ``rank 5 (GPU 5, assumed from its local rank)`` on a
+        machine with GPUs where it did not, ``rank 5`` without GPUs."""
+        gpu = self._gpu_of.get(rank)
+        if gpu is None:
+            return f"rank {rank}"
+        return f"rank {rank} (GPU {gpu[0]})" if gpu[1] else f"rank {rank} (GPU {gpu[0]}, assumed from its local rank)"
 
     def _summary(self, suspects: list[Suspect], flags: list[DetectorFlag], conf: float, trend: StepTrend | None,
                  confident: bool = True) -> str:
