@@ -63,6 +63,7 @@ from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitDetector, sampling_problems
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
 from rankscope.analyzers.topology import joined_counters
+from rankscope.contract.frames import is_communication
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 from rankscope.contract.vocabulary import is_point_to_point
@@ -706,6 +707,7 @@ class FailSlowDetector:
                 index[key] = len(merged)
                 merged.append([m])
         suspects = []
+        kinds: list[str] = []  # C4's slow kind of each suspect, from its strongest evidence
         for ms in merged:
             by_det = per_machine[ms[0]]
             ranked = sorted(by_det.values(), key=lambda f: -f.score)
@@ -717,9 +719,12 @@ class FailSlowDetector:
             if len(ms) > 1 and group is not None and "stacks" in by_det and set(ms) <= set(group.machines):
                 suspects.append(Suspect(group.kind, group.ranks, tuple(ms), round(confidence[ms[0]], 4), evidence,
                                         sources, group.group_index, group.diverging_frame, roots=group.roots))
+                kinds.append(slow_kind(ranked[0], group.diverging_frame))
             else:
                 suspects.append(Suspect(SuspectKind.MACHINE, ranks, tuple(ms), round(confidence[ms[0]], 4), evidence,
                                         sources))
+                stacks = self._stack_degrader
+                kinds.append(slow_kind(ranked[0], stacks.diverging_frame if stacks is not None else None))
         trend = self._trend
         if self.store.missing_machines:
             notes.append(f"unreachable: {', '.join(self.store.missing_machines)}")
@@ -730,7 +735,8 @@ class FailSlowDetector:
         if order:
             starts = [f.since_mono for f in per_machine[order[0]].values() if f.since_mono is not None]
             slow_since = min(starts) if starts else None
-        summary = self._summary(suspects, flags, top_conf, trend, top_conf >= cfg.confident_at)
+        summary = self._summary(suspects, flags, top_conf, trend, top_conf >= cfg.confident_at,
+                                kinds[0] if kinds else None)
         verdict = Verdict(tuple(suspects), summary, self.store.missing_ranks, tuple(notes),
                           status=VerdictStatus.NAMED if suspects else VerdictStatus.NO_VERDICT)
         return FailSlowVerdict(verdict, round(top_conf, 4), top_conf >= cfg.confident_at, tuple(flags), slow_since,
@@ -754,13 +760,13 @@ class FailSlowDetector:
         return f"rank {rank} (GPU {gpu[0]})" if gpu[1] else f"rank {rank} (GPU {gpu[0]}, assumed from its local rank)"
 
     def _summary(self, suspects: list[Suspect], flags: list[DetectorFlag], conf: float, trend: StepTrend | None,
-                 confident: bool = True) -> str:
+                 confident: bool = True, c4_kind: str | None = None) -> str:
         if suspects:
             top = suspects[0]
             lead = top.evidence[0] if top.evidence else ""
             where = "" if top.kind is SuspectKind.MACHINE else f" on {', '.join(top.machines)}"
             name = self._gpu_words(top) or f"{suspect_label(top)}{where}"
-            kind = f" ({slow_kind(top.sources, lead)})" if set(top.sources) & _DEVICE_DETECTORS else ""
+            kind = f" ({c4_kind})" if c4_kind else ""
             if not confident:
                 # below the bar it is a suspicion, worded as one: never a verdict line
                 return (f"suspect, not a verdict: {name}{kind} — {lead}; confidence {conf:.2f} from "
@@ -785,10 +791,26 @@ class FailSlowDetector:
 _DEVICE_DETECTORS = frozenset({"ccl", "p2p_wait"})  # the counters': they name ranks, not machines
 
 
-def slow_kind(sources: Iterable[str], lead: str) -> str:
-    """Which of C4's two slow kinds the evidence shows: a slow link is communication slow; a late arriver, a slow
-    step or a busy host is non-communication slow (the rank computes slowly and the others wait for it)."""
-    return "communication slow" if "slow links" in lead and "ccl" in set(sources) else "non-communication slow"
+# Interconnect throughput: a host or GPU metric whose outlier is a link's, not a computer's
+_LINK_METRICS = frozenset({"gpu_pcie_kbps", "gpu_nvlink_kbps"})
+
+
+def slow_kind(lead: DetectorFlag, frame: str | None = None) -> str:
+    """Which of C4's two slow kinds a suspect's strongest evidence (``lead``) shows, from the device or the host.
+
+    Communication slow: a slow link (the counters' N > β·mean), an interconnect metric (PCIe, NVLink) beyond its
+    peers, or stack rounds whose outliers part from the others in a communication call (``frame``: they sit in a
+    send, a recv or a collective while the others have moved on). Non-communication slow otherwise: a late arriver,
+    peers waiting on a rank's sends, a slow step, a busy host or GPU, a rank's sampled stacks in its own work (the
+    rank computes slowly and the others wait for it).
+    """
+    if lead.detector == "ccl" and "slow links" in lead.evidence:
+        return "communication slow"
+    if lead.detector in ("metrics", "minder") and lead.metric in _LINK_METRICS:
+        return "communication slow"
+    if lead.detector == "stacks" and frame is not None and is_communication(frame):
+        return "communication slow"
+    return "non-communication slow"
 
 
 def replay(snapshots: Iterable[JobSnapshot], config: FailSlowConfig | None = None,
