@@ -135,6 +135,7 @@ def _worker(args: argparse.Namespace) -> int:
                     best[key] = min(best.get(key, float("inf")), wall)
                     best_cpu[key] = min(best_cpu.get(key, float("inf")), cpu)
     writer_s = writer_cost(Path(args.counter_dir) / "writer-alone", args.calls, args.rounds, fast)
+    wrapper_us = wrapper_cost(torch_hooks, x, args.calls, args.rounds)
     # the counters must settle once the device is idle: WC = WR, learned by the shim's poller
     from rankscope.probes.ccl_counters import read_counter_file
 
@@ -151,7 +152,7 @@ def _worker(args: argparse.Namespace) -> int:
     dist.barrier()
     result = {"rank": rank, "us_per_call": {k: round(v * 1e6, 3) for k, v in best.items()},
               "cpu_us_per_call": {k: round(v * 1e6, 3) for k, v in best_cpu.items()},
-              "writer_us": round(writer_s * 1e6, 3), "collectives": made, "shim_source": torch_hooks.__file__,
+              "writer_us": round(writer_s * 1e6, 3), "wrapper_us": wrapper_us, "collectives": made, "shim_source": torch_hooks.__file__,
               "path": "native" if fast is not None else "python",
               "shim_counts": {"cl": counts[0], "wr": counts[1], "wc": counts[2]}, "settled": settled,
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -159,6 +160,41 @@ def _worker(args: argparse.Namespace) -> int:
     print(MARK + json.dumps(result), flush=True)
     dist.destroy_process_group()
     return 0
+
+
+class _DoneWork:
+    """What a finished async call returns, as the shim reads it."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
+
+
+def _no_op(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+    """all_reduce's signature, no collective: what is left of a call is the wrapper's own work."""
+    return _DoneWork() if async_op else None
+
+
+def wrapper_cost(torch_hooks: Any, x: Any, calls: int, rounds: int) -> dict[str, float]:
+    """The shim's wrapper around a function that does nothing, beside that function: its own extra µs per call,
+    sync and async (best of short interleaved blocks; no collective's noise in the difference). Counted on the
+    job's default group, as a real call is."""
+    wrapped = torch_hooks._make_wrapper("all_reduce", _no_op)
+    best: dict[str, float] = {}
+    for _ in range(max(1, rounds)):
+        for variant, is_async in (("sync", False), ("async", True)):
+            for j in range(max(1, calls // 20)):
+                for name, fn in (("plain", _no_op), ("shim", wrapped)) if j % 2 == 0 else (("shim", wrapped),
+                                                                                            ("plain", _no_op)):
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        fn(x, async_op=is_async)
+                    key = f"{variant}_{name}"
+                    best[key] = min(best.get(key, float("inf")), (time.perf_counter() - t0) / 20)
+            torch_hooks._poll()  # the background poll's work, off the timed blocks
+    return {v: round((best[f"{v}_shim"] - best[f"{v}_plain"]) * 1e6, 3) for v in ("sync", "async")}
 
 
 def writer_cost(directory: Path, calls: int, rounds: int, fast: Any = None) -> float:
@@ -241,6 +277,7 @@ def summarize(job: dict[str, Any]) -> dict[str, Any]:
     us = r0["us_per_call"]
     cpu = r0.get("cpu_us_per_call", {})
     out: dict[str, Any] = {"us_per_call": us, "cpu_us_per_call": cpu, "writer_us": r0.get("writer_us"),
+                           "wrapper_us": r0.get("wrapper_us"),
                            "device": r0["device"], "torch": r0["torch"], "shim_source": r0.get("shim_source"),
                            "collectives_per_rank": r0["collectives"], "exit_code": job["exit_code"],
                            "all_ranks_reported": job["all_ranks_reported"],
@@ -366,6 +403,13 @@ def repeated(backend: str, world: int, calls: int, rounds: int, repeats: int, tm
                 if vals:
                     summary.setdefault(key, {})[f"{variant}_{figure}"] = {
                         "min": round(min(vals), 3), "median": round(statistics.median(vals), 3), "runs": len(vals)}
+    for path in paths:
+        key = PATH_KEYS[path]
+        for variant in ("sync", "async"):
+            vals = [r[key]["wrapper_us"][variant] for r in runs if r[key].get("wrapper_us")]
+            if vals:
+                summary.setdefault(key, {})[f"{variant}_wrapper_us"] = {
+                    "min": round(min(vals), 3), "median": round(statistics.median(vals), 3), "runs": len(vals)}
     return {"backend": backend, "world": world, "calls_per_block": calls, "rounds": rounds, "block": block,
             "repeats": len(runs),
             "runs": runs, "summary": summary}
@@ -382,9 +426,11 @@ def repeated_lines(result: dict[str, Any]) -> list[str]:
             e, r, c = (figures.get(f"{variant}_{f}") for f in ("extra_us", "ratio", "extra_cpu_us"))
             if e is None or r is None:
                 continue
+            w = figures.get(f"{variant}_wrapper_us")
             lines.append(f"  {TITLES[key].split(' (')[0]:11} {variant:5} extra {e['min']:+.2f} / {e['median']:+.2f} µs"
                          f"   ratio {r['min']:.3f} / {r['median']:.3f}x"
-                         + (f"   calling thread's CPU {c['min']:+.2f} / {c['median']:+.2f} µs" if c else ""))
+                         + (f"   calling thread's CPU {c['min']:+.2f} / {c['median']:+.2f} µs" if c else "")
+                         + (f"   wrapper around a no-op {w['min']:+.2f} / {w['median']:+.2f} µs" if w else ""))
     return lines
 
 
@@ -416,6 +462,10 @@ def report_lines(result: dict[str, Any]) -> list[str]:
                             f"{cpu[f'{variant}_shim']:.2f} µs, {extra_cpu:+.2f} µs" if extra_cpu is not None else ""))
         if part.get("writer_us") is not None:
             lines.append(f"    the counter writer alone (launch + completion): {part['writer_us']:.2f} µs")
+        if part.get("wrapper_us"):
+            w = part["wrapper_us"]
+            lines.append(f"    the wrapper around a no-op (its own work, no collective): sync {w['sync']:+.2f} µs, "
+                         f"async {w['async']:+.2f} µs")
         c = part["shim_counts"]
         lines.append(f"    shim counters after the run: CL {c['cl']} WR {c['wr']} WC {c['wc']} "
                      f"({'settled: WC = WR' if part['counters_settled'] else 'NOT settled: WC < WR'})")
