@@ -63,6 +63,7 @@ from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitDetector, sampling_problems
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
 from rankscope.analyzers.topology import joined_counters
+from rankscope.contract.frames import is_communication
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
 from rankscope.contract.vocabulary import is_point_to_point
@@ -372,7 +373,8 @@ class FailSlowDetector:
         self._trend: StepTrend | None = None
         self._stack_degrader: Suspect | None = None  # the group the stack rounds name, once alarmed
         self._confidence: dict[str, tuple[float, float]] = {}  # machine -> (confidence, at), for the hysteresis
-        self._gpu_of: dict[int, int] = {}  # rank -> its GPU on its machine (the launcher's local rank)
+        # rank -> its GPU on its machine and whether NVML said so (else assumed from its local rank)
+        self._gpu_of: dict[int, tuple[int, bool]] = {}
         self.sampling_problems: tuple[str, ...] = ()  # the last update's ranks whose sampling failed, with the fix
 
     @property
@@ -391,7 +393,7 @@ class FailSlowDetector:
             return self._last  # an old or repeated snapshot changes nothing
         self._updates += 1
         now = snapshot.captured.mono
-        self._gpu_of.update({ri.rank: ri.local_rank for m in snapshot.machines for ri in m.ranks})
+        self._learn_gpus(snapshot)
         flags: list[DetectorFlag] = []
         notes: list[str] = []
         flags += self._step_flags()
@@ -405,6 +407,19 @@ class FailSlowDetector:
         self._history.append(verdict)
         self._last = verdict
         return verdict
+
+    def _learn_gpus(self, snapshot: JobSnapshot) -> None:
+        """Each rank's GPU: the one NVML saw its process on; on a machine with GPUs whose NVML did not place the
+        process, its local rank (the launcher's usual choice, said to be assumed); on a machine without GPUs, none."""
+        for m in snapshot.machines:
+            on_gpus = m.gpus is not None and m.gpus.available
+            for ri in m.ranks:
+                if ri.gpu is not None:
+                    self._gpu_of[ri.rank] = (ri.gpu, True)
+                elif on_gpus:
+                    self._gpu_of[ri.rank] = (ri.local_rank, False)
+                elif m.reachable:
+                    self._gpu_of.pop(ri.rank, None)
 
     # ---- per detector ----------------------------------------------------
 
@@ -692,6 +707,7 @@ class FailSlowDetector:
                 index[key] = len(merged)
                 merged.append([m])
         suspects = []
+        kinds: list[str] = []  # C4's slow kind of each suspect, from its strongest evidence
         for ms in merged:
             by_det = per_machine[ms[0]]
             ranked = sorted(by_det.values(), key=lambda f: -f.score)
@@ -703,9 +719,12 @@ class FailSlowDetector:
             if len(ms) > 1 and group is not None and "stacks" in by_det and set(ms) <= set(group.machines):
                 suspects.append(Suspect(group.kind, group.ranks, tuple(ms), round(confidence[ms[0]], 4), evidence,
                                         sources, group.group_index, group.diverging_frame, roots=group.roots))
+                kinds.append(slow_kind(ranked[0], group.diverging_frame))
             else:
                 suspects.append(Suspect(SuspectKind.MACHINE, ranks, tuple(ms), round(confidence[ms[0]], 4), evidence,
                                         sources))
+                stacks = self._stack_degrader
+                kinds.append(slow_kind(ranked[0], stacks.diverging_frame if stacks is not None else None))
         trend = self._trend
         if self.store.missing_machines:
             notes.append(f"unreachable: {', '.join(self.store.missing_machines)}")
@@ -716,7 +735,8 @@ class FailSlowDetector:
         if order:
             starts = [f.since_mono for f in per_machine[order[0]].values() if f.since_mono is not None]
             slow_since = min(starts) if starts else None
-        summary = self._summary(suspects, flags, top_conf, trend, top_conf >= cfg.confident_at)
+        summary = self._summary(suspects, flags, top_conf, trend, top_conf >= cfg.confident_at,
+                                kinds[0] if kinds else None)
         verdict = Verdict(tuple(suspects), summary, self.store.missing_ranks, tuple(notes),
                           status=VerdictStatus.NAMED if suspects else VerdictStatus.NO_VERDICT)
         return FailSlowVerdict(verdict, round(top_conf, 4), top_conf >= cfg.confident_at, tuple(flags), slow_since,
@@ -729,17 +749,24 @@ class FailSlowDetector:
             return ""
         if set(top.ranks) >= set(self.store.ranks_of(top.machines[0])):
             return ""
-        parts = [f"rank {r}" + (f" (GPU {self._gpu_of[r]})" if r in self._gpu_of else "") for r in top.ranks]
-        return f"{', '.join(parts)} on {top.machines[0]}"
+        return f"{', '.join(self._rank_gpu(r) for r in top.ranks)} on {top.machines[0]}"
+
+    def _rank_gpu(self, rank: int) -> str:
+        """``rank 5 (GPU 2)`` where NVML placed its process, ``rank 5 (GPU 5, assumed from its local rank)`` on a
+        machine with GPUs where it did not, ``rank 5`` without GPUs."""
+        gpu = self._gpu_of.get(rank)
+        if gpu is None:
+            return f"rank {rank}"
+        return f"rank {rank} (GPU {gpu[0]})" if gpu[1] else f"rank {rank} (GPU {gpu[0]}, assumed from its local rank)"
 
     def _summary(self, suspects: list[Suspect], flags: list[DetectorFlag], conf: float, trend: StepTrend | None,
-                 confident: bool = True) -> str:
+                 confident: bool = True, c4_kind: str | None = None) -> str:
         if suspects:
             top = suspects[0]
             lead = top.evidence[0] if top.evidence else ""
             where = "" if top.kind is SuspectKind.MACHINE else f" on {', '.join(top.machines)}"
             name = self._gpu_words(top) or f"{suspect_label(top)}{where}"
-            kind = f" ({slow_kind(top.sources, lead)})" if set(top.sources) & _DEVICE_DETECTORS else ""
+            kind = f" ({c4_kind})" if c4_kind else ""
             if not confident:
                 # below the bar it is a suspicion, worded as one: never a verdict line
                 return (f"suspect, not a verdict: {name}{kind} — {lead}; confidence {conf:.2f} from "
@@ -764,10 +791,26 @@ class FailSlowDetector:
 _DEVICE_DETECTORS = frozenset({"ccl", "p2p_wait"})  # the counters': they name ranks, not machines
 
 
-def slow_kind(sources: Iterable[str], lead: str) -> str:
-    """Which of C4's two slow kinds the evidence shows: a slow link is communication slow; a late arriver, a slow
-    step or a busy host is non-communication slow (the rank computes slowly and the others wait for it)."""
-    return "communication slow" if "slow links" in lead and "ccl" in set(sources) else "non-communication slow"
+# Interconnect throughput: a host or GPU metric whose outlier is a link's, not a computer's
+_LINK_METRICS = frozenset({"gpu_pcie_kbps", "gpu_nvlink_kbps"})
+
+
+def slow_kind(lead: DetectorFlag, frame: str | None = None) -> str:
+    """Which of C4's two slow kinds a suspect's strongest evidence (``lead``) shows, from the device or the host.
+
+    Communication slow: a slow link (the counters' N > β·mean), an interconnect metric (PCIe, NVLink) beyond its
+    peers, or stack rounds whose outliers part from the others in a communication call (``frame``: they sit in a
+    send, a recv or a collective while the others have moved on). Non-communication slow otherwise: a late arriver,
+    peers waiting on a rank's sends, a slow step, a busy host or GPU, a rank's sampled stacks in its own work (the
+    rank computes slowly and the others wait for it).
+    """
+    if lead.detector == "ccl" and "slow links" in lead.evidence:
+        return "communication slow"
+    if lead.detector in ("metrics", "minder") and lead.metric in _LINK_METRICS:
+        return "communication slow"
+    if lead.detector == "stacks" and frame is not None and is_communication(frame):
+        return "communication slow"
+    return "non-communication slow"
 
 
 def replay(snapshots: Iterable[JobSnapshot], config: FailSlowConfig | None = None,

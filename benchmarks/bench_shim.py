@@ -1,15 +1,18 @@
 """The CCL shim's (and NCCL profiler plugin's) cost per collective, beside a plain run, on gloo or NCCL.
 
 Run: python benchmarks/bench_shim.py [--backend gloo|nccl] [--world 1|2] [--calls 2000] [--rounds 3]
-                                     [--paths native,python] [--plugin] [--base-ref REF [--repeats 3]] [--json]
+                                     [--block 20] [--paths native,python] [--plugin] [--repeats N] [--base-ref REF] [--json]
 
 The one measurement of the shim's cost per call. Each rank (started by
-torchrun) times blocks of ``--calls`` small all_reduce calls (1024 floats),
-synchronous and async (``async_op=True`` then ``wait()``), through the
-original function (plain) and through the shim's wrapper, in interleaved
-blocks; best block of ``--rounds`` per figure (noise on a shared machine only
-ever adds time). The plain async block waits through torch's own
-``Work.wait``, not the shim's wrapped one, so the shim's whole cost shows.
+torchrun) times ``--rounds`` times ``--calls`` small all_reduce calls (1024
+floats), synchronous and async (``async_op=True`` then ``wait()``), through
+the original function (plain) and through the shim's wrapper, in short
+interleaved blocks of ``--block`` calls; the best block per figure (noise on a
+shared machine only ever adds time, and a short block has a chance to run
+without being preempted). Both wait through torch's own ``Work.wait`` (the shim leaves
+it alone: an async Work's completion is the background thread's poll). The
+counter files live in /dev/shm, as in production (a file on disk would add
+page-writeback faults to the stores).
 Each figure is given twice: wall time per call, and CPU time of the calling
 thread per call (what the training thread itself spends; on a machine shared
 with other work, wall time also holds the waits for a core). On NCCL the
@@ -26,6 +29,10 @@ beside its own plain figures, and prints them side by side.
 After the timing the shim's counter file must settle: WC catches up with WR
 once the device is idle (the proof that completion is learned off the
 device, not at return), and the bench says so.
+
+``--repeats N`` (without ``--base-ref``): the whole side-by-side N times,
+each run's figures, then the min and median of the extra µs and the ratio per
+path (the machine may be loaded by other work: one run is one sample).
 
 ``--base-ref REF``: the same job alternately with this checkout's shim and
 with the shim at ``REF`` (its trees unpacked and put first on the ranks'
@@ -95,14 +102,14 @@ def _worker(args: argparse.Namespace) -> int:
     x = torch.ones(1024, device=dev)
     made = 0
 
-    def block(fn: Any, wait: Any, is_async: bool, n: int) -> tuple[float, float]:
+    def block(fn: Any, is_async: bool, n: int) -> tuple[float, float]:
         """(wall, calling thread's CPU) seconds per call."""
         nonlocal made
         sync()
         c0, t0 = time.thread_time(), time.perf_counter()
         for i in range(n):
             if is_async:
-                wait(fn(x, async_op=True))
+                fn(x, async_op=True).wait()
             else:
                 fn(x)
             if dev.type == "cuda" and i % 100 == 99:
@@ -112,25 +119,23 @@ def _worker(args: argparse.Namespace) -> int:
         made += n
         return (t1 - t0) / n, (c1 - c0) / n
 
-    def shim_wait(work: Any) -> Any:
-        return work.wait()  # the class's wait: the shim's wrapper once it has wrapped Work
-
     for fn in (plain, shim):  # warm-up: communicators, caches, the shim's first-call set-up
-        block(fn, shim_wait, False, 50)
-        block(fn, shim_wait, True, 50)
-    work_wait = sys.modules["torch.distributed.distributed_c10d"].Work.wait
-    plain_wait = getattr(work_wait, "__rankscope_original__", work_wait)  # torch's own, as without the shim
+        block(fn, False, 50)
+        block(fn, True, 50)
     best: dict[str, float] = {}
     best_cpu: dict[str, float] = {}
+    order = [("plain", plain), ("shim", shim)]
+    size = max(1, min(args.block, args.calls))
     for r in range(args.rounds):
-        order = [("plain", plain, plain_wait), ("shim", shim, shim_wait)]
-        for name, fn, wait in order if r % 2 == 0 else order[::-1]:
-            for variant, is_async in (("sync", False), ("async", True)):
-                key = f"{variant}_{name}"
-                wall, cpu = block(fn, wait, is_async, args.calls)
-                best[key] = min(best.get(key, float("inf")), wall)
-                best_cpu[key] = min(best_cpu.get(key, float("inf")), cpu)
+        for variant, is_async in (("sync", False), ("async", True)):
+            for j in range(max(1, args.calls // size)):  # short blocks, plain and shim in turn
+                for name, fn in order if (r + j) % 2 == 0 else order[::-1]:
+                    key = f"{variant}_{name}"
+                    wall, cpu = block(fn, is_async, size)
+                    best[key] = min(best.get(key, float("inf")), wall)
+                    best_cpu[key] = min(best_cpu.get(key, float("inf")), cpu)
     writer_s = writer_cost(Path(args.counter_dir) / "writer-alone", args.calls, args.rounds, fast)
+    wrapper_us = wrapper_cost(torch_hooks, x, args.calls, args.rounds)
     # the counters must settle once the device is idle: WC = WR, learned by the shim's poller
     from rankscope.probes.ccl_counters import read_counter_file
 
@@ -147,7 +152,7 @@ def _worker(args: argparse.Namespace) -> int:
     dist.barrier()
     result = {"rank": rank, "us_per_call": {k: round(v * 1e6, 3) for k, v in best.items()},
               "cpu_us_per_call": {k: round(v * 1e6, 3) for k, v in best_cpu.items()},
-              "writer_us": round(writer_s * 1e6, 3), "collectives": made, "shim_source": torch_hooks.__file__,
+              "writer_us": round(writer_s * 1e6, 3), "wrapper_us": wrapper_us, "collectives": made, "shim_source": torch_hooks.__file__,
               "path": "native" if fast is not None else "python",
               "shim_counts": {"cl": counts[0], "wr": counts[1], "wc": counts[2]}, "settled": settled,
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -155,6 +160,41 @@ def _worker(args: argparse.Namespace) -> int:
     print(MARK + json.dumps(result), flush=True)
     dist.destroy_process_group()
     return 0
+
+
+class _DoneWork:
+    """What a finished async call returns, as the shim reads it."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
+
+
+def _no_op(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+    """all_reduce's signature, no collective: what is left of a call is the wrapper's own work."""
+    return _DoneWork() if async_op else None
+
+
+def wrapper_cost(torch_hooks: Any, x: Any, calls: int, rounds: int) -> dict[str, float]:
+    """The shim's wrapper around a function that does nothing, beside that function: its own extra µs per call,
+    sync and async (best of short interleaved blocks; no collective's noise in the difference). Counted on the
+    job's default group, as a real call is."""
+    wrapped = torch_hooks._make_wrapper("all_reduce", _no_op)
+    best: dict[str, float] = {}
+    for _ in range(max(1, rounds)):
+        for variant, is_async in (("sync", False), ("async", True)):
+            for j in range(max(1, calls // 20)):
+                for name, fn in (("plain", _no_op), ("shim", wrapped)) if j % 2 == 0 else (("shim", wrapped),
+                                                                                            ("plain", _no_op)):
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        fn(x, async_op=is_async)
+                    key = f"{variant}_{name}"
+                    best[key] = min(best.get(key, float("inf")), (time.perf_counter() - t0) / 20)
+            torch_hooks._poll()  # the background poll's work, off the timed blocks
+    return {v: round((best[f"{v}_shim"] - best[f"{v}_plain"]) * 1e6, 3) for v in ("sync", "async")}
 
 
 def writer_cost(directory: Path, calls: int, rounds: int, fast: Any = None) -> float:
@@ -205,7 +245,7 @@ def run_session(code_or_args: list[str], env: dict[str, str], timeout_s: float) 
 
 
 def run_job(backend: str, world: int, calls: int, rounds: int, plugin: Path | None, tmp: Path,
-            timeout_s: float = 300.0, base: Path | None = None, path: str = "native") -> dict[str, Any]:
+            timeout_s: float = 300.0, base: Path | None = None, path: str = "native", block: int = 20) -> dict[str, Any]:
     """One torchrun of the worker; every rank's figures, the exit code and whether every rank reported.
 
     ``base``: a folder whose ``rankscope`` the ranks import instead of this checkout's. ``path``: the shim's
@@ -222,7 +262,7 @@ def run_job(backend: str, world: int, calls: int, rounds: int, plugin: Path | No
         env["RANKSCOPE_JOB_ID"] = "bench-plugin"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            str(Path(__file__).resolve()), "--worker", "--backend", backend, "--calls", str(calls),
-           "--rounds", str(rounds), "--counter-dir", str(tmp / "shim-counters")]
+           "--rounds", str(rounds), "--block", str(block), "--counter-dir", str(tmp / "shim-counters")]
     code, out = run_session(cmd[1:], env, timeout_s)
     ranks = [json.loads(ln[len(MARK):]) for ln in out.splitlines() if ln.startswith(MARK)]
     return {"exit_code": code, "ranks": sorted(ranks, key=lambda r: r["rank"]), "all_ranks_reported": len(ranks) == world,
@@ -237,6 +277,7 @@ def summarize(job: dict[str, Any]) -> dict[str, Any]:
     us = r0["us_per_call"]
     cpu = r0.get("cpu_us_per_call", {})
     out: dict[str, Any] = {"us_per_call": us, "cpu_us_per_call": cpu, "writer_us": r0.get("writer_us"),
+                           "wrapper_us": r0.get("wrapper_us"),
                            "device": r0["device"], "torch": r0["torch"], "shim_source": r0.get("shim_source"),
                            "collectives_per_rank": r0["collectives"], "exit_code": job["exit_code"],
                            "all_ranks_reported": job["all_ranks_reported"],
@@ -259,10 +300,11 @@ PATH_KEYS = {"native": "shim", "python": "python_shim"}
 
 
 def bench(backend: str, world: int, calls: int, rounds: int, with_plugin: bool, tmp: Path,
-          paths: tuple[str, ...] = PATHS) -> dict[str, Any]:
-    result: dict[str, Any] = {"backend": backend, "world": world, "calls_per_block": calls, "rounds": rounds}
+          paths: tuple[str, ...] = PATHS, block: int = 20) -> dict[str, Any]:
+    result: dict[str, Any] = {"backend": backend, "world": world, "calls_per_block": calls, "rounds": rounds,
+                              "block": block}
     for path in paths:
-        result[PATH_KEYS[path]] = summarize(run_job(backend, world, calls, rounds, None, tmp, path=path))
+        result[PATH_KEYS[path]] = summarize(run_job(backend, world, calls, rounds, None, tmp, path=path, block=block))
     if with_plugin:
         sys.path.insert(0, str(ROOT))
         from rankscope.ccl_plugin.build import BuildError, build_plugin
@@ -272,7 +314,7 @@ def bench(backend: str, world: int, calls: int, rounds: int, with_plugin: bool, 
         except BuildError as exc:
             result["plugin"] = {"error": f"{exc.message} ({exc.fix})"}
             return result
-        with_lib = summarize(run_job(backend, world, calls, rounds, lib, tmp))
+        with_lib = summarize(run_job(backend, world, calls, rounds, lib, tmp, block=block))
         result["plugin"] = with_lib
         p0 = result["shim"].get("us_per_call", {}).get("sync_plain")
         p1 = with_lib.get("us_per_call", {}).get("sync_plain")
@@ -283,7 +325,7 @@ def bench(backend: str, world: int, calls: int, rounds: int, with_plugin: bool, 
 
 
 def compare(backend: str, world: int, calls: int, rounds: int, base_ref: str, repeats: int,
-            tmp: Path) -> dict[str, Any]:
+            tmp: Path, block: int = 20) -> dict[str, Any]:
     """This checkout's shim and the one at ``base_ref``, in alternating runs of the same job."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from base_code import base_tree
@@ -292,11 +334,12 @@ def compare(backend: str, world: int, calls: int, rounds: int, base_ref: str, re
     runs: dict[str, list[dict[str, Any]]] = {"new": [], "base": []}
     for i in range(repeats):
         for side in ("new", "base") if i % 2 == 0 else ("base", "new"):
-            job = run_job(backend, world, calls, rounds, None, tmp, base=base if side == "base" else None)
+            job = run_job(backend, world, calls, rounds, None, tmp, base=base if side == "base" else None, block=block)
             runs[side].append(summarize(job))
     medians = {side: {key: statistics.median(r[key] for r in rs if key in r) for key in EXTRA_KEYS
                       if any(key in r for r in rs)} for side, rs in runs.items()}
-    return {"backend": backend, "world": world, "calls_per_block": calls, "rounds": rounds, "base_ref": base_ref,
+    return {"backend": backend, "world": world, "calls_per_block": calls, "rounds": rounds, "block": block,
+            "base_ref": base_ref,
             "runs": runs, "medians": medians}
 
 
@@ -304,8 +347,9 @@ EXTRA_KEYS = ("sync_shim_extra_us", "async_shim_extra_us", "sync_shim_extra_cpu_
 
 
 def compare_lines(result: dict[str, Any]) -> list[str]:
-    lines = [f"all_reduce of 1024 floats, {result['backend']}, world {result['world']}, best of {result['rounds']} "
-             f"blocks of {result['calls_per_block']} calls; this checkout (new) and {result['base_ref']} (base), "
+    lines = [f"all_reduce of 1024 floats, {result['backend']}, world {result['world']}, best block of "
+             f"{result.get('block', result['calls_per_block'])} calls among {result['rounds']}×"
+             f"{result['calls_per_block']}; this checkout (new) and {result['base_ref']} (base), "
              "alternating runs; the shim's extra µs per call, wall (calling thread's CPU)"]
     for side in ("new", "base"):
         for r in result["runs"][side]:
@@ -346,9 +390,54 @@ def side_by_side(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def repeated(backend: str, world: int, calls: int, rounds: int, repeats: int, tmp: Path,
+             paths: tuple[str, ...] = PATHS, block: int = 20) -> dict[str, Any]:
+    """The side-by-side run ``repeats`` times; per path and variant the min and median of the extra and the ratio."""
+    runs = [bench(backend, world, calls, rounds, False, tmp, paths, block) for _ in range(max(1, repeats))]
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    for path in paths:
+        key = PATH_KEYS[path]
+        for variant in ("sync", "async"):
+            for figure in ("extra_us", "ratio", "extra_cpu_us"):
+                vals = [r[key][f"{variant}_shim_{figure}"] for r in runs if f"{variant}_shim_{figure}" in r[key]]
+                if vals:
+                    summary.setdefault(key, {})[f"{variant}_{figure}"] = {
+                        "min": round(min(vals), 3), "median": round(statistics.median(vals), 3), "runs": len(vals)}
+    for path in paths:
+        key = PATH_KEYS[path]
+        for variant in ("sync", "async"):
+            vals = [r[key]["wrapper_us"][variant] for r in runs if r[key].get("wrapper_us")]
+            if vals:
+                summary.setdefault(key, {})[f"{variant}_wrapper_us"] = {
+                    "min": round(min(vals), 3), "median": round(statistics.median(vals), 3), "runs": len(vals)}
+    return {"backend": backend, "world": world, "calls_per_block": calls, "rounds": rounds, "block": block,
+            "repeats": len(runs),
+            "runs": runs, "summary": summary}
+
+
+def repeated_lines(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for i, run in enumerate(result["runs"], 1):
+        lines.append(f"run {i} of {result['repeats']}:")
+        lines += ["  " + ln for ln in report_lines(run)[:4]]
+    lines.append(f"over {result['repeats']} runs (min / median; each shim against the plain call of its own run):")
+    for key, figures in result["summary"].items():
+        for variant in ("sync", "async"):
+            e, r, c = (figures.get(f"{variant}_{f}") for f in ("extra_us", "ratio", "extra_cpu_us"))
+            if e is None or r is None:
+                continue
+            w = figures.get(f"{variant}_wrapper_us")
+            lines.append(f"  {TITLES[key].split(' (')[0]:11} {variant:5} extra {e['min']:+.2f} / {e['median']:+.2f} µs"
+                         f"   ratio {r['min']:.3f} / {r['median']:.3f}x"
+                         + (f"   calling thread's CPU {c['min']:+.2f} / {c['median']:+.2f} µs" if c else "")
+                         + (f"   wrapper around a no-op {w['min']:+.2f} / {w['median']:+.2f} µs" if w else ""))
+    return lines
+
+
 def report_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"all_reduce of 1024 floats, {result['backend']}, world {result['world']}, "
-             f"best of {result['rounds']} blocks of {result['calls_per_block']} calls"]
+             f"best block of {result.get('block', result['calls_per_block'])} calls among {result['rounds']}×"
+             f"{result['calls_per_block']} per figure"]
     lines += side_by_side(result)
     for name in ("shim", "python_shim", "plugin"):
         part = result.get(name)
@@ -373,6 +462,10 @@ def report_lines(result: dict[str, Any]) -> list[str]:
                             f"{cpu[f'{variant}_shim']:.2f} µs, {extra_cpu:+.2f} µs" if extra_cpu is not None else ""))
         if part.get("writer_us") is not None:
             lines.append(f"    the counter writer alone (launch + completion): {part['writer_us']:.2f} µs")
+        if part.get("wrapper_us"):
+            w = part["wrapper_us"]
+            lines.append(f"    the wrapper around a no-op (its own work, no collective): sync {w['sync']:+.2f} µs, "
+                         f"async {w['async']:+.2f} µs")
         c = part["shim_counts"]
         lines.append(f"    shim counters after the run: CL {c['cl']} WR {c['wr']} WC {c['wc']} "
                      f"({'settled: WC = WR' if part['counters_settled'] else 'NOT settled: WC < WR'})")
@@ -388,11 +481,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--block", type=int, default=20, help="calls per timed block (plain and shim blocks alternate)")
     ap.add_argument("--paths", default=",".join(PATHS),
                     help="the shim's paths to run, each its own job: native (the C fast path), python")
     ap.add_argument("--plugin", action="store_true", help="also run with the NCCL profiler plugin loaded")
     ap.add_argument("--base-ref", default="", help="also run the shim at this commit, alternating with this one")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per side with --base-ref")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs of the whole side-by-side, with min/median (default 1); runs per side with --base-ref "
+                         "(default 3)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--counter-dir", default="", help=argparse.SUPPRESS)
@@ -402,12 +498,19 @@ def main(argv: list[str] | None = None) -> int:
     paths = tuple(p for p in args.paths.split(",") if p)
     if not paths or any(p not in PATHS for p in paths):
         ap.error(f"--paths: a comma-separated choice of {', '.join(PATHS)} (got {args.paths!r})")
-    with tempfile.TemporaryDirectory(prefix="bench-shim-") as d:
+    shm = Path("/dev/shm")  # where production keeps the counter files
+    with tempfile.TemporaryDirectory(prefix="bench-shim-", dir=shm if shm.is_dir() else None) as d:
         if args.base_ref:
-            result = compare(args.backend, args.world, args.calls, args.rounds, args.base_ref, args.repeats, Path(d))
+            result = compare(args.backend, args.world, args.calls, args.rounds, args.base_ref, args.repeats or 3,
+                             Path(d), args.block)
             print(json.dumps(result, indent=2) if args.json else "\n".join(compare_lines(result)))
             return 0
-        result = bench(args.backend, args.world, args.calls, args.rounds, args.plugin, Path(d), paths)
+        if args.repeats and args.repeats > 1:
+            result = repeated(args.backend, args.world, args.calls, args.rounds, args.repeats, Path(d), paths,
+                              args.block)
+            print(json.dumps(result, indent=2) if args.json else "\n".join(repeated_lines(result)))
+            return 0
+        result = bench(args.backend, args.world, args.calls, args.rounds, args.plugin, Path(d), paths, args.block)
     print(json.dumps(result, indent=2) if args.json else "\n".join(report_lines(result)))
     return 0
 

@@ -378,7 +378,7 @@ def grade_slow(name: str, truth: dict[str, Any], record: dict[str, Any]) -> dict
         rank = truth["rank"]
         if out["named_ranks"] != [rank]:
             out["wrong"].append(f"names rank(s) {out['named_ranks']}, not rank {rank} alone")
-        named_gpu = re.search(rf"\brank {rank} \(GPU (\d+)\)", summary or "")
+        named_gpu = re.search(rf"\brank {rank} \(GPU (\d+)\b", summary or "")  # NVML's, or assumed
         out["named_gpu"] = int(named_gpu.group(1)) if named_gpu else None
         if truth["gpu_graded"] and out["named_gpu"] != truth["gpu"]:
             out["wrong"].append(f"names GPU {out['named_gpu']}, not GPU {truth['gpu']}" if named_gpu

@@ -11,8 +11,10 @@
    Atomicity: every function here runs with the GIL held and never releases it between the odd and the even
    seq, and when this module is loaded every store of a slot goes through it (CounterWriter calls Slot's
    methods), so a store is never interleaved with another of this process's threads; readers in other
-   processes use the seqlock. Anything uncommon (a slot not cached yet, a payload that is not one tensor, an
-   async Work, a CUDA payload) goes back to the Python helpers. Nothing here raises into the user's call:
+   processes use the seqlock. An async call's Work goes into a WorkRing that the background thread polls (no
+   work on the caller's thread after the call); with the NCCL profiler plugin loaded a CUDA call settles at
+   return. Anything uncommon (a slot not cached yet, a payload that is not one tensor, a synchronous CUDA call
+   without the plugin, a full ring) goes back to the Python helpers. Nothing here raises into the user's call:
    a surprise sends the call to the Python wrapper, which handles it or disables counting. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,7 +36,8 @@
 #define RESTORE_ERROR PyErr_Restore(saved_t, saved_v, saved_tb)
 #endif
 
-static PyObject *s_disabled, *s_depth, *s_group, *s_async_op, *s_native, *s_nbytes, *s_is_cuda;
+static PyObject *s_disabled, *s_depth, *s_group, *s_async_op, *s_native, *s_nbytes, *s_is_cuda, *s_polling,
+    *s_is_completed;
 
 /* The clock of time.perf_counter() on Linux (CLOCK_MONOTONIC): launch times taken here are completed by
    Python's writer and the other way round. */
@@ -243,6 +246,149 @@ static PyTypeObject SlotType = {
     .tp_methods = slot_methods,
 };
 
+/* ---- WorkRing: async Works waiting for their completion ------------------------------------------ */
+
+/* Why: an async call's completion used to be learned on the caller's thread (a wrapped Work.wait, a Python
+   table), several µs a call. Now the wrapper only stores the Work here (a few words); the background thread's
+   poll asks each open Work ``is_completed()`` and stores WC. Since the poll sees that a Work is done but not
+   when, such a completion carries no TD or N (the synchronous calls and the NCCL plugin time them).
+
+   One producer side (wrappers, any thread, under the GIL: a push is never interleaved) and one poller at a time
+   (a second concurrent poll returns at once). Entries never move: the poller clears finished ones in place and
+   moves ``head`` past cleared ones; a push writes at ``tail`` only while fewer than RING_CAP are between, so
+   even while the poller has released the GIL inside ``is_completed()`` no entry it may still read is
+   overwritten. A full ring makes the wrapper hand the Work to the Python path instead. */
+#define RING_CAP 4096
+
+typedef struct {
+  PyObject *work;   /* owned; NULL once settled */
+  SlotObject *slot; /* owned */
+  uint64_t seq;
+} ring_entry;
+
+typedef struct {
+  PyObject_HEAD
+  ring_entry *e;
+  uint64_t head, tail; /* entries [head, tail) may be open */
+  Py_ssize_t open;
+  int busy;            /* a poll is running */
+} RingObject;
+
+static PyTypeObject RingType;
+
+static int ring_init(RingObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {NULL};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "", kwlist)) return -1;
+  if (self->e != NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "WorkRing is already set up");
+    return -1;
+  }
+  self->e = PyMem_Calloc(RING_CAP, sizeof(ring_entry));
+  if (self->e == NULL) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  return 0;
+}
+
+/* 0: kept; -1: no room (or not set up): the caller keeps the Work some other way. */
+static int ring_push(RingObject *r, PyObject *work, SlotObject *slot, uint64_t seq) {
+  if (r->e == NULL || r->tail - r->head >= RING_CAP) return -1;
+  ring_entry *e = &r->e[r->tail % RING_CAP];
+  Py_INCREF(work);
+  Py_INCREF(slot);
+  e->work = work;
+  e->slot = slot;
+  e->seq = seq;
+  r->tail += 1;
+  r->open += 1;
+  return 0;
+}
+
+static void ring_drop(RingObject *r, ring_entry *e, int settle) {
+  PyObject *work = e->work;
+  SlotObject *slot = e->slot;
+  e->work = NULL;
+  e->slot = NULL;
+  r->open -= 1;
+  if (settle && slot->live) slot_complete(slot, e->seq, 0, 0, 0.0, 0.0, -1, NULL);
+  Py_DECREF(work); /* last: a Work's release may run other code */
+  Py_DECREF(slot);
+}
+
+static void ring_advance(RingObject *r) {
+  while (r->head < r->tail && r->e[r->head % RING_CAP].work == NULL) r->head += 1;
+}
+
+static PyObject *py_ring_poll(RingObject *r, PyObject *Py_UNUSED(ignored)) {
+  if (r->e == NULL || r->busy) return PyLong_FromSsize_t(r->open);
+  r->busy = 1;
+  uint64_t end = r->tail; /* what is pushed meanwhile waits for the next pass */
+  for (uint64_t i = r->head; i < end; i++) {
+    ring_entry *e = &r->e[i % RING_CAP];
+    PyObject *work = e->work;
+    if (work == NULL) continue;
+    Py_INCREF(work);
+    PyObject *res = PyObject_CallMethodObjArgs(work, s_is_completed, NULL);
+    int done = res == NULL ? 1 : PyObject_IsTrue(res); /* a failed Work is no longer in flight either way */
+    Py_XDECREF(res);
+    if (done < 0) done = 1;
+    if (PyErr_Occurred()) PyErr_Clear();
+    if (done && e->work == work) ring_drop(r, e, 1);
+    Py_DECREF(work);
+  }
+  ring_advance(r);
+  r->busy = 0;
+  return PyLong_FromSsize_t(r->open);
+}
+
+static void ring_clear_all(RingObject *r) {
+  if (r->e == NULL) return;
+  for (uint64_t i = r->head; i < r->tail; i++) {
+    ring_entry *e = &r->e[i % RING_CAP];
+    if (e->work != NULL) ring_drop(r, e, 0);
+  }
+  r->head = r->tail;
+}
+
+static PyObject *py_ring_clear(RingObject *r, PyObject *Py_UNUSED(ignored)) {
+  if (r->busy) {
+    PyErr_SetString(PyExc_RuntimeError, "a poll is running");
+    return NULL;
+  }
+  ring_clear_all(r);
+  Py_RETURN_NONE;
+}
+
+static Py_ssize_t ring_len(RingObject *r) { return r->open; }
+
+static void ring_dealloc(RingObject *r) {
+  ring_clear_all(r);
+  PyMem_Free(r->e);
+  r->e = NULL;
+  Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyMethodDef ring_methods[] = {
+    {"poll", (PyCFunction)py_ring_poll, METH_NOARGS,
+     "poll() -> open: WC (no TD or N) for every kept Work whose is_completed() is true; how many stay open"},
+    {"clear", (PyCFunction)py_ring_clear, METH_NOARGS, "drop every kept Work without recording anything"},
+    {NULL, NULL, 0, NULL}};
+
+static PySequenceMethods ring_as_sequence = {.sq_length = (lenfunc)ring_len};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_rankscope_shim.WorkRing",
+    .tp_basicsize = sizeof(RingObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "WorkRing(): async Works the wrappers keep until the background poll sees them complete",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ring_init,
+    .tp_dealloc = (destructor)ring_dealloc,
+    .tp_methods = ring_methods,
+    .tp_as_sequence = &ring_as_sequence,
+};
+
 static int truth_attr(PyObject *obj, PyObject *name) {
   PyObject *v = PyObject_GetAttr(obj, name);
   if (v == NULL) return -1;
@@ -306,12 +452,15 @@ typedef struct {
   PyObject *slots;    /* dict group -> (group, OpSlot, members), shared with the Python wrapper */
   PyObject *state;    /* torch_hooks.STATE: .disabled */
   PyObject *tls;      /* per-thread .depth: inside a wrapped call */
-  PyObject *post;     /* post(result, request, on_cuda, is_async): what follows an async or CUDA call */
+  PyObject *post;     /* post(result, request, on_cuda, is_async): what the C path does not take after a call */
+  PyObject *ring;     /* the WorkRing async Works wait in (or None: every async Work goes to post) */
+  PyObject *arm;      /* arm(): wake the background poll (called only when state.polling is false) */
   PyObject *gdef;     /* the group parameter's default */
   PyObject *payload_name; /* None for barrier */
   PyObject *dict;
   Py_ssize_t gi, pi, ai;
   int adef;
+  int plugin; /* NCCL's profiler plugin is ours: it times device work, CUDA calls settle at return */
 } WrapperObject;
 
 static PyTypeObject WrapperType;
@@ -375,6 +524,18 @@ static PyObject *wrapper_vectorcall(WrapperObject *w, PyObject *const *args, siz
   } else if (!on_cuda && (!is_async || result == Py_None)) {
     /* a blocking call on the host has finished when it returns */
     if (s->live) slot_complete(s, seq, (uint64_t)nbytes, 1, t0, now(), -1, NULL);
+  } else if (on_cuda && w->plugin) {
+    /* the plugin times the device work: counted and settled here, no TD or N */
+    if (s->live) slot_complete(s, seq, 0, 0, 0.0, 0.0, -1, NULL);
+  } else if (is_async && result != Py_None && Py_IS_TYPE(w->ring, &RingType) &&
+             ring_push((RingObject *)w->ring, result, s, seq) == 0) {
+    /* WC when the background poll sees is_completed(); it must be polling */
+    int polling = truth_attr(w->state, s_polling);
+    if (polling != 1) {
+      PyObject *r = polling == 0 ? PyObject_CallNoArgs(w->arm) : NULL;
+      Py_XDECREF(r);
+      PyErr_Clear();
+    }
   } else {
     PyObject *req = Py_BuildValue("(OKKOd)", pyslot, (unsigned long long)seq, (unsigned long long)nbytes,
                                   Py_None, t0);
@@ -400,21 +561,27 @@ plain_clear:
 }
 
 static int wrapper_init(WrapperObject *self, PyObject *args, PyObject *kwds) {
-  PyObject *orig, *fallback, *slots, *state, *tls, *post, *gdef, *payload_name;
+  PyObject *orig, *fallback, *slots, *state, *tls, *post, *gdef, *payload_name, *ring = Py_None, *arm = Py_None;
   Py_ssize_t gi, pi, ai;
-  int adef;
+  int adef, plugin = 0;
   static char *kwlist[] = {"orig", "fallback", "slots", "state", "tls", "post", "group_index", "group_default",
-                           "payload_index", "payload_name", "async_index", "async_default", NULL};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!OOOnOnOnp", kwlist, &orig, &fallback, &PyDict_Type, &slots,
-                                   &state, &tls, &post, &gi, &gdef, &pi, &payload_name, &ai, &adef))
+                           "payload_index", "payload_name", "async_index", "async_default", "ring", "arm",
+                           "plugin", NULL};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!OOOnOnOnp|OOp", kwlist, &orig, &fallback, &PyDict_Type, &slots,
+                                   &state, &tls, &post, &gi, &gdef, &pi, &payload_name, &ai, &adef, &ring, &arm,
+                                   &plugin))
     return -1;
+  if (ring != Py_None && !(Py_IS_TYPE(ring, &RingType) && PyCallable_Check(arm))) {
+    PyErr_SetString(PyExc_TypeError, "ring: a WorkRing (with arm: a callable) or None");
+    return -1;
+  }
   if (payload_name != Py_None && !PyUnicode_Check(payload_name)) {
     PyErr_SetString(PyExc_TypeError, "payload_name: a str or None");
     return -1;
   }
-  PyObject *objs[] = {orig, fallback, slots, state, tls, post, gdef, payload_name};
-  PyObject **fields[] = {&self->orig, &self->fallback, &self->slots, &self->state,
-                         &self->tls, &self->post, &self->gdef, &self->payload_name};
+  PyObject *objs[] = {orig, fallback, slots, state, tls, post, gdef, payload_name, ring, arm};
+  PyObject **fields[] = {&self->orig, &self->fallback, &self->slots, &self->state, &self->tls,
+                         &self->post, &self->gdef, &self->payload_name, &self->ring, &self->arm};
   for (size_t i = 0; i < sizeof(objs) / sizeof(objs[0]); i++) {
     Py_INCREF(objs[i]);
     Py_XSETREF(*fields[i], objs[i]);
@@ -423,6 +590,7 @@ static int wrapper_init(WrapperObject *self, PyObject *args, PyObject *kwds) {
   self->pi = pi;
   self->ai = ai;
   self->adef = adef;
+  self->plugin = plugin;
   self->vectorcall = (vectorcallfunc)wrapper_vectorcall;
   return 0;
 }
@@ -436,6 +604,8 @@ static int wrapper_traverse(WrapperObject *self, visitproc visit, void *arg) {
   Py_VISIT(self->post);
   Py_VISIT(self->gdef);
   Py_VISIT(self->payload_name);
+  Py_VISIT(self->ring);
+  Py_VISIT(self->arm);
   Py_VISIT(self->dict);
   return 0;
 }
@@ -449,6 +619,8 @@ static int wrapper_clear(WrapperObject *self) {
   Py_CLEAR(self->post);
   Py_CLEAR(self->gdef);
   Py_CLEAR(self->payload_name);
+  Py_CLEAR(self->ring);
+  Py_CLEAR(self->arm);
   Py_CLEAR(self->dict);
   return 0;
 }
@@ -504,20 +676,26 @@ static struct PyModuleDef module_def = {
     module_methods};
 
 PyMODINIT_FUNC PyInit__rankscope_shim(void) {
-  const char *names[] = {"disabled", "depth", "group", "async_op", "native", "nbytes", "is_cuda"};
-  PyObject **slots[] = {&s_disabled, &s_depth, &s_group, &s_async_op, &s_native, &s_nbytes, &s_is_cuda};
+  const char *names[] = {"disabled", "depth", "group", "async_op", "native", "nbytes", "is_cuda", "polling",
+                         "is_completed"};
+  PyObject **slots[] = {&s_disabled, &s_depth, &s_group, &s_async_op, &s_native, &s_nbytes, &s_is_cuda, &s_polling,
+                        &s_is_completed};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
     if (*slots[i] == NULL && (*slots[i] = PyUnicode_InternFromString(names[i])) == NULL) return NULL;
   }
-  if (PyType_Ready(&SlotType) < 0 || PyType_Ready(&WrapperType) < 0 || PyType_Ready(&FlagsType) < 0) return NULL;
+  if (PyType_Ready(&SlotType) < 0 || PyType_Ready(&WrapperType) < 0 || PyType_Ready(&FlagsType) < 0 ||
+      PyType_Ready(&RingType) < 0)
+    return NULL;
   PyObject *m = PyModule_Create(&module_def);
   if (m == NULL) return NULL;
   Py_INCREF(&SlotType);
   Py_INCREF(&WrapperType);
   Py_INCREF(&FlagsType);
+  Py_INCREF(&RingType);
   if (PyModule_AddObject(m, "Slot", (PyObject *)&SlotType) < 0 ||
       PyModule_AddObject(m, "ThreadFlags", (PyObject *)&FlagsType) < 0 ||
       PyModule_AddObject(m, "Wrapper", (PyObject *)&WrapperType) < 0 ||
+      PyModule_AddObject(m, "WorkRing", (PyObject *)&RingType) < 0 ||
       PyModule_AddIntConstant(m, "OP_SIZE", (long)sizeof(rs_op)) < 0) {
     Py_DECREF(m);
     return NULL;

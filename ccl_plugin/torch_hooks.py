@@ -12,12 +12,14 @@ Per call: CL += 1 and one WR per request issued (a p2p call issues one;
 completes, learned without adding a wait:
 
 - CPU tensors (gloo): a synchronous call has completed when it returns; an
-  async Work is kept in a table and settles when the user's own ``wait()`` /
-  ``is_completed()`` says it is done (on the user's thread: ``Work`` gets both
-  wrapped at the first async call), else through a background poll of
-  ``is_completed()`` for Works nobody waits on. Not through the Work's future:
-  its callback runs on the backend's thread and has to take the GIL from the
-  user's thread, which cost more than the collective itself.
+  async Work is kept (the native fast path keeps it in a C ring, the Python
+  path in a table) and the background thread's poll asks ``is_completed()``.
+  Nothing runs on the user's thread after the call: not a wrapped
+  ``Work.wait`` (it cost every wait, the user's and torch's own), not the
+  Work's future (its callback runs on the backend's thread and has to take
+  the GIL from the user's thread). The poll learns that the Work is over, not
+  when: such a completion is WC without TD or N (synchronous calls and the
+  NCCL plugin time them).
 - CUDA tensors with the NCCL profiler plugin loaded (``NCCL_PROFILER_PLUGIN``
   naming ours): the plugin sees the device's own start and end of every
   collective in its file, so the shim only counts the launch and names the
@@ -27,11 +29,11 @@ completes, learned without adding a wait:
   future is marked complete at enqueue too (its callbacks run at once on
   CUDA-aware futures). So a synchronous call records a CUDA event on the
   current stream right after it returns (torch has ordered that stream after
-  the collective, or ran the collective on it) and an async Work is kept; the
-  background thread polls ``event.query()`` / ``work.is_completed()`` (both
-  are cudaEventQuery: no host synchronisation, never on the user's thread).
-  Under CUDA graph capture nothing runs at call time: such calls complete at
-  return.
+  the collective, or ran the collective on it) and an async Work is kept as on
+  the host; the background thread polls ``event.query()`` /
+  ``work.is_completed()`` (both are cudaEventQuery: no host synchronisation,
+  never on the user's thread). Under CUDA graph capture nothing runs at call
+  time: such calls complete at return.
 
 TD is launch to completion; N (bytes/TD) goes into the ring of the last five.
 
@@ -39,11 +41,12 @@ The per-call path is a handful of attribute and integer operations: each
 wrapper caches its (group -> op slot) resolution at first use, arguments are
 read by position, and the writer stores only the fields a call changes. Where
 the native fast path builds (``native``: a C extension compiled at first use),
-a collective's wrapper is a C callable that does a synchronous host call's
-whole work (flags, arguments, cached slot, launch and completion stores) and
-hands everything else (first use of a group, a payload that is not one tensor,
-an async Work, a CUDA payload) to the Python code below; otherwise that Python
-code is the wrapper. The
+a collective's wrapper is a C callable that does a call's whole work (flags,
+arguments, cached slot, launch and completion stores, an async Work into the
+ring, a CUDA call settled where the plugin times it) and hands everything else
+(first use of a group, a payload that is not one tensor, a synchronous CUDA
+call without the plugin, a full ring) to the Python code below; otherwise that
+Python code is the wrapper. The
 background thread polls only while something is open (and a second after),
 and a call wakes it only when it sleeps.
 
@@ -130,8 +133,8 @@ class _State:
         self.installed = False
         self.tls: Any = _ThreadFlags()  # or the fast path's ThreadFlags (use_fast)
         self.groups: dict[int, tuple[Any, int, tuple[int, ...]]] = {}  # id(pg) -> (pg, comm index, members)
-        # id(work) -> (work, requests): async host Works not yet seen complete. Only single dict
-        # operations touch it (atomic under the GIL), so settling needs no lock.
+        # id(work) -> (work, requests): async Works (host or device) not yet seen complete. Only single
+        # dict operations touch it (atomic under the GIL), so settling needs no lock.
         self.pending: dict[int, tuple[Any, list[Request]]] = {}
         self.wake = threading.Event()
         self.polling = False  # the background thread polls at its fast pace (no wake needed)
@@ -139,16 +142,15 @@ class _State:
         self.thread: threading.Thread | None = None
         self.dist: Any = None
         self.pg_hooks = False  # torch offers ProcessGroup.register_pre_hook / register_post_hook
-        self.work_patched = False  # Work.wait / is_completed wrapped (at the first async host Work)
         self.c10d: Any = None
         # Device completion (CUDA tensors): events recorded after synchronous calls, in launch order
-        # (one stream completes in order, so the poller looks at the oldest first), and async Works
-        # that only ``is_completed()`` may settle (their ``wait()`` returns before the device is done).
+        # (one stream completes in order, so the poller looks at the oldest first). Async Works (host or
+        # device) wait in ``pending`` (or the fast path's ring) for ``is_completed()``.
         self.device_events: collections.deque[tuple[Any, list[Request]]] = collections.deque()
-        self.device_works: dict[int, tuple[Any, list[Request]]] = {}
         self.event_pool: list[Any] = []
         self.cuda: Any = None  # torch.cuda, once the first CUDA payload is seen
         self.fast: ModuleType | None = None  # the native fast path, when it loaded (chosen at install)
+        self.ring: Any = None  # the fast path's WorkRing: async Works its wrappers keep for the poll
 
 
 STATE = _State()
@@ -162,6 +164,7 @@ def use_fast(fast: ModuleType | None) -> None:
     """
     STATE.fast = fast
     STATE.tls = fast.ThreadFlags() if fast is not None else _ThreadFlags()
+    STATE.ring = fast.WorkRing() if fast is not None else None
 
 
 def _disable(where: str, exc: BaseException) -> None:
@@ -287,17 +290,8 @@ def _complete_on_device(reqs: list[Request]) -> None:
     _arm_poller()
 
 
-def _watch_on_device(work: Any, reqs: list[Request]) -> None:
-    """An async Work on CUDA tensors: settled only when ``is_completed()`` (the device) says so."""
-    if STATE.plugin:
-        _settle_all(reqs)
-        return
-    STATE.device_works[id(work)] = (work, reqs)
-    _arm_poller()
-
-
 def _poll_device() -> bool:
-    """WC for what the device has finished (background thread): event and Work queries, no waits.
+    """WC for the synchronous CUDA calls the device has finished (background thread): event queries, no waits.
 
     Returns whether device work is still open.
     """
@@ -315,58 +309,50 @@ def _poll_device() -> bool:
         _complete_all(reqs)
         if len(pool) < EVENT_POOL_MAX:
             pool.append(ev)
-    works = STATE.device_works
-    for key, (work, _reqs) in list(works.items()):
-        try:
-            finished = bool(work.is_completed())
-        except Exception:
-            finished = True
-        if finished:
-            entry = works.pop(key, None)
-            if entry is not None:
-                _complete_all(entry[1])
-    return bool(q or works)
+    return bool(q)
 
 
 def _watch(work: Any, reqs: list[Request], on_device: bool = False) -> None:
-    """Arrange for WC when ``work`` completes, without waiting on it."""
-    if on_device:
-        _watch_on_device(work, reqs)
+    """Arrange for WC when ``work`` completes, without waiting on it: the background poll asks it.
+
+    ``on_device``: a Work on CUDA tensors, whose ``wait()`` returns before the device is done; its
+    ``is_completed()`` asks the device. With our NCCL plugin loaded the plugin times it: settled now.
+    """
+    if on_device and STATE.plugin:
+        _settle_all(reqs)
         return
-    if not STATE.work_patched:
-        # patched at the first async host Work: every Work.wait() pays for the patch,
-        # and jobs that never issue one (NCCL-only, synchronous gloo) never need it
-        STATE.work_patched = True
-        _wrap_work_methods(STATE.c10d.Work)
     STATE.pending[id(work)] = (work, reqs)
     if not STATE.polling:
         _arm_poller()
 
 
-def _settle(work: Any) -> None:
-    """The Work is known complete: record its pending requests once (whoever pops the entry records it)."""
-    entry = STATE.pending.pop(id(work), None)
-    if entry is not None:
-        _complete_all(entry[1])
-
-
 def _poll_pending() -> bool:
-    """WC for host Works that finished without anyone asking (background thread); whether any is still open."""
-    for work, _ in list(STATE.pending.values()):
+    """WC (no TD or N: the poll sees that, not when) for async Works now complete; whether any is still open."""
+    pending = STATE.pending
+    for key, (work, _reqs) in list(pending.items()):
         try:
-            done = work.is_completed()
+            done = bool(work.is_completed())
         except Exception:
             done = True  # a failed Work is no longer in flight either way
         if done:
-            _settle(work)
-    return bool(STATE.pending)
+            entry = pending.pop(key, None)
+            if entry is not None:
+                _settle_all(entry[1])
+    return bool(pending)
+
+
+def open_works() -> int:
+    """Async Works the poll still waits on (both paths' keeping places)."""
+    return len(STATE.pending) + (len(STATE.ring) if STATE.ring is not None else 0)
 
 
 def _poll() -> bool:
     """One pass over everything open; whether anything still is."""
-    host = _poll_pending() if STATE.pending else False
-    device = _poll_device() if STATE.device_events or STATE.device_works else False
-    return host or device
+    ring = STATE.ring
+    native = ring.poll() > 0 if ring is not None and len(ring) else False
+    works = _poll_pending() if STATE.pending else False
+    device = _poll_device() if STATE.device_events else False
+    return native or works or device
 
 
 def _background() -> None:
@@ -537,7 +523,7 @@ def _make_coll_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any
         try:
             if on_cuda is True:
                 if is_async and result is not None:
-                    _watch_on_device(result, [req])
+                    _watch(result, [req], True)
                 else:
                     _complete_on_device([req])
             elif not is_async or result is None:
@@ -558,7 +544,7 @@ def _make_coll_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any
         try:
             if on_cuda:
                 if is_async and result is not None:
-                    _watch_on_device(result, [req])
+                    _watch(result, [req], True)
                 else:
                     _complete_on_device([req])
             else:
@@ -568,7 +554,8 @@ def _make_coll_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any
 
     fast_wrapper: Callable[..., Any] = fast.Wrapper(
         orig, wrapper, slots, state, tls, post, group_index=gi, group_default=gdef, payload_index=pi,
-        payload_name=payload_param, async_index=ai, async_default=adef)
+        payload_name=payload_param, async_index=ai, async_default=adef, ring=state.ring, arm=_arm_poller,
+        plugin=state.plugin)
     functools.update_wrapper(fast_wrapper, orig)
     fast_wrapper.__rankscope_original__ = orig  # type: ignore[attr-defined]
     fast_wrapper.__rankscope_python__ = wrapper  # type: ignore[attr-defined]
@@ -653,37 +640,6 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
 
     wrapper.__rankscope_original__ = orig  # type: ignore[attr-defined]
     return wrapper
-
-
-def _wrap_work_methods(work_cls: Any) -> None:
-    """Record completion when the user's own wait()/is_completed() learns it, on the user's thread."""
-    orig_wait = work_cls.wait
-    orig_done = work_cls.is_completed
-    pending = STATE.pending
-
-    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = orig_wait(self, *args, **kwargs)
-        if pending:
-            entry = pending.pop(id(self), None)
-            if entry is not None and not STATE.disabled:
-                try:
-                    _complete_all(entry[1])
-                except Exception as exc:
-                    _disable("Work.wait", exc)
-        return result
-
-    def is_completed(self: Any) -> Any:
-        result = orig_done(self)
-        if result and pending and not STATE.disabled:
-            try:
-                _settle(self)
-            except Exception as exc:
-                _disable("Work.is_completed", exc)
-        return result
-
-    for attr, new, old in (("wait", wait, orig_wait), ("is_completed", is_completed, orig_done)):
-        new.__rankscope_original__ = old  # type: ignore[attr-defined]
-        setattr(work_cls, attr, new)
 
 
 def _wrap_new_group(c10d: Any, dist: Any) -> None:
@@ -853,7 +809,7 @@ def shutdown() -> None:
     w = STATE.writer
     if w is not None and w.pid == os.getpid():  # a forked child leaves its parent's file alone
         with contextlib.suppress(Exception):
-            _poll_pending()
+            _poll()
         with contextlib.suppress(Exception):
             w.close(remove=os.environ.get(ENV_KEEP) != "1")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -231,6 +231,39 @@ class GpuReader:
                 return GpuStatus(available=False, reason=f"no GPU data: NVML failed while reading: {_text(exc)}")
 
 
+    def process_gpus(self, pids: Iterable[int]) -> dict[int, tuple[int, str | None]]:
+        """pid -> (device index, UUID) of the GPU each of ``pids`` computes on, from NVML's running compute
+        processes per device. A pid with contexts on several devices (a rank that also touched GPU 0) is placed
+        where it uses the most memory. Empty without NVML; never raises."""
+        wanted = set(pids)
+        with self._lock:
+            try:
+                if not wanted or not self._start():
+                    return {}
+                nv = self._nvml
+                best: dict[int, tuple[int, int, str | None]] = {}  # pid -> (memory, index, uuid)
+                for index in range(self._guard(nv.nvmlDeviceGetCount) or 0):
+                    handle = self._guard(nv.nvmlDeviceGetHandleByIndex, index)
+                    if handle is None:
+                        continue
+                    procs = self._guard(nv.nvmlDeviceGetComputeRunningProcesses, handle) or ()
+                    uuid: str | None = None
+                    for proc in procs:
+                        pid = int(getattr(proc, "pid", -1))
+                        if pid not in wanted:
+                            continue
+                        if uuid is None:
+                            raw = self._guard(nv.nvmlDeviceGetUUID, handle)
+                            uuid = _text(raw) if raw is not None else None
+                        used = getattr(proc, "usedGpuMemory", None)
+                        memory = int(used) if isinstance(used, int) else -1  # None: NVML could not say
+                        if pid not in best or memory > best[pid][0]:
+                            best[pid] = (memory, index, uuid)
+                return {pid: (index, uuid) for pid, (_m, index, uuid) in best.items()}
+            except Exception:  # a reading the agent can live without: the ranks' GPUs are then assumed
+                return {}
+
+
 _default: GpuReader | None = None
 _default_lock = threading.Lock()
 
@@ -247,3 +280,8 @@ def default_reader() -> GpuReader:
 def gpu_status() -> GpuStatus:
     """NVML's view of this machine; ``available=False, reason="no GPU data: ..."`` when there is none."""
     return default_reader().status()
+
+
+def process_gpus(pids: Iterable[int]) -> dict[int, tuple[int, str | None]]:
+    """pid -> (device index, UUID) of each process's GPU, as NVML sees it; empty without NVML."""
+    return default_reader().process_gpus(pids)

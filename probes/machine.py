@@ -28,7 +28,7 @@ from rankscope.contract.snapshot import (
 from rankscope.probes import host
 from rankscope.probes.ccl_counters import read_counters
 from rankscope.probes.discovery import discover_ranks
-from rankscope.probes.gpu import gpu_status
+from rankscope.probes.gpu import gpu_status, process_gpus
 from rankscope.probes.pyspy import capture_stacks
 
 # Shortest window over which CPU percentages are measured when the capture
@@ -66,6 +66,11 @@ def _refresh(rank: RankInfo) -> RankInfo:
     main = host.process_info(rank.pid, ProcessRole.MAIN) or rank.process
     subs = tuple(host.process_info(s.pid, s.role) or s for s in rank.subprocesses)
     return replace(rank, process=main, subprocesses=subs)
+
+
+def with_gpus(ranks: tuple[RankInfo, ...], owners: dict[int, tuple[int, str | None]]) -> tuple[RankInfo, ...]:
+    """Each rank with the GPU its main process computes on (``process_gpus``); unchanged where NVML did not say."""
+    return tuple(replace(r, gpu=owners[r.pid][0], gpu_uuid=owners[r.pid][1]) if r.pid in owners else r for r in ranks)
 
 
 async def capture_machine(machine: str, address: str, scope: Scope, options: CaptureOptions,
@@ -106,6 +111,9 @@ async def capture_machine(machine: str, address: str, scope: Scope, options: Cap
     ranks = tuple(await asyncio.to_thread(lambda: [_refresh(r) for r in ranks]))
     host_metrics = await asyncio.to_thread(host.host_metrics)
     gpus = await asyncio.to_thread(gpu_status)
+    if gpus.available and ranks:
+        owners = await asyncio.to_thread(process_gpus, [r.pid for r in ranks])
+        ranks = with_gpus(ranks, owners)
 
     return MachineSnapshot(
         machine=machine,

@@ -179,6 +179,11 @@ class RankInfo:
     # the process started (wall clock of its machine).
     last_progress_wall: float | None = None
     started_wall: float | None = None
+    # The GPU this process runs on, as NVML sees it (the device holding its compute context; with several, the
+    # one where it uses the most memory): index on its machine and UUID. None on CPU, without NVML, or when NVML
+    # lists no context of this pid (not started yet, or another pid namespace).
+    gpu: int | None = None
+    gpu_uuid: str | None = None
 
 
 # --------------------------------------------------------------------------

@@ -17,9 +17,10 @@ from typing import Any
 
 import psutil
 import pytest
-from rankscope.contract.snapshot import ProcessRole
+from rankscope.contract.snapshot import ProcessRole, RankInfo
 from rankscope.probes import host
 from rankscope.probes.gpu import GpuReader, gpu_status
+from rankscope.probes.machine import with_gpus
 
 # --------------------------------------------------------------------------
 # Host
@@ -140,6 +141,9 @@ class FakeNvml:
         self.nvlink_kib = 1000  # cumulative per link, grows between readings
         self.stamp_us = 1_000_000
         self.shut_down = False
+        # handle -> (pid, used memory in bytes or None) of each compute context, as NVML lists them
+        self.processes: dict[str, list[tuple[int, int | None]]] = {}
+        self.processes_error: Exception | None = None
 
     def nvmlInit(self) -> None:
         if self.init_error is not None:
@@ -212,6 +216,11 @@ class FakeNvml:
                             value=SimpleNamespace(ullVal=self.nvlink_kib * (2 if fid == 139 else 1)))
             for fid, _link in fields
         ]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: str) -> list[SimpleNamespace]:
+        if self.processes_error is not None:
+            raise self.processes_error
+        return [SimpleNamespace(pid=pid, usedGpuMemory=mem) for pid, mem in self.processes.get(h, ())]
 
     def nvmlEventSetCreate(self) -> str:
         return "events"
@@ -307,3 +316,38 @@ def test_close_shuts_nvml_down() -> None:
     reader.status()
     reader.close()
     assert fake.shut_down
+
+
+# --------------------------------------------------------------------------
+# GPU: which GPU each rank's process computes on
+# --------------------------------------------------------------------------
+
+
+def test_each_ranks_gpu_comes_from_its_process_not_its_local_rank() -> None:
+    """Rank pids 100 and 101 with local ranks 0 and 1, launched the other way round (CUDA_VISIBLE_DEVICES):
+    100 computes on GPU 1, 101 on GPU 0 and has a stray context on GPU 1 (it touched that device once)."""
+    fake = FakeNvml()
+    fake.processes = {"h0": [(101, 30 << 30), (999, 1 << 30)], "h1": [(100, 40 << 30), (101, 500 << 20)]}
+    owners = GpuReader(fake).process_gpus([100, 101, 102])
+    assert owners == {100: (1, "GPU-h1"), 101: (0, "GPU-h0")}  # 102 has no context: not guessed
+    ranks = (RankInfo(rank=0, local_rank=0, world_size=3, pid=100), RankInfo(rank=1, local_rank=1, world_size=3, pid=101),
+             RankInfo(rank=2, local_rank=2, world_size=3, pid=102))
+    got = with_gpus(ranks, owners)
+    assert [(r.rank, r.local_rank, r.gpu, r.gpu_uuid) for r in got] == [
+        (0, 0, 1, "GPU-h1"), (1, 1, 0, "GPU-h0"), (2, 2, None, None)]
+
+
+def test_a_process_nvml_cannot_measure_still_gets_its_gpu() -> None:
+    """Without per-process memory accounting (usedGpuMemory None: some drivers, MIG) a single context still names
+    the GPU; a device whose process list is not supported is skipped."""
+    fake = FakeNvml()
+    fake.processes = {"h1": [(100, None)]}
+    assert GpuReader(fake).process_gpus([100]) == {100: (1, "GPU-h1")}
+    fake.processes_error = NVMLError_NotSupported()
+    assert GpuReader(fake).process_gpus([100]) == {}
+
+
+def test_without_nvml_no_rank_gets_a_gpu() -> None:
+    reader = GpuReader(FakeNvml(init_error=NVMLError_LibraryNotFound("libnvidia-ml.so.1 not found")))
+    assert reader.process_gpus([100]) == {}
+    assert GpuReader(FakeNvml()).process_gpus([]) == {}

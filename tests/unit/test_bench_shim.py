@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from repo_paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -55,3 +56,27 @@ def test_plain_python_and_native_figures_stand_side_by_side() -> None:
     assert "Python shim (plain vs the Python wrapper) on cpu" in text and "fast path did not build" not in text
     text = "\n".join(bench_shim.side_by_side({"shim": {**native, "path": "python"}, "python_shim": python}))
     assert "the native run counted in Python: the fast path did not build there" in text
+
+
+def test_repeated_runs_report_the_min_and_median_of_each_paths_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine may be loaded by other work: each run is one sample, and the figures are their min and median."""
+    extras = iter([(1.0, 5.0), (3.0, 2.5), (2.0, 1.5)])  # (native sync extra, native async extra) per run
+
+    def one_run(*_args: object, **_kwargs: object) -> dict[str, object]:
+        sync, async_ = next(extras)
+        us = {"sync_plain": 30.0, "sync_shim": 30.0 + sync, "async_plain": 32.0, "async_shim": 32.0 + async_}
+        native = bench_shim.summarize({"exit_code": 0, "all_ranks_reported": True, "tail": "", "ranks": [
+            {**rank(0), "us_per_call": us, "path": "native", "wrapper_us": {"sync": 0.25 * sync, "async": 0.5}}]})
+        return {"backend": "gloo", "world": 1, "rounds": 3, "calls_per_block": 400, "block": 20, "shim": native}
+
+    monkeypatch.setattr(bench_shim, "bench", one_run)
+    got = bench_shim.repeated("gloo", 1, 400, 3, 3, ROOT, ("native",))
+    s = got["summary"]["shim"]
+    assert s["sync_extra_us"] == {"min": 1.0, "median": 2.0, "runs": 3}
+    assert s["async_extra_us"] == {"min": 1.5, "median": 2.5, "runs": 3}
+    assert s["sync_ratio"]["min"] == 1.033 and s["sync_wrapper_us"]["median"] == 0.5
+    text = "\n".join(bench_shim.repeated_lines(got))
+    assert "native shim sync  extra +1.00 / +2.00 µs   ratio 1.033 / 1.067x" in text, text
+    assert "wrapper around a no-op +0.25 / +0.50 µs" in text, text
+    assert text.count("run ") == 3 and "the wrapper around a no-op (its own work, no collective): sync +0.25 µs" \
+        not in text  # each run's side by side, the summary's figures once

@@ -109,7 +109,7 @@ def test_the_writer_lays_out_rows_as_when_version_3_was_fixed() -> None:
     # that replaced it must give the same tables, rows in the same order, byte for byte
     fixture = (DATA / "bundles" / "v3-before-packed.json").read_text()
     # columns of fields added since then (defaults when absent, so old files still read) are the only change
-    added_since = {"Communicator": ("comm_nranks", "comm_rank")}
+    added_since = {"Communicator": ("comm_nranks", "comm_rank"), "RankInfo": ("gpu", "gpu_uuid")}
     data = json.loads(dumps(Bundle((rich_job(),), 5.0), version=3))
     for table, columns in added_since.items():
         for column in columns:

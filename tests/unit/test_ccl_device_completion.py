@@ -93,17 +93,19 @@ def shim(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[CounterWrit
     c10d = SimpleNamespace(GroupMember=SimpleNamespace(WORLD=world), get_process_group_ranks=lambda g: [0, 1],
                            get_backend=lambda g: "nccl")
     saved = {k: getattr(STATE, k) for k in ("writer", "c10d", "cuda", "disabled", "groups", "device_events",
-                                             "device_works", "event_pool", "fast", "tls")}
+                                             "pending", "event_pool", "fast", "tls", "ring")}
     torch_hooks.use_fast(fast(request.param))
     w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="dev", fast=STATE.fast)
     STATE.writer, STATE.c10d, STATE.cuda, STATE.disabled = w, c10d, Cuda, False
-    STATE.groups, STATE.device_works, STATE.event_pool = {}, {}, []
+    STATE.groups, STATE.pending, STATE.event_pool = {}, {}, []
     STATE.device_events = type(STATE.device_events)()
     Cuda.capturing = False
     Event.made = []
     try:
         yield w
     finally:
+        if STATE.ring is not None:
+            STATE.ring.clear()
         for k, v in saved.items():
             setattr(STATE, k, v)
         w.close()
@@ -147,23 +149,23 @@ def test_an_async_collective_on_cuda_waits_for_is_completed_not_wait_or_its_futu
     work = wrapped(Tensor(cuda=True), async_op=True)
     assert isinstance(work, Work)
     work.wait()
-    torch_hooks._poll_device()
+    torch_hooks._poll()
     assert counts(shim, "all_reduce") == (1, 1, 0)
     work.done = True
-    torch_hooks._poll_device()
+    torch_hooks._poll()
     assert counts(shim, "all_reduce") == (1, 1, 1)
-    assert STATE.device_works == {}
+    assert torch_hooks.open_works() == 0
 
 
 def test_p2p_on_cuda_keeps_its_peer_open_until_the_device_is_done(shim: CounterWriter) -> None:
     torch_hooks._make_wrapper("send", send)(Tensor(cuda=True), 1)
     work = torch_hooks._make_wrapper("isend", isend)(Tensor(cuda=True), dst=1)
-    torch_hooks._poll_device()
+    torch_hooks._poll()
     (o,) = read_counter_file(shim.path).counters.ops
     assert (o.op, o.cl, o.wr, o.wc, o.open_peers) == ("send", 2, 2, 0, (1,))
     Event.made[0].done = True
     work.done = True
-    torch_hooks._poll_device()
+    torch_hooks._poll()
     (o,) = read_counter_file(shim.path).counters.ops
     assert (o.wc, o.open_peers) == (2, ())
 
@@ -198,10 +200,10 @@ def test_process_group_hooks_on_nccl_wait_for_the_device(shim: CounterWriter) ->
     work = Work()
     hooks["pre"](SimpleNamespace(name="ALLREDUCE", op_id=7))
     hooks["post"](SimpleNamespace(name="ALLREDUCE", op_id=7, work=work))
-    torch_hooks._poll_device()
+    torch_hooks._poll()
     assert counts(shim, "allreduce") == (1, 1, 0)
     work.done = True
-    torch_hooks._poll_device()
+    torch_hooks._poll()
     assert counts(shim, "allreduce") == (1, 1, 1)
 
 
@@ -214,7 +216,7 @@ def test_with_our_profiler_plugin_loaded_device_work_is_counted_not_timed(shim: 
         work = wrapped(Tensor(cuda=True), async_op=True)
         assert isinstance(work, Work) and not work.done
         assert counts(shim, "all_reduce") == (2, 2, 2)
-        assert Event.made == [] and STATE.device_works == {} and len(STATE.device_events) == 0
+        assert Event.made == [] and torch_hooks.open_works() == 0 and len(STATE.device_events) == 0
         (o,) = read_counter_file(shim.path).counters.ops
         assert (o.bytes_total, o.recent_throughput, o.last_complete_wall, o.last_duration_s) == (128, (), None, None)
         wrapped(Tensor(cuda=False))  # host tensors are still the shim's to time

@@ -1,10 +1,10 @@
-"""WC of async work on host tensors (gloo): learned on the user's thread from wait()/is_completed(), else by the poll.
+"""WC of async work on host tensors (gloo): learned by the background poll asking ``is_completed()``.
 
-No torch here: the Work is a stand-in class that the shim wraps the way it
-wraps torch's ``Work`` (its ``wait`` and ``is_completed``), and whose future
-must never be asked for (a future's callback runs on the backend's thread and
-takes the GIL from the training thread). The background thread is not
-started: the tests call its poll step themselves, so nothing waits on time.
+No torch here: the Work is a stand-in class whose ``wait`` the shim must not
+wrap (it cost every wait, torch's own included) and whose future must never
+be asked for (a future's callback runs on the backend's thread and takes the
+GIL from the training thread). The background thread is not started: the
+tests call its poll step themselves, so nothing waits on time.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class Work:
         raise AssertionError("the shim must not complete through a Work's future")
 
 
+_WAIT = Work.wait
+
+
 def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Work | None:
     return Work() if async_op else None
 
@@ -58,18 +61,17 @@ def isend(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
 def shim(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[CounterWriter]:
     c10d = SimpleNamespace(GroupMember=SimpleNamespace(WORLD=object()), get_process_group_ranks=lambda g: [0, 1],
                            get_backend=lambda g: "gloo", Work=Work)
-    saved = {k: getattr(STATE, k) for k in ("writer", "c10d", "disabled", "pending", "polling", "work_patched", "fast", "tls")}
+    saved = {k: getattr(STATE, k) for k in ("writer", "c10d", "disabled", "pending", "polling", "fast", "tls", "ring")}
     torch_hooks.use_fast(fast(request.param))
     w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="host", fast=STATE.fast)
-    STATE.writer, STATE.c10d, STATE.disabled, STATE.pending, STATE.work_patched = w, c10d, False, {}, False
+    STATE.writer, STATE.c10d, STATE.disabled, STATE.pending = w, c10d, False, {}
     STATE.polling = False
     STATE.wake.clear()
     try:
         yield w
     finally:
-        for attr in ("wait", "is_completed"):  # put the stand-in Work's own methods back
-            while hasattr(getattr(Work, attr), "__rankscope_original__"):
-                setattr(Work, attr, getattr(Work, attr).__rankscope_original__)
+        if STATE.ring is not None:
+            STATE.ring.clear()
         for k, v in saved.items():
             setattr(STATE, k, v)
         w.close()
@@ -80,39 +82,79 @@ def counts(w: CounterWriter, op: str) -> tuple[int, int, int]:
     return (o.cl, o.wr, o.wc)
 
 
-def test_an_async_collective_completes_when_the_users_wait_returns(shim: CounterWriter) -> None:
+def test_an_async_collective_completes_when_the_poll_sees_it_done(shim: CounterWriter) -> None:
     wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
     work = wrapped(Tensor(), async_op=True)
     assert isinstance(work, Work)
     assert counts(shim, "all_reduce") == (1, 1, 0)
-    assert STATE.polling and STATE.wake.is_set()  # the poller was told: nobody may ever wait on it
+    assert STATE.polling and STATE.wake.is_set()  # the poller was told: it is the one that learns completion
+    assert torch_hooks.open_works() == 1
+    assert torch_hooks._poll() is True  # still running: WC stays below WR (a hang inside it shows)
+    assert counts(shim, "all_reduce") == (1, 1, 0)
     work.wait()
-    assert counts(shim, "all_reduce") == (1, 1, 1) and STATE.pending == {}
+    assert Work.wait is _WAIT  # the user's wait is torch's own, untouched
+    assert counts(shim, "all_reduce") == (1, 1, 0)  # nothing runs on the user's thread after the call
+    assert torch_hooks._poll() is False
+    assert counts(shim, "all_reduce") == (1, 1, 1) and torch_hooks.open_works() == 0
     (o,) = read_counter_file(shim.path).counters.ops
-    assert o.last_duration_s is not None and o.last_duration_s > 0 and len(o.recent_throughput) == 1
-    work.wait()  # a second wait records nothing more
+    # the poll knows that it finished, not when: no TD, no N
+    assert (o.last_duration_s, o.recent_throughput, o.last_completed_seq) == (None, (), 1)
+    torch_hooks._poll()  # a second look records nothing more
     assert counts(shim, "all_reduce") == (1, 1, 1)
 
 
-def test_work_nobody_waits_on_completes_through_the_poll(shim: CounterWriter) -> None:
+def test_work_completes_in_any_order_through_the_poll(shim: CounterWriter) -> None:
     wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
-    first, second = wrapped(Tensor(), async_op=True), wrapped(Tensor(), async_op=True)
-    assert torch_hooks._poll() is True  # both still running
-    assert counts(shim, "all_reduce") == (2, 2, 0)
-    first.done = True
-    assert torch_hooks._poll() is True
-    assert counts(shim, "all_reduce") == (2, 2, 1)
+    first, second, third = (wrapped(Tensor(), async_op=True) for _ in range(3))
+    assert torch_hooks._poll() is True  # all still running
+    assert counts(shim, "all_reduce") == (3, 3, 0)
     second.done = True
-    assert second.is_completed()  # the user's own check settles it
-    assert counts(shim, "all_reduce") == (2, 2, 2)
+    assert torch_hooks._poll() is True
+    assert counts(shim, "all_reduce") == (3, 3, 1) and torch_hooks.open_works() == 2
+    first.done = third.done = True
     assert torch_hooks._poll() is False  # nothing open: the poller may slow down
+    assert counts(shim, "all_reduce") == (3, 3, 3)
+    assert wrapped(Tensor()) is None  # a synchronous call is timed at its return, as before
+    (o,) = read_counter_file(shim.path).counters.ops
+    assert (o.wc, o.last_completed_seq, len(o.recent_throughput)) == (4, 4, 1) and o.last_duration_s is not None
+
+
+class BrokenWork(Work):
+    def is_completed(self) -> bool:
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_a_work_whose_completion_check_fails_is_closed_not_left_open(shim: CounterWriter) -> None:
+    wrapped = torch_hooks._make_wrapper("all_reduce", lambda tensor, op=None, group=None, async_op=False: BrokenWork())
+    wrapped(Tensor(), async_op=True)
+    assert torch_hooks._poll() is False
+    assert counts(shim, "all_reduce") == (1, 1, 1) and not STATE.disabled
+
+
+def test_more_open_works_than_the_ring_holds_are_still_kept(shim: CounterWriter) -> None:
+    """Past the native ring's room (a long hang with async work piling up) the Works wait in the Python table."""
+    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    works = [wrapped(Tensor(), async_op=True) for _ in range(4100)]
+    assert torch_hooks.open_works() == 4100 and counts(shim, "all_reduce") == (4100, 4100, 0)
+    for wk in works[::2]:
+        assert wk is not None
+        wk.done = True
+    torch_hooks._poll()
+    assert counts(shim, "all_reduce") == (4100, 4100, 2050)
+    for wk in works:
+        assert wk is not None
+        wk.done = True
+    assert torch_hooks._poll() is False and counts(shim, "all_reduce") == (4100, 4100, 4100)
 
 
 def test_an_isend_keeps_its_peer_open_until_waited(shim: CounterWriter) -> None:
     work = torch_hooks._make_wrapper("isend", isend)(Tensor(), dst=1)
     (o,) = read_counter_file(shim.path).counters.ops
     assert (o.op, o.cl, o.wr, o.wc, o.open_peers) == ("send", 1, 1, 0, (1,))
+    torch_hooks._poll()
+    assert read_counter_file(shim.path).counters.ops[0].open_peers == (1,)
     work.wait()
+    torch_hooks._poll()
     (o,) = read_counter_file(shim.path).counters.ops
     assert (o.wc, o.open_peers) == (1, ())
 
@@ -122,7 +164,7 @@ def test_a_synchronous_call_on_the_host_completes_at_return(shim: CounterWriter)
     for _ in range(3):
         assert wrapped(Tensor()) is None
     assert counts(shim, "all_reduce") == (3, 3, 3)
-    assert STATE.pending == {} and not STATE.polling  # nothing for the background thread to do
+    assert torch_hooks.open_works() == 0 and not STATE.polling  # nothing for the background thread to do
 
 
 class Group:
@@ -146,6 +188,7 @@ def test_every_argument_form_counts_on_its_own_group(shim: CounterWriter) -> Non
         assert isinstance(work, Work) and not work.done
         work.wait()
         wrapped(t, None, pp, async_op=True).wait()
+    torch_hooks._poll()
     got = read_counter_file(shim.path).counters
     comm_of = {i: c.comm_id for i, c in enumerate(got.communicators)}
     rows = {(c.comm_id, o.op): (o.cl, o.wr, o.wc, o.bytes_total) for c in got.communicators for o in got.ops

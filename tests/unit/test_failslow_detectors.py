@@ -16,11 +16,13 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from rankscope.analyzers.failslow import (
+    DetectorFlag,
     FailSlowConfig,
     FailSlowDetector,
     FailSlowVerdict,
     narrow_to_common_end,
     replay,
+    slow_kind,
 )
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector
@@ -576,3 +578,47 @@ def test_a_late_arriver_waiting_on_its_slow_pipeline_peer_is_not_blamed() -> Non
     ops = drill_ops(lambda t: {4, 1}, lambda t: {4} if t % 3 == 0 else set(), base)
     alone = run_detector(make_series(40, ops=ops, comms=drill_comms))[-1]
     assert {f.machine for f in alone.flags if f.detector == "ccl"} == {"m0", "m2"}
+
+
+# ---- C4's slow kind from host evidence ---------------------------------------------------------------------------
+
+
+def test_a_machine_slow_by_host_evidence_is_named_with_its_c4_kind() -> None:
+    """Step time, the rank's CPU and a hotter GPU: the machine computes slowly and its peers wait for it."""
+    last = run_detector(make_series(90, SLOW_ALL))[-1]
+    assert last.confident and last.verdict.summary.startswith(
+        "fail-slow: machine m2 (ranks 4-5) (non-communication slow) — ["), \
+        last.verdict.summary
+    below = run_detector(make_series(45, SLOW_STEP))[-1]  # the step time alone, not long enough: a suspicion
+    assert not below.confident and below.verdict.summary.startswith(
+        "suspect, not a verdict: machine m2 (ranks 4-5) (non-communication slow) — [step_time]"), below.verdict.summary
+    assert "confidence 0.52 from step_time, below the 0.70 bar" in below.verdict.summary
+
+
+def _flag(detector: str, metric: str | None = None, evidence: str = "x") -> DetectorFlag:
+    return DetectorFlag(detector, "m2", (4, 5), metric, 0.9, evidence, True)
+
+
+def test_the_c4_kind_follows_the_strongest_evidence() -> None:
+    comm, compute = "communication slow", "non-communication slow"
+    assert slow_kind(_flag("metrics", "gpu_nvlink_kbps")) == comm  # a link's throughput stands out
+    assert slow_kind(_flag("minder", "gpu_pcie_kbps")) == comm
+    assert slow_kind(_flag("metrics", "gpu_temperature_c")) == compute
+    assert slow_kind(_flag("minder", "proc_cpu_percent")) == compute
+    assert slow_kind(_flag("step_time", "step_time_s")) == compute
+    assert slow_kind(_flag("ccl", evidence="slow links (N > 1.5·mean) on 2 communicator(s) share rank 4")) == comm
+    assert slow_kind(_flag("ccl", evidence="rank 4 arrived last in 9 of its last 10 calls")) == compute
+    assert slow_kind(_flag("p2p_wait")) == compute
+    # stack rounds: the outliers part from the others in a send (a slow link) or in their own work
+    assert slow_kind(_flag("stacks"), "isend (torch/distributed/distributed_c10d.py)") == comm
+    assert slow_kind(_flag("stacks"), "forward (model.py)") == compute
+    assert slow_kind(_flag("stacks")) == compute
+
+
+def test_a_stack_group_parting_in_a_send_is_communication_slow() -> None:
+    det = FailSlowDetector(FailSlowConfig(rounds_needed=5))
+    pp = StackRound(Suspect(SuspectKind.PP, (4, 5, 6, 7), ("m2", "m3"), 1.0, ("outliers",), group_index=1,
+                            diverging_frame="isend (torch/distributed/distributed_c10d.py)"), 4, "x")
+    verdicts = [det.update(s, pp) for s in make_series(6)]
+    summary = verdicts[-1].verdict.summary
+    assert summary.startswith("fail-slow: PP group 1 (ranks 4-7) on m2, m3 (communication slow) — [stacks]"), summary

@@ -13,6 +13,8 @@ from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.topology import Topology, joined_counters
 from rankscope.contract.snapshot import (
     Communicator,
+    GpuMetrics,
+    GpuStatus,
     Instant,
     JobSnapshot,
     Layout,
@@ -86,9 +88,14 @@ def test_the_plugins_communicator_joins_the_shims_group_as_one_row() -> None:
 HASH = "35e426846b6fb3c4"
 
 
-def _one_machine_series(n: int, late: int | None = None, slow_link: int | None = None) -> list[JobSnapshot]:
-    """Eight ranks on one machine (GPU = local rank), one all-reduce per step as the plugin counts it: TD from the
-    kernel-channel events, N from the proxy's last five requests."""
+GPU_OF = (3, 7, 2, 6, 1, 5, 0, 4)  # rank -> the GPU NVML sees its process on: not its local rank
+
+
+def _one_machine_series(n: int, late: int | None = None, slow_link: int | None = None,
+                        gpus: str = "nvml") -> list[JobSnapshot]:
+    """Eight ranks on one machine, one all-reduce per step as the plugin counts it: TD from the kernel-channel
+    events, N from the proxy's last five requests. ``gpus``: "nvml" (the agent read each process's GPU, GPU_OF),
+    "assumed" (the machine has GPUs but NVML placed no process), "none" (no GPU data on the machine)."""
     rng = np.random.default_rng(5)
     out = []
     for t in range(n):
@@ -99,11 +106,14 @@ def _one_machine_series(n: int, late: int | None = None, slow_link: int | None =
             comm = Communicator(HASH, "nccl", "", (), comm_nranks=8, comm_rank=r)
             op = OpCounters(HASH, "AllReduce", t + 1, 4 * (t + 1), 4 * (t + 1), last_duration_s=td,
                             recent_throughput=(rate,) * 5)
-            infos.append(RankInfo(r, r, 8, 1000 + r))
+            infos.append(RankInfo(r, r, 8, 1000 + r, gpu=GPU_OF[r] if gpus == "nvml" else None,
+                                  gpu_uuid=f"GPU-{GPU_OF[r]}" if gpus == "nvml" else None))
             files.append(RankCounters(r, 1000 + r, 8, "j", float(t), communicators=(comm,), ops=(op,), steps=t + 1,
                                       last_step_duration_s=0.1))
+        status = (GpuStatus(available=False, reason="no GPU data: NVML sees no GPU on this machine") if gpus == "none"
+                  else GpuStatus(available=True, gpus=tuple(GpuMetrics(i) for i in range(8))))
         machine = MachineSnapshot("gpu-host", "127.0.0.1:5000", True, Instant(1000.0 + t, 50.0 + t), ranks=tuple(infos),
-                                  counters=tuple(files))
+                                  counters=tuple(files), gpus=status)
         out.append(JobSnapshot(Instant(1_700_000_000.0 + t, 100.0 + t), (machine,)))
     return out
 
@@ -118,6 +128,7 @@ def _watch(snaps: list[JobSnapshot]) -> FailSlowVerdict:
 
 
 def test_a_late_arriver_among_the_gpus_of_one_machine_is_named_by_rank_and_gpu() -> None:
+    """Its GPU is the one NVML saw its process on (GPU 5 for rank 5 here would be the local rank's guess)."""
     last = _watch(_one_machine_series(24, late=5))
     top = last.verdict.top
     assert top is not None and top.ranks == (5,), last.verdict.summary
@@ -127,11 +138,28 @@ def test_a_late_arriver_among_the_gpus_of_one_machine_is_named_by_rank_and_gpu()
     assert "below the" in summary and not last.confident  # the late-arriver test alone is a suspicion
 
 
+def test_a_ranks_gpu_is_the_one_nvml_saw_its_process_on() -> None:
+    last = _watch(_one_machine_series(24, late=2))
+    assert last.verdict.summary.startswith("suspect, not a verdict: rank 2 (GPU 2) on gpu-host"), last.verdict.summary
+    last = _watch(_one_machine_series(24, late=0))
+    assert last.verdict.summary.startswith("suspect, not a verdict: rank 0 (GPU 3) on gpu-host"), last.verdict.summary
+
+
+def test_without_nvml_placing_the_process_the_gpu_is_said_to_be_assumed_or_not_named() -> None:
+    last = _watch(_one_machine_series(24, late=0, gpus="assumed"))
+    assert last.verdict.summary.startswith(
+        "suspect, not a verdict: rank 0 (GPU 0, assumed from its local rank) on gpu-host (non-communication slow)"), \
+        last.verdict.summary
+    last = _watch(_one_machine_series(24, late=0, gpus="none"))
+    assert last.verdict.summary.startswith("suspect, not a verdict: rank 0 on gpu-host (non-communication slow)"), \
+        last.verdict.summary
+
+
 def test_a_slow_link_among_the_gpus_of_one_machine_is_communication_slow() -> None:
     last = _watch(_one_machine_series(24, slow_link=6))
     top = last.verdict.top
     assert top is not None and top.ranks == (6,), last.verdict.summary
-    assert last.verdict.summary.startswith("suspect, not a verdict: rank 6 (GPU 6) on gpu-host (communication slow)"), \
+    assert last.verdict.summary.startswith("suspect, not a verdict: rank 6 (GPU 0) on gpu-host (communication slow)"), \
         last.verdict.summary
 
 

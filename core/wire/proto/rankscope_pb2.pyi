@@ -711,6 +711,8 @@ class RankInfo(_message.Message):
     RANK_SOURCE_FIELD_NUMBER: _builtins.int
     LAST_PROGRESS_WALL_FIELD_NUMBER: _builtins.int
     STARTED_WALL_FIELD_NUMBER: _builtins.int
+    GPU_FIELD_NUMBER: _builtins.int
+    GPU_UUID_FIELD_NUMBER: _builtins.int
     SAME_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
@@ -726,6 +728,9 @@ class RankInfo(_message.Message):
     """how a rank read from saved dumps got its number"""
     last_progress_wall: _builtins.float
     started_wall: _builtins.float
+    gpu: _builtins.int
+    """NVML's device index of this process's GPU (absent on CPU / without NVML)"""
+    gpu_uuid: _builtins.str
     same: _builtins.bool
     """Wire only (delta form, MachineSnapshot.since): every field but `rank` is
     that of the same rank in the reading `since`, and is not sent again.
@@ -752,12 +757,18 @@ class RankInfo(_message.Message):
         rank_source: _builtins.str | None = ...,
         last_progress_wall: _builtins.float | None = ...,
         started_wall: _builtins.float | None = ...,
+        gpu: _builtins.int | None = ...,
+        gpu_uuid: _builtins.str | None = ...,
         same: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_last_progress_wall", b"_last_progress_wall", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "_started_wall", b"_started_wall", "group_rank", b"group_rank", "last_progress_wall", b"last_progress_wall", "launcher_pid", b"launcher_pid", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "process", b"process", "rank_source", b"rank_source", "run_id", b"run_id", "started_wall", b"started_wall"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_gpu", b"_gpu", "_gpu_uuid", b"_gpu_uuid", "_group_rank", b"_group_rank", "_last_progress_wall", b"_last_progress_wall", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "_started_wall", b"_started_wall", "gpu", b"gpu", "gpu_uuid", b"gpu_uuid", "group_rank", b"group_rank", "last_progress_wall", b"last_progress_wall", "launcher_pid", b"launcher_pid", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "process", b"process", "rank_source", b"rank_source", "run_id", b"run_id", "started_wall", b"started_wall"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank", "_last_progress_wall", b"_last_progress_wall", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "_started_wall", b"_started_wall", "group_rank", b"group_rank", "last_progress_wall", b"last_progress_wall", "launcher_pid", b"launcher_pid", "local_rank", b"local_rank", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "pid", b"pid", "process", b"process", "rank", b"rank", "rank_source", b"rank_source", "run_id", b"run_id", "same", b"same", "started_wall", b"started_wall", "subprocesses", b"subprocesses", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gpu", b"_gpu", "_gpu_uuid", b"_gpu_uuid", "_group_rank", b"_group_rank", "_last_progress_wall", b"_last_progress_wall", "_launcher_pid", b"_launcher_pid", "_local_world_size", b"_local_world_size", "_master_addr", b"_master_addr", "_master_port", b"_master_port", "_rank_source", b"_rank_source", "_run_id", b"_run_id", "_started_wall", b"_started_wall", "gpu", b"gpu", "gpu_uuid", b"gpu_uuid", "group_rank", b"group_rank", "last_progress_wall", b"last_progress_wall", "launcher_pid", b"launcher_pid", "local_rank", b"local_rank", "local_world_size", b"local_world_size", "master_addr", b"master_addr", "master_port", b"master_port", "pid", b"pid", "process", b"process", "rank", b"rank", "rank_source", b"rank_source", "run_id", b"run_id", "same", b"same", "started_wall", b"started_wall", "subprocesses", b"subprocesses", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__gpu: _TypeAlias = _typing.Literal["gpu"]  # noqa: Y015
+    _WhichOneofArgType__gpu: _TypeAlias = _typing.Literal["_gpu", b"_gpu"]  # noqa: Y015
+    _WhichOneofReturnType__gpu_uuid: _TypeAlias = _typing.Literal["gpu_uuid"]  # noqa: Y015
+    _WhichOneofArgType__gpu_uuid: _TypeAlias = _typing.Literal["_gpu_uuid", b"_gpu_uuid"]  # noqa: Y015
     _WhichOneofReturnType__group_rank: _TypeAlias = _typing.Literal["group_rank"]  # noqa: Y015
     _WhichOneofArgType__group_rank: _TypeAlias = _typing.Literal["_group_rank", b"_group_rank"]  # noqa: Y015
     _WhichOneofReturnType__last_progress_wall: _TypeAlias = _typing.Literal["last_progress_wall"]  # noqa: Y015
@@ -776,6 +787,10 @@ class RankInfo(_message.Message):
     _WhichOneofArgType__run_id: _TypeAlias = _typing.Literal["_run_id", b"_run_id"]  # noqa: Y015
     _WhichOneofReturnType__started_wall: _TypeAlias = _typing.Literal["started_wall"]  # noqa: Y015
     _WhichOneofArgType__started_wall: _TypeAlias = _typing.Literal["_started_wall", b"_started_wall"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gpu) -> _WhichOneofReturnType__gpu | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gpu_uuid) -> _WhichOneofReturnType__gpu_uuid | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__group_rank) -> _WhichOneofReturnType__group_rank | None: ...
     @_typing.overload
