@@ -279,12 +279,14 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         if m.name in state.evicted or m.address in state.evicted_addresses:
             continue  # its agent going away is the eviction's doing, not news
         was = before.get(m.name)
-        if was is False and m.reachable and m.name in state.restarting:
-            events.append(Event(now_wall, "found", f"{m.name} is back after the restart"))
-        elif was is True and not m.reachable and state.awaiting_restart:
-            # The launcher restarts the job's agents with it (an eviction, a hot-update): one word for it everywhere.
-            events.append(Event(now_wall, "restarting", f"{m.name} restarting with the job"))
-        elif was is True and not m.reachable:
+        if (was is False and m.reachable and m.name in state.restarting) or \
+                (was is True and not m.reachable and state.awaiting_restart):
+            # The launcher restarts the job's agents with it (an eviction, a hot-update): the header and the map say
+            # "restarting", and Events tell the restart once ("restarted", in the journal's words). Which agents one
+            # view happened to find away or back at its polls is no part of the story: two views of a pair listed
+            # different "restarting with the job" rows for one restart.
+            continue
+        if was is True and not m.reachable:
             events.append(Event(now_wall, "lost", f"agent {m.name} ({m.address}) lost: {m.error or 'no answer'}"))
         elif was is False and m.reachable:
             events.append(Event(now_wall, "found", f"agent {m.name} ({m.address}) is back"))
