@@ -132,7 +132,7 @@ class AppState:
     hung_reported: bool = False
     evicted: frozenset[str] = frozenset()  # machines an eviction took out of the job (from the audit logs)
     restarts: int = 0  # times the job's ranks came back with new pids (an eviction, a hot-update, a relaunch)
-    rank_pids: Mapping[int, int] = field(default_factory=dict)  # each rank's last seen pid
+    rank_pids: Mapping[int, int] = field(default_factory=dict)  # each rank's pid in the launch seen last (_restarted)
     clock: JobClock | None = None  # the job's state per its agents (None: they do not report it)
     verdict: VerdictMark | None = None  # what the job was doing when ``stacks`` was captured
     evicted_addresses: frozenset[str] = frozenset()  # agents taken out of the job (hostfile, audit)
@@ -306,7 +306,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
                       if m.name not in names and m.address not in addresses)
     machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
     metric_rows = _mark_evicted_rows(d.metric_rows, frozenset(m.name for m in machines if m.evicted))
-    restarted, rank_pids = _restarted(state.rank_pids, machines)
+    restarted, between, rank_pids = _restarted(state.rank_pids, machines)
     restarting = frozenset(
         m.name for m in machines if not m.reachable and not m.evicted
         and (m.name in state.restarting or (state.awaiting_restart and before.get(m.name) is not False)))
@@ -363,9 +363,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
             # view, "07:53:00" in its pair), and the row's time says when.
             events.append(Event(now_wall, "resumed", "training runs again after the restart"))
-        elif moved and hung_reported:
+        elif moved and hung_reported and not between:  # a new launch's first step is the restart's, once seen
             events.append(Event(now_wall, "resumed", "progress resumed"))
-        if moved:
+        if moved and not between:
             hung_reported = False
         last_progress = clock.progress_mark
         age = clock.progress_age_s if clock.progress_mark is not None else clock.start_age_s
@@ -385,7 +385,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             gaps = (*gaps, d.wall - last_progress)[-RHYTHM_KEPT:]
         if moved or last_progress is None:
             last_progress = d.wall
-        if moved and hung_reported and state.progress_points:
+        if moved and hung_reported and state.progress_points and not between:
             events.append(Event(now_wall, "resumed", "progress resumed"))
             hung_reported = False
         elif not moved and not hung_reported and d.wall - last_progress >= threshold and d.progress > 0:
@@ -441,19 +441,30 @@ def _mark_evicted_rows(rows: tuple[MetricRow, ...], evicted: frozenset[str]) -> 
             + tuple(replace(r, evicted=True, outliers=frozenset()) for r in rows if r.machine in evicted))
 
 
-def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tuple[bool, Mapping[int, int]]:
-    """Whether the job's ranks came back as new processes, and the pids now known per rank.
+def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tuple[bool, bool, Mapping[int, int]]:
+    """Whether the job's ranks came back as new processes, whether the poll caught two launches at once, and each
+    rank's pid in the launch known now.
 
-    Restarted: none of the ranks seen now has the pid it last had. The last
-    pid of each rank is remembered across polls where the rank is not seen
-    (agents restarting with the job, a job between its stop and its start).
+    Restarted: none of the ranks seen now has its pid of the launch before.
+    A poll in the middle of a restart can catch both launches (a standby's new
+    ranks beside a survivor's old ones): no restart yet, and the new pids are
+    not taken in, so the poll that sees every rank new tells the restart. (Taken
+    in, the next poll found those ranks unchanged: the restart went unseen in
+    the view that happened to poll then, which logged "progress resumed" where
+    its pair logged the restart.) A rank's pid is remembered across polls where
+    it is not seen (agents restarting with the job, a job between its stop and
+    its start).
     """
     seen = {r: pid for m in machines if m.reachable for r, pid in zip(m.ranks, m.pids, strict=False)}
     if not seen:
-        return False, known
+        return False, False, known
     both = seen.keys() & known.keys()
-    restarted = bool(both) and all(known[r] != seen[r] for r in both)
-    return restarted, {**known, **seen}
+    changed = [r for r in both if known[r] != seen[r]]
+    if both and len(changed) == len(both):
+        return True, False, {**known, **seen}
+    if changed:  # two launches at once: the launch before stays the one to compare with
+        return False, True, {**seen, **known}
+    return False, False, {**known, **seen}
 
 
 def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float, addresses: Iterable[str] = ()) -> AppState:

@@ -104,3 +104,27 @@ def test_a_restart_the_pair_saw_twice_is_told_once_in_the_journals_words() -> No
     assert [(e.wall - T0, e.text) for e in s.events] == [
         (41.0, "the job restarted on node01, standby-0 (standby-0 joined)")]
 
+
+
+def _new_pids(snap: object, machines: range) -> object:
+    """``snap`` with the ranks of ``machines`` (indices) running as new processes."""
+    ms = tuple(replace(m, ranks=tuple(replace(r, pid=r.pid + 50_000) for r in m.ranks)) if i in machines else m
+               for i, m in enumerate(snap.machines))  # type: ignore[attr-defined]
+    return replace(snap, machines=ms)  # type: ignore[type-var]
+
+
+def test_a_poll_that_catches_two_launches_at_once_does_not_hide_the_restart() -> None:
+    # The acting view polled while half the ranks were new processes and half still the old ones: it took the new
+    # pids in, found nothing changed at the next poll, never saw the restart and logged "progress resumed" after its
+    # HUNG, where its pair (polling a moment later) logged the restart.
+    s = _running(st.AppState(), T0, 5, 100)
+    for i in range(40):
+        s = _poll(s, job(T0 + 5 + i, stacks=False, step=104, hung=True), T0 + 5 + i)
+    assert [e.kind for e in s.events].count("hung") == 1
+    s = _poll(s, _new_pids(job(T0 + 46, stacks=False, step=1, hung=False), range(8)), T0 + 46)
+    assert s.restarts == 0, "two launches at once: not yet"
+    for i in range(3):
+        s = _poll(s, _new_pids(job(T0 + 47 + i, stacks=False, step=2 + i, hung=False), range(16)), T0 + 47 + i)
+    assert s.restarts == 1
+    assert [e.kind for e in s.events if e.kind in ("hung", "restarted", "resumed")] == ["hung", "restarted"]
+    assert not any(e.text == "progress resumed" for e in s.events)
