@@ -186,29 +186,42 @@ class AppState:
 # that resumed, a restart), is the same moment seen by two views.
 ONE_STORY_KINDS = frozenset({"hung", "restarted"})
 ONE_STORY_S = 30.0
-_CHAPTERS = {"hung": frozenset({"resumed", "restarted"}), "restarted": frozenset({"hung", "evicted"})}
+_CHAPTERS = {"hung": frozenset({"resumed", "restarted"}), "restarted": frozenset({"hung", "evicted"}),
+             "resumed": frozenset({"hung", "restarted"})}
 
 
 def _same_moment(events: Sequence[Event], e: Event) -> Event | None:
     """An event of ``events`` that tells the moment ``e`` tells, or None: the same words within ``ONE_STORY_S`` (a
-    view's own line and the journal's copy of it, stamped a moment apart; journal kinds), or for ``ONE_STORY_KINDS`` the same
-    kind with no new chapter between them."""
+    view's own line and the journal's copy of it, stamped a moment apart; journal kinds) or, for a hang or a
+    resumption, with no new chapter between them; or for ``ONE_STORY_KINDS`` the same kind with no new chapter
+    between them within ``ONE_STORY_S``."""
     return next(iter(_same_moments(events, e)), None)
+
+
+def _new_chapter(events: Sequence[Event], kind: str, a: float, b: float) -> bool:
+    """Something between the times ``a`` and ``b`` starts a new chapter for events of ``kind``."""
+    lo, hi = sorted((a, b))
+    return any(x.kind in _CHAPTERS[kind] and lo < x.wall < hi for x in events)
 
 
 def _same_moments(events: Sequence[Event], e: Event) -> list[Event]:
     """Every event of ``events`` that tells the moment ``e`` tells (``_same_moment``): a view that saw one restart
-    twice (once before every agent was back, once after) has two lines the journal's one line replaces."""
+    twice (once before every agent was back, once after) has two lines the journal's one line replaces.
+
+    The same words of a hang ("no progress since 10:09:26", the agents' mark) or a resumption, with no new chapter
+    between them, are one moment however far apart they were seen: a view attached late logged the hang a minute
+    after the acting view had journaled it, and listed it twice."""
     found: list[Event] = []
     if e.kind in JOURNAL_KINDS:  # (captures repeat their words every 10 s in fail-slow mode: each is a capture)
-        found = [o for o in events if o.kind == e.kind and o.text == e.text and abs(o.wall - e.wall) <= ONE_STORY_S]
+        found = [o for o in events if o.kind == e.kind and o.text == e.text and (
+            abs(o.wall - e.wall) <= ONE_STORY_S
+            or (e.kind in ("hung", "resumed") and not _new_chapter(events, e.kind, o.wall, e.wall)))]
     if e.kind not in ONE_STORY_KINDS:
         return found
     for other in events:
         if other.kind != e.kind or abs(other.wall - e.wall) > ONE_STORY_S or any(other is f for f in found):
             continue
-        lo, hi = sorted((other.wall, e.wall))
-        if not any(x.kind in _CHAPTERS[e.kind] and lo < x.wall < hi for x in events):
+        if not _new_chapter(events, e.kind, other.wall, e.wall):
             found.append(other)
     return found
 

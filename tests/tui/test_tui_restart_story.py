@@ -128,3 +128,20 @@ def test_a_poll_that_catches_two_launches_at_once_does_not_hide_the_restart() ->
     assert s.restarts == 1
     assert [e.kind for e in s.events if e.kind in ("hung", "restarted", "resumed")] == ["hung", "restarted"]
     assert not any(e.text == "progress resumed" for e in s.events)
+
+
+def test_a_late_views_own_hang_in_the_journals_words_is_one_row_however_late() -> None:
+    # A pair attached a minute into the hang logged "no progress since ..." (the agents' mark, the same words the
+    # acting view journaled) 60 s after the journal's line: two HUNG rows in the pair, one in the acting view.
+    s = st.apply_journal(st.AppState(read_only=True), [(T0, "hung", "no progress since 23:59:58")])
+    s = st.apply_failure(s, "hung", "no progress since 23:59:58", T0 + 60)
+    assert [(e.wall - T0, e.kind) for e in s.events] == [(0.0, "hung")]
+    # The acting view's "training runs again" read from the journal after the pair's own, 45 s apart: one row.
+    s = st.apply_failure(s, "restarted", "the job restarted on node00", T0 + 100)
+    s = st.apply_failure(s, "resumed", "training runs again after the restart", T0 + 130)
+    s = st.apply_journal(s, [(T0 + 175, "resumed", "training runs again after the restart")])
+    assert sum(e.kind == "resumed" for e in s.events) == 1
+    # After a new hang the same words are a new moment.
+    s = st.apply_failure(s, "hung", "no progress since 00:03:00", T0 + 200)
+    s = st.apply_journal(s, [(T0 + 260, "resumed", "training runs again after the restart")])
+    assert sum(e.kind == "resumed" for e in s.events) == 2
