@@ -271,6 +271,13 @@ def test_one_reading_is_not_called_healthy_and_a_confident_slow_machine_is_in_th
     # The machines before the time (an 80-column screen cuts the end); three polls show no rhythm yet: the ceiling.
     assert line == ("slow: node09 (fail-slow, key 7) │ 16/16 machines │ 1.00 steps/s │ step 0 s ago, hang at 30 s "
                     "(no rhythm yet)"), line
+    # On a narrower screen (the padding takes 2 columns) the line says less until it fits, the countdown whole:
+    # first without the rhythm's basis, then without the step rate (the Metrics and Fail-slow views show it).
+    assert header_text(s, "16 agents", False, slow_machine="node09", width=100).plain.splitlines()[0] == \
+        "slow: node09 (key 7) │ 16/16 machines │ 1.00 steps/s │ step 0 s ago, hang at 30 s"
+    s = st.apply_evicted(s, ["node15", "node14"], T0 + 3)
+    assert header_text(s, "16 agents", False, slow_machine="machine-09", width=80).plain.splitlines()[0] == \
+        "slow: machine-09 (key 7) │ 14/14 machines 2 evicted │ step 0 s ago, hang at 30 s"
 
 
 def test_a_capture_a_few_milliseconds_after_a_poll_is_no_step_rate() -> None:
