@@ -282,6 +282,8 @@ def events_pages(target: str) -> str:
 
 def story(text: str) -> list[str]:
     """The Events rows that tell the incident (hangs, evictions, restarts, resumptions), their words only."""
+    # The table's scrollbar is drawn over the end of some rows ("... after the restart   ▂▂"): not the row's words.
+    text = re.sub(r"[\u2580-\u259f\u2500-\u257f]+[ ]*$", "", text, flags=re.M)
     rows = re.findall(r"^\s*(\d\d:\d\d:\d\d)\s+(hung|evicted|restarted|restarting|resumed)\s+(.*?)\s*$", text, re.M)
     # Pages overlap: a row read twice is one row (its time too); the time itself is left out of the comparison.
     return [f"{kind} {what}" for _, kind, what in dict.fromkeys(rows)]
