@@ -412,7 +412,8 @@ def _drive_and_check(session: str, run_dir: Path,
         tmux("send-keys", "-t", session, "-l", phrase.group(1))
         time.sleep(1)
         tmux("send-keys", "-t", session, "Enter")
-        text = wait_screen(session, lambda t: "evict result" in t or "cancelled" in t or "not the phrase" in t, 60,
+        # Up to two minutes: at load ~25 the modal still held the typed phrase a minute after enter.
+        text = wait_screen(session, lambda t: "evict result" in t or "cancelled" in t or "not the phrase" in t, 120,
                            "the eviction's outcome")
         if "not the phrase" not in text or attempt == 2:
             break
