@@ -478,7 +478,7 @@ async def test_the_step_the_job_resumed_from_is_read_from_the_journal_however_la
             clock[0] = T0 + 40 + i * schedule.JOURNAL_EVERY_S
             reads = source.reads
             source.push_poll(_restarted_on_standby(clock[0], 96 + i))
-            await until(pilot, lambda: source.reads > reads, 10, f"a journal read at poll {i}")
+            await until(pilot, lambda before=reads: source.reads > before, 10, f"a journal read at poll {i}")
         assert app.state.restarts == 1
         await until(pilot, lambda: any(e.text == text for e in app.state.events), 10, "the resumed entry in Events")
         assert sum(e.text == text for e in app.state.events) == 1, "later reads add nothing twice"
