@@ -76,6 +76,17 @@ SMALL_BUNDLE_BYTES = 4 << 20  # read before the UI opens; larger bundles are rea
 FAIL_SLOW_CAPTURE_S = 10.0  # ByteRobust's fail-slow rounds: aggregate every 10 s
 
 
+@dataclass(slots=True)
+class _JournalFollow:
+    """The journal reader's working state (nothing drawn): when it last read, and whether a read is under way."""
+
+    read_wall: float | None = None  # state.now_wall at the last read's start
+    reading: bool = False
+
+    def began(self, now_wall: float) -> None:
+        self.read_wall, self.reading = now_wall, True
+
+
 @dataclass(frozen=True, slots=True)
 class AppOptions:
     poll_interval_s: float = 1.0
@@ -140,8 +151,7 @@ class RankscopeApp(App[int]):
         self.failslow = FailSlowFeeder(self, self.options.failslow_config)
         self._held_toasts: list[Notification] = []  # raised while a dialog was open (``_on_notify``)
         self._journaled: set[tuple[float, str, str]] = set()  # events written to (or read from) the agents' journal
-        self._journal_read_wall: float | None = None  # when the journal was last read (state.now_wall)
-        self._journal_reading = False  # a read is under way
+        self._journal_follow = _JournalFollow()  # when the journal was last read, whether a read is under way
 
     # -- setup --------------------------------------------------------------
 
@@ -203,8 +213,7 @@ class RankscopeApp(App[int]):
         self.loaded.set()
         self.actions.start_watch()  # read-only sessions too: a pair's second pane sees actions happen
         if self.source.live and callable(getattr(self.source, "journal", None)):
-            self._journal_reading = True
-            self._journal_read_wall = self.state.now_wall
+            self._journal_follow.began(self.state.now_wall)
             self.run_worker(self._read_journal(), group="journal-read", exit_on_error=False)
         if self.source.live:
             self._poll()
@@ -380,12 +389,12 @@ class RankscopeApp(App[int]):
 
     def _follow_journal(self) -> None:
         """Read the agents' journal again when ``schedule.journal_read_due`` says so, one read at a time."""
-        if self._journal_reading or not self.source.live or not callable(getattr(self.source, "journal", None)):
+        follow = self._journal_follow
+        if follow.reading or not self.source.live or not callable(getattr(self.source, "journal", None)):
             return
-        if not schedule.journal_read_due(self.state, self._journal_read_wall):
+        if not schedule.journal_read_due(self.state, follow.read_wall):
             return
-        self._journal_reading = True
-        self._journal_read_wall = self.state.now_wall
+        follow.began(self.state.now_wall)
         self.run_worker(self._read_journal(again=True), group="journal-read", exit_on_error=False)
 
     async def _read_journal(self, again: bool = False) -> None:
@@ -402,7 +411,7 @@ class RankscopeApp(App[int]):
                 self.state = st.apply_info(self.state, f"no incident journal from the agents: {exc}", self.clock())
             return
         finally:
-            self._journal_reading = False
+            self._journal_follow.reading = False
         new = [e for e in entries if (e.wall, e.kind, e.text) not in self._journaled]
         if again and not new:
             return
