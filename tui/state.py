@@ -376,9 +376,12 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
             # view, "07:53:00" in its pair), and the row's time says when.
             events.append(Event(now_wall, "resumed", "training runs again after the restart"))
-        elif moved and hung_reported and not between:  # a new launch's first step is the restart's, once seen
+        elif moved and hung_reported and not between and not state.awaiting_restart:
+            # Not between an eviction and the restart it brings, nor in a poll that caught two launches: the new
+            # launch's first step is the restart's, told once the restart is seen (a pair's read-only view logged
+            # "progress resumed" there, its acting view the restart).
             events.append(Event(now_wall, "resumed", "progress resumed"))
-        if moved and not between:
+        if moved and not between and not state.awaiting_restart:
             hung_reported = False
         last_progress = clock.progress_mark
         age = clock.progress_age_s if clock.progress_mark is not None else clock.start_age_s
@@ -398,7 +401,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             gaps = (*gaps, d.wall - last_progress)[-RHYTHM_KEPT:]
         if moved or last_progress is None:
             last_progress = d.wall
-        if moved and hung_reported and state.progress_points and not between:
+        if moved and hung_reported and state.progress_points and not between and not state.awaiting_restart:
             events.append(Event(now_wall, "resumed", "progress resumed"))
             hung_reported = False
         elif not moved and not hung_reported and d.wall - last_progress >= threshold and d.progress > 0:

@@ -145,3 +145,18 @@ def test_a_late_views_own_hang_in_the_journals_words_is_one_row_however_late() -
     s = st.apply_failure(s, "hung", "no progress since 00:03:00", T0 + 200)
     s = st.apply_journal(s, [(T0 + 260, "resumed", "training runs again after the restart")])
     assert sum(e.kind == "resumed" for e in s.events) == 2
+
+
+def test_progress_between_an_eviction_and_the_restart_is_not_a_resumed_hang() -> None:
+    # The read-only view saw the job's progress move after the eviction and before it saw the restart: it logged
+    # "progress resumed" after the HUNG, where the acting view told the restart and its first step.
+    s = _running(st.AppState(read_only=True), T0, 5, 100)
+    for i in range(40):
+        s = _poll(s, job(T0 + 5 + i, stacks=False, step=104, hung=True), T0 + 5 + i)
+    s = st.apply_evicted(s, ["node05"], T0 + 45)
+    assert s.awaiting_restart
+    s = _poll(s, job(T0 + 46, stacks=False, step=105, hung=False, lost=(5,)), T0 + 46)
+    assert not any(e.text == "progress resumed" for e in s.events)
+    s = _poll(s, _new_pids(job(T0 + 47, stacks=False, step=1, hung=False, lost=(5,)), range(16)), T0 + 47)
+    assert s.restarts == 1 and not s.awaiting_restart
+    assert [e.kind for e in s.events if e.kind in ("hung", "restarted", "resumed")] == ["hung", "restarted"]

@@ -32,7 +32,10 @@ class EventsPanel(LineTable):
         if self._shown is not None and self._shown[0] is state.events and self._shown[1] == width:
             return
         self._shown = (state.events, width)
-        self.set_rows(("time", "event", "what"), event_rows(state.events, width))
+        # The vertical scrollbar's columns are kept free whether it shows or not: rows as wide as the panel made a
+        # horizontal scrollbar, drawn over the bottom row ("... after the restart   ▂▂"), and a row cut there.
+        room = max(0, width - self.styles.scrollbar_size_vertical) if width > 0 else 0
+        self.set_rows(("time", "event", "what"), event_rows(state.events, room))
 
 
 def event_rows(events: Sequence[Event], width: int) -> list[tuple[str | Text, ...]]:
