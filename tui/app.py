@@ -75,9 +75,17 @@ ACTION_KEYS: tuple[tuple[str, str, str], ...] = (("e", "evict", "Evict"), ("u", 
                                                  ("b", "backup", "Backup"))
 SMALL_BUNDLE_BYTES = 4 << 20  # read before the UI opens; larger bundles are read by the app, in a thread
 FAIL_SLOW_CAPTURE_S = 10.0  # ByteRobust's fail-slow rounds: aggregate every 10 s
-# The journal is read again when the job restarts or resumes, and once more this long after: the one who restarted
-# it (the drill's recovery) writes the step it resumed from once its agents are back, as this view sees the restart.
-JOURNAL_REREAD_S = 5.0
+
+
+@dataclass(slots=True)
+class _JournalFollow:
+    """The journal reader's working state (nothing drawn): when it last read, and whether a read is under way."""
+
+    read_wall: float | None = None  # state.now_wall at the last read's start
+    reading: bool = False
+
+    def began(self, now_wall: float) -> None:
+        self.read_wall, self.reading = now_wall, True
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +106,6 @@ class AppOptions:
     # KeyboardInterrupt in whatever code runs then, and code that guards a call against every error can swallow
     # it (the view then ran on). Set by ``run_app`` only: tests run the app inside pytest's own loop.
     exit_on_sigint: bool = False
-
-
-def _last_resumed(state: st.AppState) -> st.Event | None:
-    """The newest "resumed" event (the job training again after a restart or a hang), if any."""
-    return next((e for e in reversed(state.events) if e.kind == "resumed"), None)
 
 
 class RankscopeApp(App[int]):
@@ -149,6 +152,7 @@ class RankscopeApp(App[int]):
         self.failslow = FailSlowFeeder(self, self.options.failslow_config)
         self._held_toasts: list[Notification] = []  # raised while a dialog was open (``_on_notify``)
         self._journaled: set[tuple[float, str, str]] = set()  # events written to (or read from) the agents' journal
+        self._journal_follow = _JournalFollow()  # when the journal was last read, whether a read is under way
 
     # -- setup --------------------------------------------------------------
 
@@ -211,6 +215,7 @@ class RankscopeApp(App[int]):
         self.loaded.set()
         self.actions.start_watch()  # read-only sessions too: a pair's second pane sees actions happen
         if self.source.live and callable(getattr(self.source, "journal", None)):
+            self._journal_follow.began(self.state.now_wall)
             self.run_worker(self._read_journal(), group="journal-read", exit_on_error=False)
         if self.source.live:
             self._poll()
@@ -256,10 +261,8 @@ class RankscopeApp(App[int]):
         self._fold_evicted_addresses()  # a re-read hostfile may have marked agents evicted
         before = {m.name: m.reachable for m in self.state.machines}
         quiet = self.state.restarting  # agents away for a restart: no "lost"/"is back" toasts for them
-        restarts, resumed = self.state.restarts, _last_resumed(self.state)
         self.state = st.apply_poll(self.state, message.digest, self._now(message.digest.wall))
-        if self.state.restarts > restarts or _last_resumed(self.state) is not resumed:
-            self._reread_journal()  # the step it resumed from and the code it runs, from the one who restarted it
+        self._follow_journal()  # the story others write while it may still change (schedule.journal_read_due)
         if schedule.started_capture_due(self.state):
             self.state = st.apply_started_captured(self.state)
             self.action_capture()
@@ -386,6 +389,16 @@ class RankscopeApp(App[int]):
 
     # -- drawing ------------------------------------------------------------
 
+    def _follow_journal(self) -> None:
+        """Read the agents' journal again when ``schedule.journal_read_due`` says so, one read at a time."""
+        follow = self._journal_follow
+        if follow.reading or not self.source.live or not callable(getattr(self.source, "journal", None)):
+            return
+        if not schedule.journal_read_due(self.state, follow.read_wall):
+            return
+        follow.began(self.state.now_wall)
+        self.run_worker(self._read_journal(again=True), group="journal-read", exit_on_error=False)
+
     async def _read_journal(self, again: bool = False) -> None:
         """What happened before this view attached, from the agents' incident journal (a late pair view tells the
         same story as the view that watched it happen); ``again``: what was written since (a restart's resumed
@@ -399,23 +412,14 @@ class RankscopeApp(App[int]):
             if not again:
                 self.state = st.apply_info(self.state, f"no incident journal from the agents: {exc}", self.clock())
             return
+        finally:
+            self._journal_follow.reading = False
         new = [e for e in entries if (e.wall, e.kind, e.text) not in self._journaled]
         if again and not new:
             return
         self._journaled.update((e.wall, e.kind, e.text) for e in new)
         self.state = st.apply_journal(self.state, ((e.wall, e.kind, e.text) for e in new))
         self.redraw()
-
-    def _reread_journal(self) -> None:
-        """Read the journal again now and once more ``JOURNAL_REREAD_S`` later (see there)."""
-        if not self.source.live or not callable(getattr(self.source, "journal", None)):
-            return
-
-        def read() -> None:
-            self.run_worker(self._read_journal(again=True), group="journal-read", exit_on_error=False)
-
-        read()
-        self.set_timer(JOURNAL_REREAD_S, read)
 
     def _write_journal(self) -> None:
         """The moments a late view must see (``st.journal_worthy``), written once to every agent's journal."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rankscope.tui.digest import JobClock
 from rankscope.tui.health import health
-from rankscope.tui.state import AppState
+from rankscope.tui.state import AppState, journal_worthy
 
 
 def _unknown_for_long(state: AppState, clock: JobClock) -> bool:
@@ -65,3 +65,22 @@ def refresh_capture_due(state: AppState) -> bool:
         return False
     missing = uncaptured_ranks(state)
     return bool(missing) and missing != state.refreshed_for
+
+
+# The incident journal (``rankscope.actions.journal``) is written by others while an incident goes on: the acting
+# view (the hang, verdicts, evictions, restarts) and whoever restarted the job (the drill's recovery writes the step
+# it resumed from once its agents are back, which can be many seconds after a view saw the restart). A view reads it
+# every JOURNAL_EVERY_S while the story may still change: while the job restarts, and until JOURNAL_FOLLOW_S after
+# the newest moment of the story (its own or the journal's), so a line written late still reaches every view.
+JOURNAL_EVERY_S = 2.0
+JOURNAL_FOLLOW_S = 90.0
+
+
+def journal_read_due(state: AppState, last_read_wall: float | None) -> bool:
+    """Read the agents' journal again now (``last_read_wall``: when it was last read; None: never)."""
+    if last_read_wall is not None and state.now_wall - last_read_wall < JOURNAL_EVERY_S:
+        return False
+    if state.awaiting_restart or state.restarting or state.capture_after_start:
+        return True
+    newest = next((e.wall for e in reversed(state.events) if journal_worthy(e)), None)
+    return newest is not None and state.now_wall - newest <= JOURNAL_FOLLOW_S

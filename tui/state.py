@@ -132,7 +132,7 @@ class AppState:
     hung_reported: bool = False
     evicted: frozenset[str] = frozenset()  # machines an eviction took out of the job (from the audit logs)
     restarts: int = 0  # times the job's ranks came back with new pids (an eviction, a hot-update, a relaunch)
-    rank_pids: Mapping[int, int] = field(default_factory=dict)  # each rank's last seen pid
+    rank_pids: Mapping[int, int] = field(default_factory=dict)  # each rank's pid in the launch seen last (_restarted)
     clock: JobClock | None = None  # the job's state per its agents (None: they do not report it)
     verdict: VerdictMark | None = None  # what the job was doing when ``stacks`` was captured
     evicted_addresses: frozenset[str] = frozenset()  # agents taken out of the job (hostfile, audit)
@@ -186,29 +186,42 @@ class AppState:
 # that resumed, a restart), is the same moment seen by two views.
 ONE_STORY_KINDS = frozenset({"hung", "restarted"})
 ONE_STORY_S = 30.0
-_CHAPTERS = {"hung": frozenset({"resumed", "restarted"}), "restarted": frozenset({"hung", "evicted"})}
+_CHAPTERS = {"hung": frozenset({"resumed", "restarted"}), "restarted": frozenset({"hung", "evicted"}),
+             "resumed": frozenset({"hung", "restarted"})}
 
 
 def _same_moment(events: Sequence[Event], e: Event) -> Event | None:
     """An event of ``events`` that tells the moment ``e`` tells, or None: the same words within ``ONE_STORY_S`` (a
-    view's own line and the journal's copy of it, stamped a moment apart; journal kinds), or for ``ONE_STORY_KINDS`` the same
-    kind with no new chapter between them."""
+    view's own line and the journal's copy of it, stamped a moment apart; journal kinds) or, for a hang or a
+    resumption, with no new chapter between them; or for ``ONE_STORY_KINDS`` the same kind with no new chapter
+    between them within ``ONE_STORY_S``."""
     return next(iter(_same_moments(events, e)), None)
+
+
+def _new_chapter(events: Sequence[Event], kind: str, a: float, b: float) -> bool:
+    """Something between the times ``a`` and ``b`` starts a new chapter for events of ``kind``."""
+    lo, hi = sorted((a, b))
+    return any(x.kind in _CHAPTERS[kind] and lo < x.wall < hi for x in events)
 
 
 def _same_moments(events: Sequence[Event], e: Event) -> list[Event]:
     """Every event of ``events`` that tells the moment ``e`` tells (``_same_moment``): a view that saw one restart
-    twice (once before every agent was back, once after) has two lines the journal's one line replaces."""
+    twice (once before every agent was back, once after) has two lines the journal's one line replaces.
+
+    The same words of a hang ("no progress since 10:09:26", the agents' mark) or a resumption, with no new chapter
+    between them, are one moment however far apart they were seen: a view attached late logged the hang a minute
+    after the acting view had journaled it, and listed it twice."""
     found: list[Event] = []
     if e.kind in JOURNAL_KINDS:  # (captures repeat their words every 10 s in fail-slow mode: each is a capture)
-        found = [o for o in events if o.kind == e.kind and o.text == e.text and abs(o.wall - e.wall) <= ONE_STORY_S]
+        found = [o for o in events if o.kind == e.kind and o.text == e.text and (
+            abs(o.wall - e.wall) <= ONE_STORY_S
+            or (e.kind in ("hung", "resumed") and not _new_chapter(events, e.kind, o.wall, e.wall)))]
     if e.kind not in ONE_STORY_KINDS:
         return found
     for other in events:
         if other.kind != e.kind or abs(other.wall - e.wall) > ONE_STORY_S or any(other is f for f in found):
             continue
-        lo, hi = sorted((other.wall, e.wall))
-        if not any(x.kind in _CHAPTERS[e.kind] and lo < x.wall < hi for x in events):
+        if not _new_chapter(events, e.kind, other.wall, e.wall):
             found.append(other)
     return found
 
@@ -279,12 +292,14 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         if m.name in state.evicted or m.address in state.evicted_addresses:
             continue  # its agent going away is the eviction's doing, not news
         was = before.get(m.name)
-        if was is False and m.reachable and m.name in state.restarting:
-            events.append(Event(now_wall, "found", f"{m.name} is back after the restart"))
-        elif was is True and not m.reachable and state.awaiting_restart:
-            # The launcher restarts the job's agents with it (an eviction, a hot-update): one word for it everywhere.
-            events.append(Event(now_wall, "restarting", f"{m.name} restarting with the job"))
-        elif was is True and not m.reachable:
+        if (was is False and m.reachable and m.name in state.restarting) or \
+                (was is True and not m.reachable and state.awaiting_restart):
+            # The launcher restarts the job's agents with it (an eviction, a hot-update): the header and the map say
+            # "restarting", and Events tell the restart once ("restarted", in the journal's words). Which agents one
+            # view happened to find away or back at its polls is no part of the story: two views of a pair listed
+            # different "restarting with the job" rows for one restart.
+            continue
+        if was is True and not m.reachable:
             events.append(Event(now_wall, "lost", f"agent {m.name} ({m.address}) lost: {m.error or 'no answer'}"))
         elif was is False and m.reachable:
             events.append(Event(now_wall, "found", f"agent {m.name} ({m.address}) is back"))
@@ -304,7 +319,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
                       if m.name not in names and m.address not in addresses)
     machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
     metric_rows = _mark_evicted_rows(d.metric_rows, frozenset(m.name for m in machines if m.evicted))
-    restarted, rank_pids = _restarted(state.rank_pids, machines)
+    restarted, between, rank_pids = _restarted(state.rank_pids, machines)
     restarting = frozenset(
         m.name for m in machines if not m.reachable and not m.evicted
         and (m.name in state.restarting or (state.awaiting_restart and before.get(m.name) is not False)))
@@ -361,9 +376,12 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
             # view, "07:53:00" in its pair), and the row's time says when.
             events.append(Event(now_wall, "resumed", "training runs again after the restart"))
-        elif moved and hung_reported:
+        elif moved and hung_reported and not between and not state.awaiting_restart:
+            # Not between an eviction and the restart it brings, nor in a poll that caught two launches: the new
+            # launch's first step is the restart's, told once the restart is seen (a pair's read-only view logged
+            # "progress resumed" there, its acting view the restart).
             events.append(Event(now_wall, "resumed", "progress resumed"))
-        if moved:
+        if moved and not between and not state.awaiting_restart:
             hung_reported = False
         last_progress = clock.progress_mark
         age = clock.progress_age_s if clock.progress_mark is not None else clock.start_age_s
@@ -383,7 +401,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             gaps = (*gaps, d.wall - last_progress)[-RHYTHM_KEPT:]
         if moved or last_progress is None:
             last_progress = d.wall
-        if moved and hung_reported and state.progress_points:
+        if moved and hung_reported and state.progress_points and not between and not state.awaiting_restart:
             events.append(Event(now_wall, "resumed", "progress resumed"))
             hung_reported = False
         elif not moved and not hung_reported and d.wall - last_progress >= threshold and d.progress > 0:
@@ -439,19 +457,30 @@ def _mark_evicted_rows(rows: tuple[MetricRow, ...], evicted: frozenset[str]) -> 
             + tuple(replace(r, evicted=True, outliers=frozenset()) for r in rows if r.machine in evicted))
 
 
-def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tuple[bool, Mapping[int, int]]:
-    """Whether the job's ranks came back as new processes, and the pids now known per rank.
+def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tuple[bool, bool, Mapping[int, int]]:
+    """Whether the job's ranks came back as new processes, whether the poll caught two launches at once, and each
+    rank's pid in the launch known now.
 
-    Restarted: none of the ranks seen now has the pid it last had. The last
-    pid of each rank is remembered across polls where the rank is not seen
-    (agents restarting with the job, a job between its stop and its start).
+    Restarted: none of the ranks seen now has its pid of the launch before.
+    A poll in the middle of a restart can catch both launches (a standby's new
+    ranks beside a survivor's old ones): no restart yet, and the new pids are
+    not taken in, so the poll that sees every rank new tells the restart. (Taken
+    in, the next poll found those ranks unchanged: the restart went unseen in
+    the view that happened to poll then, which logged "progress resumed" where
+    its pair logged the restart.) A rank's pid is remembered across polls where
+    it is not seen (agents restarting with the job, a job between its stop and
+    its start).
     """
     seen = {r: pid for m in machines if m.reachable for r, pid in zip(m.ranks, m.pids, strict=False)}
     if not seen:
-        return False, known
+        return False, False, known
     both = seen.keys() & known.keys()
-    restarted = bool(both) and all(known[r] != seen[r] for r in both)
-    return restarted, {**known, **seen}
+    changed = [r for r in both if known[r] != seen[r]]
+    if both and len(changed) == len(both):
+        return True, False, {**known, **seen}
+    if changed:  # two launches at once: the launch before stays the one to compare with
+        return False, True, {**seen, **known}
+    return False, False, {**known, **seen}
 
 
 def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float, addresses: Iterable[str] = ()) -> AppState:

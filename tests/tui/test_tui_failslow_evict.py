@@ -126,3 +126,22 @@ async def test_a_fail_slow_verdict_whose_machine_was_evicted_is_not_acted_on() -
         await pilot.press("e")
         await pilot.pause()
         assert source.planned == [] and not isinstance(app.screen, ConfirmModal)
+
+
+async def test_at_80x24_the_header_the_fail_slow_verdict_and_the_alternative_are_whole_in_every_view() -> None:
+    # The header ended "step 0 s ago, han…": the countdown to the hang threshold was cut at 80 columns.
+    source = PlanningSource(Bundle(tuple(fs_series(70)), WALL0 + 70))
+    app = RankscopeApp(source, AppOptions(layout=LAYOUT))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await app.loaded.wait()
+        await app.failslow.idle.wait()
+        await until(pilot, lambda: "slow: m2" in screen_text(app), 10, "the header")
+        overview = screen_text(app).splitlines()
+        assert "e: m2 (1 standby); ctrl+o group: m0, m2 (2 standbys)" in "\n".join(overview)
+        assert "fail-slow verdict (view 7): fail-slow: machine m2 (ranks 4-5)" in "\n".join(overview)
+        for key in "1234567":
+            await pilot.press(key)
+            await pilot.pause()
+            first = screen_text(app).splitlines()[0].rstrip()
+            assert first.startswith(" slow: m2 (key 7) │ 4/4 machines │ ") and "…" not in first, (key, first)
+            assert first.endswith(f"step 0 s ago, hang at {app.state.hang_threshold_s:.0f} s"), (key, first)

@@ -284,8 +284,9 @@ def test_between_an_eviction_and_the_restart_the_job_is_restarting_not_finished(
     down = fold([snap(T0 + 62, progress=None, unreachable=MACHINES)], s)
     assert hl.health(down) == hl.Health("idle", "restarting: the job's agents do not answer yet")
     assert "1 restarting 1 evicted" in header(down) and "lost" not in header(down), header(down)
-    # One word for one state: Events say "restarting" too, never "lost", for the agent the restart takes away.
-    assert [e.text for e in down.events if e.kind in ("lost", "restarting")] == ["machine-0 restarting with the job"]
+    # Never "lost" for the agent the restart takes away, and no row of which agents this view found away at its
+    # polls: a pair's two views listed different "restarting with the job" rows for one restart.
+    assert [e.text for e in down.events if e.kind in ("lost", "restarting", "found")] == []
     s = fold([snap(T0 + 70, progress=None, started=T0 + 65, pids=3000, unreachable=("machine-1",))], s)
     assert s.restarts == 1 and not s.awaiting_restart
     assert hl.health(s).kind == "starting"
@@ -408,4 +409,5 @@ def test_an_agent_slower_back_than_the_ranks_stays_restarting_not_lost() -> None
     assert s.lost == () and "1 restarting" in header(s) and "lost" not in header(s), header(s)
     s = fold([snap(T0 + 12, progress=T0 + 11, unreachable=("machine-1",))], s)
     assert s.restarting == frozenset()
-    assert [e.text for e in s.events if e.kind == "found"] == ["machine-0 is back after the restart"]
+    # Back, it is no news of its own (the header stops saying "restarting"): no row one view of a pair may miss.
+    assert [e.text for e in s.events if e.kind in ("found", "lost")] == []

@@ -104,3 +104,59 @@ def test_a_restart_the_pair_saw_twice_is_told_once_in_the_journals_words() -> No
     assert [(e.wall - T0, e.text) for e in s.events] == [
         (41.0, "the job restarted on node01, standby-0 (standby-0 joined)")]
 
+
+
+def _new_pids(snap: object, machines: range) -> object:
+    """``snap`` with the ranks of ``machines`` (indices) running as new processes."""
+    ms = tuple(replace(m, ranks=tuple(replace(r, pid=r.pid + 50_000) for r in m.ranks)) if i in machines else m
+               for i, m in enumerate(snap.machines))  # type: ignore[attr-defined]
+    return replace(snap, machines=ms)  # type: ignore[type-var]
+
+
+def test_a_poll_that_catches_two_launches_at_once_does_not_hide_the_restart() -> None:
+    # The acting view polled while half the ranks were new processes and half still the old ones: it took the new
+    # pids in, found nothing changed at the next poll, never saw the restart and logged "progress resumed" after its
+    # HUNG, where its pair (polling a moment later) logged the restart.
+    s = _running(st.AppState(), T0, 5, 100)
+    for i in range(40):
+        s = _poll(s, job(T0 + 5 + i, stacks=False, step=104, hung=True), T0 + 5 + i)
+    assert [e.kind for e in s.events].count("hung") == 1
+    s = _poll(s, _new_pids(job(T0 + 46, stacks=False, step=1, hung=False), range(8)), T0 + 46)
+    assert s.restarts == 0, "two launches at once: not yet"
+    for i in range(3):
+        s = _poll(s, _new_pids(job(T0 + 47 + i, stacks=False, step=2 + i, hung=False), range(16)), T0 + 47 + i)
+    assert s.restarts == 1
+    assert [e.kind for e in s.events if e.kind in ("hung", "restarted", "resumed")] == ["hung", "restarted"]
+    assert not any(e.text == "progress resumed" for e in s.events)
+
+
+def test_a_late_views_own_hang_in_the_journals_words_is_one_row_however_late() -> None:
+    # A pair attached a minute into the hang logged "no progress since ..." (the agents' mark, the same words the
+    # acting view journaled) 60 s after the journal's line: two HUNG rows in the pair, one in the acting view.
+    s = st.apply_journal(st.AppState(read_only=True), [(T0, "hung", "no progress since 23:59:58")])
+    s = st.apply_failure(s, "hung", "no progress since 23:59:58", T0 + 60)
+    assert [(e.wall - T0, e.kind) for e in s.events] == [(0.0, "hung")]
+    # The acting view's "training runs again" read from the journal after the pair's own, 45 s apart: one row.
+    s = st.apply_failure(s, "restarted", "the job restarted on node00", T0 + 100)
+    s = st.apply_failure(s, "resumed", "training runs again after the restart", T0 + 130)
+    s = st.apply_journal(s, [(T0 + 175, "resumed", "training runs again after the restart")])
+    assert sum(e.kind == "resumed" for e in s.events) == 1
+    # After a new hang the same words are a new moment.
+    s = st.apply_failure(s, "hung", "no progress since 00:03:00", T0 + 200)
+    s = st.apply_journal(s, [(T0 + 260, "resumed", "training runs again after the restart")])
+    assert sum(e.kind == "resumed" for e in s.events) == 2
+
+
+def test_progress_between_an_eviction_and_the_restart_is_not_a_resumed_hang() -> None:
+    # The read-only view saw the job's progress move after the eviction and before it saw the restart: it logged
+    # "progress resumed" after the HUNG, where the acting view told the restart and its first step.
+    s = _running(st.AppState(read_only=True), T0, 5, 100)
+    for i in range(40):
+        s = _poll(s, job(T0 + 5 + i, stacks=False, step=104, hung=True), T0 + 5 + i)
+    s = st.apply_evicted(s, ["node05"], T0 + 45)
+    assert s.awaiting_restart
+    s = _poll(s, job(T0 + 46, stacks=False, step=105, hung=False, lost=(5,)), T0 + 46)
+    assert not any(e.text == "progress resumed" for e in s.events)
+    s = _poll(s, _new_pids(job(T0 + 47, stacks=False, step=1, hung=False, lost=(5,)), range(16)), T0 + 47)
+    assert s.restarts == 1 and not s.awaiting_restart
+    assert [e.kind for e in s.events if e.kind in ("hung", "restarted", "resumed")] == ["hung", "restarted"]

@@ -238,7 +238,7 @@ def test_an_evicted_machine_is_out_of_the_job_and_the_restart_is_seen() -> None:
     # node05's agent stays gone; the job runs again with a standby, every rank under a new pid.
     s = st.apply_poll(s, dg.digest(_restarted_on_standby(T0 + 40, 96)), T0 + 40)
     assert s.restarts == 1 and s.lost == ()
-    assert [e.kind for e in s.events][-2:] == ["found", "restarted"]
+    assert [e.kind for e in s.events][-2:] == ["evicted", "restarted"]  # agents away for the restart: no rows
     assert "standby-0" in s.events[-1].text and "node05" not in s.events[-1].text
     assert "; ranks 10-11 now on standby-0" in s.events[-1].text  # the ranks that moved, said in words
     assert s.events[-1].text.startswith("the job restarted on node00, node01,")
@@ -287,6 +287,13 @@ def test_one_reading_is_not_called_healthy_and_a_confident_slow_machine_is_in_th
     # The machines before the time (an 80-column screen cuts the end); three polls show no rhythm yet: the ceiling.
     assert line == ("slow: node09 (fail-slow, key 7) │ 16/16 machines │ 1.00 steps/s │ step 0 s ago, hang at 30 s "
                     "(no rhythm yet)"), line
+    # On a narrower screen (the padding takes 2 columns) the line says less until it fits, the countdown whole:
+    # first without the rhythm's basis, then without the step rate (the Metrics and Fail-slow views show it).
+    assert header_text(s, "16 agents", False, slow_machine="node09", width=100).plain.splitlines()[0] == \
+        "slow: node09 (key 7) │ 16/16 machines │ 1.00 steps/s │ step 0 s ago, hang at 30 s"
+    s = st.apply_evicted(s, ["node15", "node14"], T0 + 3)
+    assert header_text(s, "16 agents", False, slow_machine="machine-09", width=80).plain.splitlines()[0] == \
+        "slow: machine-09 (key 7) │ 14/14 machines 2 evicted │ step 0 s ago, hang at 30 s"
 
 
 def test_a_capture_a_few_milliseconds_after_a_poll_is_no_step_rate() -> None:
@@ -444,31 +451,32 @@ def test_a_metric_outlier_is_told_by_text_with_its_direction_and_its_peers() -> 
 
 
 @pytest.mark.parametrize("read_only", [False, True], ids=["acting view", "pair view"])
-async def test_the_step_the_job_resumed_from_is_read_from_the_journal_when_the_job_restarts(
-        read_only: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_step_the_job_resumed_from_is_read_from_the_journal_however_late_it_is_written(
+        read_only: bool) -> None:
     """The drill's recovery writes "resumed from step N ..., code ..." to the agents' journal once its agents are
-    back; a view re-reads the journal when it sees the restart (and once more a little later, for an entry written
-    after it saw it) and shows it in Events, in time order, once."""
+    back, which can be long after a view saw the restart; a view reads the journal on its polls while the story may
+    still change and shows the entry in Events, in time order, once. (The views read it at the restart and 5 s
+    later: an entry written after that never reached the read-only view.)"""
     from rankscope.actions.journal import JournalEntry
-    from rankscope.tui import app as app_module
-
-    monkeypatch.setattr(app_module, "JOURNAL_REREAD_S", 0.2)
+    from rankscope.tui import schedule
 
     class JournalSource(QueueSource):
         def __init__(self) -> None:
             super().__init__("agents", initial=(job(T0, stacks=False, step=100, hung=False),))
             self.story: list[JournalEntry] = [JournalEntry(T0 - 30, "hung", "no progress since 00:00:00", "alice")]
             self.reads = 0
-            self.written_after_read: JournalEntry | None = None  # written just after the next read returns
+            self.late: JournalEntry | None = None  # written once this many more reads have returned
+            self.late_after = 0
 
         async def journal(self, entries: tuple[JournalEntry, ...] = ()) -> tuple[JournalEntry, ...]:
             self.story = sorted({(e.wall, e.kind, e.text): e for e in (*self.story, *entries)}.values(),
                                 key=lambda e: e.wall)
             self.reads += not entries
             told = tuple(self.story)
-            if not entries and self.written_after_read is not None:
-                self.story.append(self.written_after_read)
-                self.written_after_read = None
+            if not entries and self.late is not None:
+                self.late_after -= 1
+                if self.late_after == 0:
+                    self.story.append(self.late)
             return told
 
     source = JournalSource()
@@ -480,17 +488,16 @@ async def test_the_step_the_job_resumed_from_is_read_from_the_journal_when_the_j
     async with app.run_test(size=(160, 40)) as pilot:
         await until(pilot, lambda: source.reads == 1 and any(e.kind == "hung" for e in app.state.events), 10,
                     "the journal read at attach")
-        # The restart is seen before the drill wrote its entry (a warm restart steps before the agents are all
-        # back): the entry comes with the later read.
-        clock[0] = T0 + 40
-        # The drill writes its entry just after the read the restart triggers (not on a timer of the test: under
-        # load the view's second read came before the test appended it).
-        source.written_after_read = JournalEntry(T0 + 40.5, "resumed", text, "rankscope drill")
-        source.push_poll(_restarted_on_standby(T0 + 40, 96))
-        await until(pilot, lambda: app.state.restarts == 1, 10, "the restart")
+        # The restart is seen long before the drill writes its entry: only after the third read from the restart on.
+        source.late, source.late_after = JournalEntry(T0 + 52.5, "resumed", text, "rankscope drill"), 3
+        for i in range(12):  # a poll every JOURNAL_EVERY_S of the view's clock, the job stepping on standby-0
+            clock[0] = T0 + 40 + i * schedule.JOURNAL_EVERY_S
+            reads = source.reads
+            source.push_poll(_restarted_on_standby(clock[0], 96 + i))
+            await until(pilot, lambda before=reads: source.reads > before, 10, f"a journal read at poll {i}")
+        assert app.state.restarts == 1
         await until(pilot, lambda: any(e.text == text for e in app.state.events), 10, "the resumed entry in Events")
-        await pilot.pause(0.5)  # later reads add nothing twice
-        assert sum(e.text == text for e in app.state.events) == 1
+        assert sum(e.text == text for e in app.state.events) == 1, "later reads add nothing twice"
         walls = [e.wall for e in app.state.events]
         assert walls == sorted(walls), [(e.wall - T0, e.kind) for e in app.state.events]
         kinds = [e.kind for e in app.state.events]
@@ -502,6 +509,22 @@ async def test_the_step_the_job_resumed_from_is_read_from_the_journal_when_the_j
         assert any("the job restarted on" in line for line in lines[first + 1:]), "newest first"
         if not read_only:  # the acting view writes its own moments; the drill's entry is not written back
             assert sum(e.text == text for e in source.story) == 1
+
+
+def test_a_view_reads_the_journal_while_the_story_may_change_and_then_no_more() -> None:
+    """Reads every JOURNAL_EVERY_S while the job restarts and until JOURNAL_FOLLOW_S after the story's newest moment;
+    a job training quietly since costs its agents no journal reads."""
+    from rankscope.tui import schedule
+
+    s = replace(st.AppState(), now_wall=T0 + 100)
+    assert not schedule.journal_read_due(s, None), "no story yet"
+    assert schedule.journal_read_due(replace(s, awaiting_restart=True), T0 + 100 - schedule.JOURNAL_EVERY_S)
+    assert not schedule.journal_read_due(replace(s, awaiting_restart=True), T0 + 99.5), "not sooner than every 2 s"
+    told = replace(s, events=(st.Event(T0 + 50, "resumed", "the job resumed from step 96"),
+                              st.Event(T0 + 99, "capture", "captured 32 ranks' stacks of a job making steps")))
+    assert schedule.journal_read_due(told, T0 + 90)
+    quiet = replace(told, now_wall=T0 + 50 + schedule.JOURNAL_FOLLOW_S + 1)
+    assert not schedule.journal_read_due(quiet, T0 + 90), "captures of a running job are no story"
 
 
 def test_the_capture_event_counts_the_ranks_the_verdict_could_compare() -> None:

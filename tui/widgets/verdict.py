@@ -44,35 +44,24 @@ def layout_text(layout: Layout | None) -> str:
 
 def header_text(state: AppState, source: str, read_only: bool, filter_line: str = "",
                 slow_machine: str | None = None, width: int | None = None) -> Text:
-    """Line 1: the state first (what matters at 3 a.m.), the machines, then the job's time; line 2: the job, where
-    the data is from. ``width`` (the screen's columns): below 120 the second line says less (the layout without the
-    world size, the poll time without the capture's, which the verdict shows), so an 80-column screen keeps it whole.
+    """Line 1: the state first (what matters at 3 a.m.), the machines, then the job's time (``_state_line``); line 2:
+    the job, where the data is from. ``width`` (the screen's columns): the first line says less until it fits, and
+    below 120 the second line says less (the layout without the world size, the poll time without the capture's,
+    which the verdict shows), so an 80-column screen keeps both whole.
 
     ``slow_machine``: the fail-slow detectors' confident suspect. A job that
     is merely slower than it was can look "healthy" by its step rate alone.
     """
     h = health(state)
-    if slow_machine and h.kind in ("healthy", "slow", "unknown"):
-        h = Health("slow", f"slow: {slow_machine} (fail-slow, key 7)")
+    fail_slow = bool(slow_machine) and h.kind in ("healthy", "slow", "unknown")
     narrow = width is not None and width < 120
-    job = state.job_machines
-    reachable = sum(1 for m in job if m.reachable)
-    away = [m.name for m in job if not m.reachable]
-    # After an eviction or a hot-update the job's agents restart with it: "restarting", never "lost".
-    restarting = len(away) if state.awaiting_restart else sum(1 for name in away if name in state.restarting)
-    lost = len(away) - restarting
-    evicted = len(state.machines) - len(job)
-    t = Text(no_wrap=True, overflow="ellipsis")
-    t.append("HUNG" + h.text[4:] if h.kind == "hung" else h.text, HEALTH_STYLES[h.kind])
-    # The machines before the time: at 80 columns the line's end is cut, and a lost machine must not be.
-    t.append(f" │ {reachable}/{len(job)} machines")
-    if restarting:
-        t.append(f" {restarting} restarting", "yellow")
-    if lost:
-        t.append(f" {lost} lost", "bold red")
-    if evicted:
-        t.append(f" {evicted} evicted", "yellow")
-    t.append_text(timing_text(state, h))
+    # At 80 columns the line lost its countdown ("step 0 s a…"): it says less until it fits (the padding takes 2).
+    room = width - 2 if width is not None else None
+    t = _state_line(state, h, slow_machine if fail_slow else None, 0)
+    for detail in (1, 2):
+        if room is None or t.cell_len <= room:
+            break
+        t = _state_line(state, h, slow_machine if fail_slow else None, detail)
     t.append("\n")
     # Who the job is leads the second line.
     t.append(f"job {state.job_id or '?'}", "bold")
@@ -92,16 +81,44 @@ def header_text(state: AppState, source: str, read_only: bool, filter_line: str 
     return t
 
 
-def timing_text(state: AppState, h: Health) -> Text:
+def _state_line(state: AppState, h: Health, slow_machine: str | None, detail: int) -> Text:
+    """The header's first line: the state first (what matters at 3 a.m.), the machines, then the job's time.
+    ``detail`` 0 says it all; 1 leaves out what the rhythm is and names view 7 by its key only; 2 also the step rate
+    (the Metrics and Fail-slow views show it): an 80-column screen keeps the state, the machines and the countdown."""
+    if slow_machine:
+        h = Health("slow", f"slow: {slow_machine} ({'fail-slow, ' if detail == 0 else ''}key 7)")
+    job = state.job_machines
+    reachable = sum(1 for m in job if m.reachable)
+    away = [m.name for m in job if not m.reachable]
+    # After an eviction or a hot-update the job's agents restart with it: "restarting", never "lost".
+    restarting = len(away) if state.awaiting_restart else sum(1 for name in away if name in state.restarting)
+    lost = len(away) - restarting
+    evicted = len(state.machines) - len(job)
+    t = Text(no_wrap=True, overflow="ellipsis")
+    t.append("HUNG" + h.text[4:] if h.kind == "hung" else h.text, HEALTH_STYLES[h.kind])
+    # The machines before the time: were the line cut, a lost machine must not be.
+    t.append(f" │ {reachable}/{len(job)} machines")
+    if restarting:
+        t.append(f" {restarting} restarting", "yellow")
+    if lost:
+        t.append(f" {lost} lost", "bold red")
+    if evicted:
+        t.append(f" {evicted} evicted", "yellow")
+    t.append_text(timing_text(state, h, with_basis=detail == 0, with_rate=detail < 2))
+    return t
+
+
+def timing_text(state: AppState, h: Health, with_basis: bool = True, with_rate: bool = True) -> Text:
     """The job's time: its recent step rate, seconds since its last progress, and the count to the hang threshold
-    (the job's own rhythm, ``AppState.hang``; the automatic capture runs then); none of it for a job with no ranks
-    running (an old rate is no rate now)."""
+    (the job's own rhythm, ``AppState.hang``, whose basis ``with_basis`` says; the automatic capture runs then); none
+    of it for a job with no ranks running (an old rate is no rate now)."""
     t = Text()
     if h.kind in ("finished", "idle"):
         t.append(" │ - steps/s")
         return t
     rate = 0.0 if h.kind == "hung" else recent_step_rate(state)
-    t.append(f" │ {rate:.2f} steps/s" if rate is not None else " │ - steps/s")
+    if with_rate:
+        t.append(f" │ {rate:.2f} steps/s" if rate is not None else " │ - steps/s")
     age = progress_age(state)
     if age is None:
         return t
@@ -116,9 +133,11 @@ def timing_text(state: AppState, h: Health) -> Text:
         else:
             t.append(" │ capture due" if hang_capture_due(state) else " │ not captured (s)", "bold red")
     elif h.kind == "stalled":
-        t.append(f" │ hang + capture in {max(0.0, left):.0f} s ({hang.basis()})", "bold yellow")
+        t.append(f" │ hang + capture in {max(0.0, left):.0f} s" + (f" ({hang.basis()})" if with_basis else ""),
+                 "bold yellow")
     else:
-        t.append(f" │ step {age:.0f} s ago, hang at {hang.seconds:.0f} s ({hang.basis()})", "dim")
+        t.append(f" │ step {age:.0f} s ago, hang at {hang.seconds:.0f} s" + (f" ({hang.basis()})" if with_basis else ""),
+                 "dim")
     return t
 
 
