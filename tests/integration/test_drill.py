@@ -21,6 +21,7 @@ import psutil
 import pytest
 from agent_helpers import ctrl_c_works
 from drill_processes import processes_under
+from headless_drills import DRILL_TIMEOUT_S, HANG_P2P, HeadlessDrills
 from rankscope.cli.main import main as cli_main
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import ProcessRole
@@ -172,16 +173,11 @@ def _innermost_names(frames: list[str]) -> str:
 
 
 @pytest.mark.drill
-@pytest.mark.timeout(240)
-def test_hang_p2p_drill_through_the_agents(tmp_path: Path) -> None:
-    from rankscope.drill.launcher import TrainingOptions
-    from rankscope.drill.session import DrillConfig, run_headless
-
-    layout = DrillLayout(tp=2, pp=2, dp=2, machines=4)
-    plan = make_plan("hang-p2p", layout, rank=5, step=6)
-    config = DrillConfig(layout=layout, plan=plan, training=TrainingOptions(steps=40, checkpoint_every=5),
-                         run_dir=tmp_path / "run", stall_seconds=3.0)
-    report = run_headless(config)
+@pytest.mark.timeout(DRILL_TIMEOUT_S + 60)
+def test_hang_p2p_drill_through_the_agents(headless_drills: HeadlessDrills) -> None:
+    # `rankscope drill --headless`, hang-p2p at rank 5, step 6 (the job test_analyze_drills.py grades, run once)
+    drill = headless_drills.run(*HANG_P2P)
+    report = drill.report
 
     assert report["stall"]["reason"] == "stalled"
     cap = report["captured"]
@@ -210,7 +206,7 @@ def test_hang_p2p_drill_through_the_agents(tmp_path: Path) -> None:
     assert bundle["ground_truth"]["rank"] == 5 and bundle["ground_truth"]["suspect_ranks"] == [1, 5]
     # Every process of the drill is gone.
     assert marked_processes(report["run_id"]) == []
-    assert processes_under(tmp_path / "run") == []
+    assert processes_under(drill.run_dir) == []
 
 
 FORKER = """
