@@ -76,7 +76,7 @@ from typing import Any
 
 from rankscope.ccl_plugin import native
 from rankscope.ccl_plugin.writer import CounterWriter, OpSlot, Request
-from rankscope.contract.vocabulary import canonical_op, is_point_to_point
+from rankscope.contract.vocabulary import canonical_op, is_point_to_point, is_send
 
 # op name -> (parameter holding the payload, kind). kind: "coll" (async when
 # async_op=True), "send"/"recv" (blocking p2p), "isend"/"irecv" (return a Work),
@@ -426,7 +426,7 @@ class _Args:
 
 
 def _peer(get: Callable[[str], Any], kind: str, members: tuple[int, ...]) -> int | None:
-    key = "dst" if kind in ("send", "isend") else "src"
+    key = "dst" if is_send(kind) else "src"
     peer = get(key)
     if peer is not None:
         return int(peer)
