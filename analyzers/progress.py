@@ -124,7 +124,7 @@ def progress_at_capture(snapshot: JobSnapshot) -> ProgressAtCapture | None:
     return ProgressAtCapture(max(0.0, snapshot.captured.wall - max(marks)), window)
 
 
-def timing_not_fault(verdict: Verdict, progress: ProgressAtCapture) -> Verdict:
+def set_aside_as_timing(verdict: Verdict, progress: ProgressAtCapture) -> Verdict:
     """The verdict of a snapshot taken while the job made steps: no suspects, and what was set aside, said."""
     if not verdict.suspects and not verdict.findings:
         return verdict
@@ -136,4 +136,4 @@ def timing_not_fault(verdict: Verdict, progress: ProgressAtCapture) -> Verdict:
 
 
 __all__ = ["MID_STEP_S", "SETUP_S", "ProgressAtCapture", "counters_progress_wall", "mid_step_window", "progress_at_capture",
-           "timing_not_fault"]
+           "set_aside_as_timing"]

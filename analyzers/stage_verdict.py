@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from rankscope.analyzers.ccl import analyze_counters
 from rankscope.analyzers.findings import Verdict
 from rankscope.analyzers.not_a_rank import settle
-from rankscope.analyzers.progress import ProgressAtCapture, progress_at_capture, timing_not_fault
+from rankscope.analyzers.progress import ProgressAtCapture, progress_at_capture, set_aside_as_timing
 from rankscope.analyzers.stage_evidence import Evidence
 from rankscope.analyzers.suspects import StackAnalysis
 from rankscope.analyzers.verdict import merge_findings, merge_verdicts
@@ -74,7 +74,7 @@ def verdict_of(evidence: Evidence, stacks: StackAnalysis, others: Sequence[Verdi
     progress = progress_at_capture(snapshot)
     if progress is None or not progress.running:
         return JobAnalysis(stacks, counters, merged_with, verdict, progress)
-    return JobAnalysis(stacks, counters, merged_with, timing_not_fault(verdict, progress), progress, verdict)
+    return JobAnalysis(stacks, counters, merged_with, set_aside_as_timing(verdict, progress), progress, verdict)
 
 
 __all__ = ["JobAnalysis", "verdict_of"]
