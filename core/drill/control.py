@@ -45,7 +45,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +54,7 @@ from rankscope.actions.journal import JournalEntry
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionResult, ActionState, AuditRecord
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.launcher import Launcher
+from rankscope.drill.progress import read_loaded
 
 if TYPE_CHECKING:
     from rankscope.wire.tls import ClientTLS
@@ -175,10 +176,14 @@ class RecoveryEvent:
     restart_began_wall: float  # wall clock as the drill began the restart (progress after it is the new job's)
     resume_step: int  # the step the ranks resume from (newest step all ranks saved)
     kind: str = ActionKind.EVICT.value  # or hot_update / rollback: a restart in place on the new code
+    # Where the ranks said their state came from ("checkpoint", "backup", "start"); "" when they did not say
+    # within RANKS_LOADED_S, and then ``resume_step`` is the newest checkpoint every rank saved.
+    resume_source: str = ""
 
 
 JournalWriter = Callable[[Sequence[JournalEntry]], Sequence[JournalEntry]]  # append, return the merged story
 JOURNAL_BY = "rankscope drill"  # who the drill's journal entries are written by
+RANKS_LOADED_S = 60.0  # how long a restart's journal entry waits for every rank to say which step it loaded
 JOURNAL_DEADLINE_S = 5.0  # per agent: the note comes quickly when agents do not answer
 HISTORY_FILE = "hot_update_history.sqlite"  # in each agent's state directory (ActionsConfig.history_path)
 
@@ -223,8 +228,13 @@ def code_label(launcher: Launcher, machines: Sequence[str]) -> str:
 
 def resumed_text(event: RecoveryEvent, code: str) -> str:
     """The journal's line for a restart that brought the job back."""
-    step = (f"step {event.resume_step} (the newest checkpoint every rank saved)" if event.resume_step > 0
-            else "its start (no checkpoint every rank saved)")
+    if event.resume_source == "backup":
+        step = f"step {event.resume_step} (the in-memory backup every rank held)"
+    elif event.resume_step > 0:
+        step = f"step {event.resume_step} (the newest checkpoint every rank saved)"
+    else:
+        step = ("its start (no checkpoint or backup every rank held)" if event.resume_source
+                else "its start (no checkpoint every rank saved)")
     why = (f"after evicting {' '.join(event.evicted)}" if event.evicted
            else f"after {event.kind} {event.action_id}, in place")
     joined = f" ({' '.join(event.joined)} joined)" if event.joined else ""
@@ -393,6 +403,7 @@ class Recovery:
         event = RecoveryEvent(found.action_id, (), (), self.launcher.machines() if ok else (), ok, message, seen,
                               time.monotonic(), began_wall, resume, found.kind.value)
         if ok:
+            event = self._as_loaded(event)
             self._journal_resumed(event)
         self._add(event)
 
@@ -422,8 +433,27 @@ class Recovery:
             mark_evicted_in_hostfile(self.launcher.run_dir / HOSTFILE, before, evicted)
         self.on_event(outcome.message)
         if outcome.ok:
+            event = self._as_loaded(event)
             self._journal_resumed(event)
         self._add(event)
+
+    def _as_loaded(self, event: RecoveryEvent) -> RecoveryEvent:
+        """The event with the step every rank of the new job says it loaded (a `b` backup is newer than the
+        checkpoints the launcher sees). Waits for the ranks' reports, at most RANKS_LOADED_S; a restart without
+        running nodes, or ranks that do not say in time, keep the checkpoint step."""
+        if not self.launcher.nodes:
+            return event
+        world = self.launcher.layout.world
+        deadline = time.monotonic() + RANKS_LOADED_S
+        while True:
+            loaded = read_loaded(self.launcher.run_dir, event.restart_began_wall)
+            if len(loaded) >= world:
+                # Ranks agree on the step (they all-reduce it); the lowest is what the job resumed from.
+                first = min(loaded.values(), key=lambda lo: lo.step)
+                return replace(event, resume_step=first.step, resume_source=first.source)
+            # The ranks write their reports in another process: a file poll, ended early by the drill's stop.
+            if time.monotonic() > deadline or self._stop.wait(0.2):
+                return event
 
     def _journal_resumed(self, event: RecoveryEvent) -> None:
         """Write the restart to the agents' incident journal; what fails is a note, the drill goes on."""

@@ -46,14 +46,46 @@ def write_progress(run_dir: Path, rank: int, step: int, state: str = "running") 
 PHASES_DIR = "phases"
 
 
-def write_phase(run_dir: Path, rank: int, phase: str) -> None:
+def write_phase(run_dir: Path, rank: int, phase: str, loaded: LoadedStep | None = None) -> None:
     """Append that ``rank`` reached ``phase`` ("entered": the script runs, "joined": the rendezvous is done,
     "loaded": the checkpoint is in, "stepped": its first step is done), with the wall clock: where a start's time
-    goes, read afterwards (a watcher polling the progress files sees a step only when it looks)."""
+    goes, read afterwards (a watcher polling the progress files sees a step only when it looks). ``loaded``: the
+    step the rank starts from and where it came from (the "loaded" phase)."""
     folder = run_dir / PHASES_DIR
     folder.mkdir(parents=True, exist_ok=True)
+    record: dict[str, object] = {"rank": rank, "pid": os.getpid(), "phase": phase, "wall": time.time()}
+    if loaded is not None:
+        record.update(step=loaded.step, source=loaded.source)
     with open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps({"rank": rank, "pid": os.getpid(), "phase": phase, "wall": time.time()}) + "\n")
+        f.write(json.dumps(record) + "\n")
+
+
+@dataclass(frozen=True)
+class LoadedStep:
+    """The step a rank's training starts from and where its state came from: "checkpoint", "backup" (an
+    in-memory backup, `b`) or "start" (nothing saved: step 0)."""
+
+    step: int
+    source: str
+
+
+def read_loaded(run_dir: Path, since_wall: float) -> dict[int, LoadedStep]:
+    """rank -> the step it said it loaded at or after ``since_wall`` (its newest such report)."""
+    out: dict[int, LoadedStep] = {}
+    for path in sorted((run_dir / PHASES_DIR).glob("rank*.jsonl")):
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue  # replaced or removed right now: read next time
+        for line in lines:
+            try:
+                data = json.loads(line)
+                if data.get("phase") != "loaded" or float(data["wall"]) < since_wall or "step" not in data:
+                    continue
+                out[int(data["rank"])] = LoadedStep(int(data["step"]), str(data["source"]))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a line being written right now, or not ours
+    return out
 
 
 def read_phases(run_dir: Path, since_wall: float = 0.0) -> dict[str, dict[int, float]]:

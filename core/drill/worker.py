@@ -37,7 +37,7 @@ from typing import IO, Any
 
 from rankscope.drill.faults import FAULT_ENV, DrillLayout, FaultPlan
 from rankscope.drill.gpu import BACKENDS, DEFAULT_BACKEND
-from rankscope.drill.progress import write_phase, write_progress
+from rankscope.drill.progress import LoadedStep, write_phase, write_progress
 
 # What the launcher tells the ranks it starts (the worker only reads them; the launcher imports them from here).
 RUN_ID_ENV = "RANKSCOPE_DRILL_RUN_ID"
@@ -556,6 +556,7 @@ def train(args: argparse.Namespace) -> int:
     m.set_comm_device(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
+    source = "start"
     if args.resume:
         # Every rank resumes from the newest step that all ranks have saved.
         agreed = torch.tensor([start], dtype=torch.int64, device=device)
@@ -571,12 +572,14 @@ def train(args: argparse.Namespace) -> int:
             del batches
             start = restored
             batches = make_batches(start)
+            source = "backup"
         elif start > 0:
+            source = "checkpoint"
             state = torch.load(checkpoint_dir(run_dir) / f"rank{rank}-step{start}.pt", weights_only=True,
                                map_location=device)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optim"])
-    write_phase(run_dir, rank, "loaded")
+    write_phase(run_dir, rank, "loaded", LoadedStep(start, source))
     backup.set_step(start)  # shards carry the job's step numbers (the hook counts optimizer steps from here)
     # ---- hot-update hook: the user code of the node's code link (none: training exactly as without it) ----
     from rankscope.drill import user_code

@@ -157,6 +157,7 @@ def test_evicting_a_hung_pipeline_brings_in_standbys_and_training_resumes_bit_fo
         assert sorted(s.agents) == ["machine-1", "machine-3", "standby-0", "standby-1"]
         # Nothing was lost beyond the last checkpoint before the fault.
         assert event.resume_step == (FAULT_STEP // TRAINING.checkpoint_every) * TRAINING.checkpoint_every
+        assert event.resume_source == "checkpoint"  # said by every rank of the new job
         # The restart is in the agents' incident journal, for every view's Events: the step, machines and code.
         story = asyncio.run(read_journal(list(s.agents.values()), s.token()))
         (resumed,) = [e for e in story if e.kind == "resumed"]
@@ -271,6 +272,12 @@ def test_a_backup_taken_before_the_hang_is_restored_from_the_peers_after_evictio
         assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
         event = s.wait_for_recovery(1, timeout_s=240)
         assert event.ok, event.message
+        # The restart's story names the step the ranks loaded from the backup, not the checkpoints (there are none).
+        assert (event.resume_step, event.resume_source) == (max(common), "backup"), (event, held)
+        story = asyncio.run(read_journal(list(s.agents.values()), s.token()))
+        (resumed,) = [e for e in story if e.kind == "resumed"]
+        assert resumed.text.startswith(f"the job resumed from step {max(common)} (the in-memory backup every rank "
+                                       "held) on "), resumed.text
         wait_for(lambda: stepped_past(s.run_dir, s.layout.world, event.restart_began_wall, event.resume_step), 180,
                  "every rank to complete a step after the restart", interval_s=0.1)
         s.wait_for_steps(training.steps, timeout_s=240)
