@@ -203,7 +203,7 @@ def test_slow_compute_burn_follows_the_steps_taken_now(monkeypatch: pytest.Monke
 
 
 def test_thermal_stop_is_steered_to_factor_times_the_healthy_step() -> None:
-    from rankscope.drill.session import _HealthyStep
+    from rankscope.drill.outside_fault import _HealthyStep
 
     h = _HealthyStep(fault_step=10)
     for s in range(12):
