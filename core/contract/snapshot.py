@@ -370,7 +370,7 @@ class Layout:
     dp: int = 1
     cp: int = 1
     ep: int = 1
-    order: str = "tp-cp-ep-dp-pp"
+    order: str = "tp-cp-ep-dp-pp"  # Megatron's default: tp varies fastest
     ranks_per_machine: int | None = None
 
     SIZES = ("tp", "pp", "dp", "cp", "ep")  # the parallel sizes, in the order they are shown

@@ -319,14 +319,16 @@ def _verdict_only(verdict: Verdict, snapshot: Any, layout: Any) -> dict[str, Any
     from rankscope.analyzers.findings import finding_to_json
     from rankscope.analyzers.render import headline
     from rankscope.analyzers.verdict_json import suspect_to_json
+    from rankscope.contract.snapshot import Layout
 
     summary = headline(verdict)
     lay = layout
-    sizes = {d: getattr(lay, d) if lay is not None else 1 for d in ("tp", "pp", "dp", "cp", "ep")}
+    shown = lay if lay is not None else Layout()  # no layout: every size 1, the default order, marked assumed
+    sizes = {d: getattr(shown, d) for d in Layout.SIZES}
     out = {
         "summary": summary,
         "world_size": snapshot.world_size,
-        "layout": {**sizes, "order": lay.order if lay is not None else "tp-cp-ep-dp-pp",
+        "layout": {**sizes, "order": shown.order,
                    "ranks_per_machine": lay.ranks_per_machine if lay is not None else None,
                    "from_communicators": [], "assumed": lay is None},
         "groups": [],

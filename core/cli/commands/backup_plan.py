@@ -61,8 +61,7 @@ def plan_to_json(plan: Any, layout: Any) -> dict[str, Any]:
 
 
 def render_text(plan: Any, layout: Any) -> str:
-    sizes = " ".join(f"{d.upper()}={getattr(layout, d)}" for d in ("tp", "cp", "ep", "dp", "pp")
-                     if getattr(layout, d) > 1) or "all sizes 1"
+    sizes = layout.sizes_text("all sizes 1")
     lines = [f"checkpoint backup plan: {sizes}, order {layout.order}, {plan.world_size} ranks "
              f"on {len(plan.machines)} machines (rule: {plan.rule})"]
     width = len(str(plan.world_size - 1))
