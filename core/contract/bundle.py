@@ -83,6 +83,8 @@ def to_jsonable(value: Any, hooks: Hooks | None = None) -> Any:
         return value.value
     if isinstance(value, (tuple, list)):
         return [to_jsonable(v, hooks) for v in value]
+    if isinstance(value, (set, frozenset)):  # a set of facts (a suspect's sides): sorted, so the output is stable
+        return sorted((to_jsonable(v, hooks) for v in value), key=str)
     if isinstance(value, Mapping):
         return {str(k): to_jsonable(v, hooks) for k, v in value.items()}
     return value

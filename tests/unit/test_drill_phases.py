@@ -23,7 +23,8 @@ def test_the_step_each_rank_loaded_is_read_back_newest_first_and_only_since_the_
         f.write(json.dumps({"rank": 0, "pid": 1, "phase": "loaded", "wall": since + 1, "step": 12,
                             "source": "backup"}) + "\n")
         f.write('{"rank": 0, "phase": "loaded", "wa')
-    write_phase(tmp_path, 1, "joined")
+    with open(folder / "rank1.jsonl", "a") as f:
+        f.write(json.dumps({"rank": 1, "pid": 2, "phase": "joined", "wall": since + 1}) + "\n")
     assert read_loaded(tmp_path, since) == {0: LoadedStep(12, "backup")}
     assert set(read_phases(tmp_path, since)) == {"loaded", "joined"}
 
