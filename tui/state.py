@@ -137,6 +137,7 @@ class AppState:
     verdict: VerdictMark | None = None  # what the job was doing when ``stacks`` was captured
     evicted_addresses: frozenset[str] = frozenset()  # agents taken out of the job (hostfile, audit)
     awaiting_restart: bool = False  # an eviction succeeded and the job has not come back yet: not "finished"
+    restart_seen_wall: float | None = None  # when this view last saw the job restart (new pids)
     # Machines whose agents went away while the job restarted: "restarting" (not lost) until they answer again,
     # also after the job's ranks came back (an idle standby's agent, one slower than the rest).
     restarting: frozenset[str] = frozenset()
@@ -186,6 +187,7 @@ class AppState:
 # that resumed, a restart), is the same moment seen by two views.
 ONE_STORY_KINDS = frozenset({"hung", "restarted"})
 ONE_STORY_S = 30.0
+RESTART_SETTLE_S = 30.0  # after a restart a view saw, its agents going and coming back are still the restart
 _CHAPTERS = {"hung": frozenset({"resumed", "restarted"}), "restarted": frozenset({"hung", "evicted"}),
              "resumed": frozenset({"hung", "restarted"})}
 
@@ -288,12 +290,16 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     hang_after_s = state.hang_after_s
     events: list[Event] = []
     before = {m.name: m.reachable for m in state.machines}
+    # Just after a restart a view saw, the old agents finish their grace and the new ones take their ports: an agent
+    # may answer, go and come back. One view caught that flap, its pair did not; it is still the restart.
+    settling = state.awaiting_restart or (state.restart_seen_wall is not None
+                                          and now_wall - state.restart_seen_wall < RESTART_SETTLE_S)
     for m in d.machines:
         if m.name in state.evicted or m.address in state.evicted_addresses:
             continue  # its agent going away is the eviction's doing, not news
         was = before.get(m.name)
         if (was is False and m.reachable and m.name in state.restarting) or \
-                (was is True and not m.reachable and state.awaiting_restart):
+                (was is True and not m.reachable and settling):
             # The launcher restarts the job's agents with it (an eviction, a hot-update): the header and the map say
             # "restarting", and Events tell the restart once ("restarted", in the journal's words). Which agents one
             # view happened to find away or back at its polls is no part of the story: two views of a pair listed
@@ -322,7 +328,12 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     restarted, between, rank_pids = _restarted(state.rank_pids, machines)
     restarting = frozenset(
         m.name for m in machines if not m.reachable and not m.evicted
-        and (m.name in state.restarting or (state.awaiting_restart and before.get(m.name) is not False)))
+        and ((m.name in state.restarting and settling) or (settling and before.get(m.name) is not False)))
+    for m in machines:
+        if m.name in state.restarting and m.name not in restarting and not m.reachable and not m.evicted:
+            # The restart settled without it: now it is news.
+            events.append(Event(now_wall, "lost", f"agent {m.name} ({m.address}) did not come back after the "
+                                                  f"restart: {m.error or 'no answer'}"))
     if restarted:
         # A warm restart resumes the job before every machine's agent is back: those are named too, in place.
         on = ", ".join(m.name if m.reachable else f"{m.name} (agent not back yet)" for m in machines
@@ -434,6 +445,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         rank_pids=rank_pids,
         clock=clock,
         awaiting_restart=state.awaiting_restart and not restarted,
+        restart_seen_wall=now_wall if restarted else state.restart_seen_wall,
         restarting=restarting,
     )
 
