@@ -261,7 +261,12 @@ class RankscopeApp(App[int]):
         self._fold_evicted_addresses()  # a re-read hostfile may have marked agents evicted
         before = {m.name: m.reachable for m in self.state.machines}
         quiet = self.state.restarting  # agents away for a restart: no "lost"/"is back" toasts for them
+        restarts = self.state.restarts
         self.state = st.apply_poll(self.state, message.digest, self._now(message.digest.wall))
+        if self.state.restarts > restarts:
+            # A restarted job is a new series: the old one's ranks, machines and slow history (an evicted slow
+            # machine above all) would be judged again on the new processes.
+            self.failslow.restart()
         self._follow_journal()  # the story others write while it may still change (schedule.journal_read_due)
         if schedule.started_capture_due(self.state):
             self.state = st.apply_started_captured(self.state)

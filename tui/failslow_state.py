@@ -173,7 +173,9 @@ class FailSlowFeeder:
 
     def __init__(self, app: App[object] | App[int], config: FailSlowConfig | None = None) -> None:
         self.app = app
+        self.config = config
         self.tracker = FailSlowTracker(config)
+        self._series = 0  # bumped by ``restart``: a batch taken in before it draws nothing
         self._pending: list[tuple[JobSnapshot, StackView | None, bool]] = []  # (snapshot, analysis, may be skipped)
         self._wake = asyncio.Event()
         self.idle = asyncio.Event()
@@ -195,6 +197,16 @@ class FailSlowFeeder:
         batch = [(s, a, False) for s, a in items]
         if len(batch) > 1:
             self._push(batch)
+
+    def restart(self) -> None:
+        """The job restarted (an eviction, a hot-update): the detectors start a new series.
+
+        What was queued belongs to the old processes and is dropped; a batch being taken in right now finishes
+        on the old tracker and its view is not drawn."""
+        self._series += 1
+        self._pending = []
+        self.tracker = FailSlowTracker(self.config)
+        self.app.post_message(FailSlowUpdated(self.tracker.view()))  # view 7 and the header forget the old verdict
 
     def _push(self, batch: list[tuple[JobSnapshot, StackView | None, bool]]) -> None:
         if not batch:
@@ -225,10 +237,16 @@ class FailSlowFeeder:
             batch = self._take()
             if batch:
                 started = loop.time()
+                series = self._series
                 view = await asyncio.to_thread(self.tracker.feed_series, batch)
                 if self.skipped:
                     view = replace(view, skipped=self.skipped)
-                self.app.post_message(FailSlowUpdated(view))
+                if series == self._series:
+                    self.app.post_message(FailSlowUpdated(view))
+                else:
+                    # The old series' last view: drawn, it would bring back the old machines. The new series
+                    # has nothing yet: an empty view, so view 7 shows the new start rather than the old verdict.
+                    self.app.post_message(FailSlowUpdated(self.tracker.view()))
                 took = loop.time() - started
                 if took > 0.2:  # busy (a big job): rest as long, so the detectors take at most half the time
                     await asyncio.sleep(took)

@@ -28,6 +28,7 @@ from rankscope.contract.snapshot import (
     RankCounters,
     RankInfo,
 )
+from rankscope.tui import state as st
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.failslow_state import FailSlowTracker
 from rankscope.tui.sources import BundleSource
@@ -249,6 +250,25 @@ async def test_live_polls_feed_the_detectors_until_the_slow_machine_is_named() -
         assert view is not None and view.updates == 49 and view.skipped == 0
         assert view.verdict is not None and view.verdict.confident and view.verdict.machine == "m2"
         assert "slow for" in _text(app, "#fs-summary")
+        # The job restarts (every rank under a new pid, as after an eviction or a hot-update): the detectors start
+        # a new series, so the old verdict (an evicted machine's, above all) is not judged again on the new job.
+        old_tracker = app.failslow.tracker
+        last = fs_series(51)[-1]
+        source.push_poll(replace(last, machines=tuple(
+            replace(m, ranks=tuple(replace(r, pid=r.pid + 100_000) for r in m.ranks)) for m in last.machines)))
+        for _ in range(500):
+            await pilot.pause()
+            if app.state.restarts == 1 and app.failslow.tracker is not old_tracker:
+                break
+        else:
+            pytest.fail("the restart never reached the view")
+        await app.failslow.idle.wait()
+        await pilot.pause()
+        assert st.slow_machines(app.state.failslow) == ()
+        view = app.state.failslow
+        # A new series of one snapshot (the restarted job's): no rounds of the old one, nobody named.
+        assert view is not None and view.updates == 1 and len(view.rounds) <= 1
+        assert view.verdict is None or (not view.verdict.verdict.suspects and not view.verdict.confident)
 
 
 async def test_live_polls_that_pile_up_are_skipped_but_captures_never() -> None:
