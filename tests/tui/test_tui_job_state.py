@@ -307,6 +307,11 @@ def test_a_hot_update_that_restarts_the_job_is_restarting_and_a_capture_meanwhil
     capture = snap(T0 + 6, progress=T0 + 2)
     taken = st.apply_capture_analyzed(s, dg.digest(capture), build_stack_view(capture, capture.layout), T0 + 6)
     assert staleness.verdict_stale(taken) == "taken while the job was restarting"
+    # A capture while no rank runs reads nobody: no capture or verdict row (its pair, not capturing then, has none).
+    empty = snap(T0 + 7, progress=None, ranks=False)
+    nobody = st.apply_capture_analyzed(down, dg.digest(empty), build_stack_view(empty, empty.layout), T0 + 7)
+    assert [e.kind for e in nobody.events if e.wall >= T0 + 7] == []
+    assert nobody.stacks is not None and not nobody.stacks.groups
 
 
 
