@@ -115,9 +115,10 @@ def test_reader_in_another_process_never_sees_a_torn_slot(tmp_path: Path, path: 
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         path = tmp_path / L.file_name("hammer", 0)
         seen = set()
-        deadline = time.monotonic() + 30
+        # A bound for a wedged writer only: on a loaded 2-core host 2,000 reads and the writer's progress take long.
+        deadline = time.monotonic() + 300
         reads = 0
-        while reads < 2000 and time.monotonic() < deadline:
+        while (reads < 2000 or len(seen) <= 10) and time.monotonic() < deadline:
             got = read_counter_file(path).counters
             assert got.error is None, got.error
             (op,) = got.ops
@@ -125,7 +126,7 @@ def test_reader_in_another_process_never_sees_a_torn_slot(tmp_path: Path, path: 
             assert op.cl == op.wr and op.wc in (op.cl, op.cl - 1) and op.bytes_total == 8 * op.cl, op
             seen.add(op.cl)
             reads += 1
-        assert reads == 2000 and len(seen) > 10  # the writer really moved while we read
+        assert reads >= 2000 and len(seen) > 10, (reads, len(seen))  # the writer really moved while we read
     finally:
         proc.kill()
         proc.wait(timeout=10)
