@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PROGRESS_DIR = "progress"
 
@@ -69,9 +70,8 @@ class LoadedStep:
     source: str
 
 
-def read_loaded(run_dir: Path, since_wall: float) -> dict[int, LoadedStep]:
-    """rank -> the step it said it loaded at or after ``since_wall`` (its newest such report)."""
-    out: dict[int, LoadedStep] = {}
+def _phase_reports(run_dir: Path, since_wall: float) -> Iterator[tuple[int, str, float, dict[str, Any]]]:
+    """Every report at or after ``since_wall``, in file order: (rank, phase, wall, the whole record)."""
     for path in sorted((run_dir / PHASES_DIR).glob("rank*.jsonl")):
         try:
             lines = path.read_text(errors="replace").splitlines()
@@ -80,26 +80,30 @@ def read_loaded(run_dir: Path, since_wall: float) -> dict[int, LoadedStep]:
         for line in lines:
             try:
                 data = json.loads(line)
-                if data.get("phase") != "loaded" or float(data["wall"]) < since_wall or "step" not in data:
-                    continue
-                out[int(data["rank"])] = LoadedStep(int(data["step"]), str(data["source"]))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue  # a line being written right now, or not ours
+                rank, phase, wall = int(data["rank"]), str(data["phase"]), float(data["wall"])
+            except (ValueError, KeyError, TypeError, IndexError):
+                continue  # a line being written right now, or not a report
+            if wall >= since_wall:
+                yield rank, phase, wall, data
+
+
+def read_loaded(run_dir: Path, since_wall: float) -> dict[int, LoadedStep]:
+    """rank -> the step it said it loaded at or after ``since_wall`` (its newest such report)."""
+    out: dict[int, LoadedStep] = {}
+    for rank, phase, _wall, data in _phase_reports(run_dir, since_wall):
+        if phase == "loaded" and "step" in data:
+            try:
+                out[rank] = LoadedStep(int(data["step"]), str(data["source"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a report without its step's source: not one we wrote
     return out
 
 
 def read_phases(run_dir: Path, since_wall: float = 0.0) -> dict[str, dict[int, float]]:
     """phase -> rank -> the wall clock of the rank's first report of it at or after ``since_wall``."""
     out: dict[str, dict[int, float]] = {}
-    for path in sorted((run_dir / PHASES_DIR).glob("rank*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                data = json.loads(line)
-                rank, phase, wall = int(data["rank"]), str(data["phase"]), float(data["wall"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a line being written right now
-            if wall >= since_wall:
-                out.setdefault(phase, {}).setdefault(rank, wall)
+    for rank, phase, wall, _data in _phase_reports(run_dir, since_wall):
+        out.setdefault(phase, {}).setdefault(rank, wall)
     return out
 
 
