@@ -105,6 +105,30 @@ class OpTable:
                     return True
         return False
 
+    def received_in_pair(self, comm_id: str, op: str, rank: int, peer: int) -> bool:
+        """Whether ``peer`` posted every matching op to ``rank``'s open ones, on a communicator of just the two.
+
+        Only there do the counts say it per pair: ``peer`` issued at least as
+        many recvs (sends) as ``rank`` issued sends (recvs), and none is open
+        toward ``rank``, so the transfers happened and ``rank``'s open request
+        is done but not yet settled (the shim settles async requests in the
+        background, which cannot run while a rank holds the GIL in a C call).
+        Such a request waits on nobody: reading it as a wait would turn a rank
+        stuck in its own work into half of a desync.
+        """
+        comm = self.comms.get(comm_id)
+        if comm is None or len(set(comm.ranks)) != 2:
+            return False
+        other = matching_op(op)
+        mine = theirs = 0
+        for name, by_rank in self.of(comm_id).items():
+            kind = canonical_op(name)
+            if kind == canonical_op(op) and (o := by_rank.get(rank)) is not None:
+                mine += o.wr
+            elif other is not None and kind == other and (o := by_rank.get(peer)) is not None:
+                theirs += o.wr
+        return theirs >= mine
+
 
 def op_table(counters: Mapping[int, RankCounters]) -> OpTable:
     ops: dict[str, dict[str, dict[int, OpCounters]]] = {}
@@ -251,7 +275,8 @@ def _graph(live: Mapping[int, RankCounters], table: OpTable) -> tuple[_Waits, li
                     if o is None or o.wc >= o.wr:
                         continue
                     for p in o.open_peers:
-                        if p in live and not table.posted_back(cid, op, r, p):
+                        if (p in live and not table.posted_back(cid, op, r, p)
+                                and not table.received_in_pair(cid, op, r, p)):
                             g.add(r, p, f"rank {r} waits in {op} {direction_word(op)} rank {p} on {label} "
                                         f"(WC {o.wc} < WR {o.wr}); rank {p} never posted the matching "
                                         f"{matching_op(op)}")

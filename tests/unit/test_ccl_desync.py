@@ -253,3 +253,33 @@ def test_the_stacks_send_waits_added_for_the_chain_do_not_reach_the_counters_ver
     assert crossed_waits(c.files(), waits=shared) == ()
     assert crossed_waits(c.files(), {r: {0: "stack wait"} for r in range(1, 8)}, shared) != ()
     assert crossed_waits(c.files(), waits=shared) == ()
+
+
+def _pair_job(peer_recvs: int) -> dict[int, RankCounters]:
+    """Rank 0 waits in its 4th all_reduce; rank 1 (CL 3) holds step 0's exchange with rank 0 open, on a pair group.
+
+    Rank 0 posted ``peer_recvs`` recvs from rank 1 (and completed them all); rank 1 issued 3 sends to rank 0.
+    """
+    world = Communicator("0", "gloo", "default_pg", (0, 1))
+    pp = Communicator("1", "gloo", "PIPELINE_MODEL_PARALLEL_GROUP", (0, 1))
+    r0 = RankCounters(0, 100, 2, "j", 1.0, (world, pp), (
+        OpCounters("0", "all_reduce", 4, 4, 3),
+        OpCounters("1", "send", 3, 3, 3), OpCounters("1", "recv", peer_recvs, peer_recvs, peer_recvs)))
+    r1 = RankCounters(1, 101, 2, "j", 1.0, (world, pp), (
+        OpCounters("0", "all_reduce", 3, 3, 3),
+        OpCounters("1", "send", 3, 3, 2, open_peers=(0,)), OpCounters("1", "recv", 3, 3, 2, open_peers=(0,))))
+    return {0: r0, 1: r1}
+
+
+def test_an_exchange_its_peer_completed_is_no_wait_on_a_pair_group() -> None:
+    # rank 1 stuck in its own work with the GIL held: its last exchange's requests are done (rank 0 received
+    # them) but not yet settled by the shim's background poll; that is no wait, so no desync
+    done = _pair_job(peer_recvs=3)
+    assert crossed_waits(done) == ()
+    g, _ = _graph(live_counters(done), op_table(live_counters(done)))
+    assert 1 not in g.out
+    # the same rank 1 when rank 0 never posted its third recv: rank 1 really waits on rank 0 -> a desync
+    skipped = _pair_job(peer_recvs=2)
+    (c,) = crossed_waits(skipped)
+    assert c.lagging == (1,) and c.waiting == (0,)
+    assert any("never posted the matching recv" in line for line in c.evidence)
