@@ -3,14 +3,14 @@
 The usual case: a job already running when someone notices it is slow. The
 job is the drill's (TP=2 PP=2 DP=2, 8 ranks over 2 torchrun nodes) started
 without the CCL plugin (``counters=False``: no ``rankscope run``, no counter
-files), with one rank made ~3× or ~1.5× slower, or healthy. Two agents are
+files), with one rank made ~1.5× slower, or healthy. Two agents are
 started the plain way (no ``--machine-name``, each scoped to one node's
 torchrun), and ``rankscope watch`` runs for a bounded time. Without counters
 there is no step time and no late arriver: the verdict must come from the
 sampled stacks (and the other detectors must not invent one on the healthy
 job). One job per case, shared by the assertions on it; a slow case's watch
 ends at its first confident verdict (``--until-confident``), so only the
-healthy case costs the whole 60 s.
+healthy case costs the whole 45 s.
 
 The 1.5x case used to be missed on a loaded 2-core machine: the watch's
 stack rounds (py-spy dumps of every rank, 6-16 s each at load 45-65) ran
@@ -45,10 +45,11 @@ from agent_helpers import START_TIMEOUT_S, clean_env, kill_group, make_token_fil
 
 pytestmark = pytest.mark.drill
 
-WATCH_S = 60  # the healthy case watches this long for a false alarm
+WATCH_S = 45  # the healthy case watches this long for a false alarm: longer than a slow case needs (25-40 s)
 SLOW_WATCH_S = 150  # a slow case's bound: it ends at its first confident verdict
-# case -> (fault, rank, factor): ranks on different machines and pipeline stages.
-CASES = {"slow-3x": ("slow-compute", 5, 3.0), "slow-1.5x": ("slow-compute", 2, 1.5), "healthy": ("none", -1, 1.0)}
+# case -> (fault, rank, factor). Only the subtle 1.5x: a 3x rank is named by the same sampled waits sooner
+# (test_watch.py names a 3x rank with counters), and each case is a whole 8-rank job on the suite's budget.
+CASES = {"slow-1.5x": ("slow-compute", 2, 1.5), "healthy": ("none", -1, 1.0)}
 
 
 def start_plain_agent(folder: Path, label: str, launcher_pid: int, token_file: Path) -> tuple[subprocess.Popen[bytes], int]:
@@ -98,7 +99,7 @@ def watched(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str
                  # A shared 2-core machine can be loaded 20× over: an agent's reply may take longer than the
                  # default 5 s there, and a poll that times out is a poll without samples.
                  "--deadline", "20", "--timeout", "10",
-                 # A slow case ends at its first confident verdict (the healthy one watches the whole 60 s).
+                 # A slow case ends at its first confident verdict (the healthy one watches the whole WATCH_S).
                  *(["--until-confident"] if rank >= 0 else [])],
                 capture_output=True, text=True, timeout=duration + 240, env=clean_env())
         finally:
