@@ -46,7 +46,6 @@ from rankscope.analyzers.labels import group_name, summary_parts
 from rankscope.analyzers.origins import Origin, origins_of
 from rankscope.analyzers.placement import Placement
 from rankscope.analyzers.stacks import (
-    MAIN_LANE,
     Grouping,
     PrefixNode,
     diverging_frame,
@@ -210,7 +209,7 @@ def _applyorigins_of(
             waiting.update(dict.fromkeys(g.ranks, kind))
     for o in origins:
         ranks = set(o.ranks)
-        where = "" if o.lane == MAIN_LANE else f" in its {o.lane}"
+        where = "" if o.lane.is_main else f" in its {o.lane.label}"
         if o.side == "compute":
             own = "its" if len(ranks) == 1 else "their"
             why = (f"origin: {_ranks_are(ranks)} stuck in {own} own work{where} ({o.frame}), not waiting "

@@ -40,7 +40,7 @@ def verdict_to_json(analysis: StackAnalysis) -> dict[str, object]:
             "healthy": i in g.dominant,
             "diverging_frame": None if i in g.dominant else diverging_frame(g, group),
             "frames": list(group.frames),
-            "lanes": [{"label": label, "frames": list(frames)} for label, frames in group.lanes],
+            "lanes": [{"label": lane.label, "frames": list(lane.frames)} for lane in group.lanes],
         })
     v = analysis.verdict
     return {
