@@ -5,7 +5,7 @@ from __future__ import annotations
 from rankscope.analyzers.chain import Chain
 from rankscope.analyzers.findings import Suspect, finding_to_json
 from rankscope.analyzers.stacks import diverging_frame
-from rankscope.analyzers.suspects import StackAnalysis
+from rankscope.analyzers.stage_suspects import StackAnalysis
 from rankscope.analyzers.topology import DIMS
 
 
