@@ -158,7 +158,8 @@ def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
         what = RankState.STOPPED if state in ("T", "t") else RankState.UNREADABLE
         if rs.main.threads is None and not _about_the_process(rs.main.error):
             what = RankState.UNKNOWN
-        return RankView(rank, what, reason=text, process_state=state, wchan=wchan)
+        return RankView(rank, what, reason=text, process_state=state, wchan=wchan,
+                        error_kind=rs.main.error.kind if rs.main.error is not None else None)
     if cache is not None:
         got = cache.view(main.frames, options)
         return RankView(rank, got.state, got.frame, got.site, got.direction, host_wait=got.host_wait,
