@@ -32,10 +32,9 @@ from rankscope.analyzers.stacks import DEFAULT_OPTIONS, SignatureOptions
 from rankscope.analyzers.stage_evidence import gather
 from rankscope.analyzers.stage_rank_states import rank_states
 from rankscope.analyzers.stage_roots import roots_of
-from rankscope.analyzers.stage_suspects import suspects_of
+from rankscope.analyzers.stage_suspects import StackAnalysis, suspects_of
 from rankscope.analyzers.stage_verdict import JobAnalysis, verdict_of
 from rankscope.analyzers.stage_waits import waits_of
-from rankscope.analyzers.suspects import StackAnalysis
 from rankscope.contract.snapshot import JobSnapshot, Layout
 
 

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import numpy as np
 from rankscope.analyzers.topology import DIMS, Topology, group_ids
 from rankscope.contract.ranks import compact_ranks
-from rankscope.contract.snapshot import CaptureError
+from rankscope.contract.snapshot import CaptureError, CaptureErrorKind
 
 DESYNC_ADVICE = ("evicting machines will not cure it: a desync is usually a program mismatch (different data or "
                  "control flow on these ranks, e.g. an extra batch or a rank-dependent branch); fix the code or the "
@@ -94,12 +94,13 @@ class RankView:
     native: bool = False  # the stack has native frames (py-spy --native): no host_wait then means none
     peers: tuple[int, ...] = ()  # the ranks a send/recv waits on, when the counters name them (open_peers)
     counted: str = ""  # what the counters say of a wait the stack cannot show (an asynchronous collective)
+    error_kind: CaptureErrorKind | None = None  # why its capture failed, as the capture typed it (None: it did not)
 
     def short(self) -> str:
         """A few words: "loading data", "unreadable: permission, process state D in nv_wait"."""
         if self.state not in (RankState.UNREADABLE, RankState.STOPPED, RankState.UNKNOWN):
             return self.state.value
-        extra = [self.reason.split(":", 1)[0]] if ":" in self.reason else []
+        extra = [str(self.error_kind)] if self.error_kind is not None else []
         if self.process_state:
             extra.append(f"process state {self.process_state}" + (f" in {self.wchan}" if self.wchan else ""))
         return f"{self.state.value}: {', '.join(extra)}" if extra else self.state.value

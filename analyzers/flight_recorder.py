@@ -38,23 +38,21 @@ never an exception.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rankscope.analyzers.findings import NOT_A_RANK, NOT_A_RANK_ADVICE, NOT_A_RANK_PREFIX, Finding
+from rankscope.contract.fr_records import INTS, FrOp, parse_members, read_entry, whole_number
 from rankscope.contract.ranks import compact_ranks
-from rankscope.contract.vocabulary import Shape, is_point_to_point, is_send, matching_op, tensor_rule
+from rankscope.contract.vocabulary import Shape, is_send, matching_op, tensor_rule
 
 MISMATCH_CAP = 10  # per group, like fr_trace's default: past this the dump is more noise than signal
 
 # How far an entry got; an unknown state is never taken as behind.
 _STATE_RANK = {"scheduled": 0, "started": 1, "completed": 2}
-_INTS = re.compile(r"-?\d+")
 
 ADVICE = {
     "fr-op-mismatch": "the ranks called different collectives at the same point: a program divergence "
@@ -83,25 +81,6 @@ _ORDER = tuple(ADVICE)
 # Findings about the job rather than about the dumps: they make the headline.
 SERIOUS = frozenset(("fr-op-mismatch", "fr-size-mismatch", "fr-dtype-mismatch", "fr-state-mismatch",
                      "fr-missing-ranks", "fr-mismatch-cap"))
-
-
-@dataclass(frozen=True, slots=True)
-class FrOp:
-    """One readable flight-recorder entry of one rank."""
-
-    rank: int
-    record_id: int | None
-    pg_name: str
-    pg_desc: str
-    op: str  # "all_reduce", "send", "coalesced", ...
-    peer: str  # p2p's "0->1" / "1<-0" (group-local ranks), else ""
-    is_p2p: bool
-    seq: int  # collective_seq_id, or p2p_seq_id for p2p ops
-    input_sizes: tuple[tuple[int, ...], ...] | None
-    output_sizes: tuple[tuple[int, ...], ...] | None
-    input_dtypes: tuple[str, ...] | None
-    output_dtypes: tuple[str, ...] | None
-    state: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,101 +125,6 @@ class GroupWavefront:
 class FrAnalysis:
     findings: tuple[Finding, ...]
     wavefront: tuple[GroupWavefront, ...]
-
-
-# ---------------------------------------------------------------- reading entries
-
-
-def _int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _sizes(value: Any) -> tuple[tuple[int, ...], ...] | None:
-    if not isinstance(value, list | tuple):
-        return None
-    out: list[tuple[int, ...]] = []
-    for shape in value:
-        if not isinstance(shape, list | tuple):
-            return None
-        if all(type(d) is int for d in shape):  # the usual case, without a parse per dimension
-            out.append(tuple(shape))
-            continue
-        dims = [_int(d) for d in shape]
-        if any(d is None for d in dims):
-            return None
-        out.append(tuple(d for d in dims if d is not None))
-    return tuple(out)
-
-
-def _dtypes(value: Any) -> tuple[str, ...] | None:
-    if isinstance(value, str):  # PyTorch's own tests write one dtype as a string
-        return (value,) if value else ()
-    if isinstance(value, list | tuple) and all(isinstance(d, str) for d in value):
-        return tuple(value)
-    return None
-
-
-def read_entry(raw: Any, rank: int) -> tuple[FrOp | None, list[str]]:
-    """One dump entry as an op, and what was wrong with it (an op of None: unusable)."""
-    if not isinstance(raw, Mapping):
-        return None, [f"an entry that is a {type(raw).__name__}, not a mapping"]
-    problems: list[str] = []
-    pg = raw.get("process_group")
-    if not isinstance(pg, list | tuple) or not pg or not isinstance(pg[0], str | int):
-        return None, ["no process_group"]
-    pg_name = str(pg[0])
-    pg_desc = str(pg[1]) if len(pg) > 1 and isinstance(pg[1], str | int) else ""
-    name = raw.get("profiling_name")
-    if not isinstance(name, str) or not name.strip():
-        return None, ["no profiling_name"]
-    body = name.split(":", 1)[1] if ":" in name else name
-    parts = body.strip().split(" ", 1)
-    op = parts[0]
-    peer = parts[1].strip() if len(parts) > 1 else ""
-    p2p_flag = raw.get("is_p2p")
-    is_p2p = bool(p2p_flag) if isinstance(p2p_flag, bool) else is_point_to_point(op)
-    seq = _int(raw.get("p2p_seq_id" if is_p2p else "collective_seq_id"))
-    if seq is None:
-        return None, ["no " + ("p2p_seq_id" if is_p2p else "collective_seq_id")]
-    record = _int(raw.get("record_id"))
-    if "record_id" in raw and record is None:
-        problems.append("record_id")
-    fields: dict[str, Any] = {}
-    for key, parse in (("input_sizes", _sizes), ("output_sizes", _sizes),
-                       ("input_dtypes", _dtypes), ("output_dtypes", _dtypes)):
-        got = parse(raw.get(key)) if key in raw else None
-        if key in raw and got is None:
-            problems.append(key)
-        fields[key] = got
-    state = raw.get("state")
-    if state is not None and not isinstance(state, str):
-        problems.append("state")
-        state = None
-    return FrOp(rank, record, pg_name, pg_desc, op, peer, is_p2p, seq, fields["input_sizes"],
-                fields["output_sizes"], fields["input_dtypes"], fields["output_dtypes"], state), problems
-
-
-def parse_members(value: Any) -> tuple[int, ...] | None:
-    """pg_config's ``ranks``: a list, or the string "[0, 1]" real dumps hold."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            value = [int(x) for x in _INTS.findall(value)]
-    if not isinstance(value, list | tuple):
-        return None
-    ranks = [_int(r) for r in value]
-    if any(r is None for r in ranks):
-        return None
-    return tuple(sorted({r for r in ranks if r is not None})) or None
 
 
 # ---------------------------------------------------------------- dumps
@@ -289,7 +173,7 @@ def _read_dumps(dumps: Mapping[int, Any], findings: list[Finding]) -> dict[int, 
             op, problems = read_entry(raw_entry, rank)
             for p in problems:
                 bad[p] += 1
-                rid = _int(raw_entry.get("record_id")) if isinstance(raw_entry, Mapping) else None
+                rid = whole_number(raw_entry.get("record_id")) if isinstance(raw_entry, Mapping) else None
                 first_bad.setdefault(p, rid)
             if op is not None:
                 dump.ops.append(op)
@@ -301,7 +185,7 @@ def _read_dumps(dumps: Mapping[int, Any], findings: list[Finding]) -> dict[int, 
                       + (f" (first at record {first_bad[p]})" if first_bad[p] is not None else "")
                       for p, n in sorted(bad.items()))))
         _check_records(dump, [i for e in entries if isinstance(e, Mapping)
-                              for i in [_int(e.get("record_id"))] if i is not None], findings)
+                              for i in [whole_number(e.get("record_id"))] if i is not None], findings)
         out[rank] = dump
     if len(versions) > 1:
         findings.append(_finding(
@@ -569,7 +453,7 @@ def _p2p(grp: _Group, dumps: Mapping[int, _Dump]) -> tuple[list[Finding], list[F
         for op in ops:
             if not op.is_p2p or matching_op(op.op) is None:
                 continue
-            ints = [int(x) for x in _INTS.findall(op.peer)]
+            ints = [int(x) for x in INTS.findall(op.peer)]
             if len(ints) != 2:
                 continue
             if is_send(op.op):

@@ -8,7 +8,7 @@ reads the same everywhere.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from rankscope.analyzers.findings import NOT_A_RANK, Side, Suspect, SuspectKind, Verdict
 from rankscope.analyzers.topology import compact_machines
@@ -104,6 +104,29 @@ def summary_parts(named: Sequence[Suspect]) -> tuple[str, str]:
     before = "".join(f"{joined(*p)}; " for p in parts[:at])
     after = "".join(f"; {joined(*p)}" for p in parts[at + 1:])
     return f"{lead}{before}{parts[at][0]}", f"{parts[at][1]}{after}"
+
+
+def stacks_headline(named: Sequence[Suspect], seen: int, groups: int, majority: bool) -> tuple[str, str]:
+    """The stacks' headline in two parts (``summary_parts``) over the suspects it ``named``; with none, why there
+    is no verdict: ``seen`` ranks' stacks read, in ``groups`` stack groups, ``majority`` when one group is healthy."""
+    if named:
+        return summary_parts(named)
+    if seen == 0:
+        return "no verdict: no rank's stacks could be read", ""
+    if groups == 1:
+        return f"no verdict: all {seen} ranks show the same stacks", ""
+    if not majority:
+        return f"no verdict: no two of the {seen} ranks show the same stacks", ""
+    return "no verdict: the outliers fit no group smaller than the whole job", ""
+
+
+def reason_digest(missing: Mapping[int, str]) -> str:
+    """Why ranks could not be seen, each reason with its ranks (the first four): `` — py-spy timed out (ranks 3-4)``."""
+    reasons: dict[str, list[int]] = {}
+    for rank, why in missing.items():
+        reasons.setdefault(why, []).append(rank)
+    parts = [f"{why} (ranks {compact_ranks(r)})" for why, r in sorted(reasons.items(), key=lambda kv: min(kv[1]))]
+    return " — " + "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else "")
 
 
 # Alibaba's C4 sorts what goes wrong in a job into four kinds; a verdict says which (C4D's words).

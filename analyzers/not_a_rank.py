@@ -231,8 +231,8 @@ def settle(verdict: Verdict, snapshot: JobSnapshot | None = None) -> Verdict:
             verdict = replace(verdict, findings=tuple(
                 replace(f, evidence=(*f.evidence, *told[f])) if told.get(f) else f for f in verdict.findings))
             stalls = [f for f in verdict.findings if f.kind == NOT_A_RANK]
-    if any(verdict.summary == f.summary for f in stalls):
-        return replace(verdict, status=VerdictStatus.NOT_A_RANK)  # it already says "not a rank"
+    if verdict.status is VerdictStatus.NOT_A_RANK:
+        return verdict  # its detector already said "not a rank" (its status, not its words)
     # What it said before, unless it said it has no verdict: a note.
     notes = (*verdict.notes, verdict.summary) if verdict.summary and verdict.status not in (
         VerdictStatus.NO_VERDICT, VerdictStatus.TIMING) else verdict.notes

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rankscope.analyzers.stacks import MAIN_LANE, Grouping
+from rankscope.analyzers.stacks import Grouping, Lane
 from rankscope.contract.frames import communication_kind, is_communication
+from rankscope.contract.snapshot import ProcessRole
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,12 +22,14 @@ class Origin:
     their own work (or a busy subprocess), so the ranks themselves are
     suspect; "p2p" or "collective" when they are stuck on their way into a
     call that talks to others, so the group they were talking to is suspect.
+    ``lane`` is where the stuck frame is: the main thread's, or a busy thread
+    or subprocess of the rank, with its process role typed.
     """
 
     ranks: tuple[int, ...]
     side: str
     frame: str
-    lane: str
+    lane: Lane
 
 
 def origins_of(grouping: Grouping) -> list[Origin]:
@@ -45,11 +48,10 @@ def origins_of(grouping: Grouping) -> list[Origin]:
     out: list[Origin] = []
     for i in grouping.outliers:
         g = grouping.groups[i]
-        extra = [(label, frames) for label, frames in g.lanes[1:]
-                 if (label, frames) not in healthy_lanes and frames and not is_communication(frames[-1])]
+        extra = [lane for lane in g.lanes[1:]
+                 if lane not in healthy_lanes and lane.frames and not is_communication(lane.frames[-1])]
         if extra:
-            label, frames = extra[0]
-            out.append(Origin(g.ranks, "compute", frames[-1], label))
+            out.append(Origin(g.ranks, "compute", extra[0].frames[-1], extra[0]))
             continue
         if not g.frames or is_communication(g.frames[-1]):
             continue
@@ -58,12 +60,13 @@ def origins_of(grouping: Grouping) -> list[Origin]:
             if a != b:
                 break
             shared += 1
+        main = g.lanes[0] if g.lanes else Lane(ProcessRole.MAIN, False, g.frames)
         entering = [f for f in g.frames[shared:] if communication_kind(f)]
         if entering:
             side = communication_kind(entering[-1]) or "collective"
-            out.append(Origin(g.ranks, side, entering[-1], MAIN_LANE))
+            out.append(Origin(g.ranks, side, entering[-1], main))
         else:
-            out.append(Origin(g.ranks, "compute", g.frames[-1], MAIN_LANE))
+            out.append(Origin(g.ranks, "compute", g.frames[-1], main))
     return out
 
 

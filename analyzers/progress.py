@@ -124,16 +124,27 @@ def progress_at_capture(snapshot: JobSnapshot) -> ProgressAtCapture | None:
     return ProgressAtCapture(max(0.0, snapshot.captured.wall - max(marks)), window)
 
 
+def timing_summary(differences: bool, progress: ProgressAtCapture | None = None) -> str:
+    """The one wording of the timing judgement: a capture caught the job making steps, so what its ranks' stacks
+    differ by is timing, not a fault (``differences``: they differ at all). ``progress`` adds when the job last
+    progressed (the analysis' verdict); without it nothing is counted (the TUI's capture line: two views capturing
+    a moment apart must tell one story)."""
+    if not differences:
+        return "no verdict: the job was making progress and every rank's stack agrees"
+    when = (f" (it last progressed {progress.age_s:.1f} s before the capture, within {progress.window_s:.0f} s)"
+            if progress is not None else "")
+    return (f"no verdict: the job was making progress{when}, so the differences between its ranks' stacks (caught at "
+            "different points of a step) are timing, not a fault")
+
+
 def set_aside_as_timing(verdict: Verdict, progress: ProgressAtCapture) -> Verdict:
     """The verdict of a snapshot taken while the job made steps: no suspects, and what was set aside, said."""
     if not verdict.suspects and not verdict.findings:
         return verdict
-    summary = (f"no verdict: the job was making steps when this snapshot was taken (it last progressed "
-               f"{progress.age_s:.1f} s before, within {progress.window_s:.0f} s), so the differences between its "
-               "ranks are timing, not a fault")
+    summary = timing_summary(True, progress)
     return Verdict((), summary, verdict.missing_ranks, (*verdict.notes, f"set aside as timing: {verdict.summary}"),
                    status=VerdictStatus.TIMING)
 
 
 __all__ = ["MID_STEP_S", "SETUP_S", "ProgressAtCapture", "counters_progress_wall", "mid_step_window", "progress_at_capture",
-           "set_aside_as_timing"]
+           "set_aside_as_timing", "timing_summary"]

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from rankscope.contract.snapshot import Frame, RankStacks, main_thread
+from rankscope.contract.snapshot import Frame, ProcessRole, RankStacks, main_thread
 
 # --------------------------------------------------------------------------
 # options and results
@@ -51,24 +51,53 @@ DEFAULT_OPTIONS = SignatureOptions()
 
 
 @dataclass(frozen=True, slots=True)
+class Lane:
+    """One part of a signature: one thread of a rank's main process or of one of its subprocesses.
+
+    ``role`` is the process's role as the capture typed it (a DataLoader
+    worker, a checkpoint writer); ``side_thread`` says the thread is not its
+    process's main thread; ``frames`` are normalised, outermost first. The
+    label is made from these for people; nothing reads it back.
+    """
+
+    role: ProcessRole
+    side_thread: bool
+    frames: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return lane_label(self.role, self.side_thread)
+
+    @property
+    def is_main(self) -> bool:
+        """The main thread of the rank's own process: the lane that says where the rank itself is."""
+        return self.role is ProcessRole.MAIN and not self.side_thread
+
+
+def lane_label(role: ProcessRole, side_thread: bool) -> str:
+    """A lane's label as people read it: ``main``, ``main/thread``, ``dataloader``, ``dataloader/thread``."""
+    return f"{role}/thread" if side_thread else str(role)
+
+
+@dataclass(frozen=True, slots=True)
 class StackGroup:
     """Ranks whose signatures are equal.
 
     ``frames`` are the main thread's normalised frames, outermost first;
     ``lanes`` are all the parts of the signature (main thread, other busy
-    threads, subprocesses), each as a label and its frames, outermost first.
+    threads, subprocesses), each a typed ``Lane``.
     """
 
     signature: str
     ranks: tuple[int, ...]
     summary: str
     frames: tuple[str, ...]
-    lanes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    lanes: tuple[Lane, ...] = ()
 
     @property
     def main_summary(self) -> str:
         """The summary's first part, its first lane's (the main thread's): what a one-line legend shows."""
-        return _lane_words(*self.lanes[0]) if self.lanes else self.summary
+        return _lane_words(self.lanes[0]) if self.lanes else self.summary
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +125,8 @@ class PrefixNode:
     children: tuple[PrefixNode, ...] = ()
 
 
-MAIN_LANE = "main"
-_MAIN_THREADS = "main/thread"
+_MAIN_LANE = lane_label(ProcessRole.MAIN, False)
+_MAIN_THREADS = lane_label(ProcessRole.MAIN, True)
 
 # --------------------------------------------------------------------------
 # frame normalisation
@@ -193,6 +222,7 @@ class _Interner:
         "_key",
         "_lane_idle",
         "_lane_ids",
+        "_lane_kinds",
         "_raw",
         "frame_texts",
         "lanes",
@@ -213,6 +243,7 @@ class _Interner:
         self._by_object: dict[tuple[str, int], tuple[tuple[Frame, ...], int]] = {}
         self._lane_ids: dict[tuple[str, tuple[int, ...]], int] = {}
         self._lane_idle: list[bool] = []
+        self._lane_kinds: list[tuple[ProcessRole, bool]] = []  # each lane's role and side_thread (see Lane)
         self.lanes: list[tuple[str, tuple[int, ...]]] = []
 
     def _add_frame(self, frame: Frame) -> None:
@@ -228,16 +259,17 @@ class _Interner:
                 self._idle_ids.add(fid)
         self._frame_ids[key] = fid
 
-    def thread_lane(self, label: str, frames: tuple[Frame, ...]) -> int:
-        """The lane id of one thread's stack under ``label``."""
+    def thread_lane(self, label: str, frames: tuple[Frame, ...], role: ProcessRole, side_thread: bool) -> int:
+        """The lane id of one thread's stack under ``label``: ``lane_label(role, side_thread)``, made once per
+        process by the caller, so each thread's lookup hashes a string."""
         seen = self._by_object.get((label, id(frames)))
         if seen is not None and seen[0] is frames:
             return seen[1]
-        lid = self._thread_lane(label, frames)
+        lid = self._thread_lane(label, frames, role, side_thread)
         self._by_object[(label, id(frames))] = (frames, lid)
         return lid
 
-    def _thread_lane(self, label: str, frames: tuple[Frame, ...]) -> int:
+    def _thread_lane(self, label: str, frames: tuple[Frame, ...], role: ProcessRole, side_thread: bool) -> int:
         raw: tuple[int | None, ...] = tuple(map(self._get, map(self._key, frames)))
         by_raw = self._raw.get(label)
         if by_raw is None:
@@ -256,15 +288,17 @@ class _Interner:
                 lid = len(self.lanes)
                 self._lane_ids[key] = lid
                 self.lanes.append(key)
+                self._lane_kinds.append((role, side_thread))
                 self._lane_idle.append(not ids or ids[0] in self._idle_ids)
             by_raw[raw] = lid
         return lid
 
-    def lane_frames(self, lane_id: int) -> tuple[str, tuple[str, ...]]:
-        """A lane as text, outermost frame first (the order people read a tree in)."""
-        label, ids = self.lanes[lane_id]
+    def lane(self, lane_id: int) -> Lane:
+        """A lane with its frames as text, outermost first (the order people read a tree in)."""
+        ids = self.lanes[lane_id][1]
         texts = self.frame_texts
-        return label, tuple(texts[i] for i in reversed(ids))
+        role, side_thread = self._lane_kinds[lane_id]
+        return Lane(role, side_thread, tuple(texts[i] for i in reversed(ids)))
 
 
 def _rank_lanes(interner: _Interner, rs: RankStacks) -> tuple[int, ...]:
@@ -279,22 +313,24 @@ def _rank_lanes(interner: _Interner, rs: RankStacks) -> tuple[int, ...]:
     keep_idle = interner.options.include_idle_threads
     threads = rs.main.threads or ()
     main = main_thread(rs.main)
-    main_lane = lane(MAIN_LANE, main.frames) if main is not None else lane(MAIN_LANE, ())
+    main_lane = lane(_MAIN_LANE, main.frames if main is not None else (), ProcessRole.MAIN, False)
     others: list[int] = []
     if len(threads) > 1:
         for t in threads:
             if t is not main:
-                lid = lane(_MAIN_THREADS, t.frames)
+                lid = lane(_MAIN_THREADS, t.frames, ProcessRole.MAIN, True)
                 if keep_idle or not idle[lid]:
                     others.append(lid)
     if interner.options.include_subprocesses:
         for sub in rs.subprocesses:
             if not sub.threads:
                 continue  # a worker that exited mid-capture is not evidence; see Grouping.notes
-            label = str(sub.role)
+            role = sub.role
+            label, thread_label = lane_label(role, False), lane_label(role, True)
             sub_main = main_thread(sub)
             for t in sub.threads:
-                lid = lane(label if t is sub_main else f"{label}/thread", t.frames)
+                lid = (lane(label, t.frames, role, False) if t is sub_main
+                       else lane(thread_label, t.frames, role, True))
                 if keep_idle or not idle[lid]:
                     others.append(lid)
     if not others:
@@ -307,17 +343,18 @@ def _rank_lanes(interner: _Interner, rs: RankStacks) -> tuple[int, ...]:
 # --------------------------------------------------------------------------
 
 
-def _lane_words(label: str, frames: tuple[str, ...]) -> str:
+def _lane_words(lane: Lane) -> str:
     """One lane of a signature in a few words: its innermost frame and that frame's caller."""
+    frames = lane.frames
     if not frames:
-        return f"[{label}] (no Python frames)"
+        return f"[{lane.label}] (no Python frames)"
     inner = frames[-1]
     text = inner if len(frames) < 2 else f"{inner} <- {frames[-2].split(' (', 1)[0]}"
-    return text if label == MAIN_LANE else f"[{label}] {text}"
+    return text if lane.is_main else f"[{lane.label}] {text}"
 
 
-def _summary(lanes: tuple[tuple[str, tuple[str, ...]], ...]) -> str:
-    return " | ".join(_lane_words(label, frames) for label, frames in lanes)
+def _summary(lanes: tuple[Lane, ...]) -> str:
+    return " | ".join(_lane_words(lane) for lane in lanes)
 
 
 def group_stacks(stacks: Mapping[int, RankStacks], options: SignatureOptions = DEFAULT_OPTIONS) -> Grouping:
@@ -377,13 +414,13 @@ def _build_groups(
     members.sort(key=lambda m: (-m[1].size, int(m[1][0])))
     out: list[StackGroup] = []
     for sid, member_ranks in members:
-        lanes = tuple(interner.lane_frames(lid) for lid in sig_keys[sid])
-        signature = "\n".join(f"[{label}]\n" + "\n".join(f"  {f}" for f in frames) for label, frames in lanes)
+        lanes = tuple(interner.lane(lid) for lid in sig_keys[sid])
+        signature = "\n".join(f"[{lane.label}]\n" + "\n".join(f"  {f}" for f in lane.frames) for lane in lanes)
         out.append(StackGroup(
             signature=signature,
             ranks=tuple(member_ranks.tolist()),
             summary=_summary(lanes),
-            frames=lanes[0][1],
+            frames=lanes[0].frames,
             lanes=lanes,
         ))
     return tuple(out)
@@ -432,9 +469,9 @@ def tree_from_grouping(grouping: Grouping) -> PrefixNode:
     through: list[set[int]] = [set()]
     for gi, group in enumerate(grouping.groups):
         through[0].add(gi)
-        for label, frames in group.lanes:
+        for lane in group.lanes:
             node = 0
-            for step in (f"[{label}]", *frames):
+            for step in (f"[{lane.label}]", *lane.frames):
                 kid = children[node].get(step)
                 if kid is None:
                     kid = children[node][step] = len(labels)
@@ -489,14 +526,15 @@ def diverging_frame(grouping: Grouping, group: StackGroup) -> str | None:
     healthy = grouping.groups[grouping.dominant[0]]
     if group is healthy or group.signature == healthy.signature:
         return None
-    healthy_lanes: dict[str, list[tuple[str, ...]]] = {}
-    for label, frames in healthy.lanes:
-        healthy_lanes.setdefault(label, []).append(frames)
-    for label, frames in group.lanes:
-        candidates = healthy_lanes.get(label, [])
+    healthy_lanes: dict[tuple[ProcessRole, bool], list[tuple[str, ...]]] = {}
+    for lane in healthy.lanes:
+        healthy_lanes.setdefault((lane.role, lane.side_thread), []).append(lane.frames)
+    for lane in group.lanes:
+        frames, label = lane.frames, lane.label
+        candidates = healthy_lanes.get((lane.role, lane.side_thread), [])
         if frames in candidates:
             continue
-        prefix = f"[{label}] " if label != MAIN_LANE else ""
+        prefix = "" if lane.is_main else f"[{label}] "
         if not candidates:
             return f"{prefix}{frames[0] if frames else '(no frames)'} (a {label} lane the healthy ranks lack)"
         best = max(candidates, key=lambda c: _common_prefix(c, frames))
@@ -505,7 +543,7 @@ def diverging_frame(grouping: Grouping, group: StackGroup) -> str | None:
             return f"{prefix}{frames[n]}"
         return f"{prefix}{frames[-1] if frames else '(no frames)'} (stops here; healthy ranks go deeper)"
     # Everything of the group is also in the healthy group: the healthy one has an extra lane.
-    missing = [label for label, frames in healthy.lanes if (label, frames) not in group.lanes]
+    missing = [lane.label for lane in healthy.lanes if lane not in group.lanes]
     if missing:
         return f"[{missing[0]}] lane missing (healthy ranks have it)"
     return None

@@ -22,7 +22,6 @@ from rankscope.analyzers.chain import BACKWARD_SITE, RankState, RankView, unread
 from rankscope.analyzers.origins import origins_of
 from rankscope.analyzers.stacks import (
     DEFAULT_OPTIONS,
-    MAIN_LANE,
     SignatureOptions,
     frame_text,
     is_wrapper,
@@ -59,10 +58,10 @@ def rank_states(evidence: Evidence) -> RankStates:
     for o in origins_of(evidence.grouping):
         # A busy subprocess or thread the healthy ranks lack (a stuck DataLoader worker) makes its rank wait on
         # it whatever its main thread shows: the rank is where a chain can end.
-        if o.side == "compute" and o.lane != MAIN_LANE:
-            state = RankState.LOADING if o.lane.startswith(str(ProcessRole.DATALOADER)) else RankState.COMPUTING
+        if o.side == "compute" and not o.lane.is_main:
+            state = RankState.LOADING if o.lane.role is ProcessRole.DATALOADER else RankState.COMPUTING
             for r in o.ranks:
-                views[r] = RankView(r, state, frame=f"[{o.lane}] {o.frame}")
+                views[r] = RankView(r, state, frame=f"[{o.lane.label}] {o.frame}")
     counted: dict[int, str] = {}
     if evidence.waits is not None:
         views = counted_waits(views, evidence.waits)  # asynchronous collectives: a host syncing on its GPU waits
@@ -159,7 +158,8 @@ def rank_view(rank: int, rs: RankStacks | None, missing_reason: str = "",
         what = RankState.STOPPED if state in ("T", "t") else RankState.UNREADABLE
         if rs.main.threads is None and not _about_the_process(rs.main.error):
             what = RankState.UNKNOWN
-        return RankView(rank, what, reason=text, process_state=state, wchan=wchan)
+        return RankView(rank, what, reason=text, process_state=state, wchan=wchan,
+                        error_kind=rs.main.error.kind if rs.main.error is not None else None)
     if cache is not None:
         got = cache.view(main.frames, options)
         return RankView(rank, got.state, got.frame, got.site, got.direction, host_wait=got.host_wait,

@@ -16,14 +16,29 @@ Pure: stdlib, numpy and the snapshot contract; no I/O.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from rankscope.analyzers.chain import Chain
 from rankscope.analyzers.chain_suspects import apply_chain
 from rankscope.analyzers.findings import Suspect, Verdict, VerdictStatus
-from rankscope.analyzers.labels import joined
+from rankscope.analyzers.labels import joined, reason_digest, stacks_headline
 from rankscope.analyzers.not_a_rank import same_stacks_stall, stack_stall
-from rankscope.analyzers.stacks import tree_from_grouping, with_dominant
+from rankscope.analyzers.stacks import Grouping, PrefixNode, tree_from_grouping, with_dominant
 from rankscope.analyzers.stage_roots import Roots
-from rankscope.analyzers.suspects import StackAnalysis, headline, reason_digest, suspects_for
+from rankscope.analyzers.suspects import named_apart, suspects_for
+from rankscope.analyzers.topology import Topology
 from rankscope.contract.ranks import compact_ranks
+
+
+@dataclass(frozen=True, slots=True)
+class StackAnalysis:
+    """Everything the stack detector found: the groups, the tree, the verdict, the layout used."""
+
+    grouping: Grouping
+    tree: PrefixNode
+    verdict: Verdict
+    topology: Topology
+    chain: Chain | None = None  # every rank's state and who waits for whom (rankscope.analyzers.chain)
 
 
 def suspects_of(roots: Roots) -> StackAnalysis:
@@ -77,9 +92,12 @@ def suspects_of(roots: Roots) -> StackAnalysis:
         notes.append("no parallel sizes known: only ranks and machines can be suspected; "
                      "pass --tp/--pp/--dp (and --order) to name parallel groups")
     seen_count = sum(len(g.ranks) for g in grouping.groups)
-    head, root, apart = headline(grouping, suspects, explains, seen_count, notes, named)
+    apart = named_apart(grouping, suspects, explains, named)
+    if apart:
+        notes.append(f"{len(apart)} separate outlier sets, each explained by its own suspect")
+    head, root = stacks_headline(apart or suspects[:1], seen_count, len(grouping.groups), bool(grouping.dominant))
     summary = joined(head, root)
-    status = VerdictStatus.NAMED if suspects else VerdictStatus.NO_VERDICT  # the headline's "no verdict: ..."
+    status = VerdictStatus.NAMED if suspects else VerdictStatus.NO_VERDICT  # the headline says why there is none
     stall = stack_stall(chain, range(topology.world_size), waits)
     # Counters that cover every rank and hold no open request say the device owes the hosts nothing: ranks alike
     # at a sync point are a running GPU job caught there, not a stall below them (no counters: a pasted dump).
@@ -103,4 +121,4 @@ def suspects_of(roots: Roots) -> StackAnalysis:
     return StackAnalysis(grouping=grouping, tree=tree, verdict=verdict, topology=topology, chain=chain)
 
 
-__all__ = ["suspects_of"]
+__all__ = ["StackAnalysis", "suspects_of"]

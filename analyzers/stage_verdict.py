@@ -26,7 +26,7 @@ from rankscope.analyzers.findings import Verdict
 from rankscope.analyzers.not_a_rank import settle
 from rankscope.analyzers.progress import ProgressAtCapture, progress_at_capture, set_aside_as_timing
 from rankscope.analyzers.stage_evidence import Evidence
-from rankscope.analyzers.suspects import StackAnalysis
+from rankscope.analyzers.stage_suspects import StackAnalysis
 from rankscope.analyzers.verdict import merge_findings, merge_verdicts
 
 

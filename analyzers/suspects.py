@@ -28,6 +28,9 @@ is an origin, and following Aegis's split:
 
 Fig. 7 has no origin (every outlier waits), so the layout score decides.
 
+This module scores and ranks; the stage that uses it (``stage_suspects``)
+settles the verdict, and ``labels`` words its headline.
+
 The numbers per rank are numpy arrays, so a 16k-rank job costs the same few
 vector operations per kind as a small one.
 """
@@ -38,17 +41,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from rankscope.analyzers.chain import (
-    Chain,
-)
-from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
-from rankscope.analyzers.labels import group_name, summary_parts
+from rankscope.analyzers.findings import Suspect, SuspectKind
+from rankscope.analyzers.labels import group_name
 from rankscope.analyzers.origins import Origin, origins_of
 from rankscope.analyzers.placement import Placement
 from rankscope.analyzers.stacks import (
-    MAIN_LANE,
     Grouping,
-    PrefixNode,
     diverging_frame,
 )
 from rankscope.analyzers.topology import (
@@ -63,17 +61,6 @@ from rankscope.contract.ranks import compact_ranks
 _KIND_PREFERENCE: tuple[str, ...] = ("pp", "dp", "tp", "cp", "ep", "machine", "rank")
 _MAX_SUSPECTS = 12
 _MAX_RANK_CANDIDATES = 256
-
-
-@dataclass(frozen=True, slots=True)
-class StackAnalysis:
-    """Everything the stack detector found: the groups, the tree, the verdict, the layout used."""
-
-    grouping: Grouping
-    tree: PrefixNode
-    verdict: Verdict
-    topology: Topology
-    chain: Chain | None = None  # every rank's state and who waits for whom (rankscope.analyzers.chain)
 
 
 @dataclass(slots=True)
@@ -210,7 +197,7 @@ def _applyorigins_of(
             waiting.update(dict.fromkeys(g.ranks, kind))
     for o in origins:
         ranks = set(o.ranks)
-        where = "" if o.lane == MAIN_LANE else f" in its {o.lane}"
+        where = "" if o.lane.is_main else f" in its {o.lane.label}"
         if o.side == "compute":
             own = "its" if len(ranks) == 1 else "their"
             why = (f"origin: {_ranks_are(ranks)} stuck in {own} own work{where} ({o.frame}), not waiting "
@@ -362,42 +349,18 @@ def _independent_cover(suspects: list[Suspect], explains: list[set[int]], outlie
     return cover
 
 
-def reason_digest(missing: dict[int, str]) -> str:
-    reasons: dict[str, list[int]] = {}
-    for rank, why in missing.items():
-        reasons.setdefault(why, []).append(rank)
-    parts = [f"{why} (ranks {compact_ranks(r)})" for why, r in sorted(reasons.items(), key=lambda kv: min(kv[1]))]
-    return " — " + "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else "")
-
-
-def headline(
-    grouping: Grouping, suspects: list[Suspect], explains: list[set[int]], seen: int, notes: list[str],
-    named: frozenset[int] | set[int] = frozenset(),
-) -> tuple[str, str, list[Suspect]]:
-    """The stack verdict's headline in its two parts (``labels.summary_parts``: the root rank it names apart), and
-    the suspects it names apart when it names several (``Verdict.named``)."""
-    if named and suspects:
-        # The chain named where the hang starts: account for its roots and the outliers, victims included.
-        cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks) | set(named))
-    elif seen == 0:
-        return "no verdict: no rank's stacks could be read", "", []
-    elif len(grouping.groups) == 1:
-        return f"no verdict: all {seen} ranks show the same stacks", "", []
-    elif not grouping.dominant:
-        return f"no verdict: no two of the {seen} ranks show the same stacks", "", []
-    elif not suspects:
-        return "no verdict: the outliers fit no group smaller than the whole job", "", []
-    else:
-        cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks))
-    if len(cover) > 1:
-        notes.append(f"{len(cover)} separate outlier sets, each explained by its own suspect")
-        return *summary_parts(cover), cover
-    return *summary_parts(suspects[:1]), []
+def named_apart(grouping: Grouping, suspects: list[Suspect], explains: list[set[int]],
+                named: frozenset[int] | set[int] = frozenset()) -> list[Suspect]:
+    """The suspects a verdict names apart (``Verdict.named``): those that together account for the outlier ranks
+    (and the chain's roots and desyncs, ``named``) without overlapping, when it takes more than one; else none."""
+    if not suspects:
+        return []
+    cover = _independent_cover(suspects, explains, set(grouping.outlier_ranks) | set(named))
+    return cover if len(cover) > 1 else []
 
 
 __all__ = [
-    "StackAnalysis",
-    "headline",
-    "reason_digest",
+    "describe",
+    "named_apart",
     "suspects_for",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rankscope.analyzers.chain import Chain
 from rankscope.analyzers.findings import Suspect, finding_to_json
 from rankscope.analyzers.stacks import diverging_frame
-from rankscope.analyzers.suspects import StackAnalysis
+from rankscope.analyzers.stage_suspects import StackAnalysis
 from rankscope.analyzers.topology import DIMS
 
 
@@ -40,7 +40,7 @@ def verdict_to_json(analysis: StackAnalysis) -> dict[str, object]:
             "healthy": i in g.dominant,
             "diverging_frame": None if i in g.dominant else diverging_frame(g, group),
             "frames": list(group.frames),
-            "lanes": [{"label": label, "frames": list(frames)} for label, frames in group.lanes],
+            "lanes": [{"label": lane.label, "frames": list(lane.frames)} for lane in group.lanes],
         })
     v = analysis.verdict
     return {

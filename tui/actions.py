@@ -66,6 +66,7 @@ from rankscope.tui import state_actions as sa
 from rankscope.tui.analysis import StackView
 from rankscope.tui.messages import ActionChanged, AuditNoted, AuditReceived
 from rankscope.tui.state_actions import KIND_LABELS, printable
+from rankscope.tui.toasts import Topic
 from rich.text import Text
 from textual.message import Message
 
@@ -382,7 +383,8 @@ class ActionController:
         if problem is None:
             return False
         message, fix = problem
-        self.app.notify(f"{message}\nfix: {fix}", title="cannot act", severity="error", timeout=8)
+        self.app.notify(f"{message}\nfix: {fix}", title="cannot act", severity="error", timeout=8,
+                        kind=Topic.CANNOT_ACT)
         return True
 
     def _job_id(self) -> str | None:
@@ -405,19 +407,22 @@ class ActionController:
             if why is not None and stale is None and (mark is None or mark.running):
                 self.app.notify(f"nothing to evict now: the fail-slow verdict is stale ({why})\n"
                                 "fix: wait for the detectors' next verdict (view 7), or capture (s) if the job is "
-                                "stuck", title="no suspect", severity="warning", timeout=8)
+                                "stuck", title="no suspect", severity="warning", timeout=8,
+                                kind=Topic.NO_SUSPECT)
                 return
         if stale is not None:
             # A verdict of another launch, or of a job that moved on, must never pick machines to take out.
             self.app.notify(f"nothing to evict now: the verdict on screen is stale ({stale})\n"
                             "fix: if the job is stuck again, capture (s) and evict from the new verdict",
-                            title="no suspect", severity="warning", timeout=8)
+                            title="no suspect", severity="warning", timeout=8,
+                            kind=Topic.NO_SUSPECT)
             return
         if mark is not None and mark.running:
             # Ranks caught mid-step differ by timing: no machine is to blame for that.
             self.app.notify("nothing to evict now: the capture on screen was taken while the job was making "
                             "progress, so it names no suspect\nfix: if the job stops, capture (s) and evict from "
-                            "the new verdict", title="no suspect", severity="warning", timeout=8)
+                            "the new verdict", title="no suspect", severity="warning", timeout=8,
+                            kind=Topic.NO_SUSPECT)
             return
         suspect = pick_suspect(self.app.state.stacks, selected_rank)
         if suspect is None:
@@ -428,7 +433,8 @@ class ActionController:
             # A program mismatch moves with the program: new machines would run the same code into the same wait.
             self.app.notify(f"no eviction for a desync: ranks {compact_ranks(suspect.ranks, 8)} are at another point "
                             f"of the program than the {len(suspect.victims)} ranks waiting for them\n"
-                            f"fix: {DESYNC_ADVICE}", title="desync", severity="warning", timeout=12)
+                            f"fix: {DESYNC_ADVICE}", title="desync", severity="warning", timeout=12,
+                            kind=Topic.DESYNC)
             return
         scope = eviction_scope(suspect, self.app.state.machine_of_rank())
         self.evict_option(suspect, scope, scope.default)
@@ -459,7 +465,8 @@ class ActionController:
                     request = update_request(choice.version, choice.mode, new_action_id(ActionKind.HOT_UPDATE, now),
                                              self.who(), self._job_id())
             except RankscopeError as exc:
-                self.app.notify(f"{exc.message}\nfix: {exc.fix}", title="hot-update", severity="error", timeout=8)
+                self.app.notify(f"{exc.message}\nfix: {exc.fix}", title="hot-update", severity="error", timeout=8,
+                                kind=ActionKind.ROLLBACK if choice.rollback else ActionKind.HOT_UPDATE)
                 return
             title = "Roll back" if choice.rollback else f"Hot-update to {choice.version} ({choice.mode.value})"
             self._plan(request, title)
@@ -487,7 +494,8 @@ class ActionController:
         try:
             answers = await self.source.plan_action(request)
         except RankscopeError as exc:
-            self.app.notify(f"{exc.message}\nfix: {exc.fix}", title="no plan", severity="error", timeout=8)
+            self.app.notify(f"{exc.message}\nfix: {exc.fix}", title="no plan", severity="error", timeout=8,
+                            kind=request.kind)
             return
         except Exception as exc:  # the screen stays; the person reads why
             self.app.notify(f"planning failed: {type(exc).__name__}: {exc}", severity="error", timeout=8)
@@ -520,12 +528,13 @@ class ActionController:
                 event = update.event
                 if isinstance(event, ActionProgress):
                     self.app.notify(f"{st.machine_name(self.app.state, update.address)}: {event.message}",
-                                    title=f"{kind} {event.step}/{event.total}", timeout=4)
+                                    title=f"{kind} {event.step}/{event.total}", timeout=4, kind=request.kind)
                 elif isinstance(event, ActionResult):
                     self.last_result[update.address] = event
                     self._show_result(update.address, event)
         except RankscopeError as exc:
-            self.app.notify(f"{exc.message}\nfix: {exc.fix}", title=f"{kind} not sent", severity="error", timeout=10)
+            self.app.notify(f"{exc.message}\nfix: {exc.fix}", title=f"{kind} not sent", severity="error", timeout=10,
+                            kind=request.kind)
         except Exception as exc:
             self.app.notify(f"{kind} failed: {type(exc).__name__}: {exc}", severity="error", timeout=10)
         finally:
@@ -535,12 +544,12 @@ class ActionController:
         kind = KIND_LABELS[result.kind]
         if result_is_role_refusal(result):
             self.app.notify(f"{st.machine_name(self.app.state, address)} refused: this token may not act (nothing was done there)\nfix: {ACT_TOKEN_FIX}",
-                            title=f"{kind} refused", severity="error", timeout=12)
+                            title=f"{kind} refused", severity="error", timeout=12, kind=result.kind)
             return
         extra = f" (recorded result of {result.action_id})" if result.replayed else ""
         name = st.machine_name(self.app.state, address)
         self.app.notify(f"{name}: {result.state.value}: {result.message}{extra}", title=f"{kind} result",
-                        severity="information" if result.ok else "error", timeout=10)
+                        severity="information" if result.ok else "error", timeout=10, kind=result.kind)
 
     # -- the audit watch ----------------------------------------------------------
 

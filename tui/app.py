@@ -55,7 +55,7 @@ from rankscope.tui.screens.main import VIEWS, MainScreen
 from rankscope.tui.screens.pair import pair_hint
 from rankscope.tui.screens.rank import RankScreen
 from rankscope.tui.sources import BundleSource, LiveSource, Source, poll_loop
-from rankscope.tui.toasts import coalesce
+from rankscope.tui.toasts import ToastKind, coalesce, kinded
 from rankscope.tui.widgets.ccl import CclPanel
 from rankscope.tui.widgets.rank_map import RankMapPanel, group_glyph
 from rankscope.tui.widgets.stack_tree import StackTreePanel
@@ -63,7 +63,7 @@ from textual import on, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
-from textual.notifications import Notification, Notify
+from textual.notifications import Notification, Notify, SeverityLevel
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Input, TabbedContent
 
@@ -329,6 +329,15 @@ class RankscopeApp(App[int]):
     def on_action_changed(self, message: ActionChanged) -> None:
         self.state = st.apply_actions(self.state, message.change(self.state.actions))
         self.redraw()
+
+    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
+               timeout: float | None = None, markup: bool = True, kind: ToastKind | None = None) -> None:
+        """``App.notify`` with the toast's kind, given where it is raised: toasts of one kind merge (``tui.toasts``)."""
+        if kind is None:
+            super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
+            return
+        self.post_message(Notify(kinded(message, title, severity,
+                                        self.NOTIFICATION_TIMEOUT if timeout is None else timeout, markup, kind)))
 
     def _on_notify(self, event: Notify) -> None:
         """Toasts coalesced by kind and bounded (``tui.toasts``); held while a dialog is open, so none covers it."""

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 import numpy as np
-from rankscope.analyzers.progress import mid_step_window
+from rankscope.analyzers.progress import mid_step_window, timing_summary
 from rankscope.tui.analysis import StackView
 from rankscope.tui.digest import CommView, JobClock, MachineView
 
@@ -212,7 +212,4 @@ def running_capture_text(view: StackView) -> str:
     """What a capture of a job making steps says instead of suspects."""
     # No count: how many differences a capture of a running job catches is itself timing (the acting view counted
     # "6 stack differences" where its pair, capturing a moment later, counted "3": two stories of one restart).
-    if not view.verdict.suspects:
-        return "no verdict: the job was making progress and every rank's stack agrees"
-    return ("no verdict: the job was making progress, so the differences between its ranks' stacks (caught at "
-            "different points of a step) are timing, not a fault")
+    return timing_summary(bool(view.verdict.suspects))

@@ -31,8 +31,9 @@ from typing import Any
 
 from rankscope.analyzers.ccl import analyze_counters
 from rankscope.analyzers.findings import Verdict, VerdictStatus
-from rankscope.analyzers.flight_recorder import SERIOUS, FrAnalysis, analyze_dumps, parse_members, read_entry
+from rankscope.analyzers.flight_recorder import SERIOUS, FrAnalysis, analyze_dumps
 from rankscope.contract.errors import RankscopeError
+from rankscope.contract.fr_records import parse_members, read_entry
 from rankscope.contract.snapshot import (
     Communicator,
     Instant,

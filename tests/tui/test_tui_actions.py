@@ -42,6 +42,7 @@ from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.screens.confirm import ConfirmModal, UpdateModal
 from rankscope.tui.screens.help import HelpScreen
 from rankscope.tui.sources import BundleSource
+from rankscope.tui.toasts import kind_of
 from textual.widgets import Button, Input, RadioButton, Static
 from tui_bundles import T0, fig7_bundle, job
 from tui_screen import screen_text, until
@@ -297,6 +298,10 @@ async def test_the_right_phrase_runs_with_the_exact_confirmation_and_progress_an
         await until(pilot, lambda: watched.has("succeeded: evicted node15"), what="the result")
         assert watched.has("SIGTERM 2 processes on node15") and watched.has("evict 1/2")
         assert all(watched.has(f"{address_of(m)}: succeeded: evicted {m}") for m in PINNED)
+        # the steps and every machine's result were raised as the eviction's kind: one toast holds them
+        evict_toasts = [n for n in app._notifications if kind_of(n) is ActionKind.EVICT]
+        assert [n.title for n in evict_toasts] == ["evict result"]
+        assert all(f"{address_of(m)}: succeeded: evicted {m}" in evict_toasts[0].message for m in PINNED)
         # the agents' audit stream: shown in the Actions view and the Events view
         for seq, result in enumerate(("started", "succeeded"), start=1):
             source.audit.put_nowait((address_of("node12"), AuditRecord(

@@ -61,8 +61,8 @@ def test_no_stage_imports_a_later_stage(index: int) -> None:
 
 
 def test_the_reach_check_sees_an_import_through_another_module() -> None:
-    """The check itself can fail: the verdict stage reaches the suspects stage's types through suspects.py."""
-    assert "suspects" in _reach("stage_verdict")
+    """The check itself can fail: the verdict stage reaches the scoring (suspects.py) through the suspects stage."""
+    assert "suspects" in _reach("stage_verdict") and "suspects" not in _imports("stage_verdict")
     assert "stage_evidence" in _reach("stage_suspects")  # through stage_roots -> stage_waits -> ... the results
 
 

@@ -365,6 +365,33 @@ def test_a_rank_with_a_stuck_worker_is_a_root_of_its_own_beside_a_computing_one(
     assert a.verdict.summary.startswith("2 separate suspects")
 
 
+def test_a_side_process_makes_its_rank_loading_or_computing_by_its_typed_role() -> None:
+    from rankscope.analyzers.origins import origins_of
+    from rankscope.analyzers.stacks import group_stacks
+    from stack_fixtures import WORKER_IDLE, process
+
+    # Rank 6's checkpoint writer is stuck in its own work: computing, not loading. Rank 9's DataLoader worker
+    # waits in its main thread while a thread of it reads a shard: loading, from the worker's role, whatever
+    # the lane's label says. The rest wait with everyone.
+    writer = ["writer_loop ckpt.py", "torch_save serialization.py", "write shard_io.py"]
+    reader = ["_bootstrap threading.py", "prefetch prefetch.py", "read_shard dataset.py"]
+    stacks = {r: rank_stacks(r, OPTIMIZER, workers=[WORKER_IDLE]) for r in range(16)}
+    stacks[6] = RankStacks(rank=6, main=stacks[6].main,
+                           subprocesses=(process(60_001, writer, ProcessRole.CHECKPOINT),))
+    stacks[9] = RankStacks(rank=9, main=stacks[9].main,
+                           subprocesses=(process(90_001, WORKER_IDLE, ProcessRole.DATALOADER, threads=[reader]),))
+    layout = Layout(tp=2, pp=2, dp=4, ranks_per_machine=2)
+    lanes = {o.ranks: o.lane for o in origins_of(group_stacks(stacks))}
+    assert (lanes[(6,)].role, lanes[(6,)].side_thread) == (ProcessRole.CHECKPOINT, False)
+    assert (lanes[(9,)].role, lanes[(9,)].side_thread) == (ProcessRole.DATALOADER, True)
+    a = analyze_stacks(snapshot(stacks, 16, 2, layout), layout)
+    assert a.chain is not None and sorted(r.rank for r in a.chain.roots) == [6, 9]
+    assert a.chain.views[6].state is RankState.COMPUTING
+    assert a.chain.views[6].frame == "[checkpoint] write (shard_io.py)"
+    assert a.chain.views[9].state is RankState.LOADING
+    assert a.chain.views[9].frame == "[dataloader/thread] read_shard (dataset.py)"
+
+
 BARRIER_AFTER_LOOP = [*TRAIN[:2], "barrier distributed_c10d.py"]
 
 

@@ -51,7 +51,8 @@ def test_the_verdict_of_a_running_job_is_set_aside_as_timing_and_says_what_it_se
     assert job.timing_not_fault and job.progress == progress_at_capture(snap)
     kept = job.verdict
     assert kept.suspects == () and kept.findings == ()
-    assert kept.summary.startswith("no verdict: the job was making steps when this snapshot was taken")
+    assert kept.summary.startswith("no verdict: the job was making progress (it last progressed ")
+    assert kept.summary.endswith("are timing, not a fault")
     assert kept.status is VerdictStatus.TIMING and verdict.status is VerdictStatus.NAMED
     assert kept.notes[-1] == f"set aside as timing: {verdict.summary}"
 
@@ -67,7 +68,7 @@ def test_analyze_names_no_suspect_in_a_snapshot_of_a_job_making_steps(
         assert [s["ranks"] for s in out["suspects"]][:1] == [[2, 3]]
     else:
         assert out["suspects"] == [] and out["findings"] == []
-        assert out["summary"].startswith("no verdict: the job was making steps")
+        assert out["summary"].startswith("no verdict: the job was making progress (it last progressed ")
         assert any(n.startswith("set aside as timing: ") and "2" in n for n in out["notes"])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rankscope.analyzers.stacks import (
+    Lane,
     PrefixNode,
     SignatureOptions,
     diverging_frame,
@@ -84,7 +85,8 @@ def test_idle_threads_are_left_out_but_busy_threads_count() -> None:
     stacks[2] = rank_stacks(2, OPTIMIZER, threads=[idle, busy])
     g = group_stacks(stacks)
     assert [grp.ranks for grp in g.groups] == [(0, 1, 3), (2,)]
-    assert g.groups[1].lanes[1] == ("main/thread", ("writer_loop (ckpt.py)", "torch_save (serialization.py)"))
+    assert g.groups[1].lanes[1] == Lane(ProcessRole.MAIN, True, ("writer_loop (ckpt.py)", "torch_save (serialization.py)"))
+    assert g.groups[1].lanes[1].label == "main/thread"
     every = group_stacks(stacks, SignatureOptions(include_idle_threads=True))
     assert len(every.groups) == 3
 

@@ -15,7 +15,7 @@ from rankscope.analyzers.labels import COMMUNICATION_HANG, NON_COMMUNICATION_HAN
 from rankscope.analyzers.render import headline, headline_parts
 from rankscope.analyzers.stage_rank_states import rank_view
 from rankscope.analyzers.topology import Topology
-from rankscope.contract.snapshot import Layout
+from rankscope.contract.snapshot import CaptureError, CaptureErrorKind, Layout, ProcessRole, ProcessStack, RankStacks
 
 
 def _verdict(evidence: tuple[str, ...] = ("rank 3",), state: str = "", state_side: Side | None = None,
@@ -42,6 +42,17 @@ def test_a_rank_without_stacks_is_unreadable_only_when_its_machine_was_unreachab
     assert rank_view(5, None, reason, unreachable=True).state is RankState.UNREADABLE
     assert rank_view(5, None, reason).state is RankState.UNKNOWN  # the words alone do not make it unreachable
     assert rank_view(5, None, "no stacks in the snapshot", unreachable=True).state is RankState.UNREADABLE
+
+
+def test_an_unreadable_ranks_few_words_name_its_captures_error_kind_not_a_head_cut_from_its_reason() -> None:
+    # The machine's error message holds a colon: its words before it are no kind of failure.
+    gone = rank_view(5, None, "machine m2 unreachable (connect: connection refused)", unreachable=True)
+    assert gone.short() == "unreadable"
+    stuck = RankStacks(5, ProcessStack(pid=105, role=ProcessRole.MAIN, threads=None, error=CaptureError(
+        CaptureErrorKind.TIMEOUT, "py-spy: no answer within 5 s", process_state="D", wchan="nv_wait")))
+    view = rank_view(5, stuck)
+    assert view.error_kind is CaptureErrorKind.TIMEOUT
+    assert view.short() == "unreadable: timeout, process state D in nv_wait"
 
 
 def test_the_panel_lines_come_from_the_verdicts_parts_not_its_summary() -> None:
