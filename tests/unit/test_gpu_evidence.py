@@ -288,3 +288,26 @@ def test_the_victim_rule_rests_on_the_wait_in_the_shared_group() -> None:
     top = _watch(quiet).verdict.top
     assert top is not None and top.ranks == (2, 3), top
     assert _watch(_tp_dp_series(30, 2, slow=None)).verdict.top is None
+
+
+def test_a_suspicion_reads_as_one_in_watch_and_the_tui() -> None:
+    """The late-arriver test alone stays below the confidence bar: `rankscope watch` (its line and its JSON)
+    and the TUI's Fail-slow view say suspect with its confidence, never a fail-slow verdict."""
+    from rankscope.cli.commands.watch import human_line, verdict_event
+    from rankscope.tui.failslow_state import FailSlowTracker
+    from rankscope.tui.widgets.failslow import summary_text
+
+    snaps = _one_machine_series(24, late=5)
+    last = _watch(snaps)
+    assert not last.confident
+    event = verdict_event(last, snaps[-1], snaps[0].captured.mono)
+    assert (event["confident"], event["machine"], event["ranks"]) == (False, "gpu-host", [5])
+    line = human_line(event)
+    assert "] suspect, not a verdict: rank 5 (GPU 5) on gpu-host (non-communication slow) — [ccl]" in line, line
+    assert "below the 0.70 bar" in line and "fail-slow:" not in line, line
+
+    view = FailSlowTracker().feed_series((s, None) for s in snaps)
+    text = summary_text(view)
+    assert text.plain.startswith("suspect, not a verdict: rank 5 (GPU 5) on gpu-host"), text.plain
+    assert "(confident)" not in text.plain
+    assert all("red" not in str(span.style) for span in text.spans), text.spans  # drawn as a suspicion, not an alarm
