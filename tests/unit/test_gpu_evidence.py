@@ -216,11 +216,15 @@ TP_HASH = {0: "7a7a7a7a7a7a7a7a", 1: "8b8b8b8b8b8b8b8b"}  # TP groups (0, 1), (2
 DP_HASH = {0: "9c9c9c9c9c9c9c9c", 1: "aeaeaeaeaeaeaeae"}  # DP groups (0, 2), (1, 3)
 
 
-def _tp_dp_series(n: int, ranks_per_machine: int, slow: int | None = 3) -> list[JobSnapshot]:
+CP_HASH = "c0c0c0c0c0c0c0c0"  # a third group of ranks 2 and 3 (``mutual``)
+
+
+def _tp_dp_series(n: int, ranks_per_machine: int, slow: int | None = 3, mutual: bool = False) -> list[JobSnapshot]:
     """Four ranks (TP=2, DP=2, tp fastest), one poll per step, each rank's TP and DP all-reduce as the plugin
     counts them (NCCL's names, commHash, no member ranks, the kernel-channel TD). ``slow`` computes slowly: its TP
     peer waits for it in their TP all-reduce in every other step's last call (a long TD there, the slow rank's
-    short), and then both arrive last at their own DP all-reduces, the peer having waited."""
+    short), and then both arrive last at their own DP all-reduces, the peer having waited. ``mutual``: ranks 2 and
+    3 also share a third group in which rank 2 arrives last in every other step and rank 3 waits."""
     rng = np.random.default_rng(7)
     peer = None if slow is None else slow ^ 1
     out = []
@@ -236,12 +240,20 @@ def _tp_dp_series(n: int, ranks_per_machine: int, slow: int | None = 3) -> list[
             tp_late = t % 2 == 0
             tp_td = 0.002 if r == slow and tp_late else 0.040 if r == peer and tp_late else noisy(0.010)
             dp_td = 0.004 if r in (slow, peer) else noisy(0.030)
-            comms = (Communicator(TP_HASH[tp], "nccl", "", (), comm_nranks=2, comm_rank=r % 2),
-                     Communicator(DP_HASH[dp], "nccl", "", (), comm_nranks=2, comm_rank=r // 2))
-            ops = (OpCounters(TP_HASH[tp], "AllReduce", 4 * (t + 1), 16 * (t + 1), 16 * (t + 1),
-                              last_duration_s=tp_td, recent_throughput=(2e10,) * 5),
-                   OpCounters(DP_HASH[dp], "AllReduce", t + 1, 4 * (t + 1), 4 * (t + 1), last_duration_s=dp_td,
-                              recent_throughput=(2e10,) * 5))
+            comms: tuple[Communicator, ...] = (
+                Communicator(TP_HASH[tp], "nccl", "", (), comm_nranks=2, comm_rank=r % 2),
+                Communicator(DP_HASH[dp], "nccl", "", (), comm_nranks=2, comm_rank=r // 2))
+            ops: tuple[OpCounters, ...] = (
+                OpCounters(TP_HASH[tp], "AllReduce", 4 * (t + 1), 16 * (t + 1), 16 * (t + 1), last_duration_s=tp_td,
+                           recent_throughput=(2e10,) * 5),
+                OpCounters(DP_HASH[dp], "AllReduce", t + 1, 4 * (t + 1), 4 * (t + 1), last_duration_s=dp_td,
+                           recent_throughput=(2e10,) * 5))
+            if mutual and r in (2, 3):
+                late_here = t % 2 == 1
+                comms += (Communicator(CP_HASH, "nccl", "", (), comm_nranks=2, comm_rank=r - 2),)
+                ops += (OpCounters(CP_HASH, "AllReduce", 2 * (t + 1), 8 * (t + 1), 8 * (t + 1),
+                                   last_duration_s=(0.002 if r == 2 else 0.040) if late_here else noisy(0.010),
+                                   recent_throughput=(2e10,) * 5),)
             files[r] = RankCounters(r, 1000 + r, 4, "j", float(t), communicators=comms, ops=ops, steps=t + 1,
                                     last_step_duration_s=0.1)
             infos[r] = RankInfo(r, r % ranks_per_machine, 4, 1000 + r, gpu=r % ranks_per_machine)
@@ -288,6 +300,15 @@ def test_the_victim_rule_rests_on_the_wait_in_the_shared_group() -> None:
     top = _watch(quiet).verdict.top
     assert top is not None and top.ranks == (2, 3), top
     assert _watch(_tp_dp_series(30, 2, slow=None)).verdict.top is None
+
+
+def test_two_ranks_each_waiting_on_the_other_somewhere_both_stay_blamed() -> None:
+    """Rank 2 waited on rank 3 in their TP group and rank 3 on rank 2 in a third group: nothing says which one
+    held the other up first, so neither is let off as a victim."""
+    last = _watch(_tp_dp_series(30, 2, mutual=True))
+    top = last.verdict.top
+    assert top is not None and top.ranks == (2, 3), last.verdict.summary
+    assert not any("arrives late at its collectives because it waits on rank" in n for n in last.verdict.notes)
 
 
 def test_a_suspicion_reads_as_one_in_watch_and_the_tui() -> None:
