@@ -98,6 +98,7 @@ class FailSlowConfig:
     ccl_fraction: float = 0.8  # share of its calls in which a rank must be flagged
     ccl_min_lateness_s: float = 0.005  # a late arrival counts only if this much later than the mean...
     ccl_min_lateness_share: float = 0.05  # ...and this share of the job's step time, when known
+    ccl_waited_share: float = 0.2  # a blamed rank late in this share of its calls on a group another waited in
     p2p_window: int = 30  # polls over which pipeline peers' waits are counted
     p2p_min_polls: int = 20  # polls seen before a rank can be blamed for its peers' waits
     p2p_min_share: float = 0.5  # share of those polls in which some peer waited on it
@@ -222,6 +223,15 @@ class _CallTally(Generic[K]):
             del self._seen[next(iter(self._seen))]
         for k in members:
             self._marks.setdefault(k, deque(maxlen=self.window)).append(k in flagged)
+
+    def hits(self, key: K) -> tuple[int, int]:
+        """(flagged, seen) over the key's last calls; (0, 0) for a key never seen."""
+        marks = self._marks.get(key)
+        return (sum(marks), len(marks)) if marks else (0, 0)
+
+    def tallied(self) -> Iterable[K]:
+        """Every key seen."""
+        return self._marks.keys()
 
     def persistent(self, min_calls: int, fraction: float) -> dict[K, tuple[int, int]]:
         """Keys flagged in at least ``fraction`` of their last calls (at least ``min_calls`` seen): (hits, calls)."""
@@ -532,8 +542,14 @@ class FailSlowDetector:
             if rank not in ranks:
                 targets[m] = ((*ranks, rank), first, max(most, calls))
 
-        for (comm, rank), (hits, seen) in sorted(self._late.persistent(cfg.ccl_min_calls, cfg.ccl_fraction).items(),
-                                                 key=lambda kv: (-kv[1][0], kv[0])):
+        persistent = self._late.persistent(cfg.ccl_min_calls, cfg.ccl_fraction)
+        victims = self._late_victims({rank for _comm, rank in persistent})
+        for (comm, rank), (hits, seen) in sorted(persistent.items(), key=lambda kv: (-kv[1][0], kv[0])):
+            why = victims.get(rank)
+            if why is not None:
+                if why not in notes:
+                    notes.append(why)
+                continue
             blame(rank, f"rank {rank} arrived last in {hits} of its last {seen} collectives on comm {comm} "
                         f"(TD < {cfg.alpha:g}·mean); latest: {self._late_example.get(rank, '-')}", hits)
         links: dict[str, set[int]] = {}
@@ -550,6 +566,41 @@ class FailSlowDetector:
             else:
                 notes.append(f"slow links on {len(links)} communicators share no rank: look at the network")
         return self._without_pipeline_victims(targets, notes)
+
+    def _late_victims(self, blamed: set[int]) -> dict[int, str]:
+        """Late arrivers whose lateness is their wait on another blamed rank in a group they share: rank -> note.
+
+        A rank that waits on a slow peer in one collective reaches its next collective late too: with rank 5
+        slow, its TP peer rank 4 waits in their TP all-reduce (its TD there is long, rank 5's short) and then both
+        come last to their own data-parallel all-reduces, so the tally blamed rank 4 beside rank 5. Rank r is such
+        a victim of rank s when, over their last calls on a communicator both belong to, s arrived last in at
+        least ``ccl_waited_share`` of its calls and r in fewer than half as many as s (r waited there). Two
+        ranks each the other's victim on different groups stay blamed: nothing says which one waited first.
+        """
+        cfg = self.config
+        members: dict[str, list[int]] = {}
+        for comm, rank in self._late.tallied():
+            members.setdefault(comm, []).append(rank)
+        waited: dict[int, list[tuple[int, str, int, int, int]]] = {}  # r -> (s, comm, s's hits, s's calls, r's hits)
+        for comm, ranks in sorted(members.items()):
+            for s in ranks:
+                s_hits, s_calls = self._late.hits((comm, s))
+                if s not in blamed or s_hits < max(2, cfg.ccl_waited_share * s_calls):
+                    continue
+                for r in ranks:
+                    r_hits = self._late.hits((comm, r))[0]
+                    if r != s and r in blamed and 2 * r_hits < s_hits:
+                        waited.setdefault(r, []).append((s, comm, s_hits, s_calls, r_hits))
+        out: dict[int, str] = {}
+        for r, edges in sorted(waited.items()):
+            for s, comm, s_hits, s_calls, r_hits in edges:
+                if any(back[0] == r for back in waited.get(s, ())):
+                    continue  # each waited on the other somewhere
+                out[r] = (f"rank {r} arrives late at its collectives because it waits on rank {s}: on comm {comm} "
+                          f"rank {s} arrived last in {s_hits} of its last {s_calls} calls, rank {r} in {r_hits}; "
+                          "not counted as slow compute")
+                break
+        return out
 
     def _without_pipeline_victims(self, targets: dict[str, tuple[tuple[int, ...], str, int]],
                                   notes: list[str]) -> dict[str, tuple[tuple[int, ...], str, int]]:

@@ -5,6 +5,8 @@ communicators with the shim's torch groups."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from plugin_fixtures import ONE_GPU, PIPE, PluginJob, gpu_snapshot, loader_job, pipeline_job
 from rankscope.analyzers.analysis import analyze_job
@@ -204,3 +206,129 @@ def test_each_hang_says_which_of_c4s_kinds_it_is() -> None:
     assert hang_kind(analyze_job(gpu_snapshot(job, ONE_GPU, stacks)).verdict) == "non-communication hang"
     assert hang_kind(analyze_job(gpu_snapshot(pipeline_job(skipped_send=0), PIPE)).verdict) == "communication hang"
     assert hang_kind(analyze_job(gpu_snapshot(pipeline_job(), PIPE)).verdict) is None
+
+
+# --------------------------------------------------------------------------
+# a victim of the slow rank is no suspect: TP2 x DP2, rank 3 slow
+# --------------------------------------------------------------------------
+
+TP_HASH = {0: "7a7a7a7a7a7a7a7a", 1: "8b8b8b8b8b8b8b8b"}  # TP groups (0, 1), (2, 3)
+DP_HASH = {0: "9c9c9c9c9c9c9c9c", 1: "aeaeaeaeaeaeaeae"}  # DP groups (0, 2), (1, 3)
+
+
+CP_HASH = "c0c0c0c0c0c0c0c0"  # a third group of ranks 2 and 3 (``mutual``)
+
+
+def _tp_dp_series(n: int, ranks_per_machine: int, slow: int | None = 3, mutual: bool = False) -> list[JobSnapshot]:
+    """Four ranks (TP=2, DP=2, tp fastest), one poll per step, each rank's TP and DP all-reduce as the plugin
+    counts them (NCCL's names, commHash, no member ranks, the kernel-channel TD). ``slow`` computes slowly: its TP
+    peer waits for it in their TP all-reduce in every other step's last call (a long TD there, the slow rank's
+    short), and then both arrive last at their own DP all-reduces, the peer having waited. ``mutual``: ranks 2 and
+    3 also share a third group in which rank 2 arrives last in every other step and rank 3 waits."""
+    rng = np.random.default_rng(7)
+    peer = None if slow is None else slow ^ 1
+    out = []
+    for t in range(n):
+        files: dict[int, RankCounters] = {}
+        infos: dict[int, RankInfo] = {}
+        for r in range(4):
+            tp, dp = r // 2, r % 2  # which TP group, which DP group
+
+            def noisy(td: float) -> float:
+                return td * (1 + 0.05 * rng.standard_normal())
+
+            tp_late = t % 2 == 0
+            tp_td = 0.002 if r == slow and tp_late else 0.040 if r == peer and tp_late else noisy(0.010)
+            dp_td = 0.004 if r in (slow, peer) else noisy(0.030)
+            comms: tuple[Communicator, ...] = (
+                Communicator(TP_HASH[tp], "nccl", "", (), comm_nranks=2, comm_rank=r % 2),
+                Communicator(DP_HASH[dp], "nccl", "", (), comm_nranks=2, comm_rank=r // 2))
+            ops: tuple[OpCounters, ...] = (
+                OpCounters(TP_HASH[tp], "AllReduce", 4 * (t + 1), 16 * (t + 1), 16 * (t + 1), last_duration_s=tp_td,
+                           recent_throughput=(2e10,) * 5),
+                OpCounters(DP_HASH[dp], "AllReduce", t + 1, 4 * (t + 1), 4 * (t + 1), last_duration_s=dp_td,
+                           recent_throughput=(2e10,) * 5))
+            if mutual and r in (2, 3):
+                late_here = t % 2 == 1
+                comms += (Communicator(CP_HASH, "nccl", "", (), comm_nranks=2, comm_rank=r - 2),)
+                ops += (OpCounters(CP_HASH, "AllReduce", 2 * (t + 1), 8 * (t + 1), 8 * (t + 1),
+                                   last_duration_s=(0.002 if r == 2 else 0.040) if late_here else noisy(0.010),
+                                   recent_throughput=(2e10,) * 5),)
+            files[r] = RankCounters(r, 1000 + r, 4, "j", float(t), communicators=comms, ops=ops, steps=t + 1,
+                                    last_step_duration_s=0.1)
+            infos[r] = RankInfo(r, r % ranks_per_machine, 4, 1000 + r, gpu=r % ranks_per_machine)
+        machines = tuple(
+            MachineSnapshot(f"machine-{m}", f"127.0.0.1:{5000 + m}", True, Instant(1000.0 + t, 50.0 + t),
+                            ranks=tuple(infos[r] for r in mine), counters=tuple(files[r] for r in mine),
+                            gpus=GpuStatus(available=True, gpus=tuple(GpuMetrics(i) for i in range(ranks_per_machine))))
+            for m, mine in enumerate(range(i, i + ranks_per_machine) for i in range(0, 4, ranks_per_machine)))
+        out.append(JobSnapshot(Instant(1_700_000_000.0 + t, 100.0 + t), machines))
+    return out
+
+
+def test_a_rank_late_only_because_it_waited_on_the_slow_rank_is_a_victim_not_a_suspect() -> None:
+    """Rank 3 slow: rank 2 waited for it in their TP all-reduce and so came last to its own DP all-reduce, as
+    rank 3 did to its. The tally once blamed both (the drill's evidence line named the victim); now only rank 3,
+    with a note on rank 2."""
+    for rpm, where in ((2, "machine-1"), (4, "machine-0")):
+        last = _watch(_tp_dp_series(30, rpm))
+        top = last.verdict.top
+        assert top is not None and top.ranks == (3,) and top.machines == (where,), last.verdict.summary
+        assert top.evidence[0].startswith(f"[ccl] rank 3 arrived last in 20 of its last 20 collectives on comm "
+                                          f"{DP_HASH[1]}"), top.evidence
+        assert not any("rank 2 arrived last" in e for e in top.evidence), top.evidence
+        assert last.verdict.summary.startswith(f"suspect, not a verdict: rank 3 (GPU {3 % rpm}) on {where} "
+                                               "(non-communication slow)"), last.verdict.summary
+        note = next(n for n in last.verdict.notes if n.startswith("rank 2 arrives late"))
+        assert f"waits on rank 3: on comm {TP_HASH[1]} rank 3 arrived last in" in note and "rank 2 in 0" in note
+
+
+def test_the_victim_rule_rests_on_the_wait_in_the_shared_group() -> None:
+    """The same DP lateness without rank 3 arriving last in the TP group both share: nothing says rank 2 waited
+    on rank 3, so both stay blamed; and a healthy job blames nobody."""
+    snaps = _tp_dp_series(30, 2)
+    quiet = []
+    for s in snaps:  # rank 3 never late in TP: its and rank 2's TP durations alike
+        machines = []
+        for m in s.machines:
+            files = []
+            for rc in m.counters:
+                tp = rc.ops[0]
+                files.append(dataclasses.replace(rc, ops=(dataclasses.replace(tp, last_duration_s=0.010), rc.ops[1])))
+            machines.append(dataclasses.replace(m, counters=tuple(files)))
+        quiet.append(dataclasses.replace(s, machines=tuple(machines)))
+    top = _watch(quiet).verdict.top
+    assert top is not None and top.ranks == (2, 3), top
+    assert _watch(_tp_dp_series(30, 2, slow=None)).verdict.top is None
+
+
+def test_two_ranks_each_waiting_on_the_other_somewhere_both_stay_blamed() -> None:
+    """Rank 2 waited on rank 3 in their TP group and rank 3 on rank 2 in a third group: nothing says which one
+    held the other up first, so neither is let off as a victim."""
+    last = _watch(_tp_dp_series(30, 2, mutual=True))
+    top = last.verdict.top
+    assert top is not None and top.ranks == (2, 3), last.verdict.summary
+    assert not any("arrives late at its collectives because it waits on rank" in n for n in last.verdict.notes)
+
+
+def test_a_suspicion_reads_as_one_in_watch_and_the_tui() -> None:
+    """The late-arriver test alone stays below the confidence bar: `rankscope watch` (its line and its JSON)
+    and the TUI's Fail-slow view say suspect with its confidence, never a fail-slow verdict."""
+    from rankscope.cli.commands.watch import human_line, verdict_event
+    from rankscope.tui.failslow_state import FailSlowTracker
+    from rankscope.tui.widgets.failslow import summary_text
+
+    snaps = _one_machine_series(24, late=5)
+    last = _watch(snaps)
+    assert not last.confident
+    event = verdict_event(last, snaps[-1], snaps[0].captured.mono)
+    assert (event["confident"], event["machine"], event["ranks"]) == (False, "gpu-host", [5])
+    line = human_line(event)
+    assert "] suspect, not a verdict: rank 5 (GPU 5) on gpu-host (non-communication slow) — [ccl]" in line, line
+    assert "below the 0.70 bar" in line and "fail-slow:" not in line, line
+
+    view = FailSlowTracker().feed_series((s, None) for s in snaps)
+    text = summary_text(view)
+    assert text.plain.startswith("suspect, not a verdict: rank 5 (GPU 5) on gpu-host"), text.plain
+    assert "(confident)" not in text.plain
+    assert all("red" not in str(span.style) for span in text.spans), text.spans  # drawn as a suspicion, not an alarm
