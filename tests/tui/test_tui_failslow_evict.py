@@ -64,7 +64,7 @@ def test_a_slow_machine_is_evicted_precisely_and_its_degrader_group_is_the_alter
     assert d.kind is SuspectKind.PP and d.roots == (4, 5) and d.ranks == (0, 1, 4, 5) and d.victims == (0, 1)
     scope = eviction_scope(d, PLACEMENT)
     assert scope.default.machines == ("m2",) and scope.other is not None and scope.other.machines == ("m0", "m2")
-    assert "fail-slow detectors name m2" in scope.reason and "PP groups 0-1" in scope.reason
+    assert "fail-slow detectors name m2" in scope.reason and "PP groups #0 and #1" in scope.reason
     # No layout, or a group already named by the stack rounds: the suspect stays as it is.
     assert degrader_suspect(slow, None, PLACEMENT) is slow
     group = Suspect(SuspectKind.PP, (0, 4), ("m0", "m2"), 0.8, ("x",))
@@ -95,7 +95,7 @@ async def test_e_on_a_live_fail_slow_verdict_plans_the_slow_machine_and_offers_i
         assert staleness.failslow_target(app.state)[0] is not None
         overview = screen_text(app)
         assert "fail-slow verdict (view 7): fail-slow: machine m2" in overview
-        assert " ▸ slow: m2  in PP groups 0-1 (ranks 0-1,4-5); 2 ranks wait on it" in overview
+        assert " ▸ slow: m2  in PP groups #0 and #1 (ranks 0-1,4-5); 2 ranks wait on it" in overview
         assert "e: m2 (1 standby); ctrl+o group: m0, m2 (2 standbys) — the fail-slow detectors name m2" in overview
         await pilot.press("e")
         await until(pilot, lambda: isinstance(app.screen, ConfirmModal), 10, "the eviction plan")
