@@ -145,3 +145,46 @@ async def test_at_80x24_the_header_the_fail_slow_verdict_and_the_alternative_are
             first = screen_text(app).splitlines()[0].rstrip()
             assert first.startswith(" slow: m2 (key 7) │ 4/4 machines │ ") and "…" not in first, (key, first)
             assert first.endswith(f"step 0 s ago, hang at {app.state.hang_threshold_s:.0f} s"), (key, first)
+
+
+class ConfirmingSource(PlanningSource):
+    """A planning source that records what a confirmed eviction was sent with."""
+
+    def __init__(self, bundle: Bundle) -> None:
+        super().__init__(bundle)
+        self.confirmed: list[tuple[ActionRequest, Confirmation]] = []
+
+    async def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]:
+        self.confirmed.append((request, confirmation))
+        return
+        yield  # pragma: no cover
+
+
+@pytest.mark.parametrize("tab", [True, False], ids=["tab-then-phrase", "phrase-at-once"])
+async def test_the_phrase_typed_in_the_fail_slow_dialog_confirms_the_eviction(tab: bool) -> None:
+    # By hand one tab did not reach the phrase box here, so the typed phrase went nowhere and enter answered
+    # "that is not the phrase". The dialog opens on Cancel as the hang dialog does; one tab reaches the box, and a
+    # phrase typed without the tab lands in it too.
+    from textual.widgets import Button, Input
+
+    source = ConfirmingSource(Bundle(tuple(fs_series(70)), WALL0 + 70))
+    app = RankscopeApp(source, AppOptions(layout=LAYOUT))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await app.loaded.wait()
+        await app.failslow.idle.wait()
+        await until(pilot, lambda: staleness.failslow_target(app.state)[0] is not None, 10, "the fail-slow verdict")
+        await pilot.press("7")
+        await pilot.press("e")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmModal) and app.focused is not None, 10,
+                    "the eviction dialog, focused")
+        await pilot.pause()
+        assert isinstance(app.focused, Button) and app.focused.id == "cancel", app.focused
+        if tab:
+            await pilot.press("tab")
+            assert isinstance(app.focused, Input) and app.focused.id == "confirm-phrase", app.focused
+        await pilot.press(*"evict m2", "enter")
+        await until(pilot, lambda: bool(source.confirmed), 10, "the confirmed eviction")
+        ((request, confirmation),) = source.confirmed
+        assert request.targets.machines == ("m2",) and confirmation.typed == "evict m2"
+        assert confirmation.machines == ("m2",)
+        assert not isinstance(app.screen, ConfirmModal)
