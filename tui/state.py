@@ -326,6 +326,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
     metric_rows = _mark_evicted_rows(d.metric_rows, frozenset(m.name for m in machines if m.evicted))
     restarted, between, rank_pids = _restarted(state.rank_pids, machines)
+    clock = job_clock(machines)
     restarting = frozenset(
         m.name for m in machines if not m.reachable and not m.evicted
         and ((m.name in state.restarting and settling) or (settling and before.get(m.name) is not False)))
@@ -352,7 +353,10 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
                         moved_ranks.setdefault(m.name, []).append(r)
         placed = "".join(f"; ranks {compact_ranks(sorted(rs), 6)} now on {name}"
                          for name, rs in sorted(moved_ranks.items()))
-        events.append(Event(now_wall, "restarted",
+        # Stamped when the new launch started, not when this view polled: the journal's "resumed from step N"
+        # (written once the new ranks loaded) came before the view's restart row a poll later, so Events read
+        # "resumed" then "restarted".
+        events.append(Event(_when(clock.start_mark if clock else None, now_wall, state.events), "restarted",
                             f"the job restarted on {on}: its ranks run under new pids{placed}{code}"))
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
@@ -365,7 +369,6 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     step_points = state.step_points
     if d.steps is not None:
         step_points = (*step_points, (d.wall, d.steps))[-HISTORY:]
-    clock = job_clock(machines)
     last_progress = state.last_progress_wall
     hung_reported = state.hung_reported
     gaps = state.progress_gaps
@@ -386,7 +389,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         if moved and last_progress is None and state.restarts + restarted > 0:
             # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
             # view, "07:53:00" in its pair), and the row's time says when.
-            events.append(Event(now_wall, "resumed", "training runs again after the restart"))
+            # Stamped at the first step itself, as the restart at its start: in the order things happened.
+            events.append(Event(_when(clock.progress_mark, now_wall, (*state.events, *events)), "resumed",
+                                "training runs again after the restart"))
         elif moved and hung_reported and not between and not state.awaiting_restart:
             # Not between an eviction and the restart it brings, nor in a poll that caught two launches: the new
             # launch's first step is the restart's, told once the restart is seen (a pair's read-only view logged
@@ -448,6 +453,18 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         restart_seen_wall=now_wall if restarted else state.restart_seen_wall,
         restarting=restarting,
     )
+
+
+_CAUSES = frozenset({"hung", "evicted", "restarted"})
+
+
+def _when(mark: float | None, now_wall: float, before: Sequence[Event]) -> float:
+    """When a moment a poll found happened: the agents' mark of it (a launch's start, its first step), never later
+    than the poll that found it nor earlier than the hang, eviction or restart before it (an agent's clock a little
+    behind the view's must not put a restart above the eviction that brought it)."""
+    if mark is None:
+        return now_wall
+    return min(now_wall, max(mark, max((e.wall for e in before if e.kind in _CAUSES), default=mark)))
 
 
 def _mark_evicted(machines: tuple[MachineView, ...], evicted: frozenset[str],

@@ -160,3 +160,36 @@ def test_progress_between_an_eviction_and_the_restart_is_not_a_resumed_hang() ->
     s = _poll(s, _new_pids(job(T0 + 47, stacks=False, step=1, hung=False, lost=(5,)), range(16)), T0 + 47)
     assert s.restarts == 1 and not s.awaiting_restart
     assert [e.kind for e in s.events if e.kind in ("hung", "restarted", "resumed")] == ["hung", "restarted"]
+
+
+def test_events_read_in_the_order_things_happened_restart_then_resumed_from_then_the_first_step() -> None:
+    # By hand: the journal's "resumed from step N" (written when the new ranks had loaded) was listed before the
+    # view's own "restarted" row, stamped when the view saw the new pids, a poll later than the ranks reported their
+    # step. The restart is told at the new launch's start, the first step at the ranks' own mark of it.
+    from test_tui_job_state import T0 as J0
+    from test_tui_job_state import fold, snap
+
+    s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState(read_only=True))
+    s = st.apply_evicted(s, ["machine-9"], J0 + 34)
+    # The launch started at +40 and loaded its checkpoint at +43; this view's polls saw no rank until +45.
+    s = st.apply_journal(s, [(J0 + 43, "resumed", "the job resumed from step 20 on machine-0 machine-1")])
+    s = fold([snap(J0 + 45, progress=None, started=J0 + 40, pids=2000)], s)
+    s = fold([snap(J0 + 48, progress=J0 + 46.5, started=J0 + 40, pids=2000)], s)
+    told = [(e.wall - J0, e.kind, e.text.split(":")[0]) for e in s.events if e.kind in ("evicted", "restarted", "resumed")]
+    assert told == [(34.0, "evicted", "evicted machine-9"), (40.0, "restarted", "the job restarted on machine-0, machine-1"),
+                    (43.0, "resumed", "the job resumed from step 20 on machine-0 machine-1"),
+                    (46.5, "resumed", "training runs again after the restart")], told
+
+
+def test_a_restart_is_never_told_before_the_eviction_that_brought_it() -> None:
+    # An agent clock a few seconds behind the view's: the launch's start mark reads earlier than the eviction row.
+    from test_tui_job_state import T0 as J0
+    from test_tui_job_state import fold, snap
+
+    s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState())
+    s = st.apply_evicted(s, ["machine-9"], J0 + 34)
+    s = fold([snap(J0 + 45, progress=J0 + 20, started=J0 + 31, pids=2000)], s)
+    told = [(e.wall - J0, e.kind) for e in s.events if e.kind in ("evicted", "restarted", "resumed")]
+    assert told == [(34.0, "evicted"), (34.0, "restarted"), (34.0, "resumed")], told
+    assert [e.kind for e in s.events if e.kind in ("evicted", "restarted", "resumed")] == ["evicted", "restarted",
+                                                                                           "resumed"]
