@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.labels import group_name, numbered, suspect_label
 
