@@ -265,12 +265,31 @@ def journal_worthy(event: Event) -> bool:
 def apply_journal(state: AppState, entries: Iterable[tuple[float, str, str]]) -> AppState:
     """The agents' journal (wall, kind, text): what happened before this view attached, as events, each once. A
     hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so the
-    views of a pair tell one story."""
+    views of a pair tell one story; a restart is told before the resumption the journal stamped earlier."""
     told = [Event(w, k, t) for w, k, t in entries]
     own = {id(m) for e in told for m in _same_moments(state.events, e)}
     if own:
         state = replace(state, events=tuple(e for e in state.events if id(e) not in own))
-    return replace(state, events=_with_events(state, told))
+    events = _with_events(state, told)
+    moved = tuple(replace(e, wall=_before_its_resumption(events, e.wall)) if e.kind == "restarted" else e
+                  for e in events)
+    if moved != events:
+        events = tuple(sorted(moved, key=lambda e: e.wall))
+    return replace(state, events=events)
+
+
+# The view's own words when training moves again: not the journal's account of what the restart resumed from.
+_OWN_RESUMED = frozenset({"training runs again after the restart", "progress resumed"})
+TOLD_BEFORE_S = 0.001  # a restart is stamped this much before the resumption that was stamped first
+
+
+def _before_its_resumption(events: Sequence[Event], wall: float) -> float:
+    """When to tell a restart a view found at ``wall``: just before the journal's resumption of it if that is stamped
+    earlier (within RESTART_SETTLE_S, with no hang, eviction or other restart between them), else at ``wall``."""
+    cut = max((e.wall for e in events if e.kind in _CAUSES and e.wall < wall), default=wall - RESTART_SETTLE_S)
+    first = min((e.wall for e in events if e.kind == "resumed" and e.text not in _OWN_RESUMED
+                 and max(cut, wall - RESTART_SETTLE_S) < e.wall < wall), default=None)
+    return wall if first is None else first - TOLD_BEFORE_S
 
 
 _UPDATE_TARGET = re.compile(r" to (.+) \((?:immediate|lazy)\)$")
@@ -353,10 +372,10 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
                         moved_ranks.setdefault(m.name, []).append(r)
         placed = "".join(f"; ranks {compact_ranks(sorted(rs), 6)} now on {name}"
                          for name, rs in sorted(moved_ranks.items()))
-        # Stamped when the new launch started, not when this view polled: the journal's "resumed from step N"
-        # (written once the new ranks loaded) came before the view's restart row a poll later, so Events read
-        # "resumed" then "restarted".
-        events.append(Event(_when(clock.start_mark if clock else None, now_wall, state.events), "restarted",
+        # Told before the journal's "resumed from step N" of this restart when that came first: the ranks report
+        # their step before a view's poll finds their new pids. (Not at the ranks' start: a warm restart's ranks
+        # were parked processes, started long before.)
+        events.append(Event(_before_its_resumption(state.events, now_wall), "restarted",
                             f"the job restarted on {on}: its ranks run under new pids{placed}{code}"))
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.

@@ -164,32 +164,47 @@ def test_progress_between_an_eviction_and_the_restart_is_not_a_resumed_hang() ->
 
 def test_events_read_in_the_order_things_happened_restart_then_resumed_from_then_the_first_step() -> None:
     # By hand: the journal's "resumed from step N" (written when the new ranks had loaded) was listed before the
-    # view's own "restarted" row, stamped when the view saw the new pids, a poll later than the ranks reported their
-    # step. The restart is told at the new launch's start, the first step at the ranks' own mark of it.
+    # view's own "restarted" row, stamped when the view's poll found the new pids, a moment later. The restart is
+    # told just before the resumption stamped first, and the first step at the ranks' own mark of it. The ranks of
+    # a warm restart are parked processes started long before (here at +31, before the eviction): their start is
+    # no time for the restart.
     from test_tui_job_state import T0 as J0
     from test_tui_job_state import fold, snap
 
-    s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState(read_only=True))
-    s = st.apply_evicted(s, ["machine-9"], J0 + 34)
-    # The launch started at +40 and loaded its checkpoint at +43; this view's polls saw no rank until +45.
-    s = st.apply_journal(s, [(J0 + 43, "resumed", "the job resumed from step 20 on machine-0 machine-1")])
-    s = fold([snap(J0 + 45, progress=None, started=J0 + 40, pids=2000)], s)
-    s = fold([snap(J0 + 48, progress=J0 + 46.5, started=J0 + 40, pids=2000)], s)
-    told = [(e.wall - J0, e.kind, e.text.split(":")[0]) for e in s.events if e.kind in ("evicted", "restarted", "resumed")]
-    assert told == [(34.0, "evicted", "evicted machine-9"), (40.0, "restarted", "the job restarted on machine-0, machine-1"),
-                    (43.0, "resumed", "the job resumed from step 20 on machine-0 machine-1"),
-                    (46.5, "resumed", "training runs again after the restart")], told
+    for journal_first in (True, False):
+        s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState(read_only=True))
+        s = st.apply_evicted(s, ["machine-9"], J0 + 34)
+        resumed_from = [(J0 + 43, "resumed", "the job resumed from step 20 on machine-0 machine-1")]
+        if journal_first:
+            s = st.apply_journal(s, resumed_from)
+        s = fold([snap(J0 + 45, progress=None, started=J0 + 31, pids=2000)], s)
+        if not journal_first:
+            s = st.apply_journal(s, resumed_from)
+        s = fold([snap(J0 + 48, progress=J0 + 46.5, started=J0 + 31, pids=2000)], s)
+        told = [(round(e.wall - J0, 3), e.kind, e.text.split(":")[0]) for e in s.events
+                if e.kind in ("evicted", "restarted", "resumed")]
+        assert told == [(34.0, "evicted", "evicted machine-9"),
+                        (42.999, "restarted", "the job restarted on machine-0, machine-1"),
+                        (43.0, "resumed", "the job resumed from step 20 on machine-0 machine-1"),
+                        (46.5, "resumed", "training runs again after the restart")], (journal_first, told)
 
 
-def test_a_restart_is_never_told_before_the_eviction_that_brought_it() -> None:
-    # An agent clock a few seconds behind the view's: the launch's start mark reads earlier than the eviction row.
+def test_a_restart_with_no_resumption_before_it_is_told_when_seen_and_its_first_step_never_before_it() -> None:
     from test_tui_job_state import T0 as J0
     from test_tui_job_state import fold, snap
 
     s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState())
     s = st.apply_evicted(s, ["machine-9"], J0 + 34)
-    s = fold([snap(J0 + 45, progress=J0 + 20, started=J0 + 31, pids=2000)], s)
+    # A resumption of another chapter (before the eviction) is not this restart's.
+    s = st.apply_journal(s, [(J0 + 20, "resumed", "the job resumed from step 5 on machine-0")])
+    # The ranks' progress mark reads before the restart was seen (an agent clock a little behind the view's).
+    s = fold([snap(J0 + 45, progress=J0 + 40, started=J0 + 31, pids=2000)], s)
     told = [(e.wall - J0, e.kind) for e in s.events if e.kind in ("evicted", "restarted", "resumed")]
-    assert told == [(34.0, "evicted"), (34.0, "restarted"), (34.0, "resumed")], told
-    assert [e.kind for e in s.events if e.kind in ("evicted", "restarted", "resumed")] == ["evicted", "restarted",
-                                                                                           "resumed"]
+    assert told == [(20.0, "resumed"), (34.0, "evicted"), (45.0, "restarted"), (45.0, "resumed")], told
+    # A hot-update's warm restart a minute later: its parked ranks started just after the first restart. Stamped at
+    # their start, it read as the first restart seen again and both its rows were dropped (the tmux incident test).
+    s = fold([snap(J0 + 46 + i, progress=J0 + 46 + i, started=J0 + 31, pids=2000) for i in range(10)], s)
+    s = fold([snap(J0 + 110, progress=None, started=J0 + 50, pids=3000),
+              snap(J0 + 112, progress=J0 + 111.5, started=J0 + 50, pids=3000)], s)
+    told = [(e.wall - J0, e.kind) for e in s.events if e.kind in ("restarted", "resumed")]
+    assert told[-2:] == [(110.0, "restarted"), (111.5, "resumed")], told
