@@ -158,7 +158,8 @@ class AppState:
     capture_after_start: bool = False
     job_counts: bool = False
     hang_captured_for: float | None = None
-    refreshed_for: frozenset[int] = frozenset()  # the running ranks a refresh capture was taken for (once per set)
+    refreshed_for: frozenset[int] = frozenset()  # the running ranks a refresh capture was taken for
+    refresh_tries: int = 0  # how many refresh captures were taken for that same set
 
     @property
     def hang(self) -> HangThreshold:
@@ -762,5 +763,6 @@ def apply_hang_captured(state: AppState) -> AppState:
 
 
 def apply_refresh_captured(state: AppState, missing: frozenset[int]) -> AppState:
-    """A capture is taken for running ranks the one on screen misses: not again for the same ranks."""
-    return replace(state, refreshed_for=missing)
+    """A capture is taken for running ranks the one on screen misses (counted per set: ``schedule.REFRESH_TRIES``)."""
+    tries = state.refresh_tries + 1 if missing == state.refreshed_for else 1
+    return replace(state, refreshed_for=missing, refresh_tries=tries)
