@@ -16,7 +16,7 @@ from rankscope.contract.ranks import compact_ranks
 
 
 def suspect_label(s: Suspect) -> str:
-    """A suspect's name without where it runs: ``PP group 1 (ranks 4-7)``, ``rank 5``, ``machine m2 (ranks 4-5)``.
+    """A suspect's name without where it runs: ``PP group #1 (ranks 4-7)``, ``rank 5``, ``machine m2 (ranks 4-5)``.
 
     The one way a suspect is named (verdict lines, fail-slow evidence, the
     TUI's action titles and evict reasons).
@@ -35,32 +35,47 @@ def suspect_label(s: Suspect) -> str:
 
 
 def group_name(kind: str, groups: Sequence[int]) -> str:
-    """Layout groups of one kind by their numbers: ``PP group 3``, ``PP groups 6-7``, ``TP group`` (unknown)."""
-    if len(groups) > 1:
-        return f"{kind.upper()} groups {compact_ranks(groups)}"
-    return f"{kind.upper()} group{f' {groups[0]}' if groups else ''}"
+    """Layout groups of one kind by their numbers: ``PP group #3``, ``PP groups #6 and #7``, ``TP group`` (unknown)."""
+    if len(set(groups)) > 1:
+        return f"{kind.upper()} groups {numbered(groups)}"
+    return f"{kind.upper()} group{f' {numbered(groups)}' if groups else ''}"
+
+
+def numbered(groups: Sequence[int]) -> str:
+    """Group numbers marked as numbers, so they cannot be read as ranks beside a rank range (``PP groups 2-3 (ranks
+    2-3,6-7)`` read as ranks): ``#6``, ``#6 and #7``, ``#2-#5, #9``."""
+    distinct = sorted(set(groups))
+    if len(distinct) == 2:
+        return f"#{distinct[0]} and #{distinct[1]}"
+    runs: list[list[int]] = []
+    for n in distinct:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"#{r[0]}" if len(r) == 1 else f"#{r[0]}-#{r[-1]}" for r in runs)
 
 
 def group_numbers(s: Suspect) -> str:
-    """Which groups of its kind a suspect is: ``6``, ``6-7`` when it spans several, empty when unknown."""
+    """Which groups of its kind a suspect is: ``#6``, ``#6 and #7`` when it spans several, empty when unknown."""
     if len(s.groups) > 1:
-        return compact_ranks(s.groups)
-    return str(s.group_index) if s.group_index is not None else ""
+        return numbered(s.groups)
+    return numbered((s.group_index,)) if s.group_index is not None else ""
 
 
 def joined(head: str, root: str) -> str:
-    """A headline from its parts: ``PP group 3 (ranks 4-7) on m2, root rank 5 (computing; 3 ranks wait on it)``."""
+    """A headline from its parts: ``PP group #3 (ranks 4-7) on m2, root rank 5 (computing; 3 ranks wait on it)``."""
     return f"{head}, {root}" if root else head
 
 
 def headline_parts(s: Suspect, *, own_words: bool = False) -> tuple[str, str]:
     """One line naming a suspect and its machines, in two parts (``joined`` makes the line): the suspect and where
-    it runs (``rank 5 on machine-2``, ``PP group 3 (ranks 6,14) on m3, m7``), and its one root rank when the suspect
+    it runs (``rank 5 on machine-2``, ``PP group #3 (ranks 6,14) on m3, m7``), and its one root rank when the suspect
     is a larger set the root sits in (``root rank 5 (computing; 3 ranks wait on it)``; empty otherwise), which the
     verdict panel puts on a line of its own.
 
     ``own_words``: a group is named by its detector's own ``title`` (the stack
-    aggregation's ``PP groups 6-7 on machine-12..15``, which knows several
+    aggregation's ``PP groups #6 and #7 on machine-12..15``, which knows several
     groups share the suspects), as one detector's own verdict does; a merged
     verdict names it by ``suspect_label``. A desync is named by its title
     (which peers it differs from) either way.

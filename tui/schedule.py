@@ -40,8 +40,11 @@ def hang_capture_due(state: AppState) -> bool:
 
 
 # A capture that misses running ranks (their agent was not back yet, their process still starting) is retaken
-# this long after it, once per set of missing ranks: every running rank's stacks are on screen without a key press.
+# this long after it, up to REFRESH_TRIES times for one set of missing ranks: every running rank's stacks are on
+# screen without a key press. (Once per set was not enough: a retake in the restart's last moments read no rank,
+# the same set stayed missing, and the map kept "not captured since a restart" until s.)
 REFRESH_AFTER_S = 5.0
+REFRESH_TRIES = 3
 
 
 def uncaptured_ranks(state: AppState) -> frozenset[int]:
@@ -58,13 +61,13 @@ def uncaptured_ranks(state: AppState) -> frozenset[int]:
 
 def refresh_capture_due(state: AppState) -> bool:
     """The job runs again (after a restart or a hot-update) and the capture on screen misses some of its running
-    ranks: capture again, once for that set of ranks, ``REFRESH_AFTER_S`` after the last capture."""
+    ranks: capture again, ``REFRESH_AFTER_S`` after the last capture, at most ``REFRESH_TRIES`` times for one set."""
     if state.capturing or state.capture_after_start or state.capture_wall is None:
         return False
     if state.now_wall - state.capture_wall < REFRESH_AFTER_S or health(state).kind not in ("healthy", "slow"):
         return False
     missing = uncaptured_ranks(state)
-    return bool(missing) and missing != state.refreshed_for
+    return bool(missing) and (missing != state.refreshed_for or state.refresh_tries < REFRESH_TRIES)
 
 
 # The incident journal (``rankscope.actions.journal``) is written by others while an incident goes on: the acting

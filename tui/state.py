@@ -158,7 +158,8 @@ class AppState:
     capture_after_start: bool = False
     job_counts: bool = False
     hang_captured_for: float | None = None
-    refreshed_for: frozenset[int] = frozenset()  # the running ranks a refresh capture was taken for (once per set)
+    refreshed_for: frozenset[int] = frozenset()  # the running ranks a refresh capture was taken for
+    refresh_tries: int = 0  # how many refresh captures were taken for that same set
 
     @property
     def hang(self) -> HangThreshold:
@@ -265,12 +266,31 @@ def journal_worthy(event: Event) -> bool:
 def apply_journal(state: AppState, entries: Iterable[tuple[float, str, str]]) -> AppState:
     """The agents' journal (wall, kind, text): what happened before this view attached, as events, each once. A
     hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so the
-    views of a pair tell one story."""
+    views of a pair tell one story; a restart is told before the resumption the journal stamped earlier."""
     told = [Event(w, k, t) for w, k, t in entries]
     own = {id(m) for e in told for m in _same_moments(state.events, e)}
     if own:
         state = replace(state, events=tuple(e for e in state.events if id(e) not in own))
-    return replace(state, events=_with_events(state, told))
+    events = _with_events(state, told)
+    moved = tuple(replace(e, wall=_before_its_resumption(events, e.wall)) if e.kind == "restarted" else e
+                  for e in events)
+    if moved != events:
+        events = tuple(sorted(moved, key=lambda e: e.wall))
+    return replace(state, events=events)
+
+
+# The view's own words when training moves again: not the journal's account of what the restart resumed from.
+_OWN_RESUMED = frozenset({"training runs again after the restart", "progress resumed"})
+TOLD_BEFORE_S = 0.001  # a restart is stamped this much before the resumption that was stamped first
+
+
+def _before_its_resumption(events: Sequence[Event], wall: float) -> float:
+    """When to tell a restart a view found at ``wall``: just before the journal's resumption of it if that is stamped
+    earlier (within RESTART_SETTLE_S, with no hang, eviction or other restart between them), else at ``wall``."""
+    cut = max((e.wall for e in events if e.kind in _CAUSES and e.wall < wall), default=wall - RESTART_SETTLE_S)
+    first = min((e.wall for e in events if e.kind == "resumed" and e.text not in _OWN_RESUMED
+                 and max(cut, wall - RESTART_SETTLE_S) < e.wall < wall), default=None)
+    return wall if first is None else first - TOLD_BEFORE_S
 
 
 _UPDATE_TARGET = re.compile(r" to (.+) \((?:immediate|lazy)\)$")
@@ -326,6 +346,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
     metric_rows = _mark_evicted_rows(d.metric_rows, frozenset(m.name for m in machines if m.evicted))
     restarted, between, rank_pids = _restarted(state.rank_pids, machines)
+    clock = job_clock(machines)
     restarting = frozenset(
         m.name for m in machines if not m.reachable and not m.evicted
         and ((m.name in state.restarting and settling) or (settling and before.get(m.name) is not False)))
@@ -352,7 +373,10 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
                         moved_ranks.setdefault(m.name, []).append(r)
         placed = "".join(f"; ranks {compact_ranks(sorted(rs), 6)} now on {name}"
                          for name, rs in sorted(moved_ranks.items()))
-        events.append(Event(now_wall, "restarted",
+        # Told before the journal's "resumed from step N" of this restart when that came first: the ranks report
+        # their step before a view's poll finds their new pids. (Not at the ranks' start: a warm restart's ranks
+        # were parked processes, started long before.)
+        events.append(Event(_before_its_resumption(state.events, now_wall), "restarted",
                             f"the job restarted on {on}: its ranks run under new pids{placed}{code}"))
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
@@ -365,7 +389,6 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     step_points = state.step_points
     if d.steps is not None:
         step_points = (*step_points, (d.wall, d.steps))[-HISTORY:]
-    clock = job_clock(machines)
     last_progress = state.last_progress_wall
     hung_reported = state.hung_reported
     gaps = state.progress_gaps
@@ -386,7 +409,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         if moved and last_progress is None and state.restarts + restarted > 0:
             # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
             # view, "07:53:00" in its pair), and the row's time says when.
-            events.append(Event(now_wall, "resumed", "training runs again after the restart"))
+            # Stamped at the first step itself, as the restart at its start: in the order things happened.
+            events.append(Event(_when(clock.progress_mark, now_wall, (*state.events, *events)), "resumed",
+                                "training runs again after the restart"))
         elif moved and hung_reported and not between and not state.awaiting_restart:
             # Not between an eviction and the restart it brings, nor in a poll that caught two launches: the new
             # launch's first step is the restart's, told once the restart is seen (a pair's read-only view logged
@@ -448,6 +473,18 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         restart_seen_wall=now_wall if restarted else state.restart_seen_wall,
         restarting=restarting,
     )
+
+
+_CAUSES = frozenset({"hung", "evicted", "restarted"})
+
+
+def _when(mark: float | None, now_wall: float, before: Sequence[Event]) -> float:
+    """When a moment a poll found happened: the agents' mark of it (a launch's start, its first step), never later
+    than the poll that found it nor earlier than the hang, eviction or restart before it (an agent's clock a little
+    behind the view's must not put a restart above the eviction that brought it)."""
+    if mark is None:
+        return now_wall
+    return min(now_wall, max(mark, max((e.wall for e in before if e.kind in _CAUSES), default=mark)))
 
 
 def _mark_evicted(machines: tuple[MachineView, ...], evicted: frozenset[str],
@@ -726,5 +763,6 @@ def apply_hang_captured(state: AppState) -> AppState:
 
 
 def apply_refresh_captured(state: AppState, missing: frozenset[int]) -> AppState:
-    """A capture is taken for running ranks the one on screen misses: not again for the same ranks."""
-    return replace(state, refreshed_for=missing)
+    """A capture is taken for running ranks the one on screen misses (counted per set: ``schedule.REFRESH_TRIES``)."""
+    tries = state.refresh_tries + 1 if missing == state.refreshed_for else 1
+    return replace(state, refreshed_for=missing, refresh_tries=tries)

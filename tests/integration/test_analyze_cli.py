@@ -29,7 +29,7 @@ def test_pyspy_dir_json_names_the_fig7_pipeline(capsys: pytest.CaptureFixture[st
     code, out, _ = _run(capsys, "--pyspy-dir", str(FIG7), *FIG7_FLAGS, "--json")
     assert code == 0
     data = json.loads(out)
-    assert data["summary"] == "PP groups 6-7 on machine-12..15"
+    assert data["summary"] == "PP groups #6 and #7 on machine-12..15"
     top = data["suspects"][0]
     assert top["kind"] == "pp" and top["machines"] == [f"machine-{m}" for m in (12, 13, 14, 15)]
     assert top["ranks"] == list(range(24, 32)) and top["score"] == 1.0 and top["evidence"]
@@ -41,7 +41,7 @@ def test_pyspy_dir_json_names_the_fig7_pipeline(capsys: pytest.CaptureFixture[st
 def test_pyspy_dir_text(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "--pyspy-dir", str(FIG7), *FIG7_FLAGS)
     assert code == 0
-    assert out.startswith("verdict: PP groups 6-7 on machine-12..15\n")
+    assert out.startswith("verdict: PP groups #6 and #7 on machine-12..15\n")
     assert "[outlier] 2 rank(s) 30-31: all_gather_into_tensor (distributed_c10d.py)" in out
     assert "1. [pp] score 1.00  machines: machine-12, machine-13, machine-14, machine-15" in out
 

@@ -50,5 +50,5 @@ def test_rankscope_analyze_says_the_pair_and_the_kind_of_hang(capsys: pytest.Cap
 
     assert main(["analyze", str(BUNDLES / "hang-p2p.bundle.json")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("verdict: PP group 1 (ranks 1,3) on machine-0..1, root rank 3 (computing;"), out[:3]
+    assert out[0].startswith("verdict: PP group #1 (ranks 1,3) on machine-0..1, root rank 3 (computing;"), out[:3]
     assert out[1] == "kind: non-communication hang"  # rank 3 stopped in its own code before its send

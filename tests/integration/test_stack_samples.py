@@ -238,7 +238,7 @@ def test_failslow_detector_is_confident_on_samples_alone_and_names_rank_groups_a
     assert last.confident and last.machines == ("host-node1",)
     flag = next(f for f in last.flags if f.detector == "samples")
     assert flag.alarmed and flag.ranks == (5,)
-    assert "rank 5 waited" in flag.evidence and "TP group 2" in flag.evidence and "PP group 1" in flag.evidence
+    assert "rank 5 waited" in flag.evidence and "TP group #2" in flag.evidence and "PP group #1" in flag.evidence
     assert last.confidence > verdicts[3].confidence or verdicts[3].confident
 
 

@@ -289,6 +289,21 @@ def story(text: str) -> list[str]:
     return [f"{kind} {what}" for _, kind, what in dict.fromkeys(rows)]
 
 
+def resumed_after_restart_on(text: str, version: str) -> bool:
+    """The Events page (newest first) shows the view's own "training runs again after the restart" above its newest
+    restart row, and that row (with the lines it wraps onto) names the code ``version``."""
+    lines = re.sub(r"[\u2580-\u259f\u2500-\u257f]+[ ]*$", "", text, flags=re.M).splitlines()  # the scrollbar
+    row = re.compile(r"^\s*\d\d:\d\d:\d\d\s+(\S+)\s+(.*)$")
+    restart = next((i for i, line in enumerate(lines) if (m := row.match(line)) and m.group(1) == "restarted"), None)
+    if restart is None:
+        return False
+    end = next((i for i in range(restart + 1, len(lines)) if row.match(lines[i])), len(lines))
+    told = " ".join(lines[restart:end])
+    resumed = any((m := row.match(line)) and m.group(1) == "resumed" and "training runs again" in m.group(2)
+                  for line in lines[:restart])
+    return resumed and f"code {version}" in re.sub(r"\s+", " ", told)
+
+
 def recaptured_story(session: str, pair: str, when: str, after: str = "", version: str = "") -> None:
     """After a restart: both views capture every running rank by themselves, read the same verdict, and their
     Events tell the same story (each hang and restart once)."""
@@ -301,7 +316,10 @@ def recaptured_story(session: str, pair: str, when: str, after: str = "", versio
         tmux("send-keys", "-t", target, "5")
         wait_screen(target, lambda t: "time" in t and "event" in t, 10, f"the events ({when})")
         if version:
-            wait_screen(target, lambda t: "resumed" in t and version in t, 120, f"the resumption on {version}")
+            # This view's own resumption row, newer than its restart on the version: "resumed" and the version
+            # anywhere on the screen (an earlier restart's resumption, the restart row's "code v2") let the acting
+            # view's Events be read before its first step after the restart, and its pair's a poll later.
+            wait_screen(target, lambda t: resumed_after_restart_on(t, version), 120, f"the resumption on {version}")
         stories.append(story(events_pages(target)))
         tmux("send-keys", "-t", target, "1")
     assert stories[0] == stories[1], stories

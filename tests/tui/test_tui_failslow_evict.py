@@ -64,7 +64,7 @@ def test_a_slow_machine_is_evicted_precisely_and_its_degrader_group_is_the_alter
     assert d.kind is SuspectKind.PP and d.roots == (4, 5) and d.ranks == (0, 1, 4, 5) and d.victims == (0, 1)
     scope = eviction_scope(d, PLACEMENT)
     assert scope.default.machines == ("m2",) and scope.other is not None and scope.other.machines == ("m0", "m2")
-    assert "fail-slow detectors name m2" in scope.reason and "PP groups 0-1" in scope.reason
+    assert "fail-slow detectors name m2" in scope.reason and "PP groups #0 and #1" in scope.reason
     # No layout, or a group already named by the stack rounds: the suspect stays as it is.
     assert degrader_suspect(slow, None, PLACEMENT) is slow
     group = Suspect(SuspectKind.PP, (0, 4), ("m0", "m2"), 0.8, ("x",))
@@ -95,7 +95,7 @@ async def test_e_on_a_live_fail_slow_verdict_plans_the_slow_machine_and_offers_i
         assert staleness.failslow_target(app.state)[0] is not None
         overview = screen_text(app)
         assert "fail-slow verdict (view 7): fail-slow: machine m2" in overview
-        assert " ▸ slow: m2  in PP groups 0-1 (ranks 0-1,4-5); 2 ranks wait on it" in overview
+        assert " ▸ slow: m2  in PP groups #0 and #1 (ranks 0-1,4-5); 2 ranks wait on it" in overview
         assert "e: m2 (1 standby); ctrl+o group: m0, m2 (2 standbys) — the fail-slow detectors name m2" in overview
         await pilot.press("e")
         await until(pilot, lambda: isinstance(app.screen, ConfirmModal), 10, "the eviction plan")
@@ -145,3 +145,46 @@ async def test_at_80x24_the_header_the_fail_slow_verdict_and_the_alternative_are
             first = screen_text(app).splitlines()[0].rstrip()
             assert first.startswith(" slow: m2 (key 7) │ 4/4 machines │ ") and "…" not in first, (key, first)
             assert first.endswith(f"step 0 s ago, hang at {app.state.hang_threshold_s:.0f} s"), (key, first)
+
+
+class ConfirmingSource(PlanningSource):
+    """A planning source that records what a confirmed eviction was sent with."""
+
+    def __init__(self, bundle: Bundle) -> None:
+        super().__init__(bundle)
+        self.confirmed: list[tuple[ActionRequest, Confirmation]] = []
+
+    async def run_action(self, request: ActionRequest, confirmation: Confirmation) -> AsyncIterator[ActionUpdate]:
+        self.confirmed.append((request, confirmation))
+        return
+        yield  # pragma: no cover
+
+
+@pytest.mark.parametrize("tab", [True, False], ids=["tab-then-phrase", "phrase-at-once"])
+async def test_the_phrase_typed_in_the_fail_slow_dialog_confirms_the_eviction(tab: bool) -> None:
+    # By hand one tab did not reach the phrase box here, so the typed phrase went nowhere and enter answered
+    # "that is not the phrase". The dialog opens on Cancel as the hang dialog does; one tab reaches the box, and a
+    # phrase typed without the tab lands in it too.
+    from textual.widgets import Button, Input
+
+    source = ConfirmingSource(Bundle(tuple(fs_series(70)), WALL0 + 70))
+    app = RankscopeApp(source, AppOptions(layout=LAYOUT))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await app.loaded.wait()
+        await app.failslow.idle.wait()
+        await until(pilot, lambda: staleness.failslow_target(app.state)[0] is not None, 10, "the fail-slow verdict")
+        await pilot.press("7")
+        await pilot.press("e")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmModal) and app.focused is not None, 10,
+                    "the eviction dialog, focused")
+        await pilot.pause()
+        assert isinstance(app.focused, Button) and app.focused.id == "cancel", app.focused
+        if tab:
+            await pilot.press("tab")
+            assert isinstance(app.focused, Input) and app.focused.id == "confirm-phrase", app.focused
+        await pilot.press(*"evict m2", "enter")
+        await until(pilot, lambda: bool(source.confirmed), 10, "the confirmed eviction")
+        ((request, confirmation),) = source.confirmed
+        assert request.targets.machines == ("m2",) and confirmation.typed == "evict m2"
+        assert confirmation.machines == ("m2",)
+        assert not isinstance(app.screen, ConfirmModal)

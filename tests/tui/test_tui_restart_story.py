@@ -26,7 +26,7 @@ def _running(s: st.AppState, start: float, n: int, step: int) -> st.AppState:
     return s
 
 
-def test_a_capture_missing_running_ranks_is_taken_again_once_without_a_key() -> None:
+def test_a_capture_missing_running_ranks_is_taken_again_without_a_key() -> None:
     s = _running(st.AppState(), T0, 8, 100)
     # The capture after the restart reached 12 of the 16 machines: the ranks of the other 4 have no stack.
     full = job(T0 + 8, stacks=True, step=108, hung=False)
@@ -39,10 +39,20 @@ def test_a_capture_missing_running_ranks_is_taken_again_once_without_a_key() -> 
     assert not schedule.refresh_capture_due(s), "not sooner than REFRESH_AFTER_S after the last capture"
     s = _running(s, T0 + 12, 2, 112)
     assert schedule.refresh_capture_due(s)
-    s = st.apply_refresh_captured(s, schedule.uncaptured_ranks(s))
-    assert not schedule.refresh_capture_due(s), "once per set of missing ranks"
-    s = st.apply_capture_analyzed(st.apply_capture_begun(s), dg.digest(job(T0 + 14, stacks=True, step=114, hung=False)),
-                                  build_stack_view(full, full.layout), T0 + 14)
+    s = st.apply_capture_begun(st.apply_refresh_captured(s, schedule.uncaptured_ranks(s)))  # as the app does
+    assert not schedule.refresh_capture_due(s), "one capture at a time"
+    # The retake read none of them (taken in the restart's last moments): the same set is retaken, a bounded number
+    # of times (once per set left the map at "not captured since a restart" until s was pressed).
+    for i in range(schedule.REFRESH_TRIES - 1):
+        s = st.apply_capture_analyzed(s, dg.digest(partial), build_stack_view(partial, partial.layout), T0 + 14 + 6 * i)
+        s = _running(s, T0 + 15 + 6 * i, 5, 115 + 6 * i)
+        assert schedule.refresh_capture_due(s), i
+        s = st.apply_capture_begun(st.apply_refresh_captured(s, schedule.uncaptured_ranks(s)))
+    s = st.apply_capture_analyzed(s, dg.digest(partial), build_stack_view(partial, partial.layout), T0 + 39)
+    s = _running(s, T0 + 40, 6, 140)
+    assert not schedule.refresh_capture_due(s), "at most REFRESH_TRIES captures for one set of missing ranks"
+    s = st.apply_capture_analyzed(st.apply_capture_begun(s), dg.digest(job(T0 + 46, stacks=True, step=146, hung=False)),
+                                  build_stack_view(full, full.layout), T0 + 46)
     assert schedule.uncaptured_ranks(s) == frozenset() and not schedule.refresh_capture_due(s)
 
 
@@ -160,3 +170,51 @@ def test_progress_between_an_eviction_and_the_restart_is_not_a_resumed_hang() ->
     s = _poll(s, _new_pids(job(T0 + 47, stacks=False, step=1, hung=False, lost=(5,)), range(16)), T0 + 47)
     assert s.restarts == 1 and not s.awaiting_restart
     assert [e.kind for e in s.events if e.kind in ("hung", "restarted", "resumed")] == ["hung", "restarted"]
+
+
+def test_events_read_in_the_order_things_happened_restart_then_resumed_from_then_the_first_step() -> None:
+    # By hand: the journal's "resumed from step N" (written when the new ranks had loaded) was listed before the
+    # view's own "restarted" row, stamped when the view's poll found the new pids, a moment later. The restart is
+    # told just before the resumption stamped first, and the first step at the ranks' own mark of it. The ranks of
+    # a warm restart are parked processes started long before (here at +31, before the eviction): their start is
+    # no time for the restart.
+    from test_tui_job_state import T0 as J0
+    from test_tui_job_state import fold, snap
+
+    for journal_first in (True, False):
+        s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState(read_only=True))
+        s = st.apply_evicted(s, ["machine-9"], J0 + 34)
+        resumed_from = [(J0 + 43, "resumed", "the job resumed from step 20 on machine-0 machine-1")]
+        if journal_first:
+            s = st.apply_journal(s, resumed_from)
+        s = fold([snap(J0 + 45, progress=None, started=J0 + 31, pids=2000)], s)
+        if not journal_first:
+            s = st.apply_journal(s, resumed_from)
+        s = fold([snap(J0 + 48, progress=J0 + 46.5, started=J0 + 31, pids=2000)], s)
+        told = [(round(e.wall - J0, 3), e.kind, e.text.split(":")[0]) for e in s.events
+                if e.kind in ("evicted", "restarted", "resumed")]
+        assert told == [(34.0, "evicted", "evicted machine-9"),
+                        (42.999, "restarted", "the job restarted on machine-0, machine-1"),
+                        (43.0, "resumed", "the job resumed from step 20 on machine-0 machine-1"),
+                        (46.5, "resumed", "training runs again after the restart")], (journal_first, told)
+
+
+def test_a_restart_with_no_resumption_before_it_is_told_when_seen_and_its_first_step_never_before_it() -> None:
+    from test_tui_job_state import T0 as J0
+    from test_tui_job_state import fold, snap
+
+    s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState())
+    s = st.apply_evicted(s, ["machine-9"], J0 + 34)
+    # A resumption of another chapter (before the eviction) is not this restart's.
+    s = st.apply_journal(s, [(J0 + 20, "resumed", "the job resumed from step 5 on machine-0")])
+    # The ranks' progress mark reads before the restart was seen (an agent clock a little behind the view's).
+    s = fold([snap(J0 + 45, progress=J0 + 40, started=J0 + 31, pids=2000)], s)
+    told = [(e.wall - J0, e.kind) for e in s.events if e.kind in ("evicted", "restarted", "resumed")]
+    assert told == [(20.0, "resumed"), (34.0, "evicted"), (45.0, "restarted"), (45.0, "resumed")], told
+    # A hot-update's warm restart a minute later: its parked ranks started just after the first restart. Stamped at
+    # their start, it read as the first restart seen again and both its rows were dropped (the tmux incident test).
+    s = fold([snap(J0 + 46 + i, progress=J0 + 46 + i, started=J0 + 31, pids=2000) for i in range(10)], s)
+    s = fold([snap(J0 + 110, progress=None, started=J0 + 50, pids=3000),
+              snap(J0 + 112, progress=J0 + 111.5, started=J0 + 50, pids=3000)], s)
+    told = [(e.wall - J0, e.kind) for e in s.events if e.kind in ("restarted", "resumed")]
+    assert told[-2:] == [(110.0, "restarted"), (111.5, "resumed")], told

@@ -312,13 +312,13 @@ def test_stack_rounds_name_the_most_flagged_group_after_enough_rounds() -> None:
     stacks = [f for f in last.flags if f.detector == "stacks"]
     assert {f.machine for f in stacks} == {"m2", "m3"} and all(f.alarmed for f in stacks)
     assert {f.ranks for f in stacks} == {(4, 5), (6, 7)}
-    assert stacks[0].evidence == "PP group 1 (ranks 4-7) flagged in 4 of the last 5 stack rounds"
+    assert stacks[0].evidence == "PP group #1 (ranks 4-7) flagged in 4 of the last 5 stack rounds"
     # one suspect: the group, on both its machines (over-eviction), not two machines
     top = last.verdict.top
     assert len(last.verdict.suspects) == 1 and top is not None
     assert top.kind is SuspectKind.PP and top.group_index == 1 and top.ranks == (4, 5, 6, 7)
     assert set(top.machines) == {"m2", "m3"} and set(last.machines) == {"m2", "m3"}
-    assert last.verdict.summary.startswith("suspect, not a verdict: PP group 1 (ranks 4-7) on m")  # 0.64 < the bar
+    assert last.verdict.summary.startswith("suspect, not a verdict: PP group #1 (ranks 4-7) on m")  # 0.64 < the bar
 
 
 def test_stack_rounds_need_a_majority() -> None:
@@ -621,4 +621,4 @@ def test_a_stack_group_parting_in_a_send_is_communication_slow() -> None:
                             diverging_frame="isend (torch/distributed/distributed_c10d.py)"), 4, "x")
     verdicts = [det.update(s, pp) for s in make_series(6)]
     summary = verdicts[-1].verdict.summary
-    assert summary.startswith("fail-slow: PP group 1 (ranks 4-7) on m2, m3 (communication slow) — [stacks]"), summary
+    assert summary.startswith("fail-slow: PP group #1 (ranks 4-7) on m2, m3 (communication slow) — [stacks]"), summary

@@ -41,7 +41,7 @@ def test_fig7_top_suspect_is_the_pipeline_on_machines_12_to_15() -> None:
     assert top.machines == ("machine-12", "machine-13", "machine-14", "machine-15")
     assert top.ranks == tuple(range(24, 32))  # the two PP groups (tp=0, tp=1) of dp=3
     assert top.score == 1.0
-    assert analysis.verdict.summary == "PP groups 6-7 on machine-12..15"
+    assert analysis.verdict.summary == "PP groups #6 and #7 on machine-12..15"
     # evidence names each outlier stack and where it leaves the healthy path
     text = "\n".join(top.evidence)
     for frame in ("irecv", "isend", "all_gather_into_tensor"):
@@ -258,7 +258,7 @@ def test_merge_agreement_outranks_one_sure_detector() -> None:
     assert "within it: rank 5 named by ccl" in first.evidence and "  rank 5 lags" in first.evidence
     assert second.ranks == (3,) and second.score == pytest.approx(0.95)
     assert merged.missing_ranks == (6, 7) and merged.notes == ("n1",)
-    assert merged.summary == "PP group 1 (ranks 1,5) on m0, m2 (stacks + ccl)"
+    assert merged.summary == "PP group #1 (ranks 1,5) on m0, m2 (stacks + ccl)"
     assert merge_verdicts(stacks) is stacks
     assert merge_verdicts().suspects == ()
 

@@ -4,7 +4,8 @@
 to ``push_screen`` (frogmouth's pattern): True only after the person pressed
 the confirm button (or enter in the phrase box) with the phrase typed
 exactly. Escape, the Cancel button (focused at start, so a stray enter
-cancels) and anything unclear answer False. ``typed`` holds the phrase that
+cancels) and anything unclear answer False; a phrase typed before tabbing to
+its box goes into the box. ``typed`` holds the phrase that
 was typed, which goes into the confirmation the agents check again.
 
 ``UpdateModal`` asks what a hot-update needs before there is a plan: the
@@ -19,7 +20,7 @@ from typing import ClassVar, Protocol
 
 from rankscope.actions.model import UpdateMode
 from rich.text import Text
-from textual import on
+from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -95,7 +96,8 @@ class ConfirmModal(ModalScreen[bool]):
                                        "then enter. Cancel is the default; pgup/pgdn scroll the plan."),
                          id="confirm-prompt")
             # Not the phrase itself as the placeholder: in monochrome it looks typed already.
-            yield Input(placeholder="type the phrase above here", id="confirm-phrase")
+            # No select-all on focus: the first key typed before the tab would be replaced by the next.
+            yield Input(placeholder="type the phrase above here", id="confirm-phrase", select_on_focus=False)
         else:
             yield Static(Text.assemble("Run this on ", (" ".join(self.summary.shown_machines), "bold"),
                                        "? Cancel is the default; tab to the other button to confirm."),
@@ -110,6 +112,20 @@ class ConfirmModal(ModalScreen[bool]):
                 other = Button(f"^o {self.alternative}", id="other-plan")
                 other.can_focus = False
                 yield other
+
+    def on_key(self, event: events.Key) -> None:
+        # A phrase typed while Cancel (or nothing) has focus goes into the phrase box, in every eviction dialog
+        # alike: a tab pressed before the dialog opened (planning with the agents takes a moment) or one too many
+        # left the phrase going nowhere, and enter then answered "not the phrase" or cancelled.
+        if self.phrase is None or not self.summary.runnable or not event.is_printable or event.character is None:
+            return
+        box = self.query_one("#confirm-phrase", Input)
+        if self.focused is box:
+            return
+        event.stop()
+        event.prevent_default()
+        box.focus()
+        box.insert_text_at_cursor(event.character)
 
     def action_scroll_plan(self, direction: int) -> None:
         plan = self.query_one("#confirm-plan", PlanScroll)
