@@ -33,11 +33,13 @@ can pass as an option, and ``--end-of-options`` makes sure of it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import stat
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -134,10 +136,34 @@ class CodeVersions:
         path = self.versions_dir / commit
         if not (path / ".git").exists():
             self.versions_dir.mkdir(parents=True, exist_ok=True)
-            # A version tree deleted by hand leaves its registration behind, and git refuses to add it again.
-            self._git("worktree", "prune", what="prune stale worktrees")
-            self._git("worktree", "add", "--detach", "--quiet", str(path), commit, what=f"check out {commit[:12]}")
+            # Machines that share the repository (a drill's, or one on a shared file system) check a version out
+            # at the same moment, under the same worktree name (the commit): git's own registration of a
+            # worktree races with another's ("failed to read .git/worktrees/<commit>/commondir") and a machine
+            # stays on the old code. One checkout at a time per repository.
+            with self._repository_lock():
+                # A version tree deleted by hand leaves its registration behind, and git refuses to add it again.
+                self._git("worktree", "prune", what="prune stale worktrees")
+                self._git("worktree", "add", "--detach", "--quiet", str(path), commit,
+                          what=f"check out {commit[:12]}")
         return Version(label=f"git:{ref} ({commit[:12]})", path=str(path))
+
+    @contextlib.contextmanager
+    def _repository_lock(self) -> Iterator[None]:
+        """An exclusive flock on the repository's directory, across processes.
+
+        Blocking is bounded: a holder only runs git inside it, and git is killed after ``_GIT_TIMEOUT_S``.
+        """
+        assert self.repo is not None
+        try:
+            fd = os.open(self.repo, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise RankscopeError(f"cannot open the code repository {self.repo}: {exc.strerror}",
+                                 "check the agent's --code-repo path exists and the agent's user can read it") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
 
     def prepared(self, directory: str) -> Version:
         """The prepared directory as a version; refused unless it lies under a prepared root (see the module doc)."""

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -346,3 +347,38 @@ async def test_the_plan_names_the_commit_and_refuses_a_ref_that_does_not_exist(t
                                          HotUpdateArgs(VersionSource.GIT, "Bx"), "alice"))
     assert f"git -C {repo} tag" in err.value.fix
     assert _code(tmp_path) == "print('version A')\n" and service.history.entries() == ()
+
+
+def test_machines_sharing_one_repository_check_out_at_once_without_losing_one(tmp_path: Path, repo: Path) -> None:
+    """The drill's machines share one code repository: a hot-update checks a version out on all of them at once.
+
+    Each checkout prunes stale worktree registrations before adding its own; run side by side, one agent's
+    prune removed the registration another was writing ("fatal: could not open '.git/worktrees/...'") and a
+    machine stayed on the old code.
+    """
+    machines = 8
+
+    def checkout_everywhere(ref: str, versions_root: Path) -> dict[int, str]:
+        """Every machine checks ``ref`` out at once; machine -> its train.py, or the error it got."""
+        start = threading.Barrier(machines)
+        got: dict[int, str] = {}
+
+        def checkout(m: int) -> None:
+            versions = CodeVersions(current=tmp_path / f"m{m}" / "code", versions_dir=versions_root / f"m{m}",
+                                    repo=repo)
+            start.wait(timeout=60)
+            try:
+                got[m] = (Path(versions.checkout(ref).path) / "train.py").read_text()
+            except RankscopeError as exc:
+                got[m] = str(exc)
+
+        threads = [threading.Thread(target=checkout, args=(m,)) for m in range(machines)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return got
+
+    for round_no, ref in enumerate(("A", "B", "A")):  # the race hit 3 runs in 5 within these three rounds
+        got = checkout_everywhere(ref, tmp_path / f"round{round_no}")
+        assert got == {m: f"print('version {ref}')\n" for m in range(machines)}, got
