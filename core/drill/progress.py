@@ -81,7 +81,7 @@ def _phase_reports(run_dir: Path, since_wall: float) -> Iterator[tuple[int, str,
             try:
                 data = json.loads(line)
                 rank, phase, wall = int(data["rank"]), str(data["phase"]), float(data["wall"])
-            except (ValueError, KeyError, TypeError, IndexError):
+            except (ValueError, KeyError, TypeError, IndexError, OverflowError):  # Infinity as a rank
                 continue  # a line being written right now, or not a report
             if wall >= since_wall:
                 yield rank, phase, wall, data
@@ -94,7 +94,7 @@ def read_loaded(run_dir: Path, since_wall: float) -> dict[int, LoadedStep]:
         if phase == "loaded" and "step" in data:
             try:
                 out[rank] = LoadedStep(int(data["step"]), str(data["source"]))
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, OverflowError):
                 continue  # a report without its step's source: not one we wrote
     return out
 
@@ -120,7 +120,7 @@ def read_progress(run_dir: Path) -> dict[int, RankProgress]:
             data = json.loads(path.read_text())
             p = RankProgress(rank=int(data["rank"]), step=int(data["step"]), pid=int(data["pid"]),
                              state=str(data["state"]), wall=float(data["wall"]))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):  # Infinity as a number
             continue
         out[p.rank] = p
     return out

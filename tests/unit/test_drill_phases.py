@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from rankscope.drill.control import RecoveryEvent, resumed_text
 from rankscope.drill.progress import PHASES_DIR, LoadedStep, read_loaded, read_phases, write_phase
@@ -49,6 +49,8 @@ def test_the_journal_line_names_where_the_step_came_from() -> None:
     st.sampled_from(["rank", "phase", "wall", "step", "source", "pid"]),
     st.one_of(st.integers(-3, 3), st.floats(allow_nan=True), st.text(max_size=5), st.none(), st.sampled_from(["loaded"])),
     max_size=6).map(json.dumps)), max_size=8))
+@example(['{"rank": Infinity, "phase": "loaded", "wall": 1.0}', '{"rank": 0, "phase": "loaded", "wall": 1.0, '
+          '"step": -Infinity, "source": "x"}'])  # json.dumps writes them; int() of them overflows
 def test_any_line_in_a_phase_file_is_a_report_or_skipped(tmp_path_factory: pytest.TempPathFactory,
                                                          lines: list[str]) -> None:
     run_dir = tmp_path_factory.mktemp("run")
