@@ -155,7 +155,8 @@ def test_the_main_screen_draws_the_state_alone() -> None:
 
 def test_the_drills_resumed_entry_folds_into_events_in_time_order_once() -> None:
     """The step the job resumed from comes from the journal (the drill's recovery writes it once its agents are
-    back): folded beside the restart the view saw itself, in time order, and once however often it is read."""
+    back): folded after the restart the view saw itself (told at the resumption's moment when the view saw it a
+    poll late), in time order, and once however often it is read."""
     s = fold((job(T0, stacks=False, step=100, hung=False),))
     restarted = job(T0 + 40, stacks=False, step=96, hung=False)
     restarted = replace(restarted, machines=tuple(
@@ -171,5 +172,7 @@ def test_the_drills_resumed_entry_folds_into_events_in_time_order_once() -> None
     walls = [e.wall for e in once.events]
     assert walls == sorted(walls)  # the Events view lists them newest first, in time order
     kinds = [(e.kind, e.text) for e in once.events]
-    assert kinds.index(("resumed", resumed[2])) == kinds.index(next(k for k in kinds if k[0] == "restarted")) - 1
+    # the restart the view saw a poll late is told just before the journal's resumption of it, as it happened
+    assert kinds.index(("resumed", resumed[2])) == kinds.index(next(k for k in kinds if k[0] == "restarted")) + 1
+    assert next(e.wall for e in once.events if e.kind == "restarted") < resumed[0]
     assert kinds.index(("hung", hung[2])) < kinds.index(("resumed", resumed[2]))
