@@ -36,8 +36,10 @@ WAIT_S = 300.0  # bounds on real events (a view starting, quitting), generous fo
 
 
 # In the view's new session its pty becomes its controlling terminal, as a tmux pane's is; then the view runs. A
-# shim, not a preexec_fn: this process's gRPC threads are live (see rankscope.wire.spawn).
-_CONTROLLING_TERMINAL = ("import fcntl, os, sys, termios\nfcntl.ioctl(0, termios.TIOCSCTTY, 0)\n"
+# shim, not a preexec_fn: this process's gRPC threads are live (see rankscope.wire.spawn). SIGHUP back to its
+# default, as in a pane: a suite started under nohup ignores it, and an ignored signal stays ignored across exec.
+_CONTROLLING_TERMINAL = ("import fcntl, os, signal, sys, termios\nfcntl.ioctl(0, termios.TIOCSCTTY, 0)\n"
+                         "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
                          "os.execvp(sys.argv[1], sys.argv[1:])\n")
 
 
