@@ -66,7 +66,7 @@ from rankscope.analyzers.topology import joined_counters
 from rankscope.contract.frames import is_communication
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
-from rankscope.contract.vocabulary import is_point_to_point
+from rankscope.contract.vocabulary import is_point_to_point, on_device
 
 DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl", "p2p_wait", "samples")
 
@@ -110,6 +110,10 @@ class FailSlowConfig:
     samples_min: int = 20  # samples of a rank before it is tested
     samples_alarm_p: float = 0.001  # corrected p-value below which the wait test alarms
     confident_at: float = 0.7
+    # On a job whose collectives run on an accelerator every host waits at the same synchronisation call and a
+    # pipeline's last stage always stands apart: the host's stacks (rounds and samples) are one vote, held below
+    # ``confident_at``, that the device's evidence (the counters' TD and N) or the step time must confirm.
+    host_weight_on_device: float = 0.6
     confidence_half_life_s: float = 30.0  # how fast a suspect's confidence fades while weaker evidence still names it
     history_len: int = 600
     max_age_s: float = 900.0  # how much series history to keep
@@ -385,6 +389,7 @@ class FailSlowDetector:
         self._confidence: dict[str, tuple[float, float]] = {}  # machine -> (confidence, at), for the hysteresis
         # rank -> its GPU on its machine and whether NVML said so (else assumed from its local rank)
         self._gpu_of: dict[int, tuple[int, bool]] = {}
+        self.on_device = False  # the job's collectives run on an accelerator (a device backend's communicator seen)
         self.sampling_problems: tuple[str, ...] = ()  # the last update's ranks whose sampling failed, with the fix
 
     @property
@@ -404,6 +409,8 @@ class FailSlowDetector:
         self._updates += 1
         now = snapshot.captured.mono
         self._learn_gpus(snapshot)
+        self.on_device = self.on_device or any(on_device(c.backend) for rc in snapshot.all_counters().values()
+                                               for c in rc.communicators)
         flags: list[DetectorFlag] = []
         notes: list[str] = []
         flags += self._step_flags()
@@ -434,7 +441,10 @@ class FailSlowDetector:
     # ---- per detector ----------------------------------------------------
 
     def _w(self, detector: str) -> float:
-        return self.config.weights.get(detector, 0.5)
+        w = self.config.weights.get(detector, 0.5)
+        if self.on_device and detector in _HOST_DETECTORS:
+            return min(w, self.config.host_weight_on_device)
+        return w
 
     def _step_flags(self) -> list[DetectorFlag]:
         res = self.step_time.update(self.store)
@@ -720,6 +730,11 @@ class FailSlowDetector:
             best = per_machine.setdefault(f.machine, {})
             if f.detector not in best or f.score > best[f.detector].score:
                 best[f.detector] = f  # one vote per detector: its strongest metric
+        if self.on_device:  # the host's stacks are one vote there (see host_weight_on_device)
+            for by_det in per_machine.values():
+                host = sorted((by_det[d] for d in _HOST_DETECTORS if d in by_det), key=lambda f: -f.score)
+                for weaker in host[1:]:
+                    del by_det[weaker.detector]
         confidence: dict[str, float] = {}
         for m, by_det in per_machine.items():
             miss = 1.0
@@ -762,7 +777,7 @@ class FailSlowDetector:
         for ms in merged:
             by_det = per_machine[ms[0]]
             ranked = sorted(by_det.values(), key=lambda f: -f.score)
-            ranks = tuple(sorted({r for m in ms for f in per_machine[m].values() for r in f.ranks})) or tuple(
+            ranks = _narrowest([f.ranks for m in ms for f in per_machine[m].values()]) or tuple(
                 r for m in ms for r in self.store.ranks_of(m))
             evidence = tuple(f"[{f.detector}] {f.evidence}" for f in ranked)
             sources = tuple(f.detector for f in ranked)
@@ -796,7 +811,7 @@ class FailSlowDetector:
     def _gpu_words(self, top: Suspect) -> str:
         """The counters' unit is the rank and its GPU: ``rank 5 (GPU 5) on m0`` when their evidence names fewer
         ranks than the machine holds (several GPUs of one machine, or a one-machine job); "" otherwise."""
-        if not set(top.sources) <= _DEVICE_DETECTORS or len(top.machines) != 1:
+        if not set(top.sources) & _DEVICE_DETECTORS or len(top.machines) != 1:
             return ""
         if set(top.ranks) >= set(self.store.ranks_of(top.machines[0])):
             return ""
@@ -840,6 +855,17 @@ class FailSlowDetector:
 
 
 _DEVICE_DETECTORS = frozenset({"ccl", "p2p_wait"})  # the counters': they name ranks, not machines
+_HOST_DETECTORS = frozenset({"stacks", "samples"})  # what the host's Python stacks show
+
+
+def _narrowest(rank_sets: Iterable[Iterable[int]]) -> tuple[int, ...]:
+    """The ranks every detector on a suspect names, when they share any (the stacks' group and the counters' late
+    arriver in it: the rank); else all they name (they disagree, and none is dropped)."""
+    sets = [set(rs) for rs in rank_sets if rs]
+    if not sets:
+        return ()
+    common = set.intersection(*sets)
+    return tuple(sorted(common or set.union(*sets)))
 
 
 # Interconnect throughput: a host or GPU metric whose outlier is a link's, not a computer's

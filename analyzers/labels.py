@@ -25,13 +25,14 @@ def suspect_label(s: Suspect) -> str:
     kind = str(s.kind)
     if kind == "rank":
         return f"rank {ranks}"
+    which = f"rank {ranks}" if len(s.ranks) == 1 else f"ranks {ranks}"
     if kind == "machine":
-        return f"machine {','.join(s.machines)} (ranks {ranks})"
+        return f"machine {','.join(s.machines)} ({which})"
     if kind == "comm":
         number = group_numbers(s)
-        return f"communicator{' ' + number if number else ''} (ranks {ranks})"
+        return f"communicator{' ' + number if number else ''} ({which})"
     numbers = s.groups if len(s.groups) > 1 else (s.group_index,) if s.group_index is not None else ()
-    return f"{group_name(kind, numbers)} (ranks {ranks})"
+    return f"{group_name(kind, numbers)} ({which})"
 
 
 def group_name(kind: str, groups: Sequence[int]) -> str:

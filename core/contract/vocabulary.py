@@ -36,6 +36,16 @@ SEND = "send"
 RECV = "recv"
 BARRIER = "barrier"
 
+# Backends whose collectives run on an accelerator: the host only enqueues them, so a rank's host stack says
+# little about how fast its device work goes (every host waits at the same synchronisation call).
+DEVICE_BACKENDS = frozenset({"nccl", "xccl", "hccl"})
+
+
+def on_device(backend: str) -> bool:
+    """Whether a communicator of ``backend`` runs its collectives on an accelerator (NCCL, XCCL, HCCL)."""
+    return backend.lower() in DEVICE_BACKENDS
+
+
 # canonical name -> kind
 _CANONICAL: dict[str, OpKind] = {
     "all_reduce": OpKind.COLLECTIVE,

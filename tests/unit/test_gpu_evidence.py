@@ -332,3 +332,53 @@ def test_a_suspicion_reads_as_one_in_watch_and_the_tui() -> None:
     assert text.plain.startswith("suspect, not a verdict: rank 5 (GPU 5) on gpu-host"), text.plain
     assert "(confident)" not in text.plain
     assert all("red" not in str(span.style) for span in text.spans), text.spans  # drawn as a suspicion, not an alarm
+
+
+def _with_backend(snap: JobSnapshot, backend: str) -> JobSnapshot:
+    """The same poll with every communicator of ``backend`` (as a gloo job's shim would have written them)."""
+    machines = tuple(dataclasses.replace(m, counters=tuple(
+        dataclasses.replace(rc, communicators=tuple(dataclasses.replace(c, backend=backend) for c in rc.communicators))
+        for rc in m.counters)) for m in snap.machines)
+    return dataclasses.replace(snap, machines=machines)
+
+
+def test_a_pipelines_last_stage_standing_apart_on_the_host_is_no_verdict_on_a_gpu_job() -> None:
+    """On the H200 a healthy 4-rank pipeline had every stack round flag its last stage (machine-1, ranks 2-3: they
+    sit in train_step while the first stage waits at its sync point) and that alone made a confident fail-slow
+    verdict: a false alarm. On a job whose collectives run on the GPU the host's stacks are one vote below the bar;
+    on CPU (gloo) the same rounds still name the group."""
+    from rankscope.analyzers.findings import Suspect
+    from rankscope.analyzers.rounds import StackRound
+
+    last_stage = StackRound(Suspect(SuspectKind.PP, (2, 3), ("machine-1",), 1.0, ("outliers",), group_index=1), 2, "x")
+    healthy = _tp_dp_series(12, 2, slow=None)
+    for backend, confident in (("nccl", False), ("gloo", True)):
+        det = FailSlowDetector(FailSlowConfig(rounds_needed=5))
+        last = None
+        for s in healthy:
+            last = det.update(_with_backend(s, backend), last_stage)
+        assert last is not None and det.on_device is (backend == "nccl")
+        assert last.confident is confident, (backend, last.verdict.summary)
+        top = last.verdict.top
+        assert top is not None and top.ranks == (2, 3) and top.machines == ("machine-1",), last.verdict.summary
+        prefix = "fail-slow: " if confident else "suspect, not a verdict: "
+        assert last.verdict.summary.startswith(prefix), last.verdict.summary
+
+
+def test_the_stacks_group_and_the_counters_late_arriver_name_the_rank_together() -> None:
+    """Rank 3 slow: the stack rounds flag its pipeline stage (ranks 2-3), the plugin's TD names rank 3. Together
+    they pass the bar, and the verdict names the rank both point at, with its GPU, not the whole group."""
+    from rankscope.analyzers.findings import Suspect
+    from rankscope.analyzers.rounds import StackRound
+
+    stage = StackRound(Suspect(SuspectKind.PP, (2, 3), ("machine-1",), 1.0, ("outliers",), group_index=1), 2, "x")
+    det = FailSlowDetector(FailSlowConfig(rounds_needed=5))
+    last = None
+    for s in _tp_dp_series(30, 2):
+        last = det.update(s, stage)
+    assert last is not None and last.confident, last.verdict.summary
+    top = last.verdict.top
+    assert top is not None and top.ranks == (3,) and top.machines == ("machine-1",), last.verdict.summary
+    assert set(top.sources) == {"ccl", "stacks"}, top.sources
+    assert last.verdict.summary.startswith("fail-slow: rank 3 (GPU 1) on machine-1 (non-communication slow) — "), \
+        last.verdict.summary
