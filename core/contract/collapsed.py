@@ -13,7 +13,8 @@ from rankscope.contract.frames import CLASSES, classify
 def parse_collapsed(text: str, pid: int) -> dict[str, int]:
     """Class counts of the main thread's samples in ``py-spy record --format raw --threads`` output.
 
-    Each line is ``thread (TID): NAME;outer frame;...;inner frame COUNT``; the
+    Each line is ``thread (TID): NAME;outer frame;...;inner frame COUNT`` (``thread (TID);frames COUNT`` for a
+    thread without a name, such as autograd's device threads on a GPU job); the
     main thread is the one whose TID is the process id (or, where py-spy
     prints Python thread ids, the one named MainThread). Raises ValueError
     naming the line for anything else, so a changed format is noticed, not
@@ -29,13 +30,18 @@ def parse_collapsed(text: str, pid: int) -> dict[str, int]:
         stack, sep, count_text = line.rpartition(" ")
         if not sep or not count_text.isdigit() or not stack.startswith("thread ("):
             raise ValueError(f"line {i} is not 'thread (TID): frames COUNT': {line[:80]!r}")
-        head, sep, frames_text = stack.partition("): ")
-        if not sep and stack.endswith(")"):  # a thread py-spy caught with no Python frames at all
-            head, frames_text = stack[:-1], ""
-        tid = head[len("thread ("):]
-        if not tid.isdigit():
+        close = stack.find(")")
+        tid, rest = stack[len("thread ("):close], stack[close + 1:]
+        if close < 0 or not tid.isdigit():
             raise ValueError(f"line {i} has no thread id: {line[:80]!r}")
-        frames = frames_text.split(";") if frames_text else [""]
+        if rest.startswith(": "):  # a named thread: its name, then its frames
+            frames = rest[2:].split(";")
+        elif rest.startswith(";"):  # a thread without a name (autograd's device threads on a GPU job)
+            frames = ["", *rest[1:].split(";")]
+        elif not rest:  # a thread py-spy caught with no Python frames at all
+            frames = [""]
+        else:
+            raise ValueError(f"line {i} is not 'thread (TID): frames COUNT': {line[:80]!r}")
         names.setdefault(tid, frames[0])
         per = by_tid.setdefault(tid, dict.fromkeys(CLASSES, 0))
         per[classify(frames[:0:-1])] += int(count_text)  # innermost first, the thread name left out
