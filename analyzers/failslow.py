@@ -301,7 +301,8 @@ class PeerWaitTally:
     are: its own replica's other stage stalls on it step after step. Counting
     this per poll narrows a slow replica (which the collectives' late-arriver
     test sees as a whole) to the rank holding it up. Without recorded
-    data-parallel groups, all other ranks are the peers.
+    data-parallel groups, all other ranks are the peers; with one recorded
+    but no replica (DP=1) nobody is compared and nobody blamed.
     """
 
     def __init__(self, window: int) -> None:
@@ -345,7 +346,10 @@ class PeerWaitTally:
         now = Counter(r for waited in recent for r in waited)
         out = []
         for r in sorted(self._ranks):
-            peers = self._dp.get(r) or tuple(x for x in sorted(self._ranks) if x != r)
+            # A recorded data-parallel group without other members (DP=1) has no replica to compare with: in a
+            # pipeline one stage's ranks are always waited on more than the other's (on a GPU job a recv posted
+            # ahead stays open on the device), which compared with all ranks blamed a healthy first stage.
+            peers = self._dp[r] if r in self._dp else tuple(x for x in sorted(self._ranks) if x != r)
             if not peers:
                 continue
             mean = sum(counts.get(p, 0) for p in peers) / len(peers)

@@ -521,6 +521,23 @@ def test_p2p_waits_name_the_rank_its_pipeline_peers_wait_on() -> None:
     assert not verdicts[-1].confident, "one detector alone is never confident"
 
 
+def test_p2p_waits_blame_nobody_without_a_replica_to_compare_with() -> None:
+    """DP=1 (each data-parallel group holds its rank alone): nothing says how often the same pipeline place of
+    another replica is waited on. On the H200 a healthy 2-stage pipeline had its second stage's recv open on the
+    device in 28 of 30 polls, and compared with all ranks the first stage's rank read as slow."""
+    base = healthy_waits()
+
+    def waits(t: int, r: int) -> int | None:
+        return 3 if r == 7 and t % 10 != 0 else base(t, r)
+
+    def alone(r: int) -> tuple[Communicator, ...]:
+        return tuple(Communicator(c.comm_id if "DATA" not in c.description else f"dp-{r}", c.backend, c.description,
+                                  (r,) if "DATA" in c.description else c.ranks) for c in drill_comms(r))
+
+    series = make_series(45, ops=drill_ops(lambda t: set(), lambda t: set(), waits), comms=alone)
+    assert not any(f.detector == "p2p_wait" for v in run_detector(series) for f in v.flags)
+
+
 def test_p2p_healthy_waits_and_a_burst_never_alarm() -> None:
     """Peers waiting on each other a quarter of the time, and a 5 s burst (shorter than the 10 s hold)
     in which rank 7 waits on rank 3 in every poll: nothing alarms."""
