@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rankscope.analyzers.findings import Suspect
+from rankscope.analyzers.findings import Suspect, SuspectKind
+from rankscope.analyzers.labels import suspect_label
 from rankscope.analyzers.topology import compact_machines
-from rankscope.contract.ranks import compact_ranks
 
 if TYPE_CHECKING:  # the fail-slow detector uses the rule without the stack analysis
     from rankscope.analyzers.analysis import JobAnalysis
@@ -164,11 +164,10 @@ class FailSlowRounds:
             return None
         best, n = t.counts[0]
         counts, window = t.counts, t.window
-        runner_up = f"; next: {counts[1][0].kind} ranks {compact_ranks(counts[1][0].ranks)} ({counts[1][1]})" \
-            if len(counts) > 1 else ""
+        runner_up = f"; next: {suspect_label(counts[1][0])} ({counts[1][1]})" if len(counts) > 1 else ""
+        where = "" if best.kind is SuspectKind.MACHINE else f" on {compact_machines(best.machines)}"
         evidence = (
-            f"{best.kind} ranks {compact_ranks(best.ranks)} on {compact_machines(best.machines)} "
-            f"flagged in {n} of the last {window} rounds{runner_up}",
+            f"{suspect_label(best)}{where} flagged in {n} of the last {window} rounds{runner_up}",
             *(f"round {r.index}: {r.summary}" for r in self._history[-self.rounds:]),
         )
         return Suspect(

@@ -12,13 +12,15 @@ from __future__ import annotations
 import gzip
 from pathlib import Path
 
+import pytest
 from rankscope.analyzers.failslow import FailSlowConfig, replay
+from rankscope.cli.main import main
 from rankscope.contract.bundle import read_bundle
 
 SERIES = Path(__file__).resolve().parents[1] / "data" / "bundles" / "h200" / "healthy-pipeline.watch.json.gz"
 
 
-def test_a_healthy_gpu_pipeline_raises_no_fail_slow_verdict(tmp_path: Path) -> None:
+def test_a_healthy_gpu_pipeline_raises_no_fail_slow_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "watch.json"
     path.write_bytes(gzip.decompress(SERIES.read_bytes()))
     bundle = read_bundle(path)
@@ -30,3 +32,10 @@ def test_a_healthy_gpu_pipeline_raises_no_fail_slow_verdict(tmp_path: Path) -> N
     # the host's stacks still see the last stage apart, and say so as a suspicion with its confidence
     worded = [v.verdict.summary for v in verdicts if v.verdict.top is not None]
     assert worded and all(s.startswith("suspect, not a verdict: ") for s in worded), worded[:1]
+
+    # `rankscope analyze` of the same series words its stack rounds' degrader as the suspicion it is
+    assert main(["analyze", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "  suspect, not a verdict: machine machine-1 (ranks 2-3) flagged in 10 of the last 14 rounds; next: rank 2 (3) (the job's " \
+           "collectives run on a GPU" in out, out[-1500:]
+    assert "degrader:" not in out

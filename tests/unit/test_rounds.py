@@ -41,7 +41,8 @@ def test_degrader_is_the_group_flagged_most_after_five_rounds() -> None:
     assert degrader.machines == ("node1", "node5")
     assert degrader.score == pytest.approx(4 / 5)
     assert degrader.sources == ("fail-slow-rounds",)
-    assert degrader.evidence[0].startswith("pp ranks 2-3,10-11 on node1, node5 flagged in 4 of the last 5 rounds")
+    assert degrader.evidence[0] == ("PP groups #2 and #3 (ranks 2-3,10-11) on node1, node5 flagged in 4 of the last 5 "
+                                    "rounds; next: rank 7 (1)")  # named as every suspect is (labels), never "rank ranks"
     history = rounds.history
     assert [r.outliers for r in history] == [4, 1, 4, 4, 4]
     assert [(s.ranks, n) for s, n in rounds.counts()] == [((2, 3, 10, 11), 4), ((7,), 1)]

@@ -419,6 +419,7 @@ def _rounds(snapshots: list[Any], layout: Any, options: Any, done: dict[int, Any
     from rankscope.analyzers.analysis import analyze_job
     from rankscope.analyzers.rounds import FailSlowRounds, round_of
     from rankscope.analyzers.verdict_json import suspect_to_json
+    from rankscope.contract.vocabulary import on_device
 
     stacked = [i for i, snap in enumerate(snapshots) if _has_stacks(snap)]
     rounds = FailSlowRounds(rounds=max(1, len(stacked)))
@@ -430,6 +431,10 @@ def _rounds(snapshots: list[Any], layout: Any, options: Any, done: dict[int, Any
             timing.add(len(rounds.history))
         rounds.add_round(round_of(job))
     degrader = rounds.flagged()
+    # As the live detector holds them (failslow.FailSlowConfig.host_weight_on_device): on a job whose collectives
+    # run on a GPU the host's stacks alone are a suspicion, never a verdict.
+    on_gpu = any(on_device(c.backend) for snap in snapshots for rc in snap.all_counters().values()
+                 for c in rc.communicators)
 
     def summary(r: Any) -> str:
         if r.index in timing:
@@ -441,6 +446,7 @@ def _rounds(snapshots: list[Any], layout: Any, options: Any, done: dict[int, Any
                     "timing": r.index in timing, "flagged": suspect_to_json(r.flagged) if r.flagged else None}
                    for r in rounds.history],
         "degrader": suspect_to_json(degrader) if degrader else None,
+        "degrader_is_suspicion": on_gpu,
     }
 
 
@@ -493,7 +499,12 @@ def render_text(out: dict[str, Any], verdict: Verdict) -> str:
         for r in fs["rounds"]:
             lines.append(f"  round {r['index']} (snapshot {r.get('snapshot', r['index'])}): {r['summary']}")
         deg = fs["degrader"]
-        lines.append(f"  degrader: {deg['evidence'][0] if deg else 'none'}")
+        if deg and fs.get("degrader_is_suspicion"):
+            lines.append(f"  suspect, not a verdict: {deg['evidence'][0]} (the job's collectives run on a GPU, where "
+                         "every host waits at the same synchronisation call: the host's stacks alone are a suspicion; "
+                         "`rankscope watch` weighs them with the counters)")
+        else:
+            lines.append(f"  degrader: {deg['evidence'][0] if deg else 'none'}")
     if out.get("rank_assignment"):
         lines.append("")
         lines.extend(_assignment_lines(out["rank_assignment"]))
