@@ -20,8 +20,9 @@ resumed (every rank has completed a step after the restart):
 
 Each is broken down from the ranks' own phase records (``phases/``) and the
 orchestrator's clocks: detect (last progress -> verdict; before the confirm,
-not in the total), plan (the agents' plans), stop (confirm -> the old
-processes gone and the restart begun), join (-> every rank through the
+not in the total), plan (the agents' plans), stop (confirm -> every old
+process signalled and the restart begun; the old ones exit while the new
+ranks join), join (-> every rank through the
 rendezvous; for the cold path this holds torchrun's and the ranks' imports),
 load (-> every rank loaded its checkpoint), first step (-> every rank
 completed a step). ByteRobust (§8, Fig. 12 and Table 7) reports 10.87x for

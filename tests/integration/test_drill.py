@@ -295,6 +295,53 @@ def test_descendants_come_from_one_reading_of_the_process_table() -> None:
             psutil.Process(grandchild).kill()
 
 
+@pytest.mark.timeout(120)
+def test_groups_signalled_in_one_pass_keep_their_own_grace() -> None:
+    """A restart signals its agents and its nodes in one pass (signal_forest): each group's trees are collected
+    whole, the nodes' stop does not wait for the agents' grace, and what outlives its own grace is SIGKILLed."""
+    from rankscope.drill.processes import signal_forest
+
+    stubborn = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE)
+    ends_at_sigterm = STUBBORN.replace("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n", "")
+    plain = subprocess.Popen([sys.executable, "-c", ends_at_sigterm], stdout=subprocess.PIPE)
+    try:
+        assert stubborn.stdout is not None and plain.stdout is not None
+        grandchild, plain_child = int(stubborn.stdout.readline()), int(plain.stdout.readline())
+        agents, nodes = signal_forest([([stubborn.pid], 600.0), ([plain.pid], 2.0)])
+        assert sorted(p.pid for p in agents.procs) == sorted([stubborn.pid, grandchild])
+        assert sorted(p.pid for p in nodes.procs) == sorted([plain.pid, plain_child])
+        nodes.finish()
+        assert plain.wait(timeout=10) == -signal.SIGTERM
+        assert not psutil.pid_exists(plain_child) or psutil.Process(plain_child).status() == psutil.STATUS_ZOMBIE
+        assert stubborn.poll() is None, "the nodes' stop waited out (or cut short) the agents' grace"
+        agents.kill_at = time.monotonic()
+        agents.finish()
+        assert stubborn.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for proc in (stubborn, plain):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_a_process_name_with_spaces_and_parentheses_does_not_hide_its_parent() -> None:
+    """The process table is read from /proc/PID/stat, whose second field is the name in parentheses."""
+    from rankscope.drill.processes import _children_map, _parent_of
+
+    named = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                              "open('/proc/self/comm', 'w').write(') 7 (x y')\nprint(flush=True)\ntime.sleep(60)"],
+                             stdout=subprocess.PIPE)
+    try:
+        assert named.stdout is not None
+        named.stdout.readline()
+        assert psutil.Process(named.pid).name() == ") 7 (x y"
+        assert _parent_of(str(named.pid)) == os.getpid()
+        assert named.pid in _children_map()[os.getpid()]
+        assert _parent_of("999999999") is None
+    finally:
+        named.kill()
+        named.wait(timeout=10)
+
+
 @pytest.mark.drill
 @pytest.mark.timeout(180)
 def test_ctrl_c_stops_every_process_of_the_drill(tmp_path: Path) -> None:
