@@ -424,9 +424,10 @@ class Launcher:
         if self.training.backend != "gloo":
             # A GPU's memory is free only once its old process is gone: the new ranks start after.
             self._finish_old(nodes_stopping, old_nodes)
-        # Every old process is frozen and signalled: none of them runs a line of Python again (a SIGTERM handler
-        # aside: a parked node's supervisor, which only ends its children), so the checkpoints on disk are final
-        # and the new ranks may start while the old ones are still exiting (tearing down a rank took 0.2-0.4 s).
+        # Every old process is frozen and signalled: none of them runs a line of Python again (SIGTERM handlers
+        # aside: torchrun's and a parked node's supervisor's, which only end their children), so the checkpoints
+        # on disk are final and the new ranks may start while the old ones are still exiting (tearing down a rank
+        # took 0.2-0.4 s).
         self.last_restart = (time.time(), min((latest_checkpoint(self.run_dir, r) for r in range(self.layout.world)),
                                               default=0))
         if lazy_update:  # nothing of these machines runs now: lazy updates ride on this restart
