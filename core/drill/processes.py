@@ -40,10 +40,20 @@ class Stopping:
     grace_s: float
 
     def finish(self) -> None:
-        """Wait until every process ended; SIGKILL what is still running at ``kill_at`` and wait for it too."""
+        """Wait until every process ended; SIGKILL what is still running at ``kill_at`` and wait for it too.
+
+        The processes ran again after their SIGTERM, and one still running at
+        ``kill_at`` may have started children since its tree was collected (an
+        agent's sampler starts its next py-spy window while the agent stops
+        gracefully): its tree is frozen and collected again before the SIGKILL,
+        or they would outlive it, orphaned, where no tree leads to them.
+        """
         import psutil
 
         alive = _wait_dead(self.procs, max(0.0, self.kill_at - time.monotonic()))
+        if alive:
+            trees = _frozen_trees([{p.pid: p for p in alive}])[0]
+            alive = list(trees.values())
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.kill()
@@ -76,6 +86,22 @@ def signal_forest(groups: Sequence[tuple[Sequence[int], float]]) -> list[Stoppin
             with contextlib.suppress(psutil.Error):
                 procs[pid] = psutil.Process(pid)
         found.append(procs)
+    found = _frozen_trees(found)
+    every = [p for procs in found for p in procs.values()]
+    for p in every:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()  # pending while stopped...
+            p.resume()  # ...delivered now (and a rank stopped by the thermal fault runs to die)
+    now = time.monotonic()
+    return [Stopping(list(procs.values()), now + grace, grace)
+            for procs, (_pids, grace) in zip(found, groups, strict=True)]
+
+
+def _frozen_trees(found: list[dict[int, Any]]) -> list[dict[int, Any]]:
+    """Each group of processes (pid -> psutil.Process) with all their descendants, every one of them stopped
+    (SIGSTOP) before its children were read, so none can start another unseen; left stopped."""
+    import psutil
+
     frozen: set[int] = set()
     while True:
         pending = [[pid for pid in procs if pid not in frozen] for procs in found]
@@ -91,14 +117,7 @@ def signal_forest(groups: Sequence[tuple[Sequence[int], float]]) -> list[Stoppin
             for pid in _descendants(new, children):
                 with contextlib.suppress(psutil.Error):
                     procs.setdefault(pid, psutil.Process(pid))
-    every = [p for procs in found for p in procs.values()]
-    for p in every:
-        with contextlib.suppress(psutil.Error):
-            p.terminate()  # pending while stopped...
-            p.resume()  # ...delivered now (and a rank stopped by the thermal fault runs to die)
-    now = time.monotonic()
-    return [Stopping(list(procs.values()), now + grace, grace)
-            for procs, (_pids, grace) in zip(found, groups, strict=True)]
+    return found
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -185,8 +204,11 @@ def marked_processes(run_id: str) -> list[int]:
     return found
 
 
-def sweep(run_id: str, *, rounds: int = 5) -> list[int]:
-    """Kill every process still marked with ``run_id``; returns those it found."""
+def sweep(run_id: str, *, rounds: int = 5, found: list[str] | None = None) -> list[int]:
+    """Kill every process still marked with ``run_id``; returns those it found.
+
+    ``found`` receives a line per process (pid, parent, command line): what a stop missed, for its notes.
+    """
     import psutil
 
     killed: list[int] = []
@@ -199,6 +221,8 @@ def sweep(run_id: str, *, rounds: int = 5) -> list[int]:
         for pid in pids:
             try:
                 p = psutil.Process(pid)
+                if found is not None:
+                    found.append(describe(p))
                 p.send_signal(signal.SIGCONT)
                 p.kill()
                 procs.append(p)
@@ -206,6 +230,17 @@ def sweep(run_id: str, *, rounds: int = 5) -> list[int]:
                 continue
         psutil.wait_procs(procs, timeout=2.0)
     return killed
+
+
+def describe(proc: Any) -> str:
+    """One line naming a process (psutil): its pid, its parent's and its command line."""
+    import psutil
+
+    try:
+        with proc.oneshot():
+            return f"{proc.pid} (parent {proc.ppid()}): {' '.join(proc.cmdline())[:200] or proc.name()}"
+    except psutil.Error:
+        return f"{proc.pid} (gone)"
 
 
 def reap(proc: subprocess.Popen[bytes]) -> None:
@@ -222,4 +257,4 @@ def log_tail(path: Path, lines: int = 3) -> str:
         return "(no log)"
 
 
-__all__ = ["Stopping", "kill_trees", "log_tail", "marked_processes", "reap", "signal_forest", "signal_trees", "sweep"]
+__all__ = ["Stopping", "describe", "kill_trees", "log_tail", "marked_processes", "reap", "signal_forest", "signal_trees", "sweep"]

@@ -279,6 +279,47 @@ def test_trees_signalled_together_are_stopped_without_waiting_for_each_others_gr
                 proc.kill()
 
 
+# A process that answers SIGTERM by starting a child and carries on (an agent whose sampler starts its next py-spy
+# window while the agent stops gracefully, and whose stop outlasts the launcher's grace).
+LATE_FORKER = """
+import signal, subprocess, sys, time
+def start_another(signum, frame):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    print(child.pid, flush=True)
+signal.signal(signal.SIGTERM, start_another)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_child_started_after_the_sigterm_is_killed_with_its_parent_at_the_grace() -> None:
+    """The trees were collected before the SIGTERM; a process still running at its grace is collected again, so
+    the SIGKILL reaches what it started since, instead of leaving it, orphaned, for the run's final sweep."""
+    from rankscope.drill.processes import signal_trees
+
+    proc = subprocess.Popen([sys.executable, "-c", LATE_FORKER], stdout=subprocess.PIPE)
+    late = 0
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        stopping = signal_trees([proc.pid], grace_s=600.0)
+        assert [p.pid for p in stopping.procs] == [proc.pid]
+        late = int(proc.stdout.readline())  # started by its SIGTERM handler, after the collection
+        assert psutil.Process(late).ppid() == proc.pid
+        stopping.kill_at = time.monotonic()  # its grace is over
+        stopping.finish()
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert not psutil.pid_exists(late) or psutil.Process(late).status() == psutil.STATUS_ZOMBIE, \
+            "the child started during the grace outlived the stop"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        if late:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(late).kill()
+
+
 def test_descendants_come_from_one_reading_of_the_process_table() -> None:
     from rankscope.drill.processes import _descendants
 
