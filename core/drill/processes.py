@@ -249,6 +249,16 @@ def reap(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=5)
 
 
+# What gRPC and asyncio print when something is closed out of order at shutdown; a clean end prints none of it.
+SHUTDOWN_NOISE = ("Traceback", "Exception ignored", "Event loop is closed", "Bad file descriptor",
+                  "epoll_wait", "was never awaited", "Task was destroyed")
+
+
+def shutdown_noise(text: str) -> list[str]:
+    """The lines of ``text`` (a process's output or log) that hold any of :data:`SHUTDOWN_NOISE`."""
+    return [line for line in text.splitlines() if any(n in line for n in SHUTDOWN_NOISE)]
+
+
 def log_tail(path: Path, lines: int = 3) -> str:
     """The last lines of a process's log on one line, for an error that says why it ended."""
     try:
@@ -257,4 +267,5 @@ def log_tail(path: Path, lines: int = 3) -> str:
         return "(no log)"
 
 
-__all__ = ["Stopping", "describe", "kill_trees", "log_tail", "marked_processes", "reap", "signal_forest", "signal_trees", "sweep"]
+__all__ = ["SHUTDOWN_NOISE", "Stopping", "describe", "kill_trees", "log_tail", "marked_processes", "reap",
+           "shutdown_noise", "signal_forest", "signal_trees", "sweep"]
