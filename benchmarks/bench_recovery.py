@@ -270,4 +270,4 @@ if __name__ == "__main__":
     try:
         main()
     except RankscopeError as exc:
-        raise SystemExit(f"bench_recovery: {exc.message}\nfix: {exc.fix}") from None
+        raise SystemExit(f"bench_recovery: {exc.message}" + (f"\nfix: {exc.fix}" if exc.fix else "")) from None
