@@ -20,8 +20,9 @@ resumed (every rank has completed a step after the restart):
 
 Each is broken down from the ranks' own phase records (``phases/``) and the
 orchestrator's clocks: detect (last progress -> verdict; before the confirm,
-not in the total), plan (the agents' plans), stop (confirm -> the old
-processes gone and the restart begun), join (-> every rank through the
+not in the total), plan (the agents' plans), stop (confirm -> every old
+process signalled and the restart begun; the old ones exit while the new
+ranks join), join (-> every rank through the
 rendezvous; for the cold path this holds torchrun's and the ranks' imports),
 load (-> every rank loaded its checkpoint), first step (-> every rank
 completed a step). ByteRobust (§8, Fig. 12 and Table 7) reports 10.87x for
@@ -55,7 +56,8 @@ from rankscope.analyzers.analysis import analyze_snapshot
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.control import DrillMachines, Recovery
 from rankscope.drill.faults import DrillLayout, make_plan
-from rankscope.drill.launcher import Launcher, TrainingOptions
+from rankscope.drill.launcher import NODE_LOG_SUFFIXES, Launcher, TrainingOptions
+from rankscope.drill.processes import shutdown_noise
 from rankscope.drill.progress import read_phases, stepped_past
 from rankscope.drill.session import DrillConfig, DrillSession
 from rankscope.drill.worker import latest_checkpoint
@@ -241,6 +243,7 @@ def main() -> None:
                 parts = ", ".join(f"{k} {v:.2f} s" for k, v in run.parts.items())
                 print(f"run {i + 1}: {name}: {run.total:.2f} s ({parts}; {run.warm}; load {loads[-1]:.1f})",
                       flush=True)
+        noisy = _shutdown_noise(Path(tmp))
     print(f"\nconfirm -> training resumed, seconds (median of {args.repeat}; {LAYOUT.world} ranks on "
           f"{LAYOUT.machines} machines; {os.cpu_count()} CPUs, 1-min load average {min(loads):.1f}-{max(loads):.1f})")
     print(f"  {'path':22s} {'total':>6s} | {'detect':>6s} | " + " | ".join(f"{p:>6s}" for p in PHASES))
@@ -252,10 +255,19 @@ def main() -> None:
     for name, paper in (("evict + warm standby", 10.87), ("hot-update in place", 11.04)):
         print(f"  cold relaunch / {name}: {cold / statistics.median(r.total for r in runs[name]):.2f}x"
               f"   (ByteRobust: {paper}x against a requeue)")
+    print(f"\nshutdown: {len(noisy)} line(s) of traceback or gRPC error in the agents' and parked nodes' logs"
+          + "".join(f"\n  {line}" for line in noisy[:20]))
+
+
+def _shutdown_noise(root: Path) -> list[str]:
+    """Every traceback or gRPC error line in the runs' logs, named by log; torchrun's logs aside: torchrun
+    reports the SIGTERM that stops it with a traceback of its own (SignalException) by design."""
+    return [f"{log.relative_to(root)}: {line}" for log in sorted(root.glob("*/logs/*.log"))
+            if not log.name.endswith(NODE_LOG_SUFFIXES[0]) for line in shutdown_noise(log.read_text(errors="replace"))]
 
 
 if __name__ == "__main__":
     try:
         main()
     except RankscopeError as exc:
-        raise SystemExit(f"bench_recovery: {exc.message}\nfix: {exc.fix}") from None
+        raise SystemExit(f"bench_recovery: {exc.message}" + (f"\nfix: {exc.fix}" if exc.fix else "")) from None

@@ -9,9 +9,11 @@ at a time (A -> B -> C, rollback gives B, rollback again gives A).
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from rankscope.actions.model import UpdateMode, check_text
@@ -150,6 +152,27 @@ class HotUpdateHistory(SqliteStore):
             rows = db.execute(sql + (" LIMIT ?" if limit is not None else ""),
                               (limit,) if limit is not None else ()).fetchall()
         return tuple(_record(r) for r in rows)
+
+    @staticmethod
+    def has_pending(path: Path) -> bool:
+        """Whether the history file at ``path`` holds a pending lazy update, read without opening it as a store.
+
+        Opening a store creates its schema, a write transaction (20-40 ms a
+        file on a loaded host); a restart asks this of every machine before it
+        stops anything. A missing file, or one without the table, holds none.
+        """
+        if not path.exists():
+            return False
+        try:
+            db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
+            try:
+                row = db.execute("SELECT 1 FROM updates WHERE state = ? LIMIT 1",
+                                 (UpdateState.PENDING.value,)).fetchone()
+            finally:
+                db.close()
+        except sqlite3.Error:
+            return False
+        return row is not None
 
     def pending(self) -> UpdateRecord | None:
         """The lazy update waiting to be applied, if any (at most one: newer requests supersede)."""

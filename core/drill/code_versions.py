@@ -10,7 +10,6 @@ pending lazy hot-update before its processes start again.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -88,12 +87,7 @@ class JobCode:
 
         if not self.enabled:
             return False
-        for name in machines:
-            path = self.config(name).history_path
-            with contextlib.suppress(RankscopeError, OSError):
-                if path.exists() and HotUpdateHistory(path).pending() is not None:
-                    return True
-        return False
+        return any(HotUpdateHistory.has_pending(self.config(name).history_path) for name in machines)
 
     def apply_pending(self, machines: Sequence[str]) -> list[str]:
         """Apply each machine's pending lazy hot-update, for the restart about to happen; what was done.

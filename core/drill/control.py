@@ -114,7 +114,9 @@ class DrillMachines:
         return tuple(self.launcher.standbys)
 
     def stop(self, machine: str) -> None:
-        self.launcher.stop_node(machine)
+        # Signalled only: the restart that follows waits for it beside the other old processes while the new
+        # ranks start (and the drill's stop, when no restart follows).
+        self.launcher.stop_node(machine, wait=False)
 
     def self_check(self, machine: str) -> SelfCheck:
         """CPU and memory, an exact matrix product, NVML GPUs when expected, a real two-process gloo all_reduce.

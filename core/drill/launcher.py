@@ -40,7 +40,7 @@ from rankscope.drill.agents import AGENT_START_TIMEOUT_S, Agent, Agents
 from rankscope.drill.code_versions import JobCode
 from rankscope.drill.faults import DrillLayout, machine_name
 from rankscope.drill.parking import PARKED_LOG_SUFFIX, Parked, Parking, WarmStart
-from rankscope.drill.processes import kill_trees, reap, signal_trees, sweep
+from rankscope.drill.processes import Stopping, kill_trees, reap, signal_forest, signal_trees, sweep
 from rankscope.drill.spawner import SPAWNER, free_port
 from rankscope.drill.worker import RUN_ID_ENV, STORES_ENV, latest_checkpoint
 from rankscope.wire.spawn import with_parent_death_signal
@@ -48,6 +48,10 @@ from rankscope.wire.spawn import with_parent_death_signal
 # A node's log (its ranks' output): torchrun's, or a parked node's (warm restarts).
 NODE_LOG_SUFFIXES = (".torchrun.log", PARKED_LOG_SUFFIX)
 AGENTS_AFTER_RESTART_S = 20.0  # the longest a restart's new agents wait for the job to resume before they start
+# A restart's grace before SIGKILL. Agents: a watched agent's graceful stop waits for its open streams (the TUI's)
+# for 2 s. Nodes: their ranks end at SIGTERM; a parked node's supervisor gives them 2 s.
+AGENT_GRACE_S = 0.5
+NODE_GRACE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +123,8 @@ class Launcher:
         if self.counters:
             self._ccl_env = self._counter_env()
         self._go: tuple[float, int] = (0.0, 0)  # (wall clock, start step) of the last start: parking waits for it
+        # Nodes stopped without waiting (stop_node(wait=False)): the next restart or stop waits for them.
+        self._stopping_nodes: list[Stopping] = []
         self.job_code = JobCode(self.run_dir, self.state_dir, enabled=self.actions and self.code, notes=self.notes)
         self.agent_pool = Agents(self.run_dir, self.layout, self.python, self.popen, self.base_env, self.state_dir,
                                  counter_dir=self.counter_dir if self._ccl_env else None, actions=self.actions,
@@ -265,12 +271,24 @@ class Launcher:
         """The labels of the running nodes, by node rank."""
         return tuple(n.name for n in sorted(self.nodes.values(), key=lambda n: n.node_rank))
 
-    def stop_node(self, name: str) -> None:
-        """Kill one node's torchrun and its ranks; it stays listed (dead) until the next restart."""
+    def stop_node(self, name: str, *, wait: bool = True) -> None:
+        """Kill one node's torchrun and its ranks; it stays listed (dead) until the next restart.
+
+        ``wait=False`` signals its tree and returns: the next restart (or :meth:`stop`)
+        waits for it beside the other old nodes' while the new ranks start.
+        """
         node = self.nodes.get(name)
-        if node is not None:
-            kill_trees([node.proc.pid])
+        if node is None:
+            return
+        # The whole tree, frozen and collected before the SIGTERM, even when nothing waits for it now: torchrun or
+        # a parked node's supervisor alone would end its ranks and exit, and the ranks' own children (loader
+        # workers, checkpoint writers) would be orphans no later collection of the tree could find.
+        stopping = signal_trees([node.proc.pid], grace_s=NODE_GRACE_S)
+        if wait:
+            stopping.finish()
             reap(node.proc)
+        else:
+            self._stopping_nodes.append(stopping)
 
     def nodes_alive(self) -> dict[str, bool]:
         return {name: n.proc.poll() is None for name, n in self.nodes.items()}
@@ -386,30 +404,44 @@ class Launcher:
         ports = {name: int(a.address.rsplit(":", 1)[1]) for name, a in self.agents.items() if name in machines}
         # Standbys that join leave the pool; the idle ones keep their agents as they are.
         self.standbys = [s for s in self.standbys if s not in machines]
-        if self.actions:
-            self.write_standbys()
         leaving = [self.agents.pop(name) for name in list(self.agents) if name not in self.standbys]
         unparked = self.parking.take([name for name in list(self.parked) if name not in machines
                                       and name not in self.standbys])
-        # Agents first: an agent that saw its ranks end in this restart would take it for a failure of the job
-        # and apply a pending lazy update itself (trigger "failure"), racing the launcher's own application below;
-        # with such an update pending, the agents end before the nodes are stopped. Otherwise nothing waits for
-        # them before it must (the new agents take their ports): their grace runs beside the nodes' stop and
-        # start. A short grace: a watched agent's graceful stop waits for its open streams (the TUI's) for 2 s.
-        agents_stopping = signal_trees([a.proc.pid for a in leaving], grace_s=0.5)
-        if self.job_code.pending(machines):
+        # An agent that saw its ranks end in this restart would take it for a failure of the job and apply a
+        # pending lazy update itself (trigger "failure"), racing the launcher's own application below: with such
+        # an update pending, the agents end before the nodes are signalled. Otherwise agents and nodes are
+        # signalled together (one reading of the process table) and nothing waits for the agents before it must
+        # (the new agents take their ports).
+        old_nodes = [n.proc for n in self.nodes.values()] + [p.proc for p in unparked]
+        agent_pids, node_pids = [a.proc.pid for a in leaving], [p.pid for p in old_nodes]
+        lazy_update = self.job_code.pending(machines)
+        if lazy_update:
+            agents_stopping = signal_trees(agent_pids, grace_s=AGENT_GRACE_S)
             agents_stopping.finish()
-        signal_trees([n.proc.pid for n in self.nodes.values()] + [p.proc.pid for p in unparked]).finish()
-        for proc in [n.proc for n in self.nodes.values()] + [p.proc for p in unparked]:
-            reap(proc)
+            nodes_stopping = signal_trees(node_pids, grace_s=NODE_GRACE_S)
+        else:
+            agents_stopping, nodes_stopping = signal_forest([(agent_pids, AGENT_GRACE_S), (node_pids, NODE_GRACE_S)])
         self.nodes.clear()
+        if self.training.backend != "gloo":
+            # A GPU's memory is free only once its old process is gone: the new ranks start after.
+            self._finish_old(nodes_stopping, old_nodes)
+        # Every old process is frozen and signalled: none of them runs a line of Python again (SIGTERM handlers
+        # aside: torchrun's and a parked node's supervisor's, which only end their children), so the checkpoints
+        # on disk are final and the new ranks may start while the old ones are still exiting (tearing down a rank
+        # took 0.2-0.4 s).
         self.last_restart = (time.time(), min((latest_checkpoint(self.run_dir, r) for r in range(self.layout.world)),
                                               default=0))
-        self.apply_pending_updates(machines)  # nothing of these machines runs now: lazy updates ride on this restart
-        self.start_nodes(machines, resume=resume, env=env)
-        agents_stopping.finish()  # their ports are taken again by the new agents
-        for proc in [a.proc for a in leaving]:
-            reap(proc)
+        if lazy_update:  # nothing of these machines runs now: lazy updates ride on this restart
+            self.apply_pending_updates(machines)
+        try:
+            self.start_nodes(machines, resume=resume, env=env)
+        finally:
+            if self.actions:  # the standbys that joined leave the pool the idle standbys' agents plan with
+                self.write_standbys()  # (after the go: it reads every machine's blocklist)
+            self._finish_old(nodes_stopping, old_nodes)
+            agents_stopping.finish()  # their ports are taken again by the new agents
+            for proc in [a.proc for a in leaving]:
+                reap(proc)
         if not agents:
             return {}
         # The new agents start once the job has taken its first step (or AGENTS_AFTER_RESTART_S passed): their
@@ -433,18 +465,33 @@ class Launcher:
 
     # ---- everything ---------------------------------------------------------
 
+    def _finish_old(self, stopping: Stopping, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+        """Wait for a restart's old nodes to be gone (those stopped before it too), and collect them."""
+        stopping.finish()
+        while self._stopping_nodes:
+            self._stopping_nodes.pop().finish()
+        for proc in procs:
+            reap(proc)
+
     def stop(self) -> list[int]:
         """Stop every process of this run; returns the pids the final sweep still had to kill."""
         self.parking.stop()
         roots = [n.proc.pid for n in self.nodes.values()] + [a.proc.pid for a in self.agents.values()]
         roots += [h.pid for h in self.helpers]
         kill_trees(roots)
+        while self._stopping_nodes:
+            self._stopping_nodes.pop().finish()
         for proc in [n.proc for n in self.nodes.values()] + [a.proc for a in self.agents.values()] + self.helpers:
             reap(proc)
         self.nodes.clear()
         self.agents.clear()
         self.helpers.clear()
-        return sweep(self.run_id)
+        missed: list[str] = []
+        left = sweep(self.run_id, found=missed)
+        if missed:
+            self.notes.append(f"the stop missed {len(missed)} process(es), killed by the final sweep: "
+                              + "; ".join(missed))
+        return left
 
 
 def node_logs(run_dir: Path) -> list[Path]:

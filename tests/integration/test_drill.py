@@ -279,6 +279,47 @@ def test_trees_signalled_together_are_stopped_without_waiting_for_each_others_gr
                 proc.kill()
 
 
+# A process that answers SIGTERM by starting a child and carries on (an agent whose sampler starts its next py-spy
+# window while the agent stops gracefully, and whose stop outlasts the launcher's grace).
+LATE_FORKER = """
+import signal, subprocess, sys, time
+def start_another(signum, frame):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    print(child.pid, flush=True)
+signal.signal(signal.SIGTERM, start_another)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_child_started_after_the_sigterm_is_killed_with_its_parent_at_the_grace() -> None:
+    """The trees were collected before the SIGTERM; a process still running at its grace is collected again, so
+    the SIGKILL reaches what it started since, instead of leaving it, orphaned, for the run's final sweep."""
+    from rankscope.drill.processes import signal_trees
+
+    proc = subprocess.Popen([sys.executable, "-c", LATE_FORKER], stdout=subprocess.PIPE)
+    late = 0
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        stopping = signal_trees([proc.pid], grace_s=600.0)
+        assert [p.pid for p in stopping.procs] == [proc.pid]
+        late = int(proc.stdout.readline())  # started by its SIGTERM handler, after the collection
+        assert psutil.Process(late).ppid() == proc.pid
+        stopping.kill_at = time.monotonic()  # its grace is over
+        stopping.finish()
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert not psutil.pid_exists(late) or psutil.Process(late).status() == psutil.STATUS_ZOMBIE, \
+            "the child started during the grace outlived the stop"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        if late:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(late).kill()
+
+
 def test_descendants_come_from_one_reading_of_the_process_table() -> None:
     from rankscope.drill.processes import _descendants
 
@@ -293,6 +334,53 @@ def test_descendants_come_from_one_reading_of_the_process_table() -> None:
         stubborn.wait(timeout=10)
         with contextlib.suppress(psutil.Error):
             psutil.Process(grandchild).kill()
+
+
+@pytest.mark.timeout(120)
+def test_groups_signalled_in_one_pass_keep_their_own_grace() -> None:
+    """A restart signals its agents and its nodes in one pass (signal_forest): each group's trees are collected
+    whole, the nodes' stop does not wait for the agents' grace, and what outlives its own grace is SIGKILLed."""
+    from rankscope.drill.processes import signal_forest
+
+    stubborn = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE)
+    ends_at_sigterm = STUBBORN.replace("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n", "")
+    plain = subprocess.Popen([sys.executable, "-c", ends_at_sigterm], stdout=subprocess.PIPE)
+    try:
+        assert stubborn.stdout is not None and plain.stdout is not None
+        grandchild, plain_child = int(stubborn.stdout.readline()), int(plain.stdout.readline())
+        agents, nodes = signal_forest([([stubborn.pid], 600.0), ([plain.pid], 2.0)])
+        assert sorted(p.pid for p in agents.procs) == sorted([stubborn.pid, grandchild])
+        assert sorted(p.pid for p in nodes.procs) == sorted([plain.pid, plain_child])
+        nodes.finish()
+        assert plain.wait(timeout=10) == -signal.SIGTERM
+        assert not psutil.pid_exists(plain_child) or psutil.Process(plain_child).status() == psutil.STATUS_ZOMBIE
+        assert stubborn.poll() is None, "the nodes' stop waited out (or cut short) the agents' grace"
+        agents.kill_at = time.monotonic()
+        agents.finish()
+        assert stubborn.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for proc in (stubborn, plain):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_a_process_name_with_spaces_and_parentheses_does_not_hide_its_parent() -> None:
+    """The process table is read from /proc/PID/stat, whose second field is the name in parentheses."""
+    from rankscope.drill.processes import _children_map, _parent_of
+
+    named = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                              "open('/proc/self/comm', 'w').write(') 7 (x y')\nprint(flush=True)\ntime.sleep(60)"],
+                             stdout=subprocess.PIPE)
+    try:
+        assert named.stdout is not None
+        named.stdout.readline()
+        assert psutil.Process(named.pid).name() == ") 7 (x y"
+        assert _parent_of(str(named.pid)) == os.getpid()
+        assert named.pid in _children_map()[os.getpid()]
+        assert _parent_of("999999999") is None
+    finally:
+        named.kill()
+        named.wait(timeout=10)
 
 
 @pytest.mark.drill

@@ -173,6 +173,28 @@ def test_history_records_updates_supersedes_pending_and_walks_rollbacks_back(tmp
     assert entries[0].describe() == "rollback git:c -> git:b [immediate] applied"
 
 
+def test_a_pending_lazy_update_is_read_without_opening_the_history_for_writing(tmp_path: Path) -> None:
+    """What a restart asks of every machine before it stops anything (HotUpdateHistory.has_pending)."""
+    path = tmp_path / "history.db"
+    assert not HotUpdateHistory.has_pending(path) and not path.exists()  # nothing created by asking
+    h = HotUpdateHistory(path, clock=Clock())
+    assert not HotUpdateHistory.has_pending(path)
+    a, b = Version("git:a", "/v/a"), Version("git:b", "/v/b")
+    now = h.request("u1", "alice", UpdateKind.UPDATE, UpdateMode.IMMEDIATE, 86400.0, a, b)
+    assert HotUpdateHistory.has_pending(path) == (h.pending() is not None)  # an immediate one is pending too
+    h.finish(now.id, UpdateState.APPLIED, "immediate")
+    assert not HotUpdateHistory.has_pending(path)
+    lazy = h.request("u2", "bob", UpdateKind.UPDATE, UpdateMode.LAZY, 86400.0, b, a)
+    assert HotUpdateHistory.has_pending(path)
+    h.finish(lazy.id, UpdateState.APPLIED, "restart")
+    assert not HotUpdateHistory.has_pending(path)
+    other = tmp_path / "other.db"  # a file that is no history (or not yet one) holds no pending update
+    sqlite3.connect(other).close()
+    assert not HotUpdateHistory.has_pending(other)
+    (tmp_path / "garbage.db").write_bytes(b"not a database at all" * 100)
+    assert not HotUpdateHistory.has_pending(tmp_path / "garbage.db")
+
+
 def test_progress_notes_go_between_started_and_the_result(tmp_path: Path) -> None:
     log = AuditLog(tmp_path / "audit.db")
     req = _evict()
