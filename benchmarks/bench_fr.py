@@ -16,7 +16,8 @@ import statistics
 import time
 from typing import Any
 
-from rankscope.analyzers.flight_recorder import analyze_dumps, read_entry
+from rankscope.analyzers.flight_recorder import analyze_dumps
+from rankscope.contract.fr_records import read_entry
 
 
 def build(ranks: int, per_rank: int) -> dict[int, dict[str, Any]]:

@@ -54,13 +54,13 @@ from rankscope.actions.model import (
 )
 from rankscope.analyzers.analysis import analyze_snapshot
 from rankscope.contract.errors import RankscopeError
+from rankscope.drill.checkpoints import latest_checkpoint
 from rankscope.drill.control import DrillMachines, Recovery
 from rankscope.drill.faults import DrillLayout, make_plan
 from rankscope.drill.launcher import NODE_LOG_SUFFIXES, Launcher, TrainingOptions
 from rankscope.drill.processes import shutdown_noise
 from rankscope.drill.progress import read_phases, stepped_past
 from rankscope.drill.session import DrillConfig, DrillSession
-from rankscope.drill.worker import latest_checkpoint
 
 LAYOUT = DrillLayout(tp=1, pp=2, dp=2, machines=4)
 TRAINING = TrainingOptions(steps=40, checkpoint_every=4, micro_batches=2, loader_workers=0)

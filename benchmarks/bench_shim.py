@@ -86,11 +86,11 @@ def _worker(args: argparse.Namespace) -> int:
     else:
         dev = torch.device("cpu")
         dist.init_process_group("gloo")
-    from rankscope.ccl_plugin import torch_hooks
+    from rankscope.ccl_plugin import completion, hook_state, torch_hooks, wrappers
 
     if not torch_hooks.install(Path(args.counter_dir), "bench-shim"):
         raise SystemExit("the shim did not install")
-    fast = torch_hooks.STATE.fast
+    fast = hook_state.STATE.fast
     c10d = sys.modules["torch.distributed.distributed_c10d"]
     shim = c10d.all_reduce
     plain = shim.__rankscope_original__
@@ -135,11 +135,11 @@ def _worker(args: argparse.Namespace) -> int:
                     best[key] = min(best.get(key, float("inf")), wall)
                     best_cpu[key] = min(best_cpu.get(key, float("inf")), cpu)
     writer_s = writer_cost(Path(args.counter_dir) / "writer-alone", args.calls, args.rounds, fast)
-    wrapper_us = wrapper_cost(torch_hooks, x, args.calls, args.rounds)
+    wrapper_us = wrapper_cost(wrappers, completion, x, args.calls, args.rounds)
     # the counters must settle once the device is idle: WC = WR, learned by the shim's poller
     from rankscope.probes.ccl_counters import read_counter_file
 
-    writer = torch_hooks.STATE.writer
+    writer = hook_state.STATE.writer
     settled, counts = False, (0, 0, 0)
     deadline = time.monotonic() + 10.0
     while writer is not None and time.monotonic() < deadline:
@@ -177,11 +177,11 @@ def _no_op(tensor: Any, op: Any = None, group: Any = None, async_op: bool = Fals
     return _DoneWork() if async_op else None
 
 
-def wrapper_cost(torch_hooks: Any, x: Any, calls: int, rounds: int) -> dict[str, float]:
+def wrapper_cost(wrappers: Any, completion: Any, x: Any, calls: int, rounds: int) -> dict[str, float]:
     """The shim's wrapper around a function that does nothing, beside that function: its own extra µs per call,
     sync and async (best of short interleaved blocks; no collective's noise in the difference). Counted on the
     job's default group, as a real call is."""
-    wrapped = torch_hooks._make_wrapper("all_reduce", _no_op)
+    wrapped = wrappers.make_wrapper("all_reduce", _no_op)
     best: dict[str, float] = {}
     for _ in range(max(1, rounds)):
         for variant, is_async in (("sync", False), ("async", True)):
@@ -193,7 +193,7 @@ def wrapper_cost(torch_hooks: Any, x: Any, calls: int, rounds: int) -> dict[str,
                         fn(x, async_op=is_async)
                     key = f"{variant}_{name}"
                     best[key] = min(best.get(key, float("inf")), (time.perf_counter() - t0) / 20)
-            torch_hooks._poll()  # the background poll's work, off the timed blocks
+            completion.poll()  # the background poll's work, off the timed blocks
     return {v: round((best[f"{v}_shim"] - best[f"{v}_plain"]) * 1e6, 3) for v in ("sync", "async")}
 
 

@@ -4,7 +4,7 @@
    than a small collective. Here one call costs a few attribute reads and a dozen stores into the mapping.
 
    Built at first use by ccl_plugin/build.py (build_shim) and loaded by ccl_plugin/native.py; the Python
-   wrapper and writer (torch_hooks.py, writer.py) stay the reference and the fallback. Semantics are theirs:
+   wrapper and writer (wrappers.py, writer.py) stay the reference and the fallback. Semantics are theirs:
    CL/WR/WC, launched/completed comm seq, bytes, launch/complete wall, duration, the bandwidth ring and the
    open peers, under the slot's seqlock (layout.py).
 
@@ -450,7 +450,7 @@ typedef struct {
   PyObject *orig;     /* torch's function */
   PyObject *fallback; /* the Python wrapper: every call this one does not take */
   PyObject *slots;    /* dict group -> (group, OpSlot, members), shared with the Python wrapper */
-  PyObject *state;    /* torch_hooks.STATE: .disabled */
+  PyObject *state;    /* hook_state.STATE: .disabled */
   PyObject *tls;      /* per-thread .depth: inside a wrapped call */
   PyObject *post;     /* post(result, request, on_cuda, is_async): what the C path does not take after a call */
   PyObject *ring;     /* the WorkRing async Works wait in (or None: every async Work goes to post) */
@@ -651,7 +651,7 @@ static PyTypeObject WrapperType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_rankscope_shim.Wrapper",
     .tp_basicsize = sizeof(WrapperObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "A collective's counting wrapper (see torch_hooks._make_coll_wrapper)",
+    .tp_doc = "A collective's counting wrapper (see wrappers._make_coll_wrapper)",
     .tp_new = wrapper_new,
     .tp_init = (initproc)wrapper_init,
     .tp_dealloc = (destructor)wrapper_dealloc,

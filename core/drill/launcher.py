@@ -37,12 +37,13 @@ from pathlib import Path
 
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.agents import AGENT_START_TIMEOUT_S, Agent, Agents
+from rankscope.drill.checkpoints import STORES_ENV, latest_checkpoint
 from rankscope.drill.code_versions import JobCode
 from rankscope.drill.faults import DrillLayout, machine_name
 from rankscope.drill.parking import PARKED_LOG_SUFFIX, Parked, Parking, WarmStart
 from rankscope.drill.processes import Stopping, kill_trees, reap, signal_forest, signal_trees, sweep
 from rankscope.drill.spawner import SPAWNER, free_port
-from rankscope.drill.worker import RUN_ID_ENV, STORES_ENV, latest_checkpoint
+from rankscope.drill.worker import RUN_ID_ENV
 from rankscope.wire.spawn import with_parent_death_signal
 
 # A node's log (its ranks' output): torchrun's, or a parked node's (warm restarts).

@@ -208,15 +208,15 @@ CHILD = textwrap.dedent("""
         dist.reduce_scatter(torch.empty(4), [torch.ones(4)])  # gloo has none: raises, nothing stays open
     except Exception:
         pass
-    from rankscope.ccl_plugin import torch_hooks
+    from rankscope.ccl_plugin import group_slots, hook_state
     from rankscope.probes.ccl_counters import read_counter_file
-    c = read_counter_file(torch_hooks.STATE.writer.path).counters
+    c = read_counter_file(hook_state.STATE.writer.path).counters
     print("ops", sorted((o.op, o.cl, o.wc) for o in c.ops), flush=True)
     print("path", type(all_reduce).__name__, flush=True)
     def boom(*a, **k):
         raise RuntimeError("injected")
-    torch_hooks.STATE.writer.launch = boom
-    torch_hooks._forget_groups()  # the next call is a first one: both paths reach the broken launch
+    hook_state.STATE.writer.launch = boom
+    group_slots.forget_groups()  # the next call is a first one: both paths reach the broken launch
     all_reduce(t); all_reduce(t)  # the user's calls still work after the hook breaks
     print("after", float(t[0]), flush=True)
     dist.destroy_process_group()
@@ -259,7 +259,7 @@ def test_process_group_hooks_count_only_calls_the_wrappers_did_not_see(tmp_path:
     """The torch >= 2.14 path, driven by a group object offering the two hook registrations."""
     from types import SimpleNamespace
 
-    from rankscope.ccl_plugin import torch_hooks
+    from rankscope.ccl_plugin import group_hooks, hook_state
     from rankscope.ccl_plugin.writer import CounterWriter
     from rankscope.probes.ccl_counters import read_counter_file
 
@@ -275,20 +275,20 @@ def test_process_group_hooks_count_only_calls_the_wrappers_did_not_see(tmp_path:
             self.post.append(fn)
 
     w = CounterWriter(tmp_path, rank=0, world_size=1, job_id="hooks")
-    old = torch_hooks.STATE.writer
-    torch_hooks.STATE.writer = w
+    old = hook_state.STATE.writer
+    hook_state.STATE.writer = w
     try:
         g = Group()
         idx = w.comm("0", "nccl", "default_pg", (0,))
-        torch_hooks._hook_group(g, idx)
+        group_hooks.hook_group(g, idx)
         (pre,), (post,) = g.pre, g.post
         pre(SimpleNamespace(name="ALLREDUCE", op_id=1))  # from C++ (DDP's reducer): counted
         post(SimpleNamespace(name="ALLREDUCE", op_id=1, work=None))
-        torch_hooks.STATE.tls.depth = True  # inside a wrapped Python call: the wrapper counts it
+        hook_state.STATE.tls.depth = True  # inside a wrapped Python call: the wrapper counts it
         pre(SimpleNamespace(name="ALLREDUCE", op_id=2))
-        torch_hooks.STATE.tls.depth = False
+        hook_state.STATE.tls.depth = False
         (op,) = read_counter_file(w.path).counters.ops
         assert (op.op, op.cl, op.wr, op.wc) == ("allreduce", 1, 1, 1)
     finally:
-        torch_hooks.STATE.writer = old
+        hook_state.STATE.writer = old
         w.close()

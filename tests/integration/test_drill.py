@@ -477,7 +477,7 @@ def test_standbys_default_to_a_pool_that_can_refill_a_group_with_the_tui_and_to_
 
 
 def test_the_checkpoint_writer_keeps_only_the_newest_checkpoints_of_its_rank(tmp_path: Path) -> None:
-    from rankscope.drill.worker import CHECKPOINTS_KEPT, latest_checkpoint, prune_checkpoints
+    from rankscope.drill.checkpoints import CHECKPOINTS_KEPT, latest_checkpoint, prune_checkpoints
 
     out = tmp_path / "checkpoints"
     out.mkdir()

@@ -21,9 +21,9 @@ from rankscope.analyzers.findings import Finding, Suspect, SuspectKind, Verdict
 from rankscope.cli.main import main as cli_main
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.faults import HANG_FAULTS, DrillLayout, ground_truth, make_plan
+from rankscope.drill.injection import desync_ranks
 from rankscope.drill.processes import marked_processes
 from rankscope.drill.scoring import score_verdict
-from rankscope.drill.worker import desync_ranks
 
 LAYOUT = DrillLayout(tp=2, pp=2, dp=2, machines=4)
 

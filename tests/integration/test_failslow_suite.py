@@ -166,14 +166,14 @@ def test_slow_compute_burn_follows_the_steps_taken_now(monkeypatch: pytest.Monke
     (0.025 s per micro-batch). When observers make every step 3x long (0.6 s without the fault), the burn
     follows to 0.5 x 0.6 s, so the fault stays half a step; it never falls below the nominal 0.1 s when
     peers catch up while it burns, and never rises past 3 x 1.5 x 0.2 s however long a step gets."""
-    from rankscope.drill import worker
+    from rankscope.drill import injection
     from rankscope.drill.faults import FaultPlan
 
     clock = FakeClock()
     burns: list[float] = []
-    monkeypatch.setattr(worker.time, "perf_counter", clock)
-    monkeypatch.setattr(worker, "drill_injected_slow_compute", burns.append)
-    inj = worker.Injector(FaultPlan(name="slow-compute", rank=3, step=10, factor=1.5), 3)
+    monkeypatch.setattr(injection.time, "perf_counter", clock)
+    monkeypatch.setattr(injection, "drill_injected_slow_compute", burns.append)
+    inj = injection.Injector(FaultPlan(name="slow-compute", rank=3, step=10, factor=1.5), 3)
 
     def step(n: int, unfaulted: float) -> float:
         """One step that takes `unfaulted` seconds plus whatever the rank burns in it; returns the burn."""
@@ -196,7 +196,7 @@ def test_slow_compute_burn_follows_the_steps_taken_now(monkeypatch: pytest.Monke
     assert caught_up[-1] == pytest.approx(0.1), "never below the nominal (1.5 - 1) x 0.2 s"
     runaway = [step(n, 20.0) for n in range(30, 40)]
     assert max(runaway) == pytest.approx(3 * 1.5 * 0.2), "never past 3 x 1.5 healthy steps"
-    other = worker.Injector(FaultPlan(name="slow-compute", rank=3, step=10, factor=1.5), 2)
+    other = injection.Injector(FaultPlan(name="slow-compute", rank=3, step=10, factor=1.5), 2)
     other.step = 11
     other.after_compute()
     assert len(burns) == 4 * 30, "only the faulty rank burns"

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
-from rankscope.ccl_plugin import torch_hooks
-from rankscope.ccl_plugin.torch_hooks import STATE
+from rankscope.ccl_plugin import call_args, completion, group_hooks, hook_state, torch_hooks, wrappers
+from rankscope.ccl_plugin.hook_state import STATE
 from rankscope.ccl_plugin.writer import CounterWriter
 from rankscope.probes.ccl_counters import read_counter_file
 from shim_paths import PATHS, fast
@@ -94,7 +94,7 @@ def shim(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[CounterWrit
                            get_backend=lambda g: "nccl")
     saved = {k: getattr(STATE, k) for k in ("writer", "c10d", "cuda", "disabled", "groups", "device_events",
                                              "pending", "event_pool", "fast", "tls", "ring")}
-    torch_hooks.use_fast(fast(request.param))
+    hook_state.use_fast(fast(request.param))
     w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="dev", fast=STATE.fast)
     STATE.writer, STATE.c10d, STATE.cuda, STATE.disabled = w, c10d, Cuda, False
     STATE.groups, STATE.pending, STATE.event_pool = {}, {}, []
@@ -117,14 +117,14 @@ def counts(w: CounterWriter, op: str) -> tuple[int, int, int]:
 
 
 def test_a_synchronous_collective_on_cuda_stays_open_until_its_event_completes(shim: CounterWriter) -> None:
-    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
     wrapped(Tensor(cuda=True))
-    torch_hooks._poll_device()
+    completion.poll_device()
     assert counts(shim, "all_reduce") == (1, 1, 0)  # returned, enqueued, not finished on the device
     (ev,) = Event.made
     assert ev.records == 1
     ev.done = True
-    torch_hooks._poll_device()
+    completion.poll_device()
     assert counts(shim, "all_reduce") == (1, 1, 1)
     wrapped(Tensor(cuda=True))
     assert Event.made == [ev] and ev.records == 2  # the finished event is reused, not a new one per call
@@ -132,46 +132,46 @@ def test_a_synchronous_collective_on_cuda_stays_open_until_its_event_completes(s
 
 
 def test_events_complete_in_launch_order_and_a_failed_device_closes_them(shim: CounterWriter) -> None:
-    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
     for _ in range(3):
         wrapped(Tensor(cuda=True))
     first, second, third = Event.made
     second.done = third.done = True
-    torch_hooks._poll_device()
+    completion.poll_device()
     assert counts(shim, "all_reduce") == (3, 3, 0)  # the oldest is still running on the stream
     first.broken = True  # the query fails: nothing runs any more, the requests close, nothing raises
-    torch_hooks._poll_device()
+    completion.poll_device()
     assert counts(shim, "all_reduce") == (3, 3, 3)
 
 
 def test_an_async_collective_on_cuda_waits_for_is_completed_not_wait_or_its_future(shim: CounterWriter) -> None:
-    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
     work = wrapped(Tensor(cuda=True), async_op=True)
     assert isinstance(work, Work)
     work.wait()
-    torch_hooks._poll()
+    completion.poll()
     assert counts(shim, "all_reduce") == (1, 1, 0)
     work.done = True
-    torch_hooks._poll()
+    completion.poll()
     assert counts(shim, "all_reduce") == (1, 1, 1)
-    assert torch_hooks.open_works() == 0
+    assert completion.open_works() == 0
 
 
 def test_p2p_on_cuda_keeps_its_peer_open_until_the_device_is_done(shim: CounterWriter) -> None:
-    torch_hooks._make_wrapper("send", send)(Tensor(cuda=True), 1)
-    work = torch_hooks._make_wrapper("isend", isend)(Tensor(cuda=True), dst=1)
-    torch_hooks._poll()
+    wrappers.make_wrapper("send", send)(Tensor(cuda=True), 1)
+    work = wrappers.make_wrapper("isend", isend)(Tensor(cuda=True), dst=1)
+    completion.poll()
     (o,) = read_counter_file(shim.path).counters.ops
     assert (o.op, o.cl, o.wr, o.wc, o.open_peers) == ("send", 2, 2, 0, (1,))
     Event.made[0].done = True
     work.done = True
-    torch_hooks._poll()
+    completion.poll()
     (o,) = read_counter_file(shim.path).counters.ops
     assert (o.wc, o.open_peers) == (2, ())
 
 
 def test_cpu_tensors_and_graph_capture_complete_at_return(shim: CounterWriter) -> None:
-    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
     wrapped(Tensor(cuda=False))
     assert counts(shim, "all_reduce") == (1, 1, 1)
     Cuda.capturing = True  # captured into a CUDA graph: nothing was launched at the call
@@ -181,14 +181,14 @@ def test_cpu_tensors_and_graph_capture_complete_at_return(shim: CounterWriter) -
 
 
 def test_the_group_records_its_size_and_this_ranks_place_for_the_nccl_join(shim: CounterWriter) -> None:
-    torch_hooks._make_wrapper("all_reduce", all_reduce)(Tensor(cuda=True))
+    wrappers.make_wrapper("all_reduce", all_reduce)(Tensor(cuda=True))
     (comm,) = read_counter_file(shim.path).counters.communicators
     assert (comm.backend, comm.ranks, comm.comm_nranks, comm.comm_rank) == ("nccl", (0, 1), 2, 0)
 
 
 def test_a_list_payload_on_cuda_counts_as_device_work(shim: CounterWriter) -> None:
-    assert torch_hooks._on_cuda([Tensor(cuda=True)]) and not torch_hooks._on_cuda([])
-    assert not torch_hooks._on_cuda(None) and not torch_hooks._on_cuda((Tensor(cuda=False),))
+    assert call_args.on_cuda([Tensor(cuda=True)]) and not call_args.on_cuda([])
+    assert not call_args.on_cuda(None) and not call_args.on_cuda((Tensor(cuda=False),))
 
 
 def test_process_group_hooks_on_nccl_wait_for_the_device(shim: CounterWriter) -> None:
@@ -196,14 +196,14 @@ def test_process_group_hooks_on_nccl_wait_for_the_device(shim: CounterWriter) ->
     hooks: dict[str, Any] = {}
     group = SimpleNamespace(register_pre_hook=lambda fn: hooks.setdefault("pre", fn),
                             register_post_hook=lambda fn: hooks.setdefault("post", fn))
-    torch_hooks._hook_group(group, shim.comm("0", "nccl", "default_pg", (0, 1)), on_device=True)
+    group_hooks.hook_group(group, shim.comm("0", "nccl", "default_pg", (0, 1)), on_device=True)
     work = Work()
     hooks["pre"](SimpleNamespace(name="ALLREDUCE", op_id=7))
     hooks["post"](SimpleNamespace(name="ALLREDUCE", op_id=7, work=work))
-    torch_hooks._poll()
+    completion.poll()
     assert counts(shim, "allreduce") == (1, 1, 0)
     work.done = True
-    torch_hooks._poll()
+    completion.poll()
     assert counts(shim, "allreduce") == (1, 1, 1)
 
 
@@ -211,12 +211,12 @@ def test_with_our_profiler_plugin_loaded_device_work_is_counted_not_timed(shim: 
     """The plugin times NCCL's device work itself: the shim counts the launch, settles at return, records no TD/N."""
     STATE.plugin = True
     try:
-        wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+        wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
         wrapped(Tensor(cuda=True))
         work = wrapped(Tensor(cuda=True), async_op=True)
         assert isinstance(work, Work) and not work.done
         assert counts(shim, "all_reduce") == (2, 2, 2)
-        assert Event.made == [] and torch_hooks.open_works() == 0 and len(STATE.device_events) == 0
+        assert Event.made == [] and completion.open_works() == 0 and len(STATE.device_events) == 0
         (o,) = read_counter_file(shim.path).counters.ops
         assert (o.bytes_total, o.recent_throughput, o.last_complete_wall, o.last_duration_s) == (128, (), None, None)
         wrapped(Tensor(cuda=False))  # host tensors are still the shim's to time

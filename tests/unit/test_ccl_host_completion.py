@@ -17,9 +17,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from rankscope.ccl_plugin import completion, hook_state, wrappers
 from rankscope.ccl_plugin import layout as L
-from rankscope.ccl_plugin import torch_hooks
-from rankscope.ccl_plugin.torch_hooks import STATE
+from rankscope.ccl_plugin.hook_state import STATE
 from rankscope.ccl_plugin.writer import CounterWriter
 from rankscope.probes.ccl_counters import read_counter_file
 from shim_paths import PATHS, fast
@@ -62,7 +62,7 @@ def shim(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[CounterWrit
     c10d = SimpleNamespace(GroupMember=SimpleNamespace(WORLD=object()), get_process_group_ranks=lambda g: [0, 1],
                            get_backend=lambda g: "gloo", Work=Work)
     saved = {k: getattr(STATE, k) for k in ("writer", "c10d", "disabled", "pending", "polling", "fast", "tls", "ring")}
-    torch_hooks.use_fast(fast(request.param))
+    hook_state.use_fast(fast(request.param))
     w = CounterWriter(tmp_path, rank=0, world_size=2, job_id="host", fast=STATE.fast)
     STATE.writer, STATE.c10d, STATE.disabled, STATE.pending = w, c10d, False, {}
     STATE.polling = False
@@ -83,36 +83,36 @@ def counts(w: CounterWriter, op: str) -> tuple[int, int, int]:
 
 
 def test_an_async_collective_completes_when_the_poll_sees_it_done(shim: CounterWriter) -> None:
-    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
     work = wrapped(Tensor(), async_op=True)
     assert isinstance(work, Work)
     assert counts(shim, "all_reduce") == (1, 1, 0)
     assert STATE.polling and STATE.wake.is_set()  # the poller was told: it is the one that learns completion
-    assert torch_hooks.open_works() == 1
-    assert torch_hooks._poll() is True  # still running: WC stays below WR (a hang inside it shows)
+    assert completion.open_works() == 1
+    assert completion.poll() is True  # still running: WC stays below WR (a hang inside it shows)
     assert counts(shim, "all_reduce") == (1, 1, 0)
     work.wait()
     assert Work.wait is _WAIT  # the user's wait is torch's own, untouched
     assert counts(shim, "all_reduce") == (1, 1, 0)  # nothing runs on the user's thread after the call
-    assert torch_hooks._poll() is False
-    assert counts(shim, "all_reduce") == (1, 1, 1) and torch_hooks.open_works() == 0
+    assert completion.poll() is False
+    assert counts(shim, "all_reduce") == (1, 1, 1) and completion.open_works() == 0
     (o,) = read_counter_file(shim.path).counters.ops
     # the poll knows that it finished, not when: no TD, no N
     assert (o.last_duration_s, o.recent_throughput, o.last_completed_seq) == (None, (), 1)
-    torch_hooks._poll()  # a second look records nothing more
+    completion.poll()  # a second look records nothing more
     assert counts(shim, "all_reduce") == (1, 1, 1)
 
 
 def test_work_completes_in_any_order_through_the_poll(shim: CounterWriter) -> None:
-    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
     first, second, third = (wrapped(Tensor(), async_op=True) for _ in range(3))
-    assert torch_hooks._poll() is True  # all still running
+    assert completion.poll() is True  # all still running
     assert counts(shim, "all_reduce") == (3, 3, 0)
     second.done = True
-    assert torch_hooks._poll() is True
-    assert counts(shim, "all_reduce") == (3, 3, 1) and torch_hooks.open_works() == 2
+    assert completion.poll() is True
+    assert counts(shim, "all_reduce") == (3, 3, 1) and completion.open_works() == 2
     first.done = third.done = True
-    assert torch_hooks._poll() is False  # nothing open: the poller may slow down
+    assert completion.poll() is False  # nothing open: the poller may slow down
     assert counts(shim, "all_reduce") == (3, 3, 3)
     assert wrapped(Tensor()) is None  # a synchronous call is timed at its return, as before
     (o,) = read_counter_file(shim.path).counters.ops
@@ -125,46 +125,46 @@ class BrokenWork(Work):
 
 
 def test_a_work_whose_completion_check_fails_is_closed_not_left_open(shim: CounterWriter) -> None:
-    wrapped = torch_hooks._make_wrapper("all_reduce", lambda tensor, op=None, group=None, async_op=False: BrokenWork())
+    wrapped = wrappers.make_wrapper("all_reduce", lambda tensor, op=None, group=None, async_op=False: BrokenWork())
     wrapped(Tensor(), async_op=True)
-    assert torch_hooks._poll() is False
+    assert completion.poll() is False
     assert counts(shim, "all_reduce") == (1, 1, 1) and not STATE.disabled
 
 
 def test_more_open_works_than_the_ring_holds_are_still_kept(shim: CounterWriter) -> None:
     """Past the native ring's room (a long hang with async work piling up) the Works wait in the Python table."""
-    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
     works = [wrapped(Tensor(), async_op=True) for _ in range(4100)]
-    assert torch_hooks.open_works() == 4100 and counts(shim, "all_reduce") == (4100, 4100, 0)
+    assert completion.open_works() == 4100 and counts(shim, "all_reduce") == (4100, 4100, 0)
     for wk in works[::2]:
         assert wk is not None
         wk.done = True
-    torch_hooks._poll()
+    completion.poll()
     assert counts(shim, "all_reduce") == (4100, 4100, 2050)
     for wk in works:
         assert wk is not None
         wk.done = True
-    assert torch_hooks._poll() is False and counts(shim, "all_reduce") == (4100, 4100, 4100)
+    assert completion.poll() is False and counts(shim, "all_reduce") == (4100, 4100, 4100)
 
 
 def test_an_isend_keeps_its_peer_open_until_waited(shim: CounterWriter) -> None:
-    work = torch_hooks._make_wrapper("isend", isend)(Tensor(), dst=1)
+    work = wrappers.make_wrapper("isend", isend)(Tensor(), dst=1)
     (o,) = read_counter_file(shim.path).counters.ops
     assert (o.op, o.cl, o.wr, o.wc, o.open_peers) == ("send", 1, 1, 0, (1,))
-    torch_hooks._poll()
+    completion.poll()
     assert read_counter_file(shim.path).counters.ops[0].open_peers == (1,)
     work.wait()
-    torch_hooks._poll()
+    completion.poll()
     (o,) = read_counter_file(shim.path).counters.ops
     assert (o.wc, o.open_peers) == (1, ())
 
 
 def test_a_synchronous_call_on_the_host_completes_at_return(shim: CounterWriter) -> None:
-    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
     for _ in range(3):
         assert wrapped(Tensor()) is None
     assert counts(shim, "all_reduce") == (3, 3, 3)
-    assert torch_hooks.open_works() == 0 and not STATE.polling  # nothing for the background thread to do
+    assert completion.open_works() == 0 and not STATE.polling  # nothing for the background thread to do
 
 
 class Group:
@@ -176,7 +176,7 @@ class Group:
 
 def test_every_argument_form_counts_on_its_own_group(shim: CounterWriter) -> None:
     """Group, payload and async_op by position or keyword: each call lands on its group's row, sync or async."""
-    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
     pp = Group()
     t = Tensor()
     for _ in range(2):  # the second round goes through the wrappers' caches
@@ -188,7 +188,7 @@ def test_every_argument_form_counts_on_its_own_group(shim: CounterWriter) -> Non
         assert isinstance(work, Work) and not work.done
         work.wait()
         wrapped(t, None, pp, async_op=True).wait()
-    torch_hooks._poll()
+    completion.poll()
     got = read_counter_file(shim.path).counters
     comm_of = {i: c.comm_id for i, c in enumerate(got.communicators)}
     rows = {(c.comm_id, o.op): (o.cl, o.wr, o.wc, o.bytes_total) for c in got.communicators for o in got.ops
@@ -204,7 +204,7 @@ def broken(tensor: Any, op: Any = None, group: Any = None, async_op: bool = Fals
 
 
 def test_a_failing_call_closes_its_request_and_raises_the_users_error(shim: CounterWriter) -> None:
-    wrapped = torch_hooks._make_wrapper("all_reduce", broken)
+    wrapped = wrappers.make_wrapper("all_reduce", broken)
     for _ in range(3):
         with pytest.raises(RuntimeError, match="Connection closed by peer"):
             wrapped(Tensor())
@@ -219,12 +219,12 @@ def test_the_poller_completing_while_calls_launch_never_tears_a_slot(shim: Count
     another's would lose an update or leave the seq odd. The reader checks what every reader relies on.
     """
     calls = 600
-    wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+    wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
     done = threading.Event()
 
     def poller() -> None:  # the background thread's step, as fast as it can
         while not done.is_set():
-            torch_hooks._poll()
+            completion.poll()
 
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
@@ -243,7 +243,7 @@ def test_the_poller_completing_while_calls_launch_never_tears_a_slot(shim: Count
         done.set()
         thread.join()
         sys.setswitchinterval(switch)
-    torch_hooks._poll()
+    completion.poll()
     (o,) = read_counter_file(shim.path).counters.ops
     assert (o.cl, o.wr, o.wc, o.bytes_total) == (2 * calls, 2 * calls, 2 * calls, 2 * calls * 64)
     assert (o.last_launched_seq, o.last_completed_seq) == (2 * calls, 2 * calls)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rankscope.ccl_plugin import native, torch_hooks
+from rankscope.ccl_plugin import hook_state, native, wrappers
 from rankscope.ccl_plugin.build import SHIM_MODULE, find_compiler
 from repo_paths import ROOT
 
@@ -37,18 +37,18 @@ def test_the_native_path_is_the_one_loaded_where_a_compiler_exists(fresh: None, 
     assert module is not None and module.__name__ == SHIM_MODULE
     assert capsys.readouterr().err == ""  # nothing to say when it works
     assert native.load({}) is module  # once per process
-    saved = (torch_hooks.STATE.fast, torch_hooks.STATE.tls)
-    torch_hooks.use_fast(module)
+    saved = (hook_state.STATE.fast, hook_state.STATE.tls)
+    hook_state.use_fast(module)
     try:
         def all_reduce(tensor: object, op: object = None, group: object = None, async_op: bool = False) -> None:
             """torch's docstring"""
 
-        wrapped = torch_hooks._make_wrapper("all_reduce", all_reduce)
+        wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
         assert isinstance(wrapped, module.Wrapper)
         assert wrapped.__rankscope_original__ is all_reduce and wrapped.__name__ == "all_reduce"
         assert wrapped.__doc__ == "torch's docstring" and wrapped.__wrapped__ is all_reduce
     finally:
-        torch_hooks.STATE.fast, torch_hooks.STATE.tls = saved
+        hook_state.STATE.fast, hook_state.STATE.tls = saved
 
 
 def test_forced_off_it_counts_in_python_and_says_so_once(fresh: None, capsys: pytest.CaptureFixture[str]) -> None:

@@ -72,7 +72,7 @@ def test_a_worker_told_to_slow_its_gpu_on_gloo_exits_with_the_reason(tmp_path: P
 
 
 def _injector_at_fault(device: Any) -> Any:
-    from rankscope.drill.worker import Injector
+    from rankscope.drill.injection import Injector
 
     inj = Injector(FaultPlan(name="slow-gpu", rank=0, step=4, factor=2.0), 0, device)
     for step in range(5):  # steps 2 and 3 are healthy steps it measures

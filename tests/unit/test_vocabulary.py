@@ -87,7 +87,7 @@ VOCABULARY = ROOT / "core" / "contract" / "vocabulary.py"
 # Lists of names that are not operation spellings, though some read like them: words looked for inside py-spy
 # frames' function names (``_communicate``, ``reduce_from``), the functions the plugin wraps, a benchmark's made-up
 # counters.
-NOT_SPELLINGS = {ROOT / "core" / "contract" / "frames.py", ROOT / "ccl_plugin" / "torch_hooks.py",
+NOT_SPELLINGS = {ROOT / "core" / "contract" / "frames.py", ROOT / "ccl_plugin" / "call_args.py",
                  ROOT / "benchmarks" / "fanout_source.py"}
 
 
