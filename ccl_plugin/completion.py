@@ -128,13 +128,19 @@ def open_works() -> int:
     return len(STATE.pending) + (len(STATE.ring) if STATE.ring is not None else 0)
 
 
+# One pass at a time: the background thread polls, and so do the exit (shutdown) and a benchmark's timed blocks;
+# two passes over one queue popped the same finished event twice (IndexError on the H200, which disabled the shim).
+_POLL_LOCK = threading.Lock()
+
+
 def poll() -> bool:
     """One pass over everything open; whether anything still is."""
-    ring = STATE.ring
-    native = ring.poll() > 0 if ring is not None and len(ring) else False
-    works = poll_pending() if STATE.pending else False
-    device = poll_device() if STATE.device_events else False
-    return native or works or device
+    with _POLL_LOCK:
+        ring = STATE.ring
+        native = ring.poll() > 0 if ring is not None and len(ring) else False
+        works = poll_pending() if STATE.pending else False
+        device = poll_device() if STATE.device_events else False
+        return native or works or device
 
 
 def _background() -> None:

@@ -231,3 +231,39 @@ def test_the_plugin_is_recognised_by_its_library_name() -> None:
     assert torch_hooks.plugin_loaded({"NCCL_PROFILER_PLUGIN": "/c/librankscope_nccl_profiler-3f2a.so"})
     assert not torch_hooks.plugin_loaded({"NCCL_PROFILER_PLUGIN": "/usr/lib/libnccl-profiler-inspector.so"})
     assert not torch_hooks.plugin_loaded({})
+
+
+def test_two_polls_at_once_settle_each_finished_call_once(shim: CounterWriter) -> None:
+    """The background thread and a second poller (the exit's, a benchmark's) at the same time: on the H200 both
+    took the same finished event from the queue and the second pop raised. The first poller's query waits (up to a
+    second) for the second to reach the same query; one pass at a time, it never does."""
+    import threading
+
+    wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
+    wrapped(Tensor(cuda=True))
+    (ev,) = Event.made
+    both = threading.Barrier(2, timeout=1.0)
+
+    def query() -> bool:
+        try:
+            both.wait()
+        except threading.BrokenBarrierError:
+            pass
+        return True
+
+    ev.query = query  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def poller() -> None:
+        try:
+            completion.poll()
+        except BaseException as exc:  # what the background thread would have died of
+            errors.append(exc)
+
+    threads = [threading.Thread(target=poller) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors, errors
+    assert counts(shim, "all_reduce") == (1, 1, 1)
