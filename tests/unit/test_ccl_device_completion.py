@@ -237,6 +237,7 @@ def test_two_polls_at_once_settle_each_finished_call_once(shim: CounterWriter) -
     """The background thread and a second poller (the exit's, a benchmark's) at the same time: on the H200 both
     took the same finished event from the queue and the second pop raised. The first poller's query waits (up to a
     second) for the second to reach the same query; one pass at a time, it never does."""
+    import contextlib
     import threading
 
     wrapped = wrappers.make_wrapper("all_reduce", all_reduce)
@@ -245,10 +246,8 @@ def test_two_polls_at_once_settle_each_finished_call_once(shim: CounterWriter) -
     both = threading.Barrier(2, timeout=1.0)
 
     def query() -> bool:
-        try:
+        with contextlib.suppress(threading.BrokenBarrierError):
             both.wait()
-        except threading.BrokenBarrierError:
-            pass
         return True
 
     ev.query = query  # type: ignore[method-assign]
