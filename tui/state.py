@@ -108,6 +108,9 @@ class Event:
     text: str
     # A verdict that names no suspect (no verdict, or a running job's timing): shown, not kept by the journal.
     names_nobody: bool = False
+    # A resumption a view saw in the ranks' progress ("training runs again"), not the restarter's account of the
+    # step it resumed from (journaled as such: JournalEntry.observed).
+    observed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,11 +266,11 @@ def journal_worthy(event: Event) -> bool:
     return True
 
 
-def apply_journal(state: AppState, entries: Iterable[tuple[float, str, str]]) -> AppState:
-    """The agents' journal (wall, kind, text): what happened before this view attached, as events, each once. A
-    hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so the
-    views of a pair tell one story; a restart is told before the resumption the journal stamped earlier."""
-    told = [Event(w, k, t) for w, k, t in entries]
+def apply_journal(state: AppState, entries: Iterable[Event | tuple[float, str, str]]) -> AppState:
+    """The agents' journal (events, or (wall, kind, text)): what happened before this view attached, as events, each
+    once. A hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so
+    the views of a pair tell one story; a restart is told before the resumption the journal stamped earlier."""
+    told = [e if isinstance(e, Event) else Event(*e) for e in entries]
     own = {id(m) for e in told for m in _same_moments(state.events, e)}
     if own:
         state = replace(state, events=tuple(e for e in state.events if id(e) not in own))
@@ -279,8 +282,6 @@ def apply_journal(state: AppState, entries: Iterable[tuple[float, str, str]]) ->
     return replace(state, events=events)
 
 
-# The view's own words when training moves again: not the journal's account of what the restart resumed from.
-_OWN_RESUMED = frozenset({"training runs again after the restart", "progress resumed"})
 TOLD_BEFORE_S = 0.001  # a restart is stamped this much before the resumption that was stamped first
 
 
@@ -288,7 +289,7 @@ def _before_its_resumption(events: Sequence[Event], wall: float) -> float:
     """When to tell a restart a view found at ``wall``: just before the journal's resumption of it if that is stamped
     earlier (within RESTART_SETTLE_S, with no hang, eviction or other restart between them), else at ``wall``."""
     cut = max((e.wall for e in events if e.kind in _CAUSES and e.wall < wall), default=wall - RESTART_SETTLE_S)
-    first = min((e.wall for e in events if e.kind == "resumed" and e.text not in _OWN_RESUMED
+    first = min((e.wall for e in events if e.kind == "resumed" and not e.observed
                  and max(cut, wall - RESTART_SETTLE_S) < e.wall < wall), default=None)
     return wall if first is None else first - TOLD_BEFORE_S
 
@@ -411,12 +412,12 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             # view, "07:53:00" in its pair), and the row's time says when.
             # Stamped at the first step itself, as the restart at its start: in the order things happened.
             events.append(Event(_when(clock.progress_mark, now_wall, (*state.events, *events)), "resumed",
-                                "training runs again after the restart"))
+                                "training runs again after the restart", observed=True))
         elif moved and hung_reported and not between and not state.awaiting_restart:
             # Not between an eviction and the restart it brings, nor in a poll that caught two launches: the new
             # launch's first step is the restart's, told once the restart is seen (a pair's read-only view logged
             # "progress resumed" there, its acting view the restart).
-            events.append(Event(now_wall, "resumed", "progress resumed"))
+            events.append(Event(now_wall, "resumed", "progress resumed", observed=True))
         if moved and not between and not state.awaiting_restart:
             hung_reported = False
         last_progress = clock.progress_mark
@@ -438,7 +439,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         if moved or last_progress is None:
             last_progress = d.wall
         if moved and hung_reported and state.progress_points and not between and not state.awaiting_restart:
-            events.append(Event(now_wall, "resumed", "progress resumed"))
+            events.append(Event(now_wall, "resumed", "progress resumed", observed=True))
             hung_reported = False
         elif not moved and not hung_reported and d.wall - last_progress >= threshold and d.progress > 0:
             events.append(Event(now_wall, "hung", f"no progress since {fmt_time(last_progress)}"))

@@ -44,9 +44,15 @@ class JournalEntry:
     kind: str  # one of KINDS
     text: str
     by: str = ""  # who wrote it (user@host of the acting view)
+    # A resumption a view saw in the ranks' progress, not the restarter's account of the step the job resumed from:
+    # a view tells a restart just before the restarter's account, never before another view's sighting.
+    observed: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"wall": self.wall, "kind": self.kind, "text": self.text, "by": self.by}
+        data: dict[str, Any] = {"wall": self.wall, "kind": self.kind, "text": self.text, "by": self.by}
+        if self.observed:
+            data["observed"] = True
+        return data
 
 
 def _printable(text: str, limit: int) -> str:
@@ -58,13 +64,16 @@ def entry_from_json(data: Any) -> JournalEntry:
     if not isinstance(data, dict):
         raise JournalError("a journal entry is a JSON object")
     wall, kind, text, by = data.get("wall"), data.get("kind"), data.get("text"), data.get("by", "")
+    observed = data.get("observed", False)
     if isinstance(wall, bool) or not isinstance(wall, (int, float)) or not math.isfinite(wall) or wall < 0:
         raise JournalError("a journal entry's wall is a finite time in seconds")
     if kind not in KINDS:
         raise JournalError(f"a journal entry's kind is one of {', '.join(sorted(KINDS))}")
     if not isinstance(text, str) or not text.strip() or not isinstance(by, str):
         raise JournalError("a journal entry has a text (and a 'by' string)")
-    return JournalEntry(float(wall), str(kind), _printable(text, MAX_TEXT), _printable(by, MAX_BY))
+    if not isinstance(observed, bool):
+        raise JournalError("a journal entry's 'observed' is true or false")
+    return JournalEntry(float(wall), str(kind), _printable(text, MAX_TEXT), _printable(by, MAX_BY), observed)
 
 
 def entries_from_bytes(body: bytes) -> tuple[JournalEntry, ...]:

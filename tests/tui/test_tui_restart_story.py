@@ -218,3 +218,23 @@ def test_a_restart_with_no_resumption_before_it_is_told_when_seen_and_its_first_
               snap(J0 + 112, progress=J0 + 111.5, started=J0 + 50, pids=3000)], s)
     told = [(e.wall - J0, e.kind) for e in s.events if e.kind in ("restarted", "resumed")]
     assert told[-2:] == [(110.0, "restarted"), (111.5, "resumed")], told
+
+
+def test_a_restart_is_told_before_the_restarters_account_by_its_kind_never_before_a_views_sighting() -> None:
+    # Whether a resumption is the restarter's account ("resumed from step N") or a view's sighting of the first
+    # step is a fact carried with it (Event.observed, journaled as JournalEntry.observed), not read from its words.
+    from test_tui_job_state import T0 as J0
+    from test_tui_job_state import fold, snap
+
+    words = "the job runs again on machine-0 machine-1"
+    for observed in (False, True):
+        s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState(read_only=True))
+        s = st.apply_evicted(s, ["machine-9"], J0 + 34)
+        s = st.apply_journal(s, [st.Event(J0 + 43, "resumed", words, observed=observed)])
+        s = fold([snap(J0 + 45, progress=None, started=J0 + 31, pids=2000)], s)
+        restarted = next(e.wall - J0 for e in s.events if e.kind == "restarted")
+        assert round(restarted, 3) == (45.0 if observed else 42.999), observed
+    # The view's own sightings carry the fact.
+    s = fold([snap(J0 + 48, progress=J0 + 46.5, started=J0 + 31, pids=2000)], s)
+    own = [e for e in s.events if e.kind == "resumed" and e.text == "training runs again after the restart"]
+    assert len(own) == 1 and own[0].observed
