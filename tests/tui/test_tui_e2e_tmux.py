@@ -237,6 +237,30 @@ def confirm_modal(session: str) -> None:
     wait_screen(session, lambda t: "Run this on" not in t, 30, "the modal to close")
 
 
+def type_phrase(session: str, phrase: str) -> str:
+    """Type an eviction's phrase in its dialog as a person does, and press enter once the box shows it whole; the
+    screen that tells the outcome.
+
+    Enter goes only after the box on screen holds exactly the phrase: at load ~50 the app had not read all of it a
+    second after it was typed, and the "that is not the phrase" an early enter drew stayed in the prompt, so the
+    next tries' waits for an outcome returned at once. A box that does not show the phrase is cleared (ctrl+u) and
+    typed again; anything but the phrase still ends in no eviction."""
+    box = re.compile(r"▊\s+" + re.escape(phrase) + r"\s+▎")
+    tmux("send-keys", "-t", session, "Tab")  # to the box; a phrase typed on Cancel goes there too
+    for attempt in range(3):
+        tmux("send-keys", "-t", session, "C-u")
+        tmux("send-keys", "-t", session, "-l", phrase)
+        try:
+            wait_screen(session, lambda t: box.search(t) is not None, 60, f"{phrase!r} in the phrase box")
+            break
+        except AssertionError:
+            if attempt == 2:
+                raise
+    tmux("send-keys", "-t", session, "Enter")
+    # Up to two minutes: at load ~25 the modal still held the typed phrase a minute after enter.
+    return wait_screen(session, lambda t: "evict result" in t or "cancelled" in t, 120, "the eviction's outcome")
+
+
 def overview_verdict(text: str) -> str:
     """The Overview's verdict lines (from "capture of"/"verdict" to the rule below them), joined."""
     lines = text.splitlines()
@@ -420,22 +444,7 @@ def _drive_and_check(session: str, run_dir: Path,
     assert phrase, text
     assert sorted(phrase.group(1).split()[1:]) == ["machine-0", "machine-2"]
     assert "SIGTERM" in text and "block machine-0" in text and "block machine-2" in text
-    time.sleep(2)
-    tmux("send-keys", "-t", session, "Tab")
-    time.sleep(1)
-    # At load ~80 the phrase once reached the box incomplete ("that is not the phrase"): a person clears the box
-    # (ctrl+u) and types it again. Cancel, or anything but the phrase, still ends in no eviction.
-    for attempt in range(3):
-        tmux("send-keys", "-t", session, "C-u")
-        tmux("send-keys", "-t", session, "-l", phrase.group(1))
-        time.sleep(1)
-        tmux("send-keys", "-t", session, "Enter")
-        # Up to two minutes: at load ~25 the modal still held the typed phrase a minute after enter.
-        text = wait_screen(session, lambda t: "evict result" in t or "cancelled" in t or "not the phrase" in t, 120,
-                           "the eviction's outcome")
-        if "not the phrase" not in text or attempt == 2:
-            break
-        time.sleep(1)  # the dialog says so in its prompt and stays open: clear the box and type again
+    text = type_phrase(session, phrase.group(1))
     assert "evict result" in text, text
 
     # The pair sees it happen, live, in its Actions view: both machines' evictions and how they ended.
