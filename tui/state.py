@@ -111,6 +111,9 @@ class Event:
     # A resumption a view saw in the ranks' progress ("training runs again"), not the restarter's account of the
     # step it resumed from (journaled as such: JournalEntry.observed).
     observed: bool = False
+    # A fail-slow reading (a verdict): the machines the detectors name, () when they name none now; None: not one
+    # (journaled as JournalEntry.slow).
+    slow: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +213,14 @@ def _new_chapter(events: Sequence[Event], kind: str, a: float, b: float) -> bool
     return any(x.kind in _CHAPTERS[kind] and lo < x.wall < hi for x in events)
 
 
+def _new_reading(events: Sequence[Event], slow: tuple[str, ...], a: float, b: float) -> bool:
+    """Between the times ``a`` and ``b`` the job restarted, lost machines to an eviction, or the fail-slow detectors
+    read other than ``slow``."""
+    lo, hi = sorted((a, b))
+    return any(lo < x.wall < hi and (x.kind in ("evicted", "restarted") or (x.slow is not None and x.slow != slow))
+               for x in events)
+
+
 def _same_moments(events: Sequence[Event], e: Event) -> list[Event]:
     """Every event of ``events`` that tells the moment ``e`` tells (``_same_moment``): a view that saw one restart
     twice (once before every agent was back, once after) has two lines the journal's one line replaces.
@@ -222,6 +233,11 @@ def _same_moments(events: Sequence[Event], e: Event) -> list[Event]:
         found = [o for o in events if o.kind == e.kind and o.text == e.text and (
             abs(o.wall - e.wall) <= ONE_STORY_S
             or (e.kind in ("hung", "resumed") and not _new_chapter(events, e.kind, o.wall, e.wall)))]
+    if e.slow is not None:
+        # The fail-slow detectors of each view of a pair name the slow machine at their own moment, in their own
+        # evidence's words: one reading until a restart, an eviction or another reading comes between them.
+        found += [o for o in events if o.slow == e.slow and not any(o is f for f in found)
+                  and not _new_reading(events, e.slow, o.wall, e.wall)]
     if e.kind not in ONE_STORY_KINDS:
         return found
     for other in events:
@@ -671,7 +687,8 @@ def apply_failslow(state: AppState, view: FailSlowView) -> AppState:
         text = f"slow: {' '.join(named)} — {v.verdict.summary}"
     else:
         text = "the fail-slow detectors name no machine now"
-    return replace(state, failslow=view, events=_with_events(state, [Event(state.now_wall, "verdict", text)]))
+    return replace(state, failslow=view, events=_with_events(state, [Event(state.now_wall, "verdict", text,
+                                                                            slow=named)]))
 
 
 def slow_machines(view: FailSlowView | None) -> tuple[str, ...]:

@@ -238,3 +238,41 @@ def test_a_restart_is_told_before_the_restarters_account_by_its_kind_never_befor
     s = fold([snap(J0 + 48, progress=J0 + 46.5, started=J0 + 31, pids=2000)], s)
     own = [e for e in s.events if e.kind == "resumed" and e.text == "training runs again after the restart"]
     assert len(own) == 1 and own[0].observed
+
+
+def _failslow(machine: str | None, words: str) -> object:
+    from rankscope.analyzers.failslow import FailSlowVerdict
+    from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+    from rankscope.tui.failslow_state import FailSlowView
+
+    suspects = (Suspect(SuspectKind.MACHINE, (4, 5), (machine,), 0.8, (words,)),) if machine else ()
+    verdict = FailSlowVerdict(Verdict(suspects, words), 0.8, True, (), None, 20)
+    return FailSlowView(verdict, (), None, (), machine, (), (), 1)
+
+
+def test_a_pair_tells_the_slowdown_once_though_its_detectors_name_it_later_in_other_words() -> None:
+    # By hand (fail-slow drill, 80x24): the read-only view listed the slowdown twice, the acting view's journaled
+    # verdict of 16:36:43 ("rank 4 arrived last ...; confidence 0.82") and its own of 16:37:20 ("rank 5 ...; 0.74").
+    # Which machines a fail-slow reading names is carried with it (Event.slow, JournalEntry.slow), not read from text.
+    from rankscope.actions.journal import JournalEntry, entries_from_bytes, entries_to_bytes
+    from test_tui_job_state import T0 as J0
+    from test_tui_job_state import fold, snap
+
+    acting = JournalEntry(J0 + 43, "verdict", "slow: machine-2 — fail-slow: machine machine-2 (rank 4 last)",
+                          "alice@desk", slow=("machine-2",))
+    (told,) = entries_from_bytes(entries_to_bytes([acting]))
+    for journal_first in (True, False):
+        s = fold([snap(J0 + i, progress=J0 + i) for i in range(30, 34)], st.AppState(read_only=True))
+        if journal_first:
+            s = st.apply_journal(s, [st.Event(told.wall, told.kind, told.text, slow=told.slow)])
+        s = st.apply_failslow(replace(s, now_wall=J0 + 80), _failslow("machine-2", "fail-slow: machine-2 (rank 5)"))
+        if not journal_first:
+            s = st.apply_journal(s, [st.Event(told.wall, told.kind, told.text, slow=told.slow)])
+        slow = [(e.wall - J0, e.text) for e in s.events if e.slow]
+        assert slow == [(43.0, acting.text)], (journal_first, slow)
+        # An eviction starts another chapter: the same machine named after it is news.
+        s = st.apply_evicted(s, ["machine-1"], J0 + 90)
+        s = st.apply_failslow(replace(s, now_wall=J0 + 95), _failslow(None, "no machine"))
+        s = st.apply_failslow(replace(s, now_wall=J0 + 99), _failslow("machine-2", "again"))
+        assert [(e.wall - J0, e.slow) for e in s.events if e.slow is not None] == [
+            (43.0, ("machine-2",)), (95.0, ()), (99.0, ("machine-2",))]
