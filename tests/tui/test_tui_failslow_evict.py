@@ -138,13 +138,37 @@ async def test_at_80x24_the_header_the_fail_slow_verdict_and_the_alternative_are
         await until(pilot, lambda: "slow: m2" in screen_text(app), 10, "the header")
         overview = screen_text(app).splitlines()
         assert "e: m2 (1 standby); ctrl+o group: m0, m2 (2 standbys)" in "\n".join(overview)
-        assert "fail-slow verdict (view 7): fail-slow: machine m2 (ranks 4-5)" in "\n".join(overview)
+        assert "fail-slow verdict (view 7):" in [line.strip() for line in overview]
+        assert any(line.strip().startswith("fail-slow: machine m2 (ranks 4-5)") for line in overview), overview
         for key in "1234567":
             await pilot.press(key)
             await pilot.pause()
             first = screen_text(app).splitlines()[0].rstrip()
             assert first.startswith(" slow: m2 (key 7) │ 4/4 machines │ ") and "…" not in first, (key, first)
             assert first.endswith(f"step 0 s ago, hang at {app.state.hang_threshold_s:.0f} s"), (key, first)
+
+
+async def test_at_80x24_with_the_drills_machine_names_the_fail_slow_headline_and_the_alternative_are_whole() -> None:
+    # By hand (fail-slow drill at 80x24): "fail-slow verdict (view 7): fail-slow: machine machine-2 (ranks 4-5)
+    # (non-com…": with machine names as long as the drill's the verdict's headline was cut.
+    from dataclasses import replace
+
+    named = {f"m{i}": f"machine-{i}" for i in range(4)}
+    series = tuple(replace(snap, machines=tuple(replace(m, machine=named[m.machine], hostname=named[m.machine])
+                                                for m in snap.machines)) for snap in fs_series(70))
+    app = RankscopeApp(BundleSource(Bundle(series, WALL0 + 70), "bundle fs"), AppOptions(layout=LAYOUT))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await app.loaded.wait()
+        await app.failslow.idle.wait()
+        await until(pilot, lambda: "slow: machine-2" in screen_text(app), 10, "the header")
+        lines = [line.strip() for line in screen_text(app).splitlines()]
+        verdict = app.state.failslow.verdict if app.state.failslow is not None else None
+        assert verdict is not None and verdict.confident
+        head = verdict.verdict.summary.split(" — ")[0]
+        assert head.startswith("fail-slow: machine machine-2 (ranks 4-5)"), head
+        assert any(line.startswith(head) for line in lines), lines
+        assert any("e: machine-2 (1 standby); ctrl+o group: machine-0, machine-2 (2 standbys)" in line
+                   for line in lines), lines
 
 
 class ConfirmingSource(PlanningSource):

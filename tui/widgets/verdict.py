@@ -259,10 +259,12 @@ def eviction_line(s: Suspect, placement: Mapping[int, str], acting: bool = True)
 
 def failslow_verdict_text(summary: str, s: Suspect, placement: Mapping[int, str], acting: bool = True) -> Text:
     """The Overview's verdict while the job runs and the fail-slow detectors name a machine (view 7 has the
-    detail): their summary, the machine and its degrader group, and what `e` evicts."""
+    detail): their summary, the machine and its degrader group, and what `e` evicts. The summary on a line of its
+    own: after the label, at 80 columns with the drill's machine names it was cut inside its headline ("fail-slow:
+    machine machine-2 (ranks 4-5) (non-com…"); its evidence, last, is what a narrow line loses."""
     t = Text(no_wrap=True, overflow="ellipsis")
-    t.append("fail-slow verdict (view 7): ", "bold")
-    t.append(summary, "bold yellow")
+    t.append("fail-slow verdict (view 7):", "bold")
+    t.append(f"\n  {summary}", "bold yellow")
     slow = sorted({placement.get(r, "?") for r in s.roots}) if s.roots else s.machines
     t.append(f"\n ▸ slow: {compact_machines(slow)}", "bold yellow")
     if s.roots and s.victims:
