@@ -10,6 +10,7 @@ and records what it was asked.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
 
 import pytest
 from rankscope.actions.agent_protocol import ActionError, ActionUpdate, AgentLost, Confirmation
@@ -71,6 +72,20 @@ def test_a_slow_machine_is_evicted_precisely_and_its_degrader_group_is_the_alter
     assert degrader_suspect(group, Topology(LAYOUT, 8), PLACEMENT) is group
 
 
+def test_the_eviction_dialog_and_its_reason_count_the_ranks_they_name() -> None:
+    # By hand: "Evict rank 4-5 of PP groups #0 and #1 (ranks 0-1,4-5): machine-2 (1 standby)".
+    from rankscope.tui.actions import evict_request, evict_title
+
+    d = degrader_suspect(Suspect(SuspectKind.MACHINE, (4, 5), ("m2",), 0.8, ("slow",)), Topology(LAYOUT, 8),
+                         PLACEMENT)
+    scope = eviction_scope(d, PLACEMENT)
+    assert evict_title(d, scope.default).startswith("Evict ranks 4-5 of PP groups #0 and #1 (ranks 0-1,4-5): m2")
+    request = evict_request(d, "a1", "alice", "job", scope.default)
+    assert request.args.reason.startswith("ranks 4-5 of PP groups #0 and #1"), request.args.reason
+    one = eviction_scope(replace(d, roots=(5,)), PLACEMENT)
+    assert evict_title(replace(d, roots=(5,)), one.default).startswith("Evict rank 5 of PP groups"), one.default
+
+
 def test_the_drill_grades_a_fail_slow_verdict_by_the_machine_e_evicts() -> None:
     from rankscope.analyzers.findings import Verdict
 
@@ -94,7 +109,8 @@ async def test_e_on_a_live_fail_slow_verdict_plans_the_slow_machine_and_offers_i
         await until(pilot, lambda: "slow: m2 (fail-slow, key 7) │ 4/4 machines" in screen_text(app), 10, "the header")
         assert staleness.failslow_target(app.state)[0] is not None
         overview = screen_text(app)
-        assert "fail-slow verdict (view 7): fail-slow: machine m2" in overview
+        lines = [line.strip() for line in overview.splitlines()]
+        assert lines[lines.index("fail-slow verdict (view 7):") + 1].startswith("fail-slow: machine m2"), lines
         assert " ▸ slow: m2  in PP groups #0 and #1 (ranks 0-1,4-5); 2 ranks wait on it" in overview
         assert "e: m2 (1 standby); ctrl+o group: m0, m2 (2 standbys) — the fail-slow detectors name m2" in overview
         await pilot.press("e")
@@ -151,7 +167,6 @@ async def test_at_80x24_the_header_the_fail_slow_verdict_and_the_alternative_are
 async def test_at_80x24_with_the_drills_machine_names_the_fail_slow_headline_and_the_alternative_are_whole() -> None:
     # By hand (fail-slow drill at 80x24): "fail-slow verdict (view 7): fail-slow: machine machine-2 (ranks 4-5)
     # (non-com…": with machine names as long as the drill's the verdict's headline was cut.
-    from dataclasses import replace
 
     named = {f"m{i}": f"machine-{i}" for i in range(4)}
     series = tuple(replace(snap, machines=tuple(replace(m, machine=named[m.machine], hostname=named[m.machine])
