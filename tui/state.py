@@ -144,6 +144,9 @@ class AppState:
     evicted_addresses: frozenset[str] = frozenset()  # agents taken out of the job (hostfile, audit)
     awaiting_restart: bool = False  # an eviction succeeded and the job has not come back yet: not "finished"
     restart_seen_wall: float | None = None  # when this view last saw the job restart (new pids)
+    # The launch before the restart last progressed then: a restarted rank's mark no newer than it is that launch's
+    # (a parked process of a warm restart read with its rank's counters of before), not the new launch's first step.
+    progress_before_restart: float | None = None
     # Machines whose agents went away while the job restarted: "restarting" (not lost) until they answer again,
     # also after the job's ranks came back (an idle standby's agent, one slower than the rest).
     restarting: frozenset[str] = frozenset()
@@ -398,6 +401,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
         state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False,
+                        progress_before_restart=state.last_progress_wall,
                         launch_marks=0)
     metric_history = state.metric_history.pushed(d.metric_keys, d.metric_values)
     comms = d.comms if d.comms else state.comms
@@ -417,7 +421,11 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     threshold = state.hang_threshold_s
     if clock is not None:
         # The agents remember when the job last progressed: a view attached late says what an early one says.
-        moved = clock.progress_mark is not None and (last_progress is None or clock.progress_mark > last_progress)
+        # After a restart, a mark no newer than the launch before's last progress is that launch's: by hand after a
+        # hot-update's warm restart it was taken for the first step, stamped at the restart, and told nowhere.
+        floor = state.progress_before_restart if last_progress is None else None
+        mark = clock.progress_mark if floor is None or (clock.progress_mark or 0.0) > floor else None
+        moved = mark is not None and (last_progress is None or mark > last_progress)
         if moved:
             marks += 1
         if moved and last_progress is not None and clock.progress_mark is not None and not hung_reported \
@@ -427,7 +435,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
             # view, "07:53:00" in its pair), and the row's time says when.
             # Stamped at the first step itself, as the restart at its start: in the order things happened.
-            events.append(Event(_when(clock.progress_mark, now_wall, (*state.events, *events)), "resumed",
+            events.append(Event(_when(mark, now_wall, (*state.events, *events)), "resumed",
                                 "training runs again after the restart", observed=True))
         elif moved and hung_reported and not between and not state.awaiting_restart:
             # Not between an eviction and the restart it brings, nor in a poll that caught two launches: the new
@@ -436,13 +444,18 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             events.append(Event(now_wall, "resumed", "progress resumed", observed=True))
         if moved and not between and not state.awaiting_restart:
             hung_reported = False
-        last_progress = clock.progress_mark
-        age = clock.progress_age_s if clock.progress_mark is not None else clock.start_age_s
-        known = clock.progress_mark is not None or bool(clock.starting)  # else: nothing tells a hang from a start
-        # A stall is judged by the job's rhythm; a start (no progress yet) by the ceiling: imports take their time.
-        limit = threshold if clock.progress_mark is not None else hang_after_s
+        last_progress = mark
+        if mark is None and clock.progress_mark is not None:
+            # Restarted, no step of the new launch yet: its start is the restart this view saw, judged by the ceiling.
+            seen = now_wall if restarted or state.restart_seen_wall is None else state.restart_seen_wall
+            age, known, limit, since = now_wall - seen, True, hang_after_s, seen
+        else:
+            age = clock.progress_age_s if mark is not None else clock.start_age_s
+            known = mark is not None or bool(clock.starting)  # else: nothing tells a hang from a start
+            # A stall is judged by the job's rhythm; a start (no progress yet) by the ceiling: imports take their time.
+            limit = threshold if mark is not None else hang_after_s
+            since = mark if mark is not None else clock.start_mark
         if clock.running and known and not moved and not hung_reported and age is not None and age >= limit:
-            since = clock.progress_mark if clock.progress_mark is not None else clock.start_mark
             events.append(Event(now_wall, "hung", f"no progress since {fmt_time(since)}"))
             hung_reported = True
     else:

@@ -276,3 +276,29 @@ def test_a_pair_tells_the_slowdown_once_though_its_detectors_name_it_later_in_ot
         s = st.apply_failslow(replace(s, now_wall=J0 + 99), _failslow("machine-2", "again"))
         assert [(e.wall - J0, e.slow) for e in s.events if e.slow is not None] == [
             (43.0, ("machine-2",)), (95.0, ()), (99.0, ("machine-2",))]
+
+
+def test_after_a_warm_restart_the_old_launchs_progress_mark_is_not_the_first_step() -> None:
+    # The tmux incident test, after the hot-update: the warm restart's parked ranks were read with their rank's
+    # progress of the launch before (J0+55); taken for the first step, "training runs again" was stamped at the
+    # restart, read as the eviction's resumption seen again and dropped, and the real first step was told nowhere.
+    from test_tui_job_state import T0 as J0
+    from test_tui_job_state import fold, snap
+
+    s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState())
+    s = st.apply_evicted(s, ["machine-9"], J0 + 34)
+    s = fold([snap(J0 + 45, progress=None, started=J0 + 31, pids=2000)], s)
+    s = fold([snap(J0 + 46 + i, progress=J0 + 46 + i, started=J0 + 31, pids=2000) for i in range(10)], s)
+    s = st.apply_journal(s, [(J0 + 108, "resumed", "the job resumed from step 368 on machine-0 machine-1, code v2")])
+    s = fold([snap(J0 + 110, progress=J0 + 55, started=J0 + 50, pids=3000)], s)
+    assert [e.kind for e in s.events if e.wall > J0 + 100] == ["restarted", "resumed"]  # the journal's only
+    s = fold([snap(J0 + 112, progress=J0 + 111.5, started=J0 + 50, pids=3000)], s)
+    told = [(round(e.wall - J0, 3), e.kind, e.text[:30]) for e in s.events if e.kind in ("restarted", "resumed")]
+    assert told[-3:] == [(107.999, "restarted", "the job restarted on machine-0"),
+                         (108.0, "resumed", "the job resumed from step 368 "),
+                         (111.5, "resumed", "training runs again after the ")], told
+    assert not any(e.kind == "hung" for e in s.events)
+    # A new launch that never steps is still called hung: from the restart seen, by the ceiling.
+    s = fold([snap(J0 + 200 + i, progress=J0 + 111.5, started=J0 + 50, pids=4000) for i in (0, 40)], s)
+    assert [(round(e.wall - J0), e.text) for e in s.events if e.kind == "hung"][-1:] == [
+        (240, f"no progress since {st.fmt_time(J0 + 200)}")], s.events[-3:]
