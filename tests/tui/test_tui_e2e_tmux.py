@@ -66,6 +66,10 @@ STEPS = FAULT_STEP + 150
 REFERENCE_STEPS = FAULT_STEP + 10
 
 
+# A view drawn after its key (1-7) or a header read once more: at load ~60 the Overview took over 10 s to draw.
+KEY_DRAWN_S = 60
+
+
 def tmux(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["tmux", *args], capture_output=True, text=True, check=False, timeout=10)
 
@@ -345,7 +349,7 @@ def recaptured_story(session: str, pair: str, when: str, after: str = "", versio
     stories = []
     for target in (session, pair):
         tmux("send-keys", "-t", target, "5")
-        wait_screen(target, lambda t: "time" in t and "event" in t, 10, f"the events ({when})")
+        wait_screen(target, lambda t: "time" in t and "event" in t, KEY_DRAWN_S, f"the events ({when})")
         if version:
             # This view's own resumption row, newer than its restart on the version: "resumed" and the version
             # anywhere on the screen (an earlier restart's resumption, the restart row's "code v2") let the acting
@@ -392,7 +396,7 @@ def _drive_and_check(session: str, run_dir: Path,
                        "the read-only TUI")
     assert "e Evict" not in text and "b Backup" not in text  # no action keys in a read-only session
     assert "healthy" not in header(text) and "progress unknown" not in header(text), header(text)
-    text = wait_screen(pair, lambda t: since(header(t)) is not None, 10, "HUNG in the read-only view")
+    text = wait_screen(pair, lambda t: since(header(t)) is not None, KEY_DRAWN_S, "HUNG in the read-only view")
     assert since(header(text)) == hung_since, (header(text), hung_since)
     assert since(header(screen(session))) == hung_since
 
@@ -411,7 +415,7 @@ def _drive_and_check(session: str, run_dir: Path,
     while not verdict_names_the_pipeline_group(text):
         assert time.monotonic() < deadline, f"no verdict naming machine-0 and machine-2; last screen:\n{text}"
         tmux("send-keys", "-t", session, "s")
-        text = wait_screen(session, lambda t: "captured" in t, 10, "the header")
+        text = wait_screen(session, lambda t: "captured" in t, KEY_DRAWN_S, "the header")
         time.sleep(3)
         text = screen(session)
     top = next(line for line in text.splitlines() if "machines" in line and "▸" in line)
@@ -428,12 +432,12 @@ def _drive_and_check(session: str, run_dir: Path,
     assert "diverges at" in text
     assert re.search(r"\b5\b.*drill_injected_hang_p2p", text), text  # rank 5 is the one stuck in it
     tmux("send-keys", "-t", pair, "6")
-    wait_screen(pair, lambda t: "this session watches actions" in t, 10, "the pair's actions view")
+    wait_screen(pair, lambda t: "this session watches actions" in t, KEY_DRAWN_S, "the pair's actions view")
 
     # `e` on the verdict's suspect: the evidence pins rank 5 (the rank the others wait on), so the default plan
     # evicts its machine only, and offers the whole pipeline group beside it (ByteRobust's over-eviction).
     tmux("send-keys", "-t", session, "1")
-    text = wait_screen(session, lambda t: "verdict:" in t, 10, "the overview")
+    text = wait_screen(session, lambda t: "verdict:" in t, KEY_DRAWN_S, "the overview")
     # The plan and its one-key alternative first: an 80-column screen cut the alternative off the end.
     assert "e: machine-2 (1 standby); ctrl+o group: machine-0, machine-2 (2 standbys) — the evidence pins rank 5" \
         in text, text
@@ -491,10 +495,10 @@ def _drive_and_check(session: str, run_dir: Path,
     wait_screen(session, lambda t: "nothing to evict now" in t, 20, "e saying why it has no target")
     tmux("send-keys", "-t", session, "4")
     # The metrics view's own column (the overview names standby-0 too: read before the switch, it passed).
-    text = wait_screen(session, lambda t: "cpu%" in t and "standby-0" in t, 10, "the metrics view")
+    text = wait_screen(session, lambda t: "cpu%" in t and "standby-0" in t, KEY_DRAWN_S, "the metrics view")
     assert "lost" not in text, text
     tmux("send-keys", "-t", session, "7")  # the fail-slow view: the evicted machines are not "lost" there either
-    text = wait_screen(session, lambda t: "×med" in t or "no step times yet" in t, 10, "the fail-slow view")
+    text = wait_screen(session, lambda t: "×med" in t or "no step times yet" in t, KEY_DRAWN_S, "the fail-slow view")
     assert "lost" not in text, text
     tmux("send-keys", "-t", session, "1")
 
@@ -562,7 +566,7 @@ def _drive_and_check(session: str, run_dir: Path,
     assert processes_under(run_dir), "the drill stopped when the read-only view quit"
     assert tmux("has-session", "-t", session).returncode == 0
     tmux("send-keys", "-t", session, "1")
-    wait_screen(session, lambda t: header(t).startswith("finished"), 10, "the main view still running")
+    wait_screen(session, lambda t: header(t).startswith("finished"), KEY_DRAWN_S, "the main view still running")
 
     # Training resumed from the backup: every rank restored the same backed-up step, from before the hang; the
     # hot-update's restart restored the backup taken after the eviction.
