@@ -445,6 +445,8 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         if moved and not between and not state.awaiting_restart:
             hung_reported = False
         last_progress = mark
+        age: float | None
+        since: float | None
         if mark is None and clock.progress_mark is not None:
             # Restarted, no step of the new launch yet: its start is the restart this view saw, judged by the ceiling.
             seen = now_wall if restarted or state.restart_seen_wall is None else state.restart_seen_wall
