@@ -24,7 +24,7 @@ import getpass
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
@@ -136,7 +136,7 @@ def evict_request(suspect: Suspect, action_id: str, who: str, job_id: str | None
     evidence = suspect.evidence[0] if suspect.evidence else "named by the verdict"
     machines = option.machines if option is not None else tuple(suspect.machines)
     if option is not None and option.scope != GROUP and set(option.ranks) != set(suspect.ranks):
-        label = f"rank {compact_ranks(option.ranks, 8)} of {suspect_label(suspect)}"
+        label = f"{_ranks_words(option.ranks)} of {suspect_label(suspect)}"
     else:
         label = suspect_label(suspect) + (" (whole group)" if option is not None else "")
     reason = printable(f"{label}: {evidence}")
@@ -147,7 +147,12 @@ def evict_title(suspect: Suspect, option: EvictionOption) -> str:
     """The eviction dialog's title: what is evicted and why, in the words of ``eviction_scope``."""
     if option.scope == GROUP or set(option.ranks) == set(suspect.ranks):  # "rank 1 of rank 1" said nothing
         return f"Evict {suspect_label(suspect)}: {option_line(option)}"
-    return f"Evict rank {compact_ranks(option.ranks, 8)} of {suspect_label(suspect)}: {option_line(option)}"
+    return f"Evict {_ranks_words(option.ranks)} of {suspect_label(suspect)}: {option_line(option)}"
+
+
+def _ranks_words(ranks: Sequence[int]) -> str:
+    """``rank 5``, ``ranks 4-5``: the title read "Evict rank 4-5 of PP groups #0 and #1"."""
+    return f"rank{'s' if len(ranks) != 1 else ''} {compact_ranks(ranks, 8)}"
 
 
 def scope_text(scope: EvictionScope, chosen: EvictionOption) -> Text:

@@ -432,7 +432,8 @@ class RankscopeApp(App[int]):
         if again and not new:
             return
         self._journaled.update((e.wall, e.kind, e.text) for e in new)
-        self.state = st.apply_journal(self.state, ((e.wall, e.kind, e.text) for e in new))
+        self.state = st.apply_journal(self.state, (st.Event(e.wall, e.kind, e.text, observed=e.observed, slow=e.slow)
+                                                        for e in new))
         self.redraw()
 
     def _write_journal(self) -> None:
@@ -448,7 +449,7 @@ class RankscopeApp(App[int]):
             return
         self._journaled.update((e.wall, e.kind, e.text) for e in new)
         who = requester()
-        entries = [JournalEntry(e.wall, e.kind, e.text, who) for e in new]
+        entries = [JournalEntry(e.wall, e.kind, e.text, who, e.observed, e.slow) for e in new]
 
         async def write() -> None:
             with contextlib.suppress(Exception):  # the journal is for later views; the incident goes on without it

@@ -99,6 +99,7 @@ def quiet_after(state: Readings) -> float:
 class Health:
     kind: str  # healthy, stalled, hung, slow, starting, idle, finished, unknown
     text: str
+    short: str = ""  # what a narrow header says instead, where the rest of its line tells the detail ("" : the text)
 
 
 def _clock_health(clock: JobClock, hang_after_s: float, threshold_s: float) -> Health | None:
@@ -125,6 +126,10 @@ def _clock_health(clock: JobClock, hang_after_s: float, threshold_s: float) -> H
     return None
 
 
+def _agents_restart(n: int) -> str:
+    return "1 machine's agent restarts" if n == 1 else f"{n} machines' agents restart"
+
+
 def health(state: Readings) -> Health:
     """What the job is doing now (hung after ``state.hang_threshold_s`` without progress: the job's rhythm, at most
     ``hang_after_s``), read from the state."""
@@ -144,7 +149,8 @@ def health(state: Readings) -> Health:
     if silent and not any(m.ranks for m in running):
         if state.awaiting_restart or all(m.name in state.restarting for m in silent):
             # Their agents restart with the job (an eviction, a hot-update): not lost.
-            return Health("idle", f"restarting: {len(silent)} machines' agents restart with the job")
+            # Narrow, the header's machine count says how many ("1/5 machines 4 restarting").
+            return Health("idle", f"restarting: {_agents_restart(len(silent))} with the job", "restarting")
         # The ranks live on machines whose agents do not answer now: nothing can be said about the job.
         return Health("unknown", f"the agents of the job's ranks do not answer ({len(silent)}): "
                       f"{silent[0].error or 'no answer'}")

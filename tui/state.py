@@ -108,6 +108,12 @@ class Event:
     text: str
     # A verdict that names no suspect (no verdict, or a running job's timing): shown, not kept by the journal.
     names_nobody: bool = False
+    # A resumption a view saw in the ranks' progress ("training runs again"), not the restarter's account of the
+    # step it resumed from (journaled as such: JournalEntry.observed).
+    observed: bool = False
+    # A fail-slow reading (a verdict): the machines the detectors name, () when they name none now; None: not one
+    # (journaled as JournalEntry.slow).
+    slow: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +144,9 @@ class AppState:
     evicted_addresses: frozenset[str] = frozenset()  # agents taken out of the job (hostfile, audit)
     awaiting_restart: bool = False  # an eviction succeeded and the job has not come back yet: not "finished"
     restart_seen_wall: float | None = None  # when this view last saw the job restart (new pids)
+    # The launch before the restart last progressed then: a restarted rank's mark no newer than it is that launch's
+    # (a parked process of a warm restart read with its rank's counters of before), not the new launch's first step.
+    progress_before_restart: float | None = None
     # Machines whose agents went away while the job restarted: "restarting" (not lost) until they answer again,
     # also after the job's ranks came back (an idle standby's agent, one slower than the rest).
     restarting: frozenset[str] = frozenset()
@@ -207,6 +216,14 @@ def _new_chapter(events: Sequence[Event], kind: str, a: float, b: float) -> bool
     return any(x.kind in _CHAPTERS[kind] and lo < x.wall < hi for x in events)
 
 
+def _new_reading(events: Sequence[Event], slow: tuple[str, ...], a: float, b: float) -> bool:
+    """Between the times ``a`` and ``b`` the job restarted, lost machines to an eviction, or the fail-slow detectors
+    read other than ``slow``."""
+    lo, hi = sorted((a, b))
+    return any(lo < x.wall < hi and (x.kind in ("evicted", "restarted") or (x.slow is not None and x.slow != slow))
+               for x in events)
+
+
 def _same_moments(events: Sequence[Event], e: Event) -> list[Event]:
     """Every event of ``events`` that tells the moment ``e`` tells (``_same_moment``): a view that saw one restart
     twice (once before every agent was back, once after) has two lines the journal's one line replaces.
@@ -219,6 +236,11 @@ def _same_moments(events: Sequence[Event], e: Event) -> list[Event]:
         found = [o for o in events if o.kind == e.kind and o.text == e.text and (
             abs(o.wall - e.wall) <= ONE_STORY_S
             or (e.kind in ("hung", "resumed") and not _new_chapter(events, e.kind, o.wall, e.wall)))]
+    if e.slow is not None:
+        # The fail-slow detectors of each view of a pair name the slow machine at their own moment, in their own
+        # evidence's words: one reading until a restart, an eviction or another reading comes between them.
+        found += [o for o in events if o.slow == e.slow and not any(o is f for f in found)
+                  and not _new_reading(events, e.slow, o.wall, e.wall)]
     if e.kind not in ONE_STORY_KINDS:
         return found
     for other in events:
@@ -263,11 +285,11 @@ def journal_worthy(event: Event) -> bool:
     return True
 
 
-def apply_journal(state: AppState, entries: Iterable[tuple[float, str, str]]) -> AppState:
-    """The agents' journal (wall, kind, text): what happened before this view attached, as events, each once. A
-    hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so the
-    views of a pair tell one story; a restart is told before the resumption the journal stamped earlier."""
-    told = [Event(w, k, t) for w, k, t in entries]
+def apply_journal(state: AppState, entries: Iterable[Event | tuple[float, str, str]]) -> AppState:
+    """The agents' journal (events, or (wall, kind, text)): what happened before this view attached, as events, each
+    once. A hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so
+    the views of a pair tell one story; a restart is told before the resumption the journal stamped earlier."""
+    told = [e if isinstance(e, Event) else Event(*e) for e in entries]
     own = {id(m) for e in told for m in _same_moments(state.events, e)}
     if own:
         state = replace(state, events=tuple(e for e in state.events if id(e) not in own))
@@ -279,8 +301,6 @@ def apply_journal(state: AppState, entries: Iterable[tuple[float, str, str]]) ->
     return replace(state, events=events)
 
 
-# The view's own words when training moves again: not the journal's account of what the restart resumed from.
-_OWN_RESUMED = frozenset({"training runs again after the restart", "progress resumed"})
 TOLD_BEFORE_S = 0.001  # a restart is stamped this much before the resumption that was stamped first
 
 
@@ -288,7 +308,7 @@ def _before_its_resumption(events: Sequence[Event], wall: float) -> float:
     """When to tell a restart a view found at ``wall``: just before the journal's resumption of it if that is stamped
     earlier (within RESTART_SETTLE_S, with no hang, eviction or other restart between them), else at ``wall``."""
     cut = max((e.wall for e in events if e.kind in _CAUSES and e.wall < wall), default=wall - RESTART_SETTLE_S)
-    first = min((e.wall for e in events if e.kind == "resumed" and e.text not in _OWN_RESUMED
+    first = min((e.wall for e in events if e.kind == "resumed" and not e.observed
                  and max(cut, wall - RESTART_SETTLE_S) < e.wall < wall), default=None)
     return wall if first is None else first - TOLD_BEFORE_S
 
@@ -381,6 +401,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
         state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False,
+                        progress_before_restart=state.last_progress_wall,
                         launch_marks=0)
     metric_history = state.metric_history.pushed(d.metric_keys, d.metric_values)
     comms = d.comms if d.comms else state.comms
@@ -400,7 +421,11 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     threshold = state.hang_threshold_s
     if clock is not None:
         # The agents remember when the job last progressed: a view attached late says what an early one says.
-        moved = clock.progress_mark is not None and (last_progress is None or clock.progress_mark > last_progress)
+        # After a restart, a mark no newer than the launch before's last progress is that launch's: by hand after a
+        # hot-update's warm restart it was taken for the first step, stamped at the restart, and told nowhere.
+        floor = state.progress_before_restart if last_progress is None else None
+        mark = clock.progress_mark if floor is None or (clock.progress_mark or 0.0) > floor else None
+        moved = mark is not None and (last_progress is None or mark > last_progress)
         if moved:
             marks += 1
         if moved and last_progress is not None and clock.progress_mark is not None and not hung_reported \
@@ -410,22 +435,29 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
             # view, "07:53:00" in its pair), and the row's time says when.
             # Stamped at the first step itself, as the restart at its start: in the order things happened.
-            events.append(Event(_when(clock.progress_mark, now_wall, (*state.events, *events)), "resumed",
-                                "training runs again after the restart"))
+            events.append(Event(_when(mark, now_wall, (*state.events, *events)), "resumed",
+                                "training runs again after the restart", observed=True))
         elif moved and hung_reported and not between and not state.awaiting_restart:
             # Not between an eviction and the restart it brings, nor in a poll that caught two launches: the new
             # launch's first step is the restart's, told once the restart is seen (a pair's read-only view logged
             # "progress resumed" there, its acting view the restart).
-            events.append(Event(now_wall, "resumed", "progress resumed"))
+            events.append(Event(now_wall, "resumed", "progress resumed", observed=True))
         if moved and not between and not state.awaiting_restart:
             hung_reported = False
-        last_progress = clock.progress_mark
-        age = clock.progress_age_s if clock.progress_mark is not None else clock.start_age_s
-        known = clock.progress_mark is not None or bool(clock.starting)  # else: nothing tells a hang from a start
-        # A stall is judged by the job's rhythm; a start (no progress yet) by the ceiling: imports take their time.
-        limit = threshold if clock.progress_mark is not None else hang_after_s
+        last_progress = mark
+        age: float | None
+        since: float | None
+        if mark is None and clock.progress_mark is not None:
+            # Restarted, no step of the new launch yet: its start is the restart this view saw, judged by the ceiling.
+            seen = now_wall if restarted or state.restart_seen_wall is None else state.restart_seen_wall
+            age, known, limit, since = now_wall - seen, True, hang_after_s, seen
+        else:
+            age = clock.progress_age_s if mark is not None else clock.start_age_s
+            known = mark is not None or bool(clock.starting)  # else: nothing tells a hang from a start
+            # A stall is judged by the job's rhythm; a start (no progress yet) by the ceiling: imports take their time.
+            limit = threshold if mark is not None else hang_after_s
+            since = mark if mark is not None else clock.start_mark
         if clock.running and known and not moved and not hung_reported and age is not None and age >= limit:
-            since = clock.progress_mark if clock.progress_mark is not None else clock.start_mark
             events.append(Event(now_wall, "hung", f"no progress since {fmt_time(since)}"))
             hung_reported = True
     else:
@@ -438,7 +470,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         if moved or last_progress is None:
             last_progress = d.wall
         if moved and hung_reported and state.progress_points and not between and not state.awaiting_restart:
-            events.append(Event(now_wall, "resumed", "progress resumed"))
+            events.append(Event(now_wall, "resumed", "progress resumed", observed=True))
             hung_reported = False
         elif not moved and not hung_reported and d.wall - last_progress >= threshold and d.progress > 0:
             events.append(Event(now_wall, "hung", f"no progress since {fmt_time(last_progress)}"))
@@ -670,7 +702,8 @@ def apply_failslow(state: AppState, view: FailSlowView) -> AppState:
         text = f"slow: {' '.join(named)} — {v.verdict.summary}"
     else:
         text = "the fail-slow detectors name no machine now"
-    return replace(state, failslow=view, events=_with_events(state, [Event(state.now_wall, "verdict", text)]))
+    return replace(state, failslow=view, events=_with_events(state, [Event(state.now_wall, "verdict", text,
+                                                                            slow=named)]))
 
 
 def slow_machines(view: FailSlowView | None) -> tuple[str, ...]:

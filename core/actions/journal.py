@@ -30,6 +30,7 @@ MAX_ENTRIES = 200
 MAX_TEXT = 400
 MAX_BY = 120
 MAX_APPEND = 50  # entries in one Append
+MAX_SLOW = 64  # machines one fail-slow reading names
 # What a journal tells: the moments a late view must see.
 KINDS = frozenset({"hung", "verdict", "evicted", "restarted", "resumed", "action"})
 
@@ -44,9 +45,20 @@ class JournalEntry:
     kind: str  # one of KINDS
     text: str
     by: str = ""  # who wrote it (user@host of the acting view)
+    # A resumption a view saw in the ranks' progress, not the restarter's account of the step the job resumed from:
+    # a view tells a restart just before the restarter's account, never before another view's sighting.
+    observed: bool = False
+    # A fail-slow reading (a verdict): the machines the detectors name, () when they name none now; None: not one.
+    # Views of a pair read the slowdown at their own moments in their own words: one story by what it names.
+    slow: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"wall": self.wall, "kind": self.kind, "text": self.text, "by": self.by}
+        data: dict[str, Any] = {"wall": self.wall, "kind": self.kind, "text": self.text, "by": self.by}
+        if self.observed:
+            data["observed"] = True
+        if self.slow is not None:
+            data["slow"] = list(self.slow)
+        return data
 
 
 def _printable(text: str, limit: int) -> str:
@@ -58,13 +70,20 @@ def entry_from_json(data: Any) -> JournalEntry:
     if not isinstance(data, dict):
         raise JournalError("a journal entry is a JSON object")
     wall, kind, text, by = data.get("wall"), data.get("kind"), data.get("text"), data.get("by", "")
+    observed, slow = data.get("observed", False), data.get("slow")
     if isinstance(wall, bool) or not isinstance(wall, (int, float)) or not math.isfinite(wall) or wall < 0:
         raise JournalError("a journal entry's wall is a finite time in seconds")
     if kind not in KINDS:
         raise JournalError(f"a journal entry's kind is one of {', '.join(sorted(KINDS))}")
     if not isinstance(text, str) or not text.strip() or not isinstance(by, str):
         raise JournalError("a journal entry has a text (and a 'by' string)")
-    return JournalEntry(float(wall), str(kind), _printable(text, MAX_TEXT), _printable(by, MAX_BY))
+    if not isinstance(observed, bool):
+        raise JournalError("a journal entry's 'observed' is true or false")
+    if slow is not None and (not isinstance(slow, list) or len(slow) > MAX_SLOW
+                             or not all(isinstance(m, str) and m.strip() for m in slow)):
+        raise JournalError(f"a journal entry's 'slow' is a list of at most {MAX_SLOW} machine names")
+    return JournalEntry(float(wall), str(kind), _printable(text, MAX_TEXT), _printable(by, MAX_BY), observed,
+                        None if slow is None else tuple(_printable(m, MAX_BY) for m in slow))
 
 
 def entries_from_bytes(body: bytes) -> tuple[JournalEntry, ...]:

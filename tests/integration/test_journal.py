@@ -39,10 +39,19 @@ def test_a_journal_keeps_each_entry_once_in_time_order_and_at_most_its_bound(tmp
     {"wall": float("nan"), "kind": "hung", "text": "x"}, {"wall": -1, "kind": "hung", "text": "x"},
     {"wall": 1, "kind": "rm -rf", "text": "x"}, {"wall": 1, "kind": "hung", "text": ""},
     {"wall": True, "kind": "hung", "text": "x"}, [1, 2], {"wall": 1, "kind": "hung", "text": "x", "by": 3},
+    {"wall": 1, "kind": "resumed", "text": "x", "observed": "yes"},
 ])
 def test_an_entry_that_is_not_a_journals_is_refused(bad: object) -> None:
     with pytest.raises(JournalError):
         entry_from_json(bad)
+
+
+def test_a_views_sighting_of_a_resumption_stays_one_through_the_journal() -> None:
+    seen = JournalEntry(10.0, "resumed", "training runs again after the restart", "alice@desk", observed=True)
+    told = JournalEntry(9.0, "resumed", "the job resumed from step 20", "rankscope drill")
+    assert entries_from_bytes(entries_to_bytes([seen, told])) == (seen, told)
+    assert [e.observed for e in entries_from_bytes(entries_to_bytes([seen, told]))] == [True, False]
+    assert "observed" not in told.to_json()  # an older reader sees the entries it knew
 
 
 @given(st.binary(max_size=300))

@@ -66,6 +66,10 @@ STEPS = FAULT_STEP + 150
 REFERENCE_STEPS = FAULT_STEP + 10
 
 
+# A view drawn after its key (1-7) or a header read once more: at load ~60 the Overview took over 10 s to draw.
+KEY_DRAWN_S = 60
+
+
 def tmux(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["tmux", *args], capture_output=True, text=True, check=False, timeout=10)
 
@@ -237,6 +241,30 @@ def confirm_modal(session: str) -> None:
     wait_screen(session, lambda t: "Run this on" not in t, 30, "the modal to close")
 
 
+def type_phrase(session: str, phrase: str) -> str:
+    """Type an eviction's phrase in its dialog as a person does, and press enter once the box shows it whole; the
+    screen that tells the outcome.
+
+    Enter goes only after the box on screen holds exactly the phrase: at load ~50 the app had not read all of it a
+    second after it was typed, and the "that is not the phrase" an early enter drew stayed in the prompt, so the
+    next tries' waits for an outcome returned at once. A box that does not show the phrase is cleared (ctrl+u) and
+    typed again; anything but the phrase still ends in no eviction."""
+    box = re.compile(r"▊\s+" + re.escape(phrase) + r"\s+▎")
+    tmux("send-keys", "-t", session, "Tab")  # to the box; a phrase typed on Cancel goes there too
+    for attempt in range(3):
+        tmux("send-keys", "-t", session, "C-u")
+        tmux("send-keys", "-t", session, "-l", phrase)
+        try:
+            wait_screen(session, lambda t: box.search(t) is not None, 60, f"{phrase!r} in the phrase box")
+            break
+        except AssertionError:
+            if attempt == 2:
+                raise
+    tmux("send-keys", "-t", session, "Enter")
+    # Up to two minutes: at load ~25 the modal still held the typed phrase a minute after enter.
+    return wait_screen(session, lambda t: "evict result" in t or "cancelled" in t, 120, "the eviction's outcome")
+
+
 def overview_verdict(text: str) -> str:
     """The Overview's verdict lines (from "capture of"/"verdict" to the rule below them), joined."""
     lines = text.splitlines()
@@ -270,7 +298,9 @@ def events_pages(target: str) -> str:
     for _ in range(15):
         before = screen(target)
         tmux("send-keys", "-t", target, "PageDown")
-        deadline = time.monotonic() + 5
+        # The end of the list is a page that does not change; at load ~50 a page took over 5 s to draw, and the
+        # acting view's story was read without its older rows (its hang).
+        deadline = time.monotonic() + 20
         while (after := screen(target)) == before and time.monotonic() < deadline:
             time.sleep(0.2)
         if after == before:
@@ -286,7 +316,12 @@ def story(text: str) -> list[str]:
     text = re.sub(r"[\u2580-\u259f\u2500-\u257f]+[ ]*$", "", text, flags=re.M)
     rows = re.findall(r"^\s*(\d\d:\d\d:\d\d)\s+(hung|evicted|restarted|restarting|resumed)\s+(.*?)\s*$", text, re.M)
     # Pages overlap: a row read twice is one row (its time too); the time itself is left out of the comparison.
-    return [f"{kind} {what}" for _, kind, what in dict.fromkeys(rows)]
+    # A row's first line up to WORDS_COMPARED characters: where a long row wraps depends on whether the view's list
+    # has a scrollbar ("... (standby-0 standby-1 joined" in one view, "... (standby-0" in its pair).
+    return [f"{kind} {what[:WORDS_COMPARED]}" for _, kind, what in dict.fromkeys(rows)]
+
+
+WORDS_COMPARED = 100
 
 
 def resumed_after_restart_on(text: str, version: str) -> bool:
@@ -314,7 +349,7 @@ def recaptured_story(session: str, pair: str, when: str, after: str = "", versio
     stories = []
     for target in (session, pair):
         tmux("send-keys", "-t", target, "5")
-        wait_screen(target, lambda t: "time" in t and "event" in t, 10, f"the events ({when})")
+        wait_screen(target, lambda t: "time" in t and "event" in t, KEY_DRAWN_S, f"the events ({when})")
         if version:
             # This view's own resumption row, newer than its restart on the version: "resumed" and the version
             # anywhere on the screen (an earlier restart's resumption, the restart row's "code v2") let the acting
@@ -361,7 +396,7 @@ def _drive_and_check(session: str, run_dir: Path,
                        "the read-only TUI")
     assert "e Evict" not in text and "b Backup" not in text  # no action keys in a read-only session
     assert "healthy" not in header(text) and "progress unknown" not in header(text), header(text)
-    text = wait_screen(pair, lambda t: since(header(t)) is not None, 10, "HUNG in the read-only view")
+    text = wait_screen(pair, lambda t: since(header(t)) is not None, KEY_DRAWN_S, "HUNG in the read-only view")
     assert since(header(text)) == hung_since, (header(text), hung_since)
     assert since(header(screen(session))) == hung_since
 
@@ -380,7 +415,7 @@ def _drive_and_check(session: str, run_dir: Path,
     while not verdict_names_the_pipeline_group(text):
         assert time.monotonic() < deadline, f"no verdict naming machine-0 and machine-2; last screen:\n{text}"
         tmux("send-keys", "-t", session, "s")
-        text = wait_screen(session, lambda t: "captured" in t, 10, "the header")
+        text = wait_screen(session, lambda t: "captured" in t, KEY_DRAWN_S, "the header")
         time.sleep(3)
         text = screen(session)
     top = next(line for line in text.splitlines() if "machines" in line and "▸" in line)
@@ -397,12 +432,12 @@ def _drive_and_check(session: str, run_dir: Path,
     assert "diverges at" in text
     assert re.search(r"\b5\b.*drill_injected_hang_p2p", text), text  # rank 5 is the one stuck in it
     tmux("send-keys", "-t", pair, "6")
-    wait_screen(pair, lambda t: "this session watches actions" in t, 10, "the pair's actions view")
+    wait_screen(pair, lambda t: "this session watches actions" in t, KEY_DRAWN_S, "the pair's actions view")
 
     # `e` on the verdict's suspect: the evidence pins rank 5 (the rank the others wait on), so the default plan
     # evicts its machine only, and offers the whole pipeline group beside it (ByteRobust's over-eviction).
     tmux("send-keys", "-t", session, "1")
-    text = wait_screen(session, lambda t: "verdict:" in t, 10, "the overview")
+    text = wait_screen(session, lambda t: "verdict:" in t, KEY_DRAWN_S, "the overview")
     # The plan and its one-key alternative first: an 80-column screen cut the alternative off the end.
     assert "e: machine-2 (1 standby); ctrl+o group: machine-0, machine-2 (2 standbys) — the evidence pins rank 5" \
         in text, text
@@ -420,22 +455,7 @@ def _drive_and_check(session: str, run_dir: Path,
     assert phrase, text
     assert sorted(phrase.group(1).split()[1:]) == ["machine-0", "machine-2"]
     assert "SIGTERM" in text and "block machine-0" in text and "block machine-2" in text
-    time.sleep(2)
-    tmux("send-keys", "-t", session, "Tab")
-    time.sleep(1)
-    # At load ~80 the phrase once reached the box incomplete ("that is not the phrase"): a person clears the box
-    # (ctrl+u) and types it again. Cancel, or anything but the phrase, still ends in no eviction.
-    for attempt in range(3):
-        tmux("send-keys", "-t", session, "C-u")
-        tmux("send-keys", "-t", session, "-l", phrase.group(1))
-        time.sleep(1)
-        tmux("send-keys", "-t", session, "Enter")
-        # Up to two minutes: at load ~25 the modal still held the typed phrase a minute after enter.
-        text = wait_screen(session, lambda t: "evict result" in t or "cancelled" in t or "not the phrase" in t, 120,
-                           "the eviction's outcome")
-        if "not the phrase" not in text or attempt == 2:
-            break
-        time.sleep(1)  # the dialog says so in its prompt and stays open: clear the box and type again
+    text = type_phrase(session, phrase.group(1))
     assert "evict result" in text, text
 
     # The pair sees it happen, live, in its Actions view: both machines' evictions and how they ended.
@@ -475,10 +495,10 @@ def _drive_and_check(session: str, run_dir: Path,
     wait_screen(session, lambda t: "nothing to evict now" in t, 20, "e saying why it has no target")
     tmux("send-keys", "-t", session, "4")
     # The metrics view's own column (the overview names standby-0 too: read before the switch, it passed).
-    text = wait_screen(session, lambda t: "cpu%" in t and "standby-0" in t, 10, "the metrics view")
+    text = wait_screen(session, lambda t: "cpu%" in t and "standby-0" in t, KEY_DRAWN_S, "the metrics view")
     assert "lost" not in text, text
     tmux("send-keys", "-t", session, "7")  # the fail-slow view: the evicted machines are not "lost" there either
-    text = wait_screen(session, lambda t: "×med" in t or "no step times yet" in t, 10, "the fail-slow view")
+    text = wait_screen(session, lambda t: "×med" in t or "no step times yet" in t, KEY_DRAWN_S, "the fail-slow view")
     assert "lost" not in text, text
     tmux("send-keys", "-t", session, "1")
 
@@ -546,7 +566,7 @@ def _drive_and_check(session: str, run_dir: Path,
     assert processes_under(run_dir), "the drill stopped when the read-only view quit"
     assert tmux("has-session", "-t", session).returncode == 0
     tmux("send-keys", "-t", session, "1")
-    wait_screen(session, lambda t: header(t).startswith("finished"), 10, "the main view still running")
+    wait_screen(session, lambda t: header(t).startswith("finished"), KEY_DRAWN_S, "the main view still running")
 
     # Training resumed from the backup: every rank restored the same backed-up step, from before the hang; the
     # hot-update's restart restored the backup taken after the eviction.

@@ -10,6 +10,7 @@ and records what it was asked.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
 
 import pytest
 from rankscope.actions.agent_protocol import ActionError, ActionUpdate, AgentLost, Confirmation
@@ -71,6 +72,20 @@ def test_a_slow_machine_is_evicted_precisely_and_its_degrader_group_is_the_alter
     assert degrader_suspect(group, Topology(LAYOUT, 8), PLACEMENT) is group
 
 
+def test_the_eviction_dialog_and_its_reason_count_the_ranks_they_name() -> None:
+    # By hand: "Evict rank 4-5 of PP groups #0 and #1 (ranks 0-1,4-5): machine-2 (1 standby)".
+    from rankscope.tui.actions import evict_request, evict_title
+
+    d = degrader_suspect(Suspect(SuspectKind.MACHINE, (4, 5), ("m2",), 0.8, ("slow",)), Topology(LAYOUT, 8),
+                         PLACEMENT)
+    scope = eviction_scope(d, PLACEMENT)
+    assert evict_title(d, scope.default).startswith("Evict ranks 4-5 of PP groups #0 and #1 (ranks 0-1,4-5): m2")
+    request = evict_request(d, "a1", "alice", "job", scope.default)
+    assert request.args.reason.startswith("ranks 4-5 of PP groups #0 and #1"), request.args.reason
+    one = eviction_scope(replace(d, roots=(5,)), PLACEMENT)
+    assert evict_title(replace(d, roots=(5,)), one.default).startswith("Evict rank 5 of PP groups"), one.default
+
+
 def test_the_drill_grades_a_fail_slow_verdict_by_the_machine_e_evicts() -> None:
     from rankscope.analyzers.findings import Verdict
 
@@ -94,7 +109,8 @@ async def test_e_on_a_live_fail_slow_verdict_plans_the_slow_machine_and_offers_i
         await until(pilot, lambda: "slow: m2 (fail-slow, key 7) │ 4/4 machines" in screen_text(app), 10, "the header")
         assert staleness.failslow_target(app.state)[0] is not None
         overview = screen_text(app)
-        assert "fail-slow verdict (view 7): fail-slow: machine m2" in overview
+        lines = [line.strip() for line in overview.splitlines()]
+        assert lines[lines.index("fail-slow verdict (view 7):") + 1].startswith("fail-slow: machine m2"), lines
         assert " ▸ slow: m2  in PP groups #0 and #1 (ranks 0-1,4-5); 2 ranks wait on it" in overview
         assert "e: m2 (1 standby); ctrl+o group: m0, m2 (2 standbys) — the fail-slow detectors name m2" in overview
         await pilot.press("e")
@@ -138,13 +154,36 @@ async def test_at_80x24_the_header_the_fail_slow_verdict_and_the_alternative_are
         await until(pilot, lambda: "slow: m2" in screen_text(app), 10, "the header")
         overview = screen_text(app).splitlines()
         assert "e: m2 (1 standby); ctrl+o group: m0, m2 (2 standbys)" in "\n".join(overview)
-        assert "fail-slow verdict (view 7): fail-slow: machine m2 (ranks 4-5)" in "\n".join(overview)
+        assert "fail-slow verdict (view 7):" in [line.strip() for line in overview]
+        assert any(line.strip().startswith("fail-slow: machine m2 (ranks 4-5)") for line in overview), overview
         for key in "1234567":
             await pilot.press(key)
             await pilot.pause()
             first = screen_text(app).splitlines()[0].rstrip()
             assert first.startswith(" slow: m2 (key 7) │ 4/4 machines │ ") and "…" not in first, (key, first)
             assert first.endswith(f"step 0 s ago, hang at {app.state.hang_threshold_s:.0f} s"), (key, first)
+
+
+async def test_at_80x24_with_the_drills_machine_names_the_fail_slow_headline_and_the_alternative_are_whole() -> None:
+    # By hand (fail-slow drill at 80x24): "fail-slow verdict (view 7): fail-slow: machine machine-2 (ranks 4-5)
+    # (non-com…": with machine names as long as the drill's the verdict's headline was cut.
+
+    named = {f"m{i}": f"machine-{i}" for i in range(4)}
+    series = tuple(replace(snap, machines=tuple(replace(m, machine=named[m.machine], hostname=named[m.machine])
+                                                for m in snap.machines)) for snap in fs_series(70))
+    app = RankscopeApp(BundleSource(Bundle(series, WALL0 + 70), "bundle fs"), AppOptions(layout=LAYOUT))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await app.loaded.wait()
+        await app.failslow.idle.wait()
+        await until(pilot, lambda: "slow: machine-2" in screen_text(app), 10, "the header")
+        lines = [line.strip() for line in screen_text(app).splitlines()]
+        verdict = app.state.failslow.verdict if app.state.failslow is not None else None
+        assert verdict is not None and verdict.confident
+        head = verdict.verdict.summary.split(" — ")[0]
+        assert head.startswith("fail-slow: machine machine-2 (ranks 4-5)"), head
+        assert any(line.startswith(head) for line in lines), lines
+        assert any("e: machine-2 (1 standby); ctrl+o group: machine-0, machine-2 (2 standbys)" in line
+                   for line in lines), lines
 
 
 class ConfirmingSource(PlanningSource):

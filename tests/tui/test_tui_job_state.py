@@ -430,3 +430,20 @@ def test_an_agent_slower_back_than_the_ranks_stays_restarting_not_lost() -> None
     address = next(m.address for m in s.machines if m.name == "machine-0")
     assert [e.text for e in s.events if e.kind == "lost"] == [
         f"agent machine-0 ({address}) did not come back after the restart: no answer"]
+
+
+def test_at_80_columns_a_restarts_header_is_whole_and_counts_its_machines_once() -> None:
+    # By hand at 80x24, after confirming an eviction: "restarting: 3 machines' agents restart with the job │ 1/5
+    # machines 4 restarti…", the count cut and told twice, differently. Narrow, the state is "restarting" and the
+    # machine count says how many.
+    standby = MachineSnapshot("standby-0", "127.0.0.1:59999", True, Instant(T0 + 3, 3.0), generation=1)
+    s = fold([snap(T0 + i, progress=T0 + i, extra=(standby,)) for i in range(3)])
+    s = replace(s, awaiting_restart=True)
+    s = fold([snap(T0 + 3, progress=T0 + 2, unreachable=MACHINES[:1], ranks=False, extra=(standby,))], s)
+    assert hl.health(s).text == "restarting: 1 machine's agent restarts with the job"
+    wide = header_text(s, "3 agents", False, width=160).plain.splitlines()[0]
+    assert wide.startswith("restarting: 1 machine's agent restarts with the job │ 2/3 machines 1 restarting"), wide
+    for width in (80, 60):
+        first = header_text(s, "3 agents", False, width=width).plain.splitlines()[0].rstrip()
+        assert first.startswith("restarting │ 2/3 machines 1 restarting") and "…" not in first, (width, first)
+        assert len(first) <= width - 2, first

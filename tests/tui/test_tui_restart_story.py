@@ -218,3 +218,87 @@ def test_a_restart_with_no_resumption_before_it_is_told_when_seen_and_its_first_
               snap(J0 + 112, progress=J0 + 111.5, started=J0 + 50, pids=3000)], s)
     told = [(e.wall - J0, e.kind) for e in s.events if e.kind in ("restarted", "resumed")]
     assert told[-2:] == [(110.0, "restarted"), (111.5, "resumed")], told
+
+
+def test_a_restart_is_told_before_the_restarters_account_by_its_kind_never_before_a_views_sighting() -> None:
+    # Whether a resumption is the restarter's account ("resumed from step N") or a view's sighting of the first
+    # step is a fact carried with it (Event.observed, journaled as JournalEntry.observed), not read from its words.
+    from test_tui_job_state import T0 as J0
+    from test_tui_job_state import fold, snap
+
+    words = "the job runs again on machine-0 machine-1"
+    for observed in (False, True):
+        s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState(read_only=True))
+        s = st.apply_evicted(s, ["machine-9"], J0 + 34)
+        s = st.apply_journal(s, [st.Event(J0 + 43, "resumed", words, observed=observed)])
+        s = fold([snap(J0 + 45, progress=None, started=J0 + 31, pids=2000)], s)
+        restarted = next(e.wall - J0 for e in s.events if e.kind == "restarted")
+        assert round(restarted, 3) == (45.0 if observed else 42.999), observed
+    # The view's own sightings carry the fact.
+    s = fold([snap(J0 + 48, progress=J0 + 46.5, started=J0 + 31, pids=2000)], s)
+    own = [e for e in s.events if e.kind == "resumed" and e.text == "training runs again after the restart"]
+    assert len(own) == 1 and own[0].observed
+
+
+def _failslow(machine: str | None, words: str) -> object:
+    from rankscope.analyzers.failslow import FailSlowVerdict
+    from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
+    from rankscope.tui.failslow_state import FailSlowView
+
+    suspects = (Suspect(SuspectKind.MACHINE, (4, 5), (machine,), 0.8, (words,)),) if machine else ()
+    verdict = FailSlowVerdict(Verdict(suspects, words), 0.8, True, (), None, 20)
+    return FailSlowView(verdict, (), None, (), machine, (), (), 1)
+
+
+def test_a_pair_tells_the_slowdown_once_though_its_detectors_name_it_later_in_other_words() -> None:
+    # By hand (fail-slow drill, 80x24): the read-only view listed the slowdown twice, the acting view's journaled
+    # verdict of 16:36:43 ("rank 4 arrived last ...; confidence 0.82") and its own of 16:37:20 ("rank 5 ...; 0.74").
+    # Which machines a fail-slow reading names is carried with it (Event.slow, JournalEntry.slow), not read from text.
+    from rankscope.actions.journal import JournalEntry, entries_from_bytes, entries_to_bytes
+    from test_tui_job_state import T0 as J0
+    from test_tui_job_state import fold, snap
+
+    acting = JournalEntry(J0 + 43, "verdict", "slow: machine-2 — fail-slow: machine machine-2 (rank 4 last)",
+                          "alice@desk", slow=("machine-2",))
+    (told,) = entries_from_bytes(entries_to_bytes([acting]))
+    for journal_first in (True, False):
+        s = fold([snap(J0 + i, progress=J0 + i) for i in range(30, 34)], st.AppState(read_only=True))
+        if journal_first:
+            s = st.apply_journal(s, [st.Event(told.wall, told.kind, told.text, slow=told.slow)])
+        s = st.apply_failslow(replace(s, now_wall=J0 + 80), _failslow("machine-2", "fail-slow: machine-2 (rank 5)"))
+        if not journal_first:
+            s = st.apply_journal(s, [st.Event(told.wall, told.kind, told.text, slow=told.slow)])
+        slow = [(e.wall - J0, e.text) for e in s.events if e.slow]
+        assert slow == [(43.0, acting.text)], (journal_first, slow)
+        # An eviction starts another chapter: the same machine named after it is news.
+        s = st.apply_evicted(s, ["machine-1"], J0 + 90)
+        s = st.apply_failslow(replace(s, now_wall=J0 + 95), _failslow(None, "no machine"))
+        s = st.apply_failslow(replace(s, now_wall=J0 + 99), _failslow("machine-2", "again"))
+        assert [(e.wall - J0, e.slow) for e in s.events if e.slow is not None] == [
+            (43.0, ("machine-2",)), (95.0, ()), (99.0, ("machine-2",))]
+
+
+def test_after_a_warm_restart_the_old_launchs_progress_mark_is_not_the_first_step() -> None:
+    # The tmux incident test, after the hot-update: the warm restart's parked ranks were read with their rank's
+    # progress of the launch before (J0+55); taken for the first step, "training runs again" was stamped at the
+    # restart, read as the eviction's resumption seen again and dropped, and the real first step was told nowhere.
+    from test_tui_job_state import T0 as J0
+    from test_tui_job_state import fold, snap
+
+    s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState())
+    s = st.apply_evicted(s, ["machine-9"], J0 + 34)
+    s = fold([snap(J0 + 45, progress=None, started=J0 + 31, pids=2000)], s)
+    s = fold([snap(J0 + 46 + i, progress=J0 + 46 + i, started=J0 + 31, pids=2000) for i in range(10)], s)
+    s = st.apply_journal(s, [(J0 + 108, "resumed", "the job resumed from step 368 on machine-0 machine-1, code v2")])
+    s = fold([snap(J0 + 110, progress=J0 + 55, started=J0 + 50, pids=3000)], s)
+    assert [e.kind for e in s.events if e.wall > J0 + 100] == ["restarted", "resumed"]  # the journal's only
+    s = fold([snap(J0 + 112, progress=J0 + 111.5, started=J0 + 50, pids=3000)], s)
+    told = [(round(e.wall - J0, 3), e.kind, e.text[:30]) for e in s.events if e.kind in ("restarted", "resumed")]
+    assert told[-3:] == [(107.999, "restarted", "the job restarted on machine-0"),
+                         (108.0, "resumed", "the job resumed from step 368 "),
+                         (111.5, "resumed", "training runs again after the ")], told
+    assert not any(e.kind == "hung" for e in s.events)
+    # A new launch that never steps is still called hung: from the restart seen, by the ceiling.
+    s = fold([snap(J0 + 200 + i, progress=J0 + 111.5, started=J0 + 50, pids=4000) for i in (0, 40)], s)
+    assert [(round(e.wall - J0), e.text) for e in s.events if e.kind == "hung"][-1:] == [
+        (240, f"no progress since {st.fmt_time(J0 + 200)}")], s.events[-3:]

@@ -84,7 +84,8 @@ def header_text(state: AppState, source: str, read_only: bool, filter_line: str 
 def _state_line(state: AppState, h: Health, slow_machine: str | None, detail: int) -> Text:
     """The header's first line: the state first (what matters at 3 a.m.), the machines, then the job's time.
     ``detail`` 0 says it all; 1 leaves out what the rhythm is and names view 7 by its key only; 2 also the step rate
-    (the Metrics and Fail-slow views show it): an 80-column screen keeps the state, the machines and the countdown."""
+    (the Metrics and Fail-slow views show it) and says the state in its short words (``Health.short``): an 80-column
+    screen keeps the state, the machines and the countdown."""
     if slow_machine:
         h = Health("slow", f"slow: {slow_machine} ({'fail-slow, ' if detail == 0 else ''}key 7)")
     job = state.job_machines
@@ -95,7 +96,8 @@ def _state_line(state: AppState, h: Health, slow_machine: str | None, detail: in
     lost = len(away) - restarting
     evicted = len(state.machines) - len(job)
     t = Text(no_wrap=True, overflow="ellipsis")
-    t.append("HUNG" + h.text[4:] if h.kind == "hung" else h.text, HEALTH_STYLES[h.kind])
+    said = h.short if detail >= 2 and h.short else h.text
+    t.append("HUNG" + said[4:] if h.kind == "hung" else said, HEALTH_STYLES[h.kind])
     # The machines before the time: were the line cut, a lost machine must not be.
     t.append(f" │ {reachable}/{len(job)} machines")
     if restarting:
@@ -257,10 +259,12 @@ def eviction_line(s: Suspect, placement: Mapping[int, str], acting: bool = True)
 
 def failslow_verdict_text(summary: str, s: Suspect, placement: Mapping[int, str], acting: bool = True) -> Text:
     """The Overview's verdict while the job runs and the fail-slow detectors name a machine (view 7 has the
-    detail): their summary, the machine and its degrader group, and what `e` evicts."""
+    detail): their summary, the machine and its degrader group, and what `e` evicts. The summary on a line of its
+    own: after the label, at 80 columns with the drill's machine names it was cut inside its headline ("fail-slow:
+    machine machine-2 (ranks 4-5) (non-com…"); its evidence, last, is what a narrow line loses."""
     t = Text(no_wrap=True, overflow="ellipsis")
-    t.append("fail-slow verdict (view 7): ", "bold")
-    t.append(summary, "bold yellow")
+    t.append("fail-slow verdict (view 7):", "bold")
+    t.append(f"\n  {summary}", "bold yellow")
     slow = sorted({placement.get(r, "?") for r in s.roots}) if s.roots else s.machines
     t.append(f"\n ▸ slow: {compact_machines(slow)}", "bold yellow")
     if s.roots and s.victims:
