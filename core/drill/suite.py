@@ -48,7 +48,7 @@ from rankscope.drill.progress import ProgressWatcher
 # The slow faults of the suite and their strength. slow-compute and thermal
 # are factors of the faulty rank's own healthy step (the rank burns, or is
 # stopped, until its steps take that many times as long; see
-# worker.Injector and outside_fault._HealthyStep); a dataloader delay hides behind
+# injection.Injector and outside_fault._HealthyStep); a dataloader delay hides behind
 # prefetching until it exceeds a step; cpu-contention is three spinning
 # processes on the core the victim machine's ranks are confined to.
 SUITE_KINDS: tuple[str, ...] = ("slow-compute", "slow-comm", "slow-dataloader", "cpu-contention", "thermal")

@@ -437,7 +437,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  {m['machine']} reachable={m['reachable']} ranks={m['ranks_seen']} stacks={m['stacks_captured']}")
         for rank, r in m["ranks"].items():
             # Short: skip the wrappers (torch's logger, the CCL plugin's hooks) between the real calls.
-            names = [f.split(" (")[0] for f in r["main"] if "wrapper" not in f and "torch_hooks.py" not in f]
+            names = [f.split(" (")[0] for f in r["main"] if "wrapper" not in f and "ccl_plugin/" not in f]
             top = " <- ".join(names[:4]) if names else (r["error"] or "no stack")
             subs = ", ".join(f"{sp['role']}:{sp['pid']}" for sp in r["subprocesses"])
             lines.append(f"    rank {rank}: {top}   [{subs}]")
