@@ -66,7 +66,7 @@ from rankscope.analyzers.topology import joined_counters
 from rankscope.contract.frames import is_communication
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout, RankCounters
-from rankscope.contract.vocabulary import is_point_to_point, on_device
+from rankscope.contract.vocabulary import is_point_to_point
 
 DETECTORS: tuple[str, ...] = ("step_time", "metrics", "minder", "stacks", "ccl", "p2p_wait", "samples")
 
@@ -413,8 +413,7 @@ class FailSlowDetector:
         self._updates += 1
         now = snapshot.captured.mono
         self._learn_gpus(snapshot)
-        self.on_device = self.on_device or any(on_device(c.backend) for rc in snapshot.all_counters().values()
-                                               for c in rc.communicators)
+        self.on_device = self.on_device or snapshot.collectives_on_device()
         flags: list[DetectorFlag] = []
         notes: list[str] = []
         flags += self._step_flags()

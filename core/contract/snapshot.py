@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from rankscope.contract.vocabulary import on_device
+
 
 class ProcessRole(StrEnum):
     """What a process of a rank does; told from its command line and threads."""
@@ -415,6 +417,11 @@ class JobSnapshot:
 
     def all_counters(self) -> dict[int, RankCounters]:
         return {c.rank: c for m in self.machines for c in m.counters}
+
+    def collectives_on_device(self) -> bool:
+        """Whether the job's collectives run on an accelerator: a communicator of a device backend was recorded
+        (the host only enqueues them, so its stacks say little of how fast the device work goes)."""
+        return any(on_device(c.backend) for m in self.machines for rc in m.counters for c in rc.communicators)
 
     def all_samples(self) -> tuple[StackSampleWindow, ...]:
         return tuple(w for m in self.machines for w in m.samples)

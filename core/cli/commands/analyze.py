@@ -419,7 +419,6 @@ def _rounds(snapshots: list[Any], layout: Any, options: Any, done: dict[int, Any
     from rankscope.analyzers.analysis import analyze_job
     from rankscope.analyzers.rounds import FailSlowRounds, round_of
     from rankscope.analyzers.verdict_json import suspect_to_json
-    from rankscope.contract.vocabulary import on_device
 
     stacked = [i for i, snap in enumerate(snapshots) if _has_stacks(snap)]
     rounds = FailSlowRounds(rounds=max(1, len(stacked)))
@@ -433,8 +432,7 @@ def _rounds(snapshots: list[Any], layout: Any, options: Any, done: dict[int, Any
     degrader = rounds.flagged()
     # As the live detector holds them (failslow.FailSlowConfig.host_weight_on_device): on a job whose collectives
     # run on a GPU the host's stacks alone are a suspicion, never a verdict.
-    on_gpu = any(on_device(c.backend) for snap in snapshots for rc in snap.all_counters().values()
-                 for c in rc.communicators)
+    on_gpu = any(snap.collectives_on_device() for snap in snapshots)
 
     def summary(r: Any) -> str:
         if r.index in timing:
