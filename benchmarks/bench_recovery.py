@@ -19,8 +19,9 @@ resumed (every rank has completed a step after the restart):
   the same machines from their parked interpreters, on the new code.
 
 Each is broken down from the ranks' own phase records (``phases/``) and the
-orchestrator's clocks: detect (last progress -> verdict; before the confirm,
-not in the total), plan (the agents' plans), stop (confirm -> every old
+orchestrator's clocks: detect (last progress -> verdict) and plan (the agents'
+plans, which the TUI shows before anyone confirms) come before the confirm
+and are printed apart, not in the total; stop (confirm -> every old
 process signalled and the restart begun; the old ones exit while the new
 ranks join), join (-> every rank through the
 rendezvous; for the cold path this holds torchrun's and the ranks' imports),
@@ -69,7 +70,7 @@ FAULT_STEP = 6
 LONG_TRAINING = TrainingOptions(steps=100_000, checkpoint_every=4, micro_batches=2, loader_workers=0)
 WARM_STEPS = 8  # steps done before the update is confirmed
 PARK_TIMEOUT_S = 600.0
-PHASES = ("plan", "stop", "join", "load", "first step")
+PHASES = ("stop", "join", "load", "first step")  # confirm -> resumed; detect and plan come before it
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Run:
 
     total: float = 0.0
     detect: float | None = None  # before the confirm: not in the total
+    plan: float | None = None  # the agents' plans, shown before the confirm: not in the total
     parts: dict[str, float] = field(default_factory=dict)
     warm: str = ""  # how many ranks started from an interpreter that had already imported torch
 
@@ -109,8 +111,8 @@ def _wait_resumed(run_dir: Path, since_wall: float, step: int, what: str) -> flo
     return time.time()
 
 
-def _breakdown(run: Run, run_dir: Path, confirm: float, planned: float, began: float, resumed: float) -> Run:
-    """Fill ``run`` from wall clocks: confirm, plans in, restart begun; joined/loaded/stepped from the ranks."""
+def _breakdown(run: Run, run_dir: Path, confirm: float, began: float, resumed: float) -> Run:
+    """Fill ``run`` from wall clocks: confirm, restart begun; joined/loaded/stepped from the ranks."""
     phases = read_phases(run_dir, began)
     joined = max(phases.get("joined", {}).values(), default=began)
     loaded = max(phases.get("loaded", {}).values(), default=joined)
@@ -120,25 +122,28 @@ def _breakdown(run: Run, run_dir: Path, confirm: float, planned: float, began: f
     if len(stepped) >= LAYOUT.world:
         resumed = max(stepped.values())
     run.total = resumed - confirm
-    run.parts = {"plan": planned - confirm, "stop": began - planned, "join": joined - began, "load": loaded - joined,
+    run.parts = {"stop": began - confirm, "join": joined - began, "load": loaded - joined,
                  "first step": resumed - loaded}
     return run
 
 
-async def _act(addresses: list[str], token: str, request: ActionRequest) -> tuple[float, list[ActionResult]]:
-    """Plan and confirm ``request`` as the TUI sends it; (wall clock when the plans were in, final results)."""
+async def _act(addresses: list[str], token: str, request: ActionRequest) -> tuple[float, float, list[ActionResult]]:
+    """Plan ``request``, then confirm it, as the TUI does (the plans are on screen before anyone confirms), over
+    one client; (seconds the plans took, wall clock of the confirm, final results)."""
     from rankscope.actions.agent_protocol import combined_phrase, confirmation_for
     from rankscope.wire.client import JobClient
 
     async with JobClient(addresses, token, acting=True) as client:
+        asked = time.perf_counter()
         plans = [p for p in (await client.plan_action(request)).values() if isinstance(p, ActionPlan)]
-        planned = time.time()
+        planning = time.perf_counter() - asked
         typed = combined_phrase(request.kind, plans) if request.kind == ActionKind.EVICT else None
         confirmation = confirmation_for(plans, typed=typed or "")
+        confirm = time.time()
         results = [u.event async for u in client.run_action(request, confirmation) if isinstance(u.event, ActionResult)]
     if not results or not all(r.state == "succeeded" for r in results):
         raise SystemExit(f"{request.kind.value} failed: {[r.message for r in results]}")
-    return planned, results
+    return planning, confirm, results
 
 
 def _warm_of(launcher: Launcher, machines: tuple[str, ...]) -> str:
@@ -158,17 +163,16 @@ def evict_with_standby(run_dir: Path) -> Run:
         if not s.standbys_checked(PARK_TIMEOUT_S):
             raise SystemExit("the standbys' self-checks did not finish")
         machines, detect = _suspects(s)
-        confirm = time.time()
         request = ActionRequest(f"bench-evict-{time.time_ns()}", ActionKind.EVICT, Targets(machines),
                                 EvictArgs("bench: hang-p2p"), "bench")
-        planned, _ = asyncio.run(_act(list(s.agents.values()), s.token(), request))
+        planning, confirm, _ = asyncio.run(_act(list(s.agents.values()), s.token(), request))
         event = s.wait_for_recovery(1, 600)
         if not event.ok:
             raise SystemExit(f"recovery failed: {event.message}")
         began = s.launcher.last_restart[0] if s.launcher.last_restart else event.restart_began_wall
         resumed = _wait_resumed(run_dir, began, event.resume_step, "evicted")
-        return _breakdown(Run(detect=detect, warm=_warm_of(s.launcher, event.machines)), run_dir, confirm, planned,
-                          began, resumed)
+        return _breakdown(Run(detect=detect, plan=planning, warm=_warm_of(s.launcher, event.machines)), run_dir,
+                          confirm, began, resumed)
 
 
 def cold_relaunch(run_dir: Path) -> Run:
@@ -185,7 +189,7 @@ def cold_relaunch(run_dir: Path) -> Run:
         # As on the warm paths (Launcher.restart), the agents start once the job is back, not beside its start.
         resumed = _wait_resumed(run_dir, began, resume, "relaunched")
         launcher.start_agents()
-        return _breakdown(Run(detect=detect, warm="torchrun: 0 ranks warm"), run_dir, confirm, confirm, began, resumed)
+        return _breakdown(Run(detect=detect, warm="torchrun: 0 ranks warm"), run_dir, confirm, began, resumed)
 
 
 def hot_update_in_place(run_dir: Path) -> Run:
@@ -202,17 +206,16 @@ def hot_update_in_place(run_dir: Path) -> Run:
         if not launcher.wait_parked(launcher.machines(), PARK_TIMEOUT_S):
             raise SystemExit("the parked nodes were not ready")
         recovery.start()
-        confirm = time.time()
         request = ActionRequest(f"bench-hu-{time.time_ns()}", ActionKind.HOT_UPDATE, Targets(),
                                 HotUpdateArgs(VersionSource.GIT, "v2", UpdateMode.IMMEDIATE), "bench")
-        planned, results = asyncio.run(_act(list(launcher.addresses().values()), launcher.token(), request))
+        planning, confirm, results = asyncio.run(_act(list(launcher.addresses().values()), launcher.token(), request))
         if len(results) != LAYOUT.machines:
             raise SystemExit(f"{len(results)} agents answered, not {LAYOUT.machines}")
         event = recovery.wait(1, 600)
         if not event.ok:
             raise SystemExit(f"the restart failed: {event.message}")
         resumed = _wait_resumed(run_dir, event.restart_began_wall, event.resume_step, "hot-updated")
-        return _breakdown(Run(warm=_warm_of(launcher, event.machines)), run_dir, confirm, planned,
+        return _breakdown(Run(plan=planning, warm=_warm_of(launcher, event.machines)), run_dir, confirm,
                           event.restart_began_wall, resumed)
     finally:
         recovery.stop()
@@ -241,20 +244,24 @@ def main() -> None:
                 runs[name].append(run)
                 loads.append(os.getloadavg()[0])
                 parts = ", ".join(f"{k} {v:.2f} s" for k, v in run.parts.items())
+                parts += f"; planned before the confirm in {run.plan:.2f} s" if run.plan is not None else ""
                 print(f"run {i + 1}: {name}: {run.total:.2f} s ({parts}; {run.warm}; load {loads[-1]:.1f})",
                       flush=True)
         noisy = _shutdown_noise(Path(tmp))
     print(f"\nconfirm -> training resumed, seconds (median of {args.repeat}; {LAYOUT.world} ranks on "
           f"{LAYOUT.machines} machines; {os.cpu_count()} CPUs, 1-min load average {min(loads):.1f}-{max(loads):.1f})")
-    print(f"  {'path':22s} {'total':>6s} | {'detect':>6s} | " + " | ".join(f"{p:>6s}" for p in PHASES))
+    print(f"  {'path':22s} {'total':>6s} | {'detect':>6s} | {'plan':>6s} | " + " | ".join(f"{p:>6s}" for p in PHASES))
     for name, _ in CASES:
         rs = runs[name]
         cells = " | ".join(_cell([r.parts.get(p) for r in rs]) for p in PHASES)
-        print(f"  {name:22s} {_cell([r.total for r in rs])} | {_cell([r.detect for r in rs])} | {cells}")
+        print(f"  {name:22s} {_cell([r.total for r in rs])} | {_cell([r.detect for r in rs])} | "
+              f"{_cell([r.plan for r in rs])} | {cells}")
     cold = statistics.median(r.total for r in runs["cold relaunch"])
     for name, paper in (("evict + warm standby", 10.87), ("hot-update in place", 11.04)):
-        print(f"  cold relaunch / {name}: {cold / statistics.median(r.total for r in runs[name]):.2f}x"
-              f"   (ByteRobust: {paper}x against a requeue)")
+        warm = statistics.median(r.total for r in runs[name])
+        planned = statistics.median(r.total + (r.plan or 0.0) for r in runs[name])
+        print(f"  cold relaunch / {name}: {cold / warm:.2f}x   (ByteRobust: {paper}x against a requeue; "
+              f"{cold / planned:.2f}x counting the plan made before the confirm)")
     print(f"\nshutdown: {len(noisy)} line(s) of traceback or gRPC error in the agents' and parked nodes' logs"
           + "".join(f"\n  {line}" for line in noisy[:20]))
 
