@@ -49,7 +49,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import psutil
 from rankscope.contract.snapshot import ProcessInfo, ProcessRole, RankInfo
 from rankscope.probes.host import forget_dead, process_info
 
@@ -130,28 +129,120 @@ def role_of(name: str, cmdline: tuple[str, ...], env: Mapping[str, str]) -> Proc
     return ProcessRole.OTHER
 
 
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def parse_stat(raw: str) -> tuple[str, str, int] | None:
+    """(name, state, ppid) from the text of ``/proc/PID/stat``; None when it is not such a line. The name sits
+    between the first "(" and the last ")": a process may call itself anything, brackets and spaces included."""
+    open_at, close_at = raw.find("("), raw.rfind(")")
+    if open_at < 0 or close_at < open_at:
+        return None
+    rest = raw[close_at + 1:].split()
+    if len(rest) < 2 or not rest[1].isdigit():
+        return None
+    return raw[open_at + 1:close_at], rest[0], int(rest[1])
+
+
+def _stat_fields(pid: int) -> tuple[str, str, int] | None:
+    """``parse_stat`` of ``/proc/PID/stat``; None when the process is gone."""
+    try:
+        return parse_stat(_read(f"/proc/{pid}/stat").decode(errors="replace"))
+    except OSError:
+        return None
+
+
+def _effective_uid(pid: int) -> int:
+    """The effective uid (the second field of ``Uid:`` in ``/proc/PID/status``), -1 when unreadable."""
+    try:
+        for line in _read(f"/proc/{pid}/status").split(b"\n"):
+            if line.startswith(b"Uid:"):
+                fields = line.split()
+                return int(fields[2]) if len(fields) > 2 else -1
+    except (OSError, ValueError):
+        pass
+    return -1
+
+
+def _environment(raw: bytes) -> dict[str, str]:
+    """The keys rankscope reads, from ``/proc/PID/environ`` (NUL-separated ``KEY=value``)."""
+    if b"RANK" not in raw:  # every key that makes a rank or names a role holds it: most processes stop here
+        return {}
+    env: dict[str, str] = {}
+    for entry in raw.split(b"\0"):
+        key, sep, value = entry.partition(b"=")
+        if sep and key.decode(errors="replace") in _ENV_KEY_SET:
+            env[key.decode()] = value.decode(errors="replace")
+    return env
+
+
+_ENV_KEY_SET = frozenset(_ENV_KEYS)
+_KERNEL_THREADS_PARENT = 2  # kthreadd: its children are kernel threads (no environment, no command line)
+_UNREAD_UID = -1
+
+
+def _command_line(pid: int) -> tuple[str, ...]:
+    try:
+        return tuple(a.decode(errors="replace") for a in _read(f"/proc/{pid}/cmdline").split(b"\0")[:-1])
+    except OSError:
+        return ()
+
+
 def _scan() -> tuple[dict[int, _Proc], list[SkippedProcess]]:
-    """Every process with the environment keys rankscope reads."""
-    procs: dict[int, _Proc] = {}
+    """Every process with the environment keys rankscope reads, from ``/proc`` directly.
+
+    This runs in every poll, capture and plan, over every process of the machine (hundreds on a GPU node), so
+    each is read as little as tells whether it matters: its stat line and environment; the owner and command
+    line only of the processes the claim check and the roles read (those carrying rank variables, their
+    parents, the launchers, and their descendants, the subprocesses). psutil's iteration made about seven
+    reads of each."""
     skipped: list[SkippedProcess] = []
     me = os.getpid()
-    for proc in psutil.process_iter(["pid", "ppid", "name", "uids"]):
-        info = proc.info
-        pid = int(info["pid"])
-        uid = int(info["uids"].effective) if info.get("uids") is not None else -1
-        name = str(info.get("name") or "")
-        try:
-            environ = proc.environ()
-            cmdline = tuple(proc.cmdline())
-        except psutil.AccessDenied:
-            skipped.append(SkippedProcess(pid, name, "environment not readable (permission denied): run rankscope as root or as the job's user"))
-            environ, cmdline = {}, ()
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}, skipped
+    seen: dict[int, tuple[int, str, dict[str, str]]] = {}  # pid -> (ppid, name, env)
+    for entry in entries:
+        if not entry.isdigit():
             continue
-        env = {k: environ[k] for k in _ENV_KEYS if k in environ}
-        if pid == me:
-            env = {}  # rankscope itself may run inside a job's environment; it is never a rank
-        procs[pid] = _Proc(pid, int(info.get("ppid") or 0), uid, name, cmdline, env)
+        pid = int(entry)
+        fields = _stat_fields(pid)
+        if fields is None:
+            continue  # gone while we looked
+        name, state, ppid = fields
+        if state == "Z":
+            continue  # a zombie has no environment or command line left
+        if pid == _KERNEL_THREADS_PARENT or ppid == _KERNEL_THREADS_PARENT:
+            seen[pid] = (ppid, name, {})
+            continue
+        try:
+            environ = _read(f"/proc/{pid}/environ")
+        except PermissionError:
+            skipped.append(SkippedProcess(pid, name, "environment not readable (permission denied): run rankscope as root or as the job's user"))
+            environ = b""
+        except OSError:
+            continue  # gone while we looked
+        seen[pid] = (ppid, name, {} if pid == me else _environment(environ))  # rankscope itself is never a rank
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _name, _env) in seen.items():
+        children.setdefault(ppid, []).append(pid)
+    claimed = [pid for pid, (_ppid, _name, env) in seen.items() if "RANK" in env]
+    wanted = set(claimed) | {seen[pid][0] for pid in claimed}
+    below = list(claimed)
+    while below:
+        for child in children.get(below.pop(), ()):
+            if child not in wanted:
+                wanted.add(child)
+                below.append(child)
+    procs: dict[int, _Proc] = {}
+    for pid, (ppid, name, env) in seen.items():
+        if pid in wanted:
+            procs[pid] = _Proc(pid, ppid, _effective_uid(pid), name, _command_line(pid), env)
+        else:  # nothing reads its owner or command line
+            procs[pid] = _Proc(pid, ppid, _UNREAD_UID, name, (), env)
     return procs, skipped
 
 
