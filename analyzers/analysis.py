@@ -35,7 +35,6 @@ from rankscope.analyzers.stage_roots import roots_of
 from rankscope.analyzers.stage_suspects import StackAnalysis, suspects_of
 from rankscope.analyzers.stage_verdict import JobAnalysis, verdict_of
 from rankscope.analyzers.stage_waits import waits_of
-from rankscope.contract.heap import collector_paused
 from rankscope.contract.snapshot import JobSnapshot, Layout
 
 
@@ -45,12 +44,9 @@ def analyze_job(snapshot: JobSnapshot, layout: Layout | None = None, options: Si
 
     Raises ValueError (with the fix) when ``layout`` does not fit the job.
     """
-    # The pass makes hundreds of thousands of containers at 16,384 ranks, freed by reference counting; with the
-    # collector running, its collections walk them again and again (a fifth of the pass's time at 16,384 ranks).
-    with collector_paused():
-        evidence = gather(snapshot, layout, options)
-        stacks = suspects_of(roots_of(waits_of(rank_states(evidence))))
-        return verdict_of(evidence, stacks, others)
+    evidence = gather(snapshot, layout, options)
+    stacks = suspects_of(roots_of(waits_of(rank_states(evidence))))
+    return verdict_of(evidence, stacks, others)
 
 
 def analyze_stacks(snapshot: JobSnapshot, layout: Layout | None = None,

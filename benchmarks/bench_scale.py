@@ -50,6 +50,7 @@ def client(args: argparse.Namespace) -> None:
 
     settle_in_this_process()  # as `rankscope snapshot` and the TUI run
     from rankscope.analyzers.analysis import analyze_job
+    from rankscope.contract.heap import collector_paused
     from rankscope.wire.client import JobClient
 
     agents = json.loads(Path(args.agents_file).read_text())
@@ -63,7 +64,8 @@ def client(args: argparse.Namespace) -> None:
             snap = await c.capture()
             out["capture_cpu_s"], out["capture_wall_s"] = time.process_time() - cpu0, time.perf_counter() - t0
             cpu0, t0 = time.process_time(), time.perf_counter()
-            analysis = analyze_job(snap)
+            with collector_paused():  # as `rankscope analyze` runs it
+                analysis = analyze_job(snap)
             out["verdict_cpu_s"], out["verdict_wall_s"] = time.process_time() - cpu0, time.perf_counter() - t0
             out["verdict"] = analysis.verdict.summary
             out["answered"] = sum(1 for m in snap.machines if m.reachable)
@@ -145,7 +147,8 @@ def offline(args: argparse.Namespace) -> None:
     out["capture_cpu_s"] = time.process_time() - cpu0
     del replies
     cpu0 = time.process_time()
-    out["verdict"] = analyze_job(snap).verdict.summary
+    with collector_paused():  # as `rankscope analyze` runs it
+        out["verdict"] = analyze_job(snap).verdict.summary
     out["verdict_cpu_s"] = time.process_time() - cpu0
     out["machines"], out["ranks"] = len(snap.machines), sum(len(m.stacks) for m in snap.machines)
     out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
