@@ -165,12 +165,13 @@ def waiting_together(table: OpTable, live: Mapping[int, RankCounters]) -> list[T
     """
     out: list[Together] = []
     for cid, comm in table.comms.items():
+        open_ops = table.open_of(cid)  # first: most communicators have nothing open, and their members are many
         members = comm.ranks
-        if len(members) < 2 or any(m not in live for m in members):
+        if not open_ops or len(members) < 2 or any(m not in live for m in members):
             continue
         if comm.comm_nranks and comm.comm_nranks > len(members):
             continue
-        for op in table.open_of(cid):
+        for op in open_ops:
             if is_point_to_point(op):
                 continue
             by_rank = table.of(cid).get(op, {})

@@ -42,10 +42,27 @@ class Placement:
         self.names = names
 
     def machines(self, ranks: np.ndarray | Sequence[int]) -> tuple[str, ...]:
+        mids = self._machine_ids(ranks)
+        return tuple(sorted((self.names[m] for m in mids.tolist()), key=natural_key))
+
+    def machine_count(self, ranks: np.ndarray | Sequence[int]) -> int:
+        """``len(self.machines(ranks))``, without naming them."""
+        return int(self._machine_ids(ranks).size)
+
+    def _machine_ids(self, ranks: np.ndarray | Sequence[int]) -> np.ndarray:
         arr = np.asarray(ranks, dtype=np.int64)
         arr = arr[(arr >= 0) & (arr < self.ids.size)]
         mids = np.unique(self.ids[arr])
-        return tuple(sorted((self.names[m] for m in mids.tolist() if m >= 0), key=natural_key))
+        return mids[mids >= 0]
+
+    def ranks_of(self, mids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """Each of the machines ``mids`` (ascending ids) with its ranks, ascending: one pass over the job, not
+        one per machine (a hung job of 100,000 ranks has outliers on thousands of machines)."""
+        order = np.argsort(self.ids, kind="stable")  # ranks by machine, ascending within each
+        sorted_ids = self.ids[order]
+        starts = np.searchsorted(sorted_ids, mids, side="left")
+        ends = np.searchsorted(sorted_ids, mids, side="right")
+        return [(mid, order[a:b]) for mid, a, b in zip(mids.tolist(), starts.tolist(), ends.tolist(), strict=True)]
 
 
 __all__ = ["Placement"]

@@ -130,8 +130,7 @@ def _candidates(
             out.append(_Candidate(kind, ranks, int(is_out[ranks].sum()), min(groups), groups))
     # machines holding outliers
     mids = placement.ids[outliers]
-    for mid in np.unique(mids[mids >= 0]).tolist():
-        ranks = np.flatnonzero(placement.ids == mid)
+    for _, ranks in placement.ranks_of(np.unique(mids[mids >= 0])):
         if int(seen[ranks].sum()) >= n_seen:
             continue
         out.append(_Candidate("machine", ranks, int(is_out[ranks].sum()), None, ()))
@@ -146,7 +145,7 @@ def _score(c: _Candidate, n_outliers: int) -> float:
 
 def _rank_candidates(cands: list[_Candidate], n_outliers: int, placement: Placement) -> list[_Candidate]:
     def key(c: _Candidate) -> tuple[float, int, int, int]:
-        return (-round(_score(c, n_outliers), 9), len(placement.machines(c.ranks)),
+        return (-round(_score(c, n_outliers), 9), placement.machine_count(c.ranks),
                 _KIND_PREFERENCE.index(c.kind), int(c.ranks[0]))
 
     ordered = sorted(cands, key=key)

@@ -18,6 +18,9 @@ fresh client process each (so its peak RSS is its own), it measures:
 
 ``merge``: the relays fold what they relay into one reply (``rankscope.wire.merge``); ``forward``
 (the baseline, for N up to ``--forward-max``): each relayed reply forwarded as it came, as before.
+``--offline``: the client's part alone, no gRPC: each relay's reply built (its fold timed) in one process
+(``build``), then read, decoded (``HeldReadings.decode``, what the fan-out runs) and analysed in a fresh one
+(``offline``), so the client's CPU and peak RSS are its own.
 The last lines print how each figure grows from the smallest N to the largest. Figures only: the
 agents share the machine's cores with the client, and its load average is printed beside them.
 """
@@ -47,6 +50,7 @@ def client(args: argparse.Namespace) -> None:
 
     settle_in_this_process()  # as `rankscope snapshot` and the TUI run
     from rankscope.analyzers.analysis import analyze_job
+    from rankscope.contract.heap import collector_paused
     from rankscope.wire.client import JobClient
 
     agents = json.loads(Path(args.agents_file).read_text())
@@ -60,7 +64,8 @@ def client(args: argparse.Namespace) -> None:
             snap = await c.capture()
             out["capture_cpu_s"], out["capture_wall_s"] = time.process_time() - cpu0, time.perf_counter() - t0
             cpu0, t0 = time.process_time(), time.perf_counter()
-            analysis = analyze_job(snap)
+            with collector_paused():  # as `rankscope analyze` runs it
+                analysis = analyze_job(snap)
             out["verdict_cpu_s"], out["verdict_wall_s"] = time.process_time() - cpu0, time.perf_counter() - t0
             out["verdict"] = analysis.verdict.summary
             out["answered"] = sum(1 for m in snap.machines if m.reachable)
@@ -84,49 +89,66 @@ def client(args: argparse.Namespace) -> None:
     print(json.dumps(out), flush=True)
 
 
-def offline(args: argparse.Namespace) -> None:
-    """The client's side alone, without gRPC or agents: the relays' replies built in this process (untimed, each
-    relay's fold timed), then decoded as the fan-out decodes each reply (``HeldReadings.decode``) and analysed."""
+def build(args: argparse.Namespace) -> None:
+    """The relays' replies of a job of ``--agents`` machines, written to ``--replies`` (each as a 4-byte length and
+    the serialised reply), built in a process of their own so the client's peak RSS is the client's alone."""
     import fanout_source
-    from rankscope.analyzers.analysis import analyze_job
-    from rankscope.contract.heap import collector_paused, settle_in_this_process
-    from rankscope.contract.snapshot import Instant, JobSnapshot
-    from rankscope.wire.delta import HeldReadings
     from rankscope.wire.merge import fold
     from rankscope.wire.proto import rankscope_pb2 as pb
     from rankscope.wire.snapshot_codec import machine_to_proto
 
-    settle_in_this_process()
     n, k, ranks = args.agents, args.relay_fanout, args.ranks_per_machine
     relay_count = max(1, n // k)
     world = n * ranks
-    replies: list[bytes] = []
     fold_cpu: list[float] = []
+    size = 0
     children: list[list[pb.MachineSnapshot]] = [[] for _ in range(relay_count)]
     for j in range(n - relay_count):
         index = relay_count + j
         children[j % relay_count].append(machine_to_proto(fanout_source.machine(index, ranks, world, stacks=True,
                                                                                  now=1.0)))
-    for r in range(relay_count):
-        msg = machine_to_proto(fanout_source.machine(r, ranks, world, stacks=True, now=1.0))
-        cpu0 = time.process_time()
-        if args.merge:
-            msg.merged.CopyFrom(fold(children[r], {}))
-        else:
-            msg.relayed.extend(children[r])
-        fold_cpu.append(time.process_time() - cpu0)
-        replies.append(msg.SerializeToString())
-    del children
+    with open(args.replies, "wb") as f:
+        for r in range(relay_count):
+            msg = machine_to_proto(fanout_source.machine(r, ranks, world, stacks=True, now=1.0))
+            cpu0 = time.process_time()
+            if args.merge:
+                msg.merged.CopyFrom(fold(children[r], {}))
+            else:
+                msg.relayed.extend(children[r])
+            fold_cpu.append(time.process_time() - cpu0)
+            children[r] = []
+            raw = msg.SerializeToString()
+            size += len(raw)
+            f.write(len(raw).to_bytes(4, "little") + raw)
+    print(json.dumps({"relay_cpu_s": max(fold_cpu), "reply_mb": size / 1e6}), flush=True)
+
+
+def offline(args: argparse.Namespace) -> None:
+    """The client's side alone, without gRPC or agents: the relays' replies (``build``) read from a file, decoded as
+    the fan-out decodes each reply (``HeldReadings.decode``) and analysed."""
+    from rankscope.analyzers.analysis import analyze_job
+    from rankscope.contract.heap import collector_paused, settle_in_this_process
+    from rankscope.contract.snapshot import Instant, JobSnapshot
+    from rankscope.wire.delta import HeldReadings
+    from rankscope.wire.proto import rankscope_pb2 as pb
+
+    settle_in_this_process()
+    replies: list[bytes] = []
+    with open(args.replies, "rb") as f:
+        while head := f.read(4):
+            replies.append(f.read(int.from_bytes(head, "little")))
     held = HeldReadings()
-    out: dict[str, Any] = {"relay_cpu_s": max(fold_cpu), "reply_mb": sum(map(len, replies)) / 1e6}
+    out: dict[str, Any] = {}
     cpu0 = time.process_time()
     with collector_paused():
         machines = [m for i, raw in enumerate(replies)
                     for m in held.decode(pb.MachineSnapshot.FromString(raw), f"relay{i}")]
     snap = JobSnapshot(captured=Instant(1.0, 1.0), machines=tuple(machines))
     out["capture_cpu_s"] = time.process_time() - cpu0
+    del replies
     cpu0 = time.process_time()
-    out["verdict"] = analyze_job(snap).verdict.summary
+    with collector_paused():  # as `rankscope analyze` runs it
+        out["verdict"] = analyze_job(snap).verdict.summary
     out["verdict_cpu_s"] = time.process_time() - cpu0
     out["machines"], out["ranks"] = len(snap.machines), sum(len(m.stacks) for m in snap.machines)
     out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -134,14 +156,26 @@ def offline(args: argparse.Namespace) -> None:
 
 
 def measure_offline(n: int, merge: bool, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "offline", "--agents", str(n), "--relay-fanout", str(args.relay_fanout),
-           "--ranks-per-machine", str(args.ranks_per_machine)] + (["--merge"] if merge else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    shape = ["--agents", str(n), "--relay-fanout", str(args.relay_fanout), "--ranks-per-machine",
+             str(args.ranks_per_machine)] + (["--merge"] if merge else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        replies = str(Path(tmp) / "replies.bin")
+        built = subprocess.run([sys.executable, __file__, "build", "--replies", replies, *shape], capture_output=True,
+                               text=True, check=False)
+        if built.returncode != 0:
+            return {"error": _last_line(built.stderr) or f"build exit {built.returncode}"}
+        proc = subprocess.run([sys.executable, __file__, "offline", "--replies", replies], capture_output=True,
+                              text=True, check=False)
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return {"error": _last_line(proc.stderr) or f"exit {proc.returncode}"}
+    result: dict[str, Any] = json.loads(built.stdout.strip().splitlines()[-1])
+    result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
     result["load_avg"] = os.getloadavg()[0]
     return result
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1] if text.strip() else ""
 
 
 def offline_row(n: int, mode: str, r: dict[str, Any]) -> str:
@@ -215,11 +249,14 @@ def main() -> int:
     c.add_argument("--deadline", type=float, default=300.0)
     c.add_argument("--merge", action="store_true")
     c.add_argument("--bundle")
+    b = sub.add_parser("build")
+    b.add_argument("--replies", required=True)
+    b.add_argument("--agents", type=int, required=True)
+    b.add_argument("--relay-fanout", type=int, default=64)
+    b.add_argument("--ranks-per-machine", type=int, default=8)
+    b.add_argument("--merge", action="store_true")
     o = sub.add_parser("offline")
-    o.add_argument("--agents", type=int, required=True)
-    o.add_argument("--relay-fanout", type=int, default=64)
-    o.add_argument("--ranks-per-machine", type=int, default=8)
-    o.add_argument("--merge", action="store_true")
+    o.add_argument("--replies", required=True)
     ap.add_argument("--sizes", default="2048,12500")
     ap.add_argument("--ranks-per-machine", type=int, default=8)
     ap.add_argument("--relay-fanout", type=int, default=64)
@@ -232,6 +269,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.cmd == "client":
         client(args)
+        return 0
+    if args.cmd == "build":
+        build(args)
         return 0
     if args.cmd == "offline":
         offline(args)

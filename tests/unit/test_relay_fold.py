@@ -165,6 +165,12 @@ def _set(field: str, values: list[int]) -> Callable[[pb.MachineSnapshot], None]:
     return mutate
 
 
+def _both_ranks_and_runs(msg: pb.MachineSnapshot) -> None:
+    comm = msg.merged.communicator_table[0]  # one the children's ranks point at
+    comm.ranks.append(0)
+    comm.rank_runs.extend([0, 1, 1])
+
+
 @pytest.mark.parametrize(("mutate", "needle"), [
     (_set("node_parent", [0, 5, 1, 2, 3, 4, 5, 6, 7, 8]), "does not come before it"),
     (_set("node_frame", [0, 99, 2, 3, 4, 5, 6, 7, 8, 9]), "frame 99 is not in stack_tree"),
@@ -173,6 +179,7 @@ def _set(field: str, values: list[int]) -> Callable[[pb.MachineSnapshot], None]:
     (lambda msg: msg.merged.node_ranks.add(node=77, rank_runs=[0, 1, 1]), "node_ranks names node 77"),
     (lambda msg: msg.merged.machines.pop(), "merged that does not fit the contract: op_columns holds 8 rows but the counters take 4"),
     (lambda msg: msg.merged.machines[0].counters[0].communicator_refs.append(40), "communicator 40 is not in"),
+    (_both_ranks_and_runs, "carries both ranks and rank_runs"),
 ])
 def test_bad_merged_replies_are_refused_naming_what_does_not_fit(mutate: Callable[[pb.MachineSnapshot], object],
                                                                  needle: str) -> None:
@@ -180,6 +187,15 @@ def test_bad_merged_replies_are_refused_naming_what_does_not_fit(mutate: Callabl
     mutate(msg)
     with pytest.raises(ProtoConversionError, match=needle):
         machines_from_proto(msg)
+
+
+def test_a_communicator_no_rank_points_at_does_not_refuse_the_merged_reply() -> None:
+    msg = _merged()
+    msg.merged.communicator_table.add(comm_id="unused", ranks=[0, 1], rank_runs=[0, 1, 2])  # does not fit, unused
+    direct = machines_from_proto(_merged())
+    got = machines_from_proto(msg)
+    assert got == direct
+    assert {c.comm_id for m in got for rc in m.counters for c in rc.communicators} == {"w", "tp0", "tp1", "tp2"}
 
 
 @settings(max_examples=60, deadline=None)
