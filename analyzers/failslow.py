@@ -58,7 +58,7 @@ from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict, VerdictS
 from rankscope.analyzers.labels import group_name, suspect_label
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
 from rankscope.analyzers.minder import MinderDetector
-from rankscope.analyzers.rounds import DEFAULT_MAJORITY, StackRound, required_flags, stack_round, tally
+from rankscope.analyzers.rounds import DEFAULT_MAJORITY, StackRound, required_flags, tally, try_stack_round
 from rankscope.analyzers.series import RunTracker, SeriesStore
 from rankscope.analyzers.stack_samples import MIN_GAP, ODDS_MARGIN, SampledWaitDetector, sampling_problems
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
@@ -903,11 +903,7 @@ def replay(snapshots: Iterable[JobSnapshot], config: FailSlowConfig | None = Non
     detector = FailSlowDetector(config)
     out = []
     for snap in sorted(snapshots, key=lambda s: s.captured.mono):
-        try:
-            one_round = stack_round(snap, layout)
-        except ValueError:  # a layout that does not fit: the other detectors still run
-            one_round = None
-        out.append(detector.update(snap, one_round))
+        out.append(detector.update(snap, try_stack_round(snap, layout)[0]))
     return tuple(out)
 
 

@@ -71,6 +71,15 @@ def stack_round(snapshot: JobSnapshot, layout: Layout | None = None) -> StackRou
     return round_of(analyze_job(snapshot, layout))
 
 
+def try_stack_round(snapshot: JobSnapshot, layout: Layout | None = None) -> tuple[StackRound | None, str | None]:
+    """``stack_round`` for a loop that goes on without it: (the round, why it was skipped). A layout that does not
+    fit the job costs this round, with the reason, never the caller (the other detectors still run)."""
+    try:
+        return stack_round(snapshot, layout), None  # None: no stacks, no round, nothing to count
+    except ValueError as exc:
+        return None, f"stack round skipped: {exc}"
+
+
 @dataclass(frozen=True, slots=True)
 class RoundResult:
     """What one round flagged (None when its stacks showed no outliers)."""
