@@ -15,7 +15,7 @@ from rankscope.contract.errors import RankscopeError
 from rankscope.contract.snapshot import DEFAULT_ORDER, DIM_WORDS, Layout
 
 if TYPE_CHECKING:
-    from rankscope.analyzers.failslow import FailSlowConfig
+    from rankscope.analyzers.failslow_config import FailSlowConfig
 
 _SIZES = (*Layout.SIZES, "ranks_per_machine")
 LAYOUT_FIX = "pass sizes whose product is the job's world size, e.g. --tp 2 --pp 4 --dp 4, and --order tp-pp-dp"
@@ -63,7 +63,7 @@ def add_failslow_args(p: argparse.ArgumentParser) -> None:
 
 def failslow_config(args: argparse.Namespace) -> FailSlowConfig:
     """The detectors' config from --window/--continuity/--rounds, each left out read from ``FailSlowConfig``."""
-    from rankscope.analyzers.failslow import FailSlowConfig, config_for
+    from rankscope.analyzers.failslow_config import FailSlowConfig, config_for
 
     default = FailSlowConfig()
     window = default.window_s if args.window is None else args.window

@@ -282,7 +282,8 @@ class OnsetClock:
 async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: OnsetClock,
                  say: Callable[[str], None]) -> dict[str, Any]:
     """Poll, capture and detect until a confident verdict or the time limit after onset."""
-    from rankscope.analyzers.failslow import FailSlowConfig, FailSlowDetector
+    from rankscope.analyzers.failslow import FailSlowDetector
+    from rankscope.analyzers.failslow_config import FailSlowConfig
     from rankscope.wire.client import JobClient
 
     layout = session.layout.to_snapshot_layout()

@@ -67,7 +67,7 @@ def test_the_fail_slow_windows_reach_the_detectors(tmp_path: Path, calls: list[d
 
 
 def test_unset_fail_slow_windows_are_the_detectors_own_defaults(tmp_path: Path, calls: list[dict[str, Any]]) -> None:
-    from rankscope.analyzers.failslow import FailSlowConfig
+    from rankscope.analyzers.failslow_config import FailSlowConfig
 
     f = _tokens(tmp_path, "read:" + "r" * 32 + "\n")
     assert main(["attach", "--agents", "127.0.0.1:1", "--token-file", f, "--read-only"]) == 0

@@ -15,15 +15,11 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from rankscope.analyzers.failslow import (
-    DetectorFlag,
-    FailSlowConfig,
-    FailSlowDetector,
-    FailSlowVerdict,
-    narrow_to_common_end,
-    replay,
-    slow_kind,
-)
+from rankscope.analyzers.call_tally import narrow_to_common_end
+from rankscope.analyzers.failslow import FailSlowDetector, replay
+from rankscope.analyzers.failslow_config import FailSlowConfig
+from rankscope.analyzers.failslow_vote import DetectorFlag, FailSlowVerdict
+from rankscope.analyzers.failslow_words import slow_kind
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector
 from rankscope.analyzers.minder import MinderDetector, denoise

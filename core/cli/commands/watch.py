@@ -41,7 +41,7 @@ from rankscope.cli.commands.target import add_slurm_args, add_tls_args, open_tar
 from rankscope.cli.options import add_failslow_args, add_layout_args, failslow_config, layout_from_args, seconds
 
 if TYPE_CHECKING:
-    from rankscope.analyzers.failslow import FailSlowVerdict
+    from rankscope.analyzers.failslow_vote import FailSlowVerdict
     from rankscope.analyzers.rounds import StackRound
     from rankscope.contract.snapshot import JobSnapshot
     from rankscope.wire.tls import ClientTLS
