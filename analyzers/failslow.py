@@ -56,13 +56,18 @@ from rankscope.analyzers.failslow_vote import (
 from rankscope.analyzers.failslow_words import Scene, slow_kind, summary
 from rankscope.analyzers.findings import Suspect, Verdict, VerdictStatus
 from rankscope.analyzers.labels import group_name, suspect_label
-from rankscope.analyzers.late_arrivals import LateArrivals
+from rankscope.analyzers.late_arrivals import Blame, LateArrivals
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector, OutlierFinding
 from rankscope.analyzers.minder import MinderDetector
 from rankscope.analyzers.peer_waits import PeerWait, PeerWaitTally
 from rankscope.analyzers.rounds import StackRound, required_flags, tally, try_stack_round
 from rankscope.analyzers.series import RunTracker, SeriesStore
-from rankscope.analyzers.stack_samples import SampledWaitDetector, sampling_problems
+from rankscope.analyzers.stack_samples import (
+    SampledWaitDetector,
+    SampledWaitResult,
+    sampling_problems,
+    waits_like_peers,
+)
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
 from rankscope.contract.snapshot import JobSnapshot, Layout
 
@@ -99,6 +104,7 @@ class FailSlowDetector:
         self.vote = Vote(c)
         # rank -> its GPU on its machine and whether NVML said so (else assumed from its local rank)
         self._gpu_of: dict[int, tuple[int, bool]] = {}
+        self._sampled: SampledWaitResult | None = None  # the wait test's last reading of every rank's samples
         self.on_device = False  # the job's collectives run on an accelerator (a device backend's communicator seen)
         self.sampling_problems: tuple[str, ...] = ()  # the last update's ranks whose sampling failed, with the fix
 
@@ -207,8 +213,7 @@ class FailSlowDetector:
                                     required, None))
         return out
 
-    def _without_pipeline_victims(self, targets: dict[str, tuple[tuple[int, ...], str, int]],
-                                  notes: list[str]) -> dict[str, tuple[tuple[int, ...], str, int]]:
+    def _without_pipeline_victims(self, targets: dict[str, Blame], notes: list[str]) -> dict[str, Blame]:
         """Late arrivers whose lateness is their wait on a pipeline peer's machine, left out with a note.
 
         The late-arriver test reads "spent least time in the collective" as
@@ -250,12 +255,12 @@ class FailSlowDetector:
         # the late-arriver test alone names a whole data-parallel replica and
         # must not be confident without another detector narrowing it.
         req_calls = float(max(1, math.ceil(self.config.ccl_fraction * self.config.ccl_calls_window / 2)))
-        return [DetectorFlag("ccl", m, tuple(sorted(ranks)), None,
-                             contribution(self._w("ccl"), float(calls), req_calls), ev, True, float(calls),
-                             req_calls, None)
-                for m, (ranks, ev, calls) in self._ccl_targets(snapshot, notes).items()]
+        return [DetectorFlag("ccl", m, tuple(sorted(b.ranks)), None,
+                             contribution(self._w("ccl"), float(b.calls), req_calls), b.evidence[0][1], True,
+                             float(b.calls), req_calls, None, b.evidence, b.link_ranks)
+                for m, b in self._ccl_targets(snapshot, notes).items()]
 
-    def _ccl_targets(self, snapshot: JobSnapshot, notes: list[str]) -> dict[str, tuple[tuple[int, ...], str, int]]:
+    def _ccl_targets(self, snapshot: JobSnapshot, notes: list[str]) -> dict[str, Blame]:
         """The counters' late arrivers and slow links (``late_arrivals``), less the machines that only wait on a
         pipeline peer's."""
         step = self._trend.step_s if self._trend is not None else None
@@ -282,7 +287,8 @@ class FailSlowDetector:
             out.append(DetectorFlag("p2p_wait", m, tuple(sorted(w.rank for w in ws)), None,
                                     contribution(self._w("p2p_wait"), run.held_s, req),
                                     "; ".join(w.evidence() for w in sorted(ws, key=lambda w: -w.waited)),
-                                    run.held_s >= req * 0.98, run.held_s, req, run.since))
+                                    run.held_s >= req * 0.98, run.held_s, req, run.since,
+                                    tuple((w.rank, w.evidence()) for w in sorted(ws, key=lambda w: -w.waited))))
         return out
 
     def _groups_of(self, snapshot: JobSnapshot, rank: int) -> str:
@@ -307,6 +313,7 @@ class FailSlowDetector:
         if windows:
             self.samples.add(windows)
         result = self.samples.result()
+        self._sampled = result
         cfg = self.config
         rank_machine = self.store.rank_machine()
         out = []
@@ -332,7 +339,15 @@ class FailSlowDetector:
         named = suspects_of(ballot, stacks, self.store.ranks_of)
         suspects = [s for s, _lead in named]
         # C4's slow kind of the first suspect, from its strongest evidence
-        kind = slow_kind(named[0][1], stacks.diverging_frame if stacks is not None else None) if named else None
+        kind = None
+        if named:
+            top, lead = named[0]
+            # Its pipeline peers wait on its send/recv, and it waits as much as they do: its send is what is slow.
+            # The host's samples tell where a rank's time goes only where the collectives run on the host: on a
+            # device every host waits at the same synchronisation call, the slow GPU's too.
+            slow_send = ("p2p_wait" in top.sources and not self.on_device and self._sampled is not None
+                         and waits_like_peers(self._sampled, top.ranks))
+            kind = slow_kind(lead, top.ranks, stacks.diverging_frame if stacks is not None else None, slow_send)
         trend = self._trend
         if self.store.missing_machines:
             notes.append(f"unreachable: {', '.join(self.store.missing_machines)}")

@@ -11,7 +11,7 @@ are one suspect (``suspects_of``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from rankscope.analyzers.failslow_config import DETECTORS, FailSlowConfig
@@ -44,6 +44,15 @@ class DetectorFlag:
     held: float = 0.0  # how long the evidence has lasted: seconds; for "stacks" rounds flagged, for "ccl" calls flagged
     required: float = 0.0  # how much it must last to alarm, same unit
     since_mono: float | None = None
+    # A flag on several ranks of its machine: each rank's own evidence (``evidence`` is the first's, or all of it)
+    rank_evidence: tuple[tuple[int, str], ...] = ()
+    link_ranks: tuple[int, ...] = ()  # the ranks it blames as the common end of slow links, not as late
+
+    def about(self, ranks: Collection[int]) -> str:
+        """The evidence about ``ranks``: the lines of those of its ranks among them when it names others too (a
+        suspect narrowed to the rank every detector names is told that rank's evidence, not a neighbour's)."""
+        mine = [e for r, e in self.rank_evidence if r in ranks]
+        return "; ".join(mine) if mine and len(mine) < len(self.rank_evidence) else self.evidence
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,14 +190,15 @@ def suspects_of(ballot: Ballot, stack_degrader: Suspect | None,
         ranked = sorted(by_det.values(), key=lambda f: -f.score)
         ranks = narrowest([f.ranks for m in ms for f in ballot.per_machine[m].values()]) or tuple(
             r for m in ms for r in ranks_of(m))
-        evidence = tuple(f"[{f.detector}] {f.evidence}" for f in ranked)
         sources = tuple(f.detector for f in ranked)
         conf = round(ballot.confidence[ms[0]], 4)
         group = stack_degrader
         if len(ms) > 1 and group is not None and "stacks" in by_det and set(ms) <= set(group.machines):
+            evidence = tuple(f"[{f.detector}] {f.about(group.ranks)}" for f in ranked)
             out.append((Suspect(group.kind, group.ranks, tuple(ms), conf, evidence, sources, group.group_index,
                                 group.diverging_frame, roots=group.roots), ranked[0]))
         else:
+            evidence = tuple(f"[{f.detector}] {f.about(ranks)}" for f in ranked)
             out.append((Suspect(SuspectKind.MACHINE, ranks, tuple(ms), conf, evidence, sources), ranked[0]))
     return out
 

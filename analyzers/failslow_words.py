@@ -3,7 +3,7 @@ slow kinds (communication or not) its strongest evidence shows."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from rankscope.analyzers.failslow_config import FailSlowConfig
@@ -17,20 +17,25 @@ from rankscope.contract.frames import is_communication
 _LINK_METRICS = frozenset({"gpu_pcie_kbps", "gpu_nvlink_kbps"})
 
 
-def slow_kind(lead: DetectorFlag, frame: str | None = None) -> str:
-    """Which of C4's two slow kinds a suspect's strongest evidence (``lead``) shows, from the device or the host.
+def slow_kind(lead: DetectorFlag, ranks: Collection[int] = (), frame: str | None = None,
+              slow_send: bool = False) -> str:
+    """Which of C4's two slow kinds a suspect (``ranks``) shows, from its strongest evidence (``lead``).
 
-    Communication slow: a slow link (the counters' N > β·mean), an interconnect metric (PCIe, NVLink) beyond its
-    peers, or stack rounds whose outliers part from the others in a communication call (``frame``: they sit in a
-    send, a recv or a collective while the others have moved on). Non-communication slow otherwise: a late arriver,
-    peers waiting on a rank's sends, a slow step, a busy host or GPU, a rank's sampled stacks in its own work (the
-    rank computes slowly and the others wait for it).
+    Communication slow: a slow link (the counters' N > β·mean, their common end among ``ranks``), an interconnect
+    metric (PCIe, NVLink) beyond its peers, stack rounds whose outliers part from the others in a communication
+    call (``frame``: they sit in a send, a recv or a collective while the others have moved on), or the counters'
+    blame of a rank whose pipeline peers wait on its send/recv while its sampled stacks wait as much as theirs
+    (``slow_send``): its time goes into its own send, the slow link between it and the ranks waiting (Aegis §5.2).
+    Non-communication slow otherwise: a late arriver or a rank its peers wait on that waits less than they do (it
+    computes, loads or is fed slowly), a slow step, a busy host or GPU, a rank's sampled stacks in its own work.
     """
-    if lead.detector == "ccl" and "slow links" in lead.evidence:
+    if lead.detector == "ccl" and set(lead.link_ranks) & set(ranks or lead.ranks):
         return "communication slow"
     if lead.detector in ("metrics", "minder") and lead.metric in _LINK_METRICS:
         return "communication slow"
     if lead.detector == "stacks" and frame is not None and is_communication(frame):
+        return "communication slow"
+    if lead.detector in DEVICE_DETECTORS and slow_send:
         return "communication slow"
     return "non-communication slow"
 

@@ -7,6 +7,7 @@ In a healthy job *someone* arrives last at every collective; what marks a slow c
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from rankscope.analyzers.call_tally import CallTally, collective_calls, narrow_to_common_end
 from rankscope.analyzers.degradation import degradation_findings
@@ -14,6 +15,20 @@ from rankscope.analyzers.failslow_config import FailSlowConfig
 from rankscope.analyzers.topology import joined_counters
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class Blame:
+    """The ranks of one machine the counters blame: each rank's own evidence (first blamed first), the most calls
+    any was flagged in, and the ranks blamed as the common end of slow links (N > β·mean) rather than late."""
+
+    evidence: tuple[tuple[int, str], ...]
+    calls: int
+    link_ranks: tuple[int, ...] = ()
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r for r, _ in self.evidence)
 
 
 class LateArrivals:
@@ -26,7 +41,7 @@ class LateArrivals:
         self._late_example: dict[int, str] = {}
 
     def targets(self, snapshot: JobSnapshot, step_s: float | None, rank_machine: Mapping[int, str],
-                notes: list[str]) -> dict[str, tuple[tuple[int, ...], str, int]]:
+                notes: list[str]) -> dict[str, Blame]:
         """Aegis §5.2 on the counters, kept over calls: machine -> (ranks, evidence, flagged calls).
 
         In a healthy job *someone* arrives last at every collective; what marks
@@ -68,15 +83,16 @@ class LateArrivals:
                             {(comm, r) for r in with_n if (comm, op, r) in slow})
         for f in late.values():
             self._late_example[f.rank] = f.evidence()
-        targets: dict[str, tuple[tuple[int, ...], str, int]] = {}
+        targets: dict[str, Blame] = {}
 
-        def blame(rank: int, evidence: str, calls: int) -> None:
+        def blame(rank: int, evidence: str, calls: int, link: bool = False) -> None:
             m = rank_machine.get(rank)
             if m is None:
                 return
-            ranks, first, most = targets.get(m, ((), evidence, 0))
-            if rank not in ranks:
-                targets[m] = ((*ranks, rank), first, max(most, calls))
+            held = targets.get(m, Blame((), 0))
+            if rank not in held.ranks:
+                targets[m] = Blame((*held.evidence, (rank, evidence)), max(held.calls, calls),
+                                   (*held.link_ranks, rank) if link else held.link_ranks)
 
         persistent = self._late.persistent(cfg.ccl_min_calls, cfg.ccl_fraction)
         victims = self._victims({rank for _comm, rank in persistent})
@@ -98,7 +114,7 @@ class LateArrivals:
             if ends:
                 for r in ends:
                     blame(r, f"slow links (N > {cfg.beta:g}·mean) on {len(links)} communicator(s) share rank "
-                             f"{compact_ranks(ends)}", hits_of.get(r, 0))
+                             f"{compact_ranks(ends)}", hits_of.get(r, 0), link=True)
             else:
                 notes.append(f"slow links on {len(links)} communicators share no rank: look at the network")
         return targets

@@ -41,7 +41,7 @@ windows in.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rankscope.contract.frames import CLASSES
@@ -178,6 +178,29 @@ def sampling_problems(windows: Iterable[StackSampleWindow]) -> tuple[str, ...]:
 # The null's margins (see the module docstring): a quarter of the peers' odds of waiting, 20 points below them.
 ODDS_MARGIN = 0.25
 MIN_GAP = 0.2
+# How far below its peers' pooled waiting share a rank may wait and still count as waiting like them
+# (``waits_like_peers``): the drills' slow-comm rank waited 5 points more than its peers, a rank on a machine with
+# a noisy neighbour (cpu-contention) 4 points less.
+WAIT_TOLERANCE = 0.02
+
+
+def waits_like_peers(result: SampledWaitResult, ranks: Collection[int], tolerance: float = WAIT_TOLERANCE) -> bool:
+    """Whether each of ``ranks`` waits for its peers in its sampled stacks as much as the other ranks do: its waiting
+    share, at the lower end of its confidence interval (Wilson), no more than ``tolerance`` below their pooled share.
+
+    A rank that computes, loads or is fed slowly waits less than the ranks waiting for it; a rank the others wait on
+    that waits as much as they do spends its slow time in its communication: its send or collective is what is
+    slow (C4's communication slow). Ranks without samples, or with no peers sampled, say nothing (False).
+    """
+    by_rank = {w.rank: w for w in result.ranks}
+    if not ranks or any(r not in by_rank or by_rank[r].samples == 0 for r in ranks):
+        return False
+    others = [w for w in result.ranks if w.rank not in ranks]
+    samples = sum(w.samples for w in others)
+    if samples == 0:
+        return False
+    peer_share = sum(w.waiting for w in others) / samples
+    return all(wilson_lower(by_rank[r].waiting, by_rank[r].samples) >= peer_share - tolerance for r in ranks)
 
 
 def null_share(peer_share: float, odds_margin: float, min_gap: float) -> float:
