@@ -61,7 +61,7 @@ def parse_order(order: str) -> tuple[str, ...]:
 
 
 def layout_sizes(layout: Layout) -> dict[str, int]:
-    return {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "pp": layout.pp}
+    return {d: getattr(layout, d) for d in DIMS}
 
 
 def validate_layout(layout: Layout) -> tuple[str, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,9 @@ from rankscope.analyzers.backup_plan import backup_plan
 from rankscope.analyzers.topology import validate_layout
 from rankscope.cli.options import add_layout_args, layout_from_args
 from rankscope.contract.errors import RankscopeError
-from rankscope.contract.snapshot import SIZES_FIX, Layout
+from rankscope.contract.snapshot import DIM_WORDS, DIMS, SIZES_FIX, Layout
 from rankscope.tui.widgets.verdict import layout_text
+from repo_paths import ROOT
 
 WORDS = "tp must be a whole number of at least 1, got 0"
 
@@ -63,3 +65,34 @@ def test_the_layouts_text() -> None:
     assert Layout(tp=2, pp=4, dp=4, ranks_per_machine=2).sizes_text() == "TP=2 PP=4 DP=4"
     assert Layout(cp=2).sizes_text(per_machine=True) == "CP=2"
     assert Layout().sizes_text("all sizes 1", per_machine=True) == "all sizes 1"
+
+
+def _layout_lists(source: str) -> list[int]:
+    """Lines of literals that spell the layout's vocabulary: the five dimensions in Megatron's order (``DIMS``),
+    or the dimensions' words (``DIM_WORDS``: three or more of 'tensor', 'pipeline', 'data', ...)."""
+    words = set(DIM_WORDS.values())
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        elts = list(node.elts) if isinstance(node, ast.Tuple | ast.List) else \
+            [*node.keys, *node.values] if isinstance(node, ast.Dict) else []
+        strings = tuple(e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str))
+        if strings == DIMS or len(words & set(strings)) >= 3:
+            found.append(node.lineno)
+    return found
+
+
+def test_the_scan_finds_a_second_copy_of_the_layouts_vocabulary() -> None:
+    assert _layout_lists('DIMS = ("tp", "cp", "ep", "dp", "pp")\n') == [1]
+    assert _layout_lists('W = ["tensor", "pipeline", "data", "context"]\n') == [1]
+    assert _layout_lists('M = {"tp": "tensor", "pp": "pipeline", "dp": "data"}\n') == [1]
+    assert _layout_lists('PREFER = ("pp", "dp", "tp", "cp", "ep")\n') == [], "an order of preference is its own idea"
+
+
+def test_no_module_but_the_contract_spells_the_layouts_vocabulary() -> None:
+    offenders = [f"{path.relative_to(ROOT)}:{line}"
+                 for folder in ("analyzers", "core", "probes", "tui")
+                 for path in sorted((ROOT / folder).rglob("*.py"))
+                 if path != ROOT / "core" / "contract" / "snapshot.py" and "proto" not in path.parts
+                 for line in _layout_lists(path.read_text(encoding="utf-8"))]
+    assert not offenders, "the layout's dimensions and their words belong in core/contract/snapshot.py:\n" + \
+        "\n".join(offenders)
