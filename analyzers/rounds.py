@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.labels import suspect_label
-from rankscope.analyzers.topology import compact_machines
+from rankscope.contract.ranks import compact_machines
 
 if TYPE_CHECKING:  # the fail-slow detector uses the rule without the stack analysis
     from rankscope.analyzers.analysis import JobAnalysis

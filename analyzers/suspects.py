@@ -49,13 +49,9 @@ from rankscope.analyzers.stacks import (
     Grouping,
     diverging_frame,
 )
-from rankscope.analyzers.topology import (
-    Topology,
-    compact_machines,
-    group_ids,
-)
+from rankscope.analyzers.topology import Topology, group_ids
 from rankscope.contract.frames import communication_kind
-from rankscope.contract.ranks import compact_ranks
+from rankscope.contract.ranks import compact_machines, compact_ranks
 
 _MAX_SUSPECTS = 12
 _MAX_RANK_CANDIDATES = 256

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -524,15 +524,6 @@ def topology_for(snapshot: JobSnapshot, layout: Layout | None) -> Topology:
     return Topology(layout=chosen, world_size=world, explicit=usable, assumed=assumed)
 
 
-_TRAILING_NUMBER = re.compile(r"^(.*?)(\d+)$")
-
-
-def natural_key(name: str) -> tuple[str, int, str]:
-    """Sort ``machine-2`` before ``machine-10``."""
-    m = _TRAILING_NUMBER.match(name)
-    return (m.group(1), int(m.group(2)), name) if m else (name, -1, name)
-
-
 def placement_of(snapshot: JobSnapshot) -> Mapping[int, str]:
     """Rank -> machine for every rank an agent reported (as a rank or by its stacks)."""
     placement = dict(snapshot.rank_to_machine())
@@ -540,26 +531,3 @@ def placement_of(snapshot: JobSnapshot) -> Mapping[int, str]:
         for s in m.stacks:
             placement.setdefault(s.rank, m.machine)
     return placement
-
-
-def compact_machines(names: Iterable[str]) -> str:
-    """``machine-12, machine-13, machine-14`` -> ``machine-12..14``; other names listed."""
-    ordered = sorted(set(names), key=natural_key)
-    parts: list[str] = []
-    i = 0
-    while i < len(ordered):
-        m = _TRAILING_NUMBER.match(ordered[i])
-        if not m:
-            parts.append(ordered[i])
-            i += 1
-            continue
-        prefix, start = m.group(1), int(m.group(2))
-        end, j = start, i + 1
-        while j < len(ordered):
-            n = _TRAILING_NUMBER.match(ordered[j])
-            if not n or n.group(1) != prefix or int(n.group(2)) != end + 1:
-                break
-            end, j = end + 1, j + 1
-        parts.append(ordered[i] if end == start else f"{prefix}{start}..{end}")
-        i = j
-    return ", ".join(parts)

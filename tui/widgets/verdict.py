@@ -8,8 +8,7 @@ from rankscope.analyzers.eviction_scope import GROUP, eviction_scope, option_lin
 from rankscope.analyzers.findings import Suspect
 from rankscope.analyzers.labels import group_name, group_numbers, suspect_label
 from rankscope.analyzers.render import headline, headline_parts
-from rankscope.analyzers.topology import compact_machines
-from rankscope.contract.ranks import compact_ranks
+from rankscope.contract.ranks import compact_machines, compact_ranks
 from rankscope.contract.snapshot import Layout
 from rankscope.tui.analysis import StackView
 from rankscope.tui.filter import Filter
