@@ -66,7 +66,7 @@ from rankscope.analyzers.stack_samples import (
     SampledWaitDetector,
     SampledWaitResult,
     sampling_problems,
-    waits_like_peers,
+    waits_in_its_send,
 )
 from rankscope.analyzers.step_time import StepTimeDetector, StepTrend
 from rankscope.contract.snapshot import JobSnapshot, Layout
@@ -342,11 +342,12 @@ class FailSlowDetector:
         kind = None
         if named:
             top, lead = named[0]
-            # Its pipeline peers wait on its send/recv, and it waits as much as they do: its send is what is slow.
+            # Its pipeline peers wait on its send/recv, and it waits as much as they do, in its send/recv: that is
+            # what is slow.
             # The host's samples tell where a rank's time goes only where the collectives run on the host: on a
             # device every host waits at the same synchronisation call, the slow GPU's too.
             slow_send = ("p2p_wait" in top.sources and not self.on_device and self._sampled is not None
-                         and waits_like_peers(self._sampled, top.ranks))
+                         and waits_in_its_send(self._sampled, top.ranks))
             kind = slow_kind(lead, top.ranks, stacks.diverging_frame if stacks is not None else None, slow_send)
         trend = self._trend
         if self.store.missing_machines:

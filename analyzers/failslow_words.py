@@ -24,8 +24,8 @@ def slow_kind(lead: DetectorFlag, ranks: Collection[int] = (), frame: str | None
     Communication slow: a slow link (the counters' N > β·mean, their common end among ``ranks``), an interconnect
     metric (PCIe, NVLink) beyond its peers, stack rounds whose outliers part from the others in a communication
     call (``frame``: they sit in a send, a recv or a collective while the others have moved on), or the counters'
-    blame of a rank whose pipeline peers wait on its send/recv while its sampled stacks wait as much as theirs
-    (``slow_send``): its time goes into its own send, the slow link between it and the ranks waiting (Aegis §5.2).
+    blame of a rank whose pipeline peers wait on its send/recv while its sampled stacks wait as much as theirs, more
+    of them in its send/recv (``slow_send``): the slow link between it and the ranks waiting (Aegis §5.2).
     Non-communication slow otherwise: a late arriver or a rank its peers wait on that waits less than they do (it
     computes, loads or is fed slowly), a slow step, a busy host or GPU, a rank's sampled stacks in its own work.
     """

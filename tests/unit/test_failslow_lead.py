@@ -13,7 +13,7 @@ import dataclasses
 from rankscope.analyzers.failslow import FailSlowDetector
 from rankscope.analyzers.failslow_config import DEFAULT_WEIGHTS, FailSlowConfig
 from rankscope.analyzers.failslow_vote import FailSlowVerdict
-from rankscope.analyzers.stack_samples import RankWaits, SampledWaitResult, waits_like_peers
+from rankscope.analyzers.stack_samples import RankWaits, SampledWaitResult, waits_in_its_send
 from rankscope.contract.snapshot import JobSnapshot, OpCounters, StackSampleWindow
 from series_fixtures import Ops, make_series
 
@@ -94,8 +94,9 @@ def pipeline_waits_on(rank: int, peer: int) -> Ops:
 
 def test_a_rank_slow_in_its_send_is_communication_slow() -> None:
     """The slow-comm drill: rank 6's sends are delayed. The pipeline waits on it and it comes last to its
-    collectives, as a slow computer would, but it does not compute: its own samples wait in its send as much as
-    its peers wait (96 % against their 93 %). That is the link between it and the ranks waiting."""
+    collectives, as a slow computer would, but it does not compute: its own samples wait as much as its peers wait
+    (96 % against their 93 %), more of them in its send (56 % against their 33 %). That is the link between it and
+    the ranks waiting."""
     snaps = with_samples(make_series(40, ops=pipeline_waits_on(6, 2)), {6: (40, 56, 4)})
     verdict = run(snaps)
     top = verdict.verdict.top
@@ -119,20 +120,30 @@ def test_without_samples_the_counters_alone_say_non_communication_slow() -> None
     assert "(non-communication slow)" in verdict.verdict.summary, verdict.verdict.summary
 
 
-def _waits(rank: int, waiting: int, samples: int) -> RankWaits:
-    return RankWaits(rank, samples, waiting, (("collective", waiting), ("compute", samples - waiting)))
+def _waits(rank: int, samples: int, waiting: float, p2p: float) -> RankWaits:
+    """A rank's classified samples: ``waiting`` of them waiting for peers, ``p2p`` of them in a send/recv."""
+    n_wait, n_p2p = round(waiting * samples), round(p2p * samples)
+    return RankWaits(rank, samples, n_wait, (("collective", n_wait - n_p2p), ("p2p", n_p2p),
+                                              ("compute", samples - n_wait)))
 
 
-def test_waits_like_peers_reads_the_share_at_its_lower_bound() -> None:
-    peers = tuple(_waits(r, 910, 1000) for r in range(1, 8))  # 91 %
-    result = SampledWaitResult((_waits(0, 9600, 10000), *peers), (), 10, 45.0)
-    assert waits_like_peers(result, (0,))  # 96 %: waits more than its peers
-    result = SampledWaitResult((_waits(0, 8700, 10000), *peers), (), 10, 45.0)
-    assert not waits_like_peers(result, (0,))  # 87 %: 4 points below (the cpu-contention drill's rank)
-    result = SampledWaitResult((_waits(0, 9, 10), *peers), (), 10, 45.0)
-    assert not waits_like_peers(result, (0,)), "ten samples are too few to say it waits like its peers"
-    assert not waits_like_peers(result, (9,)), "a rank never sampled says nothing"
-    assert not waits_like_peers(SampledWaitResult((_waits(0, 960, 1000),), (), 1, 45.0), (0,)), "no peers sampled"
+def _result(rank: RankWaits, waiting: float = 0.926, p2p: float = 0.311) -> SampledWaitResult:
+    """``rank`` among 7 peers of 121 samples each (the drills' 45 s), who wait ``waiting``, ``p2p`` in a send/recv."""
+    return SampledWaitResult((rank, *(_waits(r, 121, waiting, p2p) for r in range(1, 8))), (), 10, 45.0)
+
+
+def test_a_rank_in_its_send_is_told_from_one_that_computes_or_shares_a_noisy_machine() -> None:
+    """The drills' figures over 45 s of samples (slow-comm, cpu-contention, thermal, slow compute)."""
+    assert waits_in_its_send(_result(_waits(0, 121, 0.917, 0.769)), (0,))  # slow-comm: waits, in its send
+    assert not waits_in_its_send(_result(_waits(0, 243, 0.872, 0.218), 0.928, 0.355), (0,))  # cpu-contention
+    assert not waits_in_its_send(_result(_waits(0, 220, 0.591, 0.368), 0.929, 0.300), (0,))  # thermal: computes
+    assert not waits_in_its_send(_result(_waits(0, 122, 0.492, 0.189), 0.918, 0.306), (0,))  # slow compute
+    # in its send more than its peers, but waiting far less: it computes slowly too
+    assert not waits_in_its_send(_result(_waits(0, 121, 0.80, 0.70)), (0,))
+    assert not waits_in_its_send(_result(_waits(0, 10, 0.9, 0.4)), (0,)), "ten samples are too few to tell"
+    assert not waits_in_its_send(_result(_waits(0, 121, 0.917, 0.769)), (9,)), "a rank never sampled says nothing"
+    assert not waits_in_its_send(SampledWaitResult((_waits(0, 121, 0.917, 0.769),), (), 1, 45.0), (0,)), \
+        "no peers sampled"
 
 
 def test_a_late_arriver_alone_that_waits_like_its_peers_stays_non_communication_slow() -> None:
