@@ -44,12 +44,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from rankscope.analyzers.topology import DIMS, Topology
+from rankscope.analyzers.topology import Topology
 from rankscope.analyzers.topology import parse_order as _topology_parse_order
 from rankscope.contract.errors import RankscopeError
-from rankscope.contract.snapshot import Layout
+from rankscope.contract.snapshot import DEFAULT_ORDER, DIMS, SIZES_FIX, Layout
 
-DIMENSIONS: tuple[str, ...] = DIMS
 # Shifted first when building the mirror; the rest join only if two coordinates do not differ yet.
 _MIRROR_FIRST: tuple[str, ...] = ("dp", "pp")
 _MIRROR_THEN: tuple[str, ...] = ("cp", "ep", "tp")
@@ -90,7 +89,7 @@ def parse_order(order: str) -> tuple[str, ...]:
         return _topology_parse_order(order)
     except ValueError as exc:
         raise RankscopeError(f"bad rank order {order!r}: {exc}",
-                             "use Megatron's default 'tp-cp-ep-dp-pp' or e.g. 'tp-pp-dp' (first name varies fastest)"
+                             f"use Megatron's default {DEFAULT_ORDER!r} or e.g. 'tp-pp-dp' (first name varies fastest)"
                              ) from exc
 
 
@@ -204,17 +203,16 @@ def backup_plan(
 
 
 def _sizes(lay: Layout, order: tuple[str, ...]) -> dict[str, int]:
-    sizes = {d: getattr(lay, d) for d in DIMENSIONS}
-    bad = {d: v for d, v in lay.bad_sizes().items() if d in sizes}
-    if bad:
-        raise RankscopeError(f"parallel sizes must be positive integers, got {bad}",
-                             "pass e.g. --tp 2 --pp 4 --dp 2 (1 for an unused dimension)")
+    problems = lay.size_problems()
+    if problems:
+        raise RankscopeError(problems, SIZES_FIX)
+    sizes = {d: getattr(lay, d) for d in DIMS}
     # parse_order appends dimensions the string left out; those must be unused, or ranks would be misplaced.
     named = set(lay.order_names())
     missing = [d for d in order if sizes[d] > 1 and d not in named]
     if missing:
         raise RankscopeError(f"the rank order {lay.order!r} does not place {', '.join(missing)}",
-                             f"add {', '.join(missing)} to --order (e.g. tp-cp-ep-dp-pp)")
+                             f"add {', '.join(missing)} to --order (e.g. {DEFAULT_ORDER})")
     return sizes
 
 

@@ -48,9 +48,9 @@ from enum import StrEnum
 from typing import NamedTuple
 
 import numpy as np
-from rankscope.analyzers.topology import DIMS, Topology, group_ids
+from rankscope.analyzers.topology import Topology, group_ids
 from rankscope.contract.ranks import compact_ranks
-from rankscope.contract.snapshot import CaptureError, CaptureErrorKind
+from rankscope.contract.snapshot import DIMS, CaptureError, CaptureErrorKind
 
 DESYNC_ADVICE = ("evicting machines will not cure it: a desync is usually a program mismatch (different data or "
                  "control flow on these ranks, e.g. an extra batch or a rank-dependent branch); fix the code or the "

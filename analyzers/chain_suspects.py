@@ -23,8 +23,8 @@ from rankscope.analyzers.findings import Finding, Side, Suspect, SuspectKind
 from rankscope.analyzers.labels import group_name
 from rankscope.analyzers.placement import Placement
 from rankscope.analyzers.stacks import Grouping
-from rankscope.analyzers.topology import Topology, compact_machines
-from rankscope.contract.ranks import compact_ranks
+from rankscope.analyzers.topology import Topology
+from rankscope.contract.ranks import compact_machines, compact_ranks
 
 
 def _root_state(chain: Chain, ranks: set[int]) -> tuple[str, Side | None]:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.labels import group_name
-from rankscope.analyzers.topology import Topology, natural_key
-from rankscope.contract.ranks import compact_ranks
+from rankscope.analyzers.topology import Topology
+from rankscope.contract.ranks import compact_ranks, natural_key
 
 PRECISE = "precise"
 GROUP = "group"

@@ -25,6 +25,19 @@ class SuspectKind(StrEnum):
     DESYNC = "desync"  # ranks inside a different collective from their group peers (a program mismatch)
 
 
+# Among suspects equal on their evidence, the kind named first: a desync (a program mismatch), then the groups in
+# the order ByteRobust over-evicts them, then one machine, one rank, a communicator. One order for the stacks'
+# candidates (``suspects``) and the merged verdict (``verdict``).
+KIND_ORDER: tuple[SuspectKind, ...] = (SuspectKind.DESYNC, SuspectKind.PP, SuspectKind.DP, SuspectKind.TP,
+                                       SuspectKind.CP, SuspectKind.EP, SuspectKind.MACHINE, SuspectKind.RANK,
+                                       SuspectKind.COMM)
+
+
+def kind_order(kind: str) -> int:
+    """A kind's place in ``KIND_ORDER`` (an unknown kind last)."""
+    return KIND_ORDER.index(SuspectKind(kind)) if kind in KIND_ORDER else len(KIND_ORDER)
+
+
 class Side(StrEnum):
     """Which of Aegis's two sides a fact shows a rank stuck on (C4's hang kinds follow from it, ``labels.hang_kind``)."""
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from rankscope.analyzers.findings import NOT_A_RANK, Side, Suspect, SuspectKind, Verdict
-from rankscope.analyzers.topology import compact_machines
-from rankscope.contract.ranks import compact_ranks
+from rankscope.contract.ranks import compact_machines, compact_ranks
 
 
 def suspect_label(s: Suspect) -> str:

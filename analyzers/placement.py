@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from rankscope.analyzers.topology import natural_key
+from rankscope.contract.ranks import natural_key
 from rankscope.contract.snapshot import JobSnapshot
 
 

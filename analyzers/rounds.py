@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.labels import suspect_label
-from rankscope.analyzers.topology import compact_machines
+from rankscope.contract.ranks import compact_machines
 
 if TYPE_CHECKING:  # the fail-slow detector uses the rule without the stack analysis
     from rankscope.analyzers.analysis import JobAnalysis
@@ -69,6 +69,15 @@ def stack_round(snapshot: JobSnapshot, layout: Layout | None = None) -> StackRou
     from rankscope.analyzers.analysis import analyze_job  # only a capture with stacks needs the stack analysis
 
     return round_of(analyze_job(snapshot, layout))
+
+
+def try_stack_round(snapshot: JobSnapshot, layout: Layout | None = None) -> tuple[StackRound | None, str | None]:
+    """``stack_round`` for a loop that goes on without it: (the round, why it was skipped). A layout that does not
+    fit the job costs this round, with the reason, never the caller (the other detectors still run)."""
+    try:
+        return stack_round(snapshot, layout), None  # None: no stacks, no round, nothing to count
+    except ValueError as exc:
+        return None, f"stack round skipped: {exc}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from rankscope.analyzers.findings import Suspect, SuspectKind
+from rankscope.analyzers.findings import Suspect, SuspectKind, kind_order
 from rankscope.analyzers.labels import group_name
 from rankscope.analyzers.origins import Origin, origins_of
 from rankscope.analyzers.placement import Placement
@@ -49,16 +49,10 @@ from rankscope.analyzers.stacks import (
     Grouping,
     diverging_frame,
 )
-from rankscope.analyzers.topology import (
-    Topology,
-    compact_machines,
-    group_ids,
-)
+from rankscope.analyzers.topology import Topology, group_ids
 from rankscope.contract.frames import communication_kind
-from rankscope.contract.ranks import compact_ranks
+from rankscope.contract.ranks import compact_machines, compact_ranks
 
-# Among equally good candidates, the kind ByteRobust evicts first.
-_KIND_PREFERENCE: tuple[str, ...] = ("pp", "dp", "tp", "cp", "ep", "machine", "rank")
 _MAX_SUSPECTS = 12
 _MAX_RANK_CANDIDATES = 256
 
@@ -146,7 +140,7 @@ def _score(c: _Candidate, n_outliers: int) -> float:
 def _rank_candidates(cands: list[_Candidate], n_outliers: int, placement: Placement) -> list[_Candidate]:
     def key(c: _Candidate) -> tuple[float, int, int, int]:
         return (-round(_score(c, n_outliers), 9), placement.machine_count(c.ranks),
-                _KIND_PREFERENCE.index(c.kind), int(c.ranks[0]))
+                kind_order(c.kind), int(c.ranks[0]))
 
     ordered = sorted(cands, key=key)
     unique: list[_Candidate] = []

@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 from rankscope.contract.ranks import compact_ranks
-from rankscope.contract.snapshot import Communicator, JobSnapshot, Layout, OpCounters, RankCounters, order_names
+from rankscope.contract.snapshot import (
+    DEFAULT_ORDER,
+    DIM_WORDS,
+    DIMS,
+    SIZES_FIX,
+    Communicator,
+    JobSnapshot,
+    Layout,
+    OpCounters,
+    RankCounters,
+    order_names,
+)
 from rankscope.contract.vocabulary import canonical_op, is_unnamed_group
-
-DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
-"""Every parallel dimension, in Megatron's default order (fastest first)."""
-
-_DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,13 +44,13 @@ def parse_order(order: str) -> tuple[str, ...]:
     """
     text = order.strip().lower()
     if not text:
-        raise ValueError(f"empty rank order; use e.g. {_DEFAULT_ORDER!r} (Megatron's default) or 'tp-pp-dp'")
+        raise ValueError(f"empty rank order; use e.g. {DEFAULT_ORDER!r} (Megatron's default) or 'tp-pp-dp'")
     parts = order_names(text)
     unknown = [p for p in parts if p not in DIMS]
     if unknown:
         raise ValueError(
             f"unknown dimension(s) {', '.join(unknown)} in rank order {order!r}; "
-            f"use names from {', '.join(DIMS)} joined by '-', e.g. {_DEFAULT_ORDER!r}"
+            f"use names from {', '.join(DIMS)} joined by '-', e.g. {DEFAULT_ORDER!r}"
         )
     dupes = sorted({p for p in parts if parts.count(p) > 1})
     if dupes:
@@ -55,20 +61,14 @@ def parse_order(order: str) -> tuple[str, ...]:
 
 
 def layout_sizes(layout: Layout) -> dict[str, int]:
-    return {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "pp": layout.pp}
+    return {d: getattr(layout, d) for d in DIMS}
 
 
 def validate_layout(layout: Layout) -> tuple[str, ...]:
     """Check sizes and order; returns the parsed order. Errors carry the fix."""
-    bad = layout.bad_sizes()
-    bad_rpm = bad.pop("ranks_per_machine", None)
-    if bad:
-        raise ValueError(
-            "parallel sizes must be at least 1, got " + ", ".join(f"{k}={v}" for k, v in bad.items())
-            + "; leave a dimension out (or pass 1) when the job does not use it"
-        )
-    if bad_rpm is not None:
-        raise ValueError(f"ranks per machine must be at least 1, got {bad_rpm}")
+    problems = layout.size_problems()
+    if problems:
+        raise ValueError(f"{problems}; {SIZES_FIX}")
     return parse_order(layout.order)
 
 
@@ -81,9 +81,6 @@ _MEGATRON_GROUPS: dict[str, str] = {
     "CONTEXT_PARALLEL_GROUP": "cp",
     "EXPERT_MODEL_PARALLEL_GROUP": "ep",
 }
-_WORDS: tuple[tuple[str, str], ...] = (
-    ("tensor", "tp"), ("pipeline", "pp"), ("data", "dp"), ("context", "cp"), ("expert", "ep"),
-)
 
 
 @functools.lru_cache(maxsize=1024)  # a job has a handful of distinct descriptions, on thousands of communicators
@@ -104,10 +101,7 @@ def kind_of_description(description: str) -> str | None:
     first = re.sub(r"\d+$", "", words[0])
     if first in DIMS:
         return first
-    for word, kind in _WORDS:
-        if first == word:
-            return kind
-    return None
+    return next((kind for kind, word in DIM_WORDS.items() if first == word), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,15 +524,6 @@ def topology_for(snapshot: JobSnapshot, layout: Layout | None) -> Topology:
     return Topology(layout=chosen, world_size=world, explicit=usable, assumed=assumed)
 
 
-_TRAILING_NUMBER = re.compile(r"^(.*?)(\d+)$")
-
-
-def natural_key(name: str) -> tuple[str, int, str]:
-    """Sort ``machine-2`` before ``machine-10``."""
-    m = _TRAILING_NUMBER.match(name)
-    return (m.group(1), int(m.group(2)), name) if m else (name, -1, name)
-
-
 def placement_of(snapshot: JobSnapshot) -> Mapping[int, str]:
     """Rank -> machine for every rank an agent reported (as a rank or by its stacks)."""
     placement = dict(snapshot.rank_to_machine())
@@ -546,26 +531,3 @@ def placement_of(snapshot: JobSnapshot) -> Mapping[int, str]:
         for s in m.stacks:
             placement.setdefault(s.rank, m.machine)
     return placement
-
-
-def compact_machines(names: Iterable[str]) -> str:
-    """``machine-12, machine-13, machine-14`` -> ``machine-12..14``; other names listed."""
-    ordered = sorted(set(names), key=natural_key)
-    parts: list[str] = []
-    i = 0
-    while i < len(ordered):
-        m = _TRAILING_NUMBER.match(ordered[i])
-        if not m:
-            parts.append(ordered[i])
-            i += 1
-            continue
-        prefix, start = m.group(1), int(m.group(2))
-        end, j = start, i + 1
-        while j < len(ordered):
-            n = _TRAILING_NUMBER.match(ordered[j])
-            if not n or n.group(1) != prefix or int(n.group(2)) != end + 1:
-                break
-            end, j = end + 1, j + 1
-        parts.append(ordered[i] if end == start else f"{prefix}{start}..{end}")
-        i = j
-    return ", ".join(parts)

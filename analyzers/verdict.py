@@ -20,12 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from rankscope.analyzers.findings import Finding, Side, Suspect, Verdict, VerdictStatus
+from rankscope.analyzers.findings import Finding, Side, Suspect, Verdict, VerdictStatus, kind_order
 from rankscope.analyzers.labels import headline_parts, joined, summary_parts, suspect_label
 from rankscope.contract.ranks import compact_ranks
-
-# Among equal merged scores, sources and sizes: this kind order.
-_KIND_ORDER = ("desync", "pp", "dp", "tp", "cp", "ep", "machine", "rank", "comm")
 
 
 @dataclass(slots=True)
@@ -105,7 +102,7 @@ def merge_verdicts(*verdicts: Verdict) -> Verdict:
                 and set(s.ranks) - set(s.roots) <= alone.get(s.roots, set()))
 
     merged.sort(key=lambda m: (-m[0].score, told_twice(m[0]), -len(m[0].sources), -len(m[0].ranks),
-                               _KIND_ORDER.index(str(m[0].kind)) if str(m[0].kind) in _KIND_ORDER else 99,
+                               kind_order(str(m[0].kind)),
                                min(m[0].ranks, default=0)))
     folded = _fold_contained(merged)
     missing = tuple(sorted({r for v in verdicts for r in v.missing_ranks}))

@@ -6,7 +6,7 @@ from rankscope.analyzers.chain import Chain
 from rankscope.analyzers.findings import Suspect, finding_to_json
 from rankscope.analyzers.stacks import diverging_frame
 from rankscope.analyzers.stage_suspects import StackAnalysis
-from rankscope.analyzers.topology import DIMS
+from rankscope.contract.snapshot import DIMS
 
 
 def suspect_to_json(s: Suspect) -> dict[str, object]:

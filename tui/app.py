@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from rankscope.analyzers.failslow import FailSlowConfig
+from rankscope.analyzers.failslow_config import FailSlowConfig
 from rankscope.analyzers.findings import Verdict
 from rankscope.contract.bundle import Bundle, write_bundle
 from rankscope.contract.errors import RankscopeError

@@ -19,7 +19,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from rankscope.analyzers.failslow import DETECTORS, FailSlowConfig, FailSlowDetector, FailSlowVerdict
+from rankscope.analyzers.failslow import FailSlowDetector
+from rankscope.analyzers.failslow_config import DETECTORS, FailSlowConfig
+from rankscope.analyzers.failslow_vote import FailSlowVerdict
 from rankscope.contract.snapshot import JobSnapshot
 from rankscope.tui.analysis import StackView
 from textual.app import App

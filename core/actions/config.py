@@ -29,7 +29,7 @@ from rankscope.actions.evict_backends import (
 from rankscope.actions.hot_update import CodeVersions
 from rankscope.actions.model import check_machine
 from rankscope.contract.errors import RankscopeError
-from rankscope.contract.snapshot import Layout
+from rankscope.contract.snapshot import DEFAULT_ORDER, SIZES_FIX, Layout
 
 DEFAULT_GRACE_S = 10.0
 BACKUP_WAIT_S = 60.0  # for every rank to reach a step boundary and write its shard
@@ -301,19 +301,17 @@ def _layout(value: Any, where: str) -> Layout | None:
     if value is None:
         return None
     section = dict(_table(value, f"{where} [layout]"))
-    _no_unknown(section, {"tp", "pp", "dp", "cp", "ep", "order", "ranks_per_machine"}, f"{where} [layout]")
+    _no_unknown(section, {*Layout.SIZES, "order", "ranks_per_machine"}, f"{where} [layout]")
     section = {k: v for k, v in section.items() if v is not None}  # JSON null: not given (the default)
     # The sizes' and the order's meaning is checked where the backup pairing is planned (a plan warning);
     # here only their types, so a wrong one fails at start-up rather than deep inside the first plan.
     layout = Layout(**section)
-    bad = layout.bad_sizes()
-    if bad:
-        key, size = next(iter(bad.items()))
-        raise RankscopeError(f"{where} [layout] {key} must be a whole number of at least 1, got {size!r}",
-                             "leave a dimension out when the job does not use it (its size is 1)")
+    problems = layout.size_problems(lambda k: f"{where} [layout] {k}")
+    if problems:
+        raise RankscopeError(problems, SIZES_FIX)
     if not isinstance(layout.order, str):
         raise RankscopeError(f"{where} [layout] order must be a string, got {layout.order!r}",
-                             'write it as order = "tp-cp-ep-dp-pp" (fastest varying first)')
+                             f'write it as order = "{DEFAULT_ORDER}" (fastest varying first)')
     return layout
 
 

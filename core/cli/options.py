@@ -12,23 +12,21 @@ import math
 from typing import TYPE_CHECKING
 
 from rankscope.contract.errors import RankscopeError
+from rankscope.contract.snapshot import DEFAULT_ORDER, DIM_WORDS, Layout
 
 if TYPE_CHECKING:
-    from rankscope.analyzers.failslow import FailSlowConfig
-    from rankscope.contract.snapshot import Layout
+    from rankscope.analyzers.failslow_config import FailSlowConfig
 
-DIMS: tuple[tuple[str, str], ...] = (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"), ("cp", "context"),
-                                     ("ep", "expert"))
-_SIZES = (*(d for d, _ in DIMS), "ranks_per_machine")
+_SIZES = (*Layout.SIZES, "ranks_per_machine")
 LAYOUT_FIX = "pass sizes whose product is the job's world size, e.g. --tp 2 --pp 4 --dp 4, and --order tp-pp-dp"
 
 
 def add_layout_args(p: argparse.ArgumentParser, title: str = "parallel layout (to name parallel groups)") -> None:
     """--tp/--pp/--dp/--cp/--ep, --order and --ranks-per-machine; ``layout_from_args`` reads them."""
     lay = p.add_argument_group(title)
-    for dim, what in DIMS:
-        lay.add_argument(f"--{dim}", type=int, metavar="N", help=f"{what}-parallel size (default 1)")
-    lay.add_argument("--order", help="rank order, fastest-varying first: tp-cp-ep-dp-pp (Megatron's default), "
+    for dim in Layout.SIZES:
+        lay.add_argument(f"--{dim}", type=int, metavar="N", help=f"{DIM_WORDS[dim]}-parallel size (default 1)")
+    lay.add_argument("--order", help=f"rank order, fastest-varying first: {DEFAULT_ORDER} (Megatron's default), "
                                      "tp-cp-ep-pp-dp, tp-pp-dp, ...")
     lay.add_argument("--ranks-per-machine", type=int, metavar="N", help="consecutive ranks per machine")
 
@@ -36,8 +34,6 @@ def add_layout_args(p: argparse.ArgumentParser, title: str = "parallel layout (t
 def layout_from_args(args: argparse.Namespace, base: Layout | None = None) -> Layout | None:
     """The layout typed on the command line over ``base`` (a bundle's recorded one; None: the defaults), or
     ``base`` when none of these options is given. A size below 1 is refused with the fix."""
-    from rankscope.contract.snapshot import Layout
-
     keys = (*_SIZES, "order")
     given = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if not given:
@@ -46,9 +42,9 @@ def layout_from_args(args: argparse.Namespace, base: Layout | None = None) -> La
     fields = {k: getattr(start, k) for k in keys}
     fields.update(given)
     layout = Layout(**fields)
-    for k, v in layout.bad_sizes().items():
-        if k in given:
-            raise RankscopeError(f"--{k.replace('_', '-')} must be at least 1, got {v}", LAYOUT_FIX)
+    problems = layout.size_problems(lambda k: f"--{k.replace('_', '-')}")
+    if problems:
+        raise RankscopeError(problems, LAYOUT_FIX)
     return layout
 
 
@@ -67,7 +63,7 @@ def add_failslow_args(p: argparse.ArgumentParser) -> None:
 
 def failslow_config(args: argparse.Namespace) -> FailSlowConfig:
     """The detectors' config from --window/--continuity/--rounds, each left out read from ``FailSlowConfig``."""
-    from rankscope.analyzers.failslow import FailSlowConfig, config_for
+    from rankscope.analyzers.failslow_config import FailSlowConfig, config_for
 
     default = FailSlowConfig()
     window = default.window_s if args.window is None else args.window

@@ -1,10 +1,12 @@
-"""Rank sets as text: the one rank-range format of the tool (verdicts, the CLI, the TUI).
+"""Rank sets and machine names as text: the one rank-range format of the tool (verdicts, the CLI, the TUI), the
+one order and range of machine names (``machine-2`` before ``machine-10``; ``machine-12..14``).
 
 Below every reader and judge, so a parser or a view that words a rank set needs no analyzer. Stdlib only.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 
@@ -42,3 +44,35 @@ def compact_ranks(ranks: Iterable[int], limit: int | None = None) -> str:
 
 
 __all__ = ["compact_ranks"]
+
+
+_TRAILING_NUMBER = re.compile(r"^(.*?)(\d+)$")
+
+
+def natural_key(name: str) -> tuple[str, int, str]:
+    """Sort ``machine-2`` before ``machine-10``."""
+    m = _TRAILING_NUMBER.match(name)
+    return (m.group(1), int(m.group(2)), name) if m else (name, -1, name)
+
+
+def compact_machines(names: Iterable[str]) -> str:
+    """``machine-12, machine-13, machine-14`` -> ``machine-12..14``; other names listed."""
+    ordered = sorted(set(names), key=natural_key)
+    parts: list[str] = []
+    i = 0
+    while i < len(ordered):
+        m = _TRAILING_NUMBER.match(ordered[i])
+        if not m:
+            parts.append(ordered[i])
+            i += 1
+            continue
+        prefix, start = m.group(1), int(m.group(2))
+        end, j = start, i + 1
+        while j < len(ordered):
+            n = _TRAILING_NUMBER.match(ordered[j])
+            if not n or n.group(1) != prefix or int(n.group(2)) != end + 1:
+                break
+            end, j = end + 1, j + 1
+        parts.append(ordered[i] if end == start else f"{prefix}{start}..{end}")
+        i = j
+    return ", ".join(parts)

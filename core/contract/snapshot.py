@@ -18,6 +18,7 @@ Stack frames are kept innermost first, the order py-spy reports them.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -358,6 +359,17 @@ class MachineSnapshot:
     ranks_seen_wall: float | None = None
 
 
+DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
+"""Every parallel dimension, in Megatron's default rank order (fastest varying first)."""
+
+DEFAULT_ORDER = "-".join(DIMS)
+
+DIM_WORDS: dict[str, str] = {"tp": "tensor", "pp": "pipeline", "dp": "data", "cp": "context", "ep": "expert"}
+"""Each dimension's word, as a person or a communicator's description spells it."""
+
+SIZES_FIX = "leave a dimension out (or give it 1) when the job does not use it"
+
+
 def order_names(order: str) -> tuple[str, ...]:
     """The dimensions an order string names, as written (lower case; '-', '_', ',' or spaces between them)."""
     return tuple(p for p in re.split(r"[-_,\s]+", order.strip().lower()) if p)
@@ -372,7 +384,7 @@ class Layout:
     dp: int = 1
     cp: int = 1
     ep: int = 1
-    order: str = "tp-cp-ep-dp-pp"  # Megatron's default: tp varies fastest
+    order: str = DEFAULT_ORDER  # Megatron's default: tp varies fastest
     ranks_per_machine: int | None = None
 
     SIZES = ("tp", "pp", "dp", "cp", "ep")  # the parallel sizes, in the order they are shown
@@ -384,13 +396,23 @@ class Layout:
             values["ranks_per_machine"] = self.ranks_per_machine
         return {k: v for k, v in values.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
 
+    def size_problems(self, name: Callable[[str], str] = str) -> str | None:
+        """The one wording of the sizes ``bad_sizes`` refuses, each called as its reader typed it (``name``: 'tp'
+        -> '--tp' on the command line, '[layout] tp' in a config file); None when every size is good."""
+        bad = self.bad_sizes()
+        if not bad:
+            return None
+        return "; ".join(f"{name(k)} must be a whole number of at least 1, got {v!r}" for k, v in bad.items())
+
     def order_names(self) -> tuple[str, ...]:
         """The dimensions the order string names, as written (lower case; '-', '_', ',' or spaces between them)."""
         return order_names(self.order)
 
-    def sizes_text(self, none: str = "no parallel sizes") -> str:
-        """"TP=2 PP=4": the sizes above 1, or ``none``."""
-        return " ".join(f"{d.upper()}={getattr(self, d)}" for d in self.SIZES if getattr(self, d) > 1) or none
+    def sizes_text(self, none: str = "no parallel sizes", per_machine: bool = False) -> str:
+        """"TP=2 PP=4": the sizes above 1, or ``none``; with ``per_machine`` the ranks per machine after a comma
+        (", 8/machine") when known. The one text of a layout: analyze, the backup plan and the TUI's header."""
+        text = " ".join(f"{d.upper()}={getattr(self, d)}" for d in self.SIZES if getattr(self, d) > 1) or none
+        return f"{text}, {self.ranks_per_machine}/machine" if per_machine and self.ranks_per_machine else text
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rankscope.analyzers.rounds import StackRound
+from rankscope.analyzers.rounds import try_stack_round
 from rankscope.drill.faults import DrillLayout, FaultPlan, GroundTruth, machine_name, make_plan
 from rankscope.drill.launcher import TrainingOptions
 from rankscope.drill.progress import ProgressWatcher
@@ -279,19 +279,11 @@ class OnsetClock:
         return self.onset_mono
 
 
-def _stack_round(snap: Any, layout: Any) -> StackRound | None:
-    from rankscope.analyzers.rounds import stack_round
-
-    try:
-        return stack_round(snap, layout)
-    except ValueError:
-        return None
-
-
 async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: OnsetClock,
                  say: Callable[[str], None]) -> dict[str, Any]:
     """Poll, capture and detect until a confident verdict or the time limit after onset."""
-    from rankscope.analyzers.failslow import FailSlowConfig, FailSlowDetector
+    from rankscope.analyzers.failslow import FailSlowDetector
+    from rankscope.analyzers.failslow_config import FailSlowConfig
     from rankscope.wire.client import JobClient
 
     layout = session.layout.to_snapshot_layout()
@@ -336,7 +328,7 @@ async def _watch(session: Any, truth: GroundTruth, config: SuiteConfig, onset: O
             polls += 1
             if config.record:
                 series.append(snap)
-            analysis = _stack_round(snap, layout) if stacks else None
+            analysis = try_stack_round(snap, layout)[0] if stacks else None
             rounds += analysis is not None
             fs = detector.update(snap, analysis)
             if fs.confidence > peak[0]:

@@ -107,7 +107,7 @@ def _with_role(stack: ProcessStack, role: ProcessRole, name: str = "") -> Proces
 
 
 def _files(root: Path, notes: list[str]) -> list[Path]:
-    from rankscope.analyzers.topology import natural_key
+    from rankscope.contract.ranks import natural_key
     from rankscope.formats.incident_logs import holds_pyspy, log_kind
 
     if root.is_file():

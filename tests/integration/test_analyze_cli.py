@@ -86,7 +86,7 @@ def test_bundle_with_layout_flags_and_rounds(capsys: pytest.CaptureFixture[str],
     ((), "give exactly one of BUNDLE, --dumps PATH, --flight-recorder DIR, --op-trace FILE or --logs PATH"),
     (("--pyspy-dir", "/nonexistent/dumps"), "is neither a folder nor a file of py-spy dumps"),
     (("--pyspy-dir", str(FIG7), "--order", "tp-xx"), "unknown dimension"),
-    (("--pyspy-dir", str(FIG7), "--tp", "0"), "--tp must be at least 1"),
+    (("--pyspy-dir", str(FIG7), "--tp", "0"), "--tp must be a whole number of at least 1, got 0"),
 ])
 def test_errors_name_the_fix(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:
     code, out, err = _run(capsys, *argv)

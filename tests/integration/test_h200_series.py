@@ -13,7 +13,8 @@ import gzip
 from pathlib import Path
 
 import pytest
-from rankscope.analyzers.failslow import FailSlowConfig, replay
+from rankscope.analyzers.failslow import replay
+from rankscope.analyzers.failslow_config import FailSlowConfig
 from rankscope.cli.main import main
 from rankscope.contract.bundle import read_bundle
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 from agent_helpers import Processes, clean_env, make_token_file
-from rankscope.analyzers.failslow import DETECTORS, FailSlowConfig, FailSlowDetector, replay
+from rankscope.analyzers.failslow import FailSlowDetector, replay
+from rankscope.analyzers.failslow_config import DETECTORS, FailSlowConfig
 from rankscope.cli.commands.watch import change_key, verdict_event
 from rankscope.contract.bundle import read_bundle
 from rankscope.contract.snapshot import Layout

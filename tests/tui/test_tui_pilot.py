@@ -32,7 +32,7 @@ async def test_bundle_opens_on_the_verdict_with_suspect_machines_and_diverging_f
         text = screen_text(app)
         assert "HUNG since" in text
         assert "16/16 machines" in text
-        assert "TP2 PP4 DP4" in text
+        assert "TP=2 PP=4 DP=4" in text
         # The PP group of ranks 24-31 on machines 12-15 is named, and where it leaves the healthy path.
         assert "node12..15" in text
         assert "ranks 24-31" in text

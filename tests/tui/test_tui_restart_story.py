@@ -241,7 +241,7 @@ def test_a_restart_is_told_before_the_restarters_account_by_its_kind_never_befor
 
 
 def _failslow(machine: str | None, words: str) -> object:
-    from rankscope.analyzers.failslow import FailSlowVerdict
+    from rankscope.analyzers.failslow_vote import FailSlowVerdict
     from rankscope.analyzers.findings import Suspect, SuspectKind, Verdict
     from rankscope.tui.failslow_state import FailSlowView
 

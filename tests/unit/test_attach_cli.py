@@ -67,7 +67,7 @@ def test_the_fail_slow_windows_reach_the_detectors(tmp_path: Path, calls: list[d
 
 
 def test_unset_fail_slow_windows_are_the_detectors_own_defaults(tmp_path: Path, calls: list[dict[str, Any]]) -> None:
-    from rankscope.analyzers.failslow import FailSlowConfig
+    from rankscope.analyzers.failslow_config import FailSlowConfig
 
     f = _tokens(tmp_path, "read:" + "r" * 32 + "\n")
     assert main(["attach", "--agents", "127.0.0.1:1", "--token-file", f, "--read-only"]) == 0
@@ -86,7 +86,7 @@ def test_every_verb_refuses_a_parallel_size_below_one(verb: str, tmp_path: Path,
     where = {"attach": ["--agents", "127.0.0.1:1", "--token-file", f], "watch": ["--agents", "127.0.0.1:1",
              "--token-file", f], "analyze": [str(bundle)], "backup-plan": []}[verb]
     assert main([verb, *where, "--tp", "0"]) == 2
-    assert "--tp must be at least 1, got 0" in capsys.readouterr().err
+    assert "--tp must be a whole number of at least 1, got 0" in capsys.readouterr().err
     assert not calls
 
 

@@ -133,7 +133,7 @@ def test_real_machine_names_from_the_job_replace_consecutive_blocks() -> None:
     (Layout(tp=2, pp=4, dp=2), None, 16, "one machine"),
     (Layout(tp=2, pp=4, dp=2, order="tp-xx-pp"), None, 2, "bad rank order"),
     (Layout(tp=2, pp=4, dp=2, order="tp-pp"), None, 2, "does not place dp"),
-    (Layout(tp=0, pp=4, dp=2), None, 2, "positive integers"),
+    (Layout(tp=0, pp=4, dp=2), None, 2, "tp must be a whole number of at least 1, got 0"),
 ])
 def test_bad_layouts_raise_with_a_fix(layout: Layout, world: int | None, rpm: int, needle: str) -> None:
     with pytest.raises(RankscopeError) as err:

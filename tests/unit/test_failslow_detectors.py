@@ -15,15 +15,11 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from rankscope.analyzers.failslow import (
-    DetectorFlag,
-    FailSlowConfig,
-    FailSlowDetector,
-    FailSlowVerdict,
-    narrow_to_common_end,
-    replay,
-    slow_kind,
-)
+from rankscope.analyzers.call_tally import narrow_to_common_end
+from rankscope.analyzers.failslow import FailSlowDetector, replay
+from rankscope.analyzers.failslow_config import FailSlowConfig
+from rankscope.analyzers.failslow_vote import DetectorFlag, FailSlowVerdict
+from rankscope.analyzers.failslow_words import slow_kind
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.analyzers.metric_outliers import MetricOutlierDetector
 from rankscope.analyzers.minder import MinderDetector, denoise
@@ -612,8 +608,8 @@ def test_a_machine_slow_by_host_evidence_is_named_with_its_c4_kind() -> None:
     assert "confidence 0.52 from step_time, below the 0.70 bar" in below.verdict.summary
 
 
-def _flag(detector: str, metric: str | None = None, evidence: str = "x") -> DetectorFlag:
-    return DetectorFlag(detector, "m2", (4, 5), metric, 0.9, evidence, True)
+def _flag(detector: str, metric: str | None = None, evidence: str = "x", links: tuple[int, ...] = ()) -> DetectorFlag:
+    return DetectorFlag(detector, "m2", (4, 5), metric, 0.9, evidence, True, link_ranks=links)
 
 
 def test_the_c4_kind_follows_the_strongest_evidence() -> None:
@@ -623,12 +619,20 @@ def test_the_c4_kind_follows_the_strongest_evidence() -> None:
     assert slow_kind(_flag("metrics", "gpu_temperature_c")) == compute
     assert slow_kind(_flag("minder", "proc_cpu_percent")) == compute
     assert slow_kind(_flag("step_time", "step_time_s")) == compute
-    assert slow_kind(_flag("ccl", evidence="slow links (N > 1.5·mean) on 2 communicator(s) share rank 4")) == comm
+    # the counters' slow links: their common end is the suspect's rank (typed on the flag, never read from its words)
+    assert slow_kind(_flag("ccl", links=(4,)), (4,)) == comm
+    assert slow_kind(_flag("ccl", links=(4,))) == comm
+    assert slow_kind(_flag("ccl", links=(4,)), (5,)) == compute  # the suspect is the flag's late rank, not the link's end
+    assert slow_kind(_flag("ccl", evidence="slow links (N > 1.5·mean) on 2 communicator(s) share rank 4")) == compute
     assert slow_kind(_flag("ccl", evidence="rank 4 arrived last in 9 of its last 10 calls")) == compute
     assert slow_kind(_flag("p2p_wait")) == compute
+    # a rank its pipeline peers wait on, that itself waits as much as they do: its send is what is slow
+    assert slow_kind(_flag("p2p_wait"), (4,), slow_send=True) == comm
+    assert slow_kind(_flag("ccl"), (4,), slow_send=True) == comm
+    assert slow_kind(_flag("step_time", "step_time_s"), (4,), slow_send=True) == compute
     # stack rounds: the outliers part from the others in a send (a slow link) or in their own work
-    assert slow_kind(_flag("stacks"), "isend (torch/distributed/distributed_c10d.py)") == comm
-    assert slow_kind(_flag("stacks"), "forward (model.py)") == compute
+    assert slow_kind(_flag("stacks"), frame="isend (torch/distributed/distributed_c10d.py)") == comm
+    assert slow_kind(_flag("stacks"), frame="forward (model.py)") == compute
     assert slow_kind(_flag("stacks")) == compute
 
 

@@ -10,7 +10,9 @@ import dataclasses
 import numpy as np
 from plugin_fixtures import ONE_GPU, PIPE, PluginJob, gpu_snapshot, loader_job, pipeline_job
 from rankscope.analyzers.analysis import analyze_job
-from rankscope.analyzers.failslow import FailSlowConfig, FailSlowDetector, FailSlowVerdict
+from rankscope.analyzers.failslow import FailSlowDetector
+from rankscope.analyzers.failslow_config import FailSlowConfig
+from rankscope.analyzers.failslow_vote import FailSlowVerdict
 from rankscope.analyzers.findings import SuspectKind
 from rankscope.analyzers.topology import Topology, joined_counters
 from rankscope.contract.snapshot import (

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 from rankscope.analyzers.topology import (
     Topology,
-    compact_machines,
     kind_of_description,
     parse_order,
     topology_for,
 )
-from rankscope.contract.ranks import compact_ranks
+from rankscope.contract.ranks import compact_machines, compact_ranks
 from rankscope.contract.snapshot import (
     Communicator,
     Instant,

@@ -91,18 +91,41 @@ NOT_SPELLINGS = {ROOT / "core" / "contract" / "frames.py", ROOT / "ccl_plugin" /
                  ROOT / "benchmarks" / "fanout_source.py"}
 
 
+def _is_data(node: ast.expr | None) -> bool:
+    """A number (or a choice of two) or an empty container: a table keyed by names (counts, caches), not a meaning
+    given to them."""
+    if isinstance(node, ast.IfExp):
+        return _is_data(node.body) and _is_data(node.orelse)
+    return (isinstance(node, ast.Constant) and isinstance(node.value, int | float)) or (
+        isinstance(node, ast.Dict | ast.List | ast.Set | ast.Tuple) and not getattr(node, "elts", getattr(node, "keys", ())))
+
+
+def _listed(node: ast.AST) -> list[ast.expr | None]:
+    """The entries of a literal that lists names: a set, tuple or list's elements, a mapping's keys (unless it only
+    counts or caches under them), the strings an ``==`` chain joined by ``or``/``and`` compares with."""
+    if isinstance(node, ast.Set | ast.Tuple | ast.List):
+        return list(node.elts)
+    if isinstance(node, ast.Dict) and not all(_is_data(v) for v in node.values):
+        return list(node.keys)
+    if isinstance(node, ast.BoolOp):
+        return [c.comparators[0] for c in node.values if isinstance(c, ast.Compare) and len(c.comparators) == 1
+                and isinstance(c.ops[0], ast.Eq | ast.NotEq)]
+    return []
+
+
 def name_sets(source: str) -> list[tuple[int, list[str]]]:
-    """Set, tuple and list literals (``set([...])`` and ``frozenset((...))`` too, by the literal inside) whose strings
-    are mostly operation names (line, names)."""
+    """Set, tuple and list literals (``set([...])`` and ``frozenset((...))`` too, by the literal inside), mappings
+    keyed by names and ``op == "send" or op == "recv"`` chains whose strings are mostly operation names (line,
+    names)."""
     found: list[tuple[int, list[str]]] = []
     for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Set | ast.Tuple | ast.List) or not node.elts:
+        elts = _listed(node)
+        if not elts:
             continue
-        elts = list(node.elts)
         strings = [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
         ops = [s for s in strings if operation(s).known]
         if len(ops) >= 2 and 2 * len(ops) >= len(strings):
-            found.append((node.lineno, ops))
+            found.append((getattr(node, "lineno", 0), ops))
     return found
 
 
@@ -114,6 +137,11 @@ def test_the_scan_finds_a_second_list_of_point_to_point_names() -> None:
     # a family kept beside a reader as a tuple (the flight recorder's uneven-size ops were)
     assert name_sets('_UNEVEN = ("all_to_all", "scatter")\n') == [(1, ["all_to_all", "scatter"])]
     assert name_sets('if kind in ["gather", "scatter", "x"]: pass\n') == [(1, ["gather", "scatter"])]
+    # a mapping that gives names a meaning, and a comparison chain, are lists of names too
+    assert name_sets('KIND = {"send": "p2p", "recv": "p2p"}\n') == [(1, ["send", "recv"])]
+    assert name_sets('p2p = op == "send" or op == "recv"\n') == [(1, ["send", "recv"])]
+    # a table that counts or caches under names gives them no meaning
+    assert name_sets('seen = {"send": 0, "recv": 0}\nslots = {"send": {}, "recv": {}}\n') == []
 
 
 def test_no_module_but_the_vocabulary_defines_operation_names() -> None:

@@ -8,8 +8,7 @@ from rankscope.analyzers.eviction_scope import GROUP, eviction_scope, option_lin
 from rankscope.analyzers.findings import Suspect
 from rankscope.analyzers.labels import group_name, group_numbers, suspect_label
 from rankscope.analyzers.render import headline, headline_parts
-from rankscope.analyzers.topology import compact_machines
-from rankscope.contract.ranks import compact_ranks
+from rankscope.contract.ranks import compact_machines, compact_ranks
 from rankscope.contract.snapshot import Layout
 from rankscope.tui.analysis import StackView
 from rankscope.tui.filter import Filter
@@ -31,15 +30,9 @@ HEALTH_STYLES = {"healthy": "bold green", "hung": "bold red", "slow": "bold yell
                  "starting": "bold cyan", "finished": "bold cyan", "unknown": "dim", "stalled": "bold yellow"}
 
 
-def layout_text(layout: Layout | None) -> str:
-    if layout is None:
-        return "layout unknown"
-    parts = [f"{k.upper()}{v}" for k, v in (("tp", layout.tp), ("cp", layout.cp), ("ep", layout.ep),
-                                            ("pp", layout.pp), ("dp", layout.dp)) if v > 1 or k in ("tp", "pp", "dp")]
-    text = " ".join(parts)
-    if layout.ranks_per_machine:
-        text += f", {layout.ranks_per_machine}/machine"
-    return text
+def layout_text(layout: Layout | None, per_machine: bool = True) -> str:
+    """The layout's one text (``Layout.sizes_text``, as analyze and the backup plan word it), or that it is unknown."""
+    return "layout unknown" if layout is None else layout.sizes_text(per_machine=per_machine)
 
 
 def header_text(state: AppState, source: str, read_only: bool, filter_line: str = "",
@@ -66,7 +59,7 @@ def header_text(state: AppState, source: str, read_only: bool, filter_line: str 
     # Who the job is leads the second line.
     t.append(f"job {state.job_id or '?'}", "bold")
     if narrow:
-        t.append(f" │ {layout_text(state.layout).split(',')[0]} │ ")
+        t.append(f" │ {layout_text(state.layout, per_machine=False)} │ ")
     else:
         t.append(f" │ world {state.world_size if state.world_size is not None else '?'} {layout_text(state.layout)} │ ")
     if read_only:

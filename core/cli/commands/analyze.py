@@ -430,7 +430,7 @@ def _rounds(snapshots: list[Any], layout: Any, options: Any, done: dict[int, Any
             timing.add(len(rounds.history))
         rounds.add_round(round_of(job))
     degrader = rounds.flagged()
-    # As the live detector holds them (failslow.FailSlowConfig.host_weight_on_device): on a job whose collectives
+    # As the live detector holds them (failslow_config.FailSlowConfig.host_weight_on_device): on a job whose collectives
     # run on a GPU the host's stacks alone are a suspicion, never a verdict.
     on_gpu = any(snap.collectives_on_device() for snap in snapshots)
 

@@ -41,9 +41,9 @@ from rankscope.cli.commands.target import add_slurm_args, add_tls_args, open_tar
 from rankscope.cli.options import add_failslow_args, add_layout_args, failslow_config, layout_from_args, seconds
 
 if TYPE_CHECKING:
-    from rankscope.analyzers.failslow import FailSlowVerdict
+    from rankscope.analyzers.failslow_vote import FailSlowVerdict
     from rankscope.analyzers.rounds import StackRound
-    from rankscope.contract.snapshot import JobSnapshot, Layout
+    from rankscope.contract.snapshot import JobSnapshot
     from rankscope.wire.tls import ClientTLS
 
 DESCRIPTION = """\
@@ -173,18 +173,6 @@ def human_line(event: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------
 
 
-def _stack_round(snap: JobSnapshot, layout: Layout | None) -> tuple[StackRound | None, str | None]:
-    """One aggregation round over a capture: (the round, or an error message)."""
-    from rankscope.analyzers.rounds import stack_round
-
-    try:
-        return stack_round(snap, layout), None  # None: no ranks, no round, nothing to count
-    except ValueError as exc:  # a layout that does not fit the job: say so, keep watching
-        return None, f"stack round skipped: {exc}"
-    except Exception as exc:  # an analyzer bug must cost this round, not the watch
-        return None, f"stack round failed: {type(exc).__name__}: {exc}"
-
-
 async def watch(args: argparse.Namespace, agents: list[str], token: str | None, emit: Callable[[dict[str, Any]], None],
                 record: deque[JobSnapshot] | None = None, tls: ClientTLS | None = None) -> int:
     """The watch loop; every snapshot polled is appended to ``record`` when given."""
@@ -192,6 +180,7 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
     import time
 
     from rankscope.analyzers.failslow import FailSlowDetector
+    from rankscope.analyzers.rounds import try_stack_round
     from rankscope.wire.client import JobClient
 
     config = failslow_config(args)
@@ -231,7 +220,10 @@ async def watch(args: argparse.Namespace, agents: list[str], token: str | None, 
                 record.append(snap)
             analysis: StackRound | None = None
             if stack_round:
-                analysis, problem = _stack_round(snap, layout)
+                try:
+                    analysis, problem = try_stack_round(snap, layout)
+                except Exception as exc:  # an analyzer bug must cost this round, not the watch
+                    analysis, problem = None, f"stack round failed: {type(exc).__name__}: {exc}"
                 stack_rounds += analysis is not None
                 if problem:
                     error(problem, "pass --tp/--pp/--dp/--ranks-per-machine that match the job, or leave them out")
