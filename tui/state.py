@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionState, AuditRecord
 from rankscope.analyzers.findings import VerdictStatus
-from rankscope.analyzers.progress import RHYTHM_KEPT, RHYTHM_WARMUP, HangThreshold, hang_threshold
+from rankscope.analyzers.progress import RHYTHM_FACTOR, RHYTHM_MIN_S, HangThreshold
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui.analysis import StackView
@@ -139,6 +139,7 @@ class AppState:
     evicted: frozenset[str] = frozenset()  # machines an eviction took out of the job (from the audit logs)
     restarts: int = 0  # times the job's ranks came back with new pids (an eviction, a hot-update, a relaunch)
     rank_pids: Mapping[int, int] = field(default_factory=dict)  # each rank's pid in the launch seen last (_restarted)
+    rank_machines: Mapping[int, str] = field(default_factory=dict)  # the machine each rank was last seen on
     clock: JobClock | None = None  # the job's state per its agents (None: they do not report it)
     verdict: VerdictMark | None = None  # what the job was doing when ``stacks`` was captured
     evicted_addresses: frozenset[str] = frozenset()  # agents taken out of the job (hostfile, audit)
@@ -154,9 +155,10 @@ class AppState:
     source_label: str = ""
     read_only: bool = False
     hang_after_s: float = 30.0  # no progress this long is a hang at the latest (the one setting: --hang-after)
-    # Gaps between the job's successive progress marks (oldest first): its rhythm, which sets the hang threshold.
-    progress_gaps: tuple[float, ...] = ()
-    launch_marks: int = 0  # progress marks seen in this launch (its first RHYTHM_WARMUP gaps are no rhythm)
+    # The job's rhythm, which sets the hang threshold, read from the latest reading alone (``hang_threshold``):
+    # the longest step its ranks' counters last timed, and whether every collective they launched has completed.
+    rhythm_step_s: float | None = None
+    collectives_settled: bool = False
     # What the person and the services set (apply_filter, apply_failslow, apply_audit, ...).
     filter: Filter = NO_FILTER
     failslow: FailSlowView | None = None  # the fail-slow detectors' latest view (view 7)
@@ -173,7 +175,7 @@ class AppState:
     @property
     def hang(self) -> HangThreshold:
         """No progress this long is a hang: the job's own rhythm, at most ``hang_after_s``."""
-        return hang_threshold(self.progress_gaps, self.hang_after_s)
+        return hang_threshold(self.rhythm_step_s, self.collectives_settled, self.hang_after_s)
 
     @property
     def hang_threshold_s(self) -> float:
@@ -190,6 +192,36 @@ class AppState:
 
     def machine_of_rank(self) -> dict[int, str]:
         return {r: m.name for m in self.machines for r in m.ranks}
+
+
+def hang_threshold(step_s: float | None, settled: bool, ceiling_s: float) -> HangThreshold:
+    """How long without progress is a hang, from what the latest reading says of the job's rhythm.
+
+    ``step_s``: the longest step the ranks' counters last timed (their own durations, past a launch's first steps;
+    None: none known). No progress for ``RHYTHM_FACTOR`` times it is a hang, never sooner than ``RHYTHM_MIN_S``,
+    never later than the ceiling (``--hang-after``).
+
+    Read from the latest reading alone, never from a history of polls: while the job stalls its counters stand
+    still, so every view (an acting one attached at the start, a read-only one attached in the hang) counts down
+    to the same second. A history each view kept of what it happened to poll gave two views of one hang two
+    countdowns.
+
+    ``settled``: every collective any rank launched has completed and no rank lags its communicator -- nobody
+    waits on a peer. A stuck collective is what the rhythm judges; ranks quiet between collectives (a job past its
+    last step, tearing down; a checkpoint save every rank makes) are judged by the ceiling. A job that had finished
+    its steps was called hung 8 s after its last step while its ranks exited.
+    """
+    if step_s is None:
+        return HangThreshold(ceiling_s, None, False)
+    wanted = max(RHYTHM_MIN_S, RHYTHM_FACTOR * step_s)
+    if settled:
+        return HangThreshold(ceiling_s, step_s, False)
+    return HangThreshold(min(wanted, ceiling_s), step_s, wanted < ceiling_s)
+
+
+def collectives_settled(comms: Sequence[CommView]) -> bool:
+    """The ranks' counters show every launched collective completed and no rank behind its communicator."""
+    return bool(comms) and not any(c.mismatch for c in comms)
 
 
 # Moments every view sees for itself and the acting view also journals: one story, told once. An event of these
@@ -211,9 +243,10 @@ def _same_moment(events: Sequence[Event], e: Event) -> Event | None:
 
 
 def _new_chapter(events: Sequence[Event], kind: str, a: float, b: float) -> bool:
-    """Something between the times ``a`` and ``b`` starts a new chapter for events of ``kind``."""
+    """Something between the times ``a`` and ``b`` starts a new chapter for events of ``kind`` (at the later time
+    too: a restart is stamped at its first step when a poll found both)."""
     lo, hi = sorted((a, b))
-    return any(x.kind in _CHAPTERS[kind] and lo < x.wall < hi for x in events)
+    return any(x.kind in _CHAPTERS[kind] and lo < x.wall <= hi for x in events)
 
 
 def _new_reading(events: Sequence[Event], slow: tuple[str, ...], a: float, b: float) -> bool:
@@ -260,7 +293,14 @@ def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
         # The same moment told twice (the agents' journal and an audit stream, both replayed at attach) is one event.
         first = min(e.wall for e in new)
         have = {(e.wall, e.kind, e.text) for e in state.events if e.wall >= first}
-        new = tuple(e for e in new if (e.wall, e.kind, e.text) not in have and _same_moment(state.events, e) is None)
+        # Against what this batch told before it too: a restart and its first step found by one poll, after an
+        # earlier restart's "training runs again", read as that earlier moment (no restart between them in the
+        # events kept) and the resumption was dropped.
+        kept: list[Event] = []
+        for e in new:
+            if (e.wall, e.kind, e.text) not in have and _same_moment((*state.events, *kept), e) is None:
+                kept.append(e)
+        new = tuple(kept)
     if not new:
         return state.events
     merged = (*state.events, *new)
@@ -365,7 +405,12 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
                       if m.name not in names and m.address not in addresses)
     machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
     metric_rows = _mark_evicted_rows(d.metric_rows, frozenset(m.name for m in machines if m.evicted))
-    restarted, between, rank_pids = _restarted(state.rank_pids, machines)
+    # Ranks whose machine answers and runs none of the job's ranks now: they ended, and no new process of theirs
+    # is seen yet.
+    answering = {m.name for m in machines if m.reachable and not m.evicted and not m.ranks}
+    emptied = frozenset(r for r, name in state.rank_machines.items() if name in answering)
+    restarted, between, rank_pids = _restarted(state.rank_pids, machines, emptied)
+    rank_machines = {**state.rank_machines, **{r: m.name for m in machines if m.reachable for r in m.ranks}}
     clock = job_clock(machines)
     restarting = frozenset(
         m.name for m in machines if not m.reachable and not m.evicted
@@ -401,8 +446,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
         state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False,
-                        progress_before_restart=state.last_progress_wall,
-                        launch_marks=0)
+                        progress_before_restart=state.last_progress_wall)
     metric_history = state.metric_history.pushed(d.metric_keys, d.metric_values)
     comms = d.comms if d.comms else state.comms
     comm_history = state.comm_history.pushed(d.comm_keys, d.comm_values) if d.comms else state.comm_history
@@ -412,13 +456,11 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         step_points = (*step_points, (d.wall, d.steps))[-HISTORY:]
     last_progress = state.last_progress_wall
     hung_reported = state.hung_reported
-    gaps = state.progress_gaps
-    if d.longest_step_s is not None and not state.hung_reported:
-        # The ranks' own step durations are the rhythm from the first poll on; the marks' gaps add what they miss
-        # (a checkpoint save between steps).
-        gaps = (*gaps, d.longest_step_s)[-RHYTHM_KEPT:]
-    marks = state.launch_marks
-    threshold = state.hang_threshold_s
+    # Settled: the counters stand still (no more completions than the reading before: a rank's file gone at its
+    # exit is none) and every collective launched has completed. While the job moves, the rhythm alone.
+    still = not state.progress_points or d.progress <= state.progress_points[-1][1]
+    settled = still and collectives_settled(comms)
+    threshold = hang_threshold(d.longest_step_s, settled, hang_after_s).seconds
     if clock is not None:
         # The agents remember when the job last progressed: a view attached late says what an early one says.
         # After a restart, a mark no newer than the launch before's last progress is that launch's: by hand after a
@@ -426,11 +468,6 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         floor = state.progress_before_restart if last_progress is None else None
         mark = clock.progress_mark if floor is None or (clock.progress_mark or 0.0) > floor else None
         moved = mark is not None and (last_progress is None or mark > last_progress)
-        if moved:
-            marks += 1
-        if moved and last_progress is not None and clock.progress_mark is not None and not hung_reported \
-                and marks > RHYTHM_WARMUP:
-            gaps = (*gaps, clock.progress_mark - last_progress)[-RHYTHM_KEPT:]  # a hang that ended is no rhythm
         if moved and last_progress is None and state.restarts + restarted > 0:
             # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
             # view, "07:53:00" in its pair), and the row's time says when.
@@ -462,11 +499,6 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             hung_reported = True
     else:
         moved = not state.progress_points or d.progress != state.progress_points[-1][1]
-        if moved:
-            marks += 1
-        if moved and last_progress is not None and state.progress_points and not hung_reported \
-                and marks > RHYTHM_WARMUP:
-            gaps = (*gaps, d.wall - last_progress)[-RHYTHM_KEPT:]
         if moved or last_progress is None:
             last_progress = d.wall
         if moved and hung_reported and state.progress_points and not between and not state.awaiting_restart:
@@ -491,8 +523,8 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         metric_history=metric_history,
         progress_points=progress_points,
         step_points=step_points,
-        progress_gaps=gaps,
-        launch_marks=marks,
+        rhythm_step_s=d.longest_step_s,
+        collectives_settled=settled,
         last_progress_wall=last_progress,
         events=_with_events(state, events),
         kept=kept,
@@ -500,6 +532,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         hung_reported=hung_reported,
         restarts=state.restarts + (1 if restarted else 0),
         rank_pids=rank_pids,
+        rank_machines=rank_machines,
         clock=clock,
         awaiting_restart=state.awaiting_restart and not restarted,
         restart_seen_wall=now_wall if restarted else state.restart_seen_wall,
@@ -538,11 +571,17 @@ def _mark_evicted_rows(rows: tuple[MetricRow, ...], evicted: frozenset[str]) -> 
             + tuple(replace(r, evicted=True, outliers=frozenset()) for r in rows if r.machine in evicted))
 
 
-def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tuple[bool, bool, Mapping[int, int]]:
-    """Whether the job's ranks came back as new processes, whether the poll caught two launches at once, and each
-    rank's pid in the launch known now.
+def _restarted(known: Mapping[int, int], machines: Sequence[MachineView],
+               emptied: frozenset[int] = frozenset()) -> tuple[bool, bool, Mapping[int, int]]:
+    """Whether the job's ranks came back as new processes, whether the poll caught two launches at once (or a
+    launch not whole), and each rank's pid in the launch known now.
 
-    Restarted: none of the ranks seen now has its pid of the launch before.
+    Restarted: none of the ranks seen now has its pid of the launch before, and no rank of ``emptied`` (ranks
+    whose machine answers and runs none of the job's ranks now) is missing from them. Ranks that ended cleanly
+    after the job's last step leave some ranks behind for a moment under other pids (a process of the rank that
+    outlived it, carrying its rank variables): with the other machines empty that is the job ending, not a
+    launch, and it was told as "the job restarted on standby-0, standby-1" after the job had finished. A real
+    launch is told once its ranks are back on those machines too (the next polls).
     A poll in the middle of a restart can catch both launches (a standby's new
     ranks beside a survivor's old ones): no restart yet, and the new pids are
     not taken in, so the poll that sees every rank new tells the restart. (Taken
@@ -558,6 +597,8 @@ def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tup
     both = seen.keys() & known.keys()
     changed = [r for r in both if known[r] != seen[r]]
     if both and len(changed) == len(both):
+        if emptied - seen.keys():  # not a whole launch (yet): the launch before stays the one to compare with
+            return False, True, {**seen, **known}
         return True, False, {**known, **seen}
     if changed:  # two launches at once: the launch before stays the one to compare with
         return False, True, {**seen, **known}
