@@ -60,9 +60,11 @@ pytestmark = [pytest.mark.drill, pytest.mark.tmux, pytest.mark.timeout(2400)]
 # take about 20 s.
 FAULT_STEP = 300
 # The restart resumes from the backup taken early (a few hundred steps back), so the job has those steps and
-# these to run after it: time for `b` and `u` to be planned, confirmed and carried out before it finishes.
+# these to run after it: time for `b` and `u` to be planned, confirmed and carried out before it finishes, and
+# after the hot-update's restart (which resumes from the backup taken after the eviction) time for both views to
+# capture the running ranks before the job ends (with 150, it ended 35 s after resuming on a loaded host).
 # The fault-free reference stops sooner: a step's loss depends on the step, not on the total.
-STEPS = FAULT_STEP + 150
+STEPS = FAULT_STEP + 250
 REFERENCE_STEPS = FAULT_STEP + 10
 
 
@@ -542,7 +544,8 @@ def _drive_and_check(session: str, run_dir: Path,
     # key, and both tell the restart and the resumption on v2 in the same words.
     both(session, pair, lambda t: header(t).startswith("healthy") and "4/4 machines 2 evicted" in header(t), 300,
          "the job healthy on v2")
-    recaptured_story(session, pair, "after the hot-update", after=updated_at, version="v2")
+    # The restart row names the code as the hot-update's audit does ("code git:v2": a git ref).
+    recaptured_story(session, pair, "after the hot-update", after=updated_at, version="git:v2")
 
     # The job finishes: both views say so.
     wait_until(lambda: all_done(run_dir, 8), 900, "the restarted job did not finish its steps")
