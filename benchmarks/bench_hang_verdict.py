@@ -31,7 +31,7 @@ from rankscope.analyzers.progress import HangThreshold
 from rankscope.drill.faults import HANG_FAULTS, DrillLayout, make_plan
 from rankscope.drill.launcher import TrainingOptions
 from rankscope.drill.session import DrillConfig, DrillSession
-from rankscope.tui import state as st
+from rankscope.tui import health as hl
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.sources import LiveSource
 
@@ -51,12 +51,12 @@ class Run:
 
 def fixed_rule(fixed: bool) -> Callable[[], None]:
     """The baseline: the hang threshold the app had before, --hang-after (30 s) whatever the job's rhythm."""
-    original = st.hang_threshold
+    original = hl.hang_threshold
     if fixed:
-        st.hang_threshold = lambda step_s, settled, ceiling_s: HangThreshold(ceiling_s, None, False)  # type: ignore[assignment]
+        hl.hang_threshold = lambda step_s, settled, ceiling_s: HangThreshold(ceiling_s, None, False)  # type: ignore[assignment]
 
     def restore() -> None:
-        st.hang_threshold = original  # type: ignore[assignment]
+        hl.hang_threshold = original  # type: ignore[assignment]
 
     return restore
 

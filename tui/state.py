@@ -10,8 +10,9 @@ bundle replays exactly.
 The other ideas live beside it: the digest of one snapshot
 (``rankscope.tui.digest``), the health rules (``rankscope.tui.health``), the
 filter (``rankscope.tui.filter``), start-up classification
-(``rankscope.tui.startup``) and whether a verdict is stale
-(``rankscope.tui.staleness``).
+(``rankscope.tui.startup``), whether a verdict is stale
+(``rankscope.tui.staleness``), the events told once (``rankscope.tui.story``)
+and the sparklines' history (``rankscope.tui.series``).
 
 Times shown are taken from the snapshots, never from the clock here: ``now``
 is passed in (the receive time when live, the bundle's own time offline).
@@ -23,66 +24,24 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionState, AuditRecord
 from rankscope.analyzers.findings import VerdictStatus
-from rankscope.analyzers.progress import RHYTHM_FACTOR, RHYTHM_MIN_S, HangThreshold
+from rankscope.analyzers.progress import HangThreshold
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout
+from rankscope.tui import health as hl
 from rankscope.tui.analysis import StackView
 from rankscope.tui.digest import CommView, JobClock, MachineView, MetricRow, PollDigest, job_clock
 from rankscope.tui.failslow_state import FailSlowView
 from rankscope.tui.filter import NO_FILTER, Filter, compile_filter
-from rankscope.tui.health import fmt_time, health, making_steps, running_capture_text
+from rankscope.tui.health import collectives_settled, fmt_time, health, making_steps, running_capture_text
+from rankscope.tui.series import HISTORY, Series
 from rankscope.tui.startup import importing_stack
 from rankscope.tui.state_actions import ActionsState, audit_line_text, drop_notes, log_note, log_record
+from rankscope.tui.story import RESTART_SETTLE_S, Event, before_its_resumption, merged, same_moments, when_found
 
-HISTORY = 60  # points kept for sparklines (one per poll, about a minute at 1 Hz)
-EVENTS_KEPT = 500
 # Snapshots kept for `w`: bounded by ranks so 16k-rank jobs do not eat the memory.
 KEPT_RANK_SNAPSHOTS = 65_536
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Series:
-    """The last ``HISTORY`` readings of many keys (machines, GPUs, communicators) as one array.
-
-    A 2,048-machine job has 16k GPU keys; one array shifted per poll costs a
-    copy, where a tuple per key cost 16k Python objects a second. Each push
-    returns a new Series, so older states stay valid (compared by identity).
-    """
-
-    keys: tuple[str, ...] = ()
-    index: Mapping[str, int] = field(default_factory=dict)
-    values: np.ndarray = field(default_factory=lambda: np.empty((0, HISTORY)))
-
-    def get(self, key: str) -> tuple[float, ...]:
-        i = self.index.get(key)
-        if i is None:
-            return ()
-        row = self.values[i]
-        return tuple(float(x) for x in row[~np.isnan(row)])
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.index
-
-    def pushed(self, keys_in: tuple[str, ...], readings: Sequence[float] | np.ndarray) -> Series:
-        keys, index = self.keys, self.index
-        values = self.values
-        if keys_in is keys or keys_in == keys:  # the usual case: the same machines as last time, in the same order
-            column = np.asarray(readings, dtype=float)
-        else:
-            new_keys = [k for k in keys_in if k not in index]
-            if new_keys:
-                keys = (*keys, *new_keys)
-                index = {k: i for i, k in enumerate(keys)}
-                values = np.vstack([values, np.full((len(new_keys), HISTORY), np.nan)])
-            column = np.full(len(keys), np.nan)
-            column[[index[k] for k in keys_in]] = readings
-        shifted = np.empty_like(values)
-        shifted[:, :-1] = values[:, 1:]
-        shifted[:, -1] = column
-        return Series(keys, index, shifted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,21 +58,6 @@ class VerdictMark:
     # the capture names no suspect (a restart's first step, a view attached to a healthy job, `s` on one).
     running: bool = False
     restarting: bool = False  # taken while the job restarted (an eviction's or a hot-update's): no steady state
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    wall: float
-    kind: str  # capture, verdict, lost, found, capture-failed, hung, resumed, restarted, evicted, action, info
-    text: str
-    # A verdict that names no suspect (no verdict, or a running job's timing): shown, not kept by the journal.
-    names_nobody: bool = False
-    # A resumption a view saw in the ranks' progress ("training runs again"), not the restarter's account of the
-    # step it resumed from (journaled as such: JournalEntry.observed).
-    observed: bool = False
-    # A fail-slow reading (a verdict): the machines the detectors name, () when they name none now; None: not one
-    # (journaled as JournalEntry.slow).
-    slow: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +99,7 @@ class AppState:
     source_label: str = ""
     read_only: bool = False
     hang_after_s: float = 30.0  # no progress this long is a hang at the latest (the one setting: --hang-after)
-    # The job's rhythm, which sets the hang threshold, read from the latest reading alone (``hang_threshold``):
+    # The job's rhythm, which sets the hang threshold, read from the latest reading alone (``health.hang_threshold``):
     # the longest step its ranks' counters last timed, and whether every collective they launched has completed.
     rhythm_step_s: float | None = None
     collectives_settled: bool = False
@@ -175,7 +119,7 @@ class AppState:
     @property
     def hang(self) -> HangThreshold:
         """No progress this long is a hang: the job's own rhythm, at most ``hang_after_s``."""
-        return hang_threshold(self.rhythm_step_s, self.collectives_settled, self.hang_after_s)
+        return hl.hang_threshold(self.rhythm_step_s, self.collectives_settled, self.hang_after_s)
 
     @property
     def hang_threshold_s(self) -> float:
@@ -194,163 +138,20 @@ class AppState:
         return {r: m.name for m in self.machines for r in m.ranks}
 
 
-def hang_threshold(step_s: float | None, settled: bool, ceiling_s: float) -> HangThreshold:
-    """How long without progress is a hang, from what the latest reading says of the job's rhythm.
-
-    ``step_s``: the longest step the ranks' counters last timed (their own durations, past a launch's first steps;
-    None: none known). No progress for ``RHYTHM_FACTOR`` times it is a hang, never sooner than ``RHYTHM_MIN_S``,
-    never later than the ceiling (``--hang-after``).
-
-    Read from the latest reading alone, never from a history of polls: while the job stalls its counters stand
-    still, so every view (an acting one attached at the start, a read-only one attached in the hang) counts down
-    to the same second. A history each view kept of what it happened to poll gave two views of one hang two
-    countdowns.
-
-    ``settled``: every collective any rank launched has completed and no rank lags its communicator -- nobody
-    waits on a peer. A stuck collective is what the rhythm judges; ranks quiet between collectives (a job past its
-    last step, tearing down; a checkpoint save every rank makes) are judged by the ceiling. A job that had finished
-    its steps was called hung 8 s after its last step while its ranks exited.
-    """
-    if step_s is None:
-        return HangThreshold(ceiling_s, None, False)
-    wanted = max(RHYTHM_MIN_S, RHYTHM_FACTOR * step_s)
-    if settled:
-        return HangThreshold(ceiling_s, step_s, False)
-    return HangThreshold(min(wanted, ceiling_s), step_s, wanted < ceiling_s)
-
-
-def collectives_settled(comms: Sequence[CommView]) -> bool:
-    """The ranks' counters show every launched collective completed and no rank behind its communicator."""
-    return bool(comms) and not any(c.mismatch for c in comms)
-
-
-# Moments every view sees for itself and the acting view also journals: one story, told once. An event of these
-# kinds within ONE_STORY_S of one of the same kind, with nothing between them that starts a new chapter (a hang
-# that resumed, a restart), is the same moment seen by two views.
-ONE_STORY_KINDS = frozenset({"hung", "restarted"})
-ONE_STORY_S = 30.0
-RESTART_SETTLE_S = 30.0  # after a restart a view saw, its agents going and coming back are still the restart
-_CHAPTERS = {"hung": frozenset({"resumed", "restarted"}), "restarted": frozenset({"hung", "evicted"}),
-             "resumed": frozenset({"hung", "restarted"})}
-
-
-def _same_moment(events: Sequence[Event], e: Event) -> Event | None:
-    """An event of ``events`` that tells the moment ``e`` tells, or None: the same words within ``ONE_STORY_S`` (a
-    view's own line and the journal's copy of it, stamped a moment apart; journal kinds) or, for a hang or a
-    resumption, with no new chapter between them; or for ``ONE_STORY_KINDS`` the same kind with no new chapter
-    between them within ``ONE_STORY_S``."""
-    return next(iter(_same_moments(events, e)), None)
-
-
-def _new_chapter(events: Sequence[Event], kind: str, a: float, b: float) -> bool:
-    """Something between the times ``a`` and ``b`` starts a new chapter for events of ``kind`` (at the later time
-    too: a restart is stamped at its first step when a poll found both)."""
-    lo, hi = sorted((a, b))
-    return any(x.kind in _CHAPTERS[kind] and lo < x.wall <= hi for x in events)
-
-
-def _new_reading(events: Sequence[Event], slow: tuple[str, ...], a: float, b: float) -> bool:
-    """Between the times ``a`` and ``b`` the job restarted, lost machines to an eviction, or the fail-slow detectors
-    read other than ``slow``."""
-    lo, hi = sorted((a, b))
-    return any(lo < x.wall < hi and (x.kind in ("evicted", "restarted") or (x.slow is not None and x.slow != slow))
-               for x in events)
-
-
-def _same_moments(events: Sequence[Event], e: Event) -> list[Event]:
-    """Every event of ``events`` that tells the moment ``e`` tells (``_same_moment``): a view that saw one restart
-    twice (once before every agent was back, once after) has two lines the journal's one line replaces.
-
-    The same words of a hang ("no progress since 10:09:26", the agents' mark) or a resumption, with no new chapter
-    between them, are one moment however far apart they were seen: a view attached late logged the hang a minute
-    after the acting view had journaled it, and listed it twice."""
-    found: list[Event] = []
-    if e.kind in JOURNAL_KINDS:  # (captures repeat their words every 10 s in fail-slow mode: each is a capture)
-        found = [o for o in events if o.kind == e.kind and o.text == e.text and (
-            abs(o.wall - e.wall) <= ONE_STORY_S
-            or (e.kind in ("hung", "resumed") and not _new_chapter(events, e.kind, o.wall, e.wall)))]
-    if e.slow is not None:
-        # The fail-slow detectors of each view of a pair name the slow machine at their own moment, in their own
-        # evidence's words: one reading until a restart, an eviction or another reading comes between them.
-        found += [o for o in events if o.slow == e.slow and not any(o is f for f in found)
-                  and not _new_reading(events, e.slow, o.wall, e.wall)]
-    if e.kind not in ONE_STORY_KINDS:
-        return found
-    for other in events:
-        if other.kind != e.kind or abs(other.wall - e.wall) > ONE_STORY_S or any(other is f for f in found):
-            continue
-        if not _new_chapter(events, e.kind, other.wall, e.wall):
-            found.append(other)
-    return found
-
-
-def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
-    """The events in time order (stable: one poll's events keep their order). An agent's audit record carries its
-    own time, earlier than what this view already logged: appended as it came, the newest-first list put 08:43:38
-    above 08:43:39."""
-    new = tuple(events)
-    if new and state.events:
-        # The same moment told twice (the agents' journal and an audit stream, both replayed at attach) is one event.
-        first = min(e.wall for e in new)
-        have = {(e.wall, e.kind, e.text) for e in state.events if e.wall >= first}
-        # Against what this batch told before it too: a restart and its first step found by one poll, after an
-        # earlier restart's "training runs again", read as that earlier moment (no restart between them in the
-        # events kept) and the resumption was dropped.
-        kept: list[Event] = []
-        for e in new:
-            if (e.wall, e.kind, e.text) not in have and _same_moment((*state.events, *kept), e) is None:
-                kept.append(e)
-        new = tuple(kept)
-    if not new:
-        return state.events
-    merged = (*state.events, *new)
-    if state.events and min(e.wall for e in new) < state.events[-1].wall:
-        merged = tuple(sorted(merged, key=lambda e: e.wall))
-    return merged[-EVENTS_KEPT:]
-
-
-JOURNAL_KINDS = frozenset({"hung", "verdict", "evicted", "restarted", "resumed", "action"})
-_FINAL_WORDS = (" succeeded on ", " failed on ", " refused on ", " cancelled on ")
-
-
-def journal_worthy(event: Event) -> bool:
-    """An event the agents' incident journal keeps for a view attached later: the hang, verdicts that name
-    suspects, how actions ended, evictions, restarts and resumed training (not captures, polls or action steps)."""
-    if event.kind not in JOURNAL_KINDS:
-        return False
-    if event.kind == "verdict":
-        return not event.names_nobody
-    if event.kind == "action":
-        return any(w in event.text for w in _FINAL_WORDS)
-    return True
-
-
 def apply_journal(state: AppState, entries: Iterable[Event | tuple[float, str, str]]) -> AppState:
     """The agents' journal (events, or (wall, kind, text)): what happened before this view attached, as events, each
     once. A hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so
     the views of a pair tell one story; a restart is told before the resumption the journal stamped earlier."""
     told = [e if isinstance(e, Event) else Event(*e) for e in entries]
-    own = {id(m) for e in told for m in _same_moments(state.events, e)}
+    own = {id(m) for e in told for m in same_moments(state.events, e)}
     if own:
         state = replace(state, events=tuple(e for e in state.events if id(e) not in own))
-    events = _with_events(state, told)
-    moved = tuple(replace(e, wall=_before_its_resumption(events, e.wall)) if e.kind == "restarted" else e
+    events = merged(state.events, told)
+    moved = tuple(replace(e, wall=before_its_resumption(events, e.wall)) if e.kind == "restarted" else e
                   for e in events)
     if moved != events:
         events = tuple(sorted(moved, key=lambda e: e.wall))
     return replace(state, events=events)
-
-
-TOLD_BEFORE_S = 0.001  # a restart is stamped this much before the resumption that was stamped first
-
-
-def _before_its_resumption(events: Sequence[Event], wall: float) -> float:
-    """When to tell a restart a view found at ``wall``: just before the journal's resumption of it if that is stamped
-    earlier (within RESTART_SETTLE_S, with no hang, eviction or other restart between them), else at ``wall``."""
-    cut = max((e.wall for e in events if e.kind in _CAUSES and e.wall < wall), default=wall - RESTART_SETTLE_S)
-    first = min((e.wall for e in events if e.kind == "resumed" and not e.observed
-                 and max(cut, wall - RESTART_SETTLE_S) < e.wall < wall), default=None)
-    return wall if first is None else first - TOLD_BEFORE_S
 
 
 _UPDATE_TARGET = re.compile(r" to (.+) \((?:immediate|lazy)\)$")
@@ -441,7 +242,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         # Told before the journal's "resumed from step N" of this restart when that came first: the ranks report
         # their step before a view's poll finds their new pids. (Not at the ranks' start: a warm restart's ranks
         # were parked processes, started long before.)
-        events.append(Event(_before_its_resumption(state.events, now_wall), "restarted",
+        events.append(Event(before_its_resumption(state.events, now_wall), "restarted",
                             f"the job restarted on {on}: its ranks run under new pids{placed}{code}"))
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
@@ -460,7 +261,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
     # exit is none) and every collective launched has completed. While the job moves, the rhythm alone.
     still = not state.progress_points or d.progress <= state.progress_points[-1][1]
     settled = still and collectives_settled(comms)
-    threshold = hang_threshold(d.longest_step_s, settled, hang_after_s).seconds
+    threshold = hl.hang_threshold(d.longest_step_s, settled, hang_after_s).seconds
     if clock is not None:
         # The agents remember when the job last progressed: a view attached late says what an early one says.
         # After a restart, a mark no newer than the launch before's last progress is that launch's: by hand after a
@@ -472,7 +273,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
             # view, "07:53:00" in its pair), and the row's time says when.
             # Stamped at the first step itself, as the restart at its start: in the order things happened.
-            events.append(Event(_when(mark, now_wall, (*state.events, *events)), "resumed",
+            events.append(Event(when_found(mark, now_wall, (*state.events, *events)), "resumed",
                                 "training runs again after the restart", observed=True))
         elif moved and hung_reported and not between and not state.awaiting_restart:
             # Not between an eviction and the restart it brings, nor in a poll that caught two launches: the new
@@ -526,7 +327,7 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         rhythm_step_s=d.longest_step_s,
         collectives_settled=settled,
         last_progress_wall=last_progress,
-        events=_with_events(state, events),
+        events=merged(state.events, events),
         kept=kept,
         polls=state.polls + 1,
         hung_reported=hung_reported,
@@ -538,18 +339,6 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         restart_seen_wall=now_wall if restarted else state.restart_seen_wall,
         restarting=restarting,
     )
-
-
-_CAUSES = frozenset({"hung", "evicted", "restarted"})
-
-
-def _when(mark: float | None, now_wall: float, before: Sequence[Event]) -> float:
-    """When a moment a poll found happened: the agents' mark of it (a launch's start, its first step), never later
-    than the poll that found it nor earlier than the hang, eviction or restart before it (an agent's clock a little
-    behind the view's must not put a restart above the eviction that brought it)."""
-    if mark is None:
-        return now_wall
-    return min(now_wall, max(mark, max((e.wall for e in before if e.kind in _CAUSES), default=mark)))
 
 
 def _mark_evicted(machines: tuple[MachineView, ...], evicted: frozenset[str],
@@ -618,7 +407,7 @@ def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float, add
         if names else []
     s = replace(state, evicted=evicted, evicted_addresses=evicted_addresses,
                 machines=_mark_evicted(state.machines, evicted, evicted_addresses),
-                events=_with_events(state, events), awaiting_restart=state.awaiting_restart or bool(new))
+                events=merged(state.events, events), awaiting_restart=state.awaiting_restart or bool(new))
     # A note on an evicted machine's audit stream (its agent stopped as the eviction ran) is no longer news.
     return replace(s, actions=replace(s.actions, log=drop_notes(s.actions.log, _evicted_addresses(s))))
 
@@ -678,7 +467,7 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     clock = s.clock
     mark = VerdictMark(d.wall, s.restarts, clock.progress_mark if clock is not None else None, d.progress,
                        clock is not None, starting, running, state.awaiting_restart)
-    s = replace(s, stacks=view, capture_wall=d.wall, verdict=mark, events=_with_events(s, events))
+    s = replace(s, stacks=view, capture_wall=d.wall, verdict=mark, events=merged(s.events, events))
     # A text filter matches frames: against the new capture's groups it selects other ranks.
     return apply_filter(s, s.filter.text) if s.filter.active else s
 
@@ -710,7 +499,7 @@ def apply_capture_analyzed(state: AppState, d: PollDigest, view: StackView, now_
 
 
 def apply_failure(state: AppState, what: str, message: str, now_wall: float) -> AppState:
-    return replace(state, events=_with_events(state, [Event(now_wall, what, message)]))
+    return replace(state, events=merged(state.events, [Event(now_wall, what, message)]))
 
 
 def apply_info(state: AppState, message: str, now_wall: float) -> AppState:
@@ -743,7 +532,7 @@ def apply_failslow(state: AppState, view: FailSlowView) -> AppState:
         text = f"slow: {' '.join(named)} — {v.verdict.summary}"
     else:
         text = "the fail-slow detectors name no machine now"
-    return replace(state, failslow=view, events=_with_events(state, [Event(state.now_wall, "verdict", text,
+    return replace(state, failslow=view, events=merged(state.events, [Event(state.now_wall, "verdict", text,
                                                                             slow=named)]))
 
 

@@ -14,10 +14,11 @@ from rankscope.contract.snapshot import Frame, JobSnapshot, ProcessRole, Process
 from rankscope.tui import digest as dg
 from rankscope.tui import filter as flt
 from rankscope.tui import health as hl
-from rankscope.tui import schedule
+from rankscope.tui import schedule, story
 from rankscope.tui import state as st
 from rankscope.tui.analysis import build_stack_view, rank_stack_lines
 from rankscope.tui.app import AppOptions, RankscopeApp
+from rankscope.tui.series import Series
 from rankscope.tui.sources import poll_loop
 from rankscope.tui.widgets import sparkline as spk
 from tui_bundles import T0, fig7_bundle, job, lost_series
@@ -83,7 +84,7 @@ def test_filter_by_rank_range_machine_and_frame_text() -> None:
 
 
 def test_series_shifts_and_adds_keys() -> None:
-    s = st.Series().pushed(("a", "b"), (1.0, 2.0)).pushed(("a", "b"), (3.0, 4.0))
+    s = Series().pushed(("a", "b"), (1.0, 2.0)).pushed(("a", "b"), (3.0, 4.0))
     assert s.get("a") == (1.0, 3.0) and s.get("b") == (2.0, 4.0)
     s2 = s.pushed(("b", "c"), (5.0, 6.0))
     assert s2.get("a") == (1.0, 3.0) and s2.get("b") == (2.0, 4.0, 5.0) and s2.get("c") == (6.0,)
@@ -451,7 +452,7 @@ def test_a_metric_outlier_is_told_by_text_with_its_direction_and_its_peers() -> 
                        frozenset()) for i in range(1, 4)),
     )
     medians = column_medians(rows)
-    cells = render_row(rows[0], st.Series(), medians)
+    cells = render_row(rows[0], Series(), medians)
     hot = cells[2 + dg.METRICS.index("temp")]
     assert str(hot) == "99▲", hot  # above the others: the arrow says it without colour
 
@@ -526,8 +527,8 @@ def test_a_view_reads_the_journal_while_the_story_may_change_and_then_no_more() 
     assert not schedule.journal_read_due(s, None), "no story yet"
     assert schedule.journal_read_due(replace(s, awaiting_restart=True), T0 + 100 - schedule.JOURNAL_EVERY_S)
     assert not schedule.journal_read_due(replace(s, awaiting_restart=True), T0 + 99.5), "not sooner than every 2 s"
-    told = replace(s, events=(st.Event(T0 + 50, "resumed", "the job resumed from step 96"),
-                              st.Event(T0 + 99, "capture", "captured 32 ranks' stacks of a job making steps")))
+    told = replace(s, events=(story.Event(T0 + 50, "resumed", "the job resumed from step 96"),
+                              story.Event(T0 + 99, "capture", "captured 32 ranks' stacks of a job making steps")))
     assert schedule.journal_read_due(told, T0 + 90)
     quiet = replace(told, now_wall=T0 + 50 + schedule.JOURNAL_FOLLOW_S + 1)
     assert not schedule.journal_read_due(quiet, T0 + 90), "captures of a running job are no story"
