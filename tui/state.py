@@ -143,7 +143,12 @@ def apply_journal(state: AppState, entries: Iterable[Event | tuple[float, str, s
     once. A hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so
     the views of a pair tell one story; a restart is told before the resumption the journal stamped earlier."""
     told = [e if isinstance(e, Event) else Event(*e) for e in entries]
-    own = {id(m) for e in told for m in same_moments(state.events, e)}
+    # What starts a new chapter is looked for in the journal too: read before this view saw the hot-update's
+    # restart itself, the journal's "training runs again" after it read as this view's own line of the eviction's
+    # restart (no restart between them in this view's events), and that line was dropped.
+    pool = (*state.events, *told)
+    mine = {id(e) for e in state.events}
+    own = {id(m) for e in told for m in same_moments(pool, e) if id(m) in mine}
     if own:
         state = replace(state, events=tuple(e for e in state.events if id(e) not in own))
     events = merged(state.events, told)

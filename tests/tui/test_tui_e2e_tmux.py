@@ -359,7 +359,7 @@ def recaptured_story(session: str, pair: str, when: str, after: str = "", versio
             wait_screen(target, lambda t: resumed_after_restart_on(t, version), 120, f"the resumption on {version}")
         stories.append(story(events_pages(target)))
         tmux("send-keys", "-t", target, "1")
-    assert stories[0] == stories[1], stories
+    assert stories[0] == stories[1], "\n".join(["main view:", *stories[0], "read-only view:", *stories[1]])
     assert sum(1 for row in stories[0] if row.startswith("hung")) <= 1, stories[0]
 
 

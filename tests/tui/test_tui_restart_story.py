@@ -303,3 +303,20 @@ def test_after_a_warm_restart_the_old_launchs_progress_mark_is_not_the_first_ste
     assert [(round(e.wall - J0), e.text) for e in s.events if e.kind == "hung"][-1:] == [
         (240, f"no progress since {st.fmt_time(J0 + 200)}")], s.events[-3:]
 
+
+def test_the_journals_resumption_after_a_restart_this_view_has_not_seen_yet_keeps_the_views_earlier_one() -> None:
+    """The read-only view read the journal (the acting view's restart of a hot-update and its "training runs again")
+    before seeing that restart itself: the journal's line read as the view's own line of the eviction's restart
+    (no restart between them in the view's events) and the view's line was dropped; the pair's stories differed."""
+    again = "training runs again after the restart"
+    s = replace(st.AppState(read_only=True), events=(
+        story.Event(T0, "hung", "no progress since 00:00:00"),
+        story.Event(T0 + 20, "restarted", "the job restarted on node01, standby-0: its ranks run under new pids"),
+        story.Event(T0 + 25, "resumed", again, observed=True)))
+    # The journal's lines not read before (a view passes each entry once): the hot-update's restart and first step.
+    s = st.apply_journal(s, [
+        story.Event(T0 + 200, "restarted", "the job restarted on node01, standby-0: its ranks run under new pids; "
+                                           "code git:v2"),
+        story.Event(T0 + 206, "resumed", again, observed=True)])
+    assert [(e.wall - T0, e.kind) for e in s.events if e.kind != "hung"] == [
+        (20, "restarted"), (25, "resumed"), (200, "restarted"), (206, "resumed")], s.events
