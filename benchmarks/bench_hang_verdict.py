@@ -31,7 +31,7 @@ from rankscope.analyzers.progress import HangThreshold
 from rankscope.drill.faults import HANG_FAULTS, DrillLayout, make_plan
 from rankscope.drill.launcher import TrainingOptions
 from rankscope.drill.session import DrillConfig, DrillSession
-from rankscope.tui import state as st
+from rankscope.tui import health as hl
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.sources import LiveSource
 
@@ -51,12 +51,12 @@ class Run:
 
 def fixed_rule(fixed: bool) -> Callable[[], None]:
     """The baseline: the hang threshold the app had before, --hang-after (30 s) whatever the job's rhythm."""
-    original = st.hang_threshold
+    original = hl.hang_threshold
     if fixed:
-        st.hang_threshold = lambda gaps, ceiling_s: HangThreshold(ceiling_s, None, False)  # type: ignore[assignment]
+        hl.hang_threshold = lambda step_s, settled, ceiling_s: HangThreshold(ceiling_s, None, False)  # type: ignore[assignment]
 
     def restore() -> None:
-        st.hang_threshold = original  # type: ignore[assignment]
+        hl.hang_threshold = original  # type: ignore[assignment]
 
     return restore
 
@@ -65,9 +65,8 @@ def judged_at(app: RankscopeApp, seen: list[float]) -> bool:
     """Keep the hang threshold the app judged by, the first time it called the job hung; whether it has."""
     if not seen and any(e.kind == "hung" for e in app.state.events):
         seen.append(app.state.hang_threshold_s)
-        gaps = app.state.progress_gaps
-        print(f"    judged hung at {seen[0]:.1f} s: {app.state.hang.basis()}, {len(gaps)} gaps, "
-              f"median {statistics.median(gaps) if gaps else 0:.2f} s", flush=True)
+        print(f"    judged hung at {seen[0]:.1f} s: {app.state.hang.basis()}, the ranks' last step "
+              f"{app.state.rhythm_step_s or 0:.2f} s, collectives settled: {app.state.collectives_settled}", flush=True)
     return bool(seen)
 
 

@@ -76,8 +76,9 @@ def pp_peers(rank: int, layout: Layout = FIG7_LAYOUT) -> tuple[int, ...]:
     return tuple(tp + layout.tp * (pp + layout.pp * dp) for pp in range(layout.pp))
 
 
-def counters_for(rank: int, world: int, step: int, hung: bool) -> RankCounters:
-    """One PP communicator per rank: in the hang, rank 30 never launched its last send."""
+def counters_for(rank: int, world: int, step: int, hung: bool, step_s: float | None = None) -> RankCounters:
+    """One PP communicator per rank: in the hang, rank 30 never launched its last send. ``step_s``: how long the
+    rank's last step took, as its counters time it (None: not timed)."""
     peers = pp_peers(rank)
     comm = Communicator(f"pp{peers[0]}", "gloo", "PIPELINE_MODEL_PARALLEL_GROUP", peers)
     cl = step * 4
@@ -87,11 +88,11 @@ def counters_for(rank: int, world: int, step: int, hung: bool) -> RankCounters:
             cl -= 1
         wc = cl - 1 if rank in (26, 28) else cl  # irecv posted, never completed
     ops = (OpCounters(comm.comm_id, "p2p", cl, cl, wc, open_peers=(30,) if wc < cl else ()),)
-    return RankCounters(rank, 1000 + rank, world, "fig7", T0, (comm,), ops, steps=step)
+    return RankCounters(rank, 1000 + rank, world, "fig7", T0, (comm,), ops, steps=step, last_step_duration_s=step_s)
 
 
 def machine(index: int, wall: float, *, stacks: bool, step: int, hung: bool, world: int = 32,
-            reachable: bool = True, gpu_temp: float = 60.0) -> MachineSnapshot:
+            reachable: bool = True, gpu_temp: float = 60.0, step_s: float | None = None) -> MachineSnapshot:
     name = f"node{index:02d}"
     address = f"127.0.0.1:{50100 + index}"
     if not reachable:
@@ -107,14 +108,14 @@ def machine(index: int, wall: float, *, stacks: bool, step: int, hung: bool, wor
                                             mem_total_bytes=80 << 30,
                                             temperature_c=gpu_temp if i == 1 else 60.0, power_w=500.0)
                                  for i in range(2)), driver_version="555.42")
-    counters = tuple(counters_for(r, world, step, hung) for r in ranks)
+    counters = tuple(counters_for(r, world, step, hung, step_s) for r in ranks)
     return MachineSnapshot(name, address, True, Instant(wall, wall - T0), name, infos, st, host, gpus, counters)
 
 
 def job(wall: float, *, stacks: bool, step: int, hung: bool, lost: tuple[int, ...] = (),
-        hot_machine: int | None = None) -> JobSnapshot:
+        hot_machine: int | None = None, step_s: float | None = None) -> JobSnapshot:
     ms = tuple(machine(i, wall, stacks=stacks, step=step, hung=hung, reachable=i not in lost,
-                       gpu_temp=95.0 if i == hot_machine else 60.0) for i in range(16))
+                       gpu_temp=95.0 if i == hot_machine else 60.0, step_s=step_s) for i in range(16))
     return JobSnapshot(Instant(wall, wall - T0), ms, job_id="fig7", layout=FIG7_LAYOUT)
 
 

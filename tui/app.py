@@ -34,7 +34,7 @@ from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui import digest as dg
 from rankscope.tui import health as hl
-from rankscope.tui import schedule, staleness
+from rankscope.tui import schedule, staleness, story
 from rankscope.tui import state as st
 from rankscope.tui.actions import ActionController
 from rankscope.tui.analysis import StackView, build_stack_view, rank_stack_lines, verdict_text
@@ -432,19 +432,19 @@ class RankscopeApp(App[int]):
         if again and not new:
             return
         self._journaled.update((e.wall, e.kind, e.text) for e in new)
-        self.state = st.apply_journal(self.state, (st.Event(e.wall, e.kind, e.text, observed=e.observed, slow=e.slow)
+        self.state = st.apply_journal(self.state, (story.Event(e.wall, e.kind, e.text, observed=e.observed, slow=e.slow)
                                                         for e in new))
         self.redraw()
 
     def _write_journal(self) -> None:
-        """The moments a late view must see (``st.journal_worthy``), written once to every agent's journal."""
+        """The moments a late view must see (``story.journal_worthy``), written once to every agent's journal."""
         journal = getattr(self.source, "journal", None)
         if self.options.read_only or not callable(journal):
             return
         from rankscope.actions.journal import JournalEntry
         from rankscope.tui.actions import requester
 
-        new = [e for e in self.state.events if st.journal_worthy(e) and (e.wall, e.kind, e.text) not in self._journaled]
+        new = [e for e in self.state.events if story.journal_worthy(e) and (e.wall, e.kind, e.text) not in self._journaled]
         if not new:
             return
         self._journaled.update((e.wall, e.kind, e.text) for e in new)

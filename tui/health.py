@@ -8,12 +8,13 @@ capture scheduling ask them too. Times shown are the snapshots' own.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
 import numpy as np
-from rankscope.analyzers.progress import mid_step_window, timing_summary
+from rankscope.analyzers.progress import RHYTHM_FACTOR, RHYTHM_MIN_S, HangThreshold, mid_step_window, timing_summary
 from rankscope.tui.analysis import StackView
 from rankscope.tui.digest import CommView, JobClock, MachineView
 
@@ -85,6 +86,36 @@ def progress_age(state: Readings) -> float | None:
     if state.last_progress_wall is None or not state.progress_points:
         return None
     return max(0.0, state.progress_points[-1][0] - state.last_progress_wall)
+
+
+def hang_threshold(step_s: float | None, settled: bool, ceiling_s: float) -> HangThreshold:
+    """How long without progress is a hang, from what the latest reading says of the job's rhythm.
+
+    ``step_s``: the longest step the ranks' counters last timed (their own durations, past a launch's first steps;
+    None: none known). No progress for ``RHYTHM_FACTOR`` times it is a hang, never sooner than ``RHYTHM_MIN_S``,
+    never later than the ceiling (``--hang-after``).
+
+    Read from the latest reading alone, never from a history of polls: while the job stalls its counters stand
+    still, so every view (an acting one attached at the start, a read-only one attached in the hang) counts down
+    to the same second. A history each view kept of what it happened to poll gave two views of one hang two
+    countdowns.
+
+    ``settled``: every collective any rank launched has completed and no rank lags its communicator -- nobody
+    waits on a peer. A stuck collective is what the rhythm judges; ranks quiet between collectives (a job past its
+    last step, tearing down; a checkpoint save every rank makes) are judged by the ceiling. A job that had finished
+    its steps was called hung 8 s after its last step while its ranks exited.
+    """
+    if step_s is None:
+        return HangThreshold(ceiling_s, None, False)
+    wanted = max(RHYTHM_MIN_S, RHYTHM_FACTOR * step_s)
+    if settled:
+        return HangThreshold(ceiling_s, step_s, False)
+    return HangThreshold(min(wanted, ceiling_s), step_s, wanted < ceiling_s)
+
+
+def collectives_settled(comms: Sequence[CommView]) -> bool:
+    """The ranks' counters show every launched collective completed and no rank behind its communicator."""
+    return bool(comms) and not any(c.mismatch for c in comms)
 
 
 def quiet_after(state: Readings) -> float:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from rankscope.tui.digest import JobClock
 from rankscope.tui.health import health
-from rankscope.tui.state import AppState, journal_worthy
+from rankscope.tui.state import AppState
+from rankscope.tui.story import journal_worthy
 
 
 def _unknown_for_long(state: AppState, clock: JobClock) -> bool:

@@ -10,8 +10,9 @@ bundle replays exactly.
 The other ideas live beside it: the digest of one snapshot
 (``rankscope.tui.digest``), the health rules (``rankscope.tui.health``), the
 filter (``rankscope.tui.filter``), start-up classification
-(``rankscope.tui.startup``) and whether a verdict is stale
-(``rankscope.tui.staleness``).
+(``rankscope.tui.startup``), whether a verdict is stale
+(``rankscope.tui.staleness``), the events told once (``rankscope.tui.story``)
+and the sparklines' history (``rankscope.tui.series``).
 
 Times shown are taken from the snapshots, never from the clock here: ``now``
 is passed in (the receive time when live, the bundle's own time offline).
@@ -23,66 +24,24 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionState, AuditRecord
 from rankscope.analyzers.findings import VerdictStatus
-from rankscope.analyzers.progress import RHYTHM_KEPT, RHYTHM_WARMUP, HangThreshold, hang_threshold
+from rankscope.analyzers.progress import HangThreshold
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout
+from rankscope.tui import health as hl
 from rankscope.tui.analysis import StackView
 from rankscope.tui.digest import CommView, JobClock, MachineView, MetricRow, PollDigest, job_clock
 from rankscope.tui.failslow_state import FailSlowView
 from rankscope.tui.filter import NO_FILTER, Filter, compile_filter
-from rankscope.tui.health import fmt_time, health, making_steps, running_capture_text
+from rankscope.tui.health import collectives_settled, fmt_time, health, making_steps, running_capture_text
+from rankscope.tui.series import HISTORY, Series
 from rankscope.tui.startup import importing_stack
 from rankscope.tui.state_actions import ActionsState, audit_line_text, drop_notes, log_note, log_record
+from rankscope.tui.story import RESTART_SETTLE_S, Event, before_its_resumption, merged, same_moments, when_found
 
-HISTORY = 60  # points kept for sparklines (one per poll, about a minute at 1 Hz)
-EVENTS_KEPT = 500
 # Snapshots kept for `w`: bounded by ranks so 16k-rank jobs do not eat the memory.
 KEPT_RANK_SNAPSHOTS = 65_536
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Series:
-    """The last ``HISTORY`` readings of many keys (machines, GPUs, communicators) as one array.
-
-    A 2,048-machine job has 16k GPU keys; one array shifted per poll costs a
-    copy, where a tuple per key cost 16k Python objects a second. Each push
-    returns a new Series, so older states stay valid (compared by identity).
-    """
-
-    keys: tuple[str, ...] = ()
-    index: Mapping[str, int] = field(default_factory=dict)
-    values: np.ndarray = field(default_factory=lambda: np.empty((0, HISTORY)))
-
-    def get(self, key: str) -> tuple[float, ...]:
-        i = self.index.get(key)
-        if i is None:
-            return ()
-        row = self.values[i]
-        return tuple(float(x) for x in row[~np.isnan(row)])
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.index
-
-    def pushed(self, keys_in: tuple[str, ...], readings: Sequence[float] | np.ndarray) -> Series:
-        keys, index = self.keys, self.index
-        values = self.values
-        if keys_in is keys or keys_in == keys:  # the usual case: the same machines as last time, in the same order
-            column = np.asarray(readings, dtype=float)
-        else:
-            new_keys = [k for k in keys_in if k not in index]
-            if new_keys:
-                keys = (*keys, *new_keys)
-                index = {k: i for i, k in enumerate(keys)}
-                values = np.vstack([values, np.full((len(new_keys), HISTORY), np.nan)])
-            column = np.full(len(keys), np.nan)
-            column[[index[k] for k in keys_in]] = readings
-        shifted = np.empty_like(values)
-        shifted[:, :-1] = values[:, 1:]
-        shifted[:, -1] = column
-        return Series(keys, index, shifted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,21 +58,6 @@ class VerdictMark:
     # the capture names no suspect (a restart's first step, a view attached to a healthy job, `s` on one).
     running: bool = False
     restarting: bool = False  # taken while the job restarted (an eviction's or a hot-update's): no steady state
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    wall: float
-    kind: str  # capture, verdict, lost, found, capture-failed, hung, resumed, restarted, evicted, action, info
-    text: str
-    # A verdict that names no suspect (no verdict, or a running job's timing): shown, not kept by the journal.
-    names_nobody: bool = False
-    # A resumption a view saw in the ranks' progress ("training runs again"), not the restarter's account of the
-    # step it resumed from (journaled as such: JournalEntry.observed).
-    observed: bool = False
-    # A fail-slow reading (a verdict): the machines the detectors name, () when they name none now; None: not one
-    # (journaled as JournalEntry.slow).
-    slow: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +83,7 @@ class AppState:
     evicted: frozenset[str] = frozenset()  # machines an eviction took out of the job (from the audit logs)
     restarts: int = 0  # times the job's ranks came back with new pids (an eviction, a hot-update, a relaunch)
     rank_pids: Mapping[int, int] = field(default_factory=dict)  # each rank's pid in the launch seen last (_restarted)
+    rank_machines: Mapping[int, str] = field(default_factory=dict)  # the machine each rank was last seen on
     clock: JobClock | None = None  # the job's state per its agents (None: they do not report it)
     verdict: VerdictMark | None = None  # what the job was doing when ``stacks`` was captured
     evicted_addresses: frozenset[str] = frozenset()  # agents taken out of the job (hostfile, audit)
@@ -154,9 +99,10 @@ class AppState:
     source_label: str = ""
     read_only: bool = False
     hang_after_s: float = 30.0  # no progress this long is a hang at the latest (the one setting: --hang-after)
-    # Gaps between the job's successive progress marks (oldest first): its rhythm, which sets the hang threshold.
-    progress_gaps: tuple[float, ...] = ()
-    launch_marks: int = 0  # progress marks seen in this launch (its first RHYTHM_WARMUP gaps are no rhythm)
+    # The job's rhythm, which sets the hang threshold, read from the latest reading alone (``health.hang_threshold``):
+    # the longest step its ranks' counters last timed, and whether every collective they launched has completed.
+    rhythm_step_s: float | None = None
+    collectives_settled: bool = False
     # What the person and the services set (apply_filter, apply_failslow, apply_audit, ...).
     filter: Filter = NO_FILTER
     failslow: FailSlowView | None = None  # the fail-slow detectors' latest view (view 7)
@@ -173,7 +119,7 @@ class AppState:
     @property
     def hang(self) -> HangThreshold:
         """No progress this long is a hang: the job's own rhythm, at most ``hang_after_s``."""
-        return hang_threshold(self.progress_gaps, self.hang_after_s)
+        return hl.hang_threshold(self.rhythm_step_s, self.collectives_settled, self.hang_after_s)
 
     @property
     def hang_threshold_s(self) -> float:
@@ -192,125 +138,25 @@ class AppState:
         return {r: m.name for m in self.machines for r in m.ranks}
 
 
-# Moments every view sees for itself and the acting view also journals: one story, told once. An event of these
-# kinds within ONE_STORY_S of one of the same kind, with nothing between them that starts a new chapter (a hang
-# that resumed, a restart), is the same moment seen by two views.
-ONE_STORY_KINDS = frozenset({"hung", "restarted"})
-ONE_STORY_S = 30.0
-RESTART_SETTLE_S = 30.0  # after a restart a view saw, its agents going and coming back are still the restart
-_CHAPTERS = {"hung": frozenset({"resumed", "restarted"}), "restarted": frozenset({"hung", "evicted"}),
-             "resumed": frozenset({"hung", "restarted"})}
-
-
-def _same_moment(events: Sequence[Event], e: Event) -> Event | None:
-    """An event of ``events`` that tells the moment ``e`` tells, or None: the same words within ``ONE_STORY_S`` (a
-    view's own line and the journal's copy of it, stamped a moment apart; journal kinds) or, for a hang or a
-    resumption, with no new chapter between them; or for ``ONE_STORY_KINDS`` the same kind with no new chapter
-    between them within ``ONE_STORY_S``."""
-    return next(iter(_same_moments(events, e)), None)
-
-
-def _new_chapter(events: Sequence[Event], kind: str, a: float, b: float) -> bool:
-    """Something between the times ``a`` and ``b`` starts a new chapter for events of ``kind``."""
-    lo, hi = sorted((a, b))
-    return any(x.kind in _CHAPTERS[kind] and lo < x.wall < hi for x in events)
-
-
-def _new_reading(events: Sequence[Event], slow: tuple[str, ...], a: float, b: float) -> bool:
-    """Between the times ``a`` and ``b`` the job restarted, lost machines to an eviction, or the fail-slow detectors
-    read other than ``slow``."""
-    lo, hi = sorted((a, b))
-    return any(lo < x.wall < hi and (x.kind in ("evicted", "restarted") or (x.slow is not None and x.slow != slow))
-               for x in events)
-
-
-def _same_moments(events: Sequence[Event], e: Event) -> list[Event]:
-    """Every event of ``events`` that tells the moment ``e`` tells (``_same_moment``): a view that saw one restart
-    twice (once before every agent was back, once after) has two lines the journal's one line replaces.
-
-    The same words of a hang ("no progress since 10:09:26", the agents' mark) or a resumption, with no new chapter
-    between them, are one moment however far apart they were seen: a view attached late logged the hang a minute
-    after the acting view had journaled it, and listed it twice."""
-    found: list[Event] = []
-    if e.kind in JOURNAL_KINDS:  # (captures repeat their words every 10 s in fail-slow mode: each is a capture)
-        found = [o for o in events if o.kind == e.kind and o.text == e.text and (
-            abs(o.wall - e.wall) <= ONE_STORY_S
-            or (e.kind in ("hung", "resumed") and not _new_chapter(events, e.kind, o.wall, e.wall)))]
-    if e.slow is not None:
-        # The fail-slow detectors of each view of a pair name the slow machine at their own moment, in their own
-        # evidence's words: one reading until a restart, an eviction or another reading comes between them.
-        found += [o for o in events if o.slow == e.slow and not any(o is f for f in found)
-                  and not _new_reading(events, e.slow, o.wall, e.wall)]
-    if e.kind not in ONE_STORY_KINDS:
-        return found
-    for other in events:
-        if other.kind != e.kind or abs(other.wall - e.wall) > ONE_STORY_S or any(other is f for f in found):
-            continue
-        if not _new_chapter(events, e.kind, other.wall, e.wall):
-            found.append(other)
-    return found
-
-
-def _with_events(state: AppState, events: Iterable[Event]) -> tuple[Event, ...]:
-    """The events in time order (stable: one poll's events keep their order). An agent's audit record carries its
-    own time, earlier than what this view already logged: appended as it came, the newest-first list put 08:43:38
-    above 08:43:39."""
-    new = tuple(events)
-    if new and state.events:
-        # The same moment told twice (the agents' journal and an audit stream, both replayed at attach) is one event.
-        first = min(e.wall for e in new)
-        have = {(e.wall, e.kind, e.text) for e in state.events if e.wall >= first}
-        new = tuple(e for e in new if (e.wall, e.kind, e.text) not in have and _same_moment(state.events, e) is None)
-    if not new:
-        return state.events
-    merged = (*state.events, *new)
-    if state.events and min(e.wall for e in new) < state.events[-1].wall:
-        merged = tuple(sorted(merged, key=lambda e: e.wall))
-    return merged[-EVENTS_KEPT:]
-
-
-JOURNAL_KINDS = frozenset({"hung", "verdict", "evicted", "restarted", "resumed", "action"})
-_FINAL_WORDS = (" succeeded on ", " failed on ", " refused on ", " cancelled on ")
-
-
-def journal_worthy(event: Event) -> bool:
-    """An event the agents' incident journal keeps for a view attached later: the hang, verdicts that name
-    suspects, how actions ended, evictions, restarts and resumed training (not captures, polls or action steps)."""
-    if event.kind not in JOURNAL_KINDS:
-        return False
-    if event.kind == "verdict":
-        return not event.names_nobody
-    if event.kind == "action":
-        return any(w in event.text for w in _FINAL_WORDS)
-    return True
-
-
 def apply_journal(state: AppState, entries: Iterable[Event | tuple[float, str, str]]) -> AppState:
     """The agents' journal (events, or (wall, kind, text)): what happened before this view attached, as events, each
     once. A hang or a restart this view also saw for itself is told in the journal's words (the acting view's), so
     the views of a pair tell one story; a restart is told before the resumption the journal stamped earlier."""
     told = [e if isinstance(e, Event) else Event(*e) for e in entries]
-    own = {id(m) for e in told for m in _same_moments(state.events, e)}
+    # What starts a new chapter is looked for in the journal too: read before this view saw the hot-update's
+    # restart itself, the journal's "training runs again" after it read as this view's own line of the eviction's
+    # restart (no restart between them in this view's events), and that line was dropped.
+    pool = (*state.events, *told)
+    mine = {id(e) for e in state.events}
+    own = {id(m) for e in told for m in same_moments(pool, e) if id(m) in mine}
     if own:
         state = replace(state, events=tuple(e for e in state.events if id(e) not in own))
-    events = _with_events(state, told)
-    moved = tuple(replace(e, wall=_before_its_resumption(events, e.wall)) if e.kind == "restarted" else e
+    events = merged(state.events, told)
+    moved = tuple(replace(e, wall=before_its_resumption(events, e.wall)) if e.kind == "restarted" else e
                   for e in events)
     if moved != events:
         events = tuple(sorted(moved, key=lambda e: e.wall))
     return replace(state, events=events)
-
-
-TOLD_BEFORE_S = 0.001  # a restart is stamped this much before the resumption that was stamped first
-
-
-def _before_its_resumption(events: Sequence[Event], wall: float) -> float:
-    """When to tell a restart a view found at ``wall``: just before the journal's resumption of it if that is stamped
-    earlier (within RESTART_SETTLE_S, with no hang, eviction or other restart between them), else at ``wall``."""
-    cut = max((e.wall for e in events if e.kind in _CAUSES and e.wall < wall), default=wall - RESTART_SETTLE_S)
-    first = min((e.wall for e in events if e.kind == "resumed" and not e.observed
-                 and max(cut, wall - RESTART_SETTLE_S) < e.wall < wall), default=None)
-    return wall if first is None else first - TOLD_BEFORE_S
 
 
 _UPDATE_TARGET = re.compile(r" to (.+) \((?:immediate|lazy)\)$")
@@ -365,7 +211,12 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
                       if m.name not in names and m.address not in addresses)
     machines = _mark_evicted(machines, state.evicted, state.evicted_addresses)
     metric_rows = _mark_evicted_rows(d.metric_rows, frozenset(m.name for m in machines if m.evicted))
-    restarted, between, rank_pids = _restarted(state.rank_pids, machines)
+    # Ranks whose machine answers and runs none of the job's ranks now: they ended, and no new process of theirs
+    # is seen yet.
+    answering = {m.name for m in machines if m.reachable and not m.evicted and not m.ranks}
+    emptied = frozenset(r for r, name in state.rank_machines.items() if name in answering)
+    restarted, between, rank_pids = _restarted(state.rank_pids, machines, emptied)
+    rank_machines = {**state.rank_machines, **{r: m.name for m in machines if m.reachable for r in m.ranks}}
     clock = job_clock(machines)
     restarting = frozenset(
         m.name for m in machines if not m.reachable and not m.evicted
@@ -396,13 +247,12 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         # Told before the journal's "resumed from step N" of this restart when that came first: the ranks report
         # their step before a view's poll finds their new pids. (Not at the ranks' start: a warm restart's ranks
         # were parked processes, started long before.)
-        events.append(Event(_before_its_resumption(state.events, now_wall), "restarted",
+        events.append(Event(before_its_resumption(state.events, now_wall), "restarted",
                             f"the job restarted on {on}: its ranks run under new pids{placed}{code}"))
         # Counters start again in the new processes: the old progress and step points would read as a
         # hang or a negative rate.
         state = replace(state, progress_points=(), step_points=(), last_progress_wall=None, hung_reported=False,
-                        progress_before_restart=state.last_progress_wall,
-                        launch_marks=0)
+                        progress_before_restart=state.last_progress_wall)
     metric_history = state.metric_history.pushed(d.metric_keys, d.metric_values)
     comms = d.comms if d.comms else state.comms
     comm_history = state.comm_history.pushed(d.comm_keys, d.comm_values) if d.comms else state.comm_history
@@ -412,13 +262,11 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         step_points = (*step_points, (d.wall, d.steps))[-HISTORY:]
     last_progress = state.last_progress_wall
     hung_reported = state.hung_reported
-    gaps = state.progress_gaps
-    if d.longest_step_s is not None and not state.hung_reported:
-        # The ranks' own step durations are the rhythm from the first poll on; the marks' gaps add what they miss
-        # (a checkpoint save between steps).
-        gaps = (*gaps, d.longest_step_s)[-RHYTHM_KEPT:]
-    marks = state.launch_marks
-    threshold = state.hang_threshold_s
+    # Settled: the counters stand still (no more completions than the reading before: a rank's file gone at its
+    # exit is none) and every collective launched has completed. While the job moves, the rhythm alone.
+    still = not state.progress_points or d.progress <= state.progress_points[-1][1]
+    settled = still and collectives_settled(comms)
+    threshold = hl.hang_threshold(d.longest_step_s, settled, hang_after_s).seconds
     if clock is not None:
         # The agents remember when the job last progressed: a view attached late says what an early one says.
         # After a restart, a mark no newer than the launch before's last progress is that launch's: by hand after a
@@ -426,16 +274,11 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         floor = state.progress_before_restart if last_progress is None else None
         mark = clock.progress_mark if floor is None or (clock.progress_mark or 0.0) > floor else None
         moved = mark is not None and (last_progress is None or mark > last_progress)
-        if moved:
-            marks += 1
-        if moved and last_progress is not None and clock.progress_mark is not None and not hung_reported \
-                and marks > RHYTHM_WARMUP:
-            gaps = (*gaps, clock.progress_mark - last_progress)[-RHYTHM_KEPT:]  # a hang that ended is no rhythm
         if moved and last_progress is None and state.restarts + restarted > 0:
             # No time in the words: each view saw the first step at its own poll ("first step at 07:53:02" in one
             # view, "07:53:00" in its pair), and the row's time says when.
             # Stamped at the first step itself, as the restart at its start: in the order things happened.
-            events.append(Event(_when(mark, now_wall, (*state.events, *events)), "resumed",
+            events.append(Event(when_found(mark, now_wall, (*state.events, *events)), "resumed",
                                 "training runs again after the restart", observed=True))
         elif moved and hung_reported and not between and not state.awaiting_restart:
             # Not between an eviction and the restart it brings, nor in a poll that caught two launches: the new
@@ -462,11 +305,6 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             hung_reported = True
     else:
         moved = not state.progress_points or d.progress != state.progress_points[-1][1]
-        if moved:
-            marks += 1
-        if moved and last_progress is not None and state.progress_points and not hung_reported \
-                and marks > RHYTHM_WARMUP:
-            gaps = (*gaps, d.wall - last_progress)[-RHYTHM_KEPT:]
         if moved or last_progress is None:
             last_progress = d.wall
         if moved and hung_reported and state.progress_points and not between and not state.awaiting_restart:
@@ -491,32 +329,21 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         metric_history=metric_history,
         progress_points=progress_points,
         step_points=step_points,
-        progress_gaps=gaps,
-        launch_marks=marks,
+        rhythm_step_s=d.longest_step_s,
+        collectives_settled=settled,
         last_progress_wall=last_progress,
-        events=_with_events(state, events),
+        events=merged(state.events, events),
         kept=kept,
         polls=state.polls + 1,
         hung_reported=hung_reported,
         restarts=state.restarts + (1 if restarted else 0),
         rank_pids=rank_pids,
+        rank_machines=rank_machines,
         clock=clock,
         awaiting_restart=state.awaiting_restart and not restarted,
         restart_seen_wall=now_wall if restarted else state.restart_seen_wall,
         restarting=restarting,
     )
-
-
-_CAUSES = frozenset({"hung", "evicted", "restarted"})
-
-
-def _when(mark: float | None, now_wall: float, before: Sequence[Event]) -> float:
-    """When a moment a poll found happened: the agents' mark of it (a launch's start, its first step), never later
-    than the poll that found it nor earlier than the hang, eviction or restart before it (an agent's clock a little
-    behind the view's must not put a restart above the eviction that brought it)."""
-    if mark is None:
-        return now_wall
-    return min(now_wall, max(mark, max((e.wall for e in before if e.kind in _CAUSES), default=mark)))
 
 
 def _mark_evicted(machines: tuple[MachineView, ...], evicted: frozenset[str],
@@ -538,11 +365,17 @@ def _mark_evicted_rows(rows: tuple[MetricRow, ...], evicted: frozenset[str]) -> 
             + tuple(replace(r, evicted=True, outliers=frozenset()) for r in rows if r.machine in evicted))
 
 
-def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tuple[bool, bool, Mapping[int, int]]:
-    """Whether the job's ranks came back as new processes, whether the poll caught two launches at once, and each
-    rank's pid in the launch known now.
+def _restarted(known: Mapping[int, int], machines: Sequence[MachineView],
+               emptied: frozenset[int] = frozenset()) -> tuple[bool, bool, Mapping[int, int]]:
+    """Whether the job's ranks came back as new processes, whether the poll caught two launches at once (or a
+    launch not whole), and each rank's pid in the launch known now.
 
-    Restarted: none of the ranks seen now has its pid of the launch before.
+    Restarted: none of the ranks seen now has its pid of the launch before, and no rank of ``emptied`` (ranks
+    whose machine answers and runs none of the job's ranks now) is missing from them. Ranks that ended cleanly
+    after the job's last step leave some ranks behind for a moment under other pids (a process of the rank that
+    outlived it, carrying its rank variables): with the other machines empty that is the job ending, not a
+    launch, and it was told as "the job restarted on standby-0, standby-1" after the job had finished. A real
+    launch is told once its ranks are back on those machines too (the next polls).
     A poll in the middle of a restart can catch both launches (a standby's new
     ranks beside a survivor's old ones): no restart yet, and the new pids are
     not taken in, so the poll that sees every rank new tells the restart. (Taken
@@ -558,6 +391,8 @@ def _restarted(known: Mapping[int, int], machines: Sequence[MachineView]) -> tup
     both = seen.keys() & known.keys()
     changed = [r for r in both if known[r] != seen[r]]
     if both and len(changed) == len(both):
+        if emptied - seen.keys():  # not a whole launch (yet): the launch before stays the one to compare with
+            return False, True, {**seen, **known}
         return True, False, {**known, **seen}
     if changed:  # two launches at once: the launch before stays the one to compare with
         return False, True, {**seen, **known}
@@ -577,7 +412,7 @@ def apply_evicted(state: AppState, machines: Iterable[str], now_wall: float, add
         if names else []
     s = replace(state, evicted=evicted, evicted_addresses=evicted_addresses,
                 machines=_mark_evicted(state.machines, evicted, evicted_addresses),
-                events=_with_events(state, events), awaiting_restart=state.awaiting_restart or bool(new))
+                events=merged(state.events, events), awaiting_restart=state.awaiting_restart or bool(new))
     # A note on an evicted machine's audit stream (its agent stopped as the eviction ran) is no longer news.
     return replace(s, actions=replace(s.actions, log=drop_notes(s.actions.log, _evicted_addresses(s))))
 
@@ -637,7 +472,7 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     clock = s.clock
     mark = VerdictMark(d.wall, s.restarts, clock.progress_mark if clock is not None else None, d.progress,
                        clock is not None, starting, running, state.awaiting_restart)
-    s = replace(s, stacks=view, capture_wall=d.wall, verdict=mark, events=_with_events(s, events))
+    s = replace(s, stacks=view, capture_wall=d.wall, verdict=mark, events=merged(s.events, events))
     # A text filter matches frames: against the new capture's groups it selects other ranks.
     return apply_filter(s, s.filter.text) if s.filter.active else s
 
@@ -669,7 +504,7 @@ def apply_capture_analyzed(state: AppState, d: PollDigest, view: StackView, now_
 
 
 def apply_failure(state: AppState, what: str, message: str, now_wall: float) -> AppState:
-    return replace(state, events=_with_events(state, [Event(now_wall, what, message)]))
+    return replace(state, events=merged(state.events, [Event(now_wall, what, message)]))
 
 
 def apply_info(state: AppState, message: str, now_wall: float) -> AppState:
@@ -702,7 +537,7 @@ def apply_failslow(state: AppState, view: FailSlowView) -> AppState:
         text = f"slow: {' '.join(named)} — {v.verdict.summary}"
     else:
         text = "the fail-slow detectors name no machine now"
-    return replace(state, failslow=view, events=_with_events(state, [Event(state.now_wall, "verdict", text,
+    return replace(state, failslow=view, events=merged(state.events, [Event(state.now_wall, "verdict", text,
                                                                             slow=named)]))
 
 

@@ -36,7 +36,6 @@ from rankscope.actions.model import (
 )
 from rankscope.analyzers.findings import Suspect, SuspectKind
 from rankscope.contract.bundle import Bundle
-from rankscope.tui import state as st
 from rankscope.tui.actions import ACT_TOKEN_FIX, ActionSource, pick_suspect, plan_text, summarize
 from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.screens.confirm import ConfirmModal, UpdateModal
@@ -567,7 +566,7 @@ async def test_e_through_real_agents_stops_the_suspect_ranks_and_a_read_only_tui
                 await until(third, late.loaded.is_set, 30, "the late view")
 
                 def story(app: RankscopeApp) -> list[tuple[str, str]]:
-                    return [(e.kind, e.text) for e in app.state.events if st.journal_worthy(e)]
+                    return [(e.kind, e.text) for e in app.state.events if story.journal_worthy(e)]
 
                 await until(third, lambda: any(k == "action" and "evict succeeded on m1" in t for k, t in story(late))
                             and any(k == "verdict" for k, _ in story(late)), 30, "the journal in the late view")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rankscope.tui.state import Event
+from rankscope.tui.story import Event
 from rankscope.tui.widgets.events import event_rows
 
 T0 = 1_700_000_000.0

@@ -26,7 +26,7 @@ from rankscope.contract.snapshot import (
 from rankscope.tui import digest as dg
 from rankscope.tui import filter as flt
 from rankscope.tui import health as hl
-from rankscope.tui import staleness
+from rankscope.tui import staleness, story
 from rankscope.tui import state as st
 from rankscope.tui.analysis import build_stack_view
 from rankscope.tui.widgets.metrics import render_row
@@ -425,7 +425,7 @@ def test_an_agent_slower_back_than_the_ranks_stays_restarting_not_lost() -> None
     assert [e.text for e in s.events if e.kind in ("found", "lost")] == []
     # An agent that has not come back once the restart settled is news: lost, said once.
     s = fold([snap(T0 + 20, progress=T0 + 19, unreachable=("machine-0", "machine-1"))], s)
-    s = fold([snap(T0 + 8 + st.RESTART_SETTLE_S + 1, progress=T0 + 38, unreachable=("machine-0", "machine-1"))], s)
+    s = fold([snap(T0 + 8 + story.RESTART_SETTLE_S + 1, progress=T0 + 38, unreachable=("machine-0", "machine-1"))], s)
     assert s.lost == ("machine-0",) and s.restarting == frozenset()
     address = next(m.address for m in s.machines if m.name == "machine-0")
     assert [e.text for e in s.events if e.kind == "lost"] == [

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from rankscope.tui import digest as dg
-from rankscope.tui import schedule
+from rankscope.tui import schedule, story
 from rankscope.tui import state as st
 from rankscope.tui.analysis import build_stack_view
 from tui_bundles import T0, job
@@ -68,8 +68,8 @@ def test_the_journal_tells_a_hang_and_a_restart_once_in_the_acting_views_words()
     # The read-only view saw the hang 14 s after the acting view journaled it, and the restart before every agent
     # was back: without one story, Events listed each twice ("hung at 02:07:14" and "at 02:07:28").
     s = st.AppState(read_only=True)
-    s = replace(s, events=(st.Event(T0 + 14, "hung", "no progress since 00:00:00"),
-                           st.Event(T0 + 40, "restarted", "the job restarted on standby-0 (agent not back yet)")))
+    s = replace(s, events=(story.Event(T0 + 14, "hung", "no progress since 00:00:00"),
+                           story.Event(T0 + 40, "restarted", "the job restarted on standby-0 (agent not back yet)")))
     s = st.apply_journal(s, [(T0, "hung", "no progress since 23:59:58"),
                              (T0 + 42, "restarted", "the job restarted on node00, standby-0")])
     assert [(e.wall - T0, e.kind, e.text) for e in s.events] == [
@@ -108,8 +108,8 @@ def test_a_restart_the_pair_saw_twice_is_told_once_in_the_journals_words() -> No
     # The read-only view logged the restart before every agent was back and again once they were; the journal's line
     # replaced only the first, and the pair's Events listed the restart twice where the acting view had it once.
     s = replace(st.AppState(read_only=True), events=(
-        st.Event(T0 + 40, "restarted", "the job restarted on node01, standby-0 (agent not back yet)"),
-        st.Event(T0 + 44, "restarted", "the job restarted on node01, standby-0")))
+        story.Event(T0 + 40, "restarted", "the job restarted on node01, standby-0 (agent not back yet)"),
+        story.Event(T0 + 44, "restarted", "the job restarted on node01, standby-0")))
     s = st.apply_journal(s, [(T0 + 41, "restarted", "the job restarted on node01, standby-0 (standby-0 joined)")])
     assert [(e.wall - T0, e.text) for e in s.events] == [
         (41.0, "the job restarted on node01, standby-0 (standby-0 joined)")]
@@ -230,7 +230,7 @@ def test_a_restart_is_told_before_the_restarters_account_by_its_kind_never_befor
     for observed in (False, True):
         s = fold([snap(J0 + i, progress=J0 + 10) for i in range(30, 34)], st.AppState(read_only=True))
         s = st.apply_evicted(s, ["machine-9"], J0 + 34)
-        s = st.apply_journal(s, [st.Event(J0 + 43, "resumed", words, observed=observed)])
+        s = st.apply_journal(s, [story.Event(J0 + 43, "resumed", words, observed=observed)])
         s = fold([snap(J0 + 45, progress=None, started=J0 + 31, pids=2000)], s)
         restarted = next(e.wall - J0 for e in s.events if e.kind == "restarted")
         assert round(restarted, 3) == (45.0 if observed else 42.999), observed
@@ -264,10 +264,10 @@ def test_a_pair_tells_the_slowdown_once_though_its_detectors_name_it_later_in_ot
     for journal_first in (True, False):
         s = fold([snap(J0 + i, progress=J0 + i) for i in range(30, 34)], st.AppState(read_only=True))
         if journal_first:
-            s = st.apply_journal(s, [st.Event(told.wall, told.kind, told.text, slow=told.slow)])
+            s = st.apply_journal(s, [story.Event(told.wall, told.kind, told.text, slow=told.slow)])
         s = st.apply_failslow(replace(s, now_wall=J0 + 80), _failslow("machine-2", "fail-slow: machine-2 (rank 5)"))
         if not journal_first:
-            s = st.apply_journal(s, [st.Event(told.wall, told.kind, told.text, slow=told.slow)])
+            s = st.apply_journal(s, [story.Event(told.wall, told.kind, told.text, slow=told.slow)])
         slow = [(e.wall - J0, e.text) for e in s.events if e.slow]
         assert slow == [(43.0, acting.text)], (journal_first, slow)
         # An eviction starts another chapter: the same machine named after it is news.
@@ -302,3 +302,21 @@ def test_after_a_warm_restart_the_old_launchs_progress_mark_is_not_the_first_ste
     s = fold([snap(J0 + 200 + i, progress=J0 + 111.5, started=J0 + 50, pids=4000) for i in (0, 40)], s)
     assert [(round(e.wall - J0), e.text) for e in s.events if e.kind == "hung"][-1:] == [
         (240, f"no progress since {st.fmt_time(J0 + 200)}")], s.events[-3:]
+
+
+def test_the_journals_resumption_after_a_restart_this_view_has_not_seen_yet_keeps_the_views_earlier_one() -> None:
+    """The read-only view read the journal (the acting view's restart of a hot-update and its "training runs again")
+    before seeing that restart itself: the journal's line read as the view's own line of the eviction's restart
+    (no restart between them in the view's events) and the view's line was dropped; the pair's stories differed."""
+    again = "training runs again after the restart"
+    s = replace(st.AppState(read_only=True), events=(
+        story.Event(T0, "hung", "no progress since 00:00:00"),
+        story.Event(T0 + 20, "restarted", "the job restarted on node01, standby-0: its ranks run under new pids"),
+        story.Event(T0 + 25, "resumed", again, observed=True)))
+    # The journal's lines not read before (a view passes each entry once): the hot-update's restart and first step.
+    s = st.apply_journal(s, [
+        story.Event(T0 + 200, "restarted", "the job restarted on node01, standby-0: its ranks run under new pids; "
+                                           "code git:v2"),
+        story.Event(T0 + 206, "resumed", again, observed=True)])
+    assert [(e.wall - T0, e.kind) for e in s.events if e.kind != "hung"] == [
+        (20, "restarted"), (25, "resumed"), (200, "restarted"), (206, "resumed")], s.events

@@ -14,10 +14,11 @@ from rankscope.contract.snapshot import Frame, JobSnapshot, ProcessRole, Process
 from rankscope.tui import digest as dg
 from rankscope.tui import filter as flt
 from rankscope.tui import health as hl
-from rankscope.tui import schedule
+from rankscope.tui import schedule, story
 from rankscope.tui import state as st
 from rankscope.tui.analysis import build_stack_view, rank_stack_lines
 from rankscope.tui.app import AppOptions, RankscopeApp
+from rankscope.tui.series import Series
 from rankscope.tui.sources import poll_loop
 from rankscope.tui.widgets import sparkline as spk
 from tui_bundles import T0, fig7_bundle, job, lost_series
@@ -83,7 +84,7 @@ def test_filter_by_rank_range_machine_and_frame_text() -> None:
 
 
 def test_series_shifts_and_adds_keys() -> None:
-    s = st.Series().pushed(("a", "b"), (1.0, 2.0)).pushed(("a", "b"), (3.0, 4.0))
+    s = Series().pushed(("a", "b"), (1.0, 2.0)).pushed(("a", "b"), (3.0, 4.0))
     assert s.get("a") == (1.0, 3.0) and s.get("b") == (2.0, 4.0)
     s2 = s.pushed(("b", "c"), (5.0, 6.0))
     assert s2.get("a") == (1.0, 3.0) and s2.get("b") == (2.0, 4.0, 5.0) and s2.get("c") == (6.0,)
@@ -380,16 +381,17 @@ def test_no_progress_counts_to_the_hang_threshold_and_the_capture_and_is_never_h
 
     s = st.AppState()
     for i in range(10):  # 1 step/s
-        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=100 + i, hung=False)), T0 + i)
+        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=100 + i, hung=False, step_s=1.0)), T0 + i)
     assert hl.health(s).kind == "healthy" and hl.recent_step_rate(s) == 1.0
-    # The job's rhythm (1 s steps) sets the threshold: 3 of its longest steps, at least 6 s (was a fixed 30 s).
+    # The job's rhythm (1 s steps, as its counters time them) sets the threshold: 3 of its longest steps, at least
+    # 6 s (was a fixed 30 s).
     assert s.hang_threshold_s == 6.0
     for i in range(10, 16):  # then no step at all (the first poll of the stop still moved the operation counters)
-        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=109, hung=True)), T0 + i)
+        s = st.apply_poll(s, dg.digest(job(T0 + i, stacks=False, step=109, hung=True, step_s=1.0)), T0 + i)
     line = header_text(s, "x", False).plain.splitlines()[0]
     assert line.startswith("no progress for 5 s │ 16/16 machines │ ") and \
         line.endswith("│ hang + capture in 1 s (3× its 1.0 s step)"), line
-    s = st.apply_poll(s, dg.digest(job(T0 + 16, stacks=False, step=109, hung=True)), T0 + 16)
+    s = st.apply_poll(s, dg.digest(job(T0 + 16, stacks=False, step=109, hung=True, step_s=1.0)), T0 + 16)
     assert hl.health(s).kind == "hung" and schedule.hang_capture_due(s)
     assert "│ 0.00 steps/s │ capture due" in header_text(s, "x", False).plain
     assert [e.text for e in s.events if e.kind == "hung"] == [f"no progress since {hl.fmt_time(T0 + 10)}"]
@@ -397,20 +399,25 @@ def test_no_progress_counts_to_the_hang_threshold_and_the_capture_and_is_never_h
 
 def test_a_healthy_job_with_long_and_uneven_steps_is_never_called_hung() -> None:
     # 1 s steps with a 5 s checkpoint save every 8th step, then a job of 12 s steps: judged by their own rhythm.
+    # During a save every rank is between collectives (all completed, counters still): the ceiling judges it.
     s = st.AppState()
     wall, step = T0, 100
     for i in range(40):
-        wall += 5.0 if i % 8 == 7 else 1.0
+        took = 5.0 if i % 8 == 7 else 1.0
+        wall += took
         step += 1
-        for t in range(int(wall - (5.0 if i % 8 == 7 else 1.0)) + 1, int(wall)):  # the polls in between
-            s = st.apply_poll(s, dg.digest(job(t, stacks=False, step=step - 1, hung=False)), t)
+        for t in range(int(wall - took) + 1, int(wall)):  # the polls in between
+            s = st.apply_poll(s, dg.digest(job(t, stacks=False, step=step - 1, hung=False, step_s=1.0)), t)
             assert hl.health(s).kind != "hung", (i, t, hl.health(s))
-        s = st.apply_poll(s, dg.digest(job(wall, stacks=False, step=step, hung=False)), wall)
+            assert s.hang_threshold_s == 30.0 and s.hang.basis() == "--hang-after", (i, t, s.hang)
+        s = st.apply_poll(s, dg.digest(job(wall, stacks=False, step=step, hung=False, step_s=took)), wall)
+    # The last step was a save's (5 s, timed by the ranks' counters), the job moves: 3 of it.
     assert s.hang_threshold_s == 15.0 and s.hang.longest_gap_s == 5.0
     assert not any(e.kind == "hung" for e in s.events)
     slow = st.AppState()
     for i in range(8):  # 12 s steps: 36 s would be the rhythm's threshold, the --hang-after ceiling is 30 s
-        slow = st.apply_poll(slow, dg.digest(job(T0 + 12 * i, stacks=False, step=100 + i, hung=False)), T0 + 12 * i)
+        slow = st.apply_poll(slow, dg.digest(job(T0 + 12 * i, stacks=False, step=100 + i, hung=False, step_s=12.0)),
+                             T0 + 12 * i)
     assert slow.hang_threshold_s == 30.0 and slow.hang.basis() == "--hang-after"
 
 
@@ -445,7 +452,7 @@ def test_a_metric_outlier_is_told_by_text_with_its_direction_and_its_peers() -> 
                        frozenset()) for i in range(1, 4)),
     )
     medians = column_medians(rows)
-    cells = render_row(rows[0], st.Series(), medians)
+    cells = render_row(rows[0], Series(), medians)
     hot = cells[2 + dg.METRICS.index("temp")]
     assert str(hot) == "99▲", hot  # above the others: the arrow says it without colour
 
@@ -520,8 +527,8 @@ def test_a_view_reads_the_journal_while_the_story_may_change_and_then_no_more() 
     assert not schedule.journal_read_due(s, None), "no story yet"
     assert schedule.journal_read_due(replace(s, awaiting_restart=True), T0 + 100 - schedule.JOURNAL_EVERY_S)
     assert not schedule.journal_read_due(replace(s, awaiting_restart=True), T0 + 99.5), "not sooner than every 2 s"
-    told = replace(s, events=(st.Event(T0 + 50, "resumed", "the job resumed from step 96"),
-                              st.Event(T0 + 99, "capture", "captured 32 ranks' stacks of a job making steps")))
+    told = replace(s, events=(story.Event(T0 + 50, "resumed", "the job resumed from step 96"),
+                              story.Event(T0 + 99, "capture", "captured 32 ranks' stacks of a job making steps")))
     assert schedule.journal_read_due(told, T0 + 90)
     quiet = replace(told, now_wall=T0 + 50 + schedule.JOURNAL_FOLLOW_S + 1)
     assert not schedule.journal_read_due(quiet, T0 + 90), "captures of a running job are no story"

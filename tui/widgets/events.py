@@ -6,7 +6,8 @@ import textwrap
 from collections.abc import Sequence
 
 from rankscope.tui.health import fmt_time
-from rankscope.tui.state import AppState, Event
+from rankscope.tui.state import AppState
+from rankscope.tui.story import Event
 from rankscope.tui.widgets.table import LineTable
 from rich.text import Text
 

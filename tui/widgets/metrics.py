@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from rankscope.tui.digest import METRICS, MetricRow
 from rankscope.tui.filter import Filter
-from rankscope.tui.state import AppState, Series
+from rankscope.tui.series import Series
+from rankscope.tui.state import AppState
 from rankscope.tui.widgets.sparkline import sparkline
 from rankscope.tui.widgets.table import Cell, LineTable
 from rich.text import Text
