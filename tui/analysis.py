@@ -25,6 +25,7 @@ from rankscope.analyzers.progress import ProgressAtCapture
 from rankscope.analyzers.render import headline, verdict_lines
 from rankscope.analyzers.rounds import StackRound, round_of
 from rankscope.analyzers.stacks import diverging_frame
+from rankscope.contract.heap import collector_paused
 from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import Frame, JobSnapshot, Layout, RankStacks, main_thread
 
@@ -232,7 +233,8 @@ def build_stack_view(snapshot: JobSnapshot, layout: Layout | None = None) -> Sta
 
 
 def _from_analyzers(snapshot: JobSnapshot, layout: Layout | None, missing: tuple[int, ...]) -> StackView:
-    job = analyze_job(snapshot, layout or snapshot.layout)  # the verdict analyze and the drill give too
+    with collector_paused():  # the analysis makes many objects and no cycles (rankscope.contract.heap)
+        job = analyze_job(snapshot, layout or snapshot.layout)  # the verdict analyze and the drill give too
     analysis, verdict = job.stacks, job.fault_verdict
     notes: list[str] = []
     grouping = analysis.grouping

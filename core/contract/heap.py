@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 
 _PAUSED = [0, False]  # pauses under way (fan-outs overlap); whether the collector ran before the first
 _SETTLES = [False]  # set by settle_in_this_process
+_PAUSING = threading.Lock()  # the TUI pauses in its analysis worker while its fan-out pauses in the event loop
 
 
 def settle_in_this_process(on: bool = True) -> None:
@@ -38,14 +40,16 @@ def settle() -> None:
 def collector_paused() -> Iterator[None]:
     """No cyclic collection inside; overlapping pauses share one, and the last to end restores the collector as
     the first found it (settling first, so no collection runs between the end and the settling)."""
-    if _PAUSED[0] == 0:
-        _PAUSED[1] = gc.isenabled()
-        gc.disable()
-    _PAUSED[0] += 1
+    with _PAUSING:
+        if _PAUSED[0] == 0:
+            _PAUSED[1] = gc.isenabled()
+            gc.disable()
+        _PAUSED[0] += 1
     try:
         yield
     finally:
-        _PAUSED[0] -= 1
-        if _PAUSED[0] == 0 and _PAUSED[1]:
-            settle()
-            gc.enable()
+        with _PAUSING:
+            _PAUSED[0] -= 1
+            if _PAUSED[0] == 0 and _PAUSED[1]:
+                settle()
+                gc.enable()
