@@ -9,7 +9,7 @@ from rankscope.analyzers.findings import Suspect
 from rankscope.analyzers.labels import group_name, group_numbers, suspect_label
 from rankscope.analyzers.render import headline, headline_parts
 from rankscope.contract.ranks import compact_machines, compact_ranks
-from rankscope.contract.snapshot import Layout
+from rankscope.contract.snapshot import DIMS, Layout
 from rankscope.tui.analysis import StackView
 from rankscope.tui.filter import Filter
 from rankscope.tui.health import (
@@ -190,7 +190,7 @@ def verdict_text_rich(view: StackView | None, flt: Filter, max_suspects: int = 3
         number = group_numbers(s)
         # "PP 6-7" read as ranks 6-7: the groups are named as groups.
         name = group_name(s.kind.value, s.groups or ((s.group_index,) if s.group_index is not None else ())) \
-            if s.kind.value in ("pp", "dp", "tp", "cp", "ep") else \
+            if s.kind.value in DIMS else \
             f"{s.kind.value.upper()}{' ' + number if number else ''}"
         t.append(f"\n ▸ {name}", look("bold yellow"))
         t.append(f"  machines {compact_machines(s.machines)}", look("bold"))
