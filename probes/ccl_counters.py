@@ -141,20 +141,21 @@ def _pread(fd: int, off: int, size: int) -> bytes:
 def _read_stable(fd: int, off: int, size: int, seq_off: int | None = None) -> bytes:
     """A consistent copy of ``size`` bytes at ``off`` whose seqlock sits at ``seq_off`` (default: first).
 
-    The seqlock word lies inside the record, before its fields, so one pread copies it first and the fields
-    after it (the kernel copies forward); a second pread of the word alone closes the read. Two system calls,
-    not three: a writer that stores without pause (a job of many small collectives) leaves a reader a window
-    only as wide as that.
+    The seqlock word is read on its own before the copy and again after it, three system calls: the kernel's
+    string copy may load a record's words in any order, so the word inside the copy alone could have been
+    loaded after a field the writer was changing (a new CL was once read beside the old byte count). The copy's
+    own word must agree too. A writer that stores without pause leaves a reader a window only as wide as the
+    three calls, hence the retries.
     """
     at = 0 if seq_off is None else seq_off
     deadline = 0.0
     while True:
         for _ in range(SEQLOCK_RETRIES):
-            raw = _pread(fd, off, size)
-            s1 = L.SEQ.unpack_from(raw, at)[0]
+            s1 = L.SEQ.unpack(_pread(fd, off + at, L.SEQ.size))[0]
             if s1 & 1:
                 continue
-            if L.SEQ.unpack(_pread(fd, off + at, L.SEQ.size))[0] == s1:
+            raw = _pread(fd, off, size)
+            if L.SEQ.unpack_from(raw, at)[0] == s1 and L.SEQ.unpack(_pread(fd, off + at, L.SEQ.size))[0] == s1:
                 return raw
         now = time.monotonic()
         if not deadline:
