@@ -41,6 +41,7 @@ from rankscope.tui.app import AppOptions, RankscopeApp
 from rankscope.tui.screens.confirm import ConfirmModal, UpdateModal
 from rankscope.tui.screens.help import HelpScreen
 from rankscope.tui.sources import BundleSource
+from rankscope.tui.story import journal_worthy
 from rankscope.tui.toasts import kind_of
 from textual.widgets import Button, Input, RadioButton, Static
 from tui_bundles import T0, fig7_bundle, job
@@ -566,7 +567,7 @@ async def test_e_through_real_agents_stops_the_suspect_ranks_and_a_read_only_tui
                 await until(third, late.loaded.is_set, 30, "the late view")
 
                 def story(app: RankscopeApp) -> list[tuple[str, str]]:
-                    return [(e.kind, e.text) for e in app.state.events if story.journal_worthy(e)]
+                    return [(e.kind, e.text) for e in app.state.events if journal_worthy(e)]
 
                 await until(third, lambda: any(k == "action" and "evict succeeded on m1" in t for k, t in story(late))
                             and any(k == "verdict" for k, _ in story(late)), 30, "the journal in the late view")
