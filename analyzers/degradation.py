@@ -45,7 +45,7 @@ class DegradationFinding:
     def evidence(self) -> str:
         if self.kind == "slow_compute":
             return (f"rank {self.rank}: {self.op} on comm {self.comm_id} took {self.value * 1e3:.2f} ms < "
-                    f"α·mean {self.threshold * 1e3:.2f} ms: it arrived last (slow compute)")
+                    f"α·mean {self.threshold * 1e3:.2f} ms: it arrived last (held up before this collective)")
         return (f"rank {self.rank}: {self.op} on comm {self.comm_id} moves data at "
                 f"{1 / self.value / 1e6 if self.value > 0 else 0:.1f} MB/s, N {self.value:.3g} s/B > β·mean "
                 f"{self.threshold:.3g} s/B (slow link)")
