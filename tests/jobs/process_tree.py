@@ -24,10 +24,11 @@ from pathlib import Path
 
 CHILD = """
 import os, sys, time
-def load_fake_batches(release):
+def load_fake_batches(release, here):
+    open(here, "w").close()  # in its loop now: its rank says ready only after this
     while not os.path.exists(release) and os.getppid() != 1:
         time.sleep(0.05)
-load_fake_batches(sys.argv[1])
+load_fake_batches(sys.argv[1], sys.argv[2])
 """
 
 
@@ -48,7 +49,12 @@ def rank_main(directory: Path, rank: int) -> None:
         park_fake_rank(release, me)
         os._exit(0)
     env = dict(os.environ, RANKSCOPE_ROLE="dataloader")
-    loader = subprocess.Popen([sys.executable, "-c", CHILD, str(release)], env=env)
+    loader_here = directory / f".loader.{rank}"
+    loader = subprocess.Popen([sys.executable, "-c", CHILD, str(release), str(loader_here)], env=env)
+    # Ready once the loader sits in load_fake_batches (a capture must find it there, not still importing).
+    deadline = time.monotonic() + 60
+    while not loader_here.exists() and loader.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     ready = {"rank": rank, "pid": me, "checkpoint": forked, "dataloader": loader.pid}
     tmp = directory / f".ready.{rank}"
     tmp.write_text(json.dumps(ready))
