@@ -173,8 +173,9 @@ def _environment(raw: bytes) -> dict[str, str]:
     env: dict[str, str] = {}
     for entry in raw.split(b"\0"):
         key, sep, value = entry.partition(b"=")
-        if sep and key.decode(errors="replace") in _ENV_KEY_SET:
-            env[key.decode()] = value.decode(errors="replace")
+        name = key.decode(errors="replace")
+        if sep and name in _ENV_KEY_SET:
+            env[name] = value.decode(errors="replace")
     return env
 
 
