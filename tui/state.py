@@ -234,8 +234,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         version = code_version(state)
         code = f"; code {version}" if version else ""
         # Ranks that now run on another machine (a standby took an evicted machine's place): said, not left to
-        # the rank map to show silently.
-        was_on = state.machine_of_rank()
+        # the rank map to show silently. Where each rank was last seen: between the launches its machine answers
+        # with no ranks, and every rank read as moved to where it had always been.
+        was_on = state.rank_machines
         moved_ranks: dict[str, list[int]] = {}
         for m in machines:
             if m.reachable and not m.evicted:
