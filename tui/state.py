@@ -452,9 +452,10 @@ def apply_capture(state: AppState, d: PollDigest, view: StackView, now_wall: flo
     running = view.timing_not_fault if view.progress is not None else \
         health(s).kind in ("healthy", "slow") and making_steps(s)
     events = [Event(now_wall, "capture", capture_text(len(d.snapshot.all_stacks()), view, running))]
-    if not d.snapshot.all_stacks() and (state.awaiting_restart or s.restarting):
-        # Between the old processes and the new there is nobody to read: "captured 0 ranks' stacks" and "no
-        # verdict: no rank's stacks could be read" are no news of the incident, and rows its pair did not log.
+    if not any(g.ranks for g in view.groups) and (state.awaiting_restart or s.restarting):
+        # Between the old processes and the new there is nobody to read (no rank listed, or each listed one's
+        # process ended during the capture): "captured 4 ranks' stacks, 0 readable" and "no verdict: no rank's
+        # stacks could be read" are no news of the incident, and rows its pair did not log.
         events = []
     elif running:
         events.append(Event(now_wall, "verdict", running_capture_text(view), names_nobody=True))

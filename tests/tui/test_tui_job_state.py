@@ -12,6 +12,8 @@ from dataclasses import replace
 
 import pytest
 from rankscope.contract.snapshot import (
+    CaptureError,
+    CaptureErrorKind,
     Frame,
     Instant,
     JobSnapshot,
@@ -312,6 +314,21 @@ def test_a_hot_update_that_restarts_the_job_is_restarting_and_a_capture_meanwhil
     nobody = st.apply_capture_analyzed(down, dg.digest(empty), build_stack_view(empty, empty.layout), T0 + 7)
     assert [e.kind for e in nobody.events if e.wall >= T0 + 7] == []
     assert nobody.stacks is not None and not nobody.stacks.groups
+    # Nor while the ranks are still listed but each process ended during the capture: "captured 4 ranks' stacks,
+    # 0 readable" and "no verdict: no rank's stacks could be read" were logged then, in one view only.
+    ending = snap(T0 + 8, progress=T0 + 2)
+    gone = CaptureError(CaptureErrorKind.GONE, "the process exited", process_state="gone")
+    ending = replace(ending, machines=tuple(replace(m, stacks=tuple(
+        RankStacks(r.rank, ProcessStack(r.pid, ProcessRole.MAIN, None, gone)) for r in m.ranks))
+        for m in ending.machines))
+    assert len(ending.all_stacks()) == 4
+    still = st.apply_capture_analyzed(down, dg.digest(ending), build_stack_view(ending, ending.layout), T0 + 8)
+    assert [e.kind for e in still.events if e.wall >= T0 + 8] == []
+    # Outside a restart the same capture is news: the ranks' processes are gone.
+    told = st.apply_capture_analyzed(fold([snap(T0 + 7, progress=T0 + 7)]), dg.digest(ending),
+                                     build_stack_view(ending, ending.layout), T0 + 8)
+    assert [e.kind for e in told.events if e.wall >= T0 + 8] == ["capture", "verdict"]
+    assert "0 readable" in told.events[-2].text, told.events[-2].text
 
 
 
