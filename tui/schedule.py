@@ -33,9 +33,11 @@ def hang_capture_due(state: AppState) -> bool:
     """Progress stopped and this stop was not captured yet.
 
     After a restart, ranks slow to reach their first step (a loaded host, a backup being restored) are
-    captured once they step, not as a hang: that capture caught rendezvous and restore stacks.
+    captured once they step, not as a hang: that capture caught rendezvous and restore stacks. Nor between an
+    eviction and the restart it brings: the launcher is stopping the ranks left, and their stacks are of a dying job
+    (a capture there named a new culprit two seconds after the eviction).
     """
-    restarting = state.capture_after_start and state.restarts > 0
+    restarting = (state.capture_after_start and state.restarts > 0) or state.awaiting_restart
     return health(state).kind == "hung" and not restarting and \
         state.hang_captured_for != state.last_progress_wall
 

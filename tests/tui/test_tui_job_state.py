@@ -464,3 +464,24 @@ def test_at_80_columns_a_restarts_header_is_whole_and_counts_its_machines_once()
         first = header_text(s, "3 agents", False, width=width).plain.splitlines()[0].rstrip()
         assert first.startswith("restarting │ 2/3 machines 1 restarting") and "…" not in first, (width, first)
         assert len(first) <= width - 2, first
+
+
+def test_no_hang_capture_between_an_eviction_and_the_restart_it_brings() -> None:
+    from rankscope.tui import schedule
+
+    # Steps until T0+10, then a hang, captured once.
+    s = fold([snap(T0 + i, progress=T0 + min(i, 10)) for i in range(0, 60, 2)])
+    assert hl.health(s).kind == "hung" and schedule.hang_capture_due(s)
+    s = st.apply_hang_captured(s)
+    assert not schedule.hang_capture_due(s)
+    # The stopped machine's peers see their collectives end as its ranks are killed: their progress mark moves once,
+    # then stands while the launcher stops them. A capture then read the dying job and named a new culprit
+    # ("rank 3 on machine-1") two seconds after the eviction, before the restart.
+    evicted = st.apply_evicted(s, ["machine-1"], T0 + 61)
+    assert evicted.awaiting_restart
+    dying = [snap(T0 + 62 + i, progress=T0 + 62) for i in range(0, 40, 2)]
+    after = fold(dying, evicted)
+    assert hl.health(after).kind == "hung" and after.last_progress_wall == T0 + 62
+    assert not schedule.hang_capture_due(after)
+    # Without the eviction the same readings are a new stop of a running job: captured.
+    assert schedule.hang_capture_due(fold(dying, s))
