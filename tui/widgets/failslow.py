@@ -70,7 +70,7 @@ def _summary(view: FailSlowView, step_label: str) -> Text:
                     "`rankscope watch --record`", "dim")
     style = "bold red" if v.confident else ("yellow" if v.verdict.suspects else "green")
     out = Text.assemble((v.verdict.summary, style))
-    out.append(f"\nconfidence {v.confidence:.0%}{' (confident)' if v.confident else ''} · "
+    out.append(f"\nconfidence {v.confidence:.2f}{' (confident)' if v.confident else ''} · "
                f"{view.updates} rounds", "bold" if v.confident else "")
     slow_for = view.slow_for_s
     if slow_for is not None and v.slow_since_mono is not None:
