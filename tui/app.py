@@ -20,13 +20,11 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from rankscope.analyzers.failslow_config import FailSlowConfig
-from rankscope.analyzers.findings import Verdict
 from rankscope.contract.bundle import Bundle, write_bundle
 from rankscope.contract.errors import RankscopeError
 from rankscope.contract.heap import settle, settle_in_this_process
@@ -38,6 +36,7 @@ from rankscope.tui import schedule, staleness, story
 from rankscope.tui import state as st
 from rankscope.tui.actions import ActionController
 from rankscope.tui.analysis import StackView, build_stack_view, rank_stack_lines, verdict_text
+from rankscope.tui.app_options import AppOptions, AttachOptions
 from rankscope.tui.failslow_state import FailSlowFeeder, FailSlowUpdated
 from rankscope.tui.messages import (
     ActionChanged,
@@ -67,8 +66,7 @@ from textual.notifications import Notification, Notify, SeverityLevel
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Input, TabbedContent
 
-if TYPE_CHECKING:
-    from rankscope.wire.tls import ClientTLS
+__all__ = ["AppOptions", "AttachOptions", "RankscopeApp", "run_app", "run_attach", "run_bundle", "run_loaded"]
 
 # Only bound when the session may act (see RankscopeApp.__init__).
 ACTION_KEYS: tuple[tuple[str, str, str], ...] = (("e", "evict", "Evict"), ("u", "update", "Update"),
@@ -86,26 +84,6 @@ class _JournalFollow:
 
     def began(self, now_wall: float) -> None:
         self.read_wall, self.reading = now_wall, True
-
-
-@dataclass(frozen=True, slots=True)
-class AppOptions:
-    poll_interval_s: float = 1.0
-    hang_after_s: float = 30.0  # capture automatically when progress stops this long (seeds AppState's)
-    fail_slow: bool = False  # capture every 10 s
-    capture_on_start: bool = True
-    bundle_dir: Path = Path(".")
-    layout: Layout | None = None
-    read_only: bool = False
-    pair_command: str = ""  # how a second person attaches read-only (the drill makes it); logged as the first event
-    failslow_config: FailSlowConfig | None = None  # the fail-slow detectors' windows (None: drill-sized defaults)
-    # Told every verdict that names suspects of a stopped job (not a running one's timing, not a restart's): the
-    # verdict, its capture's wall time and rank -> machine then. The drill grades the first after its fault.
-    on_verdict: Callable[[Verdict, float, dict[int, str]], None] | None = None
-    # A terminal's SIGINT (kill -INT, a pairing wrapper) quits like q. Without a handler it lands as a
-    # KeyboardInterrupt in whatever code runs then, and code that guards a call against every error can swallow
-    # it (the view then ran on). Set by ``run_app`` only: tests run the app inside pytest's own loop.
-    exit_on_sigint: bool = False
 
 
 class RankscopeApp(App[int]):
@@ -685,23 +663,6 @@ def run_app(source: Source, options: AppOptions) -> int:
     app = RankscopeApp(source, replace(options, exit_on_sigint=True))
     result = app.run()
     return app.return_code or result or 0
-
-
-@dataclass(frozen=True, slots=True)
-class AttachOptions:
-    """How a live view reaches the job's agents (``run_attach``), beside what the app does (``AppOptions``)."""
-
-    deadline_s: float = 10.0  # per agent and call
-    capture_timeout_s: float = 5.0  # per py-spy call
-    native: bool = False  # native frames in captures
-    sample_hz: float = 0.0  # the agents sample every rank's main thread at this rate while polled; 0: off
-    tls: ClientTLS | None = None  # reach the agents over TLS
-    # (message, fix) when the token is known not to have the 'act' role: the action keys then say so instead of
-    # failing later.
-    act_problem: tuple[str, str] | None = None
-    hostfile: Path | None = None  # re-read while attached
-    evicted: tuple[str, ...] = ()  # agents the hostfile marks evicted
-    machine_names: Mapping[str, str] = field(default_factory=dict)  # their machines' names, where it says
 
 
 def run_attach(agents: Sequence[str], token: str | None, options: AppOptions,
