@@ -21,7 +21,7 @@ import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -32,11 +32,13 @@ from rankscope.contract.ranks import compact_ranks
 from rankscope.contract.snapshot import JobSnapshot, Layout
 from rankscope.tui import digest as dg
 from rankscope.tui import health as hl
-from rankscope.tui import schedule, staleness, story
+from rankscope.tui import schedule, staleness
 from rankscope.tui import state as st
 from rankscope.tui.actions import ActionController
 from rankscope.tui.analysis import StackView, build_stack_view, rank_stack_lines, verdict_text
+from rankscope.tui.app_journal import JournalFollow, JournalPart
 from rankscope.tui.app_options import AppOptions, AttachOptions
+from rankscope.tui.app_toasts import ToastsPart
 from rankscope.tui.failslow_state import FailSlowFeeder, FailSlowUpdated
 from rankscope.tui.messages import (
     ActionChanged,
@@ -54,7 +56,6 @@ from rankscope.tui.screens.main import VIEWS, MainScreen
 from rankscope.tui.screens.pair import pair_hint
 from rankscope.tui.screens.rank import RankScreen
 from rankscope.tui.sources import BundleSource, LiveSource, Source, poll_loop
-from rankscope.tui.toasts import ToastKind, coalesce, kinded
 from rankscope.tui.widgets.ccl import CclPanel
 from rankscope.tui.widgets.rank_map import RankMapPanel, group_glyph
 from rankscope.tui.widgets.stack_tree import StackTreePanel
@@ -62,8 +63,8 @@ from textual import on, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
-from textual.notifications import Notification, Notify, SeverityLevel
-from textual.screen import ModalScreen, Screen
+from textual.notifications import Notification
+from textual.screen import Screen
 from textual.widgets import Input, TabbedContent
 
 __all__ = ["AppOptions", "AttachOptions", "RankscopeApp", "run_app", "run_attach", "run_bundle", "run_loaded"]
@@ -75,18 +76,7 @@ SMALL_BUNDLE_BYTES = 4 << 20  # read before the UI opens; larger bundles are rea
 FAIL_SLOW_CAPTURE_S = 10.0  # ByteRobust's fail-slow rounds: aggregate every 10 s
 
 
-@dataclass(slots=True)
-class _JournalFollow:
-    """The journal reader's working state (nothing drawn): when it last read, and whether a read is under way."""
-
-    read_wall: float | None = None  # state.now_wall at the last read's start
-    reading: bool = False
-
-    def began(self, now_wall: float) -> None:
-        self.read_wall, self.reading = now_wall, True
-
-
-class RankscopeApp(App[int]):
+class RankscopeApp(ToastsPart, JournalPart, App[int]):
     CSS_PATH = "rankscope.tcss"
     TITLE = "rankscope"
     # e, u and b (evict, hot-update, checkpoint backup) are bound per app in __init__, and only when the session
@@ -130,7 +120,7 @@ class RankscopeApp(App[int]):
         self.failslow = FailSlowFeeder(self, self.options.failslow_config)
         self._held_toasts: list[Notification] = []  # raised while a dialog was open (``_on_notify``)
         self._journaled: set[tuple[float, str, str]] = set()  # events written to (or read from) the agents' journal
-        self._journal_follow = _JournalFollow()  # when the journal was last read, whether a read is under way
+        self._journal_follow = JournalFollow()  # when the journal was last read, whether a read is under way
 
     # -- setup --------------------------------------------------------------
 
@@ -192,9 +182,7 @@ class RankscopeApp(App[int]):
         self.main.focus_view()
         self.loaded.set()
         self.actions.start_watch()  # read-only sessions too: a pair's second pane sees actions happen
-        if self.source.live and callable(getattr(self.source, "journal", None)):
-            self._journal_follow.began(self.state.now_wall)
-            self.run_worker(self._read_journal(), group="journal-read", exit_on_error=False)
+        self._read_journal_at_attach()
         if self.source.live:
             self._poll()
             if self.options.capture_on_start:
@@ -308,59 +296,6 @@ class RankscopeApp(App[int]):
         self.state = st.apply_actions(self.state, message.change(self.state.actions))
         self.redraw()
 
-    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
-               timeout: float | None = None, markup: bool = True, kind: ToastKind | None = None) -> None:
-        """``App.notify`` with the toast's kind, given where it is raised: toasts of one kind merge (``tui.toasts``)."""
-        if kind is None:
-            super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
-            return
-        self.post_message(Notify(kinded(message, title, severity,
-                                        self.NOTIFICATION_TIMEOUT if timeout is None else timeout, markup, kind)))
-
-    def _on_notify(self, event: Notify) -> None:
-        """Toasts coalesced by kind and bounded (``tui.toasts``); held while a dialog is open, so none covers it."""
-        if isinstance(self.screen, ModalScreen):
-            self._held_toasts.append(event.notification)
-            return
-        self._show_toast(event.notification)
-
-    def _show_toast(self, notification: Notification) -> None:
-        drop, add = coalesce(list(self._notifications), notification)
-        for n in drop:
-            if n in self._notifications:
-                self._unnotify(n, refresh=False)
-        self._notifications.add(add)
-        self._refresh_notifications()
-
-    def _release_toasts(self) -> None:
-        """The toasts held while a dialog was open, once it closed (those still within their time); toasts raised
-        before a dialog opened are taken down while it is open (they covered its buttons)."""
-        if isinstance(self.screen, ModalScreen):
-            up = list(self._notifications)
-            if up:
-                for n in up:
-                    self._unnotify(n, refresh=False)
-                self._held_toasts.extend(up)
-                self._refresh_notifications()
-            return
-        if not self._held_toasts:
-            return
-        held = list(self._held_toasts)  # working state of the toasts, not drawn state: kept in place
-        self._held_toasts.clear()
-        for n in held:
-            if n.time_left > 0:
-                self._show_toast(n)
-
-    def on_agent_lost(self, message: AgentLost) -> None:
-        if self.state.awaiting_restart:  # the job restarts with its agents: "restarting" (header, map, Events)
-            return
-        self.notify(f"agent {message.machine} lost", severity="warning", timeout=4)
-
-    def on_agent_found(self, message: AgentFound) -> None:
-        if self.state.awaiting_restart:
-            return
-        self.notify(f"agent {message.machine} is back", timeout=3)
-
     def _maybe_capture(self) -> None:
         """Capture when progress stopped (once per stop), when the capture on screen misses running ranks (after a
         restart or a hot-update, once per set), and every 10 s in fail-slow mode."""
@@ -380,60 +315,6 @@ class RankscopeApp(App[int]):
                 self.action_capture()
 
     # -- drawing ------------------------------------------------------------
-
-    def _follow_journal(self) -> None:
-        """Read the agents' journal again when ``schedule.journal_read_due`` says so, one read at a time."""
-        follow = self._journal_follow
-        if follow.reading or not self.source.live or not callable(getattr(self.source, "journal", None)):
-            return
-        if not schedule.journal_read_due(self.state, follow.read_wall):
-            return
-        follow.began(self.state.now_wall)
-        self.run_worker(self._read_journal(again=True), group="journal-read", exit_on_error=False)
-
-    async def _read_journal(self, again: bool = False) -> None:
-        """What happened before this view attached, from the agents' incident journal (a late pair view tells the
-        same story as the view that watched it happen); ``again``: what was written since (a restart's resumed
-        step), each entry once, a failure said only at attach."""
-        journal = getattr(self.source, "journal", None)
-        if not callable(journal):
-            return
-        try:
-            entries = await journal()
-        except Exception as exc:  # an older agent, a lost one: the view works without the story
-            if not again:
-                self.state = st.apply_info(self.state, f"no incident journal from the agents: {exc}", self.clock())
-            return
-        finally:
-            self._journal_follow.reading = False
-        new = [e for e in entries if (e.wall, e.kind, e.text) not in self._journaled]
-        if again and not new:
-            return
-        self._journaled.update((e.wall, e.kind, e.text) for e in new)
-        self.state = st.apply_journal(self.state, (story.Event(e.wall, e.kind, e.text, observed=e.observed, slow=e.slow)
-                                                        for e in new))
-        self.redraw()
-
-    def _write_journal(self) -> None:
-        """The moments a late view must see (``story.journal_worthy``), written once to every agent's journal."""
-        journal = getattr(self.source, "journal", None)
-        if self.options.read_only or not callable(journal):
-            return
-        from rankscope.actions.journal import JournalEntry
-        from rankscope.tui.actions import requester
-
-        new = [e for e in self.state.events if story.journal_worthy(e) and (e.wall, e.kind, e.text) not in self._journaled]
-        if not new:
-            return
-        self._journaled.update((e.wall, e.kind, e.text) for e in new)
-        who = requester()
-        entries = [JournalEntry(e.wall, e.kind, e.text, who, e.observed, e.slow) for e in new]
-
-        async def write() -> None:
-            with contextlib.suppress(Exception):  # the journal is for later views; the incident goes on without it
-                await journal(entries)
-
-        self.run_worker(write(), group="journal")
 
     def redraw(self) -> None:
         self._write_journal()
