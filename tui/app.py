@@ -12,6 +12,11 @@ How data flows (and why nothing here can freeze the screen):
   their working state and post messages; what the screens draw -- the filter,
   the fail-slow view, the audit log, what is being confirmed, whether a capture
   runs -- is in the state.
+
+``RankscopeApp`` is put together from parts by concern (``rankscope.tui.app_part`` says how): the workers and the
+handlers of what they post (``app_workers``), the keys and their actions (``app_keys``), the toasts (``app_toasts``)
+and the incident journal (``app_journal``). This module holds what joins them (the store, the screen, the redraw)
+and the app's start-up (``run_attach``, ``run_bundle``, ``run_loaded``).
 """
 
 from __future__ import annotations
@@ -20,117 +25,42 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from rankscope.analyzers.failslow_config import FailSlowConfig
-from rankscope.analyzers.findings import Verdict
-from rankscope.contract.bundle import Bundle, write_bundle
-from rankscope.contract.errors import RankscopeError
-from rankscope.contract.heap import settle, settle_in_this_process
-from rankscope.contract.ranks import compact_ranks
-from rankscope.contract.snapshot import JobSnapshot, Layout
-from rankscope.tui import digest as dg
-from rankscope.tui import health as hl
-from rankscope.tui import schedule, staleness, story
+from rankscope.contract.bundle import Bundle
+from rankscope.contract.heap import settle_in_this_process
 from rankscope.tui import state as st
 from rankscope.tui.actions import ActionController
-from rankscope.tui.analysis import StackView, build_stack_view, rank_stack_lines, verdict_text
-from rankscope.tui.failslow_state import FailSlowFeeder, FailSlowUpdated
-from rankscope.tui.messages import (
-    ActionChanged,
-    AgentFound,
-    AgentLost,
-    AuditNoted,
-    AuditReceived,
-    CaptureAnalyzed,
-    CaptureFailed,
-    PollFailed,
-    SnapshotReceived,
-)
-from rankscope.tui.screens.help import HelpScreen
-from rankscope.tui.screens.main import VIEWS, MainScreen
-from rankscope.tui.screens.pair import pair_hint
-from rankscope.tui.screens.rank import RankScreen
-from rankscope.tui.sources import BundleSource, LiveSource, Source, poll_loop
-from rankscope.tui.toasts import ToastKind, coalesce, kinded
-from rankscope.tui.widgets.ccl import CclPanel
-from rankscope.tui.widgets.rank_map import RankMapPanel, group_glyph
+from rankscope.tui.app_journal import JournalFollow, JournalPart
+from rankscope.tui.app_keys import ACTION_KEYS, KEY_BINDINGS, KeysPart
+from rankscope.tui.app_options import AppOptions, AttachOptions
+from rankscope.tui.app_toasts import ToastsPart
+from rankscope.tui.app_workers import WorkersPart
+from rankscope.tui.failslow_state import FailSlowFeeder
+from rankscope.tui.screens.main import MainScreen
+from rankscope.tui.sources import BundleSource, LiveSource, Source
+from rankscope.tui.widgets.rank_map import RankMapPanel
 from rankscope.tui.widgets.stack_tree import StackTreePanel
-from textual import on, work
-from textual.app import App, SystemCommand
-from textual.binding import Binding, BindingType
+from textual import on
+from textual.app import App
+from textual.binding import BindingType
 from textual.css.query import NoMatches
-from textual.notifications import Notification, Notify, SeverityLevel
-from textual.screen import ModalScreen, Screen
+from textual.notifications import Notification
+from textual.screen import Screen
 from textual.widgets import Input, TabbedContent
 
-if TYPE_CHECKING:
-    from rankscope.wire.tls import ClientTLS
+__all__ = ["AppOptions", "AttachOptions", "RankscopeApp", "run_app", "run_attach", "run_bundle", "run_loaded"]
 
-# Only bound when the session may act (see RankscopeApp.__init__).
-ACTION_KEYS: tuple[tuple[str, str, str], ...] = (("e", "evict", "Evict"), ("u", "update", "Update"),
-                                                 ("b", "backup", "Backup"))
 SMALL_BUNDLE_BYTES = 4 << 20  # read before the UI opens; larger bundles are read by the app, in a thread
-FAIL_SLOW_CAPTURE_S = 10.0  # ByteRobust's fail-slow rounds: aggregate every 10 s
 
 
-@dataclass(slots=True)
-class _JournalFollow:
-    """The journal reader's working state (nothing drawn): when it last read, and whether a read is under way."""
-
-    read_wall: float | None = None  # state.now_wall at the last read's start
-    reading: bool = False
-
-    def began(self, now_wall: float) -> None:
-        self.read_wall, self.reading = now_wall, True
-
-
-@dataclass(frozen=True, slots=True)
-class AppOptions:
-    poll_interval_s: float = 1.0
-    hang_after_s: float = 30.0  # capture automatically when progress stops this long (seeds AppState's)
-    fail_slow: bool = False  # capture every 10 s
-    capture_on_start: bool = True
-    bundle_dir: Path = Path(".")
-    layout: Layout | None = None
-    read_only: bool = False
-    pair_command: str = ""  # how a second person attaches read-only (the drill makes it); logged as the first event
-    failslow_config: FailSlowConfig | None = None  # the fail-slow detectors' windows (None: drill-sized defaults)
-    # Told every verdict that names suspects of a stopped job (not a running one's timing, not a restart's): the
-    # verdict, its capture's wall time and rank -> machine then. The drill grades the first after its fault.
-    on_verdict: Callable[[Verdict, float, dict[int, str]], None] | None = None
-    # A terminal's SIGINT (kill -INT, a pairing wrapper) quits like q. Without a handler it lands as a
-    # KeyboardInterrupt in whatever code runs then, and code that guards a call against every error can swallow
-    # it (the view then ran on). Set by ``run_app`` only: tests run the app inside pytest's own loop.
-    exit_on_sigint: bool = False
-
-
-class RankscopeApp(App[int]):
+class RankscopeApp(WorkersPart, KeysPart, ToastsPart, JournalPart, App[int]):
     CSS_PATH = "rankscope.tcss"
     TITLE = "rankscope"
-    # e, u and b (evict, hot-update, checkpoint backup) are bound per app in __init__, and only when the session
-    # is not read-only: under --read-only they do not exist at all (nvitop's --readonly).
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("1", "view('overview')", "Overview", show=False, id="view.overview"),
-        Binding("2", "view('stacks')", "Stacks", show=False, id="view.stacks"),
-        Binding("3", "view('ccl')", "CCL", show=False, id="view.ccl"),
-        Binding("4", "view('metrics')", "Metrics", show=False, id="view.metrics"),
-        Binding("5", "view('events')", "Events", show=False, id="view.events"),
-        Binding("6", "view('actions')", "Actions", show=False, id="view.actions"),
-        Binding("7", "view('failslow')", "Fail-slow", show=False, id="view.failslow"),
-        Binding("s", "capture", "Capture", id="capture", tooltip="capture every rank's stack now"),
-        Binding("slash", "filter", "Filter", id="filter", tooltip="filter by rank, machine or frame text"),
-        # y and w are listed by ? (and the palette), not in the footer: at 80 columns it must keep e, u and b.
-        Binding("y", "copy", "Copy", show=False, id="copy", tooltip="copy the selected stack or the verdict"),
-        Binding("w", "write_bundle", "Write", show=False, id="write", tooltip="write what was seen to a bundle"),
-        Binding("question_mark", "help", "Help", id="help"),
-        Binding("P", "pair", "Pair", show=False, id="pair", tooltip="the read-only pairing command, in full"),
-        Binding("escape", "go_back", "Back", show=False),
-        Binding("q", "quit", "Quit", id="quit"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = KEY_BINDINGS
 
     def __init__(self, source: Source, options: AppOptions | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -152,7 +82,7 @@ class RankscopeApp(App[int]):
         self.failslow = FailSlowFeeder(self, self.options.failslow_config)
         self._held_toasts: list[Notification] = []  # raised while a dialog was open (``_on_notify``)
         self._journaled: set[tuple[float, str, str]] = set()  # events written to (or read from) the agents' journal
-        self._journal_follow = _JournalFollow()  # when the journal was last read, whether a read is under way
+        self._journal_follow = JournalFollow()  # when the journal was last read, whether a read is under way
 
     # -- setup --------------------------------------------------------------
 
@@ -175,287 +105,7 @@ class RankscopeApp(App[int]):
         self.redraw()
         self._load()
 
-    def _now(self, snapshot_wall: float | None = None) -> float:
-        # Offline, "now" is the bundle's own time, so a replay draws the same screen every time.
-        if not self.source.live and snapshot_wall is not None:
-            return snapshot_wall
-        return self.clock()
-
-    @work(group="load")
-    async def _load(self) -> None:
-        try:
-            initial = list(await self.source.initial())
-        except RankscopeError as exc:
-            if not self.source.live:  # a bundle that cannot be read: leave with the reason and the fix, like the CLI
-                self.exit(return_code=2, message=f"rankscope attach: error: {exc.message}\n  fix: {exc.fix}")
-                return
-            self.state = st.apply_failure(self.state, "poll-failed", f"first contact failed: {exc.message}",
-                                          self.clock())
-            initial = []
-        except Exception as exc:
-            self.state = st.apply_failure(self.state, "poll-failed", f"first contact failed: {exc}", self.clock())
-            initial = []
-        layout = self.options.layout
-        if self.options.pair_command:
-            self.state = st.apply_info(self.state, f"key P shows it in full: {pair_hint(self.options.pair_command)}",
-                                       self.clock())
-        settle()  # what the last snapshot made, out of the collector's way (rankscope.contract.heap)
-        steps = await asyncio.to_thread(_digest_series, initial, layout)
-        # Agents the hostfile marks evicted (before this view attached) are evicted from the first reading on,
-        # never "lost": the first poll's stand-ins for them read as agents that stopped answering.
-        self._fold_evicted_addresses()
-        self.state = st.apply_series(self.state, ((d, view, self._now(d.wall)) for d, view in steps))
-        before = sorted(m.name for m in self.state.machines if m.evicted)
-        if before:
-            self.state = st.apply_info(self.state, f"evicted before this view attached (the hostfile marks them): "
-                                                   f"{' '.join(before)}", self.clock())
-        self.failslow.feed_series((d.snapshot, view) for d, view in steps)  # a recorded series replays through them
-        self.redraw()
-        self.main.focus_view()
-        self.loaded.set()
-        self.actions.start_watch()  # read-only sessions too: a pair's second pane sees actions happen
-        if self.source.live and callable(getattr(self.source, "journal", None)):
-            self._journal_follow.began(self.state.now_wall)
-            self.run_worker(self._read_journal(), group="journal-read", exit_on_error=False)
-        if self.source.live:
-            self._poll()
-            if self.options.capture_on_start:
-                # Only ranks known to be before their first step (counters without one) wait: a young rank with
-                # no counters may be hung already, and its stack is all there is to tell.
-                clock = self.state.clock
-                if clock is not None and clock.starting and \
-                        hl.health(self.state).kind == "starting":
-                    self.state = st.apply_await_start(self.state)
-                else:
-                    self.action_capture()
-
-    @work(group="poll", exclusive=True)
-    async def _poll(self) -> None:
-        async def deliver(snap: JobSnapshot) -> None:
-            settle()
-            d = await asyncio.to_thread(dg.digest, snap)
-            self.post_message(SnapshotReceived(d, self.clock()))
-
-        def failed(exc: BaseException) -> None:
-            self.post_message(PollFailed(f"{type(exc).__name__}: {exc}", self.clock()))
-
-        await poll_loop(self.source, deliver, self.options.poll_interval_s, failed)
-
-    # -- messages -----------------------------------------------------------
-
-    def retire_machines(self, machines: Iterable[str]) -> None:
-        """Evicted machines leave every fan-out of the source (plans, backups, hot-updates, audit streams)."""
-        names = set(machines)
-        addresses = [m.address for m in self.state.machines if m.name in names]
-        retire = getattr(self.source, "retire", None)
-        if addresses and callable(retire):
-            retire(addresses)
-
-    def _fold_evicted_addresses(self) -> None:
-        """The agents the source marks evicted (its hostfile, read at attach or re-read since) into the state."""
-        evicted: frozenset[str] = getattr(self.source, "evicted_addresses", frozenset())
-        if evicted - self.state.evicted_addresses:
-            self.state = st.apply_evicted(self.state, (), self.clock(), evicted)
-
-    def on_snapshot_received(self, message: SnapshotReceived) -> None:
-        self._fold_evicted_addresses()  # a re-read hostfile may have marked agents evicted
-        before = {m.name: m.reachable for m in self.state.machines}
-        quiet = self.state.restarting  # agents away for a restart: no "lost"/"is back" toasts for them
-        restarts = self.state.restarts
-        self.state = st.apply_poll(self.state, message.digest, self._now(message.digest.wall))
-        if self.state.restarts > restarts:
-            # A restarted job is a new series: the old one's ranks, machines and slow history (an evicted slow
-            # machine above all) would be judged again on the new processes.
-            self.failslow.restart()
-        self._follow_journal()  # the story others write while it may still change (schedule.journal_read_due)
-        if schedule.started_capture_due(self.state):
-            self.state = st.apply_started_captured(self.state)
-            self.action_capture()
-        quiet |= self.state.restarting
-        for m in self.state.machines:
-            if m.name in quiet:
-                continue
-            if before.get(m.name) is True and not m.reachable and not m.evicted:
-                self.post_message(AgentLost(m.name))
-            elif before.get(m.name) is False and m.reachable:
-                self.post_message(AgentFound(m.name))
-        self.failslow.feed(message.digest.snapshot)
-        self.redraw()
-        self._maybe_capture()
-
-    def on_capture_analyzed(self, message: CaptureAnalyzed) -> None:
-        self.state = st.apply_capture_analyzed(self.state, message.digest, message.view,
-                                               self._now(message.digest.wall))
-        mark = self.state.verdict
-        if self.options.on_verdict is not None and message.view.verdict.suspects and mark is not None \
-                and not mark.running and staleness.verdict_stale(self.state) is None:
-            self.options.on_verdict(message.view.verdict, message.digest.wall, self.state.machine_of_rank())
-        self.failslow.feed(message.digest.snapshot, message.view)  # a capture is also a stack-aggregation round
-        self.redraw()
-
-    def on_fail_slow_updated(self, message: FailSlowUpdated) -> None:
-        before = st.slow_machines(self.state.failslow)
-        self.state = st.apply_failslow(self.state, message.view)
-        if self.options.on_verdict is not None and st.slow_machines(self.state.failslow) not in ((), before):
-            slow, _ = staleness.failslow_target(self.state)
-            fs = self.state.failslow.verdict if self.state.failslow is not None else None
-            if slow is not None and fs is not None:
-                # Graded as `e` would act on it: the machine, its degrader group one key away.
-                verdict = replace(fs.verdict, suspects=(slow, *fs.verdict.suspects[1:]))
-                self.options.on_verdict(verdict, self.state.now_wall, self.state.machine_of_rank())
-        self.redraw()
-
-    def on_capture_failed(self, message: CaptureFailed) -> None:
-        self.state = st.apply_failure(st.apply_capture_ended(self.state), "capture-failed", message.error,
-                                      message.received_wall)
-        self.notify(f"capture failed: {message.error}", severity="error", timeout=6)
-        self.redraw()
-
-    def on_poll_failed(self, message: PollFailed) -> None:
-        self.state = st.apply_failure(self.state, "poll-failed", message.error, message.received_wall)
-        self.redraw()
-
-    def on_audit_received(self, message: AuditReceived) -> None:
-        before = self.state.evicted
-        self.state = st.apply_audit(self.state, message.address, message.record)
-        if self.state.evicted != before:
-            self.retire_machines(self.state.evicted - before)
-        self.redraw()
-
-    def on_audit_noted(self, message: AuditNoted) -> None:
-        self.state = st.apply_audit_note(self.state, message.address, message.text)
-        self.redraw()
-
-    def on_action_changed(self, message: ActionChanged) -> None:
-        self.state = st.apply_actions(self.state, message.change(self.state.actions))
-        self.redraw()
-
-    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
-               timeout: float | None = None, markup: bool = True, kind: ToastKind | None = None) -> None:
-        """``App.notify`` with the toast's kind, given where it is raised: toasts of one kind merge (``tui.toasts``)."""
-        if kind is None:
-            super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
-            return
-        self.post_message(Notify(kinded(message, title, severity,
-                                        self.NOTIFICATION_TIMEOUT if timeout is None else timeout, markup, kind)))
-
-    def _on_notify(self, event: Notify) -> None:
-        """Toasts coalesced by kind and bounded (``tui.toasts``); held while a dialog is open, so none covers it."""
-        if isinstance(self.screen, ModalScreen):
-            self._held_toasts.append(event.notification)
-            return
-        self._show_toast(event.notification)
-
-    def _show_toast(self, notification: Notification) -> None:
-        drop, add = coalesce(list(self._notifications), notification)
-        for n in drop:
-            if n in self._notifications:
-                self._unnotify(n, refresh=False)
-        self._notifications.add(add)
-        self._refresh_notifications()
-
-    def _release_toasts(self) -> None:
-        """The toasts held while a dialog was open, once it closed (those still within their time); toasts raised
-        before a dialog opened are taken down while it is open (they covered its buttons)."""
-        if isinstance(self.screen, ModalScreen):
-            up = list(self._notifications)
-            if up:
-                for n in up:
-                    self._unnotify(n, refresh=False)
-                self._held_toasts.extend(up)
-                self._refresh_notifications()
-            return
-        if not self._held_toasts:
-            return
-        held = list(self._held_toasts)  # working state of the toasts, not drawn state: kept in place
-        self._held_toasts.clear()
-        for n in held:
-            if n.time_left > 0:
-                self._show_toast(n)
-
-    def on_agent_lost(self, message: AgentLost) -> None:
-        if self.state.awaiting_restart:  # the job restarts with its agents: "restarting" (header, map, Events)
-            return
-        self.notify(f"agent {message.machine} lost", severity="warning", timeout=4)
-
-    def on_agent_found(self, message: AgentFound) -> None:
-        if self.state.awaiting_restart:
-            return
-        self.notify(f"agent {message.machine} is back", timeout=3)
-
-    def _maybe_capture(self) -> None:
-        """Capture when progress stopped (once per stop), when the capture on screen misses running ranks (after a
-        restart or a hot-update, once per set), and every 10 s in fail-slow mode."""
-        if not self.source.live or self.state.capturing:
-            return
-        if schedule.hang_capture_due(self.state):
-            self.state = st.apply_hang_captured(self.state)
-            self.action_capture()
-            return
-        if schedule.refresh_capture_due(self.state):
-            self.state = st.apply_refresh_captured(self.state, schedule.uncaptured_ranks(self.state))
-            self.action_capture()
-            return
-        if self.options.fail_slow:
-            last = self.state.capture_wall
-            if last is None or self.state.now_wall - last >= FAIL_SLOW_CAPTURE_S:
-                self.action_capture()
-
     # -- drawing ------------------------------------------------------------
-
-    def _follow_journal(self) -> None:
-        """Read the agents' journal again when ``schedule.journal_read_due`` says so, one read at a time."""
-        follow = self._journal_follow
-        if follow.reading or not self.source.live or not callable(getattr(self.source, "journal", None)):
-            return
-        if not schedule.journal_read_due(self.state, follow.read_wall):
-            return
-        follow.began(self.state.now_wall)
-        self.run_worker(self._read_journal(again=True), group="journal-read", exit_on_error=False)
-
-    async def _read_journal(self, again: bool = False) -> None:
-        """What happened before this view attached, from the agents' incident journal (a late pair view tells the
-        same story as the view that watched it happen); ``again``: what was written since (a restart's resumed
-        step), each entry once, a failure said only at attach."""
-        journal = getattr(self.source, "journal", None)
-        if not callable(journal):
-            return
-        try:
-            entries = await journal()
-        except Exception as exc:  # an older agent, a lost one: the view works without the story
-            if not again:
-                self.state = st.apply_info(self.state, f"no incident journal from the agents: {exc}", self.clock())
-            return
-        finally:
-            self._journal_follow.reading = False
-        new = [e for e in entries if (e.wall, e.kind, e.text) not in self._journaled]
-        if again and not new:
-            return
-        self._journaled.update((e.wall, e.kind, e.text) for e in new)
-        self.state = st.apply_journal(self.state, (story.Event(e.wall, e.kind, e.text, observed=e.observed, slow=e.slow)
-                                                        for e in new))
-        self.redraw()
-
-    def _write_journal(self) -> None:
-        """The moments a late view must see (``story.journal_worthy``), written once to every agent's journal."""
-        journal = getattr(self.source, "journal", None)
-        if self.options.read_only or not callable(journal):
-            return
-        from rankscope.actions.journal import JournalEntry
-        from rankscope.tui.actions import requester
-
-        new = [e for e in self.state.events if story.journal_worthy(e) and (e.wall, e.kind, e.text) not in self._journaled]
-        if not new:
-            return
-        self._journaled.update((e.wall, e.kind, e.text) for e in new)
-        who = requester()
-        entries = [JournalEntry(e.wall, e.kind, e.text, who, e.observed, e.slow) for e in new]
-
-        async def write() -> None:
-            with contextlib.suppress(Exception):  # the journal is for later views; the incident goes on without it
-                await journal(entries)
-
-        self.run_worker(write(), group="journal")
 
     def redraw(self) -> None:
         self._write_journal()
@@ -474,148 +124,19 @@ class RankscopeApp(App[int]):
         with contextlib.suppress(NoMatches):
             main.draw(self.state)
 
+    # -- widget messages (Textual reads ``@on`` handlers from App classes only: they stay here, see app_part) -----
+
     @on(TabbedContent.TabActivated)
     def _tab_changed(self) -> None:
         self.redraw()
         if not isinstance(self.focused, Input):  # keys typed fast ("2" then "/") must not lose the filter box
             self.main.focus_view()
 
-    # -- actions ------------------------------------------------------------
-
-    def action_view(self, view: str) -> None:
-        if view in VIEWS:
-            self.main.query_one("#views", TabbedContent).active = view
-            self.redraw()
-            self.main.focus_view()
-
-    def action_evict(self) -> None:
-        self.actions.evict(self.selected_rank())
-
-    def action_update(self) -> None:
-        self.actions.update()
-
-    def action_backup(self) -> None:
-        self.actions.backup()
-
-    def selected_rank(self) -> int | None:
-        """The rank the person points at (map cursor, stack group), so `e` can aim at that suspect."""
-        main = self.main
-        if main.active_view == "overview":
-            return main.query_one("#rank-map", RankMapPanel).cursor_rank
-        if main.active_view == "stacks":
-            group = main.query_one("#stack-panel", StackTreePanel).selected
-            return group.ranks[0] if group is not None and group.ranks else None
-        return None
-
-    def action_capture(self) -> None:
-        if self.state.capturing:
-            self.notify("a capture is already running", timeout=2)
-            return
-        self.state = st.apply_capture_begun(self.state)
-        self._capture()
-
-    @work(group="capture")
-    async def _capture(self) -> None:
-        try:
-            snap = await self.source.capture()
-            if snap is None:
-                self.post_message(CaptureFailed("no stacks to capture from this source", self.clock()))
-                return
-            settle()
-            d, view = await asyncio.to_thread(_digest_capture, snap, self.options.layout)
-            self.post_message(CaptureAnalyzed(d, view, self.clock()))
-        except Exception as exc:  # one failed capture is an event, not the end of the session
-            self.post_message(CaptureFailed(f"{type(exc).__name__}: {exc}", self.clock()))
-        # Either message ends the capture in the state (apply_capture_ended): no flag is set behind the store's back.
-
-    def action_filter(self) -> None:
-        box = self.main.query_one("#filter-input", Input)
-        box.display = True
-        box.value = self.state.filter.text
-        # Focus now, not at the next idle: keys typed right after `/` (a paste, tmux send-keys) belong to the box.
-        self.main.set_focus(box)
-
     @on(Input.Submitted, "#filter-input")
     def _filter_submitted(self, event: Input.Submitted) -> None:
         self.set_filter(event.value)
         event.input.display = False
         self.main.focus_view()
-
-    def set_filter(self, text: str) -> None:
-        self.state = st.apply_filter(self.state, text)
-        self.redraw()
-
-    def action_go_back(self) -> None:
-        box = self.main.query_one("#filter-input", Input)
-        if box.display:
-            box.display = False
-            self.main.focus_view()
-            return
-        if self.main.active_view == "ccl" and self.main.query_one("#ccl-panel", CclPanel).back():
-            return
-        if self.state.filter.active:
-            self.set_filter("")
-
-    def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.options.read_only))
-
-    def action_pair(self) -> None:
-        """The pairing command in full, one key away (and on the clipboard)."""
-        from rankscope.tui.screens.pair import PairScreen
-
-        command = self.options.pair_command
-        if command:
-            self.copy_to_clipboard(command)
-        self.push_screen(PairScreen(command))
-
-    def action_copy(self) -> None:
-        text = self.selection_text()
-        self.copy_to_clipboard(text)
-        self.last_copied = text
-        self.notify(f"copied {len(text.splitlines())} lines (OSC 52)", timeout=2)
-
-    def selection_text(self) -> str:
-        """What `y` copies: the rank on screen, else the selected stack group, else the verdict."""
-        screen = self.screen
-        if isinstance(screen, RankScreen):
-            return screen.text
-        if isinstance(screen, MainScreen) and screen.active_view == "stacks":
-            group = screen.query_one("#stack-panel", StackTreePanel).selected
-            stacks = self._capture_snapshot_stacks()
-            if group is not None and group.ranks:
-                rs = stacks.get(group.ranks[0])
-                head = (f"group {group_glyph(group.index)}: {len(group.ranks)} ranks "
-                        f"({compact_ranks(group.ranks, 20)})")
-                body = rank_stack_lines(rs, with_source=False) if rs is not None else list(group.frames)
-                return "\n".join([head, *body])
-        return verdict_text(self.state.stacks)
-
-    def _capture_snapshot_stacks(self) -> dict[int, Any]:
-        for snap in reversed(self.state.kept):
-            stacks = snap.all_stacks()
-            if stacks:
-                return stacks
-        return {}
-
-    def action_write_bundle(self) -> None:
-        if not self.state.kept:
-            self.notify("nothing received yet to write", severity="warning")
-            return
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(self.state.now_wall or self.clock()))
-        path = self.options.bundle_dir / f"rankscope-{stamp}.json"
-        bundle = Bundle(snapshots=self.state.kept, created_wall=self.clock(),
-                        meta={"written_by": "rankscope attach", "source": self.source.label})
-        self._write(bundle, path)
-
-    @work(group="write", thread=True)
-    def _write(self, bundle: Bundle, path: Path) -> None:
-        try:
-            written = write_bundle(bundle, path)
-        except OSError as exc:
-            self.call_from_thread(self.notify, f"could not write {path}: {exc}", severity="error")
-            return
-        self.last_written = written
-        self.call_from_thread(self.notify, f"wrote {len(bundle.snapshots)} snapshots to {written}")
 
     @on(RankMapPanel.RankChosen)
     def _rank_chosen(self, event: RankMapPanel.RankChosen) -> None:
@@ -629,55 +150,13 @@ class RankscopeApp(App[int]):
             ranks = tuple(r for r in ranks if r in flt.ranks) or ranks
         self.open_rank(ranks[0])
 
-    def open_rank(self, rank: int) -> None:
-        view = self.state.stacks
-        stacks = self._capture_snapshot_stacks()
-        where = self.state.machine_of_rank()
-        group_ranks: tuple[int, ...] = (rank,)
-        lookup: dict[int, tuple[str, str, Any]] = {}
-        if view is not None and rank in view.group_of_rank:
-            g = view.groups[view.group_of_rank[rank]]
-            group_ranks = g.ranks
-        for r in group_ranks:
-            gi = view.group_of_rank.get(r) if view is not None else None
-            label = f"group {group_glyph(gi)}" if gi is not None else "no stack group"
-            lookup[r] = (where.get(r, "?"), label, stacks.get(r))
-        self.push_screen(RankScreen(rank, group_ranks, lookup))
-
-    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("Capture stacks now", "py-spy every rank through the agents (s)", self.action_capture)
-        yield SystemCommand("Copy verdict or stack", "OSC 52 clipboard (y)", self.action_copy)
-        yield SystemCommand("Write bundle", "save what was seen to a JSON bundle (w)", self.action_write_bundle)
-        yield SystemCommand("Filter", "by rank, machine or frame text (/)", self.action_filter)
-        yield SystemCommand("Keys", "all keys (?)", self.action_help)
-        if not self.options.read_only:
-            yield SystemCommand("Evict suspect group", "plan, confirm by typing, evict (e)", self.action_evict)
-            yield SystemCommand("Hot-update / rollback", "version and mode, plan, confirm (u)", self.action_update)
-            yield SystemCommand("Checkpoint backup", "plan the backup peers, confirm (b)", self.action_backup)
-        for view in VIEWS:
-            yield SystemCommand(f"Show {view}", f"switch to the {view} view", lambda v=view: self.action_view(v))
-
     async def on_unmount(self) -> None:
         # The session is over; a stuck channel must not block the exit.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.source.close(), timeout=2.0)
 
 
-def _digest_capture(snap: JobSnapshot, layout: Layout | None) -> tuple[dg.PollDigest, StackView]:
-    return dg.digest(snap), build_stack_view(snap, layout)
-
-
-def _digest_series(snaps: Sequence[JobSnapshot], layout: Layout | None,
-                   analyze_limit: int = 4096) -> list[tuple[dg.PollDigest, StackView | None]]:
-    """Digest a bundle's series; analyze each capture while cheap, else only the last one."""
-    with_stacks = [i for i, s in enumerate(snaps) if any(m.stacks for m in s.machines)]
-    world = max((s.world_size or 0 for s in snaps), default=0)
-    analyze = set(with_stacks) if world * len(with_stacks) <= analyze_limit else set(with_stacks[-1:])
-    out: list[tuple[dg.PollDigest, StackView | None]] = []
-    for i, s in enumerate(snaps):
-        out.append((dg.digest(s), build_stack_view(s, layout) if i in analyze else None))
-    return out
+# -- start-up ---------------------------------------------------------------
 
 
 def run_app(source: Source, options: AppOptions) -> int:
@@ -685,23 +164,6 @@ def run_app(source: Source, options: AppOptions) -> int:
     app = RankscopeApp(source, replace(options, exit_on_sigint=True))
     result = app.run()
     return app.return_code or result or 0
-
-
-@dataclass(frozen=True, slots=True)
-class AttachOptions:
-    """How a live view reaches the job's agents (``run_attach``), beside what the app does (``AppOptions``)."""
-
-    deadline_s: float = 10.0  # per agent and call
-    capture_timeout_s: float = 5.0  # per py-spy call
-    native: bool = False  # native frames in captures
-    sample_hz: float = 0.0  # the agents sample every rank's main thread at this rate while polled; 0: off
-    tls: ClientTLS | None = None  # reach the agents over TLS
-    # (message, fix) when the token is known not to have the 'act' role: the action keys then say so instead of
-    # failing later.
-    act_problem: tuple[str, str] | None = None
-    hostfile: Path | None = None  # re-read while attached
-    evicted: tuple[str, ...] = ()  # agents the hostfile marks evicted
-    machine_names: Mapping[str, str] = field(default_factory=dict)  # their machines' names, where it says
 
 
 def run_attach(agents: Sequence[str], token: str | None, options: AppOptions,

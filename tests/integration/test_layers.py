@@ -301,9 +301,10 @@ def test_screens_and_widgets_draw_what_they_are_handed_never_reaching_back_into_
 _APP_SETS = {"state", "last_copied", "last_written"}
 
 
-def test_the_app_changes_nothing_drawn_outside_its_one_store() -> None:
+# The app and the parts it is put together from (tui/app_part.py).
+@pytest.mark.parametrize("path", sorted((ROOT / "tui").glob("app*.py")), ids=lambda p: p.name)
+def test_the_app_changes_nothing_drawn_outside_its_one_store(path: Path) -> None:
     """After __init__, tui/app.py assigns only ``self.state`` (through a reducer) of what the screens draw."""
-    path = ROOT / "tui" / "app.py"
     for fn in ast.walk(ast.parse(path.read_text(), str(path))):
         if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) or fn.name == "__init__":
             continue
