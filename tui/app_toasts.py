@@ -23,7 +23,11 @@ class ToastsPart(AppPart):
                                         self.NOTIFICATION_TIMEOUT if timeout is None else timeout, markup, kind)))
 
     def _on_notify(self, event: Notify) -> None:
-        """Toasts coalesced by kind and bounded (``tui.toasts``); held while a dialog is open, so none covers it."""
+        """Toasts coalesced by kind and bounded (``tui.toasts``); held while a dialog is open, so none covers it.
+        None once the last screen is gone: a worker's toast that arrives as the app quits is no one's news (asking
+        for the screen then raised, and the quit ended in a traceback)."""
+        if not self.screen_stack:
+            return
         if isinstance(self.screen, ModalScreen):
             self._held_toasts.append(event.notification)
             return

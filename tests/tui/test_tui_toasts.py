@@ -64,3 +64,17 @@ def test_never_more_than_the_bound_nor_longer_than_its_lines(raised: list[tuple[
     kinded = [kind_of(n) for n in shown if kind_of(n) is not None]
     assert len(kinded) == len(set(kinded)), "one toast per kind"
 
+
+
+def test_a_toast_that_arrives_as_the_app_quits_is_dropped_not_a_traceback() -> None:
+    # A worker's toast handled after the last screen was popped: asking for the screen raised ScreenStackError and
+    # the quit ended in a traceback.
+    from rankscope.contract.bundle import Bundle
+    from rankscope.tui.app import AppOptions, RankscopeApp
+    from rankscope.tui.sources import BundleSource
+    from textual.notifications import Notify
+
+    app = RankscopeApp(BundleSource(Bundle((), 0.0), "empty"), AppOptions())
+    assert not app.screen_stack  # not running: as after its last screen is gone
+    app._on_notify(Notify(Notification("evict result: done", severity="information")))
+    assert not list(app._notifications) and not app._held_toasts
