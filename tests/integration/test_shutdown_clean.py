@@ -7,6 +7,13 @@ benchmarks and the drill run it -- real agents with actions, the recovery's audi
 second thread polling with its own event loop while the main thread captures, the agents stopped and
 started again on their ports under both, the incident journal written, then everything stopped -- and
 neither that process nor any agent may print a traceback or a gRPC error on its way out.
+
+The main thread's one-off calls follow the agents' audit streams and leave them open (as the TUI and a benchmark's
+action do): the calls cancelled as their channel closes complete inside gRPC a moment later. Made on a loop of their
+own that has closed by then (``asyncio.run`` per call), the completion reached another thread's live loop -- the
+poller's, or the recovery's -- which printed "Exception in callback PollerCompletionQueue._handle_events ...
+RuntimeError: Event loop is closed". Synchronous callers run on the process's one gRPC loop
+(``rankscope.wire.sync_loop``); the recovery, stopped and started again here, too.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from rankscope.actions.journal import JournalEntry
 from rankscope.drill.launcher import Launcher, TrainingOptions
 from rankscope.drill.processes import kill_trees
 from rankscope.wire.client import JobClient, capture_once
+from rankscope.wire.sync_loop import run_sync
 
 run_dir = Path(sys.argv[1])
 launcher = Launcher(run_dir, DrillLayout(tp=1, pp=1, dp=2, machines=2), TrainingOptions(steps=4), counters=False,
@@ -34,6 +42,17 @@ launcher = Launcher(run_dir, DrillLayout(tp=1, pp=1, dp=2, machines=2), Training
 recovery = Recovery(launcher, DrillMachines(launcher))
 polling = threading.Event()
 polls = []
+
+async def follow_then_leave():
+    # Follow every agent's audit stream while one poll goes round, then leave the streams open.
+    async with JobClient(list(launcher.addresses().values()), launcher.token(), acting=True) as client:
+        async def follow():
+            async for _ in client.watch_all_audit(since=0):
+                pass
+        following = asyncio.create_task(follow())
+        polls.append(await client.poll())
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
 
 def poll_loop():
     while not polling.is_set():
@@ -48,6 +67,13 @@ try:
     poller = threading.Thread(target=poll_loop, name="poller")
     poller.start()
     for _ in range(2):
+        for _ in range(8):
+            run_sync(follow_then_leave())
+        # A recovery stopped ends its round with its audit streams cancelled; a new one follows the agents again.
+        recovery.stop()
+        assert recovery.errors == [], recovery.errors
+        recovery = Recovery(launcher, DrillMachines(launcher))
+        recovery.start()
         snap = capture_once(list(launcher.addresses().values()), launcher.token())
         assert len(snap.machines) == 2, snap
         # What a restart does to the agents: stopped, then started again on the same ports.
