@@ -120,3 +120,39 @@ def test_the_noise_of_a_shutdown_out_of_order_is_recognised() -> None:
     assert shutdown_noise(printed) == ["Traceback (most recent call last):", "RuntimeError: Event loop is closed",
                                        "E1128 16:33:03.71 ev_epoll1_linux.cc:122] epoll_wait error: Bad file descriptor"]
     assert shutdown_noise("rankscope agent: listening on 127.0.0.1:1\nrankscope agent: stopping\n") == []
+
+
+TORCHRUN_STOPPED_LOG = """\
+W1128 20:10:02.840000 17797 torch/distributed/elastic/agent/server/api.py:753] Received 15 death signal, shutting down workers
+W1128 20:10:02.841000 17797 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 17986 closing signal SIGTERM
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/x/.venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1032, in <module>
+    main()
+  File "/x/.venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 374, in launch_agent
+    result = agent.run()
+             ^^^^^^^^^^^
+  File "/x/.venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 86, in handler
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 17797 got signal: 15
+"""
+
+
+def test_torchruns_report_of_the_sigterm_that_stopped_it_is_the_only_traceback_let_through() -> None:
+    """torchrun's log (its ranks' output too) is checked like the others; its own SignalException for the SIGTERM of
+    a stop is by design, and only that exact report is passed over."""
+    assert shutdown_noise(TORCHRUN_STOPPED_LOG) == []
+    # The same report for another signal is not a stop of the drill's.
+    killed = TORCHRUN_STOPPED_LOG.replace("got signal: 15", "got signal: 1")
+    assert shutdown_noise(killed) == ["Traceback (most recent call last):"]
+    # A rank's traceback beside torchrun's report is still found, and so is a gRPC error line.
+    rank = ("Traceback (most recent call last):\n  File \"worker.py\", line 3, in step\n"
+            "RuntimeError: Event loop is closed\n")
+    assert shutdown_noise(TORCHRUN_STOPPED_LOG + rank) == ["Traceback (most recent call last):",
+                                                           "RuntimeError: Event loop is closed"]
+    # A traceback whose exception was raised while handling another is not torchrun's report.
+    chained = TORCHRUN_STOPPED_LOG.replace("Traceback (most recent call last):\n",
+                                           "Traceback (most recent call last):\n  File \"a.py\", line 1\n"
+                                           "OSError: x\n\nDuring handling of the above exception, another "
+                                           "exception occurred:\n\nTraceback (most recent call last):\n", 1)
+    assert shutdown_noise(chained) == ["Traceback (most recent call last):"]
