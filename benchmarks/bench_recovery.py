@@ -31,9 +31,10 @@ eviction with warm standbys and 11.04x for hot-update against a full requeue
 on a cluster, where a requeue also waits for the scheduler and fresh pods.
 
 The runs happen in a child process; at the end the benchmark reads everything
-that child printed (to its exit) and the logs of every agent, torchrun node
-(with its ranks) and parked node, and prints "shutdown: clean" or each line of
-traceback or gRPC error found (``rankscope.drill.processes.shutdown_noise``).
+that child printed (to its exit) and the logs of every agent, and prints
+"shutdown: clean" or each line of traceback or gRPC error found
+(``rankscope.drill.processes.shutdown_noise``); then the same for the nodes'
+logs (torchrun's and parked nodes', the ranks' own output).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from rankscope.contract.errors import RankscopeError
 from rankscope.drill.checkpoints import latest_checkpoint
 from rankscope.drill.control import DrillMachines, Recovery
 from rankscope.drill.faults import DrillLayout, make_plan
-from rankscope.drill.launcher import Launcher, TrainingOptions
+from rankscope.drill.launcher import NODE_LOG_SUFFIXES, Launcher, TrainingOptions
 from rankscope.drill.processes import shutdown_noise
 from rankscope.drill.progress import read_phases, stepped_past
 from rankscope.drill.session import DrillConfig, DrillSession
@@ -254,10 +255,15 @@ def main() -> None:
                                  stderr=subprocess.PIPE, text=True, errors="replace")
         printed = _pass_through(child)
         noisy = [f"bench_recovery (its own output): {line}" for line in shutdown_noise(printed)]
-        noisy += _shutdown_noise(Path(tmp))
-    print("\nshutdown: clean (no traceback or gRPC error in this benchmark's output, nor in the logs of its agents, "
-          "torchrun nodes and parked nodes)" if not noisy else
+        noisy += _shutdown_noise(Path(tmp), nodes=False)
+        job = _shutdown_noise(Path(tmp), nodes=True)
+    print("\nshutdown: clean (no traceback or gRPC error in this benchmark's output to its exit, nor in its agents' "
+          "logs)" if not noisy else
           f"\nshutdown: {len(noisy)} line(s) of traceback or gRPC error" + "".join(f"\n  {line}" for line in noisy[:20]))
+    # The nodes' logs hold the ranks' own output: a rank whose peer was evicted fails its collective (gloo:
+    # "Connection closed by peer") before the restart stops it, as a real job's would. Shown, but not rankscope's.
+    print("the job's nodes (torchrun's and parked nodes' logs, the ranks' output): "
+          + (f"{len(job)} line(s) of traceback" + "".join(f"\n  {line}" for line in job[:10]) if job else "clean"))
     if child.returncode != 0:
         raise SystemExit(child.returncode)
 
@@ -310,11 +316,12 @@ def measure(repeat: int, root: Path) -> None:
               f"{cold / planned:.2f}x counting the plan made before the confirm)", flush=True)
 
 
-def _shutdown_noise(root: Path) -> list[str]:
-    """Every traceback or gRPC error line in the runs' logs (agents', torchrun's with its ranks', parked nodes'),
-    named by log; torchrun's report of the SIGTERM that stopped it aside (``TORCHRUN_STOPPED``)."""
+def _shutdown_noise(root: Path, *, nodes: bool) -> list[str]:
+    """Every traceback or gRPC error line in the runs' agents' logs, or (``nodes``) in their nodes' logs (torchrun's
+    and parked nodes', with their ranks' output), named by log; torchrun's report of the SIGTERM that stopped it
+    aside (``TORCHRUN_STOPPED``)."""
     return [f"{log.relative_to(root)}: {line}" for log in sorted(root.glob("*/logs/*.log"))
-            for line in shutdown_noise(log.read_text(errors="replace"))]
+            if log.name.endswith(NODE_LOG_SUFFIXES) == nodes for line in shutdown_noise(log.read_text(errors="replace"))]
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -90,10 +90,16 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         coro.close()
         raise RuntimeError("run_sync() cannot be called from a running event loop; await the coroutine instead")
     unwound = threading.Event()
+    raised: list[BaseException] = []
 
-    async def guarded() -> T:
+    async def guarded() -> T | None:
         try:
             return await coro
+        except BaseException as exc:  # handed to the caller below, as raised
+            # Not through the future: it would turn a CancelledError of the coroutine's own (grpc.aio raises one
+            # for a call it cancelled itself) into concurrent.futures.CancelledError without its message.
+            raised.append(exc)
+            return None
         finally:
             unwound.set()
 
@@ -103,12 +109,15 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         coro.close()
         raise
     try:
-        return future.result()
+        result = future.result()
     except BaseException:
         if not future.done():  # interrupted while waiting: the work stops, and is left only once it has unwound
             future.cancel()
             unwound.wait(CLOSE_GRACE_S)
         raise
+    if raised:
+        raise raised[0]
+    return cast(T, result)
 
 
 def close() -> None:
