@@ -29,15 +29,23 @@ load (-> every rank loaded its checkpoint), first step (-> every rank
 completed a step). ByteRobust (§8, Fig. 12 and Table 7) reports 10.87x for
 eviction with warm standbys and 11.04x for hot-update against a full requeue
 on a cluster, where a requeue also waits for the scheduler and fresh pods.
+
+The runs happen in a child process; at the end the benchmark reads everything
+that child printed (to its exit) and the logs of every agent, and prints
+"shutdown: clean" or each line of traceback or gRPC error found
+(``rankscope.drill.processes.shutdown_noise``); then the same for the nodes'
+logs (torchrun's and parked nodes', the ranks' own output).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +70,7 @@ from rankscope.drill.launcher import NODE_LOG_SUFFIXES, Launcher, TrainingOption
 from rankscope.drill.processes import shutdown_noise
 from rankscope.drill.progress import read_phases, stepped_past
 from rankscope.drill.session import DrillConfig, DrillSession
+from rankscope.wire.sync_loop import run_sync
 
 LAYOUT = DrillLayout(tp=1, pp=2, dp=2, machines=4)
 TRAINING = TrainingOptions(steps=40, checkpoint_every=4, micro_batches=2, loader_workers=0)
@@ -165,7 +174,7 @@ def evict_with_standby(run_dir: Path) -> Run:
         machines, detect = _suspects(s)
         request = ActionRequest(f"bench-evict-{time.time_ns()}", ActionKind.EVICT, Targets(machines),
                                 EvictArgs("bench: hang-p2p"), "bench")
-        planning, confirm, _ = asyncio.run(_act(list(s.agents.values()), s.token(), request))
+        planning, confirm, _ = run_sync(_act(list(s.agents.values()), s.token(), request))
         event = s.wait_for_recovery(1, 600)
         if not event.ok:
             raise SystemExit(f"recovery failed: {event.message}")
@@ -208,7 +217,7 @@ def hot_update_in_place(run_dir: Path) -> Run:
         recovery.start()
         request = ActionRequest(f"bench-hu-{time.time_ns()}", ActionKind.HOT_UPDATE, Targets(),
                                 HotUpdateArgs(VersionSource.GIT, "v2", UpdateMode.IMMEDIATE), "bench")
-        planning, confirm, results = asyncio.run(_act(list(launcher.addresses().values()), launcher.token(), request))
+        planning, confirm, results = run_sync(_act(list(launcher.addresses().values()), launcher.token(), request))
         if len(results) != LAYOUT.machines:
             raise SystemExit(f"{len(results)} agents answered, not {LAYOUT.machines}")
         event = recovery.wait(1, 600)
@@ -234,21 +243,64 @@ def _cell(values: list[float | None]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each (default 1; each is a real drill)")
+    parser.add_argument("--runs-in", type=Path, help=argparse.SUPPRESS)  # the child: measure, with its runs there
     args = parser.parse_args()
+    if args.runs_in is not None:
+        measure(args.repeat, args.runs_in)
+        return
+    # The runs happen in a child process so that everything it prints -- up to its interpreter's exit, when
+    # channels and loops left open would show -- can be checked here, beside the logs of every process it started.
+    with tempfile.TemporaryDirectory(prefix="rankscope-bench-recovery-") as tmp:
+        child = subprocess.Popen([sys.executable, __file__, "--repeat", str(args.repeat), "--runs-in", tmp],
+                                 stderr=subprocess.PIPE, text=True, errors="replace")
+        printed = _pass_through(child)
+        noisy = [f"bench_recovery (its own output): {line}" for line in shutdown_noise(printed)]
+        noisy += _shutdown_noise(Path(tmp), nodes=False)
+        job = _shutdown_noise(Path(tmp), nodes=True)
+    print("\nshutdown: clean (no traceback or gRPC error in this benchmark's output to its exit, nor in its agents' "
+          "logs)" if not noisy else
+          f"\nshutdown: {len(noisy)} line(s) of traceback or gRPC error" + "".join(f"\n  {line}" for line in noisy[:20]))
+    # The nodes' logs hold the ranks' own output: a rank whose peer was evicted fails its collective (gloo:
+    # "Connection closed by peer") before the restart stops it, as a real job's would. Shown, but not rankscope's.
+    print("the job's nodes (torchrun's and parked nodes' logs, the ranks' output): "
+          + (f"{len(job)} line(s) of traceback" + "".join(f"\n  {line}" for line in job[:10]) if job else "clean"))
+    if child.returncode != 0:
+        raise SystemExit(child.returncode)
+
+
+def _pass_through(child: subprocess.Popen[str]) -> str:
+    """Copy the child's stderr to ours as it comes; all of it once the child has ended."""
+    assert child.stderr is not None
+    lines: list[str] = []
+
+    def copy() -> None:
+        assert child.stderr is not None
+        for line in child.stderr:
+            lines.append(line)
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    copier = threading.Thread(target=copy, name="stderr")
+    copier.start()
+    child.wait()
+    copier.join()
+    return "".join(lines)
+
+
+def measure(repeat: int, root: Path) -> None:
+    """Every path ``repeat`` times, run folders under ``root``; prints each run and the table."""
     runs: dict[str, list[Run]] = {name: [] for name, _ in CASES}
     loads = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory(prefix="rankscope-bench-recovery-") as tmp:
-        for i in range(args.repeat):  # interleaved, so load on the shared host hits all alike
-            for name, case in CASES:
-                run = case(Path(tmp) / f"{name.replace(' ', '-')}-{i}")
-                runs[name].append(run)
-                loads.append(os.getloadavg()[0])
-                parts = ", ".join(f"{k} {v:.2f} s" for k, v in run.parts.items())
-                parts += f"; planned before the confirm in {run.plan:.2f} s" if run.plan is not None else ""
-                print(f"run {i + 1}: {name}: {run.total:.2f} s ({parts}; {run.warm}; load {loads[-1]:.1f})",
-                      flush=True)
-        noisy = _shutdown_noise(Path(tmp))
-    print(f"\nconfirm -> training resumed, seconds (median of {args.repeat}; {LAYOUT.world} ranks on "
+    for i in range(repeat):  # interleaved, so load on the shared host hits all alike
+        for name, case in CASES:
+            run = case(root / f"{name.replace(' ', '-')}-{i}")
+            runs[name].append(run)
+            loads.append(os.getloadavg()[0])
+            parts = ", ".join(f"{k} {v:.2f} s" for k, v in run.parts.items())
+            parts += f"; planned before the confirm in {run.plan:.2f} s" if run.plan is not None else ""
+            print(f"run {i + 1}: {name}: {run.total:.2f} s ({parts}; {run.warm}; load {loads[-1]:.1f})",
+                  flush=True)
+    print(f"\nconfirm -> training resumed, seconds (median of {repeat}; {LAYOUT.world} ranks on "
           f"{LAYOUT.machines} machines; {os.cpu_count()} CPUs, 1-min load average {min(loads):.1f}-{max(loads):.1f})")
     print(f"  {'path':22s} {'total':>6s} | {'detect':>6s} | {'plan':>6s} | " + " | ".join(f"{p:>6s}" for p in PHASES))
     for name, _ in CASES:
@@ -261,16 +313,15 @@ def main() -> None:
         warm = statistics.median(r.total for r in runs[name])
         planned = statistics.median(r.total + (r.plan or 0.0) for r in runs[name])
         print(f"  cold relaunch / {name}: {cold / warm:.2f}x   (ByteRobust: {paper}x against a requeue; "
-              f"{cold / planned:.2f}x counting the plan made before the confirm)")
-    print(f"\nshutdown: {len(noisy)} line(s) of traceback or gRPC error in the agents' and parked nodes' logs"
-          + "".join(f"\n  {line}" for line in noisy[:20]))
+              f"{cold / planned:.2f}x counting the plan made before the confirm)", flush=True)
 
 
-def _shutdown_noise(root: Path) -> list[str]:
-    """Every traceback or gRPC error line in the runs' logs, named by log; torchrun's logs aside: torchrun
-    reports the SIGTERM that stops it with a traceback of its own (SignalException) by design."""
+def _shutdown_noise(root: Path, *, nodes: bool) -> list[str]:
+    """Every traceback or gRPC error line in the runs' agents' logs, or (``nodes``) in their nodes' logs (torchrun's
+    and parked nodes', with their ranks' output), named by log; torchrun's report of the SIGTERM that stopped it
+    aside (``TORCHRUN_STOPPED``)."""
     return [f"{log.relative_to(root)}: {line}" for log in sorted(root.glob("*/logs/*.log"))
-            if not log.name.endswith(NODE_LOG_SUFFIXES[0]) for line in shutdown_noise(log.read_text(errors="replace"))]
+            if log.name.endswith(NODE_LOG_SUFFIXES) == nodes for line in shutdown_noise(log.read_text(errors="replace"))]
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from rankscope.actions.model import RESTART_REQUESTED, ActionKind, ActionResult,
 from rankscope.contract.errors import RankscopeError
 from rankscope.drill.launcher import Launcher
 from rankscope.drill.progress import read_loaded
+from rankscope.wire.sync_loop import run_sync
 
 if TYPE_CHECKING:
     from rankscope.wire.tls import ClientTLS
@@ -202,7 +203,7 @@ def agents_journal(launcher: Launcher) -> JournalWriter:
                                  deadline_s=JOURNAL_DEADLINE_S) as client:
                 return await client.journal(entries)
 
-        return asyncio.run(go())
+        return run_sync(go())
 
     return write
 
@@ -310,7 +311,9 @@ class Recovery:
         if not addresses:
             self._stop.wait(0.2)
             return
-        found = asyncio.run(self._follow(addresses))
+        # On the process's one gRPC loop, not a loop of its own per round: a round's loop, closed while the
+        # streams it cancelled still had completions coming, made another thread's loop print a traceback.
+        found = run_sync(self._follow(addresses))
         if found is None:
             return
         if found.kind == ActionKind.EVICT:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -254,9 +255,19 @@ SHUTDOWN_NOISE = ("Traceback", "Exception ignored", "Event loop is closed", "Bad
                   "epoll_wait", "was never awaited", "Task was destroyed")
 
 
+# torchrun answers the SIGTERM of an orderly stop (the drill's end, a restart) by raising SignalException out of its
+# main, which prints a traceback: by design, whatever the order of the shutdown. It cannot be stopped without it:
+# SIGTERM is also the parent-death signal that makes torchrun stop its ranks when the drill dies, so torchrun must
+# keep handling it. Exactly that report -- its frames and the SignalException for signal 15 -- is not noise.
+TORCHRUN_STOPPED = re.compile(r"^Traceback \(most recent call last\):\n(?:[ \t].*\n)*"
+                              r"torch\.distributed\.elastic\.multiprocessing\.api\.SignalException: "
+                              r"Process \d+ got signal: 15$", re.MULTILINE)
+
+
 def shutdown_noise(text: str) -> list[str]:
-    """The lines of ``text`` (a process's output or log) that hold any of :data:`SHUTDOWN_NOISE`."""
-    return [line for line in text.splitlines() if any(n in line for n in SHUTDOWN_NOISE)]
+    """The lines of ``text`` (a process's output or log) that hold any of :data:`SHUTDOWN_NOISE`, torchrun's report
+    of the SIGTERM that stopped it (:data:`TORCHRUN_STOPPED`) aside."""
+    return [line for line in TORCHRUN_STOPPED.sub("", text).splitlines() if any(n in line for n in SHUTDOWN_NOISE)]
 
 
 def log_tail(path: Path, lines: int = 3) -> str:
@@ -267,5 +278,5 @@ def log_tail(path: Path, lines: int = 3) -> str:
         return "(no log)"
 
 
-__all__ = ["SHUTDOWN_NOISE", "Stopping", "describe", "kill_trees", "log_tail", "marked_processes", "reap",
-           "shutdown_noise", "signal_forest", "signal_trees", "sweep"]
+__all__ = ["SHUTDOWN_NOISE", "TORCHRUN_STOPPED", "Stopping", "describe", "kill_trees", "log_tail", "marked_processes",
+           "reap", "shutdown_noise", "signal_forest", "signal_trees", "sweep"]

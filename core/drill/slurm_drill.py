@@ -20,7 +20,6 @@ Everything it started is stopped at the end, also on failure and Ctrl-C.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shlex
 import sys
@@ -37,6 +36,7 @@ from rankscope.drill.launcher import TrainingOptions
 from rankscope.drill.progress import read_progress, stepped_past
 from rankscope.drill.spawner import free_port
 from rankscope.drill.worker import RUN_ID_ENV
+from rankscope.wire.sync_loop import run_sync
 
 STANDBY_PARTITION = "standby"
 POLL_S = 0.5
@@ -321,8 +321,8 @@ def _attach_and_evict(config: SlurmDrillConfig, d: SlurmDrillJob) -> dict[str, A
         machines = tuple(top.machines)
         out["evicted"] = list(machines)
         out["evicted_wall"] = time.time()
-        results = asyncio.run(evict_machines(agents, session.token or "", machines,
-                                             f"rankscope drill: {verdict.summary}"[:200], tls=session.tls))
+        results = run_sync(evict_machines(agents, session.token or "", machines,
+                                          f"rankscope drill: {verdict.summary}"[:200], tls=session.tls))
         out["eviction_results"] = [r.message for r in results]
     # The requeue ended the agent step: the audit logs on the nodes are the record.
     from rankscope.actions.audit import AuditLog

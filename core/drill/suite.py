@@ -44,6 +44,7 @@ from rankscope.analyzers.rounds import try_stack_round
 from rankscope.drill.faults import DrillLayout, FaultPlan, GroundTruth, machine_name, make_plan
 from rankscope.drill.launcher import TrainingOptions
 from rankscope.drill.progress import ProgressWatcher
+from rankscope.wire.sync_loop import run_sync
 
 # The slow faults of the suite and their strength. slow-compute and thermal
 # are factors of the faulty rank's own healthy step (the rank burns, or is
@@ -377,7 +378,7 @@ def run_drill(item: DrillPlan, config: SuiteConfig, *, say: Callable[[str], None
             # A baseline's "onset" is rank 0 reaching the same step: it is watched as long.
             onset = OnsetClock(ProgressWatcher(s.run_dir, layout.world), plan.rank if plan.rank >= 0 else 0,
                                plan.step if plan.name != "none" else config.fault_step)
-            out = asyncio.run(_watch(s, truth, config, onset, say))
+            out = run_sync(_watch(s, truth, config, onset, say))
     except RankscopeError as exc:
         return replace(base, error=exc.message)
     base = replace(base, leftovers=tuple(s.leftovers))

@@ -9,5 +9,6 @@ client's side), ``snapshot_codec`` the entry for a reading and
 ``action_messages`` for the action protocol; ``target`` the agents a command
 reaches; ``tls`` and ``tokens`` authenticate
 both ends; ``agents_spec`` and ``slurm`` say which agents to contact (lists,
-hostfiles, agents started inside a Slurm allocation).
+hostfiles, agents started inside a Slurm allocation); ``sync_loop`` the one event
+loop on which synchronous callers (scripts, the drill) make their calls.
 """
