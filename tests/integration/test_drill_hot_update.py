@@ -12,7 +12,6 @@ start, ``code`` per logged loss).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -42,6 +41,7 @@ from rankscope.drill.processes import marked_processes
 from rankscope.drill.progress import read_progress, stepped_past
 from rankscope.tui.actions import new_action_id, rollback_request, summarize, update_request
 from rankscope.wire.client import JobClient
+from rankscope.wire.sync_loop import run_sync
 
 LAYOUT = DrillLayout(tp=1, pp=2, dp=1, machines=2)
 MACHINES = ("machine-0", "machine-1")
@@ -141,7 +141,7 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     parked = {m: tuple(warm.ask(launcher.parked[m].socket, {"op": "status"})["pids"]) for m in MACHINES}
     runs = {rank: len(code_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
     now = time.time()
-    results = asyncio.run(act(launcher, update_request("v2", UpdateMode.IMMEDIATE,
+    results = run_sync(act(launcher, update_request("v2", UpdateMode.IMMEDIATE,
                                                        new_action_id(ActionKind.HOT_UPDATE, now), "drill-test")))
     assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
     assert all(RESTART_REQUESTED in r.message for r in results)
@@ -164,7 +164,7 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     assert all(x["code"] == "v2" for x in logged[first_v2:])
 
     # ---- lazy: v3 waits while the job runs on v2, and rides on the next restart ----------------------------
-    results = asyncio.run(act(launcher, update_request("v3", UpdateMode.LAZY,
+    results = run_sync(act(launcher, update_request("v3", UpdateMode.LAZY,
                                                        new_action_id(ActionKind.HOT_UPDATE, time.time()),
                                                        "drill-test")))
     assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
@@ -188,7 +188,7 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
 
     # ---- rollback: back to v2, immediately ----------------------------------------------------------------
     runs = {rank: len(code_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
-    results = asyncio.run(act(launcher, rollback_request(UpdateMode.IMMEDIATE,
+    results = run_sync(act(launcher, rollback_request(UpdateMode.IMMEDIATE,
                                                          new_action_id(ActionKind.ROLLBACK, time.time()), "drill-test")))
     assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
     event = recovery.wait(2, 120)
@@ -321,7 +321,7 @@ def test_each_drill_machine_gets_its_own_code_link_and_agent_config(tmp_path: Pa
     service = ActionService(config, "machine-0", lambda: ())
 
     def evict_plan() -> tuple[str, ...]:
-        plan = asyncio.run(service.plan(ActionRequest("ev-1", ActionKind.EVICT, Targets(("machine-0",)),
+        plan = run_sync(service.plan(ActionRequest("ev-1", ActionKind.EVICT, Targets(("machine-0",)),
                                                       EvictArgs("hang"), "alice")))
         assert "self-checks first" in plan.steps[-1], plan.steps
         return plan.standbys

@@ -31,6 +31,7 @@ from rankscope.drill.processes import marked_processes
 from rankscope.drill.progress import stepped_past
 from rankscope.drill.session import DrillConfig, DrillSession
 from rankscope.probes.discovery import discover_ranks
+from rankscope.wire.sync_loop import run_sync
 
 
 def _tail(path: Path) -> str:
@@ -125,11 +126,11 @@ def test_evicting_a_hung_pipeline_brings_in_standbys_and_training_resumes_bit_fo
         assert sorted(top.machines) == sorted(s.truth.suspect_machines) == ["machine-0", "machine-2"]
 
         # Each agent's plan shows the warm standbys that would join (the launcher's pool, in the order taken).
-        plans = asyncio.run(plan_eviction(list(s.agents.values()), s.token(), top.machines))
+        plans = run_sync(plan_eviction(list(s.agents.values()), s.token(), top.machines))
         assert sorted(p.machines for p in plans) == [("machine-0",), ("machine-2",)]
         assert [p.standbys for p in plans] == [("standby-0", "standby-1")] * 2
         assert all("self-checks first" in p.steps[-1] for p in plans), [p.steps for p in plans]
-        results = asyncio.run(evict_machines(list(s.agents.values()), s.token(), top.machines,
+        results = run_sync(evict_machines(list(s.agents.values()), s.token(), top.machines,
                                              f"hang-p2p: {verdict.summary}", requested_by="drill-test"))
         assert sorted(r.state for r in results) == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
 
@@ -159,7 +160,7 @@ def test_evicting_a_hung_pipeline_brings_in_standbys_and_training_resumes_bit_fo
         assert event.resume_step == (FAULT_STEP // TRAINING.checkpoint_every) * TRAINING.checkpoint_every
         assert event.resume_source == "checkpoint"  # said by every rank of the new job
         # The restart is in the agents' incident journal, for every view's Events: the step, machines and code.
-        story = asyncio.run(read_journal(list(s.agents.values()), s.token()))
+        story = run_sync(read_journal(list(s.agents.values()), s.token()))
         (resumed,) = [e for e in story if e.kind == "resumed"]
         assert resumed.text.startswith(f"the job resumed from step {event.resume_step} (the newest checkpoint every "
                                        "rank saved) on machine-1 machine-3 standby-0 standby-1 (standby-0 standby-1 "
@@ -244,7 +245,7 @@ def test_a_backup_taken_before_the_hang_is_restored_from_the_peers_after_evictio
     with DrillSession(config) as s:
         s.wait_for_steps(2, 180)
         running = [a for name, a in s.agents.items() if name.startswith("machine-")]
-        plans, backed = asyncio.run(back_up(running, s.token()))
+        plans, backed = run_sync(back_up(running, s.token()))
         # The plans name each rank's backup peer: the mirror, outside every group the rank is in.
         assert sorted(pair for plan in plans for pair in plan.backup_peers) == [(0, 3), (1, 2), (2, 1), (3, 0)]
         assert [r.state for r in backed] == [ActionState.SUCCEEDED] * 4, [r.message for r in backed]
@@ -267,14 +268,14 @@ def test_a_backup_taken_before_the_hang_is_restored_from_the_peers_after_evictio
         assert common, f"no backed-up step common to every rank in the surviving stores: {held}"
         top = analyze_snapshot(s.capture()).top
         assert top is not None and sorted(top.machines) == ["machine-0", "machine-2"]
-        results = asyncio.run(evict_machines(list(s.agents.values()), s.token(), top.machines, "hang-p2p",
+        results = run_sync(evict_machines(list(s.agents.values()), s.token(), top.machines, "hang-p2p",
                                              requested_by="drill-test"))
         assert [r.state for r in results] == [ActionState.SUCCEEDED] * 2, [r.message for r in results]
         event = s.wait_for_recovery(1, timeout_s=240)
         assert event.ok, event.message
         # The restart's story names the step the ranks loaded from the backup, not the checkpoints (there are none).
         assert (event.resume_step, event.resume_source) == (max(common), "backup"), (event, held)
-        story = asyncio.run(read_journal(list(s.agents.values()), s.token()))
+        story = run_sync(read_journal(list(s.agents.values()), s.token()))
         (resumed,) = [e for e in story if e.kind == "resumed"]
         assert resumed.text.startswith(f"the job resumed from step {max(common)} (the in-memory backup every rank "
                                        "held) on "), resumed.text
