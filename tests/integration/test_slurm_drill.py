@@ -37,7 +37,8 @@ def test_slurm_drill_hang_evict_drain_requeue_resume(tmp_path: Path) -> None:
     env = clean_env()
     env.pop("SLURM_CONF", None)  # the drill starts its own cluster
     proc = subprocess.run([str(RANKSCOPE), "drill", "--launcher", "slurm", "--tp", "2", "--pp", "2", "--dp", "1",
-                           "--machines", "2", "--fault", "hang-p2p", "--fault-step", "10", "--checkpoint-every", "5",
+                           "--machines", "2", "--fault", "hang-p2p", "--fault-rank", "1", "--fault-step", "10",
+                           "--checkpoint-every", "5",
                            "--run-dir", str(run_dir), "--json"],
                           env=env, capture_output=True, text=True, timeout=1400)
     assert proc.returncode == 0, proc.stderr[-3000:]
