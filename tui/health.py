@@ -163,7 +163,22 @@ def _agents_restart(n: int) -> str:
 
 def health(state: Readings) -> Health:
     """What the job is doing now (hung after ``state.hang_threshold_s`` without progress: the job's rhythm, at most
-    ``hang_after_s``), read from the state."""
+    ``hang_after_s``), read from the state.
+
+    Between a succeeded eviction or hot-update and the restart it brings (``awaiting_restart``), no progress is the
+    restart's: the ranks left wait on the ones stopped until the launcher stops them too. That is "restarting", not
+    stalled or hung (by hand: "no progress for 21 s │ hang + capture in 9 s" and a "hung" event, seconds after a
+    fail-slow eviction of a job that was training), said with how long, so a restart that never comes is seen.
+    """
+    judged = _judged(state)
+    if state.awaiting_restart and judged.kind in ("stalled", "hung"):
+        age = progress_age(state)
+        waited = f" (no progress for {age:.0f} s)" if age is not None else ""
+        return Health("idle", f"restarting: the job waits for its launcher to restart it{waited}", "restarting")
+    return judged
+
+
+def _judged(state: Readings) -> Health:
     hang_after_s = state.hang_after_s
     if not state.progress_points:
         return Health("unknown", "waiting for the first poll")

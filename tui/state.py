@@ -301,7 +301,9 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
             # A stall is judged by the job's rhythm; a start (no progress yet) by the ceiling: imports take their time.
             limit = threshold if mark is not None else hang_after_s
             since = mark if mark is not None else clock.start_mark
-        if clock.running and known and not moved and not hung_reported and age is not None and age >= limit:
+        # Not between an eviction or hot-update and its restart: no progress then is the restart's (health: "restarting").
+        if clock.running and known and not moved and not hung_reported and age is not None and age >= limit \
+                and not state.awaiting_restart:
             events.append(Event(now_wall, "hung", f"no progress since {fmt_time(since)}"))
             hung_reported = True
     else:
@@ -311,7 +313,8 @@ def apply_snapshot(state: AppState, d: PollDigest, now_wall: float) -> AppState:
         if moved and hung_reported and state.progress_points and not between and not state.awaiting_restart:
             events.append(Event(now_wall, "resumed", "progress resumed", observed=True))
             hung_reported = False
-        elif not moved and not hung_reported and d.wall - last_progress >= threshold and d.progress > 0:
+        elif not moved and not hung_reported and d.wall - last_progress >= threshold and d.progress > 0 \
+                and not state.awaiting_restart:
             events.append(Event(now_wall, "hung", f"no progress since {fmt_time(last_progress)}"))
             hung_reported = True
     world = d.world_size or state.world_size

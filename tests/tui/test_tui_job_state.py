@@ -481,7 +481,33 @@ def test_no_hang_capture_between_an_eviction_and_the_restart_it_brings() -> None
     assert evicted.awaiting_restart
     dying = [snap(T0 + 62 + i, progress=T0 + 62) for i in range(0, 40, 2)]
     after = fold(dying, evicted)
-    assert hl.health(after).kind == "hung" and after.last_progress_wall == T0 + 62
+    assert hl.health(after).kind == "idle" and after.last_progress_wall == T0 + 62
     assert not schedule.hang_capture_due(after)
     # Without the eviction the same readings are a new stop of a running job: captured.
     assert schedule.hang_capture_due(fold(dying, s))
+
+
+def test_a_training_job_evicted_for_being_slow_is_restarting_until_it_restarts_never_hung() -> None:
+    # By hand, a fail-slow eviction of a job that was training: the ranks left waited on the evicted ones until the
+    # launcher stopped them, and the header said "no progress for 21 s │ hang + capture in 9 s" and Events "hung",
+    # seconds after the eviction, before the restart.
+    s = fold([snap(T0 + i, progress=T0 + i) for i in range(0, 20, 2)])
+    assert hl.health(s).kind == "healthy"
+    evicted = st.apply_evicted(s, ["machine-1"], T0 + 19)
+    waiting = fold([snap(T0 + 20 + i, progress=T0 + 18) for i in range(0, 50, 2)], evicted)
+    h = hl.health(waiting)
+    assert (h.kind, h.text, h.short) == ("idle", "restarting: the job waits for its launcher to restart it (no "
+                                         "progress for 50 s)", "restarting")
+    assert [e.kind for e in waiting.events if e.wall > T0 + 19] == []
+    first = header(waiting)
+    assert first.startswith("restarting: the job waits for its launcher to restart it") and "hang" not in first, first
+    # The same readings without the eviction: stalled, then hung, as before.
+    stopped = fold([snap(T0 + 20 + i, progress=T0 + 18) for i in range(0, 50, 2)], s)
+    assert hl.health(stopped).kind == "hung"
+    assert [e.kind for e in stopped.events if e.wall > T0 + 19] == ["hung"]
+    # The restart comes (new pids, a first step): training again, and a hang after it is a hang again.
+    back = fold([snap(T0 + 72 + i, progress=T0 + 72 + i, pids=2000, started=T0 + 70) for i in range(0, 10, 2)],
+                waiting)
+    assert not back.awaiting_restart and hl.health(back).kind == "healthy"
+    hung = fold([snap(T0 + 82 + i, progress=T0 + 80) for i in range(0, 60, 2)], back)
+    assert hl.health(hung).kind == "hung" and [e.kind for e in hung.events if e.wall > T0 + 81] == ["hung"]
