@@ -146,7 +146,11 @@ class WorkersPart(AppPart):
                 self.post_message(AgentLost(m.name))
             elif before.get(m.name) is False and m.reachable:
                 self.post_message(AgentFound(m.name))
-        self.failslow.feed(message.digest.snapshot)
+        if not self.state.awaiting_restart:
+            # Between an eviction or a hot-update and the restart it brings, a poll reads a job being stopped (its
+            # ranks exiting machine by machine): nothing to judge for slowness. By hand the detectors named a
+            # survivor's low CPU there, a suspicion a slow restart (a requeue) would have made confident.
+            self.failslow.feed(message.digest.snapshot)
         self.redraw()
         self._maybe_capture()
 
@@ -157,7 +161,8 @@ class WorkersPart(AppPart):
         if self.options.on_verdict is not None and message.view.verdict.suspects and mark is not None \
                 and not mark.running and staleness.verdict_stale(self.state) is None:
             self.options.on_verdict(message.view.verdict, message.digest.wall, self.state.machine_of_rank())
-        self.failslow.feed(message.digest.snapshot, message.view)  # a capture is also a stack-aggregation round
+        if not self.state.awaiting_restart:  # (as a poll: the job is being stopped for its restart)
+            self.failslow.feed(message.digest.snapshot, message.view)  # a capture is also a stack-aggregation round
         self.redraw()
 
     def on_fail_slow_updated(self, message: FailSlowUpdated) -> None:

@@ -144,6 +144,38 @@ async def test_a_fail_slow_verdict_whose_machine_was_evicted_is_not_acted_on() -
         assert source.planned == [] and not isinstance(app.screen, ConfirmModal)
 
 
+async def test_polls_of_a_job_stopping_for_its_restart_are_not_judged_for_slowness() -> None:
+    # By hand, after a fail-slow eviction, the detectors went on judging the job being stopped ("watching: machine-0
+    # [minder] host CPU unlike peers (low)", its ranks exiting): a suspicion a slow restart would have made
+    # confident, and `e` would then have planned the eviction of a healthy machine.
+    from rankscope.tui import digest as dg
+    from rankscope.tui import state as st
+    from rankscope.tui.messages import SnapshotReceived
+
+    series = fs_series(80)
+    source = PlanningSource(Bundle(tuple(series[:70]), WALL0 + 70))
+    app = RankscopeApp(source, AppOptions(layout=LAYOUT))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await app.loaded.wait()
+        await app.failslow.idle.wait()
+        await until(pilot, lambda: staleness.failslow_target(app.state)[0] is not None, 10, "the fail-slow verdict")
+        assert app.state.failslow is not None
+        judged = app.state.failslow.updates
+        app.state = st.apply_evicted(app.state, ("m2",), WALL0 + 70.5)
+        for snap in series[70:75]:  # one at a time: a poll waiting to be folded is replaced by a newer one
+            polls = app.state.polls
+            app.post_message(SnapshotReceived(dg.digest(snap), snap.captured.wall))
+            await until(pilot, lambda polls=polls: app.state.polls == polls + 1 and app.failslow.idle.is_set(), 10,
+                        "the poll folded")
+        assert app.state.awaiting_restart and app.state.failslow.updates == judged
+        # The same polls once the job is back are judged.
+        app.state = replace(app.state, awaiting_restart=False)
+        for snap in series[75:80]:
+            app.post_message(SnapshotReceived(dg.digest(snap), snap.captured.wall))
+        await until(pilot, lambda: app.state.failslow is not None and app.state.failslow.updates > judged, 10,
+                    "the polls judged")
+
+
 async def test_at_80x24_the_header_the_fail_slow_verdict_and_the_alternative_are_whole_in_every_view() -> None:
     # The header ended "step 0 s ago, han…": the countdown to the hang threshold was cut at 80 columns.
     source = PlanningSource(Bundle(tuple(fs_series(70)), WALL0 + 70))
