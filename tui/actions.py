@@ -488,23 +488,39 @@ class ActionController:
 
     def _plan(self, request: ActionRequest, title: str, preface: Text | None = None,
               alternative: tuple[Callable[[], None], str] | None = None) -> None:
-        self.app.notify(f"planning {KIND_LABELS[request.kind]} with the agents …", timeout=3)
-        self.app.run_worker(self._plan_then_confirm(request, title, preface, alternative), group="action-plan",
-                            exclusive=True)
+        from rankscope.tui.screens.confirm import PlanningModal
+
+        planning = PlanningModal(KIND_LABELS[request.kind])
+        worker: list[Any] = []
+
+        def planning_closed(plan_in: bool | None) -> None:
+            if plan_in:
+                return  # the dialog takes over
+            for w in worker:  # escape: the plan is not wanted any more
+                w.cancel()
+            self.app.notify(f"{KIND_LABELS[request.kind]} cancelled while planning: nothing was sent", timeout=4)
+
+        self.app.push_screen(planning, planning_closed)
+        worker.append(self.app.run_worker(self._plan_then_confirm(request, title, preface, alternative, planning),
+                                          group="action-plan", exclusive=True))
 
     async def _plan_then_confirm(self, request: ActionRequest, title: str, preface: Text | None = None,
-                                 alternative: tuple[Callable[[], None], str] | None = None) -> None:
+                                 alternative: tuple[Callable[[], None], str] | None = None,
+                                 planning: Any = None) -> None:
         from rankscope.tui.screens.confirm import ConfirmModal
 
         try:
             answers = await self.source.plan_action(request)
         except RankscopeError as exc:
+            await self._close_planning(planning)
             self.app.notify(f"{exc.message}\nfix: {exc.fix}", title="no plan", severity="error", timeout=8,
                             kind=request.kind)
             return
         except Exception as exc:  # the screen stays; the person reads why
+            await self._close_planning(planning)
             self.app.notify(f"planning failed: {type(exc).__name__}: {exc}", severity="error", timeout=8)
             return
+        await self._close_planning(planning)
         summary = summarize(request, answers)
         text = plan_text(summary)
         if preface is not None:
@@ -524,6 +540,12 @@ class ActionController:
 
         self.app.post_message(ActionChanged(partial(sa.begin_confirm, action_id=request.action_id)))
         self.app.push_screen(modal, answered)
+
+    @staticmethod
+    async def _close_planning(planning: Any) -> None:
+        """The planning notice down (True: not cancelled), where it is still up, before a dialog or toast."""
+        if planning is not None and planning.is_attached and planning.is_current:
+            await planning.dismiss(True)
 
     async def _run(self, summary: PlanSummary, typed: str) -> None:
         request = summary.request

@@ -9,6 +9,7 @@ and records what it was asked.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 
@@ -23,7 +24,7 @@ from rankscope.contract.snapshot import Layout
 from rankscope.drill.scoring import score_verdict
 from rankscope.tui import staleness
 from rankscope.tui.app import AppOptions, RankscopeApp
-from rankscope.tui.screens.confirm import ConfirmModal
+from rankscope.tui.screens.confirm import ConfirmModal, PlanningModal
 from rankscope.tui.sources import BundleSource
 from test_tui_failslow import WALL0, fs_series
 from tui_screen import screen_text, until
@@ -174,6 +175,59 @@ async def test_polls_of_a_job_stopping_for_its_restart_are_not_judged_for_slowne
             app.post_message(SnapshotReceived(dg.digest(snap), snap.captured.wall))
         await until(pilot, lambda: app.state.failslow is not None and app.state.failslow.updates > judged, 10,
                     "the polls judged")
+
+
+class SlowPlanningSource(PlanningSource):
+    """Plans as PlanningSource once ``release`` is set: the agents of a loaded host taking their time."""
+
+    def __init__(self, bundle: Bundle) -> None:
+        super().__init__(bundle)
+        self.release = asyncio.Event()
+        self.asked = 0  # plan_action calls begun
+
+    async def plan_action(self, request: ActionRequest) -> Mapping[str, ActionPlan | ActionError]:
+        self.asked += 1
+        await self.release.wait()
+        return await super().plan_action(request)
+
+
+async def test_keys_typed_while_the_agents_plan_go_nowhere_and_escape_cancels_the_planning() -> None:
+    from textual.widgets import Input
+    from textual.worker import WorkerCancelled
+
+    # By hand on a loaded host the plan took 7 s with nothing on screen: the tab, the phrase and the enter typed
+    # meanwhile reached the main screen, and the dialog then answered "that is not the phrase" over an empty box.
+
+    source = SlowPlanningSource(Bundle(tuple(fs_series(70)), WALL0 + 70))
+    app = RankscopeApp(source, AppOptions(layout=LAYOUT))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await app.loaded.wait()
+        await app.failslow.idle.wait()
+        await until(pilot, lambda: staleness.failslow_target(app.state)[0] is not None, 10, "the fail-slow verdict")
+        await pilot.press("7", "e")
+        await until(pilot, lambda: isinstance(app.screen, PlanningModal) and source.asked == 1
+                    and "evict: the agents are making the plan" in screen_text(app), 10, "the planning notice")
+        await pilot.press("tab", *"evict m2", "1", "e", "enter")
+        assert isinstance(app.screen, PlanningModal) and source.asked == 1 and app.main.active_view == "failslow"
+        source.release.set()
+        await until(pilot, lambda: isinstance(app.screen, ConfirmModal) and app.focused is not None, 10, "the dialog")
+        assert app.screen.query_one("#confirm-phrase", Input).value == ""
+        assert app.focused.id == "cancel" and len(source.planned) == 1
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, ConfirmModal), 10, "the dialog closed")
+        # Escape while the agents plan: back to the view, and the plan that comes later opens no dialog.
+        source.release.clear()
+        await pilot.press("e")
+        await until(pilot, lambda: isinstance(app.screen, PlanningModal) and source.asked == 2, 10,
+                    "the second planning notice")
+        (planning,) = [w for w in app.workers if w.group == "action-plan" and not w.is_finished]
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, PlanningModal), 10, "the planning cancelled")
+        source.release.set()
+        with pytest.raises(WorkerCancelled):
+            await planning.wait()
+        await pilot.pause()
+        assert planning.is_cancelled and len(source.planned) == 1 and not isinstance(app.screen, ConfirmModal)
 
 
 async def test_at_80x24_the_header_the_fail_slow_verdict_and_the_alternative_are_whole_in_every_view() -> None:

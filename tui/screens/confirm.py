@@ -8,6 +8,8 @@ cancels) and anything unclear answer False; a phrase typed before tabbing to
 its box goes into the box. ``typed`` holds the phrase that
 was typed, which goes into the confirmation the agents check again.
 
+``PlanningModal`` stands in for the dialog while the agents make the plan.
+
 ``UpdateModal`` asks what a hot-update needs before there is a plan: the
 version (a git ref, or the absolute path of a prepared directory) and the
 mode (immediate, or lazy at the next restart), or a rollback.
@@ -170,6 +172,38 @@ class ConfirmModal(ModalScreen[bool]):
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
         self.dismiss(False)
+
+
+class PlanningModal(ModalScreen[None]):
+    """From the key press until the agents' plan is in: what is being planned, and the keys typed meanwhile kept
+    from the screen below.
+
+    By hand on a loaded host a plan took 7 s with nothing on screen: the tab, the phrase and the enter typed
+    meanwhile reached the main screen (a digit there switches views, ``e`` plans again), and the dialog then opened
+    on an empty phrase box ("that is not the phrase"). Keys typed before the plan is shown are dropped, never put
+    into the phrase box: the phrase is typed having read the plan. Escape cancels; a plan changes nothing, so
+    nothing was sent. Dismissed by the caller with True once the plan is in (the dialog takes over)."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what  # the action's label: evict, hot-update, rollback, backup
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="planning-box"):
+            yield Static(Text.assemble((f"{self.what}: the agents are making the plan …", "bold"), "\n",
+                                       "Its plan opens here before anything runs; keys typed now are not kept. "
+                                       "Escape cancels (nothing is sent)."), id="planning-text")
+
+    def on_key(self, event: events.Key) -> None:
+        if event.key == "escape":
+            return  # the binding: cancel
+        event.stop()
+        event.prevent_default()
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
 
 
 @dataclass(frozen=True, slots=True)
