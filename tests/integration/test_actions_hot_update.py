@@ -412,7 +412,7 @@ def test_a_failed_checkout_leaves_no_version_behind(tmp_path: Path, repo: Path) 
                    'esac\nexec git "$@"\n')
     git.chmod(0o755)
     versions = CodeVersions(current=tmp_path / "code", versions_dir=tmp_path / "versions", repo=repo, git=str(git))
-    with pytest.raises(RankscopeError, match="git could not check out .*: fatal: disk full"):
+    with pytest.raises(RankscopeError, match=r"git could not check out .*: fatal: disk full"):
         versions.checkout("B")
     assert list((tmp_path / "versions").iterdir()) == []
     good = CodeVersions(current=tmp_path / "code", versions_dir=tmp_path / "versions", repo=repo)
