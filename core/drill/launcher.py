@@ -126,8 +126,8 @@ class Launcher:
         self._go: tuple[float, int] = (0.0, 0)  # (wall clock, start step) of the last start: parking waits for it
         # Nodes stopped without waiting (stop_node(wait=False)): the next restart or stop waits for them.
         self._stopping_nodes: list[Stopping] = []
-        # The old agents a restart holds frozen until the job has resumed (a stop lets them end too).
-        self._held_agents: list[Frozen] = []
+        # The old processes a restart holds frozen until the job has resumed, with their grace (a stop ends them too).
+        self._held: list[tuple[Frozen, float]] = []
         self.job_code = JobCode(self.run_dir, self.state_dir, enabled=self.actions and self.code, notes=self.notes)
         self.agent_pool = Agents(self.run_dir, self.layout, self.python, self.popen, self.base_env, self.state_dir,
                                  counter_dir=self.counter_dir if self._ccl_env else None, actions=self.actions,
@@ -412,12 +412,12 @@ class Launcher:
                                       and name not in self.standbys])
         old_nodes = [n.proc for n in self.nodes.values()] + [p.proc for p in unparked]
         # Every old process first, agents and nodes in one pass: frozen, none of them runs a line of Python again
-        # until it is let go, so the checkpoints on disk are final, and the old job takes no core from what
-        # follows (a hot-updated job trains at full speed until here).
+        # until it is let go (and then only to end), so the checkpoints on disk are final, and the old job takes no
+        # core from what follows (a hot-updated job trains at full speed until here).
         agents_frozen, nodes_frozen = freeze_forest([[a.proc.pid for a in leaving], [p.pid for p in old_nodes]])
-        self._held_agents.append(agents_frozen)
+        held = [(nodes_frozen, NODE_GRACE_S), (agents_frozen, AGENT_GRACE_S)]
+        self._held.extend(held)
         self.nodes.clear()
-        nodes_stopping: Stopping | None = None
         try:
             # An agent that saw its ranks end in this restart would take it for a failure of the job and apply a
             # pending lazy update itself (trigger "failure"), racing the launcher's own application below: with
@@ -425,12 +425,9 @@ class Launcher:
             lazy_update = self.job_code.pending(machines)
             if lazy_update:
                 agents_frozen.terminate(AGENT_GRACE_S).finish()
-            nodes_stopping = nodes_frozen.terminate(NODE_GRACE_S)
             if self.training.backend != "gloo":
                 # A GPU's memory is free only once its old process is gone: the new ranks start after.
-                self._finish_old(nodes_stopping, old_nodes)
-            # The new ranks start while the old ones exit (SIGTERM handlers aside: torchrun's and a parked node's
-            # supervisor's, which only end their children; tearing down a rank took 0.2-0.4 s).
+                self._finish_old(nodes_frozen.terminate(NODE_GRACE_S), old_nodes)
             self.last_restart = (time.time(), min((latest_checkpoint(self.run_dir, r)
                                                    for r in range(self.layout.world)), default=0))
             if lazy_update:  # nothing of these machines runs now: lazy updates ride on this restart
@@ -440,7 +437,6 @@ class Launcher:
             finally:
                 if self.actions:  # the standbys that joined leave the pool the idle standbys' agents plan with
                     self.write_standbys()  # (after the go: it reads every machine's blocklist)
-                self._finish_old(nodes_stopping, old_nodes)
             if agents:
                 # The new agents start once the job has taken its first step (or AGENTS_AFTER_RESTART_S passed):
                 # their interpreters, gRPC and first scans of /proc took the cores the ranks' rendezvous, load and
@@ -450,14 +446,15 @@ class Launcher:
                 while not self._resumed() and time.monotonic() < deadline:
                     time.sleep(0.05)
         finally:
-            # Whatever failed, nothing of the old job stays frozen (and the old nodes are collected).
-            self._finish_old(nodes_stopping if nodes_stopping is not None else nodes_frozen.terminate(NODE_GRACE_S),
-                             old_nodes)
-            # The old agents stay frozen until then: their graceful stop (gRPC, streams, samplers: 0.3-0.5 s of
-            # CPU for six agents) took the cores the new ranks' rendezvous needed. Their ports are taken again
-            # by the new agents, so they are gone before those start.
-            agents_frozen.terminate(AGENT_GRACE_S).finish()
-            self._held_agents.remove(agents_frozen)
+            # The old processes are let go only now, whatever happened: their ends took the cores the new ranks'
+            # rendezvous needed (a torch rank's teardown 50-70 ms of the kernel's time; an agent's graceful stop,
+            # gRPC, streams and samplers, 0.3-0.5 s of CPU for six). Both graces run together; the agents' ports
+            # are taken again by the new agents, so they are gone before those start.
+            nodes_stopping, agents_stopping = (frozen.terminate(grace) for frozen, grace in held)
+            self._finish_old(nodes_stopping, old_nodes)
+            agents_stopping.finish()
+            for item in held:
+                self._held.remove(item)
             for proc in [a.proc for a in leaving]:
                 reap(proc)
         if not agents:
@@ -490,8 +487,8 @@ class Launcher:
         roots = [n.proc.pid for n in self.nodes.values()] + [a.proc.pid for a in self.agents.values()]
         roots += [h.pid for h in self.helpers]
         kill_trees(roots)
-        for held in list(self._held_agents):  # a restart in another thread holds them: they end now
-            held.terminate(AGENT_GRACE_S).finish()
+        for frozen, grace in list(self._held):  # a restart in another thread holds them: they end now
+            frozen.terminate(grace).finish()
         while self._stopping_nodes:
             self._stopping_nodes.pop().finish()
         for proc in [n.proc for n in self.nodes.values()] + [a.proc for a in self.agents.values()] + self.helpers:
