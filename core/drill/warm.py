@@ -195,8 +195,9 @@ def host_store(spec: RankSpec) -> None:
 
     import torch.distributed as dist
 
-    _HOSTED.append(dist.TCPStore(spec.env["MASTER_ADDR"], spec.store_port, int(spec.env["WORLD_SIZE"]), True,
-                                 timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False))
+    store = dist.TCPStore  # type: ignore[attr-defined]  # the public name: torch's stubs do not re-export it
+    _HOSTED.append(store(spec.env["MASTER_ADDR"], spec.store_port, int(spec.env["WORLD_SIZE"]), True,
+                         timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False))
 
 
 def park(fd: int, preload: Sequence[str]) -> int:
