@@ -22,9 +22,8 @@ Each is broken down from the ranks' own phase records (``phases/``) and the
 orchestrator's clocks: detect (last progress -> verdict) and plan (the agents'
 plans, which the TUI shows before anyone confirms) come before the confirm
 and are printed apart, not in the total; stop (confirm -> every old
-process signalled and the restart begun; the old ones exit while the new
-ranks join), join (-> every rank through the
-rendezvous; for the cold path this holds torchrun's and the ranks' imports),
+process frozen and the restart begun; they end once the job has resumed),
+join (-> every rank through the rendezvous; for the cold path this holds torchrun's and the ranks' imports),
 load (-> every rank loaded its checkpoint), first step (-> every rank
 completed a step). ByteRobust (§8, Fig. 12 and Table 7) reports 10.87x for
 eviction with warm standbys and 11.04x for hot-update against a full requeue

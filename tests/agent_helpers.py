@@ -59,6 +59,15 @@ def wait_for(condition: object, timeout_s: float, what: str, interval_s: float =
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def process_state(pid: int) -> str:
+    """The one-letter state in /proc/PID/stat ("T": stopped, "Z": zombie), "gone" when there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat[stat.rindex(")") + 2]
+
+
 def wait_ready_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     """Wait until a started target writes its ready file; fail at once if it exits first."""
     deadline = time.monotonic() + timeout_s

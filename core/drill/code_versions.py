@@ -1,8 +1,8 @@
-"""The job's code on each machine, for hot-updates: a link per machine into worktrees of the drill's code repository.
+"""The job's code on each machine, for hot-updates: a link per machine into checkouts of the drill's code repository.
 
 With actions on, every machine runs the job's code from its own
 hot-updatable link, ``state/<machine>/code/current``, into
-``state/<machine>/code/versions`` (a worktree per version of the drill's code
+``state/<machine>/code/versions`` (a checkout per version of the drill's code
 repository ``code/repo``, see ``rankscope.drill.user_code``). Each agent's
 actions config names its machine's link; a restart applies each machine's
 pending lazy hot-update before its processes start again.

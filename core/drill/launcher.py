@@ -41,7 +41,7 @@ from rankscope.drill.checkpoints import STORES_ENV, latest_checkpoint
 from rankscope.drill.code_versions import JobCode
 from rankscope.drill.faults import DrillLayout, machine_name
 from rankscope.drill.parking import PARKED_LOG_SUFFIX, Parked, Parking, WarmStart
-from rankscope.drill.processes import Stopping, kill_trees, reap, signal_forest, signal_trees, sweep
+from rankscope.drill.processes import Frozen, Stopping, freeze_forest, kill_trees, reap, signal_trees, sweep
 from rankscope.drill.spawner import SPAWNER, free_port
 from rankscope.drill.worker import RUN_ID_ENV
 from rankscope.wire.spawn import with_parent_death_signal
@@ -126,6 +126,8 @@ class Launcher:
         self._go: tuple[float, int] = (0.0, 0)  # (wall clock, start step) of the last start: parking waits for it
         # Nodes stopped without waiting (stop_node(wait=False)): the next restart or stop waits for them.
         self._stopping_nodes: list[Stopping] = []
+        # The old processes a restart holds frozen until the job has resumed, with their grace (a stop ends them too).
+        self._held: list[tuple[Frozen, float]] = []
         self.job_code = JobCode(self.run_dir, self.state_dir, enabled=self.actions and self.code, notes=self.notes)
         self.agent_pool = Agents(self.run_dir, self.layout, self.python, self.popen, self.base_env, self.state_dir,
                                  counter_dir=self.counter_dir if self._ccl_env else None, actions=self.actions,
@@ -408,50 +410,55 @@ class Launcher:
         leaving = [self.agents.pop(name) for name in list(self.agents) if name not in self.standbys]
         unparked = self.parking.take([name for name in list(self.parked) if name not in machines
                                       and name not in self.standbys])
-        # An agent that saw its ranks end in this restart would take it for a failure of the job and apply a
-        # pending lazy update itself (trigger "failure"), racing the launcher's own application below: with such
-        # an update pending, the agents end before the nodes are signalled. Otherwise agents and nodes are
-        # signalled together (one reading of the process table) and nothing waits for the agents before it must
-        # (the new agents take their ports).
         old_nodes = [n.proc for n in self.nodes.values()] + [p.proc for p in unparked]
-        agent_pids, node_pids = [a.proc.pid for a in leaving], [p.pid for p in old_nodes]
-        lazy_update = self.job_code.pending(machines)
-        if lazy_update:
-            agents_stopping = signal_trees(agent_pids, grace_s=AGENT_GRACE_S)
-            agents_stopping.finish()
-            nodes_stopping = signal_trees(node_pids, grace_s=NODE_GRACE_S)
-        else:
-            agents_stopping, nodes_stopping = signal_forest([(agent_pids, AGENT_GRACE_S), (node_pids, NODE_GRACE_S)])
+        # Every old process first, agents and nodes in one pass: frozen, none of them runs a line of Python again
+        # until it is let go (and then only to end), so the checkpoints on disk are final, and the old job takes no
+        # core from what follows (a hot-updated job trains at full speed until here).
+        agents_frozen, nodes_frozen = freeze_forest([[a.proc.pid for a in leaving], [p.pid for p in old_nodes]])
+        held = [(nodes_frozen, NODE_GRACE_S), (agents_frozen, AGENT_GRACE_S)]
+        self._held.extend(held)
         self.nodes.clear()
-        if self.training.backend != "gloo":
-            # A GPU's memory is free only once its old process is gone: the new ranks start after.
-            self._finish_old(nodes_stopping, old_nodes)
-        # Every old process is frozen and signalled: none of them runs a line of Python again (SIGTERM handlers
-        # aside: torchrun's and a parked node's supervisor's, which only end their children), so the checkpoints
-        # on disk are final and the new ranks may start while the old ones are still exiting (tearing down a rank
-        # took 0.2-0.4 s).
-        self.last_restart = (time.time(), min((latest_checkpoint(self.run_dir, r) for r in range(self.layout.world)),
-                                              default=0))
-        if lazy_update:  # nothing of these machines runs now: lazy updates ride on this restart
-            self.apply_pending_updates(machines)
         try:
-            self.start_nodes(machines, resume=resume, env=env)
+            # An agent that saw its ranks end in this restart would take it for a failure of the job and apply a
+            # pending lazy update itself (trigger "failure"), racing the launcher's own application below: with
+            # such an update pending, the agents end before the nodes are let go.
+            lazy_update = self.job_code.pending(machines)
+            if lazy_update:
+                agents_frozen.terminate(AGENT_GRACE_S).finish()
+            if self.training.backend != "gloo":
+                # A GPU's memory is free only once its old process is gone: the new ranks start after.
+                self._finish_old(nodes_frozen.terminate(NODE_GRACE_S), old_nodes)
+            self.last_restart = (time.time(), min((latest_checkpoint(self.run_dir, r)
+                                                   for r in range(self.layout.world)), default=0))
+            if lazy_update:  # nothing of these machines runs now: lazy updates ride on this restart
+                self.apply_pending_updates(machines)
+            try:
+                self.start_nodes(machines, resume=resume, env=env)
+            finally:
+                if self.actions:  # the standbys that joined leave the pool the idle standbys' agents plan with
+                    self.write_standbys()  # (after the go: it reads every machine's blocklist)
+            if agents:
+                # The new agents start once the job has taken its first step (or AGENTS_AFTER_RESTART_S passed):
+                # their interpreters, gRPC and first scans of /proc took the cores the ranks' rendezvous, load and
+                # first step needed (on this shared host), as parking would (request_parks). Until then the views
+                # show them restarting; a job that ends or fails at once does not hold them up (``_resumed``).
+                deadline = time.monotonic() + AGENTS_AFTER_RESTART_S
+                while not self._resumed() and time.monotonic() < deadline:
+                    time.sleep(0.05)
         finally:
-            if self.actions:  # the standbys that joined leave the pool the idle standbys' agents plan with
-                self.write_standbys()  # (after the go: it reads every machine's blocklist)
+            # The old processes are let go only now, whatever happened: their ends took the cores the new ranks'
+            # rendezvous needed (a torch rank's teardown 50-70 ms of the kernel's time; an agent's graceful stop,
+            # gRPC, streams and samplers, 0.3-0.5 s of CPU for six). Both graces run together; the agents' ports
+            # are taken again by the new agents, so they are gone before those start.
+            nodes_stopping, agents_stopping = (frozen.terminate(grace) for frozen, grace in held)
             self._finish_old(nodes_stopping, old_nodes)
-            agents_stopping.finish()  # their ports are taken again by the new agents
+            agents_stopping.finish()
+            for item in held:
+                self._held.remove(item)
             for proc in [a.proc for a in leaving]:
                 reap(proc)
         if not agents:
             return {}
-        # The new agents start once the job has taken its first step (or AGENTS_AFTER_RESTART_S passed): their
-        # interpreters, gRPC and first scans of /proc took the cores the ranks' rendezvous, load and first step
-        # needed (on this shared host), as parking would (request_parks). Until then the views show them
-        # restarting; a job that ends or fails at once does not hold them up (``_resumed``).
-        deadline = time.monotonic() + AGENTS_AFTER_RESTART_S
-        while not self._resumed() and time.monotonic() < deadline:
-            time.sleep(0.05)
         return self.start_agents(ports=ports)
 
     # ---- helpers (noise processes etc.) -------------------------------------
@@ -480,6 +487,8 @@ class Launcher:
         roots = [n.proc.pid for n in self.nodes.values()] + [a.proc.pid for a in self.agents.values()]
         roots += [h.pid for h in self.helpers]
         kill_trees(roots)
+        for frozen, grace in list(self._held):  # a restart in another thread holds them: they end now
+            frozen.terminate(grace).finish()
         while self._stopping_nodes:
             self._stopping_nodes.pop().finish()
         for proc in [n.proc for n in self.nodes.values()] + [a.proc for a in self.agents.values()] + self.helpers:

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,8 +96,13 @@ class Parking:
             if self._dir is None:
                 self._dir = Path(tempfile.mkdtemp(prefix="rs-park-"))
         with ThreadPoolExecutor(max_workers=len(labels), thread_name_prefix="drill-go") as pool:
-            futures = [pool.submit(self._go, label, node_rank, env, worker, master_port, run_id)
-                       for node_rank, (label, env) in enumerate(zip(labels, envs, strict=True))]
+            # Node 0 first: its rank 0 hosts the job's store before the others get their go (``warm.host_store``:
+            # a rank that asked before the store was there waited 0.5-0.66 s for torch's next try). The rest at once.
+            first = pool.submit(self._go, labels[0], 0, envs[0], worker, master_port, run_id)
+            wait([first])  # its outcome is taken below with the others'
+            futures = [first, *(pool.submit(self._go, label, node_rank, env, worker, master_port, run_id)
+                                for node_rank, (label, env) in enumerate(zip(labels, envs, strict=True))
+                                if node_rank > 0)]
         went: list[Went] = []
         failure: RankscopeError | None = None
         for node_rank, future in enumerate(futures):
@@ -124,11 +129,15 @@ class Parking:
         per = self.layout.ranks_per_machine
         specs = []
         for local in range(per):
-            rank_env = warm.rank_env(rank=node_rank * per + local, local_rank=local, world=self.layout.world,
+            rank = node_rank * per + local
+            rank_env = warm.rank_env(rank=rank, local_rank=local, world=self.layout.world,
                                      local_world=per, node_rank=node_rank, nodes=self.layout.machines,
                                      master_addr="127.0.0.1", master_port=master_port, run_id=run_id)
+            # The job's store is hosted for the ranks, by the interpreter that becomes rank 0, before it does.
+            rank_env[warm.AGENT_STORE_ENV] = "True"
             specs.append(warm.RankSpec({**added, **rank_env}, ["rankscope.drill.worker", "train", *worker],
-                                       module=True, cwd=str(self.run_dir)).to_json())
+                                       module=True, cwd=str(self.run_dir),
+                                       store_port=master_port if rank == 0 else 0).to_json())
         deadline = time.monotonic() + GO_TIMEOUT_S
         while True:  # a node parked just now may not listen yet
             try:

@@ -70,6 +70,34 @@ def signal_trees(pids: Sequence[int], *, grace_s: float = 2.0) -> Stopping:
 def signal_forest(groups: Sequence[tuple[Sequence[int], float]]) -> list[Stopping]:
     """SIGTERM several groups of process trees at once, each with its own grace; one Stopping per group.
 
+    The trees are frozen and collected in one pass first (:func:`freeze_forest`).
+    """
+    frozen = freeze_forest([pids for pids, _grace in groups])
+    return [trees.terminate(grace) for trees, (_pids, grace) in zip(frozen, groups, strict=True)]
+
+
+@dataclass
+class Frozen:
+    """Process trees, every process stopped (SIGSTOP) and none signalled yet: they take no CPU and start nothing
+    until :meth:`terminate` sends each its SIGTERM and lets it run to its end."""
+
+    procs: list[Any]  # psutil.Process
+
+    def terminate(self, grace_s: float) -> Stopping:
+        import psutil
+
+        for p in self.procs:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()  # pending while stopped...
+                p.resume()  # ...delivered now (and a rank stopped by the thermal fault runs to die)
+        stopping = Stopping(self.procs, time.monotonic() + grace_s, grace_s)
+        self.procs = []
+        return stopping
+
+
+def freeze_forest(groups: Sequence[Sequence[int]]) -> list[Frozen]:
+    """Freeze several groups of process trees, all of them in one pass; one :class:`Frozen` per group.
+
     The trees are frozen (SIGSTOP) and collected again until no new process
     shows up before anything is terminated: a process that forks between the
     collection and its signal (an agent starting a py-spy, torchrun a worker)
@@ -81,21 +109,13 @@ def signal_forest(groups: Sequence[tuple[Sequence[int], float]]) -> list[Stoppin
     import psutil
 
     found: list[dict[int, psutil.Process]] = []
-    for pids, _grace in groups:
+    for pids in groups:
         procs: dict[int, psutil.Process] = {}
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 procs[pid] = psutil.Process(pid)
         found.append(procs)
-    found = _frozen_trees(found)
-    every = [p for procs in found for p in procs.values()]
-    for p in every:
-        with contextlib.suppress(psutil.Error):
-            p.terminate()  # pending while stopped...
-            p.resume()  # ...delivered now (and a rank stopped by the thermal fault runs to die)
-    now = time.monotonic()
-    return [Stopping(list(procs.values()), now + grace, grace)
-            for procs, (_pids, grace) in zip(found, groups, strict=True)]
+    return [Frozen(list(procs.values())) for procs in _frozen_trees(found)]
 
 
 def _frozen_trees(found: list[dict[int, Any]]) -> list[dict[int, Any]]:
@@ -278,5 +298,5 @@ def log_tail(path: Path, lines: int = 3) -> str:
         return "(no log)"
 
 
-__all__ = ["SHUTDOWN_NOISE", "TORCHRUN_STOPPED", "Stopping", "describe", "kill_trees", "log_tail", "marked_processes",
-           "reap", "shutdown_noise", "signal_forest", "signal_trees", "sweep"]
+__all__ = ["SHUTDOWN_NOISE", "TORCHRUN_STOPPED", "Frozen", "Stopping", "describe", "freeze_forest", "kill_trees",
+           "log_tail", "marked_processes", "reap", "shutdown_noise", "signal_forest", "signal_trees", "sweep"]

@@ -83,9 +83,13 @@ class RankSpec:
     argv: list[str]  # argv[0]: the module (module=True) or the script path
     module: bool = True
     cwd: str = "."
+    # This interpreter hosts the job's TCPStore on this port (MASTER_ADDR) before it becomes its rank, and the
+    # go is answered once it listens (see ``host_store``); 0: it hosts none.
+    store_port: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"env": self.env, "argv": self.argv, "module": self.module, "cwd": self.cwd}
+        return {"env": self.env, "argv": self.argv, "module": self.module, "cwd": self.cwd,
+                "store_port": self.store_port}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RankSpec:
@@ -95,7 +99,10 @@ class RankSpec:
             raise WarmError("go: env must map names to strings")
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise WarmError("go: argv must be a non-empty list of strings")
-        return cls(dict(env), list(argv), bool(data.get("module", True)), str(data.get("cwd", ".")))
+        port = data.get("store_port", 0)
+        if not isinstance(port, int) or not 0 <= port < 65536:
+            raise WarmError("go: store_port must be a port number (0: no store)")
+        return cls(dict(env), list(argv), bool(data.get("module", True)), str(data.get("cwd", ".")), port)
 
 
 def rank_env(*, rank: int, local_rank: int, world: int, local_world: int, node_rank: int, nodes: int,
@@ -169,6 +176,30 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+_HOSTED: list[Any] = []  # the job's TCPStore, kept for as long as this process (its rank 0) lives
+# What tells torch's rendezvous that the store is hosted for the ranks (torchrun's agent sets it when it hosts
+# one): every rank, rank 0 included, is then its client.
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+STORE_TIMEOUT_S = 900.0  # for the hosting process's own use of the store; the ranks' clients have their own
+
+
+def host_store(spec: RankSpec) -> None:
+    """Serve the job's TCPStore on ``spec.store_port``, as torchrun's agent does for its ranks.
+
+    When rank 0 created it in its rendezvous, a rank of another node that
+    asked first was refused and tried again only after torch's back-off:
+    0.5-0.66 s on this host, in every restart where rank 0 was not first.
+    Hosted here before the other nodes get their go, it is there when they ask.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore  # type: ignore[attr-defined]  # the public name: torch's stubs do not re-export it
+    _HOSTED.append(store(spec.env["MASTER_ADDR"], spec.store_port, int(spec.env["WORLD_SIZE"]), True,
+                         timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False))
+
+
 def park(fd: int, preload: Sequence[str]) -> int:
     """A parked interpreter: import ``preload``, say ready on ``fd``, wait for one go, become the rank."""
     _die_with_parent()
@@ -182,10 +213,22 @@ def park(fd: int, preload: Sequence[str]) -> int:
             return 1
     chan.sendall(json.dumps({"ready": round(time.monotonic() - began, 3), "pid": os.getpid()}).encode() + b"\n")
     line = _read_line(chan)
-    chan.close()  # the rank's own children must not hold the supervisor's channel
     if not line:
+        chan.close()
         return 0  # the supervisor is gone before any go: nothing to become
-    become(RankSpec.from_json(json.loads(line)))
+    spec = RankSpec.from_json(json.loads(line))
+    if spec.store_port:
+        try:
+            host_store(spec)
+        except Exception as exc:
+            with contextlib.suppress(OSError):
+                chan.sendall(json.dumps({"error": f"hosting the job's store: {type(exc).__name__}: {exc}"}
+                                        ).encode() + b"\n")
+            return 1
+        with contextlib.suppress(OSError):  # nobody waits for it when the go came before this was ready
+            chan.sendall(json.dumps({"store": spec.store_port}).encode() + b"\n")
+    chan.close()  # the rank's own children must not hold the supervisor's channel
+    become(spec)
     return 0
 
 
@@ -272,12 +315,25 @@ class Supervisor:
         print(f"rankscope warm: parked interpreter {child.proc.pid} ready after {child.ready_s:.2f} s", flush=True)
         self._send(child)
 
-    def _send(self, child: _Child) -> None:
+    def _send(self, child: _Child) -> bool:
+        """Send ``child`` its rank spec once it is ready; whether it hosts the job's store now (it answered so)."""
         if child.spec is None or child.ready_s is None or child.sent:
-            return
+            return False
         child.chan.sendall(json.dumps(child.spec.to_json()).encode() + b"\n")
+        hosted = False
+        if child.spec.store_port:
+            child.chan.settimeout(GO_TIMEOUT_S)
+            try:
+                answer = json.loads(_read_line(child.chan) or b"{}")
+            except (OSError, ValueError) as exc:
+                answer = {"error": str(exc)}
+            if "error" in answer:
+                print(f"rankscope warm: parked interpreter {child.proc.pid} did not host the job's store: "
+                      f"{answer['error']}", file=sys.stderr, flush=True)
+            hosted = answer.get("store") == child.spec.store_port
         child.chan.close()
         child.sent = True
+        return hosted
 
     def _serve(self, server: socket.socket) -> None:
         conn, _ = server.accept()
@@ -305,12 +361,13 @@ class Supervisor:
             raise WarmError(f"go needs one rank spec per parked interpreter ({len(self.children)})")
         parsed = [RankSpec.from_json(s) for s in specs]
         self.went = True
+        hosted = False
         for child, spec in zip(self.children, parsed, strict=True):
             child.spec = spec
             child.warm_at_go = child.ready_s is not None
-            self._send(child)
+            hosted = self._send(child) or hosted
         print(f"rankscope warm: go; warm at go: {[c.warm_at_go for c in self.children]}", flush=True)
-        return {**status, "warm": [c.warm_at_go for c in self.children]}
+        return {**status, "warm": [c.warm_at_go for c in self.children], "store": hosted}
 
     def _watch(self) -> int | None:
         """torchrun's rule: the first rank that fails ends the node with its status; all done ends it with 0."""

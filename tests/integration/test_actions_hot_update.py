@@ -1,4 +1,4 @@
-"""Hot-update for real: a git repository made in the test, worktrees, the atomic link switch, lazy rules, rollback."""
+"""Hot-update for real: a git repository made in the test, version trees, the atomic link switch, lazy rules, rollback."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_switch_to_b_then_roll_back_to_a(tmp_path: Path, repo: Path) -> None:
     assert code.is_symlink()
     assert Path(code.resolve()) == Path(b.to_version.path).resolve()
     assert (code / "train.py").read_text() == "print('version B')\n"
-    assert _git(Path(b.to_version.path), "rev-parse", "HEAD") == _git(repo, "rev-parse", "B")
+    assert Path(b.to_version.path).name == _git(repo, "rev-parse", "B")
     assert b.state == UpdateState.APPLIED and b.from_version == a.to_version and b.who == "alice"
     assert b.to_version.label.startswith("git:B (")
     assert restarts == [(a.to_version.label, "immediate"), (b.to_version.label, "immediate")]
@@ -352,9 +352,9 @@ async def test_the_plan_names_the_commit_and_refuses_a_ref_that_does_not_exist(t
 def test_machines_sharing_one_repository_check_out_at_once_without_losing_one(tmp_path: Path, repo: Path) -> None:
     """The drill's machines share one code repository: a hot-update checks a version out on all of them at once.
 
-    Each checkout prunes stale worktree registrations before adding its own; run side by side, one agent's
-    prune removed the registration another was writing ("fatal: could not open '.git/worktrees/...'") and a
-    machine stayed on the old code.
+    Checkouts were git worktrees: run side by side, one agent's prune removed the registration another was
+    writing ("fatal: could not open '.git/worktrees/...'"), and without the prune concurrent adds still broke
+    each other's; a machine stayed on the old code. Now each checkout only reads the repository.
     """
     machines = 8
 
@@ -382,3 +382,38 @@ def test_machines_sharing_one_repository_check_out_at_once_without_losing_one(tm
     for round_no, ref in enumerate(("A", "B", "A")):  # the race hit 3 runs in 5 within these three rounds
         got = checkout_everywhere(ref, tmp_path / f"round{round_no}")
         assert got == {m: f"print('version {ref}')\n" for m in range(machines)}, got
+
+
+def _repository_state(repo: Path) -> dict[str, tuple[int, int]]:
+    """Every file and directory under the repository's .git: (size, modification time in ns)."""
+    return {str(p.relative_to(repo)): (p.stat().st_size, p.stat().st_mtime_ns) for p in (repo / ".git").rglob("*")}
+
+
+def test_a_checkout_only_reads_the_shared_repository(tmp_path: Path, repo: Path) -> None:
+    """Every machine of a job checks the version out at once from one repository: a checkout that wrote into it
+    (a worktree's registration) had to take turns with the others under a lock (0.25 s of a four-machine
+    hot-update), and concurrent registrations broke each other's."""
+    before = _repository_state(repo)
+    trees = [Path(CodeVersions(current=tmp_path / f"m{m}" / "code", versions_dir=tmp_path / f"m{m}" / "versions",
+                               repo=repo).checkout(ref).path) for m, ref in ((1, "A"), (2, "B"), (3, "B"))]
+    assert _repository_state(repo) == before
+    assert [(t / "train.py").read_text() for t in trees] == [f"print('version {r}')\n" for r in "ABB"]
+    assert [t.name for t in trees] == [_git(repo, "rev-parse", r) for r in "ABB"]
+    assert all(sorted(p.name for p in t.parent.iterdir()) == [t.name] for t in trees)  # nothing partial left
+
+
+def test_a_failed_checkout_leaves_no_version_behind(tmp_path: Path, repo: Path) -> None:
+    """A version's tree appears under its commit's name complete or not at all: a checkout that fails half way
+    (here git writes a file, then fails) leaves nothing a later update would take for the version."""
+    git = tmp_path / "flaky-git"
+    git.write_text("#!/bin/sh\n"
+                   'case "$*" in *read-tree*) for a; do case "$a" in --work-tree=*) '
+                   'echo half > "${a#--work-tree=}/train.py";; esac; done; echo "fatal: disk full" >&2; exit 128;; '
+                   'esac\nexec git "$@"\n')
+    git.chmod(0o755)
+    versions = CodeVersions(current=tmp_path / "code", versions_dir=tmp_path / "versions", repo=repo, git=str(git))
+    with pytest.raises(RankscopeError, match=r"git could not check out .*: fatal: disk full"):
+        versions.checkout("B")
+    assert list((tmp_path / "versions").iterdir()) == []
+    good = CodeVersions(current=tmp_path / "code", versions_dir=tmp_path / "versions", repo=repo)
+    assert (Path(good.checkout("B").path) / "train.py").read_text() == "print('version B')\n"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from agent_helpers import ctrl_c_works
+from agent_helpers import ctrl_c_works, process_state
 from drill_processes import processes_under
 from headless_drills import DRILL_TIMEOUT_S, HANG_P2P, HeadlessDrills
 from rankscope.cli.main import main as cli_main
@@ -362,6 +362,42 @@ def test_groups_signalled_in_one_pass_keep_their_own_grace() -> None:
         for proc in (stubborn, plain):
             if proc.poll() is None:
                 proc.kill()
+
+
+@pytest.mark.timeout(120)
+def test_frozen_trees_are_held_unsignalled_until_they_are_let_go() -> None:
+    """What a restart does with the old agents: frozen with the old job, held so (no SIGTERM: their graceful stop
+    would take the cores the new ranks need) until the job has resumed, then terminated with their grace."""
+    from rankscope.drill.processes import freeze_forest
+
+    ends_at_sigterm = STUBBORN.replace("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n", "")
+    agent = subprocess.Popen([sys.executable, "-c", ends_at_sigterm], stdout=subprocess.PIPE)
+    node = subprocess.Popen([sys.executable, "-c", ends_at_sigterm], stdout=subprocess.PIPE)
+    try:
+        assert agent.stdout is not None and node.stdout is not None
+        agent_child, node_child = int(agent.stdout.readline()), int(node.stdout.readline())
+        agents, nodes = freeze_forest([[agent.pid], [node.pid]])
+        assert sorted(p.pid for p in agents.procs) == sorted([agent.pid, agent_child])
+        assert sorted(p.pid for p in nodes.procs) == sorted([node.pid, node_child])
+        assert {pid: process_state(pid) for pid in (agent.pid, agent_child, node.pid, node_child)} == dict.fromkeys(
+            (agent.pid, agent_child, node.pid, node_child), "T")
+        nodes.terminate(2.0).finish()
+        assert node.wait(timeout=10) == -signal.SIGTERM
+        # The nodes are gone; the agents are still held, stopped, with no signal delivered.
+        assert [process_state(agent.pid), process_state(agent_child)] == ["T", "T"] and agent.poll() is None
+        agents.terminate(2.0).finish()
+        assert agent.wait(timeout=10) == -signal.SIGTERM
+        assert process_state(agent_child) in ("gone", "Z")
+        assert agents.procs == [] and agents.terminate(2.0).procs == []  # let go once; again is nothing
+    finally:
+        for proc in (agent, node):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait(timeout=10)
+        for pid in (agent_child, node_child):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
 
 
 def test_a_process_name_with_spaces_and_parentheses_does_not_hide_its_parent() -> None:

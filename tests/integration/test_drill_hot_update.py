@@ -18,9 +18,10 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from agent_helpers import wait_for
+from agent_helpers import process_state, wait_for
 from rankscope.actions.audit import AuditLog
 from rankscope.actions.config import load_actions_config, local_standbys
 from rankscope.actions.history import HotUpdateHistory, UpdateKind, UpdateState
@@ -105,6 +106,29 @@ def drill(tmp_path: Path) -> Iterator[tuple[Launcher, Recovery]]:
         assert marked_processes(launcher.run_id) == []
 
 
+def watch_old_processes(launcher: Launcher) -> dict[str, list[str]]:
+    """Spies on the launcher's own start of the nodes and of the agents during a restart: the state
+    (``process_state``) of the agents, then of the nodes, running now, when the new nodes get their go, and when the
+    new agents start (then also whether every rank had stepped since the restart began: "resumed")."""
+    old = [a.proc.pid for a in launcher.agents.values()] + [n.proc.pid for n in launcher.nodes.values()]
+    seen: dict[str, list[str]] = {}
+    go, start_agents = launcher.start_nodes, launcher.start_agents
+
+    def spy_go(*args: Any, **kwargs: Any) -> Any:
+        seen["go"] = [process_state(pid) for pid in old]
+        return go(*args, **kwargs)
+
+    def spy_agents(*args: Any, **kwargs: Any) -> Any:
+        assert launcher.last_restart is not None
+        since, step = launcher.last_restart
+        seen["agents"] = [process_state(pid) for pid in old]
+        seen["agents"].append("resumed" if stepped_past(launcher.run_dir, LAYOUT.world, since, step) else "not yet")
+        return start_agents(*args, **kwargs)
+
+    launcher.start_nodes, launcher.start_agents = spy_go, spy_agents  # type: ignore[method-assign]
+    return seen
+
+
 def resumed_on(launcher: Launcher, event: RecoveryEvent, version: str, runs_before: dict[int, int]) -> None:
     """Every rank restarted once more, on its own machine, on ``version``, and completed a step after the restart."""
     wait_for(lambda: stepped_past(launcher.run_dir, LAYOUT.world, event.restart_began_wall, event.resume_step), 120,
@@ -140,6 +164,7 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     wait_for(lambda: launcher.parked_ready(MACHINES), 400, "the machines' parked nodes")
     parked = {m: tuple(warm.ask(launcher.parked[m].socket, {"op": "status"})["pids"]) for m in MACHINES}
     runs = {rank: len(code_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
+    seen = watch_old_processes(launcher)
     now = time.time()
     results = run_sync(act(launcher, update_request("v2", UpdateMode.IMMEDIATE,
                                                        new_action_id(ActionKind.HOT_UPDATE, now), "drill-test")))
@@ -150,6 +175,9 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
     assert event.machines == MACHINES and event.evicted == () and event.joined == ()
     assert launcher.machines() == MACHINES
     resumed_on(launcher, event, "v2", runs)
+    # The old agents and nodes were held frozen ("T", no SIGTERM) while the new ranks started, and were gone only
+    # once the job had resumed, before the new agents started on the agents' ports.
+    assert seen == {"go": ["T"] * 4, "agents": ["gone"] * 4 + ["resumed"]}, seen
     # The restart in place went through the parked nodes: the parked processes became the ranks, warm.
     assert [(w.name, w.pids, w.warm) for w in launcher.warm_starts[-2:]] == [(m, parked[m], (True,)) for m in MACHINES]
     assert [code_runs(run_dir, r)[-1]["pid"] for r in range(LAYOUT.world)] == [parked[m][0] for m in MACHINES]
@@ -179,7 +207,11 @@ def test_hot_update_immediately_then_lazily_then_roll_back_on_the_same_machines(
         assert pending is not None and pending.to_version.label.startswith("git:v3 (")
 
     runs = {rank: len(code_runs(run_dir, rank)) for rank in range(LAYOUT.world)}
+    seen = watch_old_processes(launcher)
     launcher.restart(launcher.machines())  # the next restart (a failure or an eviction would take this path too)
+    # With a lazy update pending, the agents ended (exited, maybe not yet collected) before the nodes were let go:
+    # none may apply it itself. The nodes were still held frozen.
+    assert [state in ("Z", "gone") for state in seen["go"][:2]] == [True, True] and seen["go"][2:] == ["T", "T"], seen
     assert launcher.last_restart is not None
     restart_wall, resume = launcher.last_restart
     restarted = RecoveryEvent("explicit", (), (), MACHINES, True, "", 0.0, 0.0, restart_wall, resume, "restart")
