@@ -145,10 +145,6 @@ def test_evicting_a_hung_pipeline_brings_in_standbys_and_training_resumes_bit_fo
         restarted = s.launcher.warm_starts[-4:]
         assert [(w.name, w.pids, w.warm) for w in restarted] == [
             (m, parked[m], (True,)) for m in ("machine-1", "machine-3", "standby-0", "standby-1")]
-        for node in s.launcher.nodes.values():
-            assert node.proc.pid != first_job.get(node.name)
-            found = discover_ranks(launcher_pid=node.proc.pid)
-            assert [(r.rank, r.pid, r.world_size) for r in found] == [(node.node_rank, parked[node.name][0], 4)]
         # The evicted machines' parked nodes are gone with them.
         assert not {"machine-0", "machine-2"} & set(s.launcher.parked)
         # The evicted machines are in the persistent blocklist, with the reason, and their agents are gone.
@@ -169,6 +165,12 @@ def test_evicting_a_hung_pipeline_brings_in_standbys_and_training_resumes_bit_fo
         assert not [n for n in s.notes if "incident journal" in n], s.notes
         wait_for(lambda: stepped_past(s.run_dir, s.layout.world, event.restart_began_wall, event.resume_step), 180,
                  "every rank to complete a step after the restart", interval_s=0.1)
+        # Found as torchrun's ranks are, once each has stepped: a parked process publishes its rank's environment
+        # when it becomes the rank, which may be just after the recovery is reported (a loaded host found none).
+        for node in s.launcher.nodes.values():
+            assert node.proc.pid != first_job.get(node.name)
+            found = discover_ranks(launcher_pid=node.proc.pid)
+            assert [(r.rank, r.pid, r.world_size) for r in found] == [(node.node_rank, parked[node.name][0], 4)]
         s.wait_for_steps(TRAINING.steps, timeout_s=240)
         run_id = s.launcher.run_id
     assert marked_processes(run_id) == []
