@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rankscope.actions.agent_protocol import (
     ActionError,
@@ -69,6 +69,9 @@ from rankscope.tui.state_actions import KIND_LABELS, printable
 from rankscope.tui.toasts import Topic
 from rich.text import Text
 from textual.message import Message
+
+if TYPE_CHECKING:
+    from rankscope.tui.screens.confirm import PlanningModal
 
 # What the agent's interceptor says when a read token asks to act (see rankscope.wire.agent).
 _ROLE_REFUSAL = ("needs a token with the 'act' role", "does not allow this call with this token")
@@ -491,36 +494,35 @@ class ActionController:
         from rankscope.tui.screens.confirm import PlanningModal
 
         planning = PlanningModal(KIND_LABELS[request.kind])
-        worker: list[Any] = []
+        worker = self.app.run_worker(self._plan_then_confirm(request, title, planning, preface, alternative),
+                                     group="action-plan", exclusive=True)
 
         def planning_closed(plan_in: bool | None) -> None:
             if plan_in:
                 return  # the dialog takes over
-            for w in worker:  # escape: the plan is not wanted any more
-                w.cancel()
+            worker.cancel()  # escape: the plan is not wanted any more
             self.app.notify(f"{KIND_LABELS[request.kind]} cancelled while planning: nothing was sent", timeout=4)
 
         self.app.push_screen(planning, planning_closed)
-        worker.append(self.app.run_worker(self._plan_then_confirm(request, title, preface, alternative, planning),
-                                          group="action-plan", exclusive=True))
 
-    async def _plan_then_confirm(self, request: ActionRequest, title: str, preface: Text | None = None,
-                                 alternative: tuple[Callable[[], None], str] | None = None,
-                                 planning: Any = None) -> None:
+    async def _plan_then_confirm(self, request: ActionRequest, title: str, planning: PlanningModal,
+                                 preface: Text | None = None,
+                                 alternative: tuple[Callable[[], None], str] | None = None) -> None:
         from rankscope.tui.screens.confirm import ConfirmModal
 
         try:
-            answers = await self.source.plan_action(request)
-        except RankscopeError as exc:
-            await self._close_planning(planning)
-            self.app.notify(f"{exc.message}\nfix: {exc.fix}", title="no plan", severity="error", timeout=8,
+            answers: Mapping[str, ActionPlan | ActionError] | Exception = await self.source.plan_action(request)
+        except Exception as exc:  # the screen stays; the person reads why
+            answers = exc
+        if planning.is_attached and planning.is_current:  # the notice down (True: not cancelled) before what follows
+            await planning.dismiss(True)
+        if isinstance(answers, RankscopeError):
+            self.app.notify(f"{answers.message}\nfix: {answers.fix}", title="no plan", severity="error", timeout=8,
                             kind=request.kind)
             return
-        except Exception as exc:  # the screen stays; the person reads why
-            await self._close_planning(planning)
-            self.app.notify(f"planning failed: {type(exc).__name__}: {exc}", severity="error", timeout=8)
+        if isinstance(answers, Exception):
+            self.app.notify(f"planning failed: {type(answers).__name__}: {answers}", severity="error", timeout=8)
             return
-        await self._close_planning(planning)
         summary = summarize(request, answers)
         text = plan_text(summary)
         if preface is not None:
@@ -540,12 +542,6 @@ class ActionController:
 
         self.app.post_message(ActionChanged(partial(sa.begin_confirm, action_id=request.action_id)))
         self.app.push_screen(modal, answered)
-
-    @staticmethod
-    async def _close_planning(planning: Any) -> None:
-        """The planning notice down (True: not cancelled), where it is still up, before a dialog or toast."""
-        if planning is not None and planning.is_attached and planning.is_current:
-            await planning.dismiss(True)
 
     async def _run(self, summary: PlanSummary, typed: str) -> None:
         request = summary.request

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from rankscope.actions.agent_protocol import ActionError, ActionUpdate, AgentLost, Confirmation
@@ -33,6 +34,13 @@ pytestmark = pytest.mark.timeout(120)
 
 LAYOUT = Layout(tp=2, pp=2, dp=2, ranks_per_machine=2)  # m2 holds ranks 4-5; their PP groups are (0,4) and (1,5)
 PLACEMENT = {r: f"m{r // 2}" for r in range(8)}
+
+
+async def until_verdict(app: RankscopeApp, pilot: Any) -> None:
+    """The recording loaded and judged: the fail-slow verdict `e` acts on is on hand."""
+    await app.loaded.wait()
+    await app.failslow.idle.wait()
+    await until(pilot, lambda: staleness.failslow_target(app.state)[0] is not None, 10, "the fail-slow verdict")
 
 
 class PlanningSource(BundleSource):
@@ -134,9 +142,7 @@ async def test_a_fail_slow_verdict_whose_machine_was_evicted_is_not_acted_on() -
     source = PlanningSource(Bundle(tuple(fs_series(70)), WALL0 + 70))
     app = RankscopeApp(source, AppOptions(layout=LAYOUT))
     async with app.run_test(size=(160, 48)) as pilot:
-        await app.loaded.wait()
-        await app.failslow.idle.wait()
-        await until(pilot, lambda: staleness.failslow_target(app.state)[0] is not None, 10, "the fail-slow verdict")
+        await until_verdict(app, pilot)
         app.state = st.apply_evicted(app.state, ("m2",), WALL0 + 71)
         target, why = staleness.failslow_target(app.state)
         assert target is None and why == "its suspect m2 was evicted"
@@ -157,9 +163,7 @@ async def test_polls_of_a_job_stopping_for_its_restart_are_not_judged_for_slowne
     source = PlanningSource(Bundle(tuple(series[:70]), WALL0 + 70))
     app = RankscopeApp(source, AppOptions(layout=LAYOUT))
     async with app.run_test(size=(160, 48)) as pilot:
-        await app.loaded.wait()
-        await app.failslow.idle.wait()
-        await until(pilot, lambda: staleness.failslow_target(app.state)[0] is not None, 10, "the fail-slow verdict")
+        await until_verdict(app, pilot)
         assert app.state.failslow is not None
         judged = app.state.failslow.updates
         app.state = st.apply_evicted(app.state, ("m2",), WALL0 + 70.5)
@@ -201,9 +205,7 @@ async def test_keys_typed_while_the_agents_plan_go_nowhere_and_escape_cancels_th
     source = SlowPlanningSource(Bundle(tuple(fs_series(70)), WALL0 + 70))
     app = RankscopeApp(source, AppOptions(layout=LAYOUT))
     async with app.run_test(size=(80, 24)) as pilot:
-        await app.loaded.wait()
-        await app.failslow.idle.wait()
-        await until(pilot, lambda: staleness.failslow_target(app.state)[0] is not None, 10, "the fail-slow verdict")
+        await until_verdict(app, pilot)
         await pilot.press("7", "e")
         await until(pilot, lambda: isinstance(app.screen, PlanningModal) and source.asked == 1
                     and "evict: the agents are making the plan" in screen_text(app), 10, "the planning notice")
@@ -295,9 +297,7 @@ async def test_the_phrase_typed_in_the_fail_slow_dialog_confirms_the_eviction(ta
     source = ConfirmingSource(Bundle(tuple(fs_series(70)), WALL0 + 70))
     app = RankscopeApp(source, AppOptions(layout=LAYOUT))
     async with app.run_test(size=(80, 24)) as pilot:
-        await app.loaded.wait()
-        await app.failslow.idle.wait()
-        await until(pilot, lambda: staleness.failslow_target(app.state)[0] is not None, 10, "the fail-slow verdict")
+        await until_verdict(app, pilot)
         await pilot.press("7")
         await pilot.press("e")
         await until(pilot, lambda: isinstance(app.screen, ConfirmModal) and app.focused is not None, 10,

@@ -174,7 +174,7 @@ class ConfirmModal(ModalScreen[bool]):
         self.dismiss(False)
 
 
-class PlanningModal(ModalScreen[None]):
+class PlanningModal(ModalScreen[bool]):
     """From the key press until the agents' plan is in: what is being planned, and the keys typed meanwhile kept
     from the screen below.
 
@@ -182,7 +182,7 @@ class PlanningModal(ModalScreen[None]):
     meanwhile reached the main screen (a digit there switches views, ``e`` plans again), and the dialog then opened
     on an empty phrase box ("that is not the phrase"). Keys typed before the plan is shown are dropped, never put
     into the phrase box: the phrase is typed having read the plan. Escape cancels; a plan changes nothing, so
-    nothing was sent. Dismissed by the caller with True once the plan is in (the dialog takes over)."""
+    nothing was sent (False). Dismissed by the caller with True once the plan is in (the dialog takes over)."""
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
@@ -203,7 +203,7 @@ class PlanningModal(ModalScreen[None]):
         event.prevent_default()
 
     def action_cancel(self) -> None:
-        self.dismiss(None)
+        self.dismiss(False)
 
 
 @dataclass(frozen=True, slots=True)
